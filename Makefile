@@ -1,0 +1,39 @@
+# One command per task. `make demo` and `make test` work on a fresh machine (they set up first).
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+
+.PHONY: setup demo test test-unit bench lint clean
+
+$(BIN)/maestro: pyproject.toml
+	$(PY) -m venv $(VENV)
+	# torch first, pinned: a CPU build of 2.13.0 is what this machine class has; a bare `torch`
+	# would pull the CUDA wheels.
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $(BIN)/maestro
+
+setup: $(BIN)/maestro
+
+data/demo/text.arrow: | setup
+	$(BIN)/maestro data demo
+
+demo: setup data/demo/text.arrow
+	$(BIN)/maestro run pipelines/distill.py --metrics-out runs/distill-metrics.jsonl
+
+test: setup
+	$(BIN)/python -m pytest tests -q
+
+test-unit: setup
+	$(BIN)/python -m pytest tests/unit -q
+
+bench: setup
+	$(BIN)/python -m tools.bench.p2p_bandwidth
+	$(BIN)/python -m tools.bench.control_overhead
+	$(BIN)/python -m tools.bench.teacher_memory
+
+lint: setup
+	$(BIN)/ruff check .
+
+clean:
+	rm -rf $(VENV) data/demo runs *.egg-info

@@ -1,0 +1,168 @@
+"""The `maestro` command line (click). Thin: parse, build options, call the runtime.
+
+Errors a user can fix print one clear line and exit non-zero, with no Python traceback unless
+`--debug` is given. Exit codes: 0 success, 1 a run failed (stage or system error), 2 bad input,
+130 interrupted.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+import click
+
+from maestro_flow.config import parse_set
+from maestro_flow.errors import MaestroError, PipelineError, StageError
+
+SET_HELP = "Override a field: top-level (global_batch=8, dtype=float64) or sections.NAME.FIELD=value (JSON values)."
+
+
+def _fail(exc: BaseException, debug: bool) -> None:
+    if debug:
+        raise exc
+    if isinstance(exc, StageError):
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(1)
+    code = 2 if isinstance(exc, PipelineError) else 1
+    click.echo(f"error: {exc}", err=True)
+    sys.exit(code)
+
+
+def _overrides(sets: tuple[str, ...], **fields: Any) -> dict[str, Any]:
+    out = parse_set(sets)
+    out.update({k: v for k, v in fields.items() if v is not None})
+    return out
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.option("--debug", is_flag=True, help="Show Python tracebacks for errors.")
+@click.pass_context
+def main(ctx: click.Context, debug: bool) -> None:
+    """maestro_flow: train compound models (distillation, multimodal LLMs) as a graph of sections,
+    each with its own worker processes, data-parallel degree and micro-batch size.
+
+    \b
+    Typical use:
+      maestro data demo                      # build the demo datasets under data/demo
+      maestro validate pipelines/distill.py  # check a pipeline without starting workers
+      maestro run pipelines/distill.py       # train (section mode)
+      maestro run pipelines/distill.py --colocated   # the one-process reference
+    """
+    ctx.obj = {"debug": debug}
+
+
+@main.command()
+@click.argument("pipeline", type=click.Path(dir_okay=False))
+@click.option("--steps", type=int, help="Number of steps (overrides the pipeline's steps).")
+@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help=SET_HELP)
+@click.option("--colocated", is_flag=True, help="Run all sections in one process (the reference/baseline).")
+@click.option("--schedule", type=click.Choice(["wavefront", "fifo"]), help="Sample ordering across sections.")
+@click.option("--metrics-out", type=click.Path(dir_okay=False), help="Write one JSON line of metrics per step.")
+@click.option("--save-dir", type=click.Path(file_okay=False), help="Write <section>.safetensors per trainable section.")
+@click.option("--quiet", is_flag=True, help="No progress output.")
+@click.pass_context
+def run(ctx: click.Context, pipeline: str, steps: int | None, sets: tuple[str, ...], colocated: bool,
+        schedule: str | None, metrics_out: str | None, save_dir: str | None, quiet: bool) -> None:
+    """Train PIPELINE (a Python file defining pipeline(**overrides))."""
+    from maestro_flow.runtime.run import RunOptions, run_pipeline
+
+    try:
+        options = RunOptions(overrides=_overrides(sets, steps=steps, schedule=schedule), colocated=colocated,
+                             metrics_out=metrics_out, save_dir=save_dir, show_progress=not quiet)
+        run_pipeline(pipeline, options)
+    except KeyboardInterrupt:
+        click.echo("interrupted: workers stopped", err=True)
+        sys.exit(130)
+    except MaestroError as exc:
+        _fail(exc, ctx.obj["debug"])
+
+
+@main.command()
+@click.argument("pipeline", type=click.Path(dir_okay=False))
+@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help=SET_HELP)
+@click.pass_context
+def validate(ctx: click.Context, pipeline: str, sets: tuple[str, ...]) -> None:
+    """Check PIPELINE (fields, graph, stage imports, dataset) without starting workers."""
+    from maestro_flow.runtime.build import load_pipeline
+    from maestro_flow.runtime.checks import check_pipeline
+
+    try:
+        p, _ = load_pipeline(pipeline, _overrides(sets))
+        graph, source = check_pipeline(p)
+        click.echo(f"ok: {p.name}: {len(graph.order)} sections, {len(graph.edges)} edges, "
+                   f"{sum(s.dp for s in p.sections)} workers, {len(source)} samples")
+    except MaestroError as exc:
+        _fail(exc, ctx.obj["debug"])
+
+
+@main.command()
+@click.argument("pipeline", type=click.Path(dir_okay=False))
+@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help=SET_HELP)
+@click.option("--schedule", type=click.Choice(["wavefront", "fifo"]), help="Sample ordering across sections.")
+@click.option("--step", type=int, default=0, show_default=True, help="Which step's global batch to plan.")
+@click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON (DESIGN 5.5).")
+@click.pass_context
+def plan(ctx: click.Context, pipeline: str, sets: tuple[str, ...], schedule: str | None, step: int,
+         as_json: bool) -> None:
+    """Print the plan of one step of PIPELINE."""
+    from maestro_flow.planner import make_planner
+    from maestro_flow.runtime.build import load_pipeline
+    from maestro_flow.runtime.checks import check_pipeline
+    from maestro_flow.runtime.sampler import EpochSampler
+
+    try:
+        p, _ = load_pipeline(pipeline, _overrides(sets, schedule=schedule))
+        graph, source = check_pipeline(p)
+        sampler = EpochSampler(source.metadata(), p.global_batch, p.seed)
+        result = make_planner(p.schedule, graph).plan(step, sampler.batch(step))
+        click.echo(json.dumps(result.to_json_dict(), indent=1) if as_json else result.describe())
+    except MaestroError as exc:
+        _fail(exc, ctx.obj["debug"])
+
+
+@main.command()
+@click.argument("pipeline", type=click.Path(dir_okay=False))
+@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help=SET_HELP)
+@click.option("-o", "--output", type=click.Path(dir_okay=False), help="Write DOT to this file (.dot).")
+@click.pass_context
+def graph(ctx: click.Context, pipeline: str, sets: tuple[str, ...], output: str | None) -> None:
+    """Show the section graph of PIPELINE (text, or DOT with -o)."""
+    from maestro_flow.graph import SectionGraph
+    from maestro_flow.runtime.build import load_pipeline
+
+    try:
+        p, _ = load_pipeline(pipeline, _overrides(sets))
+        p.validate()
+        g = SectionGraph(p)
+        click.echo(g.describe())
+        if output:
+            with open(output, "w") as f:
+                f.write(g.to_dot())
+            click.echo(f"wrote {output}")
+    except MaestroError as exc:
+        _fail(exc, ctx.obj["debug"])
+
+
+@main.group()
+def data() -> None:
+    """Build datasets."""
+
+
+@data.command("demo")
+@click.option("--out", "out_dir", default="data/demo", show_default=True, type=click.Path(file_okay=False))
+@click.option("--samples", "num_samples", default=2048, show_default=True, help="Number of text samples.")
+@click.option("--seed", default=0, show_default=True)
+def data_demo(out_dir: str, num_samples: int, seed: int) -> None:
+    """Build the demo text dataset (stdlib docstrings, byte tokens) as Arrow IPC and Parquet."""
+    from maestro_flow.runtime.build import add_paths, resolve, search_paths
+
+    add_paths(search_paths(None))
+    build = resolve("loaders.demo:build_text_demo", "data demo")
+    path = build(out_dir, num_samples=num_samples, seed=seed)
+    click.echo(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,266 @@
+"""Pipeline configuration records: Pipeline, Section, Edge, ArrowData, Cost.
+
+Pure data (standard library only). These records are what a pipeline file returns and what the
+coordinator sends to every worker (as plain dicts, see `to_dict`/`from_dict`), so they hold no
+live objects. Field-level checks live here (`validate()` methods); checks that need the whole
+graph live in `graph.py`, and checks that need imports or files live in `runtime/checks.py`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from maestro_flow.errors import PipelineError
+
+MODALITIES = ("text", "image", "audio")
+DTYPES = ("float32", "float64", "bfloat16", "float16")
+DEVICES = ("cpu", "cuda", "auto")
+SCHEDULES = ("wavefront", "fifo")
+OPTIMIZERS = ("adamw", "sgd")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Cost:
+    """The planner's starting cost model for one section (seconds per unit of work)."""
+
+    per_sample_s: float = 1e-3
+    per_token_s: float = 0.0
+    per_patch_s: float = 0.0
+    per_frame_s: float = 0.0
+
+    def validate(self, where: str) -> None:
+        for f in dataclasses.fields(self):
+            if getattr(self, f.name) < 0:
+                raise PipelineError(f"{where}.cost.{f.name} must be >= 0, got {getattr(self, f.name)}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ArrowData:
+    """A sample dataset: an Arrow IPC file or a Parquet file/folder (DESIGN 5.1b).
+
+    `source` names the reader as "module:Class" (resolved like a stage path), so the runtime never
+    imports a concrete loader itself.
+    """
+
+    path: str
+    source: str = "loaders.arrow:ArrowSource"
+    placeholder_ids: dict[str, int] = field(default_factory=dict)
+    skip_bad_rows: bool = False
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Section:
+    """A named stage plus its run settings."""
+
+    name: str
+    stage: str
+    config: dict[str, Any] = field(default_factory=dict)
+    trainable: bool = True
+    activates_on: str | None = None
+    dp: int = 1
+    micro_batch: int = 1
+    optimizer: dict[str, Any] = field(default_factory=lambda: {"name": "adamw", "lr": 1e-3})
+    device: str = "cpu"
+    cost: Cost = field(default_factory=Cost)
+    columns: tuple[str, ...] | None = None
+
+    def validate(self) -> None:
+        where = f"sections.{self.name}"
+        if not self.name or not self.name.replace("_", "").replace("-", "").isalnum():
+            raise PipelineError(f"{where}.name must be a non-empty identifier, got {self.name!r}")
+        if ":" not in self.stage:
+            raise PipelineError(f"{where}.stage must be 'module:Class', got {self.stage!r}")
+        for key in ("dp", "micro_batch"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise PipelineError(f"{where}.{key} must be an integer >= 1, got {value!r}")
+        if self.activates_on is not None and self.activates_on not in MODALITIES:
+            raise PipelineError(
+                f"{where}.activates_on must be one of {', '.join(MODALITIES)} or None, "
+                f"got {self.activates_on!r}"
+            )
+        if self.device not in DEVICES and not self.device.startswith("cuda:"):
+            raise PipelineError(f"{where}.device must be one of {', '.join(DEVICES)}, got {self.device!r}")
+        if self.trainable:
+            name = self.optimizer.get("name")
+            if name not in OPTIMIZERS:
+                raise PipelineError(
+                    f"{where}.optimizer.name must be one of {', '.join(OPTIMIZERS)}, got {name!r}"
+                )
+            lr = self.optimizer.get("lr")
+            if not isinstance(lr, (int, float)) or lr < 0:
+                raise PipelineError(f"{where}.optimizer.lr must be a number >= 0, got {lr!r}")
+        self.cost.validate(where)
+        _check_plain(self.config, f"{where}.config")
+
+    def activates(self, modalities: frozenset[str] | set[str] | tuple[str, ...]) -> bool:
+        return self.activates_on is None or self.activates_on in modalities
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Edge:
+    """`src -> dst` carrying named per-sample tensors; gradients flow back when both ends train."""
+
+    src: str
+    dst: str
+    tensors: tuple[str, ...]
+
+    @property
+    def name(self) -> str:
+        return f"{self.src}->{self.dst}"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Pipeline:
+    """A whole job: data, global batch, sections and edges."""
+
+    name: str
+    data: ArrowData
+    sections: tuple[Section, ...]
+    edges: tuple[Edge, ...] = ()
+    global_batch: int = 16
+    steps: int = 20
+    seed: int = 0
+    dtype: str = "float32"
+    schedule: str = "fifo"
+    lookahead_steps: int = 1
+
+    def __post_init__(self) -> None:
+        # Accept lists from users; store tuples so the record stays hashable and immutable.
+        object.__setattr__(self, "sections", tuple(self.sections))
+        object.__setattr__(self, "edges", tuple(self.edges))
+        for e in self.edges:
+            if isinstance(e, Edge) and not isinstance(e.tensors, tuple):
+                object.__setattr__(e, "tensors", tuple(e.tensors))
+
+    def section(self, name: str) -> Section:
+        for s in self.sections:
+            if s.name == name:
+                return s
+        raise PipelineError(f"no section named {name!r} (sections: {', '.join(self.section_names)})")
+
+    @property
+    def section_names(self) -> list[str]:
+        return [s.name for s in self.sections]
+
+    def validate(self) -> None:
+        """Field checks plus graph checks; never imports user code or touches files."""
+        from maestro_flow.graph import SectionGraph
+
+        for key in ("global_batch", "steps", "lookahead_steps"):
+            value = getattr(self, key)
+            low = 0 if key == "lookahead_steps" else 1
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise PipelineError(f"{key} must be an integer >= {low}, got {value!r}")
+        if self.dtype not in DTYPES:
+            raise PipelineError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.schedule not in SCHEDULES:
+            raise PipelineError(f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
+        if not self.sections:
+            raise PipelineError("sections must name at least one section")
+        for s in self.sections:
+            s.validate()
+        SectionGraph(self)  # raises on duplicates, unknown names, cycles, dp mismatches
+
+    def override(self, **overrides: Any) -> Pipeline:
+        """Return a copy with `--set`-style overrides applied.
+
+        Keys are top-level fields (`global_batch=8`) or `sections.NAME.FIELD` paths, possibly
+        deeper into dict fields (`sections.student.optimizer.lr=1e-3`). Python callers may also
+        use `sections__NAME__FIELD` since dots are not valid keyword names.
+        """
+        data = self.to_dict()
+        for raw_key, value in overrides.items():
+            key = raw_key.replace("__", ".")
+            _set_path(data, key.split("."), value, key)
+        return Pipeline.from_dict(data)
+
+    def to_dict(self) -> dict[str, Any]:
+        return _plain(self)
+
+    @staticmethod
+    def from_dict(data: dict[str, Any]) -> Pipeline:
+        try:
+            fields = dict(data)
+            fields["data"] = ArrowData(**fields["data"])
+            fields["sections"] = tuple(
+                Section(**{**s, "cost": Cost(**s.get("cost", {})),
+                           "columns": tuple(s["columns"]) if s.get("columns") is not None else None})
+                for s in fields["sections"]
+            )
+            fields["edges"] = tuple(Edge(**{**e, "tensors": tuple(e["tensors"])}) for e in fields.get("edges", ()))
+            return Pipeline(**fields)
+        except TypeError as exc:
+            raise PipelineError(f"invalid pipeline field: {exc}") from None
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+
+def _plain(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj):
+        return {f.name: _plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, (list, tuple)):
+        return [_plain(x) for x in obj]
+    if isinstance(obj, dict):
+        return {k: _plain(v) for k, v in obj.items()}
+    return obj
+
+
+def _set_path(data: dict[str, Any], parts: list[str], value: Any, key: str) -> None:
+    if parts[0] == "sections" and len(parts) >= 3:
+        for sec in data["sections"]:
+            if sec["name"] == parts[1]:
+                target, rest = sec, parts[2:]
+                break
+        else:
+            names = ", ".join(s["name"] for s in data["sections"])
+            raise PipelineError(f"--set {key}: no section named {parts[1]!r} (sections: {names})")
+    else:
+        target, rest = data, parts
+    for i, part in enumerate(rest[:-1]):
+        if not isinstance(target.get(part), dict):
+            if part in target:
+                raise PipelineError(f"--set {key}: {'.'.join(rest[:i + 1])} is not a mapping")
+            target[part] = {}
+        target = target[part]
+    last = rest[-1]
+    if target is data and last not in data:
+        raise PipelineError(f"--set {key}: unknown pipeline field {last!r} (fields: {', '.join(sorted(data))})")
+    if target is not data and len(rest) == 1 and last not in target:
+        raise PipelineError(f"--set {key}: unknown section field {last!r} (fields: {', '.join(sorted(target))})")
+    target[last] = value
+
+
+def parse_set(items: list[str] | tuple[str, ...]) -> dict[str, Any]:
+    """Parse `key.path=value` strings; values parse as JSON when they can, else stay strings."""
+    out: dict[str, Any] = {}
+    for item in items:
+        if "=" not in item:
+            raise PipelineError(f"--set expects key.path=value, got {item!r}")
+        key, raw = item.split("=", 1)
+        try:
+            out[key.strip()] = json.loads(raw)
+        except json.JSONDecodeError:
+            out[key.strip()] = raw
+    return out
+
+
+def _check_plain(value: Any, where: str) -> None:
+    """Configuration is sent to workers, so it must be plain JSON-like data."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return
+    if isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            _check_plain(v, f"{where}[{i}]")
+        return
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise PipelineError(f"{where} keys must be strings, got {k!r}")
+            _check_plain(v, f"{where}.{k}")
+        return
+    raise PipelineError(f"{where} must hold plain data (numbers, strings, lists, dicts), got {type(value).__name__}")

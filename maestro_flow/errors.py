@@ -1,0 +1,43 @@
+"""The error types users see. Pure (standard library only).
+
+Two kinds of runtime failure are never mixed: a `StageError` is user code that raised (it carries
+the section, replica, step and the traceback formatted as text in the process that raised it); a
+`SystemFailure` is the runtime itself failing (a dead process, a closed channel, a protocol
+mismatch, a timeout). `PipelineError` is bad input, found before any process starts.
+"""
+
+from __future__ import annotations
+
+
+class MaestroError(Exception):
+    """Base class of every error maestro_flow raises on purpose."""
+
+
+class PipelineError(MaestroError):
+    """The pipeline, its data or its overrides are invalid; the message names the field to change."""
+
+
+class StageError(MaestroError):
+    """User stage code raised in a worker."""
+
+    def __init__(self, *, section: str, replica: int, rank: int, step: int | None, phase: str,
+                 traceback: str) -> None:
+        self.section, self.replica, self.rank = section, replica, rank
+        self.step, self.phase, self.traceback = step, phase, traceback
+        where = f"section {section!r} replica {replica} (rank {rank})"
+        when = f"step {step}" if step is not None else "setup"
+        super().__init__(f"stage error in {where} during {phase} at {when}:\n{traceback.rstrip()}")
+
+
+class SystemFailure(MaestroError):
+    """The runtime failed (dead worker, timeout, protocol mismatch); the pipeline is dead."""
+
+
+class TimeoutFailure(SystemFailure):
+    """A bounded wait ran out; the message says what was awaited and which setting changes it."""
+
+    def __init__(self, what: str, waited_s: float, setting: str) -> None:
+        super().__init__(
+            f"timed out after {waited_s:.1f}s waiting for {what} "
+            f"(raise it with the environment variable {setting})"
+        )

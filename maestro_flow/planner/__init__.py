@@ -1,0 +1,42 @@
+"""The planner: sample metadata + graph + placement + cost model -> the plan of one step.
+
+Pure (standard library only): no sockets, no torch, no clocks, so it is testable in microseconds
+and usable from a simulator. `make_planner` picks the implementation for a schedule name.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, Sequence
+
+from maestro_flow.errors import PipelineError
+from maestro_flow.graph import SectionGraph
+from maestro_flow.planner.cost import CostModel
+from maestro_flow.planner.plan import Placement, Plan
+from maestro_flow.samples import SampleMeta
+
+__all__ = ["CostModel", "Placement", "Plan", "Planner", "make_planner", "SCHEDULES"]
+
+
+class Planner(Protocol):
+    schedule: str
+
+    def plan(self, step: int, samples: Sequence[SampleMeta]) -> Plan: ...
+
+
+def _fifo(graph: SectionGraph, costs: CostModel) -> Planner:
+    from maestro_flow.planner.fifo import FifoPlanner
+
+    return FifoPlanner(graph, costs)
+
+
+SCHEDULES = {"fifo": _fifo}
+
+
+def make_planner(schedule: str, graph: SectionGraph, costs: CostModel | None = None) -> Planner:
+    if schedule not in SCHEDULES:
+        if schedule == "wavefront":
+            raise PipelineError("schedule: 'wavefront' is not available in this version; use --schedule fifo")
+        raise PipelineError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
+    if costs is None:
+        costs = CostModel(costs={n: s.cost for n, s in graph.sections.items()})
+    return SCHEDULES[schedule](graph, costs)

@@ -1,0 +1,67 @@
+"""Every wire message of the control plane, who sends it to whom, and when.
+
+Pure (standard library only). A message is a flat dict with a type tag "t"; fields are plain
+data (ints, floats, strings, lists, dicts), so msgpack carries them and nothing is ever pickled.
+`check` refuses unknown types and missing fields so a malformed frame fails loudly.
+
+Worker -> coordinator (DEALER -> ROUTER):
+  hello      on connect: protocol version, rank, pid, the worker's tensor-header address
+  ready      stage built, process groups formed; the worker waits for plans
+  heartbeat  every Timeouts.heartbeat_interval_s from the worker's control thread
+  loss       a loss section replica finished its micro-batches: loss sum and denominator
+  done       a replica finished a step (after its optimizer step): timings and counts
+  error      a stage error or a system error, the traceback formatted as text by the worker
+  bye        the worker saved what it was asked to and is exiting
+
+Coordinator -> worker:
+  init       after hello: pipeline config, placement, rendezvous store, peers' header addresses
+  plan       one step's plan, restricted to what this replica needs
+  finalize   every loss replica reported: the step's global loss denominator
+  stop       shut down (optionally saving trainable parameters first)
+
+Worker -> worker (PUSH -> PULL, the header that precedes tensor bytes sent over torch.distributed):
+  tensors    kind "fwd" (activations along an edge) or "bwd" (gradients back along it)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+PROTOCOL_VERSION = 1
+
+FIELDS: dict[str, tuple[str, ...]] = {
+    "hello": ("version", "rank", "pid", "data_addr"),
+    "ready": ("rank",),
+    "heartbeat": ("rank",),
+    "loss": ("rank", "step", "loss_sum", "denominator"),
+    "done": ("rank", "step", "stats"),
+    "error": ("rank", "kind", "section", "replica", "step", "phase", "traceback"),
+    "bye": ("rank",),
+    "init": ("rank", "pipeline", "placement", "store", "peers", "timeouts", "paths"),
+    "plan": ("step", "micro_batches", "samples", "routes"),
+    "finalize": ("step", "denominator"),
+    "stop": ("save_dir",),
+    "tensors": ("src", "kind", "edge", "step", "entries", "buffers"),
+}
+
+
+class ProtocolError(Exception):
+    """A frame that is not a valid message of this protocol version."""
+
+
+def make(t: str, **fields: Any) -> dict[str, Any]:
+    msg = {"t": t, **fields}
+    check(msg)
+    return msg
+
+
+def check(msg: Any) -> dict[str, Any]:
+    if not isinstance(msg, dict) or "t" not in msg:
+        raise ProtocolError(f"not a message: {str(msg)[:80]!r}")
+    expected = FIELDS.get(msg["t"])
+    if expected is None:
+        raise ProtocolError(f"unknown message type {msg['t']!r}")
+    missing = [f for f in expected if f not in msg]
+    if missing:
+        raise ProtocolError(f"message {msg['t']!r} lacks {', '.join(missing)}")
+    return msg

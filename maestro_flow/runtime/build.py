@@ -1,0 +1,119 @@
+"""Import user code (pipeline files, stage classes, sample sources) and build stages.
+
+Runs in the coordinator (for checks and colocated mode) and in every worker. Stage paths
+resolve with the pipeline file's folder and the current directory on sys.path, in every process.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import sys
+import zlib
+from pathlib import Path
+from typing import Any
+
+from maestro_flow.config import Pipeline, Section
+from maestro_flow.errors import PipelineError
+
+
+def add_paths(paths: list[str]) -> None:
+    for p in reversed(paths):
+        if p not in sys.path:
+            sys.path.insert(0, p)
+
+
+def search_paths(pipeline_file: str | None) -> list[str]:
+    paths = [os.getcwd()]
+    if pipeline_file:
+        folder = str(Path(pipeline_file).resolve().parent)
+        paths.insert(0, folder)
+        # pipelines/x.py commonly names stages.* and loaders.* from the project root beside it.
+        paths.append(str(Path(folder).parent))
+    return paths
+
+
+def load_pipeline(path: str, overrides: dict[str, Any] | None = None) -> tuple[Pipeline, list[str]]:
+    """Import a pipeline file and call its `pipeline(**overrides)`; returns it and the search paths."""
+    file = Path(path)
+    if not file.is_file():
+        raise PipelineError(f"pipeline file not found: {path}")
+    paths = search_paths(str(file))
+    add_paths(paths)
+    spec = importlib.util.spec_from_file_location(f"maestro_pipeline_{file.stem}", file)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except PipelineError:
+        raise
+    except Exception as exc:
+        raise PipelineError(f"{path}: importing the pipeline file failed: {type(exc).__name__}: {exc}") from exc
+    factory = getattr(module, "pipeline", None)
+    if not callable(factory):
+        raise PipelineError(f"{path}: defines no function pipeline(**overrides) -> maestro_flow.Pipeline")
+    pipeline = factory(**(overrides or {}))
+    if not isinstance(pipeline, Pipeline):
+        raise PipelineError(f"{path}: pipeline() returned {type(pipeline).__name__}, not maestro_flow.Pipeline")
+    return pipeline, paths
+
+
+def resolve(path: str, where: str) -> Any:
+    """Import "module:Attr"; a failure names `where` (the field) and the path."""
+    module_name, _, attr = path.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:
+        raise PipelineError(f"{where}: cannot import {path!r}: {type(exc).__name__}: {exc}") from exc
+    try:
+        return getattr(module, attr)
+    except AttributeError:
+        raise PipelineError(f"{where}: module {module_name!r} has no attribute {attr!r} (from {path!r})") from None
+
+
+def section_seed(seed: int, section: str) -> int:
+    """Same for every replica of a section (DP replicas start identical), stable across processes."""
+    return (seed * 1_000_003 + zlib.crc32(section.encode())) % (2**31)
+
+
+def resolve_device(section: Section, local_index: int) -> str:
+    import torch
+
+    if section.device.startswith("cuda:"):
+        return section.device
+    want_cuda = section.device == "cuda" or (section.device == "auto" and torch.cuda.is_available())
+    if section.device == "cuda" and not torch.cuda.is_available():
+        raise PipelineError(f"sections.{section.name}.device is 'cuda' but no CUDA device is available here")
+    if want_cuda:
+        return f"cuda:{local_index % torch.cuda.device_count()}"
+    return "cpu"
+
+
+def build_stage(pipeline: Pipeline, section: Section, replica: int, device: str) -> Any:
+    """Construct a section's stage exactly as every mode does (same seed, dtype, device)."""
+    import torch
+
+    from maestro_flow.stage import Stage, StageContext
+
+    cls = resolve(section.stage, f"sections.{section.name}.stage")
+    if not (isinstance(cls, type) and issubclass(cls, Stage)):
+        raise PipelineError(f"sections.{section.name}.stage: {section.stage!r} is not a maestro_flow.Stage subclass")
+    dtype = getattr(torch, pipeline.dtype)
+    torch.set_default_dtype(dtype)
+    seed = section_seed(pipeline.seed, section.name)
+    torch.manual_seed(seed)
+    ctx = StageContext(section=section.name, replica=replica, num_replicas=section.dp, device=device,
+                       dtype=pipeline.dtype, seed=seed, trainable=section.trainable,
+                       placeholder_ids=dict(pipeline.data.placeholder_ids))
+    stage = cls(dict(section.config), ctx)
+    for module in stage.modules().values():
+        module.to(device=torch.device(device), dtype=dtype)
+    if not section.trainable:
+        for p in stage.parameters():
+            p.requires_grad_(False)
+    return stage
+
+
+def open_source(pipeline: Pipeline) -> Any:
+    cls = resolve(pipeline.data.source, "data.source")
+    return cls(pipeline.data)

@@ -1,0 +1,58 @@
+"""Pre-flight checks that need imports or files: run in the coordinator before any worker starts.
+
+`check_pipeline` imports every stage class, checks declared outputs against the edges and the
+losses, and opens the dataset (which checks the file and its required columns). Every failure is
+a `PipelineError` naming the section, edge or field to change.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from maestro_flow.config import Pipeline
+from maestro_flow.errors import PipelineError
+from maestro_flow.graph import SectionGraph
+from maestro_flow.runtime.build import open_source, resolve
+
+
+def check_pipeline(pipeline: Pipeline, *, open_data: bool = True) -> tuple[SectionGraph, Any]:
+    """Validate everything checkable without starting workers; returns the graph and data source."""
+    from maestro_flow.stage import Stage
+
+    pipeline.validate()
+    graph = SectionGraph(pipeline)
+    declared: dict[str, tuple[str, ...]] = {}
+    for s in pipeline.sections:
+        where = f"sections.{s.name}.stage"
+        cls = resolve(s.stage, where)
+        if not (isinstance(cls, type) and issubclass(cls, Stage)):
+            raise PipelineError(f"{where}: {s.stage!r} is not a subclass of maestro_flow.Stage")
+        try:
+            declared[s.name] = tuple(cls.outputs(dict(s.config)))
+        except Exception as exc:
+            raise PipelineError(f"{where}: {s.stage}.outputs(config) failed: {type(exc).__name__}: {exc}") from exc
+    for e in graph.edges:
+        missing = [t for t in e.edge.tensors if t not in declared[e.edge.src]]
+        if missing:
+            raise PipelineError(
+                f"edges[{e.index}] ({e.edge.name}).tensors: {', '.join(missing)} not among the outputs "
+                f"of {pipeline.section(e.edge.src).stage} ({', '.join(declared[e.edge.src]) or 'none declared'})"
+            )
+    for name in graph.loss_sections():
+        if "loss" not in declared[name]:
+            raise PipelineError(
+                f"sections.{name}: a terminal trainable section must return 'loss', but "
+                f"{pipeline.section(name).stage} declares {', '.join(declared[name]) or 'no outputs'} "
+                "(set trainable=False, or add a consumer)"
+            )
+    source = open_source(pipeline) if open_data else None
+    if source is not None:
+        columns = pipeline.sections
+        for s in columns:
+            for c in s.columns or ():
+                if c not in source.column_names:
+                    raise PipelineError(f"sections.{s.name}.columns: dataset {pipeline.data.path} has no column {c!r}")
+        if len(source) < pipeline.global_batch:
+            raise PipelineError(f"global_batch={pipeline.global_batch} is larger than the dataset "
+                                f"{pipeline.data.path} ({len(source)} samples)")
+    return graph, source

@@ -1,0 +1,86 @@
+"""Colocated reference mode: the whole pipeline in one process, one replica per section.
+
+Runs in the `maestro run --colocated` process. The same executors, planner, loss normalisation
+and optimizers as section mode, on the same global batches, with an in-process comm instead of
+sockets and torch.distributed: the correctness oracle for section mode (parameters after N steps
+must match) and the monolithic performance baseline. Sections run one after another in
+topological order; gradients flow back in reverse.
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+from typing import Any
+
+import torch
+
+from maestro_flow.config import Pipeline
+from maestro_flow.graph import SectionGraph
+from maestro_flow.planner import make_planner
+from maestro_flow.planner.plan import Placement
+from maestro_flow.runtime.build import build_stage, resolve_device
+from maestro_flow.runtime.executor import SectionExecutor, StageFault
+from maestro_flow.runtime.ledger import StepLedger, plan_message
+from maestro_flow.runtime.report import RunReport
+from maestro_flow.runtime.sampler import EpochSampler
+from maestro_flow.runtime.saving import save_stage
+from maestro_flow.errors import MaestroError, StageError
+from maestro_flow.transport.tensor_comm import LocalComm
+
+
+def run_colocated(pipeline: Pipeline, source: Any, report: RunReport, *, save_dir: str | None = None) -> None:
+    single = pipeline.override(**{f"sections.{s.name}.dp": 1 for s in pipeline.sections})
+    graph = SectionGraph(single)
+    placement = Placement.build(graph.order, {n: 1 for n in graph.order})
+    planner = make_planner(pipeline.schedule, graph)
+    sampler = EpochSampler(source.metadata(), pipeline.global_batch, pipeline.seed)
+    ledger = StepLedger(graph, placement)
+    events: list[tuple[int, str, dict]] = []
+    executors: dict[int, SectionExecutor] = {}
+    for name in graph.order:
+        rank = placement.rank(name, 0)
+        section = graph.sections[name]
+        device = resolve_device(section, 0)
+        try:
+            stage = build_stage(single, section, 0, device)
+        except MaestroError:
+            raise
+        except Exception:
+            raise StageError(section=name, replica=0, rank=rank, step=None, phase="setup",
+                             traceback=traceback.format_exc()) from None
+        executors[rank] = SectionExecutor(
+            stage=stage, graph=graph, placement=placement, section=name, replica=0, source=source,
+            comm=LocalComm(rank, lambda dst: executors[dst].deliver),
+            report=lambda kind, body, rank=rank: events.append((rank, kind, body)),
+            device=torch.device(device), dtype=getattr(torch, single.dtype), reducer=None)
+    for step in range(pipeline.steps):
+        plan = planner.plan(step, sampler.batch(step))
+        ledger.planned(plan, time.perf_counter())
+        for rank, ex in executors.items():
+            ex.add_plan(plan_message(plan, graph, *placement.who(rank)))
+        row = None
+        while row is None:
+            progressed = False
+            for rank, ex in executors.items():
+                try:
+                    progressed |= ex.poll()
+                except StageFault as fault:
+                    raise StageError(section=ex.name, replica=0, rank=rank, step=fault.step, phase=fault.phase,
+                                     traceback=fault.text) from None
+            for rank, kind, body in events:
+                if kind == "loss":
+                    for ranks, denominator in ledger.on_loss(rank, body["step"], body["loss_sum"], body["denominator"]):
+                        for r in ranks:
+                            executors[r].finalize(body["step"], denominator)
+                elif kind == "done":
+                    row = ledger.on_done(rank, body["step"], body["stats"], time.perf_counter()) or row
+                progressed = True
+            events.clear()
+            if not progressed and row is None:
+                raise RuntimeError(f"colocated run made no progress at step {step} (a plan/runtime bug)")
+        report.step(row)
+    if save_dir:
+        for rank, ex in executors.items():
+            if ex.trainable:
+                save_stage(ex.stage, save_dir, ex.name)

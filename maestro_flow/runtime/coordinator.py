@@ -1,0 +1,214 @@
+"""The coordinator: the `maestro run` process in section mode, where planning meets I/O.
+
+Owns the control socket (ROUTER), the rendezvous store for torch.distributed and the worker
+processes. Startup is a handshake under one deadline (hello -> init -> ready); then for each
+step it asks the planner for a plan, sends each replica its part (up to `lookahead_steps`
+ahead, so forward-only sections can run ahead), turns loss reports into the global loss
+denominator (`finalize`), and turns done reports into metrics. Any error report, dead worker,
+silent worker or timeout ends the run: everything is shut down and the error is raised.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import zmq
+
+from maestro_flow.config import Pipeline
+from maestro_flow.errors import StageError, SystemFailure, TimeoutFailure
+from maestro_flow.graph import SectionGraph
+from maestro_flow.planner import make_planner
+from maestro_flow.planner.plan import Placement
+from maestro_flow.protocol.messages import PROTOCOL_VERSION, ProtocolError, make
+from maestro_flow.runtime.build import resolve_device
+from maestro_flow.runtime.launcher import Launcher
+from maestro_flow.runtime.ledger import StepLedger, plan_message
+from maestro_flow.runtime.report import RunReport
+from maestro_flow.runtime.sampler import EpochSampler
+from maestro_flow.timeouts import Timeouts
+from maestro_flow.transport import zmq_link
+
+
+def placement_for(graph: SectionGraph) -> Placement:
+    devices: dict[str, list[str]] = {}
+    cuda_index = 0
+    for name in graph.order:
+        section = graph.sections[name]
+        devices[name] = []
+        for _ in range(section.dp):
+            device = resolve_device(section, cuda_index)
+            cuda_index += device.startswith("cuda")
+            devices[name].append(device)
+    return Placement.build(graph.order, {n: graph.sections[n].dp for n in graph.order}, devices)
+
+
+class Coordinator:
+    def __init__(self, pipeline: Pipeline, graph: SectionGraph, source: Any, report: RunReport, *,
+                 paths: list[str], timeouts: Timeouts | None = None, save_dir: str | None = None) -> None:
+        self.pipeline, self.graph, self.source, self.report = pipeline, graph, source, report
+        self.paths, self.save_dir = paths, save_dir
+        self.timeouts = timeouts or Timeouts.from_env()
+        self.placement = placement_for(graph)
+        self.launcher = Launcher()
+        self.zctx = zmq.Context()
+        self.router: zmq.Socket | None = None
+        self.store: Any = None
+        self.last_seen: dict[int, float] = {}
+        self.step = None
+
+    # -- public ----------------------------------------------------------------------------
+
+    def run(self) -> None:
+        try:
+            self._start()
+            self._train()
+            self._stop()
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Idempotent; never waits longer than the shutdown grace periods."""
+        self.launcher.shutdown(self.timeouts.shutdown_grace_s if self.router is None else 0.5,
+                               self.timeouts.kill_grace_s)
+        if self.router is not None:
+            self.router.close(linger=0)
+            self.router = None
+        self.zctx.term()
+        self.store = None
+
+    # -- startup ---------------------------------------------------------------------------
+
+    def _start(self) -> None:
+        import torch.distributed as dist
+
+        self.router, addr = zmq_link.bind(self.zctx, zmq.ROUTER)
+        self.store = dist.TCPStore(zmq_link.LOOPBACK, 0, is_master=True, wait_for_workers=False)
+        for rank in range(self.placement.world_size):
+            section, replica = self.placement.who(rank)
+            self.launcher.start(rank, section, replica, {
+                "rank": rank, "coordinator": addr, "parent_pid": os.getpid(), "timeouts": self.timeouts.to_dict()})
+        deadline = time.monotonic() + self.timeouts.startup_s
+        hellos: dict[int, dict] = {}
+        while len(hellos) < self.placement.world_size:
+            rank, msg = self._recv(deadline, "every worker's hello", "MAESTRO_STARTUP_S")
+            if msg["t"] == "hello":
+                if msg["version"] != PROTOCOL_VERSION:
+                    raise SystemFailure(f"worker rank {rank} speaks protocol version {msg['version']}, "
+                                        f"the coordinator {PROTOCOL_VERSION}: reinstall maestro_flow consistently")
+                hellos[rank] = msg
+        peers = {r: h["data_addr"] for r, h in hellos.items()}
+        for rank in hellos:
+            self._send(rank, make("init", rank=rank, pipeline=self.pipeline.to_dict(),
+                                  placement=self.placement.to_dict(), store=[zmq_link.LOOPBACK, self.store.port],
+                                  peers=peers, timeouts=self.timeouts.to_dict(), paths=self.paths))
+        ready: set[int] = set()
+        while len(ready) < self.placement.world_size:
+            rank, msg = self._recv(deadline, "every worker to be ready (stage built, process groups formed)",
+                                   "MAESTRO_STARTUP_S")
+            if msg["t"] == "ready":
+                ready.add(rank)
+
+    # -- steps -----------------------------------------------------------------------------
+
+    def _train(self) -> None:
+        p = self.pipeline
+        planner = make_planner(p.schedule, self.graph)
+        sampler = EpochSampler(self.source.metadata(), p.global_batch, p.seed)
+        ledger = StepLedger(self.graph, self.placement)
+        next_plan = 0
+
+        def send_plans(upto: int) -> int:
+            nonlocal next_plan
+            while next_plan <= min(upto, p.steps - 1):
+                plan = planner.plan(next_plan, sampler.batch(next_plan))
+                ledger.planned(plan, time.perf_counter())
+                for rank in range(self.placement.world_size):
+                    self._send(rank, plan_message(plan, self.graph, *self.placement.who(rank)))
+                next_plan += 1
+            return next_plan
+
+        send_plans(p.lookahead_steps)
+        for step in range(p.steps):
+            self.step = step
+            deadline = time.monotonic() + self.timeouts.step_s
+            row = None
+            while row is None:
+                rank, msg = self._recv(deadline, f"step {step} to finish", "MAESTRO_STEP_S")
+                if msg["t"] == "loss":
+                    for ranks, denominator in ledger.on_loss(rank, msg["step"], msg["loss_sum"], msg["denominator"]):
+                        for r in ranks:
+                            self._send(r, make("finalize", step=msg["step"], denominator=denominator))
+                elif msg["t"] == "done":
+                    row = ledger.on_done(rank, msg["step"], msg["stats"], time.perf_counter())
+            self.report.step(row)
+            send_plans(step + 1 + p.lookahead_steps)
+
+    def _stop(self) -> None:
+        for rank in range(self.placement.world_size):
+            self._send(rank, make("stop", save_dir=os.path.abspath(self.save_dir) if self.save_dir else None))
+        deadline = time.monotonic() + self.timeouts.shutdown_grace_s + (60.0 if self.save_dir else 0.0)
+        bye: set[int] = set()
+        while len(bye) < self.placement.world_size:
+            rank, msg = self._recv(deadline, "workers to save and exit", "MAESTRO_SHUTDOWN_GRACE_S",
+                                   allow_exit=bye)
+            if msg["t"] == "bye":
+                bye.add(rank)
+        self.launcher.join(self.timeouts.shutdown_grace_s)
+
+    # -- messaging -------------------------------------------------------------------------
+
+    def _send(self, rank: int, msg: dict) -> None:
+        try:
+            zmq_link.send_msg(self.router, msg, identity=str(rank).encode())
+        except zmq.ZMQError as exc:
+            raise SystemFailure(f"cannot reach {self._label(rank)}: {exc}") from None
+
+    def _label(self, rank: int) -> str:
+        section, replica = self.placement.who(rank)
+        return f"section {section!r} replica {replica} (rank {rank})"
+
+    def _recv(self, deadline: float, what: str, setting: str, allow_exit: set[int] | None = None) -> tuple[int, dict]:
+        """Next message other than a heartbeat; raises on error reports, dead or silent workers."""
+        started = time.monotonic()
+        while True:
+            now = time.monotonic()
+            if now > deadline:
+                raise TimeoutFailure(what, now - started, setting)
+            self._check_workers(now, allow_exit or set())
+            if not self.router.poll(100):
+                continue
+            identity, frame = self.router.recv_multipart()
+            rank = int(identity)
+            self.last_seen[rank] = time.monotonic()
+            try:
+                from maestro_flow.protocol.codec import decode
+
+                msg = decode(frame)
+            except ProtocolError as exc:
+                raise SystemFailure(f"bad message from {self._label(rank)}: {exc}") from None
+            if msg["t"] == "heartbeat":
+                continue
+            if msg["t"] == "error":
+                if msg["kind"] == "stage":
+                    raise StageError(section=msg["section"], replica=msg["replica"], rank=rank, step=msg["step"],
+                                     phase=msg["phase"], traceback=msg["traceback"])
+                raise SystemFailure(f"system error in {self._label(rank)} during {msg['phase']}"
+                                    f"{'' if msg['step'] is None else ' at step ' + str(msg['step'])}:\n"
+                                    f"{msg['traceback'].rstrip()}")
+            return rank, msg
+
+    def _check_workers(self, now: float, allow_exit: set[int]) -> None:
+        for w in self.launcher.dead():
+            if w.rank in allow_exit:
+                continue
+            # A worker that reported an error exits right after; prefer its report if it is queued.
+            if self.router.poll(0):
+                return
+            where = "" if self.step is None else f" during step {self.step}"
+            raise SystemFailure(f"worker {w.label} {w.exit_description()}{where}")
+        for rank, seen in self.last_seen.items():
+            if now - seen > self.timeouts.heartbeat_timeout_s:
+                raise SystemFailure(f"worker {self._label(rank)} sent nothing for {now - seen:.1f}s "
+                                    f"(heartbeat timeout; raise MAESTRO_HEARTBEAT_TIMEOUT_S if it is just busy)")

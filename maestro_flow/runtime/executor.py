@@ -1,0 +1,353 @@
+"""One replica's execution of its part of each step plan: a non-blocking state machine.
+
+Runs in a worker's compute thread (or, in colocated mode, for every section in one thread).
+`poll()` does every piece of work that is ready — a backward whose gradients have all returned,
+then the next micro-batch whose inputs have all arrived, then the step's end (gradient
+reduction and optimizer step, once the global loss denominator is known) — and returns without
+blocking. Inputs, gradients, plans and denominators arrive through `add_plan`, `deliver` and
+`finalize`. The executor knows nothing of sockets or processes: it talks to peers through a
+`Comm` and to the coordinator through a `report` callback.
+"""
+
+from __future__ import annotations
+
+import resource
+import time
+import traceback
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+
+from maestro_flow.graph import SectionGraph
+from maestro_flow.planner.plan import Placement
+from maestro_flow.runtime.optim import GradientReducer, build_optimizer
+from maestro_flow.stage import MicroBatch, Stage
+from maestro_flow.transport.tensor_comm import Comm
+
+Report = Callable[[str, dict[str, Any]], None]
+
+
+class StageFault(Exception):
+    """User stage code raised; carries the phase and the traceback formatted here."""
+
+    def __init__(self, phase: str, step: int | None, text: str) -> None:
+        super().__init__(text)
+        self.phase, self.step, self.text = phase, step, text
+
+
+@dataclass
+class _Pending:
+    """A trainable micro-batch whose outputs await gradients from downstream."""
+
+    outputs: dict[tuple[int, str], torch.Tensor]
+    expected: set[tuple[int, int]]  # (edge index, sample id) still to come
+    grads: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
+    leaves: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
+    sample_ids: tuple[int, ...] = ()
+
+
+@dataclass
+class _Step:
+    step: int
+    mbs: list[tuple[int, ...]]
+    rows: dict[int, int]
+    modalities: dict[int, frozenset[str]]
+    routes: dict[str, dict[int, int]]
+    next_mb: int = 0
+    pending: list[_Pending] = field(default_factory=list)
+    loss_sum: float = 0.0
+    denominator: float = 0.0
+    loss_reported: bool = False
+    global_denominator: float | None = None
+    started: float = 0.0
+    busy_s: float = 0.0
+    tokens: int = 0
+
+
+class SectionExecutor:
+    def __init__(self, *, stage: Stage, graph: SectionGraph, placement: Placement, section: str, replica: int,
+                 source: Any, comm: Comm, report: Report, device: torch.device, dtype: torch.dtype,
+                 reducer: GradientReducer | None, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.stage, self.graph, self.placement = stage, graph, placement
+        self.name, self.replica = section, replica
+        self.section = graph.sections[section]
+        self.rank = placement.rank(section, replica)
+        self.source, self.comm, self.report = source, comm, report
+        self.device, self.dtype, self.clock = device, dtype, clock
+        self.in_edges = graph.inputs(section)
+        self.out_edges = graph.outputs(section)
+        self.is_loss = section in graph.loss_sections()
+        self.trainable = self.section.trainable
+        self.params = [p for p in stage.parameters() if p.requires_grad] if self.trainable else []
+        self.optimizer = build_optimizer(self.section.optimizer, self.params) if self.params else None
+        self.reducer = reducer
+        self.plans: deque[_Step] = deque()
+        self.current: _Step | None = None
+        # step -> sample id -> tensor name -> tensor; filled by deliver(), possibly ahead of the plan.
+        self.inbox: dict[int, dict[int, dict[str, torch.Tensor]]] = {}
+        self.finalized: dict[int, float] = {}
+        self.pending_by_sample: dict[tuple[int, int], _Pending] = {}
+        self.early_grads: list[tuple[int, int, list]] = []
+        self.steps_done = 0
+        stage.train(self.trainable)
+
+    # -- inputs from outside ---------------------------------------------------------------
+
+    def add_plan(self, msg: dict[str, Any]) -> None:
+        samples = msg["samples"]
+        self.plans.append(_Step(
+            step=msg["step"], mbs=[tuple(mb) for mb in msg["micro_batches"]],
+            rows={s[0]: s[1] for s in samples}, modalities={s[0]: frozenset(s[2]) for s in samples},
+            routes={k: {int(sid): r for sid, r in v.items()} for k, v in msg["routes"].items()},
+        ))
+
+    def deliver(self, kind: str, edge: int, step: int, src: int, items: list) -> None:
+        if kind == "fwd":
+            per_step = self.inbox.setdefault(step, {})
+            for sid, name, t in items:
+                per_step.setdefault(sid, {})[name] = t
+        else:
+            self._deliver_grads(edge, step, items)
+
+    def finalize(self, step: int, denominator: float) -> None:
+        self.finalized[step] = float(denominator)
+
+    # -- the state machine -----------------------------------------------------------------
+
+    def poll(self) -> bool:
+        """Do all ready work; return True if anything happened."""
+        progressed = False
+        while True:
+            if self.current is None:
+                if not self.plans:
+                    break
+                self.current = self.plans.popleft()
+                self.current.started = self.clock()
+            st = self.current
+            if self._run_ready_backward(st) or self._run_next_forward(st) or self._finish_step(st):
+                progressed = True
+                continue
+            break
+        return progressed
+
+    @property
+    def idle(self) -> bool:
+        return self.current is None and not self.plans
+
+    # -- forward ---------------------------------------------------------------------------
+
+    def _expected_inputs(self, st: _Step, sid: int) -> list[str]:
+        names = []
+        for e in self.in_edges:
+            if self.graph.sections[e.edge.src].activates(st.modalities[sid]):
+                names.extend(e.edge.tensors)
+        return names
+
+    def _run_next_forward(self, st: _Step) -> bool:
+        if st.next_mb >= len(st.mbs):
+            return False
+        mb = st.mbs[st.next_mb]
+        got = self.inbox.get(st.step, {})
+        for sid in mb:
+            have = got.get(sid, {})
+            if any(n not in have for n in self._expected_inputs(st, sid)):
+                return False
+        index = st.next_mb
+        st.next_mb += 1
+        t0 = self.clock()
+        arrived = {sid: got.pop(sid, {}) for sid in mb}
+        batch, leaves = self._make_batch(st, index, mb, arrived)
+        try:
+            with torch.set_grad_enabled(self.trainable):
+                out = self.stage.forward(batch)
+        except Exception:
+            raise StageFault("forward", st.step, traceback.format_exc()) from None
+        self._send_outputs(st, mb, out)
+        if self.is_loss:
+            self._loss_backward(st, mb, out, leaves)
+        elif self.trainable:
+            self._keep_for_backward(st, mb, out, leaves)
+        st.busy_s += self.clock() - t0
+        return True
+
+    def _make_batch(self, st: _Step, index: int, mb: tuple[int, ...], arrived: dict) -> tuple[MicroBatch, dict]:
+        rows = [st.rows[sid] for sid in mb]
+        raw = self.source.read(rows, self.section.columns)
+        columns = {name: [_to_torch(name, v) for v in values] for name, values in raw.items()}
+        st.tokens += sum(len(t) for t in columns.get("tokens", ()))
+        leaves: dict[tuple[int, str], torch.Tensor] = {}
+        inputs: dict[str, list[torch.Tensor | None]] = {}
+        grad_names = {n for e in self.in_edges if e.carries_grad for n in e.edge.tensors}
+        for e in self.in_edges:
+            for name in e.edge.tensors:
+                column = []
+                for sid in mb:
+                    t = arrived[sid].get(name)
+                    if t is not None and self.trainable and name in grad_names and t.is_floating_point():
+                        t.requires_grad_(True)
+                        leaves[(sid, name)] = t
+                    column.append(t)
+                inputs[name] = column
+        batch = MicroBatch(step=st.step, index=index, sample_ids=list(mb),
+                           modalities=[st.modalities[sid] for sid in mb], columns=columns, inputs=inputs)
+        return batch, leaves
+
+    def _per_sample(self, out: dict, name: str, n: int, step: int) -> Sequence[torch.Tensor]:
+        if name not in out:
+            raise StageFault("forward", step, f"stage {self.section.stage} returned no {name!r} "
+                             f"(returned: {', '.join(out)}); an edge from {self.name!r} carries it")
+        value = out[name]
+        if len(value) != n:
+            raise StageFault("forward", step, f"stage output {name!r} has {len(value)} entries for a "
+                             f"micro-batch of {n} samples (first dimension must index the samples)")
+        return value
+
+    def _send_outputs(self, st: _Step, mb: tuple[int, ...], out: dict) -> None:
+        for e in self.out_edges:
+            consumer = self.graph.sections[e.edge.dst]
+            per_name = {name: self._per_sample(out, name, len(mb), st.step) for name in e.edge.tensors}
+            by_rank: dict[int, list] = {}
+            for i, sid in enumerate(mb):
+                if not consumer.activates(st.modalities[sid]):
+                    continue
+                dst = self.placement.rank(e.edge.dst, st.routes[e.edge.dst][sid])
+                by_rank.setdefault(dst, []).extend((sid, name, per_name[name][i].detach()) for name in e.edge.tensors)
+            for dst, items in by_rank.items():
+                self.comm.send(dst, "fwd", e.index, st.step, items)
+
+    # -- backward --------------------------------------------------------------------------
+
+    def _loss_backward(self, st: _Step, mb: tuple[int, ...], out: dict, leaves: dict) -> None:
+        if "loss" not in out:
+            raise StageFault("forward", st.step, f"loss section {self.name!r}: stage returned no 'loss' "
+                             f"(returned: {', '.join(out)})")
+        loss = out["loss"]
+        denom = out.get("loss_denominator", len(mb))
+        st.loss_sum += float(loss.detach())
+        st.denominator += float(denom.detach() if isinstance(denom, torch.Tensor) else denom)
+        if self.trainable:
+            try:
+                loss.backward()  # unscaled: gradients are divided by the global denominator at step end
+            except Exception:
+                raise StageFault("backward", st.step, traceback.format_exc()) from None
+            self._send_input_grads(st, leaves)
+
+    def _keep_for_backward(self, st: _Step, mb: tuple[int, ...], out: dict, leaves: dict) -> None:
+        pending = _Pending(outputs={}, expected=set(), leaves=leaves, sample_ids=mb)
+        for e in self.graph.needs_grad_from(self.name):
+            consumer = self.graph.sections[e.edge.dst]
+            per_name = {name: self._per_sample(out, name, len(mb), st.step) for name in e.edge.tensors}
+            for i, sid in enumerate(mb):
+                if not consumer.activates(st.modalities[sid]):
+                    continue
+                pending.expected.add((e.index, sid))
+                for name in e.edge.tensors:
+                    pending.outputs[(sid, name)] = per_name[name][i]
+        if not pending.expected:
+            return
+        st.pending.append(pending)
+        for _, sid in pending.expected:
+            self.pending_by_sample[(st.step, sid)] = pending
+        for edge, step, items in [g for g in self.early_grads if g[1] == st.step]:
+            self.early_grads.remove((edge, step, items))
+            self._deliver_grads(edge, step, items)
+
+    def _deliver_grads(self, edge: int, step: int, items: list) -> None:
+        sids = {sid for sid, _, _ in items}
+        if any((step, sid) not in self.pending_by_sample for sid in sids):
+            # Gradients can overtake nothing in a correct plan, but in colocated mode a consumer
+            # may run before this replica registered the micro-batch; keep them until it does.
+            self.early_grads.append((edge, step, items))
+            return
+        for sid, name, g in items:
+            pending = self.pending_by_sample[(step, sid)]
+            if g is not None:
+                key = (sid, name)
+                pending.grads[key] = pending.grads[key] + g if key in pending.grads else g
+        for sid in sids:
+            self.pending_by_sample[(step, sid)].expected.discard((edge, sid))
+
+    def _run_ready_backward(self, st: _Step) -> bool:
+        for pending in st.pending:
+            if pending.expected:
+                continue
+            st.pending.remove(pending)
+            for sid in pending.sample_ids:
+                self.pending_by_sample.pop((st.step, sid), None)
+            t0 = self.clock()
+            keys = [k for k in pending.outputs if k in pending.grads]
+            if keys:
+                try:
+                    torch.autograd.backward([pending.outputs[k] for k in keys], [pending.grads[k] for k in keys])
+                except Exception:
+                    raise StageFault("backward", st.step, traceback.format_exc()) from None
+            self._send_input_grads(st, pending.leaves)
+            st.busy_s += self.clock() - t0
+            return True
+        return False
+
+    def _send_input_grads(self, st: _Step, leaves: dict[tuple[int, str], torch.Tensor]) -> None:
+        for e in self.in_edges:
+            if not e.carries_grad:
+                continue
+            by_rank: dict[int, list] = {}
+            sids = dict.fromkeys(sid for (sid, name) in leaves if name in e.edge.tensors)  # mb order
+            for sid in sids:
+                src = self.placement.rank(e.edge.src, st.routes[e.edge.src][sid])
+                for name in e.edge.tensors:
+                    leaf = leaves.get((sid, name))
+                    by_rank.setdefault(src, []).append((sid, name, None if leaf is None else leaf.grad))
+            for src, items in by_rank.items():
+                self.comm.send(src, "bwd", e.index, st.step, items)
+
+    # -- end of step -----------------------------------------------------------------------
+
+    def _finish_step(self, st: _Step) -> bool:
+        if st.next_mb < len(st.mbs) or st.pending:
+            return False
+        if self.is_loss and not st.loss_reported:
+            st.loss_reported = True
+            self.report("loss", {"step": st.step, "loss_sum": st.loss_sum, "denominator": st.denominator})
+            return True
+        if self.params:
+            denominator = self.finalized.get(st.step)
+            if denominator is None:
+                return False
+            t0 = self.clock()
+            self._optimizer_step(denominator)
+            st.busy_s += self.clock() - t0
+            del self.finalized[st.step]
+        self.inbox.pop(st.step, None)
+        self.report("done", {"step": st.step, "stats": self._stats(st)})
+        self.current = None
+        self.steps_done += 1
+        return True
+
+    def _optimizer_step(self, denominator: float) -> None:
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)  # a replica with no samples still joins the reduction
+        if self.reducer is not None:
+            self.reducer.all_reduce([p.grad for p in self.params])
+        if denominator > 0:
+            for p in self.params:
+                p.grad.div_(denominator)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def _stats(self, st: _Step) -> dict[str, Any]:
+        wall = self.clock() - st.started
+        return {"busy_s": st.busy_s, "wall_s": wall,
+                "micro_batches": len(st.mbs), "samples": sum(len(mb) for mb in st.mbs), "tokens": st.tokens,
+                "max_rss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+                **self.comm.stats.snapshot_and_reset()}
+
+
+def _to_torch(name: str, value: Any) -> Any:
+    if isinstance(value, np.ndarray):
+        # Copies: the loader's arrays are read-only views of the memory-mapped dataset.
+        return torch.from_numpy(value.astype(np.int64) if name == "tokens" else np.array(value))
+    return value

@@ -1,0 +1,85 @@
+"""Starting, watching and stopping worker processes.
+
+Runs in the coordinator process. Workers start with multiprocessing's spawn (no inherited
+locks or CUDA state); shutdown is idempotent and bounded: ask (done by the coordinator), wait a
+grace period, terminate, join, kill. A worker that outlives its parent exits by itself
+(see worker._die_with_parent), so nothing is left running when the coordinator dies.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import signal
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from maestro_flow.runtime.worker import worker_main
+
+
+@dataclass
+class WorkerHandle:
+    rank: int
+    section: str
+    replica: int
+    process: Any
+
+    @property
+    def label(self) -> str:
+        return f"section {self.section!r} replica {self.replica} (rank {self.rank}, pid {self.process.pid})"
+
+    def exit_description(self) -> str | None:
+        code = self.process.exitcode
+        if code is None:
+            return None
+        if code < 0:
+            try:
+                return f"was killed by {signal.Signals(-code).name}"
+            except ValueError:
+                return f"was killed by signal {-code}"
+        return f"exited with code {code}"
+
+
+class Launcher:
+    def __init__(self) -> None:
+        self.workers: list[WorkerHandle] = []
+        self._ctx = mp.get_context("spawn")
+
+    def start(self, rank: int, section: str, replica: int, boot: dict[str, Any]) -> WorkerHandle:
+        proc = self._ctx.Process(target=worker_main, args=(boot,), name=f"maestro-{section}-{replica}", daemon=True)
+        proc.start()
+        handle = WorkerHandle(rank=rank, section=section, replica=replica, process=proc)
+        self.workers.append(handle)
+        return handle
+
+    def dead(self) -> list[WorkerHandle]:
+        return [w for w in self.workers if w.process.exitcode is not None]
+
+    def join(self, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        for w in self.workers:
+            w.process.join(max(0.0, deadline - time.monotonic()))
+        return all(w.process.exitcode is not None for w in self.workers)
+
+    def shutdown(self, grace_s: float, kill_grace_s: float) -> None:
+        """Bounded and idempotent: join briefly, terminate, join, kill."""
+        if not self.join(grace_s):
+            for w in self.workers:
+                if w.process.exitcode is None:
+                    w.process.terminate()
+            if not self.join(kill_grace_s):
+                for w in self.workers:
+                    if w.process.exitcode is None:
+                        w.process.kill()
+                self.join(kill_grace_s)
+        for w in self.workers:
+            if w.process.exitcode is not None:
+                w.process.close()
+        self.workers = [w for w in self.workers if _alive(w)]
+
+
+def _alive(w: WorkerHandle) -> bool:
+    try:
+        return w.process.exitcode is None
+    except ValueError:  # closed
+        return False

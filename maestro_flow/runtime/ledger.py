@@ -1,0 +1,83 @@
+"""Per-step bookkeeping shared by section mode and colocated mode: plans out, reports in.
+
+Pure apart from reading no clock itself (callers pass `now`). Turns a Plan into the message each
+replica needs, collects loss reports into the global denominator (then says whom to finalize),
+and collects done reports into the metrics row of DESIGN 5.4.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from maestro_flow.graph import SectionGraph
+from maestro_flow.planner.plan import Placement, Plan
+
+
+def plan_message(plan: Plan, graph: SectionGraph, section: str, replica: int) -> dict[str, Any]:
+    """What one replica needs of a plan: its micro-batches, their rows, and neighbours' routes."""
+    mbs = plan.micro_batches(section, replica)
+    mine = {sid for mb in mbs for sid in mb}
+    meta = {s.id: s for s in plan.samples if s.id in mine}
+    neighbours = [e.edge.dst for e in graph.outputs(section)] + [e.edge.src for e in graph.inputs(section)]
+    return {
+        "t": "plan", "step": plan.step,
+        "micro_batches": [list(mb) for mb in mbs],
+        "samples": [[sid, meta[sid].row, sorted(meta[sid].modalities)] for sid in sorted(mine)],
+        "routes": {n: {sid: plan.routes[n][sid] for sid in mine} for n in neighbours},
+    }
+
+
+class StepLedger:
+    def __init__(self, graph: SectionGraph, placement: Placement) -> None:
+        self.graph, self.placement = graph, placement
+        self.losses: dict[int, dict[str, list[tuple[float, float]]]] = {}
+        self.done: dict[int, dict[int, dict[str, Any]]] = {}
+        self.tokens: dict[int, int] = {}
+        self.samples: dict[int, int] = {}
+        self.started: dict[int, float] = {}
+
+    def planned(self, plan: Plan, now: float) -> None:
+        self.tokens[plan.step] = sum(s.num_tokens for s in plan.samples)
+        self.samples[plan.step] = len(plan.samples)
+        self.started.setdefault(plan.step, now)
+
+    def on_loss(self, rank: int, step: int, loss_sum: float, denominator: float) -> list[tuple[list[int], float]]:
+        """Record a loss report; when a loss section is complete, return [(ranks to finalize, D)]."""
+        section, _ = self.placement.who(rank)
+        per = self.losses.setdefault(step, {}).setdefault(section, [])
+        per.append((loss_sum, denominator))
+        if len(per) < self.placement.dp(section):
+            return []
+        total = sum(d for _, d in per)
+        ranks = [r for name in self.graph.order
+                 if self.graph.sections[name].trainable and self.graph.loss_sections_of(name) == [section]
+                 for r in self.placement.ranks[name]]
+        return [(ranks, total)]
+
+    def on_done(self, rank: int, step: int, stats: dict[str, Any], now: float) -> dict[str, Any] | None:
+        """Record a done report; when every replica is done, return the step's metrics row."""
+        per = self.done.setdefault(step, {})
+        per[rank] = stats
+        if len(per) < self.placement.world_size:
+            return None
+        step_time = now - self.started.pop(step)
+        # The next step's time counts from this step's end when its plan went out earlier
+        # (lookahead); that is the time the step adds to the run.
+        if step + 1 in self.started:
+            self.started[step + 1] = max(self.started[step + 1], now)
+        sections = {}
+        for name in self.graph.order:
+            reps = [per[r] for r in self.placement.ranks[name]]
+            busy = sum(s["busy_s"] for s in reps)
+            sections[name] = {
+                "busy_s": busy, "idle_s": max(0.0, step_time * len(reps) - busy),
+                "micro_batches": sum(s["micro_batches"] for s in reps), "samples": sum(s["samples"] for s in reps),
+                "bytes_sent": sum(s.get("bytes_sent", 0) for s in reps),
+                "max_rss_mb": max(s.get("max_rss_kb", 0) for s in reps) / 1024,
+            }
+        losses = {name: sum(ls for ls, _ in reports) / max(sum(d for _, d in reports), 1e-30)
+                  for name, reports in self.losses.pop(step, {}).items()}
+        loss: Any = next(iter(losses.values())) if len(losses) == 1 else losses or None
+        del self.done[step]
+        return {"step": step, "loss": loss, "samples": self.samples.pop(step, 0), "tokens": self.tokens.pop(step, 0),
+                "step_time_s": step_time, "sections": sections}

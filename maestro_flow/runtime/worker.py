@@ -1,0 +1,224 @@
+"""The worker process: one replica of one section.
+
+Entry point `worker_main`, started with multiprocessing's spawn by the launcher. Threads:
+  * main (compute): handshake, then a loop that moves inbox items into the executor and polls
+    it; the only thread that runs stage code and touches the executor;
+  * control: owns the DEALER socket to the coordinator, forwards inbound messages to the inbox
+    and outbound events from an inproc socket, sends heartbeats;
+  * tensor channels (transport.tensor_comm): headers over ZeroMQ, bytes over torch.distributed;
+  * parent watchdog: exits the process when the coordinator is gone.
+Failures go back to the coordinator as data (`error` messages with the traceback as text):
+kind "stage" when user code raised, kind "system" for anything else.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+import traceback
+from datetime import timedelta
+from typing import Any
+
+import zmq
+
+from maestro_flow.protocol.messages import PROTOCOL_VERSION, make
+from maestro_flow.timeouts import Timeouts
+from maestro_flow.transport import zmq_link
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    try:  # Linux: the kernel kills us when the parent thread dies.
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+    def watch() -> None:
+        while True:
+            if os.getppid() != parent_pid:
+                os._exit(3)
+            time.sleep(0.5)
+
+    threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
+    if os.getppid() != parent_pid:
+        os._exit(3)
+
+
+class _Control:
+    """Owns the coordinator socket after the handshake (see module docstring)."""
+
+    def __init__(self, zctx: zmq.Context, dealer: zmq.Socket, rank: int, inbox: queue.Queue,
+                 timeouts: Timeouts) -> None:
+        self.zctx, self.dealer, self.rank, self.inbox, self.timeouts = zctx, dealer, rank, inbox, timeouts
+        self.addr = f"inproc://events-{rank}-{id(self)}"
+        self.events = zctx.socket(zmq.PULL)
+        self.events.bind(self.addr)
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._loop, name="control", daemon=True)
+
+    def outbound(self) -> zmq.Socket:
+        sock = self.zctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 1000)
+        sock.connect(self.addr)
+        return sock
+
+    def _loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.dealer, zmq.POLLIN)
+        poller.register(self.events, zmq.POLLIN)
+        interval_ms = int(self.timeouts.heartbeat_interval_s * 1000)
+        next_beat = time.monotonic()
+        while not self.stopped.is_set():
+            for sock, _ in poller.poll(min(interval_ms, 100)):
+                if sock is self.dealer:
+                    self.inbox.put(("msg", zmq_link.recv_msg(self.dealer)))
+                else:
+                    frame = self.events.recv()
+                    self.dealer.send(frame)
+            if time.monotonic() >= next_beat:
+                zmq_link.send_msg(self.dealer, make("heartbeat", rank=self.rank))
+                next_beat = time.monotonic() + self.timeouts.heartbeat_interval_s
+        # Flush what the compute thread queued last (its bye / error) before closing.
+        while self.events.poll(0):
+            self.dealer.send(self.events.recv())
+
+
+def worker_main(boot: dict[str, Any]) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the coordinator, which stops us
+    _die_with_parent(boot["parent_pid"])
+    rank = boot["rank"]
+    timeouts = Timeouts(**boot["timeouts"])
+    zctx = zmq.Context()
+    dealer = zmq_link.connect(zctx, zmq.DEALER, boot["coordinator"], identity=str(rank).encode())
+    pull, data_addr = zmq_link.bind(zctx, zmq.PULL)
+    zmq_link.send_msg(dealer, make("hello", version=PROTOCOL_VERSION, rank=rank, pid=os.getpid(), data_addr=data_addr))
+    if not dealer.poll(int(timeouts.startup_s * 1000)):
+        os._exit(4)  # the coordinator never answered; it reports the missing worker itself
+    init = zmq_link.recv_msg(dealer)
+    if init["t"] != "init":
+        os._exit(4)
+    inbox: queue.Queue = queue.Queue()
+    control = _Control(zctx, dealer, rank, inbox, timeouts)
+    control.thread.start()
+    out = control.outbound()
+    code = _Worker(init, inbox, out, pull, zctx, timeouts).run()
+    control.stopped.set()
+    control.thread.join(timeout=2.0)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # channel threads may sit in a receive that will never complete
+
+
+class _Worker:
+    def __init__(self, init: dict[str, Any], inbox: queue.Queue, out: zmq.Socket, pull: zmq.Socket,
+                 zctx: zmq.Context, timeouts: Timeouts) -> None:
+        self.init, self.inbox, self.out, self.pull, self.zctx, self.timeouts = init, inbox, out, pull, zctx, timeouts
+        self.rank = init["rank"]
+        self.section, self.replica, self.step = "?", -1, None
+        self.phase = "setup"
+
+    def send(self, t: str, **fields: Any) -> None:
+        zmq_link.send_msg(self.out, make(t, rank=self.rank, **fields))
+
+    def report_error(self, kind: str, text: str) -> None:
+        self.send("error", kind=kind, section=self.section, replica=self.replica, step=self.step,
+                  phase=self.phase, traceback=text)
+
+    def run(self) -> int:
+        from maestro_flow.runtime.executor import StageFault
+
+        try:
+            executor = self._setup()
+            if executor is None:
+                return 1
+            self.send("ready")
+            return self._loop(executor)
+        except StageFault as fault:
+            self.step, self.phase = fault.step, fault.phase
+            self.report_error("stage", fault.text)
+        except Exception:
+            self.report_error("system", traceback.format_exc())
+        return 1
+
+    def _setup(self):
+        import torch
+        import torch.distributed as dist
+
+        from maestro_flow.config import Pipeline
+        from maestro_flow.graph import SectionGraph
+        from maestro_flow.planner.plan import Placement
+        from maestro_flow.runtime.build import add_paths, build_stage, open_source
+        from maestro_flow.runtime.executor import SectionExecutor
+        from maestro_flow.runtime.optim import GradientReducer
+        from maestro_flow.runtime.topology import process_groups
+        from maestro_flow.transport.tensor_comm import TensorComm
+
+        init = self.init
+        add_paths(init["paths"])
+        pipeline = Pipeline.from_dict(init["pipeline"])
+        placement = Placement.from_dict(init["placement"])
+        graph = SectionGraph(pipeline)
+        self.section, self.replica = placement.who(self.rank)
+        section = graph.sections[self.section]
+        device = placement.devices[self.rank]
+        torch.set_num_threads(max(1, int(os.environ.get("MAESTRO_WORKER_THREADS", "0")) or torch.get_num_threads()))
+        if device.startswith("cuda"):
+            torch.cuda.set_device(torch.device(device))
+        try:
+            stage = build_stage(pipeline, section, self.replica, device)
+        except Exception:
+            self.report_error("stage", traceback.format_exc())
+            return None
+        source = open_source(pipeline)
+        host, port = init["store"]
+        store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=self.timeouts.startup_s))
+        uses_cuda = any(d.startswith("cuda") for d in placement.devices.values())
+        dist.init_process_group(backend="cpu:gloo,cuda:nccl" if uses_cuda else "gloo", store=store, rank=self.rank,
+                                world_size=placement.world_size,
+                                timeout=timedelta(seconds=self.timeouts.collective_s))
+        groups, dp_group = process_groups(graph, placement, self.rank, self.timeouts.collective_s)
+        comm = TensorComm(zctx=self.zctx, rank=self.rank, pull=self.pull,
+                          peers={int(k): v for k, v in init["peers"].items()}, groups=groups,
+                          device=torch.device(device),
+                          deliver=lambda *a: self.inbox.put(("tensors", a)),
+                          on_error=lambda text: self.inbox.put(("comm_error", text)))
+        self.comm = comm
+        return SectionExecutor(
+            stage=stage, graph=graph, placement=placement, section=self.section, replica=self.replica,
+            source=source, comm=comm, report=lambda kind, body: self.send(kind, **body),
+            device=torch.device(device), dtype=getattr(torch, pipeline.dtype),
+            reducer=GradientReducer(dp_group) if dp_group is not None else None)
+
+    def _loop(self, executor) -> int:
+        from maestro_flow.runtime.saving import save_stage
+
+        self.phase = "step"
+        while True:
+            item = self.inbox.get()
+            kind, body = item
+            if kind == "tensors":
+                executor.deliver(*body)
+            elif kind == "comm_error":
+                self.report_error("system", body)
+                return 1
+            elif body["t"] == "plan":
+                executor.add_plan(body)
+            elif body["t"] == "finalize":
+                executor.finalize(body["step"], body["denominator"])
+            elif body["t"] == "stop":
+                if body["save_dir"] and executor.trainable and self.replica == 0:
+                    save_stage(executor.stage, body["save_dir"], self.section)
+                self.comm.close()
+                self.send("bye")
+                return 0
+            # Drain everything already queued before computing, so a poll sees all arrivals.
+            if not self.inbox.empty():
+                continue
+            if executor.current is not None:
+                self.step = executor.current.step
+            executor.poll()

@@ -1,0 +1,54 @@
+"""Sample metadata and the SampleSource protocol that dataset readers implement.
+
+Pure (standard library only). The coordinator reads only metadata (cheap columns); workers read
+payload rows by row index through a SampleSource of their own. Concrete readers live in
+`loaders/` and are named by `ArrowData.source` ("module:Class").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol, Sequence
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SampleMeta:
+    """The cheap part of a sample: what the planner and the cost model need."""
+
+    id: int
+    row: int = -1  # row index in the dataset (-1 when the sample comes from a trace)
+    modalities: frozenset[str] = frozenset({"text"})
+    num_tokens: int = 0
+    num_patches: int = 0
+    num_frames: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"id": self.id, "row": self.row, "modalities": sorted(self.modalities),
+                "num_tokens": self.num_tokens, "num_patches": self.num_patches, "num_frames": self.num_frames}
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> SampleMeta:
+        return SampleMeta(id=int(d["id"]), row=int(d.get("row", -1)), modalities=frozenset(d.get("modalities", ("text",))),
+                          num_tokens=int(d.get("num_tokens", 0)), num_patches=int(d.get("num_patches", 0) or 0),
+                          num_frames=int(d.get("num_frames", 0) or 0))
+
+
+class SampleSource(Protocol):
+    """A dataset reader, built as `Source(data: ArrowData)` in the coordinator and in each worker.
+
+    Construction must be cheap and must fail with `PipelineError` (naming the path or column)
+    when the dataset is missing or lacks a required column.
+    """
+
+    @property
+    def column_names(self) -> tuple[str, ...]: ...
+
+    def __len__(self) -> int: ...
+
+    def metadata(self) -> list[SampleMeta]:
+        """Metadata of every row, in file order (row = index)."""
+        ...
+
+    def read(self, rows: Sequence[int], columns: Sequence[str] | None = None) -> dict[str, list[Any]]:
+        """Column name -> one value per requested row (list columns as numpy arrays)."""
+        ...

@@ -1,0 +1,42 @@
+"""All runtime timeouts in one place, each overridable by a MAESTRO_* environment variable.
+
+Pure (standard library only). Every blocking call in the runtime takes one of these values;
+a timeout error names the variable that changes it (see `errors.TimeoutFailure`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Timeouts:
+    startup_s: float = 120.0        # spawn -> every worker ready (stage built, groups formed)
+    step_s: float = 600.0           # one step's plan sent -> every worker done with it
+    heartbeat_interval_s: float = 0.5
+    heartbeat_timeout_s: float = 10.0  # silence after which a live-looking worker counts as hung
+    shutdown_grace_s: float = 5.0   # ask -> terminate
+    kill_grace_s: float = 2.0       # terminate -> kill
+    collective_s: float = 300.0     # torch.distributed op timeout (gloo/NCCL process groups)
+
+    @staticmethod
+    def env_name(field_name: str) -> str:
+        return "MAESTRO_" + field_name.upper()
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str] | None = None) -> Timeouts:
+        environ = dict(os.environ if environ is None else environ)
+        values = {}
+        for f in dataclasses.fields(cls):
+            raw = environ.get(cls.env_name(f.name))
+            if raw is not None:
+                try:
+                    values[f.name] = float(raw)
+                except ValueError:
+                    raise ValueError(f"{cls.env_name(f.name)} must be a number of seconds, got {raw!r}") from None
+        return cls(**values)
+
+    def to_dict(self) -> dict[str, float]:
+        return dataclasses.asdict(self)

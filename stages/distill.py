@@ -1,0 +1,142 @@
+"""Knowledge distillation: `KDStudent`, and the KD loss pieces `HFCausalLM` reuses.
+
+Why the teacher's LM head lives in the student section: the teacher section sends its final
+hidden states ([T, d_teacher] per sample), not its logits ([T, vocab]); with a large vocabulary
+that is far less traffic (250K vocab vs 4K hidden: 62.5x). The student section rebuilds the
+teacher's head — frozen, with the same weights, from the teacher's config (`init_seed` or
+`checkpoint`) — and turns the received hidden states into teacher logits itself.
+
+Owns the KD loss: alpha * T^2 * KL(teacher_T || student_T) + (1 - alpha) * CE, summed over the
+predicted tokens. Knows nothing of how the teacher ran (the runtime ran it without grad) nor of
+the global normalisation (the runtime divides the sum by the global count of predicted tokens).
+
+KDStudent config keys: `student` (the student's LMConfig keys, see lm.py), `teacher` (the teacher
+section's model config: CausalLM keys, or HFCausalLM keys with `model_type`/`hf_config`),
+`temperature` (default 2.0), `alpha` (default 0.5).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from maestro_flow import MicroBatch, Stage, StageContext
+from stages.common import (
+    Outputs,
+    ce_sum,
+    check_keys,
+    concat_predicted,
+    kl_sum,
+    loss_outputs,
+    module_device,
+    next_token_targets,
+    pad_tokens,
+    select_predicted,
+)
+from stages.lm import build_causal_transformer, build_lm_head
+from stages.transformer import LMConfig
+
+KD_OUTPUTS = ("loss", "loss_denominator")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class KDConfig:
+    """How the student's loss mixes distillation and cross-entropy."""
+
+    temperature: float = 2.0
+    alpha: float = 0.5
+
+    @classmethod
+    def from_dict(cls, config: dict[str, Any]) -> KDConfig:
+        kd = cls(**{f.name: config[f.name] for f in dataclasses.fields(cls) if f.name in config})
+        if not kd.temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {kd.temperature!r}")
+        if not 0.0 <= kd.alpha <= 1.0:
+            raise ValueError(f"alpha must be in [0, 1], got {kd.alpha!r}")
+        return kd
+
+
+KD_KEYS = tuple(f.name for f in dataclasses.fields(KDConfig))
+
+
+def is_hf_config(config: dict[str, Any]) -> bool:
+    """Whether a model config describes an HFCausalLM (it names `model_type` or `hf_config`)."""
+    return "model_type" in config or "hf_config" in config
+
+
+def build_teacher_head(config: dict[str, Any], *, where: str = "teacher.") -> nn.Linear:
+    """The teacher's LM head, frozen (requires_grad=False: the optimizer never sees it)."""
+    if is_hf_config(config):
+        from stages.hf import build_hf_lm_head  # transformers is imported only when used
+
+        head = build_hf_lm_head(config, where=where)
+    else:
+        head = build_lm_head(config, where=where)
+    return head.requires_grad_(False)
+
+
+def check_same_vocab(teacher_head: nn.Linear, student_vocab: int, student_key: str) -> None:
+    if teacher_head.out_features != student_vocab:
+        raise ValueError(
+            f"teacher.vocab_size ({teacher_head.out_features}) must equal {student_key} ({student_vocab}): "
+            "distillation compares distributions over one vocabulary"
+        )
+
+
+def teacher_logits(teacher_head: nn.Linear, batch: MicroBatch) -> Tensor:
+    """The teacher's logits at the predicted positions [N, V], from the received "hidden".
+
+    Computed without grad: the teacher's distribution is a fixed target.
+    """
+    hidden = batch.inputs.get("hidden")
+    if hidden is None:
+        raise ValueError("KD student needs the input tensor 'hidden' (an edge from the teacher section)")
+    tokens = batch.columns["tokens"]
+    for sample_id, h, t in zip(batch.sample_ids, hidden, tokens, strict=True):
+        if h is None or h.dim() != 2 or h.shape[0] != t.shape[0]:
+            got = None if h is None else tuple(h.shape)
+            raise ValueError(f"sample {sample_id}: teacher 'hidden' must be [{t.shape[0]}, d_teacher], got {got}")
+    weight = teacher_head.weight
+    with torch.no_grad():
+        return teacher_head(concat_predicted(hidden).to(device=weight.device, dtype=weight.dtype))
+
+
+def distillation_outputs(student_logits: Tensor, batch: MicroBatch, teacher_head: nn.Linear,
+                         kd: KDConfig) -> Outputs:
+    """The KD loss sum over predicted tokens, from the student's logits there [N, V]."""
+    targets = next_token_targets(batch.columns["tokens"], student_logits.device)
+    # Terms with a zero weight are skipped, so alpha=0 is exactly CE (and needs no teacher input).
+    loss = student_logits.new_zeros(())
+    if kd.alpha < 1.0:
+        loss = loss + (1.0 - kd.alpha) * ce_sum(student_logits, targets)
+    if kd.alpha > 0.0:
+        loss = loss + kd.alpha * kl_sum(student_logits, teacher_logits(teacher_head, batch), kd.temperature)
+    return loss_outputs(loss, targets.numel())
+
+
+class KDStudent(Stage):
+    """A student CausalTransformer trained on the teacher's hidden states (input "hidden")."""
+
+    def __init__(self, config: dict[str, Any], ctx: StageContext) -> None:
+        super().__init__(config, ctx)
+        check_keys(config, ("student", "teacher", *KD_KEYS))
+        if "teacher" not in config:
+            raise ValueError("teacher must be set to the teacher section's model config (init_seed or checkpoint)")
+        self.kd = KDConfig.from_dict(config)
+        self.student_config = LMConfig.from_dict(config.get("student", {}), where="student.")
+        self.model = build_causal_transformer(self.student_config)
+        self.teacher_head = build_teacher_head(config["teacher"])
+        check_same_vocab(self.teacher_head, self.student_config.vocab_size, "student.vocab_size")
+
+    @classmethod
+    def outputs(cls, config: dict[str, Any]) -> tuple[str, ...]:
+        return KD_OUTPUTS
+
+    def forward(self, batch: MicroBatch) -> Outputs:
+        ids, lengths = pad_tokens(batch.columns["tokens"], module_device(self.model))
+        logits = self.model.head(select_predicted(self.model.hidden(ids), lengths))
+        return distillation_outputs(logits, batch, self.teacher_head, self.kd)

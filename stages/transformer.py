@@ -1,0 +1,146 @@
+"""The GPT-style causal transformer used by the stages: its config and its torch modules.
+
+Owns the architecture (token embedding, learned positions, pre-norm blocks of causal
+self-attention and MLP, final LayerNorm, LM head) and the config record that sizes it. Knows
+nothing of stages, micro-batches, initialisation or checkpoints (see `weights.py`).
+
+Padding is on the right and attention is causal, so a real position never sees a pad position:
+a sample's results do not depend on the other samples of its micro-batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from stages.common import check_keys
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LMConfig:
+    """Sizes of a causal LM plus where its weights come from.
+
+    `init_seed`: draw every weight from a generator seeded by it (same weights in any process);
+    `checkpoint`: a .safetensors file with the weights (keys as in the model's state_dict).
+    """
+
+    vocab_size: int = 260
+    d_model: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+    d_ff: int | None = None
+    max_seq_len: int = 256
+    dropout: float = 0.0
+    init_seed: int | None = None
+    checkpoint: str | None = None
+
+    @property
+    def ff_dim(self) -> int:
+        return self.d_ff if self.d_ff is not None else 4 * self.d_model
+
+    @classmethod
+    def from_dict(cls, config: dict[str, Any], *, where: str = "", ignore: tuple[str, ...] = ()) -> LMConfig:
+        """Build from a stage config; `where` prefixes key names in errors (e.g. "student.")."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        check_keys(config, names | set(ignore), where)
+        lm = cls(**{k: v for k, v in config.items() if k in names})
+        lm.validate(where)
+        return lm
+
+    def validate(self, where: str = "") -> None:
+        for key in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{where}{key} must be an integer >= 1, got {value!r}")
+        if self.d_model % self.n_heads:
+            raise ValueError(f"{where}d_model ({self.d_model}) must be divisible by {where}n_heads ({self.n_heads})")
+        if self.d_ff is not None and (not isinstance(self.d_ff, int) or self.d_ff < 1):
+            raise ValueError(f"{where}d_ff must be an integer >= 1 or None, got {self.d_ff!r}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"{where}dropout must be in [0, 1), got {self.dropout!r}")
+        if self.init_seed is not None and (not isinstance(self.init_seed, int) or isinstance(self.init_seed, bool)):
+            raise ValueError(f"{where}init_seed must be an integer or None, got {self.init_seed!r}")
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, d_model: int, n_heads: int, dropout: float) -> None:
+        super().__init__()
+        self.n_heads, self.dropout = n_heads, dropout
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.proj = nn.Linear(d_model, d_model)
+        self.resid_drop = nn.Dropout(dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.n_heads, d // self.n_heads).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        return self.resid_drop(self.proj(y.transpose(1, 2).reshape(b, t, d)))
+
+
+class MLP(nn.Module):
+    def __init__(self, d_model: int, d_ff: int, dropout: float) -> None:
+        super().__init__()
+        self.fc_in = nn.Linear(d_model, d_ff)
+        self.fc_out = nn.Linear(d_ff, d_model)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.drop(self.fc_out(F.gelu(self.fc_in(x))))
+
+
+class Block(nn.Module):
+    """Pre-norm residual block: x + attn(ln(x)), then x + mlp(ln(x))."""
+
+    def __init__(self, cfg: LMConfig) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.d_model)
+        self.attn = CausalSelfAttention(cfg.d_model, cfg.n_heads, cfg.dropout)
+        self.ln_2 = nn.LayerNorm(cfg.d_model)
+        self.mlp = MLP(cfg.d_model, cfg.ff_dim, cfg.dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class Decoder(nn.Module):
+    """Everything between token embeddings and the LM head: positions, blocks, final norm."""
+
+    def __init__(self, cfg: LMConfig) -> None:
+        super().__init__()
+        self.pos_emb = nn.Embedding(cfg.max_seq_len, cfg.d_model)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = nn.LayerNorm(cfg.d_model)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """Token embeddings [B, T, D] (right-padded) -> final hidden states [B, T, D]."""
+        t = x.shape[1]
+        if t > self.pos_emb.num_embeddings:
+            raise ValueError(f"sequence of {t} tokens exceeds max_seq_len={self.pos_emb.num_embeddings}")
+        x = self.drop(x + self.pos_emb(torch.arange(t, device=x.device)))
+        for block in self.blocks:
+            x = block(x)
+        return self.norm(x)
+
+
+class CausalTransformer(nn.Module):
+    """Token embedding + Decoder + LM head (untied, no bias)."""
+
+    def __init__(self, cfg: LMConfig) -> None:
+        super().__init__()
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.decoder = Decoder(cfg)
+        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+
+    def hidden(self, ids: Tensor) -> Tensor:
+        """Token ids [B, T] -> final hidden states [B, T, D] (after the final norm)."""
+        return self.decoder(self.tok_emb(ids))
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return self.head(self.hidden(ids))

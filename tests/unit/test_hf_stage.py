@@ -1,0 +1,121 @@
+"""stages/hf.py: a tiny gpt2 built from a config (no download) in the teacher, lm and kd_student roles."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from maestro_flow import MicroBatch, StageContext
+from stages.distill import KDStudent
+from stages.hf import HFCausalLM, build_hf_lm_head
+from stages.lm import CausalLM
+
+CTX = StageContext(section="x", dtype="float64")
+SAMPLES = [[5, 1, 2, 3, 4, 9, 7], [3, 4], [11, 6, 7, 8, 9], [10], [250, 2, 33]]
+TEACHER = {"role": "teacher", "init_seed": 5, "hf_config": {"n_embd": 48, "n_head": 4, "n_layer": 2}}
+STUDENT = {"init_seed": 6, "hf_config": {"n_embd": 32, "n_head": 2, "n_layer": 1}}
+ATOL = 1e-10
+
+
+def make(cls, config):
+    stage = cls(config, CTX)
+    for module in stage.modules().values():  # what the runtime does after construction
+        module.to(torch.float64)
+    return stage
+
+
+def micro_batch(samples, **inputs):
+    return MicroBatch(step=0, index=0, sample_ids=list(range(len(samples))),
+                      modalities=[frozenset({"text"})] * len(samples),
+                      columns={"tokens": [torch.tensor(s, dtype=torch.int64) for s in samples]}, inputs=inputs)
+
+
+@pytest.fixture(scope="module")
+def teacher():
+    return make(HFCausalLM, TEACHER)
+
+
+@pytest.fixture(scope="module")
+def hidden(teacher):
+    """The teacher's hidden states, computed per sample."""
+    return [teacher.forward(micro_batch([s]))["hidden"][0] for s in SAMPLES]
+
+
+def test_teacher_outputs_the_hidden_states_its_lm_head_reads(teacher, hidden):
+    assert HFCausalLM.outputs(TEACHER) == ("hidden",)
+    together = teacher.forward(micro_batch(SAMPLES))["hidden"]
+    assert [tuple(h.shape) for h in together] == [(len(s), 48) for s in SAMPLES]
+    for s, h_together, h_alone in zip(SAMPLES, together, hidden, strict=True):
+        torch.testing.assert_close(h_together, h_alone, atol=ATOL, rtol=0)
+        full = teacher.model(torch.tensor([s]), output_hidden_states=True)
+        torch.testing.assert_close(h_alone, full.hidden_states[-1][0], atol=ATOL, rtol=0)
+        torch.testing.assert_close(teacher.model.lm_head(h_alone), full.logits[0], atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("config", [
+    {"role": "lm", **STUDENT},
+    {"role": "kd_student", "teacher": TEACHER, **STUDENT},
+])
+def test_loss_is_a_sum_over_predicted_tokens(config, hidden):
+    stage = make(HFCausalLM, config)
+    assert HFCausalLM.outputs(config) == ("loss", "loss_denominator")
+    total = stage.forward(micro_batch(SAMPLES, hidden=hidden))
+    parts = [stage.forward(micro_batch([s], hidden=[h])) for s, h in zip(SAMPLES, hidden, strict=True)]
+    assert total["loss"].dim() == 0 and total["loss"].requires_grad
+    torch.testing.assert_close(total["loss"], sum(p["loss"] for p in parts), atol=ATOL, rtol=0)
+    assert total["loss_denominator"] == sum(len(s) - 1 for s in SAMPLES)
+
+
+def test_kd_student_head_is_the_teachers_frozen_head(teacher, hidden):
+    stage = make(HFCausalLM, {"role": "kd_student", "teacher": TEACHER, **STUDENT})
+    assert torch.equal(stage.teacher_head.weight, teacher.model.lm_head.weight)
+    assert not stage.teacher_head.weight.requires_grad
+    assert all(p is not stage.teacher_head.weight for p in stage.parameters() if p.requires_grad)
+    stage.forward(micro_batch(SAMPLES, hidden=hidden))["loss"].backward()
+    assert stage.teacher_head.weight.grad is None
+    assert stage.model.transformer.h[0].attn.c_attn.weight.grad is not None
+
+
+def test_kd_student_alpha_zero_is_cross_entropy_and_equal_models_have_zero_kl(hidden):
+    kd = make(HFCausalLM, {"role": "kd_student", "teacher": TEACHER, "alpha": 0.0, **STUDENT})
+    lm = make(HFCausalLM, {"role": "lm", **STUDENT})
+    torch.testing.assert_close(kd.forward(micro_batch(SAMPLES, hidden=hidden))["loss"],
+                               lm.forward(micro_batch(SAMPLES))["loss"], atol=ATOL, rtol=0)
+    twin = {k: v for k, v in TEACHER.items() if k != "role"}
+    same = make(HFCausalLM, {"role": "kd_student", "teacher": TEACHER, "alpha": 1.0, **twin})
+    assert abs(same.forward(micro_batch(SAMPLES, hidden=hidden))["loss"].item()) < 1e-12
+
+
+def test_teachers_and_students_mix_across_implementations(hidden):
+    # An HF teacher for the native KD student, and a native teacher for the HF student.
+    native = make(KDStudent, {"teacher": TEACHER, "student": {"d_model": 32}})
+    assert native.forward(micro_batch(SAMPLES, hidden=hidden))["loss"].isfinite()
+    lm_teacher = make(CausalLM, {"role": "teacher", "init_seed": 1})
+    lm_hidden = lm_teacher.forward(micro_batch(SAMPLES))["hidden"]
+    hf = make(HFCausalLM, {"role": "kd_student", "teacher": {"role": "teacher", "init_seed": 1}, **STUDENT})
+    assert torch.equal(hf.teacher_head.weight, lm_teacher.model.head.weight)
+    assert hf.forward(micro_batch(SAMPLES, hidden=lm_hidden))["loss"].isfinite()
+
+
+def test_checkpoint_with_tied_weights_stored_once(tmp_path, teacher):
+    state = {k: v.contiguous() for k, v in teacher.model.state_dict().items() if k != "lm_head.weight"}
+    path = tmp_path / "teacher.safetensors"
+    save_file(state, str(path))
+    config = {**TEACHER, "init_seed": None, "checkpoint": str(path)}
+    assert torch.equal(build_hf_lm_head(config).weight, teacher.model.lm_head.weight)
+    loaded = make(HFCausalLM, config)
+    out = loaded.forward(micro_batch(SAMPLES))["hidden"]
+    expected = teacher.forward(micro_batch(SAMPLES))["hidden"]
+    assert all(torch.equal(a, b) for a, b in zip(out, expected, strict=True))
+
+
+def test_config_errors():
+    with pytest.raises(ValueError, match="vocab_size"):
+        HFCausalLM({"role": "kd_student", "teacher": TEACHER, "hf_config": {"vocab_size": 300}}, CTX)
+    with pytest.raises(ValueError, match=re.escape("teacher.init_seed or teacher.checkpoint")):
+        HFCausalLM({"role": "kd_student", "teacher": {"model_type": "gpt2"}}, CTX)
+    with pytest.raises(ValueError, match="'alpha'"):
+        HFCausalLM({"role": "lm", "alpha": 0.5}, CTX)

@@ -1,0 +1,295 @@
+"""Unit tests of loaders/: ArrowSource over Arrow IPC and Parquet, the demo builder, the tokenizer."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from loaders import text
+from loaders.arrow import AUDIO_FRAME_S, ArrowSource
+from loaders.demo import build_text_demo, text_demo_table, write_arrow, write_parquet
+from maestro_flow import ArrowData, PipelineError
+
+
+def source(path, **kw) -> ArrowSource:
+    return ArrowSource(ArrowData(path=str(path), **kw))
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    """200 demo samples, written with small batches/row groups so that reads cross segments."""
+    out = tmp_path_factory.mktemp("demo")
+    table = text_demo_table(num_samples=200, seed=3)
+    return table, write_arrow(table, out / "text.arrow", batch_rows=64), \
+        write_parquet(table, out / "text.parquet", row_group_rows=48)
+
+
+def multimodal_table(**replace) -> pa.Table:
+    """Four rows: text, image, audio, image+audio; `replace` swaps whole columns (as Python lists)."""
+    cols = {
+        "id": [10, 11, 12, 13],
+        "modalities": [["text"], ["text", "image"], ["audio", "text"], ["image", "audio"]],
+        "tokens": [[257, 1, 2], [257, 259, 3], [257, 4, 5, 6], [259, 7]],
+        "image": [None, b"\x89PNG-a", None, b"\x89PNG-b"],
+        "audio": [None, None, [0.5] * 1600, [0.25] * 800],
+        "sample_rate": [None, None, 16000, 8000],
+        "num_patches": [0, 16, 0, 4],
+        "caption": ["a", "b", None, "d"],
+    }
+    cols.update(replace)
+    types = {"id": pa.int64(), "modalities": pa.list_(pa.string()), "tokens": pa.list_(pa.int32()),
+             "image": pa.binary(), "audio": pa.list_(pa.float32()), "sample_rate": pa.int32(),
+             "num_patches": pa.int32(), "caption": pa.string()}
+    return pa.table({k: pa.array(v, type=types.get(k)) for k, v in cols.items() if v is not None})
+
+
+# -- reading the demo back ------------------------------------------------------------------------
+
+def test_arrow_and_parquet_give_same_metadata_and_rows(demo):
+    table, arrow_path, parquet_path = demo
+    a, p = source(arrow_path), source(parquet_path)
+    assert len(a) == len(p) == 200
+    assert a.column_names == p.column_names == ("id", "modalities", "tokens")
+    assert a.metadata() == p.metadata()
+    rows = list(range(200))
+    ra, rp = a.read(rows), p.read(rows)
+    assert ra["id"] == rp["id"] == table.column("id").to_pylist()
+    assert ra["modalities"] == rp["modalities"] == [["text"]] * 200
+    for x, y, z in zip(ra["tokens"], rp["tokens"], table.column("tokens").to_pylist()):
+        assert x.dtype == y.dtype == np.int32
+        assert x.tolist() == y.tolist() == z
+
+
+def test_metadata_counts_match_real_lengths(demo):
+    _, arrow_path, _ = demo
+    src = source(arrow_path)
+    metas = src.metadata()
+    tokens = src.read([m.row for m in metas], columns=["tokens"])["tokens"]
+    assert [m.row for m in metas] == list(range(200))
+    assert [m.num_tokens for m in metas] == [len(t) for t in tokens]
+    assert all(32 <= m.num_tokens <= 128 and m.modalities == {"text"} for m in metas)
+    assert all(t[0] == text.BOS and t[-1] == text.EOS for t in tokens)
+    assert len({m.num_tokens for m in metas}) > 20  # lengths vary
+
+
+@pytest.mark.parametrize("which", [1, 2])
+def test_read_returns_requested_rows_in_order(demo, which):
+    table, path = demo[0], demo[which]
+    src = source(path)
+    rows = [150, 3, 64, 63, 3, 199, 0]  # crosses batches / row groups, repeats a row
+    got = src.read(rows, columns=["tokens", "id"])
+    assert list(got) == ["tokens", "id"]
+    assert got["id"] == rows
+    expected = table.column("tokens").to_pylist()
+    assert [t.tolist() for t in got["tokens"]] == [expected[r] for r in rows]
+    assert src.read([]) == {"id": [], "modalities": [], "tokens": []}
+    with pytest.raises(PipelineError, match="column 'nope' is not in"):
+        src.read([0], columns=["nope"])
+    with pytest.raises(IndexError, match="row 200 is out of range"):
+        src.read([0, 200])
+
+
+def test_arrow_reads_are_zero_copy_views_of_the_map(demo):
+    _, arrow_path, _ = demo
+    src = source(arrow_path)
+    before = pa.total_allocated_bytes()
+    tokens = src.read(range(200), columns=["tokens"])["tokens"]
+    assert pa.total_allocated_bytes() - before < 4096  # nothing copied into Arrow's memory pool
+    assert not tokens[0].flags.writeable and not tokens[0].flags.owndata
+
+
+def test_parquet_folder_reads_files_in_name_order(tmp_path):
+    table = text_demo_table(num_samples=90, seed=1)
+    write_parquet(table.slice(50), tmp_path / "part-1.parquet", row_group_rows=16)
+    write_parquet(table.slice(0, 50), tmp_path / "part-0.parquet", row_group_rows=16)
+    src = source(tmp_path)
+    assert len(src) == 90
+    assert [m.id for m in src.metadata()] == list(range(90))
+    assert [t.tolist() for t in src.read([89, 0, 49, 50])["tokens"]] == \
+        [table.column("tokens")[i].as_py() for i in (89, 0, 49, 50)]
+
+
+def test_int64_tokens_are_read_as_int32(tmp_path):
+    path = write_arrow(pa.table({"id": pa.array([1], pa.int64()), "modalities": [["text"]],
+                                 "tokens": pa.array([[257, 65, 258]], pa.list_(pa.int64()))}),
+                       tmp_path / "t.arrow")
+    tokens = source(path).read([0])["tokens"][0]
+    assert tokens.dtype == np.int32 and tokens.tolist() == [257, 65, 258]
+
+
+# -- multimodal rows and extra columns ------------------------------------------------------------
+
+@pytest.mark.parametrize("fmt", ["arrow", "parquet"])
+def test_multimodal_metadata_and_values(tmp_path, fmt):
+    table = multimodal_table()
+    path = (write_arrow if fmt == "arrow" else write_parquet)(table, tmp_path / f"mm.{fmt}")
+    src = source(path)
+    metas = src.metadata()
+    assert [sorted(m.modalities) for m in metas] == [["text"], ["image", "text"], ["audio", "text"],
+                                                     ["audio", "image"]]
+    assert [m.num_tokens for m in metas] == [3, 3, 4, 2]
+    assert [m.num_patches for m in metas] == [0, 16, 0, 4]
+    # No num_frames column: 10 ms frames derived from the waveform length and sample rate.
+    assert AUDIO_FRAME_S == 0.01 and [m.num_frames for m in metas] == [0, 0, 10, 10]
+    got = src.read([3, 1, 0, 2])
+    assert got["image"] == [b"\x89PNG-b", b"\x89PNG-a", None, None]
+    assert got["audio"][0].dtype == np.float32 and got["audio"][0].shape == (800,) and got["audio"][1] is None
+    assert got["sample_rate"] == [8000, None, None, 16000]
+    assert got["caption"] == ["d", "b", "a", None]
+    assert got["modalities"][0] == ["image", "audio"]
+
+
+def test_num_frames_column_wins(tmp_path):
+    table = multimodal_table().append_column("num_frames", pa.array([0, 0, 7, 3], pa.int32()))
+    metas = source(write_arrow(table, tmp_path / "f.arrow")).metadata()
+    assert [m.num_frames for m in metas] == [0, 0, 7, 3]
+
+
+# -- bad input ------------------------------------------------------------------------------------
+
+def test_missing_file(tmp_path):
+    with pytest.raises(PipelineError, match=r"^data\.path: no such file: .*nothing\.arrow$"):
+        source(tmp_path / "nothing.arrow")
+
+
+def test_unreadable_file(tmp_path):
+    (tmp_path / "junk.arrow").write_bytes(b"this is not arrow at all" * 10)
+    with pytest.raises(PipelineError, match="not a readable Arrow IPC or Parquet file: .*junk.arrow"):
+        source(tmp_path / "junk.arrow")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(PipelineError, match="no .parquet files in folder"):
+        source(tmp_path / "empty")
+
+
+@pytest.mark.parametrize("fmt", ["arrow", "parquet"])
+def test_missing_required_column(tmp_path, fmt):
+    table = multimodal_table(tokens=None)
+    path = (write_arrow if fmt == "arrow" else write_parquet)(table, tmp_path / f"x.{fmt}")
+    with pytest.raises(PipelineError) as err:
+        source(path)
+    msg = str(err.value)
+    assert "required column 'tokens' is missing" in msg and str(path) in msg and "\n" not in msg
+
+
+def test_wrong_column_type(tmp_path):
+    table = multimodal_table().set_column(2, "tokens", pa.array([["a"], ["b"], ["c"], ["d"]]))
+    path = write_arrow(table, tmp_path / "x.arrow")
+    with pytest.raises(PipelineError, match=r"column 'tokens' must be list<int32>, got list<item: string>"):
+        source(path)
+
+
+def test_audio_needs_sample_rate_column(tmp_path):
+    path = write_arrow(multimodal_table().drop_columns(["sample_rate"]), tmp_path / "x.arrow")
+    with pytest.raises(PipelineError, match="'audio' needs a 'sample_rate' column"):
+        source(path)
+
+
+@pytest.mark.parametrize(("replace", "expected"), [
+    ({"image": [None, None, None, b"x"]}, r"row 1 \(id 11\) declares modality 'image' but column 'image' is null"),
+    ({"image": [b"x", b"y", None, b"z"]}, r"row 0 \(id 10\) has a value in column 'image' but 'image' is not"),
+    ({"modalities": [["text"], ["text", "image"], ["video"], ["image", "audio"]]},
+     r"row 2 \(id 12\) has unknown modality 'video'"),
+    ({"modalities": [["text"], ["text", "image"], ["text"], ["image", "audio"]]},
+     r"row 2 \(id 12\) has a value in column 'audio'"),
+    ({"modalities": [[], ["text", "image"], ["audio"], ["image", "audio"]]}, r"row 0 \(id 10\) declares no modal"),
+    ({"sample_rate": [None, None, None, 8000]}, r"row 2 \(id 12\) has audio but no positive sample_rate"),
+    ({"id": [10, None, 12, 13]}, r"row 1 has a null id"),
+])
+def test_rows_whose_modalities_do_not_match_their_columns(tmp_path, replace, expected):
+    path = write_arrow(multimodal_table(**replace), tmp_path / "bad.arrow")
+    src = source(path)  # construction stays cheap: the rows are checked by metadata()
+    with pytest.raises(PipelineError, match=expected) as err:
+        src.metadata()
+    assert "data.skip_bad_rows=True" in str(err.value)
+
+
+def test_declared_modality_without_its_column(tmp_path):
+    table = multimodal_table(audio=None, sample_rate=None,
+                             modalities=[["text"], ["text", "image"], ["audio"], ["image"]])
+    with pytest.raises(PipelineError, match=r"row 2 \(id 12\) declares modality 'audio' but there is no 'audio'"):
+        source(write_arrow(table, tmp_path / "x.arrow")).metadata()
+
+
+def test_skip_bad_rows_skips_and_counts(tmp_path):
+    table = multimodal_table(image=[None, None, None, b"x"], modalities=[["text"], ["text", "image"], ["video"],
+                                                                        ["image", "audio"]])
+    path = write_parquet(table, tmp_path / "bad.parquet", row_group_rows=2)
+    with pytest.raises(PipelineError, match=r"row 1 \(id 11\).*\(2 bad rows in all\)"):
+        source(path).metadata()
+    src = source(path, skip_bad_rows=True)
+    metas = src.metadata()
+    assert [(m.id, m.row) for m in metas] == [(10, 0), (13, 3)]
+    assert src.num_skipped == 2 and src.skipped_ids == (11, 12) and src.skipped_rows == (1, 2)
+    assert len(src) == 4
+
+
+@pytest.mark.parametrize("fmt", ["arrow", "parquet"])
+def test_duplicate_ids(tmp_path, fmt):
+    table = text_demo_table(num_samples=100, seed=0)
+    ids = list(range(100))
+    ids[70] = 5
+    table = table.set_column(0, "id", pa.array(ids, pa.int64()))
+    path = (write_arrow if fmt == "arrow" else write_parquet)(table, tmp_path / f"d.{fmt}", **(
+        {"batch_rows": 32} if fmt == "arrow" else {"row_group_rows": 32}))
+    with pytest.raises(PipelineError, match="id 5 appears more than once"):
+        source(path, skip_bad_rows=True).metadata()
+
+
+# -- the demo builder and the tokenizer -----------------------------------------------------------
+
+def test_demo_is_real_text_and_deterministic(tmp_path):
+    a = build_text_demo(tmp_path / "a", num_samples=200)
+    b = build_text_demo(tmp_path / "b", num_samples=200)
+    c = build_text_demo(tmp_path / "c", num_samples=200, seed=1, parquet=False)
+    assert a.name == "text.arrow" and (tmp_path / "a" / "text.parquet").exists()
+    assert not (tmp_path / "c" / "text.parquet").exists()
+    assert a.read_bytes() == b.read_bytes()
+    assert (tmp_path / "a" / "text.parquet").read_bytes() == (tmp_path / "b" / "text.parquet").read_bytes()
+    assert a.read_bytes() != c.read_bytes()
+    tokens = source(a).read(range(200), columns=["tokens"])["tokens"]
+    prose = " ".join(text.decode(t) for t in tokens)
+    words = prose.lower().split()
+    for common in ("the", "a", "of", "to", "is", "and"):
+        assert common in words
+    assert all(int(t.max()) <= text.EOS and ((t == text.BOS).sum(), (t == text.EOS).sum()) == (1, 1)
+               for t in tokens)
+    assert prose.isascii()
+    lengths = [len(t) for t in tokens]
+    assert min(lengths) >= 32 and max(lengths) <= 128 and np.median(lengths) < 80  # long-tailed
+
+
+def test_demo_table_schema_and_bounds():
+    table = text_demo_table(num_samples=50, min_tokens=8, max_tokens=16, seed=2)
+    assert table.schema.field("tokens").type == pa.list_(pa.int32())
+    assert table.schema.field("id").type == pa.int64()
+    lengths = [len(t) for t in table.column("tokens").to_pylist()]
+    assert min(lengths) >= 8 and max(lengths) <= 16
+    with pytest.raises(ValueError):
+        text_demo_table(num_samples=5, min_tokens=10, max_tokens=9)
+
+
+def test_parquet_written_by_demo_has_row_groups(tmp_path):
+    path = write_parquet(text_demo_table(num_samples=100), tmp_path / "t.parquet", row_group_rows=30)
+    assert pq.ParquetFile(path).metadata.num_row_groups == 4
+
+
+@given(st.text())
+def test_tokenizer_round_trip(s):
+    ids = text.encode(s, bos=True, eos=True)
+    assert ids[0] == text.BOS and ids[-1] == text.EOS
+    assert all(0 <= i < text.VOCAB_SIZE for i in ids)
+    assert text.decode(ids) == s
+
+
+def test_tokenizer_specials():
+    assert (text.PAD, text.BOS, text.EOS, text.IMAGE, text.VOCAB_SIZE) == (256, 257, 258, 259, 260)
+    ids = [text.BOS, text.IMAGE, *text.encode("héllo"), text.EOS, text.PAD]
+    assert text.decode(ids) == "héllo"
+    assert text.decode(ids, specials=True) == "<bos><image>héllo<eos><pad>"
+    assert text.decode(np.array(ids, dtype=np.int32)) == "héllo"
+    with pytest.raises(ValueError, match="outside the byte-level vocabulary"):
+        text.decode([260])
