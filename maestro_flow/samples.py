@@ -7,8 +7,9 @@ payload rows by row index through a SampleSource of their own. Concrete readers 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, Sequence
+from typing import Any, Protocol
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -6,7 +6,8 @@ and usable from a simulator. `make_planner` picks the implementation for a sched
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from collections.abc import Sequence
+from typing import Protocol
 
 from maestro_flow.errors import PipelineError
 from maestro_flow.graph import SectionGraph

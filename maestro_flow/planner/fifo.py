@@ -12,7 +12,7 @@ order their consumers consume.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from maestro_flow.graph import SectionGraph
 from maestro_flow.planner.cost import CostModel

@@ -10,7 +10,7 @@ the reverse, choosing the least-loaded allowed producer). The graph has no undir
 from __future__ import annotations
 
 from collections import deque
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from maestro_flow.graph import SectionGraph
 from maestro_flow.samples import SampleMeta

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from maestro_flow.config import Pipeline
+from maestro_flow.errors import MaestroError, StageError
 from maestro_flow.graph import SectionGraph
 from maestro_flow.planner import make_planner
 from maestro_flow.planner.plan import Placement
@@ -25,7 +26,6 @@ from maestro_flow.runtime.ledger import StepLedger, plan_message
 from maestro_flow.runtime.report import RunReport
 from maestro_flow.runtime.sampler import EpochSampler
 from maestro_flow.runtime.saving import save_stage
-from maestro_flow.errors import MaestroError, StageError
 from maestro_flow.transport.tensor_comm import LocalComm
 
 
@@ -81,6 +81,6 @@ def run_colocated(pipeline: Pipeline, source: Any, report: RunReport, *, save_di
                 raise RuntimeError(f"colocated run made no progress at step {step} (a plan/runtime bug)")
         report.step(row)
     if save_dir:
-        for rank, ex in executors.items():
+        for ex in executors.values():
             if ex.trainable:
                 save_stage(ex.stage, save_dir, ex.name)

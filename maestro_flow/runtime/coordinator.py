@@ -56,7 +56,9 @@ class Coordinator:
         self.router: zmq.Socket | None = None
         self.store: Any = None
         self.last_seen: dict[int, float] = {}
-        self.step = None
+        self.last_done: dict[int, int] = {}  # rank -> last step it finished
+        self.training = False
+        self.awaited_step = 0
 
     # -- public ----------------------------------------------------------------------------
 
@@ -130,8 +132,9 @@ class Coordinator:
             return next_plan
 
         send_plans(p.lookahead_steps)
+        self.training = True
         for step in range(p.steps):
-            self.step = step
+            self.awaited_step = step
             deadline = time.monotonic() + self.timeouts.step_s
             row = None
             while row is None:
@@ -165,6 +168,22 @@ class Coordinator:
         except zmq.ZMQError as exc:
             raise SystemFailure(f"cannot reach {self._label(rank)}: {exc}") from None
 
+    def _death(self, w) -> SystemFailure:
+        if not self.training:
+            return SystemFailure(f"worker {w.label} {w.exit_description()} during startup")
+        last = self.last_done.get(w.rank)
+        reported = "before finishing any step" if last is None else f"after finishing step {last}"
+        return SystemFailure(f"worker {w.label} {w.exit_description()} {reported}, "
+                             f"while the run was at step {self.awaited_step}")
+
+    def _raise_dead_peer(self, exclude: int, grace_s: float = 1.0) -> None:
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline:
+            dead = [w for w in self.launcher.dead() if w.rank != exclude]
+            if dead:
+                raise self._death(dead[0])
+            time.sleep(0.05)
+
     def _label(self, rank: int) -> str:
         section, replica = self.placement.who(rank)
         return f"section {section!r} replica {replica} (rank {rank})"
@@ -190,10 +209,13 @@ class Coordinator:
                 raise SystemFailure(f"bad message from {self._label(rank)}: {exc}") from None
             if msg["t"] == "heartbeat":
                 continue
+            if msg["t"] == "done":
+                self.last_done[rank] = msg["step"]
             if msg["t"] == "error":
                 if msg["kind"] == "stage":
                     raise StageError(section=msg["section"], replica=msg["replica"], rank=rank, step=msg["step"],
                                      phase=msg["phase"], traceback=msg["traceback"])
+                self._raise_dead_peer(exclude=rank)  # a peer's death is the cause, not the symptom
                 raise SystemFailure(f"system error in {self._label(rank)} during {msg['phase']}"
                                     f"{'' if msg['step'] is None else ' at step ' + str(msg['step'])}:\n"
                                     f"{msg['traceback'].rstrip()}")
@@ -206,8 +228,7 @@ class Coordinator:
             # A worker that reported an error exits right after; prefer its report if it is queued.
             if self.router.poll(0):
                 return
-            where = "" if self.step is None else f" during step {self.step}"
-            raise SystemFailure(f"worker {w.label} {w.exit_description()}{where}")
+            raise self._death(w)
         for rank, seen in self.last_seen.items():
             if now - seen > self.timeouts.heartbeat_timeout_s:
                 raise SystemFailure(f"worker {self._label(rank)} sent nothing for {now - seen:.1f}s "

@@ -7,7 +7,8 @@ replica (one with no samples contributes zeros), so it never hangs on an empty r
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -39,5 +40,5 @@ class GradientReducer:
         for tensors in by_dtype.values():
             flat = _flatten_dense_tensors(tensors)
             dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group)
-            for g, reduced in zip(tensors, _unflatten_dense_tensors(flat, tensors)):
+            for g, reduced in zip(tensors, _unflatten_dense_tensors(flat, tensors), strict=True):
                 g.copy_(reduced)

@@ -8,7 +8,7 @@ step s is batch `s % per_epoch` of epoch `s // per_epoch`.
 from __future__ import annotations
 
 import random
-from typing import Sequence
+from collections.abc import Sequence
 
 from maestro_flow.errors import PipelineError
 from maestro_flow.samples import SampleMeta

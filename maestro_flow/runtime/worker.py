@@ -83,9 +83,12 @@ class _Control:
             if time.monotonic() >= next_beat:
                 zmq_link.send_msg(self.dealer, make("heartbeat", rank=self.rank))
                 next_beat = time.monotonic() + self.timeouts.heartbeat_interval_s
-        # Flush what the compute thread queued last (its bye / error) before closing.
+        # Flush what the compute thread queued last (its bye / error) before closing; the
+        # linger lets the context's termination wait until those frames are on the wire.
         while self.events.poll(0):
             self.dealer.send(self.events.recv())
+        self.events.close(linger=0)
+        self.dealer.close(linger=2000)
 
 
 def worker_main(boot: dict[str, Any]) -> None:
@@ -106,9 +109,18 @@ def worker_main(boot: dict[str, Any]) -> None:
     control = _Control(zctx, dealer, rank, inbox, timeouts)
     control.thread.start()
     out = control.outbound()
-    code = _Worker(init, inbox, out, pull, zctx, timeouts).run()
+    worker = _Worker(init, inbox, out, pull, zctx, timeouts)
+    code = worker.run()
+    if worker.comm is not None:
+        worker.comm.close()
+    out.close(linger=2000)
     control.stopped.set()
     control.thread.join(timeout=2.0)
+    # term() returns once every socket is closed and its last frames sent; bounded, because a
+    # channel thread stuck in a transfer that will never complete may still hold its socket.
+    closer = threading.Thread(target=zctx.term, daemon=True)
+    closer.start()
+    closer.join(timeout=3.0)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)  # channel threads may sit in a receive that will never complete
@@ -119,6 +131,7 @@ class _Worker:
                  zctx: zmq.Context, timeouts: Timeouts) -> None:
         self.init, self.inbox, self.out, self.pull, self.zctx, self.timeouts = init, inbox, out, pull, zctx, timeouts
         self.rank = init["rank"]
+        self.comm = None
         self.section, self.replica, self.step = "?", -1, None
         self.phase = "setup"
 
@@ -213,7 +226,6 @@ class _Worker:
             elif body["t"] == "stop":
                 if body["save_dir"] and executor.trainable and self.replica == 0:
                     save_stage(executor.stage, body["save_dir"], self.section)
-                self.comm.close()
                 self.send("bye")
                 return 0
             # Drain everything already queued before computing, so a poll sees all arrivals.

@@ -17,7 +17,8 @@ import queue
 import threading
 import time
 import traceback
-from typing import Any, Callable, Protocol, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import torch
 import zmq

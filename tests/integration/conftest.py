@@ -1,0 +1,90 @@
+"""Fixtures for the integration tier: real processes on loopback, bounded, leak-checked.
+
+Every test here gets `no_leaks`: after the test, no child process of the test process (or of the
+processes it started) may still be running.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+ASSETS = Path(__file__).resolve().parent / "assets"
+
+
+def descendants(pid: int) -> list[int]:
+    """All live descendant pids of `pid` (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(")") + 2:].split()
+        if fields[0] == "Z":
+            continue
+        children.setdefault(int(fields[1]), []).append(int(entry))
+    out, stack = [], [pid]
+    while stack:
+        for c in children.get(stack.pop(), []):
+            out.append(c)
+            stack.append(c)
+    return out
+
+
+def wait_gone(pids: list[int], timeout_s: float) -> list[int]:
+    deadline = time.monotonic() + timeout_s
+    alive = pids
+    while alive and time.monotonic() < deadline:
+        alive = [p for p in alive if _alive(p)]
+        time.sleep(0.05)
+    return alive
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _is_resource_tracker(pid: int) -> bool:
+    # multiprocessing's resource tracker: one per parent process, lives as long as the parent.
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"resource_tracker" in f.read()
+    except OSError:
+        return False
+
+
+@pytest.fixture(autouse=True)
+def no_leaks():
+    before = set(descendants(os.getpid()))
+    yield
+    new = [p for p in descendants(os.getpid()) if p not in before and not _is_resource_tracker(p)]
+    left = wait_gone(new, 10.0)
+    assert not left, f"processes left running after the test: {left}"
+
+
+@pytest.fixture(scope="session")
+def demo_data(tmp_path_factory) -> Path:
+    from loaders.demo import build_text_demo
+
+    out = tmp_path_factory.mktemp("demo")
+    return build_text_demo(out, num_samples=256, parquet=False)
+
+
+def maestro(*args: str, timeout: float = 120, **kwargs) -> subprocess.CompletedProcess:
+    """Run the CLI in a subprocess (the real entry point, real exit codes)."""
+    return subprocess.run([sys.executable, "-m", "maestro_flow.cli", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout, **kwargs)

@@ -1,0 +1,112 @@
+"""The failure matrix: every failure ends the run quickly, names where it happened, leaks nothing.
+
+Each case runs the real CLI (`python -m maestro_flow.cli run ...`) on tests/integration/assets/
+faulty.py, whose student stage fails on purpose as configured by --set.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.integration.conftest import ASSETS, ROOT, descendants, maestro, wait_gone
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+PIPELINE = str(ASSETS / "faulty.py")
+
+
+def run_faulty(demo_data, *sets: str, env: dict | None = None) -> tuple[subprocess.CompletedProcess, float]:
+    args = ["run", PIPELINE, "--quiet", "--set", f"data.path={demo_data}"]
+    for s in sets:
+        args += ["--set", s]
+    t0 = time.monotonic()
+    result = maestro(*args, timeout=90, env={**os.environ, **(env or {})})
+    return result, time.monotonic() - t0
+
+
+def test_exception_in_setup(demo_data):
+    result, elapsed = run_faulty(demo_data, "sections.student.config.fail=setup",
+                                 "sections.student.config.on_replica=1")
+    assert result.returncode == 1
+    err = result.stderr
+    assert "section 'student' replica 1" in err and "during setup" in err
+    assert "deliberate failure while building the stage" in err
+    assert "faulty_stages.py" in err  # the worker's own traceback, formatted where it was raised
+    assert elapsed < 60
+
+
+def test_exception_in_forward_at_step_k(demo_data):
+    result, elapsed = run_faulty(demo_data, "sections.student.config.fail=forward",
+                                 "sections.student.config.at_step=2", "sections.student.config.on_replica=1")
+    assert result.returncode == 1
+    err = result.stderr
+    assert "section 'student' replica 1" in err and "during forward at step 2" in err
+    assert "ValueError: deliberate failure in forward at step 2" in err
+    assert "Traceback" in err and "faulty_stages.py" in err
+    assert elapsed < 60
+
+
+def test_worker_killed_mid_step(demo_data):
+    result, elapsed = run_faulty(demo_data, "sections.student.config.fail=kill", "sections.student.config.at_step=1")
+    assert result.returncode == 1
+    err = result.stderr
+    assert "section 'student' replica 0" in err and "was killed by SIGKILL" in err
+    assert "while the run was at step" in err
+    assert "Traceback" not in err  # a system error is one clear message
+    assert elapsed < 60
+
+
+def test_hung_worker_hits_the_step_timeout(demo_data):
+    result, _ = run_faulty(demo_data, "sections.student.config.fail=hang", "sections.student.config.at_step=1",
+                           env={"MAESTRO_STEP_S": "5"})
+    assert result.returncode == 1
+    assert "timed out after" in result.stderr and "step 1 to finish" in result.stderr
+    assert "MAESTRO_STEP_S" in result.stderr
+
+
+def _start_slow_run(demo_data) -> tuple[subprocess.Popen, list[int]]:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "maestro_flow.cli", "run", PIPELINE, "--quiet", "--steps", "1000",
+         "--set", f"data.path={demo_data}", "--set", "sections.student.config.sleep_s=0.2"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        workers = [p for p in descendants(proc.pid) if b"spawn_main" in _cmdline(p)]
+        if len(workers) == 3:
+            time.sleep(3.0)  # let it train for a moment
+            return proc, workers
+        time.sleep(0.2)
+    proc.kill()
+    raise AssertionError("workers did not start")
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+
+
+def test_killing_the_coordinator_leaves_no_worker(demo_data):
+    proc, workers = _start_slow_run(demo_data)
+    everything = descendants(proc.pid)
+    proc.kill()
+    proc.wait(10)
+    assert not wait_gone(everything, 10.0), "workers outlived their coordinator"
+    assert workers
+
+
+def test_ctrl_c_shuts_down_cleanly(demo_data):
+    proc, workers = _start_slow_run(demo_data)
+    everything = descendants(proc.pid)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130
+    assert "interrupted" in err and "Traceback" not in err
+    assert not wait_gone(everything, 10.0)

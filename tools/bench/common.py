@@ -1,0 +1,129 @@
+"""Shared pieces of the benchmarks: spawning bounded helper processes, statistics, tables.
+
+Runs in the benchmark's own (parent) process. `run_spawned` starts one process per rank with
+multiprocessing's spawn, collects one result (or one error, formatted as text in the child)
+per rank under a single deadline, and always terminates/joins what it started, also on error.
+Nothing here knows what the children measure.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import statistics
+import time
+import traceback
+from typing import Any, Callable, Sequence
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+# Benchmarks run the repository's own pipelines, so paths resolve from the repository root
+# whatever the current directory is.
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def repo_path(*parts: str) -> str:
+    return os.path.join(REPO_ROOT, *parts)
+
+
+def _child_entry(target: Callable[..., Any], rank: int, args: tuple, results: Any) -> None:
+    try:
+        out = target(rank, *args)
+        results.put(("ok", rank, out))
+    except BaseException:  # noqa: BLE001 - the parent must hear about every failure, as text
+        results.put(("error", rank, traceback.format_exc()))
+
+
+def run_spawned(target: Callable[..., Any], args_per_rank: Sequence[tuple], timeout_s: float) -> list[Any]:
+    """Run `target(rank, *args)` in one spawned process per rank; return their results by rank.
+
+    Raises RuntimeError with the child's traceback text if a child raised, died, or the deadline
+    passed. Every started process is terminated (then killed) and joined before returning.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_child_entry, args=(target, rank, args, results), daemon=True,
+                         name=f"bench-{getattr(target, '__name__', 'worker')}-{rank}")
+             for rank, args in enumerate(args_per_rank)]
+    out: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        for p in procs:
+            p.start()
+        while len(out) < len(procs):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                missing = sorted(set(range(len(procs))) - set(out))
+                raise RuntimeError(f"benchmark ranks {missing} gave no result within {timeout_s:.0f}s")
+            try:
+                status, rank, body = results.get(timeout=min(0.5, remaining))
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if r not in out and p.exitcode is not None]
+                if dead:
+                    # A result put just before exiting may still be in the pipe: one last look.
+                    try:
+                        status, rank, body = results.get(timeout=1.0)
+                    except queue.Empty:
+                        raise RuntimeError(f"benchmark rank {dead[0]} exited with code "
+                                           f"{procs[dead[0]].exitcode} without a result") from None
+                else:
+                    continue
+            if status == "error":
+                raise RuntimeError(f"benchmark rank {rank} failed:\n{body}")
+            out[rank] = body
+        for p in procs:
+            p.join(max(0.1, deadline - time.monotonic()))
+        return [out[r] for r in range(len(procs))]
+    finally:
+        for p in procs:
+            if p.pid is not None and p.exitcode is None:
+                p.join(0.5)
+            if p.exitcode is None and p.pid is not None:
+                p.terminate()
+                p.join(2.0)
+            if p.exitcode is None and p.pid is not None:
+                p.kill()
+                p.join(2.0)
+        results.close()
+        results.join_thread()
+
+
+def median(values: Sequence[float]) -> float:
+    return float(statistics.median(values))
+
+
+def quartiles(values: Sequence[float]) -> tuple[float, float]:
+    """(25th, 75th) percentile; the value itself when there is a single sample."""
+    if len(values) < 2:
+        return float(values[0]), float(values[0])
+    q = statistics.quantiles(values, n=4, method="inclusive")
+    return float(q[0]), float(q[2])
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A plain aligned text table (also valid Markdown)."""
+    cells = [[str(h) for h in headers]] + [[_fmt(v) for v in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    lines = ["| " + " | ".join(c.rjust(w) for c, w in zip(r, widths)) + " |" for r in cells]
+    lines.insert(1, "|" + "|".join("-" * (w + 1) + ":" for w in widths) + "|")
+    return "\n".join(lines)
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        if v == 0:
+            return "0"
+        if abs(v) >= 100:
+            return f"{v:.0f}"
+        if abs(v) >= 1:
+            return f"{v:.2f}"
+        return f"{v:.3g}"
+    return str(v)
+
+
+def size_label(num_bytes: int) -> str:
+    if num_bytes >= MiB and num_bytes % MiB == 0:
+        return f"{num_bytes // MiB} MiB"
+    return f"{num_bytes // 1024} KiB"
