@@ -67,3 +67,16 @@ def test_chain_gradients_cross_the_edge(demo_data, tmp_path, overrides):
     # The embedding really trained: gradients crossed the edge.
     init = load_file(s_dir / "embed.safetensors")["tok_emb.weight"]
     assert init.abs().sum() > 0
+
+
+def test_hugging_face_teacher_and_student(demo_data, tmp_path):
+    """The transformers adapter works as teacher and as KD student across sections."""
+    teacher = {"role": "teacher", "init_seed": 3, "hf_config": {"n_layer": 1, "n_embd": 32, "n_head": 2}}
+    student = {"role": "kd_student", "teacher": {k: v for k, v in teacher.items() if k != "role"},
+               "hf_config": {"n_layer": 1, "n_embd": 32, "n_head": 2}}
+    out = run_both("pipelines/distill.py", demo_data, tmp_path, **{
+        "sections.teacher.stage": "stages.hf:HFCausalLM", "sections.teacher.config": teacher,
+        "sections.student.stage": "stages.hf:HFCausalLM", "sections.student.config": student})
+    (s_rows, s_dir), (c_rows, c_dir) = out["section"], out["colocated"]
+    assert_same_losses(s_rows, c_rows)
+    assert_same_parameters(s_dir, c_dir, ["student"])

@@ -14,7 +14,8 @@ import queue
 import statistics
 import time
 import traceback
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -106,7 +107,7 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     """A plain aligned text table (also valid Markdown)."""
     cells = [[str(h) for h in headers]] + [[_fmt(v) for v in row] for row in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    lines = ["| " + " | ".join(c.rjust(w) for c, w in zip(r, widths)) + " |" for r in cells]
+    lines = ["| " + " | ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) + " |" for r in cells]
     lines.insert(1, "|" + "|".join("-" * (w + 1) + ":" for w in widths) + "|")
     return "\n".join(lines)
 

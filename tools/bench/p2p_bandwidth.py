@@ -165,7 +165,7 @@ def measure(sizes: tuple[int, ...], reps: int, warmup: int, burst_bytes: int, ti
                           timeout=timedelta(seconds=timeout_s))
     sender, receiver = run_spawned(_rank_main, [(store.port, cases, schedule, timeout_s, thp)] * 2, timeout_s)
     per: dict[tuple[int, str], list[float]] = {}
-    for (rep, c, mode), t0, t1 in zip(schedule, sender["stamps"], receiver["stamps"]):
+    for (rep, c, mode), t0, t1 in zip(schedule, sender["stamps"], receiver["stamps"], strict=True):
         if rep < warmup:
             continue
         case = cases[c]
@@ -173,11 +173,11 @@ def measure(sizes: tuple[int, ...], reps: int, warmup: int, burst_bytes: int, ti
     results = []
     for c, case in enumerate(cases):
         raw, fresh, rt = per[(c, "raw")], per[(c, "raw_fresh")], per[(c, "runtime")]
-        paired = [r / w for r, w in zip(rt, raw)]  # same repetition, measured side by side
+        paired = [r / w for r, w in zip(rt, raw, strict=True)]  # same repetition, measured side by side
         q1, q3 = quartiles(paired)
         results.append({**case, "raw_gibps": median(raw), "raw_fresh_gibps": median(fresh),
                         "runtime_gibps": median(rt), "ratio": median(paired), "ratio_q1": q1, "ratio_q3": q3,
-                        "fresh_ratio": median([f / w for f, w in zip(fresh, raw)]), "reps": len(raw)})
+                        "fresh_ratio": median([f / w for f, w in zip(fresh, raw, strict=True)]), "reps": len(raw)})
     return {"cases": results}
 
 

@@ -1,0 +1,90 @@
+"""Processes for the transport tests: real TensorComms over gloo and ZeroMQ on loopback.
+
+`peer_main` runs in a spawned process: it joins a world through a TCPStore, publishes its header
+address, builds a TensorComm exactly like a worker does, runs a scenario, and puts what it
+received on a result queue as plain data.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import zmq
+
+from maestro_flow.transport import zmq_link
+from maestro_flow.transport.tensor_comm import LocalComm, TensorComm
+
+
+def messages(seed: int) -> list[list[tuple[int, str, torch.Tensor | None]]]:
+    """A varied message sequence: dtypes, shapes, big and small tensors, missing entries."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for m in range(6):
+        items = []
+        for s in range(3):
+            sid = m * 10 + s
+            items.append((sid, "f32", torch.randn(5 + s, 7, generator=g)))
+            items.append((sid, "f64", torch.randn(3, generator=g, dtype=torch.float64)))
+            items.append((sid, "i64", torch.randint(0, 100, (4 + m,), generator=g)))
+            items.append((sid, "bf16", torch.randn(2, 2, generator=g).to(torch.bfloat16)))
+            items.append((sid, "none", None))
+        if m % 2 == 0:
+            items.append((m * 10, "big", torch.randn(300_000, generator=g)))  # > 1 MiB: sent uncoalesced
+        items.append((m * 10, "empty", torch.empty(0, 3)))
+        out.append(items)
+    return out
+
+
+def plain(items) -> list:
+    return [(sid, name, None if t is None else (str(t.dtype), list(t.shape), t.float().sum().item()))
+            for sid, name, t in items]
+
+
+def peer_main(rank: int, world: int, port: int, plan: list[tuple[int, int, str]], delay_s: dict, results) -> None:
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    zctx = zmq.Context()
+    pull, addr = zmq_link.bind(zctx, zmq.PULL)
+    store.set(f"addr{rank}", addr)
+    peers = {r: store.get(f"addr{r}").decode() for r in range(world)}
+    groups = {}
+    for src, dst, kind in plan:  # every rank creates every group, in the same order
+        g = dist.new_group(sorted((src, dst)))
+        if rank in (src, dst):
+            groups[(src, dst, kind)] = g
+    time.sleep(delay_s.get(rank, 0.0))  # a slow peer: no receive posted before this
+    got: queue.Queue = queue.Queue()
+    errors: list[str] = []
+    comm = TensorComm(zctx=zctx, rank=rank, pull=pull, peers=peers, groups=groups, device=torch.device("cpu"),
+                      deliver=lambda kind, edge, step, src, items: got.put((time.monotonic(), kind, src, plain(items))),
+                      on_error=errors.append)
+    for src, dst, kind in plan:
+        if src == rank:
+            for i, items in enumerate(messages(seed=dst * 100 + src)):
+                comm.send(dst, kind, 0, i, items)
+    expected = sum(len(messages(0)) for src, dst, _ in plan if dst == rank)
+    received = [got.get(timeout=60) for _ in range(expected)]
+    results.put((rank, time.monotonic(), received, errors))
+    store.set(f"done{rank}", "1")
+    for r in range(world):  # keep every process alive until all have received everything
+        store.get(f"done{r}")
+    comm.close()
+    dist.destroy_process_group()
+
+
+def local_exchange(plan: list[tuple[int, int, str]]) -> dict[int, list]:
+    """The same scenario over LocalComm (in-process), for the contract comparison."""
+    received: dict[int, list] = {}
+
+    def deliver_to(dst):
+        return lambda kind, edge, step, src, items: received.setdefault(dst, []).append((0.0, kind, src, plain(items)))
+
+    comms = {r: LocalComm(r, deliver_to) for pair in plan for r in pair[:2]}
+    for src, dst, kind in plan:
+        for i, items in enumerate(messages(seed=dst * 100 + src)):
+            comms[src].send(dst, kind, 0, i, items)
+    return received
