@@ -90,9 +90,11 @@ def validate(ctx: click.Context, pipeline: str, sets: tuple[str, ...]) -> None:
 
     try:
         p, _ = load_pipeline(pipeline, _overrides(sets))
-        graph, source = check_pipeline(p)
-        click.echo(f"ok: {p.name}: {len(graph.order)} sections, {len(graph.edges)} edges, "
-                   f"{sum(s.dp for s in p.sections)} workers, {len(source)} samples")
+        checked = check_pipeline(p)
+        skipped = getattr(checked.source, "num_skipped", 0)
+        click.echo(f"ok: {p.name}: {len(checked.graph.order)} sections, {len(checked.graph.edges)} edges, "
+                   f"{sum(s.dp for s in p.sections)} workers, {len(checked.metadata)} samples"
+                   + (f" ({skipped} bad rows skipped)" if skipped else ""))
     except MaestroError as exc:
         _fail(exc, ctx.obj["debug"])
 
@@ -114,9 +116,9 @@ def plan(ctx: click.Context, pipeline: str, sets: tuple[str, ...], schedule: str
 
     try:
         p, _ = load_pipeline(pipeline, _overrides(sets, schedule=schedule))
-        graph, source = check_pipeline(p)
-        sampler = EpochSampler(source.metadata(), p.global_batch, p.seed)
-        result = make_planner(p.schedule, graph).plan(step, sampler.batch(step))
+        checked = check_pipeline(p)
+        sampler = EpochSampler(checked.metadata, p.global_batch, p.seed)
+        result = make_planner(p.schedule, checked.graph).plan(step, sampler.batch(step))
         click.echo(json.dumps(result.to_json_dict(), indent=1) if as_json else result.describe())
     except MaestroError as exc:
         _fail(exc, ctx.obj["debug"])

@@ -7,16 +7,31 @@ a `PipelineError` naming the section, edge or field to change.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from maestro_flow.config import Pipeline
 from maestro_flow.errors import PipelineError
 from maestro_flow.graph import SectionGraph
 from maestro_flow.runtime.build import open_source, resolve
+from maestro_flow.samples import SampleMeta
 
 
-def check_pipeline(pipeline: Pipeline, *, open_data: bool = True) -> tuple[SectionGraph, Any]:
-    """Validate everything checkable without starting workers; returns the graph and data source."""
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Checked:
+    """What the checks produced: the graph, the opened data source and every row's metadata."""
+
+    graph: SectionGraph
+    source: Any
+    metadata: list[SampleMeta]
+
+
+def check_pipeline(pipeline: Pipeline) -> Checked:
+    """Validate everything checkable without starting workers.
+
+    Reading the metadata checks every row (declared modalities against columns, unique ids), so
+    bad rows are refused here too.
+    """
     from maestro_flow.stage import Stage
 
     pipeline.validate()
@@ -45,14 +60,13 @@ def check_pipeline(pipeline: Pipeline, *, open_data: bool = True) -> tuple[Secti
                 f"{pipeline.section(name).stage} declares {', '.join(declared[name]) or 'no outputs'} "
                 "(set trainable=False, or add a consumer)"
             )
-    source = open_source(pipeline) if open_data else None
-    if source is not None:
-        columns = pipeline.sections
-        for s in columns:
-            for c in s.columns or ():
-                if c not in source.column_names:
-                    raise PipelineError(f"sections.{s.name}.columns: dataset {pipeline.data.path} has no column {c!r}")
-        if len(source) < pipeline.global_batch:
-            raise PipelineError(f"global_batch={pipeline.global_batch} is larger than the dataset "
-                                f"{pipeline.data.path} ({len(source)} samples)")
-    return graph, source
+    source = open_source(pipeline)
+    for s in pipeline.sections:
+        for c in s.columns or ():
+            if c not in source.column_names:
+                raise PipelineError(f"sections.{s.name}.columns: dataset {pipeline.data.path} has no column {c!r}")
+    metadata = source.metadata()
+    if len(metadata) < pipeline.global_batch:
+        raise PipelineError(f"global_batch={pipeline.global_batch} is larger than the dataset "
+                            f"{pipeline.data.path} ({len(metadata)} usable samples)")
+    return Checked(graph=graph, source=source, metadata=metadata)

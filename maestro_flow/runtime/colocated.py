@@ -29,12 +29,12 @@ from maestro_flow.runtime.saving import save_stage
 from maestro_flow.transport.tensor_comm import LocalComm
 
 
-def run_colocated(pipeline: Pipeline, source: Any, report: RunReport, *, save_dir: str | None = None) -> None:
+def run_colocated(pipeline: Pipeline, source: Any, sampler: EpochSampler, report: RunReport, *,
+                  save_dir: str | None = None) -> None:
     single = pipeline.override(**{f"sections.{s.name}.dp": 1 for s in pipeline.sections})
     graph = SectionGraph(single)
     placement = Placement.build(graph.order, {n: 1 for n in graph.order})
     planner = make_planner(pipeline.schedule, graph)
-    sampler = EpochSampler(source.metadata(), pipeline.global_batch, pipeline.seed)
     ledger = StepLedger(graph, placement)
     events: list[tuple[int, str, dict]] = []
     executors: dict[int, SectionExecutor] = {}

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 import zmq
@@ -27,6 +28,7 @@ from maestro_flow.runtime.launcher import Launcher
 from maestro_flow.runtime.ledger import StepLedger, plan_message
 from maestro_flow.runtime.report import RunReport
 from maestro_flow.runtime.sampler import EpochSampler
+from maestro_flow.runtime.worker import worker_main
 from maestro_flow.timeouts import Timeouts
 from maestro_flow.transport import zmq_link
 
@@ -45,13 +47,14 @@ def placement_for(graph: SectionGraph) -> Placement:
 
 
 class Coordinator:
-    def __init__(self, pipeline: Pipeline, graph: SectionGraph, source: Any, report: RunReport, *,
-                 paths: list[str], timeouts: Timeouts | None = None, save_dir: str | None = None) -> None:
-        self.pipeline, self.graph, self.source, self.report = pipeline, graph, source, report
+    def __init__(self, pipeline: Pipeline, graph: SectionGraph, sampler: EpochSampler, report: RunReport, *,
+                 paths: list[str], timeouts: Timeouts | None = None, save_dir: str | None = None,
+                 worker_entry: Callable[[dict], None] = worker_main) -> None:
+        self.pipeline, self.graph, self.sampler, self.report = pipeline, graph, sampler, report
         self.paths, self.save_dir = paths, save_dir
         self.timeouts = timeouts or Timeouts.from_env()
         self.placement = placement_for(graph)
-        self.launcher = Launcher()
+        self.launcher = Launcher(worker_entry)
         self.zctx = zmq.Context()
         self.router: zmq.Socket | None = None
         self.store: Any = None
@@ -72,8 +75,9 @@ class Coordinator:
 
     def close(self) -> None:
         """Idempotent; never waits longer than the shutdown grace periods."""
-        self.launcher.shutdown(self.timeouts.shutdown_grace_s if self.router is None else 0.5,
-                               self.timeouts.kill_grace_s)
+        # After a normal stop the workers have exited already; after a failure the others may
+        # sit in a transfer with the dead one, so they get a short grace, then SIGTERM, then SIGKILL.
+        self.launcher.shutdown(0.5, self.timeouts.kill_grace_s)
         if self.router is not None:
             self.router.close(linger=0)
             self.router = None
@@ -117,7 +121,7 @@ class Coordinator:
     def _train(self) -> None:
         p = self.pipeline
         planner = make_planner(p.schedule, self.graph)
-        sampler = EpochSampler(self.source.metadata(), p.global_batch, p.seed)
+        sampler = self.sampler
         ledger = StepLedger(self.graph, self.placement)
         next_plan = 0
 

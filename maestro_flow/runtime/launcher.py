@@ -11,10 +11,9 @@ from __future__ import annotations
 import multiprocessing as mp
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
-
-from maestro_flow.runtime.worker import worker_main
 
 
 @dataclass
@@ -41,12 +40,13 @@ class WorkerHandle:
 
 
 class Launcher:
-    def __init__(self) -> None:
+    def __init__(self, entry: Callable[[dict[str, Any]], None]) -> None:
+        self.entry = entry  # worker.worker_main; tests pass an impostor to exercise the handshake
         self.workers: list[WorkerHandle] = []
         self._ctx = mp.get_context("spawn")
 
     def start(self, rank: int, section: str, replica: int, boot: dict[str, Any]) -> WorkerHandle:
-        proc = self._ctx.Process(target=worker_main, args=(boot,), name=f"maestro-{section}-{replica}", daemon=True)
+        proc = self._ctx.Process(target=self.entry, args=(boot,), name=f"maestro-{section}-{replica}", daemon=True)
         proc.start()
         handle = WorkerHandle(rank=rank, section=section, replica=replica, process=proc)
         self.workers.append(handle)

@@ -179,7 +179,10 @@ class _Worker:
         self.section, self.replica = placement.who(self.rank)
         section = graph.sections[self.section]
         device = placement.devices[self.rank]
-        torch.set_num_threads(max(1, int(os.environ.get("MAESTRO_WORKER_THREADS", "0")) or torch.get_num_threads()))
+        # CPU workers share the host's cores; without this each one would start a thread per core.
+        cpu_workers = sum(1 for d in placement.devices.values() if d == "cpu") or 1
+        threads = int(os.environ.get("MAESTRO_WORKER_THREADS", "0")) or max(1, (os.cpu_count() or 1) // cpu_workers)
+        torch.set_num_threads(threads)
         if device.startswith("cuda"):
             torch.cuda.set_device(torch.device(device))
         try:

@@ -80,3 +80,23 @@ def test_hugging_face_teacher_and_student(demo_data, tmp_path):
     (s_rows, s_dir), (c_rows, c_dir) = out["section"], out["colocated"]
     assert_same_losses(s_rows, c_rows)
     assert_same_parameters(s_dir, c_dir, ["student"])
+
+
+def test_replicas_without_samples_still_join_the_step(demo_data, tmp_path):
+    """3 samples over 4 LM replicas: replica 3 gets nothing every step and must not hang it."""
+    out = run_both("pipelines/chain.py", demo_data, tmp_path, global_batch=3, **{"sections.lm.dp": 4})
+    (s_rows, s_dir), (c_rows, c_dir) = out["section"], out["colocated"]
+    assert all(r["sections"]["lm"]["samples"] == 3 for r in s_rows)
+    assert_same_losses(s_rows, c_rows)
+    assert_same_parameters(s_dir, c_dir, ["embed", "lm"])
+
+
+def test_parquet_data_trains_like_arrow(demo_data, tmp_path):
+    from loaders.demo import build_text_demo
+
+    parquet = build_text_demo(tmp_path / "pq", num_samples=256, parquet=True).with_suffix(".parquet")
+    rows = {}
+    for name, path in (("arrow", demo_data), ("parquet", parquet)):
+        rows[name] = run_pipeline(str(ROOT / "pipelines/distill.py"), RunOptions(
+            overrides={"steps": 2, "data.path": str(path), "dtype": "float64"}, show_progress=False))
+    assert_same_losses(rows["arrow"], rows["parquet"])

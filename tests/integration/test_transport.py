@@ -55,7 +55,7 @@ def check_contract(received: dict[int, list], plan) -> None:
 def test_gloo_both_directions_at_once_match_local_comm():
     plan = [(0, 1, "fwd"), (1, 0, "bwd")]  # each side sends and receives concurrently
     out = run_world(2, plan)
-    for rank, (_, _, errors) in out.items():
+    for _, _, errors in out.values():
         assert not errors, errors
     check_contract({r: received for r, (_, received, _) in out.items()}, plan)
     check_contract(local_exchange(plan), plan)

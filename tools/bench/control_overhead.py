@@ -49,7 +49,7 @@ def _tensors_message(num_samples: int = 8, d_model: int = 128) -> dict[str, Any]
     return make("tensors", src=0, kind="fwd", edge=0, step=17, entries=entries, buffers=specs)
 
 
-def _plan_messages(pipeline: Any, graph: Any, source: Any, steps: int) -> tuple[dict[str, Any], list[Any], Any]:
+def _plan_messages(pipeline: Any, graph: Any, metadata: list[Any], steps: int) -> tuple[dict[str, Any], list[Any], Any]:
     """(largest plan message of step 0, the plans of every step, placement) as the coordinator makes them."""
     from maestro_flow.planner import make_planner
     from maestro_flow.protocol.codec import encode
@@ -59,7 +59,7 @@ def _plan_messages(pipeline: Any, graph: Any, source: Any, steps: int) -> tuple[
 
     placement = placement_for(graph)
     planner = make_planner(pipeline.schedule, graph)
-    sampler = EpochSampler(source.metadata(), pipeline.global_batch, pipeline.seed)
+    sampler = EpochSampler(metadata, pipeline.global_batch, pipeline.seed)
     plans = [planner.plan(s, sampler.batch(s)) for s in range(steps)]
     messages = [plan_message(plans[0], graph, *placement.who(r)) for r in range(placement.world_size)]
     return max(messages, key=lambda m: len(encode(m))), plans, placement
@@ -243,8 +243,9 @@ def main(argv: list[str] | None = None) -> dict:
     reps = args.reps or (100 if args.tiny else 2000)
     overrides = {**parse_set(args.sets), "steps": steps}
     pipeline, _ = load_pipeline(args.pipeline, overrides)
-    graph, source = check_pipeline(pipeline)
-    plan_msg, plans, placement = _plan_messages(pipeline, graph, source, steps)
+    checked = check_pipeline(pipeline)
+    graph = checked.graph
+    plan_msg, plans, placement = _plan_messages(pipeline, graph, checked.metadata, steps)
     messages = {"tensors": _tensors_message(), "plan": plan_msg, "done": _done_message()}
 
     micro = micro_benchmark(messages, reps, warmup=max(10, reps // 20), timeout_s=args.timeout_s)

@@ -165,11 +165,13 @@ def measure(sizes: tuple[int, ...], reps: int, warmup: int, burst_bytes: int, ti
                           timeout=timedelta(seconds=timeout_s))
     sender, receiver = run_spawned(_rank_main, [(store.port, cases, schedule, timeout_s, thp)] * 2, timeout_s)
     per: dict[tuple[int, str], list[float]] = {}
+    per_msg_us: dict[tuple[int, str], list[float]] = {}
     for (rep, c, mode), t0, t1 in zip(schedule, sender["stamps"], receiver["stamps"], strict=True):
         if rep < warmup:
             continue
-        case = cases[c]
-        per.setdefault((c, mode), []).append(case["n_msgs"] * case["msg_bytes"] / GiB / max(t1 - t0, 1e-9))
+        case, elapsed = cases[c], max(t1 - t0, 1e-9)
+        per.setdefault((c, mode), []).append(case["n_msgs"] * case["msg_bytes"] / GiB / elapsed)
+        per_msg_us.setdefault((c, mode), []).append(elapsed / case["n_msgs"] * 1e6)
     results = []
     for c, case in enumerate(cases):
         raw, fresh, rt = per[(c, "raw")], per[(c, "raw_fresh")], per[(c, "runtime")]
@@ -177,7 +179,9 @@ def measure(sizes: tuple[int, ...], reps: int, warmup: int, burst_bytes: int, ti
         q1, q3 = quartiles(paired)
         results.append({**case, "raw_gibps": median(raw), "raw_fresh_gibps": median(fresh),
                         "runtime_gibps": median(rt), "ratio": median(paired), "ratio_q1": q1, "ratio_q3": q3,
-                        "fresh_ratio": median([f / w for f, w in zip(fresh, raw, strict=True)]), "reps": len(raw)})
+                        "fresh_ratio": median([f / w for f, w in zip(fresh, raw, strict=True)]),
+                        "raw_us_per_msg": median(per_msg_us[(c, "raw")]),
+                        "runtime_us_per_msg": median(per_msg_us[(c, "runtime")]), "reps": len(raw)})
     return {"cases": results}
 
 
@@ -202,11 +206,12 @@ def main(argv: list[str] | None = None) -> dict:
         what = size_label(r["msg_bytes"]) if r["kind"] == "one" else \
             f"{r['tensors']} x {size_label(r['tensor_bytes'])}"
         rows.append([what, r["n_msgs"], r["raw_gibps"], r["raw_fresh_gibps"], r["runtime_gibps"], r["ratio"],
-                     f"{r['ratio_q1']:.2f}-{r['ratio_q3']:.2f}", r["fresh_ratio"]])
+                     f"{r['ratio_q1']:.2f}-{r['ratio_q3']:.2f}", r["fresh_ratio"], r["raw_us_per_msg"],
+                     r["runtime_us_per_msg"]])
     print(f"P2P bandwidth, gloo on loopback, {reps} interleaved repetitions (medians)"
           + (", THP on" if args.thp else ""))
     print(table(["message", "msgs/burst", "raw GiB/s", "raw_fresh GiB/s", "runtime GiB/s", "runtime/raw",
-                 "ratio IQR", "raw_fresh/raw"], rows))
+                 "ratio IQR", "raw_fresh/raw", "raw us/msg", "runtime us/msg"], rows))
     big = [r["ratio"] for r in out["cases"] if r["kind"] == "one" and r["msg_bytes"] >= MiB]
     out["min_ratio_from_1mib"] = min(big) if big else None
     if big:

@@ -1,0 +1,250 @@
+"""`maestro validate / plan / graph` in-process (click's CliRunner) on pipeline files in tmp_path.
+
+Each pipeline file has the shape of pipelines/distill.py (a frozen CausalLM teacher feeding a
+KDStudent, tiny configs) over a 64-sample demo dataset. Every bad pipeline must exit with code 2
+and print exactly one line, `error: ...`, naming the section, edge or field to change, and no
+traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+from click.testing import CliRunner
+from pyarrow import ipc
+
+from loaders.demo import build_text_demo
+from maestro_flow.cli import main
+
+VOCAB = 260
+TEACHER = {"role": "teacher", "vocab_size": VOCAB, "d_model": 16, "n_layers": 1, "n_heads": 2,
+           "max_seq_len": 256, "init_seed": 1}
+STUDENT = {"student": {"vocab_size": VOCAB, "d_model": 8, "n_layers": 1, "n_heads": 2, "max_seq_len": 256},
+           "teacher": TEACHER, "temperature": 2.0, "alpha": 0.5}
+
+
+@pytest.fixture(scope="session")
+def dataset(tmp_path_factory) -> Path:
+    return build_text_demo(tmp_path_factory.mktemp("demo"), num_samples=64, parquet=False)
+
+
+@pytest.fixture(scope="session")
+def no_tokens(tmp_path_factory) -> Path:
+    """An Arrow IPC file with id and modalities but no tokens column."""
+    path = tmp_path_factory.mktemp("bad") / "no_tokens.arrow"
+    table = pa.table({"id": pa.array([0, 1, 2], pa.int64()),
+                      "modalities": pa.array([["text"]] * 3, pa.list_(pa.string()))})
+    with pa.OSFile(str(path), "wb") as sink, ipc.new_file(sink, table.schema) as writer:
+        writer.write_table(table)
+    return path
+
+
+@pytest.fixture(autouse=True)
+def restore_sys_path(monkeypatch):
+    # Loading a pipeline puts its folder on sys.path (as the CLI must); keep tests independent.
+    monkeypatch.setattr(sys, "path", list(sys.path))
+
+
+def code(call: str, **kw) -> str:
+    """Python source of a call with literal arguments: code("Edge", src="a") -> "Edge(src='a')"."""
+    return f"{call}({', '.join(f'{k}={v!r}' for k, v in kw.items())})"
+
+
+def teacher(**kw) -> str:
+    return code("Section", **{"name": "teacher", "stage": "stages.lm:CausalLM", "config": TEACHER,
+                              "trainable": False, "dp": 1, "micro_batch": 4, **kw})
+
+
+def student(**kw) -> str:
+    return code("Section", **{"name": "student", "stage": "stages.distill:KDStudent", "config": STUDENT,
+                              "trainable": True, "dp": 2, "micro_batch": 2,
+                              "optimizer": {"name": "adamw", "lr": 3e-3}, **kw})
+
+
+def edge(src: str = "teacher", dst: str = "student", tensors: tuple[str, ...] = ("hidden",)) -> str:
+    return code("Edge", src=src, dst=dst, tensors=tensors)
+
+
+def write_pipeline(folder: Path, data: Path, sections=None, edges=None) -> Path:
+    sections = [teacher(), student()] if sections is None else sections
+    edges = [edge()] if edges is None else edges
+    path = folder / "tiny_distill.py"
+    path.write_text(
+        '"""A tiny distillation pipeline (the shape of pipelines/distill.py)."""\n\n'
+        "from maestro_flow import ArrowData, Edge, Pipeline, Section\n\n\n"
+        "def pipeline(**overrides):\n"
+        "    return Pipeline(\n"
+        f'        name="tiny-distill", data=ArrowData(path={str(data)!r}),\n'
+        "        global_batch=8, steps=2, seed=0,\n"
+        f"        sections=[{', '.join(sections)}],\n"
+        f"        edges=[{', '.join(edges)}],\n"
+        "    ).override(**overrides)\n"
+    )
+    return path
+
+
+def invoke(*args: str):
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def assert_one_error_line(result, *fragments: str) -> str:
+    assert "Traceback" not in result.output
+    assert result.exit_code == 2, (result.exit_code, result.output, result.exception)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("error: ")
+    for fragment in fragments:
+        assert fragment in lines[0]
+    assert result.stdout == ""
+    return lines[0]
+
+
+# -- maestro validate ----------------------------------------------------------------------
+
+
+def test_good_pipeline_is_ok(tmp_path, dataset):
+    result = invoke("validate", write_pipeline(tmp_path, dataset))
+    assert result.exit_code == 0, result.output
+    assert result.output == "ok: tiny-distill: 2 sections, 1 edges, 3 workers, 64 samples\n"
+
+
+BAD = [  # id, sections, edges, what the one error line must contain
+    ("duplicate-section", [teacher(), student(), student()], None,
+     ["sections: duplicate section name 'student'"]),
+    ("unknown-edge-end", None, [edge(), edge("student", "ghost", ("loss",))],
+     ["edges[1] (student -> ghost).dst", "unknown section 'ghost'"]),
+    ("cycle", None, [edge(), edge("student", "teacher", ("loss",))],
+     ["the section graph has a cycle through teacher, student"]),
+    ("dp-0", [teacher(), student(dp=0)], None, ["sections.student.dp must be an integer >= 1, got 0"]),
+    ("micro-batch-0", [teacher(micro_batch=0), student()], None, ["sections.teacher.micro_batch", "got 0"]),
+    ("dp-2-and-3", [teacher(dp=2), student(dp=3)], None,
+     ["edges[0] (teacher -> student)", "sections.teacher.dp=2", "sections.student.dp=3"]),
+    ("stage-module-missing", [teacher(), student(stage="stages.no_such_module:KDStudent")], None,
+     ["sections.student.stage", "cannot import 'stages.no_such_module:KDStudent'"]),
+    ("stage-class-missing", [teacher(), student(stage="stages.distill:NoSuchStudent")], None,
+     ["sections.student.stage", "'stages.distill' has no attribute 'NoSuchStudent'"]),
+    ("stage-not-a-stage", [teacher(stage="stages.lm:ROLES"), student()], None,
+     ["sections.teacher.stage", "'stages.lm:ROLES' is not a subclass of maestro_flow.Stage"]),
+    ("stage-config-refused", [teacher(config={**TEACHER, "role": "critic"}), student()], None,
+     ["sections.teacher.stage", "outputs(config) failed", "role must be one of"]),
+    ("unknown-modality", [teacher(), student(activates_on="video")], None,
+     ["sections.student.activates_on", "'video'"]),
+    ("trainable-sink-without-loss", [teacher(trainable=True)], [],
+     ["sections.teacher: a terminal trainable section must return 'loss'", "stages.lm:CausalLM declares hidden"]),
+    ("undeclared-edge-tensor", None, [edge(tensors=("logits",))],
+     ["edges[0] (teacher->student).tensors: logits not among the outputs of stages.lm:CausalLM"]),
+    ("unknown-column", [teacher(), student(columns=("tokens", "image"))], None,
+     ["sections.student.columns", "no column 'image'"]),
+]
+
+
+@pytest.mark.parametrize(("sections", "edges", "fragments"), [pytest.param(*c[1:], id=c[0]) for c in BAD])
+def test_bad_pipeline_exits_with_one_line(tmp_path, dataset, sections, edges, fragments):
+    result = invoke("validate", write_pipeline(tmp_path, dataset, sections, edges))
+    assert_one_error_line(result, *fragments)
+
+
+def test_missing_dataset_file(tmp_path):
+    missing = tmp_path / "nowhere" / "text.arrow"
+    result = invoke("validate", write_pipeline(tmp_path, missing))
+    assert_one_error_line(result, "data.path", str(missing))
+
+
+def test_dataset_without_a_required_column(tmp_path, no_tokens):
+    result = invoke("validate", write_pipeline(tmp_path, no_tokens))
+    assert_one_error_line(result, "data.path", "'tokens'", str(no_tokens))
+
+
+def test_missing_pipeline_file(tmp_path):
+    assert_one_error_line(invoke("validate", tmp_path / "nope.py"), "pipeline file not found")
+
+
+def test_global_batch_larger_than_the_dataset(tmp_path, dataset):
+    result = invoke("validate", write_pipeline(tmp_path, dataset), "--set", "global_batch=100")
+    assert_one_error_line(result, "global_batch=100 is larger than the dataset", "64")
+
+
+@pytest.mark.parametrize(("item", "fragments"), [
+    ("sections.student.dp=0", ["sections.student.dp must be an integer >= 1, got 0"]),
+    ("sections.ghost.dp=1", ["--set sections.ghost.dp", "no section named 'ghost'"]),
+    ("global_bach=8", ["--set global_bach", "unknown pipeline field 'global_bach'"]),
+    ("global_batch", ["--set expects key.path=value"]),
+])
+def test_bad_set_overrides_are_refused(tmp_path, dataset, item, fragments):
+    result = invoke("validate", write_pipeline(tmp_path, dataset), "--set", item)
+    assert_one_error_line(result, *fragments)
+
+
+def test_set_overrides_apply(tmp_path, dataset):
+    result = invoke("validate", write_pipeline(tmp_path, dataset), "--set", "sections.student.dp=3",
+                    "--set", "sections.teacher.micro_batch=6")
+    assert result.exit_code == 0, result.output
+    assert "4 workers" in result.output
+
+
+def test_debug_shows_the_exception(tmp_path, dataset):
+    result = invoke("--debug", "validate", write_pipeline(tmp_path, dataset, [teacher(), student(dp=0)]))
+    assert result.exit_code != 0 and "sections.student.dp" in str(result.exception)
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason="BUG runtime/build.py load_pipeline: the call "
+                   "`factory(**overrides)` (line 55) is not guarded, so an error raised inside pipeline() "
+                   "(here a misspelled Section field, TypeError) escapes as a Python traceback (exit 1) "
+                   "instead of one 'error: <file>: ...' line with exit 2")
+def test_error_inside_pipeline_function_is_one_line(tmp_path, dataset):
+    result = invoke("validate", write_pipeline(tmp_path, dataset, [teacher(batch_size=4), student()]))
+    assert_one_error_line(result, "batch_size")
+
+
+# -- maestro plan / graph ------------------------------------------------------------------
+
+
+def test_plan_json(tmp_path, dataset):
+    result = invoke("plan", write_pipeline(tmp_path, dataset), "--json")
+    assert result.exit_code == 0, result.output
+    plan = json.loads(result.stdout)
+    assert plan["schedule"] == "fifo"
+    assert set(plan["sections"]) == {"teacher", "student"}
+    teacher_reps, student_reps = (plan["sections"][n]["replicas"] for n in ("teacher", "student"))
+    assert len(teacher_reps) == 1 and len(student_reps) == 2
+    assert all(len(mb) <= 2 for rep in student_reps for mb in rep)
+    assert all(len(mb) <= 4 for rep in teacher_reps for mb in rep)
+    ids = sorted(sid for rep in student_reps for mb in rep for sid in mb)
+    assert ids == sorted(sid for rep in teacher_reps for mb in rep for sid in mb)
+    assert len(ids) == len(set(ids)) == 8
+
+
+def test_plan_text_and_same_step_same_plan(tmp_path, dataset):
+    path = write_pipeline(tmp_path, dataset)
+    first, again = invoke("plan", path, "--step", "3"), invoke("plan", path, "--step", "3")
+    assert first.exit_code == 0 and first.output == again.output
+    lines = first.output.splitlines()
+    assert lines[0] == "step 3 (fifo)" and [line.split(":")[0] for line in lines[1:]] == [
+        "teacher[0]", "student[0]", "student[1]"]
+
+
+def test_plan_with_an_unavailable_schedule(tmp_path, dataset):
+    result = invoke("plan", write_pipeline(tmp_path, dataset), "--schedule", "wavefront")
+    assert_one_error_line(result, "schedule", "'wavefront' is not available")
+
+
+def test_graph_writes_dot(tmp_path, dataset):
+    out = tmp_path / "out.dot"
+    result = invoke("graph", write_pipeline(tmp_path, dataset), "-o", out)
+    assert result.exit_code == 0, result.output
+    assert "teacher --[hidden]--> student  fan-out 2" in result.output and f"wrote {out}" in result.output
+    dot = out.read_text()
+    assert dot.startswith("digraph sections {") and dot.rstrip().endswith("}")
+    assert '"teacher" -> "student"' in dot
+
+
+def test_graph_refuses_a_bad_graph(tmp_path, dataset):
+    out = tmp_path / "out.dot"
+    result = invoke("graph", write_pipeline(tmp_path, dataset, edges=[edge(), edge("student", "teacher", ("loss",))]),
+                    "-o", out)
+    assert_one_error_line(result, "cycle")
+    assert not out.exists()
