@@ -282,7 +282,7 @@ class ArrowSource:
             for name in names:
                 values = _extract(_as_array(table.column(name)), local, as_int32=(name == "tokens"))
                 col = out[name]
-                for p, v in zip(positions.tolist(), values):
+                for p, v in zip(positions.tolist(), values, strict=False):
                     col[p] = v
         return out
 

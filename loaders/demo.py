@@ -146,7 +146,7 @@ def text_demo_table(*, num_samples: int = 2048, min_tokens: int = 32, max_tokens
     offsets = np.zeros(num_samples + 1, dtype=np.int32)
     np.cumsum(sizes, out=offsets[1:])
     values = np.empty(int(offsets[-1]), dtype=np.int32)
-    for start, chunk in zip(offsets[:-1].tolist(), chunks):
+    for start, chunk in zip(offsets[:-1].tolist(), chunks, strict=False):
         values[start] = text.BOS
         values[start + 1:start + 1 + len(chunk)] = np.frombuffer(chunk, dtype=np.uint8)
         values[start + 1 + len(chunk)] = text.EOS

@@ -69,10 +69,13 @@ class Section:
 
     def validate(self) -> None:
         where = f"sections.{self.name}"
-        if not self.name or not self.name.replace("_", "").replace("-", "").isalnum():
+        if not isinstance(self.name, str) or not self.name.replace("_", "").replace("-", "").isalnum():
             raise PipelineError(f"{where}.name must be a non-empty identifier, got {self.name!r}")
-        if ":" not in self.stage:
+        if not isinstance(self.stage, str) or ":" not in self.stage:
             raise PipelineError(f"{where}.stage must be 'module:Class', got {self.stage!r}")
+        for key, kind in (("trainable", bool), ("config", dict), ("optimizer", dict), ("device", str)):
+            if not isinstance(getattr(self, key), kind):
+                raise PipelineError(f"{where}.{key} must be a {kind.__name__}, got {getattr(self, key)!r}")
         for key in ("dp", "micro_batch"):
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -133,7 +136,8 @@ class Pipeline:
         object.__setattr__(self, "sections", tuple(self.sections))
         object.__setattr__(self, "edges", tuple(self.edges))
         for e in self.edges:
-            if isinstance(e, Edge) and not isinstance(e.tensors, tuple):
+            # A bare string is the classic missing-comma mistake: ("hidden") is not a tuple.
+            if isinstance(e, Edge) and not isinstance(e.tensors, (tuple, str)):
                 object.__setattr__(e, "tensors", tuple(e.tensors))
 
     def section(self, name: str) -> Section:
@@ -150,9 +154,9 @@ class Pipeline:
         """Field checks plus graph checks; never imports user code or touches files."""
         from maestro_flow.graph import SectionGraph
 
-        for key in ("global_batch", "steps", "lookahead_steps"):
+        for key in ("global_batch", "steps", "lookahead_steps", "seed"):
             value = getattr(self, key)
-            low = 0 if key == "lookahead_steps" else 1
+            low = 0 if key in ("lookahead_steps", "seed") else 1
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise PipelineError(f"{key} must be an integer >= {low}, got {value!r}")
         if self.dtype not in DTYPES:

@@ -72,6 +72,9 @@ class SectionGraph:
             if (e.src, e.dst) in seen:
                 raise PipelineError(f"{where}: duplicate edge; list all its tensors in one Edge")
             seen.add((e.src, e.dst))
+            if isinstance(e.tensors, str):
+                raise PipelineError(f"{where}.tensors must be a tuple of names, got the string {e.tensors!r} "
+                                    f"(write tensors=({e.tensors!r},))")
             if not e.tensors or not all(isinstance(t, str) and t for t in e.tensors):
                 raise PipelineError(f"{where}.tensors must name at least one tensor")
             src, dst = self.sections[e.src], self.sections[e.dst]

@@ -58,7 +58,7 @@ def make(t: str, **fields: Any) -> dict[str, Any]:
 def check(msg: Any) -> dict[str, Any]:
     if not isinstance(msg, dict) or "t" not in msg:
         raise ProtocolError(f"not a message: {str(msg)[:80]!r}")
-    expected = FIELDS.get(msg["t"])
+    expected = FIELDS.get(msg["t"]) if isinstance(msg["t"], str) else None
     if expected is None:
         raise ProtocolError(f"unknown message type {msg['t']!r}")
     missing = [f for f in expected if f not in msg]

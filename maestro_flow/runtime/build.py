@@ -52,7 +52,12 @@ def load_pipeline(path: str, overrides: dict[str, Any] | None = None) -> tuple[P
     factory = getattr(module, "pipeline", None)
     if not callable(factory):
         raise PipelineError(f"{path}: defines no function pipeline(**overrides) -> maestro_flow.Pipeline")
-    pipeline = factory(**(overrides or {}))
+    try:
+        pipeline = factory(**(overrides or {}))
+    except PipelineError:
+        raise
+    except Exception as exc:
+        raise PipelineError(f"{path}: pipeline(**overrides) failed: {type(exc).__name__}: {exc}") from exc
     if not isinstance(pipeline, Pipeline):
         raise PipelineError(f"{path}: pipeline() returned {type(pipeline).__name__}, not maestro_flow.Pipeline")
     return pipeline, paths

@@ -13,6 +13,7 @@ from typing import Any
 from maestro_flow.config import Pipeline
 from maestro_flow.errors import PipelineError
 from maestro_flow.graph import SectionGraph
+from maestro_flow.planner import make_planner
 from maestro_flow.runtime.build import open_source, resolve
 from maestro_flow.samples import SampleMeta
 
@@ -50,7 +51,7 @@ def check_pipeline(pipeline: Pipeline) -> Checked:
         missing = [t for t in e.edge.tensors if t not in declared[e.edge.src]]
         if missing:
             raise PipelineError(
-                f"edges[{e.index}] ({e.edge.name}).tensors: {', '.join(missing)} not among the outputs "
+                f"edges[{e.index}] ({e.edge.src} -> {e.edge.dst}).tensors: {', '.join(missing)} not among the outputs "
                 f"of {pipeline.section(e.edge.src).stage} ({', '.join(declared[e.edge.src]) or 'none declared'})"
             )
     for name in graph.loss_sections():
@@ -60,6 +61,7 @@ def check_pipeline(pipeline: Pipeline) -> Checked:
                 f"{pipeline.section(name).stage} declares {', '.join(declared[name]) or 'no outputs'} "
                 "(set trainable=False, or add a consumer)"
             )
+    make_planner(pipeline.schedule, graph)  # refuses a schedule this version does not have
     source = open_source(pipeline)
     for s in pipeline.sections:
         for c in s.columns or ():

@@ -140,9 +140,6 @@ def test_make_checks_fields_and_extra_fields_are_allowed():
     assert check({"t": "ready", "rank": 0, "note": "extra fields are carried"})["note"] == "extra fields are carried"
 
 
-@pytest.mark.xfail(strict=True, raises=TypeError, reason="BUG protocol/messages.py check(): a frame whose "
-                   "type tag is unhashable (msgpack of {'t': [1]}) raises TypeError('unhashable type: list') "
-                   "from FIELDS.get(msg['t']) instead of ProtocolError")
 def test_unhashable_type_tag_raises_protocol_error():
     with pytest.raises(ProtocolError):
         decode(msgpack.packb({"t": [1]}))
