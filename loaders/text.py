@@ -1,6 +1,6 @@
 """A byte-level tokenizer: nothing to download, every string round-trips.
 
-Ids 0..255 are the bytes of the UTF-8 encoding; four special ids follow. The demo datasets and the
+Ids 0..255 are the bytes of the UTF-8 encoding; five special ids follow. The demo datasets and the
 demo stages share these constants, so a model built with `VOCAB_SIZE` can read any demo file.
 Pure (standard library only); knows nothing about datasets or models.
 
@@ -8,6 +8,11 @@ Pure (standard library only); knows nothing about datasets or models.
     BOS = 257    begins every sample
     EOS = 258    ends a sample
     IMAGE = 259  placeholder where an image's embeddings go (set it in ArrowData.placeholder_ids)
+    AUDIO = 260  placeholder where an audio clip's embeddings go (likewise)
+
+VOCAB_SIZE = 261. New ids are only ever appended, so a model with an embedding table for fewer
+ids (260, before AUDIO) still reads every file that uses none of the newer ids, the text demo
+included.
 """
 
 from __future__ import annotations
@@ -19,8 +24,9 @@ PAD = 256
 BOS = 257
 EOS = 258
 IMAGE = 259
-VOCAB_SIZE = 260
-SPECIAL_NAMES = {PAD: "<pad>", BOS: "<bos>", EOS: "<eos>", IMAGE: "<image>"}
+AUDIO = 260
+VOCAB_SIZE = 261
+SPECIAL_NAMES = {PAD: "<pad>", BOS: "<bos>", EOS: "<eos>", IMAGE: "<image>", AUDIO: "<audio>"}
 
 
 def encode(text: str, *, bos: bool = False, eos: bool = False) -> list[int]:
@@ -35,7 +41,7 @@ def encode(text: str, *, bos: bool = False, eos: bool = False) -> list[int]:
 
 def decode(ids: Iterable[int], *, specials: bool = False) -> str:
     """Text of `ids` (a list, numpy array or 1-D tensor); special ids are dropped, or written as
-    `<bos>`, `<image>`, ... with `specials=True`. Invalid UTF-8 becomes U+FFFD."""
+    `<bos>`, `<image>`, `<audio>`, ... with `specials=True`. Invalid UTF-8 becomes U+FFFD."""
     parts: list[str] = []
     buf = bytearray()
     for raw in ids:
@@ -53,4 +59,4 @@ def decode(ids: Iterable[int], *, specials: bool = False) -> str:
     return "".join(parts)
 
 
-__all__ = ["BOS", "EOS", "IMAGE", "NUM_BYTES", "PAD", "SPECIAL_NAMES", "VOCAB_SIZE", "decode", "encode"]
+__all__ = ["AUDIO", "BOS", "EOS", "IMAGE", "NUM_BYTES", "PAD", "SPECIAL_NAMES", "VOCAB_SIZE", "decode", "encode"]

@@ -24,12 +24,17 @@ OPTIMIZERS = ("adamw", "sgd")
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Cost:
-    """The planner's starting cost model for one section (seconds per unit of work)."""
+    """The planner's starting cost model for one section: forward seconds per unit of work.
+
+    A trainable section's backward takes `backward_factor` times its forward. During a run the
+    coefficients are refined from measured micro-batch timings.
+    """
 
     per_sample_s: float = 1e-3
     per_token_s: float = 0.0
     per_patch_s: float = 0.0
     per_frame_s: float = 0.0
+    backward_factor: float = 2.0  # backward time / forward time, for trainable sections
 
     def validate(self, where: str) -> None:
         for f in dataclasses.fields(self):
@@ -128,8 +133,9 @@ class Pipeline:
     steps: int = 20
     seed: int = 0
     dtype: str = "float32"
-    schedule: str = "fifo"
+    schedule: str = "wavefront"
     lookahead_steps: int = 1
+    run_ahead: int | None = None  # samples a producer may get ahead of each consumer replica
 
     def __post_init__(self) -> None:
         # Accept lists from users; store tuples so the record stays hashable and immutable.
@@ -154,6 +160,8 @@ class Pipeline:
         """Field checks plus graph checks; never imports user code or touches files."""
         from maestro_flow.graph import SectionGraph
 
+        if self.run_ahead is not None and (not isinstance(self.run_ahead, int) or self.run_ahead < 1):
+            raise PipelineError(f"run_ahead must be an integer >= 1 or None, got {self.run_ahead!r}")
         for key in ("global_batch", "steps", "lookahead_steps", "seed"):
             value = getattr(self, key)
             low = 0 if key in ("lookahead_steps", "seed") else 1

@@ -74,6 +74,11 @@ class Stage:
     def forward(self, batch: MicroBatch) -> dict[str, torch.Tensor | list[torch.Tensor]]:
         raise NotImplementedError(f"{type(self).__name__}.forward")
 
+    def stats(self) -> dict[str, float]:
+        """Counters of this stage's own (e.g. corrupt images skipped), reported in the metrics
+        under sections.NAME.stage, summed over replicas. Cumulative over the run."""
+        return {}
+
     def modules(self) -> dict[str, torch.nn.Module]:
         """The stage's modules by attribute name (in definition order)."""
         return {k: v for k, v in vars(self).items() if isinstance(v, torch.nn.Module)}

@@ -5,7 +5,8 @@ self-attention and MLP, final LayerNorm, LM head) and the config record that siz
 nothing of stages, micro-batches, initialisation or checkpoints (see `weights.py`).
 
 Padding is on the right and attention is causal, so a real position never sees a pad position:
-a sample's results do not depend on the other samples of its micro-batch.
+a sample's results do not depend on the other samples of its micro-batch. The encoders reuse
+`Block` with bidirectional attention and a key-padding mask for the same guarantee.
 """
 
 from __future__ import annotations
@@ -68,17 +69,29 @@ class LMConfig:
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, d_model: int, n_heads: int, dropout: float) -> None:
+    """Multi-head self-attention; causal by default, bidirectional with `causal=False` (encoders).
+
+    `key_padding_mask` [B, T] (True at real positions) hides pad keys: needed where attention is
+    bidirectional, since a real query would otherwise see the pads that follow it.
+    """
+
+    def __init__(self, d_model: int, n_heads: int, dropout: float, *, causal: bool = True) -> None:
         super().__init__()
-        self.n_heads, self.dropout = n_heads, dropout
+        self.n_heads, self.dropout, self.causal = n_heads, dropout, causal
         self.qkv = nn.Linear(d_model, 3 * d_model)
         self.proj = nn.Linear(d_model, d_model)
         self.resid_drop = nn.Dropout(dropout)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, key_padding_mask: Tensor | None = None) -> Tensor:
         b, t, d = x.shape
         q, k, v = self.qkv(x).view(b, t, 3, self.n_heads, d // self.n_heads).permute(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        mask = None
+        if key_padding_mask is not None:
+            mask = key_padding_mask[:, None, None, :]
+            if self.causal:
+                mask = mask & torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=self.causal and mask is None,
+                                           dropout_p=self.dropout if self.training else 0.0)
         return self.resid_drop(self.proj(y.transpose(1, 2).reshape(b, t, d)))
 
 
@@ -94,17 +107,21 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm residual block: x + attn(ln(x)), then x + mlp(ln(x))."""
+    """Pre-norm residual block: x + attn(ln(x)), then x + mlp(ln(x)).
 
-    def __init__(self, cfg: LMConfig) -> None:
+    Causal by default (the decoder's); `causal=False` gives the bidirectional block of the
+    vision/audio encoders, which then take a `key_padding_mask` (see CausalSelfAttention).
+    """
+
+    def __init__(self, cfg: LMConfig, *, causal: bool = True) -> None:
         super().__init__()
         self.ln_1 = nn.LayerNorm(cfg.d_model)
-        self.attn = CausalSelfAttention(cfg.d_model, cfg.n_heads, cfg.dropout)
+        self.attn = CausalSelfAttention(cfg.d_model, cfg.n_heads, cfg.dropout, causal=causal)
         self.ln_2 = nn.LayerNorm(cfg.d_model)
         self.mlp = MLP(cfg.d_model, cfg.ff_dim, cfg.dropout)
 
-    def forward(self, x: Tensor) -> Tensor:
-        x = x + self.attn(self.ln_1(x))
+    def forward(self, x: Tensor, key_padding_mask: Tensor | None = None) -> Tensor:
+        x = x + self.attn(self.ln_1(x), key_padding_mask)
         return x + self.mlp(self.ln_2(x))
 
 

@@ -30,13 +30,17 @@ def _fifo(graph: SectionGraph, costs: CostModel) -> Planner:
     return FifoPlanner(graph, costs)
 
 
-SCHEDULES = {"fifo": _fifo}
+def _wavefront(graph: SectionGraph, costs: CostModel) -> Planner:
+    from maestro_flow.planner.wavefront import WavefrontPlanner
+
+    return WavefrontPlanner(graph, costs, run_ahead=graph.pipeline.run_ahead)
+
+
+SCHEDULES = {"fifo": _fifo, "wavefront": _wavefront}
 
 
 def make_planner(schedule: str, graph: SectionGraph, costs: CostModel | None = None) -> Planner:
     if schedule not in SCHEDULES:
-        if schedule == "wavefront":
-            raise PipelineError("schedule: 'wavefront' is not available in this version; use --schedule fifo")
         raise PipelineError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
     if costs is None:
         costs = CostModel(costs={n: s.cost for n, s in graph.sections.items()})

@@ -187,9 +187,14 @@ class SectionExecutor:
                 column = []
                 for sid in mb:
                     t = arrived[sid].get(name)
-                    if t is not None and self.trainable and name in grad_names and t.is_floating_point():
-                        t.requires_grad_(True)
-                        leaves[(sid, name)] = t
+                    if self.trainable and name in grad_names and name in arrived[sid]:
+                        # Every received input of a gradient edge gets an answer, "no gradient"
+                        # (None) included, so the producer never waits for one.
+                        if t is not None and t.is_floating_point():
+                            t.requires_grad_(True)
+                            leaves[(sid, name)] = t
+                        else:
+                            leaves[(sid, name)] = None
                     column.append(t)
                 inputs[name] = column
         batch = MicroBatch(step=st.step, index=index, sample_ids=list(mb),
@@ -215,7 +220,9 @@ class SectionExecutor:
                 if not consumer.activates(st.modalities[sid]):
                     continue
                 dst = self.placement.rank(e.edge.dst, st.routes[e.edge.dst][sid])
-                by_rank.setdefault(dst, []).extend((sid, name, per_name[name][i].detach()) for name in e.edge.tensors)
+                by_rank.setdefault(dst, []).extend(
+                    (sid, name, None if per_name[name][i] is None else per_name[name][i].detach())
+                    for name in e.edge.tensors)
             for dst, items in by_rank.items():
                 self.comm.send(dst, "fwd", e.index, st.step, items)
 
@@ -246,8 +253,12 @@ class SectionExecutor:
                     continue
                 pending.expected.add((e.index, sid))
                 for name in e.edge.tensors:
-                    pending.outputs[(sid, name)] = per_name[name][i]
+                    if per_name[name][i] is not None:
+                        pending.outputs[(sid, name)] = per_name[name][i]
         if not pending.expected:
+            # No consumer of these outputs trains on them: their gradient is zero, so upstream
+            # gets "no gradient" at once rather than waiting for a backward that never comes.
+            self._send_input_grads(st, leaves)
             return
         st.pending.append(pending)
         for _, sid in pending.expected:
@@ -341,7 +352,8 @@ class SectionExecutor:
 
     def _stats(self, st: _Step) -> dict[str, Any]:
         wall = self.clock() - st.started
-        return {"busy_s": st.busy_s, "wall_s": wall,
+        stage_stats = getattr(self.stage, "stats", None)
+        return {"busy_s": st.busy_s, "wall_s": wall, "stage": dict(stage_stats()) if callable(stage_stats) else {},
                 "micro_batches": len(st.mbs), "samples": sum(len(mb) for mb in st.mbs), "tokens": st.tokens,
                 "max_rss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
                 **self.comm.stats.snapshot_and_reset()}

@@ -75,6 +75,12 @@ class StepLedger:
                 "bytes_sent": sum(s.get("bytes_sent", 0) for s in reps),
                 "max_rss_mb": max(s.get("max_rss_kb", 0) for s in reps) / 1024,
             }
+            counters: dict[str, float] = {}
+            for s in reps:  # a stage's own counters (stats()), e.g. images it skipped
+                for k, v in s.get("stage", {}).items():
+                    counters[k] = counters.get(k, 0) + v
+            if counters:
+                sections[name]["stage"] = counters
         losses = {name: sum(ls for ls, _ in reports) / max(sum(d for _, d in reports), 1e-30)
                   for name, reports in self.losses.pop(step, {}).items()}
         loss: Any = next(iter(losses.values())) if len(losses) == 1 else losses or None

@@ -1,12 +1,15 @@
 """A worker's tensor channels: headers over ZeroMQ, bytes over torch.distributed.
 
-Runs inside a worker process. `TensorComm.send` is called by the compute thread and returns at
-once; a sending thread per (destination, kind) channel posts the header then the tensors.
-A receiving thread reads every incoming header from the worker's PULL socket and hands it to
-the receiving thread of its channel, which posts the matching receives (headers of a channel
-arrive in the order the sender posted its tensors, so the receives match) and delivers the
-unpacked tensors through the `deliver` callback. Errors in any thread go to `on_error`; the
-comm never raises into the compute thread.
+Runs inside a worker process. `TensorComm.send` is called by one thread (the compute thread)
+and returns at once: it packs the message, sends its header on the channel's ZeroMQ socket and
+posts the sends; a waiter thread per channel completes them in order. On the receiving side the
+header thread reads every incoming header, allocates the buffers (reused for large messages) and
+posts the matching receives at once (headers of a channel arrive in the order the sender posted
+its sends, so the receives match); the channel's waiter thread completes them in order and
+delivers the unpacked tensors through the `deliver` callback. Up to WINDOW messages per channel
+are in flight, so the next message's receive is posted while the previous one's bytes flow.
+Errors in the comm's threads go to `on_error`; the comm never raises into the compute thread
+except for a send on a channel that does not exist.
 
 `LocalComm` is the in-process implementation of the same interface (colocated mode, tests).
 """
@@ -33,7 +36,7 @@ Deliver = Callable[[str, int, int, int, list[p2p.Item]], None]  # kind, edge, st
 class Comm(Protocol):
     def send(self, dst: int, kind: str, edge: int, step: int, items: Sequence[p2p.Item]) -> None: ...
 
-    def close(self) -> None: ...
+    def close(self, timeout_s: float = 0.0) -> bool: ...
 
 
 class _Stats:
@@ -55,6 +58,8 @@ class _Stats:
 
 
 class TensorComm:
+    WINDOW = 16  # messages posted but not completed, per channel; send() waits beyond that
+
     def __init__(self, *, zctx: zmq.Context, rank: int, pull: zmq.Socket, peers: dict[int, str],
                  groups: dict[tuple[int, int, str], Any], device: torch.device,
                  deliver: Deliver, on_error: Callable[[str], None]) -> None:
@@ -62,19 +67,20 @@ class TensorComm:
         self._zctx, self._pull, self._peers, self._groups = zctx, pull, peers, groups
         self._device, self._deliver, self._on_error = device, deliver, on_error
         self._stop = threading.Event()
-        self._send_queues: dict[Channel, queue.Queue] = {}
-        self._recv_queues: dict[Channel, queue.Queue] = {}
         self._threads: list[threading.Thread] = []
+        self._sockets: dict[int, zmq.Socket] = {}  # header sockets, owned by the sending thread
+        self._sent: dict[Channel, queue.Queue] = {}
+        self._received: dict[Channel, queue.Queue] = {}
+        self._pools: dict[Channel, p2p.BufferPool] = {}
         self.stats = _Stats()
         for (src, dst, kind) in groups:
             if src == rank:
-                q: queue.Queue = queue.Queue()
-                self._send_queues[(dst, kind)] = q
-                self._spawn(f"send-{kind}-{dst}", self._send_loop, dst, kind, q)
+                self._sent[(dst, kind)] = queue.Queue(maxsize=self.WINDOW)
+                self._spawn(f"send-wait-{kind}-{dst}", self._send_waiter, self._sent[(dst, kind)])
             elif dst == rank:
-                q = queue.Queue()
-                self._recv_queues[(src, kind)] = q
-                self._spawn(f"recv-{kind}-{src}", self._recv_loop, src, kind, q)
+                self._received[(src, kind)] = queue.Queue(maxsize=self.WINDOW)
+                self._pools[(src, kind)] = p2p.BufferPool()
+                self._spawn(f"recv-wait-{kind}-{src}", self._recv_waiter, src, kind, self._received[(src, kind)])
         self._spawn("headers-in", self._header_loop)
 
     def _spawn(self, name: str, fn: Callable, *args: Any) -> None:
@@ -90,47 +96,60 @@ class TensorComm:
                 self._on_error(f"tensor channel thread {threading.current_thread().name} failed:\n"
                                + traceback.format_exc())
 
-    # -- compute thread side ---------------------------------------------------------------
+    # -- the sending thread ----------------------------------------------------------------
 
     def send(self, dst: int, kind: str, edge: int, step: int, items: Sequence[p2p.Item]) -> None:
-        q = self._send_queues.get((dst, kind))
-        if q is None:
+        sent = self._sent.get((dst, kind))
+        if sent is None:
             raise RuntimeError(f"rank {self.rank} has no {kind} channel to rank {dst}")
+        t0 = time.perf_counter()
+        sock = self._sockets.get(dst)
+        if sock is None:
+            sock = self._sockets[dst] = zmq_link.connect(self._zctx, zmq.PUSH, self._peers[dst])
+        entries, specs, buffers = p2p.pack(items)
         with self.stats.lock:
             self.stats.in_flight += 1
-        q.put((edge, step, list(items)))
+        # Header first: the receiver needs shapes and dtypes to post its receives.
+        zmq_link.send_msg(sock, make("tensors", src=self.rank, kind=kind, edge=edge, step=step,
+                                     entries=entries, buffers=specs))
+        sent.put((p2p.post_sends(buffers, dst, self._groups[(self.rank, dst, kind)]), buffers, t0))
 
     @property
     def in_flight(self) -> int:
         return self.stats.in_flight
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = 0.0) -> bool:
+        """Stop every thread; wait up to `timeout_s` for them (True if all ended).
+
+        Never blocks longer: a thread stuck in a transfer whose peer died cannot be interrupted
+        (worker processes then exit with os._exit). Call from the sending thread."""
         self._stop.set()
-        for q in list(self._send_queues.values()) + list(self._recv_queues.values()):
-            q.put(None)
-
-    # -- channel threads -------------------------------------------------------------------
-
-    def _send_loop(self, dst: int, kind: str, q: queue.Queue) -> None:
-        sock = zmq_link.connect(self._zctx, zmq.PUSH, self._peers[dst])
-        group = self._groups[(self.rank, dst, kind)]
-        try:
-            while True:
-                job = q.get()
-                if job is None or self._stop.is_set():
-                    return
-                edge, step, items = job
-                t0 = time.perf_counter()
-                entries, specs, buffers = p2p.pack(items)
-                zmq_link.send_msg(sock, make("tensors", src=self.rank, kind=kind, edge=edge, step=step,
-                                             entries=entries, buffers=specs))
-                p2p.send_buffers(buffers, dst, group)
-                with self.stats.lock:
-                    self.stats.in_flight -= 1
-                    self.stats.send_s += time.perf_counter() - t0
-                    self.stats.bytes_sent += sum(b.numel() * b.element_size() for b in buffers)
-        finally:
+        for q in list(self._sent.values()) + list(self._received.values()):
+            try:
+                q.put_nowait(None)
+            except queue.Full:
+                pass  # its waiter is stuck in a transfer; it is a daemon thread
+        deadline = time.monotonic() + timeout_s
+        for t in list(self._threads):
+            t.join(max(0.0, deadline - time.monotonic()))
+        for sock in self._sockets.values():
             sock.close(linger=0)
+        self._sockets.clear()
+        return not any(t.is_alive() for t in self._threads)
+
+    # -- comm threads ----------------------------------------------------------------------
+
+    def _send_waiter(self, sent: queue.Queue) -> None:
+        while True:
+            job = sent.get()
+            if job is None:
+                return
+            works, buffers, t0 = job
+            p2p.wait_all(works)
+            with self.stats.lock:
+                self.stats.in_flight -= 1
+                self.stats.send_s += time.perf_counter() - t0
+                self.stats.bytes_sent += sum(b.numel() * b.element_size() for b in buffers)
 
     def _header_loop(self) -> None:
         poller = zmq.Poller()
@@ -140,22 +159,24 @@ class TensorComm:
                 if not poller.poll(100):
                     continue
                 msg = zmq_link.recv_msg(self._pull)
-                q = self._recv_queues.get((msg["src"], msg["kind"]))
-                if q is None:
+                channel = (msg["src"], msg["kind"])
+                received = self._received.get(channel)
+                if received is None:
                     raise RuntimeError(f"rank {self.rank} got a {msg['kind']} header from unexpected rank {msg['src']}")
-                q.put(msg)
+                t0 = time.perf_counter()
+                buffers = p2p.allocate(msg["buffers"], self._device, self._pools[channel])
+                group = self._groups[(msg["src"], self.rank, msg["kind"])]
+                received.put((p2p.post_recvs(buffers, msg["src"], group), buffers, msg, t0))
         finally:
             self._pull.close(linger=0)
 
-    def _recv_loop(self, src: int, kind: str, q: queue.Queue) -> None:
-        group = self._groups[(src, self.rank, kind)]
+    def _recv_waiter(self, src: int, kind: str, received: queue.Queue) -> None:
         while True:
-            msg = q.get()
-            if msg is None or self._stop.is_set():
+            job = received.get()
+            if job is None:
                 return
-            t0 = time.perf_counter()
-            buffers = p2p.allocate(msg["buffers"], self._device)
-            p2p.recv_buffers(buffers, src, group)
+            works, buffers, msg, t0 = job
+            p2p.wait_all(works)
             with self.stats.lock:
                 self.stats.recv_s += time.perf_counter() - t0
                 self.stats.bytes_received += sum(b.numel() * b.element_size() for b in buffers)
@@ -175,5 +196,5 @@ class LocalComm:
         copies = [(sid, name, None if t is None else t.detach().clone()) for sid, name, t in items]
         self._deliver_to(dst)(kind, edge, step, self.rank, copies)
 
-    def close(self) -> None:
-        pass
+    def close(self, timeout_s: float = 0.0) -> bool:
+        return True

@@ -203,7 +203,7 @@ def test_plan_json(tmp_path, dataset):
     result = invoke("plan", write_pipeline(tmp_path, dataset), "--json")
     assert result.exit_code == 0, result.output
     plan = json.loads(result.stdout)
-    assert plan["schedule"] == "fifo"
+    assert plan["schedule"] == "wavefront"  # the default
     assert set(plan["sections"]) == {"teacher", "student"}
     teacher_reps, student_reps = (plan["sections"][n]["replicas"] for n in ("teacher", "student"))
     assert len(teacher_reps) == 1 and len(student_reps) == 2
@@ -219,13 +219,13 @@ def test_plan_text_and_same_step_same_plan(tmp_path, dataset):
     first, again = invoke("plan", path, "--step", "3"), invoke("plan", path, "--step", "3")
     assert first.exit_code == 0 and first.output == again.output
     lines = first.output.splitlines()
-    assert lines[0] == "step 3 (fifo)" and [line.split(":")[0] for line in lines[1:]] == [
+    assert lines[0] == "step 3 (wavefront)" and [line.split(":")[0] for line in lines[1:]] == [
         "teacher[0]", "student[0]", "student[1]"]
 
 
 def test_plan_with_an_unavailable_schedule(tmp_path, dataset):
-    result = invoke("plan", write_pipeline(tmp_path, dataset), "--schedule", "wavefront")
-    assert_one_error_line(result, "schedule", "'wavefront' is not available")
+    result = invoke("plan", write_pipeline(tmp_path, dataset), "--set", "schedule=lifo")
+    assert_one_error_line(result, "schedule must be one of", "'lifo'")
 
 
 def test_graph_writes_dot(tmp_path, dataset):

@@ -286,10 +286,10 @@ def test_tokenizer_round_trip(s):
 
 
 def test_tokenizer_specials():
-    assert (text.PAD, text.BOS, text.EOS, text.IMAGE, text.VOCAB_SIZE) == (256, 257, 258, 259, 260)
-    ids = [text.BOS, text.IMAGE, *text.encode("héllo"), text.EOS, text.PAD]
+    assert (text.PAD, text.BOS, text.EOS, text.IMAGE, text.AUDIO, text.VOCAB_SIZE) == (256, 257, 258, 259, 260, 261)
+    ids = [text.BOS, text.IMAGE, text.AUDIO, *text.encode("héllo"), text.EOS, text.PAD]
     assert text.decode(ids) == "héllo"
-    assert text.decode(ids, specials=True) == "<bos><image>héllo<eos><pad>"
+    assert text.decode(ids, specials=True) == "<bos><image><audio>héllo<eos><pad>"
     assert text.decode(np.array(ids, dtype=np.int32)) == "héllo"
-    with pytest.raises(ValueError, match="outside the byte-level vocabulary"):
-        text.decode([260])
+    with pytest.raises(ValueError, match=r"outside the byte-level vocabulary \(0\.\.260\)"):
+        text.decode([261])

@@ -14,7 +14,8 @@ rotating which mode goes first, so machine noise hits all modes alike:
 
 Cases: "one" sends one tensor of SIZE per message; "many" sends 64 per-sample tensors of 16 KiB
 per message (the runtime coalesces them into one buffer; raw posts 64 isends). A measurement is a
-burst of back-to-back messages (at least --burst-bytes in all, at most 16 messages), timed from
+burst of back-to-back messages (about --burst-bytes in all, 4 to 16 messages: a step's
+transfers are streams of messages, so this is the bandwidth that matters), timed from
 the sender's first send to the receiver's last completion. Both ends read the same clock
 (time.perf_counter is CLOCK_MONOTONIC on Linux, shared by all processes), so no acknowledgement
 latency is added to any mode. A barrier on the default group separates measurements. The
@@ -37,17 +38,18 @@ FULL_SIZES = (64 * 1024, MiB, 4 * MiB, 16 * MiB, 64 * MiB)
 TINY_SIZES = (64 * 1024, MiB)
 MANY_COUNT, MANY_BYTES = 64, 16 * 1024
 MODES = ("raw", "raw_fresh", "runtime")
+MIN_MSGS = 4
 
 
 def _cases(sizes: tuple[int, ...], burst_bytes: int) -> list[dict[str, Any]]:
     """Every measured case; identical in both ranks (they must agree on the sequence of ops)."""
     cases = []
     for size in sizes:
-        n = max(1, min(16, burst_bytes // size))
+        n = max(MIN_MSGS, min(16, burst_bytes // size))
         cases.append({"kind": "one", "msg_bytes": size, "tensors": 1, "tensor_bytes": size, "n_msgs": n})
     many = MANY_COUNT * MANY_BYTES
     cases.append({"kind": "many", "msg_bytes": many, "tensors": MANY_COUNT, "tensor_bytes": MANY_BYTES,
-                  "n_msgs": max(1, min(16, burst_bytes // many))})
+                  "n_msgs": max(MIN_MSGS, min(16, burst_bytes // many))})
     return cases
 
 
@@ -146,11 +148,7 @@ def _rank_main(rank: int, port: int, cases: list[dict[str, Any]], schedule: list
         return {"stamps": stamps}
     finally:
         if comm is not None:
-            comm.close()
-            # Channel threads see the close within their 100 ms poll; sockets must be closed
-            # before the context can end (TensorComm offers no join, see RESULTS.md).
-            for t in getattr(comm, "_threads", []):
-                t.join(timeout=2.0)
+            comm.close(timeout_s=2.0)  # its threads close their sockets before the context ends
         zctx.destroy(linger=0)
         dist.destroy_process_group()
 
@@ -189,15 +187,16 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(prog="python -m tools.bench.p2p_bandwidth", description=__doc__.split("\n")[0])
     ap.add_argument("--tiny", action="store_true", help="seconds-long smoke size (64 KiB and 1 MiB, few reps)")
     ap.add_argument("--reps", type=int, help="measured repetitions per case and mode (default 40, tiny 5)")
-    ap.add_argument("--warmup", type=int, default=2, help="repetitions discarded first")
-    ap.add_argument("--burst-bytes", type=int, default=4 * MiB, help="bytes per measurement (at most 16 messages)")
+    ap.add_argument("--warmup", type=int, help="repetitions discarded first (default 2, tiny 1)")
+    ap.add_argument("--burst-bytes", type=int, default=16 * MiB,
+                    help="bytes per measurement (4 to 16 messages)")
     ap.add_argument("--thp", action="store_true",
                     help="let torch's CPU allocator use transparent huge pages (THP_MEM_ALLOC_ENABLE=1) in both ranks")
     ap.add_argument("--timeout-s", type=float, default=300.0, help="bound on the whole measurement")
     args = ap.parse_args(argv)
     sizes = TINY_SIZES if args.tiny else FULL_SIZES
     reps = args.reps or (5 if args.tiny else 40)
-    warmup = 1 if args.tiny and args.warmup == 2 else args.warmup
+    warmup = args.warmup if args.warmup is not None else (1 if args.tiny else 2)
     out = measure(sizes, reps, warmup, args.burst_bytes, args.timeout_s, args.thp)
     out.update({"config": {"sizes": list(sizes), "reps": reps, "warmup": warmup, "burst_bytes": args.burst_bytes,
                            "thp": args.thp}})

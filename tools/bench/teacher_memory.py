@@ -3,12 +3,17 @@
 Runs pipelines/distill.py in section mode (run_pipeline) at several global batch sizes with the
 same micro-batch sizes (teacher 8, student 2), so the teacher serves global_batch / 8
 micro-batches per step, and reads each section's `max_rss_mb` from the metrics rows (the largest
-replica's ru_maxrss high-water mark, reported with every step). The teacher runs under no_grad,
-keeps nothing between micro-batches and runs ahead of the student by at most lookahead_steps=1
-step, so its peak should stay flat: the reported ratio is teacher peak at the largest batch over
-teacher peak at the smallest. The student's peaks are shown for comparison (a loss section
-accumulates gradients, not activations, so it should stay flat too; it also buffers the hidden
-states that arrive ahead of its plan).
+replica's ru_maxrss high-water mark, reported with every step). Every run processes the same
+number of samples (--samples, so steps = samples / global_batch): the sampler cuts one seeded
+epoch order into batches, so all runs see the same samples in the same order, and the longest
+sequences (which set the activation high-water mark) are the same for every batch size.
+
+The teacher runs under no_grad, keeps nothing between micro-batches and runs ahead of the student
+by at most lookahead_steps=1 step, so its peak should stay flat: the reported ratio is the
+teacher's peak at the largest batch over its peak at the smallest. "growth, 2nd half" is how much
+the high-water mark still rose over the second half of a run (0 = settled, no per-step leak).
+The student's figures are shown for comparison (a loss section accumulates gradients, not
+activations; it also buffers the hidden states that arrive ahead of its plan).
 
 Knows nothing of how RSS is measured in workers; it reads the metrics contract (DESIGN 5.4 plus
 the runtime's max_rss_mb). Run from the repository root: python -m tools.bench.teacher_memory [--tiny]
@@ -30,18 +35,20 @@ def run_one(path: str, global_batch: int, steps: int, sets: dict[str, Any]) -> d
     rows = run_pipeline(path, RunOptions(overrides={**sets, "global_batch": global_batch, "steps": steps},
                                          show_progress=False))
     out: dict[str, Any] = {"global_batch": global_batch, "steps": len(rows)}
+    half = (len(rows) - 1) // 2
     for name in rows[0]["sections"]:
         rss = [r["sections"][name]["max_rss_mb"] for r in rows]
-        out[name] = {"max_rss_mb": max(rss), "first_step_rss_mb": rss[0], "growth_mb": rss[-1] - rss[0],
+        out[name] = {"max_rss_mb": max(rss), "first_step_rss_mb": rss[0],
+                     "growth_second_half_mb": rss[-1] - rss[half],
                      "micro_batches_per_step": rows[-1]["sections"][name]["micro_batches"]}
     return out
 
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(prog="python -m tools.bench.teacher_memory", description=__doc__.split("\n")[0])
-    ap.add_argument("--tiny", action="store_true", help="seconds-long smoke size (global batches 8 and 16, 2 steps)")
+    ap.add_argument("--tiny", action="store_true", help="seconds-long smoke size (global batches 8 and 16, 32 samples)")
     ap.add_argument("--batches", type=str, help="comma-separated global batch sizes (default 16,64; tiny 8,16)")
-    ap.add_argument("--steps", type=int, help="steps per run (default 4, tiny 2)")
+    ap.add_argument("--samples", type=int, help="samples per run, a multiple of every batch (default 768, tiny 32)")
     ap.add_argument("--pipeline", default=repo_path("pipelines", "distill.py"), help="pipeline file")
     ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                     help="pipeline override, as `maestro run --set` (repeatable)")
@@ -50,16 +57,18 @@ def main(argv: list[str] | None = None) -> dict:
     from maestro_flow.config import parse_set
 
     batches = [int(b) for b in (args.batches or ("8,16" if args.tiny else "16,64")).split(",")]
-    steps = args.steps or (2 if args.tiny else 4)
+    samples = args.samples or (32 if args.tiny else 768)
+    if any(samples % gb for gb in batches):
+        ap.error(f"--samples {samples} must be a multiple of every global batch {batches}")
     sets = parse_set(args.sets)
-    runs = [run_one(args.pipeline, gb, steps, sets) for gb in batches]
+    runs = [run_one(args.pipeline, gb, samples // gb, sets) for gb in batches]
 
     sections = [k for k in runs[0] if isinstance(runs[0][k], dict)]
-    rows = [[r["global_batch"], name, r[name]["micro_batches_per_step"], r[name]["first_step_rss_mb"],
-             r[name]["max_rss_mb"], r[name]["growth_mb"]] for r in runs for name in sections]
-    print(f"Peak RSS per section, {steps} steps per run, section mode")
-    print(table(["global batch", "section", "micro-batches/step", "RSS after step 0 MiB", "peak RSS MiB",
-                 "growth over run MiB"], rows))
+    rows = [[r["global_batch"], r["steps"], name, r[name]["micro_batches_per_step"], r[name]["first_step_rss_mb"],
+             r[name]["max_rss_mb"], r[name]["growth_second_half_mb"]] for r in runs for name in sections]
+    print(f"Peak RSS per section, {samples} samples per run, section mode")
+    print(table(["global batch", "steps", "section", "micro-batches/step (all replicas)", "after step 0 MiB",
+                 "peak MiB", "growth, 2nd half MiB"], rows))
     ratios = {name: runs[-1][name]["max_rss_mb"] / runs[0][name]["max_rss_mb"] for name in sections}
     for name, ratio in ratios.items():
         print(f"{name}: peak at global batch {batches[-1]} / peak at {batches[0]} = {ratio:.3f}")
@@ -68,7 +77,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"teacher ratio {teacher:.3f} (goal: close to 1, here < {RATIO_GOAL})")
     return {"runs": runs, "ratios": ratios, "teacher_ratio": teacher,
             "goal_met": teacher is not None and teacher < RATIO_GOAL,
-            "config": {"batches": batches, "steps": steps, "overrides": sets, "pipeline": args.pipeline}}
+            "config": {"batches": batches, "samples": samples, "overrides": sets, "pipeline": args.pipeline}}
 
 
 if __name__ == "__main__":

@@ -1,0 +1,225 @@
+"""Event simulation of a plan under the cost model, and a lower bound no ordering can beat.
+
+Pure (standard library only). Each replica is one serial processor that behaves as the runtime's
+executor does: it runs its micro-batches in plan order, each once every input has arrived; a
+trainable section that is not a loss section runs a micro-batch's backward as soon as every
+gradient for it has returned, before its next forward; a loss section runs forward and backward
+of a micro-batch as one task. Outputs and gradients arrive `transfer_s` after the task that made
+them. Reduction and optimizer time are not modelled (the same for every ordering).
+
+    lower bound = max over sections S of  work(S) / dp(S)
+                  max over edges P -> C of  t0 + work(C, samples needing P) / dp(C)
+                                            (t0: the cheapest single output P can produce)
+                  max over edges P -> C of  forward work(P) / dp(P) + transfer + cheapest C task
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+from typing import Any
+
+from maestro_flow.graph import SectionGraph
+from maestro_flow.planner.cost import CostModel
+from maestro_flow.planner.plan import Plan
+from maestro_flow.samples import SampleMeta
+
+INF = float("inf")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Simulation:
+    makespan_s: float
+    lower_bound_s: float
+    critical_section: str
+    critical_busy_fraction: float
+    busy_s: dict[str, tuple[float, ...]]  # section -> per replica
+    finish_s: dict[str, tuple[float, ...]]
+
+    def to_json_dict(self) -> dict[str, Any]:
+        return {"makespan_s": self.makespan_s, "lower_bound_s": self.lower_bound_s,
+                "critical_section": self.critical_section,
+                "critical_busy_fraction": self.critical_busy_fraction,
+                "busy_s": {k: list(v) for k, v in self.busy_s.items()}}
+
+
+@dataclass
+class _Replica:
+    section: str
+    index: int
+    mbs: tuple[tuple[int, ...], ...]
+    fwd_cost: list[float]
+    bwd_cost: list[float]  # 0 where no separate backward task
+    needs: list[set[tuple[str, int]]]  # per mb: (producer section, sample id) inputs
+    grads_needed: list[int]  # per mb: gradient messages still to come (separate backward only)
+    next_fwd: int = 0
+    free_at: float = 0.0
+    busy: float = 0.0
+    ready_bwd: list[tuple[float, int]] = field(default_factory=list)  # heap of (ready time, mb)
+    grad_ready: list[float] = field(default_factory=list)  # per mb: latest gradient arrival
+    finish: float = 0.0
+    waiting: bool = False
+    slot: int = 0  # index in _Sim.replicas
+
+
+class _Sim:
+    def __init__(self, plan: Plan, graph: SectionGraph, costs: CostModel) -> None:
+        self.graph, self.costs = graph, costs
+        self.meta = {s.id: s for s in plan.samples}
+        self.arrival: dict[tuple[str, int], float] = {}  # (producer, sid) -> when its output arrives
+        self.where: dict[tuple[str, int], tuple[_Replica, int]] = {}  # (section, sid) -> replica, mb
+        self.replicas: list[_Replica] = []
+        losses = set(graph.loss_sections())
+        for name in graph.order:
+            section = graph.sections[name]
+            producers = [e.edge.src for e in graph.inputs(name)]
+            grad_edges = graph.needs_grad_from(name)
+            for r, mbs in enumerate(plan.replicas[name]):
+                fwd, bwd, needs, grads = [], [], [], []
+                for mb in mbs:
+                    f = sum(costs.sample_s(name, self.meta[s]) for s in mb)
+                    b = sum(costs.backward_s(name, self.meta[s]) for s in mb) if section.trainable else 0.0
+                    if name in losses:
+                        f, b = f + b, 0.0
+                    expected = sum(1 for e in grad_edges for s in mb
+                                   if graph.sections[e.edge.dst].activates(self.meta[s].modalities))
+                    fwd.append(f)
+                    bwd.append(b if expected else 0.0)  # the executor skips a backward nobody needs
+                    needs.append({(p, s) for s in mb for p in producers
+                                  if graph.sections[p].activates(self.meta[s].modalities)})
+                    grads.append(expected)
+                rep = _Replica(section=name, index=r, mbs=mbs, fwd_cost=fwd, bwd_cost=bwd, needs=needs,
+                               grads_needed=grads, grad_ready=[0.0] * len(mbs), slot=len(self.replicas))
+                self.replicas.append(rep)
+                for m, mb in enumerate(mbs):
+                    for s in mb:
+                        self.where[(name, s)] = (rep, m)
+        self.consumers = {name: [e.edge.dst for e in graph.outputs(name)] for name in graph.order}
+        self.grad_producers = {name: [e.edge.src for e in graph.inputs(name) if e.carries_grad]
+                               for name in graph.order}
+        self.heap: list[tuple[float, int]] = []
+
+    def run(self) -> None:
+        for i in range(len(self.replicas)):
+            heapq.heappush(self.heap, (0.0, i))
+        while self.heap:
+            t, i = heapq.heappop(self.heap)
+            self._step(self.replicas[i], i, t)
+
+    def _inputs_ready(self, rep: _Replica, m: int) -> float:
+        return max((self.arrival.get(k, INF) for k in rep.needs[m]), default=0.0)
+
+    def _step(self, rep: _Replica, i: int, t: float) -> None:
+        if t < rep.free_at:
+            return  # busy: its own completion event decides next
+        rep.waiting = False
+        if rep.ready_bwd and rep.ready_bwd[0][0] <= t:
+            _, m = heapq.heappop(rep.ready_bwd)
+            self._run(rep, i, t, rep.bwd_cost[m])
+            self._send_grads(rep, m, rep.free_at)
+            return
+        if rep.next_fwd < len(rep.mbs):
+            ready = self._inputs_ready(rep, rep.next_fwd)
+            if ready <= t:
+                m = rep.next_fwd
+                rep.next_fwd += 1
+                self._run(rep, i, t, rep.fwd_cost[m])
+                self._emit(rep, m, rep.free_at)
+                return
+        else:
+            ready = INF
+        wake = min(ready, rep.ready_bwd[0][0] if rep.ready_bwd else INF)
+        rep.waiting = True
+        if wake < INF:
+            heapq.heappush(self.heap, (wake, i))
+        # else: blocked until a producer's output or a consumer's gradient wakes it (see _wake).
+
+    def _run(self, rep: _Replica, i: int, t: float, cost: float) -> None:
+        rep.free_at = t + cost
+        rep.busy += cost
+        rep.finish = max(rep.finish, rep.free_at)
+        heapq.heappush(self.heap, (rep.free_at, i))
+
+    def _wake(self, rep: _Replica, t: float) -> None:
+        if rep.waiting:
+            heapq.heappush(self.heap, (max(t, rep.free_at), rep.slot))
+
+    def _emit(self, rep: _Replica, m: int, done: float) -> None:
+        arrive = done + self.costs.transfer_s
+        name = rep.section
+        for s in rep.mbs[m]:
+            for consumer in self.consumers[name]:
+                if (consumer, s) in self.where:
+                    self.arrival[(name, s)] = arrive
+                    self._wake(self.where[(consumer, s)][0], arrive)
+        if not rep.bwd_cost[m]:  # loss section (backward done), frozen, or no gradient expected
+            self._send_grads(rep, m, done)
+
+    def _send_grads(self, rep: _Replica, m: int, done: float) -> None:
+        arrive = done + self.costs.transfer_s
+        for producer in self.grad_producers[rep.section]:
+            for s in rep.mbs[m]:
+                if (producer, s) not in self.where:
+                    continue
+                prep, pm = self.where[(producer, s)]
+                prep.grads_needed[pm] -= 1
+                prep.grad_ready[pm] = max(prep.grad_ready[pm], arrive)
+                if prep.grads_needed[pm] == 0 and prep.next_fwd > pm:
+                    heapq.heappush(prep.ready_bwd, (prep.grad_ready[pm], pm))
+                    self._wake(prep, prep.grad_ready[pm])
+
+
+def simulate(plan: Plan, graph: SectionGraph, costs: CostModel) -> Simulation:
+    sim = _Sim(plan, graph, costs)
+    sim.run()
+    busy: dict[str, list[float]] = {n: [] for n in graph.order}
+    finish: dict[str, list[float]] = {n: [] for n in graph.order}
+    for rep in sim.replicas:
+        busy[rep.section].append(rep.busy)
+        finish[rep.section].append(rep.finish)
+        if rep.next_fwd < len(rep.mbs) or rep.ready_bwd or any(g > 0 for g in rep.grads_needed[:rep.next_fwd]):
+            raise ValueError(f"plan cannot complete: {rep.section}[{rep.index}] is stuck at micro-batch "
+                             f"{rep.next_fwd} (a consumer ordered before its producer?)")
+    makespan = max((f for fs in finish.values() for f in fs), default=0.0)
+    bound, critical = lower_bound(plan.samples, graph, costs)
+    crit_busy = sum(busy[critical])
+    fraction = crit_busy / (makespan * graph.sections[critical].dp) if makespan > 0 else 1.0
+    return Simulation(makespan_s=makespan, lower_bound_s=bound, critical_section=critical,
+                      critical_busy_fraction=fraction, busy_s={k: tuple(v) for k, v in busy.items()},
+                      finish_s={k: tuple(v) for k, v in finish.items()})
+
+
+def task_s(graph: SectionGraph, costs: CostModel, name: str, sample: SampleMeta) -> float:
+    """All the compute one sample costs `name` (forward, plus backward when trainable)."""
+    f = costs.sample_s(name, sample)
+    return f + (costs.backward_s(name, sample) if graph.sections[name].trainable else 0.0)
+
+
+def section_work(graph: SectionGraph, costs: CostModel, samples: tuple[SampleMeta, ...] | list[SampleMeta]
+                 ) -> dict[str, float]:
+    return {n: sum(task_s(graph, costs, n, s) for s in samples if graph.sections[n].activates(s.modalities))
+            for n in graph.order}
+
+
+def critical_section(graph: SectionGraph, costs: CostModel, samples) -> str:
+    """The section with the most work per replica (ties: the later one in topological order)."""
+    work = section_work(graph, costs, samples)
+    return max(graph.order, key=lambda n: (work[n] / graph.sections[n].dp, graph.order.index(n)))
+
+
+def lower_bound(samples, graph: SectionGraph, costs: CostModel) -> tuple[float, str]:
+    work = section_work(graph, costs, samples)
+    bound = max((work[n] / graph.sections[n].dp for n in graph.order), default=0.0)
+    for e in graph.edges:
+        p, c = e.edge.src, e.edge.dst
+        both = [s for s in samples if graph.sections[p].activates(s.modalities)
+                and graph.sections[c].activates(s.modalities)]
+        if not both:
+            continue
+        t0 = min(costs.sample_s(p, s) for s in both) + costs.transfer_s
+        dependent = sum(task_s(graph, costs, c, s) for s in both)
+        bound = max(bound, t0 + dependent / graph.sections[c].dp)
+        fwd_p = sum(costs.sample_s(p, s) for s in samples if graph.sections[p].activates(s.modalities))
+        tail = min(task_s(graph, costs, c, s) for s in both)
+        bound = max(bound, fwd_p / graph.sections[p].dp + costs.transfer_s + tail)
+    return bound, critical_section(graph, costs, samples)

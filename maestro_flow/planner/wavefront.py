@@ -1,0 +1,327 @@
+"""The wavefront planner: order every global batch so the critical section never waits.
+
+Pure (standard library only). Per connected component:
+  1. the critical section is the one with the most work per replica (usually the LLM/student);
+  2. samples are assigned to replicas balancing cost across every section at once (balance.py);
+  3. a greedy event simulation of the step decides each replica's micro-batches:
+     - a section that feeds others (an encoder, a teacher) serves the consumer replica that
+       would run out of work first; for each consumer its samples come in Johnson's order
+       (cheap-to-produce / expensive-to-consume first, the reverse at the end), which keeps the
+       consumer busy from the start and leaves little work after the last output arrives;
+       producers run ahead of a consumer replica by at most `run_ahead` samples;
+     - a section that consumes takes what has arrived first (oldest first), and fills the rest
+       of a micro-batch with samples that need nothing from upstream (text-only samples while
+       the encoder works), so it idles only when nothing at all is ready.
+The recorded order is the plan; transfers follow it, so both ends of every pair agree.
+
+    image samples i1..i4 (encoder cost 1, LLM cost 2), text t1..t4 (LLM cost 1); vision dp=1
+    mb=1 -> llm dp=1 mb=2:   vision: [i1] [i2] [i3] [i4]
+                             llm:    [t1,t2] [i1,t3] [i2,t4] [i3] [i4]   (never waits)
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from maestro_flow.graph import SectionGraph
+from maestro_flow.planner.balance import assign
+from maestro_flow.planner.cost import CostModel
+from maestro_flow.planner.plan import MicroBatches, Plan
+from maestro_flow.planner.routing import components
+from maestro_flow.planner.simulate import critical_section, task_s
+from maestro_flow.samples import SampleMeta
+
+INF = float("inf")
+
+
+@dataclass
+class _Rep:
+    section: str
+    index: int
+    mb: int
+    loss: bool
+    has_consumers: bool
+    todo: set[int] = field(default_factory=set)  # assigned, not yet scheduled
+    free: list[int] = field(default_factory=list)  # need nothing from upstream (in priority order)
+    arrived: list[tuple[float, int, int]] = field(default_factory=list)  # heap: (arrival, seq, sid)
+    missing: dict[int, int] = field(default_factory=dict)  # sid -> producer outputs still to arrive
+    mbs: list[tuple[int, ...]] = field(default_factory=list)
+    free_at: float = 0.0
+    bwd_ready: list[tuple[float, float, int]] = field(default_factory=list)  # heap: (ready, cost, mb)
+    grads_missing: dict[int, int] = field(default_factory=dict)  # mb -> gradients still to come
+    grads_at: dict[int, float] = field(default_factory=dict)
+    inflight: int = 0  # produced for this consumer replica (or in production), not yet consumed
+    pending_work: float = 0.0  # consumer-side work of samples produced/in production, not consumed
+    free_work: float = 0.0  # consumer-side work of samples that need nothing upstream
+    waiting: bool = False
+    slot: int = 0
+
+
+class WavefrontPlanner:
+    schedule = "wavefront"
+
+    def __init__(self, graph: SectionGraph, costs: CostModel, run_ahead: int | None = None) -> None:
+        self.graph = graph
+        self.costs = costs
+        self.run_ahead = run_ahead
+
+    def plan(self, step: int, samples: Sequence[SampleMeta]) -> Plan:
+        graph = self.graph
+        routes: dict[str, dict[int, int]] = {}
+        replicas: dict[str, tuple[MicroBatches, ...]] = {}
+        for comp in components(graph):
+            anchor = critical_section(graph, self.costs, samples) if len(graph.order) == len(comp) else \
+                _critical_in(graph, self.costs, samples, comp)
+            comp_routes = assign(graph, anchor, comp, samples, lambda n, s: task_s(graph, self.costs, n, s))
+            routes.update(comp_routes)
+            replicas.update(_Order(graph, self.costs, comp, samples, comp_routes, self.run_ahead).run())
+        ordered = {n: replicas[n] for n in graph.order}
+        return Plan(step=step, schedule=self.schedule, samples=tuple(samples), replicas=ordered, routes=routes)
+
+
+def _critical_in(graph: SectionGraph, costs: CostModel, samples, comp: list[str]) -> str:
+    name = critical_section(graph, costs, samples)
+    if name in comp:
+        return name
+    from maestro_flow.planner.simulate import section_work
+
+    work = section_work(graph, costs, samples)
+    return max(comp, key=lambda n: (work[n] / graph.sections[n].dp, graph.order.index(n)))
+
+
+class _Order:
+    """The greedy event simulation that fixes every replica's micro-batch order."""
+
+    def __init__(self, graph: SectionGraph, costs: CostModel, comp: list[str], samples: Sequence[SampleMeta],
+                 routes: dict[str, dict[int, int]], run_ahead: int | None) -> None:
+        self.graph, self.costs, self.comp = graph, costs, comp
+        self.meta = {s.id: s for s in samples}
+        self.routes = routes
+        self.sections = graph.sections
+        self.losses = set(graph.loss_sections())
+        self.reps: dict[str, list[_Rep]] = {}
+        self.all: list[_Rep] = []
+        self.producers = {n: [e.edge.src for e in graph.inputs(n)] for n in comp}
+        self.consumers = {n: [e.edge.dst for e in graph.outputs(n)] for n in comp}
+        self.grad_to = {n: [e.edge.src for e in graph.inputs(n) if e.carries_grad] for n in comp}
+        self.grad_from = {n: [e.edge.dst for e in graph.needs_grad_from(n)] for n in comp}
+        self.fwd = {n: {s.id: costs.sample_s(n, s) for s in samples} for n in comp}
+        self.task = {n: {s.id: task_s(graph, costs, n, s) for s in samples} for n in comp}
+        for n in comp:
+            sec = self.sections[n]
+            reps = [_Rep(section=n, index=r, mb=sec.micro_batch, loss=n in self.losses,
+                         has_consumers=bool(self.consumers[n])) for r in range(sec.dp)]
+            self.reps[n] = reps
+            for rep in reps:
+                rep.slot = len(self.all)
+                self.all.append(rep)
+        for s in samples:
+            for n in comp:
+                if not self.sections[n].activates(s.modalities):
+                    continue
+                rep = self.reps[n][routes[n][s.id]]
+                rep.todo.add(s.id)
+                need = sum(1 for p in self.producers[n] if self.sections[p].activates(s.modalities))
+                if need:
+                    rep.missing[s.id] = need
+                else:
+                    rep.free.append(s.id)
+                    rep.free_work += self.task[n][s.id]
+        # Consumers fill with free samples most expensive first (list scheduling's classic choice
+        # for a balanced tail). Producers serve each consumer replica in Johnson's order.
+        for rep in self.all:
+            rep.free.sort(key=lambda sid, n=rep.section: (-self.task[n][sid], sid))
+        self.queues: dict[tuple[str, int, str, int], list[int]] = {}  # (producer, p, consumer, c) -> sids
+        self.heads: dict[tuple[str, int, str, int], int] = {}
+        self.keys_of: dict[int, list[tuple[str, int, str, int]]] = {}  # sid -> its queues
+        for n in comp:
+            for c in self.consumers[n]:
+                for s in samples:
+                    if self.sections[n].activates(s.modalities) and self.sections[c].activates(s.modalities):
+                        key = (n, routes[n][s.id], c, routes[c][s.id])
+                        self.queues.setdefault(key, []).append(s.id)
+                        self.keys_of.setdefault(s.id, []).append(key)
+        for key, sids in self.queues.items():
+            n, c = key[0], key[2]
+            sids.sort(key=lambda sid, n=n, c=c: _johnson(self.fwd[n][sid], self.task[c][sid], sid))
+            self.heads[key] = 0
+        self.out_keys: dict[tuple[str, int], list[tuple[str, int, str, int]]] = {}
+        self.in_keys: dict[tuple[str, int], list[tuple[str, int, str, int]]] = {}
+        for key in sorted(self.queues):
+            self.out_keys.setdefault((key[0], key[1]), []).append(key)
+            self.in_keys.setdefault((key[2], key[3]), []).append(key)
+        self.taken: set[tuple[str, int]] = set()  # (section, sid) scheduled
+        self.credit = {n: (run_ahead if run_ahead is not None else 2 * self.sections[n].micro_batch)
+                       for n in comp}
+        self.heap: list[tuple[float, int]] = []
+        self.seq = 0
+
+    # -- the event loop --------------------------------------------------------------------
+
+    def run(self) -> dict[str, tuple[MicroBatches, ...]]:
+        for rep in self.all:
+            heapq.heappush(self.heap, (0.0, rep.slot))
+        while self.heap:
+            t, slot = heapq.heappop(self.heap)
+            rep = self.all[slot]
+            if t < rep.free_at:
+                continue
+            self._decide(rep, t)
+        for rep in self.all:
+            if rep.todo:
+                raise AssertionError(f"wavefront left {len(rep.todo)} samples of {rep.section}[{rep.index}] unplanned")
+        return {n: tuple(tuple(r.mbs) for r in reps) for n, reps in self.reps.items()}
+
+    def _decide(self, rep: _Rep, t: float) -> None:
+        rep.waiting = False
+        if rep.bwd_ready and rep.bwd_ready[0][0] <= t:
+            _, cost, m = heapq.heappop(rep.bwd_ready)
+            self._busy(rep, t, cost)
+            self._send_grads(rep, rep.mbs[m], rep.free_at)
+            return
+        batch = self._pick_producer(rep, t) if rep.has_consumers else self._pick_consumer(rep, t)
+        if batch:
+            self._forward(rep, t, batch)
+            return
+        rep.waiting = True
+        # Wake at the next arrival or gradient; a producer held back by run-ahead credits is
+        # woken by its consumer when a credit comes back (_forward).
+        wake = min([a for a, _, _ in rep.arrived if a > t] + [b for b, _, _ in rep.bwd_ready if b > t], default=INF)
+        if wake < INF:
+            heapq.heappush(self.heap, (wake, rep.slot))
+        # An idle consumer overrides run-ahead credits: wake producers that held back for it.
+        for key in self.in_keys.get((rep.section, rep.index), ()):
+            prep = self.reps[key[0]][key[1]]
+            if prep.waiting:
+                heapq.heappush(self.heap, (max(t, prep.free_at), prep.slot))
+
+    def _pick_consumer(self, rep: _Rep, t: float) -> list[int]:
+        batch = []
+        while rep.arrived and rep.arrived[0][0] <= t and len(batch) < rep.mb:
+            batch.append(heapq.heappop(rep.arrived)[-1])
+        while len(batch) < rep.mb and rep.free:
+            batch.append(rep.free.pop(0))
+        return batch
+
+    def _head(self, key: tuple[str, int, str, int], available: set[int]) -> int | None:
+        """The first sample of a producer->consumer queue that is not taken and can be produced now."""
+        queue, n = self.queues[key], key[0]
+        i = self.heads[key]
+        while i < len(queue) and (n, queue[i]) in self.taken:
+            i += 1
+        self.heads[key] = i
+        for sid in queue[i:]:
+            if (n, sid) not in self.taken and sid in available:
+                return sid
+        return None
+
+    def _pick_producer(self, rep: _Rep, t: float) -> list[int]:
+        """Serve the consumer replica that would starve first, within its run-ahead credit."""
+        n = rep.section
+        available = set(rep.free) | {sid for a, _, sid in rep.arrived if a <= t}
+        keys = self.out_keys.get((n, rep.index), [])
+        starve = {k: max(t, c.free_at) + c.free_work + c.pending_work
+                  for k in keys for c in (self.reps[k[2]][k[3]],)}
+        batch: list[int] = []
+        while len(batch) < rep.mb:
+            sid = None
+            for k in sorted(keys, key=lambda k: (starve[k], k)):
+                c = self.reps[k[2]][k[3]]
+                if c.inflight >= self.credit[k[2]] and not c.waiting:
+                    continue  # far enough ahead of this consumer; serve it again once it catches up
+                sid = self._head(k, available)
+                if sid is not None:
+                    break
+            if sid is None:
+                # Samples that no consumer replica takes from here still need producing.
+                sid = next((x for x in sorted(available) if not any(k[0] == n for k in self.keys_of.get(x, ()))),
+                           None)
+                if sid is None:
+                    break
+            batch.append(sid)
+            available.discard(sid)
+            self.taken.add((n, sid))
+            for k in self.keys_of.get(sid, ()):
+                if k[0] == n:
+                    c = self.reps[k[2]][k[3]]
+                    c.inflight += 1
+                    c.pending_work += self.task[k[2]][sid]
+                    starve[k] += self.task[k[2]][sid]
+        if batch:
+            chosen = set(batch)
+            rep.free = [x for x in rep.free if x not in chosen]
+            rep.arrived = [entry for entry in rep.arrived if entry[-1] not in chosen]
+            heapq.heapify(rep.arrived)
+        return batch
+
+    # -- effects of a decision -------------------------------------------------------------
+
+    def _busy(self, rep: _Rep, t: float, cost: float) -> None:
+        rep.free_at = t + cost
+        heapq.heappush(self.heap, (rep.free_at, rep.slot))
+
+    def _forward(self, rep: _Rep, t: float, batch: list[int]) -> None:
+        n = rep.section
+        for sid in batch:
+            rep.todo.discard(sid)
+            self.taken.add((n, sid))
+            if sid in rep.missing:
+                rep.inflight -= 1
+                rep.pending_work -= self.task[n][sid]
+                for p in self.producers[n]:  # a credit came back: a producer held back may go on
+                    if sid in self.routes[p] and self.sections[p].activates(self.meta[sid].modalities):
+                        prep = self.reps[p][self.routes[p][sid]]
+                        if prep.waiting:
+                            heapq.heappush(self.heap, (max(t, prep.free_at), prep.slot))
+            else:
+                rep.free_work -= self.task[n][sid]
+        rep.mbs.append(tuple(batch))
+        m = len(rep.mbs) - 1
+        fwd = sum(self.fwd[n][s] for s in batch)
+        cost = sum(self.task[n][s] for s in batch) if (rep.loss or not self.sections[n].trainable) else fwd
+        self._busy(rep, t, cost)
+        done = rep.free_at
+        arrive = done + self.costs.transfer_s
+        for c in self.consumers[n]:
+            for sid in batch:
+                if sid in self.routes[c] and self.sections[c].activates(self.meta[sid].modalities):
+                    crep = self.reps[c][self.routes[c][sid]]
+                    crep.missing[sid] -= 1
+                    if crep.missing[sid] == 0:
+                        self.seq += 1  # ties in arrival keep production order (FIFO per pair)
+                        heapq.heappush(crep.arrived, (arrive, self.seq, sid))
+                        if crep.waiting:
+                            heapq.heappush(self.heap, (max(arrive, crep.free_at), crep.slot))
+        expected = sum(1 for c in self.grad_from[n] for sid in batch
+                       if self.sections[c].activates(self.meta[sid].modalities))
+        if self.sections[n].trainable and not rep.loss and expected:
+            rep.grads_missing[m] = expected
+            rep.grads_at[m] = 0.0
+        else:
+            self._send_grads(rep, batch, done)
+
+    def _send_grads(self, rep: _Rep, batch: Sequence[int], done: float) -> None:
+        arrive = done + self.costs.transfer_s
+        for p in self.grad_to[rep.section]:
+            for sid in batch:
+                if not self.sections[p].activates(self.meta[sid].modalities):
+                    continue
+                prep = self.reps[p][self.routes[p][sid]]
+                m = next(i for i, mb in enumerate(prep.mbs) if sid in mb)
+                prep.grads_missing[m] -= 1
+                prep.grads_at[m] = max(prep.grads_at[m], arrive)
+                if prep.grads_missing[m] == 0:
+                    cost = sum(self.task[p][s] - self.fwd[p][s] for s in prep.mbs[m])
+                    heapq.heappush(prep.bwd_ready, (prep.grads_at[m], cost, m))
+                    if prep.waiting:
+                        heapq.heappush(self.heap, (max(prep.grads_at[m], prep.free_at), prep.slot))
+
+
+def _johnson(produce_s: float, consume_s: float, sid: int) -> tuple:
+    """Johnson's rule for a two-stage flow: short production first while consumption is longer,
+    then by decreasing consumption (a small tail after the last output)."""
+    if produce_s < consume_s:
+        return (0, produce_s, sid)
+    return (1, -consume_s, sid)

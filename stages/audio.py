@@ -1,0 +1,185 @@
+"""`AudioEncoder`: raw waveforms -> one embedding row per frame, and the `num_frames` rule.
+
+Front end, per sample and at the sample's own sample rate: frames of frame_len samples every hop
+samples, where frame_len = frame_samples(frame_s, sample_rate) and hop = frame_samples(hop_s,
+sample_rate) (seconds x rate, rounded half up, at least 1); a periodic Hann window; the power
+spectrum (rFFT); a triangular mel filterbank (HTK mel scale, `n_mels` filters from 0 Hz to the
+Nyquist frequency, built for that rate); log (floored at 1e-10). Because the filterbank maps any
+rate's spectrum to the same `n_mels` features, samples with different rates can share a
+micro-batch. Then: LayerNorm over the mel features, a Linear to d_model plus a learned position
+per frame (at most `max_frames`), bidirectional transformer blocks with a key-padding mask, a
+final LayerNorm, and optionally a projector MLP to the LLM width (`project_to`).
+
+Frame count (exact; `num_frames` is public so that a dataset builder computes the `num_frames`
+metadata column the same way): with n waveform samples,
+    num_frames = max(1, 1 + (n - frame_len) // hop)
+i.e. every full frame starting at 0, hop, 2*hop, ...; a clip shorter than one frame is zero-padded
+to one frame; trailing samples that do not fill a frame are dropped.
+
+Config keys: frame_s (0.025), hop_s (0.01), n_mels (40), d_model (64), n_layers (2), n_heads (4),
+d_ff (4*d_model), max_frames (1024), project_to (None), init_seed (None). Reads the "audio" column
+(1-D float waveforms) and the "sample_rate" column (ints). Output: "audio_embeds", per sample
+[num_frames_i, project_to or d_model], or None for a sample without audio. Knows nothing of how
+the waveform was stored or of other sections.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from maestro_flow import MicroBatch, Stage, StageContext
+from stages.common import Outputs, lengths_of
+from stages.encoder import EncoderConfig, EncoderTrunk, ProjectorMLP, check_int, param_like, scatter, seeded
+
+FRAME_S = 0.025
+HOP_S = 0.01
+LOG_FLOOR = 1e-10
+
+
+def frame_samples(seconds: float, sample_rate: int) -> int:
+    """A duration in whole samples at `sample_rate`: round half up, at least 1."""
+    return max(1, math.floor(seconds * sample_rate + 0.5))
+
+
+def num_frames(num_samples: int, sample_rate: int, frame_s: float = FRAME_S, hop_s: float = HOP_S) -> int:
+    """Frames (embedding rows) the AudioEncoder gives for a clip of `num_samples` samples."""
+    frame_len, hop = frame_samples(frame_s, sample_rate), frame_samples(hop_s, sample_rate)
+    return max(1, 1 + (num_samples - frame_len) // hop)
+
+
+def mel_filterbank(n_fft: int, sample_rate: int, n_mels: int) -> Tensor:
+    """[n_fft // 2 + 1, n_mels] float64: triangular filters, evenly spaced on the HTK mel scale."""
+    def to_mel(hz: Tensor) -> Tensor:
+        return 2595.0 * torch.log10(1.0 + hz / 700.0)
+
+    freqs = torch.fft.rfftfreq(n_fft, d=1.0 / sample_rate, dtype=torch.float64)
+    edges_mel = torch.linspace(0.0, float(to_mel(torch.tensor(sample_rate / 2.0))), n_mels + 2, dtype=torch.float64)
+    edges = 700.0 * (10.0 ** (edges_mel / 2595.0) - 1.0)
+    lower, center, upper = edges[:-2], edges[1:-1], edges[2:]
+    rising = (freqs[:, None] - lower) / (center - lower)
+    falling = (upper - freqs[:, None]) / (upper - center)
+    return torch.minimum(rising, falling).clamp_min(0.0)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AudioConfig(EncoderConfig):
+    frame_s: float = FRAME_S
+    hop_s: float = HOP_S
+    n_mels: int = 40
+    max_frames: int = 1024
+
+    def validate(self, where: str = "") -> None:
+        EncoderConfig.validate(self, where)
+        for key in ("frame_s", "hop_s"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+                raise ValueError(f"{where}{key} must be a duration in seconds > 0, got {value!r}")
+        check_int(self.n_mels, "n_mels", where=where)
+        check_int(self.max_frames, "max_frames", where=where)
+
+
+class LogMel(nn.Module):
+    """Waveform [n] at a sample rate -> log-mel features [num_frames, n_mels] (no parameters)."""
+
+    def __init__(self, cfg: AudioConfig) -> None:
+        super().__init__()
+        self.frame_s, self.hop_s, self.n_mels = cfg.frame_s, cfg.hop_s, cfg.n_mels
+        self._filters: dict[tuple[int, torch.dtype, torch.device], tuple[Tensor, Tensor]] = {}
+
+    def _window_and_filters(self, frame_len: int, sample_rate: int, like: Tensor) -> tuple[Tensor, Tensor]:
+        key = (sample_rate, like.dtype, like.device)
+        if key not in self._filters:
+            window = torch.hann_window(frame_len, periodic=True, dtype=torch.float64)
+            filters = mel_filterbank(frame_len, sample_rate, self.n_mels)
+            self._filters[key] = (window.to(like), filters.to(like))
+        return self._filters[key]
+
+    def forward(self, wave: Tensor, sample_rate: int) -> Tensor:
+        frame_len, hop = frame_samples(self.frame_s, sample_rate), frame_samples(self.hop_s, sample_rate)
+        if wave.shape[0] < frame_len:
+            wave = torch.nn.functional.pad(wave, (0, frame_len - wave.shape[0]))
+        frames = wave.unfold(0, frame_len, hop)  # exactly num_frames(len, rate) rows
+        window, filters = self._window_and_filters(frame_len, sample_rate, wave)
+        power = torch.fft.rfft(frames * window, dim=-1).abs().square()
+        return (power @ filters).clamp_min(LOG_FLOOR).log()
+
+
+class AudioTransformer(nn.Module):
+    """LogMel -> LayerNorm -> Linear + learned frame positions -> EncoderTrunk."""
+
+    def __init__(self, cfg: AudioConfig) -> None:
+        super().__init__()
+        self.features = LogMel(cfg)
+        self.feature_norm = nn.LayerNorm(cfg.n_mels)
+        self.frame_emb = nn.Linear(cfg.n_mels, cfg.d_model)
+        self.pos_emb = nn.Embedding(cfg.max_frames, cfg.d_model)
+        self.trunk = EncoderTrunk(cfg)
+
+    def forward(self, waves: list[Tensor], sample_rates: list[int]) -> list[Tensor]:
+        """Per-sample 1-D waveforms (already checked) -> per-sample [num_frames_i, d_model]."""
+        feats = [self.features(w, r) for w, r in zip(waves, sample_rates, strict=True)]
+        lengths = lengths_of(feats)
+        positions = torch.cat([torch.arange(n, device=feats[0].device) for n in lengths])
+        x = self.frame_emb(self.feature_norm(torch.cat(feats))) + self.pos_emb(positions)
+        return self.trunk(list(x.split(lengths)))
+
+
+class AudioEncoder(Stage):
+    """Outputs "audio_embeds": per sample [num_frames_i, project_to or d_model], or None."""
+
+    def __init__(self, config: dict[str, Any], ctx: StageContext) -> None:
+        super().__init__(config, ctx)
+        self.audio_config = cfg = AudioConfig.from_dict(config)
+        self.encoder = seeded(AudioTransformer(cfg), seed=cfg.init_seed, n_layers=cfg.n_layers, prefix="encoder.")
+        self.projector: ProjectorMLP | None = None
+        if cfg.project_to is not None:
+            self.projector = seeded(ProjectorMLP(cfg.d_model, cfg.project_to), seed=cfg.init_seed,
+                                    n_layers=cfg.n_layers, prefix="projector.")
+
+    @classmethod
+    def outputs(cls, config: dict[str, Any]) -> tuple[str, ...]:
+        return ("audio_embeds",)
+
+    def forward(self, batch: MicroBatch) -> Outputs:
+        for column in ("audio", "sample_rate"):
+            if column not in batch.columns:
+                raise ValueError(f"AudioEncoder needs the {column!r} column")
+        audio, rates = batch.columns["audio"], batch.columns["sample_rate"]
+        present = [i for i, wave in enumerate(audio) if wave is not None]
+        if not present:
+            return {"audio_embeds": [None] * len(batch)}
+        like = param_like(self.encoder)
+        waves, sample_rates = [], []
+        for i in present:
+            wave, rate, sample_id = torch.as_tensor(audio[i]), _sample_rate(rates[i]), batch.sample_ids[i]
+            if wave.dim() != 1:
+                raise ValueError(f"sample {sample_id}: audio must be a 1-D waveform, got shape {list(wave.shape)}")
+            if rate is None:
+                raise ValueError(f"sample {sample_id}: sample_rate must be a positive integer, got {rates[i]!r}")
+            frames = num_frames(wave.shape[0], rate, self.audio_config.frame_s, self.audio_config.hop_s)
+            if frames > self.audio_config.max_frames:
+                raise ValueError(f"sample {sample_id}: {wave.shape[0]} samples at {rate} Hz make {frames} frames, "
+                                 f"more than max_frames={self.audio_config.max_frames}")
+            waves.append(wave.to(device=like.device, dtype=like.dtype))
+            sample_rates.append(rate)
+        embeds = self.encoder(waves, sample_rates)
+        if self.projector is not None:
+            embeds = self.projector.per_sample(embeds)
+        return {"audio_embeds": scatter(embeds, present, len(batch))}
+
+
+def _sample_rate(value: Any) -> int | None:
+    """`value` as a positive int (Python, numpy or 0-d tensor integers), else None."""
+    if isinstance(value, bool):
+        return None
+    try:
+        rate = operator.index(value)
+    except TypeError:
+        return None
+    return rate if rate >= 1 else None

@@ -1,0 +1,222 @@
+"""`VisionEncoder`: a ViT over variable-size images; `Projector`: an MLP section between encoder and LLM.
+
+VisionEncoder turns each image into one embedding row per patch, row-major over the patch grid:
+an image [3, H, W] (H, W multiples of `patch`) gives num_patches(H, W, patch) = (H/patch)*(W/patch)
+rows. Pipeline: patches flattened and embedded by a Linear (a stride-`patch` convolution), plus a
+factorised 2-D position (row embedding + column embedding, so any grid up to max_grid x max_grid
+works), then bidirectional transformer blocks with a key-padding mask (images of different sizes
+share a micro-batch without changing each other's results), a final LayerNorm, and optionally a
+projector MLP to the LLM width (`project_to`).
+
+Where pixels come from: the "pixels" input when the section receives one (per-sample [3, H, W]
+tensors from a separate decode section, or a test), else the "image" column (encoded bytes)
+decoded by an image decoder built at construction from `decoder` ("module:Class", default
+"loaders.dali:ImageDecoder", imported only then) with keyword arguments `decode` (default
+{"max_side": 64, "patch": patch, "device": ctx.device}) and called as
+`decode(images: list[bytes], sample_ids: list[int]) -> list[Tensor | None]` (float32 CHW). A
+sample without pixels (no image, or an image the decoder skipped and returned None for) gets None
+as its "image_embeds" entry. `decoder: None` builds no decoder (the "pixels" input is then needed).
+
+VisionEncoder config keys: patch (8), d_model (64), n_layers (2), n_heads (4), d_ff (4*d_model),
+max_grid (16), project_to (None), init_seed (None), decode ({}), decoder ("loaders.dali:ImageDecoder").
+Output: "image_embeds", per sample [num_patches_i, project_to or d_model] or None.
+
+Projector config keys: input ("image_embeds"), output ("image_embeds"), d_in (64), d_out (64),
+d_hidden (d_out), init_seed (None). Reading and writing the same name lets it sit as its own
+section between the encoder and the LLM (encoder -> projector -> LLM, both edges carrying
+"image_embeds"), so neither neighbour's config changes. With the same `init_seed`, its weights
+equal those of the projector built into a VisionEncoder with `project_to` (both are named
+"projector.*"). Knows nothing of transfers or gradients across sections (the runtime's job).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from maestro_flow import MicroBatch, Stage, StageContext
+from stages.common import Outputs, check_keys, lengths_of
+from stages.encoder import (
+    EncoderConfig,
+    EncoderTrunk,
+    ProjectorMLP,
+    check_int,
+    load_class,
+    param_like,
+    scatter,
+    seeded,
+)
+
+DEFAULT_DECODER = "loaders.dali:ImageDecoder"
+DEFAULT_MAX_SIDE = 64
+
+
+def num_patches(height: int, width: int, patch: int) -> int:
+    """Embedding rows of a decoded [3, height, width] image (height, width multiples of patch)."""
+    return (height // patch) * (width // patch)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class VisionConfig(EncoderConfig):
+    patch: int = 8
+    max_grid: int = 16
+    decode: dict[str, Any] = field(default_factory=dict)
+    decoder: str | None = DEFAULT_DECODER
+
+    def validate(self, where: str = "") -> None:
+        EncoderConfig.validate(self, where)
+        check_int(self.patch, "patch", where=where)
+        check_int(self.max_grid, "max_grid", where=where)
+        if not isinstance(self.decode, dict):
+            raise ValueError(f"{where}decode must be a dict of the decoder's keyword arguments, got {self.decode!r}")
+
+
+def patchify(image: Tensor, patch: int) -> tuple[Tensor, int, int]:
+    """[3, H, W] -> ([gh * gw, 3 * patch * patch] row-major over the grid, gh, gw)."""
+    c, h, w = image.shape
+    gh, gw = h // patch, w // patch
+    rows = image.reshape(c, gh, patch, gw, patch).permute(1, 3, 0, 2, 4).reshape(gh * gw, c * patch * patch)
+    return rows, gh, gw
+
+
+class ViT(nn.Module):
+    """Patch embedding + factorised 2-D positions + EncoderTrunk."""
+
+    def __init__(self, cfg: VisionConfig) -> None:
+        super().__init__()
+        self.patch = cfg.patch
+        self.patch_emb = nn.Linear(3 * cfg.patch * cfg.patch, cfg.d_model)
+        self.row_emb = nn.Embedding(cfg.max_grid, cfg.d_model)
+        self.col_emb = nn.Embedding(cfg.max_grid, cfg.d_model)
+        self.trunk = EncoderTrunk(cfg)
+
+    def forward(self, images: list[Tensor]) -> list[Tensor]:
+        """Per-sample [3, H_i, W_i] (already checked) -> per-sample [num_patches_i, d_model]."""
+        patches, rows, cols = [], [], []
+        for image in images:
+            p, gh, gw = patchify(image, self.patch)
+            patches.append(p)
+            rows.append(torch.arange(gh, device=p.device).repeat_interleave(gw))
+            cols.append(torch.arange(gw, device=p.device).repeat(gh))
+        x = self.patch_emb(torch.cat(patches)) + self.row_emb(torch.cat(rows)) + self.col_emb(torch.cat(cols))
+        return self.trunk(list(x.split(lengths_of(patches))))
+
+
+class VisionEncoder(Stage):
+    """Outputs "image_embeds": per sample [num_patches_i, project_to or d_model], or None."""
+
+    def __init__(self, config: dict[str, Any], ctx: StageContext) -> None:
+        super().__init__(config, ctx)
+        self.vision_config = cfg = VisionConfig.from_dict(config)
+        self.encoder = seeded(ViT(cfg), seed=cfg.init_seed, n_layers=cfg.n_layers, prefix="encoder.")
+        self.projector: ProjectorMLP | None = None
+        if cfg.project_to is not None:
+            self.projector = seeded(ProjectorMLP(cfg.d_model, cfg.project_to), seed=cfg.init_seed,
+                                    n_layers=cfg.n_layers, prefix="projector.")
+        self.decoder = None
+        if cfg.decoder is not None:
+            kwargs = {"max_side": DEFAULT_MAX_SIDE, "patch": cfg.patch, "device": ctx.device, **cfg.decode}
+            self.decoder = load_class(cfg.decoder, "decoder")(**kwargs)
+
+    @classmethod
+    def outputs(cls, config: dict[str, Any]) -> tuple[str, ...]:
+        return ("image_embeds",)
+
+    def forward(self, batch: MicroBatch) -> Outputs:
+        pixels = self._pixels(batch)
+        present = [i for i, p in enumerate(pixels) if p is not None]
+        if not present:
+            return {"image_embeds": [None] * len(batch)}
+        like = param_like(self.encoder)
+        images = [self._checked(pixels[i], batch.sample_ids[i]).to(device=like.device, dtype=like.dtype)
+                  for i in present]
+        embeds = self.encoder(images)
+        if self.projector is not None:
+            embeds = self.projector.per_sample(embeds)
+        return {"image_embeds": scatter(embeds, present, len(batch))}
+
+    def _pixels(self, batch: MicroBatch) -> list[Tensor | None]:
+        if "pixels" in batch.inputs:
+            return list(batch.inputs["pixels"])
+        if "image" not in batch.columns:
+            raise ValueError("VisionEncoder needs the 'image' column (encoded bytes) or a 'pixels' input")
+        images = batch.columns["image"]
+        todo = [i for i, data in enumerate(images) if data is not None]
+        if not todo:
+            return [None] * len(batch)
+        if self.decoder is None:
+            raise ValueError("VisionEncoder: config 'decoder' is None, so images must arrive decoded "
+                             "through a 'pixels' input")
+        decoded = self.decoder.decode([bytes(images[i]) for i in todo], [batch.sample_ids[i] for i in todo])
+        if len(decoded) != len(todo):
+            raise ValueError(f"image decoder returned {len(decoded)} images for {len(todo)} inputs")
+        return scatter(decoded, todo, len(batch))
+
+    def _checked(self, image: Tensor, sample_id: int) -> Tensor:
+        patch, max_grid = self.vision_config.patch, self.vision_config.max_grid
+        shape = tuple(image.shape)
+        if image.dim() != 3 or shape[0] != 3 or shape[1] < 1 or shape[2] < 1 or shape[1] % patch or shape[2] % patch:
+            raise ValueError(f"sample {sample_id}: image must be [3, H, W] with H, W positive multiples of "
+                             f"patch={patch}, got {list(shape)}")
+        if shape[1] // patch > max_grid or shape[2] // patch > max_grid:
+            raise ValueError(f"sample {sample_id}: image {shape[1]}x{shape[2]} is a {shape[1] // patch}x"
+                             f"{shape[2] // patch} patch grid, larger than max_grid={max_grid} "
+                             "(raise max_grid or decode to a smaller max_side)")
+        return image
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ProjectorConfig:
+    input: str = "image_embeds"
+    output: str = "image_embeds"
+    d_in: int = 64
+    d_out: int = 64
+    d_hidden: int | None = None
+    init_seed: int | None = None
+
+    @classmethod
+    def from_dict(cls, config: dict[str, Any]) -> ProjectorConfig:
+        check_keys(config, {f.name for f in dataclasses.fields(cls)})
+        cfg = cls(**config)
+        for key in ("input", "output"):
+            if not isinstance(getattr(cfg, key), str) or not getattr(cfg, key):
+                raise ValueError(f"{key} must be a tensor name, got {getattr(cfg, key)!r}")
+        check_int(cfg.d_in, "d_in")
+        check_int(cfg.d_out, "d_out")
+        check_int(cfg.d_hidden, "d_hidden", optional=True)
+        if cfg.init_seed is not None and (not isinstance(cfg.init_seed, int) or isinstance(cfg.init_seed, bool)):
+            raise ValueError(f"init_seed must be an integer or None, got {cfg.init_seed!r}")
+        return cfg
+
+
+class Projector(Stage):
+    """Maps each received [L_i, d_in] tensor to [L_i, d_out] with a 2-layer MLP (None stays None)."""
+
+    def __init__(self, config: dict[str, Any], ctx: StageContext) -> None:
+        super().__init__(config, ctx)
+        self.projector_config = cfg = ProjectorConfig.from_dict(config)
+        self.projector = seeded(ProjectorMLP(cfg.d_in, cfg.d_out, cfg.d_hidden), seed=cfg.init_seed, n_layers=1,
+                                prefix="projector.")
+
+    @classmethod
+    def outputs(cls, config: dict[str, Any]) -> tuple[str, ...]:
+        return (config.get("output", "image_embeds"),)
+
+    def forward(self, batch: MicroBatch) -> Outputs:
+        name = self.projector_config.input
+        received = batch.inputs.get(name)
+        if received is None:
+            raise ValueError(f"Projector needs the input tensor {name!r} (config 'input')")
+        like = param_like(self.projector)
+        present = [i for i, e in enumerate(received) if e is not None]
+        d_in = self.projector.fc_in.in_features
+        for i in present:
+            if received[i].dim() != 2 or received[i].shape[1] != d_in:
+                raise ValueError(f"sample {batch.sample_ids[i]}: {name!r} must be [L, {d_in}], "
+                                 f"got {list(received[i].shape)}")
+        out = self.projector.per_sample([received[i].to(device=like.device, dtype=like.dtype) for i in present])
+        return {self.projector_config.output: scatter(out, present, len(batch))}

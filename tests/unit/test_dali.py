@@ -1,0 +1,165 @@
+"""Unit tests of loaders/dali.py: the size rule, and ImageDecoder on the CPU (DALI, no GPU needed)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from loaders.dali import ImageDecoder, num_patches, target_size
+from loaders.images import digit_images, encode_png, photo_crops, photo_jpegs
+
+MEAN = np.array([0.485, 0.456, 0.406], dtype=np.float32)
+STD = np.array([0.229, 0.224, 0.225], dtype=np.float32)
+
+
+def normalised(image_hwc: np.ndarray, mean=MEAN, std=STD) -> np.ndarray:
+    """The decoder's output for an image that needs no resizing, computed with numpy: CHW float32."""
+    return ((image_hwc.astype(np.float32) / 255.0 - mean) / std).transpose(2, 0, 1)
+
+
+def solid_png(height: int, width: int, rgb=(200, 100, 50)) -> bytes:
+    return encode_png(np.broadcast_to(np.array(rgb, np.uint8), (height, width, 3)).copy())
+
+
+@pytest.fixture(scope="module")
+def decoder():
+    return ImageDecoder(max_side=64, patch=8)
+
+
+@pytest.fixture(scope="module")
+def samples():
+    """PNG crops and digits of varied sizes, and the two JPEG photographs (427 x 640)."""
+    items = photo_crops(6, seed=1) + digit_images(4, seed=2)
+    jpegs = photo_jpegs()
+    return ([s.data for s in items] + [jpegs["china"], jpegs["flower"]],
+            [(s.height, s.width) for s in items] + [(427, 640), (427, 640)])
+
+
+# -- the size rule --------------------------------------------------------------------------------
+
+def test_target_size_examples():
+    assert target_size(427, 640, 64, 8) == (40, 64)  # shrunk: 42.7 x 64, snapped to the 8-grid
+    assert target_size(640, 427, 64, 8) == (64, 40)
+    assert target_size(20, 30, 64, 8) == (24, 32)  # small images are not enlarged, only snapped
+    assert target_size(64, 64, 64, 8) == (64, 64)
+    assert target_size(1, 1000, 64, 8) == (8, 64)  # at least one patch per side
+    assert target_size(100, 100, 60, 8) == (56, 56)  # never above max_side
+    assert num_patches(427, 640, 64, 8) == 5 * 8 and num_patches(16, 16, 64, 8) == 4
+    with pytest.raises(ValueError, match="max_side must be >= patch"):
+        target_size(10, 10, 4, 8)
+    with pytest.raises(ValueError, match="image size must be positive"):
+        target_size(0, 10, 64, 8)
+
+
+@given(st.integers(1, 5000), st.integers(1, 5000), st.integers(1, 512), st.integers(1, 64))
+def test_target_size_rules(height, width, max_side, patch):
+    if max_side < patch:
+        return
+    h, w = target_size(height, width, max_side, patch)
+    for side in (h, w):
+        assert side % patch == 0 and patch <= side <= max_side
+    # Aspect kept up to the grid: each side is within half a patch (plus one pixel of scaling
+    # rounding) of the exactly scaled side, unless clamped to one patch or to the largest side.
+    scale = min(1.0, max_side / max(height, width))
+    cap = max_side // patch * patch
+    for side, original in ((h, height), (w, width)):
+        if patch < side < cap:
+            assert abs(side - original * scale) <= patch / 2 + 1
+    assert num_patches(height, width, max_side, patch) == (h // patch) * (w // patch)
+
+
+# -- decoding ---------------------------------------------------------------------------------------
+
+def test_shapes_follow_target_size(decoder, samples):
+    images, sizes = samples
+    out = decoder.decode(images, list(range(len(images))))
+    assert len(out) == len(images)
+    for tensor, (h, w) in zip(out, sizes, strict=True):
+        assert tensor.dtype == torch.float32 and tensor.device.type == "cpu"
+        assert tuple(tensor.shape) == (3, *target_size(h, w, 64, 8))
+    patch_counts = {(t.shape[1] // 8) * (t.shape[2] // 8) for t in out}
+    assert len(patch_counts) >= 4  # different sizes give different patch counts
+
+
+def test_solid_colour_is_normalised(decoder):
+    # 100 x 150 is shrunk and snapped (to 40 x 64): a solid colour stays exactly that colour.
+    (out,) = decoder.decode([solid_png(100, 150)], [0])
+    assert tuple(out.shape) == (3, 40, 64)
+    expected = normalised(np.array([[[200, 100, 50]]], np.uint8))[:, 0, 0]
+    np.testing.assert_allclose(out.numpy(), np.broadcast_to(expected[:, None, None], out.shape), atol=1e-5)
+
+
+def test_pixels_are_exact_when_no_resize_is_needed(decoder):
+    rgb = np.random.default_rng(0).integers(0, 256, (24, 40, 3), dtype=np.uint8)  # on the grid already
+    (out,) = decoder.decode([encode_png(rgb)], [0])
+    np.testing.assert_allclose(out.numpy(), normalised(rgb), atol=1e-5)  # CHW, RGB order kept
+
+
+def test_custom_mean_and_std():
+    rgb = np.random.default_rng(1).integers(0, 256, (16, 8, 3), dtype=np.uint8)
+    dec = ImageDecoder(max_side=32, patch=8, mean=(0.5, 0.5, 0.5), std=(0.5, 0.25, 1.0))
+    (out,) = dec.decode([encode_png(rgb)], [0])
+    np.testing.assert_allclose(out.numpy(), normalised(rgb, np.float32([0.5] * 3), np.float32([0.5, 0.25, 1.0])),
+                               atol=1e-5)
+
+
+def test_outputs_do_not_alias_dali_buffers(decoder):
+    first = decoder.decode([solid_png(16, 16, (0, 0, 0))], [0])[0].clone()
+    kept = decoder.decode([solid_png(16, 16, (0, 0, 0))], [0])[0]
+    decoder.decode([solid_png(16, 16, (255, 255, 255))], [1])
+    assert torch.equal(kept, first)  # a later decode did not overwrite an earlier result
+
+
+def test_pipeline_is_reused_across_calls_and_batch_sizes(samples):
+    images, _ = samples
+    dec = ImageDecoder(batch_size=4)
+    one_by_one = [dec.decode([img], [i])[0] for i, img in enumerate(images)]
+    for n in (3, 12, 1, 4, 0, 9):  # smaller than, equal to and (cut into batches) larger than batch_size
+        got = dec.decode(images[:n], list(range(n)))
+        assert len(got) == n
+        for a, b in zip(got, one_by_one, strict=False):
+            assert torch.equal(a, b)
+    assert dec.num_builds == 1 and dec.num_corrupt == 0
+
+
+# -- corrupt images ---------------------------------------------------------------------------------
+
+BAD = [b"definitely not an image" * 4, b"\x89PNG\r\n\x1a\n" + b"\x00" * 40]
+
+
+@pytest.mark.parametrize("bad", [*BAD, b""])
+def test_corrupt_image_raises_naming_the_sample(decoder, bad):
+    good = solid_png(16, 24)
+    with pytest.raises(ValueError, match=r"^sample 123: cannot decode image: \S") as err:
+        decoder.decode([good, good, bad, good], [120, 121, 123, 124])
+    assert "\n" not in str(err.value)
+    assert decoder.decode([good], [1])[0].shape == (3, 16, 24)  # still usable afterwards
+
+
+def test_skip_corrupt_returns_none_and_counts():
+    good = solid_png(16, 24)
+    dec = ImageDecoder(skip_corrupt=True, batch_size=3)
+    out = dec.decode([good, BAD[0], good, b"", good, BAD[1], good], [1, 2, 3, 4, 5, 6, 7])
+    assert [t is None for t in out] == [False, True, False, True, False, True, False]
+    assert all(t.shape == (3, 16, 24) for t in out if t is not None)
+    assert dec.num_corrupt == 3 and dec.corrupt_ids == (2, 4, 6)
+    assert dec.decode([BAD[0], good], [9, 10])[1] is not None
+    assert dec.corrupt_ids == (2, 4, 6, 9)
+
+
+def test_bad_arguments():
+    assert ImageDecoder(device=torch.device("cpu")).device == torch.device("cpu")
+    assert ImageDecoder(device="cuda:1").device == torch.device("cuda", 1)  # nothing touches the GPU yet
+    with pytest.raises(ValueError, match="device must be 'cpu', 'cuda' or 'cuda:N'"):
+        ImageDecoder(device="tpu")
+    with pytest.raises(ValueError, match="max_side must be >= patch"):
+        ImageDecoder(max_side=4, patch=8)
+    with pytest.raises(ValueError, match="mean and std need 3 values"):
+        ImageDecoder(mean=(0.5,))
+    with pytest.raises(ValueError, match="batch_size must be >= 1"):
+        ImageDecoder(batch_size=0)
+    with pytest.raises(ValueError, match="2 images but 1 sample ids"):
+        ImageDecoder().decode([b"a", b"b"], [1])

@@ -1,0 +1,43 @@
+"""Packing per-sample tensors into transfer buffers, and the receive-buffer pool (no processes)."""
+
+from __future__ import annotations
+
+import torch
+
+from maestro_flow.transport import p2p
+
+
+def test_pack_unpack_round_trip_coalesces_small_tensors():
+    big = torch.randn(300_000)  # > 1 MiB: sent as it is
+    items = [(1, "a", torch.randn(3, 4)), (1, "b", torch.arange(5)), (2, "a", torch.randn(2, 4)),
+             (2, "none", None), (3, "big", big), (3, "empty", torch.empty(0, 7))]
+    entries, specs, buffers = p2p.pack(items)
+    assert len(buffers) == 3  # float32 small ones, int64 small ones, the big one
+    assert any(b.data_ptr() == big.data_ptr() for b in buffers)  # no copy of the big tensor
+    received = p2p.allocate(specs, torch.device("cpu"))
+    for dst, src in zip(received, buffers, strict=True):
+        dst.copy_(src)
+    out = p2p.unpack(entries, received)
+    for (sid, name, t), (sid2, name2, t2) in zip(items, out, strict=True):
+        assert (sid, name) == (sid2, name2)
+        assert (t is None and t2 is None) or torch.equal(t, t2)
+
+
+def test_pool_reuses_a_buffer_only_once_nothing_refers_to_it():
+    pool = p2p.BufferPool()
+    first = pool.take(torch.float32, 1 << 20, torch.device("cpu"))
+    second = pool.take(torch.float32, 1 << 20, torch.device("cpu"))
+    assert first.data_ptr() != second.data_ptr()  # the first is still in use
+    sample = first[10:20]  # a delivered per-sample tensor keeps the buffer busy
+    del first
+    third = pool.take(torch.float32, 1 << 20, torch.device("cpu"))
+    assert third.data_ptr() not in (sample.data_ptr() - 40, second.data_ptr())
+    del sample, third
+    again = pool.take(torch.float32, 1 << 20, torch.device("cpu"))
+    assert again.data_ptr() in {b.data_ptr() for b in pool._free[(torch.float32, 1 << 20, torch.device("cpu"))]}
+
+
+def test_pool_does_not_keep_small_buffers():
+    pool = p2p.BufferPool()
+    pool.take(torch.float32, 16, torch.device("cpu"))
+    assert not pool._free
