@@ -154,16 +154,34 @@ def data() -> None:
 
 @data.command("demo")
 @click.option("--out", "out_dir", default="data/demo", show_default=True, type=click.Path(file_okay=False))
-@click.option("--samples", "num_samples", default=2048, show_default=True, help="Number of text samples.")
+@click.option("--samples", "num_samples", default=2048, show_default=True, help="Text samples (text.arrow).")
+@click.option("--vlm-samples", default=1024, show_default=True, help="Image-text samples (vlm.arrow).")
+@click.option("--image-share", default=0.33, show_default=True, help="Share of vlm.arrow samples with an image.")
+@click.option("--mm-samples", default=512, show_default=True, help="Text/image/audio samples (mm.arrow).")
+@click.option("--only", type=click.Choice(["text", "vlm", "mm"]), multiple=True, help="Build only these.")
 @click.option("--seed", default=0, show_default=True)
-def data_demo(out_dir: str, num_samples: int, seed: int) -> None:
-    """Build the demo text dataset (stdlib docstrings, byte tokens) as Arrow IPC and Parquet."""
+def data_demo(out_dir: str, num_samples: int, vlm_samples: int, image_share: float, mm_samples: int,
+              only: tuple[str, ...], seed: int) -> None:
+    """Build the demo datasets from data that ships with Python and scikit-learn.
+
+    \b
+    text.arrow (+ .parquet)  standard-library docstrings, byte tokens
+    vlm.arrow                scikit-learn photos (crops) and digits with captions, mixed with text
+    mm.arrow                 text, images and generated audio (captions spoken as tones)
+    """
     from maestro_flow.runtime.build import add_paths, resolve, search_paths
 
     add_paths(search_paths(None))
-    build = resolve("loaders.demo:build_text_demo", "data demo")
-    path = build(out_dir, num_samples=num_samples, seed=seed)
-    click.echo(f"wrote {path}")
+    builders = {
+        "text": lambda: resolve("loaders.demo:build_text_demo", "data demo")(out_dir, num_samples=num_samples,
+                                                                            seed=seed),
+        "vlm": lambda: resolve("loaders.demo:build_image_demo", "data demo")(
+            out_dir, num_samples=vlm_samples, image_share=image_share, seed=seed),
+        "mm": lambda: resolve("loaders.demo:build_multimodal_demo", "data demo")(out_dir, num_samples=mm_samples,
+                                                                                 seed=seed),
+    }
+    for name in only or tuple(builders):
+        click.echo(f"wrote {builders[name]()}")
 
 
 if __name__ == "__main__":

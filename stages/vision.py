@@ -126,6 +126,10 @@ class VisionEncoder(Stage):
     def outputs(cls, config: dict[str, Any]) -> tuple[str, ...]:
         return ("image_embeds",)
 
+    def stats(self) -> dict[str, float]:
+        """Corrupt images the decoder skipped (with decode.skip_corrupt=True), so far."""
+        return {"corrupt_images": getattr(self.decoder, "num_corrupt", 0)} if self.decoder is not None else {}
+
     def forward(self, batch: MicroBatch) -> Outputs:
         pixels = self._pixels(batch)
         present = [i for i, p in enumerate(pixels) if p is not None]

@@ -35,12 +35,23 @@ class Simulation:
     critical_busy_fraction: float
     busy_s: dict[str, tuple[float, ...]]  # section -> per replica
     finish_s: dict[str, tuple[float, ...]]
+    tasks: tuple[Task, ...] = ()  # every task run, in start order per replica
 
     def to_json_dict(self) -> dict[str, Any]:
         return {"makespan_s": self.makespan_s, "lower_bound_s": self.lower_bound_s,
                 "critical_section": self.critical_section,
                 "critical_busy_fraction": self.critical_busy_fraction,
                 "busy_s": {k: list(v) for k, v in self.busy_s.items()}}
+
+
+@dataclass(frozen=True, slots=True)
+class Task:
+    section: str
+    replica: int
+    micro_batch: int
+    kind: str  # "forward" (for a loss section: forward + backward) or "backward"
+    start_s: float
+    end_s: float
 
 
 @dataclass
@@ -98,6 +109,7 @@ class _Sim:
         self.grad_producers = {name: [e.edge.src for e in graph.inputs(name) if e.carries_grad]
                                for name in graph.order}
         self.heap: list[tuple[float, int]] = []
+        self.tasks: list[Task] = []
 
     def run(self) -> None:
         for i in range(len(self.replicas)):
@@ -115,7 +127,7 @@ class _Sim:
         rep.waiting = False
         if rep.ready_bwd and rep.ready_bwd[0][0] <= t:
             _, m = heapq.heappop(rep.ready_bwd)
-            self._run(rep, i, t, rep.bwd_cost[m])
+            self._run(rep, i, t, rep.bwd_cost[m], m, "backward")
             self._send_grads(rep, m, rep.free_at)
             return
         if rep.next_fwd < len(rep.mbs):
@@ -123,7 +135,7 @@ class _Sim:
             if ready <= t:
                 m = rep.next_fwd
                 rep.next_fwd += 1
-                self._run(rep, i, t, rep.fwd_cost[m])
+                self._run(rep, i, t, rep.fwd_cost[m], m, "forward")
                 self._emit(rep, m, rep.free_at)
                 return
         else:
@@ -134,7 +146,9 @@ class _Sim:
             heapq.heappush(self.heap, (wake, i))
         # else: blocked until a producer's output or a consumer's gradient wakes it (see _wake).
 
-    def _run(self, rep: _Replica, i: int, t: float, cost: float) -> None:
+    def _run(self, rep: _Replica, i: int, t: float, cost: float, m: int, kind: str) -> None:
+        self.tasks.append(Task(section=rep.section, replica=rep.index, micro_batch=m, kind=kind,
+                               start_s=t, end_s=t + cost))
         rep.free_at = t + cost
         rep.busy += cost
         rep.finish = max(rep.finish, rep.free_at)
@@ -186,7 +200,7 @@ def simulate(plan: Plan, graph: SectionGraph, costs: CostModel) -> Simulation:
     fraction = crit_busy / (makespan * graph.sections[critical].dp) if makespan > 0 else 1.0
     return Simulation(makespan_s=makespan, lower_bound_s=bound, critical_section=critical,
                       critical_busy_fraction=fraction, busy_s={k: tuple(v) for k, v in busy.items()},
-                      finish_s={k: tuple(v) for k, v in finish.items()})
+                      finish_s={k: tuple(v) for k, v in finish.items()}, tasks=tuple(sim.tasks))
 
 
 def task_s(graph: SectionGraph, costs: CostModel, name: str, sample: SampleMeta) -> float:

@@ -14,7 +14,7 @@ import os
 
 import pytest
 
-from tools.bench import control_overhead, p2p_bandwidth, teacher_memory
+from tools.bench import control_overhead, p2p_bandwidth, planning_time, teacher_memory, wavefront_sim
 from tools.bench.common import REPO_ROOT
 
 pytestmark = pytest.mark.integration
@@ -84,3 +84,42 @@ def test_teacher_memory_tiny():
     assert [r["teacher"]["micro_batches_per_step"] for r in out["runs"]] == [1, 2]
     assert positive(out["teacher_ratio"]) and positive(out["ratios"]["student"])
     assert isinstance(out["goal_met"], bool)
+
+
+@pytest.mark.timeout(60)
+def test_wavefront_sim_tiny():
+    out = wavefront_sim.main(["--tiny"])
+    assert out["config"]["batch"] == 32 and len(out["config"]["seeds"]) == 2
+    cases = out["cases"]
+    assert len(cases) == len(wavefront_sim.LAYOUTS) * len(wavefront_sim.ENCODERS) * len(wavefront_sim.MIXES)
+    for c in cases:
+        for key in ("makespan_wavefront_s", "makespan_fifo_s", "lower_bound_s", "wavefront_over_fifo",
+                    "worst_wavefront_over_fifo", "wavefront_over_bound", "fifo_over_bound"):
+            assert positive(c[key]), (key, c["layout"], c["encoder"], c["mix"])
+        for run in c["runs"]:  # no ordering beats the lower bound
+            for schedule in ("wavefront", "fifo"):
+                assert run["lower_bound_s"] <= run[schedule]["makespan_s"] * (1 + 1e-9), (schedule, run)
+                assert 0 < run[schedule]["critical_busy_fraction"] <= 1 + 1e-9
+            assert run["bound"] in run["bound_terms"]  # the simulator's bound is one of the named terms
+        assert c["wavefront_over_bound"] >= 1 - 1e-9 and c["fifo_over_bound"] >= 1 - 1e-9
+        assert c["critical_section"] in ("vision", "llm")
+        assert c["busy_goal_met"] in (True, False, None)
+    assert positive(out["median_wavefront_over_bound"])
+    assert set(out["goals"]) == {"within_5pct_of_bound", "busy_where_bound_allows"}
+
+
+@pytest.mark.timeout(60)
+def test_planning_time_tiny():
+    out = planning_time.main(["--tiny", "--profile", "--top", "5"])
+    assert out["config"]["samples"] == 256 and out["config"]["reps"] == 3
+    layouts = out["layouts"]
+    assert 64 in [r["replicas"] for r in layouts]  # the goal's "over 64 replicas"
+    for r in layouts:
+        assert r["replicas"] == r["vision_dp"] + r["llm_dp"]
+        assert sum(r["critical"].values()) == 3 and set(r["critical"]) <= {"vision", "llm"}
+        for schedule in ("wavefront", "fifo"):
+            t = r[schedule]
+            assert len(t["times_s"]) == 3 and all(positive(x) for x in t["times_s"])
+            assert t["q1_s"] <= t["median_s"] <= t["q3_s"]
+    assert isinstance(out["goal_met"], bool)
+    assert 1 <= len(out["profile"]) <= 5 and all(positive(p["cumtime_s"]) for p in out["profile"][:1])

@@ -1,0 +1,99 @@
+"""Multimodal section mode equals the colocated reference (float64, every trainable parameter).
+
+Vision encoder (DALI decode on CPU) -> LLM with fan-out 2 and 4, unequal micro-batch sizes,
+image shares of 0%, about 33% and 100%, trainable and frozen encoders, both schedules; and an
+image encoder plus an audio encoder feeding one LLM.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from maestro_flow.runtime.run import RunOptions, run_pipeline
+from tests.integration.conftest import ROOT, maestro
+from tests.integration.test_equivalence import assert_same_losses, assert_same_parameters, run_both
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+
+@pytest.fixture(scope="module")
+def vlm_data(tmp_path_factory):
+    from loaders.demo import build_image_demo
+
+    out = {}
+    for share in (0.0, 0.33, 1.0):
+        out[share] = build_image_demo(tmp_path_factory.mktemp(f"vlm{int(share * 100)}"), num_samples=96,
+                                      image_share=share)
+    return out
+
+
+CASES = {
+    "fanout2-33pct-trainable": (0.33, {"sections.vision.micro_batch": 3, "sections.llm.micro_batch": 2}),
+    "fanout4-33pct-trainable-fifo": (0.33, {"sections.llm.dp": 4, "sections.vision.micro_batch": 5,
+                                            "sections.llm.micro_batch": 2, "schedule": "fifo"}),
+    "fanout4-100pct-trainable": (1.0, {"sections.llm.dp": 4, "sections.llm.micro_batch": 3}),
+    "fanout2-0pct-trainable": (0.0, {}),
+    "fanout4-33pct-frozen": (0.33, {"sections.llm.dp": 4, "sections.vision.trainable": False}),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_vlm_section_mode_matches_colocated(vlm_data, tmp_path, case):
+    share, overrides = CASES[case]
+    out = run_both("pipelines/vlm.py", vlm_data[share], tmp_path, global_batch=24, **overrides)
+    (s_rows, s_dir), (c_rows, c_dir) = out["section"], out["colocated"]
+    assert_same_losses(s_rows, c_rows)
+    trainable = ["llm"] + ([] if overrides.get("sections.vision.trainable") is False else ["vision"])
+    assert_same_parameters(s_dir, c_dir, trainable)
+    images = sum(r["sections"]["vision"]["samples"] for r in s_rows)
+    if share == 0.0:
+        assert images == 0  # the encoder never ran, yet every step finished
+    elif share == 1.0:
+        assert images == 3 * 24
+    else:
+        assert 0 < images < 3 * 24
+
+
+def test_image_and_audio_encoders_feed_one_llm(tmp_path):
+    from loaders.demo import build_multimodal_demo
+
+    data = build_multimodal_demo(tmp_path / "mm", num_samples=64)
+    out = run_both("pipelines/multimodal.py", data, tmp_path, global_batch=16,
+                   **{"sections.vision.trainable": True, "sections.audio.trainable": True,
+                      "sections.vision.optimizer": {"name": "sgd", "lr": 0.05}})
+    (s_rows, s_dir), (c_rows, c_dir) = out["section"], out["colocated"]
+    assert_same_losses(s_rows, c_rows)
+    assert_same_parameters(s_dir, c_dir, ["llm", "vision", "audio"])
+    assert sum(r["sections"]["audio"]["samples"] for r in s_rows) > 0
+    assert sum(r["sections"]["vision"]["samples"] for r in s_rows) > 0
+
+
+@pytest.fixture(scope="module")
+def corrupt_data(vlm_data, tmp_path_factory):
+    """The 100%-image demo with one image replaced by bytes that are no image."""
+    import pyarrow as pa
+
+    from loaders.demo import write_arrow
+
+    table = pa.ipc.open_file(pa.memory_map(str(vlm_data[1.0]))).read_all()
+    images = table.column("image").to_pylist()
+    images[5] = b"\x89PNG\r\n\x1a\n this is not an image"
+    table = table.set_column(table.schema.get_field_index("image"), "image", pa.array(images, pa.binary()))
+    return write_arrow(table, tmp_path_factory.mktemp("corrupt") / "vlm.arrow"), table.column("id")[5].as_py()
+
+
+def test_a_corrupt_image_names_its_sample(corrupt_data):
+    path, bad_id = corrupt_data
+    result = maestro("run", str(ROOT / "pipelines/vlm.py"), "--quiet", "--steps", "4", "--set", f"data.path={path}",
+                     "--set", "global_batch=24")
+    assert result.returncode == 1
+    assert f"sample {bad_id}: cannot decode image" in result.stderr
+    assert "section 'vision'" in result.stderr
+
+
+def test_corrupt_images_can_be_skipped_and_counted(corrupt_data, tmp_path):
+    path, _ = corrupt_data
+    rows = run_pipeline(str(ROOT / "pipelines/vlm.py"), RunOptions(
+        overrides={"steps": 4, "global_batch": 24, "data.path": str(path),
+                   "sections.vision.config.decode.skip_corrupt": True}, show_progress=False))
+    assert rows[-1]["sections"]["vision"]["stage"]["corrupt_images"] == 1  # 96 samples, 4 steps of 24: seen once

@@ -1,0 +1,118 @@
+"""Planning time: wall-clock seconds of one `planner.plan(step, samples)` call, wavefront vs. FIFO.
+
+Pure planner timing (no processes, no torch): the same vision -> LLM graph, cost model and sample
+distribution as tools/bench/wavefront_sim.py (lognormal tokens 32..4096, patches 64..1024,
+trainable encoder, micro-batches llm 4 / vision 8), a 4096-sample global batch with 33% images,
+over layouts of 64 replicas in total (the goal's "4096-sample global batch over 64 replicas") and
+one of 80. Each repetition draws the batch with its own seed and plans it with a planner built
+once (as the coordinator does); the timer covers `plan()` only. The median of the repetitions is
+reported with the quartiles, and for each layout how many batches had which critical section
+(the wavefront's balancing anchor, whose replica groups set the cost of balance.assign).
+Goal: wavefront <= 100 ms per plan.
+
+`--profile` runs cProfile over one more wavefront plan of the first layout and prints the top
+functions by cumulative time (profiling overhead inflates them ~2x; read them as proportions).
+
+Run from the repository root: python -m tools.bench.planning_time [--tiny] [--profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import gc
+import io
+import pstats
+import time
+from collections import Counter
+from typing import Any
+
+from maestro_flow.planner import make_planner
+from maestro_flow.planner.simulate import critical_section
+from tools.bench.common import median, quartiles, table
+from tools.bench.wavefront_sim import build, draw_samples, llm_cost
+
+LAYOUTS = {"v16->l48": (16, 48), "v8->l56": (8, 56), "v16->l64": (16, 64)}  # vision dp -> llm dp
+IMAGE_FRACTION = 0.33
+GOAL_S = 0.100
+
+
+def time_plans(planner, batches: list) -> list[float]:
+    out = []
+    for step, samples in enumerate(batches):
+        gc.collect()  # a collection from the previous repetition's garbage must not land in this one
+        t0 = time.perf_counter()
+        planner.plan(step, samples)
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def profile_plan(planner, samples, top: int) -> list[dict[str, Any]]:
+    prof = cProfile.Profile()
+    prof.enable()
+    planner.plan(0, samples)
+    prof.disable()
+    buf = io.StringIO()
+    stats = pstats.Stats(prof, stream=buf).sort_stats("cumulative")
+    stats.print_stats(top)
+    print(buf.getvalue())
+    rows = []
+    for (filename, line, func), (_, ncalls, tottime, cumtime, _) in stats.stats.items():  # type: ignore[attr-defined]
+        rows.append({"function": f"{filename.rsplit('/', 1)[-1]}:{line}({func})", "calls": ncalls,
+                     "tottime_s": tottime, "cumtime_s": cumtime})
+    rows.sort(key=lambda r: -r["cumtime_s"])
+    return rows[:top]
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(prog="python -m tools.bench.planning_time", description=__doc__.split("\n")[0])
+    ap.add_argument("--tiny", action="store_true", help="seconds-long smoke size (256 samples, 3 repetitions)")
+    ap.add_argument("--samples", type=int, help="global batch in samples (default 4096, tiny 256)")
+    ap.add_argument("--reps", type=int, help="timed plans per layout and schedule (default 9, tiny 3)")
+    ap.add_argument("--profile", action="store_true", help="cProfile one wavefront plan of the first layout")
+    ap.add_argument("--top", type=int, default=20, help="functions shown by --profile")
+    args = ap.parse_args(argv)
+    n = args.samples or (256 if args.tiny else 4096)
+    reps = args.reps or (3 if args.tiny else 9)
+
+    llm = llm_cost()
+    batches = [draw_samples(n, IMAGE_FRACTION, seed) for seed in range(reps)]
+    results = []
+    for layout, (vision_dp, llm_dp) in LAYOUTS.items():
+        graph, costs = build(vision_dp, llm_dp, True, llm)
+        row: dict[str, Any] = {"layout": layout, "vision_dp": vision_dp, "llm_dp": llm_dp,
+                               "replicas": vision_dp + llm_dp, "fanout": llm_dp // vision_dp,
+                               # The wavefront balances from the critical section (its anchor), which
+                               # changes the work of assign(): say which one each batch had.
+                               "critical": dict(Counter(critical_section(graph, costs, b) for b in batches))}
+        for schedule in ("wavefront", "fifo"):
+            planner = make_planner(schedule, graph, costs)
+            planner.plan(0, batches[0])  # warm-up: first-call costs (imports, allocator) are not planning
+            times = time_plans(planner, batches)
+            q1, q3 = quartiles(times)
+            row[schedule] = {"median_s": median(times), "q1_s": q1, "q3_s": q3, "times_s": times}
+        results.append(row)
+
+    rows = [[r["layout"], r["replicas"], r["fanout"], ", ".join(f"{k} {v}" for k, v in sorted(r["critical"].items())),
+             1e3 * r["wavefront"]["median_s"],
+             f"{1e3 * r['wavefront']['q1_s']:.1f}-{1e3 * r['wavefront']['q3_s']:.1f}",
+             1e3 * r["fifo"]["median_s"], f"{1e3 * r['fifo']['q1_s']:.1f}-{1e3 * r['fifo']['q3_s']:.1f}",
+             r["wavefront"]["median_s"] / r["fifo"]["median_s"],
+             "yes" if r["wavefront"]["median_s"] <= GOAL_S else "NO"] for r in results]
+    print(f"Planning time per step, {n} samples ({IMAGE_FRACTION:.0%} images), median of {reps} plans")
+    print(table(["layout", "replicas", "fan-out", "critical (batches)", "wavefront ms", "wf IQR ms", "FIFO ms", "FIFO IQR ms",
+                 "wf/FIFO", f"wf <= {GOAL_S * 1e3:.0f} ms"], rows))
+    out: dict[str, Any] = {
+        "layouts": results,
+        "goal_met": all(r["wavefront"]["median_s"] <= GOAL_S for r in results),
+        "config": {"samples": n, "reps": reps, "image_fraction": IMAGE_FRACTION, "goal_s": GOAL_S},
+    }
+    if args.profile:
+        vision_dp, llm_dp = next(iter(LAYOUTS.values()))
+        graph, costs = build(vision_dp, llm_dp, True, llm)
+        out["profile"] = profile_plan(make_planner("wavefront", graph, costs), batches[0], args.top)
+    return out
+
+
+if __name__ == "__main__":
+    main()
