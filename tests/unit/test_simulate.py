@@ -13,6 +13,7 @@ up, a lower bound that is one, and determinism.
 from __future__ import annotations
 
 import dataclasses
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
