@@ -104,22 +104,25 @@ def validate(ctx: click.Context, pipeline: str, sets: tuple[str, ...]) -> None:
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help=SET_HELP)
 @click.option("--schedule", type=click.Choice(["wavefront", "fifo"]), help="Sample ordering across sections.")
 @click.option("--step", type=int, default=0, show_default=True, help="Which step's global batch to plan.")
+@click.option("--trace-in", type=click.Path(dir_okay=False, exists=True),
+              help="Plan these samples (JSON Lines of {id, modalities, num_tokens, num_patches?, num_frames?}) "
+                   "as one global batch instead of the dataset's.")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON (DESIGN 5.5).")
 @click.pass_context
 def plan(ctx: click.Context, pipeline: str, sets: tuple[str, ...], schedule: str | None, step: int,
-         as_json: bool) -> None:
-    """Print the plan of one step of PIPELINE."""
-    from maestro_flow.planner import make_planner
-    from maestro_flow.runtime.build import load_pipeline
-    from maestro_flow.runtime.checks import check_pipeline
-    from maestro_flow.runtime.sampler import EpochSampler
+         trace_in: str | None, as_json: bool) -> None:
+    """Print the plan of one step of PIPELINE and its simulated timing under the sections' costs."""
+    from maestro_flow.runtime.planning import plan_one_step
 
     try:
-        p, _ = load_pipeline(pipeline, _overrides(sets, schedule=schedule))
-        checked = check_pipeline(p)
-        sampler = EpochSampler(checked.metadata, p.global_batch, p.seed)
-        result = make_planner(p.schedule, checked.graph).plan(step, sampler.batch(step))
-        click.echo(json.dumps(result.to_json_dict(), indent=1) if as_json else result.describe())
+        result = plan_one_step(pipeline, _overrides(sets, schedule=schedule), step=step, trace_in=trace_in)
+        if as_json:
+            click.echo(json.dumps(result.to_json_dict(), indent=1))
+        else:
+            sim = result.simulated
+            click.echo(result.describe())
+            click.echo(f"simulated: makespan {sim['makespan_s']:.4g}s, lower bound {sim['lower_bound_s']:.4g}s, "
+                       f"critical section {sim['critical_section']} busy {sim['critical_busy_fraction']:.1%}")
     except MaestroError as exc:
         _fail(exc, ctx.obj["debug"])
 

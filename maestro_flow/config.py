@@ -136,6 +136,7 @@ class Pipeline:
     schedule: str = "wavefront"
     lookahead_steps: int = 1
     run_ahead: int | None = None  # samples a producer may get ahead of each consumer replica
+    adapt_costs: bool = True  # refine the sections' Cost from measured micro-batch timings
 
     def __post_init__(self) -> None:
         # Accept lists from users; store tuples so the record stays hashable and immutable.

@@ -23,7 +23,7 @@ def pipeline(**overrides):
             Section(name="audio", stage="stages.audio:AudioEncoder", config=AUDIO, activates_on="audio",
                     dp=1, micro_batch=8, columns=("audio", "sample_rate"), cost=Cost(per_frame_s=2e-5)),
             Section(name="llm", stage="stages.multimodal:MultimodalLM", config=LLM, dp=2, micro_batch=4,
-                    columns=("tokens",), optimizer={"name": "adamw", "lr": 3e-3}, cost=Cost(per_token_s=3e-5)),
+                    columns=("tokens",), optimizer={"name": "adamw", "lr": 3e-3}, cost=Cost(per_token_s=3e-5, per_patch_s=3e-5, per_frame_s=3e-5)),
         ],
         edges=[Edge(src="vision", dst="llm", tensors=("image_embeds",)),
                Edge(src="audio", dst="llm", tensors=("audio_embeds",))],

@@ -26,7 +26,7 @@ def pipeline(**overrides):
                     cost=Cost(per_sample_s=1e-3, per_patch_s=4e-5)),
             Section(name="llm", stage="stages.multimodal:MultimodalLM", config=LLM, dp=2, micro_batch=4,
                     columns=("tokens",), optimizer={"name": "adamw", "lr": 3e-3},
-                    cost=Cost(per_sample_s=1e-3, per_token_s=3e-5)),
+                    cost=Cost(per_sample_s=1e-3, per_token_s=3e-5, per_patch_s=3e-5)),
         ],
         edges=[Edge(src="vision", dst="llm", tensors=("image_embeds",))],
     ).override(**overrides)

@@ -10,7 +10,8 @@ them. Reduction and optimizer time are not modelled (the same for every ordering
     lower bound = max over sections S of  work(S) / dp(S)
                   max over edges P -> C of  t0 + work(C, samples needing P) / dp(C)
                                             (t0: the cheapest single output P can produce)
-                  max over edges P -> C of  forward work(P) / dp(P) + transfer + cheapest C task
+                  max over edges P -> C of  forward work(P, samples C takes) / dp(P) + transfer
+                                            + cheapest C task
 """
 
 from __future__ import annotations
@@ -204,9 +205,19 @@ def simulate(plan: Plan, graph: SectionGraph, costs: CostModel) -> Simulation:
 
 
 def task_s(graph: SectionGraph, costs: CostModel, name: str, sample: SampleMeta) -> float:
-    """All the compute one sample costs `name` (forward, plus backward when trainable)."""
+    """All the compute one sample costs `name`: forward, plus backward when a gradient comes
+    back for it (a trainable loss section always; another trainable section when a consumer
+    that trains activates on the sample), as the executor and the simulation do."""
     f = costs.sample_s(name, sample)
-    return f + (costs.backward_s(name, sample) if graph.sections[name].trainable else 0.0)
+    return f + (costs.backward_s(name, sample) if needs_backward(graph, name, sample) else 0.0)
+
+
+def needs_backward(graph: SectionGraph, name: str, sample: SampleMeta) -> bool:
+    if not graph.sections[name].trainable:
+        return False
+    if name in graph.loss_sections():
+        return True
+    return any(graph.sections[e.edge.dst].activates(sample.modalities) for e in graph.needs_grad_from(name))
 
 
 def section_work(graph: SectionGraph, costs: CostModel, samples: tuple[SampleMeta, ...] | list[SampleMeta]
@@ -233,7 +244,7 @@ def lower_bound(samples, graph: SectionGraph, costs: CostModel) -> tuple[float, 
         t0 = min(costs.sample_s(p, s) for s in both) + costs.transfer_s
         dependent = sum(task_s(graph, costs, c, s) for s in both)
         bound = max(bound, t0 + dependent / graph.sections[c].dp)
-        fwd_p = sum(costs.sample_s(p, s) for s in samples if graph.sections[p].activates(s.modalities))
+        fwd_p = sum(costs.sample_s(p, s) for s in both)  # the outputs C waits for, at least
         tail = min(task_s(graph, costs, c, s) for s in both)
         bound = max(bound, fwd_p / graph.sections[p].dp + costs.transfer_s + tail)
     return bound, critical_section(graph, costs, samples)

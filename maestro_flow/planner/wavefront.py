@@ -76,7 +76,7 @@ class WavefrontPlanner:
                 _critical_in(graph, self.costs, samples, comp)
             comp_routes = assign(graph, anchor, comp, samples, lambda n, s: task_s(graph, self.costs, n, s))
             routes.update(comp_routes)
-            replicas.update(_Order(graph, self.costs, comp, samples, comp_routes, self.run_ahead).run())
+            replicas.update(_Order(graph, self.costs, comp, samples, comp_routes, self.run_ahead, anchor).run())
         ordered = {n: replicas[n] for n in graph.order}
         return Plan(step=step, schedule=self.schedule, samples=tuple(samples), replicas=ordered, routes=routes)
 
@@ -95,7 +95,7 @@ class _Order:
     """The greedy event simulation that fixes every replica's micro-batch order."""
 
     def __init__(self, graph: SectionGraph, costs: CostModel, comp: list[str], samples: Sequence[SampleMeta],
-                 routes: dict[str, dict[int, int]], run_ahead: int | None) -> None:
+                 routes: dict[str, dict[int, int]], run_ahead: int | None, critical: str) -> None:
         self.graph, self.costs, self.comp = graph, costs, comp
         self.meta = {s.id: s for s in samples}
         self.routes = routes
@@ -153,8 +153,11 @@ class _Order:
             self.out_keys.setdefault((key[0], key[1]), []).append(key)
             self.in_keys.setdefault((key[2], key[3]), []).append(key)
         self.taken: set[tuple[str, int]] = set()  # (section, sid) scheduled
+        # Run-ahead credits protect the critical consumer's memory from a faster producer. A
+        # consumer that is not critical needs no such bound: its producer is the slower side,
+        # and holding the producer back would only lengthen the step.
         self.credit = {n: (run_ahead if run_ahead is not None else 2 * self.sections[n].micro_batch)
-                       for n in comp}
+                       if n == critical else INF for n in comp}
         self.heap: list[tuple[float, int]] = []
         self.seq = 0
 

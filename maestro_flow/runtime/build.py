@@ -6,12 +6,14 @@ resolve with the pipeline file's folder and the current directory on sys.path, i
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import os
 import sys
 import zlib
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 from maestro_flow.config import Pipeline, Section
@@ -104,19 +106,34 @@ def build_stage(pipeline: Pipeline, section: Section, replica: int, device: str)
     if not (isinstance(cls, type) and issubclass(cls, Stage)):
         raise PipelineError(f"sections.{section.name}.stage: {section.stage!r} is not a maestro_flow.Stage subclass")
     dtype = getattr(torch, pipeline.dtype)
-    torch.set_default_dtype(dtype)
     seed = section_seed(pipeline.seed, section.name)
-    torch.manual_seed(seed)
     ctx = StageContext(section=section.name, replica=replica, num_replicas=section.dp, device=device,
                        dtype=pipeline.dtype, seed=seed, trainable=section.trainable,
                        placeholder_ids=dict(pipeline.data.placeholder_ids))
-    stage = cls(dict(section.config), ctx)
+    # Modules are built directly in the pipeline's dtype (initialising in float32 and casting
+    # would give other float64 values than building in float64), with a seeded generator.
+    with default_dtype(dtype):
+        torch.manual_seed(seed)
+        stage = cls(dict(section.config), ctx)
     for module in stage.modules().values():
         module.to(device=torch.device(device), dtype=dtype)
     if not section.trainable:
         for p in stage.parameters():
             p.requires_grad_(False)
     return stage
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: Any) -> Iterator[None]:
+    """torch's default dtype set for a block (stage code may create tensors without a dtype)."""
+    import torch
+
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
 
 
 def open_source(pipeline: Pipeline) -> Any:

@@ -20,7 +20,7 @@ from maestro_flow.errors import MaestroError, StageError
 from maestro_flow.graph import SectionGraph
 from maestro_flow.planner import make_planner
 from maestro_flow.planner.plan import Placement
-from maestro_flow.runtime.build import build_stage, resolve_device
+from maestro_flow.runtime.build import build_stage, default_dtype, resolve_device
 from maestro_flow.runtime.executor import SectionExecutor, StageFault
 from maestro_flow.runtime.ledger import StepLedger, plan_message
 from maestro_flow.runtime.report import RunReport
@@ -31,11 +31,18 @@ from maestro_flow.transport.tensor_comm import LocalComm
 
 def run_colocated(pipeline: Pipeline, source: Any, sampler: EpochSampler, report: RunReport, *,
                   save_dir: str | None = None) -> None:
+    # Stage code may create tensors without a dtype, as it would in a worker process; the
+    # caller's default is restored afterwards (this may be a test or a notebook).
+    with default_dtype(getattr(torch, pipeline.dtype)):
+        _run(pipeline, source, sampler, report, save_dir)
+
+
+def _run(pipeline: Pipeline, source: Any, sampler: EpochSampler, report: RunReport, save_dir: str | None) -> None:
     single = pipeline.override(**{f"sections.{s.name}.dp": 1 for s in pipeline.sections})
     graph = SectionGraph(single)
     placement = Placement.build(graph.order, {n: 1 for n in graph.order})
     planner = make_planner(pipeline.schedule, graph)
-    ledger = StepLedger(graph, placement)
+    ledger = StepLedger(graph, placement, adapt_costs=pipeline.adapt_costs)
     events: list[tuple[int, str, dict]] = []
     executors: dict[int, SectionExecutor] = {}
     for name in graph.order:
@@ -55,6 +62,7 @@ def run_colocated(pipeline: Pipeline, source: Any, sampler: EpochSampler, report
             report=lambda kind, body, rank=rank: events.append((rank, kind, body)),
             device=torch.device(device), dtype=getattr(torch, single.dtype), reducer=None)
     for step in range(pipeline.steps):
+        planner.costs = ledger.costs()
         plan = planner.plan(step, sampler.batch(step))
         ledger.planned(plan, time.perf_counter())
         for rank, ex in executors.items():

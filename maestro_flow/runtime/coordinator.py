@@ -122,12 +122,13 @@ class Coordinator:
         p = self.pipeline
         planner = make_planner(p.schedule, self.graph)
         sampler = self.sampler
-        ledger = StepLedger(self.graph, self.placement)
+        ledger = StepLedger(self.graph, self.placement, adapt_costs=p.adapt_costs)
         next_plan = 0
 
         def send_plans(upto: int) -> int:
             nonlocal next_plan
             while next_plan <= min(upto, p.steps - 1):
+                planner.costs = ledger.costs()  # refined from the timings measured so far
                 plan = planner.plan(next_plan, sampler.batch(next_plan))
                 ledger.planned(plan, time.perf_counter())
                 for rank in range(self.placement.world_size):
@@ -170,6 +171,13 @@ class Coordinator:
         try:
             zmq_link.send_msg(self.router, msg, identity=str(rank).encode())
         except zmq.ZMQError as exc:
+            # The worker is gone. It may have said why just before it went: prefer its report.
+            deadline = time.monotonic() + 1.0
+            while self.router.poll(int(max(0.0, deadline - time.monotonic()) * 1000)):
+                self._recv(deadline + 1.0, "the error report of a worker that left", "MAESTRO_STEP_S")
+            for w in self.launcher.dead():
+                if w.rank == rank:
+                    raise self._death(w) from None
             raise SystemFailure(f"cannot reach {self._label(rank)}: {exc}") from None
 
     def _death(self, w) -> SystemFailure:

@@ -63,9 +63,11 @@ class _Step:
     denominator: float = 0.0
     loss_reported: bool = False
     global_denominator: float | None = None
+    sizes: dict[int, tuple[int, int, int]] = field(default_factory=dict)  # sid -> tokens, patches, frames
     started: float = 0.0
     busy_s: float = 0.0
     tokens: int = 0
+    timings: list[list] = field(default_factory=list)  # per micro-batch, for the cost model (costfit.Timing)
 
 
 class SectionExecutor:
@@ -102,6 +104,7 @@ class SectionExecutor:
         self.plans.append(_Step(
             step=msg["step"], mbs=[tuple(mb) for mb in msg["micro_batches"]],
             rows={s[0]: s[1] for s in samples}, modalities={s[0]: frozenset(s[2]) for s in samples},
+            sizes={s[0]: (s[3], s[4], s[5]) for s in samples},
             routes={k: {int(sid): r for sid, r in v.items()} for k, v in msg["routes"].items()},
         ))
 
@@ -171,8 +174,16 @@ class SectionExecutor:
             self._loss_backward(st, mb, out, leaves)
         elif self.trainable:
             self._keep_for_backward(st, mb, out, leaves)
-        st.busy_s += self.clock() - t0
+        elapsed = self.clock() - t0
+        st.busy_s += elapsed
+        self._timing(st, "forward+backward" if self.is_loss and self.trainable else "forward", mb, elapsed)
         return True
+
+    def _timing(self, st: _Step, kind: str, mb: tuple[int, ...], seconds: float) -> None:
+        tokens = sum(st.sizes[s][0] for s in mb)
+        patches = sum(st.sizes[s][1] for s in mb)
+        frames = sum(st.sizes[s][2] for s in mb)
+        st.timings.append([kind, len(mb), tokens, patches, frames, seconds])
 
     def _make_batch(self, st: _Step, index: int, mb: tuple[int, ...], arrived: dict) -> tuple[MicroBatch, dict]:
         rows = [st.rows[sid] for sid in mb]
@@ -297,7 +308,9 @@ class SectionExecutor:
                 except Exception:
                     raise StageFault("backward", st.step, traceback.format_exc()) from None
             self._send_input_grads(st, pending.leaves)
-            st.busy_s += self.clock() - t0
+            elapsed = self.clock() - t0
+            st.busy_s += elapsed
+            self._timing(st, "backward", pending.sample_ids, elapsed)
             return True
         return False
 
@@ -355,6 +368,7 @@ class SectionExecutor:
         stage_stats = getattr(self.stage, "stats", None)
         return {"busy_s": st.busy_s, "wall_s": wall, "stage": dict(stage_stats()) if callable(stage_stats) else {},
                 "micro_batches": len(st.mbs), "samples": sum(len(mb) for mb in st.mbs), "tokens": st.tokens,
+                "timings": st.timings,
                 "max_rss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
                 **self.comm.stats.snapshot_and_reset()}
 

@@ -2,14 +2,18 @@
 
 Pure apart from reading no clock itself (callers pass `now`). Turns a Plan into the message each
 replica needs, collects loss reports into the global denominator (then says whom to finalize),
-and collects done reports into the metrics row of DESIGN 5.4.
+collects done reports into the metrics row of DESIGN 5.4, and feeds the measured micro-batch
+timings to the cost fitter, whose model plans the next steps.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from maestro_flow.graph import SectionGraph
+from maestro_flow.planner.cost import CostModel
+from maestro_flow.planner.costfit import CostFitter, Timing
 from maestro_flow.planner.plan import Placement, Plan
 
 
@@ -22,14 +26,18 @@ def plan_message(plan: Plan, graph: SectionGraph, section: str, replica: int) ->
     return {
         "t": "plan", "step": plan.step,
         "micro_batches": [list(mb) for mb in mbs],
-        "samples": [[sid, meta[sid].row, sorted(meta[sid].modalities)] for sid in sorted(mine)],
+        "samples": [[sid, meta[sid].row, sorted(meta[sid].modalities), meta[sid].num_tokens, meta[sid].num_patches,
+                     meta[sid].num_frames] for sid in sorted(mine)],
         "routes": {n: {sid: plan.routes[n][sid] for sid in mine} for n in neighbours},
     }
 
 
 class StepLedger:
-    def __init__(self, graph: SectionGraph, placement: Placement) -> None:
+    def __init__(self, graph: SectionGraph, placement: Placement, *, adapt_costs: bool = True) -> None:
         self.graph, self.placement = graph, placement
+        prior = CostModel(costs={n: s.cost for n, s in graph.sections.items()})
+        self.fitter = CostFitter(prior) if adapt_costs else None
+        self.prior = prior
         self.losses: dict[int, dict[str, list[tuple[float, float]]]] = {}
         self.done: dict[int, dict[int, dict[str, Any]]] = {}
         self.tokens: dict[int, int] = {}
@@ -58,6 +66,8 @@ class StepLedger:
         """Record a done report; when every replica is done, return the step's metrics row."""
         per = self.done.setdefault(step, {})
         per[rank] = stats
+        if self.fitter is not None:
+            self.fitter.add(self.placement.who(rank)[0], (Timing.from_list(t) for t in stats.get("timings", ())))
         if len(per) < self.placement.world_size:
             return None
         step_time = now - self.started.pop(step)
@@ -85,5 +95,12 @@ class StepLedger:
                   for name, reports in self.losses.pop(step, {}).items()}
         loss: Any = next(iter(losses.values())) if len(losses) == 1 else losses or None
         del self.done[step]
-        return {"step": step, "loss": loss, "samples": self.samples.pop(step, 0), "tokens": self.tokens.pop(step, 0),
-                "step_time_s": step_time, "sections": sections}
+        row = {"step": step, "loss": loss, "samples": self.samples.pop(step, 0), "tokens": self.tokens.pop(step, 0),
+               "step_time_s": step_time, "sections": sections}
+        if self.fitter is not None:
+            row["costs"] = {n: dataclasses.asdict(c) for n, c in self.costs().costs.items()}
+        return row
+
+    def costs(self) -> CostModel:
+        """The cost model to plan the next step with: the prior refined by every timing so far."""
+        return self.fitter.model() if self.fitter is not None else self.prior

@@ -185,6 +185,7 @@ class _Worker:
         torch.set_num_threads(threads)
         if device.startswith("cuda"):
             torch.cuda.set_device(torch.device(device))
+        torch.set_default_dtype(getattr(torch, pipeline.dtype))  # this process is this pipeline's
         try:
             stage = build_stage(pipeline, section, self.replica, device)
         except Exception:

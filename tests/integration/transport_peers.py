@@ -27,14 +27,15 @@ def messages(seed: int) -> list[list[tuple[int, str, torch.Tensor | None]]]:
         items = []
         for s in range(3):
             sid = m * 10 + s
-            items.append((sid, "f32", torch.randn(5 + s, 7, generator=g)))
+            # Explicit dtypes: the values must not depend on the process's default dtype.
+            items.append((sid, "f32", torch.randn(5 + s, 7, generator=g, dtype=torch.float32)))
             items.append((sid, "f64", torch.randn(3, generator=g, dtype=torch.float64)))
             items.append((sid, "i64", torch.randint(0, 100, (4 + m,), generator=g)))
-            items.append((sid, "bf16", torch.randn(2, 2, generator=g).to(torch.bfloat16)))
+            items.append((sid, "bf16", torch.randn(2, 2, generator=g, dtype=torch.float32).to(torch.bfloat16)))
             items.append((sid, "none", None))
         if m % 2 == 0:
-            items.append((m * 10, "big", torch.randn(300_000, generator=g)))  # > 1 MiB: sent uncoalesced
-        items.append((m * 10, "empty", torch.empty(0, 3)))
+            items.append((m * 10, "big", torch.randn(300_000, generator=g, dtype=torch.float32)))  # > 1 MiB: uncoalesced
+        items.append((m * 10, "empty", torch.empty(0, 3, dtype=torch.float32)))
         out.append(items)
     return out
 
@@ -72,7 +73,7 @@ def peer_main(rank: int, world: int, port: int, plan: list[tuple[int, int, str]]
     store.set(f"done{rank}", "1")
     for r in range(world):  # keep every process alive until all have received everything
         store.get(f"done{r}")
-    comm.close()
+    assert comm.close(timeout_s=10.0), "comm threads did not stop"
     dist.destroy_process_group()
 
 

@@ -220,7 +220,7 @@ def test_plan_text_and_same_step_same_plan(tmp_path, dataset):
     assert first.exit_code == 0 and first.output == again.output
     lines = first.output.splitlines()
     assert lines[0] == "step 3 (wavefront)" and [line.split(":")[0] for line in lines[1:]] == [
-        "teacher[0]", "student[0]", "student[1]"]
+        "teacher[0]", "student[0]", "student[1]", "simulated"]
 
 
 def test_plan_with_an_unavailable_schedule(tmp_path, dataset):

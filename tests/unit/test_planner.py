@@ -85,7 +85,7 @@ def check_pair_order(graph: SectionGraph, plan: Plan) -> None:
     def stream(name: str, r: int, peer: str, peer_replica: int) -> list[int]:
         """Samples exchanged between (name, r) and (peer, peer_replica), in (name, r)'s order."""
         msg = messages[(name, r)]
-        mods = {sid: frozenset(m) for sid, _, m in msg["samples"]}
+        mods = {s[0]: frozenset(s[2]) for s in msg["samples"]}
         return [sid for mb in msg["micro_batches"] for sid in mb
                 if graph.sections[peer].activates(mods[sid]) and msg["routes"][peer][sid] == peer_replica]
 

@@ -103,7 +103,7 @@ def test_plan_message_for_a_student_replica():
     assert msg == {
         "t": "plan", "step": 5,
         "micro_batches": [[8, 9], [10, 11], [12, 13], [14, 15]],
-        "samples": [[i, 100 + i, ["image", "text"] if i >= 12 else ["text"]] for i in range(8, 16)],
+        "samples": [[i, 100 + i, ["image", "text"] if i >= 12 else ["text"], 0, 0, 0] for i in range(8, 16)],
         "routes": {"teacher": {i: 0 for i in range(8, 16)}},
     }
 

@@ -194,14 +194,10 @@ def test_a_plan_that_cannot_complete_is_refused():
         simulate(plan, graph, costs_of(graph))
 
 
-# Known defect: the lower bound's "last producer output" term counts every sample the producer
-# activates on, and section_work/task_s count a trainable section's backward for every sample,
-# while the simulation (like the executor) skips work nobody needs. Both break "a lower bound no
-# ordering can beat" when a producer activates on samples that a consumer does not.
+# The lower bound counts only work that happens: a producer's outputs that a consumer takes, and
+# backwards that a gradient comes back for (as the simulation and the executor do).
 
 
-@pytest.mark.xfail(strict=True, reason="simulate.lower_bound: the 'forward work(P)/dp(P) + transfer + cheapest C "
-                                       "task' term uses all of P's samples, also those no consumer C takes")
 def test_lower_bound_ignores_producer_samples_no_consumer_takes():
     """enc (frozen, all samples, 1 s) dp=1 mb=1 -> llm (image only, 0.5 + 0.5 s) dp=1 mb=1.
     Sample 0 has an image, 1-3 are text: enc makes 0 first, the llm is done at 2, enc at 4.
@@ -210,7 +206,8 @@ def test_lower_bound_ignores_producer_samples_no_consumer_takes():
         llm[0]    |0|
     """
     p = pipeline([S("enc", dp=1, cost=Cost(per_sample_s=1.0)),
-                  S("llm", activates_on="image", trainable=True, dp=1, cost=Cost(per_sample_s=0.5, backward_factor=1.0))],
+                  S("llm", activates_on="image", trainable=True, dp=1,
+                    cost=Cost(per_sample_s=0.5, backward_factor=1.0))],
                  [Edge(src="enc", dst="llm", tensors=("h",))])
     graph = SectionGraph(p)
     costs = costs_of(graph)
@@ -221,8 +218,6 @@ def test_lower_bound_ignores_producer_samples_no_consumer_takes():
         assert sim.lower_bound_s <= sim.makespan_s
 
 
-@pytest.mark.xfail(strict=True, reason="simulate.section_work/task_s count a trainable non-loss section's backward "
-                                       "for samples no consumer sends gradients for; the simulation skips it")
 def test_lower_bound_ignores_backward_nobody_needs():
     """enc (trainable, all samples, 1 s forward, backward_factor 2) dp=1 mb=1 -> llm (image only,
     the loss) dp=1 mb=1. Only sample 0 gets a gradient back, so enc runs 4 forwards + 1 backward:
@@ -231,7 +226,8 @@ def test_lower_bound_ignores_backward_nobody_needs():
         llm[0]    |0|
     """
     p = pipeline([S("enc", trainable=True, dp=1, cost=Cost(per_sample_s=1.0, backward_factor=2.0)),
-                  S("llm", activates_on="image", trainable=True, dp=1, cost=Cost(per_sample_s=0.5, backward_factor=1.0))],
+                  S("llm", activates_on="image", trainable=True, dp=1,
+                    cost=Cost(per_sample_s=0.5, backward_factor=1.0))],
                  [Edge(src="enc", dst="llm", tensors=("h",))])
     graph = SectionGraph(p)
     costs = costs_of(graph)
@@ -279,7 +275,7 @@ def trained_pipelines(draw) -> Pipeline:
         options = sorted({d, 2 * d, 3 * d} | {d // f for f in (2, 3) if d % f == 0})
         dps.append(draw(st.sampled_from([x for x in options if x <= 8])))
     edges = [(parents[i], i) if draw(st.booleans()) else (i, parents[i]) for i in range(1, n)]
-    trainable = _settle_trainable(n, edges, [draw(st.booleans()) for _ in range(n)])
+    trainable = _settle_trainable(n, edges, [draw(st.sampled_from((True, True, False))) for _ in range(n)])
     money = st.floats(0.01, 2.0, allow_nan=False)
     sections = [S(f"s{i}", dp=dps[i], micro_batch=draw(st.integers(1, 5)), trainable=trainable[i],
                   activates_on=draw(st.sampled_from((None, None, *MODALITIES))),
@@ -305,8 +301,7 @@ def batches(draw) -> list[SampleMeta]:
 
 
 def bound_assumptions_hold(graph: SectionGraph) -> bool:
-    """Every edge's consumer activates on every sample its producer does (see the xfail tests
-    above: otherwise simulate.lower_bound may exceed the makespan)."""
+    """Every edge's consumer activates on every sample its producer does."""
     return all(graph.sections[e.edge.dst].activates_on in (None, graph.sections[e.edge.src].activates_on)
                for e in graph.edges)
 
@@ -331,7 +326,8 @@ def check_simulation(graph: SectionGraph, costs: CostModel, plan: Plan, sim: Sim
     # Exactly one forward per micro-batch; a backward exactly where a gradient is expected.
     assert set(fwd) == set(mbs_of)
     needs_bwd = {k for k, mb in mbs_of.items() if secs[k[0]].trainable and k[0] not in losses
-                 and any(secs[e.edge.dst].activates(meta[s].modalities) for e in graph.needs_grad_from(k[0]) for s in mb)}
+                 and any(secs[e.edge.dst].activates(meta[s].modalities)
+                         for e in graph.needs_grad_from(k[0]) for s in mb)}
     assert set(bwd) == needs_bwd
     for k, t in fwd.items():
         mb = mbs_of[k]
@@ -388,15 +384,14 @@ def check_simulation(graph: SectionGraph, costs: CostModel, plan: Plan, sim: Sim
     if sim.makespan_s > 0:
         expect = sum(sim.busy_s[crit]) / (sim.makespan_s * secs[crit].dp)
         assert sim.critical_busy_fraction == pytest.approx(expect)
-    # (a) the lower bound is one, and where every sample's work is really done it is at least
-    # the busiest section's average work.
-    assert sim.lower_bound_s >= 0
-    if bound_assumptions_hold(graph):
-        work = section_work(graph, costs, plan.samples)
-        for n in graph.order:
-            assert sum(sim.busy_s[n]) == pytest.approx(work[n], abs=1e-7)
-        assert sim.lower_bound_s >= max(work[n] / secs[n].dp for n in graph.order) - EPS
-        assert sim.lower_bound_s <= sim.makespan_s + EPS
+    # (a) the lower bound is one, and it is at least the busiest section's average work.
+    assert 0 <= sim.lower_bound_s <= sim.makespan_s + EPS
+    work = section_work(graph, costs, plan.samples)
+    for n in graph.order:
+        # A micro-batch's backward runs through the whole micro-batch even when only some of its
+        # samples get a gradient back, so the simulation may do more than the per-sample work.
+        assert sum(sim.busy_s[n]) >= work[n] - 1e-7
+    assert sim.lower_bound_s >= max(work[n] / secs[n].dp for n in graph.order) - EPS
 
 
 @pytest.mark.parametrize("schedule", ["fifo", "wavefront"])

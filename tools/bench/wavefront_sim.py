@@ -27,7 +27,8 @@ schedule, and which term of the lower bound binds:
               the LLM busy, busy fraction >= 0.97 is achievable; S = vision: encoder-bound, the
               LLM must idle whatever the order);
   head/tail   an edge's dependency bound (the consumer cannot start before the first output, or
-              the producer's forward work plus one consumer task comes before the end).
+              the producer's forward work for the consumer plus one
+              consumer task comes before the end); the terms mirror simulate.lower_bound.
 Goals (from the issue): wavefront/lower bound <= 1.05 (median over the cases), critical busy
 fraction >= 0.97 wherever the bound is the LLM's work bound.
 
@@ -129,7 +130,7 @@ def bound_terms(samples: list[SampleMeta], graph: SectionGraph, costs: CostModel
             continue
         t0 = min(costs.sample_s(p, s) for s in both) + costs.transfer_s
         terms[f"head:{p}->{c}"] = t0 + sum(task_s(graph, costs, c, s) for s in both) / graph.sections[c].dp
-        fwd_p = sum(costs.sample_s(p, s) for s in samples if graph.sections[p].activates(s.modalities))
+        fwd_p = sum(costs.sample_s(p, s) for s in both)
         tail = min(task_s(graph, costs, c, s) for s in both)
         terms[f"tail:{p}->{c}"] = fwd_p / graph.sections[p].dp + costs.transfer_s + tail
     return terms

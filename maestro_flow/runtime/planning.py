@@ -1,0 +1,55 @@
+"""`maestro plan`: one step's plan and its simulation, from the dataset or a metadata trace.
+
+Runs in the CLI process; starts nothing. With a trace (JSON Lines of sample metadata) the
+dataset is not opened, so a plan can be studied for data that is not on this machine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+from maestro_flow.errors import PipelineError
+from maestro_flow.graph import SectionGraph
+from maestro_flow.planner import CostModel, Plan, make_planner
+from maestro_flow.planner.simulate import simulate
+from maestro_flow.runtime.build import load_pipeline
+from maestro_flow.runtime.checks import check_pipeline
+from maestro_flow.runtime.sampler import EpochSampler
+from maestro_flow.samples import SampleMeta
+
+
+def read_trace(path: str) -> list[SampleMeta]:
+    samples, seen = [], set()
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                d: dict[str, Any] = json.loads(line)
+                sample = SampleMeta.from_dict({**d, "row": d.get("row", -1)})
+            except (ValueError, KeyError, TypeError) as exc:
+                raise PipelineError(f"{path}:{n}: not a sample metadata line ({exc})") from None
+            if sample.id in seen:
+                raise PipelineError(f"{path}:{n}: duplicate sample id {sample.id}")
+            seen.add(sample.id)
+            samples.append(sample)
+    if not samples:
+        raise PipelineError(f"{path}: no samples")
+    return samples
+
+
+def plan_one_step(path: str, overrides: dict[str, Any], *, step: int = 0, trace_in: str | None = None) -> Plan:
+    pipeline, _ = load_pipeline(path, overrides)
+    if trace_in:
+        pipeline.validate()
+        graph = SectionGraph(pipeline)
+        samples = read_trace(trace_in)
+    else:
+        checked = check_pipeline(pipeline)
+        graph = checked.graph
+        samples = EpochSampler(checked.metadata, pipeline.global_batch, pipeline.seed).batch(step)
+    costs = CostModel(costs={n: s.cost for n, s in graph.sections.items()})
+    result = make_planner(pipeline.schedule, graph, costs).plan(step, samples)
+    return dataclasses.replace(result, simulated=simulate(result, graph, costs).to_json_dict())

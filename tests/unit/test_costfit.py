@@ -1,0 +1,72 @@
+"""Cost refinement from measured micro-batch timings (maestro_flow/planner/costfit.py)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from maestro_flow.config import Cost
+from maestro_flow.planner.cost import CostModel
+from maestro_flow.planner.costfit import CostFitter, Timing, fit_nonnegative
+
+
+def timings(kind, a, b, n=200, noise=0.0, seed=0):
+    rnd = random.Random(seed)
+    out = []
+    for _ in range(n):
+        samples, tokens = rnd.randint(1, 8), rnd.randint(10, 2000)
+        seconds = (a * samples + b * tokens) * (1 + rnd.uniform(-noise, noise))
+        out.append(Timing(kind=kind, samples=samples, tokens=tokens, patches=0, frames=0, seconds=seconds))
+    return out
+
+
+def test_recovers_known_coefficients():
+    prior = CostModel(costs={"llm": Cost(per_sample_s=1.0, per_token_s=1.0)})
+    fitter = CostFitter(prior, prior_weight=0.01)
+    fitter.add("llm", timings("forward", 2e-3, 5e-5))
+    fitted = fitter.model().costs["llm"]
+    assert fitted.per_sample_s == pytest.approx(2e-3, rel=0.05)
+    assert fitted.per_token_s == pytest.approx(5e-5, rel=0.05)
+
+
+def test_loss_sections_split_forward_and_backward_by_the_factor():
+    prior = CostModel(costs={"llm": Cost(per_sample_s=1.0, per_token_s=1.0, backward_factor=2.0)})
+    fitter = CostFitter(prior, prior_weight=0.01)
+    fitter.add("llm", timings("forward+backward", 3e-3, 3e-5))
+    fitted = fitter.model().costs["llm"]
+    assert fitted.per_sample_s == pytest.approx(1e-3, rel=0.05)
+    assert fitted.per_token_s == pytest.approx(1e-5, rel=0.05)
+
+
+def test_backward_factor_is_measured_for_trainable_producers():
+    prior = CostModel(costs={"vision": Cost(per_sample_s=1.0, per_token_s=1.0, backward_factor=2.0)})
+    fitter = CostFitter(prior)
+    fitter.add("vision", timings("forward", 1e-3, 1e-5) + timings("backward", 3e-3, 3e-5))
+    assert fitter.model().costs["vision"].backward_factor == pytest.approx(3.0, rel=1e-6)
+
+
+def test_unused_features_stay_zero_and_coefficients_are_never_negative():
+    prior = CostModel(costs={"vision": Cost(per_sample_s=1e-3, per_patch_s=1e-5)})
+    fitter = CostFitter(prior)
+    # Time falls with tokens here, which a linear fit with a token term would follow; the
+    # vision section's Cost does not use tokens, so the fit ignores them.
+    obs = [Timing(kind="forward", samples=4, tokens=t, patches=p, frames=0, seconds=1e-3 * 4 + 2e-5 * p)
+           for t, p in ((100, 64), (2000, 256), (50, 512), (800, 128))]
+    fitter.add("vision", obs * 20)
+    fitted = fitter.model().costs["vision"]
+    assert fitted.per_token_s == 0.0 and fitted.per_frame_s == 0.0
+    assert fitted.per_patch_s > 0 and fitted.per_sample_s >= 0
+    assert all(c >= 0 for c in fit_nonnegative([((1.0, 5.0), 1.0), ((1.0, 10.0), 0.5)], (0.1, 0.1), 0.01))
+
+
+def test_the_prior_holds_without_timings_and_keeps_its_shape_with_few():
+    prior = CostModel(costs={"llm": Cost(per_sample_s=1e-3, per_token_s=1e-5)})
+    fitter = CostFitter(prior, prior_weight=4.0)
+    assert fitter.model() == prior
+    # One measurement cannot tell samples from tokens: the prior's proportions stay, at the
+    # measured scale (ten times slower than the prior said).
+    fitter.add("llm", [Timing(kind="forward", samples=2, tokens=100, patches=0, frames=0, seconds=0.03)])
+    fitted = fitter.model().costs["llm"]
+    assert fitted.per_token_s / fitted.per_sample_s == pytest.approx(1e-2, rel=1e-6)
+    assert 2 * fitted.per_sample_s + 100 * fitted.per_token_s == pytest.approx(0.03, rel=1e-6)
