@@ -12,8 +12,8 @@ import importlib.util
 import os
 import sys
 import zlib
-from pathlib import Path
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from maestro_flow.config import Pipeline, Section
