@@ -94,6 +94,7 @@ class SectionGraph:
                                             f"and {e.edge.src!r}; rename one of them")
                     arriving[t] = e.edge.src
         self.order = self._topological_order()
+        self._losses = tuple(n for n in self.order if not self.outputs(n) and self.sections[n].trainable)
         self._check_routing_tree()
         self._check_loss_groups()
 
@@ -111,7 +112,7 @@ class SectionGraph:
 
     def loss_sections(self) -> list[str]:
         """Trainable sinks: each must return a loss (checked against the stage in runtime/checks)."""
-        return [n for n in self.sinks() if self.sections[n].trainable]
+        return list(self._losses)
 
     def _topological_order(self) -> list[str]:
         indegree = {n: 0 for n in self.sections}

@@ -2,11 +2,14 @@
 
 Pure (standard library only). Samples are placed most expensive first (LPT). A candidate is a
 replica of the anchor section (the critical one); every other section's replica follows from it
-along the edges (determined by fan-out/fan-in, or the least-loaded allowed replica). The
-candidate that keeps the busiest touched replica least busy wins, so an image-heavy sample
-balances the encoder replicas and the LLM replicas at once. Anchor replicas that determine the
-same neighbour replicas are interchangeable, so only the least-loaded one of each such group is
-tried: the cost is O(N log N x groups).
+along the edges (fixed by fan-out/fan-in, or the least-loaded replica the rule allows). The
+candidate that keeps the busiest replica the sample touches least busy wins, so an image-heavy
+sample balances the encoder replicas and the LLM replicas at once.
+
+Anchor replicas that allow the same neighbour replicas are interchangeable, so only the
+least-loaded one of each such group is tried, and a sample that touches the anchor alone (a
+text-only sample in a VLM) just takes the least-loaded anchor replica: O(N log N + N_multi x
+groups) in all.
 """
 
 from __future__ import annotations
@@ -19,9 +22,10 @@ from maestro_flow.graph import EdgeInfo, SectionGraph
 from maestro_flow.samples import SampleMeta
 
 Cost = Callable[[str, SampleMeta], float]
+Step = tuple[str, str, EdgeInfo]
 
 
-def _walk(graph: SectionGraph, anchor: str, component: list[str]) -> list[tuple[str, str, EdgeInfo]]:
+def _walk(graph: SectionGraph, anchor: str, component: list[str]) -> list[Step]:
     """BFS over the component from the anchor: (known section, next section, edge) steps."""
     steps, seen, queue = [], {anchor}, deque([anchor])
     while queue:
@@ -36,27 +40,78 @@ def _walk(graph: SectionGraph, anchor: str, component: list[str]) -> list[tuple[
     return steps
 
 
+def _allowed(e: EdgeInfo, known: str, replica: int) -> range:
+    return e.consumers_of(replica) if e.edge.src == known else e.producer_of(replica)
+
+
+class _Heap:
+    """Least-loaded replica of a set, with lazy deletion (loads only grow)."""
+
+    def __init__(self, replicas: list[int]) -> None:
+        self.entries = [(0.0, r) for r in replicas]
+        heapq.heapify(self.entries)
+
+    def top(self, load: list[float]) -> int:
+        # An entry is stale once its replica's load grew; update() pushed the fresh one then.
+        while self.entries[0][0] != load[self.entries[0][1]]:
+            heapq.heappop(self.entries)
+        return self.entries[0][1]
+
+    def update(self, r: int, load: list[float]) -> None:
+        heapq.heappush(self.entries, (load[r], r))
+
+
 def assign(graph: SectionGraph, anchor: str, component: list[str], samples: Sequence[SampleMeta],
            cost: Cost) -> dict[str, dict[int, int]]:
     steps = _walk(graph, anchor, component)
     sections = graph.sections
     load = {n: [0.0] * sections[n].dp for n in component}
 
-    def follow(r: int) -> dict[str, int | None]:
-        """Neighbour replicas determined by anchor replica r alone (None where there is a choice)."""
-        reps: dict[str, int | None] = {anchor: r}
-        for known, other, e in steps:
-            allowed = _allowed(e, known, reps[known])
-            reps[other] = allowed[0] if allowed is not None and len(allowed) == 1 else None
-        return reps
-
-    groups: dict[tuple, list[tuple[float, int]]] = {}
+    # What each anchor replica allows its neighbours, when that follows from the replica alone.
+    allows: dict[int, tuple[tuple[str, range], ...] | None] = {}
     for r in range(sections[anchor].dp):
-        key = tuple(v for k, v in sorted(follow(r).items()) if k != anchor)
-        groups.setdefault(key, []).append((0.0, r))
-    heaps = list(groups.values())
-    for h in heaps:
-        heapq.heapify(h)
+        fixed: dict[str, int] = {anchor: r}
+        out: list[tuple[str, range]] = []
+        for known, other, e in steps:
+            if known not in fixed:
+                out = None  # a choice upstream decides this one: resolved per sample below
+                break
+            allowed = _allowed(e, known, fixed[known])
+            out.append((other, allowed))
+            if len(allowed) == 1:
+                fixed[other] = allowed[0]
+        allows[r] = tuple(out) if out is not None else None
+    groups: dict[object, list[int]] = {}
+    for r in range(sections[anchor].dp):
+        key = tuple((n, a.start, a.stop) for n, a in allows[r]) if allows[r] is not None else ("dynamic", r)
+        groups.setdefault(key, []).append(r)
+    heaps = [_Heap(rs) for rs in groups.values()]
+    group_of = {r: heap for heap, rs in zip(heaps, groups.values(), strict=True) for r in rs}
+    every = _Heap(list(range(sections[anchor].dp)))
+
+    # A sample that touches one other section alone (a text-only sample when the encoder is the
+    # anchor) takes that section's least-loaded replica, and an anchor replica that reaches it.
+    reach: dict[str, dict[int, int]] = {}
+    single: dict[str, _Heap] = {}
+    if all(a is not None for a in allows.values()):
+        for r, out in allows.items():
+            for other, allowed in out:
+                for q in allowed:
+                    reach.setdefault(other, {}).setdefault(q, r)
+        single = {n: _Heap(sorted(qs)) for n, qs in reach.items() if len(qs) == sections[n].dp}
+
+    def resolve(r: int, forced: tuple[str, int] | None = None) -> dict[str, int]:
+        reps = {anchor: r}
+        if allows[r] is not None:
+            for other, allowed in allows[r]:
+                if forced is not None and other == forced[0]:
+                    reps[other] = forced[1]
+                else:
+                    reps[other] = allowed[0] if len(allowed) == 1 else min(allowed, key=lambda x: (load[other][x], x))
+            return reps
+        for known, other, e in steps:
+            reps[other] = min(_allowed(e, known, reps[known]), key=lambda x: (load[other][x], x))
+        return reps
 
     costs = {s.id: {n: cost(n, s) if sections[n].activates(s.modalities) else 0.0 for n in component}
              for s in samples}
@@ -64,32 +119,28 @@ def assign(graph: SectionGraph, anchor: str, component: list[str], samples: Sequ
     order = sorted(samples, key=lambda s: (-sum(costs[s.id].values()), s.id))
     for s in order:
         c = costs[s.id]
-        best = None
-        for h in heaps:
-            r = h[0][1]
-            reps = _resolve(steps, anchor, r, load)
-            score = max(load[n][reps[n]] + c[n] for n in component if c[n] > 0 or n == anchor)
-            key = (score, load[anchor][r], r)
-            if best is None or key < best[0]:
-                best = (key, h, reps)
-        _, h, reps = best
-        _, r = heapq.heappop(h)
+        touched = [n for n in component if c[n] > 0]
+        if not touched or touched == [anchor]:
+            reps = resolve(every.top(load[anchor]))
+        elif len(touched) == 1 and touched[0] in single:
+            q = single[touched[0]].top(load[touched[0]])
+            reps = resolve(reach[touched[0]][q], forced=(touched[0], q))
+        else:
+            best = None
+            for heap in heaps:
+                r = heap.top(load[anchor])
+                candidate = resolve(r)
+                score = max(load[n][candidate[n]] + c[n] for n in touched)
+                key = (score, load[anchor][r], r)
+                if best is None or key < best[0]:
+                    best = (key, candidate)
+            reps = best[1]
         for n in component:
             load[n][reps[n]] += c[n]
             routes[n][s.id] = reps[n]
-        heapq.heappush(h, (load[anchor][r], r))
+        r = reps[anchor]
+        every.update(r, load[anchor])
+        group_of[r].update(r, load[anchor])
+        for n, heap in single.items():
+            heap.update(reps[n], load[n])
     return routes
-
-
-def _allowed(e: EdgeInfo, known: str, replica: int | None) -> range | None:
-    if replica is None:
-        return None
-    return e.consumers_of(replica) if e.edge.src == known else e.producer_of(replica)
-
-
-def _resolve(steps, anchor: str, r: int, load: dict[str, list[float]]) -> dict[str, int]:
-    reps = {anchor: r}
-    for known, other, e in steps:
-        allowed = _allowed(e, known, reps[known])
-        reps[other] = min(allowed, key=lambda x: (load[other][x], x))
-    return reps

@@ -215,7 +215,7 @@ def task_s(graph: SectionGraph, costs: CostModel, name: str, sample: SampleMeta)
 def needs_backward(graph: SectionGraph, name: str, sample: SampleMeta) -> bool:
     if not graph.sections[name].trainable:
         return False
-    if name in graph.loss_sections():
+    if name in graph._losses:
         return True
     return any(graph.sections[e.edge.dst].activates(sample.modalities) for e in graph.needs_grad_from(name))
 

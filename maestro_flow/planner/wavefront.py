@@ -30,7 +30,7 @@ from maestro_flow.planner.balance import assign
 from maestro_flow.planner.cost import CostModel
 from maestro_flow.planner.plan import MicroBatches, Plan
 from maestro_flow.planner.routing import components
-from maestro_flow.planner.simulate import critical_section, task_s
+from maestro_flow.planner.simulate import task_s
 from maestro_flow.samples import SampleMeta
 
 INF = float("inf")
@@ -69,33 +69,30 @@ class WavefrontPlanner:
 
     def plan(self, step: int, samples: Sequence[SampleMeta]) -> Plan:
         graph = self.graph
+        # Every per-sample cost once: forward, and all the work (forward + backward) it causes.
+        fwd = {n: {s.id: self.costs.sample_s(n, s) for s in samples} for n in graph.order}
+        task = {n: {s.id: task_s(graph, self.costs, n, s) for s in samples} for n in graph.order}
         routes: dict[str, dict[int, int]] = {}
         replicas: dict[str, tuple[MicroBatches, ...]] = {}
         for comp in components(graph):
-            anchor = critical_section(graph, self.costs, samples) if len(graph.order) == len(comp) else \
-                _critical_in(graph, self.costs, samples, comp)
-            comp_routes = assign(graph, anchor, comp, samples, lambda n, s: task_s(graph, self.costs, n, s))
+            work = {n: sum(task[n][s.id] for s in samples if graph.sections[n].activates(s.modalities))
+                    for n in comp}
+            anchor = max(comp, key=lambda n: (work[n] / graph.sections[n].dp, graph.order.index(n)))
+            comp_routes = assign(graph, anchor, comp, samples,
+                                 lambda n, s: task[n][s.id] if graph.sections[n].activates(s.modalities) else 0.0)
             routes.update(comp_routes)
-            replicas.update(_Order(graph, self.costs, comp, samples, comp_routes, self.run_ahead, anchor).run())
+            replicas.update(_Order(graph, self.costs, comp, samples, comp_routes, self.run_ahead, anchor,
+                                   fwd, task).run())
         ordered = {n: replicas[n] for n in graph.order}
         return Plan(step=step, schedule=self.schedule, samples=tuple(samples), replicas=ordered, routes=routes)
-
-
-def _critical_in(graph: SectionGraph, costs: CostModel, samples, comp: list[str]) -> str:
-    name = critical_section(graph, costs, samples)
-    if name in comp:
-        return name
-    from maestro_flow.planner.simulate import section_work
-
-    work = section_work(graph, costs, samples)
-    return max(comp, key=lambda n: (work[n] / graph.sections[n].dp, graph.order.index(n)))
 
 
 class _Order:
     """The greedy event simulation that fixes every replica's micro-batch order."""
 
     def __init__(self, graph: SectionGraph, costs: CostModel, comp: list[str], samples: Sequence[SampleMeta],
-                 routes: dict[str, dict[int, int]], run_ahead: int | None, critical: str) -> None:
+                 routes: dict[str, dict[int, int]], run_ahead: int | None, critical: str,
+                 fwd: dict[str, dict[int, float]], task: dict[str, dict[int, float]]) -> None:
         self.graph, self.costs, self.comp = graph, costs, comp
         self.meta = {s.id: s for s in samples}
         self.routes = routes
@@ -107,8 +104,7 @@ class _Order:
         self.consumers = {n: [e.edge.dst for e in graph.outputs(n)] for n in comp}
         self.grad_to = {n: [e.edge.src for e in graph.inputs(n) if e.carries_grad] for n in comp}
         self.grad_from = {n: [e.edge.dst for e in graph.needs_grad_from(n)] for n in comp}
-        self.fwd = {n: {s.id: costs.sample_s(n, s) for s in samples} for n in comp}
-        self.task = {n: {s.id: task_s(graph, costs, n, s) for s in samples} for n in comp}
+        self.fwd, self.task = fwd, task
         for n in comp:
             sec = self.sections[n]
             reps = [_Rep(section=n, index=r, mb=sec.micro_batch, loss=n in self.losses,
@@ -156,10 +152,11 @@ class _Order:
         # Run-ahead credits protect the critical consumer's memory from a faster producer. A
         # consumer that is not critical needs no such bound: its producer is the slower side,
         # and holding the producer back would only lengthen the step.
-        self.credit = {n: (run_ahead if run_ahead is not None else 2 * self.sections[n].micro_batch)
+        self.credit = {n: (run_ahead if run_ahead is not None else 4 * self.sections[n].micro_batch)
                        if n == critical else INF for n in comp}
         self.heap: list[tuple[float, int]] = []
         self.seq = 0
+        self.mb_of: dict[tuple[str, int], int] = {}  # (section, sid) -> its micro-batch index
 
     # -- the event loop --------------------------------------------------------------------
 
@@ -282,6 +279,8 @@ class _Order:
                 rep.free_work -= self.task[n][sid]
         rep.mbs.append(tuple(batch))
         m = len(rep.mbs) - 1
+        for sid in batch:
+            self.mb_of[(n, sid)] = m
         fwd = sum(self.fwd[n][s] for s in batch)
         cost = sum(self.task[n][s] for s in batch) if (rep.loss or not self.sections[n].trainable) else fwd
         self._busy(rep, t, cost)
@@ -312,7 +311,7 @@ class _Order:
                 if not self.sections[p].activates(self.meta[sid].modalities):
                     continue
                 prep = self.reps[p][self.routes[p][sid]]
-                m = next(i for i, mb in enumerate(prep.mbs) if sid in mb)
+                m = self.mb_of[(p, sid)]
                 prep.grads_missing[m] -= 1
                 prep.grads_at[m] = max(prep.grads_at[m], arrive)
                 if prep.grads_missing[m] == 0:
