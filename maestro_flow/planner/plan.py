@@ -13,6 +13,7 @@ from typing import Any
 from maestro_flow.samples import SampleMeta
 
 MicroBatches = tuple[tuple[int, ...], ...]
+Gates = tuple[tuple[str, int, int], ...]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -75,6 +76,14 @@ class Plan:
     replicas: dict[str, tuple[MicroBatches, ...]]
     routes: dict[str, dict[int, int]]
     simulated: dict[str, Any] = field(default_factory=dict)
+    # Run-ahead credits: gates[section][replica][mb] lists (consumer section, consumer replica,
+    # j): that micro-batch may start once the consumer replica has finished j micro-batches of
+    # this step. Missing or empty: no gate.
+    gates: dict[str, tuple[tuple[Gates, ...], ...]] = field(default_factory=dict)
+
+    def gates_of(self, section: str, replica: int) -> tuple[Gates, ...]:
+        reps = self.gates.get(section)
+        return reps[replica] if reps else tuple(() for _ in self.replicas[section][replica])
 
     def micro_batches(self, section: str, replica: int) -> MicroBatches:
         return self.replicas[section][replica]
@@ -91,6 +100,8 @@ class Plan:
             "sections": {name: {"replicas": [[list(mb) for mb in rep] for rep in reps]}
                          for name, reps in self.replicas.items()},
             "simulated": dict(self.simulated),
+            "gates": {name: {"replicas": [[[list(g) for g in mb] for mb in rep] for rep in reps]}
+                      for name, reps in self.gates.items()},
         }
 
     def describe(self) -> str:

@@ -1,7 +1,8 @@
 """Event simulation of a plan under the cost model, and a lower bound no ordering can beat.
 
 Pure (standard library only). Each replica is one serial processor that behaves as the runtime's
-executor does: it runs its micro-batches in plan order, each once every input has arrived; a
+executor does: it runs its micro-batches in plan order, each once every input has arrived and
+its run-ahead credits allow (the plan's gates: a consumer must have finished so many forwards); a
 trainable section that is not a loss section runs a micro-batch's backward as soon as every
 gradient for it has returned, before its next forward; a loss section runs forward and backward
 of a micro-batch as one task. Outputs and gradients arrive `transfer_s` after the task that made
@@ -72,6 +73,8 @@ class _Replica:
     finish: float = 0.0
     waiting: bool = False
     slot: int = 0  # index in _Sim.replicas
+    gates: tuple = ()  # per mb: ((consumer section, replica, j), ...)
+    fwd_ends: list[float] = field(default_factory=list)
 
 
 class _Sim:
@@ -101,12 +104,16 @@ class _Sim:
                                   if graph.sections[p].activates(self.meta[s].modalities)})
                     grads.append(expected)
                 rep = _Replica(section=name, index=r, mbs=mbs, fwd_cost=fwd, bwd_cost=bwd, needs=needs,
-                               grads_needed=grads, grad_ready=[0.0] * len(mbs), slot=len(self.replicas))
+                               grads_needed=grads, grad_ready=[0.0] * len(mbs), slot=len(self.replicas),
+                               gates=plan.gates_of(name, r))
                 self.replicas.append(rep)
                 for m, mb in enumerate(mbs):
                     for s in mb:
                         self.where[(name, s)] = (rep, m)
         self.consumers = {name: [e.edge.dst for e in graph.outputs(name)] for name in graph.order}
+        self.producers_of = {name: [e.edge.src for e in graph.inputs(name)] for name in graph.order}
+        self.by_name = {(r.section, r.index): r for r in self.replicas}
+        self.by_section = {name: [r for r in self.replicas if r.section == name] for name in graph.order}
         self.grad_producers = {name: [e.edge.src for e in graph.inputs(name) if e.carries_grad]
                                for name in graph.order}
         self.heap: list[tuple[float, int]] = []
@@ -120,7 +127,11 @@ class _Sim:
             self._step(self.replicas[i], i, t)
 
     def _inputs_ready(self, rep: _Replica, m: int) -> float:
-        return max((self.arrival.get(k, INF) for k in rep.needs[m]), default=0.0)
+        ready = max((self.arrival.get(k, INF) for k in rep.needs[m]), default=0.0)
+        for c, ci, j in rep.gates[m]:  # run-ahead credit: the consumer must have finished j forwards
+            ends = self.by_name[(c, ci)].fwd_ends
+            ready = max(ready, ends[j - 1] if len(ends) >= j else INF)
+        return ready
 
     def _step(self, rep: _Replica, i: int, t: float) -> None:
         if t < rep.free_at:
@@ -150,6 +161,11 @@ class _Sim:
     def _run(self, rep: _Replica, i: int, t: float, cost: float, m: int, kind: str) -> None:
         self.tasks.append(Task(section=rep.section, replica=rep.index, micro_batch=m, kind=kind,
                                start_s=t, end_s=t + cost))
+        if kind == "forward":
+            rep.fwd_ends.append(t + cost)
+            for p in self.producers_of[rep.section]:  # a credit may come back at t + cost
+                for prep in self.by_section[p]:
+                    self._wake(prep, t + cost)
         rep.free_at = t + cost
         rep.busy += cost
         rep.finish = max(rep.finish, rep.free_at)

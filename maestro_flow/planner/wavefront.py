@@ -21,6 +21,7 @@ The recorded order is the plan; transfers follow it, so both ends of every pair 
 
 from __future__ import annotations
 
+import bisect
 import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -74,6 +75,7 @@ class WavefrontPlanner:
         task = {n: {s.id: task_s(graph, self.costs, n, s) for s in samples} for n in graph.order}
         routes: dict[str, dict[int, int]] = {}
         replicas: dict[str, tuple[MicroBatches, ...]] = {}
+        gates: dict[str, tuple] = {}
         for comp in components(graph):
             work = {n: sum(task[n][s.id] for s in samples if graph.sections[n].activates(s.modalities))
                     for n in comp}
@@ -81,10 +83,12 @@ class WavefrontPlanner:
             comp_routes = assign(graph, anchor, comp, samples,
                                  lambda n, s: task[n][s.id] if graph.sections[n].activates(s.modalities) else 0.0)
             routes.update(comp_routes)
-            replicas.update(_Order(graph, self.costs, comp, samples, comp_routes, self.run_ahead, anchor,
-                                   fwd, task).run())
+            order = _Order(graph, self.costs, comp, samples, comp_routes, self.run_ahead, anchor, fwd, task)
+            replicas.update(order.run())
+            gates.update(order.gates())
         ordered = {n: replicas[n] for n in graph.order}
-        return Plan(step=step, schedule=self.schedule, samples=tuple(samples), replicas=ordered, routes=routes)
+        return Plan(step=step, schedule=self.schedule, samples=tuple(samples), replicas=ordered, routes=routes,
+                    gates={n: gates[n] for n in graph.order})
 
 
 class _Order:
@@ -157,6 +161,8 @@ class _Order:
         self.heap: list[tuple[float, int]] = []
         self.seq = 0
         self.mb_of: dict[tuple[str, int], int] = {}  # (section, sid) -> its micro-batch index
+        self.started_at: dict[tuple[str, int, int], dict[tuple[str, int], int]] = {}
+        self._consumed: dict[tuple[str, int, str, int], list[int]] = {}
 
     # -- the event loop --------------------------------------------------------------------
 
@@ -173,6 +179,47 @@ class _Order:
             if rep.todo:
                 raise AssertionError(f"wavefront left {len(rep.todo)} samples of {rep.section}[{rep.index}] unplanned")
         return {n: tuple(tuple(r.mbs) for r in reps) for n, reps in self.reps.items()}
+
+    def gates(self) -> dict[str, tuple[tuple[tuple[tuple[str, int, int], ...], ...], ...]]:
+        """Credits as the runtime enforces them: producer micro-batch k of a replica may start once
+        each critical consumer replica it feeds has finished enough micro-batches that at most
+        `credit` of this producer's outputs (plus one consumer micro-batch) wait there — never
+        more than that consumer had finished when the simulation decided k, so the gates cannot
+        deadlock and do not slow the planned schedule down."""
+        out = {}
+        for n, reps in self.reps.items():
+            per_rep = []
+            for rep in reps:
+                per_mb = []
+                sent: dict[tuple[str, int], int] = {}
+                for k, mb in enumerate(rep.mbs):
+                    gate = []
+                    for (c, ci), started in sorted(self.started_at.get((n, rep.index, k), {}).items()):
+                        crep = self.reps[c][ci]
+                        sent[(c, ci)] = sent.get((c, ci), 0) + sum(
+                            1 for sid in mb if (n, rep.index, c, ci) in self.keys_of.get(sid, ()))
+                        j = _first_covering(self.consumed_from(crep, n, rep.index), sent[(c, ci)] - self.credit[c])
+                        # Gates count finished forwards; when this was decided the consumer had
+                        # finished at least started - 1. So the credit holds to within one
+                        # consumer micro-batch, and the gate never delays the planned schedule.
+                        j = min(j, started) - 1
+                        if j > 0:
+                            gate.append((c, ci, j))
+                    per_mb.append(tuple(gate))
+                per_rep.append(tuple(per_mb))
+            out[n] = tuple(per_rep)
+        return out
+
+    def consumed_from(self, crep: _Rep, producer: str, p: int) -> list[int]:
+        """Cumulative count of samples from producer replica p in crep's first j micro-batches."""
+        key = (crep.section, crep.index, producer, p)
+        if key not in self._consumed:
+            counts, total = [0], 0
+            for mb in crep.mbs:
+                total += sum(1 for sid in mb if (producer, p, crep.section, crep.index) in self.keys_of.get(sid, ()))
+                counts.append(total)
+            self._consumed[key] = counts
+        return self._consumed[key]
 
     def _decide(self, rep: _Rep, t: float) -> None:
         rep.waiting = False
@@ -281,6 +328,11 @@ class _Order:
         m = len(rep.mbs) - 1
         for sid in batch:
             self.mb_of[(n, sid)] = m
+        if rep.has_consumers:  # what each credit-bound consumer had started when this was decided
+            self.started_at[(n, rep.index, m)] = {
+                (k[2], k[3]): len(self.reps[k[2]][k[3]].mbs)
+                for sid in batch for k in self.keys_of.get(sid, ())
+                if k[0] == n and k[1] == rep.index and self.credit[k[2]] < INF}
         fwd = sum(self.fwd[n][s] for s in batch)
         cost = sum(self.task[n][s] for s in batch) if (rep.loss or not self.sections[n].trainable) else fwd
         self._busy(rep, t, cost)
@@ -319,6 +371,13 @@ class _Order:
                     heapq.heappush(prep.bwd_ready, (prep.grads_at[m], cost, m))
                     if prep.waiting:
                         heapq.heappush(self.heap, (max(prep.grads_at[m], prep.free_at), prep.slot))
+
+
+def _first_covering(cumulative: list[int], need: int) -> int:
+    """Smallest j with cumulative[j] >= need (cumulative is non-decreasing, cumulative[0] = 0)."""
+    if need <= 0:
+        return 0
+    return bisect.bisect_left(cumulative, need)
 
 
 def _johnson(produce_s: float, consume_s: float, sid: int) -> tuple:

@@ -19,15 +19,18 @@ Coordinator -> worker:
   finalize   every loss replica reported: the step's global loss denominator
   stop       shut down (optionally saving trainable parameters first)
 
-Worker -> worker (PUSH -> PULL, the header that precedes tensor bytes sent over torch.distributed):
-  tensors    kind "fwd" (activations along an edge) or "bwd" (gradients back along it)
+Worker -> worker (PUSH -> PULL, on the tensor-header sockets):
+  tensors    the header that precedes tensor bytes sent over torch.distributed: kind "fwd"
+             (activations along an edge) or "bwd" (gradients back along it)
+  progress   a consumer finished a forward micro-batch: a producer gated on it may go on
+             (run-ahead credits, see Plan.gates)
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 FIELDS: dict[str, tuple[str, ...]] = {
     "hello": ("version", "rank", "pid", "data_addr"),
@@ -38,10 +41,11 @@ FIELDS: dict[str, tuple[str, ...]] = {
     "error": ("rank", "kind", "section", "replica", "step", "phase", "traceback"),
     "bye": ("rank",),
     "init": ("rank", "pipeline", "placement", "store", "peers", "timeouts", "paths"),
-    "plan": ("step", "micro_batches", "samples", "routes"),
+    "plan": ("step", "micro_batches", "samples", "routes", "gates", "notify"),
     "finalize": ("step", "denominator"),
     "stop": ("save_dir",),
     "tensors": ("src", "kind", "edge", "step", "entries", "buffers"),
+    "progress": ("src", "step", "finished"),
 }
 
 

@@ -64,6 +64,8 @@ class _Step:
     loss_reported: bool = False
     global_denominator: float | None = None
     sizes: dict[int, tuple[int, int, int]] = field(default_factory=dict)  # sid -> tokens, patches, frames
+    gates: list[list[tuple[int, int]]] = field(default_factory=list)  # per mb: (consumer rank, forwards done)
+    notify: list[int] = field(default_factory=list)  # producer ranks gated on this replica's progress
     started: float = 0.0
     busy_s: float = 0.0
     tokens: int = 0
@@ -92,6 +94,7 @@ class SectionExecutor:
         # step -> sample id -> tensor name -> tensor; filled by deliver(), possibly ahead of the plan.
         self.inbox: dict[int, dict[int, dict[str, torch.Tensor]]] = {}
         self.finalized: dict[int, float] = {}
+        self.progress: dict[tuple[int, int], int] = {}  # (step, consumer rank) -> forwards it finished
         self.pending_by_sample: dict[tuple[int, int], _Pending] = {}
         self.early_grads: list[tuple[int, int, list]] = []
         self.steps_done = 0
@@ -105,11 +108,16 @@ class SectionExecutor:
             step=msg["step"], mbs=[tuple(mb) for mb in msg["micro_batches"]],
             rows={s[0]: s[1] for s in samples}, modalities={s[0]: frozenset(s[2]) for s in samples},
             sizes={s[0]: (s[3], s[4], s[5]) for s in samples},
+            gates=[[(self.placement.rank(c, ci), j) for c, ci, j in mb] for mb in msg.get("gates", ())],
+            notify=[self.placement.rank(p, r) for p, r in msg.get("notify", ())],
             routes={k: {int(sid): r for sid, r in v.items()} for k, v in msg["routes"].items()},
         ))
 
-    def deliver(self, kind: str, edge: int, step: int, src: int, items: list) -> None:
-        if kind == "fwd":
+    def deliver(self, kind: str, edge: int, step: int, src: int, items: Any) -> None:
+        if kind == "progress":
+            key = (step, src)
+            self.progress[key] = max(self.progress.get(key, 0), items)
+        elif kind == "fwd":
             per_step = self.inbox.setdefault(step, {})
             for sid, name, t in items:
                 per_step.setdefault(sid, {})[name] = t
@@ -154,6 +162,8 @@ class SectionExecutor:
         if st.next_mb >= len(st.mbs):
             return False
         mb = st.mbs[st.next_mb]
+        if st.gates and any(self.progress.get((st.step, rank), 0) < done for rank, done in st.gates[st.next_mb]):
+            return False  # run-ahead credit: a consumer has not caught up yet
         got = self.inbox.get(st.step, {})
         for sid in mb:
             have = got.get(sid, {})
@@ -177,6 +187,8 @@ class SectionExecutor:
         elapsed = self.clock() - t0
         st.busy_s += elapsed
         self._timing(st, "forward+backward" if self.is_loss and self.trainable else "forward", mb, elapsed)
+        for rank in st.notify:
+            self.comm.notify(rank, st.step, st.next_mb)
         return True
 
     def _timing(self, st: _Step, kind: str, mb: tuple[int, ...], seconds: float) -> None:
@@ -346,6 +358,8 @@ class SectionExecutor:
             st.busy_s += self.clock() - t0
             del self.finalized[st.step]
         self.inbox.pop(st.step, None)
+        for key in [k for k in self.progress if k[0] <= st.step]:
+            del self.progress[key]
         self.report("done", {"step": st.step, "stats": self._stats(st)})
         self.current = None
         self.steps_done += 1

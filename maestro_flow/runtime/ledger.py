@@ -29,6 +29,11 @@ def plan_message(plan: Plan, graph: SectionGraph, section: str, replica: int) ->
         "samples": [[sid, meta[sid].row, sorted(meta[sid].modalities), meta[sid].num_tokens, meta[sid].num_patches,
                      meta[sid].num_frames] for sid in sorted(mine)],
         "routes": {n: {sid: plan.routes[n][sid] for sid in mine} for n in neighbours},
+        # Run-ahead credits: per micro-batch, (consumer section, replica, forwards it must have
+        # finished); and which producer replicas wait on this replica's progress.
+        "gates": [[list(g) for g in mb] for mb in plan.gates_of(section, replica)],
+        "notify": sorted({(p, r) for p in plan.gates for r, reps in enumerate(plan.gates[p])
+                          for mb in reps for (c, ci, _) in mb if (c, ci) == (section, replica)}),
     }
 
 

@@ -36,6 +36,8 @@ Deliver = Callable[[str, int, int, int, list[p2p.Item]], None]  # kind, edge, st
 class Comm(Protocol):
     def send(self, dst: int, kind: str, edge: int, step: int, items: Sequence[p2p.Item]) -> None: ...
 
+    def notify(self, dst: int, step: int, finished: int) -> None: ...
+
     def close(self, timeout_s: float = 0.0) -> bool: ...
 
 
@@ -114,6 +116,14 @@ class TensorComm:
                                      entries=entries, buffers=specs))
         sent.put((p2p.post_sends(buffers, dst, self._groups[(self.rank, dst, kind)]), buffers, t0))
 
+    def notify(self, dst: int, step: int, finished: int) -> None:
+        """Tell a producer that this replica finished `finished` forward micro-batches of `step`
+        (its run-ahead credits). Same thread as send()."""
+        sock = self._sockets.get(dst)
+        if sock is None:
+            sock = self._sockets[dst] = zmq_link.connect(self._zctx, zmq.PUSH, self._peers[dst])
+        zmq_link.send_msg(sock, make("progress", src=self.rank, step=step, finished=finished))
+
     @property
     def in_flight(self) -> int:
         return self.stats.in_flight
@@ -159,6 +169,9 @@ class TensorComm:
                 if not poller.poll(100):
                     continue
                 msg = zmq_link.recv_msg(self._pull)
+                if msg["t"] == "progress":
+                    self._deliver("progress", -1, msg["step"], msg["src"], msg["finished"])
+                    continue
                 channel = (msg["src"], msg["kind"])
                 received = self._received.get(channel)
                 if received is None:
@@ -195,6 +208,9 @@ class LocalComm:
     def send(self, dst: int, kind: str, edge: int, step: int, items: Sequence[p2p.Item]) -> None:
         copies = [(sid, name, None if t is None else t.detach().clone()) for sid, name, t in items]
         self._deliver_to(dst)(kind, edge, step, self.rank, copies)
+
+    def notify(self, dst: int, step: int, finished: int) -> None:
+        self._deliver_to(dst)("progress", -1, step, self.rank, finished)
 
     def close(self, timeout_s: float = 0.0) -> bool:
         return True

@@ -34,7 +34,19 @@ CASES = {
     "fanout4-100pct-trainable": (1.0, {"sections.llm.dp": 4, "sections.llm.micro_batch": 3}),
     "fanout2-0pct-trainable": (0.0, {}),
     "fanout4-33pct-frozen": (0.33, {"sections.llm.dp": 4, "sections.vision.trainable": False}),
+    # A run-ahead credit of one sample: the frozen encoder waits for the LLM's progress messages.
+    "fanout2-100pct-frozen-credit1": (1.0, {"sections.vision.trainable": False, "sections.vision.micro_batch": 2,
+                                            "run_ahead": 1}),
 }
+
+
+def test_a_small_credit_gates_the_encoder(vlm_data):
+    from maestro_flow.runtime.planning import plan_one_step
+
+    plan = plan_one_step(str(ROOT / "pipelines/vlm.py"), {"data.path": str(vlm_data[1.0]), "global_batch": 24,
+                                                           **CASES["fanout2-100pct-frozen-credit1"][1]})
+    gated = [g for rep in plan.gates["vision"] for mb in rep for g in mb]
+    assert gated and all(c == "llm" and j >= 1 for c, _, j in gated)
 
 
 @pytest.mark.parametrize("case", list(CASES))

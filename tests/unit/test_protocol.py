@@ -53,6 +53,7 @@ MESSAGES = {
     "tensors": {"src": 0, "kind": "fwd", "edge": 0, "step": 4,
                 "entries": [[3, "hidden", "float32", [7, 16], 0, 0], [5, "hidden", "float32", [9, 16], 0, 112]],
                 "buffers": [["float32", 256]]},
+    "progress": {"src": 2, "step": 4, "finished": 3},
 }
 
 

@@ -105,6 +105,7 @@ def test_plan_message_for_a_student_replica():
         "micro_batches": [[8, 9], [10, 11], [12, 13], [14, 15]],
         "samples": [[i, 100 + i, ["image", "text"] if i >= 12 else ["text"], 0, 0, 0] for i in range(8, 16)],
         "routes": {"teacher": {i: 0 for i in range(8, 16)}},
+        "gates": [[], [], [], []], "notify": [],  # FIFO plans have no run-ahead gates
     }
 
 

@@ -343,8 +343,18 @@ def check_simulation(graph: SectionGraph, costs: CostModel, plan: Plan, sim: Sim
         return max((fwd[mb_of[(e.edge.src, s)]].end_s + tr for s in mbs_of[k] for e in graph.inputs(k[0])
                     if secs[e.edge.src].activates(meta[s].modalities)), default=0.0)
 
+    # A gated forward (run-ahead credit) also waits for the consumer's j-th forward to end.
+    def gate_at(k) -> float:
+        at = 0.0
+        for c, ci, j in plan.gates_of(k[0], k[1])[k[2]]:
+            at = max(at, fwd[(c, ci, j - 1)].end_s)
+        return at
+
+    def ready_at(k) -> float:
+        return max(inputs_at(k), gate_at(k))
+
     for k, t in fwd.items():
-        assert t.start_s >= inputs_at(k) - EPS, (k, t)
+        assert t.start_s >= ready_at(k) - EPS, (k, t)
 
     # (d) a backward starts after its own forward and after every consumer that owes it a gradient
     # sent it: a loss section at the end of its task, others after their backward (or forward,
@@ -371,7 +381,7 @@ def check_simulation(graph: SectionGraph, costs: CostModel, plan: Plan, sim: Sim
             for t in mine:
                 assert t.start_s >= free - EPS, (n, r, t)
                 k = (n, r, t.micro_batch)
-                ready = inputs_at(k) if t.kind == "forward" else grads_at(k)
+                ready = ready_at(k) if t.kind == "forward" else grads_at(k)
                 assert t.start_s == pytest.approx(max(free, ready), abs=EPS), (n, r, t)
                 free = t.end_s
             # (e) busy time is the sum of the replica's task durations; finish its last end.
