@@ -27,10 +27,13 @@ test: setup
 test-unit: setup
 	$(BIN)/python -m pytest tests/unit -q
 
-bench: setup
+bench: setup data/demo/text.arrow
 	$(BIN)/python -m tools.bench.p2p_bandwidth
 	$(BIN)/python -m tools.bench.control_overhead
 	$(BIN)/python -m tools.bench.teacher_memory
+	$(BIN)/python -m tools.bench.wavefront_sim
+	$(BIN)/python -m tools.bench.planning_time
+	$(BIN)/python -m tools.bench.vlm_schedules
 
 lint: setup
 	$(BIN)/ruff check .
