@@ -248,9 +248,11 @@ def critical_section(graph: SectionGraph, costs: CostModel, samples) -> str:
     return max(graph.order, key=lambda n: (work[n] / graph.sections[n].dp, graph.order.index(n)))
 
 
-def lower_bound(samples, graph: SectionGraph, costs: CostModel) -> tuple[float, str]:
+def bound_terms(samples, graph: SectionGraph, costs: CostModel) -> dict[str, float]:
+    """Every term of the lower bound, named (`work:S`, `head:P->C`, `tail:P->C`); the bound is
+    their maximum (see the module docstring)."""
     work = section_work(graph, costs, samples)
-    bound = max((work[n] / graph.sections[n].dp for n in graph.order), default=0.0)
+    terms = {f"work:{n}": work[n] / graph.sections[n].dp for n in graph.order}
     for e in graph.edges:
         p, c = e.edge.src, e.edge.dst
         both = [s for s in samples if graph.sections[p].activates(s.modalities)
@@ -258,9 +260,12 @@ def lower_bound(samples, graph: SectionGraph, costs: CostModel) -> tuple[float, 
         if not both:
             continue
         t0 = min(costs.sample_s(p, s) for s in both) + costs.transfer_s
-        dependent = sum(task_s(graph, costs, c, s) for s in both)
-        bound = max(bound, t0 + dependent / graph.sections[c].dp)
+        terms[f"head:{p}->{c}"] = t0 + sum(task_s(graph, costs, c, s) for s in both) / graph.sections[c].dp
         fwd_p = sum(costs.sample_s(p, s) for s in both)  # the outputs C waits for, at least
         tail = min(task_s(graph, costs, c, s) for s in both)
-        bound = max(bound, fwd_p / graph.sections[p].dp + costs.transfer_s + tail)
-    return bound, critical_section(graph, costs, samples)
+        terms[f"tail:{p}->{c}"] = fwd_p / graph.sections[p].dp + costs.transfer_s + tail
+    return terms
+
+
+def lower_bound(samples, graph: SectionGraph, costs: CostModel) -> tuple[float, str]:
+    return max(bound_terms(samples, graph, costs).values(), default=0.0), critical_section(graph, costs, samples)

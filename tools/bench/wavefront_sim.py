@@ -49,7 +49,7 @@ from typing import Any
 from maestro_flow.config import ArrowData, Cost, Edge, Pipeline, Section
 from maestro_flow.graph import SectionGraph
 from maestro_flow.planner import CostModel, make_planner
-from maestro_flow.planner.simulate import section_work, simulate, task_s
+from maestro_flow.planner.simulate import bound_terms, simulate
 from maestro_flow.samples import SampleMeta
 from tools.bench.common import median, table
 
@@ -117,23 +117,6 @@ def build(vision_dp: int, llm_dp: int, encoder_trainable: bool, llm: Cost, run_a
     graph = SectionGraph(p)
     return graph, CostModel(costs={"vision": VISION_COST, "llm": llm}, transfer_s=TRANSFER_S)
 
-
-def bound_terms(samples: list[SampleMeta], graph: SectionGraph, costs: CostModel) -> dict[str, float]:
-    """Every term of simulate.lower_bound, named (the bound is their maximum)."""
-    work = section_work(graph, costs, samples)
-    terms = {f"work:{n}": work[n] / graph.sections[n].dp for n in graph.order}
-    for e in graph.edges:
-        p, c = e.edge.src, e.edge.dst
-        both = [s for s in samples if graph.sections[p].activates(s.modalities)
-                and graph.sections[c].activates(s.modalities)]
-        if not both:
-            continue
-        t0 = min(costs.sample_s(p, s) for s in both) + costs.transfer_s
-        terms[f"head:{p}->{c}"] = t0 + sum(task_s(graph, costs, c, s) for s in both) / graph.sections[c].dp
-        fwd_p = sum(costs.sample_s(p, s) for s in both)
-        tail = min(task_s(graph, costs, c, s) for s in both)
-        terms[f"tail:{p}->{c}"] = fwd_p / graph.sections[p].dp + costs.transfer_s + tail
-    return terms
 
 
 def binding_term(terms: dict[str, float], lower_bound_s: float) -> str:
