@@ -1,0 +1,1 @@
+"""Stage-level tools and benchmarks (tools/bench/)."""
