@@ -100,7 +100,13 @@ def assign(graph: SectionGraph, anchor: str, component: list[str], samples: Sequ
                     reach.setdefault(other, {}).setdefault(q, r)
         single = {n: _Heap(sorted(qs)) for n, qs in reach.items() if len(qs) == sections[n].dp}
 
+    # Anchor replicas whose neighbours are all fixed resolve to the same dict every time.
+    fixed_reps = {r: {anchor: r, **{o: a[0] for o, a in out}} for r, out in allows.items()
+                  if out is not None and all(len(a) == 1 for _, a in out)}
+
     def resolve(r: int, forced: tuple[str, int] | None = None) -> dict[str, int]:
+        if forced is None and r in fixed_reps:
+            return fixed_reps[r]
         reps = {anchor: r}
         if allows[r] is not None:
             for other, allowed in allows[r]:

@@ -31,7 +31,6 @@ from maestro_flow.planner.balance import assign
 from maestro_flow.planner.cost import CostModel
 from maestro_flow.planner.plan import MicroBatches, Plan
 from maestro_flow.planner.routing import components
-from maestro_flow.planner.simulate import task_s
 from maestro_flow.samples import SampleMeta
 
 INF = float("inf")
@@ -68,11 +67,23 @@ class WavefrontPlanner:
         self.costs = costs
         self.run_ahead = run_ahead
 
+    def _task(self, n: str, samples: Sequence[SampleMeta], fwd: dict[int, float]) -> dict[int, float]:
+        """simulate.task_s for every sample of one section, without re-deriving the graph facts."""
+        graph, section = self.graph, self.graph.sections[n]
+        if not section.trainable:
+            return dict(fwd)
+        factor = 1.0 + self.costs.costs[n].backward_factor
+        if n in graph.loss_sections():
+            return {sid: f * factor for sid, f in fwd.items()}
+        consumers = [graph.sections[e.edge.dst] for e in graph.needs_grad_from(n)]
+        return {s.id: fwd[s.id] * (factor if any(c.activates(s.modalities) for c in consumers) else 1.0)
+                for s in samples}
+
     def plan(self, step: int, samples: Sequence[SampleMeta]) -> Plan:
         graph = self.graph
         # Every per-sample cost once: forward, and all the work (forward + backward) it causes.
         fwd = {n: {s.id: self.costs.sample_s(n, s) for s in samples} for n in graph.order}
-        task = {n: {s.id: task_s(graph, self.costs, n, s) for s in samples} for n in graph.order}
+        task = {n: self._task(n, samples, fwd[n]) for n in graph.order}
         routes: dict[str, dict[int, int]] = {}
         replicas: dict[str, tuple[MicroBatches, ...]] = {}
         gates: dict[str, tuple] = {}
