@@ -61,16 +61,32 @@ def main(ctx: click.Context, debug: bool) -> None:
 @click.option("--schedule", type=click.Choice(["wavefront", "fifo"]), help="Sample ordering across sections.")
 @click.option("--metrics-out", type=click.Path(dir_okay=False), help="Write one JSON line of metrics per step.")
 @click.option("--save-dir", type=click.Path(file_okay=False), help="Write <section>.safetensors per trainable section.")
+@click.option("--trace", "trace", type=click.Path(dir_okay=False), default=None, is_flag=False, flag_value="",
+              help="Write a Chrome/Perfetto timeline to FILE (default RUN_DIR/trace.json if no FILE).")
+@click.option("--run-dir", type=click.Path(file_okay=False),
+              help="Where plans, metrics and worker logs go (default runs/NAME-TIMESTAMP).")
+@click.option("--no-run-dir", is_flag=True, help="Write no run directory.")
 @click.option("--quiet", is_flag=True, help="No progress output.")
 @click.pass_context
 def run(ctx: click.Context, pipeline: str, steps: int | None, sets: tuple[str, ...], colocated: bool,
-        schedule: str | None, metrics_out: str | None, save_dir: str | None, quiet: bool) -> None:
-    """Train PIPELINE (a Python file defining pipeline(**overrides))."""
+        schedule: str | None, metrics_out: str | None, save_dir: str | None, trace: str | None,
+        run_dir: str | None, no_run_dir: bool, quiet: bool) -> None:
+    """Train PIPELINE (a Python file defining pipeline(**overrides)).
+
+    Every run writes a run directory (runs/NAME-TIMESTAMP unless --run-dir or --no-run-dir): the
+    resolved pipeline.json, metrics.jsonl, plans.jsonl and each worker's log (workers/*.log, every
+    line prefixed with its section and replica).
+    """
+    from maestro_flow.runtime.build import load_pipeline
     from maestro_flow.runtime.run import RunOptions, run_pipeline
+    from maestro_flow.runtime.rundir import default_run_dir
 
     try:
-        options = RunOptions(overrides=_overrides(sets, steps=steps, schedule=schedule), colocated=colocated,
-                             metrics_out=metrics_out, save_dir=save_dir, show_progress=not quiet)
+        overrides = _overrides(sets, steps=steps, schedule=schedule)
+        if not no_run_dir and run_dir is None:
+            run_dir = default_run_dir(load_pipeline(pipeline, overrides)[0])
+        options = RunOptions(overrides=overrides, colocated=colocated, metrics_out=metrics_out, save_dir=save_dir,
+                             show_progress=not quiet, run_dir=None if no_run_dir else run_dir, trace=trace)
         run_pipeline(pipeline, options)
     except KeyboardInterrupt:
         click.echo("interrupted: workers stopped", err=True)
@@ -130,22 +146,29 @@ def plan(ctx: click.Context, pipeline: str, sets: tuple[str, ...], schedule: str
 @main.command()
 @click.argument("pipeline", type=click.Path(dir_okay=False))
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help=SET_HELP)
-@click.option("-o", "--output", type=click.Path(dir_okay=False), help="Write DOT to this file (.dot).")
+@click.option("-o", "--output", type=click.Path(dir_okay=False),
+              help="Also draw the graph to this file: .dot/.gv (DOT), or .svg/.png (needs Graphviz's `dot`; "
+                   "without it the DOT is written next to FILE instead).")
 @click.pass_context
 def graph(ctx: click.Context, pipeline: str, sets: tuple[str, ...], output: str | None) -> None:
-    """Show the section graph of PIPELINE (text, or DOT with -o)."""
+    """Show the section graph of PIPELINE: each section (trainable/frozen, activates_on, dp, micro-batch,
+    device) and each edge (tensors, fan-out/fan-in, gradients), as text; -o FILE also draws it."""
     from maestro_flow.graph import SectionGraph
+    from maestro_flow.render import check_suffix, render, text_form, to_dot
     from maestro_flow.runtime.build import load_pipeline
 
     try:
+        if output:
+            check_suffix(output)  # a bad suffix fails before anything is loaded or written
         p, _ = load_pipeline(pipeline, _overrides(sets))
         p.validate()
         g = SectionGraph(p)
-        click.echo(g.describe())
+        click.echo(text_form(g))
         if output:
-            with open(output, "w") as f:
-                f.write(g.to_dot())
-            click.echo(f"wrote {output}")
+            done = render(to_dot(g), output)
+            if done.note:
+                click.echo(f"warning: {done.note}", err=True)
+            click.echo(f"wrote {done.path}")
     except MaestroError as exc:
         _fail(exc, ctx.obj["debug"])
 

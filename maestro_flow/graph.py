@@ -201,19 +201,3 @@ class SectionGraph:
             grad = "  (+grad back)" if e.carries_grad else ""
             lines.append(f"  {e.edge.src} --[{', '.join(e.edge.tensors)}]--> {e.edge.dst}  {ratio}{grad}")
         return "\n".join(lines)
-
-    def to_dot(self) -> str:
-        """The graph in Graphviz DOT."""
-        lines = ["digraph sections {", "  rankdir=LR;", '  node [shape=box, fontname="Helvetica"];']
-        for n in self.order:
-            s = self.sections[n]
-            mode = "trainable" if s.trainable else "frozen"
-            label = f"{n}\\n{s.stage}\\n{mode}, activates_on={s.activates_on or 'all'}\\ndp={s.dp} mb={s.micro_batch} {s.device}"
-            style = "" if s.trainable else ", style=dashed"
-            lines.append(f'  "{n}" [label="{label}"{style}];')
-        for e in self.edges:
-            ratio = f"fan-out {e.fanout}" if e.fanout > 1 else f"fan-in {e.fanin}" if e.fanin > 1 else "1:1"
-            lines.append(f'  "{e.edge.src}" -> "{e.edge.dst}" [label="{", ".join(e.edge.tensors)}\\n{ratio}"'
-                         f'{", dir=both" if e.carries_grad else ""}];')
-        lines.append("}")
-        return "\n".join(lines) + "\n"

@@ -14,7 +14,8 @@ Worker -> coordinator (DEALER -> ROUTER):
   bye        the worker saved what it was asked to and is exiting
 
 Coordinator -> worker:
-  init       after hello: pipeline config, placement, rendezvous store, peers' header addresses
+  init       after hello: pipeline config, placement, rendezvous store, peers' header addresses,
+             the coordinator's clock (to align trace timestamps) and whether to trace
   plan       one step's plan, restricted to what this replica needs
   finalize   every loss replica reported: the step's global loss denominator
   stop       shut down (optionally saving trainable parameters first)
@@ -40,7 +41,7 @@ FIELDS: dict[str, tuple[str, ...]] = {
     "done": ("rank", "step", "stats"),
     "error": ("rank", "kind", "section", "replica", "step", "phase", "traceback"),
     "bye": ("rank",),
-    "init": ("rank", "pipeline", "placement", "store", "peers", "timeouts", "paths"),
+    "init": ("rank", "pipeline", "placement", "store", "peers", "timeouts", "paths", "now", "trace"),
     "plan": ("step", "micro_batches", "samples", "routes", "gates", "notify"),
     "finalize": ("step", "denominator"),
     "stop": ("save_dir",),

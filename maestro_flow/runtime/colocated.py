@@ -23,24 +23,28 @@ from maestro_flow.planner.plan import Placement
 from maestro_flow.runtime.build import build_stage, default_dtype, resolve_device
 from maestro_flow.runtime.executor import SectionExecutor, StageFault
 from maestro_flow.runtime.ledger import StepLedger, plan_message
+from maestro_flow.runtime.observe import RunObserver, timed_plan
 from maestro_flow.runtime.report import RunReport
 from maestro_flow.runtime.sampler import EpochSampler
 from maestro_flow.runtime.saving import save_stage
+from maestro_flow.runtime.trace import Tracer
 from maestro_flow.transport.tensor_comm import LocalComm
 
 
 def run_colocated(pipeline: Pipeline, source: Any, sampler: EpochSampler, report: RunReport, *,
-                  save_dir: str | None = None) -> None:
+                  save_dir: str | None = None, observer: RunObserver | None = None) -> None:
     # Stage code may create tensors without a dtype, as it would in a worker process; the
     # caller's default is restored afterwards (this may be a test or a notebook).
     with default_dtype(getattr(torch, pipeline.dtype)):
-        _run(pipeline, source, sampler, report, save_dir)
+        _run(pipeline, source, sampler, report, save_dir, observer or RunObserver())
 
 
-def _run(pipeline: Pipeline, source: Any, sampler: EpochSampler, report: RunReport, save_dir: str | None) -> None:
+def _run(pipeline: Pipeline, source: Any, sampler: EpochSampler, report: RunReport, save_dir: str | None,
+         observer: RunObserver) -> None:
     single = pipeline.override(**{f"sections.{s.name}.dp": 1 for s in pipeline.sections})
     graph = SectionGraph(single)
     placement = Placement.build(graph.order, {n: 1 for n in graph.order})
+    observer.start(placement)
     planner = make_planner(pipeline.schedule, graph)
     ledger = StepLedger(graph, placement, adapt_costs=pipeline.adapt_costs)
     events: list[tuple[int, str, dict]] = []
@@ -60,10 +64,11 @@ def _run(pipeline: Pipeline, source: Any, sampler: EpochSampler, report: RunRepo
             stage=stage, graph=graph, placement=placement, section=name, replica=0, source=source,
             comm=LocalComm(rank, lambda dst: executors[dst].deliver),
             report=lambda kind, body, rank=rank: events.append((rank, kind, body)),
-            device=torch.device(device), dtype=getattr(torch, single.dtype), reducer=None)
+            device=torch.device(device), dtype=getattr(torch, single.dtype), reducer=None,
+            tracer=Tracer(enabled=observer.tracing))
     for step in range(pipeline.steps):
         planner.costs = ledger.costs()
-        plan = planner.plan(step, sampler.batch(step))
+        plan = timed_plan(planner, step, sampler.batch(step), observer)
         ledger.planned(plan, time.perf_counter())
         for rank, ex in executors.items():
             ex.add_plan(plan_message(plan, graph, *placement.who(rank)))
@@ -82,6 +87,7 @@ def _run(pipeline: Pipeline, source: Any, sampler: EpochSampler, report: RunRepo
                         for r in ranks:
                             executors[r].finalize(body["step"], denominator)
                 elif kind == "done":
+                    observer.done(rank, body["stats"])
                     row = ledger.on_done(rank, body["step"], body["stats"], time.perf_counter()) or row
                 progressed = True
             events.clear()

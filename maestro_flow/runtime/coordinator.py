@@ -26,6 +26,7 @@ from maestro_flow.protocol.messages import PROTOCOL_VERSION, ProtocolError, make
 from maestro_flow.runtime.build import resolve_device
 from maestro_flow.runtime.launcher import Launcher
 from maestro_flow.runtime.ledger import StepLedger, plan_message
+from maestro_flow.runtime.observe import RunObserver, timed_plan
 from maestro_flow.runtime.report import RunReport
 from maestro_flow.runtime.sampler import EpochSampler
 from maestro_flow.runtime.worker import worker_main
@@ -49,12 +50,13 @@ def placement_for(graph: SectionGraph) -> Placement:
 class Coordinator:
     def __init__(self, pipeline: Pipeline, graph: SectionGraph, sampler: EpochSampler, report: RunReport, *,
                  paths: list[str], timeouts: Timeouts | None = None, save_dir: str | None = None,
-                 worker_entry: Callable[[dict], None] = worker_main) -> None:
+                 worker_entry: Callable[[dict], None] = worker_main, observer: RunObserver | None = None) -> None:
         self.pipeline, self.graph, self.sampler, self.report = pipeline, graph, sampler, report
         self.paths, self.save_dir = paths, save_dir
         self.timeouts = timeouts or Timeouts.from_env()
         self.placement = placement_for(graph)
         self.launcher = Launcher(worker_entry)
+        self.observer = observer or RunObserver()
         self.zctx = zmq.Context()
         self.router: zmq.Socket | None = None
         self.store: Any = None
@@ -94,7 +96,9 @@ class Coordinator:
         for rank in range(self.placement.world_size):
             section, replica = self.placement.who(rank)
             self.launcher.start(rank, section, replica, {
-                "rank": rank, "coordinator": addr, "parent_pid": os.getpid(), "timeouts": self.timeouts.to_dict()})
+                "rank": rank, "coordinator": addr, "parent_pid": os.getpid(), "timeouts": self.timeouts.to_dict(),
+                "label": f"{section}/{replica}", "log": self.observer.worker_log(section, replica)})
+        self.observer.start(self.placement)
         deadline = time.monotonic() + self.timeouts.startup_s
         hellos: dict[int, dict] = {}
         while len(hellos) < self.placement.world_size:
@@ -108,7 +112,8 @@ class Coordinator:
         for rank in hellos:
             self._send(rank, make("init", rank=rank, pipeline=self.pipeline.to_dict(),
                                   placement=self.placement.to_dict(), store=[zmq_link.LOOPBACK, self.store.port],
-                                  peers=peers, timeouts=self.timeouts.to_dict(), paths=self.paths))
+                                  peers=peers, timeouts=self.timeouts.to_dict(), paths=self.paths,
+                                  now=self.observer.tracer.epoch, trace=self.observer.tracing))
         ready: set[int] = set()
         while len(ready) < self.placement.world_size:
             rank, msg = self._recv(deadline, "every worker to be ready (stage built, process groups formed)",
@@ -129,7 +134,7 @@ class Coordinator:
             nonlocal next_plan
             while next_plan <= min(upto, p.steps - 1):
                 planner.costs = ledger.costs()  # refined from the timings measured so far
-                plan = planner.plan(next_plan, sampler.batch(next_plan))
+                plan = timed_plan(planner, next_plan, sampler.batch(next_plan), self.observer)
                 ledger.planned(plan, time.perf_counter())
                 for rank in range(self.placement.world_size):
                     self._send(rank, plan_message(plan, self.graph, *self.placement.who(rank)))
@@ -149,6 +154,7 @@ class Coordinator:
                         for r in ranks:
                             self._send(r, make("finalize", step=msg["step"], denominator=denominator))
                 elif msg["t"] == "done":
+                    self.observer.done(rank, msg["stats"])
                     row = ledger.on_done(rank, msg["step"], msg["stats"], time.perf_counter())
             self.report.step(row)
             send_plans(step + 1 + p.lookahead_steps)

@@ -25,6 +25,7 @@ import torch
 from maestro_flow.graph import SectionGraph
 from maestro_flow.planner.plan import Placement
 from maestro_flow.runtime.optim import GradientReducer, build_optimizer
+from maestro_flow.runtime.trace import Tracer
 from maestro_flow.stage import MicroBatch, Stage
 from maestro_flow.transport.tensor_comm import Comm
 
@@ -70,12 +71,14 @@ class _Step:
     busy_s: float = 0.0
     tokens: int = 0
     timings: list[list] = field(default_factory=list)  # per micro-batch, for the cost model (costfit.Timing)
+    waiting: tuple[str, float] | None = None  # (what for, since when), for the trace
 
 
 class SectionExecutor:
     def __init__(self, *, stage: Stage, graph: SectionGraph, placement: Placement, section: str, replica: int,
                  source: Any, comm: Comm, report: Report, device: torch.device, dtype: torch.dtype,
-                 reducer: GradientReducer | None, clock: Callable[[], float] = time.perf_counter) -> None:
+                 reducer: GradientReducer | None, clock: Callable[[], float] = time.perf_counter,
+                 tracer: Tracer | None = None) -> None:
         self.stage, self.graph, self.placement = stage, graph, placement
         self.name, self.replica = section, replica
         self.section = graph.sections[section]
@@ -98,6 +101,7 @@ class SectionExecutor:
         self.pending_by_sample: dict[tuple[int, int], _Pending] = {}
         self.early_grads: list[tuple[int, int, list]] = []
         self.steps_done = 0
+        self.tracer = tracer or Tracer(enabled=False)
         stage.train(self.trainable)
 
     # -- inputs from outside ---------------------------------------------------------------
@@ -163,15 +167,16 @@ class SectionExecutor:
             return False
         mb = st.mbs[st.next_mb]
         if st.gates and any(self.progress.get((st.step, rank), 0) < done for rank, done in st.gates[st.next_mb]):
-            return False  # run-ahead credit: a consumer has not caught up yet
+            return self._wait(st, "wait credit")  # run-ahead credit: a consumer has not caught up yet
         got = self.inbox.get(st.step, {})
         for sid in mb:
             have = got.get(sid, {})
             if any(n not in have for n in self._expected_inputs(st, sid)):
-                return False
+                return self._wait(st, "wait inputs")
         index = st.next_mb
         st.next_mb += 1
         t0 = self.clock()
+        self._waited(st, t0, mb=index)
         arrived = {sid: got.pop(sid, {}) for sid in mb}
         batch, leaves = self._make_batch(st, index, mb, arrived)
         try:
@@ -187,9 +192,22 @@ class SectionExecutor:
         elapsed = self.clock() - t0
         st.busy_s += elapsed
         self._timing(st, "forward+backward" if self.is_loss and self.trainable else "forward", mb, elapsed)
+        self.tracer.span("forward", "compute", t0, t0 + elapsed, step=st.step, mb=index, samples=list(mb))
         for rank in st.notify:
             self.comm.notify(rank, st.step, st.next_mb)
         return True
+
+    def _wait(self, st: _Step, reason: str) -> bool:
+        """Note when the executor started waiting (for the trace); always False (nothing ran)."""
+        if st.waiting is None:
+            st.waiting = (reason, self.clock())
+        return False
+
+    def _waited(self, st: _Step, now: float, **args: Any) -> None:
+        if st.waiting is not None:
+            reason, since = st.waiting
+            self.tracer.span(reason, "wait", since, now, step=st.step, **args)
+            st.waiting = None
 
     def _timing(self, st: _Step, kind: str, mb: tuple[int, ...], seconds: float) -> None:
         tokens = sum(st.sizes[s][0] for s in mb)
@@ -313,6 +331,7 @@ class SectionExecutor:
             for sid in pending.sample_ids:
                 self.pending_by_sample.pop((st.step, sid), None)
             t0 = self.clock()
+            self._waited(st, t0)
             keys = [k for k in pending.outputs if k in pending.grads]
             if keys:
                 try:
@@ -323,6 +342,7 @@ class SectionExecutor:
             elapsed = self.clock() - t0
             st.busy_s += elapsed
             self._timing(st, "backward", pending.sample_ids, elapsed)
+            self.tracer.span("backward", "compute", t0, t0 + elapsed, step=st.step, samples=list(pending.sample_ids))
             return True
         return False
 
@@ -352,9 +372,10 @@ class SectionExecutor:
         if self.params:
             denominator = self.finalized.get(st.step)
             if denominator is None:
-                return False
+                return self._wait(st, "wait loss denominator")
             t0 = self.clock()
-            self._optimizer_step(denominator)
+            self._waited(st, t0)
+            self._optimizer_step(st, denominator)
             st.busy_s += self.clock() - t0
             del self.finalized[st.step]
         self.inbox.pop(st.step, None)
@@ -365,17 +386,21 @@ class SectionExecutor:
         self.steps_done += 1
         return True
 
-    def _optimizer_step(self, denominator: float) -> None:
+    def _optimizer_step(self, st: _Step, denominator: float) -> None:
         for p in self.params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)  # a replica with no samples still joins the reduction
         if self.reducer is not None:
+            t0 = self.clock()
             self.reducer.all_reduce([p.grad for p in self.params])
+            self.tracer.span("gradient all-reduce", "reduce", t0, self.clock(), step=st.step)
+        t0 = self.clock()
         if denominator > 0:
             for p in self.params:
                 p.grad.div_(denominator)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self.tracer.span("optimizer step", "compute", t0, self.clock(), step=st.step)
 
     def _stats(self, st: _Step) -> dict[str, Any]:
         wall = self.clock() - st.started
@@ -384,6 +409,7 @@ class SectionExecutor:
                 "micro_batches": len(st.mbs), "samples": sum(len(mb) for mb in st.mbs), "tokens": st.tokens,
                 "timings": st.timings,
                 "max_rss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+                **({"trace": self.tracer.take()} if self.tracer.enabled else {}),
                 **self.comm.stats.snapshot_and_reset()}
 
 

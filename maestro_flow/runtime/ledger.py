@@ -88,6 +88,7 @@ class StepLedger:
                 "busy_s": busy, "idle_s": max(0.0, step_time * len(reps) - busy),
                 "micro_batches": sum(s["micro_batches"] for s in reps), "samples": sum(s["samples"] for s in reps),
                 "bytes_sent": sum(s.get("bytes_sent", 0) for s in reps),
+                "comm_s": sum(s.get("send_s", 0.0) + s.get("recv_s", 0.0) for s in reps),
                 "max_rss_mb": max(s.get("max_rss_kb", 0) for s in reps) / 1024,
             }
             counters: dict[str, float] = {}

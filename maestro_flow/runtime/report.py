@@ -10,27 +10,32 @@ import json
 import os
 import sys
 import time
+from collections.abc import Sequence
 from typing import Any, TextIO
 
 
 class RunReport:
-    def __init__(self, *, total_steps: int, metrics_out: str | None, stream: TextIO | None = None,
+    def __init__(self, *, total_steps: int, metrics_out: str | Sequence[str] | None, stream: TextIO | None = None,
                  show_progress: bool = True) -> None:
         self.total = total_steps
         self.stream = stream or sys.stderr
         self.tty = self.stream.isatty()
         self.show = show_progress
         self.rows: list[dict[str, Any]] = []
-        if metrics_out and os.path.dirname(metrics_out):
-            os.makedirs(os.path.dirname(metrics_out), exist_ok=True)
-        self._metrics = open(metrics_out, "w") if metrics_out else None  # noqa: SIM115 (closed in close())
+        paths = [metrics_out] if isinstance(metrics_out, str) else list(metrics_out or ())
+        self._metrics = []
+        for path in paths:
+            if os.path.dirname(path):
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+            self._metrics.append(open(path, "w"))  # noqa: SIM115 (closed in close())
         self._t0 = time.monotonic()
 
     def step(self, row: dict[str, Any]) -> None:
         self.rows.append(row)
-        if self._metrics:
-            self._metrics.write(json.dumps(row) + "\n")
-            self._metrics.flush()
+        line = json.dumps(row) + "\n"
+        for f in self._metrics:
+            f.write(line)
+            f.flush()
         if not self.show:
             return
         n = len(self.rows)
@@ -60,7 +65,23 @@ class RunReport:
             text += f", loss {first:.4f} -> {last:.4f}"
         return text
 
+    def table(self) -> str:
+        """Each section's share of its replicas' time: computing, waiting, transferring.
+
+        Transfers run on their own threads, overlapping compute and waits, so the three need
+        not add up to 100%."""
+        if not self.rows:
+            return ""
+        lines = [f"{'section':<12} {'busy':>7} {'waiting':>8} {'transfers':>10}"]
+        for name in self.rows[0]["sections"]:
+            busy = sum(r["sections"][name]["busy_s"] for r in self.rows)
+            idle = sum(r["sections"][name]["idle_s"] for r in self.rows)
+            comm = sum(r["sections"][name].get("comm_s", 0.0) for r in self.rows)
+            total = max(busy + idle, 1e-12)
+            lines.append(f"{name:<12} {busy / total:>7.1%} {idle / total:>8.1%} {comm / total:>10.1%}")
+        return "\n".join(lines)
+
     def close(self) -> None:
-        if self._metrics:
-            self._metrics.close()
-            self._metrics = None
+        for f in self._metrics:
+            f.close()
+        self._metrics = []

@@ -6,6 +6,7 @@ found before any worker starts), StageError or SystemFailure.
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 from dataclasses import dataclass
@@ -13,7 +14,9 @@ from typing import Any
 
 from maestro_flow.runtime.build import load_pipeline
 from maestro_flow.runtime.checks import check_pipeline
+from maestro_flow.runtime.observe import RunObserver
 from maestro_flow.runtime.report import RunReport
+from maestro_flow.runtime.rundir import RunDir
 from maestro_flow.runtime.sampler import EpochSampler
 
 
@@ -24,6 +27,8 @@ class RunOptions:
     metrics_out: str | None = None
     save_dir: str | None = None
     show_progress: bool = True
+    run_dir: str | None = None  # where plans, metrics, worker logs (and the trace) go; None: nowhere
+    trace: str | None = None  # write the Chrome/Perfetto timeline here ("" = run_dir/trace.json)
 
 
 def _sigterm_as_interrupt(signum: int, frame: Any) -> None:
@@ -40,20 +45,37 @@ def run_pipeline(path: str, options: RunOptions) -> list[dict[str, Any]]:
         print(f"{pipeline.name}: {len(checked.metadata)} samples from {pipeline.data.path}"
               f"{f' ({skipped} bad rows skipped)' if skipped else ''}, {pipeline.steps} steps of "
               f"{pipeline.global_batch}, {mode}", file=sys.stderr)
-    report = RunReport(total_steps=pipeline.steps, metrics_out=options.metrics_out, show_progress=options.show_progress)
+    run_dir = RunDir(options.run_dir, pipeline, options.overrides) if options.run_dir else None
+    trace = options.trace
+    if trace == "":
+        trace = os.path.join(options.run_dir, "trace.json") if options.run_dir else "trace.json"
+    if run_dir is not None and options.show_progress:
+        print(f"run directory: {run_dir.path}", file=sys.stderr)
+    metrics = [p for p in (options.metrics_out, run_dir.metrics if run_dir else None) if p]
+    report = RunReport(total_steps=pipeline.steps, metrics_out=metrics, show_progress=options.show_progress)
+    observer = RunObserver(run_dir=run_dir, trace_path=trace)
     previous = signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
     try:
         if options.colocated:
             from maestro_flow.runtime.colocated import run_colocated
 
-            run_colocated(pipeline, checked.source, sampler, report, save_dir=options.save_dir)
+            run_colocated(pipeline, checked.source, sampler, report, save_dir=options.save_dir, observer=observer)
         else:
             from maestro_flow.runtime.coordinator import Coordinator
 
-            Coordinator(pipeline, checked.graph, sampler, report, paths=paths, save_dir=options.save_dir).run()
+            Coordinator(pipeline, checked.graph, sampler, report, paths=paths, save_dir=options.save_dir,
+                        observer=observer).run()
     finally:
         signal.signal(signal.SIGTERM, previous)
         report.close()
+        observer.close()
+        if options.show_progress:
+            if report.rows:
+                print(report.table(), file=sys.stderr)
+            if trace:
+                print(f"trace: {trace} (open it in ui.perfetto.dev)", file=sys.stderr)
+            if run_dir is not None:
+                print(f"run directory: {run_dir.path}", file=sys.stderr)
     if options.show_progress:
         print(report.summary(), file=sys.stderr)
     return report.rows

@@ -91,8 +91,54 @@ class _Control:
         self.dealer.close(linger=2000)
 
 
+class _OutputCapture:
+    """This process's stdout and stderr (Python's and C libraries' alike, at the fd level), each
+    line prefixed with "[section/replica] " and written to the run's worker log and, as before,
+    to the terminal's stderr."""
+
+    def __init__(self, label: str, log_path: str | None) -> None:
+        self.prefix = f"[{label}] ".encode()
+        self.terminal = os.dup(2)
+        self.log = open(log_path, "ab") if log_path else None  # noqa: SIM115 (closed in close())
+        read_end, write_end = os.pipe()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(write_end, 1)
+        os.dup2(write_end, 2)
+        os.close(write_end)
+        sys.stdout.reconfigure(line_buffering=True)
+        self.reader = threading.Thread(target=self._pump, args=(read_end,), name="output", daemon=True)
+        self.reader.start()
+
+    def _pump(self, fd: int) -> None:
+        pending = b""
+        while True:
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                break
+            *lines, pending = (pending + chunk).split(b"\n")
+            self._write(b"".join(self.prefix + line + b"\n" for line in lines))
+        if pending:
+            self._write(self.prefix + pending + b"\n")
+
+    def _write(self, data: bytes) -> None:
+        os.write(self.terminal, data)
+        if self.log is not None:
+            self.log.write(data)
+            self.log.flush()
+
+    def close(self) -> None:
+        """Flush and wait for the last lines (bounded): closing fds 1 and 2 ends the pipe."""
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.close(1)
+        os.close(2)
+        self.reader.join(timeout=2.0)
+
+
 def worker_main(boot: dict[str, Any]) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the coordinator, which stops us
+    capture = _OutputCapture(boot.get("label", f"rank {boot['rank']}"), boot.get("log"))
     _die_with_parent(boot["parent_pid"])
     rank = boot["rank"]
     timeouts = Timeouts(**boot["timeouts"])
@@ -103,6 +149,7 @@ def worker_main(boot: dict[str, Any]) -> None:
     if not dealer.poll(int(timeouts.startup_s * 1000)):
         os._exit(4)  # the coordinator never answered; it reports the missing worker itself
     init = zmq_link.recv_msg(dealer)
+    received = time.time()
     if init["t"] != "init":
         os._exit(4)
     inbox: queue.Queue = queue.Queue()
@@ -110,6 +157,7 @@ def worker_main(boot: dict[str, Any]) -> None:
     control.thread.start()
     out = control.outbound()
     worker = _Worker(init, inbox, out, pull, zctx, timeouts)
+    worker.clock_offset_s = init["now"] - received  # this host's wall clock -> the coordinator's
     code = worker.run()
     if worker.comm is not None:
         worker.comm.close()
@@ -121,8 +169,7 @@ def worker_main(boot: dict[str, Any]) -> None:
     closer = threading.Thread(target=zctx.term, daemon=True)
     closer.start()
     closer.join(timeout=3.0)
-    sys.stdout.flush()
-    sys.stderr.flush()
+    capture.close()
     os._exit(code)  # channel threads may sit in a receive that will never complete
 
 
@@ -132,6 +179,7 @@ class _Worker:
         self.init, self.inbox, self.out, self.pull, self.zctx, self.timeouts = init, inbox, out, pull, zctx, timeouts
         self.rank = init["rank"]
         self.comm = None
+        self.clock_offset_s = 0.0
         self.section, self.replica, self.step = "?", -1, None
         self.phase = "setup"
 
@@ -169,6 +217,7 @@ class _Worker:
         from maestro_flow.runtime.executor import SectionExecutor
         from maestro_flow.runtime.optim import GradientReducer
         from maestro_flow.runtime.topology import process_groups
+        from maestro_flow.runtime.trace import Tracer
         from maestro_flow.transport.tensor_comm import TensorComm
 
         init = self.init
@@ -199,17 +248,19 @@ class _Worker:
                                 world_size=placement.world_size,
                                 timeout=timedelta(seconds=self.timeouts.collective_s))
         groups, dp_group = process_groups(graph, placement, self.rank, self.timeouts.collective_s)
+        tracer = Tracer(enabled=init["trace"], offset_s=self.clock_offset_s, epoch=init["now"])
         comm = TensorComm(zctx=self.zctx, rank=self.rank, pull=self.pull,
                           peers={int(k): v for k, v in init["peers"].items()}, groups=groups,
                           device=torch.device(device),
                           deliver=lambda *a: self.inbox.put(("tensors", a)),
-                          on_error=lambda text: self.inbox.put(("comm_error", text)))
+                          on_error=lambda text: self.inbox.put(("comm_error", text)),
+                          tracer=tracer if tracer.enabled else None)
         self.comm = comm
         return SectionExecutor(
             stage=stage, graph=graph, placement=placement, section=self.section, replica=self.replica,
             source=source, comm=comm, report=lambda kind, body: self.send(kind, **body),
             device=torch.device(device), dtype=getattr(torch, pipeline.dtype),
-            reducer=GradientReducer(dp_group) if dp_group is not None else None)
+            reducer=GradientReducer(dp_group) if dp_group is not None else None, tracer=tracer)
 
     def _loop(self, executor) -> int:
         from maestro_flow.runtime.saving import save_stage

@@ -64,8 +64,9 @@ class TensorComm:
 
     def __init__(self, *, zctx: zmq.Context, rank: int, pull: zmq.Socket, peers: dict[int, str],
                  groups: dict[tuple[int, int, str], Any], device: torch.device,
-                 deliver: Deliver, on_error: Callable[[str], None]) -> None:
+                 deliver: Deliver, on_error: Callable[[str], None], tracer: Any = None) -> None:
         self.rank = rank
+        self._tracer = tracer  # runtime.trace.Tracer or None: transfers as async trace events
         self._zctx, self._pull, self._peers, self._groups = zctx, pull, peers, groups
         self._device, self._deliver, self._on_error = device, deliver, on_error
         self._stop = threading.Event()
@@ -114,7 +115,7 @@ class TensorComm:
         # Header first: the receiver needs shapes and dtypes to post its receives.
         zmq_link.send_msg(sock, make("tensors", src=self.rank, kind=kind, edge=edge, step=step,
                                      entries=entries, buffers=specs))
-        sent.put((p2p.post_sends(buffers, dst, self._groups[(self.rank, dst, kind)]), buffers, t0))
+        sent.put((p2p.post_sends(buffers, dst, self._groups[(self.rank, dst, kind)]), buffers, t0, dst, kind, step))
 
     def notify(self, dst: int, step: int, finished: int) -> None:
         """Tell a producer that this replica finished `finished` forward micro-batches of `step`
@@ -154,8 +155,11 @@ class TensorComm:
             job = sent.get()
             if job is None:
                 return
-            works, buffers, t0 = job
+            works, buffers, t0, dst, kind, step = job
             p2p.wait_all(works)
+            if self._tracer is not None:
+                self._tracer.transfer(f"send {kind}", t0, time.perf_counter(), peer=dst, step=step,
+                                      bytes=sum(b.numel() * b.element_size() for b in buffers))
             with self.stats.lock:
                 self.stats.in_flight -= 1
                 self.stats.send_s += time.perf_counter() - t0
@@ -190,6 +194,9 @@ class TensorComm:
                 return
             works, buffers, msg, t0 = job
             p2p.wait_all(works)
+            if self._tracer is not None:
+                self._tracer.transfer(f"recv {kind}", t0, time.perf_counter(), peer=src, step=msg["step"],
+                                      bytes=sum(b.numel() * b.element_size() for b in buffers))
             with self.stats.lock:
                 self.stats.recv_s += time.perf_counter() - t0
                 self.stats.bytes_received += sum(b.numel() * b.element_size() for b in buffers)

@@ -167,12 +167,3 @@ def test_describe_marks_fan_in_and_gradients():
     g = graph([S("vision", dp=4, activates_on="image"), S("llm", dp=2)], [E("vision", "llm", "patches", "mask")])
     assert g.describe().splitlines()[-1] == "  vision --[patches, mask]--> llm  fan-in 2  (+grad back)"
     assert "activates_on=image" in g.describe().splitlines()[0]
-
-
-def test_to_dot():
-    dot = distill().to_dot()
-    assert dot.startswith("digraph sections {\n") and dot.endswith("}\n")
-    assert '"teacher" [label="teacher\\nstages.fake:Teacher\\nfrozen, activates_on=all\\ndp=1 mb=8 cpu", style=dashed];' in dot
-    assert '"teacher" -> "student" [label="hidden\\nfan-out 2"];' in dot
-    g = graph([S("enc"), S("llm")], [E("enc", "llm", "h")])
-    assert '"enc" -> "llm" [label="h\\n1:1", dir=both];' in g.to_dot()

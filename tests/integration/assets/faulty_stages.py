@@ -22,6 +22,7 @@ class Faulty(CausalLM):
         if self.fault["fail"] == "setup" and ctx.replica == (self.fault["on_replica"] or 0):
             raise RuntimeError("deliberate failure while building the stage")
         super().__init__(lm_config, ctx)
+        print(f"faulty stage built on replica {ctx.replica}", flush=True)  # the run dir's worker log shows it
 
     @classmethod
     def outputs(cls, config):

@@ -1,0 +1,442 @@
+"""Searching each section's dp and micro-batch size for the shortest simulated step.
+
+Pure (standard library only; no torch, no clocks, no files): a pipeline, a cost model (with an
+optional per-micro-batch overhead per section, as `maestro profile` measures it), a memory model
+per section and a representative global batch of sample metadata in; ranked configurations out.
+`maestro tune` (cli_tools.py) wraps it; the runtime never calls it.
+
+A configuration gives every section `dp` (replicas) and `micro_batch`. It is feasible when
+  - sum over sections of dp * replica_devices <= devices (a replica may span several devices,
+    e.g. a tensor-parallel group sized to hold the model; default 1);
+  - across every edge one dp divides the other (integral fan-out / fan-in);
+  - every section's predicted memory per replica fits the limit:
+        memory = base_mb + per_sample_mb * kept_samples
+    where kept_samples is the micro-batch for a frozen section or a loss section (activations
+    live for one micro-batch), and for a trainable section that feeds others (a vision encoder)
+    the samples whose activations wait for gradients: its own micro-batch plus what the plan
+    lets it run ahead of its consumers — fan-out x run_ahead samples (default 4 consumer
+    micro-batches, the wavefront planner's credit) — capped by its samples per step.
+Its step time is the wavefront plan's simulated makespan (planner/simulate.py). Time per
+micro-batch = overhead_s + the linear Cost; the overhead is folded into per_sample_s as
+overhead_s / micro_batch, which is what makes larger micro-batches pay off.
+
+Search (the simulator costs O(samples x replicas) per configuration, too slow to run on every
+dp vector of a 1024-device budget):
+  1. enumerate every feasible dp vector (all integers while a section can have <= 64
+     replicas, else 2^a 3^b 5^c "smooth" numbers), each section at a default micro-batch (the
+     largest power of two that fits memory and its samples per replica), and score it with an
+     analytic lower bound — max of work(S)/dp(S), the per-edge head/tail terms of
+     simulate.lower_bound, and the longest single-sample chain; branches whose partial bound
+     already exceeds the k-th best score are cut;
+  2. simulate the best `dp_candidates` dp vectors (ties: fewer devices);
+  3. around the best few, coordinate descent on micro-batches: for each section try half and
+     double (powers of two within memory and `max_micro_batch`), keep any improvement, repeat
+     until nothing improves or `max_simulations` is spent.
+The uniform baseline (every section the same dp and micro-batch: one layout for everything, as a
+monolithic trainer would use) is searched the same way over (dp, micro_batch) pairs.
+Ranking: simulated step time, then fewer devices, then the configuration's text (deterministic).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import math
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from maestro_flow.config import Cost, Pipeline
+from maestro_flow.errors import PipelineError
+from maestro_flow.graph import SectionGraph
+from maestro_flow.planner import make_planner
+from maestro_flow.planner.cost import CostModel
+from maestro_flow.planner.simulate import simulate
+from maestro_flow.samples import SampleMeta
+
+Layout = tuple[tuple[str, int, int], ...]  # (section, dp, micro_batch) in topological order
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MemoryModel:
+    """Predicted peak memory of one replica: base_mb + per_sample_mb x kept samples."""
+
+    base_mb: float = 0.0
+    per_sample_mb: float = 0.0
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Candidate:
+    """One evaluated configuration."""
+
+    layout: Layout
+    step_s: float  # simulated makespan of the wavefront plan (mean over the batches given)
+    lower_bound_s: float
+    devices: int
+    utilisation: dict[str, float]  # section -> busy fraction of its replicas over the step
+    memory_mb: dict[str, float]  # section -> predicted peak per replica
+
+    def dp(self, section: str) -> int:
+        return next(d for n, d, _ in self.layout if n == section)
+
+    def micro_batch(self, section: str) -> int:
+        return next(m for n, _, m in self.layout if n == section)
+
+    def to_json_dict(self) -> dict:
+        return {"step_s": self.step_s, "lower_bound_s": self.lower_bound_s, "devices": self.devices,
+                "sections": {n: {"dp": d, "micro_batch": m, "utilisation": self.utilisation[n],
+                                 "memory_mb": self.memory_mb[n]} for n, d, m in self.layout}}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TuneResult:
+    best: tuple[Candidate, ...]  # ranked, best first
+    uniform: Candidate | None  # best with one dp and micro-batch for every section
+    devices: int
+    evaluated: int  # configurations simulated
+    scored: int  # dp vectors scored analytically
+
+    def to_json_dict(self) -> dict:
+        return {"devices": self.devices, "evaluated": self.evaluated, "scored": self.scored,
+                "best": [c.to_json_dict() for c in self.best],
+                "uniform": self.uniform.to_json_dict() if self.uniform else None}
+
+
+def to_overrides(candidate: Candidate) -> list[str]:
+    """`--set` strings for `maestro run` that apply a configuration."""
+    out = []
+    for name, dp, mb in candidate.layout:
+        out += [f"sections.{name}.dp={dp}", f"sections.{name}.micro_batch={mb}"]
+    return out
+
+
+def representative_batch(pool: Sequence[SampleMeta], global_batch: int, seed: int = 0) -> list[SampleMeta]:
+    """`global_batch` samples drawn from `pool` (seeded): a subset when the pool is large enough,
+    else the pool repeated with fresh ids, so a short trace can stand for a large batch."""
+    if not pool:
+        raise PipelineError("tune: no sample metadata to tune for")
+    rng = random.Random(seed)
+    if len(pool) >= global_batch:
+        return sorted(rng.sample(list(pool), global_batch), key=lambda s: s.id)
+    picks = [pool[i % len(pool)] for i in range(global_batch)]
+    rng.shuffle(picks)
+    return [dataclasses.replace(s, id=i, row=-1) for i, s in enumerate(picks)]
+
+
+def _pow2_upto(n: int) -> list[int]:
+    out, m = [], 1
+    while m <= n:
+        out.append(m)
+        m *= 2
+    return out
+
+
+def _smooth_upto(n: int) -> list[int]:
+    out = set()
+    a = 1
+    while a <= n:
+        b = a
+        while b <= n:
+            c = b
+            while c <= n:
+                out.add(c)
+                c *= 5
+            b *= 3
+        a *= 2
+    return sorted(out)
+
+
+class Tuner:
+    def __init__(self, pipeline: Pipeline, costs: CostModel, batches: Sequence[Sequence[SampleMeta]], *,
+                 devices: int, memory_limit_mb: float | None = None,
+                 memory: Mapping[str, MemoryModel] | None = None, overhead_s: Mapping[str, float] | None = None,
+                 replica_devices: Mapping[str, int] | None = None, max_micro_batch: int = 64,
+                 dp_candidates: int = 6, max_simulations: int = 40) -> None:
+        if devices < 1:
+            raise PipelineError(f"tune: --devices must be >= 1, got {devices}")
+        self.pipeline = pipeline
+        self.graph = SectionGraph(pipeline)
+        self.order = list(self.graph.order)
+        self.costs = costs
+        self.batches = [list(b) for b in batches]
+        if not self.batches or not all(self.batches):
+            raise PipelineError("tune: no sample metadata to tune for")
+        self.devices = devices
+        self.limit = memory_limit_mb
+        self.memory = {n: (memory or {}).get(n, MemoryModel()) for n in self.order}
+        self.overhead = {n: float((overhead_s or {}).get(n, 0.0)) for n in self.order}
+        self.rdev = {n: int((replica_devices or {}).get(n, 1)) for n in self.order}
+        self.max_mb = max_micro_batch
+        self.dp_candidates = dp_candidates
+        self.max_simulations = max_simulations
+        self.cache: dict[Layout, Candidate] = {}
+        self.scored = 0
+        self.sample0 = self.batches[0]
+        self.active = {n: [s for s in self.sample0 if self.graph.sections[n].activates(s.modalities)]
+                       for n in self.order}
+        self._terms: dict[tuple, float] = {}
+        need = sum(self.rdev.values())
+        if need > devices:
+            raise PipelineError(f"tune: the pipeline needs at least {need} devices (one replica per section), "
+                                f"got --devices {devices}")
+        for n in self.order:
+            if self.limit is not None and self.memory[n].base_mb + self.memory[n].per_sample_mb > self.limit:
+                raise PipelineError(
+                    f"tune: sections.{n} does not fit the memory limit ({self.limit:.0f} MB) even at micro_batch 1 "
+                    f"(predicted {self.memory[n].base_mb + self.memory[n].per_sample_mb:.0f} MB); raise --memory-gb")
+
+    # -- cost and memory at a micro-batch size -------------------------------------------------
+
+    def cost_at(self, name: str, mb: int) -> Cost:
+        c = self.costs.costs[name]
+        return dataclasses.replace(c, per_sample_s=c.per_sample_s + self.overhead[name] / mb)
+
+    def model_at(self, layout: Layout) -> CostModel:
+        return dataclasses.replace(self.costs, costs={**self.costs.costs,
+                                                      **{n: self.cost_at(n, m) for n, _, m in layout}})
+
+    def _kept(self, name: str, dp: int, mb: int, layout: Mapping[str, tuple[int, int]] | None) -> int:
+        graph = self.graph
+        per_replica = max(1, math.ceil(len(self.active[name]) / dp))
+        grads = graph.needs_grad_from(name)
+        if not grads or name in graph.loss_sections():
+            return mb
+        run_ahead = 0
+        for e in grads:
+            cdp, cmb = (layout or {}).get(e.edge.dst, (dp, mb))
+            credit = self.pipeline.run_ahead if self.pipeline.run_ahead is not None else 4 * cmb
+            run_ahead += max(1, cdp // dp) * credit
+        return min(per_replica, mb + run_ahead) if per_replica > mb else mb
+
+    def memory_mb(self, name: str, dp: int, mb: int, layout: Mapping[str, tuple[int, int]] | None = None) -> float:
+        m = self.memory[name]
+        return m.base_mb + m.per_sample_mb * self._kept(name, dp, mb, layout)
+
+    def _fits(self, name: str, dp: int, mb: int, layout: Mapping[str, tuple[int, int]] | None = None) -> bool:
+        return self.limit is None or self.memory_mb(name, dp, mb, layout) <= self.limit
+
+    def default_mbs(self, dps: Mapping[str, int]) -> dict[str, int] | None:
+        """Each section's largest power-of-two micro-batch up to its samples per replica, halved
+        until every section fits memory (a trainable producer's memory also grows with its
+        consumers' micro-batches, so those are halved when halving its own is not enough);
+        None when nothing fits."""
+        mbs = {}
+        for n in self.order:
+            per_replica = max(1, math.ceil(len(self.active[n]) / dps[n]))
+            mbs[n] = _pow2_upto(min(self.max_mb, per_replica))[-1]
+        while True:
+            by_name = {n: (dps[n], mbs[n]) for n in self.order}
+            bad = [n for n in self.order if not self._fits(n, dps[n], mbs[n], by_name)]
+            if not bad:
+                return mbs
+            n = bad[0]
+            if mbs[n] > 1:
+                mbs[n] //= 2
+                continue
+            consumers = [e.edge.dst for e in self.graph.needs_grad_from(n) if mbs[e.edge.dst] > 1]
+            if not consumers:
+                return None
+            c = max(consumers, key=lambda c: mbs[c])
+            mbs[c] //= 2
+
+    # -- analytic score -----------------------------------------------------------------------
+
+    def _task(self, name: str, mb: int, s: SampleMeta) -> float:
+        c = self.cost_at(name, mb)
+        f = c.per_sample_s + c.per_token_s * s.num_tokens + c.per_patch_s * s.num_patches + c.per_frame_s * s.num_frames
+        from maestro_flow.planner.simulate import needs_backward
+
+        return f * (1.0 + c.backward_factor) if needs_backward(self.graph, name, s) else f
+
+    def _fwd(self, name: str, mb: int, s: SampleMeta) -> float:
+        c = self.cost_at(name, mb)
+        return c.per_sample_s + c.per_token_s * s.num_tokens + c.per_patch_s * s.num_patches + c.per_frame_s * s.num_frames
+
+    def _term(self, key: tuple) -> float:
+        """Cached sums over the representative batch (they do not depend on dp)."""
+        if key not in self._terms:
+            kind = key[0]
+            if kind == "work":
+                _, n, mb = key
+                v = sum(self._task(n, mb, s) for s in self.active[n])
+            elif kind in ("head", "tail", "chain"):
+                _, p, c, mbp, mbc = key
+                both = [s for s in self.active[p] if self.graph.sections[c].activates(s.modalities)]
+                tr = self.costs.transfer_s
+                if not both:
+                    v = 0.0
+                elif kind == "head":
+                    v = min(self._fwd(p, mbp, s) for s in both) + tr
+                elif kind == "tail":
+                    v = tr + min(self._task(c, mbc, s) for s in both)
+                else:
+                    v = max(self._fwd(p, mbp, s) + tr + self._task(c, mbc, s) for s in both)
+            elif kind == "both_work":
+                _, p, c, mbc = key
+                v = sum(self._task(c, mbc, s) for s in self.active[p] if self.graph.sections[c].activates(s.modalities))
+            else:  # "both_fwd"
+                _, p, c, mbp = key
+                v = sum(self._fwd(p, mbp, s) for s in self.active[p] if self.graph.sections[c].activates(s.modalities))
+            self._terms[key] = v
+        return self._terms[key]
+
+    def score(self, dps: Mapping[str, int], mbs: Mapping[str, int]) -> float:
+        """A lower bound on the step (see simulate.lower_bound) plus the longest one-sample chain."""
+        best = max(self._term(("work", n, mbs[n])) / dps[n] for n in self.order)
+        for e in self.graph.edges:
+            p, c = e.edge.src, e.edge.dst
+            best = max(best,
+                       self._term(("head", p, c, mbs[p], mbs[c])) + self._term(("both_work", p, c, mbs[c])) / dps[c],
+                       self._term(("both_fwd", p, c, mbs[p])) / dps[p] + self._term(("tail", p, c, mbs[p], mbs[c])),
+                       self._term(("chain", p, c, mbs[p], mbs[c])))
+        self.scored += 1
+        return best
+
+    # -- evaluation ---------------------------------------------------------------------------
+
+    def evaluate(self, layout: Layout) -> Candidate:
+        if layout in self.cache:
+            return self.cache[layout]
+        by_name = {n: (d, m) for n, d, m in layout}
+        sections = tuple(dataclasses.replace(s, dp=by_name[s.name][0], micro_batch=by_name[s.name][1])
+                         for s in self.pipeline.sections)
+        graph = SectionGraph(dataclasses.replace(self.pipeline, sections=sections))
+        costs = self.model_at(layout)
+        planner = make_planner("wavefront", graph, costs)
+        spans, bounds, busy = [], [], {n: 0.0 for n in self.order}
+        for step, batch in enumerate(self.batches):
+            sim = simulate(planner.plan(step, batch), graph, costs)
+            spans.append(sim.makespan_s)
+            bounds.append(sim.lower_bound_s)
+            for n in self.order:
+                busy[n] += sum(sim.busy_s[n]) / (sim.makespan_s * by_name[n][0]) if sim.makespan_s > 0 else 0.0
+        k = len(self.batches)
+        cand = Candidate(layout=layout, step_s=sum(spans) / k, lower_bound_s=sum(bounds) / k,
+                         devices=sum(d * self.rdev[n] for n, d, _ in layout),
+                         utilisation={n: busy[n] / k for n in self.order},
+                         memory_mb={n: self.memory_mb(n, d, m, by_name) for n, d, m in layout})
+        self.cache[layout] = cand
+        return cand
+
+    def _layout(self, dps: Mapping[str, int], mbs: Mapping[str, int]) -> Layout:
+        return tuple((n, dps[n], mbs[n]) for n in self.order)
+
+    def _feasible(self, layout: Layout) -> bool:
+        by_name = {n: (d, m) for n, d, m in layout}
+        return all(self._fits(n, d, m, by_name) for n, d, m in layout)
+
+    # -- search -------------------------------------------------------------------------------
+
+    def _dp_values(self, name: str) -> list[int]:
+        cap = (self.devices - sum(self.rdev[n] for n in self.order if n != name)) // self.rdev[name]
+        return list(range(1, cap + 1)) if cap <= 64 else _smooth_upto(cap)
+
+    def dp_vectors(self, keep: int) -> list[tuple[float, int, dict[str, int], dict[str, int]]]:
+        """The `keep` best dp vectors by analytic score, each with its default micro-batches."""
+        values = {n: self._dp_values(n) for n in self.order}
+        neighbours = {n: [e.edge.dst if e.edge.src == n else e.edge.src for e in self.graph.edges
+                          if n in (e.edge.src, e.edge.dst)] for n in self.order}
+        heap: list[tuple[float, int, tuple]] = []  # max-heap via negation: (-score, -devices, key)
+        out: dict[tuple, tuple[float, int, dict[str, int], dict[str, int]]] = {}
+        rest_min = [sum(self.rdev[n] for n in self.order[i:]) for i in range(len(self.order) + 1)]
+
+        def cutoff() -> float:
+            return -heap[0][0] if len(heap) >= keep else math.inf
+
+        def visit(i: int, dps: dict[str, int], used: int, partial: float) -> None:
+            if i == len(self.order):
+                mbs = self.default_mbs(dps)
+                if mbs is None:
+                    return
+                s = self.score(dps, mbs)
+                key = tuple(dps[n] for n in self.order)
+                item = (-s, -used, key)
+                if len(heap) < keep:
+                    heapq.heappush(heap, item)
+                    out[key] = (s, used, dict(dps), mbs)
+                elif item > heap[0]:
+                    dropped = heapq.heapreplace(heap, item)
+                    out.pop(dropped[2], None)
+                    out[key] = (s, used, dict(dps), mbs)
+                return
+            name = self.order[i]
+            for d in values[name]:
+                if used + d * self.rdev[name] + rest_min[i + 1] > self.devices:
+                    break
+                if any(n in dps and d % dps[n] and dps[n] % d for n in neighbours[name]):
+                    continue
+                # Work at the largest micro-batch is the least a section can cost: a bound for
+                # the branch, cut when it cannot reach the current top `keep`.
+                bound = max(partial, self._term(("work", name, self.max_mb)) / d)
+                if bound > cutoff() * (1 + 1e-9):
+                    continue
+                dps[name] = d
+                visit(i + 1, dps, used + d * self.rdev[name], bound)
+                del dps[name]
+
+        visit(0, {}, 0, 0.0)
+        return sorted(out.values(), key=lambda v: (v[0], v[1], tuple(v[2].values())))
+
+    def _descend(self, start: Layout) -> Candidate:
+        """Coordinate descent over the sections' micro-batches (powers of two), dp fixed."""
+        best = self.evaluate(start)
+        improved = True
+        while improved and len(self.cache) < self.max_simulations:
+            improved = False
+            for i, (name, dp, mb) in enumerate(best.layout):
+                per_replica = max(1, math.ceil(len(self.active[name]) / dp))
+                for new in (mb * 2, mb // 2):
+                    if new < 1 or new > min(self.max_mb, 2 * per_replica) or len(self.cache) >= self.max_simulations:
+                        continue
+                    layout = best.layout[:i] + ((name, dp, new),) + best.layout[i + 1:]
+                    if not self._feasible(layout):
+                        continue
+                    cand = self.evaluate(layout)
+                    if _rank(cand) < _rank(best):
+                        best, improved = cand, True
+                        break
+        return best
+
+    def uniform(self) -> Candidate | None:
+        per = sum(self.rdev.values())
+        options = []
+        for d in range(1, self.devices // per + 1):
+            for m in _pow2_upto(self.max_mb):
+                dps, mbs = {n: d for n in self.order}, {n: m for n in self.order}
+                if self._feasible(self._layout(dps, mbs)):
+                    options.append((self.score(dps, mbs), d * per, m, self._layout(dps, mbs)))
+        if not options:
+            return None
+        options.sort()
+        return min((self.evaluate(o[3]) for o in options[:3]), key=_rank)
+
+    def run(self, top: int = 5) -> TuneResult:
+        vectors = self.dp_vectors(self.dp_candidates)
+        if not vectors:
+            raise PipelineError(f"tune: no configuration fits {self.devices} devices"
+                                + (f" and {self.limit:.0f} MB per replica" if self.limit else ""))
+        firsts = sorted((self.evaluate(self._layout(dps, mbs)) for _, _, dps, mbs in vectors), key=_rank)
+        for start in firsts[:2]:
+            self._descend(start.layout)
+        uniform = self.uniform()
+        ranked = sorted(self.cache.values(), key=_rank)
+        return TuneResult(best=tuple(ranked[:top]), uniform=uniform, devices=self.devices,
+                          evaluated=len(self.cache), scored=self.scored)
+
+
+def _rank(c: Candidate) -> tuple:
+    return (round(c.step_s, 12), c.devices, c.layout)
+
+
+def tune(pipeline: Pipeline, costs: CostModel | None, samples: Sequence[SampleMeta] | Sequence[Sequence[SampleMeta]],
+         *, devices: int, top: int = 5, **options) -> TuneResult:
+    """Rank configurations of `pipeline` on `devices` devices (see the module docstring).
+
+    `samples` is one global batch of metadata or several (the step time is their mean);
+    options: memory_limit_mb, memory (section -> MemoryModel), overhead_s (section -> seconds
+    per micro-batch), replica_devices, max_micro_batch, dp_candidates, max_simulations.
+    """
+    if costs is None:
+        costs = CostModel(costs={s.name: s.cost for s in pipeline.sections})
+    batches = [samples] if samples and isinstance(samples[0], SampleMeta) else list(samples)
+    return Tuner(pipeline, costs, batches, devices=devices, **options).run(top)

@@ -1,0 +1,320 @@
+"""`maestro profile`: measure each section's time per micro-batch and its peak memory, fit costs.
+
+Runs in the CLI process, every section in this one process (like colocated mode): each
+section's stage is built with dp=1 on its own device, fed real dataset rows (entry sections) or
+the real outputs of its producers (run first on the same samples; detached, and marked
+requires_grad where the edge carries gradients, as the executor does).
+
+What is measured, per section and per micro-batch size (default 1, 2, 4, ... up to twice the
+section's micro_batch): three micro-batches — the smallest, middle and largest samples by
+tokens+patches+frames among a pool spread over the dataset's size range — each timed
+`repeats` times after one warm-up call, keeping the median:
+  - forward: building the micro-batch (reading and converting its rows, as the executor's
+    timing does) + `stage.forward` (under no_grad for frozen sections);
+  - backward (trainable sections): the loss's backward for a loss section, else the backward of
+    the sum of the section's outgoing tensors.
+Fit (planner.costfit.fit_nonnegative, non-negative least squares lightly pulled towards the
+pipeline's Cost shape): forward seconds = overhead + a*samples + b*tokens + c*patches +
+d*frames, with the token/patch/frame terms the section's Cost uses (the CostFitter rule);
+backward_factor = total backward / total forward time.
+
+Peak memory per micro-batch: on CUDA, torch.cuda.max_memory_allocated above the allocation
+before the call; on CPU, the process RSS sampled every millisecond by a thread during the call,
+above the RSS before it (after glibc's malloc_trim, so freed memory of earlier calls does not
+hide growth). CPU figures are approximate (allocator caching, page granularity). The memory
+model: memory_base_mb = parameter bytes x (1 frozen; 4 trainable: weights, gradients, two AdamW
+states; 2 for SGD) + the fitted constant; peak_memory_mb_per_sample = the fitted slope of peak
+activation memory against micro-batch size.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import os
+import platform
+import statistics
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from maestro_flow.config import Cost, Pipeline
+from maestro_flow.graph import SectionGraph
+from maestro_flow.planner.costfit import FEATURES, fit_nonnegative
+from maestro_flow.runtime.build import build_stage, default_dtype, load_pipeline, resolve_device
+from maestro_flow.runtime.checks import check_pipeline
+from maestro_flow.runtime.costfile import apply_cost_file, load_cost_file, write_cost_file
+from maestro_flow.samples import SampleMeta
+from maestro_flow.stage import MicroBatch
+
+__all__ = ["ProfileOptions", "profile_pipeline", "load_cost_file", "apply_cost_file", "default_sizes"]
+
+MB = 1 << 20
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class ProfileOptions:
+    overrides: dict[str, Any]
+    out: str | None = None  # default runs/costs-NAME.json
+    sizes: tuple[int, ...] | None = None  # micro-batch sizes; default per section (default_sizes)
+    repeats: int = 3
+    log: Any = None  # callable(str) for progress lines, or None
+
+
+def default_sizes(micro_batch: int) -> tuple[int, ...]:
+    """1, 2, 4, 8, ... up to twice the section's micro-batch (at least 8)."""
+    top, out, m = max(8, 2 * micro_batch), [], 1
+    while m <= top:
+        out.append(m)
+        m *= 2
+    return tuple(out)
+
+
+def _size(s: SampleMeta) -> int:
+    return s.num_tokens + s.num_patches + s.num_frames
+
+
+def _spread(samples: list[SampleMeta], n: int) -> list[SampleMeta]:
+    """`n` samples evenly spaced over the size order (all of them when there are fewer)."""
+    ordered = sorted(samples, key=lambda s: (_size(s), s.id))
+    if len(ordered) <= n:
+        return ordered
+    return [ordered[round(i * (len(ordered) - 1) / (n - 1))] for i in range(n)] if n > 1 else ordered[:1]
+
+
+class _RssPeak:
+    """Peak resident memory above the starting point while the block runs (CPU method)."""
+
+    def __init__(self) -> None:
+        self.peak = 0
+        self._stop = threading.Event()
+        self._page = os.sysconf("SC_PAGE_SIZE")
+
+    def _rss(self) -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * self._page
+
+    def __enter__(self) -> _RssPeak:
+        _malloc_trim()
+        self.start = self.peak = self._rss()
+        self._thread = threading.Thread(target=self._watch, daemon=True, name="maestro-rss")
+        self._thread.start()
+        return self
+
+    def _watch(self) -> None:
+        while not self._stop.wait(0.001):
+            self.peak = max(self.peak, self._rss())
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join(1.0)
+        self.peak = max(self.peak, self._rss())
+
+    @property
+    def grown_mb(self) -> float:
+        return max(0, self.peak - self.start) / MB
+
+
+def _malloc_trim() -> None:
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+class _CudaPeak:
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def __enter__(self) -> _CudaPeak:
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.start = torch.cuda.memory_allocated(self.device)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        torch.cuda.synchronize(self.device)
+        self.peak = torch.cuda.max_memory_allocated(self.device)
+
+    @property
+    def grown_mb(self) -> float:
+        return max(0, self.peak - self.start) / MB
+
+
+class _Section:
+    """One section's stage plus how to feed it (columns from the dataset, inputs from producers)."""
+
+    def __init__(self, pipeline: Pipeline, graph: SectionGraph, name: str, source: Any) -> None:
+        self.name, self.graph, self.source = name, graph, source
+        self.section = graph.sections[name]
+        self.device = torch.device(resolve_device(self.section, 0))
+        self.stage = build_stage(pipeline, self.section, 0, str(self.device))
+        self.is_loss = name in graph.loss_sections()
+        self.grad_names = {t for e in graph.inputs(name) if e.carries_grad for t in e.edge.tensors}
+        self.out_names = [t for e in graph.outputs(name) for t in e.edge.tensors]
+
+    def batch(self, mb: Sequence[SampleMeta], outputs: dict[tuple[int, str], torch.Tensor | None]) -> MicroBatch:
+        from maestro_flow.runtime.executor import _to_torch
+
+        raw = self.source.read([s.row for s in mb], self.section.columns)
+        columns = {k: [_to_torch(k, v) for v in vals] for k, vals in raw.items()}
+        inputs: dict[str, list[torch.Tensor | None]] = {}
+        for e in self.graph.inputs(self.name):
+            producer = self.graph.sections[e.edge.src]
+            for t in e.edge.tensors:
+                column = []
+                for s in mb:
+                    x = outputs.get((s.id, t)) if producer.activates(s.modalities) else None
+                    if x is not None:
+                        x = x.detach().clone()
+                        if self.section.trainable and t in self.grad_names and x.is_floating_point():
+                            x.requires_grad_(True)
+                    column.append(x)
+                inputs[t] = column
+        return MicroBatch(step=0, index=0, sample_ids=[s.id for s in mb], modalities=[s.modalities for s in mb],
+                          columns=columns, inputs=inputs)
+
+    def forward(self, batch: MicroBatch) -> dict[str, Any]:
+        with torch.set_grad_enabled(self.section.trainable):
+            return self.stage.forward(batch)
+
+    def backward(self, out: dict[str, Any]) -> None:
+        if self.is_loss:
+            out["loss"].backward()
+            return
+        total = None
+        for t in self.out_names:
+            for x in out.get(t, ()):
+                if x is not None and x.requires_grad:
+                    total = x.sum() if total is None else total + x.sum()
+        if total is not None:
+            total.backward()
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def param_mb(self) -> float:
+        return sum(p.numel() * p.element_size() for p in self.stage.parameters()) / MB
+
+    def zero_grad(self) -> None:
+        for p in self.stage.parameters():
+            p.grad = None
+
+
+def _produce(sec: _Section, samples: list[SampleMeta], outputs: dict) -> None:
+    """Run a producer on `samples` (its micro-batch at a time) and keep its outgoing tensors."""
+    mine = [s for s in samples if sec.section.activates(s.modalities)]
+    step = sec.section.micro_batch
+    with torch.no_grad():
+        for i in range(0, len(mine), step):
+            mb = mine[i:i + step]
+            out = sec.stage.forward(sec.batch(mb, outputs))
+            for t in sec.out_names:
+                for s, x in zip(mb, out[t], strict=True):
+                    outputs[(s.id, t)] = None if x is None else x.detach()
+
+
+def _measure(sec: _Section, mb: list[SampleMeta], outputs: dict, repeats: int) -> dict[str, Any]:
+    fwd, bwd, peak = [], [], 0.0
+    for r in range(repeats + 1):  # the first call warms up (allocator, lazy init) and is not kept
+        sec.zero_grad()
+        meter = _CudaPeak(sec.device) if sec.device.type == "cuda" else _RssPeak()
+        with meter:
+            t0 = time.perf_counter()
+            out = sec.forward(sec.batch(mb, outputs))
+            sec.sync()
+            t1 = time.perf_counter()
+            if sec.section.trainable:
+                sec.backward(out)
+                sec.sync()
+            t2 = time.perf_counter()
+            del out
+        if r:
+            fwd.append(t1 - t0)
+            bwd.append(t2 - t1)
+            peak = max(peak, meter.grown_mb)
+    sec.zero_grad()
+    return {"micro_batch": len(mb), "samples": len(mb), "tokens": sum(s.num_tokens for s in mb),
+            "patches": sum(s.num_patches for s in mb), "frames": sum(s.num_frames for s in mb),
+            "forward_s": statistics.median(fwd), "backward_s": statistics.median(bwd) if sec.section.trainable else 0.0,
+            "peak_mb": peak}
+
+
+def fit_section(prior: Cost, rows: list[dict[str, Any]], trainable: bool, param_mb: float,
+                optimizer: str) -> dict[str, Any]:
+    """Cost coefficients, per-micro-batch overhead and memory model from the measurements."""
+    used = [f == "per_sample_s" or getattr(prior, f) > 0 for f in FEATURES]
+    data = []
+    for r in rows:
+        x = [float(r["samples"]), float(r["tokens"]), float(r["patches"]), float(r["frames"])]
+        data.append(([1.0] + [v if u else 0.0 for v, u in zip(x, used, strict=True)], r["forward_s"]))
+    coef = fit_nonnegative(data, (0.0, *(getattr(prior, f) for f in FEATURES)), 0.05)
+    fwd = sum(r["forward_s"] for r in rows)
+    factor = sum(r["backward_s"] for r in rows) / fwd if trainable and fwd > 0 else prior.backward_factor
+    cost = Cost(**dict(zip(FEATURES, coef[1:], strict=True)), backward_factor=factor)
+    mem = fit_nonnegative([((1.0, float(r["samples"])), r["peak_mb"]) for r in rows], (1.0, 1.0), 0.05)
+    state = 1 if not trainable else (4 if optimizer == "adamw" else 2)
+    return {"cost": dataclasses.asdict(cost), "micro_batch_overhead_s": coef[0],
+            "memory_base_mb": param_mb * state + mem[0], "peak_memory_mb_per_sample": mem[1]}
+
+
+def profile_pipeline(path: str, options: ProfileOptions) -> dict[str, Any]:
+    """Profile every section of the pipeline file `path`; write and return the cost file."""
+    log = options.log or (lambda _msg: None)
+    pipeline, _ = load_pipeline(path, options.overrides)
+    single = pipeline.override(**{f"sections.{s.name}.dp": 1 for s in pipeline.sections})
+    checked = check_pipeline(single)
+    graph = checked.graph
+    sizes = {n: tuple(options.sizes) if options.sizes else default_sizes(graph.sections[n].micro_batch)
+             for n in graph.order}
+    # A pool per section spread over the size range: three micro-batches of the largest size.
+    pools = {}
+    for n in graph.order:
+        mine = [s for s in checked.metadata if graph.sections[n].activates(s.modalities)]
+        pools[n] = _spread(mine, 3 * max(sizes[n]))
+    needed = {s.id: s for pool in pools.values() for s in pool}
+    samples = sorted(needed.values(), key=lambda s: s.id)
+    report: dict[str, Any] = {}
+    outputs: dict[tuple[int, str], torch.Tensor | None] = {}
+    with default_dtype(getattr(torch, single.dtype)):
+        built = {}
+        for n in graph.order:
+            built[n] = sec = _Section(single, graph, n, checked.source)
+            if graph.outputs(n):
+                _produce(sec, samples, outputs)
+        for n in graph.order:
+            sec, pool = built[n], pools[n]
+            if not pool:
+                log(f"{n}: no sample in the dataset activates this section; keeping its cost")
+                continue
+            rows = []
+            for m in sizes[n]:
+                m = min(m, len(pool))
+                starts = sorted({0, (len(pool) - m) // 2, len(pool) - m})
+                for start in starts:
+                    rows.append(_measure(sec, pool[start:start + m], outputs, options.repeats))
+                log(f"{n}: micro-batch {m}: forward {statistics.median(r['forward_s'] for r in rows[-len(starts):]) * 1e3:.1f} ms")
+            fitted = fit_section(sec.section.cost, rows, sec.section.trainable, sec.param_mb(),
+                                 str(sec.section.optimizer.get("name")))
+            report[n] = {**fitted, "device": str(sec.device),
+                         "memory_method": "cuda max_memory_allocated" if sec.device.type == "cuda"
+                         else "process RSS peak (1 ms sampling, after malloc_trim)",
+                         "measurements": rows}
+    data = {"pipeline": pipeline.name, "machine": machine_info(),
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "repeats": options.repeats, "sections": report}
+    out = options.out or os.path.join("runs", f"costs-{pipeline.name}.json")
+    write_cost_file(out, data)
+    data["path"] = out
+    return data
+
+
+def machine_info() -> dict[str, Any]:
+    info = {"host": platform.node(), "platform": platform.platform(), "python": platform.python_version(),
+            "torch": torch.__version__, "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads()}
+    if torch.cuda.is_available():
+        info["cuda"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    return info

@@ -1,0 +1,89 @@
+"""What a run leaves behind: the run directory (plans, metrics, worker logs) and the trace.
+
+The trace must load as Chrome/Perfetto JSON, its spans must be consistent (no negative
+durations, compute spans of one track nest, async transfer events pair up), and every
+micro-batch of every plan must appear as a forward span on its replica's track.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from maestro_flow.runtime.run import RunOptions, run_pipeline
+from tests.integration.conftest import ASSETS, ROOT
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
+
+
+def check_trace(trace: dict, plans: list[dict], sections: dict[str, int]) -> None:
+    events = trace["traceEvents"]
+    names = {e["pid"]: e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
+    assert names[0].startswith("coordinator")
+    assert len(names) == 1 + sum(sections.values())
+    spans = [e for e in events if e["ph"] == "X"]
+    assert spans and all(e["dur"] >= 0 and e["ts"] > -1e6 for e in spans)  # us since the run's start
+    # Complete events of one track nest: sorted by start, each ends before the next starts or
+    # contains it entirely.
+    by_track: dict[tuple, list] = {}
+    for e in spans:
+        by_track.setdefault((e["pid"], e["tid"]), []).append(e)
+    for track in by_track.values():
+        track.sort(key=lambda e: (e["ts"], -e["dur"]))
+        stack: list[float] = []
+        for e in track:
+            while stack and stack[-1] <= e["ts"] + 0.01:
+                stack.pop()
+            if stack:
+                assert e["ts"] + e["dur"] <= stack[-1] + 0.01, ("spans overlap without nesting", e)
+            stack.append(e["ts"] + e["dur"])
+    # Async transfer events: each begin has its end, not before it.
+    begins = {(e["pid"], e["id"]): e["ts"] for e in events if e["ph"] == "b"}
+    ends = {(e["pid"], e["id"]): e["ts"] for e in events if e["ph"] == "e"}
+    assert begins.keys() == ends.keys()
+    assert all(ends[k] >= begins[k] for k in begins)
+    # Every planned micro-batch ran: one forward span per (section replica, step, micro-batch).
+    pid_of = {name: pid for pid, name in names.items()}
+    forwards = {(e["pid"], e["args"]["step"], e["args"]["mb"]): e["args"]["samples"]
+                for e in spans if e["name"] == "forward"}
+    for plan in plans:
+        for section, body in plan["sections"].items():
+            for r, mbs in enumerate(body["replicas"]):
+                pid = next(p for n, p in pid_of.items() if n.startswith(f"{section}[{r}]"))
+                for m, mb in enumerate(mbs):
+                    assert forwards[(pid, plan["step"], m)] == mb, (section, r, plan["step"], m)
+    planning = [e for e in spans if e["pid"] == 0 and e["name"].startswith("plan step")]
+    assert len(planning) == len(plans)
+
+
+@pytest.mark.parametrize("pipeline,colocated", [("pipelines/vlm.py", False), ("pipelines/chain.py", False),
+                                                ("pipelines/distill.py", True)])
+def test_trace_and_run_directory(demo_data, tmp_path, pipeline, colocated):
+    from loaders.demo import build_image_demo
+
+    data = build_image_demo(tmp_path / "vlm", num_samples=64) if "vlm" in pipeline else demo_data
+    run_dir = tmp_path / "run"
+    rows = run_pipeline(str(ROOT / pipeline), RunOptions(
+        overrides={"steps": 3, "data.path": str(data), "global_batch": 12}, show_progress=False,
+        run_dir=str(run_dir), trace="", colocated=colocated))
+    assert len(rows) == 3
+    plans = [json.loads(line) for line in (run_dir / "plans.jsonl").read_text().splitlines()]
+    assert [p["step"] for p in plans] == [0, 1, 2]
+    assert [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2]
+    assert json.loads((run_dir / "pipeline.json").read_text())["pipeline"]["global_batch"] == 12
+    dp = {} if colocated else None
+    config = json.loads((run_dir / "pipeline.json").read_text())["pipeline"]
+    sections = {s["name"]: (1 if colocated else s["dp"]) for s in config["sections"]}
+    assert dp is None or dp == {}
+    check_trace(json.loads((run_dir / "trace.json").read_text()), plans, sections)
+
+
+def test_worker_logs_prefix_every_line(demo_data, tmp_path):
+    run_dir = tmp_path / "run"
+    run_pipeline(str(ASSETS / "faulty.py"), RunOptions(
+        overrides={"steps": 1, "data.path": str(demo_data)}, show_progress=False, run_dir=str(run_dir)))
+    for replica in (0, 1):
+        log = (run_dir / "workers" / f"student-{replica}.log").read_text().splitlines()
+        assert f"[student/{replica}] faulty stage built on replica {replica}" in log
+        assert all(line.startswith(f"[student/{replica}] ") for line in log)
