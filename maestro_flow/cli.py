@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from typing import Any
 
 import click
@@ -171,6 +172,34 @@ def graph(ctx: click.Context, pipeline: str, sets: tuple[str, ...], output: str 
             click.echo(f"wrote {done.path}")
     except MaestroError as exc:
         _fail(exc, ctx.obj["debug"])
+
+
+@main.command()
+@click.argument("run_dir", required=False, type=click.Path(file_okay=False))
+@click.option("--interval", default=1.0, show_default=True, help="Seconds between refreshes.")
+@click.option("--once", is_flag=True, help="Print one snapshot and exit.")
+def top(run_dir: str | None, interval: float, once: bool) -> None:
+    """Watch a running pipeline: step, loss, step time, and what each worker is doing now.
+
+    RUN_DIR is the run's directory (printed by maestro run); by default the most recent running
+    one under runs/. Read-only: attaching and detaching (Ctrl-C) never disturbs the run.
+    """
+    from maestro_flow.runtime.status import find_run, query, render
+
+    try:
+        path = find_run(run_dir)
+        while True:
+            text = render(query(path))
+            if once:
+                click.echo(text)
+                return
+            click.echo("\x1b[2J\x1b[H" + f"{path}\n" + text)
+            time.sleep(interval)
+    except (FileNotFoundError, TimeoutError) as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        return
 
 
 @main.group()

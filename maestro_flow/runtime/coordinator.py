@@ -29,6 +29,7 @@ from maestro_flow.runtime.ledger import StepLedger, plan_message
 from maestro_flow.runtime.observe import RunObserver, timed_plan
 from maestro_flow.runtime.report import RunReport
 from maestro_flow.runtime.sampler import EpochSampler
+from maestro_flow.runtime.status import StatusServer
 from maestro_flow.runtime.worker import worker_main
 from maestro_flow.timeouts import Timeouts
 from maestro_flow.transport import zmq_link
@@ -50,7 +51,8 @@ def placement_for(graph: SectionGraph) -> Placement:
 class Coordinator:
     def __init__(self, pipeline: Pipeline, graph: SectionGraph, sampler: EpochSampler, report: RunReport, *,
                  paths: list[str], timeouts: Timeouts | None = None, save_dir: str | None = None,
-                 worker_entry: Callable[[dict], None] = worker_main, observer: RunObserver | None = None) -> None:
+                 worker_entry: Callable[[dict], None] = worker_main, observer: RunObserver | None = None,
+                 run_dir: str | None = None) -> None:
         self.pipeline, self.graph, self.sampler, self.report = pipeline, graph, sampler, report
         self.paths, self.save_dir = paths, save_dir
         self.timeouts = timeouts or Timeouts.from_env()
@@ -64,6 +66,11 @@ class Coordinator:
         self.last_done: dict[int, int] = {}  # rank -> last step it finished
         self.training = False
         self.awaited_step = 0
+        self.poller = zmq.Poller()
+        self.status: StatusServer | None = None
+        self.run_dir = run_dir
+        self.worker_status: dict[int, dict] = {}
+        self.last_row: dict | None = None
 
     # -- public ----------------------------------------------------------------------------
 
@@ -80,6 +87,9 @@ class Coordinator:
         # After a normal stop the workers have exited already; after a failure the others may
         # sit in a transfer with the dead one, so they get a short grace, then SIGTERM, then SIGKILL.
         self.launcher.shutdown(0.5, self.timeouts.kill_grace_s)
+        if self.status is not None:
+            self.status.close()
+            self.status = None
         if self.router is not None:
             self.router.close(linger=0)
             self.router = None
@@ -92,6 +102,9 @@ class Coordinator:
         import torch.distributed as dist
 
         self.router, addr = zmq_link.bind(self.zctx, zmq.ROUTER)
+        self.poller.register(self.router, zmq.POLLIN)
+        self.status = StatusServer(self.zctx, self.run_dir)
+        self.poller.register(self.status.socket, zmq.POLLIN)
         self.store = dist.TCPStore(zmq_link.LOOPBACK, 0, is_master=True, wait_for_workers=False)
         for rank in range(self.placement.world_size):
             section, replica = self.placement.who(rank)
@@ -157,6 +170,7 @@ class Coordinator:
                     self.observer.done(rank, msg["stats"])
                     row = ledger.on_done(rank, msg["step"], msg["stats"], time.perf_counter())
             self.report.step(row)
+            self.last_row = row
             send_plans(step + 1 + p.lookahead_steps)
 
     def _stop(self) -> None:
@@ -186,6 +200,20 @@ class Coordinator:
                     raise self._death(w) from None
             raise SystemFailure(f"cannot reach {self._label(rank)}: {exc}") from None
 
+    def _snapshot(self) -> dict:
+        """What `maestro top` shows (read-only: built from what the coordinator already knows)."""
+        row = self.last_row or {}
+        now = time.monotonic()
+        workers = []
+        for rank in range(self.placement.world_size):
+            section, replica = self.placement.who(rank)
+            sec = row.get("sections", {}).get(section)
+            busy = sec["busy_s"] / max(sec["busy_s"] + sec["idle_s"], 1e-12) if sec else None
+            workers.append({"name": f"{section}[{replica}]", "rank": rank, "busy_fraction": busy,
+                            "seen_s": now - self.last_seen.get(rank, now), **self.worker_status.get(rank, {})})
+        return {"pipeline": self.pipeline.name, "step": self.awaited_step, "steps": self.pipeline.steps,
+                "loss": row.get("loss"), "step_time_s": row.get("step_time_s"), "workers": workers}
+
     def _death(self, w) -> SystemFailure:
         if not self.training:
             return SystemFailure(f"worker {w.label} {w.exit_description()} during startup")
@@ -214,7 +242,10 @@ class Coordinator:
             if now > deadline:
                 raise TimeoutFailure(what, now - started, setting)
             self._check_workers(now, allow_exit or set())
-            if not self.router.poll(100):
+            ready = dict(self.poller.poll(100))
+            if self.status is not None and self.status.socket in ready:
+                self.status.answer(self._snapshot())
+            if self.router not in ready:
                 continue
             identity, frame = self.router.recv_multipart()
             rank = int(identity)
@@ -226,6 +257,8 @@ class Coordinator:
             except ProtocolError as exc:
                 raise SystemFailure(f"bad message from {self._label(rank)}: {exc}") from None
             if msg["t"] == "heartbeat":
+                if "status" in msg:
+                    self.worker_status[rank] = msg["status"]
                 continue
             if msg["t"] == "done":
                 self.last_done[rank] = msg["step"]

@@ -102,6 +102,8 @@ class SectionExecutor:
         self.early_grads: list[tuple[int, int, list]] = []
         self.steps_done = 0
         self.tracer = tracer or Tracer(enabled=False)
+        # What this replica is doing now, for `maestro top` (read by the heartbeat thread).
+        self.status: dict[str, Any] = {"state": "idle", "step": None, "mb": None, "buffered": 0, "in_flight": 0}
         stage.train(self.trainable)
 
     # -- inputs from outside ---------------------------------------------------------------
@@ -177,6 +179,7 @@ class SectionExecutor:
         st.next_mb += 1
         t0 = self.clock()
         self._waited(st, t0, mb=index)
+        self._doing("forward", st.step, index)
         arrived = {sid: got.pop(sid, {}) for sid in mb}
         batch, leaves = self._make_batch(st, index, mb, arrived)
         try:
@@ -201,7 +204,13 @@ class SectionExecutor:
         """Note when the executor started waiting (for the trace); always False (nothing ran)."""
         if st.waiting is None:
             st.waiting = (reason, self.clock())
+            self._doing(reason.replace("wait", "waiting for"), st.step, st.next_mb)
         return False
+
+    def _doing(self, state: str, step: int | None, mb: int | None) -> None:
+        self.status = {"state": state, "step": step, "mb": mb,
+                       "buffered": sum(len(v) for v in self.inbox.values()),
+                       "in_flight": getattr(self.comm, "in_flight", 0)}
 
     def _waited(self, st: _Step, now: float, **args: Any) -> None:
         if st.waiting is not None:
@@ -332,6 +341,7 @@ class SectionExecutor:
                 self.pending_by_sample.pop((st.step, sid), None)
             t0 = self.clock()
             self._waited(st, t0)
+            self._doing("backward", st.step, None)
             keys = [k for k in pending.outputs if k in pending.grads]
             if keys:
                 try:
@@ -375,6 +385,7 @@ class SectionExecutor:
                 return self._wait(st, "wait loss denominator")
             t0 = self.clock()
             self._waited(st, t0)
+            self._doing("reducing + optimizer", st.step, None)
             self._optimizer_step(st, denominator)
             st.busy_s += self.clock() - t0
             del self.finalized[st.step]
@@ -382,6 +393,7 @@ class SectionExecutor:
         for key in [k for k in self.progress if k[0] <= st.step]:
             del self.progress[key]
         self.report("done", {"step": st.step, "stats": self._stats(st)})
+        self._doing("idle (step done)", st.step, None)
         self.current = None
         self.steps_done += 1
         return True

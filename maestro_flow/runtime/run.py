@@ -64,7 +64,7 @@ def run_pipeline(path: str, options: RunOptions) -> list[dict[str, Any]]:
             from maestro_flow.runtime.coordinator import Coordinator
 
             Coordinator(pipeline, checked.graph, sampler, report, paths=paths, save_dir=options.save_dir,
-                        observer=observer).run()
+                        observer=observer, run_dir=options.run_dir).run()
     finally:
         signal.signal(signal.SIGTERM, previous)
         report.close()

@@ -59,6 +59,7 @@ class _Control:
         self.events = zctx.socket(zmq.PULL)
         self.events.bind(self.addr)
         self.stopped = threading.Event()
+        self.status: Any = lambda: None  # set to the executor's status once it exists
         self.thread = threading.Thread(target=self._loop, name="control", daemon=True)
 
     def outbound(self) -> zmq.Socket:
@@ -81,7 +82,9 @@ class _Control:
                     frame = self.events.recv()
                     self.dealer.send(frame)
             if time.monotonic() >= next_beat:
-                zmq_link.send_msg(self.dealer, make("heartbeat", rank=self.rank))
+                status = self.status()
+                beat = make("heartbeat", rank=self.rank, **({"status": status} if status else {}))
+                zmq_link.send_msg(self.dealer, beat)
                 next_beat = time.monotonic() + self.timeouts.heartbeat_interval_s
         # Flush what the compute thread queued last (its bye / error) before closing; the
         # linger lets the context's termination wait until those frames are on the wire.
@@ -158,6 +161,7 @@ def worker_main(boot: dict[str, Any]) -> None:
     out = control.outbound()
     worker = _Worker(init, inbox, out, pull, zctx, timeouts)
     worker.clock_offset_s = init["now"] - received  # this host's wall clock -> the coordinator's
+    worker.control = control
     code = worker.run()
     if worker.comm is not None:
         worker.comm.close()
@@ -179,6 +183,7 @@ class _Worker:
         self.init, self.inbox, self.out, self.pull, self.zctx, self.timeouts = init, inbox, out, pull, zctx, timeouts
         self.rank = init["rank"]
         self.comm = None
+        self.control: _Control | None = None
         self.clock_offset_s = 0.0
         self.section, self.replica, self.step = "?", -1, None
         self.phase = "setup"
@@ -197,6 +202,8 @@ class _Worker:
             executor = self._setup()
             if executor is None:
                 return 1
+            if self.control is not None:
+                self.control.status = lambda: dict(executor.status)
             self.send("ready")
             return self._loop(executor)
         except StageFault as fault:

@@ -87,3 +87,39 @@ def test_worker_logs_prefix_every_line(demo_data, tmp_path):
         log = (run_dir / "workers" / f"student-{replica}.log").read_text().splitlines()
         assert f"[student/{replica}] faulty stage built on replica {replica}" in log
         assert all(line.startswith(f"[student/{replica}] ") for line in log)
+
+
+def test_top_attaches_to_a_run_started_elsewhere_and_detaches(demo_data, tmp_path):
+    import subprocess
+    import sys
+    import time
+
+    from tests.integration.conftest import maestro
+
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "maestro_flow.cli", "run", str(ASSETS / "faulty.py"), "--quiet", "--steps", "30",
+         "--run-dir", str(run_dir), "--set", f"data.path={demo_data}", "--set", "sections.student.config.sleep_s=0.1"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        snapshot = None
+        while time.monotonic() < deadline:
+            if (run_dir / "status.json").exists():
+                result = maestro("top", str(run_dir), "--once", timeout=30)
+                if result.returncode == 0 and "student[1]" in result.stdout and "step" in result.stdout:
+                    snapshot = result.stdout
+                    if "forward" in snapshot or "waiting" in snapshot:
+                        break
+            time.sleep(0.3)
+        assert snapshot, "maestro top never showed the running workers"
+        assert "teacher[0]" in snapshot and "student[0]" in snapshot
+        _, err = proc.communicate(timeout=90)
+        assert proc.returncode == 0, err  # attaching did not disturb the run
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    assert not (run_dir / "status.json").exists()  # nothing to attach to once the run is over
+    result = maestro("top", str(run_dir), "--once", timeout=30)
+    assert result.returncode == 2 and "not running" in result.stderr
