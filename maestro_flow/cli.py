@@ -31,10 +31,19 @@ def _fail(exc: BaseException, debug: bool) -> None:
     sys.exit(code)
 
 
-def _overrides(sets: tuple[str, ...], **fields: Any) -> dict[str, Any]:
+def _overrides(sets: tuple[str, ...], costs: str | None = None, pipeline: str | None = None,
+               **fields: Any) -> dict[str, Any]:
     out = parse_set(sets)
     out.update({k: v for k, v in fields.items() if v is not None})
+    if costs:  # a cost file from `maestro profile`: each section's cost as overrides
+        from maestro_flow.runtime.build import load_pipeline
+        from maestro_flow.runtime.costfile import cost_overrides, load_cost_file
+
+        out.update(cost_overrides(load_pipeline(pipeline, out)[0], load_cost_file(costs)))
     return out
+
+
+COSTS_HELP = "Section costs measured by `maestro profile` (a cost file) instead of the pipeline's."
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -67,11 +76,16 @@ def main(ctx: click.Context, debug: bool) -> None:
 @click.option("--run-dir", type=click.Path(file_okay=False),
               help="Where plans, metrics and worker logs go (default runs/NAME-TIMESTAMP).")
 @click.option("--no-run-dir", is_flag=True, help="Write no run directory.")
+@click.option("--record", metavar="SECTION", help="Save what SECTION receives and produces (RUN_DIR/record/) "
+              "for `maestro stage SECTION --replay RUN_DIR`.")
+@click.option("--record-steps", metavar="STEPS", help="Steps to record, e.g. 0,5,9 (default: all).")
+@click.option("--costs", type=click.Path(dir_okay=False, exists=True), help=COSTS_HELP)
 @click.option("--quiet", is_flag=True, help="No progress output.")
 @click.pass_context
 def run(ctx: click.Context, pipeline: str, steps: int | None, sets: tuple[str, ...], colocated: bool,
         schedule: str | None, metrics_out: str | None, save_dir: str | None, trace: str | None,
-        run_dir: str | None, no_run_dir: bool, quiet: bool) -> None:
+        run_dir: str | None, no_run_dir: bool, record: str | None, record_steps: str | None, costs: str | None,
+        quiet: bool) -> None:
     """Train PIPELINE (a Python file defining pipeline(**overrides)).
 
     Every run writes a run directory (runs/NAME-TIMESTAMP unless --run-dir or --no-run-dir): the
@@ -83,11 +97,18 @@ def run(ctx: click.Context, pipeline: str, steps: int | None, sets: tuple[str, .
     from maestro_flow.runtime.rundir import default_run_dir
 
     try:
-        overrides = _overrides(sets, steps=steps, schedule=schedule)
+        overrides = _overrides(sets, costs, pipeline, steps=steps, schedule=schedule)
         if not no_run_dir and run_dir is None:
             run_dir = default_run_dir(load_pipeline(pipeline, overrides)[0])
+        steps_to_record = None
+        if record_steps:
+            try:
+                steps_to_record = tuple(int(x) for x in record_steps.split(","))
+            except ValueError:
+                raise PipelineError(f"--record-steps expects step numbers like 0,5,9, got {record_steps!r}") from None
         options = RunOptions(overrides=overrides, colocated=colocated, metrics_out=metrics_out, save_dir=save_dir,
-                             show_progress=not quiet, run_dir=None if no_run_dir else run_dir, trace=trace)
+                             show_progress=not quiet, run_dir=None if no_run_dir else run_dir, trace=trace,
+                             record=record, record_steps=steps_to_record)
         run_pipeline(pipeline, options)
     except KeyboardInterrupt:
         click.echo("interrupted: workers stopped", err=True)
@@ -124,15 +145,17 @@ def validate(ctx: click.Context, pipeline: str, sets: tuple[str, ...]) -> None:
 @click.option("--trace-in", type=click.Path(dir_okay=False, exists=True),
               help="Plan these samples (JSON Lines of {id, modalities, num_tokens, num_patches?, num_frames?}) "
                    "as one global batch instead of the dataset's.")
+@click.option("--costs", type=click.Path(dir_okay=False, exists=True), help=COSTS_HELP)
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON (DESIGN 5.5).")
 @click.pass_context
 def plan(ctx: click.Context, pipeline: str, sets: tuple[str, ...], schedule: str | None, step: int,
-         trace_in: str | None, as_json: bool) -> None:
+         trace_in: str | None, costs: str | None, as_json: bool) -> None:
     """Print the plan of one step of PIPELINE and its simulated timing under the sections' costs."""
     from maestro_flow.runtime.planning import plan_one_step
 
     try:
-        result = plan_one_step(pipeline, _overrides(sets, schedule=schedule), step=step, trace_in=trace_in)
+        result = plan_one_step(pipeline, _overrides(sets, costs, pipeline, schedule=schedule), step=step,
+                               trace_in=trace_in)
         if as_json:
             click.echo(json.dumps(result.to_json_dict(), indent=1))
         else:
@@ -237,6 +260,17 @@ def data_demo(out_dir: str, num_samples: int, vlm_samples: int, image_share: flo
     }
     for name in only or tuple(builders):
         click.echo(f"wrote {builders[name]()}")
+
+
+def _register_tools() -> None:
+    """Commands defined in their own modules (their imports stay lazy)."""
+    from maestro_flow.cli_tools import profile, tune
+
+    main.add_command(profile)
+    main.add_command(tune)
+
+
+_register_tools()
 
 
 if __name__ == "__main__":

@@ -34,7 +34,9 @@ dp vector of a 1024-device budget):
      until nothing improves or `max_simulations` is spent.
 The uniform baseline (every section the same dp and micro-batch: one layout for everything, as a
 monolithic trainer would use) is searched the same way over (dp, micro_batch) pairs.
-Ranking: simulated step time, then fewer devices, then the configuration's text (deterministic).
+Ranking: simulated step time, then fewer devices, then the configuration's text (deterministic);
+configurations within TIE_TOLERANCE (0.5%) of the fastest count as equally fast, so the fewest
+devices among them comes first.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ from maestro_flow.planner.cost import CostModel
 from maestro_flow.planner.simulate import simulate
 from maestro_flow.samples import SampleMeta
 
+TIE_TOLERANCE = 0.005  # steps within 0.5% of the fastest count as equal; fewer devices win
 Layout = tuple[tuple[str, int, int], ...]  # (section, dp, micro_batch) in topological order
 
 
@@ -401,7 +404,8 @@ class Tuner:
         per = sum(self.rdev.values())
         options = []
         for d in range(1, self.devices // per + 1):
-            for m in _pow2_upto(self.max_mb):
+            most = max(math.ceil(len(self.active[n]) / d) for n in self.order)
+            for m in _pow2_upto(min(self.max_mb, 2 * most)):
                 dps, mbs = {n: d for n in self.order}, {n: m for n in self.order}
                 if self._feasible(self._layout(dps, mbs)):
                     options.append((self.score(dps, mbs), d * per, m, self._layout(dps, mbs)))
@@ -420,6 +424,11 @@ class Tuner:
             self._descend(start.layout)
         uniform = self.uniform()
         ranked = sorted(self.cache.values(), key=_rank)
+        # Within TIE_TOLERANCE of the fastest, fewer devices win: a configuration 0.1% faster
+        # thanks to idle extra replicas is not worth them.
+        near = [c for c in ranked if c.step_s <= ranked[0].step_s * (1 + TIE_TOLERANCE)]
+        near.sort(key=lambda c: (c.devices, _rank(c)))
+        ranked = near + [c for c in ranked if c not in near]
         return TuneResult(best=tuple(ranked[:top]), uniform=uniform, devices=self.devices,
                           evaluated=len(self.cache), scored=self.scored)
 

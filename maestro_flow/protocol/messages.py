@@ -15,7 +15,8 @@ Worker -> coordinator (DEALER -> ROUTER):
 
 Coordinator -> worker:
   init       after hello: pipeline config, placement, rendezvous store, peers' header addresses,
-             the coordinator's clock (to align trace timestamps) and whether to trace
+             the coordinator's clock (to align trace timestamps), whether to trace, and what to
+             record for replay ({"dir", "section", "steps"} or None)
   plan       one step's plan, restricted to what this replica needs
   finalize   every loss replica reported: the step's global loss denominator
   stop       shut down (optionally saving trainable parameters first)
@@ -41,7 +42,7 @@ FIELDS: dict[str, tuple[str, ...]] = {
     "done": ("rank", "step", "stats"),
     "error": ("rank", "kind", "section", "replica", "step", "phase", "traceback"),
     "bye": ("rank",),
-    "init": ("rank", "pipeline", "placement", "store", "peers", "timeouts", "paths", "now", "trace"),
+    "init": ("rank", "pipeline", "placement", "store", "peers", "timeouts", "paths", "now", "trace", "record"),
     "plan": ("step", "micro_batches", "samples", "routes", "gates", "notify"),
     "finalize": ("step", "denominator"),
     "stop": ("save_dir",),

@@ -21,7 +21,7 @@ from maestro_flow.graph import SectionGraph
 from maestro_flow.planner import make_planner
 from maestro_flow.planner.plan import Placement
 from maestro_flow.runtime.build import build_stage, default_dtype, resolve_device
-from maestro_flow.runtime.executor import SectionExecutor, StageFault
+from maestro_flow.runtime.executor import SectionExecutor, StageFault, recording
 from maestro_flow.runtime.ledger import StepLedger, plan_message
 from maestro_flow.runtime.observe import RunObserver, timed_plan
 from maestro_flow.runtime.report import RunReport
@@ -32,15 +32,16 @@ from maestro_flow.transport.tensor_comm import LocalComm
 
 
 def run_colocated(pipeline: Pipeline, source: Any, sampler: EpochSampler, report: RunReport, *,
-                  save_dir: str | None = None, observer: RunObserver | None = None) -> None:
+                  save_dir: str | None = None, observer: RunObserver | None = None,
+                  record: dict | None = None) -> None:
     # Stage code may create tensors without a dtype, as it would in a worker process; the
     # caller's default is restored afterwards (this may be a test or a notebook).
     with default_dtype(getattr(torch, pipeline.dtype)):
-        _run(pipeline, source, sampler, report, save_dir, observer or RunObserver())
+        _run(pipeline, source, sampler, report, save_dir, observer or RunObserver(), record)
 
 
 def _run(pipeline: Pipeline, source: Any, sampler: EpochSampler, report: RunReport, save_dir: str | None,
-         observer: RunObserver) -> None:
+         observer: RunObserver, record: dict | None) -> None:
     single = pipeline.override(**{f"sections.{s.name}.dp": 1 for s in pipeline.sections})
     graph = SectionGraph(single)
     placement = Placement.build(graph.order, {n: 1 for n in graph.order})
@@ -65,7 +66,7 @@ def _run(pipeline: Pipeline, source: Any, sampler: EpochSampler, report: RunRepo
             comm=LocalComm(rank, lambda dst: executors[dst].deliver),
             report=lambda kind, body, rank=rank: events.append((rank, kind, body)),
             device=torch.device(device), dtype=getattr(torch, single.dtype), reducer=None,
-            tracer=Tracer(enabled=observer.tracing))
+            tracer=Tracer(enabled=observer.tracing), record=recording(record, name, 0))
     for step in range(pipeline.steps):
         planner.costs = ledger.costs()
         plan = timed_plan(planner, step, sampler.batch(step), observer)

@@ -52,7 +52,7 @@ class Coordinator:
     def __init__(self, pipeline: Pipeline, graph: SectionGraph, sampler: EpochSampler, report: RunReport, *,
                  paths: list[str], timeouts: Timeouts | None = None, save_dir: str | None = None,
                  worker_entry: Callable[[dict], None] = worker_main, observer: RunObserver | None = None,
-                 run_dir: str | None = None) -> None:
+                 run_dir: str | None = None, record: dict | None = None) -> None:
         self.pipeline, self.graph, self.sampler, self.report = pipeline, graph, sampler, report
         self.paths, self.save_dir = paths, save_dir
         self.timeouts = timeouts or Timeouts.from_env()
@@ -69,6 +69,7 @@ class Coordinator:
         self.poller = zmq.Poller()
         self.status: StatusServer | None = None
         self.run_dir = run_dir
+        self.record = record  # {"dir", "section", "steps"}: what a section records for replay
         self.worker_status: dict[int, dict] = {}
         self.last_row: dict | None = None
 
@@ -126,7 +127,8 @@ class Coordinator:
             self._send(rank, make("init", rank=rank, pipeline=self.pipeline.to_dict(),
                                   placement=self.placement.to_dict(), store=[zmq_link.LOOPBACK, self.store.port],
                                   peers=peers, timeouts=self.timeouts.to_dict(), paths=self.paths,
-                                  now=self.observer.tracer.epoch, trace=self.observer.tracing))
+                                  now=self.observer.tracer.epoch, trace=self.observer.tracing,
+                                  record=self.record))
         ready: set[int] = set()
         while len(ready) < self.placement.world_size:
             rank, msg = self._recv(deadline, "every worker to be ready (stage built, process groups formed)",

@@ -78,7 +78,7 @@ class SectionExecutor:
     def __init__(self, *, stage: Stage, graph: SectionGraph, placement: Placement, section: str, replica: int,
                  source: Any, comm: Comm, report: Report, device: torch.device, dtype: torch.dtype,
                  reducer: GradientReducer | None, clock: Callable[[], float] = time.perf_counter,
-                 tracer: Tracer | None = None) -> None:
+                 tracer: Tracer | None = None, record: tuple[str, frozenset[int] | None] | None = None) -> None:
         self.stage, self.graph, self.placement = stage, graph, placement
         self.name, self.replica = section, replica
         self.section = graph.sections[section]
@@ -102,6 +102,7 @@ class SectionExecutor:
         self.early_grads: list[tuple[int, int, list]] = []
         self.steps_done = 0
         self.tracer = tracer or Tracer(enabled=False)
+        self.record = record  # (directory, steps or None for all): what this replica saves for replay
         # What this replica is doing now, for `maestro top` (read by the heartbeat thread).
         self.status: dict[str, Any] = {"state": "idle", "step": None, "mb": None, "buffered": 0, "in_flight": 0}
         stage.train(self.trainable)
@@ -193,12 +194,24 @@ class SectionExecutor:
         elif self.trainable:
             self._keep_for_backward(st, mb, out, leaves)
         elapsed = self.clock() - t0
+        if self.record is not None and (self.record[1] is None or st.step in self.record[1]):
+            self._record(st, batch, out)
         st.busy_s += elapsed
         self._timing(st, "forward+backward" if self.is_loss and self.trainable else "forward", mb, elapsed)
         self.tracer.span("forward", "compute", t0, t0 + elapsed, step=st.step, mb=index, samples=list(mb))
         for rank in st.notify:
             self.comm.notify(rank, st.step, st.next_mb)
         return True
+
+    def _record(self, st: _Step, batch: MicroBatch, out: dict) -> None:
+        """Save what the stage received and produced (and, once per step, the weights it used),
+        for `maestro stage --replay`. Outside the timed region."""
+        from maestro_flow.runtime import record
+
+        directory = self.record[0]
+        if batch.index == 0:
+            record.save_weights(directory, st.step, self.stage)  # before this step's update
+        record.save_micro_batch(directory, batch, out)
 
     def _wait(self, st: _Step, reason: str) -> bool:
         """Note when the executor started waiting (for the trace); always False (nothing ran)."""
@@ -423,6 +436,16 @@ class SectionExecutor:
                 "max_rss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
                 **({"trace": self.tracer.take()} if self.tracer.enabled else {}),
                 **self.comm.stats.snapshot_and_reset()}
+
+
+def recording(spec: dict[str, Any] | None, section: str, replica: int) -> tuple[str, frozenset[int] | None] | None:
+    """The executor's `record` argument from the run's record spec ({"dir", "section", "steps"})."""
+    if not spec or spec["section"] != section:
+        return None
+    from maestro_flow.runtime.record import record_dir
+
+    steps = frozenset(spec["steps"]) if spec.get("steps") is not None else None
+    return record_dir(spec["dir"], section, replica), steps
 
 
 def _to_torch(name: str, value: Any) -> Any:

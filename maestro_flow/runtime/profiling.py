@@ -61,6 +61,7 @@ class ProfileOptions:
     out: str | None = None  # default runs/costs-NAME.json
     sizes: tuple[int, ...] | None = None  # micro-batch sizes; default per section (default_sizes)
     repeats: int = 3
+    threads: int | None = None  # torch CPU threads; default MAESTRO_WORKER_THREADS or 1 (see below)
     log: Any = None  # callable(str) for progress lines, or None
 
 
@@ -276,6 +277,25 @@ def profile_pipeline(path: str, options: ProfileOptions) -> dict[str, Any]:
     for n in graph.order:
         mine = [s for s in checked.metadata if graph.sections[n].activates(s.modalities)]
         pools[n] = _spread(mine, 3 * max(sizes[n]))
+    # A CPU worker runs with cpu_count // workers threads (worker.py); one thread measures the
+    # cost of one worker on one core, which is what a budget of one core per worker gives.
+    threads = options.threads or int(os.environ.get("MAESTRO_WORKER_THREADS", "0")) or 1
+    previous_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        report = _profile(single, graph, checked, sizes, pools, options, log)
+    finally:
+        torch.set_num_threads(previous_threads)
+    data = {"pipeline": pipeline.name, "machine": {**machine_info(), "torch_threads": threads},
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "repeats": options.repeats, "sections": report}
+    out = options.out or os.path.join("runs", f"costs-{pipeline.name}.json")
+    write_cost_file(out, data)
+    data["path"] = out
+    return data
+
+
+def _profile(single: Pipeline, graph: SectionGraph, checked: Any, sizes: dict[str, tuple[int, ...]],
+             pools: dict[str, list[SampleMeta]], options: ProfileOptions, log: Any) -> dict[str, Any]:
     needed = {s.id: s for pool in pools.values() for s in pool}
     samples = sorted(needed.values(), key=lambda s: s.id)
     report: dict[str, Any] = {}
@@ -304,12 +324,7 @@ def profile_pipeline(path: str, options: ProfileOptions) -> dict[str, Any]:
                          "memory_method": "cuda max_memory_allocated" if sec.device.type == "cuda"
                          else "process RSS peak (1 ms sampling, after malloc_trim)",
                          "measurements": rows}
-    data = {"pipeline": pipeline.name, "machine": machine_info(),
-            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "repeats": options.repeats, "sections": report}
-    out = options.out or os.path.join("runs", f"costs-{pipeline.name}.json")
-    write_cost_file(out, data)
-    data["path"] = out
-    return data
+    return report
 
 
 def machine_info() -> dict[str, Any]:

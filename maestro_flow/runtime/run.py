@@ -12,6 +12,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
+from maestro_flow.errors import PipelineError
 from maestro_flow.runtime.build import load_pipeline
 from maestro_flow.runtime.checks import check_pipeline
 from maestro_flow.runtime.observe import RunObserver
@@ -29,6 +30,8 @@ class RunOptions:
     show_progress: bool = True
     run_dir: str | None = None  # where plans, metrics, worker logs (and the trace) go; None: nowhere
     trace: str | None = None  # write the Chrome/Perfetto timeline here ("" = run_dir/trace.json)
+    record: str | None = None  # a section whose inputs and outputs are saved (run_dir/record/) for replay
+    record_steps: tuple[int, ...] | None = None  # which steps (None: all)
 
 
 def _sigterm_as_interrupt(signum: int, frame: Any) -> None:
@@ -54,17 +57,27 @@ def run_pipeline(path: str, options: RunOptions) -> list[dict[str, Any]]:
     metrics = [p for p in (options.metrics_out, run_dir.metrics if run_dir else None) if p]
     report = RunReport(total_steps=pipeline.steps, metrics_out=metrics, show_progress=options.show_progress)
     observer = RunObserver(run_dir=run_dir, trace_path=trace)
+    record = None
+    if options.record:
+        if options.record not in checked.graph.sections:
+            raise PipelineError(f"--record: no section named {options.record!r} "
+                                f"(sections: {', '.join(checked.graph.order)})")
+        if not options.run_dir:
+            raise PipelineError("--record needs a run directory (drop --no-run-dir)")
+        record = {"dir": os.path.abspath(options.run_dir), "section": options.record,
+                  "steps": list(options.record_steps) if options.record_steps is not None else None}
     previous = signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
     try:
         if options.colocated:
             from maestro_flow.runtime.colocated import run_colocated
 
-            run_colocated(pipeline, checked.source, sampler, report, save_dir=options.save_dir, observer=observer)
+            run_colocated(pipeline, checked.source, sampler, report, save_dir=options.save_dir, observer=observer,
+                          record=record)
         else:
             from maestro_flow.runtime.coordinator import Coordinator
 
             Coordinator(pipeline, checked.graph, sampler, report, paths=paths, save_dir=options.save_dir,
-                        observer=observer, run_dir=options.run_dir).run()
+                        observer=observer, run_dir=options.run_dir, record=record).run()
     finally:
         signal.signal(signal.SIGTERM, previous)
         report.close()

@@ -221,7 +221,7 @@ class _Worker:
         from maestro_flow.graph import SectionGraph
         from maestro_flow.planner.plan import Placement
         from maestro_flow.runtime.build import add_paths, build_stage, open_source
-        from maestro_flow.runtime.executor import SectionExecutor
+        from maestro_flow.runtime.executor import SectionExecutor, recording
         from maestro_flow.runtime.optim import GradientReducer
         from maestro_flow.runtime.topology import process_groups
         from maestro_flow.runtime.trace import Tracer
@@ -267,7 +267,8 @@ class _Worker:
             stage=stage, graph=graph, placement=placement, section=self.section, replica=self.replica,
             source=source, comm=comm, report=lambda kind, body: self.send(kind, **body),
             device=torch.device(device), dtype=getattr(torch, pipeline.dtype),
-            reducer=GradientReducer(dp_group) if dp_group is not None else None, tracer=tracer)
+            reducer=GradientReducer(dp_group) if dp_group is not None else None, tracer=tracer,
+            record=recording(init["record"], self.section, self.replica))
 
     def _loop(self, executor) -> int:
         from maestro_flow.runtime.saving import save_stage

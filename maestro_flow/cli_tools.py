@@ -1,0 +1,122 @@
+"""`maestro profile` and `maestro tune` (click commands registered by cli.py).
+
+Thin: parse, call runtime/profiling.py or runtime/tuning.py, print. Errors a user can fix print
+one line ("error: ...") and exit 2, as in cli.py.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from maestro_flow.config import parse_set
+from maestro_flow.errors import MaestroError, PipelineError
+
+SET_HELP = "Override a field: top-level (global_batch=8) or sections.NAME.FIELD=value (JSON values)."
+
+
+def _fail(ctx: click.Context, exc: MaestroError) -> None:
+    if (ctx.obj or {}).get("debug"):
+        raise exc
+    click.echo(f"error: {exc}", err=True)
+    sys.exit(2 if isinstance(exc, PipelineError) else 1)
+
+
+def _sizes(text: str | None) -> tuple[int, ...] | None:
+    if not text:
+        return None
+    try:
+        sizes = tuple(sorted({int(x) for x in text.split(",") if x.strip()}))
+    except ValueError:
+        raise PipelineError(f"--sizes expects comma-separated integers, got {text!r}") from None
+    if not sizes or sizes[0] < 1:
+        raise PipelineError(f"--sizes must list integers >= 1, got {text!r}")
+    return sizes
+
+
+@click.command()
+@click.argument("pipeline", type=click.Path(dir_okay=False))
+@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help=SET_HELP)
+@click.option("--out", type=click.Path(dir_okay=False), help="Cost file to write [default: runs/costs-NAME.json].")
+@click.option("--sizes", metavar="1,2,4", help="Micro-batch sizes to time [default: 1, 2, 4, ... up to twice "
+                                               "each section's micro_batch, at least 8].")
+@click.option("--repeats", type=click.IntRange(1, 100), default=3, show_default=True,
+              help="Timed calls per micro-batch (the median is kept), after one warm-up call.")
+@click.pass_context
+def profile(ctx: click.Context, pipeline: str, sets: tuple[str, ...], out: str | None, sizes: str | None,
+            repeats: int) -> None:
+    """Measure each section of PIPELINE: time per micro-batch and peak memory, in one process.
+
+    Every section runs on real dataset rows (downstream sections on their producers' real
+    outputs) at several micro-batch sizes and input sizes; the fitted costs (seconds per sample,
+    token, patch, frame; backward factor; per-micro-batch overhead) and a memory model go to a
+    JSON cost file for `maestro tune --costs FILE` (and the planner).
+    """
+    from maestro_flow.runtime.profiling import ProfileOptions, profile_pipeline
+
+    try:
+        data = profile_pipeline(pipeline, ProfileOptions(overrides=parse_set(sets), out=out, sizes=_sizes(sizes),
+                                                         repeats=repeats,
+                                                         log=lambda msg: click.echo(msg, err=True)))
+    except MaestroError as exc:
+        _fail(ctx, exc)
+        return
+    for name, body in data["sections"].items():
+        c = body["cost"]
+        terms = ", ".join(f"{k}={v:.3g}" for k, v in c.items() if v)
+        click.echo(f"{name}: {terms}; overhead/micro-batch {body['micro_batch_overhead_s'] * 1e3:.2f} ms; "
+                   f"memory {body['memory_base_mb']:.0f} MB + {body['peak_memory_mb_per_sample']:.1f} MB/sample")
+    click.echo(f"wrote {data['path']}  (use: maestro tune {pipeline} --devices N --costs {data['path']})")
+
+
+@click.command()
+@click.argument("pipeline", type=click.Path(dir_okay=False))
+@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help=SET_HELP)
+@click.option("--devices", type=int, required=True, help="Device budget: workers (CPU) or GPUs in all.")
+@click.option("--memory-gb", type=float, help="Memory limit per replica (checked with a --costs memory model).")
+@click.option("--costs", type=click.Path(dir_okay=False), help="Cost file from `maestro profile`.")
+@click.option("--top", type=click.IntRange(1, 50), default=3, show_default=True, help="Configurations to show.")
+@click.option("--global-batch", type=click.IntRange(min=1), help="Tune for this global batch instead of the pipeline's.")
+@click.option("--trace-in", type=click.Path(dir_okay=False, exists=True),
+              help="Sample metadata (JSON Lines of {id, modalities, num_tokens, num_patches?, num_frames?}) "
+                   "instead of the dataset's; resampled to the global batch.")
+@click.option("--write", "write_to", type=click.Path(dir_okay=False),
+              help="Write the best configuration's overrides here, one '--set KEY=VALUE' per line.")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+@click.pass_context
+def tune(ctx: click.Context, pipeline: str, sets: tuple[str, ...], devices: int, memory_gb: float | None,
+         costs: str | None, top: int, global_batch: int | None, trace_in: str | None, write_to: str | None,
+         as_json: bool) -> None:
+    """Search each section's dp and micro-batch size for PIPELINE within a device budget.
+
+    Every configuration that fits the budget, the memory limit and integral fan-out/fan-in across
+    each edge is a candidate; the best (shortest simulated step of the wavefront plan) are shown
+    side by side with each section's utilisation, next to the best uniform configuration (one
+    dp and micro-batch for every section). --write saves the winner for `maestro run`:
+
+    \b
+      maestro tune pipelines/vlm.py --devices 4 --costs runs/costs-vlm.json --write best.txt
+      maestro run pipelines/vlm.py $(cat best.txt)
+    """
+    import json
+
+    from maestro_flow.runtime.tuning import TuneOptions, format_result, tune_pipeline, write_overrides
+
+    try:
+        result, notes = tune_pipeline(pipeline, TuneOptions(overrides=parse_set(sets), devices=devices,
+                                                            memory_gb=memory_gb, costs=costs,
+                                                            global_batch=global_batch, trace_in=trace_in, top=top))
+        if write_to:
+            write_overrides(write_to, result.best[0])
+    except MaestroError as exc:
+        _fail(ctx, exc)
+        return
+    if as_json:
+        click.echo(json.dumps(result.to_json_dict(), indent=1))
+    else:
+        for note in notes:
+            click.echo(f"note: {note}", err=True)
+        click.echo(format_result(result))
+    if write_to:
+        click.echo(f"wrote {write_to}; run it with: maestro run {pipeline} $(cat {write_to})", err=True)

@@ -1,0 +1,223 @@
+"""Recordings of what one section received and produced, micro-batch by micro-batch.
+
+`maestro run --record SECTION` calls `save_micro_batch` in the section's executor for the chosen
+steps; `maestro stage PIPELINE SECTION --replay RUN_DIR` reads them back with
+`load_micro_batches` and runs the section alone on exactly those inputs.
+
+Layout: `RUN_DIR/record/<section>-<replica>/step<STEP:06d>-mb<INDEX:04d>.safetensors`, one file
+per micro-batch. Tensor keys:
+
+  columns/<name>/<i>   dataset column entry of the i-th sample of the micro-batch (tensors as they
+                       were; bytes as uint8 tensors; numpy arrays converted to tensors)
+  inputs/<name>/<i>    incoming tensor of the i-th sample (absent where it was None)
+  outputs/<name>/<i>   per-sample output (a list output; absent where the entry was None)
+  outputs/<name>       batched output tensor (a 0-dim loss included)
+
+The safetensors metadata (str -> str, each value JSON) holds "format", "step", "index",
+"sample_ids", "modalities" (sorted lists) and, under "columns", "inputs" and "outputs", how to
+rebuild every entry: a column or input entry is {"kind": "tensor"} | {"kind": "bytes"} |
+{"kind": "scalar", "value": V} (None is a scalar with value null); an output is
+{"kind": "list", "entries": [entry, ...]} | {"kind": "tensor"} | {"kind": "scalar", "value": V} |
+{"kind": "other", "repr": "..."} (kept for the report only).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import Any
+
+import numpy as np
+import torch
+
+from maestro_flow.stage import MicroBatch
+
+FORMAT = "maestro-record/1"
+_FILE = re.compile(r"^step(\d{6,})-mb(\d{4,})\.safetensors$")
+
+__all__ = ["FORMAT", "file_name", "save_micro_batch", "load_micro_batches", "recording_dirs", "record_dir",
+           "save_weights", "recorded_weights"]
+
+
+def file_name(step: int, index: int) -> str:
+    return f"step{step:06d}-mb{index:04d}.safetensors"
+
+
+def record_dir(run_dir: str, section: str, replica: int) -> str:
+    """Where replica `replica` of `section` writes its recording in a run folder."""
+    return os.path.join(run_dir, "record", f"{section}-{replica}")
+
+
+def recording_dirs(run_dir: str, section: str) -> list[str]:
+    """The recording folders of `section` in `run_dir` (one per replica), by replica number."""
+    root = os.path.join(run_dir, "record")
+    if not os.path.isdir(root):
+        return []
+    found = []
+    prefix = f"{section}-"
+    for name in os.listdir(root):
+        rest = name[len(prefix):]
+        if name.startswith(prefix) and rest.isdigit() and os.path.isdir(os.path.join(root, name)):
+            found.append((int(rest), os.path.join(root, name)))
+    return [path for _, path in sorted(found)]
+
+
+# -- saving -------------------------------------------------------------------------------------
+
+def _tensor(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to("cpu").contiguous().clone()
+
+
+def _scalar(value: Any) -> Any:
+    """A JSON-able form of a non-tensor value (numpy scalars to Python numbers)."""
+    if isinstance(value, np.generic):
+        return value.item()
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)) and all(v is None or isinstance(v, (bool, int, float, str)) for v in value):
+        return list(value)
+    return repr(value)
+
+
+def _entry(value: Any, key: str, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """Store one column/input/list-output entry; returns how to rebuild it."""
+    if isinstance(value, torch.Tensor):
+        tensors[key] = _tensor(value)
+        return {"kind": "tensor"}
+    if isinstance(value, np.ndarray):
+        tensors[key] = torch.from_numpy(np.ascontiguousarray(value).copy())
+        return {"kind": "tensor"}
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        tensors[key] = torch.frombuffer(bytearray(bytes(value)), dtype=torch.uint8).clone() if len(value) else \
+            torch.zeros(0, dtype=torch.uint8)
+        return {"kind": "bytes"}
+    return {"kind": "scalar", "value": _scalar(value)}
+
+
+def _output(value: Any, name: str, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+    key = f"outputs/{name}"
+    if isinstance(value, torch.Tensor):
+        tensors[key] = _tensor(value)
+        return {"kind": "tensor"}
+    if isinstance(value, (list, tuple)):
+        return {"kind": "list", "entries": [_entry(v, f"{key}/{i}", tensors) for i, v in enumerate(value)]}
+    if value is None or isinstance(value, (bool, int, float, np.generic)):
+        return {"kind": "scalar", "value": _scalar(value)}
+    return {"kind": "other", "repr": repr(value)[:200]}
+
+
+def save_micro_batch(directory: str, batch: MicroBatch, outputs: dict) -> str:
+    """Write what a section received (`batch`) and produced (`outputs`) to one file; returns its path."""
+    from safetensors.torch import save_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    columns = {name: [_entry(v, f"columns/{name}/{i}", tensors) for i, v in enumerate(values)]
+               for name, values in batch.columns.items()}
+    inputs = {name: [_entry(v, f"inputs/{name}/{i}", tensors) for i, v in enumerate(values)]
+              for name, values in batch.inputs.items()}
+    outs = {name: _output(value, name, tensors) for name, value in (outputs or {}).items()}
+    metadata = {
+        "format": json.dumps(FORMAT),
+        "step": json.dumps(int(batch.step)),
+        "index": json.dumps(int(batch.index)),
+        "sample_ids": json.dumps([int(s) for s in batch.sample_ids]),
+        "modalities": json.dumps([sorted(m) for m in batch.modalities]),
+        "columns": json.dumps(columns),
+        "inputs": json.dumps(inputs),
+        "outputs": json.dumps(outs),
+    }
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, file_name(batch.step, batch.index))
+    tmp = f"{path}.tmp{os.getpid()}"
+    save_file(tensors, tmp, metadata=metadata)
+    os.replace(tmp, path)  # a reader never sees half a file
+    return path
+
+
+# -- loading ------------------------------------------------------------------------------------
+
+def _rebuild(entry: dict[str, Any], key: str, tensors: dict[str, torch.Tensor]) -> Any:
+    kind = entry["kind"]
+    if kind == "tensor":
+        return tensors[key]
+    if kind == "bytes":
+        return tensors[key].numpy().tobytes()
+    return entry.get("value")
+
+
+def _rebuild_output(entry: dict[str, Any], name: str, tensors: dict[str, torch.Tensor]) -> Any:
+    key = f"outputs/{name}"
+    kind = entry["kind"]
+    if kind == "tensor":
+        return tensors[key]
+    if kind == "list":
+        return [_rebuild(e, f"{key}/{i}", tensors) for i, e in enumerate(entry["entries"])]
+    if kind == "scalar":
+        return entry.get("value")
+    return entry.get("repr")
+
+
+def load_file(path: str) -> tuple[MicroBatch, dict[str, Any]]:
+    """One recorded micro-batch and the outputs the section produced for it."""
+    from safetensors import safe_open
+
+    tensors: dict[str, torch.Tensor] = {}
+    with safe_open(path, framework="pt") as f:
+        raw = f.metadata() or {}
+        for key in f.keys():
+            tensors[key] = f.get_tensor(key)
+    if "format" not in raw:
+        raise ValueError(f"{path}: not a maestro recording (no 'format' in its metadata)")
+    meta = {k: json.loads(v) for k, v in raw.items()}
+    columns = {name: [_rebuild(e, f"columns/{name}/{i}", tensors) for i, e in enumerate(entries)]
+               for name, entries in meta["columns"].items()}
+    inputs = {name: [_rebuild(e, f"inputs/{name}/{i}", tensors) for i, e in enumerate(entries)]
+              for name, entries in meta["inputs"].items()}
+    outputs = {name: _rebuild_output(e, name, tensors) for name, e in meta["outputs"].items()}
+    batch = MicroBatch(step=meta["step"], index=meta["index"], sample_ids=list(meta["sample_ids"]),
+                       modalities=[frozenset(m) for m in meta["modalities"]], columns=columns, inputs=inputs)
+    return batch, outputs
+
+
+def recorded_files(directory: str) -> list[tuple[int, int, str]]:
+    """(step, index, path) of every recording file in `directory`, sorted."""
+    out = []
+    for name in os.listdir(directory):
+        m = _FILE.match(name)
+        if m:
+            out.append((int(m.group(1)), int(m.group(2)), os.path.join(directory, name)))
+    return sorted(out)
+
+
+def load_micro_batches(directory: str) -> list[tuple[MicroBatch, dict[str, Any]]]:
+    """Every recorded micro-batch of one folder with its recorded outputs, by (step, index)."""
+    return [load_file(path) for _, _, path in recorded_files(directory)]
+
+
+# -- weights ------------------------------------------------------------------------------------
+
+def weights_name(step: int) -> str:
+    return f"weights-step{step:06d}.safetensors"
+
+
+def save_weights(directory: str, step: int, stage: Any) -> str | None:
+    """The stage's state at the start of `step` (call before its first forward of the step), once
+    per step: replay loads it so that recorded outputs of later steps can be compared. Returns
+    the path, or None when it was already written."""
+    from safetensors.torch import save_file
+
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, weights_name(step))
+    if os.path.exists(path):
+        return None
+    state = {k: _tensor(v) for k, v in stage.state_dict().items()}
+    tmp = f"{path}.tmp{os.getpid()}"
+    save_file(state, tmp, metadata={"step": json.dumps(int(step))})
+    os.replace(tmp, path)
+    return path
+
+
+def recorded_weights(directory: str, step: int) -> str | None:
+    path = os.path.join(directory, weights_name(step))
+    return path if os.path.exists(path) else None

@@ -1,0 +1,105 @@
+"""`maestro tune`: load the pipeline, its sample metadata and costs, run the (pure) tuner, format.
+
+Runs in the CLI process; starts nothing and builds no stage. Costs come from `--costs FILE`
+(a `maestro profile` file: fitted costs, per-micro-batch overhead and memory model) or else the
+pipeline's own `Cost` records (no memory model: the memory limit cannot be checked then).
+Sample metadata come from `--trace-in` (JSON Lines) or the pipeline's dataset.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from maestro_flow.graph import SectionGraph
+from maestro_flow.planner.cost import CostModel
+from maestro_flow.planner.tune import Candidate, MemoryModel, TuneResult, representative_batch, to_overrides, tune
+from maestro_flow.runtime.build import load_pipeline
+from maestro_flow.runtime.costfile import cost_overrides, read_cost_file
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TuneOptions:
+    overrides: dict[str, Any]
+    devices: int
+    memory_gb: float | None = None
+    costs: str | None = None
+    global_batch: int | None = None
+    trace_in: str | None = None
+    top: int = 5
+    batches: int = 1  # global batches to average the simulated step over
+
+
+def tune_pipeline(path: str, options: TuneOptions) -> tuple[TuneResult, list[str]]:
+    """The tuning result and notes worth telling the user (e.g. the memory limit went unchecked)."""
+    overrides = dict(options.overrides)
+    if options.global_batch is not None:
+        overrides["global_batch"] = options.global_batch
+    pipeline, _ = load_pipeline(path, overrides)
+    notes: list[str] = []
+    memory, overhead = None, None
+    if options.costs:
+        _, profiles = read_cost_file(options.costs)
+        pipeline = pipeline.override(**cost_overrides(pipeline, {n: p.cost for n, p in profiles.items()},
+                                                      f"--costs {options.costs}"))
+        memory = {n: MemoryModel(base_mb=p.memory_base_mb, per_sample_mb=p.peak_memory_mb_per_sample)
+                  for n, p in profiles.items()}
+        overhead = {n: p.micro_batch_overhead_s for n, p in profiles.items()}
+    else:
+        notes.append("costs: the pipeline's Cost records (run `maestro profile` and pass --costs for measured ones)")
+    pipeline.validate()
+    SectionGraph(pipeline)
+    limit = options.memory_gb * 1024 if options.memory_gb is not None else None
+    if limit is not None and memory is None:
+        notes.append("--memory-gb is not checked: no memory model without --costs")
+        limit = None
+    if options.trace_in:
+        from maestro_flow.runtime.planning import read_trace
+
+        pool = read_trace(options.trace_in)
+    else:
+        from maestro_flow.runtime.checks import check_pipeline
+
+        pool = check_pipeline(pipeline).metadata
+    batches = [representative_batch(pool, pipeline.global_batch, seed=pipeline.seed + i)
+               for i in range(max(1, options.batches))]
+    costs = CostModel(costs={s.name: s.cost for s in pipeline.sections})
+    result = tune(pipeline, costs, batches, devices=options.devices, top=options.top, memory_limit_mb=limit,
+                  memory=memory, overhead_s=overhead)
+    return result, notes
+
+
+def format_result(result: TuneResult, current: Candidate | None = None) -> str:
+    """The best configurations side by side (one column each), then the uniform baseline."""
+    cols: list[tuple[str, Candidate]] = [(f"#{i + 1}", c) for i, c in enumerate(result.best)]
+    if result.uniform is not None:
+        cols.append(("uniform", result.uniform))
+    if not cols:
+        return "no configuration"
+    names = [n for n, _, _ in cols[0][1].layout]
+    rows: list[list[str]] = [[""] + [h for h, _ in cols]]
+    rows.append(["step (simulated)"] + [f"{c.step_s * 1e3:.1f} ms" for _, c in cols])
+    best = cols[0][1].step_s
+    rows.append(["vs #1"] + [f"{c.step_s / best:.2f}x" if best > 0 else "-" for _, c in cols])
+    rows.append(["devices"] + [str(c.devices) for _, c in cols])
+    for n in names:
+        rows.append([f"{n} dp x mb"] + [f"{c.dp(n)} x {c.micro_batch(n)}" for _, c in cols])
+        rows.append([f"{n} busy"] + [f"{c.utilisation[n] * 100:.0f}%" for _, c in cols])
+        if any(c.memory_mb[n] for _, c in cols):
+            rows.append([f"{n} memory"] + [_mb(c.memory_mb[n]) for _, c in cols])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(cell.rjust(w) if i else cell.ljust(w) for i, (cell, w) in enumerate(zip(r, widths, strict=True)))
+             for r in rows]
+    lines.append(f"({result.evaluated} configurations simulated, {result.scored} scored, "
+                 f"{result.devices} devices)")
+    return "\n".join(lines)
+
+
+def write_overrides(path: str, candidate: Candidate) -> None:
+    with open(path, "w") as f:
+        f.write("\n".join(f"--set {s}" for s in to_overrides(candidate)) + "\n")
+
+
+
+def _mb(value: float) -> str:
+    return f"{value / 1024:.1f} GB" if value >= 1024 else f"{value:.0f} MB"

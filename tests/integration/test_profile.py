@@ -1,0 +1,134 @@
+"""`maestro profile` and `maestro tune --costs` on the demo pipelines, on a small demo dataset.
+
+One process each (profiling builds every section in the test process), bounded by a timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import click
+import pytest
+from click.testing import CliRunner
+
+from maestro_flow.cli_tools import profile, tune
+from maestro_flow.runtime.build import load_pipeline
+from maestro_flow.runtime.costfile import apply_cost_file, load_cost_file
+
+pytestmark = pytest.mark.integration
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@click.group()
+@click.pass_context
+def cli(ctx: click.Context) -> None:
+    ctx.obj = {"debug": False}
+
+
+cli.add_command(profile)
+cli.add_command(tune)
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    from loaders.demo import build_image_demo, build_text_demo
+
+    out = tmp_path_factory.mktemp("demo")
+    return {"text": str(build_text_demo(out, num_samples=64, parquet=False)),
+            "vlm": str(build_image_demo(out, num_samples=48, image_share=0.5))}
+
+
+def _profile(tmp_path, pipeline: str, data: str) -> dict:
+    out = tmp_path / "costs.json"
+    result = CliRunner().invoke(cli, ["profile", os.path.join(ROOT, pipeline), "--set", f"data.path={data}",
+                                      "--out", str(out), "--sizes", "1,2,4", "--repeats", "2"])
+    assert result.exit_code == 0, result.output
+    assert f"wrote {out}" in result.output
+    return json.loads(out.read_text())
+
+
+def _check_structure(data: dict, sections: dict[str, str]) -> None:
+    assert data["version"] == 1 and data["machine"]["cpu_count"] >= 1
+    assert set(data["sections"]) == set(sections)
+    for name, term in sections.items():
+        body = data["sections"][name]
+        cost = body["cost"]
+        assert set(cost) == {"per_sample_s", "per_token_s", "per_patch_s", "per_frame_s", "backward_factor"}
+        assert all(v >= 0 for v in cost.values())
+        # The section's time is explained by something: its per-sample, size term or overhead.
+        assert cost["per_sample_s"] + cost[term] + body["micro_batch_overhead_s"] > 0
+        assert body["memory_base_mb"] > 0 and body["peak_memory_mb_per_sample"] >= 0
+        sizes = sorted({m["micro_batch"] for m in body["measurements"]})
+        assert sizes == [1, 2, 4]
+        for m in body["measurements"]:
+            assert m["forward_s"] > 0 and m["samples"] == m["micro_batch"]
+
+
+@pytest.mark.timeout(120)
+def test_profile_distill_then_tune_with_its_costs(tmp_path, demo):
+    data = _profile(tmp_path, "pipelines/distill.py", demo["text"])
+    _check_structure(data, {"teacher": "per_token_s", "student": "per_token_s"})
+    assert data["sections"]["teacher"]["cost"]["backward_factor"] == 2.0  # frozen: the pipeline's, untouched
+    assert data["sections"]["student"]["cost"]["backward_factor"] > 0
+    for m in data["sections"]["teacher"]["measurements"]:
+        assert m["backward_s"] == 0
+
+    costs_file = str(tmp_path / "costs.json")
+    costs = load_cost_file(costs_file)
+    pipeline, _ = load_pipeline(os.path.join(ROOT, "pipelines/distill.py"), {"data.path": demo["text"]})
+    applied = apply_cost_file(pipeline, costs_file)
+    assert {s.name: s.cost for s in applied.sections} == costs
+
+    best = tmp_path / "best.txt"
+    args = ["tune", os.path.join(ROOT, "pipelines/distill.py"), "--set", f"data.path={demo['text']}",
+            "--devices", "3", "--costs", costs_file, "--memory-gb", "2", "--write", str(best)]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 0, result.output
+    assert "uniform" in result.output and "teacher dp x mb" in result.output
+    lines = best.read_text().split()
+    assert lines[0] == "--set" and any(x.startswith("sections.student.dp=") for x in lines)
+
+    as_json = CliRunner().invoke(cli, args[:-2] + ["--json"])
+    assert as_json.exit_code == 0, as_json.output
+    out = json.loads(as_json.output)
+    assert out["best"][0]["devices"] <= 3
+    assert out["best"][0]["step_s"] <= out["uniform"]["step_s"] * 1.005
+    # The cost file's numbers are what the tuner simulated with: scaling them scales the step.
+    slow = json.loads(open(costs_file).read())
+    for body in slow["sections"].values():
+        body["cost"] = {k: (v * 10 if k != "backward_factor" else v) for k, v in body["cost"].items()}
+        body["micro_batch_overhead_s"] *= 10
+    slow_file = tmp_path / "slow.json"
+    slow_file.write_text(json.dumps(slow))
+    slowed = CliRunner().invoke(cli, args[:-4] + ["--costs", str(slow_file), "--json"])
+    assert slowed.exit_code == 0, slowed.output
+    assert json.loads(slowed.output)["best"][0]["step_s"] > 5 * out["best"][0]["step_s"]
+
+
+@pytest.mark.timeout(120)
+def test_profile_vlm(tmp_path, demo):
+    data = _profile(tmp_path, "pipelines/vlm.py", demo["vlm"])
+    _check_structure(data, {"vision": "per_patch_s", "llm": "per_token_s"})
+    vision = data["sections"]["vision"]
+    assert all(m["patches"] > 0 for m in vision["measurements"])  # images only
+    assert vision["cost"]["backward_factor"] > 0  # trainable producer: backward of its outputs' sum
+
+
+@pytest.mark.timeout(60)
+def test_bad_input_exits_2(tmp_path, demo):
+    runner = CliRunner()
+    missing = runner.invoke(cli, ["tune", os.path.join(ROOT, "pipelines/distill.py"), "--devices", "2",
+                                  "--costs", str(tmp_path / "nope.json")])
+    assert missing.exit_code == 2 and "error: --costs" in missing.output
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"sections": {"ghost": {"cost": {"per_sample_s": 1.0}}}}))
+    ghost = runner.invoke(cli, ["tune", os.path.join(ROOT, "pipelines/distill.py"), "--devices", "2",
+                                "--set", f"data.path={demo['text']}", "--costs", str(bad)])
+    assert ghost.exit_code == 2 and "ghost" in ghost.output
+    few = runner.invoke(cli, ["tune", os.path.join(ROOT, "pipelines/distill.py"), "--devices", "1",
+                              "--set", f"data.path={demo['text']}"])
+    assert few.exit_code == 2 and "at least 2 devices" in few.output
+    sizes = runner.invoke(cli, ["profile", os.path.join(ROOT, "pipelines/distill.py"), "--sizes", "a,b"])
+    assert sizes.exit_code == 2 and "--sizes" in sizes.output

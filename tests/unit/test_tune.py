@@ -1,0 +1,165 @@
+"""The tuner (planner/tune.py): pure, fast, deterministic.
+
+    vision (image samples only, trainable) --image_embeds--> llm (every sample, loss)
+    teacher (frozen) --hidden--> student (loss)
+
+Checked: every ranked configuration respects the device budget, integral fan-out/fan-in on
+every edge and the memory limit; the best is at least as good as the best uniform
+configuration; the overrides it writes round-trip through Pipeline.override; same input, same
+answer.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+import time
+
+import pytest
+
+from maestro_flow.config import ArrowData, Cost, Edge, Pipeline, Section, parse_set
+from maestro_flow.errors import PipelineError
+from maestro_flow.graph import SectionGraph
+from maestro_flow.planner.tune import TIE_TOLERANCE, MemoryModel, representative_batch, to_overrides, tune
+from maestro_flow.samples import SampleMeta
+
+
+def vlm(global_batch: int = 64) -> Pipeline:
+    return Pipeline(
+        name="vlm", data=ArrowData(path="unused.arrow"), global_batch=global_batch,
+        sections=[
+            Section(name="vision", stage="m:V", activates_on="image", dp=1, micro_batch=4,
+                    cost=Cost(per_sample_s=1e-3, per_patch_s=2e-5, backward_factor=1.0)),
+            Section(name="llm", stage="m:L", dp=1, micro_batch=4,
+                    cost=Cost(per_sample_s=1e-3, per_token_s=2e-5, per_patch_s=1e-5)),
+        ],
+        edges=[Edge(src="vision", dst="llm", tensors=("image_embeds",))])
+
+
+def distill(global_batch: int = 64) -> Pipeline:
+    return Pipeline(
+        name="distill", data=ArrowData(path="unused.arrow"), global_batch=global_batch,
+        sections=[
+            Section(name="teacher", stage="m:T", trainable=False, dp=1, micro_batch=8,
+                    cost=Cost(per_sample_s=1e-3, per_token_s=6e-5)),
+            Section(name="student", stage="m:S", dp=1, micro_batch=2, cost=Cost(per_sample_s=1e-3, per_token_s=1e-5)),
+        ],
+        edges=[Edge(src="teacher", dst="student", tensors=("hidden",))])
+
+
+def samples(n: int, seed: int = 0, image_share: float = 0.4) -> list[SampleMeta]:
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        image = rng.random() < image_share
+        out.append(SampleMeta(id=i, modalities=frozenset({"text", "image"} if image else {"text"}),
+                              num_tokens=min(4096, int(64 * rng.paretovariate(1.5))),
+                              num_patches=rng.choice((64, 256, 1024)) if image else 0))
+    return out
+
+
+MEMORY = {"vision": MemoryModel(base_mb=100, per_sample_mb=40), "llm": MemoryModel(base_mb=300, per_sample_mb=60),
+          "teacher": MemoryModel(base_mb=500, per_sample_mb=20), "student": MemoryModel(base_mb=200, per_sample_mb=50)}
+OVERHEAD = {"vision": 2e-3, "llm": 2e-3, "teacher": 4e-3, "student": 1e-3}
+
+
+@pytest.mark.parametrize("make, devices", [(vlm, 3), (vlm, 8), (distill, 6), (distill, 16)])
+def test_constraints_hold_and_tuned_beats_uniform(make, devices):
+    p = make()
+    result = tune(p, None, samples(p.global_batch), devices=devices, top=10, memory_limit_mb=1200,
+                  memory=MEMORY, overhead_s=OVERHEAD)
+    assert result.best
+    for c in result.best + ((result.uniform,) if result.uniform else ()):
+        assert c.devices == sum(d for _, d, _ in c.layout) <= devices
+        dp = {n: d for n, d, _ in c.layout}
+        for e in p.edges:
+            a, b = dp[e.src], dp[e.dst]
+            assert a % b == 0 or b % a == 0, c.layout
+        for n, _, _ in c.layout:
+            assert c.memory_mb[n] <= 1200, (n, c)
+            assert 0 <= c.utilisation[n] <= 1 + 1e-9
+        assert c.step_s >= c.lower_bound_s - 1e-9
+    fastest = min(c.step_s for c in result.best)
+    assert result.best[0].step_s <= fastest * (1 + TIE_TOLERANCE)
+    assert result.uniform is not None
+    assert result.best[0].step_s <= result.uniform.step_s * (1 + TIE_TOLERANCE)
+    uniform_layout = {(d, m) for _, d, m in result.uniform.layout}
+    assert len(uniform_layout) == 1
+
+
+def test_memory_limit_shapes_the_micro_batch():
+    p = distill()
+    loose = tune(p, None, samples(64), devices=4, memory_limit_mb=10_000, memory=MEMORY, overhead_s=OVERHEAD)
+    tight = tune(p, None, samples(64), devices=4, top=10, memory_limit_mb=540, memory=MEMORY, overhead_s=OVERHEAD)
+    assert all(c.micro_batch("student") <= 4 for c in tight.best)  # 200 + 50 * mb <= 540
+    assert all(c.micro_batch("teacher") <= 2 for c in tight.best)  # 500 + 20 * mb <= 540
+    assert max(c.micro_batch("teacher") for c in loose.best) > 2
+    with pytest.raises(PipelineError, match="sections.teacher does not fit"):
+        tune(p, None, samples(64), devices=4, memory_limit_mb=400, memory=MEMORY)
+
+
+def test_trainable_producer_keeps_activations_until_gradients_return():
+    """vision keeps its micro-batch plus fan-out x 4 llm micro-batches of samples (capped by its
+    samples per step): a tight limit forces small llm micro-batches or more vision replicas."""
+    p = vlm()
+    result = tune(p, None, samples(64), devices=6, top=20, memory_limit_mb=600,
+                  memory={"vision": MemoryModel(base_mb=100, per_sample_mb=40)}, overhead_s=OVERHEAD)
+    for c in result.best:
+        fan = max(1, c.dp("llm") // c.dp("vision"))
+        per_replica = -(-sum(1 for s in samples(64) if "image" in s.modalities) // c.dp("vision"))
+        kept = c.micro_batch("vision")
+        if per_replica > kept:
+            kept = min(per_replica, kept + fan * 4 * c.micro_batch("llm"))
+        assert c.memory_mb["vision"] == pytest.approx(100 + 40 * kept)
+        assert c.memory_mb["vision"] <= 600
+
+
+def test_too_few_devices_is_a_clear_error():
+    with pytest.raises(PipelineError, match="at least 2 devices"):
+        tune(vlm(), None, samples(16), devices=1)
+
+
+def test_overrides_round_trip_through_pipeline_override():
+    p = distill()
+    best = tune(p, None, samples(64), devices=8, memory_limit_mb=2000, memory=MEMORY, overhead_s=OVERHEAD).best[0]
+    sets = to_overrides(best)
+    assert sets == [f"sections.{n}.{k}={v}" for n, d, m in best.layout for k, v in (("dp", d), ("micro_batch", m))]
+    applied = p.override(**parse_set(sets))
+    SectionGraph(applied)
+    assert {s.name: (s.dp, s.micro_batch) for s in applied.sections} == {n: (d, m) for n, d, m in best.layout}
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_deterministic(seed):
+    batch = samples(48, seed)
+    a = tune(vlm(48), None, batch, devices=5, top=5, memory=MEMORY, overhead_s=OVERHEAD)
+    b = tune(vlm(48), None, list(batch), devices=5, top=5, memory=MEMORY, overhead_s=OVERHEAD)
+    assert json.dumps(a.to_json_dict(), sort_keys=True) == json.dumps(b.to_json_dict(), sort_keys=True)
+
+
+def test_large_budget_is_fast():
+    p = vlm(global_batch=512)
+    batch = representative_batch(samples(200), 512, seed=0)
+    assert len(batch) == 512 and len({s.id for s in batch}) == 512
+    t0 = time.perf_counter()
+    result = tune(p, None, batch, devices=1024, memory=MEMORY, overhead_s=OVERHEAD, max_simulations=16)
+    assert time.perf_counter() - t0 < 20
+    assert result.best[0].devices <= 1024
+    assert result.best[0].step_s <= result.uniform.step_s * (1 + TIE_TOLERANCE)
+
+
+def test_representative_batch_is_seeded():
+    pool = samples(100)
+    assert representative_batch(pool, 30, seed=3) == representative_batch(pool, 30, seed=3)
+    assert [s.id for s in representative_batch(pool, 30, seed=3)] != [s.id for s in representative_batch(pool, 30, 4)]
+    with pytest.raises(PipelineError):
+        representative_batch([], 4)
+
+
+def test_tune_imports_only_the_standard_library():
+    code = ("import sys, maestro_flow.planner.tune\n"
+            "print(sorted(m for m in ('torch', 'zmq', 'msgpack', 'numpy') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "[]"

@@ -1,0 +1,218 @@
+"""`maestro tune`'s predictions: against measured steps here, and at published scale in simulation.
+
+(a) Here, on this CPU: for pipelines/distill.py and pipelines/vlm.py, profile every section
+    (runtime/profiling.py), tune for `--devices` CPU workers (default 3), run the chosen
+    configuration in section mode (real worker processes) with the profiled costs, and compare
+    the median measured step_time_s (first steps left out) with the predicted step (the
+    simulated makespan of the wavefront plan). The best uniform configuration (one dp and
+    micro-batch for every section) is run the same way, so the predicted gain can be checked
+    against the measured one. The simulator leaves out gradient all-reduce, optimizer step and
+    control messages, and assumes one core per worker: ratios above 1 are expected on a
+    2-core machine running 3 workers and a coordinator.
+
+(b) At published scale, simulation only, with synthetic costs from FLOP counts. Assumptions,
+    plainly:
+      - a GPU achieves 989 TFLOP/s (H100 bf16 dense peak) x 40% MFU = 396 TFLOP/s;
+      - forward FLOPs per token = 2 x parameters (attention's quadratic term not modelled),
+        backward = 2 x forward (backward_factor 2), so forward + backward = 3 x forward;
+      - tensor/pipeline parallelism is not modelled: a "replica" is a group of GPUs sized to hold
+        the model, and its throughput is the group's (perfect scaling inside the group):
+        frozen 405B teacher, bf16 weights (810 GB) -> 16 x 80 GB GPUs; trainable models need
+        16 bytes/parameter (bf16 weights + grads, fp32 master + two Adam states): 80B -> 1.28 TB
+        -> 32 GPUs; 405B -> 6.5 TB -> 128 GPUs; a 6B ViT -> 96 GB -> 2 GPUs;
+      - a fixed 20 ms per micro-batch (launch, pipeline fill inside the replica), which is what
+        makes larger micro-batches worth having; activation memory is not limited here;
+      - sequences: log-normal lengths (median 4K tokens) clipped to 256..32K; VLM samples carry
+        an image with probability 0.5, 256..4096 patches (dynamic resolution), and the LLM sees
+        patches / 4 image tokens (2x2 merge), so per_patch_s = per_token_s / 4;
+      - global batch: 512 samples on 64 GPUs, 4096 on 1024 GPUs.
+    For each workload and budget: the tuner's best configuration against the best uniform one
+    (same dp and micro-batch for every section), and a monolithic estimate in which every
+    replica holds all sections (GPUs per replica summed) and runs them one after another:
+    step = sum over sections of work / replicas (perfect balance, no bubbles: optimistic).
+
+Run from the repository root: python -m tools.bench.tune_report [--tiny] [--devices N] [--skip-measured]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import random
+import tempfile
+import time
+from typing import Any
+
+from maestro_flow.config import ArrowData, Cost, Edge, Pipeline, Section
+from maestro_flow.planner.cost import CostModel
+from maestro_flow.planner.simulate import section_work
+from maestro_flow.planner.tune import Tuner, to_overrides
+from maestro_flow.samples import SampleMeta
+from tools.bench.common import median, repo_path, table
+
+ACHIEVED_FLOPS = 989e12 * 0.40
+OVERHEAD_S = 0.020
+
+
+# -- (a) measured on this machine -------------------------------------------------------------
+
+def measured(pipeline: str, devices: int, steps: int, warmup: int, sizes: tuple[int, ...] | None,
+             repeats: int, sets: dict[str, Any], folder: str) -> dict[str, Any]:
+    from maestro_flow.runtime.costfile import read_cost_file
+    from maestro_flow.runtime.profiling import ProfileOptions, profile_pipeline
+    from maestro_flow.runtime.run import RunOptions, run_pipeline
+    from maestro_flow.runtime.tuning import TuneOptions, tune_pipeline
+
+    path = repo_path("pipelines", pipeline)
+    costs_file = os.path.join(folder, f"costs-{pipeline}.json")
+    t0 = time.perf_counter()
+    profile_pipeline(path, ProfileOptions(overrides=dict(sets), out=costs_file, sizes=sizes, repeats=repeats))
+    profile_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    result, _ = tune_pipeline(path, TuneOptions(overrides=dict(sets), devices=devices, costs=costs_file, top=1))
+    tune_s = time.perf_counter() - t0
+    cost_sets = {f"sections.{n}.cost": dataclasses.asdict(p.cost) for n, p in read_cost_file(costs_file)[1].items()}
+    out: dict[str, Any] = {"pipeline": pipeline, "devices": devices, "profile_s": profile_s, "tune_s": tune_s}
+    for label, cand in (("tuned", result.best[0]), ("uniform", result.uniform)):
+        if cand is None:
+            continue
+        overrides = {**sets, **cost_sets, "steps": steps}
+        for item in to_overrides(cand):
+            key, value = item.split("=", 1)
+            overrides[key] = int(value)
+        rows = run_pipeline(path, RunOptions(overrides=overrides, show_progress=False))
+        got = median([r["step_time_s"] for r in rows[warmup:]])
+        out[label] = {"layout": [list(x) for x in cand.layout], "predicted_step_s": cand.step_s,
+                      "measured_step_s": got, "measured_over_predicted": got / cand.step_s}
+    if "uniform" in out:
+        out["predicted_gain"] = out["uniform"]["predicted_step_s"] / out["tuned"]["predicted_step_s"]
+        out["measured_gain"] = out["uniform"]["measured_step_s"] / out["tuned"]["measured_step_s"]
+    return out
+
+
+# -- (b) published scale, simulated -------------------------------------------------------------
+
+def per_token_s(params: float, gpus: int) -> float:
+    return 2 * params / (gpus * ACHIEVED_FLOPS)
+
+
+def distill_workload(global_batch: int) -> tuple[Pipeline, dict[str, int]]:
+    gpus = {"teacher": 16, "student": 32}
+    head = 2 * 128_256 * 16_384  # the teacher's LM head, run in the student section (FLOPs per token / 2)
+    p = Pipeline(
+        name="distill-405b-80b", data=ArrowData(path="synthetic"), global_batch=global_batch,
+        sections=[
+            Section(name="teacher", stage="synthetic:Teacher", trainable=False,
+                    cost=Cost(per_sample_s=0.0, per_token_s=per_token_s(405e9, gpus["teacher"]))),
+            Section(name="student", stage="synthetic:Student",
+                    cost=Cost(per_sample_s=0.0, per_token_s=per_token_s(80e9 + head / 2, gpus["student"]))),
+        ],
+        edges=[Edge(src="teacher", dst="student", tensors=("hidden",))])
+    return p, gpus
+
+
+def vlm_workload(llm_params: float, llm_gpus: int, global_batch: int) -> tuple[Pipeline, dict[str, int]]:
+    gpus = {"vision": 2, "llm": llm_gpus}
+    tok = per_token_s(llm_params, llm_gpus)
+    p = Pipeline(
+        name=f"vlm-{llm_params / 1e9:.0f}b", data=ArrowData(path="synthetic"), global_batch=global_batch,
+        sections=[
+            Section(name="vision", stage="synthetic:ViT", activates_on="image",
+                    cost=Cost(per_sample_s=0.0, per_patch_s=per_token_s(6e9, gpus["vision"]))),
+            Section(name="llm", stage="synthetic:LLM", cost=Cost(per_sample_s=0.0, per_token_s=tok, per_patch_s=tok / 4)),
+        ],
+        edges=[Edge(src="vision", dst="llm", tensors=("image_embeds",))])
+    return p, gpus
+
+
+def synthetic_samples(n: int, image_share: float, seed: int) -> list[SampleMeta]:
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        tokens = int(min(32_768, max(256, rng.lognormvariate(math.log(4096), 0.9))))
+        image = rng.random() < image_share
+        out.append(SampleMeta(id=i, modalities=frozenset({"text", "image"} if image else {"text"}), num_tokens=tokens,
+                              num_patches=rng.choice((256, 1024, 2304, 4096)) if image else 0))
+    return out
+
+
+def predicted(name: str, pipeline: Pipeline, gpus: dict[str, int], devices: int, image_share: float,
+              max_simulations: int) -> dict[str, Any]:
+    costs = CostModel(costs={s.name: s.cost for s in pipeline.sections})
+    batch = synthetic_samples(pipeline.global_batch, image_share, seed=0)
+    if sum(gpus.values()) > devices:
+        return {"workload": name, "gpus": devices, "fits": False}
+    t0 = time.perf_counter()
+    tuner = Tuner(pipeline, costs, [batch], devices=devices, overhead_s={n: OVERHEAD_S for n in gpus},
+                  replica_devices=gpus, max_micro_batch=32, max_simulations=max_simulations)
+    result = tuner.run(top=1)
+    best, uniform = result.best[0], result.uniform
+    # Monolithic estimate: every replica holds every section and runs them in turn.
+    mono_dp = devices // sum(gpus.values())
+    mb = max(m for _, _, m in uniform.layout) if uniform else 1
+    work = section_work(tuner.graph, tuner.model_at(tuple((n, 1, mb) for n in tuner.order)), batch)
+    mono = sum(work.values()) / mono_dp
+    return {"workload": name, "gpus": devices, "fits": True, "tune_s": time.perf_counter() - t0,
+            "best": best.to_json_dict(), "uniform": uniform.to_json_dict() if uniform else None,
+            "monolithic_estimate_s": mono,
+            "gain_vs_uniform": uniform.step_s / best.step_s if uniform else None,
+            "gain_vs_monolithic": mono / best.step_s}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(prog="python -m tools.bench.tune_report", description=__doc__.splitlines()[0])
+    ap.add_argument("--tiny", action="store_true", help="seconds-long smoke size")
+    ap.add_argument("--devices", type=int, default=3, help="CPU workers for part (a) (default 3)")
+    ap.add_argument("--steps", type=int, help="steps per measured run (default 12, tiny 3)")
+    ap.add_argument("--skip-measured", action="store_true", help="only part (b)")
+    args = ap.parse_args(argv)
+    steps = args.steps or (3 if args.tiny else 12)
+    warmup = 1 if args.tiny else 3
+    out: dict[str, Any] = {"measured": [], "published_scale": []}
+    if not args.skip_measured:
+        sets = {"global_batch": 8} if args.tiny else {}
+        with tempfile.TemporaryDirectory(prefix="maestro-tune-") as folder:
+            for pipeline in ("distill.py", "vlm.py"):
+                out["measured"].append(measured(pipeline, args.devices, steps, warmup,
+                                                (1, 2) if args.tiny else None, 1 if args.tiny else 3, sets, folder))
+        rows = []
+        for m in out["measured"]:
+            for label in ("tuned", "uniform"):
+                if label in m:
+                    r = m[label]
+                    rows.append([m["pipeline"], label, " ".join(f"{n}:{d}x{b}" for n, d, b in r["layout"]),
+                                 r["predicted_step_s"] * 1e3, r["measured_step_s"] * 1e3, r["measured_over_predicted"]])
+        print(f"(a) predicted vs measured on this machine ({args.devices} CPU workers, {steps} steps, "
+              f"first {warmup} left out)")
+        print(table(["pipeline", "config", "dp x micro-batch", "predicted ms", "measured ms", "measured/predicted"],
+                    rows))
+    sizes = (64,) if args.tiny else (64, 1024)
+    sims = 8 if args.tiny else 40
+    for devices in sizes:
+        batch = 512 if devices <= 64 else 4096
+        if args.tiny:
+            batch = 128
+        cases = [("distill 405B->80B", *distill_workload(batch), 0.0),
+                 ("VLM 6B ViT + 80B LLM", *vlm_workload(80e9, 32, batch), 0.5),
+                 ("VLM 6B ViT + 405B LLM", *vlm_workload(405e9, 128, batch), 0.5)]
+        for name, pipeline, gpus, share in cases:
+            out["published_scale"].append(predicted(name, pipeline, gpus, devices, share, sims))
+    rows = []
+    for r in out["published_scale"]:
+        if not r["fits"]:
+            rows.append([r["workload"], r["gpus"], "does not fit", "", "", "", "", "", ""])
+            continue
+        lay = lambda c: " ".join(f"{n}:{v['dp']}x{v['micro_batch']}" for n, v in c["sections"].items())  # noqa: E731
+        rows.append([r["workload"], r["gpus"], lay(r["best"]), r["best"]["step_s"],
+                     lay(r["uniform"]) if r["uniform"] else "-", r["uniform"]["step_s"] if r["uniform"] else "-",
+                     r["gain_vs_uniform"] or "-", r["monolithic_estimate_s"], r["gain_vs_monolithic"]])
+    print("(b) predicted at published scale (synthetic FLOP-count costs; see the docstring)")
+    print(table(["workload", "GPUs", "tuned (replicas x mb)", "step s", "uniform", "uniform step s",
+                 "uniform/tuned", "monolithic est. s", "monolithic/tuned"], rows))
+    return out
+
+
+if __name__ == "__main__":
+    main()
