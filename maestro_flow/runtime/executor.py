@@ -49,6 +49,7 @@ class _Pending:
     grads: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
     leaves: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
     sample_ids: tuple[int, ...] = ()
+    index: int = 0  # the micro-batch's index in the step
 
 
 @dataclass
@@ -192,7 +193,7 @@ class SectionExecutor:
         if self.is_loss:
             self._loss_backward(st, mb, out, leaves)
         elif self.trainable:
-            self._keep_for_backward(st, mb, out, leaves)
+            self._keep_for_backward(st, mb, out, leaves, index)
         elapsed = self.clock() - t0
         if self.record is not None and (self.record[1] is None or st.step in self.record[1]):
             self._record(st, batch, out)
@@ -306,8 +307,8 @@ class SectionExecutor:
                 raise StageFault("backward", st.step, traceback.format_exc()) from None
             self._send_input_grads(st, leaves)
 
-    def _keep_for_backward(self, st: _Step, mb: tuple[int, ...], out: dict, leaves: dict) -> None:
-        pending = _Pending(outputs={}, expected=set(), leaves=leaves, sample_ids=mb)
+    def _keep_for_backward(self, st: _Step, mb: tuple[int, ...], out: dict, leaves: dict, index: int) -> None:
+        pending = _Pending(outputs={}, expected=set(), leaves=leaves, sample_ids=mb, index=index)
         for e in self.graph.needs_grad_from(self.name):
             consumer = self.graph.sections[e.edge.dst]
             per_name = {name: self._per_sample(out, name, len(mb), st.step) for name in e.edge.tensors}
@@ -354,7 +355,7 @@ class SectionExecutor:
                 self.pending_by_sample.pop((st.step, sid), None)
             t0 = self.clock()
             self._waited(st, t0)
-            self._doing("backward", st.step, None)
+            self._doing("backward", st.step, pending.index)
             keys = [k for k in pending.outputs if k in pending.grads]
             if keys:
                 try:
@@ -365,7 +366,8 @@ class SectionExecutor:
             elapsed = self.clock() - t0
             st.busy_s += elapsed
             self._timing(st, "backward", pending.sample_ids, elapsed)
-            self.tracer.span("backward", "compute", t0, t0 + elapsed, step=st.step, samples=list(pending.sample_ids))
+            self.tracer.span("backward", "compute", t0, t0 + elapsed, step=st.step, mb=pending.index,
+                             samples=list(pending.sample_ids))
             return True
         return False
 
