@@ -264,10 +264,11 @@ def data_demo(out_dir: str, num_samples: int, vlm_samples: int, image_share: flo
 
 def _register_tools() -> None:
     """Commands defined in their own modules (their imports stay lazy)."""
+    from maestro_flow.cli_stage import stage
     from maestro_flow.cli_tools import profile, tune
 
-    main.add_command(profile)
-    main.add_command(tune)
+    for command in (profile, stage, tune):
+        main.add_command(command)
 
 
 _register_tools()

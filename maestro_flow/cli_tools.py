@@ -65,8 +65,11 @@ def profile(ctx: click.Context, pipeline: str, sets: tuple[str, ...], out: str |
     for name, body in data["sections"].items():
         c = body["cost"]
         terms = ", ".join(f"{k}={v:.3g}" for k, v in c.items() if v)
-        click.echo(f"{name}: {terms}; overhead/micro-batch {body['micro_batch_overhead_s'] * 1e3:.2f} ms; "
+        step = f"; optimizer step {body['step_overhead_s'] * 1e3:.2f} ms" if body.get("step_overhead_s") else ""
+        click.echo(f"{name}: {terms}; overhead/micro-batch {body['micro_batch_overhead_s'] * 1e3:.2f} ms "
+                   f"+ runtime {body['runtime_overhead_s'] * 1e3:.2f} ms{step}; "
                    f"memory {body['memory_base_mb']:.0f} MB + {body['peak_memory_mb_per_sample']:.1f} MB/sample")
+    click.echo(f"planning: {data['planning_s'] * 1e3:.2f} ms per step")
     click.echo(f"wrote {data['path']}  (use: maestro tune {pipeline} --devices N --costs {data['path']})")
 
 
@@ -83,11 +86,14 @@ def profile(ctx: click.Context, pipeline: str, sets: tuple[str, ...], out: str |
                    "instead of the dataset's; resampled to the global batch.")
 @click.option("--write", "write_to", type=click.Path(dir_okay=False),
               help="Write the best configuration's overrides here, one '--set KEY=VALUE' per line.")
+@click.option("--cpu-cores", type=click.IntRange(min=1),
+              help="Cores the CPU workers share (contention is modelled when workers exceed them) "
+                   "[default: os.cpu_count() when every section is on the CPU, else not modelled].")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 @click.pass_context
 def tune(ctx: click.Context, pipeline: str, sets: tuple[str, ...], devices: int, memory_gb: float | None,
          costs: str | None, top: int, global_batch: int | None, trace_in: str | None, write_to: str | None,
-         as_json: bool) -> None:
+         cpu_cores: int | None, as_json: bool) -> None:
     """Search each section's dp and micro-batch size for PIPELINE within a device budget.
 
     Every configuration that fits the budget, the memory limit and integral fan-out/fan-in across
@@ -106,7 +112,8 @@ def tune(ctx: click.Context, pipeline: str, sets: tuple[str, ...], devices: int,
     try:
         result, notes = tune_pipeline(pipeline, TuneOptions(overrides=parse_set(sets), devices=devices,
                                                             memory_gb=memory_gb, costs=costs,
-                                                            global_batch=global_batch, trace_in=trace_in, top=top))
+                                                            global_batch=global_batch, trace_in=trace_in, top=top,
+                                                            cpu_cores=cpu_cores))
         if write_to:
             write_overrides(write_to, result.best[0])
     except MaestroError as exc:

@@ -20,6 +20,25 @@ Its step time is the wavefront plan's simulated makespan (planner/simulate.py). 
 micro-batch = overhead_s + the linear Cost; the overhead is folded into per_sample_s as
 overhead_s / micro_batch, which is what makes larger micro-batches pay off.
 
+Calibration (runtime costs the stage's compute leaves out; all optional, zero by default):
+  - runtime_s (section -> seconds per micro-batch): the executor's own cost per micro-batch. It
+    and overhead_s are charged per micro-batch the plan actually runs: the wavefront planner
+    may cut a section's samples into micro-batches smaller than its micro_batch (it follows
+    arrivals), so the simulation uses (overhead_s + runtime_s) / mean planned micro-batch size
+    per sample, not / micro_batch;
+  - step_s (section -> seconds per step, trainable sections): optimizer step etc. after the
+    last micro-batch, plus for dp > 1 a gradient all-reduce estimated as
+    2 x grad_mb x (dp - 1) / dp / REDUCE_MB_PER_S (ring all-reduce over loopback); sections
+    step in parallel, so the step adds the largest; planning_s (the coordinator's plan per
+    step) is added once;
+  - cpu_cores: when the replicas are CPU worker processes on one host with fewer cores than
+    workers, a core is shared. Approximation: every compute time is scaled by
+    k = max(1, load / cpu_cores), load = the sum over all replicas of their busy fraction
+    (busy time / makespan) in the simulated step, found by fixed-point iteration (k starts at 1;
+    three rounds). With every worker busy all the time this is workers / cores; idle workers
+    (waiting on inputs) do not count. It ignores the coordinator process and the OS scheduler's
+    unfairness, and it treats the per-step costs as contended like compute.
+
 Search (the simulator costs O(samples x replicas) per configuration, too slow to run on every
 dp vector of a 1024-device budget):
   1. enumerate every feasible dp vector (all integers while a section can have <= 64
@@ -56,6 +75,8 @@ from maestro_flow.planner.cost import CostModel
 from maestro_flow.planner.simulate import simulate
 from maestro_flow.samples import SampleMeta
 
+REDUCE_MB_PER_S = 1000.0  # gloo all-reduce over loopback, order of magnitude (tools/bench/RESULTS.md section 1)
+CONTENTION_ROUNDS = 3
 TIE_TOLERANCE = 0.005  # steps within 0.5% of the fastest count as equal; fewer devices win
 Layout = tuple[tuple[str, int, int], ...]  # (section, dp, micro_batch) in topological order
 
@@ -154,7 +175,9 @@ class Tuner:
                  devices: int, memory_limit_mb: float | None = None,
                  memory: Mapping[str, MemoryModel] | None = None, overhead_s: Mapping[str, float] | None = None,
                  replica_devices: Mapping[str, int] | None = None, max_micro_batch: int = 64,
-                 dp_candidates: int = 6, max_simulations: int = 40) -> None:
+                 dp_candidates: int = 6, max_simulations: int = 40, runtime_s: Mapping[str, float] | None = None,
+                 step_s: Mapping[str, float] | None = None, grad_mb: Mapping[str, float] | None = None,
+                 planning_s: float = 0.0, cpu_cores: int | None = None) -> None:
         if devices < 1:
             raise PipelineError(f"tune: --devices must be >= 1, got {devices}")
         self.pipeline = pipeline
@@ -169,6 +192,11 @@ class Tuner:
         self.memory = {n: (memory or {}).get(n, MemoryModel()) for n in self.order}
         self.overhead = {n: float((overhead_s or {}).get(n, 0.0)) for n in self.order}
         self.rdev = {n: int((replica_devices or {}).get(n, 1)) for n in self.order}
+        self.runtime = {n: float((runtime_s or {}).get(n, 0.0)) for n in self.order}
+        self.step_cost = {n: float((step_s or {}).get(n, 0.0)) for n in self.order}
+        self.grad_mb = {n: float((grad_mb or {}).get(n, 0.0)) for n in self.order}
+        self.planning_s = float(planning_s)
+        self.cpu_cores = cpu_cores
         self.max_mb = max_micro_batch
         self.dp_candidates = dp_candidates
         self.max_simulations = max_simulations
@@ -190,9 +218,22 @@ class Tuner:
 
     # -- cost and memory at a micro-batch size -------------------------------------------------
 
-    def cost_at(self, name: str, mb: int) -> Cost:
+    def cost_at(self, name: str, mb: float, scale: float = 1.0) -> Cost:
+        """Cost per sample at (mean) micro-batch size `mb`, fixed costs included, times `scale`."""
         c = self.costs.costs[name]
-        return dataclasses.replace(c, per_sample_s=c.per_sample_s + self.overhead[name] / mb)
+        per_sample = c.per_sample_s + (self.overhead[name] + self.runtime[name]) / mb
+        return dataclasses.replace(c, per_sample_s=per_sample * scale, per_token_s=c.per_token_s * scale,
+                                   per_patch_s=c.per_patch_s * scale, per_frame_s=c.per_frame_s * scale)
+
+    def end_of_step_s(self, layout: Layout) -> float:
+        """Per-step costs after the last micro-batch (uncontended): the slowest section's
+        optimizer step + all-reduce estimate, plus one plan."""
+        worst = 0.0
+        for n, dp, _ in layout:
+            if self.graph.sections[n].trainable:
+                reduce = 2 * self.grad_mb[n] * (dp - 1) / dp / REDUCE_MB_PER_S if dp > 1 else 0.0
+                worst = max(worst, self.step_cost[n] + reduce)
+        return worst + self.planning_s
 
     def model_at(self, layout: Layout) -> CostModel:
         return dataclasses.replace(self.costs, costs={**self.costs.costs,
@@ -307,12 +348,29 @@ class Tuner:
         costs = self.model_at(layout)
         planner = make_planner("wavefront", graph, costs)
         spans, bounds, busy = [], [], {n: 0.0 for n in self.order}
+        fixed = self.end_of_step_s(layout)
+        workers = sum(d for _, d, _ in layout)
         for step, batch in enumerate(self.batches):
-            sim = simulate(planner.plan(step, batch), graph, costs)
-            spans.append(sim.makespan_s)
+            plan = planner.plan(step, batch)
+            planned = {}
+            for n in self.order:
+                mbs = [mb for rep in plan.replicas[n] for mb in rep if mb]
+                planned[n] = sum(len(mb) for mb in mbs) / len(mbs) if mbs else 1.0
+            scale, used, sim = 1.0, 1.0, None
+            contended = bool(self.cpu_cores) and workers > (self.cpu_cores or 0)
+            for _ in range(CONTENTION_ROUNDS + 1 if contended else 1):
+                sim_costs = dataclasses.replace(costs, costs={**costs.costs, **{
+                    n: self.cost_at(n, planned[n], scale) for n in self.order}})
+                sim, used = simulate(plan, graph, sim_costs), scale
+                if not contended or sim.makespan_s <= 0:
+                    break
+                load = sum(sum(b) for b in sim.busy_s.values()) / sim.makespan_s
+                scale = max(1.0, load / self.cpu_cores)
+            step_s = sim.makespan_s + fixed * used
+            spans.append(step_s)
             bounds.append(sim.lower_bound_s)
             for n in self.order:
-                busy[n] += sum(sim.busy_s[n]) / (sim.makespan_s * by_name[n][0]) if sim.makespan_s > 0 else 0.0
+                busy[n] += sum(sim.busy_s[n]) / (step_s * by_name[n][0]) if step_s > 0 else 0.0
         k = len(self.batches)
         cand = Candidate(layout=layout, step_s=sum(spans) / k, lower_bound_s=sum(bounds) / k,
                          devices=sum(d * self.rdev[n] for n, d, _ in layout),
@@ -443,7 +501,8 @@ def tune(pipeline: Pipeline, costs: CostModel | None, samples: Sequence[SampleMe
 
     `samples` is one global batch of metadata or several (the step time is their mean);
     options: memory_limit_mb, memory (section -> MemoryModel), overhead_s (section -> seconds
-    per micro-batch), replica_devices, max_micro_batch, dp_candidates, max_simulations.
+    per micro-batch), replica_devices, max_micro_batch, dp_candidates, max_simulations, and the
+    calibration (see the module docstring): runtime_s, step_s, grad_mb, planning_s, cpu_cores.
     """
     if costs is None:
         costs = CostModel(costs={s.name: s.cost for s in pipeline.sections})

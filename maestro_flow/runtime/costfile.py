@@ -8,9 +8,16 @@ Format (version 1):
                          "micro_batch_overhead_s": s,      # fixed time per micro-batch (forward)
                          "memory_base_mb": MB,             # parameters, gradients, optimizer state + fixed
                          "peak_memory_mb_per_sample": MB,  # activations per sample in a micro-batch
+                         "runtime_overhead_s": s,          # executor's own cost per micro-batch (calibrated)
+                         "step_overhead_s": s,             # optimizer step etc. once per step (trainable)
+                         "grad_mb": MB,                    # gradient size (all-reduce estimate when dp > 1)
                          "device": "cpu" | "cuda:0", "memory_method": "...",
                          "measurements": [{micro_batch, samples, tokens, patches, frames,
-                                           forward_s, backward_s, peak_mb}, ...]}}}
+                                           forward_s, backward_s, peak_mb}, ...]}},
+     "planning_s": s}                                      # one plan of a global batch (per step)
+
+runtime_overhead_s, step_overhead_s, grad_mb and planning_s were added later (still version 1):
+a file without them reads as 0 (no runtime costs modelled), as before.
 
 `cost` is what the planner uses (Pipeline sections' `cost`); the overhead and memory figures
 are what `maestro tune` adds on top.
@@ -35,6 +42,9 @@ class SectionProfile:
     micro_batch_overhead_s: float = 0.0
     memory_base_mb: float = 0.0
     peak_memory_mb_per_sample: float = 0.0
+    runtime_overhead_s: float = 0.0
+    step_overhead_s: float = 0.0
+    grad_mb: float = 0.0
 
 
 def read_cost_file(path: str) -> tuple[str, dict[str, SectionProfile]]:
@@ -62,11 +72,21 @@ def read_cost_file(path: str) -> tuple[str, dict[str, SectionProfile]]:
             c = Cost(**{k: float(v) for k, v in cost.items()})
             c.validate(where)
             extra = {k: float(body.get(k, 0.0)) for k in ("micro_batch_overhead_s", "memory_base_mb",
-                                                          "peak_memory_mb_per_sample")}
+                                                          "peak_memory_mb_per_sample", "runtime_overhead_s",
+                                                          "step_overhead_s", "grad_mb")}
         except (TypeError, ValueError) as exc:
             raise PipelineError(f"{where}: {exc}") from None
         out[name] = SectionProfile(cost=c, **extra)
     return str(data.get("pipeline", "")), out
+
+
+def read_planning_s(path: str) -> float:
+    """The file's per-step planning time (0 for files written before it was measured)."""
+    try:
+        with open(path) as f:
+            return float(json.load(f).get("planning_s", 0.0))
+    except (OSError, ValueError, TypeError, AttributeError):
+        return 0.0
 
 
 def load_cost_file(path: str) -> dict[str, Cost]:

@@ -25,6 +25,18 @@ hide growth). CPU figures are approximate (allocator caching, page granularity).
 model: memory_base_mb = parameter bytes x (1 frozen; 4 trainable: weights, gradients, two AdamW
 states; 2 for SGD) + the fitted constant; peak_memory_mb_per_sample = the fitted slope of peak
 activation memory against micro-batch size.
+
+Runtime costs (calibration; the stage's compute alone under-predicts a real step):
+  - step_overhead_s (trainable sections): the end-of-step work the executor does once per step,
+    timed on the real stage after a backward — zero-filling missing gradients, dividing by the
+    loss denominator, `optimizer.step()` and `zero_grad` (median of `repeats`); grad_mb is the
+    gradient size, from which the tuner estimates the all-reduce when dp > 1;
+  - runtime_overhead_s: the executor's fixed cost per micro-batch beyond the stage's forward
+    and backward (headers and tensor sends per micro-batch, progress messages, the executor's
+    Python loop, waking the compute thread). It cannot be timed in this one process, so the
+    default (RUNTIME_OVERHEAD_S) was measured from real runs on the 2-core CPU VM of
+    tools/bench/RESULTS.md (see tools/bench/tune_report.py); pass runtime_overhead_s to override;
+  - planning_s: one wavefront plan of the global batch, which the coordinator computes every step.
 """
 
 from __future__ import annotations
@@ -53,6 +65,11 @@ from maestro_flow.stage import MicroBatch
 __all__ = ["ProfileOptions", "profile_pipeline", "load_cost_file", "apply_cost_file", "default_sizes"]
 
 MB = 1 << 20
+# The executor's fixed cost per micro-batch beyond the stage's compute, measured on the 2-core CPU
+# VM of tools/bench/RESULTS.md (2026-11-22): the median over the busy time of real runs of
+# pipelines/distill.py and vlm.py minus the profiled compute of the micro-batches they ran,
+# divided by the micro-batches (see tools/bench/tune_report.py --calibrate).
+RUNTIME_OVERHEAD_S = 1.5e-3
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -63,6 +80,7 @@ class ProfileOptions:
     repeats: int = 3
     threads: int | None = None  # torch CPU threads; default MAESTRO_WORKER_THREADS or 1 (see below)
     log: Any = None  # callable(str) for progress lines, or None
+    runtime_overhead_s: float | None = None  # per micro-batch; default RUNTIME_OVERHEAD_S
 
 
 def default_sizes(micro_batch: int) -> tuple[int, ...]:
@@ -287,7 +305,9 @@ def profile_pipeline(path: str, options: ProfileOptions) -> dict[str, Any]:
     finally:
         torch.set_num_threads(previous_threads)
     data = {"pipeline": pipeline.name, "machine": {**machine_info(), "torch_threads": threads},
-            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "repeats": options.repeats, "sections": report}
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "repeats": options.repeats,
+            "planning_s": _planning_s(pipeline, graph, list(checked.metadata), options.repeats),
+            "sections": report}
     out = options.out or os.path.join("runs", f"costs-{pipeline.name}.json")
     write_cost_file(out, data)
     data["path"] = out
@@ -320,11 +340,67 @@ def _profile(single: Pipeline, graph: SectionGraph, checked: Any, sizes: dict[st
                 log(f"{n}: micro-batch {m}: forward {statistics.median(r['forward_s'] for r in rows[-len(starts):]) * 1e3:.1f} ms")
             fitted = fit_section(sec.section.cost, rows, sec.section.trainable, sec.param_mb(),
                                  str(sec.section.optimizer.get("name")))
+            if sec.section.trainable:
+                fitted["step_overhead_s"] = _time_optimizer_step(sec, pool[:sec.section.micro_batch], outputs,
+                                                                 options.repeats)
+                fitted["grad_mb"] = sec.param_mb()
+                log(f"{n}: optimizer step {fitted['step_overhead_s'] * 1e3:.1f} ms ({fitted['grad_mb']:.1f} MB of gradients)")
+            else:
+                fitted["step_overhead_s"], fitted["grad_mb"] = 0.0, 0.0
+            fitted["runtime_overhead_s"] = (RUNTIME_OVERHEAD_S if options.runtime_overhead_s is None
+                                            else options.runtime_overhead_s)
             report[n] = {**fitted, "device": str(sec.device),
                          "memory_method": "cuda max_memory_allocated" if sec.device.type == "cuda"
                          else "process RSS peak (1 ms sampling, after malloc_trim)",
                          "measurements": rows}
     return report
+
+
+def _time_optimizer_step(sec: _Section, mb: list[SampleMeta], outputs: dict, repeats: int) -> float:
+    """The executor's end-of-step work on the real stage (see _optimizer_step in executor.py):
+    zero-fill missing gradients, divide by the denominator, optimizer step, zero_grad."""
+    from maestro_flow.runtime.optim import build_optimizer
+
+    params = [p for p in sec.stage.parameters() if p.requires_grad]
+    if not params:
+        return 0.0
+    optimizer = build_optimizer(dict(sec.section.optimizer), params)
+    times = []
+    for r in range(repeats + 1):
+        sec.zero_grad()
+        out = sec.forward(sec.batch(mb, outputs))
+        sec.backward(out)
+        del out
+        sec.sync()
+        t0 = time.perf_counter()
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            p.grad.div_(float(len(mb)))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        sec.sync()
+        if r:
+            times.append(time.perf_counter() - t0)
+    sec.zero_grad()
+    return statistics.median(times)
+
+
+def _planning_s(pipeline: Pipeline, graph: SectionGraph, metadata: list[SampleMeta], repeats: int) -> float:
+    """Seconds for one plan of a global batch (the coordinator plans every step)."""
+    from maestro_flow.planner import make_planner
+    from maestro_flow.planner.cost import CostModel
+
+    if not metadata:
+        return 0.0
+    batch = metadata[:pipeline.global_batch]
+    planner = make_planner(pipeline.schedule, graph, CostModel(costs={s.name: s.cost for s in pipeline.sections}))
+    times = []
+    for step in range(repeats + 1):
+        t0 = time.perf_counter()
+        planner.plan(step, batch)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:])
 
 
 def machine_info() -> dict[str, Any]:

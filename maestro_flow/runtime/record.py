@@ -19,6 +19,9 @@ rebuild every entry: a column or input entry is {"kind": "tensor"} | {"kind": "b
 {"kind": "scalar", "value": V} (None is a scalar with value null); an output is
 {"kind": "list", "entries": [entry, ...]} | {"kind": "tensor"} | {"kind": "scalar", "value": V} |
 {"kind": "other", "repr": "..."} (kept for the report only).
+
+Beside them, `weights-step<STEP:06d>.safetensors` (save_weights): the stage's state_dict as it
+was for that step's forwards, so a replay of step N runs with step N's parameters.
 """
 
 from __future__ import annotations

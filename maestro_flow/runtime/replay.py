@@ -78,11 +78,12 @@ class RunResult:
 
 
 def _group(name: str) -> str:
-    """Parameter group of a parameter name: module attribute + child (+ index), e.g. lm.blocks.0."""
-    parts = name.split(".")
-    if len(parts) > 3 and parts[2].isdigit():
-        return ".".join(parts[:3])
-    return ".".join(parts[:2]) if len(parts) > 2 else parts[0]
+    """Parameter group: the name up to its first layer index (model.decoder.layers.0), else attr.child."""
+    parts = name.split(".")[:-1] or name.split(".")
+    for i, part in enumerate(parts[:5]):
+        if part.isdigit():
+            return ".".join(parts[:i + 1])
+    return ".".join(parts[:2])
 
 
 class SectionRunner:
@@ -113,8 +114,9 @@ class SectionRunner:
         self.stage.load_state_dict({k: state[k].to(device=own[k].device, dtype=own[k].dtype) for k in own})
 
     def prepare(self, batch: MicroBatch) -> tuple[MicroBatch, dict[tuple[int, str], torch.Tensor]]:
-        """A fresh copy of `batch` with inputs on the section's device; inputs of gradient edges
-        become leaves requiring grad (trainable sections), as the executor makes them."""
+        """A fresh copy of `batch` with inputs on the section's device (floating ones in the
+        pipeline's dtype); inputs of gradient edges become leaves requiring grad (trainable
+        sections), as the executor makes them."""
         leaves: dict[tuple[int, str], torch.Tensor] = {}
         inputs: dict[str, list[torch.Tensor | None]] = {}
         for name, values in batch.inputs.items():
@@ -122,6 +124,8 @@ class SectionRunner:
             for i, t in enumerate(values):
                 if t is not None:
                     t = t.detach().to(self.device).clone()
+                    if t.is_floating_point() and t.dtype != self.dtype:
+                        t = t.to(self.dtype)  # e.g. replaying a float32 recording with --set dtype=float64
                     if self.trainable and name in self.grad_names and t.is_floating_point():
                         t.requires_grad_(True)
                         leaves[(i, name)] = t
@@ -377,7 +381,7 @@ def _run_settings_note(run_dir: str, pipeline: Pipeline, name: str) -> str | Non
     if recorded.get("dtype", pipeline.dtype) != pipeline.dtype:
         differ.append("dtype")
     if differ:
-        return (f"note: the run used other settings for {name!r} ({', '.join(differ)} differ from {path}); "
+        return (f"note: the run used other settings for {name!r} ({', '.join(differ)} {'differs' if len(differ) == 1 else 'differ'} from {path}); "
                 "pass the run's --set overrides to replay faithfully")
     return None
 
@@ -640,7 +644,11 @@ def _replay(path: str, pipeline: Pipeline, name: str, options: ReplayOptions, ec
         for folder, step, _index, file in recorded:
             batch, outputs = load_file(file)
             work.append((batch, outputs, recorded_weights(folder, step) if not options.weights else None))
-        if not options.weights and not any(w for _, _, w in work):
+        if options.weights:
+            pass
+        elif any(w for _, _, w in work):
+            echo("weights: as recorded at each step (RECORDING/weights-stepNNNNNN.safetensors)")
+        else:
             echo("weights: freshly initialised (the recording holds no weights; outputs of steps after 0 "
                  "differ from the run's — pass --weights SAVE_DIR/SECTION.safetensors)")
     else:
@@ -667,12 +675,12 @@ def _replay(path: str, pipeline: Pipeline, name: str, options: ReplayOptions, ec
         echo(f"step {batch.step} micro-batch {batch.index}: {len(batch)} sample(s) {batch.sample_ids} "
              f"({', '.join(mods) or 'no modality'})" + (f", weights of step {batch.step}" if weights else ""))
         for col, values in batch.columns.items():
-            echo(f"  column {col:<14} {_column_summary(values)}")
+            echo(f"  column {col:<16} {_column_summary(values)}")
         for inp, values in batch.inputs.items():
-            echo(f"  input  {inp:<14} {describe_value(values)}")
+            echo(f"  input  {inp:<16} {describe_value(values)}")
         result = runner.run(batch, options.repeat)
         for out_name, value in result.outputs.items():
-            echo(f"  output {out_name:<14} {describe_value(value)}")
+            echo(f"  output {out_name:<16} {describe_value(value)}")
         if section.trainable:
             if result.backward_of:
                 total = math.sqrt(sum(v * v for v in result.param_grads.values()))
@@ -692,7 +700,7 @@ def _replay(path: str, pipeline: Pipeline, name: str, options: ReplayOptions, ec
             for d in diffs:
                 verdict = "ok" if d.ok else "MISMATCH"
                 extra = f"  {d.problem}" if d.problem else ""
-                echo(f"  compare {d.name:<13} max abs {d.max_abs:.3g}  max rel {d.max_rel:.3g}  {verdict}{extra}")
+                echo(f"  compare {d.name:<15} max abs {d.max_abs:.3g}  max rel {d.max_rel:.3g}  {verdict}{extra}")
             extra_names = [k for k in result.outputs if k not in want]
             if extra_names:
                 echo(f"  compare: not recorded: {', '.join(extra_names)}")

@@ -4,10 +4,14 @@ Runs in the CLI process; starts nothing and builds no stage. Costs come from `--
 (a `maestro profile` file: fitted costs, per-micro-batch overhead and memory model) or else the
 pipeline's own `Cost` records (no memory model: the memory limit cannot be checked then).
 Sample metadata come from `--trace-in` (JSON Lines) or the pipeline's dataset.
+A cost file also carries the runtime's own costs (per micro-batch, per step, planning), and when
+every section runs on the CPU the simulation shares `cpu_cores` cores between the worker
+processes (default os.cpu_count(); see planner/tune.py for the approximation).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,7 +19,7 @@ from maestro_flow.graph import SectionGraph
 from maestro_flow.planner.cost import CostModel
 from maestro_flow.planner.tune import Candidate, MemoryModel, TuneResult, representative_batch, to_overrides, tune
 from maestro_flow.runtime.build import load_pipeline
-from maestro_flow.runtime.costfile import cost_overrides, read_cost_file
+from maestro_flow.runtime.costfile import cost_overrides, read_cost_file, read_planning_s
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -28,6 +32,7 @@ class TuneOptions:
     trace_in: str | None = None
     top: int = 5
     batches: int = 1  # global batches to average the simulated step over
+    cpu_cores: int | None = None  # CPU contention; default os.cpu_count() when every section is on the CPU
 
 
 def tune_pipeline(path: str, options: TuneOptions) -> tuple[TuneResult, list[str]]:
@@ -38,6 +43,7 @@ def tune_pipeline(path: str, options: TuneOptions) -> tuple[TuneResult, list[str
     pipeline, _ = load_pipeline(path, overrides)
     notes: list[str] = []
     memory, overhead = None, None
+    calibration: dict[str, Any] = {}
     if options.costs:
         _, profiles = read_cost_file(options.costs)
         pipeline = pipeline.override(**cost_overrides(pipeline, {n: p.cost for n, p in profiles.items()},
@@ -45,6 +51,10 @@ def tune_pipeline(path: str, options: TuneOptions) -> tuple[TuneResult, list[str
         memory = {n: MemoryModel(base_mb=p.memory_base_mb, per_sample_mb=p.peak_memory_mb_per_sample)
                   for n, p in profiles.items()}
         overhead = {n: p.micro_batch_overhead_s for n, p in profiles.items()}
+        calibration = {"runtime_s": {n: p.runtime_overhead_s for n, p in profiles.items()},
+                       "step_s": {n: p.step_overhead_s for n, p in profiles.items()},
+                       "grad_mb": {n: p.grad_mb for n, p in profiles.items()},
+                       "planning_s": read_planning_s(options.costs)}
     else:
         notes.append("costs: the pipeline's Cost records (run `maestro profile` and pass --costs for measured ones)")
     pipeline.validate()
@@ -64,9 +74,28 @@ def tune_pipeline(path: str, options: TuneOptions) -> tuple[TuneResult, list[str
     batches = [representative_batch(pool, pipeline.global_batch, seed=pipeline.seed + i)
                for i in range(max(1, options.batches))]
     costs = CostModel(costs={s.name: s.cost for s in pipeline.sections})
+    cores = options.cpu_cores
+    if cores is None and all(on_cpu(s.device) for s in pipeline.sections):
+        cores = os.cpu_count()
+    if cores:
+        notes.append(f"CPU workers share {cores} cores (contention modelled; --cpu-cores to change)")
     result = tune(pipeline, costs, batches, devices=options.devices, top=options.top, memory_limit_mb=limit,
-                  memory=memory, overhead_s=overhead)
+                  memory=memory, overhead_s=overhead, cpu_cores=cores or None, **calibration)
     return result, notes
+
+
+def on_cpu(device: str) -> bool:
+    """Whether a section's device setting puts its workers on the CPU of this host."""
+    if device == "cpu":
+        return True
+    if device == "auto":
+        try:
+            import torch
+
+            return not torch.cuda.is_available()
+        except ImportError:
+            return True
+    return False
 
 
 def format_result(result: TuneResult, current: Candidate | None = None) -> str:

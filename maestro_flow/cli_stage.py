@@ -1,0 +1,88 @@
+"""`maestro stage PIPELINE SECTION`: run one section alone on recorded or synthetic inputs.
+
+Thin: parse, call runtime/replay.py, print. Exit codes: 0 success, 1 `--compare` found an output
+out of tolerance, 2 bad input a user can fix (one "error: ..." line), 3 the stage code raised
+(its traceback is printed; `--pdb` opens the debugger on it).
+"""
+
+from __future__ import annotations
+
+import sys
+import traceback
+
+import click
+
+from maestro_flow.config import parse_set
+from maestro_flow.errors import MaestroError
+
+SET_HELP = "Override a field: top-level (dtype=float64) or sections.NAME.FIELD=value (JSON values)."
+
+
+@click.command(context_settings={"max_content_width": 100})
+@click.argument("pipeline", type=click.Path(dir_okay=False))
+@click.argument("section")
+@click.option("--replay", "run_dir", metavar="RUN_DIR", type=click.Path(file_okay=False),
+              help="Feed the inputs recorded by `maestro run --record SECTION --run-dir RUN_DIR` "
+                   "(RUN_DIR/record/SECTION-REPLICA/). Without it: synthetic inputs.")
+@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help=SET_HELP)
+@click.option("--steps", metavar="0,3-5", help="Recorded steps to replay [default: all recorded].")
+@click.option("--replica", type=int, help="Replay only this replica's recording [default: all].")
+@click.option("--compare", is_flag=True, help="Check the outputs against the recorded ones; exit 1 on a mismatch.")
+@click.option("--atol", type=float, default=1e-5, show_default=True, help="--compare: absolute tolerance.")
+@click.option("--rtol", type=float, default=1e-4, show_default=True, help="--compare: relative tolerance.")
+@click.option("--repeat", type=click.IntRange(1, 1000), default=1, show_default=True,
+              help="Run each micro-batch N times; timings are the median.")
+@click.option("--samples", type=click.IntRange(1, 4096),
+              help="Synthetic mode: number of dataset samples [default: the section's micro_batch].")
+@click.option("--input-shape", "input_shapes", multiple=True, metavar="NAME=DxD",
+              help="Synthetic mode: random normal per-sample inputs of this shape for incoming tensor NAME "
+                   "instead of running the upstream sections.")
+@click.option("--weights", type=click.Path(dir_okay=False, exists=True),
+              help="Load the section's parameters from a saved file (maestro run --save-dir DIR writes "
+                   "DIR/SECTION.safetensors) instead of the recorded or initial ones.")
+@click.option("--pdb", "use_pdb", is_flag=True, help="Drop into the debugger (post mortem) when the stage raises.")
+@click.pass_context
+def stage(ctx: click.Context, pipeline: str, section: str, run_dir: str | None, sets: tuple[str, ...],
+          steps: str | None, replica: int | None, compare: bool, atol: float, rtol: float, repeat: int,
+          samples: int | None, input_shapes: tuple[str, ...], weights: str | None, use_pdb: bool) -> None:
+    """Run SECTION of PIPELINE alone, in this process, and report on it.
+
+    The section's stage is built as a run builds it (seed, dtype, device) and fed either the
+    micro-batches it received in a recorded run (--replay RUN_DIR) or synthetic ones: a few real
+    dataset samples, with incoming tensors computed by running the upstream sections here. For
+    each micro-batch it prints the inputs, every output's shapes, dtype, mean/std/min/max and
+    NaN/Inf counts, for a trainable section the gradient norms per parameter group and of the
+    received tensors (backward of the loss, or of the sum of the outputs' squares / 2), and the
+    forward/backward times. Bisect a numerical problem by replaying one section at a time.
+
+    \b
+    Examples:
+      maestro run pipelines/distill.py --record student --record-steps 0,5 --run-dir runs/kd
+      maestro stage pipelines/distill.py student --replay runs/kd --compare
+      maestro stage pipelines/distill.py student --replay runs/kd --steps 5 --set dtype=float64 --pdb
+      maestro stage pipelines/vlm.py llm --samples 8 --repeat 5     # synthetic inputs
+
+    Exit codes: 0 ok, 1 --compare mismatch, 2 bad input, 3 the stage raised.
+    """
+    from maestro_flow.runtime.replay import ReplayOptions, parse_shapes, parse_steps, replay
+
+    debug = bool((ctx.obj or {}).get("debug"))
+    try:
+        options = ReplayOptions(overrides=parse_set(sets), run_dir=run_dir, replica=replica,
+                                steps=parse_steps(steps), compare=compare, atol=atol, rtol=rtol, repeat=repeat,
+                                samples=samples, input_shapes=parse_shapes(input_shapes), weights=weights,
+                                pdb=use_pdb)
+        code = replay(pipeline, section, options, echo=click.echo)
+    except MaestroError as exc:
+        if debug:
+            raise
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(2)
+    except Exception as exc:
+        if debug:
+            raise
+        click.echo("".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).rstrip(), err=True)
+        click.echo(f"error: section {section!r} raised {type(exc).__name__}: {exc} "
+                   "(rerun with --pdb to debug it)", err=True)
+        sys.exit(3)
+    sys.exit(code)

@@ -1,0 +1,176 @@
+"""`maestro stage PIPELINE SECTION`: one section alone, on recorded or synthetic inputs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from maestro_flow.cli_stage import stage
+from maestro_flow.runtime.build import load_pipeline
+from maestro_flow.runtime.record import load_micro_batches, record_dir, save_micro_batch
+from maestro_flow.runtime.replay import SectionRunner, synthetic_batches
+
+ROOT = Path(__file__).resolve().parents[2]
+DISTILL = str(ROOT / "pipelines" / "distill.py")
+VLM = str(ROOT / "pipelines" / "vlm.py")
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> dict[str, str]:
+    from loaders.demo import build_image_demo, build_text_demo
+
+    out = tmp_path_factory.mktemp("stage-demo")
+    return {"text": str(build_text_demo(out, num_samples=64, parquet=False)),
+            "vlm": str(build_image_demo(out, num_samples=48, image_share=0.4))}
+
+
+def _invoke(*args: str):
+    return CliRunner().invoke(stage, list(args), catch_exceptions=False)
+
+
+def _fake_recording(pipeline_file: str, section: str, run_dir: Path, overrides: dict, samples: int) -> int:
+    """What `maestro run --record SECTION` writes, made here by running the section itself."""
+    pipeline, _ = load_pipeline(pipeline_file, overrides)
+    runner = SectionRunner(pipeline, section)
+    batches = synthetic_batches(pipeline, section, samples)
+    for i, batch in enumerate(batches):
+        batch.step, batch.index = i // 2, i % 2
+        prepared, _ = runner.prepare(batch)  # inputs as the executor hands them (grad leaves)
+        out = runner.run(batch).outputs
+        save_micro_batch(record_dir(str(run_dir), section, 0), prepared, out)
+    return len(batches)
+
+
+@pytest.mark.timeout(120)
+def test_replay_compare_matches_then_detects_perturbation(data, tmp_path):
+    sets = ["--set", f"data.path={data['text']}"]
+    n = _fake_recording(DISTILL, "student", tmp_path, {"data.path": data["text"]}, samples=5)
+    assert n == 3
+    result = _invoke(DISTILL, "student", "--replay", str(tmp_path), "--compare", "--repeat", "2", *sets)
+    assert result.exit_code == 0, result.output
+    out = result.output
+    assert "inputs: recorded in" in out and "3 micro-batch(es), step(s) 0, 1" in out
+    assert "input  hidden" in out and "output loss" in out and "backward of loss" in out
+    assert "compare loss" in out and "MISMATCH" not in out
+    assert "all outputs match the recording" in out and "median of 2" in out
+
+    only = _invoke(DISTILL, "student", "--replay", str(tmp_path), "--steps", "1", "--compare", *sets)
+    assert only.exit_code == 0 and "step 0 micro-batch" not in only.output and "step 1 micro-batch 0" in only.output
+
+    # Perturb one recorded loss: compare must fail with exit 1 and name the output.
+    folder = record_dir(str(tmp_path), "student", 0)
+    batch, outputs = load_micro_batches(folder)[0]
+    outputs["loss"] = outputs["loss"] + 1.0
+    save_micro_batch(folder, batch, outputs)
+    bad = _invoke(DISTILL, "student", "--replay", str(tmp_path), "--compare", *sets)
+    assert bad.exit_code == 1, bad.output
+    assert "MISMATCH" in bad.output and "1 output(s) differ" in bad.output
+
+
+@pytest.mark.timeout(120)
+def test_replay_errors_are_one_line(data, tmp_path):
+    sets = ["--set", f"data.path={data['text']}"]
+    missing = CliRunner().invoke(stage, [DISTILL, "student", "--replay", str(tmp_path), *sets])
+    assert missing.exit_code == 2 and "error: --replay: no recording of section 'student'" in missing.output
+    assert "Traceback" not in missing.output
+    unknown = CliRunner().invoke(stage, [DISTILL, "nope", *sets])
+    assert unknown.exit_code == 2 and "error: no section named 'nope'" in unknown.output
+    no_rec = CliRunner().invoke(stage, [DISTILL, "student", "--compare", *sets])
+    assert no_rec.exit_code == 2 and "--compare needs --replay" in no_rec.output
+
+
+@pytest.mark.timeout(120)
+def test_synthetic_llm_inputs_come_from_the_vision_section(data):
+    result = _invoke(VLM, "llm", "--set", f"data.path={data['vlm']}", "--samples", "4")
+    assert result.exit_code == 0, result.output
+    out = result.output
+    assert "inputs: synthetic" in out
+    assert "computed by section 'vision'" in out
+    assert "input  image_embeds" in out and "None)" in out  # image samples get embeddings, text ones None
+    assert "output loss" in out and "input grad image_embeds" in out
+
+
+@pytest.mark.timeout(120)
+def test_synthetic_vision_and_random_inputs(data):
+    vision = _invoke(VLM, "vision", "--set", f"data.path={data['vlm']}", "--samples", "2")
+    assert vision.exit_code == 0, vision.output
+    assert "column image" in vision.output and "output image_embeds" in vision.output
+    assert "backward of sum of outputs' squares / 2" in vision.output
+    rand = _invoke(VLM, "llm", "--set", f"data.path={data['vlm']}", "--input-shape", "image_embeds=36x64")
+    assert rand.exit_code == 0, rand.output
+    assert "random normal" in rand.output and "computed by section" not in rand.output
+
+
+FAKE_STAGE = '''
+import torch
+from maestro_flow.stage import Stage
+
+
+class Exploding(Stage):
+    @classmethod
+    def outputs(cls, config):
+        return ("loss",)
+
+    def __init__(self, config, ctx):
+        super().__init__(config, ctx)
+        self.lin = torch.nn.Linear(2, 2)
+
+    def forward(self, batch):
+        raise FloatingPointError("boom in forward")
+'''
+
+FAKE_PIPELINE = '''
+from maestro_flow import ArrowData, Pipeline, Section
+
+
+def pipeline(**overrides):
+    return Pipeline(name="fake", data=ArrowData(path={path!r}), global_batch=2, steps=1,
+                    sections=[Section(name="boom", stage="replay_fake_stage:Exploding", micro_batch=2)]
+                    ).override(**overrides)
+'''
+
+
+@pytest.mark.timeout(120)
+def test_pdb_post_mortem_on_stage_exception(data, tmp_path, monkeypatch):
+    import pdb
+
+    (tmp_path / "replay_fake_stage.py").write_text(FAKE_STAGE)
+    (tmp_path / "fake.py").write_text(FAKE_PIPELINE.format(path=data["text"]))
+    seen = []
+    monkeypatch.setattr(pdb, "post_mortem", lambda tb=None: seen.append(tb))
+    result = CliRunner().invoke(stage, [str(tmp_path / "fake.py"), "boom", "--pdb"])
+    assert result.exit_code == 3, result.output
+    assert len(seen) == 1 and seen[0] is not None
+    frames = []
+    tb = seen[0]
+    while tb is not None:
+        frames.append(tb.tb_frame.f_code.co_name)
+        tb = tb.tb_next
+    assert frames[-1] == "forward"  # the debugger opens where the stage raised
+    assert "FloatingPointError: boom in forward" in result.output
+
+    seen.clear()
+    plain = CliRunner().invoke(stage, [str(tmp_path / "fake.py"), "boom"])
+    assert plain.exit_code == 3 and not seen and "rerun with --pdb" in plain.output
+
+
+def test_stage_registered_in_main_cli():
+    from maestro_flow.cli import main
+
+    if "stage" not in main.commands:
+        pytest.skip("cli.py does not register `stage` yet")
+    result = CliRunner().invoke(main, ["stage", "--help"])
+    assert result.exit_code == 0 and "--replay RUN_DIR" in result.output
+
+
+def test_runner_inputs_are_grad_leaves(data):
+    pipeline, _ = load_pipeline(VLM, {"data.path": data["vlm"]})
+    runner = SectionRunner(pipeline, "llm")
+    [batch] = synthetic_batches(pipeline, "llm", 4)
+    prepared, leaves = runner.prepare(batch)
+    assert leaves and all(t.requires_grad and t.is_leaf for t in leaves.values())
+    assert all(t is None or not t.requires_grad for t in batch.inputs["image_embeds"])
+    assert isinstance(prepared.inputs["image_embeds"][0], (torch.Tensor, type(None)))

@@ -1,0 +1,135 @@
+"""Recording of one micro-batch (runtime/record.py): save/load round trips."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from safetensors import safe_open
+
+from maestro_flow.runtime.record import (
+    load_micro_batches,
+    record_dir,
+    recorded_weights,
+    recording_dirs,
+    save_micro_batch,
+    save_weights,
+)
+from maestro_flow.stage import MicroBatch
+
+
+def _same(a, b) -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
+        assert torch.equal(a, b)
+    elif isinstance(a, list):
+        assert isinstance(b, list) and len(a) == len(b)
+        for x, y in zip(a, b, strict=True):
+            _same(x, y)
+    else:
+        assert type(a) is type(b) and a == b
+
+
+def _check(batch: MicroBatch, outputs: dict, tmp_path) -> tuple[MicroBatch, dict]:
+    path = save_micro_batch(str(tmp_path), batch, outputs)
+    assert path.endswith(f"step{batch.step:06d}-mb{batch.index:04d}.safetensors")
+    [(got, got_out)] = load_micro_batches(str(tmp_path))
+    assert (got.step, got.index, got.sample_ids, got.modalities) == (
+        batch.step, batch.index, batch.sample_ids, batch.modalities)
+    assert set(got.columns) == set(batch.columns) and set(got.inputs) == set(batch.inputs)
+    for name in batch.columns:
+        _same([v.detach() if isinstance(v, torch.Tensor) else v for v in batch.columns[name]], got.columns[name])
+    for name in batch.inputs:
+        _same([None if v is None else v.detach() for v in batch.inputs[name]], got.inputs[name])
+    assert set(got_out) == set(outputs)
+    for name, value in outputs.items():
+        want = [None if v is None else v.detach() for v in value] if isinstance(value, list) else (
+            value.detach() if isinstance(value, torch.Tensor) else value)
+        _same(want, got_out[name])
+    return got, got_out
+
+
+def test_text_micro_batch_round_trip(tmp_path):
+    hidden = [torch.randn(5, 8, requires_grad=True), torch.randn(3, 8, requires_grad=True)]
+    loss = (hidden[0].sum() + hidden[1].sum()) * 2  # a non-leaf 0-dim tensor with a grad_fn
+    batch = MicroBatch(step=12, index=3, sample_ids=[40, 7], modalities=[frozenset({"text"})] * 2,
+                       columns={"tokens": [torch.arange(5), torch.arange(3) + 100], "id": [40, 7]},
+                       inputs={"hidden": hidden})
+    _, out = _check(batch, {"loss": loss, "loss_denominator": 8}, tmp_path)
+    assert out["loss"].dim() == 0 and out["loss_denominator"] == 8
+    assert out["loss"].dtype == torch.float32
+
+
+def test_image_micro_batch_with_bytes_none_and_list_outputs(tmp_path):
+    png = b"\x89PNG\r\n\x1a\nabc\x00\xff"
+    embeds = [torch.randn(4, 16, dtype=torch.float64), None, torch.randn(9, 16, dtype=torch.float64)]
+    batch = MicroBatch(step=0, index=0, sample_ids=[1, 2, 3],
+                       modalities=[frozenset({"text", "image"}), frozenset({"text"}), frozenset({"image", "text"})],
+                       columns={"image": [png, None, b""], "tokens": [torch.arange(4), torch.arange(2), torch.arange(0)]},
+                       inputs={"image_embeds": embeds})
+    got, out = _check(batch, {"image_embeds": [torch.ones(2, 2), None, torch.zeros(1, 2)],
+                              "pooled": torch.randn(3, 16)}, tmp_path)
+    assert got.columns["image"] == [png, None, b""]
+    assert got.inputs["image_embeds"][1] is None
+    assert out["image_embeds"][1] is None and out["pooled"].shape == (3, 16)
+
+
+def test_audio_columns_numpy_and_scalars(tmp_path):
+    wave = np.linspace(-1, 1, 160, dtype=np.float32)
+    batch = MicroBatch(step=2, index=1, sample_ids=[5], modalities=[frozenset({"audio", "text"})],
+                       columns={"audio": [wave], "sample_rate": [np.int64(16000)], "text": ["hello"]})
+    path = save_micro_batch(str(tmp_path), batch, {"frames": [torch.randn(3, 4).to(torch.bfloat16)]})
+    [(got, out)] = load_micro_batches(str(tmp_path))
+    assert torch.equal(got.columns["audio"][0], torch.from_numpy(wave))
+    assert got.columns["sample_rate"] == [16000] and got.columns["text"] == ["hello"]
+    assert out["frames"][0].dtype == torch.bfloat16
+    with safe_open(path, framework="pt") as f:
+        meta = f.metadata()
+        assert set(f.keys()) == {"columns/audio/0", "outputs/frames/0"}
+    assert json.loads(meta["columns"])["sample_rate"] == [{"kind": "scalar", "value": 16000}]
+    assert json.loads(meta["sample_ids"]) == [5]
+
+
+def test_sorted_by_step_and_index_and_dirs(tmp_path):
+    for step, index in [(3, 0), (1, 2), (1, 0), (10, 1)]:
+        save_micro_batch(record_dir(str(tmp_path), "llm", 1), MicroBatch(
+            step=step, index=index, sample_ids=[step], modalities=[frozenset({"text"})], columns={}), {})
+    (tmp_path / "record" / "llm-0").mkdir()
+    (tmp_path / "record" / "llm-x").mkdir()
+    (tmp_path / "record" / "llm-extra-0").mkdir()
+    dirs = recording_dirs(str(tmp_path), "llm")
+    assert [d.rsplit("/", 1)[1] for d in dirs] == ["llm-0", "llm-1"]
+    assert recording_dirs(str(tmp_path), "vision") == []
+    assert [(b.step, b.index) for b, _ in load_micro_batches(dirs[1])] == [(1, 0), (1, 2), (3, 0), (10, 1)]
+
+
+def test_weights_once_per_step(tmp_path):
+    from maestro_flow.stage import Stage, StageContext
+
+    class Tiny(Stage):
+        def __init__(self, config, ctx):
+            super().__init__(config, ctx)
+            self.lin = torch.nn.Linear(2, 2)
+
+    stage = Tiny({}, StageContext(section="tiny"))
+    assert save_weights(str(tmp_path), 4, stage) is not None
+    assert save_weights(str(tmp_path), 4, stage) is None
+    assert recorded_weights(str(tmp_path), 4) and recorded_weights(str(tmp_path), 5) is None
+    assert load_micro_batches(str(tmp_path)) == []
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.int32, torch.bool])
+def test_dtypes(tmp_path, dtype):
+    t = torch.ones(3, dtype=dtype)
+    batch = MicroBatch(step=0, index=0, sample_ids=[0], modalities=[frozenset({"text"})], columns={},
+                       inputs={"x": [t]})
+    _check(batch, {"y": t.clone()}, tmp_path)
+
+
+def test_views_sharing_storage(tmp_path):
+    base = torch.randn(4, 6)
+    batch = MicroBatch(step=0, index=0, sample_ids=[0, 1], modalities=[frozenset({"text"})] * 2, columns={},
+                       inputs={"x": [base[:2], base[2:].T]})
+    _check(batch, {"y": [base[1:3], base[:, 1]]}, tmp_path)
