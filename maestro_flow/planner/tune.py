@@ -31,31 +31,14 @@ Calibration (runtime costs the stage's compute leaves out; all optional, zero by
     2 x grad_mb x (dp - 1) / dp / REDUCE_MB_PER_S (ring all-reduce over loopback); sections
     step in parallel, so the step adds the largest; planning_s (the coordinator's plan per
     step) is added once;
-  - cpu_cores: when the replicas are CPU worker processes on one host with fewer cores than
-    workers, a core is shared. Approximation: every compute time is scaled by
-    k = max(1, load / cpu_cores), load = the sum over all replicas of their busy fraction
-    (busy time / makespan) in the simulated step, found by fixed-point iteration (k starts at 1;
-    three rounds). With every worker busy all the time this is workers / cores; idle workers
-    (waiting on inputs) do not count. It ignores the coordinator process and the OS scheduler's
-    unfairness, and it treats the per-step costs as contended like compute.
-
-Search (the simulator costs O(samples x replicas) per configuration, too slow to run on every
-dp vector of a 1024-device budget):
-  1. enumerate every feasible dp vector (all integers while a section can have <= 64
-     replicas, else 2^a 3^b 5^c "smooth" numbers), each section at a default micro-batch (the
-     largest power of two that fits memory and its samples per replica), and score it with an
-     analytic lower bound — max of work(S)/dp(S), the per-edge head/tail terms of
-     simulate.lower_bound, and the longest single-sample chain; branches whose partial bound
-     already exceeds the k-th best score are cut;
-  2. simulate the best `dp_candidates` dp vectors (ties: fewer devices);
-  3. around the best few, coordinate descent on micro-batches: for each section try half and
-     double (powers of two within memory and `max_micro_batch`), keep any improvement, repeat
-     until nothing improves or `max_simulations` is spent.
-The uniform baseline (every section the same dp and micro-batch: one layout for everything, as a
-monolithic trainer would use) is searched the same way over (dp, micro_batch) pairs.
-Ranking: simulated step time, then fewer devices, then the configuration's text (deterministic);
-configurations within TIE_TOLERANCE (0.5%) of the fastest count as equally fast, so the fewest
-devices among them comes first.
+  - cpu_cores: when the replicas are CPU worker processes on one host with more workers than
+    cores, every compute and per-step time is scaled by workers / cpu_cores: the cores are
+    assumed shared evenly among the workers all step long. That is exact when every worker is
+    always busy; it over-charges a worker that idles, but on the 2-core VM of
+    tools/bench/RESULTS.md a "waiting" worker is not free (its comm threads, gloo and the
+    coordinator run), and a utilisation-weighted factor (busy fractions / cores) under-predicted
+    the 3-worker runs there (tools/bench/RESULTS.md, tuner section). The coordinator process
+    and the scheduler's unfairness are not modelled.
 """
 
 from __future__ import annotations
@@ -76,7 +59,6 @@ from maestro_flow.planner.simulate import simulate
 from maestro_flow.samples import SampleMeta
 
 REDUCE_MB_PER_S = 1000.0  # gloo all-reduce over loopback, order of magnitude (tools/bench/RESULTS.md section 1)
-CONTENTION_ROUNDS = 3
 TIE_TOLERANCE = 0.005  # steps within 0.5% of the fastest count as equal; fewer devices win
 Layout = tuple[tuple[str, int, int], ...]  # (section, dp, micro_batch) in topological order
 
@@ -225,6 +207,10 @@ class Tuner:
         return dataclasses.replace(c, per_sample_s=per_sample * scale, per_token_s=c.per_token_s * scale,
                                    per_patch_s=c.per_patch_s * scale, per_frame_s=c.per_frame_s * scale)
 
+    def contention(self, workers: int) -> float:
+        """Time scale when `workers` CPU processes share `cpu_cores` cores (module docstring)."""
+        return workers / self.cpu_cores if self.cpu_cores and workers > self.cpu_cores else 1.0
+
     def end_of_step_s(self, layout: Layout) -> float:
         """Per-step costs after the last micro-batch (uncontended): the slowest section's
         optimizer step + all-reduce estimate, plus one plan."""
@@ -334,7 +320,7 @@ class Tuner:
                        self._term(("both_fwd", p, c, mbs[p])) / dps[p] + self._term(("tail", p, c, mbs[p], mbs[c])),
                        self._term(("chain", p, c, mbs[p], mbs[c])))
         self.scored += 1
-        return best
+        return best * self.contention(sum(dps[n] for n in self.order))
 
     # -- evaluation ---------------------------------------------------------------------------
 
@@ -356,17 +342,10 @@ class Tuner:
             for n in self.order:
                 mbs = [mb for rep in plan.replicas[n] for mb in rep if mb]
                 planned[n] = sum(len(mb) for mb in mbs) / len(mbs) if mbs else 1.0
-            scale, used, sim = 1.0, 1.0, None
-            contended = bool(self.cpu_cores) and workers > (self.cpu_cores or 0)
-            for _ in range(CONTENTION_ROUNDS + 1 if contended else 1):
-                sim_costs = dataclasses.replace(costs, costs={**costs.costs, **{
-                    n: self.cost_at(n, planned[n], scale) for n in self.order}})
-                sim, used = simulate(plan, graph, sim_costs), scale
-                if not contended or sim.makespan_s <= 0:
-                    break
-                load = sum(sum(b) for b in sim.busy_s.values()) / sim.makespan_s
-                scale = max(1.0, load / self.cpu_cores)
-            step_s = sim.makespan_s + fixed * used
+            scale = self.contention(workers)
+            sim = simulate(plan, graph, dataclasses.replace(costs, costs={**costs.costs, **{
+                n: self.cost_at(n, planned[n], scale) for n in self.order}}))
+            step_s = sim.makespan_s + fixed * scale
             spans.append(step_s)
             bounds.append(sim.lower_bound_s)
             for n in self.order:

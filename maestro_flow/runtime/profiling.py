@@ -69,7 +69,7 @@ MB = 1 << 20
 # VM of tools/bench/RESULTS.md (2026-11-22): the median over the busy time of real runs of
 # pipelines/distill.py and vlm.py minus the profiled compute of the micro-batches they ran,
 # divided by the micro-batches (see tools/bench/tune_report.py --calibrate).
-RUNTIME_OVERHEAD_S = 1.5e-3
+RUNTIME_OVERHEAD_S = 0.5e-3
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)

@@ -60,6 +60,8 @@ def _check_structure(data: dict, sections: dict[str, str]) -> None:
         # The section's time is explained by something: its per-sample, size term or overhead.
         assert cost["per_sample_s"] + cost[term] + body["micro_batch_overhead_s"] > 0
         assert body["memory_base_mb"] > 0 and body["peak_memory_mb_per_sample"] >= 0
+        assert body["runtime_overhead_s"] > 0 and body["grad_mb"] >= 0
+        assert (body["step_overhead_s"] > 0) == (name != "teacher")  # timed optimizer step if trainable
         sizes = sorted({m["micro_batch"] for m in body["measurements"]})
         assert sizes == [1, 2, 4]
         for m in body["measurements"]:
@@ -99,7 +101,9 @@ def test_profile_distill_then_tune_with_its_costs(tmp_path, demo):
     slow = json.loads(open(costs_file).read())
     for body in slow["sections"].values():
         body["cost"] = {k: (v * 10 if k != "backward_factor" else v) for k, v in body["cost"].items()}
-        body["micro_batch_overhead_s"] *= 10
+        for key in ("micro_batch_overhead_s", "runtime_overhead_s", "step_overhead_s"):
+            body[key] *= 10
+    slow["planning_s"] *= 10
     slow_file = tmp_path / "slow.json"
     slow_file.write_text(json.dumps(slow))
     slowed = CliRunner().invoke(cli, args[:-4] + ["--costs", str(slow_file), "--json"])

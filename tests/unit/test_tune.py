@@ -163,3 +163,57 @@ def test_tune_imports_only_the_standard_library():
             "print(sorted(m for m in ('torch', 'zmq', 'msgpack', 'numpy') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_runtime_costs_lengthen_the_step():
+    """Calibration: a runtime cost per planned micro-batch, an optimizer step per step (plus an
+    all-reduce estimate when dp > 1) and planning time all add to the simulated step."""
+    p, batch = distill(), samples(64)
+    layout = (("teacher", 2, 4), ("student", 2, 4))
+    base = tune(p, None, batch, devices=4).best[0]
+    from maestro_flow.planner.tune import REDUCE_MB_PER_S, Tuner
+
+    def step(**kw):
+        return Tuner(p, _costs(p), [batch], devices=4, **kw).evaluate(layout).step_s
+
+    plain = step()
+    assert step(runtime_s={"teacher": 1e-3, "student": 1e-3}) > plain
+    assert step(step_s={"student": 0.01, "teacher": 0.5}) == pytest.approx(plain + 0.01)  # frozen: no step
+    assert step(step_s={"student": 0.01}, grad_mb={"student": 100}) == pytest.approx(
+        plain + 0.01 + 2 * 100 * 0.5 / REDUCE_MB_PER_S)
+    assert step(planning_s=0.003) == pytest.approx(plain + 0.003)
+    assert base.step_s > 0
+
+
+def test_cpu_contention_scales_busy_workers():
+    p, batch = distill(), samples(64)
+    from maestro_flow.planner.tune import Tuner
+
+    layout = (("teacher", 2, 4), ("student", 2, 4))
+    free = Tuner(p, _costs(p), [batch], devices=4).evaluate(layout)
+    enough = Tuner(p, _costs(p), [batch], devices=4, cpu_cores=4).evaluate(layout)
+    shared = Tuner(p, _costs(p), [batch], devices=4, cpu_cores=2).evaluate(layout)
+    one = Tuner(p, _costs(p), [batch], devices=4, cpu_cores=1).evaluate(layout)
+    assert enough.step_s == free.step_s  # as many cores as workers: no contention
+    assert free.step_s < shared.step_s < one.step_s
+    # Compute scales by workers / cores; only the fixed transfer latency does not.
+    assert shared.step_s == pytest.approx(free.step_s * 2, rel=0.05)
+    assert one.step_s == pytest.approx(free.step_s * 4, rel=0.05)
+
+
+def test_old_cost_files_read_without_runtime_fields(tmp_path):
+    from maestro_flow.runtime.costfile import read_cost_file, read_planning_s
+
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({"version": 1, "sections": {"student": {"cost": {"per_sample_s": 1e-3},
+                                                                      "micro_batch_overhead_s": 2e-3}}}))
+    _, profiles = read_cost_file(str(old))
+    s = profiles["student"]
+    assert (s.micro_batch_overhead_s, s.runtime_overhead_s, s.step_overhead_s, s.grad_mb) == (2e-3, 0.0, 0.0, 0.0)
+    assert read_planning_s(str(old)) == 0.0
+
+
+def _costs(p):
+    from maestro_flow.planner.cost import CostModel
+
+    return CostModel(costs={s.name: s.cost for s in p.sections})

@@ -6,9 +6,14 @@
     the median measured step_time_s (first steps left out) with the predicted step (the
     simulated makespan of the wavefront plan). The best uniform configuration (one dp and
     micro-batch for every section) is run the same way, so the predicted gain can be checked
-    against the measured one. The simulator leaves out gradient all-reduce, optimizer step and
-    control messages, and assumes one core per worker: ratios above 1 are expected on a
-    2-core machine running 3 workers and a coordinator.
+    against the measured one. The prediction includes the calibrated runtime costs of the cost
+    file (per micro-batch runtime overhead, optimizer step per step, planning) and CPU
+    contention (workers sharing os.cpu_count() cores; planner/tune.py). Each run also reports
+    the runtime overhead per micro-batch it implies ("implied runtime ms/mb"): the median over
+    steps of (section busy time - profiled compute of the micro-batches it ran - optimizer
+    step) / micro-batches — how profiling.RUNTIME_OVERHEAD_S was calibrated. Busy time on a
+    contended machine includes time the worker's thread was descheduled, so this figure is an
+    upper bound there.
 
 (b) At published scale, simulation only, with synthetic costs from FLOP counts. Assumptions,
     plainly:
@@ -82,14 +87,50 @@ def measured(pipeline: str, devices: int, steps: int, warmup: int, sizes: tuple[
         for item in to_overrides(cand):
             key, value = item.split("=", 1)
             overrides[key] = int(value)
-        rows = run_pipeline(path, RunOptions(overrides=overrides, show_progress=False))
+        run_dir = os.path.join(folder, f"run-{pipeline}-{label}")
+        rows = run_pipeline(path, RunOptions(overrides=overrides, show_progress=False, run_dir=run_dir))
         got = median([r["step_time_s"] for r in rows[warmup:]])
         out[label] = {"layout": [list(x) for x in cand.layout], "predicted_step_s": cand.step_s,
-                      "measured_step_s": got, "measured_over_predicted": got / cand.step_s}
+                      "measured_step_s": got, "measured_over_predicted": got / cand.step_s,
+                      "implied_runtime_s": implied_runtime_s(path, sets, run_dir, costs_file, warmup)}
     if "uniform" in out:
         out["predicted_gain"] = out["uniform"]["predicted_step_s"] / out["tuned"]["predicted_step_s"]
         out["measured_gain"] = out["uniform"]["measured_step_s"] / out["tuned"]["measured_step_s"]
     return out
+
+
+def implied_runtime_s(path: str, sets: dict[str, Any], run_dir: str, costs_file: str, warmup: int) -> float:
+    """Median over steps and sections of (busy - profiled compute - optimizer step) / micro-batches."""
+    import json
+
+    from maestro_flow.runtime.build import load_pipeline
+    from maestro_flow.runtime.checks import check_pipeline
+    from maestro_flow.runtime.costfile import read_cost_file
+
+    pipeline, _ = load_pipeline(path, dict(sets))
+    meta = {s.id: s for s in check_pipeline(pipeline).metadata}
+    profiles = read_cost_file(costs_file)[1]
+    with open(os.path.join(run_dir, "plans.jsonl")) as f:
+        plans = [json.loads(line) for line in f]
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        metrics = [json.loads(line) for line in f]
+    trainable = {s.name: s.trainable for s in pipeline.sections}
+    values = []
+    for plan, m in list(zip(plans, metrics, strict=False))[warmup:]:
+        for name, prof in profiles.items():
+            c, mbs, compute = prof.cost, 0, 0.0
+            for rep in plan["sections"][name]["replicas"]:
+                for mb in rep:
+                    mbs += 1
+                    f = prof.micro_batch_overhead_s + sum(
+                        c.per_sample_s + c.per_token_s * meta[i].num_tokens + c.per_patch_s * meta[i].num_patches
+                        + c.per_frame_s * meta[i].num_frames for i in mb)
+                    compute += f * (1 + c.backward_factor) if trainable[name] else f
+            replicas = len(plan["sections"][name]["replicas"])
+            busy = m["sections"][name]["busy_s"] - prof.step_overhead_s * replicas
+            if mbs:
+                values.append((busy - compute) / mbs)
+    return median(values) if values else 0.0
 
 
 # -- (b) published scale, simulated -------------------------------------------------------------
@@ -183,11 +224,17 @@ def main(argv: list[str] | None = None) -> dict:
                 if label in m:
                     r = m[label]
                     rows.append([m["pipeline"], label, " ".join(f"{n}:{d}x{b}" for n, d, b in r["layout"]),
-                                 r["predicted_step_s"] * 1e3, r["measured_step_s"] * 1e3, r["measured_over_predicted"]])
+                                 r["predicted_step_s"] * 1e3, r["measured_step_s"] * 1e3, r["measured_over_predicted"],
+                                 r["implied_runtime_s"] * 1e3])
         print(f"(a) predicted vs measured on this machine ({args.devices} CPU workers, {steps} steps, "
               f"first {warmup} left out)")
-        print(table(["pipeline", "config", "dp x micro-batch", "predicted ms", "measured ms", "measured/predicted"],
-                    rows))
+        print(table(["pipeline", "config", "dp x micro-batch", "predicted ms", "measured ms", "measured/predicted",
+                     "implied runtime ms/mb"], rows))
+        for m in out["measured"]:
+            if "uniform" in m:
+                agree = (m["predicted_gain"] > 1) == (m["measured_gain"] > 1)
+                print(f"{m['pipeline']}: uniform/tuned predicted {m['predicted_gain']:.2f}, measured "
+                      f"{m['measured_gain']:.2f} (ranking {'agrees' if agree else 'DISAGREES'})")
     sizes = (64,) if args.tiny else (64, 1024)
     sims = 8 if args.tiny else 40
     for devices in sizes:
