@@ -71,6 +71,7 @@ class Coordinator:
         self.run_dir = run_dir
         self.record = record  # {"dir", "section", "steps"}: what a section records for replay
         self.worker_status: dict[int, dict] = {}
+        self.replica_busy: dict[int, float] = {}  # rank -> busy share of its last step
         self.last_row: dict | None = None
 
     # -- public ----------------------------------------------------------------------------
@@ -209,8 +210,7 @@ class Coordinator:
         workers = []
         for rank in range(self.placement.world_size):
             section, replica = self.placement.who(rank)
-            sec = row.get("sections", {}).get(section)
-            busy = sec["busy_s"] / max(sec["busy_s"] + sec["idle_s"], 1e-12) if sec else None
+            busy = min(1.0, self.replica_busy[rank]) if rank in self.replica_busy else None
             workers.append({"name": f"{section}[{replica}]", "rank": rank, "busy_fraction": busy,
                             "seen_s": now - self.last_seen.get(rank, now), **self.worker_status.get(rank, {})})
         return {"pipeline": self.pipeline.name, "step": self.awaited_step, "steps": self.pipeline.steps,
@@ -264,6 +264,8 @@ class Coordinator:
                 continue
             if msg["t"] == "done":
                 self.last_done[rank] = msg["step"]
+                stats = msg["stats"]
+                self.replica_busy[rank] = stats["busy_s"] / max(stats.get("wall_s", 0.0), 1e-12)
             if msg["t"] == "error":
                 if msg["kind"] == "stage":
                     raise StageError(section=msg["section"], replica=msg["replica"], rank=rank, step=msg["step"],
