@@ -31,6 +31,10 @@ def _fail(exc: BaseException, debug: bool) -> None:
     sys.exit(code)
 
 
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
 def _overrides(sets: tuple[str, ...], costs: str | None = None, pipeline: str | None = None,
                **fields: Any) -> dict[str, Any]:
     out = parse_set(sets)
@@ -130,7 +134,7 @@ def validate(ctx: click.Context, pipeline: str, sets: tuple[str, ...]) -> None:
         p, _ = load_pipeline(pipeline, _overrides(sets))
         checked = check_pipeline(p)
         skipped = getattr(checked.source, "num_skipped", 0)
-        click.echo(f"ok: {p.name}: {len(checked.graph.order)} sections, {len(checked.graph.edges)} edges, "
+        click.echo(f"ok: {p.name}: {_count(len(checked.graph.order), 'section')}, {_count(len(checked.graph.edges), 'edge')}, "
                    f"{sum(s.dp for s in p.sections)} workers, {len(checked.metadata)} samples"
                    + (f" ({skipped} bad rows skipped)" if skipped else ""))
     except MaestroError as exc:
