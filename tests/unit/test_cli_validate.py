@@ -109,7 +109,7 @@ def assert_one_error_line(result, *fragments: str) -> str:
 def test_good_pipeline_is_ok(tmp_path, dataset):
     result = invoke("validate", write_pipeline(tmp_path, dataset))
     assert result.exit_code == 0, result.output
-    assert result.output == "ok: tiny-distill: 2 sections, 1 edges, 3 workers, 64 samples\n"
+    assert result.output == "ok: tiny-distill: 2 sections, 1 edge, 3 workers, 64 samples\n"
 
 
 BAD = [  # id, sections, edges, what the one error line must contain
