@@ -243,9 +243,9 @@ def test_unknown_schedules_are_refused():
 # -- random graphs -------------------------------------------------------------------------
 
 
-@st.composite
-def pipelines(draw) -> Pipeline:
-    """A chain, star or tree of 2-4 sections; each dp a multiple or divisor of its parent's."""
+def draw_tree(draw) -> tuple[int, list[int], list[int]]:
+    """A chain, star or tree of 2-4 sections: (count, parent of each, dp of each), every dp a
+    multiple or divisor of its parent's (shared with test_simulate.py)."""
     n = draw(st.integers(2, 4))
     shape = draw(st.sampled_from(("chain", "star", "tree")))
     parents = [-1] + [i - 1 if shape == "chain" else 0 if shape == "star" else draw(st.integers(0, i - 1))
@@ -255,6 +255,13 @@ def pipelines(draw) -> Pipeline:
         d = dps[parents[i]]
         options = sorted({d, 2 * d, 3 * d} | {d // f for f in (2, 3) if d % f == 0})
         dps.append(draw(st.sampled_from([x for x in options if x <= 8])))
+    return n, parents, dps
+
+
+@st.composite
+def pipelines(draw) -> Pipeline:
+    """A chain, star or tree of 2-4 sections; each dp a multiple or divisor of its parent's."""
+    n, parents, dps = draw_tree(draw)
     sections = [S(f"s{i}", dp=dps[i], micro_batch=draw(st.integers(1, 6)),
                   activates_on=draw(st.sampled_from((None, *MODALITIES)))) for i in range(n)]
     edges = []

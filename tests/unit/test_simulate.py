@@ -23,6 +23,7 @@ from maestro_flow.graph import SectionGraph
 from maestro_flow.planner import CostModel, Plan, make_planner
 from maestro_flow.planner.simulate import Simulation, Task, critical_section, section_work, simulate
 from maestro_flow.samples import SampleMeta
+from tests.unit.test_planner import draw_tree
 
 MODALITIES = ("text", "image", "audio")
 TEXT = frozenset({"text"})
@@ -265,15 +266,7 @@ def _settle_trainable(n: int, edges: list[tuple[int, int]], trainable: list[bool
 def trained_pipelines(draw) -> Pipeline:
     """A chain, star or tree of 2-4 sections (dp multiples/divisors along edges), random
     activations, trainable flags and positive costs."""
-    n = draw(st.integers(2, 4))
-    shape = draw(st.sampled_from(("chain", "star", "tree")))
-    parents = [-1] + [i - 1 if shape == "chain" else 0 if shape == "star" else draw(st.integers(0, i - 1))
-                      for i in range(1, n)]
-    dps = [draw(st.sampled_from((1, 2, 3, 4)))]
-    for i in range(1, n):
-        d = dps[parents[i]]
-        options = sorted({d, 2 * d, 3 * d} | {d // f for f in (2, 3) if d % f == 0})
-        dps.append(draw(st.sampled_from([x for x in options if x <= 8])))
+    n, parents, dps = draw_tree(draw)
     edges = [(parents[i], i) if draw(st.booleans()) else (i, parents[i]) for i in range(1, n)]
     trainable = _settle_trainable(n, edges, [draw(st.sampled_from((True, True, False))) for _ in range(n)])
     money = st.floats(0.01, 2.0, allow_nan=False)
