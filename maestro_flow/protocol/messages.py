@@ -8,7 +8,9 @@ Worker -> coordinator (DEALER -> ROUTER):
   hello      on connect: protocol version, rank, pid, the worker's tensor-header address
   ready      stage built, process groups formed; the worker waits for plans
   heartbeat  every Timeouts.heartbeat_interval_s from the worker's control thread
-  loss       a loss section replica finished its micro-batches: loss sum and denominator
+  loss       a loss section replica finished its micro-batches: loss sum and denominator (sent
+             only when trainable sections upstream need the denominator; the loss section itself
+             sums it with its gradients)
   done       a replica finished a step (after its optimizer step): timings and counts
   error      a stage error or a system error, the traceback formatted as text by the worker
   bye        the worker saved what it was asked to and is exiting
@@ -18,7 +20,8 @@ Coordinator -> worker:
              the coordinator's clock (to align trace timestamps), whether to trace, and what to
              record for replay ({"dir", "section", "steps"} or None)
   plan       one step's plan, restricted to what this replica needs
-  finalize   every loss replica reported: the step's global loss denominator
+  finalize   every loss replica reported: the step's global loss denominator, to the trainable
+             sections upstream of that loss
   stop       shut down (optionally saving trainable parameters first)
 
 Worker -> worker (PUSH -> PULL, on the tensor-header sockets):

@@ -4,7 +4,8 @@ Owns the control socket (ROUTER), the rendezvous store for torch.distributed and
 processes. Startup is a handshake under one deadline (hello -> init -> ready); then for each
 step it asks the planner for a plan, sends each replica its part (up to `lookahead_steps`
 ahead, so forward-only sections can run ahead), turns loss reports into the global loss
-denominator (`finalize`), and turns done reports into metrics. Any error report, dead worker,
+denominator for trainable sections upstream of a loss (`finalize`; the loss section sums its own
+with its gradients), and turns done reports into metrics. Any error report, dead worker,
 silent worker or timeout ends the run: everything is shut down and the error is raised.
 """
 

@@ -89,6 +89,10 @@ class SectionExecutor:
         self.in_edges = graph.inputs(section)
         self.out_edges = graph.outputs(section)
         self.is_loss = section in graph.loss_sections()
+        # Whether trainable sections upstream take their gradients' denominator from this loss.
+        self.feeds_upstream = self.is_loss and any(
+            n != section and graph.sections[n].trainable and graph.loss_sections_of(n) == [section]
+            for n in graph.order)
         self.trainable = self.section.trainable
         self.params = [p for p in stage.parameters() if p.requires_grad] if self.trainable else []
         self.optimizer = build_optimizer(self.section.optimizer, self.params) if self.params else None
@@ -390,20 +394,25 @@ class SectionExecutor:
     def _finish_step(self, st: _Step) -> bool:
         if st.next_mb < len(st.mbs) or st.pending:
             return False
-        if self.is_loss and not st.loss_reported:
+        if self.is_loss and self.feeds_upstream and not st.loss_reported:
+            # Trainable sections upstream need the global denominator: the coordinator sums the
+            # loss replicas' reports and sends it to them (finalize).
             st.loss_reported = True
             self.report("loss", {"step": st.step, "loss_sum": st.loss_sum, "denominator": st.denominator})
             return True
         if self.params:
-            denominator = self.finalized.get(st.step)
-            if denominator is None:
-                return self._wait(st, "wait loss denominator")
+            if self.is_loss:
+                denominator = None  # summed over the DP group with the gradients, below
+            else:
+                denominator = self.finalized.get(st.step)
+                if denominator is None:
+                    return self._wait(st, "wait loss denominator")
+                del self.finalized[st.step]
             t0 = self.clock()
             self._waited(st, t0)
             self._doing("reducing + optimizer", st.step, None)
             self._optimizer_step(st, denominator)
             st.busy_s += self.clock() - t0
-            del self.finalized[st.step]
         self.inbox.pop(st.step, None)
         for key in [k for k in self.progress if k[0] <= st.step]:
             del self.progress[key]
@@ -413,14 +422,20 @@ class SectionExecutor:
         self.steps_done += 1
         return True
 
-    def _optimizer_step(self, st: _Step, denominator: float) -> None:
+    def _optimizer_step(self, st: _Step, denominator: float | None) -> None:
+        """Reduce, divide by the global loss denominator, step. A loss section passes None: its
+        replicas sum their denominators in the same collective as the gradients (no round trip
+        through the coordinator on the critical path)."""
         for p in self.params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)  # a replica with no samples still joins the reduction
+        extra = [st.loss_sum, st.denominator] if denominator is None else []
         if self.reducer is not None:
             t0 = self.clock()
-            self.reducer.all_reduce([p.grad for p in self.params])
+            extra = self.reducer.all_reduce([p.grad for p in self.params], extra)
             self.tracer.span("gradient all-reduce", "reduce", t0, self.clock(), step=st.step)
+        if denominator is None:
+            denominator = extra[1]
         t0 = self.clock()
         if denominator > 0:
             for p in self.params:
@@ -433,6 +448,7 @@ class SectionExecutor:
         wall = self.clock() - st.started
         stage_stats = getattr(self.stage, "stats", None)
         return {"busy_s": st.busy_s, "wall_s": wall, "stage": dict(stage_stats()) if callable(stage_stats) else {},
+                **({"loss_sum": st.loss_sum, "denominator": st.denominator} if self.is_loss else {}),
                 "micro_batches": len(st.mbs), "samples": sum(len(mb) for mb in st.mbs), "tokens": st.tokens,
                 "timings": st.timings,
                 "max_rss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,

@@ -62,8 +62,11 @@ class StepLedger:
         if len(per) < self.placement.dp(section):
             return []
         total = sum(d for _, d in per)
+        # The loss section itself sums its denominators with its gradients; only trainable
+        # sections upstream wait for this one.
         ranks = [r for name in self.graph.order
-                 if self.graph.sections[name].trainable and self.graph.loss_sections_of(name) == [section]
+                 if name != section and self.graph.sections[name].trainable
+                 and self.graph.loss_sections_of(name) == [section]
                  for r in self.placement.ranks[name]]
         return [(ranks, total)]
 
@@ -97,8 +100,13 @@ class StepLedger:
                     counters[k] = counters.get(k, 0) + v
             if counters:
                 sections[name]["stage"] = counters
-        losses = {name: sum(ls for ls, _ in reports) / max(sum(d for _, d in reports), 1e-30)
-                  for name, reports in self.losses.pop(step, {}).items()}
+        self.losses.pop(step, None)
+        # The loss of each loss section, from its replicas' done reports (sum / denominator).
+        losses = {}
+        for name in self.graph.loss_sections():
+            reps = [per[r] for r in self.placement.ranks[name]]
+            losses[name] = (sum(s.get("loss_sum", 0.0) for s in reps)
+                            / max(sum(s.get("denominator", 0.0) for s in reps), 1e-30))
         loss: Any = next(iter(losses.values())) if len(losses) == 1 else losses or None
         del self.done[step]
         row = {"step": step, "loss": loss, "samples": self.samples.pop(step, 0), "tokens": self.tokens.pop(step, 0),

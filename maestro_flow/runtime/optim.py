@@ -33,12 +33,22 @@ class GradientReducer:
     def __init__(self, group: Any) -> None:
         self.group = group
 
-    def all_reduce(self, grads: Sequence[torch.Tensor]) -> None:
+    def all_reduce(self, grads: Sequence[torch.Tensor], extra: Sequence[float] = ()) -> list[float]:
+        """Sum `grads` in place over the group; also sum the numbers `extra` (returned).
+
+        The extras (a loss section's loss sum and denominator) ride in a float64 buffer, in the
+        gradients' own collective when they are float64, else in one small collective of their
+        own; either way every replica takes the same path (it depends on dtypes only)."""
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for g in grads:
             by_dtype.setdefault(g.dtype, []).append(g)
-        for tensors in by_dtype.values():
-            flat = _flatten_dense_tensors(tensors)
+        extras = torch.tensor(list(extra), dtype=torch.float64, device=grads[0].device if grads else "cpu")
+        if len(extras) and torch.float64 not in by_dtype:
+            dist.all_reduce(extras, op=dist.ReduceOp.SUM, group=self.group)
+        for dtype, tensors in by_dtype.items():
+            parts = tensors + ([extras] if dtype == torch.float64 and len(extras) else [])
+            flat = _flatten_dense_tensors(parts)
             dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group)
-            for g, reduced in zip(tensors, _unflatten_dense_tensors(flat, tensors), strict=True):
+            for g, reduced in zip(parts, _unflatten_dense_tensors(flat, parts), strict=True):
                 g.copy_(reduced)
+        return extras.tolist()

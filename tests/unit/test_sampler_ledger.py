@@ -150,7 +150,8 @@ def test_loss_reports_from_every_replica_finalize_the_loss_group():
     graph = distill()  # ranks: teacher 0, student 1 2
     ledger = StepLedger(graph, placement_of(graph))
     assert ledger.on_loss(1, 0, 3.0, 10.0) == []
-    assert ledger.on_loss(2, 0, 5.0, 6.0) == [([1, 2], 16.0)]  # the frozen teacher needs no denominator
+    # The students sum their denominators with their gradients; the frozen teacher needs none.
+    assert ledger.on_loss(2, 0, 5.0, 6.0) == [([], 16.0)]
 
 
 def test_finalize_targets_every_trainable_section_upstream_of_the_loss():
@@ -160,7 +161,7 @@ def test_finalize_targets_every_trainable_section_upstream_of_the_loss():
     assert placement.ranks == {"teacher": (0,), "vision": (1, 2), "llm": (3, 4)}
     ledger = StepLedger(graph, placement)
     assert ledger.on_loss(4, 2, 1.0, 0.0) == []
-    assert ledger.on_loss(3, 2, 2.0, 7.0) == [([1, 2, 3, 4], 7.0)]
+    assert ledger.on_loss(3, 2, 2.0, 7.0) == [([1, 2], 7.0)]  # the trainable encoder upstream
 
 
 def test_two_loss_groups_finalize_separately():
@@ -169,9 +170,9 @@ def test_two_loss_groups_finalize_separately():
     placement = placement_of(graph)
     assert placement.ranks == {"enc_a": (0,), "lm_b": (1,), "lm_a": (2, 3)}  # topological order
     ledger = StepLedger(graph, placement)
-    assert ledger.on_loss(1, 0, 4.0, 2.0) == [([1], 2.0)]
+    assert ledger.on_loss(1, 0, 4.0, 2.0) == [([], 2.0)]
     assert ledger.on_loss(2, 0, 1.0, 1.0) == []
-    assert ledger.on_loss(3, 0, 1.0, 3.0) == [([0, 2, 3], 4.0)]
+    assert ledger.on_loss(3, 0, 1.0, 3.0) == [([0], 4.0)]
 
 
 def test_done_from_every_rank_gives_the_metrics_row():
@@ -179,11 +180,11 @@ def test_done_from_every_rank_gives_the_metrics_row():
     ledger = StepLedger(graph, placement_of(graph))
     samples = [SampleMeta(id=i, row=i, num_tokens=10 * i) for i in range(4)]
     ledger.planned(make_planner("fifo", graph).plan(0, samples), now=100.0)
-    ledger.on_loss(1, 0, 3.0, 10.0)
-    ledger.on_loss(2, 0, 5.0, 6.0)
+    # A loss replica's done report carries its loss sum and denominator.
     assert ledger.on_done(0, 0, stats(0.5, 1, 4), now=101.0) is None
-    assert ledger.on_done(2, 0, stats(0.75, 1, 2), now=101.5) is None
-    row = ledger.on_done(1, 0, {**stats(1.0, 1, 2), "bytes_sent": 10, "max_rss_kb": 2048}, now=102.0)
+    assert ledger.on_done(2, 0, {**stats(0.75, 1, 2), "loss_sum": 5.0, "denominator": 6.0}, now=101.5) is None
+    row = ledger.on_done(1, 0, {**stats(1.0, 1, 2), "bytes_sent": 10, "max_rss_kb": 2048, "loss_sum": 3.0,
+                                "denominator": 10.0}, now=102.0)
     assert set(row) >= {"step", "loss", "samples", "tokens", "step_time_s", "sections"}
     assert row["step"] == 0
     assert row["loss"] == pytest.approx((3.0 + 5.0) / (10.0 + 6.0))
@@ -203,10 +204,8 @@ def test_several_loss_sections_give_a_loss_per_section():
     graph = graph_of([S("lm_a"), S("lm_b")])
     ledger = StepLedger(graph, placement_of(graph))
     ledger.planned(make_planner("fifo", graph).plan(0, [SampleMeta(id=0)]), now=0.0)
-    ledger.on_loss(0, 0, 6.0, 3.0)
-    ledger.on_loss(1, 0, 1.0, 4.0)
-    ledger.on_done(0, 0, stats(0.1, 1, 1), now=1.0)
-    row = ledger.on_done(1, 0, stats(0.1, 1, 1), now=1.0)
+    ledger.on_done(0, 0, {**stats(0.1, 1, 1), "loss_sum": 6.0, "denominator": 3.0}, now=1.0)
+    row = ledger.on_done(1, 0, {**stats(0.1, 1, 1), "loss_sum": 1.0, "denominator": 4.0}, now=1.0)
     assert row["loss"] == {"lm_a": 2.0, "lm_b": 0.25}
 
 

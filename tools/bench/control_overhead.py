@@ -11,9 +11,9 @@ Two parts, run one after the other in one invocation:
         round_trip  DEALER -> ROUTER -> DEALER (worker to coordinator and back), halved = one way.
   (b) the real pipeline (pipelines/distill.py, section mode) for N steps via run_pipeline: the
       number of control messages per step is counted from the plans the coordinator sends
-      (plan per rank, loss and finalize per loss replica, done per rank, one tensor header per
-      (micro-batch, destination replica) and per gradient return, heartbeats per rank and
-      interval), each is charged the slower of its two measured one-way costs, and the total
+      (plan per rank; loss and finalize only where trainable sections upstream of a loss need
+      its denominator; done per rank; one tensor header per (micro-batch, destination replica)
+      and per gradient return; run-ahead progress messages; heartbeats per rank and interval), each is charged the slower of its two measured one-way costs, and the total
       is divided by the micro-batches of the step and by the median step time of the same run.
 
 The overhead is an upper bound: it treats every control message as if it sat on the critical
@@ -31,7 +31,8 @@ from tools.bench.common import median, repo_path, run_spawned, table
 
 # Which measured message stands for each control message type (loss/finalize/heartbeat are
 # smaller than a done report, so charging them the done cost overestimates a little).
-CHARGED_AS = {"plan": "plan", "tensors": "tensors", "loss": "done", "finalize": "done", "done": "done",
+CHARGED_AS = {"plan": "plan", "tensors": "tensors", "progress": "done", "loss": "done", "finalize": "done",
+              "done": "done",
               "heartbeat": "done"}
 
 
@@ -178,12 +179,18 @@ def count_messages(plans: list[Any], graph: Any, placement: Any, heartbeat_inter
                    step_time_s: float) -> dict[str, float]:
     """Control messages per step (averaged over the plans), by type, and micro-batches per step."""
     world = placement.world_size
-    loss_sections = graph.loss_sections()
-    loss_replicas = sum(placement.dp(name) for name in loss_sections)
-    finalize = sum(len(placement.ranks[n]) for L in loss_sections for n in graph.order
-                   if graph.sections[n].trainable and graph.loss_sections_of(n) == [L])
-    headers = micro_batches = 0
+    # A loss section sums its denominators with its gradients; it reports its loss to the
+    # coordinator (which sends the denominator on) only when trainable sections upstream need it.
+    upstream = {L: [n for n in graph.order if n != L and graph.sections[n].trainable
+                    and graph.loss_sections_of(n) == [L]] for L in graph.loss_sections()}
+    loss_replicas = sum(placement.dp(L) for L, ups in upstream.items() if ups)
+    finalize = sum(placement.dp(n) for ups in upstream.values() for n in ups)
+    headers = micro_batches = progress = 0
     for plan in plans:
+        for name in graph.order:  # run-ahead credits: a gated producer hears of each consumer forward
+            for r in range(placement.dp(name)):
+                gated_by = {(c, ci) for mb in plan.gates_of(name, r) for c, ci, _ in mb}
+                progress += sum(len(plan.micro_batches(c, ci)) for c, ci in gated_by)
         mod = {s.id: s.modalities for s in plan.samples}
         for name in graph.order:
             micro_batches += sum(len(plan.micro_batches(name, r)) for r in range(placement.dp(name)))
@@ -197,7 +204,8 @@ def count_messages(plans: list[Any], graph: Any, placement: Any, heartbeat_inter
                     for mb in plan.micro_batches(dst.name, c):
                         headers += len({plan.routes[src.name][s] for s in mb if src.activates(mod[s])})
     n = len(plans)
-    return {"plan": world, "tensors": headers / n, "loss": loss_replicas, "finalize": finalize, "done": world,
+    return {"plan": world, "tensors": headers / n, "progress": progress / n, "loss": loss_replicas,
+            "finalize": finalize, "done": world,
             "heartbeat": world * step_time_s / heartbeat_interval_s, "micro_batches": micro_batches / n}
 
 
