@@ -35,7 +35,7 @@ from torch import Tensor, nn
 
 from maestro_flow import MicroBatch, Stage, StageContext
 from stages.common import Outputs, lengths_of
-from stages.encoder import EncoderConfig, EncoderTrunk, ProjectorMLP, check_int, param_like, scatter, seeded
+from stages.encoder import EncoderConfig, EncoderTrunk, check_int, optional_projector, param_like, scatter, seeded
 
 FRAME_S = 0.025
 HOP_S = 0.01
@@ -137,10 +137,7 @@ class AudioEncoder(Stage):
         super().__init__(config, ctx)
         self.audio_config = cfg = AudioConfig.from_dict(config)
         self.encoder = seeded(AudioTransformer(cfg), seed=cfg.init_seed, n_layers=cfg.n_layers, prefix="encoder.")
-        self.projector: ProjectorMLP | None = None
-        if cfg.project_to is not None:
-            self.projector = seeded(ProjectorMLP(cfg.d_model, cfg.project_to), seed=cfg.init_seed,
-                                    n_layers=cfg.n_layers, prefix="projector.")
+        self.projector = optional_projector(cfg)
 
     @classmethod
     def outputs(cls, config: dict[str, Any]) -> tuple[str, ...]:

@@ -143,3 +143,11 @@ def scatter(values: Sequence[Tensor], where: Sequence[int], size: int) -> list[T
     for i, v in zip(where, values, strict=True):
         out[i] = v
     return out
+
+
+def optional_projector(cfg: EncoderConfig) -> ProjectorMLP | None:
+    """The projector to the LLM width when `project_to` is set (weights named "projector.*")."""
+    if cfg.project_to is None:
+        return None
+    return seeded(ProjectorMLP(cfg.d_model, cfg.project_to), seed=cfg.init_seed, n_layers=cfg.n_layers,
+                  prefix="projector.")

@@ -46,6 +46,7 @@ from stages.encoder import (
     ProjectorMLP,
     check_int,
     load_class,
+    optional_projector,
     param_like,
     scatter,
     seeded,
@@ -113,10 +114,7 @@ class VisionEncoder(Stage):
         super().__init__(config, ctx)
         self.vision_config = cfg = VisionConfig.from_dict(config)
         self.encoder = seeded(ViT(cfg), seed=cfg.init_seed, n_layers=cfg.n_layers, prefix="encoder.")
-        self.projector: ProjectorMLP | None = None
-        if cfg.project_to is not None:
-            self.projector = seeded(ProjectorMLP(cfg.d_model, cfg.project_to), seed=cfg.init_seed,
-                                    n_layers=cfg.n_layers, prefix="projector.")
+        self.projector = optional_projector(cfg)
         self.decoder = None
         if cfg.decoder is not None:
             kwargs = {"max_side": DEFAULT_MAX_SIDE, "patch": cfg.patch, "device": ctx.device, **cfg.decode}

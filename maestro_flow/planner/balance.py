@@ -15,29 +15,13 @@ groups) in all.
 from __future__ import annotations
 
 import heapq
-from collections import deque
 from collections.abc import Callable, Sequence
 
 from maestro_flow.graph import EdgeInfo, SectionGraph
+from maestro_flow.planner.routing import walk
 from maestro_flow.samples import SampleMeta
 
 Cost = Callable[[str, SampleMeta], float]
-Step = tuple[str, str, EdgeInfo]
-
-
-def _walk(graph: SectionGraph, anchor: str, component: list[str]) -> list[Step]:
-    """BFS over the component from the anchor: (known section, next section, edge) steps."""
-    steps, seen, queue = [], {anchor}, deque([anchor])
-    while queue:
-        known = queue.popleft()
-        for e in graph.outputs(known) + graph.inputs(known):
-            other = e.edge.dst if e.edge.src == known else e.edge.src
-            if other in seen or other not in component:
-                continue
-            seen.add(other)
-            steps.append((known, other, e))
-            queue.append(other)
-    return steps
 
 
 def _allowed(e: EdgeInfo, known: str, replica: int) -> range:
@@ -63,7 +47,7 @@ class _Heap:
 
 def assign(graph: SectionGraph, anchor: str, component: list[str], samples: Sequence[SampleMeta],
            cost: Cost) -> dict[str, dict[int, int]]:
-    steps = _walk(graph, anchor, component)
+    steps = walk(graph, anchor)
     sections = graph.sections
     load = {n: [0.0] * sections[n].dp for n in component}
 

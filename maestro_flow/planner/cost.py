@@ -8,7 +8,6 @@ linear in the sample's tokens, patches and frames; a trainable section's backwar
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 from maestro_flow.config import Cost
@@ -28,6 +27,3 @@ class CostModel:
 
     def backward_s(self, section: str, sample: SampleMeta) -> float:
         return self.costs[section].backward_factor * self.sample_s(section, sample)
-
-    def with_cost(self, section: str, cost: Cost) -> CostModel:
-        return dataclasses.replace(self, costs={**self.costs, section: cost})

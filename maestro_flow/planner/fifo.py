@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from maestro_flow.graph import SectionGraph
 from maestro_flow.planner.cost import CostModel
 from maestro_flow.planner.plan import MicroBatches, Plan
-from maestro_flow.planner.routing import components, default_anchor, propagate
+from maestro_flow.planner.routing import components, default_anchor, propagate, walk
 from maestro_flow.samples import SampleMeta
 
 
@@ -44,11 +44,11 @@ class FifoPlanner:
             routes.update(comp_routes)
             # Order sections outward from the anchor so that each one's neighbour is ordered first.
             key: dict[str, dict[int, tuple]] = {}
-            for name in _bfs(graph, anchor):
+            for toward, name in [(None, anchor)] + [(known, other) for known, other, _ in walk(graph, anchor)]:
                 section = graph.sections[name]
                 mine = [s for s in samples if section.activates(s.modalities)]
-                if name != anchor:
-                    ref = key[_toward(graph, name, key)]
+                if toward is not None:  # its neighbour on the path to the anchor, ordered already
+                    ref = key[toward]
                     late = (float("inf"),)
                     mine.sort(key=lambda s, ref=ref, late=late: ref.get(s.id, late + (s.id,)))
                 per_replica: list[list[int]] = [[] for _ in range(section.dp)]
@@ -64,26 +64,3 @@ class FifoPlanner:
 
 def _chunk(ids: list[int], size: int) -> MicroBatches:
     return tuple(tuple(ids[i:i + size]) for i in range(0, len(ids), size))
-
-
-def _bfs(graph: SectionGraph, anchor: str) -> list[str]:
-    order, frontier = [anchor], [anchor]
-    while frontier:
-        nxt = []
-        for n in frontier:
-            for e in graph.outputs(n) + graph.inputs(n):
-                other = e.edge.dst if e.edge.src == n else e.edge.src
-                if other not in order:
-                    order.append(other)
-                    nxt.append(other)
-        frontier = nxt
-    return order
-
-
-def _toward(graph: SectionGraph, name: str, done: dict) -> str:
-    """The already-ordered neighbour of `name` (its neighbour on the path to the anchor)."""
-    for e in graph.outputs(name) + graph.inputs(name):
-        other = e.edge.dst if e.edge.src == name else e.edge.src
-        if other in done:
-            return other
-    raise AssertionError(f"{name} has no ordered neighbour")

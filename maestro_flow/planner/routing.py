@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Sequence
 
-from maestro_flow.graph import SectionGraph
+from maestro_flow.graph import EdgeInfo, SectionGraph
 from maestro_flow.samples import SampleMeta
 
 
@@ -41,6 +41,23 @@ def default_anchor(graph: SectionGraph, component: list[str]) -> str:
     return max(component, key=lambda n: (graph.sections[n].dp, component.index(n)))
 
 
+def walk(graph: SectionGraph, anchor: str) -> list[tuple[str, str, EdgeInfo]]:
+    """Breadth-first over the anchor's component: (known section, next section, edge joining
+    them) steps. The graph is a tree once edges are undirected, so `known` is the next section's
+    one neighbour on the path to the anchor."""
+    steps, seen, queue = [], {anchor}, deque([anchor])
+    while queue:
+        known = queue.popleft()
+        for e in graph.outputs(known) + graph.inputs(known):
+            other = e.edge.dst if e.edge.src == known else e.edge.src
+            if other in seen:
+                continue
+            seen.add(other)
+            steps.append((known, other, e))
+            queue.append(other)
+    return steps
+
+
 def propagate(graph: SectionGraph, anchor: str, anchor_routes: dict[int, int],
               samples: Sequence[SampleMeta], weight: Callable[[str, SampleMeta], float]) -> dict[str, dict[int, int]]:
     """Derive every section's routes in `anchor`'s component from the anchor's routes.
@@ -49,22 +66,14 @@ def propagate(graph: SectionGraph, anchor: str, anchor_routes: dict[int, int],
     producer), the sample goes to the allowed replica with the least `weight` so far.
     """
     routes = {anchor: dict(anchor_routes)}
-    queue = deque([anchor])
-    while queue:
-        known = queue.popleft()
-        for e in graph.outputs(known) + graph.inputs(known):
-            other = e.edge.dst if e.edge.src == known else e.edge.src
-            if other in routes:
-                continue
-            allowed = e.consumers_of if e.edge.src == known else e.producer_of
-            load = [0.0] * graph.sections[other].dp
-            out: dict[int, int] = {}
-            for s in samples:
-                choices = allowed(routes[known][s.id])
-                pick = min(choices, key=lambda r: (load[r], r))
-                out[s.id] = pick
-                if graph.sections[other].activates(s.modalities):
-                    load[pick] += weight(other, s)
-            routes[other] = out
-            queue.append(other)
+    for known, other, e in walk(graph, anchor):
+        allowed = e.consumers_of if e.edge.src == known else e.producer_of
+        load = [0.0] * graph.sections[other].dp
+        out: dict[int, int] = {}
+        for s in samples:
+            pick = min(allowed(routes[known][s.id]), key=lambda r: (load[r], r))
+            out[s.id] = pick
+            if graph.sections[other].activates(s.modalities):
+                load[pick] += weight(other, s)
+        routes[other] = out
     return routes

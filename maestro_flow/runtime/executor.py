@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from maestro_flow.graph import SectionGraph
+from maestro_flow.planner.costfit import Timing
 from maestro_flow.planner.plan import Placement
 from maestro_flow.runtime.optim import GradientReducer, build_optimizer
 from maestro_flow.runtime.trace import Tracer
@@ -240,7 +241,8 @@ class SectionExecutor:
         tokens = sum(st.sizes[s][0] for s in mb)
         patches = sum(st.sizes[s][1] for s in mb)
         frames = sum(st.sizes[s][2] for s in mb)
-        st.timings.append([kind, len(mb), tokens, patches, frames, seconds])
+        st.timings.append(Timing(kind=kind, samples=len(mb), tokens=tokens, patches=patches, frames=frames,
+                                 seconds=seconds).to_list())
 
     def _make_batch(self, st: _Step, index: int, mb: tuple[int, ...], arrived: dict) -> tuple[MicroBatch, dict]:
         rows = [st.rows[sid] for sid in mb]
