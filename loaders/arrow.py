@@ -9,7 +9,8 @@ segment is a zero-copy view of the map) or the row groups of the Parquet files (
 only the requested columns, the last one cached). Construction reads only schemas and footers.
 `metadata()` scans the cheap parts of every segment — ids, modalities, list lengths from offsets,
 null bitmaps — without turning any token into a Python object, and checks every row against the
-contract: declared modalities must match the image/audio columns, ids must be unique.
+contract: declared modalities must match the image/audio columns (or the columns
+`data.modality_columns` names for them, e.g. precomputed `pixel_values`), ids must be unique.
 """
 
 from __future__ import annotations
@@ -205,13 +206,19 @@ class ArrowSource:
                     f"data.path: required column {name!r} is missing in {self._path} "
                     f"(required: {_REQUIRED}; found: {', '.join(names) or 'none'})"
                 )
+        for modality, column in self._data.modality_columns.items():
+            if column not in names:
+                raise PipelineError(f"data.modality_columns.{modality}: no column {column!r} in {self._path} "
+                                    f"(columns: {', '.join(names)})")
         for name, (ok, expected) in _TYPE_RULES.items():
+            if name in ("image", "audio") and self._data.column_of(name) != name:
+                continue  # the modality's payload is in another column; this one is just data
             if name in names and not ok(self._schema.field(name).type):
                 raise PipelineError(
                     f"data.path: column {name!r} must be {expected}, got {self._schema.field(name).type} "
                     f"in {self._path}"
                 )
-        if "audio" in names and "sample_rate" not in names:
+        if self._data.column_of("audio") in names and "sample_rate" not in names:
             raise PipelineError(f"data.path: column 'audio' needs a 'sample_rate' column (int32) in {self._path}")
 
     # -- SampleSource ------------------------------------------------------------------------
@@ -307,8 +314,9 @@ class ArrowSource:
 
     def _scan_rows(self) -> tuple[list[SampleMeta], list[int], list[int]]:
         names = self._schema.names
-        wanted = [c for c in ("id", "modalities", "tokens", "image", "audio", "sample_rate", "num_patches",
-                              "num_frames") if c in names]
+        payload = {m: self._data.column_of(m) for m in ("image", "audio")}
+        wanted = list(dict.fromkeys(c for c in ("id", "modalities", "tokens", payload["image"], payload["audio"],
+                                                "sample_rate", "num_patches", "num_frames") if c in names))
         metas: list[SampleMeta] = []
         skipped_rows: list[int] = []
         skipped_ids: list[int] = []
@@ -320,7 +328,7 @@ class ArrowSource:
             table = self._segment_columns(seg_i, wanted, cache=False)
             cols = {c: _as_array(table.column(c)) for c in wanted}
             n = seg.num_rows
-            scan = _scan_segment(cols, n)
+            scan = _scan_segment(cols, n, payload)
             bad = scan["bad"]
             ids = scan["ids"]
             all_ids.append(ids[scan["id_valid"]])
@@ -328,7 +336,7 @@ class ArrowSource:
                 bad_local = np.nonzero(bad)[0]
                 num_bad += len(bad_local)
                 if first_bad is None:
-                    first_bad = _describe_bad_row(cols, int(bad_local[0]), seg.start + int(bad_local[0]))
+                    first_bad = _describe_bad_row(cols, int(bad_local[0]), seg.start + int(bad_local[0]), payload)
                 skipped_rows.extend((seg.start + bad_local).tolist())
                 skipped_ids.extend(ids[bad_local[scan["id_valid"][bad_local]]].tolist())
             good = np.nonzero(~bad)[0]
@@ -348,8 +356,9 @@ class ArrowSource:
         return metas, skipped_rows, skipped_ids
 
 
-def _scan_segment(cols: dict[str, pa.Array], n: int) -> dict[str, np.ndarray]:
-    """Vectorised per-row checks and counts for one segment (no Python loop over rows)."""
+def _scan_segment(cols: dict[str, pa.Array], n: int, payload: dict[str, str]) -> dict[str, np.ndarray]:
+    """Vectorised per-row checks and counts for one segment (no Python loop over rows).
+    `payload`: modality -> the column that carries it."""
     id_valid = _valid(cols["id"])
     ids = _ints(cols["id"])
     mods = cols["modalities"]
@@ -368,25 +377,26 @@ def _scan_segment(cols: dict[str, pa.Array], n: int) -> dict[str, np.ndarray]:
     bad = ~id_valid | ~mods_valid | (mask == 0) | unknown | ~tokens_valid
     for modality in ("image", "audio"):
         declared = (mask & _BIT[modality]) != 0
-        present = _valid(cols[modality]) if modality in cols else np.zeros(n, dtype=bool)
+        column = payload[modality]
+        present = _valid(cols[column]) if column in cols else np.zeros(n, dtype=bool)
         bad |= declared != present
     zeros = np.zeros(n, dtype=np.int64)
     num_frames = _ints(cols["num_frames"]) if "num_frames" in cols else zeros
-    if "audio" in cols:
+    if payload["audio"] in cols and "sample_rate" in cols:
         rate_valid = _valid(cols["sample_rate"])
         rate = _ints(cols["sample_rate"])
         has_audio = (mask & _BIT["audio"]) != 0
         bad |= has_audio & (~rate_valid | (rate <= 0))
-        if "num_frames" not in cols:
+        if "num_frames" not in cols and _is_list(cols[payload["audio"]].type):
             hop = np.maximum(rate, 1) * AUDIO_FRAME_S
-            num_frames = np.where(has_audio, np.ceil(_list_lengths(cols["audio"]) / hop), 0).astype(np.int64)
+            num_frames = np.where(has_audio, np.ceil(_list_lengths(cols[payload["audio"]]) / hop), 0).astype(np.int64)
     return {"ids": ids, "id_valid": id_valid, "mask": mask, "bad": bad,
             "num_tokens": _list_lengths(cols["tokens"]),
             "num_patches": _ints(cols["num_patches"]) if "num_patches" in cols else zeros,
             "num_frames": num_frames}
 
 
-def _describe_bad_row(cols: dict[str, pa.Array], j: int, row: int) -> str:
+def _describe_bad_row(cols: dict[str, pa.Array], j: int, row: int, payload: dict[str, str]) -> str:
     """One line on why row `row` (local index `j`) is bad; called only for the first bad row."""
     rid = cols["id"][j].as_py()
     if rid is None:
@@ -403,12 +413,13 @@ def _describe_bad_row(cols: dict[str, pa.Array], j: int, row: int) -> str:
     if not cols["tokens"][j].is_valid:
         return f"{where} has null tokens"
     for modality in ("image", "audio"):
-        present = modality in cols and cols[modality][j].is_valid
+        column = payload[modality]
+        present = column in cols and cols[column][j].is_valid
         if modality in mods and not present:
-            what = f"column {modality!r} is null" if modality in cols else f"there is no {modality!r} column"
+            what = f"column {column!r} is null" if column in cols else f"there is no {column!r} column"
             return f"{where} declares modality {modality!r} but {what}"
         if present and modality not in mods:
-            return f"{where} has a value in column {modality!r} but {modality!r} is not in its modalities"
+            return f"{where} has a value in column {column!r} but {modality!r} is not in its modalities"
     if "audio" in mods:
         return f"{where} has audio but no positive sample_rate"
     return f"{where} is inconsistent"

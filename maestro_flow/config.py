@@ -20,6 +20,9 @@ DTYPES = ("float32", "float64", "bfloat16", "float16")
 DEVICES = ("cpu", "cuda", "auto")
 SCHEDULES = ("wavefront", "fifo")
 OPTIMIZERS = ("adamw", "sgd")
+LR_DECAYS = ("cosine", "linear", "constant")
+SCHEDULE_KEYS = ("warmup_steps", "decay", "min_lr")  # optimizer keys that shape the lr, not the optimizer
+MIXED_PRECISION = ("bf16",)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -54,6 +57,27 @@ class ArrowData:
     source: str = "loaders.arrow:ArrowSource"
     placeholder_ids: dict[str, int] = field(default_factory=dict)
     skip_bad_rows: bool = False
+    # False: every epoch takes the rows in file order (step s is rows [s*B, (s+1)*B) of the epoch).
+    shuffle: bool = True
+    # Which column carries a modality's payload, when not the column of that name
+    # (e.g. {"image": "pixel_values"} for precomputed pixel arrays instead of encoded bytes).
+    modality_columns: dict[str, str] = field(default_factory=dict)
+
+    def validate(self) -> None:
+        if not isinstance(self.shuffle, bool):
+            raise PipelineError(f"data.shuffle must be true or false, got {self.shuffle!r}")
+        if not isinstance(self.modality_columns, dict):
+            raise PipelineError(f"data.modality_columns must map modalities to column names, got {self.modality_columns!r}")
+        for modality, column in self.modality_columns.items():
+            if modality not in MODALITIES or modality == "text":
+                raise PipelineError(f"data.modality_columns: {modality!r} is not a payload modality "
+                                    f"(image or audio)")
+            if not isinstance(column, str) or not column:
+                raise PipelineError(f"data.modality_columns.{modality} must be a column name, got {column!r}")
+
+    def column_of(self, modality: str) -> str:
+        """The dataset column that carries `modality`'s payload."""
+        return self.modality_columns.get(modality, modality)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -101,8 +125,21 @@ class Section:
             lr = self.optimizer.get("lr")
             if not isinstance(lr, (int, float)) or lr < 0:
                 raise PipelineError(f"{where}.optimizer.lr must be a number >= 0, got {lr!r}")
+            self._validate_schedule(where, lr)
         self.cost.validate(where)
         _check_plain(self.config, f"{where}.config")
+
+    def _validate_schedule(self, where: str, lr: float) -> None:
+        opt = self.optimizer
+        warmup = opt.get("warmup_steps", 0)
+        if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 0:
+            raise PipelineError(f"{where}.optimizer.warmup_steps must be an integer >= 0, got {warmup!r}")
+        decay = opt.get("decay", "constant")
+        if decay not in LR_DECAYS:
+            raise PipelineError(f"{where}.optimizer.decay must be one of {', '.join(LR_DECAYS)}, got {decay!r}")
+        min_lr = opt.get("min_lr", 0.0)
+        if not isinstance(min_lr, (int, float)) or isinstance(min_lr, bool) or not 0 <= min_lr <= lr:
+            raise PipelineError(f"{where}.optimizer.min_lr must be a number in [0, lr={lr}], got {min_lr!r}")
 
     def activates(self, modalities: frozenset[str] | set[str] | tuple[str, ...]) -> bool:
         return self.activates_on is None or self.activates_on in modalities
@@ -137,6 +174,8 @@ class Pipeline:
     lookahead_steps: int = 1
     run_ahead: int | None = None  # samples a producer may get ahead of each consumer replica
     adapt_costs: bool = True  # refine the sections' Cost from measured micro-batch timings
+    grad_clip: float | None = None  # clip by the global norm of every trainable parameter (None: no clipping)
+    mixed_precision: str | None = None  # "bf16": bf16 autocast compute and transfers, fp32 master weights
 
     def __post_init__(self) -> None:
         # Accept lists from users; store tuples so the record stays hashable and immutable.
@@ -172,6 +211,17 @@ class Pipeline:
             raise PipelineError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.schedule not in SCHEDULES:
             raise PipelineError(f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
+        if self.grad_clip is not None and (not isinstance(self.grad_clip, (int, float))
+                                           or isinstance(self.grad_clip, bool) or not self.grad_clip > 0):
+            raise PipelineError(f"grad_clip must be a number > 0 or None, got {self.grad_clip!r}")
+        if self.mixed_precision is not None:
+            if self.mixed_precision not in MIXED_PRECISION:
+                raise PipelineError(f"mixed_precision must be one of {', '.join(MIXED_PRECISION)} or None, "
+                                    f"got {self.mixed_precision!r}")
+            if self.dtype != "float32":
+                raise PipelineError(f"mixed_precision={self.mixed_precision!r} keeps float32 master weights: "
+                                    f"set dtype to float32 (got {self.dtype!r}) or mixed_precision to None")
+        self.data.validate()
         if not self.sections:
             raise PipelineError("sections must name at least one section")
         for s in self.sections:

@@ -3,6 +3,20 @@
 A stage is built in its worker as `Class(config, ctx)`, owns `torch.nn.Module`s, and maps a
 `MicroBatch` to a dict of outputs. It knows nothing of processes, transfers, gradient reduction,
 optimizers or checkpoints: the runtime does all of that around `forward`.
+
+What the runtime guarantees around a stage:
+- Parameters: the constructor runs with torch's global RNG seeded by `ctx.seed` — the same for
+  every replica of a section (so data-parallel replicas start identical) and different between
+  sections (a hash of the pipeline seed and the section name) — and with torch's default dtype
+  set to `ctx.dtype`; afterwards every module is moved to `ctx.device` and `ctx.dtype`. A stage
+  that wants weights independent of the section (e.g. a teacher head rebuilt elsewhere) seeds
+  its own generator.
+- Samples: each step's global batch comes from a seeded per-epoch shuffle of the dataset (or file
+  order with `data.shuffle=false`), cut into batches with the remainder dropped; the samples of
+  every step, in execution order, are in the run directory's `plans.jsonl`.
+- Columns: `tokens` entries are 1-D int64 tensors; other numeric list columns (e.g. `audio`) are
+  1-D tensors of the column's dtype; binary columns are `bytes`, strings `str`, nested lists and
+  scalars plain Python values, and a null is `None`.
 """
 
 from __future__ import annotations
@@ -15,24 +29,32 @@ import torch
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class StageContext:
-    """Where and how a stage instance runs."""
+    """Where and how a stage instance runs: `module.to(ctx.device, ctx.dtype)` just works.
+
+    `placeholder_ids` is the pipeline's `data.placeholder_ids`: modality -> the token id that marks
+    where that modality's embeddings go in `tokens` (e.g. {"image": 259}); an LLM stage expands
+    each placeholder into the rows its encoder sent. `seed` is the seed the constructor runs
+    under (see the module docstring). `modality_columns` is the pipeline's
+    `data.modality_columns`: which column carries a modality when it is not the column of that
+    name (e.g. {"image": "pixel_values"} for precomputed pixel arrays).
+    """
 
     section: str
     replica: int = 0
     num_replicas: int = 1
-    device: str = "cpu"
-    dtype: str = "float32"
+    device: torch.device = torch.device("cpu")
+    dtype: torch.dtype = torch.float32
     seed: int = 0
     trainable: bool = True
     placeholder_ids: dict[str, int] = field(default_factory=dict)
+    modality_columns: dict[str, str] = field(default_factory=dict)
 
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return getattr(torch, self.dtype)
-
-    @property
-    def torch_device(self) -> torch.device:
-        return torch.device(self.device)
+    def __post_init__(self) -> None:
+        # Accept "cuda:0" / "float64" from callers, hold torch objects.
+        if not isinstance(self.device, torch.device):
+            object.__setattr__(self, "device", torch.device(self.device))
+        if isinstance(self.dtype, str):
+            object.__setattr__(self, "dtype", getattr(torch, self.dtype))
 
 
 @dataclass(kw_only=True, slots=True)
@@ -58,9 +80,11 @@ class MicroBatch:
 class Stage:
     """Base class of user stages.
 
-    Subclasses build their modules in `__init__` and implement `forward`. `outputs(config)`
-    declares the names `forward` returns, so a pipeline can be checked before any worker starts
-    (a terminal trainable section must declare "loss"; an edge may only carry declared names).
+    Subclasses build their modules in `__init__` and implement `forward`. `outputs(config)` is
+    optional: when a stage declares the names `forward` returns, `maestro validate` checks the
+    edges and the loss before any worker starts; when it declares nothing (returns None, the
+    default), the runtime checks its first return instead (a tensor an edge carries, or "loss" for
+    a terminal trainable section, missing is an error naming the section, the class and the name).
     """
 
     def __init__(self, config: dict[str, Any], ctx: StageContext) -> None:
@@ -68,8 +92,8 @@ class Stage:
         self.ctx = ctx
 
     @classmethod
-    def outputs(cls, config: dict[str, Any]) -> tuple[str, ...]:
-        return ()
+    def outputs(cls, config: dict[str, Any]) -> tuple[str, ...] | None:
+        return None
 
     def forward(self, batch: MicroBatch) -> dict[str, torch.Tensor | list[torch.Tensor]]:
         raise NotImplementedError(f"{type(self).__name__}.forward")

@@ -43,7 +43,13 @@ def check_int(value: Any, key: str, *, minimum: int = 1, where: str = "", option
 @dataclass(frozen=True, kw_only=True, slots=True)
 class EncoderConfig:
     """Sizes of an encoder trunk. `project_to`: width of the projector MLP after the final norm
-    (None: no projector, the output width is d_model); `init_seed`: as in LMConfig."""
+    (None: no projector, the output width is d_model); `init_seed`: as in LMConfig.
+
+    `feature_layer`: which hidden state the encoder outputs, counted from the end as LLaVA's
+    `vision_feature_layer`: -1 (default) the last block's output after the final LayerNorm; -2
+    the output of the second-to-last block (no final norm: the last block and the norm get no
+    gradient, as in LLaVA-1.5 with a CLIP tower), ... -(n_layers + 1) the input embeddings.
+    Blocks after the chosen one are not run."""
 
     d_model: int = 64
     n_layers: int = 2
@@ -51,6 +57,7 @@ class EncoderConfig:
     d_ff: int | None = None
     project_to: int | None = None
     init_seed: int | None = None
+    feature_layer: int = -1
 
     @classmethod
     def from_dict(cls: type[C], config: dict[str, Any], *, where: str = "") -> C:
@@ -62,6 +69,10 @@ class EncoderConfig:
     def validate(self, where: str = "") -> None:
         self.block_config().validate(where)  # d_model, n_layers, n_heads, d_ff, init_seed
         check_int(self.project_to, "project_to", where=where, optional=True)
+        if (not isinstance(self.feature_layer, int) or isinstance(self.feature_layer, bool)
+                or not -(self.n_layers + 1) <= self.feature_layer <= -1):
+            raise ValueError(f"{where}feature_layer must be an integer from -{self.n_layers + 1} to -1 "
+                             f"(n_layers={self.n_layers}), got {self.feature_layer!r}")
 
     def block_config(self) -> LMConfig:
         """The LMConfig that sizes each `Block` (vocabulary and positions are unused there)."""
@@ -74,22 +85,25 @@ class EncoderConfig:
 
 
 class EncoderTrunk(nn.Module):
-    """Bidirectional transformer blocks + final LayerNorm over variable-length sequences."""
+    """Bidirectional transformer blocks + final LayerNorm over variable-length sequences; the
+    output is the hidden state `feature_layer` selects (see EncoderConfig)."""
 
     def __init__(self, cfg: EncoderConfig) -> None:
         super().__init__()
         block_cfg = cfg.block_config()
         self.blocks = nn.ModuleList(Block(block_cfg, causal=False) for _ in range(cfg.n_layers))
         self.norm = nn.LayerNorm(cfg.d_model)
+        self.feature_layer = cfg.feature_layer
 
     def forward(self, seqs: Sequence[Tensor]) -> list[Tensor]:
         """Per-sample [L_i, d_model] (L_i >= 1) -> per-sample [L_i, d_model]."""
         lengths = lengths_of(seqs)
         x = pad_right(seqs, 0.0)
         mask = padding_mask(lengths, x.shape[1], x.device)
-        for block in self.blocks:
+        run = len(self.blocks) + 1 + self.feature_layer  # blocks whose output is used
+        for block in self.blocks[:run]:
             x = block(x, mask)
-        return unpad(self.norm(x), lengths)
+        return unpad(self.norm(x) if self.feature_layer == -1 else x, lengths)
 
 
 class ProjectorMLP(nn.Module):

@@ -6,10 +6,16 @@ which rebuilds such a model's LM head for a KD student in another section. The K
 in distill.py; padding and loss sums are in common.py. Knows nothing of grad modes or normalisation.
 
 Config keys: `model_type` (default "gpt2"), `hf_config` (kwargs of the transformers config; for
-gpt2 small dropout-free defaults apply), `init_seed`, `checkpoint` (keys as in the model's
-state_dict), `role`: "teacher" (outputs "hidden": per-sample final hidden states, after gpt2's
-ln_f), "lm" (outputs "loss" sum of next-token CE and "loss_denominator"), or "kd_student" (input
-"hidden"; keys `teacher`, `temperature`, `alpha` as in KDStudent).
+gpt2 small dropout-free defaults apply), `attn_implementation` (passed to transformers as given,
+e.g. "eager", "sdpa"; default: transformers' own choice; may also sit inside `hf_config`),
+`init_seed`, `checkpoint` (keys as in the model's state_dict), `role`: "teacher" (outputs
+"hidden": per-sample final hidden states, after gpt2's ln_f), "lm" (outputs "loss" sum of
+next-token CE and "loss_denominator"), or "kd_student" (input "hidden"; keys `teacher`,
+`temperature`, `alpha` as in KDStudent).
+
+A model size the config leaves out is never taken silently: building the model prints which size
+fields came from defaults (ours for gpt2, transformers' otherwise — for most model types those
+are the full published size, e.g. llama's 4096 x 32 layers) and the resulting parameter count.
 """
 
 from __future__ import annotations
@@ -38,7 +44,10 @@ from stages.weights import read_checkpoint
 
 LOSS = ("loss", "loss_denominator")
 ROLES = {"teacher": ("hidden",), "lm": LOSS, "kd_student": LOSS}
-MODEL_KEYS = ("model_type", "hf_config", "init_seed", "checkpoint")
+MODEL_KEYS = ("model_type", "hf_config", "attn_implementation", "init_seed", "checkpoint")
+# Config fields that size a model (canonical names; gpt2's n_embd etc. map to them).
+SIZE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "n_inner", "num_hidden_layers", "num_attention_heads",
+             "num_key_value_heads", "head_dim", "max_position_embeddings")
 # Small, dropout-free gpt2 (gpt2's own defaults are 124M parameters with dropout 0.1, and its
 # bos/eos ids 50256 would lie outside a small vocabulary).
 GPT2_DEFAULTS: dict[str, Any] = {
@@ -47,29 +56,80 @@ GPT2_DEFAULTS: dict[str, Any] = {
 }
 
 
-def build_hf_model(config: dict[str, Any], *, where: str = "") -> nn.Module:
-    """The transformers causal LM a config describes, with its weights."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+def build_hf_model(config: dict[str, Any], *, where: str = "", quiet: bool = False) -> nn.Module:
+    """The transformers causal LM a config describes, with its weights. Unless `quiet`, says
+    first (on stdout: the worker's log) which size fields came from defaults (describe_size)."""
+    from transformers import AutoModelForCausalLM
 
-    model_type = config.get("model_type", "gpt2")
-    kwargs = {**(GPT2_DEFAULTS if model_type == "gpt2" else {}), **config.get("hf_config", {})}
-    try:
-        hf_config = AutoConfig.for_model(model_type, **kwargs)
-    except (ValueError, TypeError) as exc:
-        raise ValueError(f"{where}model_type/{where}hf_config: {exc}") from exc
-    # Eager attention: exact in float64 and the same kernel on every device.
+    hf_config, attn = hf_model_config(config, where=where)
+    kwargs = {} if attn is None else {"attn_implementation": attn}
+    note = describe_size(config, hf_config, where)
+    if note is not None and not quiet:
+        print(note, flush=True)
     seed = config.get("init_seed")
     if seed is None:
-        model = AutoModelForCausalLM.from_config(hf_config, attn_implementation="eager")
+        model = AutoModelForCausalLM.from_config(hf_config, **kwargs)
     else:
         # transformers initialises from the global RNG: fork it so the seed fixes the weights
         # without disturbing the runtime's RNG stream.
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            model = AutoModelForCausalLM.from_config(hf_config, attn_implementation="eager")
+            model = AutoModelForCausalLM.from_config(hf_config, **kwargs)
     if config.get("checkpoint") is not None:
         load_hf_checkpoint(model, config["checkpoint"])
     return model
+
+
+def hf_model_config(config: dict[str, Any], *, where: str = "") -> tuple[Any, str | None]:
+    """The transformers config a stage config describes, and the attention implementation asked for."""
+    from transformers import AutoConfig
+
+    model_type = config.get("model_type", "gpt2")
+    user = dict(config.get("hf_config", {}))
+    attn = config.get("attn_implementation", user.pop("attn_implementation", None))
+    kwargs = {**(GPT2_DEFAULTS if model_type == "gpt2" else {}), **user}
+    try:
+        hf_config = AutoConfig.for_model(model_type, **kwargs)
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"{where}model_type/{where}hf_config: {exc}") from exc
+    return hf_config, attn
+
+
+def size_defaults(config: dict[str, Any], hf_config: Any) -> dict[str, Any]:
+    """Size fields of `hf_config` that the stage config's `hf_config` did not set and that kept
+    their default (fields derived from the ones set, like llama's head_dim, are not defaults):
+    name -> value."""
+    from transformers import AutoConfig
+
+    bare = AutoConfig.for_model(hf_config.model_type, **(GPT2_DEFAULTS if hf_config.model_type == "gpt2" else {}))
+    aliases = dict(getattr(hf_config, "attribute_map", {}))
+    given = {aliases.get(k, k) for k in config.get("hf_config", {})} | set(config.get("hf_config", {}))
+    out = {}
+    for key in SIZE_KEYS:
+        name = aliases.get(key, key)
+        if key in given or name in given:
+            continue
+        value = getattr(hf_config, key, None)
+        if value is not None and value == getattr(bare, key, None):
+            out[name] = value
+    return out
+
+
+def describe_size(config: dict[str, Any], hf_config: Any, where: str = "") -> str | None:
+    """One line naming the size fields taken from defaults and the parameter count they give (the
+    model is built on the meta device for it: no memory, no time), or None when all were set."""
+    from transformers import AutoModelForCausalLM
+
+    defaults = size_defaults(config, hf_config)
+    if not defaults:
+        return None
+    source = "maestro_flow's small gpt2 defaults" if hf_config.model_type == "gpt2" else "transformers' defaults"
+    with torch.device("meta"):
+        count = sum(p.numel() for p in AutoModelForCausalLM.from_config(hf_config).parameters())
+    fields = ", ".join(f"{k}={v}" for k, v in defaults.items())
+    size = f"{count / 1e9:.2f}B" if count >= 1e9 else f"{count / 1e6:.2f}M" if count >= 1e6 else f"{count:,}"
+    return (f"stages.hf: {where}hf_config leaves {fields} to {source} for model_type {hf_config.model_type!r}: "
+            f"a model of {size} parameters (set them in {where}hf_config to choose the size)")
 
 
 def load_hf_checkpoint(model: nn.Module, path: str) -> None:
@@ -99,7 +159,7 @@ def build_hf_lm_head(config: dict[str, Any], *, where: str = "") -> nn.Linear:
             f"{where}init_seed or {where}checkpoint must be set so that the LM head can be rebuilt "
             "in another section with the same weights"
         )
-    out = build_hf_model(config, where=where).get_output_embeddings()
+    out = build_hf_model(config, where=where, quiet=True).get_output_embeddings()
     head = nn.Linear(out.in_features, out.out_features, bias=out.bias is not None).to(out.weight.dtype)
     with torch.no_grad():
         head.weight.copy_(out.weight)
@@ -116,7 +176,7 @@ class HFCausalLM(Stage):
         self.role = stage_role(config, ROLES)
         kd_keys = ("teacher", *KD_KEYS) if self.role == "kd_student" else ()
         check_keys(config, ("role", *MODEL_KEYS, *kd_keys))
-        self.model = build_hf_model(config)
+        self.model = build_hf_model(config, quiet=ctx.replica != 0)
         if self.role == "kd_student":
             if "teacher" not in config:
                 raise ValueError("teacher must be set to the teacher section's model config (init_seed or checkpoint)")

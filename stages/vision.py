@@ -9,7 +9,10 @@ share a micro-batch without changing each other's results), a final LayerNorm, a
 projector MLP to the LLM width (`project_to`).
 
 Where pixels come from: the "pixels" input when the section receives one (per-sample [3, H, W]
-tensors from a separate decode section, or a test), else the "image" column (encoded bytes)
+tensors from a separate decode section, or a test); else the column that carries images
+(`ctx.modality_columns`, i.e. `data.modality_columns["image"]`, default "image"): an entry that is
+already a pixel array ([3, H, W] as a tensor, numpy array or nested lists, e.g. a precomputed
+`pixel_values` column) is used as it is, an entry of encoded bytes
 decoded by an image decoder built at construction from `decoder` ("module:Class", default
 "loaders.dali:ImageDecoder", imported only then) with keyword arguments `decode` (default
 {"max_side": 64, "patch": patch, "device": ctx.device}) and called as
@@ -117,7 +120,7 @@ class VisionEncoder(Stage):
         self.projector = optional_projector(cfg)
         self.decoder = None
         if cfg.decoder is not None:
-            kwargs = {"max_side": DEFAULT_MAX_SIDE, "patch": cfg.patch, "device": ctx.device, **cfg.decode}
+            kwargs = {"max_side": DEFAULT_MAX_SIDE, "patch": cfg.patch, "device": str(ctx.device), **cfg.decode}
             self.decoder = load_class(cfg.decoder, "decoder")(**kwargs)
 
     @classmethod
@@ -144,9 +147,14 @@ class VisionEncoder(Stage):
     def _pixels(self, batch: MicroBatch) -> list[Tensor | None]:
         if "pixels" in batch.inputs:
             return list(batch.inputs["pixels"])
-        if "image" not in batch.columns:
-            raise ValueError("VisionEncoder needs the 'image' column (encoded bytes) or a 'pixels' input")
-        images = batch.columns["image"]
+        column = self.ctx.modality_columns.get("image", "image")
+        if column not in batch.columns:
+            raise ValueError(f"VisionEncoder needs the {column!r} column (encoded bytes or pixel arrays) or a "
+                             "'pixels' input (check the section's columns=)")
+        images = batch.columns[column]
+        if any(data is not None and not isinstance(data, (bytes, bytearray, memoryview)) for data in images):
+            return [None if data is None else _as_pixels(data, sid) for data, sid in zip(images, batch.sample_ids,
+                                                                                         strict=True)]
         todo = [i for i, data in enumerate(images) if data is not None]
         if not todo:
             return [None] * len(batch)
@@ -169,6 +177,16 @@ class VisionEncoder(Stage):
                              f"{shape[2] // patch} patch grid, larger than max_grid={max_grid} "
                              "(raise max_grid or decode to a smaller max_side)")
         return image
+
+
+def _as_pixels(data: Any, sample_id: int) -> Tensor:
+    """A precomputed pixel array ([3, H, W] tensor, numpy array or nested lists) as a float tensor."""
+    if isinstance(data, (bytes, bytearray, memoryview)):
+        raise ValueError(f"sample {sample_id}: the image column mixes encoded bytes and pixel arrays")
+    pixels = data if isinstance(data, Tensor) else torch.as_tensor(data)
+    if not pixels.is_floating_point():
+        pixels = pixels.float()
+    return pixels
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

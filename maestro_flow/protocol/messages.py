@@ -11,6 +11,8 @@ Worker -> coordinator (DEALER -> ROUTER):
   loss       a loss section replica finished its micro-batches: loss sum and denominator (sent
              only when trainable sections upstream need the denominator; the loss section itself
              sums it with its gradients)
+  norm       a trainable replica reduced its gradients (only with Pipeline.grad_clip): its share of
+             the squared global gradient norm; it waits for `clip` before its optimizer step
   done       a replica finished a step (after its optimizer step): timings and counts
   error      a stage error or a system error, the traceback formatted as text by the worker
   bye        the worker saved what it was asked to and is exiting
@@ -22,6 +24,8 @@ Coordinator -> worker:
   plan       one step's plan, restricted to what this replica needs
   finalize   every loss replica reported: the step's global loss denominator, to the trainable
              sections upstream of that loss
+  clip       every trainable replica reported its norm share: the step's clip coefficient, to all
+             of them
   stop       shut down (optionally saving trainable parameters first)
 
 Worker -> worker (PUSH -> PULL, on the tensor-header sockets):
@@ -35,19 +39,21 @@ from __future__ import annotations
 
 from typing import Any
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 FIELDS: dict[str, tuple[str, ...]] = {
     "hello": ("version", "rank", "pid", "data_addr"),
     "ready": ("rank",),
     "heartbeat": ("rank",),
     "loss": ("rank", "step", "loss_sum", "denominator"),
+    "norm": ("rank", "step", "sq"),
     "done": ("rank", "step", "stats"),
     "error": ("rank", "kind", "section", "replica", "step", "phase", "traceback"),
     "bye": ("rank",),
     "init": ("rank", "pipeline", "placement", "store", "peers", "timeouts", "paths", "now", "trace", "record"),
     "plan": ("step", "micro_batches", "samples", "routes", "gates", "notify"),
     "finalize": ("step", "denominator"),
+    "clip": ("step", "coef"),
     "stop": ("save_dir",),
     "tensors": ("src", "kind", "edge", "step", "entries", "buffers"),
     "progress": ("src", "step", "finished"),

@@ -107,9 +107,10 @@ def build_stage(pipeline: Pipeline, section: Section, replica: int, device: str)
         raise PipelineError(f"sections.{section.name}.stage: {section.stage!r} is not a maestro_flow.Stage subclass")
     dtype = getattr(torch, pipeline.dtype)
     seed = section_seed(pipeline.seed, section.name)
-    ctx = StageContext(section=section.name, replica=replica, num_replicas=section.dp, device=device,
-                       dtype=pipeline.dtype, seed=seed, trainable=section.trainable,
-                       placeholder_ids=dict(pipeline.data.placeholder_ids))
+    ctx = StageContext(section=section.name, replica=replica, num_replicas=section.dp, device=torch.device(device),
+                       dtype=dtype, seed=seed, trainable=section.trainable,
+                       placeholder_ids=dict(pipeline.data.placeholder_ids),
+                       modality_columns=dict(pipeline.data.modality_columns))
     # Modules are built directly in the pipeline's dtype (initialising in float32 and casting
     # would give other float64 values than building in float64), with a seeded generator.
     with default_dtype(dtype):

@@ -33,34 +33,42 @@ def check_pipeline(pipeline: Pipeline) -> Checked:
     Reading the metadata checks every row (declared modalities against columns, unique ids), so
     bad rows are refused here too.
     """
+    from maestro_flow.optim.build import check_optimizer_spec
     from maestro_flow.stage import Stage
 
     pipeline.validate()
     graph = SectionGraph(pipeline)
-    declared: dict[str, tuple[str, ...]] = {}
+    # Stages that declare their outputs are checked here; the others when they first return.
+    declared: dict[str, tuple[str, ...] | None] = {}
     for s in pipeline.sections:
         where = f"sections.{s.name}.stage"
         cls = resolve(s.stage, where)
         if not (isinstance(cls, type) and issubclass(cls, Stage)):
             raise PipelineError(f"{where}: {s.stage!r} is not a subclass of maestro_flow.Stage")
         try:
-            declared[s.name] = tuple(cls.outputs(dict(s.config)))
+            names = cls.outputs(dict(s.config))
         except Exception as exc:
             raise PipelineError(f"{where}: {s.stage}.outputs(config) failed: {type(exc).__name__}: {exc}") from exc
+        declared[s.name] = None if names is None else tuple(names)
     for e in graph.edges:
+        if declared[e.edge.src] is None:
+            continue
         missing = [t for t in e.edge.tensors if t not in declared[e.edge.src]]
         if missing:
             raise PipelineError(
                 f"edges[{e.index}] ({e.edge.src} -> {e.edge.dst}).tensors: {', '.join(missing)} not among the outputs "
-                f"of {pipeline.section(e.edge.src).stage} ({', '.join(declared[e.edge.src]) or 'none declared'})"
+                f"of {pipeline.section(e.edge.src).stage} ({', '.join(declared[e.edge.src]) or 'it declares none'})"
             )
     for name in graph.loss_sections():
-        if "loss" not in declared[name]:
+        if declared[name] is not None and "loss" not in declared[name]:
             raise PipelineError(
                 f"sections.{name}: a terminal trainable section must return 'loss', but "
                 f"{pipeline.section(name).stage} declares {', '.join(declared[name]) or 'no outputs'} "
                 "(set trainable=False, or add a consumer)"
             )
+    for s in pipeline.sections:
+        if s.trainable:
+            check_optimizer_spec(s.optimizer, f"sections.{s.name}")
     make_planner(pipeline.schedule, graph)  # refuses a schedule this version does not have
     source = open_source(pipeline)
     for s in pipeline.sections:

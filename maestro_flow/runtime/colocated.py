@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from maestro_flow.checkpoint.savedir import save_pipeline, save_stage
 from maestro_flow.config import Pipeline
 from maestro_flow.errors import MaestroError, StageError
 from maestro_flow.graph import SectionGraph
@@ -26,7 +27,6 @@ from maestro_flow.runtime.ledger import StepLedger, plan_message
 from maestro_flow.runtime.observe import RunObserver, timed_plan
 from maestro_flow.runtime.report import RunReport
 from maestro_flow.runtime.sampler import EpochSampler
-from maestro_flow.runtime.saving import save_stage
 from maestro_flow.runtime.trace import Tracer
 from maestro_flow.transport.tensor_comm import LocalComm
 
@@ -87,6 +87,11 @@ def _run(pipeline: Pipeline, source: Any, sampler: EpochSampler, report: RunRepo
                     for ranks, denominator in ledger.on_loss(rank, body["step"], body["loss_sum"], body["denominator"]):
                         for r in ranks:
                             executors[r].finalize(body["step"], denominator)
+                elif kind == "norm":
+                    clip = ledger.on_norm(rank, body["step"], body["sq"])
+                    if clip is not None:
+                        for r in clip[0]:
+                            executors[r].clip(body["step"], clip[1])
                 elif kind == "done":
                     observer.done(rank, body["stats"])
                     row = ledger.on_done(rank, body["step"], body["stats"], time.perf_counter()) or row
@@ -96,6 +101,7 @@ def _run(pipeline: Pipeline, source: Any, sampler: EpochSampler, report: RunRepo
                 raise RuntimeError(f"colocated run made no progress at step {step} (a plan/runtime bug)")
         report.step(row)
     if save_dir:
+        save_pipeline(save_dir, pipeline.to_dict())
         for ex in executors.values():
             if ex.trainable:
                 save_stage(ex.stage, save_dir, ex.name)

@@ -5,7 +5,8 @@ processes. Startup is a handshake under one deadline (hello -> init -> ready); t
 step it asks the planner for a plan, sends each replica its part (up to `lookahead_steps`
 ahead, so forward-only sections can run ahead), turns loss reports into the global loss
 denominator for trainable sections upstream of a loss (`finalize`; the loss section sums its own
-with its gradients), and turns done reports into metrics. Any error report, dead worker,
+with its gradients), norm reports into the global clip coefficient (`clip`, with grad_clip),
+and done reports into metrics. Any error report, dead worker,
 silent worker or timeout ends the run: everything is shut down and the error is raised.
 """
 
@@ -170,6 +171,11 @@ class Coordinator:
                     for ranks, denominator in ledger.on_loss(rank, msg["step"], msg["loss_sum"], msg["denominator"]):
                         for r in ranks:
                             self._send(r, make("finalize", step=msg["step"], denominator=denominator))
+                elif msg["t"] == "norm":
+                    clip = ledger.on_norm(rank, msg["step"], msg["sq"])
+                    if clip is not None:
+                        for r in clip[0]:
+                            self._send(r, make("clip", step=msg["step"], coef=clip[1]))
                 elif msg["t"] == "done":
                     self.observer.done(rank, msg["stats"])
                     row = ledger.on_done(rank, msg["step"], msg["stats"], time.perf_counter())
@@ -178,6 +184,10 @@ class Coordinator:
             send_plans(step + 1 + p.lookahead_steps)
 
     def _stop(self) -> None:
+        if self.save_dir:
+            from maestro_flow.checkpoint.savedir import save_pipeline
+
+            save_pipeline(self.save_dir, self.pipeline.to_dict())
         for rank in range(self.placement.world_size):
             self._send(rank, make("stop", save_dir=os.path.abspath(self.save_dir) if self.save_dir else None))
         deadline = time.monotonic() + self.timeouts.shutdown_grace_s + (60.0 if self.save_dir else 0.0)

@@ -1,12 +1,15 @@
 """One replica's execution of its part of each step plan: a non-blocking state machine.
 
 Runs in a worker's compute thread (or, in colocated mode, for every section in one thread).
-`poll()` does every piece of work that is ready — a backward whose gradients have all returned,
-then the next micro-batch whose inputs have all arrived, then the step's end (gradient
-reduction and optimizer step, once the global loss denominator is known) — and returns without
-blocking. Inputs, gradients, plans and denominators arrive through `add_plan`, `deliver` and
-`finalize`. The executor knows nothing of sockets or processes: it talks to peers through a
-`Comm` and to the coordinator through a `report` callback.
+`poll()` does every piece of work that is ready — the oldest pending backward once its gradients
+have all returned (backwards run in micro-batch order, so gradients accumulate in the same order
+on every run), then the next micro-batch whose inputs have all arrived, then the step's end
+(gradient reduction once the global loss denominator is known, then the optimizer step once the
+global clip coefficient is known, see optim/stepper.py) — and returns without blocking. Inputs,
+gradients, plans, denominators and clip coefficients arrive through `add_plan`, `deliver`,
+`finalize` and `clip`. With `mixed_precision="bf16"` the stage's forward runs under bf16 autocast
+and floating tensors cross sections in bf16 (both ways). The executor knows nothing of sockets or
+processes: it talks to peers through a `Comm` and to the coordinator through a `report` callback.
 """
 
 from __future__ import annotations
@@ -23,9 +26,10 @@ import numpy as np
 import torch
 
 from maestro_flow.graph import SectionGraph
+from maestro_flow.optim.reduce import GradientReducer
+from maestro_flow.optim.stepper import SectionOptimizer
 from maestro_flow.planner.costfit import Timing
 from maestro_flow.planner.plan import Placement
-from maestro_flow.runtime.optim import GradientReducer, build_optimizer
 from maestro_flow.runtime.trace import Tracer
 from maestro_flow.stage import MicroBatch, Stage
 from maestro_flow.transport.tensor_comm import Comm
@@ -74,6 +78,9 @@ class _Step:
     tokens: int = 0
     timings: list[list] = field(default_factory=list)  # per micro-batch, for the cost model (costfit.Timing)
     waiting: tuple[str, float] | None = None  # (what for, since when), for the trace
+    grad_sq: float | None = None  # this replica's share of the squared global gradient norm, once reduced
+    lr: float | None = None  # the learning rate of this step's optimizer step
+    stepped: bool = False
 
 
 class SectionExecutor:
@@ -95,9 +102,14 @@ class SectionExecutor:
             n != section and graph.sections[n].trainable and graph.loss_sections_of(n) == [section]
             for n in graph.order)
         self.trainable = self.section.trainable
-        self.params = [p for p in stage.parameters() if p.requires_grad] if self.trainable else []
-        self.optimizer = build_optimizer(self.section.optimizer, self.params) if self.params else None
-        self.reducer = reducer
+        params = [p for p in stage.parameters() if p.requires_grad] if self.trainable else []
+        pipeline = graph.pipeline
+        self.optim = SectionOptimizer(self.section.optimizer, params, total_steps=pipeline.steps, reducer=reducer,
+                                      owns_norm=replica == 0) if params else None
+        self.grad_clip = pipeline.grad_clip
+        self.clips: dict[int, float] = {}  # step -> clip coefficient, from the coordinator
+        # Mixed precision: autocast dtype for the stage's forward and the dtype tensors travel in.
+        self.autocast = torch.bfloat16 if pipeline.mixed_precision == "bf16" else None
         self.plans: deque[_Step] = deque()
         self.current: _Step | None = None
         # step -> sample id -> tensor name -> tensor; filled by deliver(), possibly ahead of the plan.
@@ -139,6 +151,9 @@ class SectionExecutor:
 
     def finalize(self, step: int, denominator: float) -> None:
         self.finalized[step] = float(denominator)
+
+    def clip(self, step: int, coef: float) -> None:
+        self.clips[step] = float(coef)
 
     # -- the state machine -----------------------------------------------------------------
 
@@ -190,7 +205,8 @@ class SectionExecutor:
         arrived = {sid: got.pop(sid, {}) for sid in mb}
         batch, leaves = self._make_batch(st, index, mb, arrived)
         try:
-            with torch.set_grad_enabled(self.trainable):
+            with torch.set_grad_enabled(self.trainable), torch.autocast(
+                    self.device.type, dtype=self.autocast or torch.bfloat16, enabled=self.autocast is not None):
                 out = self.stage.forward(batch)
         except Exception:
             raise StageFault("forward", st.step, traceback.format_exc()) from None
@@ -271,10 +287,20 @@ class SectionExecutor:
                            modalities=[st.modalities[sid] for sid in mb], columns=columns, inputs=inputs)
         return batch, leaves
 
-    def _per_sample(self, out: dict, name: str, n: int, step: int) -> Sequence[torch.Tensor]:
+    def _wire(self, t: torch.Tensor | None) -> torch.Tensor | None:
+        """A tensor as it crosses sections: detached, in bf16 under mixed precision."""
+        if t is None:
+            return None
+        t = t.detach()
+        return t.to(self.autocast) if self.autocast is not None and t.is_floating_point() else t
+
+    def _per_sample(self, out: dict, name: str, n: int, step: int, edge: str) -> Sequence[torch.Tensor]:
+        if not isinstance(out, dict):
+            raise StageFault("forward", step, f"section {self.name!r}: {self.section.stage}.forward returned "
+                             f"{type(out).__name__}, not a dict of outputs")
         if name not in out:
-            raise StageFault("forward", step, f"stage {self.section.stage} returned no {name!r} "
-                             f"(returned: {', '.join(out)}); an edge from {self.name!r} carries it")
+            raise StageFault("forward", step, f"section {self.name!r}: {self.section.stage}.forward returned no "
+                             f"{name!r} (returned: {', '.join(map(str, out)) or 'nothing'}); edge {edge} carries it")
         value = out[name]
         if len(value) != n:
             raise StageFault("forward", step, f"stage output {name!r} has {len(value)} entries for a "
@@ -284,24 +310,25 @@ class SectionExecutor:
     def _send_outputs(self, st: _Step, mb: tuple[int, ...], out: dict) -> None:
         for e in self.out_edges:
             consumer = self.graph.sections[e.edge.dst]
-            per_name = {name: self._per_sample(out, name, len(mb), st.step) for name in e.edge.tensors}
+            per_name = {name: self._per_sample(out, name, len(mb), st.step, e.edge.name) for name in e.edge.tensors}
             by_rank: dict[int, list] = {}
             for i, sid in enumerate(mb):
                 if not consumer.activates(st.modalities[sid]):
                     continue
                 dst = self.placement.rank(e.edge.dst, st.routes[e.edge.dst][sid])
-                by_rank.setdefault(dst, []).extend(
-                    (sid, name, None if per_name[name][i] is None else per_name[name][i].detach())
-                    for name in e.edge.tensors)
+                by_rank.setdefault(dst, []).extend((sid, name, self._wire(per_name[name][i]))
+                                                   for name in e.edge.tensors)
             for dst, items in by_rank.items():
                 self.comm.send(dst, "fwd", e.index, st.step, items)
 
     # -- backward --------------------------------------------------------------------------
 
     def _loss_backward(self, st: _Step, mb: tuple[int, ...], out: dict, leaves: dict) -> None:
-        if "loss" not in out:
-            raise StageFault("forward", st.step, f"loss section {self.name!r}: stage returned no 'loss' "
-                             f"(returned: {', '.join(out)})")
+        if not isinstance(out, dict) or "loss" not in out:
+            returned = ", ".join(map(str, out)) if isinstance(out, dict) else type(out).__name__
+            raise StageFault("forward", st.step, f"section {self.name!r}: {self.section.stage}.forward returned no "
+                             f"'loss' (returned: {returned or 'nothing'}); a terminal trainable section must "
+                             "return the sum of its losses as 'loss'")
         loss = out["loss"]
         denom = out.get("loss_denominator", len(mb))
         st.loss_sum += float(loss.detach())
@@ -317,7 +344,7 @@ class SectionExecutor:
         pending = _Pending(outputs={}, expected=set(), leaves=leaves, sample_ids=mb, index=index)
         for e in self.graph.needs_grad_from(self.name):
             consumer = self.graph.sections[e.edge.dst]
-            per_name = {name: self._per_sample(out, name, len(mb), st.step) for name in e.edge.tensors}
+            per_name = {name: self._per_sample(out, name, len(mb), st.step, e.edge.name) for name in e.edge.tensors}
             for i, sid in enumerate(mb):
                 if not consumer.activates(st.modalities[sid]):
                     continue
@@ -353,7 +380,9 @@ class SectionExecutor:
             self.pending_by_sample[(step, sid)].expected.discard((edge, sid))
 
     def _run_ready_backward(self, st: _Step) -> bool:
-        for pending in st.pending:
+        # Oldest first: gradients accumulate in micro-batch order whatever order they return in,
+        # so a run is reproducible bit for bit (and a resumed run equals the uninterrupted one).
+        for pending in st.pending[:1]:
             if pending.expected:
                 continue
             st.pending.remove(pending)
@@ -365,7 +394,9 @@ class SectionExecutor:
             keys = [k for k in pending.outputs if k in pending.grads]
             if keys:
                 try:
-                    torch.autograd.backward([pending.outputs[k] for k in keys], [pending.grads[k] for k in keys])
+                    # Gradients may arrive in the wire dtype (bf16 under mixed precision).
+                    torch.autograd.backward([pending.outputs[k] for k in keys],
+                                            [pending.grads[k].to(pending.outputs[k].dtype) for k in keys])
                 except Exception:
                     raise StageFault("backward", st.step, traceback.format_exc()) from None
             self._send_input_grads(st, pending.leaves)
@@ -387,7 +418,7 @@ class SectionExecutor:
                 src = self.placement.rank(e.edge.src, st.routes[e.edge.src][sid])
                 for name in e.edge.tensors:
                     leaf = leaves.get((sid, name))
-                    by_rank.setdefault(src, []).append((sid, name, None if leaf is None else leaf.grad))
+                    by_rank.setdefault(src, []).append((sid, name, None if leaf is None else self._wire(leaf.grad)))
             for src, items in by_rank.items():
                 self.comm.send(src, "bwd", e.index, st.step, items)
 
@@ -402,19 +433,42 @@ class SectionExecutor:
             st.loss_reported = True
             self.report("loss", {"step": st.step, "loss_sum": st.loss_sum, "denominator": st.denominator})
             return True
-        if self.params:
-            if self.is_loss:
-                denominator = None  # summed over the DP group with the gradients, below
-            else:
-                denominator = self.finalized.get(st.step)
-                if denominator is None:
-                    return self._wait(st, "wait loss denominator")
-                del self.finalized[st.step]
-            t0 = self.clock()
-            self._waited(st, t0)
-            self._doing("reducing + optimizer", st.step, None)
-            self._optimizer_step(st, denominator)
-            st.busy_s += self.clock() - t0
+        if self.trainable and st.grad_sq is None:
+            st.grad_sq = 0.0  # a trainable stage without trainable parameters adds nothing to the norm
+            if self.optim is not None:
+                if self.is_loss:
+                    denominator = None  # summed over the DP group with the gradients, below
+                else:
+                    denominator = self.finalized.get(st.step)
+                    if denominator is None:
+                        st.grad_sq = None
+                        return self._wait(st, "wait loss denominator")
+                    del self.finalized[st.step]
+                t0 = self.clock()
+                self._waited(st, t0)
+                self._doing("reducing gradients", st.step, None)
+                self._reduce(st, denominator)
+                st.busy_s += self.clock() - t0
+            if self.grad_clip is not None:
+                # Every trainable replica's share of the global norm goes to the coordinator,
+                # which answers every one of them with the same clip coefficient.
+                self.report("norm", {"step": st.step, "sq": st.grad_sq})
+                return True
+        if self.trainable and not st.stepped:
+            coef = 1.0
+            if self.grad_clip is not None:
+                if st.step not in self.clips:
+                    return self._wait(st, "wait clip")
+                coef = self.clips.pop(st.step)
+            if self.optim is not None:
+                t0 = self.clock()
+                self._waited(st, t0)
+                self._doing("optimizer step", st.step, None)
+                st.lr = self.optim.lr
+                self.optim.step(coef)
+                st.busy_s += self.clock() - t0
+                self.tracer.span("optimizer step", "compute", t0, self.clock(), step=st.step)
+            st.stepped = True
         self.inbox.pop(st.step, None)
         for key in [k for k in self.progress if k[0] <= st.step]:
             del self.progress[key]
@@ -424,27 +478,17 @@ class SectionExecutor:
         self.steps_done += 1
         return True
 
-    def _optimizer_step(self, st: _Step, denominator: float | None) -> None:
-        """Reduce, divide by the global loss denominator, step. A loss section passes None: its
-        replicas sum their denominators in the same collective as the gradients (no round trip
-        through the coordinator on the critical path)."""
-        for p in self.params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)  # a replica with no samples still joins the reduction
+    def _reduce(self, st: _Step, denominator: float | None) -> None:
+        """All-reduce the gradients, divide by the global loss denominator, measure the norm. A
+        loss section passes None: its replicas sum their denominators in the same collective as
+        the gradients (no round trip through the coordinator on the critical path)."""
         extra = [st.loss_sum, st.denominator] if denominator is None else []
-        if self.reducer is not None:
-            t0 = self.clock()
-            extra = self.reducer.all_reduce([p.grad for p in self.params], extra)
-            self.tracer.span("gradient all-reduce", "reduce", t0, self.clock(), step=st.step)
-        if denominator is None:
-            denominator = extra[1]
         t0 = self.clock()
-        if denominator > 0:
-            for p in self.params:
-                p.grad.div_(denominator)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.tracer.span("optimizer step", "compute", t0, self.clock(), step=st.step)
+        extra = self.optim.reduce(extra)
+        if self.optim.reducer is not None:
+            self.tracer.span("gradient all-reduce", "reduce", t0, self.clock(), step=st.step)
+        self.optim.divide(extra[1] if denominator is None else denominator)
+        st.grad_sq = self.optim.sq_norm()
 
     def _stats(self, st: _Step) -> dict[str, Any]:
         wall = self.clock() - st.started
@@ -453,6 +497,8 @@ class SectionExecutor:
                 **({"loss_sum": st.loss_sum, "denominator": st.denominator} if self.is_loss else {}),
                 "micro_batches": len(st.mbs), "samples": sum(len(mb) for mb in st.mbs), "tokens": st.tokens,
                 "timings": st.timings,
+                **({"grad_sq": st.grad_sq} if self.trainable else {}),
+                **({"lr": st.lr} if self.optim is not None else {}),
                 "max_rss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
                 **({"trace": self.tracer.take()} if self.tracer.enabled else {}),
                 **self.comm.stats.snapshot_and_reset()}

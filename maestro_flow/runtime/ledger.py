@@ -2,8 +2,9 @@
 
 Pure apart from reading no clock itself (callers pass `now`). Turns a Plan into the message each
 replica needs, collects loss reports into the global denominator (then says whom to finalize),
-collects done reports into the metrics row of DESIGN 5.4, and feeds the measured micro-batch
-timings to the cost fitter, whose model plans the next steps.
+collects norm reports into the global gradient norm and clip coefficient (then says whom to
+send it), collects done reports into the metrics row of DESIGN 5.4, and feeds the measured
+micro-batch timings to the cost fitter, whose model plans the next steps.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import dataclasses
 from typing import Any
 
 from maestro_flow.graph import SectionGraph
+from maestro_flow.optim.clip import clip_coefficient, global_norm
 from maestro_flow.planner.cost import CostModel
 from maestro_flow.planner.costfit import CostFitter, Timing
 from maestro_flow.planner.plan import Placement, Plan
@@ -48,6 +50,8 @@ class StepLedger:
         self.tokens: dict[int, int] = {}
         self.samples: dict[int, int] = {}
         self.started: dict[int, float] = {}
+        self.norms: dict[int, dict[int, float]] = {}  # step -> trainable rank -> squared norm share
+        self.trainable_ranks = [r for n in graph.order if graph.sections[n].trainable for r in placement.ranks[n]]
 
     def planned(self, plan: Plan, now: float) -> None:
         self.tokens[plan.step] = sum(s.num_tokens for s in plan.samples)
@@ -69,6 +73,18 @@ class StepLedger:
                  and self.graph.loss_sections_of(name) == [section]
                  for r in self.placement.ranks[name]]
         return [(ranks, total)]
+
+    def on_norm(self, rank: int, step: int, sq: float) -> tuple[list[int], float] | None:
+        """Record a replica's share of the squared gradient norm (a report counts once per rank and
+        step); when every trainable replica has reported, return (ranks to send it to, clip
+        coefficient)."""
+        per = self.norms.setdefault(step, {})
+        per[rank] = sq
+        if len(per) < len(self.trainable_ranks):
+            return None
+        del self.norms[step]
+        norm = global_norm(per.values())
+        return list(self.trainable_ranks), clip_coefficient(self.graph.pipeline.grad_clip, norm)
 
     def on_done(self, rank: int, step: int, stats: dict[str, Any], now: float) -> dict[str, Any] | None:
         """Record a done report; when every replica is done, return the step's metrics row."""
@@ -100,6 +116,8 @@ class StepLedger:
                     counters[k] = counters.get(k, 0) + v
             if counters:
                 sections[name]["stage"] = counters
+            if "lr" in reps[0]:
+                sections[name]["lr"] = reps[0]["lr"]
         self.losses.pop(step, None)
         # The loss of each loss section, from its replicas' done reports (sum / denominator).
         losses = {}
@@ -109,8 +127,11 @@ class StepLedger:
                             / max(sum(s.get("denominator", 0.0) for s in reps), 1e-30))
         loss: Any = next(iter(losses.values())) if len(losses) == 1 else losses or None
         del self.done[step]
+        # The pre-clip global gradient norm: every trainable replica's share (DESIGN 4b).
+        shares = [per[r]["grad_sq"] for r in self.trainable_ranks if "grad_sq" in per[r]]
         row = {"step": step, "loss": loss, "samples": self.samples.pop(step, 0), "tokens": self.tokens.pop(step, 0),
-               "step_time_s": step_time, "sections": sections}
+               "step_time_s": step_time, "grad_norm": global_norm(shares) if shares else None,
+               "sections": sections}
         if self.fitter is not None:
             row["costs"] = {n: dataclasses.asdict(c) for n, c in self.costs().costs.items()}
         return row

@@ -49,7 +49,8 @@ def plan_one_step(path: str, overrides: dict[str, Any], *, step: int = 0, trace_
     else:
         checked = check_pipeline(pipeline)
         graph = checked.graph
-        samples = EpochSampler(checked.metadata, pipeline.global_batch, pipeline.seed).batch(step)
+        samples = EpochSampler(checked.metadata, pipeline.global_batch, pipeline.seed,
+                                shuffle=pipeline.data.shuffle).batch(step)
     costs = CostModel(costs={n: s.cost for n, s in graph.sections.items()})
     result = make_planner(pipeline.schedule, graph, costs).plan(step, samples)
     return dataclasses.replace(result, simulated=simulate(result, graph, costs).to_json_dict())

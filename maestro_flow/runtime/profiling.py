@@ -357,14 +357,14 @@ def _profile(single: Pipeline, graph: SectionGraph, checked: Any, sizes: dict[st
 
 
 def _time_optimizer_step(sec: _Section, mb: list[SampleMeta], outputs: dict, repeats: int) -> float:
-    """The executor's end-of-step work on the real stage (see _optimizer_step in executor.py):
-    zero-fill missing gradients, divide by the denominator, optimizer step, zero_grad."""
-    from maestro_flow.runtime.optim import build_optimizer
+    """The executor's end-of-step work on the real stage (optim.stepper, without a DP group):
+    divide by the denominator, measure the norm, optimizer step, zero_grad, schedule."""
+    from maestro_flow.optim.stepper import SectionOptimizer
 
     params = [p for p in sec.stage.parameters() if p.requires_grad]
     if not params:
         return 0.0
-    optimizer = build_optimizer(dict(sec.section.optimizer), params)
+    optim = SectionOptimizer(dict(sec.section.optimizer), params, total_steps=repeats + 1)
     times = []
     for r in range(repeats + 1):
         sec.zero_grad()
@@ -373,12 +373,10 @@ def _time_optimizer_step(sec: _Section, mb: list[SampleMeta], outputs: dict, rep
         del out
         sec.sync()
         t0 = time.perf_counter()
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            p.grad.div_(float(len(mb)))
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        optim.reduce()
+        optim.divide(float(len(mb)))
+        optim.sq_norm()
+        optim.step()
         sec.sync()
         if r:
             times.append(time.perf_counter() - t0)

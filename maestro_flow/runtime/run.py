@@ -41,7 +41,7 @@ def _sigterm_as_interrupt(signum: int, frame: Any) -> None:
 def run_pipeline(path: str, options: RunOptions) -> list[dict[str, Any]]:
     pipeline, paths = load_pipeline(path, options.overrides)
     checked = check_pipeline(pipeline)  # bad input is refused here, before any worker starts
-    sampler = EpochSampler(checked.metadata, pipeline.global_batch, pipeline.seed)
+    sampler = EpochSampler(checked.metadata, pipeline.global_batch, pipeline.seed, shuffle=pipeline.data.shuffle)
     skipped = getattr(checked.source, "num_skipped", 0)
     if options.show_progress:
         mode = "colocated" if options.colocated else f"{sum(s.dp for s in pipeline.sections)} workers"

@@ -1,26 +1,30 @@
-"""Global batches from dataset metadata, reshuffled every epoch, deterministic from the seed.
+"""Global batches from dataset metadata: a seeded shuffle per epoch, remainder dropped.
 
-Pure (standard library only). Each epoch is a seeded permutation of the rows cut into
-`len // global_batch` batches (the remainder is dropped, so a batch never holds a sample twice);
-step s is batch `s % per_epoch` of epoch `s // per_epoch`.
+Pure (standard library only). Each epoch is a permutation of the rows — seeded by (seed, epoch),
+or the file order with `data.shuffle=false` — cut into `len // global_batch` batches; the last
+`len % global_batch` rows of the permutation are dropped, so a batch never holds a sample twice.
+Step s is batch `s % per_epoch` of epoch `s // per_epoch`: a step's samples depend on the step
+alone, which is what makes a resumed run draw exactly the batches the interrupted one would have.
 """
 
 from __future__ import annotations
 
 import random
 from collections.abc import Sequence
+from typing import Any
 
 from maestro_flow.errors import PipelineError
 from maestro_flow.samples import SampleMeta
 
 
 class EpochSampler:
-    def __init__(self, metadata: Sequence[SampleMeta], global_batch: int, seed: int) -> None:
+    def __init__(self, metadata: Sequence[SampleMeta], global_batch: int, seed: int, *, shuffle: bool = True) -> None:
         self.metadata = list(metadata)
         if len(self.metadata) < global_batch:
             raise PipelineError(f"global_batch={global_batch} is larger than the dataset ({len(self.metadata)} samples)")
         self.global_batch = global_batch
         self.seed = seed
+        self.shuffle = shuffle
         self.per_epoch = len(self.metadata) // global_batch
         self._epoch, self._order = -1, []
 
@@ -28,7 +32,16 @@ class EpochSampler:
         epoch, index = divmod(step, self.per_epoch)
         if epoch != self._epoch:
             self._order = list(range(len(self.metadata)))
-            random.Random(self.seed * 7919 + epoch).shuffle(self._order)
+            if self.shuffle:
+                random.Random(self.seed * 7919 + epoch).shuffle(self._order)
             self._epoch = epoch
         rows = self._order[index * self.global_batch:(index + 1) * self.global_batch]
         return [self.metadata[r] for r in rows]
+
+    def position(self, step: int) -> dict[str, Any]:
+        """Where the sampler stands before `step` (for a checkpoint): epoch, batch within it, and
+        what the position means (a resume must see the same dataset size, batch, seed, shuffle)."""
+        epoch, index = divmod(step, self.per_epoch)
+        return {"step": step, "epoch": epoch, "batch_in_epoch": index, "batches_per_epoch": self.per_epoch,
+                "num_samples": len(self.metadata), "global_batch": self.global_batch, "seed": self.seed,
+                "shuffle": self.shuffle}

@@ -219,10 +219,10 @@ class _Worker:
 
         from maestro_flow.config import Pipeline
         from maestro_flow.graph import SectionGraph
+        from maestro_flow.optim.reduce import GradientReducer
         from maestro_flow.planner.plan import Placement
         from maestro_flow.runtime.build import add_paths, build_stage, open_source
         from maestro_flow.runtime.executor import SectionExecutor, recording
-        from maestro_flow.runtime.optim import GradientReducer
         from maestro_flow.runtime.topology import process_groups
         from maestro_flow.runtime.trace import Tracer
         from maestro_flow.transport.tensor_comm import TensorComm
@@ -271,7 +271,7 @@ class _Worker:
             record=recording(init["record"], self.section, self.replica))
 
     def _loop(self, executor) -> int:
-        from maestro_flow.runtime.saving import save_stage
+        from maestro_flow.checkpoint.savedir import save_stage
 
         self.phase = "step"
         while True:
@@ -286,6 +286,8 @@ class _Worker:
                 executor.add_plan(body)
             elif body["t"] == "finalize":
                 executor.finalize(body["step"], body["denominator"])
+            elif body["t"] == "clip":
+                executor.clip(body["step"], body["coef"])
             elif body["t"] == "stop":
                 if body["save_dir"] and executor.trainable and self.replica == 0:
                     save_stage(executor.stage, body["save_dir"], self.section)

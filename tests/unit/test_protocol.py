@@ -50,6 +50,8 @@ MESSAGES = {
              "record": None},
     "plan": {k: v for k, v in plan_message(PLAN, GRAPH, "student", 1).items() if k != "t"},
     "finalize": {"step": 4, "denominator": 1034.0},
+    "norm": {"rank": 1, "step": 4, "sq": 0.0625},
+    "clip": {"step": 4, "coef": 0.5},
     "stop": {"save_dir": None},
     "tensors": {"src": 0, "kind": "fwd", "edge": 0, "step": 4,
                 "entries": [[3, "hidden", "float32", [7, 16], 0, 0], [5, "hidden", "float32", [9, 16], 0, 112]],

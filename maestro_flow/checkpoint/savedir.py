@@ -1,0 +1,46 @@
+"""`--save-dir`: each trainable section's parameters as `<save_dir>/<section>.safetensors`.
+
+Runs in the process that holds replica 0 of a section (DP replicas hold identical parameters
+after every step, so replica 0's copy is the gathered one), and in the coordinator, which writes
+`<save_dir>/pipeline.json` (the resolved pipeline, so `maestro export` can rebuild a section's
+model). A file holds what the section trains: its trainable parameters and its buffers, keyed as
+in the stage's `state_dict()`; frozen parameters that live inside a trainable stage (the KD
+student's copy of the teacher's LM head) are left out — they are rebuilt from the configuration.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+PIPELINE_FILE = "pipeline.json"
+
+
+def trainable_state(stage: Any) -> dict[str, torch.Tensor]:
+    """The stage's state_dict without its frozen parameters."""
+    frozen = {name for name, p in stage.named_parameters() if not p.requires_grad}
+    return {k: v for k, v in stage.state_dict().items() if k not in frozen}
+
+
+def save_stage(stage: Any, save_dir: str, section: str) -> str:
+    os.makedirs(save_dir, exist_ok=True)
+    path = os.path.join(save_dir, f"{section}.safetensors")
+    # clone: tied weights share storage, which safetensors refuses to write twice.
+    state = {k: v.detach().cpu().clone().contiguous() for k, v in trainable_state(stage).items()}
+    tmp = path + ".tmp"
+    save_file(state, tmp, metadata={"section": section})
+    os.replace(tmp, path)
+    return path
+
+
+def save_pipeline(save_dir: str, pipeline_dict: dict[str, Any]) -> str:
+    os.makedirs(save_dir, exist_ok=True)
+    path = os.path.join(save_dir, PIPELINE_FILE)
+    with open(path + ".tmp", "w") as f:
+        json.dump(pipeline_dict, f, indent=1)
+    os.replace(path + ".tmp", path)
+    return path

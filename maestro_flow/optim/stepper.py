@@ -1,0 +1,64 @@
+"""The end of a trainable section's step: reduce, divide, measure, clip, step, schedule.
+
+Runs in the compute thread of a worker (or of the colocated process, or `maestro profile`). The
+executor calls, in order: `reduce` (the DP all-reduce, see reduce.py; parameters that got no
+gradient anywhere keep `grad = None`), `divide` (by the global loss denominator), `sq_norm` (this
+replica's share of the squared global gradient norm), then `step(coef)` once the coordinator has
+combined every section's share into the clip coefficient (clip.py; 1.0 without clipping). The global norm
+is that of every trainable parameter of the whole pipeline, as `torch.nn.utils.clip_grad_norm_`
+over the monolithic model computes it: replicated sections count their gradients once (replica
+0), parameters without a gradient not at all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from maestro_flow.optim.build import build_optimizer, build_scheduler
+from maestro_flow.optim.reduce import GradientReducer
+
+
+class SectionOptimizer:
+    def __init__(self, spec: dict[str, Any], params: Sequence[torch.nn.Parameter], *, total_steps: int,
+                 reducer: GradientReducer | None = None, owns_norm: bool = True) -> None:
+        self.params = list(params)
+        self.optimizer = build_optimizer(spec, self.params)
+        self.scheduler = build_scheduler(spec, self.optimizer, total_steps)
+        self.reducer = reducer
+        self.owns_norm = owns_norm  # replica 0 of a replicated section counts the section's norm
+
+    @property
+    def lr(self) -> float:
+        """The learning rate the next `step` uses."""
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def reduce(self, extra: Sequence[float] = ()) -> list[float]:
+        """Sum gradients (and `extra`) over the DP group; without one, just return `extra`."""
+        if self.reducer is None:
+            return list(extra)
+        return self.reducer.reduce(self.params, extra)
+
+    def divide(self, denominator: float) -> None:
+        if denominator > 0:
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad.div_(denominator)
+
+    def sq_norm(self) -> float:
+        """Sum of squared gradient entries this replica contributes to the global norm."""
+        if not self.owns_norm:
+            return 0.0
+        return sum(float(torch.linalg.vector_norm(p.grad, 2)) ** 2 for p in self.params if p.grad is not None)
+
+    def step(self, coef: float = 1.0) -> None:
+        if coef < 1.0:
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad.mul_(coef)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.scheduler is not None:
+            self.scheduler.step()
