@@ -84,18 +84,36 @@ def main(ctx: click.Context, debug: bool) -> None:
               "for `maestro stage SECTION --replay RUN_DIR`.")
 @click.option("--record-steps", metavar="STEPS", help="Steps to record, e.g. 0,5,9 (default: all).")
 @click.option("--costs", type=click.Path(dir_okay=False, exists=True), help=COSTS_HELP)
+@click.option("--checkpoint-dir", type=click.Path(file_okay=False), help="Write checkpoints here (DIR/step-N/).")
+@click.option("--checkpoint-every", type=int, metavar="N", help="Checkpoint after every N steps.")
+@click.option("--keep-last", type=int, metavar="K", help="Keep only the newest K complete checkpoints.")
+@click.option("--checkpoint-errors", type=click.Choice(["stop", "continue"]), default="stop", show_default=True,
+              help="When a checkpoint cannot be written: stop the run cleanly, or report it and train on.")
+@click.option("--resume", type=click.Path(file_okay=False), metavar="DIR",
+              help="Start from a checkpoint: DIR/step-N, or the newest complete one under DIR (--steps stays the "
+                   "total).")
+@click.option("--max-restarts", type=int, default=0, show_default=True,
+              help="When a worker dies or hangs, stop all workers and restart from the newest checkpoint, up to N "
+                   "times.")
 @click.option("--quiet", is_flag=True, help="No progress output.")
 @click.pass_context
 def run(ctx: click.Context, pipeline: str, steps: int | None, sets: tuple[str, ...], colocated: bool,
         schedule: str | None, metrics_out: str | None, save_dir: str | None, trace: str | None,
         run_dir: str | None, no_run_dir: bool, record: str | None, record_steps: str | None, costs: str | None,
-        quiet: bool) -> None:
+        checkpoint_dir: str | None, checkpoint_every: int | None, keep_last: int | None, checkpoint_errors: str,
+        resume: str | None, max_restarts: int, quiet: bool) -> None:
     """Train PIPELINE (a Python file defining pipeline(**overrides)).
 
     Every run writes a run directory (runs/NAME-TIMESTAMP unless --run-dir or --no-run-dir): the
     resolved pipeline.json, metrics.jsonl, plans.jsonl and each worker's log (workers/*.log, every
     line prefixed with its section and replica).
+
+    \b
+    A long job: checkpoints every 100 steps, the newest 3 kept, restarts after a lost worker:
+      maestro run PIPE --checkpoint-dir ckpt --checkpoint-every 100 --keep-last 3 --max-restarts 2
+    and after a crash, the same command with --resume ckpt.
     """
+    from maestro_flow.checkpoint.checkpointer import CheckpointOptions
     from maestro_flow.runtime.build import load_pipeline
     from maestro_flow.runtime.run import RunOptions, run_pipeline
     from maestro_flow.runtime.rundir import default_run_dir
@@ -110,9 +128,11 @@ def run(ctx: click.Context, pipeline: str, steps: int | None, sets: tuple[str, .
                 steps_to_record = tuple(int(x) for x in record_steps.split(","))
             except ValueError:
                 raise PipelineError(f"--record-steps expects step numbers like 0,5,9, got {record_steps!r}") from None
+        checkpoint = CheckpointOptions(dir=checkpoint_dir, every=checkpoint_every, keep_last=keep_last,
+                                       on_error=checkpoint_errors, resume=resume, max_restarts=max_restarts)
         options = RunOptions(overrides=overrides, colocated=colocated, metrics_out=metrics_out, save_dir=save_dir,
                              show_progress=not quiet, run_dir=None if no_run_dir else run_dir, trace=trace,
-                             record=record, record_steps=steps_to_record)
+                             record=record, record_steps=steps_to_record, checkpoint=checkpoint)
         run_pipeline(pipeline, options)
     except KeyboardInterrupt:
         click.echo("interrupted: workers stopped", err=True)

@@ -3,7 +3,9 @@
 Two kinds of runtime failure are never mixed: a `StageError` is user code that raised (it carries
 the section, replica, step and the traceback formatted as text in the process that raised it); a
 `SystemFailure` is the runtime itself failing (a dead process, a closed channel, a protocol
-mismatch, a timeout). `PipelineError` is bad input, found before any process starts.
+mismatch, a timeout). `PipelineError` is bad input, found before any process starts (or, for a
+checkpoint that does not fit the pipeline, when a worker first reads it). `CheckpointError` is a
+checkpoint that could not be written.
 """
 
 from __future__ import annotations
@@ -27,6 +29,11 @@ class StageError(MaestroError):
         where = f"section {section!r} replica {replica} (rank {rank})"
         when = f"step {step}" if step is not None else "setup"
         super().__init__(f"stage error in {where} during {phase} at {when}:\n{traceback.rstrip()}")
+
+
+class CheckpointError(MaestroError):
+    """A checkpoint could not be written (full disk, unwritable folder); the previous one is intact.
+    Not a SystemFailure: restarting would fail the same way."""
 
 
 class SystemFailure(MaestroError):

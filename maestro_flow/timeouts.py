@@ -20,6 +20,7 @@ class Timeouts:
     shutdown_grace_s: float = 5.0   # ask -> terminate
     kill_grace_s: float = 2.0       # terminate -> kill
     collective_s: float = 300.0     # torch.distributed op timeout (gloo/NCCL process groups)
+    checkpoint_s: float = 600.0     # checkpoint asked -> every worker saved its part
 
     @staticmethod
     def env_name(field_name: str) -> str:

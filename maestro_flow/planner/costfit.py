@@ -57,6 +57,17 @@ class CostFitter:
         for t in timings:
             self._obs.setdefault((section, t.kind), deque(maxlen=self.window)).append(t)
 
+    def state(self) -> list[list]:
+        """The observations, as plain data (a checkpoint holds them, so a resumed run plans with
+        the cost model the interrupted one had): [[section, kind, [timing lists]], ...]."""
+        return [[section, kind, [t.to_list() for t in ts]] for (section, kind), ts in self._obs.items()]
+
+    def load(self, state: Sequence[Sequence]) -> None:
+        self._obs = {}
+        for section, kind, timings in state:
+            if section in self.prior.costs:  # a section the pipeline no longer has is dropped
+                self._obs[(section, kind)] = deque((Timing.from_list(t) for t in timings), maxlen=self.window)
+
     def model(self) -> CostModel:
         costs = dict(self.prior.costs)
         for name in costs:

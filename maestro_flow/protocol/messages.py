@@ -15,17 +15,21 @@ Worker -> coordinator (DEALER -> ROUTER):
              the squared global gradient norm; it waits for `clip` before its optimizer step
   done       a replica finished a step (after its optimizer step): timings and counts
   error      a stage error or a system error, the traceback formatted as text by the worker
+  saved      the worker wrote its part of a checkpoint (info: what the manifest records of it), or
+             could not (error: one line on why; the traceback goes to the worker's log)
   bye        the worker saved what it was asked to and is exiting
 
 Coordinator -> worker:
   init       after hello: pipeline config, placement, rendezvous store, peers' header addresses,
              the coordinator's clock (to align trace timestamps), whether to trace, and what to
-             record for replay ({"dir", "section", "steps"} or None)
+             record for replay ({"dir", "section", "steps"} or None), and the checkpoint to resume
+             from (a folder, or None)
   plan       one step's plan, restricted to what this replica needs
   finalize   every loss replica reported: the step's global loss denominator, to the trainable
              sections upstream of that loss
   clip       every trainable replica reported its norm share: the step's clip coefficient, to all
              of them
+  checkpoint every worker is between steps (no later plan sent yet): save your part into path
   stop       shut down (optionally saving trainable parameters first)
 
 Worker -> worker (PUSH -> PULL, on the tensor-header sockets):
@@ -39,7 +43,7 @@ from __future__ import annotations
 
 from typing import Any
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 FIELDS: dict[str, tuple[str, ...]] = {
     "hello": ("version", "rank", "pid", "data_addr"),
@@ -49,11 +53,14 @@ FIELDS: dict[str, tuple[str, ...]] = {
     "norm": ("rank", "step", "sq"),
     "done": ("rank", "step", "stats"),
     "error": ("rank", "kind", "section", "replica", "step", "phase", "traceback"),
+    "saved": ("rank", "step", "info", "error"),
     "bye": ("rank",),
-    "init": ("rank", "pipeline", "placement", "store", "peers", "timeouts", "paths", "now", "trace", "record"),
+    "init": ("rank", "pipeline", "placement", "store", "peers", "timeouts", "paths", "now", "trace", "record",
+             "resume"),
     "plan": ("step", "micro_batches", "samples", "routes", "gates", "notify"),
     "finalize": ("step", "denominator"),
     "clip": ("step", "coef"),
+    "checkpoint": ("step", "path"),
     "stop": ("save_dir",),
     "tensors": ("src", "kind", "edge", "step", "entries", "buffers"),
     "progress": ("src", "step", "finished"),

@@ -6,7 +6,9 @@ step it asks the planner for a plan, sends each replica its part (up to `lookahe
 ahead, so forward-only sections can run ahead), turns loss reports into the global loss
 denominator for trainable sections upstream of a loss (`finalize`; the loss section sums its own
 with its gradients), norm reports into the global clip coefficient (`clip`, with grad_clip),
-and done reports into metrics. Any error report, dead worker,
+and done reports into metrics. At a checkpoint boundary it holds back the next plans, asks every
+worker to save its part (`checkpoint` -> `saved`) and lets the Checkpointer write the manifest;
+a resumed run starts at the checkpoint's step, with the workers loading their part at setup. Any error report, dead worker,
 silent worker or timeout ends the run: everything is shut down and the error is raised.
 """
 
@@ -19,8 +21,10 @@ from typing import Any
 
 import zmq
 
+from maestro_flow.checkpoint.checkpointer import Checkpointer, CheckpointOptions
+from maestro_flow.checkpoint.manifest import Manifest
 from maestro_flow.config import Pipeline
-from maestro_flow.errors import StageError, SystemFailure, TimeoutFailure
+from maestro_flow.errors import PipelineError, StageError, SystemFailure, TimeoutFailure
 from maestro_flow.graph import SectionGraph
 from maestro_flow.planner import make_planner
 from maestro_flow.planner.plan import Placement
@@ -54,7 +58,9 @@ class Coordinator:
     def __init__(self, pipeline: Pipeline, graph: SectionGraph, sampler: EpochSampler, report: RunReport, *,
                  paths: list[str], timeouts: Timeouts | None = None, save_dir: str | None = None,
                  worker_entry: Callable[[dict], None] = worker_main, observer: RunObserver | None = None,
-                 run_dir: str | None = None, record: dict | None = None) -> None:
+                 run_dir: str | None = None, record: dict | None = None,
+                 checkpoint: CheckpointOptions | None = None, resume: tuple[str, Manifest] | None = None,
+                 restarts: int = 0) -> None:
         self.pipeline, self.graph, self.sampler, self.report = pipeline, graph, sampler, report
         self.paths, self.save_dir = paths, save_dir
         self.timeouts = timeouts or Timeouts.from_env()
@@ -75,6 +81,9 @@ class Coordinator:
         self.worker_status: dict[int, dict] = {}
         self.replica_busy: dict[int, float] = {}  # rank -> busy share of its last step
         self.last_row: dict | None = None
+        self.checkpointer = Checkpointer(checkpoint or CheckpointOptions())
+        self.resume = resume  # (checkpoint folder, its manifest): start there
+        self.restarts = restarts  # automatic restarts before this attempt (recorded in checkpoints)
 
     # -- public ----------------------------------------------------------------------------
 
@@ -131,7 +140,7 @@ class Coordinator:
                                   placement=self.placement.to_dict(), store=[zmq_link.LOOPBACK, self.store.port],
                                   peers=peers, timeouts=self.timeouts.to_dict(), paths=self.paths,
                                   now=self.observer.tracer.epoch, trace=self.observer.tracing,
-                                  record=self.record))
+                                  record=self.record, resume=self.resume[0] if self.resume else None))
         ready: set[int] = set()
         while len(ready) < self.placement.world_size:
             rank, msg = self._recv(deadline, "every worker to be ready (stage built, process groups formed)",
@@ -146,10 +155,18 @@ class Coordinator:
         planner = make_planner(p.schedule, self.graph)
         sampler = self.sampler
         ledger = StepLedger(self.graph, self.placement, adapt_costs=p.adapt_costs)
-        next_plan = 0
+        first = 0
+        if self.resume is not None:
+            first = self.resume[1].step
+            if ledger.fitter is not None:
+                ledger.fitter.load(self.resume[1].costs)
+        next_plan = first
 
-        def send_plans(upto: int) -> int:
+        def send_plans(upto: int, completed: int) -> int:
             nonlocal next_plan
+            limit = self.checkpointer.plan_limit(completed)  # no sample in flight at a checkpoint
+            if limit is not None:
+                upto = min(upto, limit - 1)
             while next_plan <= min(upto, p.steps - 1):
                 planner.costs = ledger.costs()  # refined from the timings measured so far
                 plan = timed_plan(planner, next_plan, sampler.batch(next_plan), self.observer)
@@ -159,9 +176,9 @@ class Coordinator:
                 next_plan += 1
             return next_plan
 
-        send_plans(p.lookahead_steps)
+        send_plans(first + p.lookahead_steps, first)
         self.training = True
-        for step in range(p.steps):
+        for step in range(first, p.steps):
             self.awaited_step = step
             deadline = time.monotonic() + self.timeouts.step_s
             row = None
@@ -179,9 +196,46 @@ class Coordinator:
                 elif msg["t"] == "done":
                     self.observer.done(rank, msg["stats"])
                     row = ledger.on_done(rank, msg["step"], msg["stats"], time.perf_counter())
+            row["restarts"] = self.restarts
+            if self.checkpointer.due(step + 1):
+                t0 = time.perf_counter()
+                self._checkpoint(step + 1, ledger)
+                row["checkpoint_s"] = time.perf_counter() - t0
             self.report.step(row)
             self.last_row = row
-            send_plans(step + 1 + p.lookahead_steps)
+            send_plans(step + 1 + p.lookahead_steps, step + 1)
+
+    def _checkpoint(self, step: int, ledger: StepLedger) -> None:
+        """Every worker is between steps (plans for `step` on are held back): each saves its part,
+        then the manifest is written. A failed save is the Checkpointer's to report."""
+        folder = self.checkpointer.begin(step)
+        for rank in range(self.placement.world_size):
+            self._send(rank, make("checkpoint", step=step, path=os.path.abspath(folder)))
+        deadline = time.monotonic() + self.timeouts.checkpoint_s
+        infos: dict[int, dict] = {}
+        errors: dict[str, str] = {}
+        while len(infos) + len(errors) < self.placement.world_size:
+            rank, msg = self._recv(deadline, f"every worker to save its part of the checkpoint at step {step}",
+                                   "MAESTRO_CHECKPOINT_S")
+            if msg["t"] != "saved":
+                continue
+            if msg["error"] is None:
+                infos[rank] = msg["info"]
+            else:
+                log = self.observer.worker_log(*self.placement.who(rank))
+                errors[self._label(rank)] = msg["error"] + (f" (traceback: {log})" if log else "")
+        if errors:
+            self.checkpointer.failed(step, errors)
+            return
+        sections = {}
+        for name in self.graph.order:
+            section = self.graph.sections[name]
+            if section.trainable:
+                sections[name] = {"stage": section.stage, "dp": section.dp, "optimizer": dict(section.optimizer),
+                                  "params": infos[self.placement.rank(name, 0)].get("params", {})}
+        self.checkpointer.commit(step, Manifest(
+            step=step, pipeline=self.pipeline.to_dict(), sections=sections, sampler=self.sampler.position(step),
+            costs=ledger.fitter.state() if ledger.fitter is not None else [], restarts=self.restarts))
 
     def _stop(self) -> None:
         if self.save_dir:
@@ -278,6 +332,8 @@ class Coordinator:
                 stats = msg["stats"]
                 self.replica_busy[rank] = stats["busy_s"] / max(stats.get("wall_s", 0.0), 1e-12)
             if msg["t"] == "error":
+                if msg["kind"] == "input":  # e.g. a checkpoint that does not fit the pipeline
+                    raise PipelineError(msg["traceback"])
                 if msg["kind"] == "stage":
                     raise StageError(section=msg["section"], replica=msg["replica"], rank=rank, step=msg["step"],
                                      phase=msg["phase"], traceback=msg["traceback"])

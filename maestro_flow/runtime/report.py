@@ -38,7 +38,7 @@ class RunReport:
             f.flush()
         if not self.show:
             return
-        n = len(self.rows)
+        n = row["step"] + 1  # a resumed or restarted run starts (or goes back) to a later step
         loss = row["loss"]
         loss_s = (f"{loss:.4f}" if isinstance(loss, float)
                   else " ".join(f"{k}={v:.4f}" for k, v in (loss or {}).items()))
@@ -50,7 +50,7 @@ class RunReport:
             if n == self.total:
                 self.stream.write("\n")
             self.stream.flush()
-        elif n == 1 or n == self.total or n % max(1, self.total // 10) == 0:
+        elif len(self.rows) == 1 or n == self.total or n % max(1, self.total // 10) == 0:
             self.stream.write(f"step {n}/{self.total}  loss {loss_s}  {row['step_time_s']:.3f} s/step\n")
             self.stream.flush()
 

@@ -1,7 +1,9 @@
 """`maestro run` as a function: load, check, then train in section or colocated mode.
 
 Runs in the coordinator process. Returns the metrics rows; raises PipelineError (bad input,
-found before any worker starts), StageError or SystemFailure.
+found before any worker starts), StageError, SystemFailure or CheckpointError. Section mode
+resumes from a checkpoint when asked, and restarts from the newest one after a worker failure
+when allowed (runtime/restart.py).
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
+from maestro_flow.checkpoint import manifest as mf
+from maestro_flow.checkpoint.checkpointer import CheckpointOptions, resume_point
 from maestro_flow.errors import PipelineError
 from maestro_flow.runtime.build import load_pipeline
 from maestro_flow.runtime.checks import check_pipeline
@@ -32,15 +36,36 @@ class RunOptions:
     trace: str | None = None  # write the Chrome/Perfetto timeline here ("" = run_dir/trace.json)
     record: str | None = None  # a section whose inputs and outputs are saved (run_dir/record/) for replay
     record_steps: tuple[int, ...] | None = None  # which steps (None: all)
+    checkpoint: CheckpointOptions = CheckpointOptions()
 
 
 def _sigterm_as_interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
 
 
+def _resume_from(options: RunOptions, pipeline: Any, num_samples: int) -> tuple[str, mf.Manifest] | None:
+    """The checkpoint to start from, checked against the pipeline before any worker starts."""
+    if options.checkpoint.resume is None:
+        return None
+    folder, manifest = resume_point(options.checkpoint.resume)
+    problems = mf.incompatibilities(manifest, pipeline.to_dict())
+    if problems:
+        raise PipelineError(f"--resume {folder}: the checkpoint does not fit this pipeline: " + "; ".join(problems))
+    mf.check_sample_count(manifest, num_samples)
+    if manifest.step >= pipeline.steps:
+        raise PipelineError(f"--resume {folder}: the checkpoint is at step {manifest.step}, and the run has "
+                            f"steps={pipeline.steps} in all (--steps is the total; raise it to train further)")
+    return folder, manifest
+
+
 def run_pipeline(path: str, options: RunOptions) -> list[dict[str, Any]]:
     pipeline, paths = load_pipeline(path, options.overrides)
     checked = check_pipeline(pipeline)  # bad input is refused here, before any worker starts
+    ckpt = options.checkpoint
+    ckpt.validate()
+    if options.colocated and (ckpt.dir or ckpt.resume or ckpt.max_restarts):
+        raise PipelineError("checkpoints, --resume and --max-restarts are for section mode; drop --colocated")
+    resume = _resume_from(options, pipeline, len(checked.metadata))
     sampler = EpochSampler(checked.metadata, pipeline.global_batch, pipeline.seed, shuffle=pipeline.data.shuffle)
     skipped = getattr(checked.source, "num_skipped", 0)
     if options.show_progress:
@@ -54,6 +79,8 @@ def run_pipeline(path: str, options: RunOptions) -> list[dict[str, Any]]:
         trace = os.path.join(options.run_dir, "trace.json") if options.run_dir else "trace.json"
     if run_dir is not None and options.show_progress:
         print(f"run directory: {run_dir.path}", file=sys.stderr)
+    if resume is not None and options.show_progress:
+        print(f"resuming from {resume[0]} at step {resume[1].step}", file=sys.stderr)
     metrics = [p for p in (options.metrics_out, run_dir.metrics if run_dir else None) if p]
     report = RunReport(total_steps=pipeline.steps, metrics_out=metrics, show_progress=options.show_progress)
     observer = RunObserver(run_dir=run_dir, trace_path=trace)
@@ -75,9 +102,17 @@ def run_pipeline(path: str, options: RunOptions) -> list[dict[str, Any]]:
                           record=record)
         else:
             from maestro_flow.runtime.coordinator import Coordinator
+            from maestro_flow.runtime.restart import supervise
 
-            Coordinator(pipeline, checked.graph, sampler, report, paths=paths, save_dir=options.save_dir,
-                        observer=observer, run_dir=options.run_dir, record=record).run()
+            def attempt(resume_at: tuple[str, mf.Manifest] | None, restarts: int) -> None:
+                Coordinator(pipeline, checked.graph, sampler, report, paths=paths, save_dir=options.save_dir,
+                            observer=observer, run_dir=options.run_dir, record=record, checkpoint=ckpt,
+                            resume=resume_at, restarts=restarts).run()
+
+            supervise(attempt, max_restarts=ckpt.max_restarts, checkpoint_dir=ckpt.dir, resume=resume,
+                      restarts=resume[1].restarts if resume else 0,
+                      log=lambda text: print(text, file=sys.stderr, flush=True),
+                      on_restart=run_dir.event if run_dir is not None else lambda event: None)
     finally:
         signal.signal(signal.SIGTERM, previous)
         report.close()

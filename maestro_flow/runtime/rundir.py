@@ -5,6 +5,7 @@ Runs in the coordinator process. Layout:
     metrics.jsonl        one JSON object per step (DESIGN 5.4)
     plans.jsonl          every step's plan (DESIGN 5.5 format)
     workers/S-R.log      worker stdout/stderr, every line prefixed with [section/replica]
+    events.jsonl         what happened to the run besides steps: automatic restarts (with cause)
     trace.json           the timeline, when `--trace` is given without a path of its own
 """
 
@@ -42,6 +43,10 @@ class RunDir:
 
     def worker_log(self, section: str, replica: int) -> str:
         return os.path.join(self.path, "workers", f"{section}-{replica}.log")
+
+    def event(self, event: dict[str, Any]) -> None:
+        with open(os.path.join(self.path, "events.jsonl"), "a") as f:
+            f.write(json.dumps({"time": time.time(), **event}) + "\n")
 
     def plan(self, plan_json: dict[str, Any]) -> None:
         if self._plans is not None:

@@ -3,13 +3,16 @@
 `channels` is pure: every (producer rank, consumer rank, kind) pair the routing rule allows,
 in one deterministic order. `process_groups` runs in every worker after init_process_group:
 each channel gets its own two-rank group, so matched sends and receives of one channel never
-queue behind another's (NCCL executes a communicator's operations in order); each trainable
-section with dp > 1 gets its DP group. new_group is collective over the world, so every rank
-creates every group in the same order and keeps those it belongs to.
+queue behind another's (NCCL executes a communicator's operations in order); every section gets
+a gloo group of its ranks (checkpoints are written over it with torch.distributed.checkpoint),
+and each trainable section with dp > 1 reduces its gradients over a DP group (that same group on
+CPU, an NCCL group of the same ranks on CUDA). new_group is collective over the world, so every
+rank creates every group in the same order and keeps those it belongs to.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -31,8 +34,16 @@ def channels(graph: SectionGraph, placement: Placement) -> list[Channel]:
     return out
 
 
-def process_groups(graph: SectionGraph, placement: Placement, rank: int,
-                   timeout_s: float) -> tuple[dict[Channel, Any], Any | None]:
+@dataclass(frozen=True, slots=True)
+class Groups:
+    """The process groups one rank belongs to."""
+
+    channels: dict[Channel, Any]
+    section: Any  # gloo, every rank of this rank's section
+    dp: Any | None  # the gradient reduction's group (None: nothing to reduce)
+
+
+def process_groups(graph: SectionGraph, placement: Placement, rank: int, timeout_s: float) -> Groups:
     import torch.distributed as dist
 
     timeout = timedelta(seconds=timeout_s)
@@ -47,11 +58,14 @@ def process_groups(graph: SectionGraph, placement: Placement, rank: int,
         group = dist.new_group(pair, timeout=timeout, backend=backend(pair))
         if rank in pair:
             mine[ch] = group
-    dp_group = None
+    section_group = dp_group = None
     for name in graph.order:
         ranks = list(placement.ranks[name])
-        if graph.sections[name].trainable and len(ranks) > 1:
-            group = dist.new_group(ranks, timeout=timeout, backend=backend(ranks))
-            if rank in ranks:
-                dp_group = group
-    return mine, dp_group
+        group = dist.new_group(ranks, timeout=timeout, backend="gloo")
+        reduce = group
+        if graph.sections[name].trainable and len(ranks) > 1 and backend(ranks) != "gloo":
+            reduce = dist.new_group(ranks, timeout=timeout, backend=backend(ranks))
+        if rank in ranks:
+            section_group = group
+            dp_group = reduce if graph.sections[name].trainable and len(ranks) > 1 else None
+    return Groups(channels=mine, section=section_group, dp=dp_group)

@@ -130,6 +130,16 @@ class _OutputCapture:
             self.log.write(data)
             self.log.flush()
 
+    def detail(self, text: str) -> None:
+        """Details the coordinator's one-line error points to: the worker's log only when there
+        is one (the terminal gets the one line), else the terminal."""
+        data = b"".join(self.prefix + line.encode() + b"\n" for line in text.rstrip().splitlines())
+        if self.log is not None:
+            self.log.write(data)
+            self.log.flush()
+        else:
+            os.write(self.terminal, data)
+
     def close(self) -> None:
         """Flush and wait for the last lines (bounded): closing fds 1 and 2 ends the pipe."""
         sys.stdout.flush()
@@ -160,6 +170,7 @@ def worker_main(boot: dict[str, Any]) -> None:
     control.thread.start()
     out = control.outbound()
     worker = _Worker(init, inbox, out, pull, zctx, timeouts)
+    worker.detail = capture.detail
     worker.clock_offset_s = init["now"] - received  # this host's wall clock -> the coordinator's
     worker.control = control
     code = worker.run()
@@ -187,6 +198,8 @@ class _Worker:
         self.clock_offset_s = 0.0
         self.section, self.replica, self.step = "?", -1, None
         self.phase = "setup"
+        self.state = None  # checkpoint.section_state.SectionState, once set up
+        self.detail = print  # where tracebacks behind a one-line report go (the worker's log)
 
     def send(self, t: str, **fields: Any) -> None:
         zmq_link.send_msg(self.out, make(t, rank=self.rank, **fields))
@@ -196,6 +209,7 @@ class _Worker:
                   phase=self.phase, traceback=text)
 
     def run(self) -> int:
+        from maestro_flow.errors import PipelineError
         from maestro_flow.runtime.executor import StageFault
 
         try:
@@ -209,6 +223,8 @@ class _Worker:
         except StageFault as fault:
             self.step, self.phase = fault.step, fault.phase
             self.report_error("stage", fault.text)
+        except PipelineError as exc:  # bad input found here, e.g. a checkpoint that does not fit
+            self.report_error("input", str(exc))
         except Exception:
             self.report_error("system", traceback.format_exc())
         return 1
@@ -217,6 +233,7 @@ class _Worker:
         import torch
         import torch.distributed as dist
 
+        from maestro_flow.checkpoint.section_state import SectionState
         from maestro_flow.config import Pipeline
         from maestro_flow.graph import SectionGraph
         from maestro_flow.optim.reduce import GradientReducer
@@ -254,21 +271,28 @@ class _Worker:
         dist.init_process_group(backend="cpu:gloo,cuda:nccl" if uses_cuda else "gloo", store=store, rank=self.rank,
                                 world_size=placement.world_size,
                                 timeout=timedelta(seconds=self.timeouts.collective_s))
-        groups, dp_group = process_groups(graph, placement, self.rank, self.timeouts.collective_s)
+        groups = process_groups(graph, placement, self.rank, self.timeouts.collective_s)
         tracer = Tracer(enabled=init["trace"], offset_s=self.clock_offset_s, epoch=init["now"])
         comm = TensorComm(zctx=self.zctx, rank=self.rank, pull=self.pull,
-                          peers={int(k): v for k, v in init["peers"].items()}, groups=groups,
+                          peers={int(k): v for k, v in init["peers"].items()}, groups=groups.channels,
                           device=torch.device(device),
                           deliver=lambda *a: self.inbox.put(("tensors", a)),
                           on_error=lambda text: self.inbox.put(("comm_error", text)),
                           tracer=tracer if tracer.enabled else None)
         self.comm = comm
-        return SectionExecutor(
+        executor = SectionExecutor(
             stage=stage, graph=graph, placement=placement, section=self.section, replica=self.replica,
             source=source, comm=comm, report=lambda kind, body: self.send(kind, **body),
             device=torch.device(device), dtype=getattr(torch, pipeline.dtype),
-            reducer=GradientReducer(dp_group) if dp_group is not None else None, tracer=tracer,
+            reducer=GradientReducer(groups.dp) if groups.dp is not None else None, tracer=tracer,
             record=recording(init["record"], self.section, self.replica))
+        self.state = SectionState(stage, executor.optim, section=self.section, replica=self.replica,
+                                  group=groups.section, device=torch.device(device))
+        if init.get("resume"):
+            note = self.state.load(init["resume"])
+            if note:
+                print(f"resume: {note}", flush=True)
+        return executor
 
     def _loop(self, executor) -> int:
         from maestro_flow.checkpoint.savedir import save_stage
@@ -288,6 +312,8 @@ class _Worker:
                 executor.finalize(body["step"], body["denominator"])
             elif body["t"] == "clip":
                 executor.clip(body["step"], body["coef"])
+            elif body["t"] == "checkpoint":
+                self._checkpoint(executor, body["step"], body["path"])
             elif body["t"] == "stop":
                 if body["save_dir"] and executor.trainable and self.replica == 0:
                     save_stage(executor.stage, body["save_dir"], self.section)
@@ -299,3 +325,19 @@ class _Worker:
             if executor.current is not None:
                 self.step = executor.current.step
             executor.poll()
+
+    def _checkpoint(self, executor, step: int, path: str) -> None:
+        """Save this replica's part at a step boundary; a failure is reported, not fatal (the
+        coordinator decides: stop cleanly, or go on without this checkpoint)."""
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        assert executor.idle, "a checkpoint was asked for with work in flight"
+        self.phase, self.step = "checkpoint", step
+        try:
+            info = self.state.save(path)
+        except (Exception, CheckpointException) as exc:  # DCP's CheckpointException is a BaseException
+            self.detail(f"checkpoint at step {step} failed:\n{traceback.format_exc()}")
+            self.send("saved", step=step, info={}, error=self.state.cause(exc))
+        else:
+            self.send("saved", step=step, info=info, error=None)
+        self.phase = "step"

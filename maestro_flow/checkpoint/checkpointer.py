@@ -1,0 +1,133 @@
+"""The coordinator's side of checkpoints: when to save, the folder, the manifest, keep-last, failures.
+
+Runs in the coordinator process; touches files, never tensors (workers write those). The
+coordinator calls it, it does not contain it:
+
+    checkpointer.plan_limit(completed)  plans may go out only for steps below this, so that at a
+                                        checkpoint boundary no sample is in flight
+    checkpointer.due(completed)         a checkpoint is owed after `completed` steps
+    checkpointer.begin(step)            create step-<N>/ (an unwritable folder fails here)
+    checkpointer.commit(step, manifest) every worker saved: write the manifest last, drop old ones
+    checkpointer.failed(step, errors)   a worker could not save: delete the partial folder, then
+                                        raise CheckpointError, or warn and go on with
+                                        `on_error="continue"`
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from maestro_flow.checkpoint import manifest as mf
+from maestro_flow.errors import CheckpointError, PipelineError
+
+ON_ERROR = ("stop", "continue")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CheckpointOptions:
+    dir: str | None = None  # where step-<N>/ folders go
+    every: int | None = None  # save after every N steps
+    keep_last: int | None = None  # keep the newest K complete checkpoints (None: all)
+    on_error: str = "stop"  # a failed save stops the run, or ("continue") is reported and skipped
+    resume: str | None = None  # a checkpoint folder, or a folder of them (the newest complete one)
+    max_restarts: int = 0  # restarts from the newest checkpoint after a worker dies or hangs
+
+    def validate(self) -> None:
+        if self.every is not None and (self.every < 1 or not self.dir):
+            raise PipelineError("--checkpoint-every needs --checkpoint-dir and a number of steps >= 1")
+        if self.keep_last is not None and self.keep_last < 1:
+            raise PipelineError(f"--keep-last must be >= 1, got {self.keep_last}")
+        if self.on_error not in ON_ERROR:
+            raise PipelineError(f"--checkpoint-errors must be one of {', '.join(ON_ERROR)}, got {self.on_error!r}")
+        if self.max_restarts < 0:
+            raise PipelineError(f"--max-restarts must be >= 0, got {self.max_restarts}")
+        if self.resume is not None and not os.path.isdir(self.resume):
+            raise PipelineError(f"--resume: no such folder: {self.resume}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.dir is not None and self.every is not None
+
+
+class Checkpointer:
+    def __init__(self, options: CheckpointOptions, *, log: Callable[[str], None] | None = None) -> None:
+        self.options = options
+        self.log = log or (lambda text: print(text, file=sys.stderr, flush=True))
+
+    def due(self, completed: int) -> bool:
+        return self.options.enabled and completed > 0 and completed % self.options.every == 0
+
+    def plan_limit(self, completed: int) -> int | None:
+        """The first step whose plan must wait for the next checkpoint (None: no limit)."""
+        if not self.options.enabled:
+            return None
+        every = self.options.every
+        return (completed // every + 1) * every
+
+    def begin(self, step: int) -> str:
+        folder = mf.step_dir(self.options.dir, step)
+        try:
+            if os.path.isdir(folder):  # an incomplete save of an earlier run, or this step again
+                shutil.rmtree(folder)
+            os.makedirs(os.path.join(folder, mf.RNG_DIR))
+        except OSError as exc:
+            raise CheckpointError(f"checkpoint at step {step}: cannot create {folder}: {exc.strerror or exc}"
+                                  f"{self._previous()}") from None
+        return folder
+
+    def commit(self, step: int, manifest: mf.Manifest) -> str:
+        folder = mf.step_dir(self.options.dir, step)
+        try:
+            mf.write(folder, manifest)
+        except OSError as exc:
+            self._discard(folder)
+            return self._fail(step, f"writing the manifest failed: {exc}")
+        self._purge(step)
+        return folder
+
+    def failed(self, step: int, errors: dict[str, str]) -> None:
+        """`errors`: who -> one line on why (and where its traceback is)."""
+        self._discard(mf.step_dir(self.options.dir, step))
+        lines = {}
+        for who, text in errors.items():
+            lines.setdefault(text, []).append(who)
+        detail = "; ".join(f"{', '.join(whos)}: {text}" for text, whos in lines.items())
+        self._fail(step, detail)
+
+    def _fail(self, step: int, detail: str) -> None:
+        text = f"checkpoint at step {step} failed: {detail}{self._previous()}"
+        if self.options.on_error == "continue":
+            self.log(f"warning: {text}; training goes on (--checkpoint-errors continue)")
+            return
+        raise CheckpointError(text + "; the run stopped (--checkpoint-errors continue would train on without it)")
+
+    def _previous(self) -> str:
+        newest = mf.latest(self.options.dir) if self.options.dir else None
+        return f"; the newest complete checkpoint is {newest}" if newest else "; no complete checkpoint exists yet"
+
+    def _discard(self, folder: str) -> None:
+        shutil.rmtree(folder, ignore_errors=True)
+
+    def _purge(self, step: int) -> None:
+        """Incomplete folders older than this checkpoint, and complete ones beyond keep_last."""
+        found = mf.checkpoints(self.options.dir)
+        complete = [folder for s, folder, ok in found if ok]
+        stale = [folder for s, folder, ok in found if not ok and s < step]
+        if self.options.keep_last is not None:
+            stale += complete[:-self.options.keep_last]
+        for folder in stale:
+            self._discard(folder)
+
+
+def resume_point(path: str) -> tuple[str, mf.Manifest]:
+    """The checkpoint `--resume PATH` means (PATH itself or its newest complete one) and its manifest."""
+    folder = mf.latest(path)
+    if folder is None:
+        incomplete = [f for _, f, ok in mf.checkpoints(path) if not ok]
+        hint = f" ({len(incomplete)} incomplete: interrupted or failed saves)" if incomplete else ""
+        raise PipelineError(f"--resume {path}: no complete checkpoint there{hint}")
+    return folder, mf.read(folder)

@@ -1,0 +1,145 @@
+"""What a checkpoint is: the layout of its folder, its manifest, and which checkpoints are valid.
+
+Pure (standard library only): the coordinator writes and reads manifests; workers only write the
+section states and RNG files the manifest points to. A checkpoint is the folder
+`<checkpoint_dir>/step-<N>` for N completed steps (N is the next step to run):
+
+    step-00000012/
+        <section>/              torch.distributed.checkpoint of a trainable section: parameters,
+                                optimizer state, lr schedule (written over the section's own group)
+        rng/<section>-<r>.pt    the RNG states of replica r of every section
+        manifest.json           written last, by the coordinator (`Manifest`)
+
+A checkpoint without `manifest.json` is incomplete (a save was interrupted or failed) and is
+never resumed from; `latest` returns the newest complete one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from maestro_flow.errors import PipelineError
+
+FORMAT = 1
+MANIFEST = "manifest.json"
+RNG_DIR = "rng"
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+def step_dir(root: str, step: int) -> str:
+    return os.path.join(root, f"step-{step:08d}")
+
+
+def rng_file(folder: str, section: str, replica: int) -> str:
+    return os.path.join(folder, RNG_DIR, f"{section}-{replica}.pt")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Manifest:
+    """Everything but the tensors: read first on resume, written last on save."""
+
+    step: int  # completed steps: the resumed run starts at this step
+    pipeline: dict[str, Any]  # the configuration the checkpoint was trained with
+    sections: dict[str, dict[str, Any]]  # trainable section -> {"stage", "dp", "optimizer", "params": {key: shape}}
+    sampler: dict[str, Any]  # EpochSampler.position(step)
+    costs: list = field(default_factory=list)  # CostFitter.state(): the planner's cost model
+    restarts: int = 0  # automatic restarts so far in this job
+    format: int = FORMAT
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1, sort_keys=True)
+
+    @staticmethod
+    def from_dict(data: dict[str, Any]) -> Manifest:
+        if data.get("format") != FORMAT:
+            raise PipelineError(f"checkpoint format {data.get('format')!r} is not this version's ({FORMAT})")
+        return Manifest(**{k: data[k] for k in ("step", "pipeline", "sections", "sampler", "costs", "restarts",
+                                                "format") if k in data})
+
+
+def write(folder: str, manifest: Manifest) -> str:
+    """Write the manifest atomically (temporary file, fsync, rename), then fsync the folder, so a
+    crash leaves either no manifest or a whole one."""
+    path = os.path.join(folder, MANIFEST)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(manifest.to_json())
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return path
+
+
+def read(folder: str) -> Manifest:
+    path = os.path.join(folder, MANIFEST)
+    try:
+        with open(path) as f:
+            return Manifest.from_dict(json.load(f))
+    except FileNotFoundError:
+        raise PipelineError(f"{folder} is not a complete checkpoint (no {MANIFEST})") from None
+    except (json.JSONDecodeError, TypeError, KeyError) as exc:
+        raise PipelineError(f"{path}: unreadable checkpoint manifest ({exc})") from None
+
+
+def checkpoints(root: str) -> list[tuple[int, str, bool]]:
+    """(step, folder, complete) of every step folder under `root`, oldest first."""
+    if not os.path.isdir(root):
+        return []
+    out = []
+    for name in os.listdir(root):
+        m = _STEP_DIR.match(name)
+        folder = os.path.join(root, name)
+        if m and os.path.isdir(folder):
+            out.append((int(m.group(1)), folder, os.path.isfile(os.path.join(folder, MANIFEST))))
+    return sorted(out)
+
+
+def latest(path: str) -> str | None:
+    """The newest complete checkpoint: `path` itself if it is one, else the newest under it."""
+    if os.path.isfile(os.path.join(path, MANIFEST)):
+        return path
+    complete = [folder for _, folder, ok in checkpoints(path) if ok]
+    return complete[-1] if complete else None
+
+
+def incompatibilities(manifest: Manifest, pipeline: dict[str, Any]) -> list[str]:
+    """What keeps a checkpoint from resuming `pipeline` (its to_dict()), each naming the field.
+
+    Parameter shapes are checked by each worker against its built stage; here: the trainable
+    sections, their stage classes and optimizers, and what the sampler position means."""
+    problems = []
+    now = {s["name"]: s for s in pipeline["sections"] if s["trainable"]}
+    saved = manifest.sections
+    for name in sorted(set(saved) - set(now)):
+        problems.append(f"the checkpoint has trainable section {name!r}, the pipeline does not")
+    for name in sorted(set(now) - set(saved)):
+        problems.append(f"sections.{name}: trainable here, but not in the checkpoint")
+    for name in sorted(set(now) & set(saved)):
+        if now[name]["stage"] != saved[name]["stage"]:
+            problems.append(f"sections.{name}.stage: {now[name]['stage']!r} here, {saved[name]['stage']!r} in "
+                            "the checkpoint")
+        if now[name]["optimizer"].get("name") != saved[name]["optimizer"].get("name"):
+            problems.append(f"sections.{name}.optimizer.name: {now[name]['optimizer'].get('name')!r} here, "
+                            f"{saved[name]['optimizer'].get('name')!r} in the checkpoint")
+    sampler = manifest.sampler
+    for key, here in (("global_batch", pipeline["global_batch"]), ("seed", pipeline["seed"]),
+                      ("shuffle", pipeline["data"].get("shuffle", True))):
+        if sampler.get(key) != here:
+            problems.append(f"{'data.' if key == 'shuffle' else ''}{key}: {here!r} here, {sampler.get(key)!r} in the "
+                            "checkpoint (the sampler position would mean other samples)")
+    return problems
+
+
+def check_sample_count(manifest: Manifest, num_samples: int) -> None:
+    if manifest.sampler.get("num_samples") != num_samples:
+        raise PipelineError(f"data.path: the dataset has {num_samples} usable samples, the checkpoint was trained on "
+                            f"{manifest.sampler.get('num_samples')} (the sampler position would mean other samples)")

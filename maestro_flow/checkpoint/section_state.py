@@ -1,0 +1,194 @@
+"""A replica's part of a checkpoint: its section's training state through
+`torch.distributed.checkpoint` (DCP) over the section's own process group, and its RNG states.
+
+Runs in a worker's compute thread at a step boundary (no sample in flight). Every replica of a
+trainable section calls `save` / `load` together (DCP is collective over the section's group);
+DCP stores replicated tensors once and reshards on load, so a section resumed with another dp
+reads the same checkpoint. The state is one flat dict:
+
+    model/<name>            trainable parameters and buffers (names as in the stage's state_dict)
+    optim/<name>/<key>      the optimizer state of each parameter that has one (Adam's step,
+                            exp_avg, exp_avg_sq; SGD's momentum_buffer) — a parameter that was
+                            never stepped has none, and gets none back
+    optim_groups            the optimizer's param_groups (hyperparameters, parameter names)
+    scheduler               the LambdaLR state, when the section has a schedule
+
+Every entry is a tensor — the last two hold their JSON text as bytes (DCP would otherwise split
+nested Python containers into one entry per leaf).
+
+Frozen parameters are not saved: they are rebuilt from the configuration.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from maestro_flow.checkpoint import rng
+from maestro_flow.checkpoint.manifest import rng_file
+from maestro_flow.checkpoint.savedir import trainable_state
+from maestro_flow.errors import PipelineError
+from maestro_flow.optim.stepper import SectionOptimizer
+
+
+class CheckpointMismatch(PipelineError):
+    """The checkpoint does not fit the section as built now (names or shapes differ)."""
+
+
+class SectionState:
+    def __init__(self, stage: Any, optim: SectionOptimizer | None, *, section: str, replica: int, group: Any,
+                 device: torch.device) -> None:
+        self.stage, self.optim = stage, optim
+        self.section, self.replica, self.group, self.device = section, replica, group, device
+
+    def folder(self, checkpoint: str) -> str:
+        return os.path.join(checkpoint, self.section)
+
+    # -- save ------------------------------------------------------------------------------
+
+    @staticmethod
+    def cause(exc: BaseException) -> str:
+        """One line on why a save or load failed: DCP gathers every rank's exception into one
+        CheckpointException; the first rank's own error is the cause."""
+        failures = getattr(exc, "failures", None)
+        if isinstance(failures, dict) and failures:
+            rank = sorted(failures)[0]
+            exc = failures[rank][0] if isinstance(failures[rank], tuple) else failures[rank]
+        return f"{type(exc).__name__}: {exc}"
+
+    def save(self, checkpoint: str) -> dict[str, Any]:
+        """Write this replica's part; returns what the manifest records of it (replica 0 of a
+        trainable section: its parameter shapes)."""
+        info: dict[str, Any] = {}
+        if self.optim is not None:
+            state = self._state_dict()
+            dcp.save(state, storage_writer=_Writer(self.folder(checkpoint)), process_group=self.group)
+            if self.replica == 0:
+                info["params"] = {k[len("model/"):]: list(v.shape) for k, v in state.items() if k.startswith("model/")}
+        rng.save(rng_file(checkpoint, self.section, self.replica), self.device)
+        return info
+
+    def _names(self) -> list[str]:
+        """The name of each of the optimizer's parameters, in the optimizer's order."""
+        by_id = {id(p): name for name, p in self.stage.named_parameters()}
+        return [by_id[id(p)] for p in self.optim.params]
+
+    def _state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {f"model/{k}": v.detach() for k, v in trainable_state(self.stage).items()}
+        names = self._names()
+        saved = self.optim.optimizer.state_dict()
+        for index, per_param in saved["state"].items():
+            for key, value in per_param.items():
+                if isinstance(value, torch.Tensor):  # SGD without momentum keeps None: nothing to keep
+                    state[f"optim/{names[index]}/{key}"] = value
+        state["optim_groups"] = _json_tensor([{**{k: v for k, v in g.items() if k != "params"},
+                                               "params": [names[i] for i in g["params"]]}
+                                              for g in saved["param_groups"]])
+        if self.optim.scheduler is not None:
+            state["scheduler"] = _json_tensor(self.optim.scheduler.state_dict())
+        return state
+
+    # -- load ------------------------------------------------------------------------------
+
+    def load(self, checkpoint: str) -> str | None:
+        """Restore this replica's part; returns a note when its RNG states came from another
+        replica (the section's dp changed), else None."""
+        if self.optim is not None:
+            self._load_state(self.folder(checkpoint))
+        own = rng_file(checkpoint, self.section, self.replica)
+        if os.path.isfile(own):
+            rng.load(own, self.device)
+            return None
+        first = rng_file(checkpoint, self.section, 0)
+        if os.path.isfile(first):
+            rng.load(first, self.device)
+            return (f"{self.section} replica {self.replica}: no RNG state saved for it (the section had fewer "
+                    "replicas); using replica 0's")
+        return f"{self.section} replica {self.replica}: the checkpoint holds no RNG state for this section"
+
+    def _load_state(self, folder: str) -> None:
+        try:
+            metadata = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata
+        except FileNotFoundError:
+            raise CheckpointMismatch(f"section {self.section!r}: the checkpoint holds no state for it "
+                                     f"({folder} is missing)") from None
+        model = {f"model/{k}": v.detach() for k, v in trainable_state(self.stage).items()}
+        self._check(model, metadata, folder)
+        target: dict[str, Any] = dict(model)
+        params = dict(zip(self._names(), self.optim.params, strict=True))
+        for key, meta in metadata.items():
+            if not isinstance(meta, TensorStorageMetadata) or key.startswith("model/"):
+                continue
+            name = key[len("optim/"):].rsplit("/", 1)[0] if key.startswith("optim/") else None
+            p = params.get(name)
+            if p is not None and tuple(meta.size) == tuple(p.shape) and meta.properties.dtype == p.dtype:
+                target[key] = torch.zeros_like(p)  # shaped and placed like its parameter
+            else:  # Adam's scalar step, the JSON entries
+                target[key] = torch.zeros(tuple(meta.size), dtype=meta.properties.dtype)
+        dcp.load(target, checkpoint_id=folder, process_group=self.group)
+        index = {name: i for i, name in enumerate(self._names())}
+        state: dict[int, dict[str, Any]] = {}
+        for key, value in target.items():
+            if key.startswith("optim/"):
+                name, field = key[len("optim/"):].rsplit("/", 1)
+                state.setdefault(index[name], {})[field] = value
+        groups = [{**g, "params": [index[n] for n in g["params"]]} for g in _from_json_tensor(target["optim_groups"])]
+        for g in groups:
+            if "betas" in g:
+                g["betas"] = tuple(g["betas"])
+        self.optim.optimizer.load_state_dict({"state": state, "param_groups": groups})
+        if self.optim.scheduler is not None and "scheduler" in target:
+            self.optim.scheduler.load_state_dict(_from_json_tensor(target["scheduler"]))
+
+    def _check(self, model: dict[str, torch.Tensor], metadata: dict[str, Any], folder: str) -> None:
+        saved = {k for k in metadata if k.startswith("model/")}
+        missing = sorted(set(model) - saved)
+        extra = sorted(saved - set(model))
+        problems = []
+        if missing:
+            problems.append(f"the checkpoint lacks {len(missing)} of its parameters, e.g. "
+                            f"{', '.join(k[6:] for k in missing[:3])}")
+        if extra:
+            problems.append(f"the checkpoint has {len(extra)} parameters it lacks, e.g. "
+                            f"{', '.join(k[6:] for k in extra[:3])}")
+        shapes = [f"{key[6:]} is {list(metadata[key].size)} in the checkpoint, {list(model[key].shape)} here"
+                  for key in sorted(set(model) & saved) if tuple(metadata[key].size) != tuple(model[key].shape)]
+        if shapes:
+            problems += shapes[:3] + ([f"{len(shapes)} parameters differ in shape in all"] if len(shapes) > 3 else [])
+        if problems:
+            raise CheckpointMismatch(f"--resume {os.path.dirname(folder)}: section {self.section!r} "
+                                     f"({self.stage.__class__.__module__}:{self.stage.__class__.__name__}) does not "
+                                     "fit the checkpoint: " + "; ".join(problems))
+
+
+def _json_tensor(value: Any) -> torch.Tensor:
+    return torch.frombuffer(bytearray(json.dumps(value).encode()), dtype=torch.uint8)
+
+
+def _from_json_tensor(t: torch.Tensor) -> Any:
+    return json.loads(bytes(t.tolist()).decode())
+
+
+class _Writer(dcp.FileSystemWriter):
+    """DCP's file writer, except that a failed write is reported as the OS error it is.
+
+    torch.save's zip writer turns a write the OS refused (full disk, file too large) into
+    "RuntimeError: ... unexpected pos", with the OSError only in its context, which does not
+    survive DCP gathering every rank's exception; so the OSError is raised instead."""
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        try:
+            return super().write_data(plan, planner)
+        except RuntimeError as exc:
+            inner, seen = exc.__cause__ or exc.__context__, set()
+            while inner is not None and id(inner) not in seen:
+                if isinstance(inner, OSError):
+                    raise OSError(inner.errno, inner.strerror, str(self.path)) from exc
+                seen.add(id(inner))
+                inner = inner.__cause__ or inner.__context__
+            raise

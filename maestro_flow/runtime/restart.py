@@ -1,0 +1,45 @@
+"""Automatic restart (`--max-restarts N`): the supervisor around one coordinator run.
+
+Runs in the `maestro run` process. An attempt is one Coordinator run, which on any failure has
+already stopped every worker (its close() is bounded). When the failure is a system failure — a
+worker died, went silent (heartbeat timeout) or a step stopped making progress (step timeout) —
+the supervisor starts a fresh attempt from the newest complete checkpoint (or from the start
+when there is none yet), up to N times; each restart is logged with its cause and counted in
+the metrics (`restarts`). Stage errors (user code raised), bad input and failed checkpoint
+writes are not retried: they would fail the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from maestro_flow.checkpoint import manifest as mf
+from maestro_flow.errors import SystemFailure
+
+Resume = tuple[str, mf.Manifest] | None
+Attempt = Callable[[Resume, int], None]  # (where to resume, restarts so far)
+
+
+def supervise(attempt: Attempt, *, max_restarts: int, checkpoint_dir: str | None, resume: Resume,
+              restarts: int, log: Callable[[str], None],
+              on_restart: Callable[[dict[str, Any]], None] = lambda event: None) -> int:
+    """Run `attempt` until it succeeds or fails for good; returns the restarts it took."""
+    used = 0
+    while True:
+        try:
+            attempt(resume, restarts)
+            return used
+        except SystemFailure as exc:
+            if used >= max_restarts:
+                raise
+            used += 1
+            restarts += 1
+            cause = str(exc).strip().splitlines()[0]
+            newest = mf.latest(checkpoint_dir) if checkpoint_dir else None
+            if newest is not None:
+                resume = (newest, mf.read(newest))
+            where = f"the checkpoint {resume[0]} (step {resume[1].step})" if resume else "step 0 (no checkpoint yet)"
+            log(f"restart {used}/{max_restarts}: {cause}; every worker was stopped; resuming from {where}")
+            on_restart({"restart": used, "cause": cause, "resume": resume[0] if resume else None,
+                        "step": resume[1].step if resume else 0})

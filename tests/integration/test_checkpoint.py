@@ -1,0 +1,284 @@
+"""Checkpoints, exact resume, automatic restart (the real CLI, real processes, real kills).
+
+The job: pipelines/distill.py on 48 samples (3 steps per epoch of 16, so runs cross epoch
+boundaries and reshuffles), the student with dropout 0.1 (its RNG state matters), plans that
+depend on the data alone (adapt_costs=false: measured timings differ between runs). Its
+checkpoint holds the student's parameters, AdamW state and lr schedule (DCP), every worker's
+RNG states, the sampler position and the planner's cost model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import resource
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from maestro_flow.checkpoint import manifest as mf
+from tests.integration.conftest import ROOT, descendants, maestro, wait_gone
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+
+STEPS = 10
+COMMON = ("--quiet", "--no-run-dir", "--set", "adapt_costs=false", "--set", "sections.student.config.student.dropout=0.1",
+          "--set", "sections.student.optimizer={\"name\": \"adamw\", \"lr\": 0.003, \"weight_decay\": 0.1, "
+          "\"warmup_steps\": 2, \"decay\": \"cosine\", \"min_lr\": 0.0003}")
+
+
+@pytest.fixture(scope="module")
+def small_data(tmp_path_factory) -> Path:
+    from loaders.demo import build_text_demo
+
+    return build_text_demo(tmp_path_factory.mktemp("ckpt-data"), num_samples=48, parquet=False)
+
+
+def args(data: Path, dtype: str, *more: str, steps: int = STEPS) -> list[str]:
+    return ["run", "pipelines/distill.py", *COMMON, "--steps", str(steps), "--set", f"data.path={data}",
+            "--set", f"dtype={dtype}", *more]
+
+
+def run_ok(*argv: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    result = maestro(*argv, timeout=180, env={**os.environ, **(env or {})})
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def params(save_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(save_dir / "student.safetensors")
+
+
+def assert_bitwise(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), f"{key}: max abs difference {(a[key] - b[key]).abs().max().item()}"
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(small_data, tmp_path_factory):
+    """dtype -> the final student parameters of an uninterrupted run (checkpointing as the others do)."""
+    out = {}
+    for dtype in ("float32", "float64"):
+        base = tmp_path_factory.mktemp(f"straight-{dtype}")
+        run_ok(*args(small_data, dtype, "--checkpoint-dir", str(base / "ck"), "--checkpoint-every", "2",
+                     "--save-dir", str(base / "out")))
+        out[dtype] = (params(base / "out"), base / "ck")
+    return out
+
+
+def _workers(pid: int) -> list[int]:
+    return [p for p in descendants(pid) if b"spawn_main" in _cmdline(p)]
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+
+
+def _wait_for_checkpoint(root: Path, proc: subprocess.Popen, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if mf.latest(str(root)) is not None:
+            return
+        assert proc.poll() is None, f"the run ended before its first checkpoint: {proc.communicate()[1][-2000:]}"
+        time.sleep(0.02)
+    raise AssertionError("no checkpoint appeared")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("victim", ["coordinator", "worker"])
+def test_sigkill_then_resume_is_bitwise_identical(small_data, uninterrupted, tmp_path, dtype, victim):
+    ck = tmp_path / "ck"
+    proc = subprocess.Popen([sys.executable, "-m", "maestro_flow.cli",
+                             *args(small_data, dtype, "--checkpoint-dir", str(ck), "--checkpoint-every", "2")],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for_checkpoint(ck, proc)
+        time.sleep(random.Random(f"{dtype}-{victim}").uniform(0.0, 0.6))  # an arbitrary point, even mid-save
+        everything = descendants(proc.pid)
+        workers = _workers(proc.pid)
+        assert proc.poll() is None and len(workers) == 3, "the run must still be going when it is killed"
+        os.kill(proc.pid if victim == "coordinator" else workers[-1], signal.SIGKILL)
+        proc.wait(60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        stderr = proc.communicate()[1]
+    assert proc.returncode != 0
+    if victim == "worker":
+        assert "student" in stderr and "was killed by SIGKILL" in stderr
+    assert not wait_gone(everything, 10.0), "processes outlived the killed run"
+    newest = mf.latest(str(ck))
+    assert newest is not None and mf.read(newest).step < STEPS
+    run_ok(*args(small_data, dtype, "--resume", str(ck), "--save-dir", str(tmp_path / "out")))
+    assert_bitwise(params(tmp_path / "out"), uninterrupted[dtype][0])
+
+
+def test_a_checkpoint_holds_the_promised_state(uninterrupted):
+    root = uninterrupted["float64"][1]
+    found = mf.checkpoints(str(root))
+    assert [s for s, _, ok in found if ok] == [2, 4, 6, 8, 10]
+    folder = mf.latest(str(root))
+    manifest = mf.read(folder)
+    assert manifest.step == 10
+    assert manifest.sampler == {"step": 10, "epoch": 3, "batch_in_epoch": 1, "batches_per_epoch": 3,
+                                "num_samples": 48, "global_batch": 16, "seed": 0, "shuffle": True}
+    assert manifest.pipeline["name"] == "distill" and manifest.sections["student"]["dp"] == 2
+    assert "model.tok_emb.weight" in manifest.sections["student"]["params"]
+    assert sorted(os.listdir(os.path.join(folder, mf.RNG_DIR))) == ["student-0.pt", "student-1.pt", "teacher-0.pt"]
+    assert os.path.isfile(os.path.join(folder, "student", ".metadata"))  # DCP, over the student's group
+    assert not os.path.exists(os.path.join(folder, "teacher"))  # frozen: nothing to save but RNG
+
+
+@pytest.mark.parametrize("student_dp", [1, 4])
+def test_resume_with_another_dp_reshards(small_data, tmp_path, student_dp):
+    """Saved with the student at dp 2, resumed at dp 1 or 4: within 1e-8 of the straight run."""
+    straight = tmp_path / "straight"
+    run_ok(*args(small_data, "float64", "--steps", "6", "--checkpoint-dir", str(straight / "ck"),
+                 "--checkpoint-every", "3", "--save-dir", str(straight / "out"),
+                 "--set", "sections.student.config.student.dropout=0.0"))
+    resumed = tmp_path / "resumed"
+    run_ok(*args(small_data, "float64", "--steps", "6", "--resume", str(straight / "ck" / "step-00000003"),
+                 "--save-dir", str(resumed), "--set", f"sections.student.dp={student_dp}",
+                 "--set", "sections.student.config.student.dropout=0.0"))
+    a, b = params(straight / "out"), params(resumed)
+    for key in a:
+        assert (a[key] - b[key]).abs().max().item() <= 1e-8, key
+
+
+@pytest.fixture(scope="module")
+def one_checkpoint(small_data, tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("one") / "ck"
+    run_ok(*args(small_data, "float32", "--checkpoint-dir", str(root), "--checkpoint-every", "2", steps=2))
+    return root
+
+
+@pytest.mark.parametrize("change, expected", [
+    (("pipelines/chain.py",), ["the checkpoint has trainable section 'student', the pipeline does not",
+                               "sections.embed: trainable here, but not in the checkpoint"]),
+    (("--set", "sections.student.stage=stages.hf:HFCausalLM"),
+     ["sections.student.stage: 'stages.hf:HFCausalLM' here, 'stages.distill:KDStudent' in the checkpoint"]),
+    (("--set", "sections.student.config.student.d_model=32"),
+     ["section 'student' (stages.distill:KDStudent) does not fit the checkpoint",
+      "model.decoder.blocks.0.attn.qkv.bias is [192] in the checkpoint, [96] here",
+      "29 parameters differ in shape in all"]),
+    (("--set", "global_batch=8"), ["global_batch: 8 here, 16 in the checkpoint"]),
+], ids=["other-sections", "other-stage-class", "other-shapes", "other-batch"])
+def test_an_incompatible_checkpoint_is_refused(small_data, one_checkpoint, change, expected):
+    if change[0].endswith(".py"):
+        argv = ["run", change[0], "--quiet", "--no-run-dir", "--steps", "4", "--set", f"data.path={small_data}",
+                "--set", "global_batch=16", "--resume", str(one_checkpoint)]
+    else:
+        argv = args(small_data, "float32", "--resume", str(one_checkpoint), *change, steps=4)
+    result = maestro(*argv, timeout=120)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+    for text in expected:
+        assert text in result.stderr
+
+
+def test_resume_needs_a_complete_checkpoint(small_data, tmp_path):
+    (tmp_path / "ck" / "step-00000004" / "student").mkdir(parents=True)  # a save that never finished
+    result = maestro(*args(small_data, "float32", "--resume", str(tmp_path / "ck")), timeout=60)
+    assert result.returncode == 2
+    assert "no complete checkpoint there (1 incomplete" in result.stderr
+
+
+def test_an_unwritable_checkpoint_folder_stops_cleanly_and_keeps_the_previous(small_data, tmp_path):
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    (ck / "step-00000004").write_text("a file where the folder must go")
+    result = maestro(*args(small_data, "float32", "--checkpoint-dir", str(ck), "--checkpoint-every", "2", steps=6),
+                     timeout=120)
+    assert result.returncode == 1
+    assert "checkpoint at step 4: cannot create" in result.stderr
+    assert f"the newest complete checkpoint is {ck / 'step-00000002'}" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert mf.latest(str(ck)) == str(ck / "step-00000002")
+
+
+def _limit_file_size(limit: int):
+    return lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+
+def test_a_failing_write_stops_cleanly_or_is_skipped_with_the_flag(small_data, tmp_path):
+    """The OS refuses the write (RLIMIT_FSIZE: 'File too large', as a full disk refuses with
+    ENOSPC): the error names the worker and the cause; the partial folder is removed."""
+    ck = tmp_path / "ck"
+    argv = [sys.executable, "-m", "maestro_flow.cli",
+            *args(small_data, "float32", "--checkpoint-dir", str(ck), "--checkpoint-every", "2", steps=4)]
+    argv[argv.index("--no-run-dir")] = f"--run-dir={tmp_path / 'run'}"  # tracebacks go to its worker logs
+    result = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=120,
+                            preexec_fn=_limit_file_size(200_000))
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert "checkpoint at step 2 failed: " in result.stderr
+    assert "File too large" in result.stderr and "section 'student' replica 0" in result.stderr
+    assert f"(traceback: {tmp_path / 'run' / 'workers' / 'student-0.log'})" in result.stderr
+    assert "Traceback" in (tmp_path / "run" / "workers" / "student-0.log").read_text()
+    assert "no complete checkpoint exists yet" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert mf.checkpoints(str(ck)) == []
+    result = subprocess.run(argv + ["--checkpoint-errors", "continue"], cwd=ROOT, capture_output=True, text=True,
+                            timeout=120, preexec_fn=_limit_file_size(200_000))
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stderr.count("warning: checkpoint at step") == 2  # steps 2 and 4, training went on
+
+
+def test_a_full_disk_keeps_the_previous_checkpoint(small_data, tmp_path):
+    """A real ENOSPC: a tmpfs with room for one checkpoint but not two."""
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3000k", "tmpfs", str(ck)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        result = maestro(*args(small_data, "float32", "--checkpoint-dir", str(ck), "--checkpoint-every", "2",
+                               steps=6), timeout=120)
+        assert result.returncode == 1, result.stderr[-2000:]
+        assert "checkpoint at step 4 failed" in result.stderr and "No space left on device" in result.stderr
+        assert mf.latest(str(ck)) == str(ck / "step-00000002")
+        assert [s for s, _, _ in mf.checkpoints(str(ck))] == [2]
+        out = tmp_path / "out"
+        run_ok(*args(small_data, "float32", "--resume", str(ck), "--save-dir", str(out), steps=6))
+    finally:
+        subprocess.run(["umount", str(ck)], capture_output=True)
+
+
+@pytest.mark.parametrize("fault", ["kill", "hang"])
+def test_max_restarts_recovers_from_a_lost_or_hung_worker(small_data, uninterrupted, tmp_path, fault):
+    ck, run_dir = tmp_path / "ck", tmp_path / "run"
+    argv = args(small_data, "float32", "--checkpoint-dir", str(ck), "--checkpoint-every", "2", "--max-restarts", "1",
+                "--save-dir", str(tmp_path / "out"), "--metrics-out", str(tmp_path / "metrics.jsonl"))
+    argv[argv.index("--no-run-dir")] = "--run-dir"
+    argv.insert(argv.index("--run-dir") + 1, str(run_dir))
+    proc = subprocess.Popen([sys.executable, "-m", "maestro_flow.cli", *argv], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "MAESTRO_HEARTBEAT_TIMEOUT_S": "4"})
+    try:
+        _wait_for_checkpoint(ck, proc)
+        victim = _workers(proc.pid)[-1]
+        os.kill(victim, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
+        _, stderr = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, stderr[-3000:]
+    assert "restart 1/1:" in stderr
+    assert ("was killed by SIGKILL" if fault == "kill" else "heartbeat timeout") in stderr
+    assert not wait_gone([victim], 10.0)
+    assert_bitwise(params(tmp_path / "out"), uninterrupted["float32"][0])
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["step"] == STEPS - 1 and rows[-1]["restarts"] == 1
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    assert [e["restart"] for e in events] == [1] and events[0]["cause"]
