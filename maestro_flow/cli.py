@@ -95,13 +95,16 @@ def main(ctx: click.Context, debug: bool) -> None:
 @click.option("--max-restarts", type=int, default=0, show_default=True,
               help="When a worker dies or hangs, stop all workers and restart from the newest checkpoint, up to N "
                    "times.")
+@click.option("--tensorboard", "tensorboard", type=click.Path(file_okay=False), metavar="DIR",
+              help="Log loss, lr, grad norm, throughput and each section's busy share per step for TensorBoard "
+                   "(needs the tensorboard package).")
 @click.option("--quiet", is_flag=True, help="No progress output.")
 @click.pass_context
 def run(ctx: click.Context, pipeline: str, steps: int | None, sets: tuple[str, ...], colocated: bool,
         schedule: str | None, metrics_out: str | None, save_dir: str | None, trace: str | None,
         run_dir: str | None, no_run_dir: bool, record: str | None, record_steps: str | None, costs: str | None,
         checkpoint_dir: str | None, checkpoint_every: int | None, keep_last: int | None, checkpoint_errors: str,
-        resume: str | None, max_restarts: int, quiet: bool) -> None:
+        resume: str | None, max_restarts: int, tensorboard: str | None, quiet: bool) -> None:
     """Train PIPELINE (a Python file defining pipeline(**overrides)).
 
     Every run writes a run directory (runs/NAME-TIMESTAMP unless --run-dir or --no-run-dir): the
@@ -132,7 +135,8 @@ def run(ctx: click.Context, pipeline: str, steps: int | None, sets: tuple[str, .
                                        on_error=checkpoint_errors, resume=resume, max_restarts=max_restarts)
         options = RunOptions(overrides=overrides, colocated=colocated, metrics_out=metrics_out, save_dir=save_dir,
                              show_progress=not quiet, run_dir=None if no_run_dir else run_dir, trace=trace,
-                             record=record, record_steps=steps_to_record, checkpoint=checkpoint)
+                             record=record, record_steps=steps_to_record, checkpoint=checkpoint,
+                             tensorboard=tensorboard)
         run_pipeline(pipeline, options)
     except KeyboardInterrupt:
         click.echo("interrupted: workers stopped", err=True)
@@ -289,9 +293,9 @@ def data_demo(out_dir: str, num_samples: int, vlm_samples: int, image_share: flo
 def _register_tools() -> None:
     """Commands defined in their own modules (their imports stay lazy)."""
     from maestro_flow.cli_stage import stage
-    from maestro_flow.cli_tools import profile, tune
+    from maestro_flow.cli_tools import export, profile, tune
 
-    for command in (profile, stage, tune):
+    for command in (export, profile, stage, tune):
         main.add_command(command)
 
 

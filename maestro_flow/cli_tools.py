@@ -1,6 +1,6 @@
-"""`maestro profile` and `maestro tune` (click commands registered by cli.py).
+"""`maestro profile`, `maestro tune` and `maestro export` (click commands registered by cli.py).
 
-Thin: parse, call runtime/profiling.py or runtime/tuning.py, print. Errors a user can fix print
+Thin: parse, call runtime/profiling.py, runtime/tuning.py or checkpoint/export.py, print. Errors a user can fix print
 one line ("error: ...") and exit 2, as in cli.py.
 """
 
@@ -127,3 +127,29 @@ def tune(ctx: click.Context, pipeline: str, sets: tuple[str, ...], devices: int,
         click.echo(format_result(result))
     if write_to:
         click.echo(f"wrote {write_to}; run it with: maestro run {pipeline} $(cat {write_to})", err=True)
+
+
+@click.command()
+@click.argument("source", type=click.Path(exists=True, file_okay=False))
+@click.option("--section", required=True, help="The trainable section to export.")
+@click.option("-o", "--output", "out", required=True, type=click.Path(file_okay=False),
+              help="Folder to write (created if needed).")
+@click.pass_context
+def export(ctx: click.Context, source: str, section: str, out: str) -> None:
+    """Write SECTION's trained parameters from SOURCE — a checkpoint (a step-N folder, or a folder
+    of them: the newest complete one) or a --save-dir — to OUT/SECTION.safetensors.
+
+    A section whose stage owns a Hugging Face model (stages.hf:HFCausalLM) is also written as a
+    Hugging Face folder: config.json and model.safetensors, which
+    transformers.AutoModelForCausalLM.from_pretrained(OUT) loads.
+    """
+    from maestro_flow.checkpoint.export import export_section
+
+    try:
+        done = export_section(source, section, out)
+    except MaestroError as exc:
+        _fail(ctx, exc)
+        return
+    click.echo(f"from {done.source}:")
+    for path in done.files:
+        click.echo(f"wrote {path}")

@@ -2,6 +2,7 @@
 
 Runs in the coordinator process. A progress bar redraws in place on a terminal; elsewhere
 (CI, pipes) a plain line is printed every few steps. Writes to stderr so stdout stays clean.
+Rows also go to any sinks given (e.g. runtime/tensorboard.py).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any, TextIO
 
 class RunReport:
     def __init__(self, *, total_steps: int, metrics_out: str | Sequence[str] | None, stream: TextIO | None = None,
-                 show_progress: bool = True) -> None:
+                 show_progress: bool = True, sinks: Sequence[Any] = ()) -> None:
         self.total = total_steps
         self.stream = stream or sys.stderr
         self.tty = self.stream.isatty()
@@ -29,6 +30,7 @@ class RunReport:
                 os.makedirs(os.path.dirname(path), exist_ok=True)
             self._metrics.append(open(path, "w"))  # noqa: SIM115 (closed in close())
         self._t0 = time.monotonic()
+        self._sinks = list(sinks)  # objects with step(row) and close()
 
     def step(self, row: dict[str, Any]) -> None:
         self.rows.append(row)
@@ -36,6 +38,8 @@ class RunReport:
         for f in self._metrics:
             f.write(line)
             f.flush()
+        for sink in self._sinks:
+            sink.step(row)
         if not self.show:
             return
         n = row["step"] + 1  # a resumed or restarted run starts (or goes back) to a later step
@@ -85,3 +89,6 @@ class RunReport:
         for f in self._metrics:
             f.close()
         self._metrics = []
+        for sink in self._sinks:
+            sink.close()
+        self._sinks = []

@@ -37,6 +37,7 @@ class RunOptions:
     record: str | None = None  # a section whose inputs and outputs are saved (run_dir/record/) for replay
     record_steps: tuple[int, ...] | None = None  # which steps (None: all)
     checkpoint: CheckpointOptions = CheckpointOptions()
+    tensorboard: str | None = None  # write TensorBoard curves here
 
 
 def _sigterm_as_interrupt(signum: int, frame: Any) -> None:
@@ -66,6 +67,11 @@ def run_pipeline(path: str, options: RunOptions) -> list[dict[str, Any]]:
     if options.colocated and (ckpt.dir or ckpt.resume or ckpt.max_restarts):
         raise PipelineError("checkpoints, --resume and --max-restarts are for section mode; drop --colocated")
     resume = _resume_from(options, pipeline, len(checked.metadata))
+    sinks = []
+    if options.tensorboard:
+        from maestro_flow.runtime.tensorboard import TensorBoardSink
+
+        sinks.append(TensorBoardSink(options.tensorboard))
     sampler = EpochSampler(checked.metadata, pipeline.global_batch, pipeline.seed, shuffle=pipeline.data.shuffle)
     skipped = getattr(checked.source, "num_skipped", 0)
     if options.show_progress:
@@ -82,7 +88,8 @@ def run_pipeline(path: str, options: RunOptions) -> list[dict[str, Any]]:
     if resume is not None and options.show_progress:
         print(f"resuming from {resume[0]} at step {resume[1].step}", file=sys.stderr)
     metrics = [p for p in (options.metrics_out, run_dir.metrics if run_dir else None) if p]
-    report = RunReport(total_steps=pipeline.steps, metrics_out=metrics, show_progress=options.show_progress)
+    report = RunReport(total_steps=pipeline.steps, metrics_out=metrics, show_progress=options.show_progress,
+                       sinks=sinks)
     observer = RunObserver(run_dir=run_dir, trace_path=trace)
     record = None
     if options.record:

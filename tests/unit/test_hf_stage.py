@@ -119,3 +119,30 @@ def test_config_errors():
         HFCausalLM({"role": "kd_student", "teacher": {"model_type": "gpt2"}}, CTX)
     with pytest.raises(ValueError, match="'alpha'"):
         HFCausalLM({"role": "lm", "alpha": 0.5}, CTX)
+
+
+@pytest.mark.parametrize("where", ["top", "hf_config"])
+def test_attn_implementation_is_the_user_s(where):
+    config = {**STUDENT, "role": "lm"}
+    if where == "top":
+        config["attn_implementation"] = "sdpa"
+    else:
+        config["hf_config"] = {**STUDENT["hf_config"], "attn_implementation": "sdpa"}
+    assert make(HFCausalLM, config).model.config._attn_implementation == "sdpa"
+    assert make(HFCausalLM, {**config, "attn_implementation": "eager"}).model.config._attn_implementation == "eager"
+
+
+def test_sizes_left_to_defaults_are_announced(capsys):
+    from stages.hf import describe_size, hf_model_config
+
+    full = {"model_type": "llama"}
+    note = describe_size(full, hf_model_config(full)[0])
+    assert "hf_config leaves vocab_size=32000, hidden_size=4096" in note and "num_hidden_layers=32" in note
+    assert "transformers' defaults for model_type 'llama': a model of 6.74B parameters" in note
+    sized = {"model_type": "llama", "hf_config": {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+                                                  "intermediate_size": 64, "vocab_size": 260,
+                                                  "max_position_embeddings": 64}}
+    assert describe_size(sized, hf_model_config(sized)[0]) is None  # derived fields (head_dim, kv heads) are not
+    make(HFCausalLM, {**STUDENT, "role": "lm"})
+    printed = capsys.readouterr().out
+    assert "hf_config leaves vocab_size=260" in printed and "maestro_flow's small gpt2 defaults" in printed

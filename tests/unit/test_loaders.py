@@ -293,3 +293,28 @@ def test_tokenizer_specials():
     assert text.decode(np.array(ids, dtype=np.int32)) == "héllo"
     with pytest.raises(ValueError, match=r"outside the byte-level vocabulary \(0\.\.260\)"):
         text.decode([261])
+
+
+def pixel_table(**replace) -> pa.Table:
+    """Image samples given as precomputed pixel arrays ([3, H, W] nested lists), no encoded bytes."""
+    pixels = [np.full((3, 8, 16), 0.5, dtype=np.float32).tolist(), None, np.zeros((3, 16, 8), np.float32).tolist()]
+    cols = {"id": [1, 2, 3], "modalities": [["text", "image"], ["text"], ["image"]],
+            "tokens": [[257, 259, 5], [257, 6], [259]], "pixel_values": pixels, **replace}
+    types = {"id": pa.int64(), "modalities": pa.list_(pa.string()), "tokens": pa.list_(pa.int32()),
+             "pixel_values": pa.list_(pa.list_(pa.list_(pa.float32())))}
+    return pa.table({k: pa.array(v, type=types[k]) for k, v in cols.items()})
+
+
+def test_a_modality_column_carries_precomputed_pixels(tmp_path):
+    path = write_arrow(pixel_table(), tmp_path / "px.arrow")
+    with pytest.raises(PipelineError, match=r"row 0 \(id 1\) declares modality 'image' but there is no 'image' column"):
+        source(path).metadata()
+    src = source(path, modality_columns={"image": "pixel_values"})
+    assert [sorted(m.modalities) for m in src.metadata()] == [["image", "text"], ["text"], ["image"]]
+    value = src.read([0], ["pixel_values"])["pixel_values"][0]
+    assert np.asarray(value).shape == (3, 8, 16)
+    bad = write_arrow(pixel_table(modalities=[["text"], ["text"], ["image"]]), tmp_path / "bad.arrow")
+    with pytest.raises(PipelineError, match=r"row 0 \(id 1\) has a value in column 'pixel_values' but 'image' is not"):
+        source(bad, modality_columns={"image": "pixel_values"}).metadata()
+    with pytest.raises(PipelineError, match=r"data.modality_columns.image: no column 'pixels'"):
+        source(path, modality_columns={"image": "pixels"})

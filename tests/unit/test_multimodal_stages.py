@@ -324,3 +324,19 @@ def test_block_key_padding_mask_hides_pads():
     bidirectional = Block(cfg, causal=False).double()
     close(bidirectional(x, mask)[1, :3], bidirectional(x[1:, :3])[0])
     assert not torch.allclose(bidirectional(x)[1, :3], bidirectional(x[1:, :3])[0])
+
+
+def test_vision_takes_precomputed_pixels_from_the_modality_column():
+    """data.modality_columns={"image": "pixel_values"}: no decoder, no encoded bytes."""
+    ctx = StageContext(section="vision", dtype="float64", modality_columns={"image": "pixel_values"})
+    stage = VisionEncoder({**VISION, "decoder": None}, ctx)
+    pixels = [torch.rand(3, 8, 16, dtype=torch.float64), None, torch.rand(3, 16, 8, dtype=torch.float64)]
+    as_lists = [None if p is None else p.tolist() for p in pixels]
+    image, text = frozenset({"text", "image"}), frozenset({"text"})
+    mods = [image, text, image]
+    out = stage.forward(MicroBatch(step=0, index=0, sample_ids=[1, 2, 3], modalities=mods,
+                                   columns={"pixel_values": as_lists}))["image_embeds"]
+    expected = stage.forward(MicroBatch(step=0, index=0, sample_ids=[1, 2, 3], modalities=mods,
+                                        columns={}, inputs={"pixels": pixels}))["image_embeds"]
+    assert out[1] is None and out[0].shape == out[2].shape == (2, 32)  # 1x2 and 2x1 patch grids, d_model 32
+    assert torch.equal(out[0], expected[0]) and torch.equal(out[2], expected[2])

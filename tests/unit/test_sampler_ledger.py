@@ -226,3 +226,46 @@ def test_lookahead_step_time_counts_from_the_previous_step_s_end():
     assert ledger.on_done(0, 0, stats(4.0, 1, 1), now=5.0)["step_time_s"] == 5.0
     ledger.on_loss(0, 1, 1.0, 1.0)
     assert ledger.on_done(0, 1, stats(2.0, 1, 1), now=8.0)["step_time_s"] == 3.0
+
+
+def test_without_shuffle_every_epoch_takes_the_file_order():
+    sampler = EpochSampler(metadata(10), 4, seed=3, shuffle=False)
+    assert [ids(sampler.batch(s)) for s in range(4)] == [[1000, 1001, 1002, 1003], [1004, 1005, 1006, 1007],
+                                                         [1000, 1001, 1002, 1003], [1004, 1005, 1006, 1007]]
+
+
+def test_the_position_says_where_a_resumed_run_starts():
+    sampler = EpochSampler(metadata(10), 4, seed=3)
+    assert sampler.position(5) == {"step": 5, "epoch": 2, "batch_in_epoch": 1, "batches_per_epoch": 2,
+                                   "num_samples": 10, "global_batch": 4, "seed": 3, "shuffle": True}
+    # A fresh sampler (a resumed run) draws the same batches from that step on.
+    assert [ids(EpochSampler(metadata(10), 4, seed=3).batch(s)) for s in (5, 6)] == \
+        [ids(sampler.batch(s)) for s in (5, 6)]
+
+
+def test_norm_shares_of_every_trainable_replica_give_one_clip_coefficient():
+    graph = graph_of([S("teacher", trainable=False), S("vision", dp=2, activates_on="image"), S("llm", dp=2)],
+                     [Edge(src="teacher", dst="llm", tensors=("t",)), Edge(src="vision", dst="llm", tensors=("v",))])
+    graph = SectionGraph(Pipeline(name="p", data=ArrowData(path="d"), sections=list(graph.sections.values()),
+                                  edges=graph.pipeline.edges, grad_clip=1.0))
+    ledger = StepLedger(graph, placement_of(graph))  # trainable ranks 1 2 (vision), 3 4 (llm)
+    assert ledger.on_norm(1, 0, 9.0) is None
+    assert ledger.on_norm(3, 0, 16.0) is None
+    assert ledger.on_norm(2, 0, 0.0) is None
+    assert ledger.on_norm(1, 0, 9.0) is None  # a repeated report counts once
+    ranks, coef = ledger.on_norm(4, 0, 0.0)
+    assert ranks == [1, 2, 3, 4]
+    assert coef == pytest.approx(1.0 / (5.0 + 1e-6))  # max_norm / (sqrt(9 + 16) + eps)
+    assert ledger.norms == {}
+
+
+def test_the_row_has_the_global_grad_norm_and_each_section_s_lr():
+    graph = distill()
+    ledger = StepLedger(graph, placement_of(graph))
+    ledger.planned(make_planner("fifo", graph).plan(0, [SampleMeta(id=i, row=i) for i in range(4)]), now=0.0)
+    ledger.on_done(0, 0, stats(0.1, 1, 4), now=1.0)
+    ledger.on_done(1, 0, {**stats(0.1, 1, 2), "grad_sq": 9.0, "lr": 0.5, "loss_sum": 1.0, "denominator": 1.0}, now=1.0)
+    row = ledger.on_done(2, 0, {**stats(0.1, 1, 2), "grad_sq": 0.0, "lr": 0.5, "loss_sum": 1.0, "denominator": 1.0},
+                         now=1.0)
+    assert row["grad_norm"] == 3.0
+    assert row["sections"]["student"]["lr"] == 0.5 and "lr" not in row["sections"]["teacher"]

@@ -262,3 +262,34 @@ def test_transformer_lm_rejects_misshaped_embeddings():
     bad = [torch.zeros(len(s), 16, dtype=torch.float64) for s in SAMPLES]
     with pytest.raises(ValueError, match="sample 0: 'embeddings'"):
         stage.forward(micro_batch(SAMPLES, embeddings=bad))
+
+
+def test_the_stage_context_holds_torch_objects():
+    ctx = StageContext(section="s", device="cpu", dtype="float64")
+    assert ctx.device == torch.device("cpu") and ctx.dtype is torch.float64
+    module = torch.nn.Linear(2, 2).to(ctx.device, ctx.dtype)
+    assert module.weight.dtype is torch.float64
+
+
+def test_outputs_are_undeclared_by_default():
+    from maestro_flow import Stage
+
+    assert Stage.outputs({}) is None
+
+
+@pytest.mark.parametrize("feature_layer, used_blocks", [(-1, 2), (-2, 1), (-3, 0)])
+def test_an_encoder_feature_layer_leaves_later_layers_without_gradient(feature_layer, used_blocks):
+    from stages.vision import VisionEncoder
+
+    config = {"decoder": None, "init_seed": 1, "d_model": 16, "n_heads": 2, "n_layers": 2, "patch": 8,
+              "feature_layer": feature_layer}
+    stage = VisionEncoder(config, StageContext(section="v"))
+    batch = MicroBatch(step=0, index=0, sample_ids=[0], modalities=[frozenset({"image"})], columns={},
+                       inputs={"pixels": [torch.rand(3, 8, 16)]})
+    stage.forward(batch)["image_embeds"][0].sum().backward()
+    got = {name.split(".")[3] for name, p in stage.named_parameters() if "trunk.blocks" in name and p.grad is not None}
+    assert got == {str(i) for i in range(used_blocks)}
+    norm_has_grad = all(p.grad is not None for n, p in stage.named_parameters() if "trunk.norm" in n)
+    assert norm_has_grad == (feature_layer == -1)
+    with pytest.raises(ValueError, match="feature_layer must be an integer from -3 to -1"):
+        VisionEncoder({**config, "feature_layer": -4}, StageContext(section="v"))

@@ -1,0 +1,117 @@
+"""`maestro export`: a trained section's parameters out of a checkpoint or a `--save-dir`.
+
+Runs in the CLI process, without torch.distributed (DCP reads a checkpoint in one process,
+whatever dp wrote it). Writes `OUT/<section>.safetensors` (keys as in the stage's state_dict,
+trainable parameters and buffers). When the section's stage owns a transformers model (as
+`stages.hf:HFCausalLM` does), the stage is built as a run builds it, given the weights, and the
+model writes itself into OUT with its own `save_pretrained` (`config.json`,
+`generation_config.json`, `model.safetensors`): a folder that
+`transformers.AutoModelForCausalLM.from_pretrained(OUT)` loads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from maestro_flow.checkpoint import manifest as mf
+from maestro_flow.checkpoint.savedir import PIPELINE_FILE
+from maestro_flow.errors import PipelineError
+
+
+@dataclass(frozen=True, slots=True)
+class Exported:
+    files: list[str]
+    source: str
+
+
+def export_section(source: str, section: str, out: str) -> Exported:
+    pipeline, state, where = _read(source, section)
+    spec = next((s for s in pipeline["sections"] if s["name"] == section), None)
+    if spec is None:
+        names = ", ".join(s["name"] for s in pipeline["sections"])
+        raise PipelineError(f"--section: {where} has no section {section!r} (sections: {names})")
+    os.makedirs(out, exist_ok=True)
+    path = os.path.join(out, f"{section}.safetensors")
+    save_file({k: v.contiguous() for k, v in state.items()}, path, metadata={"section": section, "source": where})
+    return Exported(files=[path, *_hugging_face(pipeline, spec, state, out)], source=where)
+
+
+def _read(source: str, section: str) -> tuple[dict[str, Any], dict[str, torch.Tensor], str]:
+    """(pipeline configuration, the section's parameters, where they came from)."""
+    saved = os.path.join(source, f"{section}.safetensors")
+    if os.path.isfile(saved):  # a --save-dir
+        try:
+            with open(os.path.join(source, PIPELINE_FILE)) as f:
+                pipeline = json.load(f)
+        except FileNotFoundError:
+            raise PipelineError(f"{source} has {section}.safetensors but no {PIPELINE_FILE} (written by "
+                                "--save-dir since this version): re-save it, or export from a checkpoint") from None
+        return pipeline, load_file(saved), saved
+    folder = mf.latest(source)
+    if folder is None:
+        raise PipelineError(f"{source}: neither a --save-dir with {section}.safetensors nor a complete checkpoint")
+    manifest = mf.read(folder)
+    if section not in manifest.sections:
+        trainable = ", ".join(manifest.sections) or "none"
+        raise PipelineError(f"--section {section}: not a trainable section of {folder} (trainable: {trainable}); "
+                            "frozen sections are not saved, their weights come from their configuration")
+    return manifest.pipeline, _load_dcp(os.path.join(folder, section)), folder
+
+
+def _load_dcp(folder: str) -> dict[str, torch.Tensor]:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata
+    target = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in metadata.items()
+              if k.startswith("model/") and isinstance(m, TensorStorageMetadata)}
+    with warnings.catch_warnings():  # "torch.distributed is disabled ... single process": as intended
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(target, checkpoint_id=folder, no_dist=True)
+    return {k[len("model/"):]: v for k, v in target.items()}
+
+
+def _hugging_face(pipeline: dict[str, Any], spec: dict[str, Any], state: dict[str, torch.Tensor],
+                  out: str) -> list[str]:
+    """Build the section's stage as a run does, load the weights, and let the transformers model
+    it owns write itself (save_pretrained). Empty when the stage owns no transformers model."""
+    from maestro_flow.config import Pipeline
+    from maestro_flow.runtime.build import add_paths, build_stage, search_paths
+
+    add_paths(search_paths(None))  # stage paths resolve from the current directory, as in a run
+    p = Pipeline.from_dict(pipeline)
+    stage = build_stage(p, p.section(spec["name"]), 0, "cpu")
+    frozen = {name for name, param in stage.named_parameters() if not param.requires_grad}
+    for attr, module in stage.modules().items():
+        prefix = attr + "."
+        missing, unexpected = module.load_state_dict(
+            {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}, strict=False)
+        missing = [k for k in missing if prefix + k not in frozen and not _is_tied(module, k)]
+        if missing or unexpected:
+            raise PipelineError(f"section {spec['name']!r}: the saved weights do not fit {spec['stage']} "
+                                f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
+    models = [m for m in stage.modules().values() if callable(getattr(m, "save_pretrained", None))]
+    if len(models) != 1:
+        return []
+    before = set(os.listdir(out))
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    except ImportError:
+        pass
+    models[0].save_pretrained(out)
+    return [os.path.join(out, name) for name in sorted(set(os.listdir(out)) - before)]
+
+
+def _is_tied(module: torch.nn.Module, key: str) -> bool:
+    """Whether parameter `key` shares its tensor with another name (stored once, loaded with it)."""
+    params = dict(module.named_parameters(remove_duplicate=False))
+    return key in params and sum(p is params[key] for p in params.values()) > 1

@@ -1,0 +1,87 @@
+"""`maestro export`: a trained section out of a checkpoint or a --save-dir, and for a Hugging Face
+section a folder that transformers loads and generates with (a GPT-2 teacher distilled into a
+Llama student, both through stages.hf, built from configs)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.integration.conftest import maestro
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+
+TEACHER = {"role": "teacher", "model_type": "gpt2", "init_seed": 3,
+           "hf_config": {"n_layer": 1, "n_embd": 32, "n_head": 2, "vocab_size": 260, "n_positions": 256}}
+STUDENT = {"role": "kd_student", "model_type": "llama", "init_seed": 4,
+           "hf_config": {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+                         "intermediate_size": 64, "vocab_size": 260, "max_position_embeddings": 256},
+           "teacher": {k: v for k, v in TEACHER.items() if k != "role"}}
+
+
+@pytest.fixture(scope="module")
+def trained(demo_data, tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf-trained")
+    result = maestro("run", "pipelines/distill.py", "--quiet", "--no-run-dir", "--steps", "2",
+                     "--set", f"data.path={demo_data}", "--save-dir", str(root / "save"),
+                     "--checkpoint-dir", str(root / "ck"), "--checkpoint-every", "2",
+                     "--set", "sections.teacher.stage=stages.hf:HFCausalLM",
+                     "--set", f"sections.teacher.config={json.dumps(TEACHER)}",
+                     "--set", "sections.student.stage=stages.hf:HFCausalLM",
+                     "--set", f"sections.student.config={json.dumps(STUDENT)}", timeout=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return root
+
+
+@pytest.mark.parametrize("source", ["ck", "save"])
+def test_a_hugging_face_student_exports_loads_and_generates(trained, tmp_path, source):
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "out"
+    result = maestro("export", str(trained / source), "--section", "student", "-o", str(out))
+    assert result.returncode == 0, result.stderr
+    saved = load_file(trained / "save" / "student.safetensors")
+    exported = load_file(out / "student.safetensors")
+    assert exported.keys() == saved.keys()
+    assert all(torch.equal(exported[k], saved[k]) for k in saved)  # the checkpoint holds the same weights
+    assert not any(k.startswith("teacher_head.") for k in saved)
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert type(model).__name__ == "LlamaForCausalLM"
+    state = model.state_dict()
+    for key, value in saved.items():
+        assert torch.equal(state[key.removeprefix("model.")], value), key
+    # It computes what the trained stage computes, and generates.
+    from maestro_flow import StageContext
+    from stages.hf import HFCausalLM
+
+    lm = {k: v for k, v in STUDENT.items() if k != "teacher"}
+    stage = HFCausalLM({**lm, "role": "lm"}, StageContext(section="student"))
+    stage.load_state_dict({k: v for k, v in saved.items()})
+    ids = torch.tensor([[1, 72, 101, 108, 108, 111]])
+    with torch.no_grad():
+        assert torch.allclose(model(ids).logits, stage.model(ids).logits, atol=1e-6)
+        generated = model.generate(ids, max_new_tokens=4, do_sample=False)
+    assert generated.shape == (1, 10)
+
+
+def test_exporting_a_frozen_or_unknown_section_is_a_clear_error(trained, tmp_path):
+    result = maestro("export", str(trained / "ck"), "--section", "teacher", "-o", str(tmp_path / "t"))
+    assert result.returncode == 2
+    assert "not a trainable section" in result.stderr and "frozen sections are not saved" in result.stderr
+    result = maestro("export", str(tmp_path), "--section", "student", "-o", str(tmp_path / "t"))
+    assert result.returncode == 2
+    assert "neither a --save-dir with student.safetensors nor a complete checkpoint" in result.stderr
+
+
+def test_a_maestro_stage_exports_its_safetensors(demo_data, tmp_path):
+    result = maestro("run", "pipelines/chain.py", "--quiet", "--no-run-dir", "--steps", "1",
+                     "--set", f"data.path={demo_data}", "--save-dir", str(tmp_path / "save"))
+    assert result.returncode == 0, result.stderr[-2000:]
+    result = maestro("export", str(tmp_path / "save"), "--section", "lm", "-o", str(tmp_path / "out"))
+    assert result.returncode == 0, result.stderr
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["lm.safetensors"]
+    a, b = load_file(tmp_path / "save" / "lm.safetensors"), load_file(tmp_path / "out" / "lm.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -1,0 +1,142 @@
+"""What a checkpoint is on disk (checkpoint/manifest.py), the coordinator's bookkeeping of them
+(checkpoint/checkpointer.py) and the RNG states (checkpoint/rng.py). No processes, no DCP."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from maestro_flow import ArrowData, Edge, Pipeline, PipelineError, Section
+from maestro_flow.checkpoint import manifest as mf
+from maestro_flow.checkpoint import rng
+from maestro_flow.checkpoint.checkpointer import Checkpointer, CheckpointOptions, resume_point
+from maestro_flow.errors import CheckpointError
+
+PIPELINE = Pipeline(name="p", data=ArrowData(path="d"), global_batch=4,
+                    sections=[Section(name="teacher", stage="m:T", trainable=False), Section(name="student", stage="m:S")],
+                    edges=[Edge(src="teacher", dst="student", tensors=("h",))])
+SAMPLER = {"step": 4, "epoch": 1, "batch_in_epoch": 1, "batches_per_epoch": 3, "num_samples": 12, "global_batch": 4,
+           "seed": 0, "shuffle": True}
+
+
+def manifest(step: int, pipeline: Pipeline = PIPELINE) -> mf.Manifest:
+    sections = {s.name: {"stage": s.stage, "dp": s.dp, "optimizer": dict(s.optimizer), "params": {"w": [2, 3]}}
+                for s in pipeline.sections if s.trainable}
+    return mf.Manifest(step=step, pipeline=pipeline.to_dict(), sections=sections, sampler={**SAMPLER, "step": step})
+
+
+def save(root, step: int, complete: bool = True) -> str:
+    folder = mf.step_dir(str(root), step)
+    os.makedirs(folder)
+    if complete:
+        mf.write(folder, manifest(step))
+    return folder
+
+
+def test_the_newest_complete_checkpoint_is_the_one_resumed(tmp_path):
+    save(tmp_path, 2)
+    newest = save(tmp_path, 4)
+    save(tmp_path, 6, complete=False)  # a save that was interrupted
+    (tmp_path / "notes.txt").write_text("not a checkpoint")
+    assert [(s, ok) for s, _, ok in mf.checkpoints(str(tmp_path))] == [(2, True), (4, True), (6, False)]
+    assert mf.latest(str(tmp_path)) == newest
+    assert mf.latest(newest) == newest
+    folder, m = resume_point(str(tmp_path))
+    assert folder == newest and m == manifest(4)
+
+
+def test_no_complete_checkpoint_is_a_clear_error(tmp_path):
+    save(tmp_path, 2, complete=False)
+    with pytest.raises(PipelineError, match=r"no complete checkpoint there \(1 incomplete"):
+        resume_point(str(tmp_path))
+    with pytest.raises(PipelineError, match="is not a complete checkpoint"):
+        mf.read(mf.step_dir(str(tmp_path), 2))
+
+
+def test_what_keeps_a_checkpoint_from_resuming_a_pipeline():
+    m = manifest(4)
+    assert mf.incompatibilities(m, PIPELINE.to_dict()) == []
+    assert mf.incompatibilities(m, PIPELINE.override(**{"sections.student.dp": 4}).to_dict()) == []  # reshards
+    other = PIPELINE.override(**{"sections.student.stage": "m:Other", "sections.student.optimizer.name": "sgd",
+                                 "global_batch": 8, "data.shuffle": False})
+    assert mf.incompatibilities(m, other.to_dict()) == [
+        "sections.student.stage: 'm:Other' here, 'm:S' in the checkpoint",
+        "sections.student.optimizer.name: 'sgd' here, 'adamw' in the checkpoint",
+        "global_batch: 8 here, 4 in the checkpoint (the sampler position would mean other samples)",
+        "data.shuffle: False here, True in the checkpoint (the sampler position would mean other samples)",
+    ]
+    frozen = PIPELINE.override(**{"sections.student.trainable": False, "sections.teacher.trainable": True})
+    assert mf.incompatibilities(m, frozen.to_dict()) == [
+        "the checkpoint has trainable section 'student', the pipeline does not",
+        "sections.teacher: trainable here, but not in the checkpoint",
+    ]
+    with pytest.raises(PipelineError, match="the dataset has 10 usable samples, the checkpoint was trained on 12"):
+        mf.check_sample_count(m, 10)
+
+
+def test_plans_stop_at_each_checkpoint_boundary():
+    c = Checkpointer(CheckpointOptions(dir="x", every=3))
+    assert [c.due(n) for n in range(7)] == [False, False, False, True, False, False, True]
+    assert [c.plan_limit(n) for n in (0, 2, 3, 5, 6)] == [3, 3, 6, 6, 9]
+    off = Checkpointer(CheckpointOptions())
+    assert not off.due(3) and off.plan_limit(3) is None
+
+
+def test_commit_writes_the_manifest_and_keeps_the_newest_k(tmp_path):
+    c = Checkpointer(CheckpointOptions(dir=str(tmp_path), every=2, keep_last=2))
+    save(tmp_path, 1, complete=False)  # left over by an interrupted save
+    for step in (2, 4, 6):
+        folder = c.begin(step)
+        assert os.path.isdir(os.path.join(folder, mf.RNG_DIR))
+        c.commit(step, manifest(step))
+    assert [(s, ok) for s, _, ok in mf.checkpoints(str(tmp_path))] == [(4, True), (6, True)]
+
+
+def test_a_failed_save_is_discarded_and_stops_or_is_skipped(tmp_path):
+    logged = []
+    stop = Checkpointer(CheckpointOptions(dir=str(tmp_path), every=2))
+    stop.begin(2)
+    stop.commit(2, manifest(2))
+    stop.begin(4)
+    with pytest.raises(CheckpointError, match=r"checkpoint at step 4 failed: rank 1, rank 2: OSError: \[Errno 28\] No "
+                                              r"space left on device; the newest complete checkpoint is .*step-00000002"):
+        stop.failed(4, {"rank 1": "OSError: [Errno 28] No space left on device",
+                        "rank 2": "OSError: [Errno 28] No space left on device"})
+    assert [s for s, _, _ in mf.checkpoints(str(tmp_path))] == [2]
+    go_on = Checkpointer(CheckpointOptions(dir=str(tmp_path), every=2, on_error="continue"), log=logged.append)
+    go_on.begin(4)
+    go_on.failed(4, {"rank 1": "OSError: boom"})
+    assert len(logged) == 1 and logged[0].startswith("warning: checkpoint at step 4 failed: rank 1: OSError: boom")
+    (tmp_path / "step-00000006").write_text("a file where the folder must go")
+    with pytest.raises(CheckpointError, match="checkpoint at step 6: cannot create"):
+        stop.begin(6)
+
+
+@pytest.mark.parametrize("options, message", [
+    (CheckpointOptions(every=2), "--checkpoint-every needs --checkpoint-dir"),
+    (CheckpointOptions(dir="x", every=2, keep_last=0), "--keep-last must be >= 1"),
+    (CheckpointOptions(max_restarts=-1), "--max-restarts must be >= 0"),
+    (CheckpointOptions(resume="/no/such/folder"), "--resume: no such folder"),
+])
+def test_checkpoint_options_are_checked(options, message):
+    with pytest.raises(PipelineError, match=message):
+        options.validate()
+
+
+def test_rng_states_round_trip(tmp_path):
+    path = str(tmp_path / "rng" / "s-0.pt")
+    torch.manual_seed(1)
+    random.seed(2)
+    np.random.seed(3)
+    rng.save(path, torch.device("cpu"))
+    first = (torch.rand(3), random.random(), np.random.rand(2))
+    torch.manual_seed(99)
+    random.seed(99)
+    np.random.seed(99)
+    rng.load(path, torch.device("cpu"))
+    again = (torch.rand(3), random.random(), np.random.rand(2))
+    assert torch.equal(first[0], again[0]) and first[1] == again[1] and np.array_equal(first[2], again[2])
