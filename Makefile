@@ -34,6 +34,8 @@ bench: setup data/demo/text.arrow
 	$(BIN)/python -m tools.bench.wavefront_sim
 	$(BIN)/python -m tools.bench.planning_time
 	$(BIN)/python -m tools.bench.vlm_schedules
+	$(BIN)/python -m tools.bench.mixed_precision
+	$(BIN)/python -m tools.bench.checkpoint_cost
 
 lint: setup
 	$(BIN)/ruff check .

@@ -14,7 +14,16 @@ import os
 
 import pytest
 
-from tools.bench import control_overhead, p2p_bandwidth, planning_time, teacher_memory, vlm_schedules, wavefront_sim
+from tools.bench import (
+    checkpoint_cost,
+    control_overhead,
+    mixed_precision,
+    p2p_bandwidth,
+    planning_time,
+    teacher_memory,
+    vlm_schedules,
+    wavefront_sim,
+)
 from tools.bench.common import REPO_ROOT
 
 pytestmark = pytest.mark.integration
@@ -148,3 +157,24 @@ def test_vlm_schedules_tiny():
         assert positive(out[schedule]["median_step_s"]) and out[schedule]["steps"] == 3
         assert 0 <= out[schedule]["llm_idle_fraction"] <= 1
     assert positive(out["wavefront_over_fifo"])
+
+
+@needs_demo_data
+@pytest.mark.timeout(120)
+def test_mixed_precision_tiny():
+    out = mixed_precision.main(["--tiny"])
+    for mode in ("fp32", "bf16"):
+        assert positive(out[mode]["median_step_s"]) and len(out[mode]["loss"]) == 3
+        assert all(positive(x) for x in out[mode]["loss"])
+    assert out["bf16_over_fp32_bytes"] == 0.5  # the teacher's hidden states cross in bf16
+    assert positive(out["bf16_over_fp32_step_time"])
+
+
+@needs_demo_data
+@pytest.mark.timeout(120)
+def test_checkpoint_cost_tiny():
+    out = checkpoint_cost.main(["--tiny"])
+    assert out["checkpoints"] == 2  # after steps 2 and 4
+    for key in ("median_step_s", "median_step_s_with_checkpoints", "median_checkpoint_s", "overhead_fraction"):
+        assert positive(out[key]), key
+    assert out["checkpoint_bytes"] > 100_000

@@ -1,0 +1,81 @@
+"""What a checkpoint costs the distill demo: the time a save adds, amortised per step, beside runs
+without checkpoints.
+
+Runs pipelines/distill.py in section mode without checkpoints and with `--checkpoint-every K`
+alternately, several rounds (same seed, data and steps). A checkpoint is synchronous: the
+coordinator holds back the next plans, every worker saves its part (DCP for the trainable
+student, RNG states for everyone), then the manifest is written; `checkpoint_s` in the metrics
+row is that whole pause. Reports the median step time of both runs (steps other than the first
+few), the median checkpoint pause, its size on disk, and the overhead: the pause per K steps as a
+share of K steps' time. Run from the repository root:
+    python -m tools.bench.checkpoint_cost [--tiny] [--rounds N] [--steps N] [--every K]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+from typing import Any
+
+from tools.bench.common import median, quartiles, repo_path, table
+
+
+def run_one(steps: int, every: int | None, sets: dict[str, Any], folder: str | None) -> list[dict[str, Any]]:
+    from maestro_flow.checkpoint.checkpointer import CheckpointOptions
+    from maestro_flow.runtime.run import RunOptions, run_pipeline
+
+    checkpoint = CheckpointOptions(dir=folder, every=every, keep_last=1) if every else CheckpointOptions()
+    return run_pipeline(repo_path("pipelines", "distill.py"),
+                        RunOptions(overrides={**sets, "steps": steps}, show_progress=False, checkpoint=checkpoint))
+
+
+def folder_bytes(root: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(root) for f in files)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(prog="python -m tools.bench.checkpoint_cost", description=__doc__.splitlines()[0])
+    ap.add_argument("--tiny", action="store_true", help="seconds-long smoke size")
+    ap.add_argument("--rounds", type=int, help="runs per mode, alternating (default 3, tiny 1)")
+    ap.add_argument("--steps", type=int, help="steps per run (default 30, tiny 4)")
+    ap.add_argument("--every", type=int, help="checkpoint every K steps (default 5, tiny 2)")
+    ap.add_argument("--warmup-steps", type=int, help="first steps of each run left out (default 3, tiny 1)")
+    ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                    help="pipeline overrides, as for maestro run --set")
+    args = ap.parse_args(argv)
+    from maestro_flow.config import parse_set
+
+    rounds = args.rounds or (1 if args.tiny else 3)
+    steps = args.steps or (4 if args.tiny else 30)
+    every = args.every or (2 if args.tiny else 5)
+    warmup = args.warmup_steps if args.warmup_steps is not None else (1 if args.tiny else 3)
+    sets = parse_set(args.sets)
+    plain: list[float] = []
+    with_ckpt: list[float] = []
+    pauses: list[float] = []
+    size = 0
+    for _ in range(rounds):
+        plain += [r["step_time_s"] for r in run_one(steps, None, sets, None)[warmup:]]
+        with tempfile.TemporaryDirectory(prefix="maestro-ckpt-bench-") as folder:
+            rows = run_one(steps, every, sets, folder)
+            size = folder_bytes(folder)  # keep_last=1: one checkpoint
+        with_ckpt += [r["step_time_s"] for r in rows[warmup:]]
+        pauses += [r["checkpoint_s"] for r in rows if "checkpoint_s" in r]
+    step_s = median(plain)
+    out = {"median_step_s": step_s, "median_step_s_with_checkpoints": median(with_ckpt),
+           "median_checkpoint_s": median(pauses), "checkpoint_s_iqr": quartiles(pauses),
+           "checkpoint_bytes": size, "checkpoints": len(pauses),
+           "overhead_fraction": median(pauses) / (every * step_s),
+           "config": {"rounds": rounds, "steps": steps, "every": every, "warmup_steps": warmup, "sets": sets}}
+    print(f"pipelines/distill.py, section mode, {rounds} alternating runs of {steps} steps, checkpoint every {every}")
+    print(table(["median step s (none)", "median step s (with)", "median checkpoint s", "checkpoint IQR s",
+                 "checkpoint MiB", "overhead per step"],
+                [[f"{step_s:.4f}", f"{out['median_step_s_with_checkpoints']:.4f}", f"{out['median_checkpoint_s']:.4f}",
+                  "{:.4f}-{:.4f}".format(*out["checkpoint_s_iqr"]), f"{size / 2**20:.2f}",
+                  f"{out['overhead_fraction']:.1%}"]]))
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,75 @@
+"""The distill demo in float32 and in bf16 mixed precision, side by side: loss curves, step time,
+bytes sent between sections.
+
+Runs pipelines/distill.py in section mode (real workers, gloo transfers) with
+`mixed_precision=None` and `"bf16"` alternately, several rounds, same seed, data and steps, so
+machine noise hits both alike. Reports each mode's loss at every step (first round), its median
+step time (first steps left out: warm-up), the ratio bf16 / fp32, and the bytes the teacher sends
+per step (its hidden states cross in bf16: half the bytes). Plans depend on the data alone
+(adapt_costs=false), so both modes run the same micro-batches. Reads the metrics rows (DESIGN 5.4)
+only. Run from the repository root:
+    python -m tools.bench.mixed_precision [--tiny] [--rounds N] [--steps N]
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from tools.bench.common import median, quartiles, repo_path, table
+
+MODES = {"fp32": None, "bf16": "bf16"}
+
+
+def run_one(mode: str, steps: int, sets: dict[str, Any]) -> list[dict[str, Any]]:
+    from maestro_flow.runtime.run import RunOptions, run_pipeline
+
+    # Plans from the data alone: both modes run the same micro-batches and send the same tensors.
+    overrides = {"adapt_costs": False, **sets, "steps": steps, "mixed_precision": MODES[mode]}
+    return run_pipeline(repo_path("pipelines", "distill.py"), RunOptions(overrides=overrides, show_progress=False))
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(prog="python -m tools.bench.mixed_precision", description=__doc__.splitlines()[0])
+    ap.add_argument("--tiny", action="store_true", help="seconds-long smoke size")
+    ap.add_argument("--rounds", type=int, help="runs per mode, alternating (default 3, tiny 1)")
+    ap.add_argument("--steps", type=int, help="steps per run (default 30, the demo's; tiny 3)")
+    ap.add_argument("--warmup-steps", type=int, help="first steps of each run left out of times (default 3, tiny 1)")
+    ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                    help="pipeline overrides, as for maestro run --set")
+    args = ap.parse_args(argv)
+    from maestro_flow.config import parse_set
+
+    rounds = args.rounds or (1 if args.tiny else 3)
+    steps = args.steps or (3 if args.tiny else 30)
+    warmup = args.warmup_steps if args.warmup_steps is not None else (1 if args.tiny else 3)
+    sets = parse_set(args.sets)
+    times: dict[str, list[float]] = {m: [] for m in MODES}
+    curves: dict[str, list[float]] = {}
+    sent: dict[str, list[int]] = {m: [] for m in MODES}
+    for _ in range(rounds):
+        for mode in MODES:
+            rows = run_one(mode, steps, sets)
+            curves.setdefault(mode, [r["loss"] for r in rows])
+            times[mode] += [r["step_time_s"] for r in rows[warmup:]]
+            sent[mode].append(sum(r["sections"]["teacher"]["bytes_sent"] for r in rows) / steps)
+    out: dict[str, Any] = {m: {"median_step_s": median(times[m]), "step_s_iqr": quartiles(times[m]),
+                               "loss": curves[m], "final_loss": curves[m][-1],
+                               "teacher_bytes_per_step": median(sent[m])} for m in MODES}
+    out["bf16_over_fp32_step_time"] = out["bf16"]["median_step_s"] / out["fp32"]["median_step_s"]
+    out["bf16_over_fp32_bytes"] = out["bf16"]["teacher_bytes_per_step"] / max(out["fp32"]["teacher_bytes_per_step"], 1)
+    out["config"] = {"rounds": rounds, "steps": steps, "warmup_steps": warmup, "sets": sets}
+    print(f"pipelines/distill.py, section mode, {rounds} alternating runs per mode of {steps} steps")
+    every = max(1, steps // 10)
+    print(table(["step", "fp32 loss", "bf16 loss"],
+                [[s, f"{curves['fp32'][s]:.4f}", f"{curves['bf16'][s]:.4f}"]
+                 for s in sorted(set(range(0, steps, every)) | {steps - 1})]))
+    print(table(["mode", "median step s", "step s IQR", "teacher bytes/step"],
+                [[m, f"{out[m]['median_step_s']:.4f}", "{:.4f}-{:.4f}".format(*out[m]["step_s_iqr"]),
+                  int(out[m]["teacher_bytes_per_step"])] for m in MODES]))
+    print(f"bf16 / fp32: step time {out['bf16_over_fp32_step_time']:.3f}, bytes {out['bf16_over_fp32_bytes']:.3f}")
+    return out
+
+
+if __name__ == "__main__":
+    main()
