@@ -41,6 +41,19 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
+def worker_pids(pid: int) -> list[int]:
+    """The live worker processes (multiprocessing spawn children) below `pid`."""
+    return [p for p in descendants(pid) if b"spawn_main" in _cmdline(p)]
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+
+
 def wait_gone(pids: list[int], timeout_s: float) -> list[int]:
     deadline = time.monotonic() + timeout_s
     alive = pids

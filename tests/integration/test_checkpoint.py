@@ -24,7 +24,7 @@ import torch
 from safetensors.torch import load_file
 
 from maestro_flow.checkpoint import manifest as mf
-from tests.integration.conftest import ROOT, descendants, maestro, wait_gone
+from tests.integration.conftest import ROOT, descendants, maestro, wait_gone, worker_pids
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
@@ -74,16 +74,6 @@ def uninterrupted(small_data, tmp_path_factory):
     return out
 
 
-def _workers(pid: int) -> list[int]:
-    return [p for p in descendants(pid) if b"spawn_main" in _cmdline(p)]
-
-
-def _cmdline(pid: int) -> bytes:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read()
-    except OSError:
-        return b""
 
 
 def _wait_for_checkpoint(root: Path, proc: subprocess.Popen, timeout_s: float = 120) -> None:
@@ -107,7 +97,7 @@ def test_sigkill_then_resume_is_bitwise_identical(small_data, uninterrupted, tmp
         _wait_for_checkpoint(ck, proc)
         time.sleep(random.Random(f"{dtype}-{victim}").uniform(0.0, 0.6))  # an arbitrary point, even mid-save
         everything = descendants(proc.pid)
-        workers = _workers(proc.pid)
+        workers = worker_pids(proc.pid)
         assert proc.poll() is None and len(workers) == 3, "the run must still be going when it is killed"
         os.kill(proc.pid if victim == "coordinator" else workers[-1], signal.SIGKILL)
         proc.wait(60)
@@ -267,7 +257,7 @@ def test_max_restarts_recovers_from_a_lost_or_hung_worker(small_data, uninterrup
                             env={**os.environ, "MAESTRO_HEARTBEAT_TIMEOUT_S": "4"})
     try:
         _wait_for_checkpoint(ck, proc)
-        victim = _workers(proc.pid)[-1]
+        victim = worker_pids(proc.pid)[-1]
         os.kill(victim, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
         _, stderr = proc.communicate(timeout=180)
     finally:

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from tests.integration.conftest import ASSETS, ROOT, descendants, maestro, wait_gone
+from tests.integration.conftest import ASSETS, ROOT, descendants, maestro, wait_gone, worker_pids
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 PIPELINE = str(ASSETS / "faulty.py")
@@ -76,7 +76,7 @@ def _start_slow_run(demo_data) -> tuple[subprocess.Popen, list[int]]:
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        workers = [p for p in descendants(proc.pid) if b"spawn_main" in _cmdline(p)]
+        workers = worker_pids(proc.pid)
         if len(workers) == 3:
             time.sleep(3.0)  # let it train for a moment
             return proc, workers
@@ -84,13 +84,6 @@ def _start_slow_run(demo_data) -> tuple[subprocess.Popen, list[int]]:
     proc.kill()
     raise AssertionError("workers did not start")
 
-
-def _cmdline(pid: int) -> bytes:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read()
-    except OSError:
-        return b""
 
 
 def test_killing_the_coordinator_leaves_no_worker(demo_data):

@@ -13,12 +13,11 @@ share of K steps' time. Run from the repository root:
 
 from __future__ import annotations
 
-import argparse
 import os
 import tempfile
 from typing import Any
 
-from tools.bench.common import median, quartiles, repo_path, table
+from tools.bench.common import median, pipeline_bench_args, quartiles, repo_path, table
 
 
 def run_one(steps: int, every: int | None, sets: dict[str, Any], folder: str | None) -> list[dict[str, Any]]:
@@ -35,22 +34,10 @@ def folder_bytes(root: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(prog="python -m tools.bench.checkpoint_cost", description=__doc__.splitlines()[0])
-    ap.add_argument("--tiny", action="store_true", help="seconds-long smoke size")
-    ap.add_argument("--rounds", type=int, help="runs per mode, alternating (default 3, tiny 1)")
-    ap.add_argument("--steps", type=int, help="steps per run (default 30, tiny 4)")
-    ap.add_argument("--every", type=int, help="checkpoint every K steps (default 5, tiny 2)")
-    ap.add_argument("--warmup-steps", type=int, help="first steps of each run left out (default 3, tiny 1)")
-    ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
-                    help="pipeline overrides, as for maestro run --set")
-    args = ap.parse_args(argv)
-    from maestro_flow.config import parse_set
-
-    rounds = args.rounds or (1 if args.tiny else 3)
-    steps = args.steps or (4 if args.tiny else 30)
+    args, rounds, steps, warmup, sets = pipeline_bench_args(
+        argv, "tools.bench.checkpoint_cost", __doc__, rounds=3, steps=30, warmup=3, tiny_steps=4,
+        add=lambda ap: ap.add_argument("--every", type=int, help="checkpoint every K steps (default 5, tiny 2)"))
     every = args.every or (2 if args.tiny else 5)
-    warmup = args.warmup_steps if args.warmup_steps is not None else (1 if args.tiny else 3)
-    sets = parse_set(args.sets)
     plain: list[float] = []
     with_ckpt: list[float] = []
     pauses: list[float] = []

@@ -8,6 +8,7 @@ Nothing here knows what the children measure.
 
 from __future__ import annotations
 
+import argparse
 import multiprocessing as mp
 import os
 import queue
@@ -89,6 +90,28 @@ def run_spawned(target: Callable[..., Any], args_per_rank: Sequence[tuple], time
                 p.join(2.0)
         results.close()
         results.join_thread()
+
+
+def pipeline_bench_args(argv: list[str] | None, prog: str, doc: str, *, rounds: int, steps: int, warmup: int,
+                        tiny_steps: int, add: Callable[[argparse.ArgumentParser], None] | None = None
+                        ) -> tuple[argparse.Namespace, int, int, int, dict[str, Any]]:
+    """The options every benchmark that runs a demo pipeline in alternating rounds takes: --tiny,
+    --rounds, --steps, --warmup-steps, --set. Returns (args, rounds, steps, warmup, overrides)."""
+    from maestro_flow.config import parse_set
+
+    ap = argparse.ArgumentParser(prog=f"python -m {prog}", description=doc.splitlines()[0])
+    ap.add_argument("--tiny", action="store_true", help="seconds-long smoke size")
+    ap.add_argument("--rounds", type=int, help=f"runs per variant, alternating (default {rounds}, tiny 1)")
+    ap.add_argument("--steps", type=int, help=f"steps per run (default {steps}, tiny {tiny_steps})")
+    ap.add_argument("--warmup-steps", type=int, help=f"first steps of each run left out (default {warmup}, tiny 1)")
+    ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                    help="pipeline overrides, as for maestro run --set")
+    if add is not None:
+        add(ap)
+    args = ap.parse_args(argv)
+    tiny = args.tiny
+    return (args, args.rounds or (1 if tiny else rounds), args.steps or (tiny_steps if tiny else steps),
+            args.warmup_steps if args.warmup_steps is not None else (1 if tiny else warmup), parse_set(args.sets))
 
 
 def median(values: Sequence[float]) -> float:

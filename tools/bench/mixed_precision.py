@@ -13,10 +13,9 @@ only. Run from the repository root:
 
 from __future__ import annotations
 
-import argparse
 from typing import Any
 
-from tools.bench.common import median, quartiles, repo_path, table
+from tools.bench.common import median, pipeline_bench_args, quartiles, repo_path, table
 
 MODES = {"fp32": None, "bf16": "bf16"}
 
@@ -30,20 +29,8 @@ def run_one(mode: str, steps: int, sets: dict[str, Any]) -> list[dict[str, Any]]
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(prog="python -m tools.bench.mixed_precision", description=__doc__.splitlines()[0])
-    ap.add_argument("--tiny", action="store_true", help="seconds-long smoke size")
-    ap.add_argument("--rounds", type=int, help="runs per mode, alternating (default 3, tiny 1)")
-    ap.add_argument("--steps", type=int, help="steps per run (default 30, the demo's; tiny 3)")
-    ap.add_argument("--warmup-steps", type=int, help="first steps of each run left out of times (default 3, tiny 1)")
-    ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
-                    help="pipeline overrides, as for maestro run --set")
-    args = ap.parse_args(argv)
-    from maestro_flow.config import parse_set
-
-    rounds = args.rounds or (1 if args.tiny else 3)
-    steps = args.steps or (3 if args.tiny else 30)
-    warmup = args.warmup_steps if args.warmup_steps is not None else (1 if args.tiny else 3)
-    sets = parse_set(args.sets)
+    _, rounds, steps, warmup, sets = pipeline_bench_args(argv, "tools.bench.mixed_precision", __doc__, rounds=3,
+                                                         steps=30, warmup=3, tiny_steps=3)
     times: dict[str, list[float]] = {m: [] for m in MODES}
     curves: dict[str, list[float]] = {}
     sent: dict[str, list[int]] = {m: [] for m in MODES}

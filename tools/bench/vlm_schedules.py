@@ -12,10 +12,9 @@ Run from the repository root: python -m tools.bench.vlm_schedules [--tiny] [--ro
 
 from __future__ import annotations
 
-import argparse
 from typing import Any
 
-from tools.bench.common import median, repo_path, table
+from tools.bench.common import median, pipeline_bench_args, repo_path, table
 
 SCHEDULES = ("wavefront", "fifo")
 
@@ -28,20 +27,8 @@ def run_one(schedule: str, steps: int, sets: dict[str, Any]) -> list[dict[str, A
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(prog="python -m tools.bench.vlm_schedules", description=__doc__.splitlines()[0])
-    ap.add_argument("--tiny", action="store_true", help="seconds-long smoke size")
-    ap.add_argument("--rounds", type=int, help="runs per schedule, alternating (default 3, tiny 1)")
-    ap.add_argument("--steps", type=int, help="steps per run (default 20, tiny 4)")
-    ap.add_argument("--warmup-steps", type=int, help="first steps of each run left out (default 4, tiny 1)")
-    ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
-                    help="pipeline overrides, as for maestro run --set")
-    args = ap.parse_args(argv)
-    from maestro_flow.config import parse_set
-
-    rounds = args.rounds or (1 if args.tiny else 3)
-    steps = args.steps or (4 if args.tiny else 20)
-    warmup = args.warmup_steps if args.warmup_steps is not None else (1 if args.tiny else 4)
-    sets = parse_set(args.sets)
+    args, rounds, steps, warmup, sets = pipeline_bench_args(argv, "tools.bench.vlm_schedules", __doc__, rounds=3,
+                                                            steps=20, warmup=4, tiny_steps=4)
     if args.tiny:
         sets.setdefault("global_batch", 8)
     times: dict[str, list[float]] = {s: [] for s in SCHEDULES}
