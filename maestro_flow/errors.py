@@ -40,6 +40,10 @@ class SystemFailure(MaestroError):
     """The runtime failed (dead worker, timeout, protocol mismatch); the pipeline is dead."""
 
 
+class WorkerLost(SystemFailure):
+    """A worker died or went silent: what `--max-restarts` recovers from (with TimeoutFailure)."""
+
+
 class TimeoutFailure(SystemFailure):
     """A bounded wait ran out; the message says what was awaited and which setting changes it."""
 

@@ -171,6 +171,8 @@ def build_hf_lm_head(config: dict[str, Any], *, where: str = "") -> nn.Linear:
 class HFCausalLM(Stage):
     """A transformers causal LM as a teacher, a trainable LM or a KD student (config `role`)."""
 
+    hugging_face_model = "model"  # `maestro export` writes this attribute with save_pretrained
+
     def __init__(self, config: dict[str, Any], ctx: StageContext) -> None:
         super().__init__(config, ctx)
         self.role = stage_role(config, ROLES)

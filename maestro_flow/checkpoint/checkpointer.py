@@ -10,7 +10,11 @@ coordinator calls it, it does not contain it:
     checkpointer.commit(step, manifest) every worker saved: write the manifest last, drop old ones
     checkpointer.failed(step, errors)   a worker could not save: delete the partial folder, then
                                         raise CheckpointError, or warn and go on with
-                                        `on_error="continue"`
+                                        `on_error="continue"` (begin and commit fail the same way)
+    checkpointer.committed              the newest checkpoint this job wrote: where a restart
+                                        resumes (never a folder another run left in the directory)
+
+One Checkpointer serves a whole job, across automatic restarts.
 """
 
 from __future__ import annotations
@@ -39,8 +43,10 @@ class CheckpointOptions:
     def validate(self) -> None:
         if self.every is not None and (self.every < 1 or not self.dir):
             raise PipelineError("--checkpoint-every needs --checkpoint-dir and a number of steps >= 1")
-        if self.keep_last is not None and self.keep_last < 1:
-            raise PipelineError(f"--keep-last must be >= 1, got {self.keep_last}")
+        if self.dir is not None and self.every is None:
+            raise PipelineError("--checkpoint-dir needs --checkpoint-every N (how often to save)")
+        if self.keep_last is not None and (self.keep_last < 1 or not self.dir):
+            raise PipelineError(f"--keep-last needs --checkpoint-dir and a count >= 1, got {self.keep_last}")
         if self.on_error not in ON_ERROR:
             raise PipelineError(f"--checkpoint-errors must be one of {', '.join(ON_ERROR)}, got {self.on_error!r}")
         if self.max_restarts < 0:
@@ -57,6 +63,18 @@ class Checkpointer:
     def __init__(self, options: CheckpointOptions, *, log: Callable[[str], None] | None = None) -> None:
         self.options = options
         self.log = log or (lambda text: print(text, file=sys.stderr, flush=True))
+        self.committed: str | None = None
+
+    def check_fresh(self, start: int) -> None:
+        """Refuse a checkpoint directory holding complete checkpoints past the step this job
+        starts at: they belong to another run, and a restart or --keep-last would mix them in."""
+        if not self.options.enabled:
+            return
+        later = [folder for step, folder, ok in mf.checkpoints(self.options.dir) if ok and step > start]
+        if later:
+            raise PipelineError(f"--checkpoint-dir {self.options.dir} holds checkpoints past step {start} from "
+                                f"another run (newest: {later[-1]}): resume from it with --resume "
+                                f"{self.options.dir}, or choose another --checkpoint-dir")
 
     def due(self, completed: int) -> bool:
         return self.options.enabled and completed > 0 and completed % self.options.every == 0
@@ -68,26 +86,29 @@ class Checkpointer:
         every = self.options.every
         return (completed // every + 1) * every
 
-    def begin(self, step: int) -> str:
+    def begin(self, step: int) -> str | None:
+        """The folder to save into; None when it cannot be made and the run goes on without it."""
         folder = mf.step_dir(self.options.dir, step)
         try:
-            if os.path.isdir(folder):  # an incomplete save of an earlier run, or this step again
+            if os.path.isdir(folder):  # an incomplete save of an earlier attempt, or this step again
                 shutil.rmtree(folder)
             os.makedirs(os.path.join(folder, mf.RNG_DIR))
         except OSError as exc:
-            raise CheckpointError(f"checkpoint at step {step}: cannot create {folder}: {exc.strerror or exc}"
-                                  f"{self._previous()}") from None
+            self._fail(step, f"cannot create {folder}: {exc.strerror or exc}", prefix=f"checkpoint at step {step}: ")
+            return None
         return folder
 
-    def commit(self, step: int, manifest: mf.Manifest) -> str:
+    def commit(self, step: int, manifest: mf.Manifest) -> bool:
         folder = mf.step_dir(self.options.dir, step)
         try:
             mf.write(folder, manifest)
         except OSError as exc:
             self._discard(folder)
-            return self._fail(step, f"writing the manifest failed: {exc}")
+            self._fail(step, f"writing the manifest failed: {exc}")
+            return False
+        self.committed = folder
         self._purge(step)
-        return folder
+        return True
 
     def failed(self, step: int, errors: dict[str, str]) -> None:
         """`errors`: who -> one line on why (and where its traceback is)."""
@@ -98,8 +119,8 @@ class Checkpointer:
         detail = "; ".join(f"{', '.join(whos)}: {text}" for text, whos in lines.items())
         self._fail(step, detail)
 
-    def _fail(self, step: int, detail: str) -> None:
-        text = f"checkpoint at step {step} failed: {detail}{self._previous()}"
+    def _fail(self, step: int, detail: str, prefix: str | None = None) -> None:
+        text = f"{prefix or f'checkpoint at step {step} failed: '}{detail}{self._previous()}"
         if self.options.on_error == "continue":
             self.log(f"warning: {text}; training goes on (--checkpoint-errors continue)")
             return
@@ -113,8 +134,9 @@ class Checkpointer:
         shutil.rmtree(folder, ignore_errors=True)
 
     def _purge(self, step: int) -> None:
-        """Incomplete folders older than this checkpoint, and complete ones beyond keep_last."""
-        found = mf.checkpoints(self.options.dir)
+        """Incomplete folders older than this checkpoint, and complete ones beyond keep_last (among
+        those up to this one: a folder of a later step is never touched)."""
+        found = [c for c in mf.checkpoints(self.options.dir) if c[0] <= step]
         complete = [folder for s, folder, ok in found if ok]
         stale = [folder for s, folder, ok in found if not ok and s < step]
         if self.options.keep_last is not None:

@@ -2,11 +2,12 @@
 
 Runs in the CLI process, without torch.distributed (DCP reads a checkpoint in one process,
 whatever dp wrote it). Writes `OUT/<section>.safetensors` (keys as in the stage's state_dict,
-trainable parameters and buffers). When the section's stage owns a transformers model (as
-`stages.hf:HFCausalLM` does), the stage is built as a run builds it, given the weights, and the
-model writes itself into OUT with its own `save_pretrained` (`config.json`,
-`generation_config.json`, `model.safetensors`): a folder that
-`transformers.AutoModelForCausalLM.from_pretrained(OUT)` loads.
+trainable parameters and buffers). When the section's stage class names, in its class attribute
+`hugging_face_model`, the attribute holding a transformers model (as `stages.hf:HFCausalLM`
+does), the stage is built as a run builds it, given the weights, and that model writes itself
+into OUT with its own `save_pretrained` (`config.json`, `generation_config.json`,
+`model.safetensors`): a folder that `transformers.AutoModelForCausalLM.from_pretrained(OUT)` loads.
+Every failure is a PipelineError naming what to change.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint.api import CheckpointException
 
 from maestro_flow.checkpoint import manifest as mf
 from maestro_flow.checkpoint.savedir import PIPELINE_FILE
@@ -62,7 +64,14 @@ def _read(source: str, section: str) -> tuple[dict[str, Any], dict[str, torch.Te
         trainable = ", ".join(manifest.sections) or "none"
         raise PipelineError(f"--section {section}: not a trainable section of {folder} (trainable: {trainable}); "
                             "frozen sections are not saved, their weights come from their configuration")
-    return manifest.pipeline, _load_dcp(os.path.join(folder, section)), folder
+    if not os.path.isdir(os.path.join(folder, section)):
+        raise PipelineError(f"--section {section}: {folder} holds no parameters for it (it has no trainable "
+                            "parameters)")
+    try:
+        return manifest.pipeline, _load_dcp(os.path.join(folder, section)), folder
+    except (Exception, CheckpointException) as exc:  # DCP's CheckpointException is a BaseException
+        raise PipelineError(f"{folder}: cannot read section {section!r}: {type(exc).__name__}: "
+                            f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}") from None
 
 
 def _load_dcp(folder: str) -> dict[str, torch.Tensor]:
@@ -81,13 +90,20 @@ def _load_dcp(folder: str) -> dict[str, torch.Tensor]:
 def _hugging_face(pipeline: dict[str, Any], spec: dict[str, Any], state: dict[str, torch.Tensor],
                   out: str) -> list[str]:
     """Build the section's stage as a run does, load the weights, and let the transformers model
-    it owns write itself (save_pretrained). Empty when the stage owns no transformers model."""
+    it owns write itself (save_pretrained). Empty when the stage class names no such model."""
     from maestro_flow.config import Pipeline
-    from maestro_flow.runtime.build import add_paths, build_stage, search_paths
+    from maestro_flow.runtime.build import add_paths, build_stage, resolve, search_paths
 
     add_paths(search_paths(None))  # stage paths resolve from the current directory, as in a run
+    model_attr = getattr(resolve(spec["stage"], f"sections.{spec['name']}.stage"), "hugging_face_model", None)
+    if model_attr is None:
+        return []
     p = Pipeline.from_dict(pipeline)
-    stage = build_stage(p, p.section(spec["name"]), 0, "cpu")
+    try:
+        stage = build_stage(p, p.section(spec["name"]), 0, "cpu")
+    except Exception as exc:
+        raise PipelineError(f"section {spec['name']!r}: building {spec['stage']} for the Hugging Face export "
+                            f"failed: {type(exc).__name__}: {exc}") from None
     frozen = {name for name, param in stage.named_parameters() if not param.requires_grad}
     for attr, module in stage.modules().items():
         prefix = attr + "."
@@ -97,9 +113,7 @@ def _hugging_face(pipeline: dict[str, Any], spec: dict[str, Any], state: dict[st
         if missing or unexpected:
             raise PipelineError(f"section {spec['name']!r}: the saved weights do not fit {spec['stage']} "
                                 f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
-    models = [m for m in stage.modules().values() if callable(getattr(m, "save_pretrained", None))]
-    if len(models) != 1:
-        return []
+    model = getattr(stage, model_attr)
     before = set(os.listdir(out))
     try:
         from transformers.utils import logging as hf_logging
@@ -107,7 +121,7 @@ def _hugging_face(pipeline: dict[str, Any], spec: dict[str, Any], state: dict[st
         hf_logging.disable_progress_bar()
     except ImportError:
         pass
-    models[0].save_pretrained(out)
+    model.save_pretrained(out)
     return [os.path.join(out, name) for name in sorted(set(os.listdir(out)) - before)]
 
 

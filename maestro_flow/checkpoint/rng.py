@@ -38,7 +38,10 @@ def restore(state: dict[str, Any], device: torch.device) -> None:
 def save(path: str, device: torch.device) -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = path + ".tmp"
-    torch.save(states(device), tmp)
+    with open(tmp, "wb") as f:
+        torch.save(states(device), f)
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, path)
 
 

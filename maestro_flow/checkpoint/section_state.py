@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from maestro_flow.checkpoint import rng
@@ -97,9 +98,16 @@ class SectionState:
 
     def load(self, checkpoint: str) -> str | None:
         """Restore this replica's part; returns a note when its RNG states came from another
-        replica (the section's dp changed), else None."""
+        replica (the section's dp changed), else None. A checkpoint that does not fit, or cannot
+        be read, is a CheckpointMismatch naming the section and the cause."""
         if self.optim is not None:
-            self._load_state(self.folder(checkpoint))
+            try:
+                self._load_state(self.folder(checkpoint))
+            except CheckpointMismatch:
+                raise
+            except (Exception, CheckpointException) as exc:  # DCP's CheckpointException is a BaseException
+                raise CheckpointMismatch(f"--resume {checkpoint}: cannot read the state of section "
+                                         f"{self.section!r}: {self.cause(exc)}") from None
         own = rng_file(checkpoint, self.section, self.replica)
         if os.path.isfile(own):
             rng.load(own, self.device)
@@ -124,11 +132,11 @@ class SectionState:
         for key, meta in metadata.items():
             if not isinstance(meta, TensorStorageMetadata) or key.startswith("model/"):
                 continue
-            name = key[len("optim/"):].rsplit("/", 1)[0] if key.startswith("optim/") else None
+            name, _, field = key[len("optim/"):].rpartition("/") if key.startswith("optim/") else ("", "", "")
             p = params.get(name)
-            if p is not None and tuple(meta.size) == tuple(p.shape) and meta.properties.dtype == p.dtype:
-                target[key] = torch.zeros_like(p)  # shaped and placed like its parameter
-            else:  # Adam's scalar step, the JSON entries
+            if p is not None and field != "step" and tuple(meta.size) == tuple(p.shape):
+                target[key] = torch.zeros_like(p, dtype=meta.properties.dtype)  # shaped and placed like p
+            else:  # Adam's step (kept on the CPU, as torch.optim keeps it), the JSON entries
                 target[key] = torch.zeros(tuple(meta.size), dtype=meta.properties.dtype)
         dcp.load(target, checkpoint_id=folder, process_group=self.group)
         index = {name: i for i, name in enumerate(self._names())}
@@ -142,8 +150,8 @@ class SectionState:
             if "betas" in g:
                 g["betas"] = tuple(g["betas"])
         self.optim.optimizer.load_state_dict({"state": state, "param_groups": groups})
-        if self.optim.scheduler is not None and "scheduler" in target:
-            self.optim.scheduler.load_state_dict(_from_json_tensor(target["scheduler"]))
+        steps_done = _from_json_tensor(target["scheduler"])["last_epoch"] if "scheduler" in target else None
+        self.optim.resume(steps_done)
 
     def _check(self, model: dict[str, torch.Tensor], metadata: dict[str, Any], folder: str) -> None:
         saved = {k for k in metadata if k.startswith("model/")}

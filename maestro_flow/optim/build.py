@@ -12,7 +12,8 @@ step s (0-based) trains with lr * factor(s):
       cosine    lr_s = min_lr + (lr - min_lr) * (1 + cos(pi * p)) / 2
       linear    lr_s = lr - (lr - min_lr) * p
       constant  lr_s = lr
-T is the pipeline's `steps` (the total, also when resuming).
+T is the pipeline's `steps` (the total, also when resuming: a resumed run follows the schedule
+of the pipeline as given then, see SectionOptimizer.resume).
 """
 
 from __future__ import annotations

@@ -32,8 +32,6 @@ class GradientReducer:
         with `extra` in a float64 buffer — in the gradients' own collective when they are float64,
         else in one small collective of its own — and afterwards a parameter whose flags sum to 0
         gets its gradient back to None."""
-        if not params:
-            return list(extra)
         device = params[0].device
         flags = [0.0 if p.grad is None else 1.0 for p in params]
         head = torch.tensor(flags + list(extra), dtype=torch.float64, device=device)

@@ -51,7 +51,33 @@ class SectionOptimizer:
         """Sum of squared gradient entries this replica contributes to the global norm."""
         if not self.owns_norm:
             return 0.0
-        return sum(float(torch.linalg.vector_norm(p.grad, 2)) ** 2 for p in self.params if p.grad is not None)
+        norms = [torch.linalg.vector_norm(p.grad, 2, dtype=torch.float64) for p in self.params if p.grad is not None]
+        return float(torch.stack(norms).square().sum()) if norms else 0.0  # one device sync, not one per parameter
+
+    def resume(self, steps_done: int | None) -> None:
+        """After the optimizer's state was loaded from a checkpoint: its hyperparameters and lr
+        schedule are the pipeline's as given now (so raising `steps` stretches the decay), at
+        `steps_done` steps (None: the checkpoint had no schedule; the pipeline's step count then
+        comes from the optimizer's own state)."""
+        current = self.optimizer.defaults
+        for group in self.optimizer.param_groups:
+            for key, value in current.items():
+                if key != "lr" and key in group:
+                    group[key] = value
+            group["initial_lr"] = current["lr"]
+        if self.scheduler is None:
+            for group in self.optimizer.param_groups:
+                group["lr"] = current["lr"]
+            return
+        if steps_done is None:
+            steps = [int(s["step"]) for s in self.optimizer.state.values() if "step" in s]
+            steps_done = max(steps, default=0)
+        self.scheduler.base_lrs = [current["lr"]] * len(self.optimizer.param_groups)
+        self.scheduler.last_epoch = steps_done
+        lrs = [base * fn(steps_done) for base, fn in zip(self.scheduler.base_lrs, self.scheduler.lr_lambdas, strict=True)]
+        for group, lr in zip(self.optimizer.param_groups, lrs, strict=True):
+            group["lr"] = lr
+        self.scheduler._last_lr = lrs
 
     def step(self, coef: float = 1.0) -> None:
         if coef < 1.0:

@@ -24,7 +24,7 @@ import zmq
 from maestro_flow.checkpoint.checkpointer import Checkpointer, CheckpointOptions
 from maestro_flow.checkpoint.manifest import Manifest
 from maestro_flow.config import Pipeline
-from maestro_flow.errors import PipelineError, StageError, SystemFailure, TimeoutFailure
+from maestro_flow.errors import PipelineError, StageError, SystemFailure, TimeoutFailure, WorkerLost
 from maestro_flow.graph import SectionGraph
 from maestro_flow.planner import make_planner
 from maestro_flow.planner.plan import Placement
@@ -59,7 +59,7 @@ class Coordinator:
                  paths: list[str], timeouts: Timeouts | None = None, save_dir: str | None = None,
                  worker_entry: Callable[[dict], None] = worker_main, observer: RunObserver | None = None,
                  run_dir: str | None = None, record: dict | None = None,
-                 checkpoint: CheckpointOptions | None = None, resume: tuple[str, Manifest] | None = None,
+                 checkpointer: Checkpointer | None = None, resume: tuple[str, Manifest] | None = None,
                  restarts: int = 0) -> None:
         self.pipeline, self.graph, self.sampler, self.report = pipeline, graph, sampler, report
         self.paths, self.save_dir = paths, save_dir
@@ -81,7 +81,7 @@ class Coordinator:
         self.worker_status: dict[int, dict] = {}
         self.replica_busy: dict[int, float] = {}  # rank -> busy share of its last step
         self.last_row: dict | None = None
-        self.checkpointer = Checkpointer(checkpoint or CheckpointOptions())
+        self.checkpointer = checkpointer or Checkpointer(CheckpointOptions())
         self.resume = resume  # (checkpoint folder, its manifest): start there
         self.restarts = restarts  # automatic restarts before this attempt (recorded in checkpoints)
 
@@ -142,9 +142,13 @@ class Coordinator:
                                   now=self.observer.tracer.epoch, trace=self.observer.tracing,
                                   record=self.record, resume=self.resume[0] if self.resume else None))
         ready: set[int] = set()
+        what = "every worker to be ready (stage built, process groups formed)"
+        if self.resume is not None:  # loading the checkpoint is part of getting ready
+            deadline += self.timeouts.checkpoint_s
+            what = f"every worker to be ready (stage built, process groups formed, {self.resume[0]} loaded)"
         while len(ready) < self.placement.world_size:
-            rank, msg = self._recv(deadline, "every worker to be ready (stage built, process groups formed)",
-                                   "MAESTRO_STARTUP_S")
+            rank, msg = self._recv(deadline, what, "MAESTRO_STARTUP_S and MAESTRO_CHECKPOINT_S"
+                                   if self.resume is not None else "MAESTRO_STARTUP_S")
             if msg["t"] == "ready":
                 ready.add(rank)
 
@@ -197,18 +201,23 @@ class Coordinator:
                     self.observer.done(rank, msg["stats"])
                     row = ledger.on_done(rank, msg["step"], msg["stats"], time.perf_counter())
             row["restarts"] = self.restarts
-            if self.checkpointer.due(step + 1):
-                t0 = time.perf_counter()
-                self._checkpoint(step + 1, ledger)
-                row["checkpoint_s"] = time.perf_counter() - t0
-            self.report.step(row)
-            self.last_row = row
+            try:
+                if self.checkpointer.due(step + 1):
+                    t0 = time.perf_counter()
+                    if self._checkpoint(step + 1, ledger):
+                        row["checkpoint_s"] = time.perf_counter() - t0
+            finally:  # the step is done even when its checkpoint failed
+                self.report.step(row)
+                self.last_row = row
             send_plans(step + 1 + p.lookahead_steps, step + 1)
 
-    def _checkpoint(self, step: int, ledger: StepLedger) -> None:
+    def _checkpoint(self, step: int, ledger: StepLedger) -> bool:
         """Every worker is between steps (plans for `step` on are held back): each saves its part,
-        then the manifest is written. A failed save is the Checkpointer's to report."""
+        then the manifest is written. A failed save is the Checkpointer's to report (it raises, or
+        returns False with `--checkpoint-errors continue`)."""
         folder = self.checkpointer.begin(step)
+        if folder is None:
+            return False
         for rank in range(self.placement.world_size):
             self._send(rank, make("checkpoint", step=step, path=os.path.abspath(folder)))
         deadline = time.monotonic() + self.timeouts.checkpoint_s
@@ -226,14 +235,14 @@ class Coordinator:
                 errors[self._label(rank)] = msg["error"] + (f" (traceback: {log})" if log else "")
         if errors:
             self.checkpointer.failed(step, errors)
-            return
+            return False
         sections = {}
         for name in self.graph.order:
             section = self.graph.sections[name]
             if section.trainable:
                 sections[name] = {"stage": section.stage, "dp": section.dp, "optimizer": dict(section.optimizer),
                                   "params": infos[self.placement.rank(name, 0)].get("params", {})}
-        self.checkpointer.commit(step, Manifest(
+        return self.checkpointer.commit(step, Manifest(
             step=step, pipeline=self.pipeline.to_dict(), sections=sections, sampler=self.sampler.position(step),
             costs=ledger.fitter.state() if ledger.fitter is not None else [], restarts=self.restarts))
 
@@ -281,12 +290,12 @@ class Coordinator:
         return {"pipeline": self.pipeline.name, "step": self.awaited_step, "steps": self.pipeline.steps,
                 "loss": row.get("loss"), "step_time_s": row.get("step_time_s"), "workers": workers}
 
-    def _death(self, w) -> SystemFailure:
+    def _death(self, w) -> WorkerLost:
         if not self.training:
-            return SystemFailure(f"worker {w.label} {w.exit_description()} during startup")
+            return WorkerLost(f"worker {w.label} {w.exit_description()} during startup")
         last = self.last_done.get(w.rank)
         reported = "before finishing any step" if last is None else f"after finishing step {last}"
-        return SystemFailure(f"worker {w.label} {w.exit_description()} {reported}, "
+        return WorkerLost(f"worker {w.label} {w.exit_description()} {reported}, "
                              f"while the run was at step {self.awaited_step}")
 
     def _raise_dead_peer(self, exclude: int, grace_s: float = 1.0) -> None:
@@ -353,5 +362,5 @@ class Coordinator:
             raise self._death(w)
         for rank, seen in self.last_seen.items():
             if now - seen > self.timeouts.heartbeat_timeout_s:
-                raise SystemFailure(f"worker {self._label(rank)} sent nothing for {now - seen:.1f}s "
+                raise WorkerLost(f"worker {self._label(rank)} sent nothing for {now - seen:.1f}s "
                                     f"(heartbeat timeout; raise MAESTRO_HEARTBEAT_TIMEOUT_S if it is just busy)")

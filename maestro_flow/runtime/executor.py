@@ -375,6 +375,8 @@ class SectionExecutor:
             pending = self.pending_by_sample[(step, sid)]
             if g is not None:
                 key = (sid, name)
+                if key in pending.outputs:  # wire dtype (bf16) -> the output's, before summing consumers
+                    g = g.to(pending.outputs[key].dtype)
                 pending.grads[key] = pending.grads[key] + g if key in pending.grads else g
         for sid in sids:
             self.pending_by_sample[(step, sid)].expected.discard((edge, sid))
@@ -394,9 +396,7 @@ class SectionExecutor:
             keys = [k for k in pending.outputs if k in pending.grads]
             if keys:
                 try:
-                    # Gradients may arrive in the wire dtype (bf16 under mixed precision).
-                    torch.autograd.backward([pending.outputs[k] for k in keys],
-                                            [pending.grads[k].to(pending.outputs[k].dtype) for k in keys])
+                    torch.autograd.backward([pending.outputs[k] for k in keys], [pending.grads[k] for k in keys])
                 except Exception:
                     raise StageFault("backward", st.step, traceback.format_exc()) from None
             self._send_input_grads(st, pending.leaves)

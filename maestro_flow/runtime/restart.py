@@ -3,10 +3,11 @@
 Runs in the `maestro run` process. An attempt is one Coordinator run, which on any failure has
 already stopped every worker (its close() is bounded). When the failure is a system failure — a
 worker died, went silent (heartbeat timeout) or a step stopped making progress (step timeout) —
-the supervisor starts a fresh attempt from the newest complete checkpoint (or from the start
-when there is none yet), up to N times; each restart is logged with its cause and counted in
-the metrics (`restarts`). Stage errors (user code raised), bad input and failed checkpoint
-writes are not retried: they would fail the same way.
+the supervisor starts a fresh attempt from the newest checkpoint this job wrote (else where the
+job started: its --resume checkpoint or step 0), up to N times; each restart is logged with its
+cause and counted in the metrics (`restarts`). Only those failures (WorkerLost, TimeoutFailure)
+are retried: stage errors (user code raised), bad input, protocol mismatches, a worker's own
+system-error report and failed checkpoint writes would fail the same way again.
 """
 
 from __future__ import annotations
@@ -15,28 +16,29 @@ from collections.abc import Callable
 from typing import Any
 
 from maestro_flow.checkpoint import manifest as mf
-from maestro_flow.errors import SystemFailure
+from maestro_flow.errors import TimeoutFailure, WorkerLost
 
 Resume = tuple[str, mf.Manifest] | None
 Attempt = Callable[[Resume, int], None]  # (where to resume, restarts so far)
 
 
-def supervise(attempt: Attempt, *, max_restarts: int, checkpoint_dir: str | None, resume: Resume,
+def supervise(attempt: Attempt, *, max_restarts: int, committed: Callable[[], str | None], resume: Resume,
               restarts: int, log: Callable[[str], None],
               on_restart: Callable[[dict[str, Any]], None] = lambda event: None) -> int:
+    """`committed()`: the newest checkpoint this job has written (None: none yet)."""
     """Run `attempt` until it succeeds or fails for good; returns the restarts it took."""
     used = 0
     while True:
         try:
             attempt(resume, restarts)
             return used
-        except SystemFailure as exc:
+        except (WorkerLost, TimeoutFailure) as exc:
             if used >= max_restarts:
                 raise
             used += 1
             restarts += 1
             cause = str(exc).strip().splitlines()[0]
-            newest = mf.latest(checkpoint_dir) if checkpoint_dir else None
+            newest = committed()
             if newest is not None:
                 resume = (newest, mf.read(newest))
             where = f"the checkpoint {resume[0]} (step {resume[1].step})" if resume else "step 0 (no checkpoint yet)"

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from maestro_flow.checkpoint import manifest as mf
-from maestro_flow.checkpoint.checkpointer import CheckpointOptions, resume_point
+from maestro_flow.checkpoint.checkpointer import Checkpointer, CheckpointOptions, resume_point
 from maestro_flow.errors import PipelineError
 from maestro_flow.runtime.build import load_pipeline
 from maestro_flow.runtime.checks import check_pipeline
@@ -67,6 +67,8 @@ def run_pipeline(path: str, options: RunOptions) -> list[dict[str, Any]]:
     if options.colocated and (ckpt.dir or ckpt.resume or ckpt.max_restarts):
         raise PipelineError("checkpoints, --resume and --max-restarts are for section mode; drop --colocated")
     resume = _resume_from(options, pipeline, len(checked.metadata))
+    checkpointer = Checkpointer(ckpt)  # one for the whole job, across restarts
+    checkpointer.check_fresh(resume[1].step if resume else 0)
     sinks = []
     if options.tensorboard:
         from maestro_flow.runtime.tensorboard import TensorBoardSink
@@ -113,10 +115,10 @@ def run_pipeline(path: str, options: RunOptions) -> list[dict[str, Any]]:
 
             def attempt(resume_at: tuple[str, mf.Manifest] | None, restarts: int) -> None:
                 Coordinator(pipeline, checked.graph, sampler, report, paths=paths, save_dir=options.save_dir,
-                            observer=observer, run_dir=options.run_dir, record=record, checkpoint=ckpt,
+                            observer=observer, run_dir=options.run_dir, record=record, checkpointer=checkpointer,
                             resume=resume_at, restarts=restarts).run()
 
-            supervise(attempt, max_restarts=ckpt.max_restarts, checkpoint_dir=ckpt.dir, resume=resume,
+            supervise(attempt, max_restarts=ckpt.max_restarts, committed=lambda: checkpointer.committed, resume=resume,
                       restarts=resume[1].restarts if resume else 0,
                       log=lambda text: print(text, file=sys.stderr, flush=True),
                       on_restart=run_dir.event if run_dir is not None else lambda event: None)

@@ -54,9 +54,19 @@ class TensorBoardSink:
         check_available()
         from torch.utils.tensorboard import SummaryWriter
 
+        self.log_dir = log_dir
         self.writer = SummaryWriter(log_dir=log_dir)
+        self.last_step = -1
 
     def step(self, row: dict[str, Any]) -> None:
+        if row["step"] <= self.last_step:
+            # An automatic restart went back to its checkpoint: TensorBoard drops the points it had
+            # from this step on, so each curve keeps one point per step.
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer.close()
+            self.writer = SummaryWriter(log_dir=self.log_dir, purge_step=row["step"])
+        self.last_step = row["step"]
         for tag, value in scalars(row).items():
             self.writer.add_scalar(tag, value, global_step=row["step"])
         self.writer.flush()

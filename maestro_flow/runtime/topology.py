@@ -43,7 +43,10 @@ class Groups:
     dp: Any | None  # the gradient reduction's group (None: nothing to reduce)
 
 
-def process_groups(graph: SectionGraph, placement: Placement, rank: int, timeout_s: float) -> Groups:
+def process_groups(graph: SectionGraph, placement: Placement, rank: int, timeout_s: float,
+                   checkpoint_timeout_s: float | None = None) -> Groups:
+    """`checkpoint_timeout_s`: the section groups' timeout (checkpoints are written over them), at
+    least `timeout_s`."""
     import torch.distributed as dist
 
     timeout = timedelta(seconds=timeout_s)
@@ -61,7 +64,8 @@ def process_groups(graph: SectionGraph, placement: Placement, rank: int, timeout
     section_group = dp_group = None
     for name in graph.order:
         ranks = list(placement.ranks[name])
-        group = dist.new_group(ranks, timeout=timeout, backend="gloo")
+        group = dist.new_group(ranks, timeout=timedelta(seconds=max(timeout_s, checkpoint_timeout_s or 0.0)),
+                               backend="gloo")
         reduce = group
         if graph.sections[name].trainable and len(ranks) > 1 and backend(ranks) != "gloo":
             reduce = dist.new_group(ranks, timeout=timeout, backend=backend(ranks))

@@ -271,7 +271,7 @@ class _Worker:
         dist.init_process_group(backend="cpu:gloo,cuda:nccl" if uses_cuda else "gloo", store=store, rank=self.rank,
                                 world_size=placement.world_size,
                                 timeout=timedelta(seconds=self.timeouts.collective_s))
-        groups = process_groups(graph, placement, self.rank, self.timeouts.collective_s)
+        groups = process_groups(graph, placement, self.rank, self.timeouts.collective_s, self.timeouts.checkpoint_s)
         tracer = Tracer(enabled=init["trace"], offset_s=self.clock_offset_s, epoch=init["now"])
         comm = TensorComm(zctx=self.zctx, rank=self.rank, pull=self.pull,
                           peers={int(k): v for k, v in init["peers"].items()}, groups=groups.channels,

@@ -272,3 +272,23 @@ def test_max_restarts_recovers_from_a_lost_or_hung_worker(small_data, uninterrup
     assert rows[-1]["step"] == STEPS - 1 and rows[-1]["restarts"] == 1
     events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
     assert [e["restart"] for e in events] == [1] and events[0]["cause"]
+
+
+def test_an_unreadable_checkpoint_is_a_clear_error(small_data, one_checkpoint, tmp_path):
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(one_checkpoint, broken)
+    data_file = next((broken / "step-00000002" / "student").glob("*.distcp"))
+    data_file.write_bytes(data_file.read_bytes()[:100])  # truncated
+    result = maestro(*args(small_data, "float32", "--resume", str(broken), steps=4), timeout=120)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "cannot read the state of section 'student'" in result.stderr
+    assert "Traceback" not in result.stderr.split("error:")[-1]
+
+
+def test_a_directory_of_another_run_is_refused(small_data, one_checkpoint):
+    result = maestro(*args(small_data, "float32", "--checkpoint-dir", str(one_checkpoint), "--checkpoint-every", "2",
+                           steps=4), timeout=60)
+    assert result.returncode == 2
+    assert "holds checkpoints past step 0 from another run" in result.stderr

@@ -92,8 +92,21 @@ def test_commit_writes_the_manifest_and_keeps_the_newest_k(tmp_path):
     for step in (2, 4, 6):
         folder = c.begin(step)
         assert os.path.isdir(os.path.join(folder, mf.RNG_DIR))
-        c.commit(step, manifest(step))
+        assert c.commit(step, manifest(step))
+        assert c.committed == folder
     assert [(s, ok) for s, _, ok in mf.checkpoints(str(tmp_path))] == [(4, True), (6, True)]
+
+
+def test_checkpoints_of_another_run_are_never_mixed_in(tmp_path):
+    save(tmp_path, 10)
+    save(tmp_path, 20)
+    c = Checkpointer(CheckpointOptions(dir=str(tmp_path), every=5, keep_last=1))
+    with pytest.raises(PipelineError, match=r"holds checkpoints past step 0 from another run \(newest: .*step-00000020\)"):
+        c.check_fresh(0)
+    c.check_fresh(20)  # resuming from the newest: nothing of another run lies ahead
+    c.begin(5)
+    c.commit(5, manifest(5))  # --keep-last only looks at checkpoints up to this one
+    assert [s for s, _, _ in mf.checkpoints(str(tmp_path))] == [5, 10, 20] and c.committed.endswith("step-00000005")
 
 
 def test_a_failed_save_is_discarded_and_stops_or_is_skipped(tmp_path):
@@ -114,11 +127,14 @@ def test_a_failed_save_is_discarded_and_stops_or_is_skipped(tmp_path):
     (tmp_path / "step-00000006").write_text("a file where the folder must go")
     with pytest.raises(CheckpointError, match="checkpoint at step 6: cannot create"):
         stop.begin(6)
+    assert go_on.begin(6) is None and logged[-1].startswith("warning: checkpoint at step 6: cannot create")
 
 
 @pytest.mark.parametrize("options, message", [
     (CheckpointOptions(every=2), "--checkpoint-every needs --checkpoint-dir"),
-    (CheckpointOptions(dir="x", every=2, keep_last=0), "--keep-last must be >= 1"),
+    (CheckpointOptions(dir="x", every=2, keep_last=0), "--keep-last needs --checkpoint-dir and a count >= 1"),
+    (CheckpointOptions(keep_last=2), "--keep-last needs --checkpoint-dir"),
+    (CheckpointOptions(dir="x"), "--checkpoint-dir needs --checkpoint-every N"),
     (CheckpointOptions(max_restarts=-1), "--max-restarts must be >= 0"),
     (CheckpointOptions(resume="/no/such/folder"), "--resume: no such folder"),
 ])

@@ -107,3 +107,25 @@ def test_the_norm_share_and_clip_coefficient_are_clip_grad_norm_s():
         if g is not None:
             assert torch.allclose(p.grad, g * coef, rtol=1e-6)
     assert clip_coefficient(None, 100.0) == 1.0 and clip_coefficient(10.0, 1.0) == 1.0
+
+
+def test_a_resumed_schedule_is_the_pipeline_s_as_given_now():
+    """Resuming 4 steps into a 10-step cosine with steps raised to 20: the decay stretches, and the
+    optimizer keeps its state."""
+    spec = {"name": "adamw", "lr": 1.0, "warmup_steps": 2, "decay": "cosine", "min_lr": 0.0, "weight_decay": 0.1}
+    p = torch.nn.Parameter(torch.ones(2))
+    before = SectionOptimizer(spec, [p], total_steps=10)
+    for _ in range(4):
+        p.grad = torch.ones(2)
+        before.step()
+    q = torch.nn.Parameter(p.detach().clone())
+    after = SectionOptimizer({**spec, "weight_decay": 0.2}, [q], total_steps=20)
+    after.optimizer.load_state_dict(before.optimizer.state_dict())
+    after.resume(4)
+    assert after.lr == pytest.approx(WarmupDecay(lr=1.0, warmup_steps=2, decay="cosine", min_lr=0.0,
+                                                  total_steps=20).lr_at(4))
+    assert after.optimizer.param_groups[0]["weight_decay"] == 0.2
+    assert int(after.optimizer.state[q]["step"]) == 4
+    q.grad = torch.ones(2)
+    after.step()
+    assert after.scheduler.last_epoch == 5
