@@ -1,7 +1,7 @@
 """The data-parallel gradient reduction of a trainable section.
 
-Runs in the compute thread of a worker. One sum all-reduce per step over the section's DP group,
-on a flat buffer per dtype, joined by every replica (one with no samples contributes zeros), so
+Runs in the compute thread of a worker. One sum all-reduce per step and gradient dtype over the
+section's DP group, on a flat buffer, joined by every replica (one with no samples contributes zeros), so
 it never hangs on an empty replica. Alongside the gradients it sums, per parameter, whether the
 replica produced a gradient at all: a parameter no replica produced one for is left with
 `grad = None` on every replica, so the optimizer skips it exactly as `torch.optim` skips a
@@ -28,29 +28,34 @@ class GradientReducer:
         """Sum the gradients of `params` over the group in place, and the numbers `extra` (returned).
 
         Every replica zero-fills missing gradients and reduces every parameter (the collectives
-        depend on the parameters' dtypes only, the same on every replica); the presence flags ride
-        with `extra` in a float64 buffer — in the gradients' own collective when they are float64,
-        else in one small collective of its own — and afterwards a parameter whose flags sum to 0
-        gets its gradient back to None."""
+        depend on the parameters' dtypes only, the same on every replica). The presence flags ride
+        in the first gradient buffer (counts up to the group size; only "> 0" matters); `extra`
+        (a loss section's loss sum and denominator) needs float64: it rides in the float64
+        gradients' buffer, else in one small collective of its own. Afterwards a parameter whose
+        flags sum to 0 gets its gradient back to None."""
         device = params[0].device
         flags = [0.0 if p.grad is None else 1.0 for p in params]
-        head = torch.tensor(flags + list(extra), dtype=torch.float64, device=device)
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for p in params:
             by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
-        if torch.float64 not in by_dtype:
-            dist.all_reduce(head, op=dist.ReduceOp.SUM, group=self.group)
-        for dtype, tensors in by_dtype.items():
-            parts = tensors + ([head] if dtype == torch.float64 else [])
+        extras = torch.tensor(list(extra), dtype=torch.float64, device=device)
+        if len(extras) and torch.float64 not in by_dtype:
+            dist.all_reduce(extras, op=dist.ReduceOp.SUM, group=self.group)
+        counts: torch.Tensor | None = None
+        for i, (dtype, tensors) in enumerate(by_dtype.items()):
+            present = torch.tensor(flags, dtype=dtype, device=device) if i == 0 else None
+            parts = tensors + ([present] if present is not None else []) + \
+                ([extras] if dtype == torch.float64 and len(extras) else [])
             flat = _flatten_dense_tensors(parts)
             dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group)
             for g, reduced in zip(parts, _unflatten_dense_tensors(flat, parts), strict=True):
                 g.copy_(reduced)
-        values = head.tolist()
-        for p, count in zip(params, values[:len(params)], strict=True):
+            if present is not None:
+                counts = present
+        for p, count in zip(params, counts.tolist(), strict=True):
             if count == 0.0:
                 p.grad = None
-        return values[len(params):]
+        return extras.tolist()

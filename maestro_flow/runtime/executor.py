@@ -30,6 +30,7 @@ from maestro_flow.optim.reduce import GradientReducer
 from maestro_flow.optim.stepper import SectionOptimizer
 from maestro_flow.planner.costfit import Timing
 from maestro_flow.planner.plan import Placement
+from maestro_flow.runtime.precision import autocast_dtype, compute
 from maestro_flow.runtime.trace import Tracer
 from maestro_flow.stage import MicroBatch, Stage
 from maestro_flow.transport.tensor_comm import Comm
@@ -109,7 +110,8 @@ class SectionExecutor:
         self.grad_clip = pipeline.grad_clip
         self.clips: dict[int, float] = {}  # step -> clip coefficient, from the coordinator
         # Mixed precision: autocast dtype for the stage's forward and the dtype tensors travel in.
-        self.autocast = torch.bfloat16 if pipeline.mixed_precision == "bf16" else None
+        self.mixed_precision = pipeline.mixed_precision
+        self.autocast = autocast_dtype(pipeline.mixed_precision)
         self.plans: deque[_Step] = deque()
         self.current: _Step | None = None
         # step -> sample id -> tensor name -> tensor; filled by deliver(), possibly ahead of the plan.
@@ -205,8 +207,7 @@ class SectionExecutor:
         arrived = {sid: got.pop(sid, {}) for sid in mb}
         batch, leaves = self._make_batch(st, index, mb, arrived)
         try:
-            with torch.set_grad_enabled(self.trainable), torch.autocast(
-                    self.device.type, dtype=self.autocast or torch.bfloat16, enabled=self.autocast is not None):
+            with torch.set_grad_enabled(self.trainable), compute(self.mixed_precision, self.device):
                 out = self.stage.forward(batch)
         except Exception:
             raise StageFault("forward", st.step, traceback.format_exc()) from None

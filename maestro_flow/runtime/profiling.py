@@ -168,6 +168,7 @@ class _Section:
 
     def __init__(self, pipeline: Pipeline, graph: SectionGraph, name: str, source: Any) -> None:
         self.name, self.graph, self.source = name, graph, source
+        self.mixed_precision = pipeline.mixed_precision
         self.section = graph.sections[name]
         self.device = torch.device(resolve_device(self.section, 0))
         self.stage = build_stage(pipeline, self.section, 0, str(self.device))
@@ -197,7 +198,9 @@ class _Section:
                           columns=columns, inputs=inputs)
 
     def forward(self, batch: MicroBatch) -> dict[str, Any]:
-        with torch.set_grad_enabled(self.section.trainable):
+        from maestro_flow.runtime.precision import compute
+
+        with torch.set_grad_enabled(self.section.trainable), compute(self.mixed_precision, self.device):
             return self.stage.forward(batch)
 
     def backward(self, out: dict[str, Any]) -> None:
@@ -228,7 +231,9 @@ def _produce(sec: _Section, samples: list[SampleMeta], outputs: dict) -> None:
     """Run a producer on `samples` (its micro-batch at a time) and keep its outgoing tensors."""
     mine = [s for s in samples if sec.section.activates(s.modalities)]
     step = sec.section.micro_batch
-    with torch.no_grad():
+    from maestro_flow.runtime.precision import compute
+
+    with torch.no_grad(), compute(sec.mixed_precision, sec.device):
         for i in range(0, len(mine), step):
             mb = mine[i:i + step]
             out = sec.stage.forward(sec.batch(mb, outputs))

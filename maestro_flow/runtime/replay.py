@@ -136,7 +136,10 @@ class SectionRunner:
                            modalities=list(batch.modalities), columns=columns, inputs=inputs), leaves)
 
     def forward(self, batch: MicroBatch) -> dict[str, Any]:
-        with default_dtype(self.dtype), torch.set_grad_enabled(self.trainable):
+        from maestro_flow.runtime.precision import compute
+
+        with default_dtype(self.dtype), torch.set_grad_enabled(self.trainable), \
+                compute(self.pipeline.mixed_precision, self.device):
             out = self.stage.forward(batch)
         if not isinstance(out, dict):
             raise TypeError(f"{self.section.stage}.forward returned {type(out).__name__}, not a dict of outputs")
