@@ -95,6 +95,8 @@ class Section:
     device: str = "cpu"
     cost: Cost = field(default_factory=Cost)
     columns: tuple[str, ...] | None = None
+    tp: int = 1  # tensor parallelism: a replica is a group of tp ranks (the stage's tp_plan shards it)
+    fsdp: bool = False  # shard parameters, gradients and optimizer state over the dp replicas (FSDP2)
 
     def validate(self) -> None:
         where = f"sections.{self.name}"
@@ -102,10 +104,10 @@ class Section:
             raise PipelineError(f"{where}.name must be a non-empty identifier, got {self.name!r}")
         if not isinstance(self.stage, str) or ":" not in self.stage:
             raise PipelineError(f"{where}.stage must be 'module:Class', got {self.stage!r}")
-        for key, kind in (("trainable", bool), ("config", dict), ("optimizer", dict), ("device", str)):
+        for key, kind in (("trainable", bool), ("config", dict), ("optimizer", dict), ("device", str), ("fsdp", bool)):
             if not isinstance(getattr(self, key), kind):
                 raise PipelineError(f"{where}.{key} must be a {kind.__name__}, got {getattr(self, key)!r}")
-        for key in ("dp", "micro_batch"):
+        for key in ("dp", "micro_batch", "tp"):
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise PipelineError(f"{where}.{key} must be an integer >= 1, got {value!r}")

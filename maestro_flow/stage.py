@@ -95,6 +95,30 @@ class Stage:
     def outputs(cls, config: dict[str, Any]) -> tuple[str, ...] | None:
         return None
 
+    @classmethod
+    def tp_plan(cls, config: dict[str, Any]) -> dict[str, str] | None:
+        """Tensor parallelism (`Section.tp > 1`): module name as in `state_dict` (the stage
+        attribute first, `*` for one name part such as a layer index) -> "colwise", "rowwise",
+        "colwise_rep" or "replicate" (Hugging Face's tp-plan vocabulary). The modules between the
+        sharded layers must work on the local shard (e.g. attention on its share of the heads).
+        None (the default): no plan; such a stage cannot take tp > 1 unless it overrides
+        `parallelize`."""
+        return None
+
+    @classmethod
+    def check_tp(cls, config: dict[str, Any], tp: int) -> None:
+        """Raise ValueError, naming the config key, when `tp` cannot shard this configuration
+        (e.g. "n_heads (4) is not divisible by tp=3"). `maestro validate` also checks that the
+        plan's sharded dimensions divide by tp."""
+
+    def parallelize(self, mesh: Any) -> None:
+        """Full control over the section's layout: shard this stage's modules over `mesh`, a
+        torch DeviceMesh with dimensions ("dp", "tp") (or ("dp",) for tp=1) over the section's
+        ranks. Override it instead of `tp_plan` for layouts a plan cannot express; modules it
+        wraps with `fully_shard` are driven by the runtime once per step, as with `fsdp=True`.
+        Not called unless overridden."""
+        raise NotImplementedError
+
     def forward(self, batch: MicroBatch) -> dict[str, torch.Tensor | list[torch.Tensor]]:
         raise NotImplementedError(f"{type(self).__name__}.forward")
 

@@ -36,6 +36,7 @@ from torch import Tensor, nn
 from maestro_flow import MicroBatch, Stage, StageContext
 from stages.common import Outputs, lengths_of
 from stages.encoder import EncoderConfig, EncoderTrunk, check_int, optional_projector, param_like, scatter, seeded
+from stages.transformer import block_tp_plan, check_block_tp
 
 FRAME_S = 0.025
 HOP_S = 0.01
@@ -138,6 +139,15 @@ class AudioEncoder(Stage):
         self.audio_config = cfg = AudioConfig.from_dict(config)
         self.encoder = seeded(AudioTransformer(cfg), seed=cfg.init_seed, n_layers=cfg.n_layers, prefix="encoder.")
         self.projector = optional_projector(cfg)
+
+    @classmethod
+    def tp_plan(cls, config: dict[str, Any]) -> dict[str, str]:
+        return block_tp_plan("encoder.trunk.blocks")
+
+    @classmethod
+    def check_tp(cls, config: dict[str, Any], tp: int) -> None:
+        cfg = AudioConfig.from_dict(config)
+        check_block_tp(cfg.n_heads, cfg.block_config().ff_dim, tp)
 
     @classmethod
     def outputs(cls, config: dict[str, Any]) -> tuple[str, ...]:

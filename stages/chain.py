@@ -27,7 +27,7 @@ from stages.common import (
     pad_right,
     select_predicted,
 )
-from stages.transformer import Decoder, LMConfig
+from stages.transformer import Decoder, LMConfig, block_tp_plan, check_block_tp
 from stages.weights import init_weights, load_weights
 
 
@@ -70,6 +70,15 @@ class TransformerLM(Stage):
     @classmethod
     def outputs(cls, config: dict[str, Any]) -> tuple[str, ...]:
         return ("loss", "loss_denominator")
+
+    @classmethod
+    def tp_plan(cls, config: dict[str, Any]) -> dict[str, str]:
+        return block_tp_plan("decoder.blocks")
+
+    @classmethod
+    def check_tp(cls, config: dict[str, Any], tp: int) -> None:
+        cfg = LMConfig.from_dict(config)
+        check_block_tp(cfg.n_heads, cfg.ff_dim, tp)
 
     def forward(self, batch: MicroBatch) -> Outputs:
         tokens = batch.columns["tokens"]

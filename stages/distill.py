@@ -38,7 +38,7 @@ from stages.common import (
     select_predicted,
 )
 from stages.lm import build_causal_transformer, build_lm_head
-from stages.transformer import LMConfig
+from stages.transformer import LMConfig, block_tp_plan, check_block_tp
 
 KD_OUTPUTS = ("loss", "loss_denominator")
 
@@ -135,6 +135,15 @@ class KDStudent(Stage):
     @classmethod
     def outputs(cls, config: dict[str, Any]) -> tuple[str, ...]:
         return KD_OUTPUTS
+
+    @classmethod
+    def tp_plan(cls, config: dict[str, Any]) -> dict[str, str]:
+        return block_tp_plan("model.decoder.blocks")  # the teacher's head stays whole (it is frozen)
+
+    @classmethod
+    def check_tp(cls, config: dict[str, Any], tp: int) -> None:
+        cfg = LMConfig.from_dict(config.get("student", {}), where="student.")
+        check_block_tp(cfg.n_heads, cfg.ff_dim, tp, where="student.")
 
     def forward(self, batch: MicroBatch) -> Outputs:
         ids, lengths = pad_tokens(batch.columns["tokens"], module_device(self.model))

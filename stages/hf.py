@@ -191,6 +191,28 @@ class HFCausalLM(Stage):
     def outputs(cls, config: dict[str, Any]) -> tuple[str, ...]:
         return ROLES[stage_role(config, ROLES)]
 
+    @classmethod
+    def tp_plan(cls, config: dict[str, Any]) -> dict[str, str] | None:
+        """The model's own tp plan, as transformers ships it (`base_model_tp_plan` of its config,
+        e.g. llama's q/k/v/gate/up colwise, o/down rowwise), under this stage's `model.<base>.`."""
+        from transformers import AutoModelForCausalLM
+
+        hf_config, _ = hf_model_config(config)
+        plan = getattr(hf_config, "base_model_tp_plan", None)
+        if not plan:
+            return None
+        with torch.device("meta"):
+            base = AutoModelForCausalLM.from_config(hf_config).base_model_prefix
+        return {f"model.{base}.{name}": style for name, style in plan.items()}
+
+    @classmethod
+    def check_tp(cls, config: dict[str, Any], tp: int) -> None:
+        hf_config, _ = hf_model_config(config)
+        for key in ("num_attention_heads", "num_key_value_heads"):
+            value = getattr(hf_config, key, None)
+            if value is not None and value % tp:
+                raise ValueError(f"hf_config.{key} ({value}) is not divisible by tp={tp}: each rank takes whole heads")
+
     def forward(self, batch: MicroBatch) -> Outputs:
         tokens = batch.columns["tokens"]
         device = module_device(self.model)

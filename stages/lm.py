@@ -26,7 +26,7 @@ from stages.common import (
     select_predicted,
     unpad,
 )
-from stages.transformer import CausalTransformer, LMConfig
+from stages.transformer import CausalTransformer, LMConfig, block_tp_plan, check_block_tp
 from stages.weights import init_weights, load_weights
 
 ROLES = {"teacher": ("hidden",), "lm": ("loss", "loss_denominator")}
@@ -82,6 +82,15 @@ class CausalLM(Stage):
     @classmethod
     def outputs(cls, config: dict[str, Any]) -> tuple[str, ...]:
         return ROLES[stage_role(config, ROLES)]
+
+    @classmethod
+    def tp_plan(cls, config: dict[str, Any]) -> dict[str, str]:
+        return block_tp_plan("model.decoder.blocks")
+
+    @classmethod
+    def check_tp(cls, config: dict[str, Any], tp: int) -> None:
+        cfg = LMConfig.from_dict(config, ignore=("role",))
+        check_block_tp(cfg.n_heads, cfg.ff_dim, tp)
 
     def forward(self, batch: MicroBatch) -> Outputs:
         tokens = batch.columns["tokens"]

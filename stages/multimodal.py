@@ -33,7 +33,7 @@ from maestro_flow import MicroBatch, Stage, StageContext
 from stages.common import Outputs, ce_sum, loss_outputs, pad_right
 from stages.encoder import param_like
 from stages.lm import build_causal_transformer
-from stages.transformer import LMConfig
+from stages.transformer import LMConfig, block_tp_plan, check_block_tp
 
 VOCAB_SIZE = 261
 DEFAULT_INPUTS = {"image": "image_embeds", "audio": "audio_embeds"}
@@ -56,6 +56,15 @@ class MultimodalLM(Stage):
     @classmethod
     def outputs(cls, config: dict[str, Any]) -> tuple[str, ...]:
         return ("loss", "loss_denominator")
+
+    @classmethod
+    def tp_plan(cls, config: dict[str, Any]) -> dict[str, str]:
+        return block_tp_plan("model.decoder.blocks")
+
+    @classmethod
+    def check_tp(cls, config: dict[str, Any], tp: int) -> None:
+        cfg = LMConfig.from_dict({"vocab_size": VOCAB_SIZE, **config}, ignore=("inputs",))
+        check_block_tp(cfg.n_heads, cfg.ff_dim, tp)
 
     def forward(self, batch: MicroBatch) -> Outputs:
         tokens = [t.to(torch.int64) for t in batch.columns["tokens"]]

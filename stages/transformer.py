@@ -7,6 +7,11 @@ nothing of stages, micro-batches, initialisation or checkpoints (see `weights.py
 Padding is on the right and attention is causal, so a real position never sees a pad position:
 a sample's results do not depend on the other samples of its micro-batch. The encoders reuse
 `Block` with bidirectional attention and a key-padding mask for the same guarantee.
+
+Tensor parallelism (`block_tp_plan`): the fused `qkv` projection's outputs are head-major — per
+head its q, k and v rows — so sharding it by output rows ("colwise") gives each rank whole heads,
+and attention runs on the heads it holds; `proj` takes the heads' outputs sharded ("rowwise") and
+all-reduces. The MLP shards its hidden units the same way.
 """
 
 from __future__ import annotations
@@ -78,13 +83,16 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, d_model: int, n_heads: int, dropout: float, *, causal: bool = True) -> None:
         super().__init__()
         self.n_heads, self.dropout, self.causal = n_heads, dropout, causal
-        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.head_dim = d_model // n_heads
+        self.qkv = nn.Linear(d_model, 3 * d_model)  # head-major outputs: [head][q, k, v][head_dim]
         self.proj = nn.Linear(d_model, d_model)
         self.resid_drop = nn.Dropout(dropout)
 
     def forward(self, x: Tensor, key_padding_mask: Tensor | None = None) -> Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(x).view(b, t, 3, self.n_heads, d // self.n_heads).permute(2, 0, 3, 1, 4)
+        b, t, _ = x.shape
+        qkv = self.qkv(x)
+        heads = qkv.shape[-1] // (3 * self.head_dim)  # all of them, or this rank's share under tensor parallelism
+        q, k, v = qkv.view(b, t, heads, 3, self.head_dim).permute(3, 0, 2, 1, 4)
         mask = None
         if key_padding_mask is not None:
             mask = key_padding_mask[:, None, None, :]
@@ -92,7 +100,21 @@ class CausalSelfAttention(nn.Module):
                 mask = mask & torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=self.causal and mask is None,
                                            dropout_p=self.dropout if self.training else 0.0)
-        return self.resid_drop(self.proj(y.transpose(1, 2).reshape(b, t, d)))
+        return self.resid_drop(self.proj(y.transpose(1, 2).reshape(b, t, heads * self.head_dim)))
+
+
+def block_tp_plan(prefix: str) -> dict[str, str]:
+    """The tensor-parallel plan of the `Block`s in the ModuleList named `prefix` (as in state_dict)."""
+    return {f"{prefix}.*.attn.qkv": "colwise", f"{prefix}.*.attn.proj": "rowwise",
+            f"{prefix}.*.mlp.fc_in": "colwise", f"{prefix}.*.mlp.fc_out": "rowwise"}
+
+
+def check_block_tp(n_heads: int, d_ff: int, tp: int, where: str = "") -> None:
+    """Whole heads and hidden units per rank; `where` prefixes the config keys in the message."""
+    if n_heads % tp:
+        raise ValueError(f"{where}n_heads ({n_heads}) is not divisible by tp={tp}: each rank takes whole heads")
+    if d_ff % tp:
+        raise ValueError(f"{where}d_ff ({d_ff}) is not divisible by tp={tp}")
 
 
 class MLP(nn.Module):

@@ -54,6 +54,7 @@ from stages.encoder import (
     scatter,
     seeded,
 )
+from stages.transformer import block_tp_plan, check_block_tp
 
 DEFAULT_DECODER = "loaders.dali:ImageDecoder"
 DEFAULT_MAX_SIDE = 64
@@ -126,6 +127,15 @@ class VisionEncoder(Stage):
     @classmethod
     def outputs(cls, config: dict[str, Any]) -> tuple[str, ...]:
         return ("image_embeds",)
+
+    @classmethod
+    def tp_plan(cls, config: dict[str, Any]) -> dict[str, str]:
+        return block_tp_plan("encoder.trunk.blocks")
+
+    @classmethod
+    def check_tp(cls, config: dict[str, Any], tp: int) -> None:
+        cfg = VisionConfig.from_dict(config)
+        check_block_tp(cfg.n_heads, cfg.block_config().ff_dim, tp)
 
     def stats(self) -> dict[str, float]:
         """Corrupt images the decoder skipped (with decode.skip_corrupt=True), so far."""

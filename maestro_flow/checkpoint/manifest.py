@@ -34,8 +34,9 @@ def step_dir(root: str, step: int) -> str:
     return os.path.join(root, f"step-{step:08d}")
 
 
-def rng_file(folder: str, section: str, replica: int) -> str:
-    return os.path.join(folder, RNG_DIR, f"{section}-{replica}.pt")
+def rng_file(folder: str, section: str, replica: int, tp_index: int = 0) -> str:
+    """A rank's RNG states: one file per replica, and per tensor-parallel rank past the first."""
+    return os.path.join(folder, RNG_DIR, f"{section}-{replica}" + (f"-tp{tp_index}" if tp_index else "") + ".pt")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -1,7 +1,8 @@
 """`--save-dir`: each trainable section's parameters as `<save_dir>/<section>.safetensors`.
 
 Runs in the process that holds replica 0 of a section (DP replicas hold identical parameters
-after every step, so replica 0's copy is the gathered one), and in the coordinator, which writes
+after every step, so replica 0's copy is the gathered one) — in every rank of a sharded section
+(tensor parallel or FSDP), which gather the full tensors together — and in the coordinator, which writes
 `<save_dir>/pipeline.json` (the resolved pipeline, so `maestro export` can rebuild a section's
 model). A file holds what the section trains: its trainable parameters and its buffers, keyed as
 in the stage's `state_dict()`; frozen parameters that live inside a trainable stage (the KD
@@ -26,11 +27,34 @@ def trainable_state(stage: Any) -> dict[str, torch.Tensor]:
     return {k: v for k, v in stage.state_dict().items() if k not in frozen}
 
 
-def save_stage(stage: Any, save_dir: str, section: str) -> str:
-    os.makedirs(save_dir, exist_ok=True)
+def full_state(stage: Any) -> dict[str, torch.Tensor]:
+    """The trainable state with sharded (DTensor) entries gathered: a collective over the section's
+    ranks when any entry is sharded (every rank calls it, in the same key order)."""
+    import logging
+
+    from torch.distributed.tensor import DTensor
+
+    # Gathering an FSDP x TP shard takes two all-gathers, which torch logs as "suboptimal" per
+    # tensor; once, at the end of a run, it is what a gather costs.
+    log = logging.getLogger("torch.distributed.tensor._redistribute")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach()
+                for k, v in trainable_state(stage).items()}
+    finally:
+        log.setLevel(level)
+
+
+def save_stage(stage: Any, save_dir: str, section: str, *, write: bool = True) -> str:
+    """Gather the stage's trainable state and (when `write`) write it to save_dir/<section>.safetensors."""
     path = os.path.join(save_dir, f"{section}.safetensors")
+    gathered = full_state(stage)
+    if not write:
+        return path
+    os.makedirs(save_dir, exist_ok=True)
     # clone: tied weights share storage, which safetensors refuses to write twice.
-    state = {k: v.detach().cpu().clone().contiguous() for k, v in trainable_state(stage).items()}
+    state = {k: v.cpu().clone().contiguous() for k, v in gathered.items()}
     tmp = path + ".tmp"
     save_file(state, tmp, metadata={"section": section})
     os.replace(tmp, path)

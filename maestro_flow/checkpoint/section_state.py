@@ -43,9 +43,10 @@ class CheckpointMismatch(PipelineError):
 
 class SectionState:
     def __init__(self, stage: Any, optim: SectionOptimizer | None, *, section: str, replica: int, group: Any,
-                 device: torch.device) -> None:
+                 device: torch.device, tp_index: int = 0) -> None:
         self.stage, self.optim = stage, optim
         self.section, self.replica, self.group, self.device = section, replica, group, device
+        self.tp_index = tp_index
 
     def folder(self, checkpoint: str) -> str:
         return os.path.join(checkpoint, self.section)
@@ -69,9 +70,9 @@ class SectionState:
         if self.optim is not None:
             state = self._state_dict()
             dcp.save(state, storage_writer=_Writer(self.folder(checkpoint)), process_group=self.group)
-            if self.replica == 0:
+            if self.replica == 0 and self.tp_index == 0:
                 info["params"] = {k[len("model/"):]: list(v.shape) for k, v in state.items() if k.startswith("model/")}
-        rng.save(rng_file(checkpoint, self.section, self.replica), self.device)
+        rng.save(rng_file(checkpoint, self.section, self.replica, self.tp_index), self.device)
         return info
 
     def _names(self) -> list[str]:
@@ -108,16 +109,18 @@ class SectionState:
             except (Exception, CheckpointException) as exc:  # DCP's CheckpointException is a BaseException
                 raise CheckpointMismatch(f"--resume {checkpoint}: cannot read the state of section "
                                          f"{self.section!r}: {self.cause(exc)}") from None
-        own = rng_file(checkpoint, self.section, self.replica)
+        own = rng_file(checkpoint, self.section, self.replica, self.tp_index)
         if os.path.isfile(own):
             rng.load(own, self.device)
             return None
-        first = rng_file(checkpoint, self.section, 0)
-        if os.path.isfile(first):
-            rng.load(first, self.device)
-            return (f"{self.section} replica {self.replica}: no RNG state saved for it (the section had fewer "
-                    "replicas); using replica 0's")
-        return f"{self.section} replica {self.replica}: the checkpoint holds no RNG state for this section"
+        who = f"{self.section} replica {self.replica}" + (f" tp rank {self.tp_index}" if self.tp_index else "")
+        for replica, tp_index in ((self.replica, 0), (0, 0)):
+            other = rng_file(checkpoint, self.section, replica, tp_index)
+            if os.path.isfile(other):
+                rng.load(other, self.device)
+                return (f"{who}: no RNG state saved for it (the section's dp or tp changed); using replica "
+                        f"{replica}'s" + (" leader's" if self.tp_index else ""))
+        return f"{who}: the checkpoint holds no RNG state for this section"
 
     def _load_state(self, folder: str) -> None:
         try:

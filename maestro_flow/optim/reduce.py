@@ -18,6 +18,13 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a tensor: a DTensor's local shard (no communication), else itself."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 class GradientReducer:
     """Sum all-reduce of gradients over one section's DP process group."""
 
@@ -39,8 +46,8 @@ class GradientReducer:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for p in params:
-            by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+        for p in params:  # a tensor-parallel shard is reduced over the replicas holding the same shard
+            by_dtype.setdefault(p.grad.dtype, []).append(local(p.grad))
         extras = torch.tensor(list(extra), dtype=torch.float64, device=device)
         if len(extras) and torch.float64 not in by_dtype:
             dist.all_reduce(extras, op=dist.ReduceOp.SUM, group=self.group)

@@ -18,17 +18,20 @@ from typing import Any
 import torch
 
 from maestro_flow.optim.build import build_optimizer, build_scheduler
-from maestro_flow.optim.reduce import GradientReducer
+from maestro_flow.optim.reduce import local
 
 
 class SectionOptimizer:
     def __init__(self, spec: dict[str, Any], params: Sequence[torch.nn.Parameter], *, total_steps: int,
-                 reducer: GradientReducer | None = None, owns_norm: bool = True) -> None:
+                 reducer: Any = None, owns_norm: bool | Sequence[bool] = True) -> None:
+        """`reducer`: a GradientReducer (replicated section) or parallel.fsdp.FSDPSection;
+        `owns_norm`: whether this rank counts each parameter in the global norm (one bool for all,
+        or one per parameter: sharded and replicated parameters are counted once)."""
         self.params = list(params)
         self.optimizer = build_optimizer(spec, self.params)
         self.scheduler = build_scheduler(spec, self.optimizer, total_steps)
         self.reducer = reducer
-        self.owns_norm = owns_norm  # replica 0 of a replicated section counts the section's norm
+        self.owners = [owns_norm] * len(self.params) if isinstance(owns_norm, bool) else list(owns_norm)
 
     @property
     def lr(self) -> float:
@@ -49,9 +52,8 @@ class SectionOptimizer:
 
     def sq_norm(self) -> float:
         """Sum of squared gradient entries this replica contributes to the global norm."""
-        if not self.owns_norm:
-            return 0.0
-        norms = [torch.linalg.vector_norm(p.grad, 2, dtype=torch.float64) for p in self.params if p.grad is not None]
+        norms = [torch.linalg.vector_norm(local(p.grad), 2, dtype=torch.float64)
+                 for p, owner in zip(self.params, self.owners, strict=True) if owner and p.grad is not None]
         return float(torch.stack(norms).square().sum()) if norms else 0.0  # one device sync, not one per parameter
 
     def resume(self, steps_done: int | None) -> None:

@@ -18,47 +18,89 @@ Gates = tuple[tuple[str, int, int], ...]
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Placement:
-    """rank -> (section, replica, device). Ranks are numbered in the graph's topological order."""
+    """rank -> (section, replica, device). Ranks are numbered in the graph's topological order.
+
+    `ranks[section][r]` is the *leader* rank of replica r: the one the planner and the transfers
+    know. A replica with tensor parallelism is a group of ranks, `members[leader]` (leader
+    first, consecutive ranks); without, it is the leader alone.
+    """
 
     ranks: dict[str, tuple[int, ...]]
     devices: dict[int, str]
+    members: dict[int, tuple[int, ...]] = field(default_factory=dict)
 
     @staticmethod
-    def build(order: list[str], dp: dict[str, int], devices: dict[str, list[str]] | None = None) -> Placement:
+    def build(order: list[str], dp: dict[str, int], devices: dict[str, list[str]] | None = None,
+              tp: dict[str, int] | None = None) -> Placement:
+        """`devices[section]` lists one device per rank of the section (dp * tp of them)."""
         ranks: dict[str, tuple[int, ...]] = {}
+        members: dict[int, tuple[int, ...]] = {}
         rank_devices: dict[int, str] = {}
         next_rank = 0
         for name in order:
-            ranks[name] = tuple(range(next_rank, next_rank + dp[name]))
-            for replica, rank in enumerate(ranks[name]):
-                rank_devices[rank] = (devices or {}).get(name, ["cpu"] * dp[name])[replica]
-            next_rank += dp[name]
-        return Placement(ranks=ranks, devices=rank_devices)
+            size = (tp or {}).get(name, 1)
+            leaders = []
+            for replica in range(dp[name]):
+                group = tuple(range(next_rank, next_rank + size))
+                leaders.append(group[0])
+                members[group[0]] = group
+                for i, rank in enumerate(group):
+                    rank_devices[rank] = (devices or {}).get(name, ["cpu"] * dp[name] * size)[replica * size + i]
+                next_rank += size
+            ranks[name] = tuple(leaders)
+        return Placement(ranks=ranks, devices=rank_devices, members=members)
 
     @property
     def world_size(self) -> int:
-        return sum(len(r) for r in self.ranks.values())
+        return len(self.devices)
 
     def dp(self, section: str) -> int:
         return len(self.ranks[section])
 
+    def tp(self, section: str) -> int:
+        return len(self.group(self.ranks[section][0]))
+
     def rank(self, section: str, replica: int) -> int:
+        """The leader rank of a replica."""
         return self.ranks[section][replica]
 
+    def group(self, leader: int) -> tuple[int, ...]:
+        """Every rank of the replica `leader` leads (leader first)."""
+        return self.members.get(leader, (leader,))
+
+    def section_ranks(self, section: str) -> list[int]:
+        """Every rank of a section: replica by replica, leader first."""
+        return [r for leader in self.ranks[section] for r in self.group(leader)]
+
     def who(self, rank: int) -> tuple[str, int]:
-        for name, ranks in self.ranks.items():
-            if rank in ranks:
-                return name, ranks.index(rank)
+        """(section, replica) of any rank, leader or not."""
+        for name, leaders in self.ranks.items():
+            for replica, leader in enumerate(leaders):
+                if rank in self.group(leader):
+                    return name, replica
         raise KeyError(f"no rank {rank} in placement")
+
+    def tp_index(self, rank: int) -> int:
+        """The rank's place in its replica's tensor-parallel group (0: the leader)."""
+        section, replica = self.who(rank)
+        return self.group(self.rank(section, replica)).index(rank)
+
+    def worker_name(self, rank: int, sep: str = "-") -> str:
+        """"student-1" (replica 1), "student-1.2" (its third tensor-parallel rank), for logs."""
+        section, replica = self.who(rank)
+        tp_index = self.tp_index(rank)
+        return f"{section}{sep}{replica}" + (f".{tp_index}" if self.tp(section) > 1 else "")
 
     def to_dict(self) -> dict[str, Any]:
         return {"ranks": {k: list(v) for k, v in self.ranks.items()},
-                "devices": {str(k): v for k, v in self.devices.items()}}
+                "devices": {str(k): v for k, v in self.devices.items()},
+                "members": {str(k): list(v) for k, v in self.members.items()}}
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> Placement:
         return Placement(ranks={k: tuple(v) for k, v in d["ranks"].items()},
-                         devices={int(k): v for k, v in d["devices"].items()})
+                         devices={int(k): v for k, v in d["devices"].items()},
+                         members={int(k): tuple(v) for k, v in d.get("members", {}).items()})
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -96,8 +96,10 @@ def resolve_device(section: Section, local_index: int) -> str:
     return "cpu"
 
 
-def build_stage(pipeline: Pipeline, section: Section, replica: int, device: str) -> Any:
-    """Construct a section's stage exactly as every mode does (same seed, dtype, device)."""
+def build_stage(pipeline: Pipeline, section: Section, replica: int, device: str, *, meta: bool = False) -> Any:
+    """Construct a section's stage exactly as every mode does (same seed, dtype, device).
+
+    `meta`: build its tensors on the meta device (shapes only, no memory, no values), for checks."""
     import torch
 
     from maestro_flow.stage import Stage, StageContext
@@ -113,11 +115,12 @@ def build_stage(pipeline: Pipeline, section: Section, replica: int, device: str)
                        modality_columns=dict(pipeline.data.modality_columns))
     # Modules are built directly in the pipeline's dtype (initialising in float32 and casting
     # would give other float64 values than building in float64), with a seeded generator.
-    with default_dtype(dtype):
-        torch.manual_seed(seed)
+    with default_dtype(dtype), (torch.device("meta") if meta else contextlib.nullcontext()):
+        if not meta:
+            torch.manual_seed(seed)
         stage = cls(dict(section.config), ctx)
     for module in stage.modules().values():
-        module.to(device=torch.device(device), dtype=dtype)
+        module.to(device=torch.device("meta" if meta else device), dtype=dtype)
     if not section.trainable:
         for p in stage.parameters():
             p.requires_grad_(False)

@@ -27,6 +27,38 @@ class Checked:
     metadata: list[SampleMeta]
 
 
+def check_tensor_parallel(pipeline: Pipeline, section: Any, cls: Any) -> None:
+    """A section with tp > 1: the stage has a plan (or its own parallelize), the configuration
+    can be split tp ways (the stage's check_tp), and every sharded dimension divides by tp
+    (the stage built on the meta device: no memory, no weights)."""
+    from maestro_flow.parallel.tp import check_plan
+    from maestro_flow.runtime.build import build_stage
+    from maestro_flow.stage import Stage
+
+    where = f"sections.{section.name}"
+    if cls.parallelize is not Stage.parallelize:
+        return  # the stage takes full control of its layout
+    try:
+        plan = cls.tp_plan(dict(section.config))
+    except Exception as exc:
+        raise PipelineError(f"{where}.stage: {section.stage}.tp_plan(config) failed: {type(exc).__name__}: {exc}") from exc
+    if not plan:
+        raise PipelineError(f"{where}.tp={section.tp}: {section.stage} declares no tp_plan(config) and no "
+                            f"parallelize(mesh), so it cannot be tensor-parallel; set {where}.tp=1")
+    try:
+        cls.check_tp(dict(section.config), section.tp)
+    except ValueError as exc:
+        raise PipelineError(f"{where}.tp={section.tp}: {where}.config.{exc}") from None
+    try:
+        stage = build_stage(pipeline, section, 0, "cpu", meta=True)
+    except Exception as exc:
+        raise PipelineError(f"{where}.stage: building {section.stage} to check its tp_plan failed: "
+                            f"{type(exc).__name__}: {exc}") from exc
+    problems = check_plan(stage, plan, section.tp)
+    if problems:
+        raise PipelineError(f"{where}.tp={section.tp}: " + "; ".join(problems))
+
+
 def check_pipeline(pipeline: Pipeline) -> Checked:
     """Validate everything checkable without starting workers.
 
@@ -69,6 +101,8 @@ def check_pipeline(pipeline: Pipeline) -> Checked:
     for s in pipeline.sections:
         if s.trainable:
             check_optimizer_spec(s.optimizer, f"sections.{s.name}")
+        if s.tp > 1:
+            check_tensor_parallel(pipeline, s, resolve(s.stage, f"sections.{s.name}.stage"))
     make_planner(pipeline.schedule, graph)  # refuses a schedule this version does not have
     source = open_source(pipeline)
     for s in pipeline.sections:

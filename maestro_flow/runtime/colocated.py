@@ -42,7 +42,9 @@ def run_colocated(pipeline: Pipeline, source: Any, sampler: EpochSampler, report
 
 def _run(pipeline: Pipeline, source: Any, sampler: EpochSampler, report: RunReport, save_dir: str | None,
          observer: RunObserver, record: dict | None) -> None:
-    single = pipeline.override(**{f"sections.{s.name}.dp": 1 for s in pipeline.sections})
+    # One process: every section whole (no data, tensor or FSDP parallelism), the reference.
+    single = pipeline.override(**{f"sections.{s.name}.{k}": v for s in pipeline.sections
+                                  for k, v in (("dp", 1), ("tp", 1), ("fsdp", False))})
     graph = SectionGraph(single)
     placement = Placement.build(graph.order, {n: 1 for n in graph.order})
     observer.start(placement)

@@ -42,16 +42,19 @@ from maestro_flow.transport import zmq_link
 
 
 def placement_for(graph: SectionGraph) -> Placement:
+    """Every rank of every section (dp x tp of them) on a device: CUDA sections take the node's
+    GPUs round robin (cuda:<local index>), in rank order."""
     devices: dict[str, list[str]] = {}
     cuda_index = 0
     for name in graph.order:
         section = graph.sections[name]
         devices[name] = []
-        for _ in range(section.dp):
+        for _ in range(section.dp * section.tp):
             device = resolve_device(section, cuda_index)
             cuda_index += device.startswith("cuda")
             devices[name].append(device)
-    return Placement.build(graph.order, {n: graph.sections[n].dp for n in graph.order}, devices)
+    return Placement.build(graph.order, {n: graph.sections[n].dp for n in graph.order}, devices,
+                           tp={n: graph.sections[n].tp for n in graph.order})
 
 
 class Coordinator:
@@ -123,7 +126,8 @@ class Coordinator:
             section, replica = self.placement.who(rank)
             self.launcher.start(rank, section, replica, {
                 "rank": rank, "coordinator": addr, "parent_pid": os.getpid(), "timeouts": self.timeouts.to_dict(),
-                "label": f"{section}/{replica}", "log": self.observer.worker_log(section, replica)})
+                "label": self.placement.worker_name(rank, "/"),
+                "log": self.observer.worker_log(self.placement.worker_name(rank))})
         self.observer.start(self.placement)
         deadline = time.monotonic() + self.timeouts.startup_s
         hellos: dict[int, dict] = {}
@@ -231,7 +235,7 @@ class Coordinator:
             if msg["error"] is None:
                 infos[rank] = msg["info"]
             else:
-                log = self.observer.worker_log(*self.placement.who(rank))
+                log = self.observer.worker_log(self.placement.worker_name(rank))
                 errors[self._label(rank)] = msg["error"] + (f" (traceback: {log})" if log else "")
         if errors:
             self.checkpointer.failed(step, errors)

@@ -10,6 +10,13 @@ gradients, plans, denominators and clip coefficients arrive through `add_plan`, 
 `finalize` and `clip`. With `mixed_precision="bf16"` the stage's forward runs under bf16 autocast
 and floating tensors cross sections in bf16 (both ways). The executor knows nothing of sockets or
 processes: it talks to peers through a `Comm` and to the coordinator through a `report` callback.
+
+Tensor parallelism: every rank of a replica runs an executor with the replica's plan. The leader
+talks to other sections, and before each forward and each backward relays the micro-batch's
+inputs ("tpf") or gradients ("tpb") to the other ranks (`Comm.relay`); those ranks follow the
+relays in the leader's order (`_follow`), so every collective inside the stage's forward and
+backward pairs up, and send nothing themselves. With FSDP, the section's parameters are gathered
+at each step's start and reduce-scattered and released at its end (parallel/fsdp.py).
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ import torch
 from maestro_flow.graph import SectionGraph
 from maestro_flow.optim.reduce import GradientReducer
 from maestro_flow.optim.stepper import SectionOptimizer
+from maestro_flow.parallel.section import Layout
 from maestro_flow.planner.costfit import Timing
 from maestro_flow.planner.plan import Placement
 from maestro_flow.runtime.precision import autocast_dtype, compute
@@ -88,7 +96,8 @@ class SectionExecutor:
     def __init__(self, *, stage: Stage, graph: SectionGraph, placement: Placement, section: str, replica: int,
                  source: Any, comm: Comm, report: Report, device: torch.device, dtype: torch.dtype,
                  reducer: GradientReducer | None, clock: Callable[[], float] = time.perf_counter,
-                 tracer: Tracer | None = None, record: tuple[str, frozenset[int] | None] | None = None) -> None:
+                 tracer: Tracer | None = None, record: tuple[str, frozenset[int] | None] | None = None,
+                 layout: Layout | None = None) -> None:
         self.stage, self.graph, self.placement = stage, graph, placement
         self.name, self.replica = section, replica
         self.section = graph.sections[section]
@@ -103,10 +112,17 @@ class SectionExecutor:
             n != section and graph.sections[n].trainable and graph.loss_sections_of(n) == [section]
             for n in graph.order)
         self.trainable = self.section.trainable
+        self.layout = layout or Layout(replica=replica, tp_index=0, members=(self.rank,))
+        self.fsdp = self.layout.fsdp
+        self.follower = not self.layout.leader  # a tensor-parallel rank that follows its leader
+        self.relaying = self.layout.leader and len(self.layout.members) > 1
+        self.ops: deque[tuple[str, int, int, list]] = deque()  # a follower's relays, in the leader's order
         params = [p for p in stage.parameters() if p.requires_grad] if self.trainable else []
         pipeline = graph.pipeline
-        self.optim = SectionOptimizer(self.section.optimizer, params, total_steps=pipeline.steps, reducer=reducer,
-                                      owns_norm=replica == 0) if params else None
+        self.optim = SectionOptimizer(
+            self.section.optimizer, params, total_steps=pipeline.steps,
+            reducer=self.fsdp if self.fsdp is not None else reducer,
+            owns_norm=[self.layout.owns(p) for p in params]) if params else None
         self.grad_clip = pipeline.grad_clip
         self.clips: dict[int, float] = {}  # step -> clip coefficient, from the coordinator
         # Mixed precision: autocast dtype for the stage's forward and the dtype tensors travel in.
@@ -135,13 +151,21 @@ class SectionExecutor:
             step=msg["step"], mbs=[tuple(mb) for mb in msg["micro_batches"]],
             rows={s[0]: s[1] for s in samples}, modalities={s[0]: frozenset(s[2]) for s in samples},
             sizes={s[0]: (s[3], s[4], s[5]) for s in samples},
-            gates=[[(self.placement.rank(c, ci), j) for c, ci, j in mb] for mb in msg.get("gates", ())],
-            notify=[self.placement.rank(p, r) for p, r in msg.get("notify", ())],
+            # Credits are the leader's: its followers run what it relays.
+            gates=[] if self.follower else [[(self.placement.rank(c, ci), j) for c, ci, j in mb]
+                                            for mb in msg.get("gates", ())],
+            notify=[] if self.follower else [self.placement.rank(p, r) for p, r in msg.get("notify", ())],
             routes={k: {int(sid): r for sid, r in v.items()} for k, v in msg["routes"].items()},
         ))
 
     def deliver(self, kind: str, edge: int, step: int, src: int, items: Any) -> None:
-        if kind == "progress":
+        if kind in ("tpf", "tpb"):  # a relay from this replica's leader; `edge` is the micro-batch index
+            self.ops.append((kind, step, edge, items))
+            if kind == "tpf":
+                per_step = self.inbox.setdefault(step, {})
+                for sid, name, t in items:
+                    per_step.setdefault(sid, {})[name] = t
+        elif kind == "progress":
             key = (step, src)
             self.progress[key] = max(self.progress.get(key, 0), items)
         elif kind == "fwd":
@@ -168,8 +192,11 @@ class SectionExecutor:
                     break
                 self.current = self.plans.popleft()
                 self.current.started = self.clock()
+                if self.fsdp is not None:
+                    self.fsdp.gather()  # every replica, every step, whatever it computes in it
             st = self.current
-            if self._run_ready_backward(st) or self._run_next_forward(st) or self._finish_step(st):
+            work = self._follow(st) if self.follower else (self._run_ready_backward(st) or self._run_next_forward(st))
+            if work or self._finish_step(st):
                 progressed = True
                 continue
             break
@@ -205,6 +232,8 @@ class SectionExecutor:
         self._waited(st, t0, mb=index)
         self._doing("forward", st.step, index)
         arrived = {sid: got.pop(sid, {}) for sid in mb}
+        if self.relaying:
+            self.comm.relay("tpf", st.step, index, [(sid, name, t) for sid in mb for name, t in arrived[sid].items()])
         batch, leaves = self._make_batch(st, index, mb, arrived)
         try:
             with torch.set_grad_enabled(self.trainable), compute(self.mixed_precision, self.device):
@@ -309,6 +338,8 @@ class SectionExecutor:
         return value
 
     def _send_outputs(self, st: _Step, mb: tuple[int, ...], out: dict) -> None:
+        if self.follower:
+            return  # the replica's outputs are the same on all its ranks: the leader sends them
         for e in self.out_edges:
             consumer = self.graph.sections[e.edge.dst]
             per_name = {name: self._per_sample(out, name, len(mb), st.step, e.edge.name) for name in e.edge.tensors}
@@ -385,31 +416,57 @@ class SectionExecutor:
     def _run_ready_backward(self, st: _Step) -> bool:
         # Oldest first: gradients accumulate in micro-batch order whatever order they return in,
         # so a run is reproducible bit for bit (and a resumed run equals the uninterrupted one).
-        for pending in st.pending[:1]:
-            if pending.expected:
-                continue
-            st.pending.remove(pending)
-            for sid in pending.sample_ids:
-                self.pending_by_sample.pop((st.step, sid), None)
-            t0 = self.clock()
-            self._waited(st, t0)
-            self._doing("backward", st.step, pending.index)
-            keys = [k for k in pending.outputs if k in pending.grads]
-            if keys:
-                try:
-                    torch.autograd.backward([pending.outputs[k] for k in keys], [pending.grads[k] for k in keys])
-                except Exception:
-                    raise StageFault("backward", st.step, traceback.format_exc()) from None
-            self._send_input_grads(st, pending.leaves)
-            elapsed = self.clock() - t0
-            st.busy_s += elapsed
-            self._timing(st, "backward", pending.sample_ids, elapsed)
-            self.tracer.span("backward", "compute", t0, t0 + elapsed, step=st.step, mb=pending.index,
-                             samples=list(pending.sample_ids))
+        if not st.pending or st.pending[0].expected:
+            return False
+        pending = st.pending[0]
+        if self.relaying:
+            self.comm.relay("tpb", st.step, pending.index, [(sid, name, g) for (sid, name), g in pending.grads.items()
+                                                            if (sid, name) in pending.outputs])
+        self._backward(st, pending)
+        return True
+
+    def _follow(self, st: _Step) -> bool:
+        """A tensor-parallel follower: run the next relayed forward or backward, if it is here."""
+        if not self.ops or self.ops[0][1] != st.step:
+            return False
+        kind, _, index, items = self.ops.popleft()
+        if kind == "tpf":
+            if index != st.next_mb or not self._run_next_forward(st):
+                raise RuntimeError(f"tensor-parallel follower out of step with its leader: relayed forward "
+                                   f"{index} of step {st.step}, expected {st.next_mb}")
             return True
-        return False
+        pending = next((p for p in st.pending if p.index == index), None)
+        if pending is None:
+            raise RuntimeError(f"tensor-parallel follower got gradients for micro-batch {index} of step "
+                               f"{st.step}, which awaits none")
+        pending.grads = {(sid, name): g for sid, name, g in items}
+        pending.expected.clear()
+        self._backward(st, pending)
+        return True
+
+    def _backward(self, st: _Step, pending: _Pending) -> None:
+        st.pending.remove(pending)
+        for sid in pending.sample_ids:
+            self.pending_by_sample.pop((st.step, sid), None)
+        t0 = self.clock()
+        self._waited(st, t0)
+        self._doing("backward", st.step, pending.index)
+        keys = [k for k in pending.outputs if k in pending.grads]
+        if keys:
+            try:
+                torch.autograd.backward([pending.outputs[k] for k in keys], [pending.grads[k] for k in keys])
+            except Exception:
+                raise StageFault("backward", st.step, traceback.format_exc()) from None
+        self._send_input_grads(st, pending.leaves)
+        elapsed = self.clock() - t0
+        st.busy_s += elapsed
+        self._timing(st, "backward", pending.sample_ids, elapsed)
+        self.tracer.span("backward", "compute", t0, t0 + elapsed, step=st.step, mb=pending.index,
+                         samples=list(pending.sample_ids))
 
     def _send_input_grads(self, st: _Step, leaves: dict[tuple[int, str], torch.Tensor]) -> None:
+        if self.follower:
+            return
         for e in self.in_edges:
             if not e.carries_grad:
                 continue
@@ -428,7 +485,7 @@ class SectionExecutor:
     def _finish_step(self, st: _Step) -> bool:
         if st.next_mb < len(st.mbs) or st.pending:
             return False
-        if self.is_loss and self.feeds_upstream and not st.loss_reported:
+        if self.is_loss and self.feeds_upstream and not st.loss_reported and not self.follower:
             # Trainable sections upstream need the global denominator: the coordinator sums the
             # loss replicas' reports and sends it to them (finalize).
             st.loss_reported = True
@@ -470,6 +527,8 @@ class SectionExecutor:
                 st.busy_s += self.clock() - t0
                 self.tracer.span("optimizer step", "compute", t0, self.clock(), step=st.step)
             st.stepped = True
+        if self.fsdp is not None and self.fsdp.gathered:
+            self.fsdp.release()  # a frozen section's (a trainable one released when it reduced)
         self.inbox.pop(st.step, None)
         for key in [k for k in self.progress if k[0] <= st.step]:
             del self.progress[key]

@@ -51,7 +51,7 @@ class StepLedger:
         self.samples: dict[int, int] = {}
         self.started: dict[int, float] = {}
         self.norms: dict[int, dict[int, float]] = {}  # step -> trainable rank -> squared norm share
-        self.trainable_ranks = [r for n in graph.order if graph.sections[n].trainable for r in placement.ranks[n]]
+        self.trainable_ranks = [r for n in graph.order if graph.sections[n].trainable for r in placement.section_ranks(n)]
 
     def planned(self, plan: Plan, now: float) -> None:
         self.tokens[plan.step] = sum(s.num_tokens for s in plan.samples)
@@ -71,7 +71,7 @@ class StepLedger:
         ranks = [r for name in self.graph.order
                  if name != section and self.graph.sections[name].trainable
                  and self.graph.loss_sections_of(name) == [section]
-                 for r in self.placement.ranks[name]]
+                 for r in self.placement.section_ranks(name)]
         return [(ranks, total)]
 
     def on_norm(self, rank: int, step: int, sq: float) -> tuple[list[int], float] | None:
@@ -90,7 +90,7 @@ class StepLedger:
         """Record a done report; when every replica is done, return the step's metrics row."""
         per = self.done.setdefault(step, {})
         per[rank] = stats
-        if self.fitter is not None:
+        if self.fitter is not None and self.placement.tp_index(rank) == 0:  # a tensor-parallel group times once
             self.fitter.add(self.placement.who(rank)[0], (Timing.from_list(t) for t in stats.get("timings", ())))
         if len(per) < self.placement.world_size:
             return None

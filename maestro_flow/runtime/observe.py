@@ -34,6 +34,8 @@ class RunObserver:
             self.trace.process(COORDINATOR_PID, "coordinator (planning)", 0)
             for rank in range(placement.world_size):
                 section, replica = placement.who(rank)
+                if placement.tp(section) > 1:
+                    replica = f"{replica}.{placement.tp_index(rank)}"
                 self.trace.process(rank + 1, f"{section}[{replica}] rank {rank}", rank + 1)
 
     def planned(self, plan: Plan, started: float, finished: float) -> None:
@@ -50,8 +52,8 @@ class RunObserver:
         if self.trace is not None and events:
             self.trace.events(rank + 1, events)
 
-    def worker_log(self, section: str, replica: int) -> str | None:
-        return self.run_dir.worker_log(section, replica) if self.run_dir is not None else None
+    def worker_log(self, name: str) -> str | None:
+        return self.run_dir.worker_log(name) if self.run_dir is not None else None
 
     def close(self) -> None:
         if self.trace is not None:

@@ -5,6 +5,7 @@ Runs in the coordinator process. Layout:
     metrics.jsonl        one JSON object per step (DESIGN 5.4)
     plans.jsonl          every step's plan (DESIGN 5.5 format)
     workers/S-R.log      worker stdout/stderr, every line prefixed with [section/replica]
+                         (S-R.T.log and [section/replica.T] for tensor-parallel rank T)
     events.jsonl         what happened to the run besides steps: automatic restarts (with cause)
     trace.json           the timeline, when `--trace` is given without a path of its own
 """
@@ -41,8 +42,9 @@ class RunDir:
     def metrics(self) -> str:
         return os.path.join(self.path, "metrics.jsonl")
 
-    def worker_log(self, section: str, replica: int) -> str:
-        return os.path.join(self.path, "workers", f"{section}-{replica}.log")
+    def worker_log(self, name: str) -> str:
+        """`name`: Placement.worker_name (section-replica[.tp])."""
+        return os.path.join(self.path, "workers", f"{name}.log")
 
     def event(self, event: dict[str, Any]) -> None:
         with open(os.path.join(self.path, "events.jsonl"), "a") as f:

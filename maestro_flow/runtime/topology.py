@@ -5,9 +5,11 @@ in one deterministic order. `process_groups` runs in every worker after init_pro
 each channel gets its own two-rank group, so matched sends and receives of one channel never
 queue behind another's (NCCL executes a communicator's operations in order); every section gets
 a gloo group of its ranks (checkpoints are written over it with torch.distributed.checkpoint),
-and each trainable section with dp > 1 reduces its gradients over a DP group (that same group on
-CPU, an NCCL group of the same ranks on CUDA). new_group is collective over the world, so every
-rank creates every group in the same order and keeps those it belongs to.
+tensor-parallel replicas their compute and relay groups, and sections that reduce gradients or
+shard a DP group per tensor-parallel index (see `process_groups`). new_group is collective over
+the world, so every rank creates every group in the same order and keeps those it belongs to.
+Channels join replica leaders: a tensor-parallel replica talks to other sections through its
+leader.
 """
 
 from __future__ import annotations
@@ -40,13 +42,20 @@ class Groups:
 
     channels: dict[Channel, Any]
     section: Any  # gloo, every rank of this rank's section
-    dp: Any | None  # the gradient reduction's group (None: nothing to reduce)
+    dp: Any | None  # the gradient reduction's group: the replicas at this rank's tp index (None: none)
+    tp: Any | None = None  # this rank's replica, when it is a tensor-parallel group (compute collectives)
+    relay: Any | None = None  # the same ranks again: the leader broadcasts the replica's inputs over it
 
 
 def process_groups(graph: SectionGraph, placement: Placement, rank: int, timeout_s: float,
                    checkpoint_timeout_s: float | None = None) -> Groups:
     """`checkpoint_timeout_s`: the section groups' timeout (checkpoints are written over them), at
-    least `timeout_s`."""
+    least `timeout_s`.
+
+    Per section, in this order on every rank: its gloo group (all its ranks); for tp > 1, per
+    replica, a tensor-parallel group and a relay group of the replica's ranks; per tp index, the
+    group of the replicas' ranks at that index (gradient reduction and FSDP's dp mesh dimension),
+    when the section reduces gradients, shards with FSDP or needs a 2-D mesh."""
     import torch.distributed as dist
 
     timeout = timedelta(seconds=timeout_s)
@@ -61,15 +70,31 @@ def process_groups(graph: SectionGraph, placement: Placement, rank: int, timeout
         group = dist.new_group(pair, timeout=timeout, backend=backend(pair))
         if rank in pair:
             mine[ch] = group
-    section_group = dp_group = None
+    found: dict[str, Any] = {"section": None, "dp": None, "tp": None, "relay": None}
     for name in graph.order:
-        ranks = list(placement.ranks[name])
+        section = graph.sections[name]
+        ranks = placement.section_ranks(name)
         group = dist.new_group(ranks, timeout=timedelta(seconds=max(timeout_s, checkpoint_timeout_s or 0.0)),
                                backend="gloo")
-        reduce = group
-        if graph.sections[name].trainable and len(ranks) > 1 and backend(ranks) != "gloo":
-            reduce = dist.new_group(ranks, timeout=timeout, backend=backend(ranks))
         if rank in ranks:
-            section_group = group
-            dp_group = reduce if graph.sections[name].trainable and len(ranks) > 1 else None
-    return Groups(channels=mine, section=section_group, dp=dp_group)
+            found["section"] = group
+        tp = placement.tp(name)
+        if tp > 1:
+            for leader in placement.ranks[name]:
+                members = list(placement.group(leader))
+                tp_group = dist.new_group(members, timeout=timeout, backend=backend(members))
+                relay = dist.new_group(members, timeout=timeout, backend=backend(members))
+                if rank in members:
+                    found["tp"], found["relay"] = tp_group, relay
+        reduces = (section.trainable and section.dp > 1) or section.fsdp or tp > 1
+        if not reduces:
+            continue
+        for t in range(tp):
+            column = [placement.group(leader)[t] for leader in placement.ranks[name]]
+            if tp == 1 and backend(column) == "gloo":
+                dp_group = group  # the section group itself: no need for another
+            else:
+                dp_group = dist.new_group(column, timeout=timeout, backend=backend(column))
+            if rank in column:
+                found["dp"] = dp_group
+    return Groups(channels=mine, **found)

@@ -237,6 +237,7 @@ class _Worker:
         from maestro_flow.config import Pipeline
         from maestro_flow.graph import SectionGraph
         from maestro_flow.optim.reduce import GradientReducer
+        from maestro_flow.parallel.section import parallelize_section
         from maestro_flow.planner.plan import Placement
         from maestro_flow.runtime.build import add_paths, build_stage, open_source
         from maestro_flow.runtime.executor import SectionExecutor, recording
@@ -272,22 +273,28 @@ class _Worker:
                                 world_size=placement.world_size,
                                 timeout=timedelta(seconds=self.timeouts.collective_s))
         groups = process_groups(graph, placement, self.rank, self.timeouts.collective_s, self.timeouts.checkpoint_s)
+        try:
+            layout = parallelize_section(stage, section, placement, self.rank, groups, torch.device(device))
+        except Exception:
+            self.report_error("stage", traceback.format_exc())  # the stage's plan or parallelize failed
+            return None
         tracer = Tracer(enabled=init["trace"], offset_s=self.clock_offset_s, epoch=init["now"])
         comm = TensorComm(zctx=self.zctx, rank=self.rank, pull=self.pull,
                           peers={int(k): v for k, v in init["peers"].items()}, groups=groups.channels,
                           device=torch.device(device),
                           deliver=lambda *a: self.inbox.put(("tensors", a)),
                           on_error=lambda text: self.inbox.put(("comm_error", text)),
-                          tracer=tracer if tracer.enabled else None)
+                          tracer=tracer if tracer.enabled else None,
+                          relay=(layout.members, groups.relay) if len(layout.members) > 1 else None)
         self.comm = comm
         executor = SectionExecutor(
             stage=stage, graph=graph, placement=placement, section=self.section, replica=self.replica,
             source=source, comm=comm, report=lambda kind, body: self.send(kind, **body),
             device=torch.device(device), dtype=getattr(torch, pipeline.dtype),
-            reducer=GradientReducer(groups.dp) if groups.dp is not None else None, tracer=tracer,
-            record=recording(init["record"], self.section, self.replica))
+            reducer=GradientReducer(groups.dp) if section.trainable and section.dp > 1 else None, tracer=tracer,
+            record=recording(init["record"], self.section, self.replica), layout=layout)
         self.state = SectionState(stage, executor.optim, section=self.section, replica=self.replica,
-                                  group=groups.section, device=torch.device(device))
+                                  group=groups.section, device=torch.device(device), tp_index=layout.tp_index)
         if init.get("resume"):
             note = self.state.load(init["resume"])
             if note:
@@ -315,8 +322,10 @@ class _Worker:
             elif body["t"] == "checkpoint":
                 self._checkpoint(executor, body["step"], body["path"])
             elif body["t"] == "stop":
-                if body["save_dir"] and executor.trainable and self.replica == 0:
-                    save_stage(executor.stage, body["save_dir"], self.section)
+                sharded = executor.layout.mesh is not None  # then every rank takes part in gathering
+                if body["save_dir"] and executor.trainable and (sharded or self.replica == 0):
+                    save_stage(executor.stage, body["save_dir"], self.section,
+                               write=self.replica == 0 and executor.layout.leader)
                 self.send("bye")
                 return 0
             # Drain everything already queued before computing, so a poll sees all arrivals.

@@ -111,6 +111,11 @@ def post_recvs(buffers: Sequence[torch.Tensor], peer: int, group: Any) -> list[A
     return [dist.irecv(b, src=peer, group=group) for b in buffers]
 
 
+def post_broadcasts(buffers: Sequence[torch.Tensor], src: int, group: Any) -> list[Any]:
+    """A tensor-parallel leader relaying to its group (src = the leader), or a member receiving."""
+    return [dist.broadcast(b, src=src, group=group, async_op=True) for b in buffers]
+
+
 def wait_all(works: Sequence[Any]) -> None:
     for w in works:
         w.wait()

@@ -11,6 +11,11 @@ are in flight, so the next message's receive is posted while the previous one's 
 Errors in the comm's threads go to `on_error`; the comm never raises into the compute thread
 except for a send on a channel that does not exist.
 
+A tensor-parallel replica's leader relays what its replica computes on — each micro-batch's
+inputs ("tpf") and gradients ("tpb") — to the other ranks of the replica with `relay`: a header
+to each, then one broadcast per buffer over the replica's relay group. Members post the matching
+broadcasts as headers arrive, so they receive relays in the leader's order.
+
 `LocalComm` is the in-process implementation of the same interface (colocated mode, tests).
 """
 
@@ -64,7 +69,9 @@ class TensorComm:
 
     def __init__(self, *, zctx: zmq.Context, rank: int, pull: zmq.Socket, peers: dict[int, str],
                  groups: dict[tuple[int, int, str], Any], device: torch.device,
-                 deliver: Deliver, on_error: Callable[[str], None], tracer: Any = None) -> None:
+                 deliver: Deliver, on_error: Callable[[str], None], tracer: Any = None,
+                 relay: tuple[tuple[int, ...], Any] | None = None) -> None:
+        """`relay`: (the replica's ranks, leader first; its relay group) for tensor-parallel ranks."""
         self.rank = rank
         self._tracer = tracer  # runtime.trace.Tracer or None: transfers as async trace events
         self._zctx, self._pull, self._peers, self._groups = zctx, pull, peers, groups
@@ -76,6 +83,16 @@ class TensorComm:
         self._received: dict[Channel, queue.Queue] = {}
         self._pools: dict[Channel, p2p.BufferPool] = {}
         self.stats = _Stats()
+        self._relay_members, self._relay_group = relay or ((rank,), None)
+        if len(self._relay_members) > 1:
+            channel = (self._relay_members[0], "relay")
+            if rank == self._relay_members[0]:
+                self._sent[channel] = queue.Queue(maxsize=self.WINDOW)
+                self._spawn("relay-send-wait", self._send_waiter, self._sent[channel])
+            else:
+                self._received[channel] = queue.Queue(maxsize=self.WINDOW)
+                self._pools[channel] = p2p.BufferPool()
+                self._spawn("relay-recv-wait", self._recv_waiter, channel[0], "relay", self._received[channel])
         for (src, dst, kind) in groups:
             if src == rank:
                 self._sent[(dst, kind)] = queue.Queue(maxsize=self.WINDOW)
@@ -110,12 +127,34 @@ class TensorComm:
         if sock is None:
             sock = self._sockets[dst] = zmq_link.connect(self._zctx, zmq.PUSH, self._peers[dst])
         entries, specs, buffers = p2p.pack(items)
-        with self.stats.lock:
-            self.stats.in_flight += 1
+        self._posting(buffers)
         # Header first: the receiver needs shapes and dtypes to post its receives.
         zmq_link.send_msg(sock, make("tensors", src=self.rank, kind=kind, edge=edge, step=step,
                                      entries=entries, buffers=specs))
         sent.put((p2p.post_sends(buffers, dst, self._groups[(self.rank, dst, kind)]), buffers, t0, dst, kind, step))
+
+    def _posting(self, buffers: Sequence[torch.Tensor]) -> None:
+        # Bytes count when posted, not when completed: a step's report then holds exactly the
+        # bytes that step sent, however late the last transfer completes.
+        with self.stats.lock:
+            self.stats.in_flight += 1
+            self.stats.bytes_sent += sum(b.numel() * b.element_size() for b in buffers)
+
+    def relay(self, kind: str, step: int, index: int, items: Sequence[p2p.Item]) -> None:
+        """Leader of a tensor-parallel replica: send micro-batch `index`'s inputs (kind "tpf") or
+        its gradients ("tpb") to every other rank of the replica. Same thread as send()."""
+        leader, members = self._relay_members[0], self._relay_members[1:]
+        t0 = time.perf_counter()
+        entries, specs, buffers = p2p.pack(items)
+        self._posting(buffers)
+        header = make("tensors", src=self.rank, kind=kind, edge=index, step=step, entries=entries, buffers=specs)
+        for member in members:
+            sock = self._sockets.get(member)
+            if sock is None:
+                sock = self._sockets[member] = zmq_link.connect(self._zctx, zmq.PUSH, self._peers[member])
+            zmq_link.send_msg(sock, header)
+        self._sent[(leader, "relay")].put((p2p.post_broadcasts(buffers, leader, self._relay_group), buffers, t0,
+                                           -1, kind, step))
 
     def notify(self, dst: int, step: int, finished: int) -> None:
         """Tell a producer that this replica finished `finished` forward micro-batches of `step`
@@ -163,7 +202,6 @@ class TensorComm:
             with self.stats.lock:
                 self.stats.in_flight -= 1
                 self.stats.send_s += time.perf_counter() - t0
-                self.stats.bytes_sent += sum(b.numel() * b.element_size() for b in buffers)
 
     def _header_loop(self) -> None:
         poller = zmq.Poller()
@@ -176,14 +214,18 @@ class TensorComm:
                 if msg["t"] == "progress":
                     self._deliver("progress", -1, msg["step"], msg["src"], msg["finished"])
                     continue
-                channel = (msg["src"], msg["kind"])
+                relayed = msg["kind"] in ("tpf", "tpb")
+                channel = (msg["src"], "relay" if relayed else msg["kind"])
                 received = self._received.get(channel)
                 if received is None:
                     raise RuntimeError(f"rank {self.rank} got a {msg['kind']} header from unexpected rank {msg['src']}")
                 t0 = time.perf_counter()
                 buffers = p2p.allocate(msg["buffers"], self._device, self._pools[channel])
-                group = self._groups[(msg["src"], self.rank, msg["kind"])]
-                received.put((p2p.post_recvs(buffers, msg["src"], group), buffers, msg, t0))
+                if relayed:
+                    works = p2p.post_broadcasts(buffers, msg["src"], self._relay_group)
+                else:
+                    works = p2p.post_recvs(buffers, msg["src"], self._groups[(msg["src"], self.rank, msg["kind"])])
+                received.put((works, buffers, msg, t0))
         finally:
             self._pull.close(linger=0)
 
@@ -200,7 +242,7 @@ class TensorComm:
             with self.stats.lock:
                 self.stats.recv_s += time.perf_counter() - t0
                 self.stats.bytes_received += sum(b.numel() * b.element_size() for b in buffers)
-            self._deliver(kind, msg["edge"], msg["step"], src, p2p.unpack(msg["entries"], buffers))
+            self._deliver(msg["kind"], msg["edge"], msg["step"], src, p2p.unpack(msg["entries"], buffers))
 
 
 class LocalComm:

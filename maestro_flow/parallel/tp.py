@@ -1,0 +1,93 @@
+"""Tensor parallelism from a stage's plan: names -> styles -> torch's `parallelize_module`.
+
+A plan maps module names as they appear in the stage's `state_dict` (the stage attribute first,
+`*` for any one name part such as a layer index) to a style, in Hugging Face's tp-plan
+vocabulary: "colwise" (output features sharded; input replicated), "rowwise" (input features
+sharded, output all-reduced), "colwise_rep" (colwise, output gathered back to replicated),
+"replicate" (left alone). Every rank builds the same full weights (the same seeds), so sharding
+is a local slice (`src_data_rank=None`: no broadcast at setup).
+
+`check_plan` runs in `maestro validate` on a stage built on the meta device: every entry must
+name at least one module, its style must be known, and the sharded dimension of every matched
+`nn.Linear` / `nn.Embedding` must divide by tp.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from typing import Any
+
+from torch import nn
+
+STYLES = ("colwise", "rowwise", "colwise_rep", "replicate")
+
+
+def matches(plan: dict[str, str], modules: dict[str, nn.Module]) -> dict[str, str]:
+    """Module name -> style for every module a plan entry names (a later entry wins)."""
+    out: dict[str, str] = {}
+    for pattern, style in plan.items():
+        compiled = re.compile(fnmatch.translate(pattern).replace(".*", "[^.]*"))  # `*`: one name part
+        for name in modules:
+            if compiled.fullmatch(name):
+                out[name] = style
+    return out
+
+
+def _style(style: str) -> Any:
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    if style == "colwise":
+        return ColwiseParallel()
+    if style == "rowwise":
+        return RowwiseParallel()
+    if style == "colwise_rep":
+        return ColwiseParallel(output_layouts=Replicate())
+    raise ValueError(f"tensor-parallel style {style!r} is not supported (supported: {', '.join(STYLES)})")
+
+
+def stage_modules(stage: Any) -> dict[str, nn.Module]:
+    """Every module of a stage by its state_dict name (stage attribute first)."""
+    return {f"{attr}.{name}" if name else attr: m for attr, top in stage.modules().items()
+            for name, m in top.named_modules()}
+
+
+def apply_plan(stage: Any, plan: dict[str, str], tp_mesh: Any) -> None:
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    chosen = {name: style for name, style in matches(plan, stage_modules(stage)).items() if style != "replicate"}
+    for attr, top in stage.modules().items():
+        prefix = attr + "."
+        local = {name[len(prefix):]: _style(style) for name, style in chosen.items() if name.startswith(prefix)}
+        if local:
+            parallelize_module(top, tp_mesh, local, src_data_rank=None)
+
+
+def check_plan(stage: Any, plan: dict[str, str], tp: int) -> list[str]:
+    """What keeps `plan` from sharding `stage` (built on the meta device) over tp ranks."""
+    problems = []
+    modules = stage_modules(stage)
+    for pattern, style in plan.items():
+        if style not in STYLES:
+            problems.append(f"tp_plan entry {pattern!r}: style {style!r} is not supported "
+                            f"(supported: {', '.join(STYLES)})")
+        elif not matches({pattern: style}, modules):
+            problems.append(f"tp_plan entry {pattern!r} names no module of the stage")
+    for name, style in matches(plan, modules).items():
+        m = modules[name]
+        if style == "replicate":
+            continue
+        if isinstance(m, nn.Linear):
+            size, what = (m.out_features, "output features") if style.startswith("colwise") else \
+                (m.in_features, "input features")
+        elif isinstance(m, nn.Embedding):
+            size, what = (m.embedding_dim, "embedding dim") if style.startswith("colwise") else \
+                (m.num_embeddings, "embeddings")
+        else:
+            problems.append(f"tp_plan entry for {name}: {type(m).__name__} cannot be sharded "
+                            "(only nn.Linear and nn.Embedding)")
+            continue
+        if size % tp:
+            problems.append(f"{name} ({style}): its {size} {what} do not divide by tp={tp}")
+    return problems
