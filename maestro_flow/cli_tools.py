@@ -77,7 +77,7 @@ def profile(ctx: click.Context, pipeline: str, sets: tuple[str, ...], out: str |
 @click.argument("pipeline", type=click.Path(dir_okay=False))
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help=SET_HELP)
 @click.option("--devices", type=int, required=True, help="Device budget: workers (CPU) or GPUs in all.")
-@click.option("--memory-gb", type=float, help="Memory limit per replica (checked with a --costs memory model).")
+@click.option("--memory-gb", type=float, help="Memory limit per device (checked with a --costs memory model).")
 @click.option("--costs", type=click.Path(dir_okay=False), help="Cost file from `maestro profile`.")
 @click.option("--top", type=click.IntRange(1, 50), default=3, show_default=True, help="Configurations to show.")
 @click.option("--global-batch", type=click.IntRange(min=1), help="Tune for this global batch instead of the pipeline's.")
@@ -89,15 +89,20 @@ def profile(ctx: click.Context, pipeline: str, sets: tuple[str, ...], out: str |
 @click.option("--cpu-cores", type=click.IntRange(min=1),
               help="Cores the CPU workers share (contention is modelled when workers exceed them) "
                    "[default: os.cpu_count() when every section is on the CPU, else not modelled].")
+@click.option("--max-tp", type=click.IntRange(min=1), default=8, show_default=True,
+              help="Largest tensor parallelism searched for sections whose stage has a tp_plan (1: none).")
+@click.option("--tp-efficiency", type=click.FloatRange(0.05, 1.0), default=0.8, show_default=True,
+              help="Speed of a tp-rank replica relative to tp single ranks (its all-reduces cost the rest).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 @click.pass_context
 def tune(ctx: click.Context, pipeline: str, sets: tuple[str, ...], devices: int, memory_gb: float | None,
          costs: str | None, top: int, global_batch: int | None, trace_in: str | None, write_to: str | None,
-         cpu_cores: int | None, as_json: bool) -> None:
-    """Search each section's dp and micro-batch size for PIPELINE within a device budget.
+         cpu_cores: int | None, max_tp: int, tp_efficiency: float, as_json: bool) -> None:
+    """Search each section's dp, micro-batch size, tp and fsdp for PIPELINE within a device budget.
 
     Every configuration that fits the budget, the memory limit and integral fan-out/fan-in across
-    each edge is a candidate; the best (shortest simulated step of the wavefront plan) are shown
+    each edge is a candidate (tp for sections whose stage has a tp_plan; FSDP where a section
+    does not fit the memory limit without it); the best (shortest simulated step of the wavefront plan) are shown
     side by side with each section's utilisation, next to the best uniform configuration (one
     dp and micro-batch for every section). --write saves the winner for `maestro run`:
 
@@ -113,7 +118,8 @@ def tune(ctx: click.Context, pipeline: str, sets: tuple[str, ...], devices: int,
         result, notes = tune_pipeline(pipeline, TuneOptions(overrides=parse_set(sets), devices=devices,
                                                             memory_gb=memory_gb, costs=costs,
                                                             global_batch=global_batch, trace_in=trace_in, top=top,
-                                                            cpu_cores=cpu_cores))
+                                                            cpu_cores=cpu_cores, max_tp=max_tp,
+                                                            tp_efficiency=tp_efficiency))
         if write_to:
             write_overrides(write_to, result.best[0])
     except MaestroError as exc:

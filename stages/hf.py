@@ -208,6 +208,9 @@ class HFCausalLM(Stage):
     @classmethod
     def check_tp(cls, config: dict[str, Any], tp: int) -> None:
         hf_config, _ = hf_model_config(config)
+        if not getattr(hf_config, "base_model_tp_plan", None):
+            raise ValueError(f"model_type ({hf_config.model_type!r}): transformers ships no tensor-parallel plan "
+                             f"(base_model_tp_plan) for {type(hf_config).__name__}; use tp=1 or another model type")
         for key in ("num_attention_heads", "num_key_value_heads"):
             value = getattr(hf_config, key, None)
             if value is not None and value % tp:

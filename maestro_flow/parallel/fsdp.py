@@ -74,6 +74,7 @@ class FSDPSection:
             unit.set_requires_gradient_sync(False, recurse=False)
             unit.set_reduce_scatter_unused_params(True, recurse=False)
             unit.set_gradient_divide_factor(1.0)  # a sum: the runtime divides by the loss denominator
+            unit.set_force_sum_reduction_for_comms(True)  # plain SUM: gloo has no PREMUL_SUM
         self.gathered = False
         self.initialized = False
 
@@ -88,6 +89,10 @@ class FSDPSection:
             for unit in self.units:
                 unit.unshard()
             self.gathered = True
+
+    def sharded(self) -> list[torch.Tensor]:
+        """Every unit's sharded parameters (kept while the gathered ones are in use)."""
+        return [fp.sharded_param for unit in self.units for group in self._groups(unit) for fp in group.fsdp_params]
 
     def release(self) -> None:
         for unit in self.units:

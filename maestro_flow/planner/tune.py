@@ -1,4 +1,5 @@
-"""Searching each section's dp and micro-batch size for the shortest simulated step.
+"""Searching each section's dp, micro-batch size, tensor parallelism and FSDP for the shortest
+simulated step.
 
 Pure (standard library only; no torch, no clocks, no files): a pipeline, a cost model (with an
 optional per-micro-batch overhead per section, as `maestro profile` measures it), a memory model
@@ -16,6 +17,14 @@ A configuration gives every section `dp` (replicas) and `micro_batch`. It is fea
     the samples whose activations wait for gradients: its own micro-batch plus what the plan
     lets it run ahead of its consumers — fan-out x run_ahead samples (default 4 consumer
     micro-batches, the wavefront planner's credit) — capped by its samples per step.
+Tensor parallelism and FSDP (`tune(tp_options=...)`): a section's replica is tp ranks (tp
+devices); its compute per sample is divided by tp x TP_EFFICIENCY (0.8: the all-reduces inside
+each layer cost the rest), and its memory per rank follows `MemoryModel.at`: the share of the
+parameters the stage's tp_plan shards is divided by tp; FSDP, chosen for a section only when it
+does not fit without (its collectives cost every step), shards the optimizer state over dp while
+the parameters and a trainable section's gradients are gathered for the whole step (as the
+runtime holds them). Each combination of the sections' candidate tp values (`tp_assignments`) is
+searched as below and the results are merged.
 Its step time is the wavefront plan's simulated makespan (planner/simulate.py). Time per
 micro-batch = overhead_s + the linear Cost; the overhead is folded into per_sample_s as
 overhead_s / micro_batch, which is what makes larger micro-batches pay off.
@@ -60,15 +69,37 @@ from maestro_flow.samples import SampleMeta
 
 REDUCE_MB_PER_S = 1000.0  # gloo all-reduce over loopback, order of magnitude (tools/bench/RESULTS.md section 1)
 TIE_TOLERANCE = 0.005  # steps within 0.5% of the fastest count as equal; fewer devices win
+TP_EFFICIENCY = 0.8  # a tp-rank replica computes tp x this as fast as one rank (its all-reduces cost the rest)
 Layout = tuple[tuple[str, int, int], ...]  # (section, dp, micro_batch) in topological order
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class MemoryModel:
-    """Predicted peak memory of one replica: base_mb + per_sample_mb x kept samples."""
+    """Predicted peak memory of one rank: base_mb + per_sample_mb x kept samples, where base_mb
+    holds param_mb x copies of training state (1 frozen; 4 AdamW: weights, gradients, two
+    moments; 2 SGD) that tensor parallelism and FSDP shard (`at`)."""
 
     base_mb: float = 0.0
     per_sample_mb: float = 0.0
+    param_mb: float = 0.0  # the section's parameters (0: unknown, sharding saves nothing)
+    copies: int = 1
+    tp_share: float = 0.0  # the share of param_mb the stage's tp_plan shards
+
+    def at(self, kept: int, tp: int = 1, dp: int = 1, fsdp: bool = False) -> float:
+        """Peak MB of one rank of a replica of `tp` ranks, one of `dp` replicas, as the runtime
+        holds state (parallel/fsdp.py): with fsdp the parameters (and a trainable section's
+        gradients) are gathered for the whole step beside the persistent 1/dp shard, and the
+        optimizer state stays sharded. Activations are not divided by tp (the residual stream
+        is replicated; conservative)."""
+        shard = self.param_mb * (1.0 - self.tp_share + self.tp_share / tp)
+        fixed = max(0.0, self.base_mb - self.param_mb * self.copies)
+        if not fsdp or dp == 1:
+            state = shard * self.copies
+        elif self.copies == 1:
+            state = shard * (1.0 + 1.0 / dp)
+        else:
+            state = shard * (2.0 + (self.copies - 1) / dp)
+        return fixed + state + self.per_sample_mb * kept
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -80,7 +111,10 @@ class Candidate:
     lower_bound_s: float
     devices: int
     utilisation: dict[str, float]  # section -> busy fraction of its replicas over the step
-    memory_mb: dict[str, float]  # section -> predicted peak per replica
+    memory_mb: dict[str, float]  # section -> predicted peak per rank
+    tp: dict[str, int] = dataclasses.field(default_factory=dict)  # section -> tensor-parallel ranks per replica
+    fsdp: dict[str, bool] = dataclasses.field(default_factory=dict)
+    given: dict[str, tuple[int, bool]] = dataclasses.field(default_factory=dict)  # the pipeline's (tp, fsdp)
 
     def dp(self, section: str) -> int:
         return next(d for n, d, _ in self.layout if n == section)
@@ -90,8 +124,9 @@ class Candidate:
 
     def to_json_dict(self) -> dict:
         return {"step_s": self.step_s, "lower_bound_s": self.lower_bound_s, "devices": self.devices,
-                "sections": {n: {"dp": d, "micro_batch": m, "utilisation": self.utilisation[n],
-                                 "memory_mb": self.memory_mb[n]} for n, d, m in self.layout}}
+                "sections": {n: {"dp": d, "micro_batch": m, "tp": self.tp.get(n, 1), "fsdp": self.fsdp.get(n, False),
+                                 "utilisation": self.utilisation[n], "memory_mb": self.memory_mb[n]}
+                             for n, d, m in self.layout}}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -113,6 +148,9 @@ def to_overrides(candidate: Candidate) -> list[str]:
     out = []
     for name, dp, mb in candidate.layout:
         out += [f"sections.{name}.dp={dp}", f"sections.{name}.micro_batch={mb}"]
+        tp, fsdp = candidate.tp.get(name, 1), candidate.fsdp.get(name, False)
+        if (tp, fsdp) != candidate.given.get(name, (1, False)):
+            out += [f"sections.{name}.tp={tp}", f"sections.{name}.fsdp={str(fsdp).lower()}"]
     return out
 
 
@@ -159,7 +197,8 @@ class Tuner:
                  replica_devices: Mapping[str, int] | None = None, max_micro_batch: int = 64,
                  dp_candidates: int = 6, max_simulations: int = 40, runtime_s: Mapping[str, float] | None = None,
                  step_s: Mapping[str, float] | None = None, grad_mb: Mapping[str, float] | None = None,
-                 planning_s: float = 0.0, cpu_cores: int | None = None) -> None:
+                 planning_s: float = 0.0, cpu_cores: int | None = None, tp: Mapping[str, int] | None = None,
+                 tp_efficiency: float = TP_EFFICIENCY) -> None:
         if devices < 1:
             raise PipelineError(f"tune: --devices must be >= 1, got {devices}")
         self.pipeline = pipeline
@@ -173,7 +212,9 @@ class Tuner:
         self.limit = memory_limit_mb
         self.memory = {n: (memory or {}).get(n, MemoryModel()) for n in self.order}
         self.overhead = {n: float((overhead_s or {}).get(n, 0.0)) for n in self.order}
-        self.rdev = {n: int((replica_devices or {}).get(n, 1)) for n in self.order}
+        self.tp = {n: int((tp or {}).get(n, 1)) for n in self.order}
+        self.tp_efficiency = tp_efficiency
+        self.rdev = {n: int((replica_devices or {}).get(n, 1)) * self.tp[n] for n in self.order}
         self.runtime = {n: float((runtime_s or {}).get(n, 0.0)) for n in self.order}
         self.step_cost = {n: float((step_s or {}).get(n, 0.0)) for n in self.order}
         self.grad_mb = {n: float((grad_mb or {}).get(n, 0.0)) for n in self.order}
@@ -193,16 +234,20 @@ class Tuner:
             raise PipelineError(f"tune: the pipeline needs at least {need} devices (one replica per section), "
                                 f"got --devices {devices}")
         for n in self.order:
-            if self.limit is not None and self.memory[n].base_mb + self.memory[n].per_sample_mb > self.limit:
+            most = max(1, (devices - need + self.rdev[n]) // self.rdev[n])  # the most replicas it could get
+            least = min(self.memory[n].at(1, self.tp[n], most, fsdp) for fsdp in (False, True))
+            if self.limit is not None and least > self.limit:
                 raise PipelineError(
                     f"tune: sections.{n} does not fit the memory limit ({self.limit:.0f} MB) even at micro_batch 1 "
-                    f"(predicted {self.memory[n].base_mb + self.memory[n].per_sample_mb:.0f} MB); raise --memory-gb")
+                    f"(predicted {least:.0f} MB at tp={self.tp[n]}); raise --memory-gb or allow a larger tp")
 
     # -- cost and memory at a micro-batch size -------------------------------------------------
 
     def cost_at(self, name: str, mb: float, scale: float = 1.0) -> Cost:
         """Cost per sample at (mean) micro-batch size `mb`, fixed costs included, times `scale`."""
         c = self.costs.costs[name]
+        if self.tp[name] > 1:  # the replica's ranks share its compute, at an efficiency
+            scale /= self.tp[name] * self.tp_efficiency
         per_sample = c.per_sample_s + (self.overhead[name] + self.runtime[name]) / mb
         return dataclasses.replace(c, per_sample_s=per_sample * scale, per_token_s=c.per_token_s * scale,
                                    per_patch_s=c.per_patch_s * scale, per_frame_s=c.per_frame_s * scale)
@@ -238,9 +283,16 @@ class Tuner:
             run_ahead += max(1, cdp // dp) * credit
         return min(per_replica, mb + run_ahead) if per_replica > mb else mb
 
+    def fsdp_for(self, name: str, dp: int, mb: int, layout: Mapping[str, tuple[int, int]] | None = None) -> bool:
+        """FSDP only where the section does not fit without it (it adds collectives every step)."""
+        if self.limit is None or dp == 1:
+            return False
+        m, kept = self.memory[name], self._kept(name, dp, mb, layout)
+        return m.at(kept, self.tp[name], dp) > self.limit and m.at(kept, self.tp[name], dp, True) <= self.limit
+
     def memory_mb(self, name: str, dp: int, mb: int, layout: Mapping[str, tuple[int, int]] | None = None) -> float:
-        m = self.memory[name]
-        return m.base_mb + m.per_sample_mb * self._kept(name, dp, mb, layout)
+        return self.memory[name].at(self._kept(name, dp, mb, layout), self.tp[name], dp,
+                                    self.fsdp_for(name, dp, mb, layout))
 
     def _fits(self, name: str, dp: int, mb: int, layout: Mapping[str, tuple[int, int]] | None = None) -> bool:
         return self.limit is None or self.memory_mb(name, dp, mb, layout) <= self.limit
@@ -320,7 +372,7 @@ class Tuner:
                        self._term(("both_fwd", p, c, mbs[p])) / dps[p] + self._term(("tail", p, c, mbs[p], mbs[c])),
                        self._term(("chain", p, c, mbs[p], mbs[c])))
         self.scored += 1
-        return best * self.contention(sum(dps[n] for n in self.order))
+        return best * self.contention(sum(dps[n] * self.tp[n] for n in self.order))
 
     # -- evaluation ---------------------------------------------------------------------------
 
@@ -335,7 +387,7 @@ class Tuner:
         planner = make_planner("wavefront", graph, costs)
         spans, bounds, busy = [], [], {n: 0.0 for n in self.order}
         fixed = self.end_of_step_s(layout)
-        workers = sum(d for _, d, _ in layout)
+        workers = sum(d * self.tp[n] for n, d, _ in layout)
         for step, batch in enumerate(self.batches):
             plan = planner.plan(step, batch)
             planned = {}
@@ -354,7 +406,9 @@ class Tuner:
         cand = Candidate(layout=layout, step_s=sum(spans) / k, lower_bound_s=sum(bounds) / k,
                          devices=sum(d * self.rdev[n] for n, d, _ in layout),
                          utilisation={n: busy[n] / k for n in self.order},
-                         memory_mb={n: self.memory_mb(n, d, m, by_name) for n, d, m in layout})
+                         memory_mb={n: self.memory_mb(n, d, m, by_name) for n, d, m in layout},
+                         tp=dict(self.tp), fsdp={n: self.fsdp_for(n, d, m, by_name) for n, d, m in layout},
+                         given={s.name: (s.tp, s.fsdp) for s in self.pipeline.sections})
         self.cache[layout] = cand
         return cand
 
@@ -475,15 +529,59 @@ def _rank(c: Candidate) -> tuple:
 
 
 def tune(pipeline: Pipeline, costs: CostModel | None, samples: Sequence[SampleMeta] | Sequence[Sequence[SampleMeta]],
-         *, devices: int, top: int = 5, **options) -> TuneResult:
+         *, devices: int, top: int = 5, tp_options: Mapping[str, Sequence[int]] | None = None,
+         **options) -> TuneResult:
     """Rank configurations of `pipeline` on `devices` devices (see the module docstring).
 
     `samples` is one global batch of metadata or several (the step time is their mean);
-    options: memory_limit_mb, memory (section -> MemoryModel), overhead_s (section -> seconds
-    per micro-batch), replica_devices, max_micro_batch, dp_candidates, max_simulations, and the
-    calibration (see the module docstring): runtime_s, step_s, grad_mb, planning_s, cpu_cores.
+    `tp_options` (section -> the tensor-parallel sizes its stage allows; default: the pipeline's
+    own tp) adds tp to the search, FSDP following from memory (`Tuner.fsdp_for`); options:
+    memory_limit_mb, memory (section -> MemoryModel), overhead_s (section -> seconds per
+    micro-batch), replica_devices, max_micro_batch, dp_candidates, max_simulations,
+    tp_efficiency, and the calibration (see the module docstring): runtime_s, step_s, grad_mb,
+    planning_s, cpu_cores.
     """
     if costs is None:
         costs = CostModel(costs={s.name: s.cost for s in pipeline.sections})
     batches = [samples] if samples and isinstance(samples[0], SampleMeta) else list(samples)
-    return Tuner(pipeline, costs, batches, devices=devices, **options).run(top)
+    results, refusals = [], []
+    for tp in tp_assignments(pipeline, tp_options, options.get("memory") or {}, options.get("memory_limit_mb"),
+                             devices):
+        try:
+            results.append(Tuner(pipeline, costs, batches, devices=devices, tp=tp, **options).run(top))
+        except PipelineError as exc:
+            refusals.append(exc)
+    if not results:
+        raise refusals[0]
+    return merge(results, top)
+
+
+def tp_assignments(pipeline: Pipeline, tp_options: Mapping[str, Sequence[int]] | None,
+                   memory: Mapping[str, MemoryModel], limit: float | None, devices: int) -> list[dict[str, int]]:
+    """The tp of every section to search: per section, the smallest allowed tp whose rank fits
+    the memory limit at micro-batch 1 (with FSDP over as many replicas as the devices allow)
+    and the next larger one (faster, when devices are spare); every combination of those."""
+    per: dict[str, list[int]] = {}
+    for s in pipeline.sections:
+        allowed = sorted({t for t in (tp_options or {}).get(s.name, (s.tp,)) if t <= devices}) or [s.tp]
+        m = memory.get(s.name, MemoryModel())
+        fits = [t for t in allowed if limit is None or min(m.at(1, t, max(1, devices // t), f) for f in (False, True))
+                <= limit]
+        start = allowed.index(fits[0]) if fits else len(allowed) - 1
+        per[s.name] = allowed[start:start + 2]
+    out: list[dict[str, int]] = [{}]
+    for name, values in per.items():
+        out = [{**a, name: t} for a in out for t in values]
+    return out
+
+
+def merge(results: Sequence[TuneResult], top: int) -> TuneResult:
+    """One ranking from the searches at each tp assignment (fewer devices win near-ties)."""
+    ranked = sorted((c for r in results for c in r.best), key=_rank)
+    near = [c for c in ranked if c.step_s <= ranked[0].step_s * (1 + TIE_TOLERANCE)]
+    near.sort(key=lambda c: (c.devices, _rank(c)))
+    ranked = near + [c for c in ranked if c not in near]
+    uniforms = [r.uniform for r in results if r.uniform is not None]
+    return TuneResult(best=tuple(ranked[:top]), uniform=min(uniforms, key=_rank) if uniforms else None,
+                      devices=results[0].devices, evaluated=sum(r.evaluated for r in results),
+                      scored=sum(r.scored for r in results))

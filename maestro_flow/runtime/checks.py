@@ -42,13 +42,13 @@ def check_tensor_parallel(pipeline: Pipeline, section: Any, cls: Any) -> None:
         plan = cls.tp_plan(dict(section.config))
     except Exception as exc:
         raise PipelineError(f"{where}.stage: {section.stage}.tp_plan(config) failed: {type(exc).__name__}: {exc}") from exc
-    if not plan:
-        raise PipelineError(f"{where}.tp={section.tp}: {section.stage} declares no tp_plan(config) and no "
-                            f"parallelize(mesh), so it cannot be tensor-parallel; set {where}.tp=1")
     try:
         cls.check_tp(dict(section.config), section.tp)
     except ValueError as exc:
         raise PipelineError(f"{where}.tp={section.tp}: {where}.config.{exc}") from None
+    if not plan:
+        raise PipelineError(f"{where}.tp={section.tp}: {section.stage} declares no tp_plan(config) and no "
+                            f"parallelize(mesh), so it cannot be tensor-parallel; set {where}.tp=1")
     try:
         stage = build_stage(pipeline, section, 0, "cpu", meta=True)
     except Exception as exc:

@@ -16,7 +16,9 @@ talks to other sections, and before each forward and each backward relays the mi
 inputs ("tpf") or gradients ("tpb") to the other ranks (`Comm.relay`); those ranks follow the
 relays in the leader's order (`_follow`), so every collective inside the stage's forward and
 backward pairs up, and send nothing themselves. With FSDP, the section's parameters are gathered
-at each step's start and reduce-scattered and released at its end (parallel/fsdp.py).
+at each step's start and reduce-scattered and released at its end (parallel/fsdp.py). Each
+step's report holds the bytes of training state the rank held in the step and after it
+(parallel/memory.py).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import torch
 from maestro_flow.graph import SectionGraph
 from maestro_flow.optim.reduce import GradientReducer
 from maestro_flow.optim.stepper import SectionOptimizer
+from maestro_flow.parallel import memory
 from maestro_flow.parallel.section import Layout
 from maestro_flow.planner.costfit import Timing
 from maestro_flow.planner.plan import Placement
@@ -90,6 +93,7 @@ class _Step:
     grad_sq: float | None = None  # this replica's share of the squared global gradient norm, once reduced
     lr: float | None = None  # the learning rate of this step's optimizer step
     stepped: bool = False
+    memory: dict[str, int] = field(default_factory=dict)  # bytes held in the step and at its end (parallel/memory)
 
 
 class SectionExecutor:
@@ -528,7 +532,12 @@ class SectionExecutor:
                 self.tracer.span("optimizer step", "compute", t0, self.clock(), step=st.step)
             st.stepped = True
         if self.fsdp is not None and self.fsdp.gathered:
+            self._measure(st, "step")
             self.fsdp.release()  # a frozen section's (a trainable one released when it reduced)
+        for when in ("step", "rest"):  # unless measured around the gradient reduction
+            if f"{when}_params" not in st.memory:
+                self._measure(st, when)
+        st.memory["optimizer"] = memory.optimizer_bytes(self.optim and self.optim.optimizer)
         self.inbox.pop(st.step, None)
         for key in [k for k in self.progress if k[0] <= st.step]:
             del self.progress[key]
@@ -543,12 +552,21 @@ class SectionExecutor:
         loss section passes None: its replicas sum their denominators in the same collective as
         the gradients (no round trip through the coordinator on the critical path)."""
         extra = [st.loss_sum, st.denominator] if denominator is None else []
+        self._measure(st, "step")
         t0 = self.clock()
         extra = self.optim.reduce(extra)
         if self.optim.reducer is not None:
             self.tracer.span("gradient all-reduce", "reduce", t0, self.clock(), step=st.step)
         self.optim.divide(extra[1] if denominator is None else denominator)
+        self._measure(st, "rest")
         st.grad_sq = self.optim.sq_norm()
+
+    def _measure(self, st: _Step, when: str) -> None:
+        """Bytes of the parameters and gradients this rank holds now (parallel/memory.py)."""
+        params, grads = memory.held(self.stage.parameters())
+        if when == "step" and self.fsdp is not None and self.fsdp.gathered:
+            params += memory.local_bytes(self.fsdp.sharded())  # kept beside the gathered copy
+        st.memory.update({f"{when}_params": params, f"{when}_grads": grads})
 
     def _stats(self, st: _Step) -> dict[str, Any]:
         wall = self.clock() - st.started
@@ -560,6 +578,7 @@ class SectionExecutor:
                 **({"grad_sq": st.grad_sq} if self.trainable else {}),
                 **({"lr": st.lr} if self.optim is not None else {}),
                 "max_rss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+                "memory": {**st.memory, "peak_mb": memory.peak_mb(self.device)},
                 **({"trace": self.tracer.take()} if self.tracer.enabled else {}),
                 **self.comm.stats.snapshot_and_reset()}
 

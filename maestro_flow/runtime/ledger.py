@@ -18,6 +18,8 @@ from maestro_flow.planner.cost import CostModel
 from maestro_flow.planner.costfit import CostFitter, Timing
 from maestro_flow.planner.plan import Placement, Plan
 
+MiB = float(1 << 20)
+
 
 def plan_message(plan: Plan, graph: SectionGraph, section: str, replica: int) -> dict[str, Any]:
     """What one replica needs of a plan: its micro-batches, their rows, and neighbours' routes."""
@@ -118,6 +120,7 @@ class StepLedger:
                 sections[name]["stage"] = counters
             if "lr" in reps[0]:
                 sections[name]["lr"] = reps[0]["lr"]
+            sections[name].update(memory_row(reps))
         self.losses.pop(step, None)
         # The loss of each loss section, from its replicas' done reports (sum / denominator).
         losses = {}
@@ -139,3 +142,19 @@ class StepLedger:
     def costs(self) -> CostModel:
         """The cost model to plan the next step with: the prior refined by every timing so far."""
         return self.fitter.model() if self.fitter is not None else self.prior
+
+
+def memory_row(reps: list[dict[str, Any]]) -> dict[str, float]:
+    """Per-rank training state of a section (the largest replica; parallel/memory.py), in MiB:
+    `state_mb` kept between steps (parameters, reduced gradients, optimizer state), `step_mb`
+    held within a step (parameters as used, gradients before reduction, optimizer state), and
+    `peak_mb`, the device's allocation peak (CUDA only)."""
+    mem = [s.get("memory", {}) for s in reps]
+    out: dict[str, float] = {}
+    if all("rest_params" in m for m in mem):
+        out["state_mb"] = max(m["rest_params"] + m["rest_grads"] + m.get("optimizer", 0) for m in mem) / MiB
+        out["step_mb"] = max(m["step_params"] + m["step_grads"] + m.get("optimizer", 0) for m in mem) / MiB
+    peaks = [m["peak_mb"] for m in mem if m.get("peak_mb") is not None]
+    if peaks:
+        out["peak_mb"] = max(peaks)
+    return out

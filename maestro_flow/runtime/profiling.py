@@ -24,7 +24,8 @@ above the RSS before it (after glibc's malloc_trim, so freed memory of earlier c
 hide growth). CPU figures are approximate (allocator caching, page granularity). The memory
 model: memory_base_mb = parameter bytes x (1 frozen; 4 trainable: weights, gradients, two AdamW
 states; 2 for SGD) + the fitted constant; peak_memory_mb_per_sample = the fitted slope of peak
-activation memory against micro-batch size.
+activation memory against micro-batch size; param_mb and tp_share (the share of it the stage's
+tp_plan shards) let `maestro tune` model tensor parallelism and FSDP.
 
 Runtime costs (calibration; the stage's compute alone under-predicts a real step):
   - step_overhead_s (trainable sections): the end-of-step work the executor does once per step,
@@ -268,6 +269,22 @@ def _measure(sec: _Section, mb: list[SampleMeta], outputs: dict, repeats: int) -
             "peak_mb": peak}
 
 
+def tp_share(stage: Any, section: Any) -> float:
+    """The share of the stage's parameter bytes its tp_plan shards (0 without a plan): what
+    `maestro tune` divides by tp."""
+    from maestro_flow.parallel.tp import matches, stage_modules
+
+    try:
+        plan = type(stage).tp_plan(dict(section.config)) or {}
+    except Exception:
+        return 0.0
+    modules = stage_modules(stage)
+    sharded = {n for n, style in matches(plan, modules).items() if style != "replicate"}
+    size = {n: sum(p.numel() * p.element_size() for p in m.parameters(recurse=False)) for n, m in modules.items()}
+    total = sum(size.values())
+    return sum(size[n] for n in sharded) / total if total else 0.0
+
+
 def fit_section(prior: Cost, rows: list[dict[str, Any]], trainable: bool, param_mb: float,
                 optimizer: str) -> dict[str, Any]:
     """Cost coefficients, per-micro-batch overhead and memory model from the measurements."""
@@ -352,6 +369,7 @@ def _profile(single: Pipeline, graph: SectionGraph, checked: Any, sizes: dict[st
                 log(f"{n}: optimizer step {fitted['step_overhead_s'] * 1e3:.1f} ms ({fitted['grad_mb']:.1f} MB of gradients)")
             else:
                 fitted["step_overhead_s"], fitted["grad_mb"] = 0.0, 0.0
+            fitted["param_mb"], fitted["tp_share"] = sec.param_mb(), tp_share(sec.stage, sec.section)
             fitted["runtime_overhead_s"] = (RUNTIME_OVERHEAD_S if options.runtime_overhead_s is None
                                             else options.runtime_overhead_s)
             report[n] = {**fitted, "device": str(sec.device),

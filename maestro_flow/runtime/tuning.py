@@ -1,5 +1,7 @@
 """`maestro tune`: load the pipeline, its sample metadata and costs, run the (pure) tuner, format.
 
+The tensor-parallel sizes each section can take come from its stage class (a tp_plan or its own
+parallelize, and check_tp), without building it.
 Runs in the CLI process; starts nothing and builds no stage. Costs come from `--costs FILE`
 (a `maestro profile` file: fitted costs, per-micro-batch overhead and memory model) or else the
 pipeline's own `Cost` records (no memory model: the memory limit cannot be checked then).
@@ -33,6 +35,8 @@ class TuneOptions:
     top: int = 5
     batches: int = 1  # global batches to average the simulated step over
     cpu_cores: int | None = None  # CPU contention; default os.cpu_count() when every section is on the CPU
+    max_tp: int = 8  # the largest tensor-parallel size searched (1: none)
+    tp_efficiency: float = 0.8
 
 
 def tune_pipeline(path: str, options: TuneOptions) -> tuple[TuneResult, list[str]]:
@@ -48,8 +52,9 @@ def tune_pipeline(path: str, options: TuneOptions) -> tuple[TuneResult, list[str
         _, profiles = read_cost_file(options.costs)
         pipeline = pipeline.override(**cost_overrides(pipeline, {n: p.cost for n, p in profiles.items()},
                                                       f"--costs {options.costs}"))
-        memory = {n: MemoryModel(base_mb=p.memory_base_mb, per_sample_mb=p.peak_memory_mb_per_sample)
-                  for n, p in profiles.items()}
+        memory = {n: MemoryModel(base_mb=p.memory_base_mb, per_sample_mb=p.peak_memory_mb_per_sample,
+                                 param_mb=p.param_mb, copies=state_copies(pipeline.section(n)), tp_share=p.tp_share)
+                  for n, p in profiles.items() if n in {s.name for s in pipeline.sections}}
         overhead = {n: p.micro_batch_overhead_s for n, p in profiles.items()}
         calibration = {"runtime_s": {n: p.runtime_overhead_s for n, p in profiles.items()},
                        "step_s": {n: p.step_overhead_s for n, p in profiles.items()},
@@ -79,9 +84,46 @@ def tune_pipeline(path: str, options: TuneOptions) -> tuple[TuneResult, list[str
         cores = os.cpu_count()
     if cores:
         notes.append(f"CPU workers share {cores} cores (contention modelled; --cpu-cores to change)")
+    tp_options = allowed_tp(pipeline, options.max_tp)
+    searched = [f"{n} {'/'.join(map(str, v))}" for n, v in tp_options.items() if len(v) > 1]
+    if searched:
+        notes.append(f"tensor parallelism searched: {', '.join(searched)} (--max-tp to change)")
     result = tune(pipeline, costs, batches, devices=options.devices, top=options.top, memory_limit_mb=limit,
-                  memory=memory, overhead_s=overhead, cpu_cores=cores or None, **calibration)
+                  memory=memory, overhead_s=overhead, cpu_cores=cores or None, tp_options=tp_options,
+                  tp_efficiency=options.tp_efficiency, **calibration)
     return result, notes
+
+
+def state_copies(section: Any) -> int:
+    """Bytes of training state per parameter byte (as `maestro profile` counts them)."""
+    if not section.trainable:
+        return 1
+    return 4 if section.optimizer.get("name") == "adamw" else 2
+
+
+def allowed_tp(pipeline: Any, max_tp: int) -> dict[str, list[int]]:
+    """Each section's tensor-parallel sizes up to max_tp that its stage can take: a tp_plan (or
+    its own parallelize) and a configuration its check_tp accepts; the pipeline's own tp always."""
+    from maestro_flow.runtime.build import resolve
+    from maestro_flow.stage import Stage
+
+    out = {}
+    for s in pipeline.sections:
+        values = {s.tp}
+        try:
+            cls = resolve(s.stage, f"sections.{s.name}.stage")
+            planned = cls.parallelize is not Stage.parallelize or bool(cls.tp_plan(dict(s.config)))
+        except Exception:
+            planned = False
+        for t in (2, 4, 8, 16):
+            if planned and t <= max_tp:
+                try:
+                    cls.check_tp(dict(s.config), t)
+                except ValueError:
+                    continue
+                values.add(t)
+        out[s.name] = sorted(values | {1})
+    return out
 
 
 def on_cpu(device: str) -> bool:
@@ -113,6 +155,8 @@ def format_result(result: TuneResult, current: Candidate | None = None) -> str:
     rows.append(["devices"] + [str(c.devices) for _, c in cols])
     for n in names:
         rows.append([f"{n} dp x mb"] + [f"{c.dp(n)} x {c.micro_batch(n)}" for _, c in cols])
+        if any(c.tp.get(n, 1) > 1 or c.fsdp.get(n) for _, c in cols):
+            rows.append([f"{n} tp, fsdp"] + [f"{c.tp.get(n, 1)}, {'yes' if c.fsdp.get(n) else 'no'}" for _, c in cols])
         rows.append([f"{n} busy"] + [f"{c.utilisation[n] * 100:.0f}%" for _, c in cols])
         if any(c.memory_mb[n] for _, c in cols):
             rows.append([f"{n} memory"] + [_mb(c.memory_mb[n]) for _, c in cols])

@@ -130,6 +130,12 @@ class _OutputCapture:
             self.log.write(data)
             self.log.flush()
 
+    def keep(self, text: str) -> None:
+        """Into the worker's log, when there is one (the coordinator shows the terminal the text)."""
+        if self.log is not None:
+            self.log.write(b"".join(self.prefix + line.encode() + b"\n" for line in text.rstrip().splitlines()))
+            self.log.flush()
+
     def detail(self, text: str) -> None:
         """Details the coordinator's one-line error points to: the worker's log only when there
         is one (the terminal gets the one line), else the terminal."""
@@ -170,7 +176,7 @@ def worker_main(boot: dict[str, Any]) -> None:
     control.thread.start()
     out = control.outbound()
     worker = _Worker(init, inbox, out, pull, zctx, timeouts)
-    worker.detail = capture.detail
+    worker.detail, worker.keep = capture.detail, capture.keep
     worker.clock_offset_s = init["now"] - received  # this host's wall clock -> the coordinator's
     worker.control = control
     code = worker.run()
@@ -200,11 +206,13 @@ class _Worker:
         self.phase = "setup"
         self.state = None  # checkpoint.section_state.SectionState, once set up
         self.detail = print  # where tracebacks behind a one-line report go (the worker's log)
+        self.keep: Any = lambda text: None  # the worker's log only (reported errors)
 
     def send(self, t: str, **fields: Any) -> None:
         zmq_link.send_msg(self.out, make(t, rank=self.rank, **fields))
 
     def report_error(self, kind: str, text: str) -> None:
+        self.keep(text)  # the worker's log keeps it, whatever the coordinator makes of the report
         self.send("error", kind=kind, section=self.section, replica=self.replica, step=self.step,
                   phase=self.phase, traceback=text)
 

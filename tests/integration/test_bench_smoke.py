@@ -20,6 +20,7 @@ from tools.bench import (
     mixed_precision,
     p2p_bandwidth,
     planning_time,
+    section_memory,
     teacher_memory,
     vlm_schedules,
     wavefront_sim,
@@ -178,3 +179,15 @@ def test_checkpoint_cost_tiny():
     for key in ("median_step_s", "median_step_s_with_checkpoints", "median_checkpoint_s", "overhead_fraction"):
         assert positive(out[key]), key
     assert out["checkpoint_bytes"] > 100_000
+
+
+@needs_demo_data
+@pytest.mark.timeout(180)
+def test_section_memory_tiny():
+    out = section_memory.main(["--tiny"])
+    for variant in section_memory.VARIANTS:
+        assert all(positive(out[variant][k]) for k in ("state_mb", "step_mb", "max_rss_mb")), variant
+    # Exact tensor byte counts, not timings: the goals hold even on a noisy machine.
+    assert out["fsdp_over_dp4_state"] <= 0.25 * 1.05
+    assert out["tp2_over_expected_state"] == pytest.approx(1.0, rel=0.01)
+    assert out["dp4-fsdp"]["step_mb"] > out["dp4-fsdp"]["state_mb"]  # the step gathers the parameters

@@ -25,6 +25,8 @@ TEACHER = {"role": "teacher", "vocab_size": VOCAB, "d_model": 16, "n_layers": 1,
            "max_seq_len": 256, "init_seed": 1}
 STUDENT = {"student": {"vocab_size": VOCAB, "d_model": 8, "n_layers": 1, "n_heads": 2, "max_seq_len": 256},
            "teacher": TEACHER, "temperature": 2.0, "alpha": 0.5}
+GPT2_TEACHER = {"role": "teacher", "model_type": "gpt2",
+                "hf_config": {"n_layer": 1, "n_embd": 16, "n_head": 2, "vocab_size": VOCAB, "n_positions": 256}}
 
 
 @pytest.fixture(scope="session")
@@ -139,6 +141,12 @@ BAD = [  # id, sections, edges, what the one error line must contain
      ["edges[0] (teacher -> student).tensors: logits not among the outputs of stages.lm:CausalLM"]),
     ("unknown-column", [teacher(), student(columns=("tokens", "image"))], None,
      ["sections.student.columns", "no column 'image'"]),
+    ("tp-0", [teacher(), student(tp=0)], None, ["sections.student.tp must be an integer >= 1, got 0"]),
+    ("fsdp-not-a-bool", [teacher(), student(fsdp="yes")], None, ["sections.student.fsdp must be a bool, got 'yes'"]),
+    ("tp-not-dividing-the-heads", [teacher(), student(tp=3)], None,
+     ["sections.student.tp=3: sections.student.config.student.n_heads (2) is not divisible by tp=3"]),
+    ("tp-on-a-model-without-a-plan", [teacher(stage="stages.hf:HFCausalLM", config=GPT2_TEACHER, tp=2), student()],
+     None, ["sections.teacher.tp=2: sections.teacher.config.model_type ('gpt2')", "no tensor-parallel plan"]),
 ]
 
 
@@ -146,6 +154,18 @@ BAD = [  # id, sections, edges, what the one error line must contain
 def test_bad_pipeline_exits_with_one_line(tmp_path, dataset, sections, edges, fragments):
     result = invoke("validate", write_pipeline(tmp_path, dataset, sections, edges))
     assert_one_error_line(result, *fragments)
+
+
+def test_sharded_sections_count_every_rank(tmp_path, dataset):
+    result = invoke("validate", write_pipeline(tmp_path, dataset, [teacher(tp=2), student(tp=2, fsdp=True)]))
+    assert result.exit_code == 0, result.output
+    assert result.output == "ok: tiny-distill: 2 sections, 1 edge, 6 workers, 64 samples\n"
+
+
+def test_tp_on_a_stage_without_a_plan_is_refused(dataset):
+    result = invoke("validate", "pipelines/chain.py", "--set", f"data.path={dataset}", "--set", "sections.embed.tp=2")
+    assert_one_error_line(result, "sections.embed.tp=2: stages.chain:TokenEmbedding declares no tp_plan(config)",
+                          "set sections.embed.tp=1")
 
 
 def test_missing_dataset_file(tmp_path):

@@ -217,3 +217,46 @@ def _costs(p):
     from maestro_flow.planner.cost import CostModel
 
     return CostModel(costs={s.name: s.cost for s in p.sections})
+
+
+# -- tensor parallelism and FSDP ----------------------------------------------------------------
+
+
+def test_memory_model_shards_what_tp_and_fsdp_shard():
+    m = MemoryModel(base_mb=4 * 1000 + 50, per_sample_mb=10, param_mb=1000, copies=4, tp_share=0.8)
+    assert m.at(2) == pytest.approx(4050 + 20)
+    assert m.at(1, tp=2) == pytest.approx(50 + 4 * (200 + 400) + 10)  # the planned 80% halved
+    # FSDP over 4 replicas: parameters and gradients gathered for the step, the rest sharded.
+    assert m.at(1, dp=4, fsdp=True) == pytest.approx(50 + 1000 * (2 + 3 / 4) + 10)
+    frozen = MemoryModel(base_mb=1000, param_mb=1000, copies=1, tp_share=1.0)
+    assert frozen.at(0, tp=4) == pytest.approx(250)
+    assert frozen.at(0, dp=4, fsdp=True) > frozen.at(0, dp=4)  # gathered beside its shard: no saving
+
+
+def test_a_section_too_large_for_one_device_gets_tensor_parallelism():
+    p = distill()
+    memory = {"teacher": MemoryModel(base_mb=1800, per_sample_mb=1, param_mb=1800, copies=1, tp_share=0.9),
+              "student": MemoryModel(base_mb=400, per_sample_mb=1, param_mb=100, copies=4, tp_share=0.9)}
+    with pytest.raises(PipelineError, match="sections.teacher does not fit"):
+        tune(p, None, samples(64), devices=8, memory_limit_mb=1000, memory=memory)
+    result = tune(p, None, samples(64), devices=8, memory_limit_mb=1000, memory=memory,
+                  tp_options={"teacher": (1, 2, 4), "student": (1, 2)})
+    for c in result.best:
+        assert c.tp["teacher"] >= 2 and all(mb <= 1000 for mb in c.memory_mb.values())
+        assert sum(c.dp(n) * c.tp[n] for n in ("teacher", "student")) == c.devices <= 8
+    applied = p.override(**parse_set(to_overrides(result.best[0])))
+    assert applied.section("teacher").tp == result.best[0].tp["teacher"]
+
+
+def test_fsdp_is_chosen_only_where_a_section_does_not_fit_without_it():
+    p = distill()
+    student = MemoryModel(base_mb=4 * 300, per_sample_mb=1, param_mb=300, copies=4)  # 1200 MB unsharded
+    memory = {"teacher": MemoryModel(base_mb=100), "student": student}
+    roomy = tune(p, None, samples(64), devices=6, memory_limit_mb=2000, memory=memory)
+    assert not any(c.fsdp["student"] for c in roomy.best)
+    tight = tune(p, None, samples(64), devices=6, memory_limit_mb=1000, memory=memory)
+    for c in tight.best:
+        assert c.fsdp["student"] and c.dp("student") >= 2 and c.memory_mb["student"] <= 1000
+    sets = to_overrides(tight.best[0])
+    assert "sections.student.fsdp=true" in sets
+    assert p.override(**parse_set(sets)).section("student").fsdp is True

@@ -1,0 +1,104 @@
+"""Sections at scale, the pure parts: rank placement of tensor-parallel replicas, tp-plan matching
+and its checks (what `maestro validate` refuses), and the plans of the built-in stages against
+modules built on the meta device."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from maestro_flow.parallel.tp import STYLES, check_plan, matches, stage_modules
+from maestro_flow.planner import Placement
+
+
+def test_placement_groups_a_replicas_ranks_behind_its_leader():
+    p = Placement.build(["teacher", "student"], {"teacher": 2, "student": 2}, tp={"student": 2})
+    assert p.world_size == 6
+    assert p.ranks == {"teacher": (0, 1), "student": (2, 4)}
+    assert p.group(2) == (2, 3) and p.group(4) == (4, 5) and p.group(0) == (0,)
+    assert p.section_ranks("student") == [2, 3, 4, 5]
+    assert [p.who(r) for r in range(6)] == [("teacher", 0), ("teacher", 1), ("student", 0), ("student", 0),
+                                            ("student", 1), ("student", 1)]
+    assert [p.tp_index(r) for r in range(6)] == [0, 0, 0, 1, 0, 1]
+    assert p.tp("student") == 2 and p.tp("teacher") == 1 and p.dp("student") == 2
+    assert [p.worker_name(r) for r in (0, 3, 4)] == ["teacher-0", "student-0.1", "student-1.0"]
+    assert Placement.from_dict(p.to_dict()) == p
+
+
+def test_placement_gives_each_rank_its_device_in_order():
+    p = Placement.build(["llm"], {"llm": 2}, devices={"llm": ["cuda:0", "cuda:1", "cuda:2", "cuda:3"]}, tp={"llm": 2})
+    assert p.devices == {0: "cuda:0", 1: "cuda:1", 2: "cuda:2", 3: "cuda:3"}
+
+
+class Toy:
+    """A stage-shaped object: modules() by attribute, as Stage.modules() gives them."""
+
+    def __init__(self) -> None:
+        self.body = nn.ModuleDict({"layers": nn.ModuleList([nn.ModuleDict({"up": nn.Linear(8, 12), "down": nn.Linear(12, 8),
+                                                                           "norm": nn.LayerNorm(8)}) for _ in range(2)]),
+                                   "emb": nn.Embedding(10, 8)})
+
+    def modules(self) -> dict[str, nn.Module]:
+        return {"body": self.body}
+
+
+def test_a_star_matches_one_name_part_and_later_entries_win():
+    modules = stage_modules(Toy())
+    assert matches({"body.layers.*.up": "colwise"}, modules) == {"body.layers.0.up": "colwise",
+                                                                 "body.layers.1.up": "colwise"}
+    assert matches({"body.*.up": "colwise"}, modules) == {}  # `*` never spans a dot
+    assert matches({"body.layers.*.up": "colwise", "body.layers.1.up": "replicate"}, modules)["body.layers.1.up"] \
+        == "replicate"
+
+
+def test_a_good_plan_has_no_problems():
+    plan = {"body.layers.*.up": "colwise", "body.layers.*.down": "rowwise", "body.emb": "rowwise"}
+    assert check_plan(Toy(), plan, 2) == []
+    assert set(STYLES) >= set(plan.values())
+
+
+@pytest.mark.parametrize(("plan", "tp", "problem"), [
+    ({"body.layers.*.up": "sideways"}, 2, "tp_plan entry 'body.layers.*.up': style 'sideways' is not supported"),
+    ({"body.layers.*.gate": "colwise"}, 2, "tp_plan entry 'body.layers.*.gate' names no module of the stage"),
+    ({"body.layers.*.up": "colwise"}, 5, "body.layers.0.up (colwise): its 12 output features do not divide by tp=5"),
+    ({"body.layers.*.down": "rowwise"}, 5, "body.layers.0.down (rowwise): its 12 input features do not divide by tp=5"),
+    ({"body.emb": "rowwise"}, 3, "body.emb (rowwise): its 10 embeddings do not divide by tp=3"),
+    ({"body.layers.*.norm": "colwise"}, 2, "LayerNorm cannot be sharded"),
+])
+def test_check_plan_names_what_cannot_be_sharded(plan, tp, problem):
+    problems = check_plan(Toy(), plan, tp)
+    assert any(problem in p for p in problems), problems
+
+
+STAGES = [  # stage, config, tp the config allows
+    ("stages.lm:CausalLM", {"role": "lm", "vocab_size": 64, "d_model": 16, "n_layers": 2, "n_heads": 4,
+                            "max_seq_len": 32}, 4),
+    ("stages.chain:TransformerLM", {"vocab_size": 64, "d_model": 16, "n_layers": 1, "n_heads": 2, "max_seq_len": 32}, 2),
+    ("stages.vision:VisionEncoder", {"d_model": 16, "n_layers": 1, "n_heads": 2, "patch": 8, "max_grid": 4,
+                                     "project_to": 16}, 2),
+    ("stages.audio:AudioEncoder", {"d_model": 16, "n_layers": 1, "n_heads": 2, "n_mels": 8, "project_to": 16}, 2),
+    ("stages.multimodal:MultimodalLM", {"vocab_size": 64, "d_model": 16, "n_layers": 1, "n_heads": 2,
+                                        "max_seq_len": 32}, 2),
+    ("stages.distill:KDStudent", {"student": {"vocab_size": 64, "d_model": 16, "n_layers": 1, "n_heads": 2,
+                                              "max_seq_len": 32},
+                                  "teacher": {"vocab_size": 64, "d_model": 8, "n_layers": 1, "n_heads": 2, "init_seed": 1,
+                                              "max_seq_len": 32}}, 2),
+]
+
+
+@pytest.mark.parametrize(("stage", "config", "tp"), STAGES, ids=[s[0] for s in STAGES])
+def test_built_in_plans_shard_every_layer_of_their_stage(stage, config, tp):
+    from maestro_flow.runtime.build import resolve
+    from maestro_flow.stage import StageContext
+
+    cls = resolve(stage, "stage")
+    plan = cls.tp_plan(config)
+    cls.check_tp(config, tp)
+    with torch.device("meta"):
+        built = cls(config, StageContext(section="x", dtype="float32"))
+    assert check_plan(built, plan, tp) == []
+    sharded = [name for name, style in matches(plan, stage_modules(built)).items() if style != "replicate"]
+    assert sharded and all(isinstance(stage_modules(built)[n], nn.Linear | nn.Embedding) for n in sharded)
+    with pytest.raises(ValueError, match="is not divisible by tp=3"):
+        cls.check_tp(config, 3)

@@ -1,0 +1,94 @@
+"""Per-rank training-state memory of a sharded section: FSDP over dp=4 against plain dp=4, and
+tensor parallelism (tp=2) against the bytes its plan should leave on each rank.
+
+Runs pipelines/distill.py in section mode (real workers, gloo) with the student section as
+
+    dp4         dp=4, every replica holds the whole student
+    dp4-fsdp    dp=4, fsdp=True: parameters, gradients and AdamW state sharded over the 4 replicas
+    dp2-tp2     dp=2, tp=2: the student's tp_plan shards its attention and MLP layers over 2 ranks
+
+and reads each step's metrics row (DESIGN 5.4): `state_mb` is what a student rank keeps between
+steps (parameters, reduced gradients, optimizer state: exact tensor bytes of its own shards,
+parallel/memory.py), `step_mb` what it holds within a step (an FSDP section gathers its
+parameters for the whole step and accumulates unsharded gradients), `max_rss_mb` the process's
+peak resident memory (CPU; includes the ~350 MB of Python and torch every worker carries).
+
+The goals: dp4-fsdp's state at most 1/4 + 5% of dp4's; dp2-tp2's state equal to the bytes
+expected from the plan (layers it shards at 1/2, the rest whole), computed from the student built
+on the meta device. Run from the repository root:
+    python -m tools.bench.section_memory [--tiny] [--steps N] [--set KEY=VALUE ...]
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tools.bench.common import median, pipeline_bench_args, repo_path, table
+
+VARIANTS = {
+    "dp4": {"sections.student.dp": 4},
+    "dp4-fsdp": {"sections.student.dp": 4, "sections.student.fsdp": True},
+    "dp2-tp2": {"sections.student.dp": 2, "sections.student.tp": 2},
+}
+# A student large enough that its state dwarfs rounding (about 3.4M parameters); --tiny keeps the demo's.
+LARGER = {"sections.student.config.student.d_model": 256, "sections.student.config.student.n_layers": 4}
+MiB = float(1 << 20)
+
+
+def run_one(variant: str, steps: int, sets: dict[str, Any]) -> list[dict[str, Any]]:
+    from maestro_flow.runtime.run import RunOptions, run_pipeline
+
+    overrides = {"adapt_costs": False, **sets, **VARIANTS[variant], "steps": steps}
+    return run_pipeline(repo_path("pipelines", "distill.py"), RunOptions(overrides=overrides, show_progress=False))
+
+
+def expected_tp_mb(sets: dict[str, Any], tp: int) -> float:
+    """Bytes a tp rank of the student should keep: each parameter (frozen: itself; trainable:
+    itself, its gradient and AdamW's two moments), divided by tp where the plan shards it."""
+    from maestro_flow.parallel.tp import matches, stage_modules
+    from maestro_flow.runtime.build import build_stage, load_pipeline
+
+    pipeline, _ = load_pipeline(repo_path("pipelines", "distill.py"), {**sets, **VARIANTS["dp2-tp2"]})
+    section = pipeline.section("student")
+    stage = build_stage(pipeline, section, 0, "cpu", meta=True)
+    modules = stage_modules(stage)
+    sharded = {name for name, style in matches(type(stage).tp_plan(dict(section.config)), modules).items()
+               if style != "replicate"}
+    total = 0.0
+    for name, module in modules.items():
+        for p in module.parameters(recurse=False):
+            copies = 4 if p.requires_grad else 1
+            total += copies * p.numel() * p.element_size() / (tp if name in sharded else 1)
+    return total / MiB
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args, _, steps, warmup, sets = pipeline_bench_args(argv, "tools.bench.section_memory", __doc__, rounds=1,
+                                                       steps=4, warmup=1, tiny_steps=2)
+    if not args.tiny:
+        sets = {**LARGER, **sets}
+    out: dict[str, Any] = {}
+    for variant in VARIANTS:
+        rows = run_one(variant, steps, sets)
+        student = [r["sections"]["student"] for r in rows[warmup:] or rows]
+        out[variant] = {key: median([s[key] for s in student]) for key in ("state_mb", "step_mb", "max_rss_mb")}
+    base = out["dp4"]["state_mb"]
+    out["fsdp_over_dp4_state"] = out["dp4-fsdp"]["state_mb"] / base
+    out["fsdp_over_dp4_step"] = out["dp4-fsdp"]["step_mb"] / out["dp4"]["step_mb"]
+    out["tp2_expected_state_mb"] = expected_tp_mb(sets, 2)
+    out["tp2_over_expected_state"] = out["dp2-tp2"]["state_mb"] / out["tp2_expected_state_mb"]
+    out["tp2_over_dp4_state"] = out["dp2-tp2"]["state_mb"] / base
+    out["config"] = {"steps": steps, "warmup_steps": warmup, "sets": sets}
+    print(f"pipelines/distill.py, section mode, {steps} steps per variant; student, per rank (largest replica)")
+    print(table(["student", "state MiB/rank", "state / dp4", "in-step MiB/rank", "max RSS MiB"],
+                [[v, f"{out[v]['state_mb']:.3f}", f"{out[v]['state_mb'] / base:.3f}", f"{out[v]['step_mb']:.3f}",
+                  f"{out[v]['max_rss_mb']:.0f}"] for v in VARIANTS]))
+    print(f"dp4-fsdp / dp4: state {out['fsdp_over_dp4_state']:.3f} (goal <= 0.2625: 1/4 + 5%), "
+          f"in-step {out['fsdp_over_dp4_step']:.3f}")
+    print(f"dp2-tp2: state {out['dp2-tp2']['state_mb']:.3f} MiB against {out['tp2_expected_state_mb']:.3f} expected "
+          f"from the plan (ratio {out['tp2_over_expected_state']:.3f})")
+    return out
+
+
+if __name__ == "__main__":
+    main()
