@@ -36,6 +36,7 @@ bench: setup data/demo/text.arrow
 	$(BIN)/python -m tools.bench.vlm_schedules
 	$(BIN)/python -m tools.bench.mixed_precision
 	$(BIN)/python -m tools.bench.checkpoint_cost
+	$(BIN)/python -m tools.bench.section_memory
 
 lint: setup
 	$(BIN)/ruff check .

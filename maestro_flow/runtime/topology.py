@@ -61,7 +61,9 @@ def process_groups(graph: SectionGraph, placement: Placement, rank: int, timeout
     timeout = timedelta(seconds=timeout_s)
 
     def backend(ranks: list[int]) -> str:
-        on_cuda = all(placement.devices[r].startswith("cuda") for r in ranks)
+        # NCCL needs every rank on its own GPU; otherwise gloo (CUDA tensors staged through the host).
+        devices = [placement.devices[r] for r in ranks]
+        on_cuda = all(d.startswith("cuda") for d in devices) and len(set(devices)) == len(devices)
         return "nccl" if on_cuda else "gloo"
 
     mine: dict[Channel, Any] = {}

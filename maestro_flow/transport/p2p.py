@@ -6,7 +6,8 @@ pair never blocks another). A message is a list of per-sample tensors; tensors o
 dtype so that many tiny tensors cost one transfer. All sends (or receives) of a message are
 posted at once and then awaited. Order per channel is the order of headers, which the sender
 emits in its execution order; each channel has its own process group, so matched operations
-never interleave with another channel's.
+never interleave with another channel's. CUDA tensors crossing a gloo group (a CPU section's
+edge, or ranks that share one GPU) are staged through pinned host memory (`to_host`).
 """
 
 from __future__ import annotations
@@ -99,6 +100,29 @@ def unpack(entries: Sequence[Sequence[Any]], buffers: Sequence[torch.Tensor]) ->
         for d in shape:
             numel *= d
         out.append((sid, name, flat[offset:offset + numel].view(shape)))
+    return out
+
+
+def through_host(group: Any, device: torch.device) -> bool:
+    """Whether CUDA tensors must cross `group` through host memory: gloo moves host memory only
+    (it carries the edges between a CPU and a CUDA section, and ranks sharing one GPU, which
+    NCCL refuses)."""
+    return device.type == "cuda" and dist.get_backend(group) == "gloo"
+
+
+def to_host(buffers: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Pinned host copies of CUDA buffers (copied asynchronously, then one stream sync)."""
+    out, devices = [], set()
+    for b in buffers:
+        if b.is_cuda:
+            host = torch.empty(b.shape, dtype=b.dtype, pin_memory=True)
+            host.copy_(b, non_blocking=True)
+            devices.add(b.device)
+            out.append(host)
+        else:
+            out.append(b)
+    for d in devices:
+        torch.cuda.current_stream(d).synchronize()
     return out
 
 

@@ -127,11 +127,14 @@ class TensorComm:
         if sock is None:
             sock = self._sockets[dst] = zmq_link.connect(self._zctx, zmq.PUSH, self._peers[dst])
         entries, specs, buffers = p2p.pack(items)
+        group = self._groups[(self.rank, dst, kind)]
+        if p2p.through_host(group, self._device):
+            buffers = p2p.to_host(buffers)
         self._posting(buffers)
         # Header first: the receiver needs shapes and dtypes to post its receives.
         zmq_link.send_msg(sock, make("tensors", src=self.rank, kind=kind, edge=edge, step=step,
                                      entries=entries, buffers=specs))
-        sent.put((p2p.post_sends(buffers, dst, self._groups[(self.rank, dst, kind)]), buffers, t0, dst, kind, step))
+        sent.put((p2p.post_sends(buffers, dst, group), buffers, t0, dst, kind, step))
 
     def _posting(self, buffers: Sequence[torch.Tensor]) -> None:
         # Bytes count when posted, not when completed: a step's report then holds exactly the
@@ -220,11 +223,14 @@ class TensorComm:
                 if received is None:
                     raise RuntimeError(f"rank {self.rank} got a {msg['kind']} header from unexpected rank {msg['src']}")
                 t0 = time.perf_counter()
-                buffers = p2p.allocate(msg["buffers"], self._device, self._pools[channel])
+                group = self._relay_group if relayed else self._groups[(msg["src"], self.rank, msg["kind"])]
+                host = not relayed and p2p.through_host(group, self._device)  # gloo broadcasts CUDA itself
+                buffers = p2p.allocate(msg["buffers"], torch.device("cpu") if host else self._device,
+                                       self._pools[channel])
                 if relayed:
-                    works = p2p.post_broadcasts(buffers, msg["src"], self._relay_group)
+                    works = p2p.post_broadcasts(buffers, msg["src"], group)
                 else:
-                    works = p2p.post_recvs(buffers, msg["src"], self._groups[(msg["src"], self.rank, msg["kind"])])
+                    works = p2p.post_recvs(buffers, msg["src"], group)
                 received.put((works, buffers, msg, t0))
         finally:
             self._pull.close(linger=0)
@@ -242,6 +248,8 @@ class TensorComm:
             with self.stats.lock:
                 self.stats.recv_s += time.perf_counter() - t0
                 self.stats.bytes_received += sum(b.numel() * b.element_size() for b in buffers)
+            if self._device.type == "cuda" and any(not b.is_cuda for b in buffers):
+                buffers = [b.to(self._device) for b in buffers]  # staged through the host (gloo)
             self._deliver(msg["kind"], msg["edge"], msg["step"], src, p2p.unpack(msg["entries"], buffers))
 
 

@@ -1,4 +1,5 @@
-"""CUDA sections: NCCL tensor channels and DP reduction, checked against the colocated reference.
+"""CUDA sections: NCCL tensor channels and DP reduction (gloo staged through the host where ranks
+share a GPU or an edge joins a CPU section), checked against the colocated reference.
 
 Skipped without CUDA (CI has no GPU). Needs at least one GPU; with one GPU all replicas share it.
 """
@@ -36,3 +37,28 @@ def test_cuda_section_mode_matches_colocated(demo_data, tmp_path, pipeline, sect
         a, b = load_file(tmp_path / "section" / f"{s}.safetensors"), load_file(tmp_path / "colocated" / f"{s}.safetensors")
         for k in a:
             assert (a[k] - b[k]).abs().max().item() <= 1e-8, f"{s}.{k}"
+
+
+def student_matches_colocated(demo_data, tmp_path, **sets):
+    overrides = {"dtype": "float64", "steps": 3, "data.path": str(demo_data), **sets}
+    for mode in ("section", "colocated"):
+        run_pipeline(str(ROOT / "pipelines/distill.py"), RunOptions(
+            overrides=overrides, colocated=mode == "colocated", save_dir=str(tmp_path / mode), show_progress=False))
+    a, b = load_file(tmp_path / "section" / "student.safetensors"), load_file(tmp_path / "colocated" / "student.safetensors")
+    for k in a:
+        assert (a[k] - b[k]).abs().max().item() <= 1e-8, k
+
+
+@pytest.mark.parametrize("devices", [
+    {"teacher": "cpu", "student": "cuda"},  # a CPU section's edge into CUDA: staged through pinned host memory
+    {"teacher": "cuda", "student": "cpu"},
+], ids=["cpu-to-cuda", "cuda-to-cpu"])
+def test_edges_between_cpu_and_cuda_sections(demo_data, tmp_path, devices):
+    student_matches_colocated(demo_data, tmp_path, **{f"sections.{n}.device": d for n, d in devices.items()})
+
+
+def test_a_tensor_parallel_student_on_cuda(demo_data, tmp_path):
+    """tp=2 and FSDP on CUDA: with one GPU the ranks share it (gloo, staged), with more NCCL."""
+    student_matches_colocated(demo_data, tmp_path, **{
+        "sections.teacher.device": "cuda", "sections.student.device": "cuda", "sections.student.tp": 2,
+        "sections.student.fsdp": True})
