@@ -302,15 +302,12 @@ class Coordinator:
         return WorkerLost(f"worker {w.label} {w.exit_description()} {reported}, "
                              f"while the run was at step {self.awaited_step}")
 
-    def _raise_dead_peer(self, exclude: int, grace_s: float = 1.0, seen: str = "") -> None:
+    def _raise_dead_peer(self, exclude: int, grace_s: float = 1.0) -> None:
         deadline = time.monotonic() + grace_s
         while time.monotonic() < deadline:
             dead = [w for w in self.launcher.dead() if w.rank != exclude]
             if dead:
-                exc = self._death(dead[0])
-                if seen:
-                    exc.args = (f"{exc.args[0]}\n{seen}",)
-                raise exc
+                raise self._death(dead[0])
             time.sleep(0.05)
 
     def _label(self, rank: int) -> str:
@@ -353,9 +350,7 @@ class Coordinator:
                 if msg["kind"] == "stage":
                     raise StageError(section=msg["section"], replica=msg["replica"], rank=rank, step=msg["step"],
                                      phase=msg["phase"], traceback=msg["traceback"])
-                # A peer's death is the cause, not the symptom; the report still goes with it.
-                self._raise_dead_peer(exclude=rank, seen=f"{self._label(rank)} reported meanwhile:\n"
-                                                         f"{msg['traceback'].rstrip()}")
+                self._raise_dead_peer(exclude=rank)  # a peer's death is the cause, not the symptom
                 raise SystemFailure(f"system error in {self._label(rank)} during {msg['phase']}"
                                     f"{'' if msg['step'] is None else ' at step ' + str(msg['step'])}:\n"
                                     f"{msg['traceback'].rstrip()}")
