@@ -34,6 +34,11 @@ def matches(plan: dict[str, str], modules: dict[str, nn.Module]) -> dict[str, st
     return out
 
 
+def sharded(plan: dict[str, str], modules: dict[str, nn.Module]) -> dict[str, str]:
+    """Module name -> style for every module the plan shards (matched, style not "replicate")."""
+    return {name: style for name, style in matches(plan, modules).items() if style != "replicate"}
+
+
 def _style(style: str) -> Any:
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
@@ -56,7 +61,7 @@ def stage_modules(stage: Any) -> dict[str, nn.Module]:
 def apply_plan(stage: Any, plan: dict[str, str], tp_mesh: Any) -> None:
     from torch.distributed.tensor.parallel import parallelize_module
 
-    chosen = {name: style for name, style in matches(plan, stage_modules(stage)).items() if style != "replicate"}
+    chosen = sharded(plan, stage_modules(stage))
     for attr, top in stage.modules().items():
         prefix = attr + "."
         local = {name[len(prefix):]: _style(style) for name, style in chosen.items() if name.startswith(prefix)}

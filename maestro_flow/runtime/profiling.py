@@ -272,17 +272,16 @@ def _measure(sec: _Section, mb: list[SampleMeta], outputs: dict, repeats: int) -
 def tp_share(stage: Any, section: Any) -> float:
     """The share of the stage's parameter bytes its tp_plan shards (0 without a plan): what
     `maestro tune` divides by tp."""
-    from maestro_flow.parallel.tp import matches, stage_modules
+    from maestro_flow.parallel.tp import sharded, stage_modules
 
     try:
         plan = type(stage).tp_plan(dict(section.config)) or {}
     except Exception:
         return 0.0
     modules = stage_modules(stage)
-    sharded = {n for n, style in matches(plan, modules).items() if style != "replicate"}
     size = {n: sum(p.numel() * p.element_size() for p in m.parameters(recurse=False)) for n, m in modules.items()}
     total = sum(size.values())
-    return sum(size[n] for n in sharded) / total if total else 0.0
+    return sum(size[n] for n in sharded(plan, modules)) / total if total else 0.0
 
 
 def fit_section(prior: Cost, rows: list[dict[str, Any]], trainable: bool, param_mb: float,

@@ -130,21 +130,22 @@ class _OutputCapture:
             self.log.write(data)
             self.log.flush()
 
+    def _lines(self, text: str) -> bytes:
+        return b"".join(self.prefix + line.encode() + b"\n" for line in text.rstrip().splitlines())
+
     def keep(self, text: str) -> None:
         """Into the worker's log, when there is one (the coordinator shows the terminal the text)."""
         if self.log is not None:
-            self.log.write(b"".join(self.prefix + line.encode() + b"\n" for line in text.rstrip().splitlines()))
+            self.log.write(self._lines(text))
             self.log.flush()
 
     def detail(self, text: str) -> None:
         """Details the coordinator's one-line error points to: the worker's log only when there
         is one (the terminal gets the one line), else the terminal."""
-        data = b"".join(self.prefix + line.encode() + b"\n" for line in text.rstrip().splitlines())
         if self.log is not None:
-            self.log.write(data)
-            self.log.flush()
+            self.keep(text)
         else:
-            os.write(self.terminal, data)
+            os.write(self.terminal, self._lines(text))
 
     def close(self) -> None:
         """Flush and wait for the last lines (bounded): closing fds 1 and 2 ends the pipe."""

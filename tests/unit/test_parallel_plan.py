@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from maestro_flow.parallel.tp import STYLES, check_plan, matches, stage_modules
+from maestro_flow.parallel.tp import STYLES, check_plan, matches, sharded, stage_modules
 from maestro_flow.planner import Placement
 
 
@@ -98,7 +98,7 @@ def test_built_in_plans_shard_every_layer_of_their_stage(stage, config, tp):
     with torch.device("meta"):
         built = cls(config, StageContext(section="x", dtype="float32"))
     assert check_plan(built, plan, tp) == []
-    sharded = [name for name, style in matches(plan, stage_modules(built)).items() if style != "replicate"]
-    assert sharded and all(isinstance(stage_modules(built)[n], nn.Linear | nn.Embedding) for n in sharded)
+    split = sharded(plan, stage_modules(built))
+    assert split and all(isinstance(stage_modules(built)[n], nn.Linear | nn.Embedding) for n in split)
     with pytest.raises(ValueError, match="is not divisible by tp=3"):
         cls.check_tp(config, 3)

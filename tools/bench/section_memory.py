@@ -45,20 +45,19 @@ def run_one(variant: str, steps: int, sets: dict[str, Any]) -> list[dict[str, An
 def expected_tp_mb(sets: dict[str, Any], tp: int) -> float:
     """Bytes a tp rank of the student should keep: each parameter (frozen: itself; trainable:
     itself, its gradient and AdamW's two moments), divided by tp where the plan shards it."""
-    from maestro_flow.parallel.tp import matches, stage_modules
+    from maestro_flow.parallel.tp import sharded, stage_modules
     from maestro_flow.runtime.build import build_stage, load_pipeline
 
     pipeline, _ = load_pipeline(repo_path("pipelines", "distill.py"), {**sets, **VARIANTS["dp2-tp2"]})
     section = pipeline.section("student")
     stage = build_stage(pipeline, section, 0, "cpu", meta=True)
     modules = stage_modules(stage)
-    sharded = {name for name, style in matches(type(stage).tp_plan(dict(section.config)), modules).items()
-               if style != "replicate"}
+    split = sharded(type(stage).tp_plan(dict(section.config)), modules)
     total = 0.0
     for name, module in modules.items():
         for p in module.parameters(recurse=False):
             copies = 4 if p.requires_grad else 1
-            total += copies * p.numel() * p.element_size() / (tp if name in sharded else 1)
+            total += copies * p.numel() * p.element_size() / (tp if name in split else 1)
     return total / MiB
 
 
