@@ -98,13 +98,22 @@ def main(ctx: click.Context, debug: bool) -> None:
 @click.option("--tensorboard", "tensorboard", type=click.Path(file_okay=False), metavar="DIR",
               help="Log loss, lr, grad norm, throughput and each section's busy share per step for TensorBoard "
                    "(needs the tensorboard package).")
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address the control plane, the rendezvous store and the status endpoint listen on. Anything but "
+                   "loopback needs a shared secret (MAESTRO_SECRET or --secret-file).")
+@click.option("--interface", metavar="IFACE", help="Network interface gloo and NCCL use (default: lo while --host "
+                                                    "is loopback).")
+@click.option("--secret-file", type=click.Path(dir_okay=False), metavar="FILE",
+              help="The run's shared secret (at least 16 bytes; or set MAESTRO_SECRET). Every control message is "
+                   "authenticated with it; without one a one-node run generates its own.")
 @click.option("--quiet", is_flag=True, help="No progress output.")
 @click.pass_context
 def run(ctx: click.Context, pipeline: str, steps: int | None, sets: tuple[str, ...], colocated: bool,
         schedule: str | None, metrics_out: str | None, save_dir: str | None, trace: str | None,
         run_dir: str | None, no_run_dir: bool, record: str | None, record_steps: str | None, costs: str | None,
         checkpoint_dir: str | None, checkpoint_every: int | None, keep_last: int | None, checkpoint_errors: str,
-        resume: str | None, max_restarts: int, tensorboard: str | None, quiet: bool) -> None:
+        resume: str | None, max_restarts: int, tensorboard: str | None, host: str, interface: str | None,
+        secret_file: str | None, quiet: bool) -> None:
     """Train PIPELINE (a Python file defining pipeline(**overrides)).
 
     Every run writes a run directory (runs/NAME-TIMESTAMP unless --run-dir or --no-run-dir): the
@@ -136,7 +145,7 @@ def run(ctx: click.Context, pipeline: str, steps: int | None, sets: tuple[str, .
         options = RunOptions(overrides=overrides, colocated=colocated, metrics_out=metrics_out, save_dir=save_dir,
                              show_progress=not quiet, run_dir=None if no_run_dir else run_dir, trace=trace,
                              record=record, record_steps=steps_to_record, checkpoint=checkpoint,
-                             tensorboard=tensorboard)
+                             tensorboard=tensorboard, host=host, interface=interface, secret_file=secret_file)
         run_pipeline(pipeline, options)
     except KeyboardInterrupt:
         click.echo("interrupted: workers stopped", err=True)

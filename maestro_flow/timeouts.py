@@ -17,6 +17,7 @@ class Timeouts:
     step_s: float = 600.0           # one step's plan sent -> every worker done with it
     heartbeat_interval_s: float = 0.5
     heartbeat_timeout_s: float = 10.0  # silence after which a live-looking worker counts as hung
+    coordinator_timeout_s: float = 60.0  # silence after which a worker counts its coordinator as gone
     shutdown_grace_s: float = 5.0   # ask -> terminate
     kill_grace_s: float = 2.0       # terminate -> kill
     collective_s: float = 300.0     # torch.distributed op timeout (gloo/NCCL process groups)

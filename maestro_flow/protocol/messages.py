@@ -2,10 +2,13 @@
 
 Pure (standard library only). A message is a flat dict with a type tag "t"; fields are plain
 data (ints, floats, strings, lists, dicts), so msgpack carries them and nothing is ever pickled.
-`check` refuses unknown types and missing fields so a malformed frame fails loudly.
+`check` refuses unknown types, missing fields and fields of the wrong type, so a malformed frame
+is refused before anything reads it (receivers drop it and log why; see protocol/auth.py).
 
 Worker -> coordinator (DEALER -> ROUTER):
-  hello      on connect: protocol version, rank, pid, the worker's tensor-header address
+  hello      on connect: protocol version, rank, pid, the worker's tensor-header address. The
+             coordinator binds the connection to that rank; it accepts nothing else from a
+             connection before its hello, and a rank's hello only once
   ready      stage built, process groups formed; the worker waits for plans
   heartbeat  every Timeouts.heartbeat_interval_s from the worker's control thread
   loss       a loss section replica finished its micro-batches: loss sum and denominator (sent
@@ -31,6 +34,8 @@ Coordinator -> worker:
              of them
   checkpoint every worker is between steps (no later plan sent yet): save your part into path
   stop       shut down (optionally saving trainable parameters first)
+  ping       every Timeouts.heartbeat_interval_s: the coordinator is alive (a worker that hears
+             nothing for Timeouts.coordinator_timeout_s exits)
 
 Worker -> worker (PUSH -> PULL, on the tensor-header sockets):
   tensors    the header that precedes tensor bytes sent over torch.distributed: kind "fwd"
@@ -43,7 +48,7 @@ from __future__ import annotations
 
 from typing import Any
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 
 FIELDS: dict[str, tuple[str, ...]] = {
     "hello": ("version", "rank", "pid", "data_addr"),
@@ -62,9 +67,27 @@ FIELDS: dict[str, tuple[str, ...]] = {
     "clip": ("step", "coef"),
     "checkpoint": ("step", "path"),
     "stop": ("save_dir",),
+    "ping": (),
     "tensors": ("src", "kind", "edge", "step", "entries", "buffers"),
     "progress": ("src", "step", "finished"),
 }
+
+
+_NUM = (int, float)
+_OPT_STR = (str, type(None))
+_OPT_INT = (int, type(None))
+# The type of every field (a field's type is the same in every message unless listed per message).
+TYPES: dict[str, tuple[type, ...]] = {
+    "version": (int,), "rank": (int,), "pid": (int,), "data_addr": (str,), "step": (int,),
+    "loss_sum": _NUM, "denominator": _NUM, "sq": _NUM, "coef": _NUM, "stats": (dict,), "kind": (str,),
+    "section": (str,), "replica": (int,), "phase": (str,), "traceback": (str,), "info": (dict,),
+    "error": _OPT_STR, "pipeline": (dict,), "placement": (dict,), "store": (list,), "peers": (dict,),
+    "timeouts": (dict,), "paths": (list,), "now": _NUM, "trace": (bool,), "record": (dict, type(None)),
+    "resume": _OPT_STR, "micro_batches": (list,), "samples": (list,), "routes": (dict,), "gates": (list,),
+    "notify": (list,), "path": (str,), "save_dir": _OPT_STR, "src": (int,), "edge": (int,), "entries": (list,),
+    "buffers": (list,), "finished": (int,), "status": (dict,), "session": (str,),
+}
+TYPES_OF: dict[tuple[str, str], tuple[type, ...]] = {("error", "step"): _OPT_INT}
 
 
 class ProtocolError(Exception):
@@ -86,4 +109,9 @@ def check(msg: Any) -> dict[str, Any]:
     missing = [f for f in expected if f not in msg]
     if missing:
         raise ProtocolError(f"message {msg['t']!r} lacks {', '.join(missing)}")
+    for name, value in msg.items():
+        types = TYPES_OF.get((msg["t"], name)) or TYPES.get(name)
+        if types is not None and not isinstance(value, types):
+            raise ProtocolError(f"message {msg['t']!r}: field {name!r} is {type(value).__name__}, "
+                                f"not {' or '.join(t.__name__ for t in types)}")
     return msg

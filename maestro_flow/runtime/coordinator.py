@@ -8,13 +8,21 @@ denominator for trainable sections upstream of a loss (`finalize`; the loss sect
 with its gradients), norm reports into the global clip coefficient (`clip`, with grad_clip),
 and done reports into metrics. At a checkpoint boundary it holds back the next plans, asks every
 worker to save its part (`checkpoint` -> `saved`) and lets the Checkpointer write the manifest;
-a resumed run starts at the checkpoint's step, with the workers loading their part at setup. Any error report, dead worker,
-silent worker or timeout ends the run: everything is shut down and the error is raised.
+a resumed run starts at the checkpoint's step, with the workers loading their part at setup.
+Any error report, dead worker, silent worker or timeout ends the run: everything is shut down
+and the error is raised.
+
+Nothing from a socket is trusted until authenticated (protocol/auth.py): every frame is sealed
+under this attempt's key, a connection becomes a rank only by that rank's sealed hello, and a
+report counts once per rank and step (runtime/ledger.py). Anything else is dropped and logged,
+never fatal. The control socket, the store and the status endpoint listen on `host` only
+(loopback unless the run says otherwise).
 """
 
 from __future__ import annotations
 
 import os
+import socket
 import time
 from collections.abc import Callable
 from typing import Any
@@ -28,7 +36,8 @@ from maestro_flow.errors import PipelineError, StageError, SystemFailure, Timeou
 from maestro_flow.graph import SectionGraph
 from maestro_flow.planner import make_planner
 from maestro_flow.planner.plan import Placement
-from maestro_flow.protocol.messages import PROTOCOL_VERSION, ProtocolError, make
+from maestro_flow.protocol.auth import DropLog, Opener, Rejected, Sealer, derive_key, new_nonce, new_secret
+from maestro_flow.protocol.messages import PROTOCOL_VERSION, make
 from maestro_flow.runtime.build import resolve_device
 from maestro_flow.runtime.launcher import Launcher
 from maestro_flow.runtime.ledger import StepLedger, plan_message
@@ -57,13 +66,28 @@ def placement_for(graph: SectionGraph) -> Placement:
                            tp={n: graph.sections[n].tp for n in graph.order})
 
 
+def rendezvous_store(host: str) -> Any:
+    """The rendezvous store (TCPStore), listening on `host` only: it listens on every interface
+    when it binds by itself, so it gets a socket bound here (and owns and closes it)."""
+    import torch.distributed as dist
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, 0))
+    sock.listen(1024)
+    port = sock.getsockname()[1]
+    return dist.TCPStore(host, port, is_master=True, wait_for_workers=False, master_listen_fd=sock.detach())
+
+
 class Coordinator:
     def __init__(self, pipeline: Pipeline, graph: SectionGraph, sampler: EpochSampler, report: RunReport, *,
                  paths: list[str], timeouts: Timeouts | None = None, save_dir: str | None = None,
                  worker_entry: Callable[[dict], None] = worker_main, observer: RunObserver | None = None,
                  run_dir: str | None = None, record: dict | None = None,
                  checkpointer: Checkpointer | None = None, resume: tuple[str, Manifest] | None = None,
-                 restarts: int = 0) -> None:
+                 restarts: int = 0, secret: bytes | None = None, host: str = zmq_link.LOOPBACK,
+                 interface: str | None = None) -> None:
         self.pipeline, self.graph, self.sampler, self.report = pipeline, graph, sampler, report
         self.paths, self.save_dir = paths, save_dir
         self.timeouts = timeouts or Timeouts.from_env()
@@ -77,7 +101,6 @@ class Coordinator:
         self.last_done: dict[int, int] = {}  # rank -> last step it finished
         self.training = False
         self.awaited_step = 0
-        self.poller = zmq.Poller()
         self.status: StatusServer | None = None
         self.run_dir = run_dir
         self.record = record  # {"dir", "section", "steps"}: what a section records for replay
@@ -87,6 +110,19 @@ class Coordinator:
         self.checkpointer = checkpointer or Checkpointer(CheckpointOptions())
         self.resume = resume  # (checkpoint folder, its manifest): start there
         self.restarts = restarts  # automatic restarts before this attempt (recorded in checkpoints)
+        # The control plane: sealed frames under a key of this attempt (protocol/auth.py).
+        self.host, self.interface = host, interface  # where the control plane, store and gloo listen
+        self.secret = secret or new_secret()
+        self.session = new_nonce()
+        self.key = derive_key(self.secret, self.session)
+        self.opener = Opener(self.key, "coordinator", zmq_link.CONTROL_MAX_BYTES)
+        self.sealers: dict[int, Sealer] = {}
+        self.identity_rank: dict[bytes, int] = {}  # bound by each rank's authenticated hello
+        self.rank_identity: dict[int, bytes] = {}
+        self.drops = DropLog("the coordinator")
+        self._next_tick = 0.0
+        self.address: str | None = None  # the control socket's endpoint, once bound
+        self.peers: dict[int, str] = {}  # every worker's tensor-header endpoint, after the hellos
 
     # -- public ----------------------------------------------------------------------------
 
@@ -115,18 +151,17 @@ class Coordinator:
     # -- startup ---------------------------------------------------------------------------
 
     def _start(self) -> None:
-        import torch.distributed as dist
 
-        self.router, addr = zmq_link.bind(self.zctx, zmq.ROUTER)
-        self.poller.register(self.router, zmq.POLLIN)
-        self.status = StatusServer(self.zctx, self.run_dir)
-        self.poller.register(self.status.socket, zmq.POLLIN)
-        self.store = dist.TCPStore(zmq_link.LOOPBACK, 0, is_master=True, wait_for_workers=False)
+        self.router, addr = zmq_link.bind(self.zctx, zmq.ROUTER, self.host)
+        self.address = addr
+        self.status = StatusServer(self.zctx, self.run_dir, self.host)
+        self.store = rendezvous_store(self.host)
         for rank in range(self.placement.world_size):
             section, replica = self.placement.who(rank)
             self.launcher.start(rank, section, replica, {
                 "rank": rank, "coordinator": addr, "parent_pid": os.getpid(), "timeouts": self.timeouts.to_dict(),
-                "label": self.placement.worker_name(rank, "/"),
+                "secret": self.secret.hex(), "session": self.session, "host": self.host,
+                "interface": self.interface, "label": self.placement.worker_name(rank, "/"),
                 "log": self.observer.worker_log(self.placement.worker_name(rank))})
         self.observer.start(self.placement)
         deadline = time.monotonic() + self.timeouts.startup_s
@@ -138,10 +173,10 @@ class Coordinator:
                     raise SystemFailure(f"worker rank {rank} speaks protocol version {msg['version']}, "
                                         f"the coordinator {PROTOCOL_VERSION}: reinstall maestro_flow consistently")
                 hellos[rank] = msg
-        peers = {r: h["data_addr"] for r, h in hellos.items()}
+        peers = self.peers = {r: h["data_addr"] for r, h in hellos.items()}
         for rank in hellos:
             self._send(rank, make("init", rank=rank, pipeline=self.pipeline.to_dict(),
-                                  placement=self.placement.to_dict(), store=[zmq_link.LOOPBACK, self.store.port],
+                                  placement=self.placement.to_dict(), store=[self.host, self.store.port],
                                   peers=peers, timeouts=self.timeouts.to_dict(), paths=self.paths,
                                   now=self.observer.tracer.epoch, trace=self.observer.tracing,
                                   record=self.record, resume=self.resume[0] if self.resume else None))
@@ -192,18 +227,10 @@ class Coordinator:
             row = None
             while row is None:
                 rank, msg = self._recv(deadline, f"step {step} to finish", "MAESTRO_STEP_S")
-                if msg["t"] == "loss":
-                    for ranks, denominator in ledger.on_loss(rank, msg["step"], msg["loss_sum"], msg["denominator"]):
-                        for r in ranks:
-                            self._send(r, make("finalize", step=msg["step"], denominator=denominator))
-                elif msg["t"] == "norm":
-                    clip = ledger.on_norm(rank, msg["step"], msg["sq"])
-                    if clip is not None:
-                        for r in clip[0]:
-                            self._send(r, make("clip", step=msg["step"], coef=clip[1]))
-                elif msg["t"] == "done":
-                    self.observer.done(rank, msg["stats"])
-                    row = ledger.on_done(rank, msg["step"], msg["stats"], time.perf_counter())
+                try:
+                    row = self._report(ledger, rank, msg)
+                except Rejected as exc:  # a repeated or misplaced report never changes training
+                    self.drops.drop(self._label(rank), str(exc))
             row["restarts"] = self.restarts
             try:
                 if self.checkpointer.due(step + 1):
@@ -214,6 +241,26 @@ class Coordinator:
                 self.report.step(row)
                 self.last_row = row
             send_plans(step + 1 + p.lookahead_steps, step + 1)
+
+    def _report(self, ledger: StepLedger, rank: int, msg: dict) -> dict | None:
+        """A step report into the ledger; the step's metrics row once every replica is done."""
+        if msg["t"] == "loss":
+            for ranks, denominator in ledger.on_loss(rank, msg["step"], msg["loss_sum"], msg["denominator"]):
+                for r in ranks:
+                    self._send(r, make("finalize", step=msg["step"], denominator=denominator))
+        elif msg["t"] == "norm":
+            clip = ledger.on_norm(rank, msg["step"], msg["sq"])
+            if clip is not None:
+                for r in clip[0]:
+                    self._send(r, make("clip", step=msg["step"], coef=clip[1]))
+        elif msg["t"] == "done":
+            row = ledger.on_done(rank, msg["step"], msg["stats"], time.perf_counter())
+            self.last_done[rank] = max(msg["step"], self.last_done.get(rank, -1))
+            stats = msg["stats"]
+            self.replica_busy[rank] = stats.get("busy_s", 0.0) / max(stats.get("wall_s", 0.0), 1e-12)
+            self.observer.done(rank, stats)
+            return row
+        return None
 
     def _checkpoint(self, step: int, ledger: StepLedger) -> bool:
         """Every worker is between steps (plans for `step` on are held back): each saves its part,
@@ -231,6 +278,10 @@ class Coordinator:
             rank, msg = self._recv(deadline, f"every worker to save its part of the checkpoint at step {step}",
                                    "MAESTRO_CHECKPOINT_S")
             if msg["t"] != "saved":
+                continue
+            if msg["step"] != step or rank in infos or self._label(rank) in errors:
+                self.drops.drop(self._label(rank), f"a 'saved' report for step {msg['step']} (asked: {step}), "
+                                                   "or repeated")
                 continue
             if msg["error"] is None:
                 infos[rank] = msg["info"]
@@ -270,7 +321,7 @@ class Coordinator:
 
     def _send(self, rank: int, msg: dict) -> None:
         try:
-            zmq_link.send_msg(self.router, msg, identity=str(rank).encode())
+            zmq_link.send_msg(self.router, msg, identity=self.rank_identity[rank], sealer=self.sealers[rank])
         except zmq.ZMQError as exc:
             # The worker is gone. It may have said why just before it went: prefer its report.
             deadline = time.monotonic() + 1.0
@@ -280,6 +331,56 @@ class Coordinator:
                 if w.rank == rank:
                     raise self._death(w) from None
             raise SystemFailure(f"cannot reach {self._label(rank)}: {exc}") from None
+
+    def _accept(self, frames: list[bytes]) -> tuple[int, dict] | None:
+        """(rank, message) of an authentic frame from the connection its rank said hello on;
+        anything else is dropped and logged (None). Never trusts the socket identity: a
+        connection is bound to a rank by its authenticated hello, once."""
+        if len(frames) != 2:
+            self.drops.drop("a connection", f"{len(frames)} frames, not [identity, message]")
+            return None
+        identity, frame = frames
+        rank = self.identity_rank.get(identity)
+        origin = self._label(rank) if rank is not None else f"connection {identity.hex()}"
+        try:
+            sender, msg = zmq_link.open_msg(self.opener, frame)
+        except Rejected as exc:
+            self.drops.drop(origin, str(exc))
+            return None
+        claimed = msg.get("rank")
+        if sender != f"rank{claimed}" or not isinstance(claimed, int) or not 0 <= claimed < self.placement.world_size:
+            self.drops.drop(origin, f"sender {sender!r} claims rank {claimed!r}")
+            return None
+        if rank is None:
+            if msg["t"] != "hello":
+                self.drops.drop(origin, f"a {msg['t']!r} message before this connection's hello")
+                return None
+            if claimed in self.rank_identity:
+                self.drops.drop(origin, f"hello as rank {claimed}, which is connected already")
+                return None
+            self.identity_rank[identity], self.rank_identity[claimed] = claimed, identity
+            self.sealers[claimed] = Sealer(self.key, "coordinator", f"rank{claimed}")
+            rank = claimed
+        elif claimed != rank or msg["t"] == "hello":
+            self.drops.drop(origin, f"a {msg['t']!r} message claiming rank {claimed}")
+            return None
+        self.last_seen[rank] = time.monotonic()
+        return rank, msg
+
+    def _tick(self, now: float) -> None:
+        """Pings to the workers (they exit when their coordinator goes silent) and the status
+        endpoint's snapshot, each at most every heartbeat interval."""
+        if now < self._next_tick:
+            return
+        self._next_tick = now + self.timeouts.heartbeat_interval_s
+        for rank in list(self.rank_identity):
+            try:
+                zmq_link.send_msg(self.router, make("ping"), identity=self.rank_identity[rank],
+                                  sealer=self.sealers[rank])
+            except zmq.ZMQError:
+                pass  # a worker that left: _check_workers names it
+        if self.status is not None:
+            self.status.publish(self._snapshot())
 
     def _snapshot(self) -> dict:
         """What `maestro top` shows (read-only: built from what the coordinator already knows)."""
@@ -321,34 +422,27 @@ class Coordinator:
             now = time.monotonic()
             if now > deadline:
                 raise TimeoutFailure(what, now - started, setting)
-            self._check_workers(now, allow_exit or set())
-            ready = dict(self.poller.poll(100))
-            if self.status is not None and self.status.socket in ready:
-                self.status.answer(self._snapshot())
-            if self.router not in ready:
+            self._tick(now)
+            # Liveness is judged only once every queued message is read: a coordinator that was
+            # paused or busy finds its workers' heartbeats waiting, not missing.
+            if not self.router.poll(0):
+                self._check_workers(now, allow_exit or set())
+                if not self.router.poll(100):
+                    continue
+            got = self._accept(self.router.recv_multipart())
+            if got is None:
                 continue
-            identity, frame = self.router.recv_multipart()
-            rank = int(identity)
-            self.last_seen[rank] = time.monotonic()
-            try:
-                from maestro_flow.protocol.codec import decode
-
-                msg = decode(frame)
-            except ProtocolError as exc:
-                raise SystemFailure(f"bad message from {self._label(rank)}: {exc}") from None
+            rank, msg = got
             if msg["t"] == "heartbeat":
                 if "status" in msg:
                     self.worker_status[rank] = msg["status"]
                 continue
-            if msg["t"] == "done":
-                self.last_done[rank] = msg["step"]
-                stats = msg["stats"]
-                self.replica_busy[rank] = stats["busy_s"] / max(stats.get("wall_s", 0.0), 1e-12)
             if msg["t"] == "error":
+                section, replica = self.placement.who(rank)  # where the rank is, whatever it says
                 if msg["kind"] == "input":  # e.g. a checkpoint that does not fit the pipeline
                     raise PipelineError(msg["traceback"])
                 if msg["kind"] == "stage":
-                    raise StageError(section=msg["section"], replica=msg["replica"], rank=rank, step=msg["step"],
+                    raise StageError(section=section, replica=replica, rank=rank, step=msg["step"],
                                      phase=msg["phase"], traceback=msg["traceback"])
                 self._raise_dead_peer(exclude=rank)  # a peer's death is the cause, not the symptom
                 raise SystemFailure(f"system error in {self._label(rank)} during {msg['phase']}"

@@ -5,6 +5,10 @@ replica needs, collects loss reports into the global denominator (then says whom
 collects norm reports into the global gradient norm and clip coefficient (then says whom to
 send it), collects done reports into the metrics row of DESIGN 5.4, and feeds the measured
 micro-batch timings to the cost fitter, whose model plans the next steps.
+
+A report counts once per rank and step, only for a step that is planned and not finished, and
+only from a rank whose section sends that report; anything else raises `Rejected` (the
+coordinator drops it and logs why), so a repeated or misplaced report never changes training.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from maestro_flow.optim.clip import clip_coefficient, global_norm
 from maestro_flow.planner.cost import CostModel
 from maestro_flow.planner.costfit import CostFitter, Timing
 from maestro_flow.planner.plan import Placement, Plan
+from maestro_flow.protocol.auth import Rejected
 
 MiB = float(1 << 20)
 
@@ -47,7 +52,7 @@ class StepLedger:
         prior = CostModel(costs={n: s.cost for n, s in graph.sections.items()})
         self.fitter = CostFitter(prior) if adapt_costs else None
         self.prior = prior
-        self.losses: dict[int, dict[str, list[tuple[float, float]]]] = {}
+        self.losses: dict[int, dict[str, dict[int, float]]] = {}  # step -> section -> rank -> denominator
         self.done: dict[int, dict[int, dict[str, Any]]] = {}
         self.tokens: dict[int, int] = {}
         self.samples: dict[int, int] = {}
@@ -60,14 +65,25 @@ class StepLedger:
         self.samples[plan.step] = len(plan.samples)
         self.started.setdefault(plan.step, now)
 
+    def _check(self, what: str, rank: int, step: int, ranks: Any, seen: Any) -> None:
+        if step not in self.started:
+            raise Rejected(f"{what} report for step {step}, which is not in progress")
+        if rank not in ranks:
+            raise Rejected(f"{what} report from rank {rank}, which does not send one")
+        if rank in seen:
+            raise Rejected(f"repeated {what} report from rank {rank} for step {step}")
+
     def on_loss(self, rank: int, step: int, loss_sum: float, denominator: float) -> list[tuple[list[int], float]]:
         """Record a loss report; when a loss section is complete, return [(ranks to finalize, D)]."""
         section, _ = self.placement.who(rank)
-        per = self.losses.setdefault(step, {}).setdefault(section, [])
-        per.append((loss_sum, denominator))
+        per = self.losses.get(step, {}).get(section, {})
+        senders = [r for n in self.graph.loss_sections() for r in self.placement.ranks[n]]
+        self._check("loss", rank, step, senders, per)
+        per = self.losses.setdefault(step, {}).setdefault(section, {})
+        per[rank] = denominator
         if len(per) < self.placement.dp(section):
             return []
-        total = sum(d for _, d in per)
+        total = sum(per[r] for r in sorted(per))
         # The loss section itself sums its denominators with its gradients; only trainable
         # sections upstream wait for this one.
         ranks = [r for name in self.graph.order
@@ -80,6 +96,7 @@ class StepLedger:
         """Record a replica's share of the squared gradient norm (a report counts once per rank and
         step); when every trainable replica has reported, return (ranks to send it to, clip
         coefficient)."""
+        self._check("norm", rank, step, self.trainable_ranks, self.norms.get(step, {}))
         per = self.norms.setdefault(step, {})
         per[rank] = sq
         if len(per) < len(self.trainable_ranks):
@@ -90,6 +107,7 @@ class StepLedger:
 
     def on_done(self, rank: int, step: int, stats: dict[str, Any], now: float) -> dict[str, Any] | None:
         """Record a done report; when every replica is done, return the step's metrics row."""
+        self._check("done", rank, step, range(self.placement.world_size), self.done.get(step, {}))
         per = self.done.setdefault(step, {})
         per[rank] = stats
         if self.fitter is not None and self.placement.tp_index(rank) == 0:  # a tensor-parallel group times once

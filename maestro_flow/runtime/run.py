@@ -38,6 +38,24 @@ class RunOptions:
     record_steps: tuple[int, ...] | None = None  # which steps (None: all)
     checkpoint: CheckpointOptions = CheckpointOptions()
     tensorboard: str | None = None  # write TensorBoard curves here
+    host: str = "127.0.0.1"  # where the control plane, the store and the status endpoint listen
+    interface: str | None = None  # gloo's and NCCL's network interface (None: lo on loopback)
+    secret_file: str | None = None  # the shared secret (else MAESTRO_SECRET, else generated)
+
+
+def control_secret(options: RunOptions) -> bytes | None:
+    """The run's secret, refused before anything starts when unusable or missing where needed."""
+    from maestro_flow.protocol.auth import load_secret
+    from maestro_flow.transport.zmq_link import is_loopback
+
+    try:
+        secret = load_secret(options.secret_file)
+    except ValueError as exc:
+        raise PipelineError(str(exc)) from None
+    if secret is None and not is_loopback(options.host):
+        raise PipelineError(f"--host {options.host} is not loopback: a control plane on a network needs a shared "
+                            f"secret (set MAESTRO_SECRET or pass --secret-file), or keep --host 127.0.0.1")
+    return secret
 
 
 def _sigterm_as_interrupt(signum: int, frame: Any) -> None:
@@ -62,6 +80,7 @@ def _resume_from(options: RunOptions, pipeline: Any, num_samples: int) -> tuple[
 def run_pipeline(path: str, options: RunOptions) -> list[dict[str, Any]]:
     pipeline, paths = load_pipeline(path, options.overrides)
     checked = check_pipeline(pipeline)  # bad input is refused here, before any worker starts
+    secret = None if options.colocated else control_secret(options)
     ckpt = options.checkpoint
     ckpt.validate()
     if options.colocated and (ckpt.dir or ckpt.resume or ckpt.max_restarts):
@@ -116,7 +135,8 @@ def run_pipeline(path: str, options: RunOptions) -> list[dict[str, Any]]:
             def attempt(resume_at: tuple[str, mf.Manifest] | None, restarts: int) -> None:
                 Coordinator(pipeline, checked.graph, sampler, report, paths=paths, save_dir=options.save_dir,
                             observer=observer, run_dir=options.run_dir, record=record, checkpointer=checkpointer,
-                            resume=resume_at, restarts=restarts).run()
+                            resume=resume_at, restarts=restarts, secret=secret, host=options.host,
+                            interface=options.interface).run()
 
             supervise(attempt, max_restarts=ckpt.max_restarts, committed=lambda: checkpointer.committed, resume=resume,
                       restarts=resume[1].restarts if resume else 0,

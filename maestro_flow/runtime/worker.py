@@ -17,15 +17,18 @@ import ctypes
 import os
 import queue
 import signal
+import socket
 import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
 import zmq
 
+from maestro_flow.protocol.auth import DropLog, Opener, Rejected, Sealer, derive_key
 from maestro_flow.protocol.messages import PROTOCOL_VERSION, make
 from maestro_flow.timeouts import Timeouts
 from maestro_flow.transport import zmq_link
@@ -50,16 +53,23 @@ def _die_with_parent(parent_pid: int) -> None:
 
 
 class _Control:
-    """Owns the coordinator socket after the handshake (see module docstring)."""
+    """Owns the coordinator socket after the handshake (see module docstring). Seals what it
+    sends and opens what it receives (protocol/auth.py): frames that fail are dropped and logged;
+    pings only say the coordinator is alive. When the coordinator stays silent for
+    Timeouts.coordinator_timeout_s, `on_lost` is called (it ends the process)."""
 
     def __init__(self, zctx: zmq.Context, dealer: zmq.Socket, rank: int, inbox: queue.Queue,
-                 timeouts: Timeouts) -> None:
+                 timeouts: Timeouts, link: tuple[Sealer, Opener], drops: DropLog,
+                 on_lost: Callable[[str], None]) -> None:
         self.zctx, self.dealer, self.rank, self.inbox, self.timeouts = zctx, dealer, rank, inbox, timeouts
+        self.sealer, self.opener = link
+        self.drops, self.on_lost = drops, on_lost
         self.addr = f"inproc://events-{rank}-{id(self)}"
         self.events = zctx.socket(zmq.PULL)
         self.events.bind(self.addr)
         self.stopped = threading.Event()
         self.status: Any = lambda: None  # set to the executor's status once it exists
+        self.heard = time.monotonic()  # the coordinator's last authentic frame
         self.thread = threading.Thread(target=self._loop, name="control", daemon=True)
 
     def outbound(self) -> zmq.Socket:
@@ -67,6 +77,19 @@ class _Control:
         sock.setsockopt(zmq.LINGER, 1000)
         sock.connect(self.addr)
         return sock
+
+    def _receive(self) -> None:
+        try:
+            sender, msg = zmq_link.open_msg(self.opener, self.dealer.recv())
+        except Rejected as exc:
+            self.drops.drop("the coordinator's socket", str(exc))
+            return
+        if sender != "coordinator":
+            self.drops.drop(sender, "not the coordinator")
+            return
+        self.heard = time.monotonic()
+        if msg["t"] != "ping":
+            self.inbox.put(("msg", msg))
 
     def _loop(self) -> None:
         poller = zmq.Poller()
@@ -77,19 +100,22 @@ class _Control:
         while not self.stopped.is_set():
             for sock, _ in poller.poll(min(interval_ms, 100)):
                 if sock is self.dealer:
-                    self.inbox.put(("msg", zmq_link.recv_msg(self.dealer)))
+                    self._receive()
                 else:
-                    frame = self.events.recv()
-                    self.dealer.send(frame)
-            if time.monotonic() >= next_beat:
+                    self.dealer.send(self.sealer.seal(self.events.recv()))
+            now = time.monotonic()
+            if now >= next_beat:
                 status = self.status()
                 beat = make("heartbeat", rank=self.rank, **({"status": status} if status else {}))
-                zmq_link.send_msg(self.dealer, beat)
-                next_beat = time.monotonic() + self.timeouts.heartbeat_interval_s
+                zmq_link.send_msg(self.dealer, beat, sealer=self.sealer)
+                next_beat = now + self.timeouts.heartbeat_interval_s
+            if now - self.heard > self.timeouts.coordinator_timeout_s:
+                self.on_lost(f"the coordinator sent nothing for {now - self.heard:.0f}s (it died, or its host is "
+                             f"unreachable; raise MAESTRO_COORDINATOR_TIMEOUT_S if it can be that slow): exiting")
         # Flush what the compute thread queued last (its bye / error) before closing; the
         # linger lets the context's termination wait until those frames are on the wire.
         while self.events.poll(0):
-            self.dealer.send(self.events.recv())
+            self.dealer.send(self.sealer.seal(self.events.recv()))
         self.events.close(linger=0)
         self.dealer.close(linger=2000)
 
@@ -139,6 +165,10 @@ class _OutputCapture:
             self.log.write(self._lines(text))
             self.log.flush()
 
+    def report(self, text: str) -> None:
+        """To the terminal and the worker's log at once (the process is about to end)."""
+        self._write(self._lines(text))
+
     def detail(self, text: str) -> None:
         """Details the coordinator's one-line error points to: the worker's log only when there
         is one (the terminal gets the one line), else the terminal."""
@@ -156,27 +186,59 @@ class _OutputCapture:
         self.reader.join(timeout=2.0)
 
 
+def use_interface(host: str, interface: str | None) -> None:
+    """gloo (and NCCL's bootstrap) listen on the run's interface: the one named, else loopback
+    when the control plane is on loopback (they would pick the host's first address)."""
+    if interface is None and zmq_link.is_loopback(host):
+        names = {name for _, name in socket.if_nameindex()}
+        interface = "lo" if "lo" in names else None
+    if interface is not None:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", interface)
+
+
+def _await_init(dealer: zmq.Socket, opener: Opener, drops: DropLog, deadline: float) -> dict | None:
+    """The coordinator's init (sealed); anything else on the socket is dropped. None at the deadline."""
+    while dealer.poll(int(max(0.0, deadline - time.monotonic()) * 1000)):
+        try:
+            sender, msg = zmq_link.open_msg(opener, dealer.recv())
+        except Rejected as exc:
+            drops.drop("the coordinator's socket", str(exc))
+            continue
+        if sender == "coordinator" and msg["t"] == "init":
+            return msg
+    return None
+
+
 def worker_main(boot: dict[str, Any]) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the coordinator, which stops us
     capture = _OutputCapture(boot.get("label", f"rank {boot['rank']}"), boot.get("log"))
     _die_with_parent(boot["parent_pid"])
     rank = boot["rank"]
     timeouts = Timeouts(**boot["timeouts"])
+    use_interface(boot.get("host", zmq_link.LOOPBACK), boot.get("interface"))
+    key = derive_key(bytes.fromhex(boot["secret"]), boot["session"])
+    link = (Sealer(key, f"rank{rank}", "coordinator"), Opener(key, f"rank{rank}", zmq_link.CONTROL_MAX_BYTES))
+    drops = DropLog(f"worker {boot.get('label', rank)}")
     zctx = zmq.Context()
-    dealer = zmq_link.connect(zctx, zmq.DEALER, boot["coordinator"], identity=str(rank).encode())
-    pull, data_addr = zmq_link.bind(zctx, zmq.PULL)
-    zmq_link.send_msg(dealer, make("hello", version=PROTOCOL_VERSION, rank=rank, pid=os.getpid(), data_addr=data_addr))
-    if not dealer.poll(int(timeouts.startup_s * 1000)):
+    dealer = zmq_link.connect(zctx, zmq.DEALER, boot["coordinator"])  # the coordinator binds it by its hello
+    pull, data_addr = zmq_link.bind(zctx, zmq.PULL, boot.get("host", zmq_link.LOOPBACK),
+                                    max_bytes=zmq_link.HEADER_MAX_BYTES)
+    zmq_link.send_msg(dealer, make("hello", version=PROTOCOL_VERSION, rank=rank, pid=os.getpid(), data_addr=data_addr),
+                      sealer=link[0])
+    init = _await_init(dealer, link[1], drops, time.monotonic() + timeouts.startup_s)
+    if init is None:
         os._exit(4)  # the coordinator never answered; it reports the missing worker itself
-    init = zmq_link.recv_msg(dealer)
     received = time.time()
-    if init["t"] != "init":
-        os._exit(4)
     inbox: queue.Queue = queue.Queue()
-    control = _Control(zctx, dealer, rank, inbox, timeouts)
+    def lost(text: str) -> None:
+        capture.report(text)
+        os._exit(5)
+
+    control = _Control(zctx, dealer, rank, inbox, timeouts, link, drops, lost)
     control.thread.start()
     out = control.outbound()
-    worker = _Worker(init, inbox, out, pull, zctx, timeouts)
+    worker = _Worker(init, inbox, out, pull, zctx, timeouts, key)
     worker.detail, worker.keep = capture.detail, capture.keep
     worker.clock_offset_s = init["now"] - received  # this host's wall clock -> the coordinator's
     worker.control = control
@@ -197,8 +259,9 @@ def worker_main(boot: dict[str, Any]) -> None:
 
 class _Worker:
     def __init__(self, init: dict[str, Any], inbox: queue.Queue, out: zmq.Socket, pull: zmq.Socket,
-                 zctx: zmq.Context, timeouts: Timeouts) -> None:
+                 zctx: zmq.Context, timeouts: Timeouts, key: bytes) -> None:
         self.init, self.inbox, self.out, self.pull, self.zctx, self.timeouts = init, inbox, out, pull, zctx, timeouts
+        self.key = key  # seals tensor headers to peers (protocol/auth.py)
         self.rank = init["rank"]
         self.comm = None
         self.control: _Control | None = None
@@ -288,7 +351,7 @@ class _Worker:
             self.report_error("stage", traceback.format_exc())  # the stage's plan or parallelize failed
             return None
         tracer = Tracer(enabled=init["trace"], offset_s=self.clock_offset_s, epoch=init["now"])
-        comm = TensorComm(zctx=self.zctx, rank=self.rank, pull=self.pull,
+        comm = TensorComm(zctx=self.zctx, rank=self.rank, pull=self.pull, key=self.key,
                           peers={int(k): v for k, v in init["peers"].items()}, groups=groups.channels,
                           device=torch.device(device),
                           deliver=lambda *a: self.inbox.put(("tensors", a)),

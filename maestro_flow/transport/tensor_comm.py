@@ -9,7 +9,9 @@ its sends, so the receives match); the channel's waiter thread completes them in
 delivers the unpacked tensors through the `deliver` callback. Up to WINDOW messages per channel
 are in flight, so the next message's receive is posted while the previous one's bytes flow.
 Errors in the comm's threads go to `on_error`; the comm never raises into the compute thread
-except for a send on a channel that does not exist.
+except for a send on a channel that does not exist. Headers are sealed under the run's key
+(protocol/auth.py), one stream per destination; the header thread drops and logs any frame that
+is not an authentic header from the rank it names, so garbage or forged headers cost nothing.
 
 A tensor-parallel replica's leader relays what its replica computes on — each micro-batch's
 inputs ("tpf") and gradients ("tpb") — to the other ranks of the replica with `relay`: a header
@@ -31,6 +33,7 @@ from typing import Any, Protocol
 import torch
 import zmq
 
+from maestro_flow.protocol.auth import DropLog, Opener, Rejected, Sealer
 from maestro_flow.protocol.messages import make
 from maestro_flow.transport import p2p, zmq_link
 
@@ -67,7 +70,7 @@ class _Stats:
 class TensorComm:
     WINDOW = 16  # messages posted but not completed, per channel; send() waits beyond that
 
-    def __init__(self, *, zctx: zmq.Context, rank: int, pull: zmq.Socket, peers: dict[int, str],
+    def __init__(self, *, zctx: zmq.Context, rank: int, pull: zmq.Socket, key: bytes, peers: dict[int, str],
                  groups: dict[tuple[int, int, str], Any], device: torch.device,
                  deliver: Deliver, on_error: Callable[[str], None], tracer: Any = None,
                  relay: tuple[tuple[int, ...], Any] | None = None) -> None:
@@ -78,7 +81,10 @@ class TensorComm:
         self._device, self._deliver, self._on_error = device, deliver, on_error
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
-        self._sockets: dict[int, zmq.Socket] = {}  # header sockets, owned by the sending thread
+        self._key = key
+        self._sockets: dict[int, tuple[zmq.Socket, Sealer]] = {}  # header sockets, owned by the sending thread
+        self._opener = Opener(key, f"data{rank}", zmq_link.HEADER_MAX_BYTES)
+        self.drops = DropLog(f"rank {rank}'s tensor headers")
         self._sent: dict[Channel, queue.Queue] = {}
         self._received: dict[Channel, queue.Queue] = {}
         self._pools: dict[Channel, p2p.BufferPool] = {}
@@ -123,17 +129,14 @@ class TensorComm:
         if sent is None:
             raise RuntimeError(f"rank {self.rank} has no {kind} channel to rank {dst}")
         t0 = time.perf_counter()
-        sock = self._sockets.get(dst)
-        if sock is None:
-            sock = self._sockets[dst] = zmq_link.connect(self._zctx, zmq.PUSH, self._peers[dst])
         entries, specs, buffers = p2p.pack(items)
         group = self._groups[(self.rank, dst, kind)]
         if p2p.through_host(group, self._device):
             buffers = p2p.to_host(buffers)
         self._posting(buffers)
         # Header first: the receiver needs shapes and dtypes to post its receives.
-        zmq_link.send_msg(sock, make("tensors", src=self.rank, kind=kind, edge=edge, step=step,
-                                     entries=entries, buffers=specs))
+        self._header(dst, make("tensors", src=self.rank, kind=kind, edge=edge, step=step, entries=entries,
+                               buffers=specs))
         sent.put((p2p.post_sends(buffers, dst, group), buffers, t0, dst, kind, step))
 
     def _posting(self, buffers: Sequence[torch.Tensor]) -> None:
@@ -152,20 +155,22 @@ class TensorComm:
         self._posting(buffers)
         header = make("tensors", src=self.rank, kind=kind, edge=index, step=step, entries=entries, buffers=specs)
         for member in members:
-            sock = self._sockets.get(member)
-            if sock is None:
-                sock = self._sockets[member] = zmq_link.connect(self._zctx, zmq.PUSH, self._peers[member])
-            zmq_link.send_msg(sock, header)
+            self._header(member, header)
         self._sent[(leader, "relay")].put((p2p.post_broadcasts(buffers, leader, self._relay_group), buffers, t0,
                                            -1, kind, step))
 
     def notify(self, dst: int, step: int, finished: int) -> None:
         """Tell a producer that this replica finished `finished` forward micro-batches of `step`
         (its run-ahead credits). Same thread as send()."""
-        sock = self._sockets.get(dst)
-        if sock is None:
-            sock = self._sockets[dst] = zmq_link.connect(self._zctx, zmq.PUSH, self._peers[dst])
-        zmq_link.send_msg(sock, make("progress", src=self.rank, step=step, finished=finished))
+        self._header(dst, make("progress", src=self.rank, step=step, finished=finished))
+
+    def _header(self, dst: int, msg: dict) -> None:
+        """A sealed header (or progress note) to `dst`, on this thread's stream to it."""
+        link = self._sockets.get(dst)
+        if link is None:
+            sock = zmq_link.connect(self._zctx, zmq.PUSH, self._peers[dst], max_bytes=zmq_link.HEADER_MAX_BYTES)
+            link = self._sockets[dst] = (sock, Sealer(self._key, f"rank{self.rank}", f"data{dst}"))
+        zmq_link.send_msg(link[0], msg, sealer=link[1])
 
     @property
     def in_flight(self) -> int:
@@ -185,7 +190,7 @@ class TensorComm:
         deadline = time.monotonic() + timeout_s
         for t in list(self._threads):
             t.join(max(0.0, deadline - time.monotonic()))
-        for sock in self._sockets.values():
+        for sock, _ in self._sockets.values():
             sock.close(linger=0)
         self._sockets.clear()
         return not any(t.is_alive() for t in self._threads)
@@ -213,7 +218,9 @@ class TensorComm:
             while not self._stop.is_set():
                 if not poller.poll(100):
                     continue
-                msg = zmq_link.recv_msg(self._pull)
+                msg = self._open(self._pull.recv())
+                if msg is None:
+                    continue
                 if msg["t"] == "progress":
                     self._deliver("progress", -1, msg["step"], msg["src"], msg["finished"])
                     continue
@@ -234,6 +241,18 @@ class TensorComm:
                 received.put((works, buffers, msg, t0))
         finally:
             self._pull.close(linger=0)
+
+    def _open(self, frame: bytes) -> dict | None:
+        """An authentic header or progress note from the rank it names; else None (dropped, logged)."""
+        try:
+            sender, msg = zmq_link.open_msg(self._opener, frame)
+        except Rejected as exc:
+            self.drops.drop("a header socket", str(exc))
+            return None
+        if msg["t"] not in ("tensors", "progress") or sender != f"rank{msg['src']}":
+            self.drops.drop(sender, f"a {msg['t']!r} message naming rank {msg.get('src')!r}")
+            return None
+        return msg
 
     def _recv_waiter(self, src: int, kind: str, received: queue.Queue) -> None:
         while True:

@@ -3,32 +3,49 @@
 Sockets are never shared between threads; each helper returns a socket for the calling thread.
 Everything binds to loopback by default and to port 0 (the OS picks a free port), so tests never
 collide. Sockets close with linger 0: an aborting process never blocks on undelivered frames.
+A bound socket refuses frames over its size limit (ZeroMQ drops the connection that sent one).
+Runtime frames are sealed (protocol/auth.py): `send_msg(..., sealer=)` and `open_msg` check the
+MAC, the sender, the sequence number and the message's fields; `open_msg` raises `Rejected`.
 """
 
 from __future__ import annotations
 
 import zmq
 
+from maestro_flow.protocol.auth import Opener, Rejected, Sealer
 from maestro_flow.protocol.codec import decode, encode
+from maestro_flow.protocol.messages import ProtocolError
 
 LOOPBACK = "127.0.0.1"
+CONTROL_MAX_BYTES = 64 << 20  # a control message (the largest: a step's plan for one replica)
+HEADER_MAX_BYTES = 16 << 20  # a tensor header (shapes and dtypes, never tensor bytes)
 
 
-def bind(ctx: zmq.Context, kind: int, host: str = LOOPBACK) -> tuple[zmq.Socket, str]:
+def is_loopback(host: str) -> bool:
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
+def bind(ctx: zmq.Context, kind: int, host: str = LOOPBACK, max_bytes: int = CONTROL_MAX_BYTES,
+         hwm: int = 0) -> tuple[zmq.Socket, str]:
+    """`hwm`: messages queued per connection (0: unbounded, for peers of the run, whose every
+    message must arrive; a bound for sockets strangers may reach, where TCP then pushes back)."""
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)
     if kind in (zmq.PULL, zmq.ROUTER):
-        sock.setsockopt(zmq.RCVHWM, 0)
+        sock.setsockopt(zmq.RCVHWM, hwm)
     if kind == zmq.ROUTER:
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.SNDHWM, hwm)
     port = sock.bind_to_random_port(f"tcp://{host}")
     return sock, f"tcp://{host}:{port}"
 
 
-def connect(ctx: zmq.Context, kind: int, addr: str, identity: bytes | None = None) -> zmq.Socket:
+def connect(ctx: zmq.Context, kind: int, addr: str, identity: bytes | None = None,
+            max_bytes: int = CONTROL_MAX_BYTES) -> zmq.Socket:
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)
     sock.setsockopt(zmq.SNDHWM, 0)
     if identity is not None:
         sock.setsockopt(zmq.IDENTITY, identity)
@@ -36,12 +53,23 @@ def connect(ctx: zmq.Context, kind: int, addr: str, identity: bytes | None = Non
     return sock
 
 
-def send_msg(sock: zmq.Socket, msg: dict, identity: bytes | None = None) -> None:
+def send_msg(sock: zmq.Socket, msg: dict, identity: bytes | None = None, sealer: Sealer | None = None) -> None:
+    frame = encode(msg) if sealer is None else sealer.seal(encode(msg))
     if identity is None:
-        sock.send(encode(msg))
+        sock.send(frame)
     else:
-        sock.send_multipart([identity, encode(msg)])
+        sock.send_multipart([identity, frame])
 
 
 def recv_msg(sock: zmq.Socket) -> dict:
+    """An unsealed message (benchmarks of the bare codec)."""
     return decode(sock.recv())
+
+
+def open_msg(opener: Opener, frame: bytes) -> tuple[str, dict]:
+    """(sender, message) of a sealed frame, or Rejected saying why it is dropped."""
+    sender, payload = opener.open(frame)
+    try:
+        return sender, decode(payload)
+    except ProtocolError as exc:
+        raise Rejected(f"authentic but malformed: {exc}") from None

@@ -9,6 +9,7 @@ import zmq
 
 from maestro_flow.errors import SystemFailure
 from maestro_flow.graph import SectionGraph
+from maestro_flow.protocol.auth import Sealer, derive_key
 from maestro_flow.protocol.messages import PROTOCOL_VERSION, make
 from maestro_flow.runtime.coordinator import Coordinator
 from maestro_flow.runtime.report import RunReport
@@ -22,11 +23,12 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
 
 def impostor(boot: dict) -> None:
-    """Says hello with a wrong protocol version, then waits to be stopped."""
+    """Says hello (sealed, as a worker of this run) with a wrong protocol version, then waits."""
     ctx = zmq.Context()
-    sock = zmq_link.connect(ctx, zmq.DEALER, boot["coordinator"], identity=str(boot["rank"]).encode())
+    sock = zmq_link.connect(ctx, zmq.DEALER, boot["coordinator"])
+    sealer = Sealer(derive_key(bytes.fromhex(boot["secret"]), boot["session"]), f"rank{boot['rank']}", "coordinator")
     zmq_link.send_msg(sock, make("hello", version=PROTOCOL_VERSION + 41, rank=boot["rank"], pid=os.getpid(),
-                                 data_addr="tcp://127.0.0.1:1"))
+                                 data_addr="tcp://127.0.0.1:1"), sealer=sealer)
     sock.poll(30_000)
 
 

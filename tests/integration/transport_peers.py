@@ -15,8 +15,12 @@ import torch
 import torch.distributed as dist
 import zmq
 
+from maestro_flow.protocol.auth import derive_key
 from maestro_flow.transport import zmq_link
 from maestro_flow.transport.tensor_comm import LocalComm, TensorComm
+
+
+KEY = derive_key(b"transport test secret", "session")
 
 
 def messages(seed: int) -> list[list[tuple[int, str, torch.Tensor | None]]]:
@@ -60,7 +64,7 @@ def peer_main(rank: int, world: int, port: int, plan: list[tuple[int, int, str]]
     time.sleep(delay_s.get(rank, 0.0))  # a slow peer: no receive posted before this
     got: queue.Queue = queue.Queue()
     errors: list[str] = []
-    comm = TensorComm(zctx=zctx, rank=rank, pull=pull, peers=peers, groups=groups, device=torch.device("cpu"),
+    comm = TensorComm(zctx=zctx, rank=rank, pull=pull, key=KEY, peers=peers, groups=groups, device=torch.device("cpu"),
                       deliver=lambda kind, edge, step, src, items: got.put((time.monotonic(), kind, src, plain(items))),
                       on_error=errors.append)
     for src, dst, kind in plan:

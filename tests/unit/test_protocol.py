@@ -59,6 +59,7 @@ MESSAGES = {
                 "entries": [[3, "hidden", "float32", [7, 16], 0, 0], [5, "hidden", "float32", [9, 16], 0, 112]],
                 "buffers": [["float32", 256]]},
     "progress": {"src": 2, "step": 4, "finished": 3},
+    "ping": {},
 }
 
 
@@ -132,6 +133,11 @@ def test_garbage_frames_raise_protocol_error(frame):
     ({"t": "bogus", "rank": 1}, "unknown message type 'bogus'"),
     ({"t": None}, "unknown message type None"),
     ({"t": "loss", "rank": 1, "step": 2}, "message 'loss' lacks loss_sum, denominator"),
+    ({"t": "loss", "rank": "1", "step": 2, "loss_sum": 1.0, "denominator": 2.0}, "field 'rank' is str, not int"),
+    ({"t": "done", "rank": 1, "step": 2.5, "stats": {}}, "field 'step' is float, not int"),
+    ({"t": "done", "rank": 1, "step": 2, "stats": [1]}, "field 'stats' is list, not dict"),
+    ({"t": "error", "rank": 0, "kind": "stage", "section": "s", "replica": 0, "step": 1, "phase": "p",
+      "traceback": None}, "field 'traceback' is NoneType, not str"),
 ])
 def test_valid_msgpack_that_is_not_a_message_raises_protocol_error(value, message):
     with pytest.raises(ProtocolError, match=message):

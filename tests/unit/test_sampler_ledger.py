@@ -8,6 +8,7 @@ import pytest
 from maestro_flow import ArrowData, Edge, Pipeline, PipelineError, Section
 from maestro_flow.graph import SectionGraph
 from maestro_flow.planner import Placement, make_planner
+from maestro_flow.protocol.auth import Rejected
 from maestro_flow.runtime.ledger import StepLedger, plan_message
 from maestro_flow.runtime.sampler import EpochSampler
 from maestro_flow.samples import SampleMeta
@@ -146,9 +147,17 @@ def stats(busy_s: float, micro_batches: int, samples: int) -> dict:
     return {"busy_s": busy_s, "micro_batches": micro_batches, "samples": samples}
 
 
+def opened(ledger: StepLedger, *steps: int) -> StepLedger:
+    """The ledger with these steps planned (reports count only for steps in progress)."""
+    samples = [SampleMeta(id=i, row=i, num_tokens=10) for i in range(4)]
+    for step in steps:
+        ledger.planned(make_planner("fifo", ledger.graph).plan(step, samples), now=0.0)
+    return ledger
+
+
 def test_loss_reports_from_every_replica_finalize_the_loss_group():
     graph = distill()  # ranks: teacher 0, student 1 2
-    ledger = StepLedger(graph, placement_of(graph))
+    ledger = opened(StepLedger(graph, placement_of(graph)), 0)
     assert ledger.on_loss(1, 0, 3.0, 10.0) == []
     # The students sum their denominators with their gradients; the frozen teacher needs none.
     assert ledger.on_loss(2, 0, 5.0, 6.0) == [([], 16.0)]
@@ -159,7 +168,7 @@ def test_finalize_targets_every_trainable_section_upstream_of_the_loss():
                      [Edge(src="teacher", dst="llm", tensors=("t",)), Edge(src="vision", dst="llm", tensors=("v",))])
     placement = placement_of(graph)
     assert placement.ranks == {"teacher": (0,), "vision": (1, 2), "llm": (3, 4)}
-    ledger = StepLedger(graph, placement)
+    ledger = opened(StepLedger(graph, placement), 2)
     assert ledger.on_loss(4, 2, 1.0, 0.0) == []
     assert ledger.on_loss(3, 2, 2.0, 7.0) == [([1, 2], 7.0)]  # the trainable encoder upstream
 
@@ -169,10 +178,35 @@ def test_two_loss_groups_finalize_separately():
                      [Edge(src="enc_a", dst="lm_a", tensors=("h",))])
     placement = placement_of(graph)
     assert placement.ranks == {"enc_a": (0,), "lm_b": (1,), "lm_a": (2, 3)}  # topological order
-    ledger = StepLedger(graph, placement)
+    ledger = opened(StepLedger(graph, placement), 0)
     assert ledger.on_loss(1, 0, 4.0, 2.0) == [([], 2.0)]
     assert ledger.on_loss(2, 0, 1.0, 1.0) == []
     assert ledger.on_loss(3, 0, 1.0, 3.0) == [([0], 4.0)]
+
+
+def test_a_report_counts_once_per_rank_for_a_step_in_progress():
+    # Reproduced on loopback before: a forged second loss report with a huge denominator was
+    # counted as another replica's and changed the trained weights.
+    graph = distill()  # ranks: teacher 0, student 1 2
+    ledger = opened(StepLedger(graph, placement_of(graph)), 0)
+    assert ledger.on_loss(1, 0, 3.0, 10.0) == []
+    with pytest.raises(Rejected, match="repeated loss report from rank 1 for step 0"):
+        ledger.on_loss(1, 0, 3.0, 1e30)
+    with pytest.raises(Rejected, match="loss report from rank 0, which does not send one"):
+        ledger.on_loss(0, 0, 3.0, 1e30)  # the frozen teacher is no loss section
+    with pytest.raises(Rejected, match="loss report for step 7, which is not in progress"):
+        ledger.on_loss(2, 7, 3.0, 1e30)
+    assert ledger.on_loss(2, 0, 5.0, 6.0) == [([], 16.0)]  # the forged reports changed nothing
+    assert ledger.on_done(0, 0, stats(0.5, 1, 4), now=1.0) is None
+    with pytest.raises(Rejected, match="repeated done report"):
+        ledger.on_done(0, 0, stats(0.5, 1, 4), now=1.0)
+    with pytest.raises(Rejected, match="done report from rank 9"):
+        ledger.on_done(9, 0, stats(0.5, 1, 4), now=1.0)
+    with pytest.raises(Rejected, match="norm report from rank 0, which does not send one"):
+        ledger.on_norm(0, 0, 1.0)
+    ledger.on_norm(1, 0, 1.0)
+    with pytest.raises(Rejected, match="repeated norm report"):
+        ledger.on_norm(1, 0, 1e30)
 
 
 def test_done_from_every_rank_gives_the_metrics_row():
@@ -248,11 +282,12 @@ def test_norm_shares_of_every_trainable_replica_give_one_clip_coefficient():
                      [Edge(src="teacher", dst="llm", tensors=("t",)), Edge(src="vision", dst="llm", tensors=("v",))])
     graph = SectionGraph(Pipeline(name="p", data=ArrowData(path="d"), sections=list(graph.sections.values()),
                                   edges=graph.pipeline.edges, grad_clip=1.0))
-    ledger = StepLedger(graph, placement_of(graph))  # trainable ranks 1 2 (vision), 3 4 (llm)
+    ledger = opened(StepLedger(graph, placement_of(graph)), 0)  # trainable ranks 1 2 (vision), 3 4 (llm)
     assert ledger.on_norm(1, 0, 9.0) is None
     assert ledger.on_norm(3, 0, 16.0) is None
     assert ledger.on_norm(2, 0, 0.0) is None
-    assert ledger.on_norm(1, 0, 9.0) is None  # a repeated report counts once
+    with pytest.raises(Rejected):
+        ledger.on_norm(1, 0, 9.0)  # a repeated report counts once
     ranks, coef = ledger.on_norm(4, 0, 0.0)
     assert ranks == [1, 2, 3, 4]
     assert coef == pytest.approx(1.0 / (5.0 + 1e-6))  # max_norm / (sqrt(9 + 16) + eps)

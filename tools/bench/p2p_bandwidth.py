@@ -75,6 +75,7 @@ def _rank_main(rank: int, port: int, cases: list[dict[str, Any]], schedule: list
     import torch.distributed as dist
     import zmq
 
+    from maestro_flow.protocol.auth import derive_key
     from maestro_flow.transport import zmq_link
     from maestro_flow.transport.tensor_comm import TensorComm
 
@@ -97,7 +98,7 @@ def _rank_main(rank: int, port: int, cases: list[dict[str, Any]], schedule: list
         def on_error(text: str) -> None:
             delivered.put((None, text))
 
-        comm = TensorComm(zctx=zctx, rank=rank, pull=pull, peers=peers, groups=groups,
+        comm = TensorComm(zctx=zctx, rank=rank, pull=pull, key=derive_key(b"bench", "p2p"), peers=peers, groups=groups,
                           device=torch.device("cpu"), deliver=deliver, on_error=on_error)
 
         # Sender tensors carry the case index (+1) so the receiver can check what it got.

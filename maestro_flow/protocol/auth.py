@@ -1,0 +1,141 @@
+"""Authenticated control frames: every frame carries an HMAC-SHA256 under the run's key.
+
+Pure (standard library only). A run has one secret (MAESTRO_SECRET, --secret-file, or 32 random
+bytes generated for a one-node run and handed to its workers); each attempt of a run derives its
+own key from the secret and a fresh session nonce, so frames of another run or of an earlier
+attempt never verify.
+
+A sealed frame is `mac (32) | seq (8, big-endian) | len(sender) (1) | sender | payload`. The MAC
+covers the recipient's name, the sequence number, the sender's name and the payload, so a frame
+cannot be redirected to another recipient, attributed to another sender, or altered. A sender
+numbers the frames of each (sender, recipient) stream 1, 2, 3...; ZeroMQ keeps a stream's order,
+so a recipient refuses any frame whose number is not above the last it accepted (a replay).
+`open` raises `Rejected` with the reason; receivers drop such frames and log them (`DropLog`),
+they never fail on them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import secrets
+import struct
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+MAC_BYTES = 32
+_SEQ = struct.Struct("!Q")
+SECRET_ENV = "MAESTRO_SECRET"
+MIN_SECRET_BYTES = 16
+
+
+class Rejected(Exception):
+    """A frame that is dropped: unauthenticated, replayed, malformed, oversized or out of place."""
+
+
+def new_secret() -> bytes:
+    return secrets.token_bytes(32)
+
+
+def new_nonce() -> str:
+    return secrets.token_hex(16)
+
+
+def load_secret(secret_file: str | None = None, environ: dict[str, str] | None = None) -> bytes | None:
+    """The run's secret from --secret-file, else MAESTRO_SECRET, else None (generate one).
+    Raises ValueError with what to change when the secret is unusable."""
+    environ = os.environ if environ is None else environ
+    if secret_file:
+        try:
+            with open(secret_file, "rb") as f:
+                raw = f.read().strip()
+        except OSError as exc:
+            raise ValueError(f"--secret-file {secret_file}: cannot read it ({exc.strerror})") from None
+        origin = f"--secret-file {secret_file}"
+    elif environ.get(SECRET_ENV):
+        raw, origin = environ[SECRET_ENV].strip().encode(), SECRET_ENV
+    else:
+        return None
+    if len(raw) < MIN_SECRET_BYTES:
+        raise ValueError(f"{origin}: the secret has {len(raw)} bytes, at least {MIN_SECRET_BYTES} are needed "
+                         f"(e.g. `openssl rand -hex 32`)")
+    return raw
+
+
+def derive_key(secret: bytes, nonce: str) -> bytes:
+    return hmac.new(secret, b"maestro_flow control plane\x00" + nonce.encode(), hashlib.sha256).digest()
+
+
+class Sealer:
+    """Seals the frames of one stream (one sender to one recipient). Not thread-safe: one
+    stream is written by one thread, in the order its frames go on the wire."""
+
+    def __init__(self, key: bytes, sender: str, recipient: str) -> None:
+        self._key, self._recipient = key, recipient.encode()
+        self._sender = sender.encode()
+        if len(self._sender) > 255:
+            raise ValueError("sender name longer than 255 bytes")
+        self._seq = 0
+
+    def seal(self, payload: bytes) -> bytes:
+        self._seq += 1
+        body = _SEQ.pack(self._seq) + bytes([len(self._sender)]) + self._sender + payload
+        return hmac.new(self._key, self._recipient + body, hashlib.sha256).digest() + body
+
+
+class Opener:
+    """Opens the frames sent to one recipient, from any number of senders. Not thread-safe."""
+
+    def __init__(self, key: bytes, recipient: str, max_bytes: int) -> None:
+        self._key, self._recipient, self.max_bytes = key, recipient.encode(), max_bytes
+        self._last: dict[str, int] = {}
+
+    def open(self, frame: bytes) -> tuple[str, bytes]:
+        """(sender, payload) of an authentic frame, or Rejected."""
+        if len(frame) > self.max_bytes:
+            raise Rejected(f"frame of {len(frame)} bytes, over the limit of {self.max_bytes}")
+        if len(frame) < MAC_BYTES + _SEQ.size + 1:
+            raise Rejected(f"frame of {len(frame)} bytes is too short to be sealed")
+        mac, body = frame[:MAC_BYTES], frame[MAC_BYTES:]
+        expected = hmac.new(self._key, self._recipient + body, hashlib.sha256).digest()
+        if not hmac.compare_digest(mac, expected):
+            raise Rejected("bad MAC (not sealed with this run's secret)")
+        (seq,) = _SEQ.unpack_from(body)
+        n = body[_SEQ.size]
+        start = _SEQ.size + 1
+        sender = body[start:start + n].decode("utf-8", "replace")
+        if seq <= self._last.get(sender, 0):
+            raise Rejected(f"replayed frame {seq} from {sender} (last accepted: {self._last[sender]})")
+        self._last[sender] = seq
+        return sender, body[start + n:]
+
+
+class DropLog:
+    """Logs dropped frames without letting a flood of them flood the log: the first few in
+    full, then one summary line per interval with the count."""
+
+    def __init__(self, where: str, write: Callable[[str], None] | None = None, first: int = 10,
+                 interval_s: float = 10.0) -> None:
+        self.where, self.first, self.interval_s = where, first, interval_s
+        self._write = write or (lambda text: print(text, file=sys.stderr, flush=True))
+        self.count = 0
+        self._unlogged = 0
+        self._last_summary = time.monotonic()
+        self._lock = threading.Lock()
+
+    def drop(self, origin: str, reason: str) -> None:
+        with self._lock:
+            self.count += 1
+            if self.count <= self.first:
+                self._write(f"maestro: {self.where} dropped a message from {origin}: {reason}")
+                return
+            self._unlogged += 1
+            now = time.monotonic()
+            if now - self._last_summary < self.interval_s:
+                return
+            self._write(f"maestro: {self.where} dropped {self._unlogged} more messages in the last "
+                        f"{now - self._last_summary:.0f}s (last from {origin}: {reason})")
+            self._unlogged, self._last_summary = 0, now

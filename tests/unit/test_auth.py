@@ -1,0 +1,98 @@
+"""Sealed control frames (maestro_flow/protocol/auth.py): what verifies and what is refused.
+
+A frame verifies only under the run's key, for the recipient it was sealed for, unaltered, and
+once; the secret comes from --secret-file or MAESTRO_SECRET and a short one is refused.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from maestro_flow.protocol.auth import (DropLog, Opener, Rejected, Sealer, derive_key, load_secret, new_nonce,
+                                        new_secret)
+from maestro_flow.protocol.codec import encode
+from maestro_flow.protocol.messages import make
+from maestro_flow.transport.zmq_link import open_msg
+
+KEY = derive_key(b"s" * 32, "session-1")
+
+
+def test_a_sealed_frame_opens_once_with_its_sender():
+    sealer, opener = Sealer(KEY, "rank1", "coordinator"), Opener(KEY, "coordinator", 1 << 20)
+    frames = [sealer.seal(encode(make("heartbeat", rank=1))) for _ in range(3)]
+    for frame in frames:
+        sender, msg = open_msg(opener, frame)
+        assert (sender, msg) == ("rank1", {"t": "heartbeat", "rank": 1})
+    with pytest.raises(Rejected, match="replayed frame 2 from rank1"):
+        opener.open(frames[1])
+
+
+def test_each_sender_has_its_own_sequence():
+    opener = Opener(KEY, "coordinator", 1 << 20)
+    a, b = Sealer(KEY, "rank0", "coordinator"), Sealer(KEY, "rank1", "coordinator")
+    assert opener.open(a.seal(b"x"))[0] == "rank0"
+    assert opener.open(b.seal(b"y"))[0] == "rank1"
+    assert opener.open(a.seal(b"z")) == ("rank0", b"z")
+
+
+@pytest.mark.parametrize("tamper", ["wrong key", "other session", "other recipient", "flipped payload bit",
+                                    "renamed sender", "truncated", "empty", "garbage"])
+def test_anything_but_the_sealed_frame_is_rejected(tamper):
+    frame = Sealer(KEY, "rank1", "coordinator").seal(encode(make("loss", rank=1, step=0, loss_sum=1.0,
+                                                                 denominator=1e30)))
+    opener = Opener(KEY, "coordinator", 1 << 20)
+    if tamper == "wrong key":
+        frame = Sealer(derive_key(b"t" * 32, "session-1"), "rank1", "coordinator").seal(b"x")
+    elif tamper == "other session":
+        frame = Sealer(derive_key(b"s" * 32, "session-2"), "rank1", "coordinator").seal(b"x")
+    elif tamper == "other recipient":
+        frame = Sealer(KEY, "rank1", "rank2").seal(b"x")
+    elif tamper == "flipped payload bit":
+        frame = frame[:-1] + bytes([frame[-1] ^ 1])
+    elif tamper == "renamed sender":
+        i = frame.index(b"rank1")
+        frame = frame[:i] + b"rank2" + frame[i + 5:]
+    elif tamper == "truncated":
+        frame = frame[:40]
+    elif tamper == "empty":
+        frame = b""
+    else:
+        frame = bytes(range(256)) * 4
+    with pytest.raises(Rejected):
+        opener.open(frame)
+
+
+def test_oversized_frames_are_rejected_before_any_mac_is_computed():
+    opener = Opener(KEY, "coordinator", max_bytes=1024)
+    with pytest.raises(Rejected, match="over the limit of 1024"):
+        opener.open(b"\0" * 1025)
+
+
+def test_authentic_but_malformed_messages_are_rejected():
+    sealer, opener = Sealer(KEY, "rank1", "coordinator"), Opener(KEY, "coordinator", 1 << 20)
+    with pytest.raises(Rejected, match="malformed: message 'loss' lacks"):
+        open_msg(opener, sealer.seal(encode({"t": "loss", "rank": 1})))
+    with pytest.raises(Rejected, match="malformed: undecodable"):
+        open_msg(opener, sealer.seal(b"\xc1"))
+
+
+def test_secret_from_file_or_environment(tmp_path):
+    path = tmp_path / "secret"
+    path.write_text("0123456789abcdef0123\n")
+    assert load_secret(str(path), environ={}) == b"0123456789abcdef0123"
+    assert load_secret(None, environ={"MAESTRO_SECRET": "x" * 20}) == b"x" * 20
+    assert load_secret(None, environ={}) is None
+    with pytest.raises(ValueError, match="at least 16 are needed"):
+        load_secret(None, environ={"MAESTRO_SECRET": "short"})
+    with pytest.raises(ValueError, match="cannot read it"):
+        load_secret(str(tmp_path / "missing"), environ={})
+    assert len(new_secret()) == 32 and new_nonce() != new_nonce()
+
+
+def test_drop_log_is_bounded():
+    lines: list[str] = []
+    log = DropLog("the coordinator", lines.append, first=3, interval_s=3600)
+    for i in range(10_000):
+        log.drop("connection 00", f"bad MAC {i}")
+    assert log.count == 10_000
+    assert len(lines) == 3 and "dropped a message from connection 00: bad MAC 0" in lines[0]
