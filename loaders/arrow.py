@@ -37,6 +37,7 @@ AUDIO_FRAME_S = 0.01
 _REQUIRED = ("id int64, modalities list<string>, tokens list<int32>")
 _BIT = {name: 1 << i for i, name in enumerate(KNOWN_MODALITIES)}
 _ARROW_MAGIC = b"ARROW1"
+INT32_END = 1 << 31
 _PARQUET_MAGIC = b"PAR1"
 
 
@@ -75,6 +76,12 @@ class _Segment:
     batch: pa.RecordBatch | None = None  # Arrow IPC: zero-copy view of the memory map
     file: int = -1  # Parquet: index into the file list
     row_group: int = -1
+
+
+def _row_group_offset(rg: Any) -> int:
+    """Where a Parquet row group's first page starts in its file."""
+    col = rg.column(0)
+    return min(o for o in (col.dictionary_page_offset, col.data_page_offset) if o is not None and o > 0)
 
 
 def _first_line(exc: BaseException) -> str:
@@ -122,6 +129,7 @@ class ArrowSource:
         if not os.path.exists(self._path):
             raise PipelineError(f"data.path: no such file: {self._path}")
         self._parquet_files: list[pq.ParquetFile] = []
+        self._parquet_paths: list[str] = []
         self._cache: tuple[int, frozenset[str], pa.Table] | None = None  # last Parquet row group read
         if os.path.isdir(self._path):
             schema, segments = self._open_parquet_folder()
@@ -146,6 +154,8 @@ class ArrowSource:
             return self._open_parquet([self._path])
         try:
             source = pa.memory_map(self._path, "r")
+            self._map_base = source.read_buffer(1).address  # zero-copy: buffers' addresses are in the map
+            source.seek(0)
             if magic == _ARROW_MAGIC:
                 reader = ipc.open_file(source)
                 batches = [reader.get_batch(i) for i in range(reader.num_record_batches)]
@@ -188,6 +198,7 @@ class ArrowSource:
                     "folder must have the same columns and types)"
                 )
             self._parquet_files.append(pf)
+            self._parquet_paths.append(path)
             for rg in range(pf.metadata.num_row_groups):
                 n = pf.metadata.row_group(rg).num_rows
                 segments.append(_Segment(start=start, num_rows=n, file=i, row_group=rg))
@@ -302,10 +313,48 @@ class ArrowSource:
         key = frozenset(names)
         if self._cache is not None and self._cache[0] == seg_i and key <= self._cache[1]:
             return self._cache[2]
-        table = self._parquet_files[seg.file].read_row_group(seg.row_group, columns=names)
+        try:
+            table = self._parquet_files[seg.file].read_row_group(seg.row_group, columns=names)
+        except (pa.ArrowException, OSError, ValueError) as exc:
+            raise PipelineError(f"data.path: {self._parquet_paths[seg.file]} is corrupt: {self._row_group_where(seg)} "
+                                f"cannot be read ({_first_line(exc)})") from None
         if cache:
             self._cache = (seg_i, key, table)
         return table
+
+    def rows_with_tokens_outside(self, end: int) -> list[int]:
+        """Rows whose tokens hold an id at or above `end` (a stage's vocabulary), in file order."""
+        rows: list[int] = []
+        for seg_i, seg in enumerate(self._segments):
+            table = self._segment_columns(seg_i, ["tokens"], cache=False)
+            out = token_rows_outside(_as_array(table.column("tokens")), 0, end)
+            rows.extend((seg.start + np.nonzero(out)[0]).tolist())
+        return rows
+
+    def _validate(self, seg_i: int, table: pa.RecordBatch | pa.Table) -> None:
+        """Every offset and length of a segment checked (a corrupt file must not crash a reader)."""
+        try:
+            table.validate(full=True)
+        except (pa.ArrowException, ValueError) as exc:
+            seg = self._segments[seg_i]
+            if seg.batch is not None:
+                where = f"record batch {seg_i} (rows {seg.start}..{seg.start + seg.num_rows - 1}"
+                offset = self._file_offset(seg.batch)
+                where += f", at byte {offset})" if offset is not None else ")"
+                path = self._path
+            else:
+                path, where = self._parquet_paths[seg.file], self._row_group_where(seg)
+            raise PipelineError(f"data.path: {path} is corrupt: {where} fails validation ({_first_line(exc)})") from None
+
+    def _row_group_where(self, seg: _Segment) -> str:
+        offset = _row_group_offset(self._parquet_files[seg.file].metadata.row_group(seg.row_group))
+        return f"row group {seg.row_group} (rows {seg.start}..{seg.start + seg.num_rows - 1}, at byte {offset})"
+
+    def _file_offset(self, batch: pa.RecordBatch) -> int | None:
+        """Where a memory-mapped record batch's buffers start in the file."""
+        addresses = [b.address for col in batch.columns for b in col.buffers() if b is not None]
+        base = getattr(self, "_map_base", None)
+        return min(addresses) - base if addresses and base is not None else None
 
     def _scanned(self) -> tuple[list[SampleMeta], list[int], list[int]]:
         if self._scan is None:
@@ -326,6 +375,7 @@ class ArrowSource:
         mod_sets = {m: frozenset(k for k, b in _BIT.items() if m & b) for m in range(1 << len(_BIT))}
         for seg_i, seg in enumerate(self._segments):
             table = self._segment_columns(seg_i, wanted, cache=False)
+            self._validate(seg_i, table)
             cols = {c: _as_array(table.column(c)) for c in wanted}
             n = seg.num_rows
             scan = _scan_segment(cols, n, payload)
@@ -356,6 +406,19 @@ class ArrowSource:
         return metas, skipped_rows, skipped_ids
 
 
+def token_rows_outside(arr: pa.Array, low: int, end: int) -> np.ndarray:
+    """Per row of a list<int> column: whether any of its values lies outside [low, end)."""
+    out = np.zeros(len(arr), dtype=bool)
+    values = pc.list_flatten(arr)
+    if len(values) == 0:
+        return out
+    v = _ints(values)
+    wrong = (v < low) | (v >= end)
+    if wrong.any():
+        out[_ints(pc.list_parent_indices(arr))[wrong]] = True
+    return out
+
+
 def _scan_segment(cols: dict[str, pa.Array], n: int, payload: dict[str, str]) -> dict[str, np.ndarray]:
     """Vectorised per-row checks and counts for one segment (no Python loop over rows).
     `payload`: modality -> the column that carries it."""
@@ -374,7 +437,10 @@ def _scan_segment(cols: dict[str, pa.Array], n: int, payload: dict[str, str]) ->
     unknown = np.zeros(n, dtype=bool)
     unknown[parents[~known]] = True
     tokens_valid = _valid(cols["tokens"])
-    bad = ~id_valid | ~mods_valid | (mask == 0) | unknown | ~tokens_valid
+    num_tokens = _list_lengths(cols["tokens"])
+    # Token ids are read as int32: a wider column must fit, and no id is negative.
+    tokens_out = token_rows_outside(cols["tokens"], 0, INT32_END)
+    bad = ~id_valid | ~mods_valid | (mask == 0) | unknown | ~tokens_valid | (num_tokens == 0) | tokens_out
     for modality in ("image", "audio"):
         declared = (mask & _BIT[modality]) != 0
         column = payload[modality]
@@ -391,7 +457,7 @@ def _scan_segment(cols: dict[str, pa.Array], n: int, payload: dict[str, str]) ->
             hop = np.maximum(rate, 1) * AUDIO_FRAME_S
             num_frames = np.where(has_audio, np.ceil(_list_lengths(cols[payload["audio"]]) / hop), 0).astype(np.int64)
     return {"ids": ids, "id_valid": id_valid, "mask": mask, "bad": bad,
-            "num_tokens": _list_lengths(cols["tokens"]),
+            "num_tokens": num_tokens,
             "num_patches": _ints(cols["num_patches"]) if "num_patches" in cols else zeros,
             "num_frames": num_frames}
 
@@ -412,6 +478,12 @@ def _describe_bad_row(cols: dict[str, pa.Array], j: int, row: int, payload: dict
         return f"{where} has unknown modality {unknown[0]!r} (known: {', '.join(KNOWN_MODALITIES)})"
     if not cols["tokens"][j].is_valid:
         return f"{where} has null tokens"
+    tokens = cols["tokens"][j].values
+    if len(tokens) == 0:
+        return f"{where} has no tokens"
+    outside = [t for t in tokens.to_pylist() if not 0 <= t < INT32_END]
+    if outside:
+        return f"{where} has token id {outside[0]}, outside 0..{INT32_END - 1} (token ids are read as int32)"
     for modality in ("image", "audio"):
         column = payload[modality]
         present = column in cols and cols[column][j].is_valid

@@ -96,6 +96,15 @@ class Stage:
         return None
 
     @classmethod
+    def token_limits(cls, config: dict[str, Any]) -> dict[str, int] | None:
+        """What this stage accepts in a sample's `tokens`: {"vocab_size": V} (every id below V)
+        and/or {"max_tokens": L} (at most L per sample). `maestro validate` and `maestro run`
+        check every sample the section reads against them before any worker starts, naming the
+        first sample id that breaks one. None (the default): no limits beyond the loader's (ids
+        in int32, no empty token list)."""
+        return None
+
+    @classmethod
     def tp_plan(cls, config: dict[str, Any]) -> dict[str, str] | None:
         """Tensor parallelism (`Section.tp > 1`): module name as in `state_dict` (the stage
         attribute first, `*` for one name part such as a layer index) -> "colwise", "rowwise",

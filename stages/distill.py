@@ -137,6 +137,10 @@ class KDStudent(Stage):
         return KD_OUTPUTS
 
     @classmethod
+    def token_limits(cls, config: dict[str, Any]) -> dict[str, int]:
+        return LMConfig.from_dict(config.get("student", {}), where="student.").token_limits()
+
+    @classmethod
     def tp_plan(cls, config: dict[str, Any]) -> dict[str, str]:
         return block_tp_plan("model.decoder.blocks")  # the teacher's head stays whole (it is frozen)
 

@@ -192,6 +192,15 @@ class HFCausalLM(Stage):
         return ROLES[stage_role(config, ROLES)]
 
     @classmethod
+    def token_limits(cls, config: dict[str, Any]) -> dict[str, int]:
+        hf_config, _ = hf_model_config(config)
+        limits = {"vocab_size": hf_config.vocab_size}
+        positions = getattr(hf_config, "max_position_embeddings", None) or getattr(hf_config, "n_positions", None)
+        if positions:
+            limits["max_tokens"] = positions
+        return limits
+
+    @classmethod
     def tp_plan(cls, config: dict[str, Any]) -> dict[str, str] | None:
         """The model's own tp plan, as transformers ships it (`base_model_tp_plan` of its config,
         e.g. llama's q/k/v/gate/up colwise, o/down rowwise), under this stage's `model.<base>.`."""

@@ -84,6 +84,10 @@ class CausalLM(Stage):
         return ROLES[stage_role(config, ROLES)]
 
     @classmethod
+    def token_limits(cls, config: dict[str, Any]) -> dict[str, int]:
+        return LMConfig.from_dict(config, ignore=("role",)).token_limits()
+
+    @classmethod
     def tp_plan(cls, config: dict[str, Any]) -> dict[str, str]:
         return block_tp_plan("model.decoder.blocks")
 

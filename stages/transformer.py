@@ -49,6 +49,10 @@ class LMConfig:
     def ff_dim(self) -> int:
         return self.d_ff if self.d_ff is not None else 4 * self.d_model
 
+    def token_limits(self) -> dict[str, int]:
+        """Ids the embedding has, positions the model has (Stage.token_limits)."""
+        return {"vocab_size": self.vocab_size, "max_tokens": self.max_seq_len}
+
     @classmethod
     def from_dict(cls, config: dict[str, Any], *, where: str = "", ignore: tuple[str, ...] = ()) -> LMConfig:
         """Build from a stage config; `where` prefixes key names in errors (e.g. "student.")."""

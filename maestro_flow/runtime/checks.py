@@ -59,6 +59,41 @@ def check_tensor_parallel(pipeline: Pipeline, section: Any, cls: Any) -> None:
         raise PipelineError(f"{where}.tp={section.tp}: " + "; ".join(problems))
 
 
+def check_token_limits(pipeline: Pipeline, source: Any, metadata: list[SampleMeta]) -> None:
+    """Every sample a section reads fits its stage's token_limits (vocabulary, length), or the
+    run is refused naming the section, the limit and the first sample id that breaks it."""
+    rows_over: dict[int, list[int]] = {}  # vocabulary size -> rows with an id at or above it
+    for s in pipeline.sections:
+        if s.columns is not None and "tokens" not in s.columns:
+            continue
+        cls = resolve(s.stage, f"sections.{s.name}.stage")
+        try:
+            limits = cls.token_limits(dict(s.config)) or {}
+        except Exception as exc:
+            raise PipelineError(f"sections.{s.name}.stage: {s.stage}.token_limits(config) failed: "
+                                f"{type(exc).__name__}: {exc}") from exc
+        reads = [m for m in metadata if s.activates_on is None or s.activates_on in m.modalities]
+        max_tokens = limits.get("max_tokens")
+        if max_tokens is not None:
+            over = [m for m in reads if m.num_tokens > max_tokens]
+            if over:
+                raise PipelineError(
+                    f"sections.{s.name}: sample id {over[0].id} (row {over[0].row}) has {over[0].num_tokens} tokens, "
+                    f"more than {s.stage} takes (max_tokens {max_tokens}, from its config); samples that "
+                    f"long: {len(over)}. Cut the samples or raise the model's maximum length")
+        vocab = limits.get("vocab_size")
+        if vocab is not None and hasattr(source, "rows_with_tokens_outside"):
+            if vocab not in rows_over:
+                rows_over[vocab] = source.rows_with_tokens_outside(vocab)
+            rows = set(rows_over[vocab])
+            bad = [m for m in reads if m.row in rows]
+            if bad:
+                raise PipelineError(
+                    f"sections.{s.name}: sample id {bad[0].id} (row {bad[0].row}) has a token id at or above "
+                    f"{s.stage}'s vocab_size {vocab}; samples like it: {len(bad)}. Fix the tokenization or the "
+                    f"model's vocab_size")
+
+
 def check_pipeline(pipeline: Pipeline) -> Checked:
     """Validate everything checkable without starting workers.
 
@@ -110,6 +145,7 @@ def check_pipeline(pipeline: Pipeline) -> Checked:
             if c not in source.column_names:
                 raise PipelineError(f"sections.{s.name}.columns: dataset {pipeline.data.path} has no column {c!r}")
     metadata = source.metadata()
+    check_token_limits(pipeline, source, metadata)
     if len(metadata) < pipeline.global_batch:
         raise PipelineError(f"global_batch={pipeline.global_batch} is larger than the dataset "
                             f"{pipeline.data.path} ({len(metadata)} usable samples)")

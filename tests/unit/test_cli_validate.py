@@ -264,3 +264,33 @@ def test_graph_refuses_a_bad_graph(tmp_path, dataset):
                     "-o", out)
     assert_one_error_line(result, "cycle")
     assert not out.exists()
+
+
+# -- token limits a stage declares (Stage.token_limits) ---------------------------------------
+
+def _token_data(tmp_path, tokens: list[list[int]]) -> str:
+    import pyarrow as pa
+
+    from loaders.demo import write_arrow
+
+    n = len(tokens)
+    table = pa.table({"id": pa.array(range(100, 100 + n), pa.int64()), "modalities": [["text"]] * n,
+                      "tokens": pa.array(tokens, pa.list_(pa.int32()))})
+    return str(write_arrow(table, tmp_path / "tokens.arrow"))
+
+
+def test_token_ids_outside_the_vocabulary_are_refused_naming_the_sample(tmp_path):
+    tokens = [[1, 2, 3]] * 40
+    tokens[17] = [1, 259, 4000]
+    result = invoke("validate", "pipelines/distill.py", "--set", f"data.path={_token_data(tmp_path, tokens)}")
+    assert result.exit_code == 2
+    assert "sample id 117 (row 17) has a token id at or above" in result.output
+    assert "vocab_size 260" in result.output
+
+
+def test_samples_longer_than_the_model_are_refused_naming_the_sample(tmp_path):
+    tokens = [[1, 2, 3]] * 40
+    tokens[5] = [7] * 300
+    result = invoke("validate", "pipelines/distill.py", "--set", f"data.path={_token_data(tmp_path, tokens)}")
+    assert result.exit_code == 2
+    assert "sample id 105 (row 5) has 300 tokens" in result.output and "max_tokens 256" in result.output

@@ -121,6 +121,53 @@ def test_int64_tokens_are_read_as_int32(tmp_path):
     assert tokens.dtype == np.int32 and tokens.tolist() == [257, 65, 258]
 
 
+def test_int64_tokens_that_do_not_fit_int32_are_refused_not_truncated(tmp_path):
+    # Reproduced before: 2**32 + 65 came back as 65.
+    path = write_arrow(pa.table({"id": pa.array([1, 2], pa.int64()), "modalities": [["text"], ["text"]],
+                                 "tokens": pa.array([[257, 65], [257, 2**32 + 65]], pa.list_(pa.int64()))}),
+                       tmp_path / "t.arrow")
+    with pytest.raises(PipelineError, match=r"row 1 \(id 2\) has token id 4294967361, outside 0..2147483647"):
+        source(path).metadata()
+
+
+def corrupt(path, at: int, data: bytes):
+    with open(path, "r+b") as f:
+        f.seek(at)
+        f.write(data)
+
+
+def test_a_corrupt_arrow_file_is_refused_naming_the_file_and_offset(demo, tmp_path):
+    # Reproduced before: 8 bytes overwritten in an offsets buffer aborted validate and run
+    # (a failed C++ check, SIGABRT) instead of an error.
+    import shutil
+    import struct
+
+    path = tmp_path / "corrupt.arrow"
+    shutil.copy(demo[1], path)
+    with pa.memory_map(str(path), "r") as m:
+        base = m.read_buffer(1).address
+        m.seek(0)
+        batch = pa.ipc.open_file(m).get_batch(1)
+        at = batch.column("tokens").buffers()[1].address - base
+    corrupt(path, at + 4 * 10, struct.pack("<ii", 0x7FFFF000, 0x7FFFF000))
+    with pytest.raises(PipelineError, match=rf"{path} is corrupt: record batch 1 \(rows 64..127, at byte \d+\) "
+                                            r"fails validation .*offset"):
+        source(path).metadata()
+
+
+def test_a_corrupt_parquet_row_group_is_refused_naming_it(demo, tmp_path):
+    import shutil
+
+    path = tmp_path / "corrupt.parquet"
+    shutil.copy(demo[2], path)
+    from loaders.arrow import _row_group_offset
+
+    start = _row_group_offset(pq.ParquetFile(str(path)).metadata.row_group(1))
+    corrupt(path, start, b"\xff" * 64)
+    with pytest.raises(PipelineError, match=rf"{path} is corrupt: row group 1 \(rows 48..95, at byte {start}\)"):
+        source(path).metadata()
+
+
 # -- multimodal rows and extra columns ------------------------------------------------------------
 
 @pytest.mark.parametrize("fmt", ["arrow", "parquet"])
@@ -198,6 +245,9 @@ def test_audio_needs_sample_rate_column(tmp_path):
     ({"modalities": [[], ["text", "image"], ["audio"], ["image", "audio"]]}, r"row 0 \(id 10\) declares no modal"),
     ({"sample_rate": [None, None, None, 8000]}, r"row 2 \(id 12\) has audio but no positive sample_rate"),
     ({"id": [10, None, 12, 13]}, r"row 1 has a null id"),
+    ({"tokens": [[257, 1, 2], [], [257, 4, 5, 6], [259, 7]]}, r"row 1 \(id 11\) has no tokens"),
+    ({"tokens": [[257, 1, 2], [257, -3], [257, 4, 5, 6], [259, 7]]},
+     r"row 1 \(id 11\) has token id -3, outside 0..2147483647"),
 ])
 def test_rows_whose_modalities_do_not_match_their_columns(tmp_path, replace, expected):
     path = write_arrow(multimodal_table(**replace), tmp_path / "bad.arrow")

@@ -1,0 +1,59 @@
+"""The status endpoint's client side (runtime/status.py) and the control plane's refusals before
+anything starts (runtime/run.py): stale status files, escaped output, secrets where needed."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from maestro_flow.errors import PipelineError
+from maestro_flow.runtime.run import RunOptions, control_secret
+from maestro_flow.runtime.status import find_run, render
+
+
+def snapshot(**worker) -> dict:
+    return {"pipeline": "distill", "step": 3, "steps": 10, "loss": 1.5, "step_time_s": 0.25,
+            "workers": [{"name": "student[0]", "rank": 1, "busy_fraction": 0.5, "seen_s": 0.1, **worker}]}
+
+
+def test_top_escapes_what_workers_report():
+    text = render(snapshot(state="\x1b[2J\x1b]0;pwned\x07forward", step="\x1b[31m9"))
+    assert "\x1b" not in text and "\x07" not in text
+    assert "\\x1b[2J" in text
+
+
+def test_top_survives_odd_values():
+    text = render({**snapshot(busy_fraction="lots", state=None), "loss": {"a": 1.0}, "step_time_s": "slow"})
+    assert "student[0]" in text
+    assert render({"starting": True}).startswith("the run is starting")
+
+
+def test_a_status_file_whose_coordinator_is_gone_is_stale(tmp_path):
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True).stdout.strip()
+    run = tmp_path / "runs" / "distill-1"
+    run.mkdir(parents=True)
+    (run / "status.json").write_text(json.dumps({"endpoint": "tcp://127.0.0.1:1", "pid": int(dead)}))
+    with pytest.raises(FileNotFoundError, match="stale"):
+        find_run(str(run))
+    with pytest.raises(FileNotFoundError, match="no running pipeline"):
+        find_run(None, root=str(tmp_path / "runs"))
+    (run / "status.json").write_text(json.dumps({"endpoint": "tcp://127.0.0.1:1", "pid": os.getpid()}))
+    assert find_run(None, root=str(tmp_path / "runs")) == str(run)
+
+
+def test_a_network_address_needs_a_secret(tmp_path, monkeypatch):
+    monkeypatch.delenv("MAESTRO_SECRET", raising=False)
+    with pytest.raises(PipelineError, match="--host 10.0.0.5 is not loopback.*MAESTRO_SECRET"):
+        control_secret(RunOptions(overrides={}, host="10.0.0.5"))
+    assert control_secret(RunOptions(overrides={})) is None  # loopback: a generated one will do
+    secret = tmp_path / "secret"
+    secret.write_text("s" * 32)
+    assert control_secret(RunOptions(overrides={}, host="10.0.0.5", secret_file=str(secret))) == b"s" * 32
+    monkeypatch.setenv("MAESTRO_SECRET", "short")
+    with pytest.raises(PipelineError, match="at least 16"):
+        control_secret(RunOptions(overrides={}))
