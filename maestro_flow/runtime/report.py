@@ -2,7 +2,8 @@
 
 Runs in the coordinator process. A progress bar redraws in place on a terminal; elsewhere
 (CI, pipes) a plain line is printed every few steps. Writes to stderr so stdout stays clean.
-Rows also go to any sinks given (e.g. runtime/tensorboard.py).
+Rows also go to any sinks given (e.g. runtime/tensorboard.py). A metrics file that cannot be
+written (full disk) is reported once and dropped; training goes on (runtime/guard.py).
 """
 
 from __future__ import annotations
@@ -14,6 +15,13 @@ import time
 from collections.abc import Sequence
 from typing import Any, TextIO
 
+from maestro_flow.runtime.guard import WriteGuard
+
+
+def _write_line(f: Any, line: str) -> None:
+    f.write(line)
+    f.flush()
+
 
 class RunReport:
     def __init__(self, *, total_steps: int, metrics_out: str | Sequence[str] | None, stream: TextIO | None = None,
@@ -24,20 +32,19 @@ class RunReport:
         self.show = show_progress
         self.rows: list[dict[str, Any]] = []
         paths = [metrics_out] if isinstance(metrics_out, str) else list(metrics_out or ())
-        self._metrics = []
+        self._metrics: list[tuple[Any, WriteGuard]] = []
         for path in paths:
             if os.path.dirname(path):
                 os.makedirs(os.path.dirname(path), exist_ok=True)
-            self._metrics.append(open(path, "w"))  # noqa: SIM115 (closed in close())
+            self._metrics.append((open(path, "w"), WriteGuard(f"metrics to {path}")))  # noqa: SIM115 (closed in close())
         self._t0 = time.monotonic()
         self._sinks = list(sinks)  # objects with step(row) and close()
 
     def step(self, row: dict[str, Any]) -> None:
         self.rows.append(row)
         line = json.dumps(row) + "\n"
-        for f in self._metrics:
-            f.write(line)
-            f.flush()
+        for f, guard in self._metrics:
+            guard(_write_line, f, line)
         for sink in self._sinks:
             sink.step(row)
         if not self.show:
@@ -86,8 +93,13 @@ class RunReport:
         return "\n".join(lines)
 
     def close(self) -> None:
-        for f in self._metrics:
-            f.close()
+        for f, guard in self._metrics:
+            guard(f.close)
+            if guard.failed is not None:
+                try:
+                    f.close()
+                except OSError:
+                    pass
         self._metrics = []
         for sink in self._sinks:
             sink.close()

@@ -105,7 +105,9 @@ def run_pipeline(path: str, options: RunOptions) -> list[dict[str, Any]]:
     if trace == "":
         trace = os.path.join(options.run_dir, "trace.json") if options.run_dir else "trace.json"
     if run_dir is not None and options.show_progress:
-        print(f"run directory: {run_dir.path}", file=sys.stderr)
+        print(f"run directory: {run_dir.path}"
+              + (f" (an earlier run's files moved to {run_dir.set_aside})" if run_dir.set_aside else ""),
+              file=sys.stderr)
     if resume is not None and options.show_progress:
         print(f"resuming from {resume[0]} at step {resume[1].step}", file=sys.stderr)
     metrics = [p for p in (options.metrics_out, run_dir.metrics if run_dir else None) if p]

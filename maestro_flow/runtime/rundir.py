@@ -8,6 +8,11 @@ Runs in the coordinator process. Layout:
                          (S-R.T.log and [section/replica.T] for tensor-parallel rank T)
     events.jsonl         what happened to the run besides steps: automatic restarts (with cause)
     trace.json           the timeline, when `--trace` is given without a path of its own
+    previous-N/          what an earlier run left in a reused --run-dir (moved aside, never lost)
+
+Every run starts with its own empty run directory: a default one is created atomically (two runs
+started in the same second get two), and a reused one has its earlier contents moved aside.
+Writes here never take training down (runtime/guard.py).
 """
 
 from __future__ import annotations
@@ -18,25 +23,49 @@ import time
 from typing import Any
 
 from maestro_flow.config import Pipeline
+from maestro_flow.runtime.guard import WriteGuard
 
 
 def default_run_dir(pipeline: Pipeline, root: str = "runs") -> str:
+    """A new run directory, created here: mkdir either creates it or fails, so two runs started
+    in the same second cannot both take one name."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    path = os.path.join(root, f"{pipeline.name}-{stamp}")
+    os.makedirs(root, exist_ok=True)
     n = 1
-    while os.path.exists(path):  # two runs in the same second
+    while True:
+        path = os.path.join(root, f"{pipeline.name}-{stamp}" + (f"-{n}" if n > 1 else ""))
+        try:
+            os.mkdir(path)
+            return path
+        except FileExistsError:
+            n += 1
+
+
+def set_aside(path: str) -> str | None:
+    """Move what an earlier run left in `path` into path/previous-N; the folder it went to."""
+    entries = [e for e in os.listdir(path) if not e.startswith("previous-")] if os.path.isdir(path) else []
+    if not entries:
+        return None
+    n = 1
+    while os.path.exists(os.path.join(path, f"previous-{n}")):
         n += 1
-        path = os.path.join(root, f"{pipeline.name}-{stamp}-{n}")
-    return path
+    aside = os.path.join(path, f"previous-{n}")
+    os.mkdir(aside)
+    for e in entries:
+        os.rename(os.path.join(path, e), os.path.join(aside, e))
+    return aside
 
 
 class RunDir:
     def __init__(self, path: str, pipeline: Pipeline, overrides: dict[str, Any]) -> None:
         self.path = path
+        self.set_aside = set_aside(path)  # an earlier run's files, if this folder is reused
         os.makedirs(os.path.join(path, "workers"), exist_ok=True)
         with open(os.path.join(path, "pipeline.json"), "w") as f:
             json.dump({"pipeline": pipeline.to_dict(), "overrides": overrides}, f, indent=1, default=str)
         self._plans = open(os.path.join(path, "plans.jsonl"), "w")  # noqa: SIM115 (closed in close())
+        self._plans_guard = WriteGuard(f"plans to {path}/plans.jsonl")
+        self._events_guard = WriteGuard(f"events to {path}/events.jsonl")
 
     @property
     def metrics(self) -> str:
@@ -47,15 +76,25 @@ class RunDir:
         return os.path.join(self.path, "workers", f"{name}.log")
 
     def event(self, event: dict[str, Any]) -> None:
+        self._events_guard(self._append_event, json.dumps({"time": time.time(), **event}) + "\n")
+
+    def _append_event(self, line: str) -> None:
         with open(os.path.join(self.path, "events.jsonl"), "a") as f:
-            f.write(json.dumps({"time": time.time(), **event}) + "\n")
+            f.write(line)
 
     def plan(self, plan_json: dict[str, Any]) -> None:
         if self._plans is not None:
-            self._plans.write(json.dumps(plan_json) + "\n")
-            self._plans.flush()
+            self._plans_guard(self._write_plan, json.dumps(plan_json) + "\n")
+
+    def _write_plan(self, line: str) -> None:
+        self._plans.write(line)
+        self._plans.flush()
 
     def close(self) -> None:
         if self._plans is not None:
-            self._plans.close()
+            if not self._plans_guard(self._plans.close):
+                try:
+                    self._plans.close()
+                except OSError:
+                    pass
             self._plans = None

@@ -16,6 +16,8 @@ import threading
 import time
 from typing import Any
 
+from maestro_flow.runtime.guard import WriteGuard
+
 COMPUTE, COMM = 0, 1  # thread ids within a process's track
 Event = list  # [ph, name, cat, ts_us, dur_us_or_id, tid, args]
 
@@ -61,7 +63,8 @@ class TraceWriter:
     def __init__(self, path: str) -> None:
         self.path = path
         self._f = open(path, "w")  # noqa: SIM115 (closed in close())
-        self._f.write('{"displayTimeUnit": "ms", "traceEvents": [\n')
+        self._guard = WriteGuard(f"the trace to {path}")  # a full disk ends the trace, not the run
+        self._guard(self._f.write, '{"displayTimeUnit": "ms", "traceEvents": [\n')
         self._first = True
 
     def process(self, pid: int, name: str, sort_index: int) -> None:
@@ -82,11 +85,16 @@ class TraceWriter:
     def _write(self, ev: dict) -> None:
         if self._f is None:
             return
-        self._f.write(("" if self._first else ",\n") + json.dumps(ev))
+        self._guard(self._f.write, ("" if self._first else ",\n") + json.dumps(ev))
         self._first = False
 
     def close(self) -> None:
         if self._f is not None:
-            self._f.write("\n]}\n")
-            self._f.close()
+            self._guard(self._f.write, "\n]}\n")
+            self._guard(self._f.close)
+            if self._guard.failed is not None:
+                try:
+                    self._f.close()
+                except OSError:
+                    pass
             self._f = None

@@ -30,6 +30,7 @@ import zmq
 
 from maestro_flow.protocol.auth import DropLog, Opener, Rejected, Sealer, derive_key
 from maestro_flow.protocol.messages import PROTOCOL_VERSION, make
+from maestro_flow.runtime.guard import WriteGuard
 from maestro_flow.timeouts import Timeouts
 from maestro_flow.transport import zmq_link
 
@@ -129,6 +130,8 @@ class _OutputCapture:
         self.prefix = f"[{label}] ".encode()
         self.terminal = os.dup(2)
         self.log = open(log_path, "ab") if log_path else None  # noqa: SIM115 (closed in close())
+        self.log_guard = WriteGuard(f"the worker log {log_path}",
+                                    lambda text: os.write(self.terminal, self._lines(text)))
         read_end, write_end = os.pipe()
         sys.stdout.flush()
         sys.stderr.flush()
@@ -152,18 +155,24 @@ class _OutputCapture:
 
     def _write(self, data: bytes) -> None:
         os.write(self.terminal, data)
+        self.keep_bytes(data)
+
+    def keep_bytes(self, data: bytes) -> None:
+        """Into the worker's log; a log that cannot be written (full disk) is dropped, with one
+        line on the terminal, and the worker goes on."""
         if self.log is not None:
-            self.log.write(data)
-            self.log.flush()
+            self.log_guard(self._append, data)
+
+    def _append(self, data: bytes) -> None:
+        self.log.write(data)
+        self.log.flush()
 
     def _lines(self, text: str) -> bytes:
         return b"".join(self.prefix + line.encode() + b"\n" for line in text.rstrip().splitlines())
 
     def keep(self, text: str) -> None:
         """Into the worker's log, when there is one (the coordinator shows the terminal the text)."""
-        if self.log is not None:
-            self.log.write(self._lines(text))
-            self.log.flush()
+        self.keep_bytes(self._lines(text))
 
     def report(self, text: str) -> None:
         """To the terminal and the worker's log at once (the process is about to end)."""
@@ -172,7 +181,7 @@ class _OutputCapture:
     def detail(self, text: str) -> None:
         """Details the coordinator's one-line error points to: the worker's log only when there
         is one (the terminal gets the one line), else the terminal."""
-        if self.log is not None:
+        if self.log is not None and self.log_guard.failed is None:
             self.keep(text)
         else:
             os.write(self.terminal, self._lines(text))

@@ -123,3 +123,15 @@ def test_top_attaches_to_a_run_started_elsewhere_and_detaches(demo_data, tmp_pat
     assert not (run_dir / "status.json").exists()  # nothing to attach to once the run is over
     result = maestro("top", str(run_dir), "--once", timeout=30)
     assert result.returncode == 2 and "not running" in result.stderr
+
+
+def test_a_full_disk_for_metrics_and_trace_does_not_stop_training(demo_data):
+    # Reproduced before: a full disk under the run directory killed training with a traceback.
+    from tests.integration.conftest import maestro
+
+    result = maestro("run", "pipelines/distill.py", "--steps", "3", "--set", f"data.path={demo_data}",
+                     "--metrics-out", "/dev/full", "--trace", "/dev/full", "--no-run-dir")
+    assert result.returncode == 0, result.stderr
+    assert "cannot write metrics to /dev/full (No space left on device); the run goes on without it" in result.stderr
+    assert "cannot write the trace to /dev/full" in result.stderr
+    assert "step 3/3" in result.stderr and "Traceback" not in result.stderr

@@ -1,0 +1,63 @@
+"""Run directories and the outputs that must not take training down (runtime/rundir.py,
+runtime/guard.py, runtime/report.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+
+from maestro_flow import ArrowData, Pipeline, Section
+from maestro_flow.runtime.guard import WriteGuard
+from maestro_flow.runtime.report import RunReport
+from maestro_flow.runtime.rundir import RunDir, default_run_dir
+
+PIPELINE = Pipeline(name="p", data=ArrowData(path="d.arrow"),
+                    sections=[Section(name="lm", stage="stages.lm:CausalLM")])
+
+
+def test_runs_started_in_the_same_second_get_their_own_directories(tmp_path):
+    paths: list[str] = []
+    threads = [threading.Thread(target=lambda: paths.append(default_run_dir(PIPELINE, str(tmp_path))))
+               for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(set(paths)) == 8 and all(os.path.isdir(p) for p in paths)
+
+
+def test_a_reused_run_dir_sets_the_earlier_run_aside(tmp_path):
+    path = str(tmp_path / "run")
+    first = RunDir(path, PIPELINE, {})
+    first.event({"what": "first"})
+    with open(os.path.join(path, "workers", "lm-0.log"), "w") as f:
+        f.write("first run\n")
+    first.close()
+    second = RunDir(path, PIPELINE, {})
+    second.close()
+    assert second.set_aside == os.path.join(path, "previous-1")
+    assert open(os.path.join(path, "previous-1", "workers", "lm-0.log")).read() == "first run\n"
+    assert json.loads(open(os.path.join(path, "previous-1", "events.jsonl")).read())["what"] == "first"
+    assert os.listdir(os.path.join(path, "workers")) == []  # nothing of the first run is appended to
+    assert not os.path.exists(os.path.join(path, "events.jsonl"))
+    assert RunDir(path, PIPELINE, {}).set_aside == os.path.join(path, "previous-2")
+
+
+def test_a_full_disk_drops_the_output_and_says_so_once():
+    said: list[str] = []
+    guard = WriteGuard("metrics to /dev/full", said.append)
+    with open("/dev/full", "wb", buffering=0) as f:
+        for _ in range(3):
+            assert not guard(f.write, b"x" * 10)
+    assert said == ["maestro: cannot write metrics to /dev/full (No space left on device); the run goes on "
+                    "without it"]
+
+
+def test_metrics_on_a_full_disk_do_not_stop_the_report(capsys):
+    report = RunReport(total_steps=2, metrics_out="/dev/full", show_progress=False)
+    for step in range(2):
+        report.step({"step": step, "loss": 1.0, "step_time_s": 0.1, "sections": {}})
+    report.close()
+    assert len(report.rows) == 2
+    assert capsys.readouterr().err.count("cannot write metrics to /dev/full") == 1
