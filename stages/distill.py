@@ -138,7 +138,7 @@ class KDStudent(Stage):
 
     @classmethod
     def token_limits(cls, config: dict[str, Any]) -> dict[str, int]:
-        return LMConfig.from_dict(config.get("student", {}), where="student.").token_limits()
+        return LMConfig.token_limits(config.get("student", {}))
 
     @classmethod
     def tp_plan(cls, config: dict[str, Any]) -> dict[str, str]:

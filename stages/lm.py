@@ -85,7 +85,7 @@ class CausalLM(Stage):
 
     @classmethod
     def token_limits(cls, config: dict[str, Any]) -> dict[str, int]:
-        return LMConfig.from_dict(config, ignore=("role",)).token_limits()
+        return LMConfig.token_limits(config)
 
     @classmethod
     def tp_plan(cls, config: dict[str, Any]) -> dict[str, str]:

@@ -49,9 +49,13 @@ class LMConfig:
     def ff_dim(self) -> int:
         return self.d_ff if self.d_ff is not None else 4 * self.d_model
 
-    def token_limits(self) -> dict[str, int]:
-        """Ids the embedding has, positions the model has (Stage.token_limits)."""
-        return {"vocab_size": self.vocab_size, "max_tokens": self.max_seq_len}
+    @classmethod
+    def token_limits(cls, config: dict[str, Any]) -> dict[str, int]:
+        """Ids the embedding has, positions the model has (Stage.token_limits); other keys of
+        `config` are not looked at (the stage checks them when it is built)."""
+        defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+        return {"vocab_size": int(config.get("vocab_size", defaults["vocab_size"])),
+                "max_tokens": int(config.get("max_seq_len", defaults["max_seq_len"]))}
 
     @classmethod
     def from_dict(cls, config: dict[str, Any], *, where: str = "", ignore: tuple[str, ...] = ()) -> LMConfig:
