@@ -69,6 +69,32 @@ def test_hung_worker_hits_the_step_timeout(demo_data):
     assert "MAESTRO_STEP_S" in result.stderr
 
 
+def test_a_hung_replica_is_named_with_what_it_is_stuck_in(demo_data):
+    # Reproduced before: the healthy peer was blamed, or no one, and only after 300-600 s,
+    # although the heartbeats showed which replica was stuck in what.
+    result, elapsed = run_faulty(demo_data, "sections.student.config.fail=hang", "sections.student.config.at_step=2",
+                                 "sections.student.config.on_replica=1", env={"MAESTRO_HANG_S": "4"})
+    assert result.returncode == 1
+    err = result.stderr
+    assert "section 'student' replica 1 (rank 2) is hung" in err, err
+    assert "in forward of step 2" in err and "MAESTRO_HANG_S" in err
+    assert "replica 0 (rank 1) is hung" not in err
+    assert elapsed < 45
+
+
+def test_a_failed_save_dir_write_names_the_writer_not_a_worker_that_exited(demo_data, tmp_path):
+    # Reproduced before: a worker that had exited normally was blamed for another worker's
+    # failed --save-dir write (no space left).
+    save = tmp_path / "save"
+    (save / "student.safetensors").mkdir(parents=True)  # the student's file cannot be written
+    args = ["run", PIPELINE, "--quiet", "--steps", "2", "--set", f"data.path={demo_data}", "--save-dir", str(save)]
+    result = maestro(*args, timeout=90)
+    assert result.returncode == 1
+    err = result.stderr
+    assert "section 'student' replica 0 (rank 1)" in err and "--save-dir" in err, err
+    assert "teacher" not in err and "exited with code 0" not in err
+
+
 def _start_slow_run(demo_data) -> tuple[subprocess.Popen, list[int]]:
     proc = subprocess.Popen(
         [sys.executable, "-m", "maestro_flow.cli", "run", PIPELINE, "--quiet", "--steps", "1000",
