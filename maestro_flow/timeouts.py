@@ -15,6 +15,7 @@ from dataclasses import dataclass
 class Timeouts:
     startup_s: float = 120.0        # spawn -> every worker ready (stage built, groups formed)
     step_s: float = 600.0           # one step's plan sent -> every worker done with it
+    hang_s: float = 120.0           # no replica finished a step for this long (or 5x the slowest step): hung
     heartbeat_interval_s: float = 0.5
     heartbeat_timeout_s: float = 10.0  # silence after which a live-looking worker counts as hung
     coordinator_timeout_s: float = 60.0  # silence after which a worker counts its coordinator as gone

@@ -66,6 +66,11 @@ def placement_for(graph: SectionGraph) -> Placement:
                            tp={n: graph.sections[n].tp for n in graph.order})
 
 
+HANG_FACTOR = 5.0  # a step this many times slower than the slowest seen counts as hung
+# Worker states (executor status) that wait on others: a hang is never blamed on them first.
+WAITING = ("waiting", "idle", "reducing gradients")
+
+
 def rendezvous_store(host: str) -> Any:
     """The rendezvous store (TCPStore), listening on `host` only: it listens on every interface
     when it binds by itself, so it gets a socket bound here (and owns and closes it)."""
@@ -123,6 +128,11 @@ class Coordinator:
         self._next_tick = 0.0
         self.address: str | None = None  # the control socket's endpoint, once bound
         self.peers: dict[int, str] = {}  # every worker's tensor-header endpoint, after the hellos
+        # Hang detection: when a replica last finished a step, the slowest step so far, and since
+        # when each worker has been in its reported state.
+        self.progress_at = 0.0
+        self.slowest_step_s = 0.0
+        self.state_since: dict[int, tuple[tuple, float]] = {}
 
     # -- public ----------------------------------------------------------------------------
 
@@ -221,17 +231,19 @@ class Coordinator:
 
         send_plans(first + p.lookahead_steps, first)
         self.training = True
+        self.progress_at = time.monotonic()
         for step in range(first, p.steps):
             self.awaited_step = step
             deadline = time.monotonic() + self.timeouts.step_s
             row = None
             while row is None:
-                rank, msg = self._recv(deadline, f"step {step} to finish", "MAESTRO_STEP_S")
+                rank, msg = self._recv(deadline, f"step {step} to finish", "MAESTRO_STEP_S", hang=True)
                 try:
                     row = self._report(ledger, rank, msg)
                 except Rejected as exc:  # a repeated or misplaced report never changes training
                     self.drops.drop(self._label(rank), str(exc))
             row["restarts"] = self.restarts
+            self.slowest_step_s = max(self.slowest_step_s, row["step_time_s"])
             try:
                 if self.checkpointer.due(step + 1):
                     t0 = time.perf_counter()
@@ -256,6 +268,7 @@ class Coordinator:
         elif msg["t"] == "done":
             row = ledger.on_done(rank, msg["step"], msg["stats"], time.perf_counter())
             self.last_done[rank] = max(msg["step"], self.last_done.get(rank, -1))
+            self.progress_at = time.monotonic()
             stats = msg["stats"]
             self.replica_busy[rank] = stats.get("busy_s", 0.0) / max(stats.get("wall_s", 0.0), 1e-12)
             self.observer.done(rank, stats)
@@ -406,7 +419,8 @@ class Coordinator:
     def _raise_dead_peer(self, exclude: int, grace_s: float = 1.0) -> None:
         deadline = time.monotonic() + grace_s
         while time.monotonic() < deadline:
-            dead = [w for w in self.launcher.dead() if w.rank != exclude]
+            # A worker that exited with code 0 left normally (it said bye): never the cause.
+            dead = [w for w in self.launcher.dead() if w.rank != exclude and w.process.exitcode != 0]
             if dead:
                 raise self._death(dead[0])
             time.sleep(0.05)
@@ -415,7 +429,8 @@ class Coordinator:
         section, replica = self.placement.who(rank)
         return f"section {section!r} replica {replica} (rank {rank})"
 
-    def _recv(self, deadline: float, what: str, setting: str, allow_exit: set[int] | None = None) -> tuple[int, dict]:
+    def _recv(self, deadline: float, what: str, setting: str, allow_exit: set[int] | None = None,
+              hang: bool = False) -> tuple[int, dict]:
         """Next message other than a heartbeat; raises on error reports, dead or silent workers."""
         started = time.monotonic()
         while True:
@@ -427,6 +442,8 @@ class Coordinator:
             # paused or busy finds its workers' heartbeats waiting, not missing.
             if not self.router.poll(0):
                 self._check_workers(now, allow_exit or set())
+                if hang:
+                    self._check_hang(now)
                 if not self.router.poll(100):
                     continue
             got = self._accept(self.router.recv_multipart())
@@ -435,7 +452,7 @@ class Coordinator:
             rank, msg = got
             if msg["t"] == "heartbeat":
                 if "status" in msg:
-                    self.worker_status[rank] = msg["status"]
+                    self._note_status(rank, msg["status"])
                 continue
             if msg["t"] == "error":
                 section, replica = self.placement.who(rank)  # where the rank is, whatever it says
@@ -449,6 +466,38 @@ class Coordinator:
                                     f"{'' if msg['step'] is None else ' at step ' + str(msg['step'])}:\n"
                                     f"{msg['traceback'].rstrip()}")
             return rank, msg
+
+    def _note_status(self, rank: int, status: dict) -> None:
+        self.worker_status[rank] = status
+        key = (status.get("state"), status.get("step"), status.get("mb"))
+        if self.state_since.get(rank, (None, 0.0))[0] != key:
+            self.state_since[rank] = (key, time.monotonic())
+
+    def hang_timeout(self) -> float:
+        """How long a step may go without any replica finishing it: MAESTRO_HANG_S, or
+        HANG_FACTOR times the slowest step seen when that is longer."""
+        return max(self.timeouts.hang_s, HANG_FACTOR * self.slowest_step_s)
+
+    def _check_hang(self, now: float) -> None:
+        """No progress for the hang timeout: name the replica the others wait on (the one busy
+        in the same state longest, from its heartbeats), with what it is doing."""
+        limit = self.hang_timeout()
+        if now - self.progress_at <= limit:
+            return
+        step = self.awaited_step
+        pending = [r for r in range(self.placement.world_size) if self.last_done.get(r, -1) < step]
+        busy = [r for r in pending if not str(self.worker_status.get(r, {}).get("state", "")).startswith(WAITING)]
+        since = lambda r: self.state_since.get(r, (None, now))[1]  # noqa: E731
+        stuck = min(busy or pending or range(self.placement.world_size), key=since)
+        status = self.worker_status.get(stuck, {})
+        what = status.get("state", "no status yet")
+        where = "" if status.get("step") is None else f" of step {status['step']}"
+        where += "" if status.get("mb") is None else f", micro-batch {status['mb']}"
+        others = [self._label(r) for r in pending if r != stuck]
+        raise WorkerLost(
+            f"{self._label(stuck)} is hung: in {what}{where} for {now - since(stuck):.0f}s, and no replica finished "
+            f"step {step} for {now - self.progress_at:.0f}s (hang timeout {limit:.0f}s: MAESTRO_HANG_S, or "
+            f"{HANG_FACTOR:g}x the slowest step seen)" + (f"; waiting on it: {', '.join(others)}" if others else ""))
 
     def _check_workers(self, now: float, allow_exit: set[int]) -> None:
         for w in self.launcher.dead():

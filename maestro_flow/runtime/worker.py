@@ -366,7 +366,8 @@ class _Worker:
                           deliver=lambda *a: self.inbox.put(("tensors", a)),
                           on_error=lambda text: self.inbox.put(("comm_error", text)),
                           tracer=tracer if tracer.enabled else None,
-                          relay=(layout.members, groups.relay) if len(layout.members) > 1 else None)
+                          relay=(layout.members, groups.relay) if len(layout.members) > 1 else None,
+                          timeout_s=self.timeouts.collective_s)
         self.comm = comm
         executor = SectionExecutor(
             stage=stage, graph=graph, placement=placement, section=self.section, replica=self.replica,
@@ -386,8 +387,17 @@ class _Worker:
         from maestro_flow.checkpoint.savedir import save_stage
 
         self.phase = "step"
+        # Nothing may come for a whole step elsewhere (plans, inputs, gradients); after that and
+        # the coordinator's own silence limit, this worker gives up on its own.
+        limit_s = self.timeouts.step_s + self.timeouts.coordinator_timeout_s
         while True:
-            item = self.inbox.get()
+            try:
+                item = self.inbox.get(timeout=limit_s)
+            except queue.Empty:
+                state = dict(executor.status)
+                raise TimeoutError(f"worker {self.section}[{self.replica}] (rank {self.rank}) waited {limit_s:.0f}s "
+                                   f"for a plan, inputs or gradients while {state.get('state')} (step "
+                                   f"{state.get('step')}); raise MAESTRO_STEP_S if steps can be that slow") from None
             kind, body = item
             if kind == "tensors":
                 executor.deliver(*body)
@@ -405,8 +415,15 @@ class _Worker:
             elif body["t"] == "stop":
                 sharded = executor.layout.mesh is not None  # then every rank takes part in gathering
                 if body["save_dir"] and executor.trainable and (sharded or self.replica == 0):
-                    save_stage(executor.stage, body["save_dir"], self.section,
-                               write=self.replica == 0 and executor.layout.leader)
+                    self.phase = "saving to --save-dir"
+                    try:
+                        save_stage(executor.stage, body["save_dir"], self.section,
+                                   write=self.replica == 0 and executor.layout.leader)
+                    except OSError as exc:
+                        self.detail(traceback.format_exc())
+                        self.report_error("system", f"--save-dir {body['save_dir']}: cannot write section "
+                                                    f"{self.section!r}: {exc.strerror or exc}")
+                        return 1
                 self.send("bye")
                 return 0
             # Drain everything already queued before computing, so a poll sees all arrivals.

@@ -73,8 +73,11 @@ class TensorComm:
     def __init__(self, *, zctx: zmq.Context, rank: int, pull: zmq.Socket, key: bytes, peers: dict[int, str],
                  groups: dict[tuple[int, int, str], Any], device: torch.device,
                  deliver: Deliver, on_error: Callable[[str], None], tracer: Any = None,
-                 relay: tuple[tuple[int, ...], Any] | None = None) -> None:
-        """`relay`: (the replica's ranks, leader first; its relay group) for tensor-parallel ranks."""
+                 relay: tuple[tuple[int, ...], Any] | None = None, timeout_s: float = 300.0) -> None:
+        """`relay`: (the replica's ranks, leader first; its relay group) for tensor-parallel ranks.
+        `timeout_s`: how long a send may wait for room in its channel's window, and the header
+        thread for room in a receiving channel (Timeouts.collective_s, MAESTRO_COLLECTIVE_S)."""
+        self._timeout_s = timeout_s
         self.rank = rank
         self._tracer = tracer  # runtime.trace.Tracer or None: transfers as async trace events
         self._zctx, self._pull, self._peers, self._groups = zctx, pull, peers, groups
@@ -137,7 +140,15 @@ class TensorComm:
         # Header first: the receiver needs shapes and dtypes to post its receives.
         self._header(dst, make("tensors", src=self.rank, kind=kind, edge=edge, step=step, entries=entries,
                                buffers=specs))
-        sent.put((p2p.post_sends(buffers, dst, group), buffers, t0, dst, kind, step))
+        self._put(sent, (p2p.post_sends(buffers, dst, group), buffers, t0, dst, kind, step),
+                  f"room to send {kind} tensors to rank {dst} (its {self.WINDOW} earlier sends unfinished)")
+
+    def _put(self, q: queue.Queue, job: Any, what: str) -> None:
+        try:
+            q.put(job, timeout=self._timeout_s)
+        except queue.Full:
+            raise TimeoutError(f"rank {self.rank} waited {self._timeout_s:.0f}s for {what}; a peer is stuck or gone "
+                               f"(raise MAESTRO_COLLECTIVE_S if transfers can be that slow)") from None
 
     def _posting(self, buffers: Sequence[torch.Tensor]) -> None:
         # Bytes count when posted, not when completed: a step's report then holds exactly the
@@ -156,8 +167,9 @@ class TensorComm:
         header = make("tensors", src=self.rank, kind=kind, edge=index, step=step, entries=entries, buffers=specs)
         for member in members:
             self._header(member, header)
-        self._sent[(leader, "relay")].put((p2p.post_broadcasts(buffers, leader, self._relay_group), buffers, t0,
-                                           -1, kind, step))
+        self._put(self._sent[(leader, "relay")], (p2p.post_broadcasts(buffers, leader, self._relay_group), buffers,
+                                                  t0, -1, kind, step),
+                  f"room to relay {kind} tensors to the tensor-parallel group")
 
     def notify(self, dst: int, step: int, finished: int) -> None:
         """Tell a producer that this replica finished `finished` forward micro-batches of `step`
@@ -238,7 +250,9 @@ class TensorComm:
                     works = p2p.post_broadcasts(buffers, msg["src"], group)
                 else:
                     works = p2p.post_recvs(buffers, msg["src"], group)
-                received.put((works, buffers, msg, t0))
+                self._put(received, (works, buffers, msg, t0),
+                          f"room to receive {msg['kind']} tensors from rank {msg['src']} (its {self.WINDOW} earlier "
+                          f"transfers unfinished)")
         finally:
             self._pull.close(linger=0)
 
