@@ -8,6 +8,7 @@ Errors a user can fix print one clear line and exit non-zero, with no Python tra
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from typing import Any
@@ -98,9 +99,15 @@ def main(ctx: click.Context, debug: bool) -> None:
 @click.option("--tensorboard", "tensorboard", type=click.Path(file_okay=False), metavar="DIR",
               help="Log loss, lr, grad norm, throughput and each section's busy share per step for TensorBoard "
                    "(needs the tensorboard package).")
-@click.option("--host", default="127.0.0.1", show_default=True,
-              help="Address the control plane, the rendezvous store and the status endpoint listen on. Anything but "
-                   "loopback needs a shared secret (MAESTRO_SECRET or --secret-file).")
+@click.option("--nnodes", type=int, default=1, show_default=True, help="Nodes the run spans (torchrun's convention).")
+@click.option("--node-rank", type=int, help="This node's index, 0 to NNODES-1 (node 0 runs the coordinator; default: "
+                                             "SLURM_NODEID under Slurm).")
+@click.option("--rdzv-endpoint", metavar="HOST:PORT", help="Where the nodes meet: node 0 listens there (a TCPStore).")
+@click.option("--nproc-per-node", type=int, help="Ranks per node (default: the ranks spread evenly; a tensor-parallel "
+                                                  "group always stays on one node).")
+@click.option("--host", help="Address the control plane, the rendezvous store and the status endpoint listen on "
+                             "(default 127.0.0.1; with several nodes, the address node 0 is reached at). Anything but "
+                             "loopback needs a shared secret (MAESTRO_SECRET or --secret-file).")
 @click.option("--interface", metavar="IFACE", help="Network interface gloo and NCCL use (default: lo while --host "
                                                     "is loopback).")
 @click.option("--secret-file", type=click.Path(dir_okay=False), metavar="FILE",
@@ -112,7 +119,8 @@ def run(ctx: click.Context, pipeline: str, steps: int | None, sets: tuple[str, .
         schedule: str | None, metrics_out: str | None, save_dir: str | None, trace: str | None,
         run_dir: str | None, no_run_dir: bool, record: str | None, record_steps: str | None, costs: str | None,
         checkpoint_dir: str | None, checkpoint_every: int | None, keep_last: int | None, checkpoint_errors: str,
-        resume: str | None, max_restarts: int, tensorboard: str | None, host: str, interface: str | None,
+        resume: str | None, max_restarts: int, tensorboard: str | None, nnodes: int, node_rank: int | None,
+        rdzv_endpoint: str | None, nproc_per_node: int | None, host: str | None, interface: str | None,
         secret_file: str | None, quiet: bool) -> None:
     """Train PIPELINE (a Python file defining pipeline(**overrides)).
 
@@ -124,7 +132,19 @@ def run(ctx: click.Context, pipeline: str, steps: int | None, sets: tuple[str, .
     A long job: checkpoints every 100 steps, the newest 3 kept, restarts after a lost worker:
       maestro run PIPE --checkpoint-dir ckpt --checkpoint-every 100 --keep-last 3 --max-restarts 2
     and after a crash, the same command with --resume ckpt.
+
+    \b
+    Two nodes (the same command on each, with the same MAESTRO_SECRET; under Slurm one
+    `srun maestro run ...` per node, the node rank from SLURM_NODEID):
+      maestro run PIPE --nnodes 2 --node-rank 0 --rdzv-endpoint node0:29400
+      maestro run PIPE --nnodes 2 --node-rank 1 --rdzv-endpoint node0:29400
     """
+    if nnodes > 1 and node_rank != 0 and "TORCH_CPP_LOG_LEVEL" not in os.environ:
+        # An agent notices a lost node 0 by its store failing; c10d would log each failed call
+        # with a C++ stack first. The agent's own message says what happened (workers keep the
+        # default level: runtime/agent.py).
+        os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"
+        os.environ["MAESTRO_AGENT_QUIETED_TORCH"] = "1"
     from maestro_flow.checkpoint.checkpointer import CheckpointOptions
     from maestro_flow.runtime.build import load_pipeline
     from maestro_flow.runtime.run import RunOptions, run_pipeline
@@ -145,7 +165,9 @@ def run(ctx: click.Context, pipeline: str, steps: int | None, sets: tuple[str, .
         options = RunOptions(overrides=overrides, colocated=colocated, metrics_out=metrics_out, save_dir=save_dir,
                              show_progress=not quiet, run_dir=None if no_run_dir else run_dir, trace=trace,
                              record=record, record_steps=steps_to_record, checkpoint=checkpoint,
-                             tensorboard=tensorboard, host=host, interface=interface, secret_file=secret_file)
+                             tensorboard=tensorboard, host=host, interface=interface, secret_file=secret_file,
+                             nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint,
+                             nproc_per_node=nproc_per_node)
         run_pipeline(pipeline, options)
     except KeyboardInterrupt:
         click.echo("interrupted: workers stopped", err=True)

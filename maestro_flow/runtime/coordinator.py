@@ -21,8 +21,8 @@ never fatal. The control socket, the store and the status endpoint listen on `ho
 
 from __future__ import annotations
 
+import json
 import os
-import socket
 import time
 from collections.abc import Callable
 from typing import Any
@@ -39,8 +39,10 @@ from maestro_flow.planner.plan import Placement
 from maestro_flow.protocol.auth import DropLog, Opener, Rejected, Sealer, derive_key, new_nonce, new_secret
 from maestro_flow.protocol.messages import PROTOCOL_VERSION, make
 from maestro_flow.runtime.build import resolve_device
+from maestro_flow.runtime import agent
 from maestro_flow.runtime.launcher import Launcher
 from maestro_flow.runtime.ledger import StepLedger, plan_message
+from maestro_flow.runtime.nodes import Nodes, listening_store, node_ranks
 from maestro_flow.runtime.observe import RunObserver, timed_plan
 from maestro_flow.runtime.report import RunReport
 from maestro_flow.runtime.sampler import EpochSampler
@@ -71,20 +73,6 @@ HANG_FACTOR = 5.0  # a step this many times slower than the slowest seen counts 
 WAITING = ("waiting", "idle", "reducing gradients")
 
 
-def rendezvous_store(host: str) -> Any:
-    """The rendezvous store (TCPStore), listening on `host` only: it listens on every interface
-    when it binds by itself, so it gets a socket bound here (and owns and closes it)."""
-    import torch.distributed as dist
-
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, 0))
-    sock.listen(1024)
-    port = sock.getsockname()[1]
-    return dist.TCPStore(host, port, is_master=True, wait_for_workers=False, master_listen_fd=sock.detach())
-
-
 class Coordinator:
     def __init__(self, pipeline: Pipeline, graph: SectionGraph, sampler: EpochSampler, report: RunReport, *,
                  paths: list[str], timeouts: Timeouts | None = None, save_dir: str | None = None,
@@ -92,11 +80,15 @@ class Coordinator:
                  run_dir: str | None = None, record: dict | None = None,
                  checkpointer: Checkpointer | None = None, resume: tuple[str, Manifest] | None = None,
                  restarts: int = 0, secret: bytes | None = None, host: str = zmq_link.LOOPBACK,
-                 interface: str | None = None) -> None:
+                 interface: str | None = None, nodes: Nodes | None = None, rdzv: Any = None) -> None:
         self.pipeline, self.graph, self.sampler, self.report = pipeline, graph, sampler, report
         self.paths, self.save_dir = paths, save_dir
         self.timeouts = timeouts or Timeouts.from_env()
+        self.nodes = nodes or Nodes()
         self.placement = placement_for(graph)
+        self.node_of = self.nodes.assign(self.placement)  # rank -> node (node 0 runs this coordinator)
+        self.rdzv = rdzv  # the job's rendezvous store (several nodes), hosted by this node
+        self.store_addr: list = []
         self.launcher = Launcher(worker_entry)
         self.observer = observer or RunObserver()
         self.zctx = zmq.Context()
@@ -137,11 +129,15 @@ class Coordinator:
     # -- public ----------------------------------------------------------------------------
 
     def run(self) -> None:
+        outcome = "failed"
         try:
             self._start()
             self._train()
             self._stop()
+            outcome = "done"
         finally:
+            if self.rdzv is not None:
+                agent.end_attempt(self.rdzv, self.session, outcome)  # other nodes stop this attempt's workers
             self.close()
 
     def close(self) -> None:
@@ -165,19 +161,32 @@ class Coordinator:
         self.router, addr = zmq_link.bind(self.zctx, zmq.ROUTER, self.host)
         self.address = addr
         self.status = StatusServer(self.zctx, self.run_dir, self.host)
-        self.store = rendezvous_store(self.host)
+        if self.rdzv is None:  # one node: a store of this attempt, for torch.distributed only
+            self.store = listening_store(self.host)
+            self.store_addr = [self.host, self.store.port, ""]
+        else:  # the job's rendezvous store, this attempt's keys under its session
+            self.store = self.rdzv
+            self.store_addr = [self.nodes.endpoint[0], self.nodes.endpoint[1], f"{self.session}/"]
+        boot = {"coordinator": addr, "parent_pid": os.getpid(), "timeouts": self.timeouts.to_dict(),
+                "secret": self.secret.hex(), "session": self.session, "host": self.host, "interface": self.interface}
         for rank in range(self.placement.world_size):
+            if self.node_of[rank] != 0:
+                continue  # its node's agent starts it
             section, replica = self.placement.who(rank)
             self.launcher.start(rank, section, replica, {
-                "rank": rank, "coordinator": addr, "parent_pid": os.getpid(), "timeouts": self.timeouts.to_dict(),
-                "secret": self.secret.hex(), "session": self.session, "host": self.host,
-                "interface": self.interface, "label": self.placement.worker_name(rank, "/"),
+                **boot, "rank": rank, "label": self.placement.worker_name(rank, "/"),
                 "log": self.observer.worker_log(self.placement.worker_name(rank))})
+        if self.rdzv is not None:
+            agent.publish_attempt(self.rdzv, self.session, {
+                "address": addr, "timeouts": self.timeouts.to_dict(), "node_of": self.node_of,
+                "names": {r: self.placement.worker_name(r) for r in range(self.placement.world_size)},
+                "labels": {r: self.placement.worker_name(r, "/") for r in range(self.placement.world_size)}})
         self.observer.start(self.placement)
         deadline = time.monotonic() + self.timeouts.startup_s
         hellos: dict[int, dict] = {}
         while len(hellos) < self.placement.world_size:
-            rank, msg = self._recv(deadline, "every worker's hello", "MAESTRO_STARTUP_S")
+            rank, msg = self._recv(deadline, f"every worker's hello (missing {self._missing(hellos)})",
+                                   "MAESTRO_STARTUP_S")
             if msg["t"] == "hello":
                 if msg["version"] != PROTOCOL_VERSION:
                     raise SystemFailure(f"worker rank {rank} speaks protocol version {msg['version']}, "
@@ -186,7 +195,7 @@ class Coordinator:
         peers = self.peers = {r: h["data_addr"] for r, h in hellos.items()}
         for rank in hellos:
             self._send(rank, make("init", rank=rank, pipeline=self.pipeline.to_dict(),
-                                  placement=self.placement.to_dict(), store=[self.host, self.store.port],
+                                  placement=self.placement.to_dict(), store=self.store_addr,
                                   peers=peers, timeouts=self.timeouts.to_dict(), paths=self.paths,
                                   now=self.observer.tracer.epoch, trace=self.observer.tracing,
                                   record=self.record, resume=self.resume[0] if self.resume else None))
@@ -394,6 +403,10 @@ class Coordinator:
                 pass  # a worker that left: _check_workers names it
         if self.status is not None:
             self.status.publish(self._snapshot())
+        if self.rdzv is not None:
+            lost = agent.lost_report(self.rdzv, self.session)
+            if lost is not None:
+                raise WorkerLost(lost)
 
     def _snapshot(self) -> dict:
         """What `maestro top` shows (read-only: built from what the coordinator already knows)."""
@@ -416,18 +429,45 @@ class Coordinator:
         return WorkerLost(f"worker {w.label} {w.exit_description()} {reported}, "
                              f"while the run was at step {self.awaited_step}")
 
-    def _raise_dead_peer(self, exclude: int, grace_s: float = 1.0) -> None:
+    def _raise_dead_peer(self, exclude: int) -> None:
+        """A system error is often a peer's death seen from the other end (a closed connection):
+        name the dead peer instead, when one shows within a grace period. With several nodes
+        the grace lasts a heartbeat timeout, the time a lost node takes to show as silent."""
+        grace_s = self.timeouts.heartbeat_timeout_s + 1.0 if self.nodes.multi else 1.0
         deadline = time.monotonic() + grace_s
         while time.monotonic() < deadline:
             # A worker that exited with code 0 left normally (it said bye): never the cause.
             dead = [w for w in self.launcher.dead() if w.rank != exclude and w.process.exitcode != 0]
             if dead:
                 raise self._death(dead[0])
-            time.sleep(0.05)
+            if not self.nodes.multi:
+                time.sleep(0.05)
+                continue
+            lost = agent.lost_report(self.rdzv, self.session)
+            if lost is not None:
+                raise WorkerLost(lost)
+            now = time.monotonic()
+            for n in range(1, self.nodes.nnodes):
+                on_node = node_ranks(self.node_of, n)
+                if on_node and all(now - self.last_seen.get(r, now) > self.timeouts.heartbeat_timeout_s
+                                   for r in on_node):
+                    raise self._node_lost(n, now)
+            if self.router.poll(50):  # keep reading heartbeats, so only the lost fall silent
+                self._accept(self.router.recv_multipart())
 
     def _label(self, rank: int) -> str:
         section, replica = self.placement.who(rank)
-        return f"section {section!r} replica {replica} (rank {rank})"
+        node = f", node {self.node_of[rank]}" if self.nodes.multi else ""
+        return f"section {section!r} replica {replica} (rank {rank}{node})"
+
+    def _missing(self, have: dict | set) -> str:
+        """The ranks not heard from yet, by node (for startup timeouts)."""
+        missing = [r for r in range(self.placement.world_size) if r not in have]
+        if not self.nodes.multi:
+            return f"ranks {', '.join(map(str, missing))}"
+        nodes = sorted({self.node_of[r] for r in missing})
+        return "; ".join(f"node {n}: ranks {', '.join(str(r) for r in missing if self.node_of[r] == n)}"
+                         + (" (is `maestro run ... --node-rank %d` running there?)" % n if n else "") for n in nodes)
 
     def _recv(self, deadline: float, what: str, setting: str, allow_exit: set[int] | None = None,
               hang: bool = False) -> tuple[int, dict]:
@@ -499,6 +539,13 @@ class Coordinator:
             f"step {step} for {now - self.progress_at:.0f}s (hang timeout {limit:.0f}s: MAESTRO_HANG_S, or "
             f"{HANG_FACTOR:g}x the slowest step seen)" + (f"; waiting on it: {', '.join(others)}" if others else ""))
 
+    def _node_lost(self, node: int, now: float) -> WorkerLost:
+        on_node = node_ranks(self.node_of, node)
+        silent_s = min(now - self.last_seen.get(r, now) for r in on_node)
+        return WorkerLost(f"node {node} (ranks {', '.join(map(str, on_node))}) is lost: none of its workers sent "
+                          f"anything for {silent_s:.1f}s (heartbeat timeout; raise MAESTRO_HEARTBEAT_TIMEOUT_S if "
+                          f"it is just slow)")
+
     def _check_workers(self, now: float, allow_exit: set[int]) -> None:
         for w in self.launcher.dead():
             if w.rank in allow_exit:
@@ -507,7 +554,12 @@ class Coordinator:
             if self.router.poll(0):
                 return
             raise self._death(w)
-        for rank, seen in self.last_seen.items():
-            if now - seen > self.timeouts.heartbeat_timeout_s:
-                raise WorkerLost(f"worker {self._label(rank)} sent nothing for {now - seen:.1f}s "
-                                    f"(heartbeat timeout; raise MAESTRO_HEARTBEAT_TIMEOUT_S if it is just busy)")
+        silent = [r for r, seen in self.last_seen.items() if now - seen > self.timeouts.heartbeat_timeout_s]
+        if not silent:
+            return
+        rank = silent[0]
+        node = self.node_of[rank]
+        if node != 0 and all(r in silent for r in node_ranks(self.node_of, node)):
+            raise self._node_lost(node, now)
+        raise WorkerLost(f"worker {self._label(rank)} sent nothing for {now - self.last_seen[rank]:.1f}s "
+                         f"(heartbeat timeout; raise MAESTRO_HEARTBEAT_TIMEOUT_S if it is just busy)")

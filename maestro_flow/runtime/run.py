@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -18,11 +19,15 @@ from maestro_flow.checkpoint import manifest as mf
 from maestro_flow.checkpoint.checkpointer import Checkpointer, CheckpointOptions, resume_point
 from maestro_flow.errors import PipelineError
 from maestro_flow.runtime.build import load_pipeline
+from maestro_flow.runtime.agent import end_job
 from maestro_flow.runtime.checks import check_pipeline
+from maestro_flow.runtime.coordinator import placement_for
+from maestro_flow.runtime.nodes import Nodes
 from maestro_flow.runtime.observe import RunObserver
 from maestro_flow.runtime.report import RunReport
 from maestro_flow.runtime.rundir import RunDir
 from maestro_flow.runtime.sampler import EpochSampler
+from maestro_flow.timeouts import Timeouts
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -38,12 +43,32 @@ class RunOptions:
     record_steps: tuple[int, ...] | None = None  # which steps (None: all)
     checkpoint: CheckpointOptions = CheckpointOptions()
     tensorboard: str | None = None  # write TensorBoard curves here
-    host: str = "127.0.0.1"  # where the control plane, the store and the status endpoint listen
+    host: str | None = None  # where the control plane, the store and the status endpoint listen (None: loopback,
+    # or with several nodes the address node 0 is reached at)
     interface: str | None = None  # gloo's and NCCL's network interface (None: lo on loopback)
     secret_file: str | None = None  # the shared secret (else MAESTRO_SECRET, else generated)
+    nnodes: int = 1  # torchrun's conventions (runtime/nodes.py)
+    node_rank: int | None = None
+    rdzv_endpoint: str | None = None
+    nproc_per_node: int | None = None
 
 
-def control_secret(options: RunOptions) -> bytes | None:
+def resolve_host(options: RunOptions, nodes: Nodes) -> str:
+    """Where this node listens: --host, else loopback on one node or a loopback rendezvous, else
+    node 0's rendezvous address on node 0 and the address other nodes reach node 0 from."""
+    from maestro_flow.transport.zmq_link import LOOPBACK, is_loopback
+
+    if options.host:
+        return options.host
+    if not nodes.multi or is_loopback(nodes.endpoint[0]):
+        return LOOPBACK
+    if nodes.node_rank == 0:
+        return nodes.endpoint[0]
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:  # no packet is sent
+        probe.connect(nodes.endpoint)
+        return probe.getsockname()[0]
+
+def control_secret(options: RunOptions, host: str = "127.0.0.1", nodes: Nodes | None = None) -> bytes | None:
     """The run's secret, refused before anything starts when unusable or missing where needed."""
     from maestro_flow.protocol.auth import load_secret
     from maestro_flow.transport.zmq_link import is_loopback
@@ -52,8 +77,11 @@ def control_secret(options: RunOptions) -> bytes | None:
         secret = load_secret(options.secret_file)
     except ValueError as exc:
         raise PipelineError(str(exc)) from None
-    if secret is None and not is_loopback(options.host):
-        raise PipelineError(f"--host {options.host} is not loopback: a control plane on a network needs a shared "
+    if secret is None and nodes is not None and nodes.multi:
+        raise PipelineError("--nnodes > 1: every node needs the run's shared secret (the same MAESTRO_SECRET or "
+                            "--secret-file on each node)")
+    if secret is None and not is_loopback(host):
+        raise PipelineError(f"--host {host} is not loopback: a control plane on a network needs a shared "
                             f"secret (set MAESTRO_SECRET or pass --secret-file), or keep --host 127.0.0.1")
     return secret
 
@@ -77,10 +105,44 @@ def _resume_from(options: RunOptions, pipeline: Any, num_samples: int) -> tuple[
     return folder, manifest
 
 
+def _run_agent(pipeline: Any, options: RunOptions, nodes: Nodes, host: str, secret: bytes) -> list[dict[str, Any]]:
+    """Node I > 0: start and watch this node's workers for node 0's coordinator (runtime/agent.py)."""
+    from maestro_flow.runtime.agent import Agent
+
+    if options.checkpoint.resume or options.record or options.save_dir:
+        raise PipelineError("--resume, --record and --save-dir are node 0's to give (it runs the coordinator); "
+                            f"drop them on node {nodes.node_rank}")
+    run_dir = RunDir(options.run_dir, pipeline, options.overrides) if options.run_dir else None
+    if options.show_progress:
+        print(f"{pipeline.name}: node {nodes.node_rank} of {nodes.nnodes}, joining node 0 at "
+              f"{nodes.endpoint[0]}:{nodes.endpoint[1]}" + (f"; run directory: {run_dir.path}" if run_dir else ""),
+              file=sys.stderr)
+    previous = signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
+    try:
+        Agent(nodes, secret=secret, host=host, interface=options.interface, timeouts=Timeouts.from_env(),
+              worker_log=run_dir.worker_log if run_dir else (lambda name: None),
+              log=(lambda text: print(text, file=sys.stderr, flush=True)) if options.show_progress else
+              (lambda text: None)).run()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        if run_dir is not None:
+            run_dir.close()
+    if options.show_progress:
+        print(f"node {nodes.node_rank}: the run is done", file=sys.stderr)
+    return []
+
+
 def run_pipeline(path: str, options: RunOptions) -> list[dict[str, Any]]:
     pipeline, paths = load_pipeline(path, options.overrides)
     checked = check_pipeline(pipeline)  # bad input is refused here, before any worker starts
-    secret = None if options.colocated else control_secret(options)
+    nodes = Nodes.from_options(options.nnodes, options.node_rank, options.rdzv_endpoint, options.nproc_per_node)
+    if nodes.multi and options.colocated:
+        raise PipelineError("--colocated runs in one process: drop --nnodes")
+    host = resolve_host(options, nodes)
+    secret = None if options.colocated else control_secret(options, host, nodes)
+    if nodes.node_rank != 0:
+        return _run_agent(pipeline, options, nodes, host, secret)
+    nodes.assign(placement_for(checked.graph))  # refused here when the ranks cannot be placed on the nodes
     ckpt = options.checkpoint
     ckpt.validate()
     if options.colocated and (ckpt.dir or ckpt.resume or ckpt.max_restarts):
@@ -137,13 +199,26 @@ def run_pipeline(path: str, options: RunOptions) -> list[dict[str, Any]]:
             def attempt(resume_at: tuple[str, mf.Manifest] | None, restarts: int) -> None:
                 Coordinator(pipeline, checked.graph, sampler, report, paths=paths, save_dir=options.save_dir,
                             observer=observer, run_dir=options.run_dir, record=record, checkpointer=checkpointer,
-                            resume=resume_at, restarts=restarts, secret=secret, host=options.host,
-                            interface=options.interface).run()
+                            resume=resume_at, restarts=restarts, secret=secret, host=host,
+                            interface=options.interface, nodes=nodes, rdzv=rdzv).run()
 
-            supervise(attempt, max_restarts=ckpt.max_restarts, committed=lambda: checkpointer.committed, resume=resume,
-                      restarts=resume[1].restarts if resume else 0,
-                      log=lambda text: print(text, file=sys.stderr, flush=True),
-                      on_restart=run_dir.event if run_dir is not None else lambda event: None)
+            rdzv = None
+            if nodes.multi:
+                from maestro_flow.runtime.nodes import rendezvous
+
+                rdzv = rendezvous(nodes, Timeouts.from_env().startup_s)
+            try:
+                supervise(attempt, max_restarts=ckpt.max_restarts, committed=lambda: checkpointer.committed,
+                          resume=resume, restarts=resume[1].restarts if resume else 0,
+                          log=lambda text: print(text, file=sys.stderr, flush=True),
+                          on_restart=run_dir.event if run_dir is not None else lambda event: None)
+            except BaseException as exc:
+                if rdzv is not None:
+                    end_job(rdzv, f"failed: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}",
+                            nodes.nnodes, Timeouts.from_env().shutdown_grace_s + 5)
+                raise
+            if rdzv is not None:
+                end_job(rdzv, "done", nodes.nnodes, Timeouts.from_env().shutdown_grace_s + 5)
     finally:
         signal.signal(signal.SIGTERM, previous)
         report.close()

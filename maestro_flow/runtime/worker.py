@@ -347,8 +347,10 @@ class _Worker:
             self.report_error("stage", traceback.format_exc())
             return None
         source = open_source(pipeline)
-        host, port = init["store"]
+        host, port, prefix = init["store"]
         store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=self.timeouts.startup_s))
+        if prefix:  # the job's rendezvous store (several nodes): this attempt's keys only
+            store = dist.PrefixStore(prefix, store)
         uses_cuda = any(d.startswith("cuda") for d in placement.devices.values())
         dist.init_process_group(backend="cpu:gloo,cuda:nccl" if uses_cuda else "gloo", store=store, rank=self.rank,
                                 world_size=placement.world_size,

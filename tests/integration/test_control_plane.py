@@ -234,3 +234,45 @@ def test_workers_leave_a_coordinator_that_went_silent(demo_data, tmp_path):
         proc.communicate(timeout=30)
     log = (tmp_path / "run" / "workers" / "teacher-0.log").read_text()
     assert "the coordinator sent nothing for" in log and "MAESTRO_COORDINATOR_TIMEOUT_S" in log
+
+
+def _listening(pids: list[int]) -> list[str]:
+    """Every TCP address the processes listen on ("127.0.0.1:port", "0.0.0.0:port", "[::]:port"...)."""
+    inodes: dict[str, int] = {}
+    for pid in pids:
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith("socket:["):
+                    inodes[target[8:-1]] = pid
+        except OSError:
+            continue
+    out = []
+    for table, v6 in (("/proc/net/tcp", False), ("/proc/net/tcp6", True)):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                local, state, inode = fields[1], fields[3], fields[9]
+                if state != "0A" or inode not in inodes:  # 0A: LISTEN
+                    continue
+                addr, port = local.split(":")
+                if v6:
+                    host = "[::]" if set(addr) == {"0"} else f"[{addr}]"
+                else:
+                    host = ".".join(str(int(addr[i:i + 2], 16)) for i in (6, 4, 2, 0))
+                out.append(f"{host}:{int(port, 16)}")
+    return out
+
+
+def test_everything_listens_on_loopback_only(demo_data, tmp_path):
+    # Reproduced before: the TCPStore listened on all interfaces.
+    proc = _start(demo_data, tmp_path, "--steps", "1000")
+    try:
+        workers = _wait_workers(proc)
+        time.sleep(6.0)  # process groups formed, tensors flowing
+        addresses = _listening([proc.pid, *workers])
+    finally:
+        proc.kill()
+        proc.communicate(timeout=30)
+    assert len(addresses) >= 3 + 3, addresses  # control, status, store; each worker's header socket (and gloo)
+    assert all(a.startswith("127.0.0.1:") for a in addresses), addresses

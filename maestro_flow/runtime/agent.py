@@ -1,0 +1,152 @@
+"""The agent of a node other than node 0: starts and watches that node's workers.
+
+Runs as `maestro run PIPE --nnodes N --node-rank I --rdzv-endpoint HOST:PORT` on node I > 0.
+Node 0's coordinator hosts the rendezvous store (a torch.distributed TCPStore) and publishes in
+it each attempt of the run (its first, and one per automatic restart):
+
+    maestro/attempt            the current attempt's session (a fresh nonce, not a secret)
+    maestro/attempt/<session>  where the coordinator listens, the timeouts, which node runs which
+                               rank, worker names
+    maestro/end/<session>      "done" or "failed", when the attempt ends
+    maestro/lost/<session>     set by an agent: one of its workers died (the coordinator stops
+                               the attempt, naming it)
+    maestro/job                "done" or "failed: <why>", when the whole run is over
+    maestro/bye/<node>         set by an agent once it read maestro/job (node 0 waits for it)
+
+An agent starts its node's workers of each attempt (the same worker processes node 0 starts,
+with the secret from its own MAESTRO_SECRET / --secret-file: the store carries nothing that
+lets anyone into the control plane), reports a dead worker, stops its workers when the attempt
+ends, and follows the next attempt. It ends with the run, or when node 0 is gone (the store no
+longer answers), stopping its workers first.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Any
+
+from maestro_flow.errors import SystemFailure
+from maestro_flow.runtime.launcher import Launcher
+from maestro_flow.runtime.nodes import Nodes, node_ranks, rendezvous
+from maestro_flow.timeouts import Timeouts
+
+POLL_S = 0.2
+
+
+def publish_attempt(store: Any, session: str, info: dict[str, Any]) -> None:
+    store.set(f"maestro/attempt/{session}", json.dumps(info))
+    store.set("maestro/attempt", session)
+
+
+def end_attempt(store: Any, session: str, outcome: str) -> None:
+    try:
+        store.set(f"maestro/end/{session}", outcome)
+    except Exception:  # noqa: BLE001 (the store is ours: it fails only when this process is going down)
+        pass
+
+
+def end_job(store: Any, outcome: str, nnodes: int, wait_s: float) -> None:
+    """The run is over: tell the agents, and keep the store up (bounded) until each has read it."""
+    try:
+        store.set("maestro/job", outcome)
+        deadline = time.monotonic() + wait_s
+        keys = [f"maestro/bye/{n}" for n in range(1, nnodes)]
+        while time.monotonic() < deadline and not store.check(keys):
+            time.sleep(POLL_S)
+    except Exception:  # noqa: BLE001 (the store is ours: it fails only when this process is going down)
+        pass
+
+
+def lost_report(store: Any, session: str) -> str | None:
+    key = f"maestro/lost/{session}"
+    return store.get(key).decode() if store.check([key]) else None
+
+
+class Agent:
+    def __init__(self, nodes: Nodes, *, secret: bytes, host: str, interface: str | None, timeouts: Timeouts,
+                 worker_log: Any, log: Any = None, entry: Any = None) -> None:
+        from maestro_flow.runtime.worker import worker_main
+
+        self.nodes, self.secret, self.host, self.interface = nodes, secret, host, interface
+        self.timeouts, self.worker_log = timeouts, worker_log
+        self.log = log or (lambda text: print(text, file=sys.stderr, flush=True))
+        self.entry = entry or worker_main
+        self.where = f"{nodes.endpoint[0]}:{nodes.endpoint[1]}" if nodes.endpoint else "?"
+        self.node0_ranks: list[int] = []  # known once an attempt is published
+
+    def run(self) -> None:
+        """Until the run is over. Raises SystemFailure when it failed or node 0 is gone."""
+        store = rendezvous(self.nodes, self.timeouts.startup_s)
+        session = None
+        while True:
+            session = self._next_attempt(store, session)
+            if session is None:
+                return  # the run is done
+            info = json.loads(self._ask(store.get, f"maestro/attempt/{session}"))
+            self._attempt(store, session, info)
+
+    def _ask(self, fn: Any, *args: Any) -> Any:
+        """A store call; node 0 gone shows as the store failing."""
+        try:
+            return fn(*args)
+        except Exception as exc:  # noqa: BLE001 (torch raises several types for a lost connection)
+            ranks = f", ranks {', '.join(map(str, self.node0_ranks))}" if self.node0_ranks else ""
+            raise SystemFailure(f"lost node 0 (the coordinator{ranks}; rendezvous {self.where}): "
+                                f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}; this node's "
+                                f"workers are stopped") from None
+
+    def _next_attempt(self, store: Any, previous: str | None) -> str | None:
+        deadline = time.monotonic() + self.timeouts.startup_s + self.timeouts.checkpoint_s
+        while time.monotonic() < deadline:
+            if self._ask(store.check, ["maestro/job"]):
+                outcome = self._ask(store.get, "maestro/job").decode()
+                self._ask(store.set, f"maestro/bye/{self.nodes.node_rank}", "1")
+                if outcome == "done":
+                    return None
+                raise SystemFailure(f"the run failed (node 0 says: {outcome.removeprefix('failed: ')})")
+            if self._ask(store.check, ["maestro/attempt"]):
+                session = self._ask(store.get, "maestro/attempt").decode()
+                if session != previous:
+                    return session
+            time.sleep(POLL_S)
+        raise SystemFailure(f"node 0 started no attempt of the run within {deadline:.0f}s (rendezvous {self.where})")
+
+    def _attempt(self, store: Any, session: str, info: dict[str, Any]) -> None:
+        node = self.nodes.node_rank
+        node_of = {int(r): n for r, n in info["node_of"].items()}
+        mine = node_ranks(node_of, node)
+        self.node0_ranks = node_ranks(node_of, 0)
+        self.log(f"node {node}: starting ranks {', '.join(map(str, mine))} (coordinator {info['address']})")
+        launcher = Launcher(self.entry)
+        boot = {"coordinator": info["address"], "parent_pid": os.getpid(), "timeouts": info["timeouts"],
+                "secret": self.secret.hex(), "session": session, "host": self.host, "interface": self.interface}
+        quieted = os.environ.pop("MAESTRO_AGENT_QUIETED_TORCH", None) and os.environ.pop("TORCH_CPP_LOG_LEVEL", None)
+        try:
+            for rank in mine:
+                name, label = info["names"][str(rank)], info["labels"][str(rank)]
+                section, replica = label.split("/")[0], int(label.split("/")[1].split(".")[0])
+                launcher.start(rank, section, replica, {**boot, "rank": rank, "label": label,
+                                                        "log": self.worker_log(name)})
+            if quieted:  # the workers started with torch's default log level; this process stays quiet
+                os.environ["MAESTRO_AGENT_QUIETED_TORCH"], os.environ["TORCH_CPP_LOG_LEVEL"] = "1", quieted
+            reported = False
+            while True:
+                if self._ask(store.check, [f"maestro/end/{session}"]):
+                    outcome = self._ask(store.get, f"maestro/end/{session}").decode()
+                    launcher.join(self.timeouts.shutdown_grace_s if outcome == "done" else 0.5)
+                    return
+                if self._ask(store.check, ["maestro/attempt"]) and \
+                        self._ask(store.get, "maestro/attempt").decode() != session:
+                    return  # node 0 moved on to another attempt
+                dead = [w for w in launcher.dead() if w.process.exitcode != 0]
+                if dead and not reported:
+                    w = dead[0]
+                    self._ask(store.set, f"maestro/lost/{session}",
+                              f"worker {w.label} on node {node} {w.exit_description()}")
+                    reported = True
+                time.sleep(POLL_S)
+        finally:
+            launcher.shutdown(0.5, self.timeouts.kill_grace_s)

@@ -1,0 +1,127 @@
+"""Several nodes, torchrun's way: which node this is, where they meet, and whose ranks are where.
+
+Runs in `maestro run` on every node before anything starts. `Nodes.from_options` takes
+torchrun's flags (--nnodes, --node-rank, --rdzv-endpoint, --nproc-per-node), with the node rank
+from Slurm's environment (SLURM_NODEID, else SLURM_PROCID with one task per node) when it is not
+given. `assign` puts every rank on a node: ranks in order, a replica's tensor-parallel group
+always on one node, at most nproc_per_node ranks per node. The rendezvous is a torch.distributed
+TCPStore at the endpoint, hosted by node 0 (`rendezvous`); the keys the coordinator and the
+agents exchange through it are in runtime/agent.py.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from maestro_flow.errors import PipelineError
+from maestro_flow.planner.plan import Placement
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Nodes:
+    nnodes: int = 1
+    node_rank: int = 0
+    endpoint: tuple[str, int] | None = None  # the rendezvous store, hosted by node 0
+    nproc_per_node: int | None = None
+
+    @property
+    def multi(self) -> bool:
+        return self.nnodes > 1
+
+    @classmethod
+    def from_options(cls, nnodes: int, node_rank: int | None, rdzv_endpoint: str | None,
+                     nproc_per_node: int | None, environ: dict[str, str] | None = None) -> Nodes:
+        environ = os.environ if environ is None else environ
+        if nnodes < 1:
+            raise PipelineError(f"--nnodes must be at least 1, got {nnodes}")
+        if nnodes == 1:
+            return cls()
+        if node_rank is None:
+            raw = environ.get("SLURM_NODEID") or environ.get("SLURM_PROCID")
+            if raw is None:
+                raise PipelineError("--node-rank is needed with --nnodes > 1 (or run under Slurm, which sets "
+                                    "SLURM_NODEID)")
+            node_rank = int(raw)
+        if not 0 <= node_rank < nnodes:
+            raise PipelineError(f"--node-rank {node_rank} is outside 0..{nnodes - 1} (--nnodes {nnodes})")
+        if not rdzv_endpoint:
+            raise PipelineError("--rdzv-endpoint HOST:PORT is needed with --nnodes > 1 (node 0 listens there)")
+        host, sep, port = rdzv_endpoint.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise PipelineError(f"--rdzv-endpoint must be HOST:PORT, got {rdzv_endpoint!r}")
+        if nproc_per_node is not None and nproc_per_node < 1:
+            raise PipelineError(f"--nproc-per-node must be at least 1, got {nproc_per_node}")
+        return cls(nnodes=nnodes, node_rank=node_rank, endpoint=(host.strip("[]"), int(port)),
+                   nproc_per_node=nproc_per_node)
+
+    def assign(self, placement: Placement) -> dict[int, int]:
+        """rank -> node: ranks in order, a tensor-parallel group never split across nodes."""
+        world = placement.world_size
+        if not self.multi:
+            return {r: 0 for r in range(world)}
+        per_node = self.nproc_per_node or math.ceil(world / self.nnodes)
+        node_of: dict[int, int] = {}
+        node, used = 0, 0
+        for leader in sorted(placement.members or {r: (r,) for r in range(world)}):
+            group = placement.group(leader)
+            if len(group) > per_node:
+                section, _ = placement.who(leader)
+                raise PipelineError(f"sections.{section}.tp={len(group)} does not fit on one node of "
+                                    f"{per_node} ranks (raise --nproc-per-node)")
+            if used + len(group) > per_node:
+                node, used = node + 1, 0
+            for r in group:
+                node_of[r] = node
+            used += len(group)
+        if node >= self.nnodes:
+            raise PipelineError(f"the pipeline has {world} ranks, more than {self.nnodes} nodes of {per_node} hold "
+                                f"(raise --nproc-per-node or --nnodes)")
+        return node_of
+
+
+def node_ranks(node_of: dict[int, int], node: int) -> list[int]:
+    return sorted(r for r, n in node_of.items() if n == node)
+
+
+def rendezvous(nodes: Nodes, timeout_s: float) -> Any:
+    """The job's TCPStore at the rendezvous endpoint: node 0 hosts it (listening on that address
+    only), the others connect to it."""
+    import torch.distributed as dist
+
+    assert nodes.endpoint is not None
+    host, port = nodes.endpoint
+    timeout = timedelta(seconds=timeout_s)
+    if nodes.node_rank != 0:
+        try:
+            return dist.TCPStore(host, port, is_master=False, timeout=timeout)
+        except Exception as exc:  # noqa: BLE001 (torch raises several types for an unreachable store)
+            raise PipelineError(f"--rdzv-endpoint {host}:{port}: node 0 did not answer within {timeout_s:.0f}s "
+                                f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None
+    try:
+        return listening_store(host, port, timeout)
+    except OSError as exc:
+        raise PipelineError(f"--rdzv-endpoint {host}:{port}: node 0 cannot listen there ({exc.strerror})") from None
+
+
+def listening_store(host: str, port: int = 0, timeout: timedelta = timedelta(seconds=300)) -> Any:
+    """A TCPStore master listening on `host` only (by itself it listens on every interface): it
+    gets a socket bound there, which it owns and closes. Port 0: any free port."""
+    import torch.distributed as dist
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    sock.listen(1024)
+    port = sock.getsockname()[1]
+    return dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timeout,
+                         master_listen_fd=sock.detach())

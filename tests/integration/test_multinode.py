@@ -1,0 +1,140 @@
+"""Two "nodes" on one machine: two `maestro run` processes with node ranks 0 and 1 meeting at a
+loopback rendezvous endpoint, exactly as two hosts would (torchrun's flags, a TCPStore hosted by
+node 0, node 1's agent starting its workers).
+
+The run ends with parameters bitwise equal to the single-node run; killing either node ends the
+other within seconds naming the lost node and its ranks, with nothing left running; with
+--max-restarts, a lost node that comes back rejoins from the newest checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.integration.conftest import ASSETS, ROOT, descendants, wait_gone
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+SECRET = {"MAESTRO_SECRET": "a shared secret for the two test nodes"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def node(rank: int, port: int, pipeline: str, *args: str, env: dict | None = None) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "maestro_flow.cli", "run", pipeline, "--nnodes", "2", "--node-rank", str(rank),
+         "--rdzv-endpoint", f"127.0.0.1:{port}", *args],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, **SECRET, **(env or {})})
+
+
+def finish(*procs: subprocess.Popen, timeout: float = 120) -> list[str]:
+    errs = []
+    for p in procs:
+        try:
+            _, err = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            _, err = p.communicate()
+        errs.append(err)
+    return errs
+
+
+def tensors(path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(path))
+
+
+def test_two_nodes_train_bitwise_like_one(demo_data, tmp_path):
+    common = ["--steps", "4", "--set", f"data.path={demo_data}", "--set", "adapt_costs=false", "--quiet"]
+    single = subprocess.run([sys.executable, "-m", "maestro_flow.cli", "run", "pipelines/distill.py", *common,
+                             "--no-run-dir", "--save-dir", str(tmp_path / "one")], cwd=ROOT, capture_output=True,
+                            text=True, timeout=120)
+    assert single.returncode == 0, single.stderr
+    port = free_port()
+    n1 = node(1, port, "pipelines/distill.py", *common, "--run-dir", str(tmp_path / "n1"))
+    n0 = node(0, port, "pipelines/distill.py", *common, "--run-dir", str(tmp_path / "n0"),
+              "--save-dir", str(tmp_path / "two"))
+    err0, err1 = finish(n0, n1)
+    assert n0.returncode == 0, err0
+    assert n1.returncode == 0, err1
+    one, two = tensors(tmp_path / "one" / "student.safetensors"), tensors(tmp_path / "two" / "student.safetensors")
+    assert one.keys() == two.keys()
+    assert all((one[k] == two[k]).all() for k in one), "two nodes trained different parameters"
+    # Node 1 ran rank 2 (student replica 1); its log is on node 1.
+    assert (tmp_path / "n1" / "workers" / "student-1.log").exists()
+    assert not (tmp_path / "n0" / "workers" / "student-1.log").exists()
+
+
+def _slow(*extra: str, demo_data) -> list[str]:
+    return ["--steps", "1000", "--set", f"data.path={demo_data}", "--set", "sections.student.config.sleep_s=0.05",
+            "--quiet", "--no-run-dir", *extra]
+
+
+def _training(proc: subprocess.Popen, n: int, timeout: float = 60) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        kids = [p for p in descendants(proc.pid)]
+        if len(kids) >= n:
+            time.sleep(2.0)  # a few steps in
+            return descendants(proc.pid)
+        time.sleep(0.1)
+    raise AssertionError("the node did not start its workers")
+
+
+@pytest.mark.parametrize("killed", [1, 0])
+def test_killing_a_node_ends_the_other_naming_it(demo_data, killed):
+    port = free_port()
+    env = {"MAESTRO_HEARTBEAT_TIMEOUT_S": "3"}
+    pipeline = str(ASSETS / "faulty.py")
+    n1 = node(1, port, pipeline, *_slow(demo_data=demo_data), env=env)
+    n0 = node(0, port, pipeline, *_slow(demo_data=demo_data), env=env)
+    everything = _training(n0, 2) + _training(n1, 1)
+    victim, survivor = (n1, n0) if killed == 1 else (n0, n1)
+    victim.kill()
+    t0 = time.monotonic()
+    [err] = finish(survivor, timeout=60)
+    elapsed = time.monotonic() - t0
+    finish(victim)
+    assert survivor.returncode == 1
+    if killed == 1:
+        assert "node 1 (ranks 2) is lost" in err, err
+    else:
+        assert "lost node 0 (the coordinator, ranks 0, 1;" in err, err
+    assert elapsed < 20, f"the other node took {elapsed:.1f}s to stop"
+    assert not wait_gone(everything, 10.0), "processes left running"
+
+
+def test_a_lost_node_rejoins_with_max_restarts(demo_data, tmp_path):
+    port = free_port()
+    env = {"MAESTRO_HEARTBEAT_TIMEOUT_S": "3"}
+    pipeline = str(ASSETS / "faulty.py")
+    args = ["--steps", "30", "--set", f"data.path={demo_data}", "--set", "sections.student.config.sleep_s=0.05",
+            "--quiet", "--no-run-dir"]
+    n1 = node(1, port, pipeline, *args, env=env)
+    n0 = node(0, port, pipeline, *args, "--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "2",
+              "--max-restarts", "1", "--metrics-out", str(tmp_path / "metrics.jsonl"), env=env)
+    _training(n1, 1, timeout=60)
+    deadline = time.monotonic() + 60
+    while not list((tmp_path / "ckpt").glob("step-*")) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    n1.kill()
+    finish(n1)
+    back = node(1, port, pipeline, *args, env=env)  # the node comes back
+    err0, err1 = finish(n0, back, timeout=180)
+    assert n0.returncode == 0, err0
+    assert back.returncode == 0, err1
+    assert "restart" in err0.lower()
+    steps = [line for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if line]
+    assert steps and '"step": 29' in steps[-1]

@@ -1,0 +1,47 @@
+"""Several nodes (runtime/nodes.py): torchrun's flags, Slurm's node rank, and rank placement
+that keeps a tensor-parallel group on one node."""
+
+from __future__ import annotations
+
+import pytest
+
+from maestro_flow.errors import PipelineError
+from maestro_flow.planner.plan import Placement
+from maestro_flow.runtime.nodes import Nodes
+
+
+def test_flags_and_slurm():
+    n = Nodes.from_options(2, 1, "10.0.0.1:29400", None, environ={})
+    assert (n.nnodes, n.node_rank, n.endpoint, n.multi) == (2, 1, ("10.0.0.1", 29400), True)
+    assert Nodes.from_options(4, None, "h:1", 2, environ={"SLURM_NODEID": "3"}).node_rank == 3
+    assert Nodes.from_options(1, None, None, None, environ={}) == Nodes()
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    ((2, None, "h:1", None), "--node-rank is needed"),
+    ((2, 2, "h:1", None), "--node-rank 2 is outside 0..1"),
+    ((2, 0, None, None), "--rdzv-endpoint HOST:PORT is needed"),
+    ((2, 0, "nohost", None), "must be HOST:PORT"),
+    ((2, 0, "h:1", 0), "--nproc-per-node must be at least 1"),
+    ((0, 0, "h:1", None), "--nnodes must be at least 1"),
+])
+def test_bad_flags_are_refused(args, message):
+    with pytest.raises(PipelineError, match=message):
+        Nodes.from_options(*args, environ={})
+
+
+def test_a_tensor_parallel_group_stays_on_one_node():
+    # teacher dp 1 (rank 0), student dp 2 x tp 2 (ranks 1 2 | 3 4): 5 ranks on 2 nodes of 3.
+    placement = Placement.build(["teacher", "student"], {"teacher": 1, "student": 2}, tp={"student": 2})
+    node_of = Nodes(nnodes=2, node_rank=0, endpoint=("h", 1), nproc_per_node=3).assign(placement)
+    assert node_of == {0: 0, 1: 0, 2: 0, 3: 1, 4: 1}
+    node_of = Nodes(nnodes=3, node_rank=0, endpoint=("h", 1), nproc_per_node=2).assign(placement)
+    assert node_of == {0: 0, 1: 1, 2: 1, 3: 2, 4: 2}  # the pair 1 2 is not split across nodes 0 and 1
+
+
+def test_layouts_that_do_not_fit_are_refused():
+    placement = Placement.build(["teacher", "student"], {"teacher": 1, "student": 2}, tp={"student": 2})
+    with pytest.raises(PipelineError, match="sections.student.tp=2 does not fit on one node of 1 ranks"):
+        Nodes(nnodes=5, node_rank=0, endpoint=("h", 1), nproc_per_node=1).assign(placement)
+    with pytest.raises(PipelineError, match="more than 2 nodes of 2 hold"):
+        Nodes(nnodes=2, node_rank=0, endpoint=("h", 1), nproc_per_node=2).assign(placement)
