@@ -42,7 +42,8 @@ from maestro_flow.runtime.build import resolve_device
 from maestro_flow.runtime import agent
 from maestro_flow.runtime.launcher import Launcher
 from maestro_flow.runtime.ledger import StepLedger, plan_message
-from maestro_flow.runtime.nodes import Nodes, listening_store, node_ranks
+from maestro_flow.runtime.liveness import Liveness
+from maestro_flow.runtime.nodes import Nodes, listening_store
 from maestro_flow.runtime.observe import RunObserver, timed_plan
 from maestro_flow.runtime.report import RunReport
 from maestro_flow.runtime.sampler import EpochSampler
@@ -68,9 +69,6 @@ def placement_for(graph: SectionGraph) -> Placement:
                            tp={n: graph.sections[n].tp for n in graph.order})
 
 
-HANG_FACTOR = 5.0  # a step this many times slower than the slowest seen counts as hung
-# Worker states (executor status) that wait on others: a hang is never blamed on them first.
-WAITING = ("waiting", "idle", "reducing gradients")
 
 
 class Coordinator:
@@ -94,14 +92,11 @@ class Coordinator:
         self.zctx = zmq.Context()
         self.router: zmq.Socket | None = None
         self.store: Any = None
-        self.last_seen: dict[int, float] = {}
-        self.last_done: dict[int, int] = {}  # rank -> last step it finished
         self.training = False
         self.awaited_step = 0
         self.status: StatusServer | None = None
         self.run_dir = run_dir
         self.record = record  # {"dir", "section", "steps"}: what a section records for replay
-        self.worker_status: dict[int, dict] = {}
         self.replica_busy: dict[int, float] = {}  # rank -> busy share of its last step
         self.last_row: dict | None = None
         self.checkpointer = checkpointer or Checkpointer(CheckpointOptions())
@@ -120,11 +115,7 @@ class Coordinator:
         self._next_tick = 0.0
         self.address: str | None = None  # the control socket's endpoint, once bound
         self.peers: dict[int, str] = {}  # every worker's tensor-header endpoint, after the hellos
-        # Hang detection: when a replica last finished a step, the slowest step so far, and since
-        # when each worker has been in its reported state.
-        self.progress_at = 0.0
-        self.slowest_step_s = 0.0
-        self.state_since: dict[int, tuple[tuple, float]] = {}
+        self.liveness = Liveness(self.placement, self.node_of, self.timeouts, self._label)
 
     # -- public ----------------------------------------------------------------------------
 
@@ -240,7 +231,7 @@ class Coordinator:
 
         send_plans(first + p.lookahead_steps, first)
         self.training = True
-        self.progress_at = time.monotonic()
+        self.liveness.progress_at = time.monotonic()
         for step in range(first, p.steps):
             self.awaited_step = step
             deadline = time.monotonic() + self.timeouts.step_s
@@ -252,7 +243,7 @@ class Coordinator:
                 except Rejected as exc:  # a repeated or misplaced report never changes training
                     self.drops.drop(self._label(rank), str(exc))
             row["restarts"] = self.restarts
-            self.slowest_step_s = max(self.slowest_step_s, row["step_time_s"])
+            self.liveness.step_time(row["step_time_s"])
             try:
                 if self.checkpointer.due(step + 1):
                     t0 = time.perf_counter()
@@ -276,8 +267,7 @@ class Coordinator:
                     self._send(r, make("clip", step=msg["step"], coef=clip[1]))
         elif msg["t"] == "done":
             row = ledger.on_done(rank, msg["step"], msg["stats"], time.perf_counter())
-            self.last_done[rank] = max(msg["step"], self.last_done.get(rank, -1))
-            self.progress_at = time.monotonic()
+            self.liveness.done(rank, msg["step"], time.monotonic())
             stats = msg["stats"]
             self.replica_busy[rank] = stats.get("busy_s", 0.0) / max(stats.get("wall_s", 0.0), 1e-12)
             self.observer.done(rank, stats)
@@ -386,7 +376,7 @@ class Coordinator:
         elif claimed != rank or msg["t"] == "hello":
             self.drops.drop(origin, f"a {msg['t']!r} message claiming rank {claimed}")
             return None
-        self.last_seen[rank] = time.monotonic()
+        self.liveness.seen(rank, time.monotonic())
         return rank, msg
 
     def _tick(self, now: float) -> None:
@@ -417,14 +407,15 @@ class Coordinator:
             section, replica = self.placement.who(rank)
             busy = min(1.0, self.replica_busy[rank]) if rank in self.replica_busy else None
             workers.append({"name": f"{section}[{replica}]", "rank": rank, "busy_fraction": busy,
-                            "seen_s": now - self.last_seen.get(rank, now), **self.worker_status.get(rank, {})})
+                            "seen_s": now - self.liveness.last_seen.get(rank, now),
+                            **self.liveness.status.get(rank, {})})
         return {"pipeline": self.pipeline.name, "step": self.awaited_step, "steps": self.pipeline.steps,
                 "loss": row.get("loss"), "step_time_s": row.get("step_time_s"), "workers": workers}
 
     def _death(self, w) -> WorkerLost:
         if not self.training:
             return WorkerLost(f"worker {w.label} {w.exit_description()} during startup")
-        last = self.last_done.get(w.rank)
+        last = self.liveness.last_done.get(w.rank)
         reported = "before finishing any step" if last is None else f"after finishing step {last}"
         return WorkerLost(f"worker {w.label} {w.exit_description()} {reported}, "
                              f"while the run was at step {self.awaited_step}")
@@ -446,12 +437,9 @@ class Coordinator:
             lost = agent.lost_report(self.rdzv, self.session)
             if lost is not None:
                 raise WorkerLost(lost)
-            now = time.monotonic()
-            for n in range(1, self.nodes.nnodes):
-                on_node = node_ranks(self.node_of, n)
-                if on_node and all(now - self.last_seen.get(r, now) > self.timeouts.heartbeat_timeout_s
-                                   for r in on_node):
-                    raise self._node_lost(n, now)
+            lost = self.liveness.lost_node(time.monotonic())
+            if lost is not None:
+                raise lost
             if self.router.poll(50):  # keep reading heartbeats, so only the lost fall silent
                 self._accept(self.router.recv_multipart())
 
@@ -482,8 +470,9 @@ class Coordinator:
             # paused or busy finds its workers' heartbeats waiting, not missing.
             if not self.router.poll(0):
                 self._check_workers(now, allow_exit or set())
-                if hang:
-                    self._check_hang(now)
+                hung = self.liveness.hang(self.awaited_step, now) if hang else None
+                if hung is not None:
+                    raise hung
                 if not self.router.poll(100):
                     continue
             got = self._accept(self.router.recv_multipart())
@@ -492,7 +481,7 @@ class Coordinator:
             rank, msg = got
             if msg["t"] == "heartbeat":
                 if "status" in msg:
-                    self._note_status(rank, msg["status"])
+                    self.liveness.note_status(rank, msg["status"], time.monotonic())
                 continue
             if msg["t"] == "error":
                 section, replica = self.placement.who(rank)  # where the rank is, whatever it says
@@ -507,45 +496,6 @@ class Coordinator:
                                     f"{msg['traceback'].rstrip()}")
             return rank, msg
 
-    def _note_status(self, rank: int, status: dict) -> None:
-        self.worker_status[rank] = status
-        key = (status.get("state"), status.get("step"), status.get("mb"))
-        if self.state_since.get(rank, (None, 0.0))[0] != key:
-            self.state_since[rank] = (key, time.monotonic())
-
-    def hang_timeout(self) -> float:
-        """How long a step may go without any replica finishing it: MAESTRO_HANG_S, or
-        HANG_FACTOR times the slowest step seen when that is longer."""
-        return max(self.timeouts.hang_s, HANG_FACTOR * self.slowest_step_s)
-
-    def _check_hang(self, now: float) -> None:
-        """No progress for the hang timeout: name the replica the others wait on (the one busy
-        in the same state longest, from its heartbeats), with what it is doing."""
-        limit = self.hang_timeout()
-        if now - self.progress_at <= limit:
-            return
-        step = self.awaited_step
-        pending = [r for r in range(self.placement.world_size) if self.last_done.get(r, -1) < step]
-        busy = [r for r in pending if not str(self.worker_status.get(r, {}).get("state", "")).startswith(WAITING)]
-        since = lambda r: self.state_since.get(r, (None, now))[1]  # noqa: E731
-        stuck = min(busy or pending or range(self.placement.world_size), key=since)
-        status = self.worker_status.get(stuck, {})
-        what = status.get("state", "no status yet")
-        where = "" if status.get("step") is None else f" of step {status['step']}"
-        where += "" if status.get("mb") is None else f", micro-batch {status['mb']}"
-        others = [self._label(r) for r in pending if r != stuck]
-        raise WorkerLost(
-            f"{self._label(stuck)} is hung: in {what}{where} for {now - since(stuck):.0f}s, and no replica finished "
-            f"step {step} for {now - self.progress_at:.0f}s (hang timeout {limit:.0f}s: MAESTRO_HANG_S, or "
-            f"{HANG_FACTOR:g}x the slowest step seen)" + (f"; waiting on it: {', '.join(others)}" if others else ""))
-
-    def _node_lost(self, node: int, now: float) -> WorkerLost:
-        on_node = node_ranks(self.node_of, node)
-        silent_s = min(now - self.last_seen.get(r, now) for r in on_node)
-        return WorkerLost(f"node {node} (ranks {', '.join(map(str, on_node))}) is lost: none of its workers sent "
-                          f"anything for {silent_s:.1f}s (heartbeat timeout; raise MAESTRO_HEARTBEAT_TIMEOUT_S if "
-                          f"it is just slow)")
-
     def _check_workers(self, now: float, allow_exit: set[int]) -> None:
         for w in self.launcher.dead():
             if w.rank in allow_exit:
@@ -554,12 +504,6 @@ class Coordinator:
             if self.router.poll(0):
                 return
             raise self._death(w)
-        silent = [r for r, seen in self.last_seen.items() if now - seen > self.timeouts.heartbeat_timeout_s]
-        if not silent:
-            return
-        rank = silent[0]
-        node = self.node_of[rank]
-        if node != 0 and all(r in silent for r in node_ranks(self.node_of, node)):
-            raise self._node_lost(node, now)
-        raise WorkerLost(f"worker {self._label(rank)} sent nothing for {now - self.last_seen[rank]:.1f}s "
-                         f"(heartbeat timeout; raise MAESTRO_HEARTBEAT_TIMEOUT_S if it is just busy)")
+        lost = self.liveness.silent(now)
+        if lost is not None:
+            raise lost

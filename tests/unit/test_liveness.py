@@ -1,0 +1,45 @@
+"""The coordinator's liveness bookkeeping (runtime/liveness.py): silent workers, lost nodes and
+hangs are named from heartbeats alone (pure: the clock is passed in)."""
+
+from __future__ import annotations
+
+from maestro_flow.planner.plan import Placement
+from maestro_flow.runtime.liveness import Liveness
+from maestro_flow.timeouts import Timeouts
+
+PLACEMENT = Placement.build(["teacher", "student"], {"teacher": 1, "student": 2})  # ranks 0 | 1 2
+
+
+def liveness(node_of=None, **timeouts) -> Liveness:
+    return Liveness(PLACEMENT, node_of or {0: 0, 1: 0, 2: 0}, Timeouts(**timeouts), label=lambda r: f"rank {r}")
+
+
+def test_the_stuck_replica_is_named_not_the_ones_waiting_on_it():
+    live = liveness(hang_s=10.0)
+    live.progress_at = 0.0
+    live.note_status(2, {"state": "forward", "step": 2, "mb": 0}, now=1.0)
+    live.note_status(1, {"state": "reducing gradients", "step": 2, "mb": None}, now=0.9)  # seen earlier
+    live.note_status(0, {"state": "idle (step done)", "step": 2, "mb": None}, now=0.5)
+    live.done(0, 2, now=0.5)
+    assert live.hang(2, now=10.0) is None
+    err = str(live.hang(2, now=12.0))
+    assert err.startswith("rank 2 is hung: in forward of step 2, micro-batch 0 for 11s")
+    assert "waiting on it: rank 1" in err and "MAESTRO_HANG_S" in err
+
+
+def test_the_hang_timeout_adapts_to_the_slowest_step():
+    live = liveness(hang_s=10.0)
+    live.step_time(1.0)
+    assert live.hang_timeout() == 10.0
+    live.step_time(7.0)
+    assert live.hang_timeout() == 35.0
+
+
+def test_a_silent_node_is_named_with_its_ranks():
+    live = liveness({0: 0, 1: 1, 2: 1}, heartbeat_timeout_s=3.0)
+    for r in range(3):
+        live.seen(r, now=0.0)
+    live.seen(0, now=5.0)
+    assert str(live.silent(now=5.0)).startswith("node 1 (ranks 1, 2) is lost: none of its workers sent anything for 5.0s")
+    live.seen(1, now=5.0)  # one of its workers still talks: that is one silent worker, not a lost node
+    assert str(live.silent(now=5.0)).startswith("worker rank 2 sent nothing for 5.0s")
