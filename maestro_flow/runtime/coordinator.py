@@ -21,7 +21,6 @@ never fatal. The control socket, the store and the status endpoint listen on `ho
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from collections.abc import Callable
@@ -38,8 +37,8 @@ from maestro_flow.planner import make_planner
 from maestro_flow.planner.plan import Placement
 from maestro_flow.protocol.auth import DropLog, Opener, Rejected, Sealer, derive_key, new_nonce, new_secret
 from maestro_flow.protocol.messages import PROTOCOL_VERSION, make
-from maestro_flow.runtime.build import resolve_device
 from maestro_flow.runtime import agent
+from maestro_flow.runtime.build import resolve_device
 from maestro_flow.runtime.launcher import Launcher
 from maestro_flow.runtime.ledger import StepLedger, plan_message
 from maestro_flow.runtime.liveness import Liveness
@@ -455,7 +454,7 @@ class Coordinator:
             return f"ranks {', '.join(map(str, missing))}"
         nodes = sorted({self.node_of[r] for r in missing})
         return "; ".join(f"node {n}: ranks {', '.join(str(r) for r in missing if self.node_of[r] == n)}"
-                         + (" (is `maestro run ... --node-rank %d` running there?)" % n if n else "") for n in nodes)
+                         + (f" (is `maestro run ... --node-rank {n}` running there?)" if n else "") for n in nodes)
 
     def _recv(self, deadline: float, what: str, setting: str, allow_exit: set[int] | None = None,
               hang: bool = False) -> tuple[int, dict]:

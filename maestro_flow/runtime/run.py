@@ -18,8 +18,8 @@ from typing import Any
 from maestro_flow.checkpoint import manifest as mf
 from maestro_flow.checkpoint.checkpointer import Checkpointer, CheckpointOptions, resume_point
 from maestro_flow.errors import PipelineError
-from maestro_flow.runtime.build import load_pipeline
 from maestro_flow.runtime.agent import end_job
+from maestro_flow.runtime.build import load_pipeline
 from maestro_flow.runtime.checks import check_pipeline
 from maestro_flow.runtime.coordinator import placement_for
 from maestro_flow.runtime.nodes import Nodes

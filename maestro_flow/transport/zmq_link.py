@@ -61,11 +61,6 @@ def send_msg(sock: zmq.Socket, msg: dict, identity: bytes | None = None, sealer:
         sock.send_multipart([identity, frame])
 
 
-def recv_msg(sock: zmq.Socket) -> dict:
-    """An unsealed message (benchmarks of the bare codec)."""
-    return decode(sock.recv())
-
-
 def open_msg(opener: Opener, frame: bytes) -> tuple[str, dict]:
     """(sender, message) of a sealed frame, or Rejected saying why it is dropped."""
     sender, payload = opener.open(frame)

@@ -10,7 +10,6 @@ other within seconds naming the lost node and its ranks, with nothing left runni
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import subprocess
 import sys

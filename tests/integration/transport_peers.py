@@ -19,7 +19,6 @@ from maestro_flow.protocol.auth import derive_key
 from maestro_flow.transport import zmq_link
 from maestro_flow.transport.tensor_comm import LocalComm, TensorComm
 
-
 KEY = derive_key(b"transport test secret", "session")
 
 

@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from maestro_flow.protocol.auth import (DropLog, Opener, Rejected, Sealer, derive_key, load_secret, new_nonce,
-                                        new_secret)
+from maestro_flow.protocol.auth import DropLog, Opener, Rejected, Sealer, derive_key, load_secret, new_nonce, new_secret
 from maestro_flow.protocol.codec import encode
 from maestro_flow.protocol.messages import make
 from maestro_flow.transport.zmq_link import open_msg

@@ -49,11 +49,15 @@ def test_a_status_file_whose_coordinator_is_gone_is_stale(tmp_path):
 def test_a_network_address_needs_a_secret(tmp_path, monkeypatch):
     monkeypatch.delenv("MAESTRO_SECRET", raising=False)
     with pytest.raises(PipelineError, match="--host 10.0.0.5 is not loopback.*MAESTRO_SECRET"):
-        control_secret(RunOptions(overrides={}, host="10.0.0.5"))
+        control_secret(RunOptions(overrides={}), host="10.0.0.5")
     assert control_secret(RunOptions(overrides={})) is None  # loopback: a generated one will do
     secret = tmp_path / "secret"
     secret.write_text("s" * 32)
-    assert control_secret(RunOptions(overrides={}, host="10.0.0.5", secret_file=str(secret))) == b"s" * 32
+    assert control_secret(RunOptions(overrides={}, secret_file=str(secret)), host="10.0.0.5") == b"s" * 32
+    from maestro_flow.runtime.nodes import Nodes
+
+    with pytest.raises(PipelineError, match="--nnodes > 1: every node needs the run's shared secret"):
+        control_secret(RunOptions(overrides={}), nodes=Nodes(nnodes=2, node_rank=1, endpoint=("127.0.0.1", 1)))
     monkeypatch.setenv("MAESTRO_SECRET", "short")
     with pytest.raises(PipelineError, match="at least 16"):
         control_secret(RunOptions(overrides={}))

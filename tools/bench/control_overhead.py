@@ -3,7 +3,7 @@
 Two parts, run one after the other in one invocation:
 
   (a) micro-benchmark between two spawned processes on loopback, with the runtime's own
-      zmq_link/codec (so `check()` and msgpack are included) and its real messages: a "tensors"
+      zmq_link/codec/auth (so `check()`, msgpack and the MAC are included) and its real messages: a "tensors"
       header for an 8-sample micro-batch (entries from p2p.pack), the largest "plan" message of
       the pipeline's first step (ledger.plan_message), and a "done" report. Per message type:
         push_pull   one-way latency PUSH -> PULL (encode, send, poll, recv, decode), one message
@@ -84,7 +84,7 @@ def _micro_rank(rank: int, port: int, messages: dict[str, dict], reps: int, warm
     import torch.distributed as dist
     import zmq
 
-    from maestro_flow.protocol.codec import decode
+    from maestro_flow.protocol.auth import Opener, Sealer, derive_key
     from maestro_flow.transport import zmq_link
 
     store = dist.TCPStore(zmq_link.LOOPBACK, port, is_master=False, timeout=timedelta(seconds=timeout_s))
@@ -96,6 +96,12 @@ def _micro_rank(rank: int, port: int, messages: dict[str, dict], reps: int, warm
         if not sock.poll(wait_ms):
             raise TimeoutError(f"no control message within {timeout_s:.0f}s")
 
+    # Sealed as the runtime seals them (protocol/auth.py): each direction its own stream.
+    key = derive_key(b"control-overhead bench", "session")
+    me, peer = f"rank{rank}", f"rank{1 - rank}"
+    push_seal, pull_open = Sealer(key, me, f"pull{1 - rank}"), Opener(key, f"pull{rank}", zmq_link.CONTROL_MAX_BYTES)
+    dealer_seal, dealer_open = Sealer(key, me, "router"), Opener(key, me, zmq_link.CONTROL_MAX_BYTES)
+    router_open, router_seal = Opener(key, "router", zmq_link.CONTROL_MAX_BYTES), Sealer(key, "router", peer)
     try:
         # Each side binds its receiving socket; the other connects (as workers and coordinator do).
         pull, pull_addr = zmq_link.bind(zctx, zmq.PULL)
@@ -108,12 +114,13 @@ def _micro_rank(rank: int, port: int, messages: dict[str, dict], reps: int, warm
             socks.append(router)
             store.set("ctl/router", router_addr)
         else:
-            dealer = zmq_link.connect(zctx, zmq.DEALER, store.get("ctl/router").decode(), identity=b"0")
+            dealer = zmq_link.connect(zctx, zmq.DEALER, store.get("ctl/router").decode())
             socks.append(dealer)
-            zmq_link.send_msg(dealer, {"t": "ready", "rank": 0})  # let the ROUTER learn our identity
+            zmq_link.send_msg(dealer, {"t": "ready", "rank": 0}, sealer=dealer_seal)  # the ROUTER learns us
         if rank == 1:
             recv(router)
-            router.recv_multipart()
+            identity, frame = router.recv_multipart()
+            zmq_link.open_msg(router_open, frame)
         out: dict[str, Any] = {"push_pull": {}, "round_trip": {}}
         for name, msg in messages.items():
             sent, got, rtts = [], [], []
@@ -121,30 +128,31 @@ def _micro_rank(rank: int, port: int, messages: dict[str, dict], reps: int, warm
                 # One-way PUSH -> PULL; the tiny ack only paces the loop, it is not timed.
                 if rank == 0:
                     t0 = time.perf_counter()
-                    zmq_link.send_msg(push, msg)
+                    zmq_link.send_msg(push, msg, sealer=push_seal)
                     recv(pull)
-                    zmq_link.recv_msg(pull)
+                    zmq_link.open_msg(pull_open, pull.recv())
                     if i >= warmup:
                         sent.append(t0)
                 else:
                     recv(pull)
-                    zmq_link.recv_msg(pull)
+                    zmq_link.open_msg(pull_open, pull.recv())
                     if i >= warmup:
                         got.append(time.perf_counter())
-                    zmq_link.send_msg(push, {"t": "ready", "rank": 1})
+                    zmq_link.send_msg(push, {"t": "ready", "rank": 1}, sealer=push_seal)
             for i in range(warmup + reps):
-                # DEALER -> ROUTER -> DEALER, the ROUTER decoding and re-encoding what it got.
+                # DEALER -> ROUTER -> DEALER, the ROUTER opening and re-sealing what it got.
                 if rank == 0:
                     t0 = time.perf_counter()
-                    zmq_link.send_msg(dealer, msg)
+                    zmq_link.send_msg(dealer, msg, sealer=dealer_seal)
                     recv(dealer)
-                    zmq_link.recv_msg(dealer)
+                    zmq_link.open_msg(dealer_open, dealer.recv())
                     if i >= warmup:
                         rtts.append(time.perf_counter() - t0)
                 else:
                     recv(router)
                     identity, frame = router.recv_multipart()
-                    zmq_link.send_msg(router, decode(frame), identity=identity)
+                    _, back = zmq_link.open_msg(router_open, frame)
+                    zmq_link.send_msg(router, back, identity=identity, sealer=router_seal)
             out["push_pull"][name] = sent if rank == 0 else got
             out["round_trip"][name] = rtts
         return out
@@ -152,6 +160,26 @@ def _micro_rank(rank: int, port: int, messages: dict[str, dict], reps: int, warm
         for s in socks:
             s.close(linger=0)
         zctx.term()
+
+
+def mac_cost_us(messages: dict[str, dict], reps: int) -> dict[str, float]:
+    """Sealing and opening one frame (HMAC-SHA256 both ways), in process: the MAC's share of the
+    one-way costs above."""
+    from maestro_flow.protocol.auth import Opener, Sealer, derive_key
+    from maestro_flow.protocol.codec import encode
+
+    key = derive_key(b"control-overhead bench", "mac")
+    out = {}
+    for name, msg in messages.items():
+        payload = encode(msg)
+        sealer, opener = Sealer(key, "a", "b"), Opener(key, "b", 1 << 30)
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            opener.open(sealer.seal(payload))
+            times.append((time.perf_counter() - t0) * 1e6)
+        out[name] = median(times)
+    return out
 
 
 def micro_benchmark(messages: dict[str, dict], reps: int, warmup: int, timeout_s: float) -> dict[str, Any]:
@@ -257,9 +285,15 @@ def main(argv: list[str] | None = None) -> dict:
     messages = {"tensors": _tensors_message(), "plan": plan_msg, "done": _done_message()}
 
     micro = micro_benchmark(messages, reps, warmup=max(10, reps // 20), timeout_s=args.timeout_s)
-    print(f"(a) control messages over ZeroMQ + msgpack, two processes on loopback, {reps} repetitions (medians)")
-    print(table(["message", "bytes", "PUSH->PULL one-way us", "DEALER<->ROUTER round trip us", "charged one-way us"],
-                [[k, v["bytes"], v["push_pull_us"], v["round_trip_us"], v["one_way_us"]] for k, v in micro.items()]))
+    mac = mac_cost_us(messages, reps)
+    for name in micro:
+        micro[name]["mac_us"] = mac[name]
+    print(f"(a) control messages over ZeroMQ + msgpack, sealed (HMAC-SHA256) as the runtime sends them, two "
+          f"processes on loopback, {reps} repetitions (medians)")
+    print(table(["message", "bytes", "PUSH->PULL one-way us", "DEALER<->ROUTER round trip us", "charged one-way us",
+                 "seal+open us"],
+                [[k, v["bytes"], v["push_pull_us"], v["round_trip_us"], v["one_way_us"], v["mac_us"]]
+                 for k, v in micro.items()]))
 
     costs = {k: v["one_way_us"] for k, v in micro.items()}
     pipe = pipeline_overhead(args.pipeline, overrides, costs, plans, graph, placement)

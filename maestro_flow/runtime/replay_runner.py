@@ -1,0 +1,305 @@
+"""One section's stage run alone on micro-batches, for `maestro stage` (runtime/replay.py).
+
+`SectionRunner` builds the stage exactly as replica 0 of a run builds it and runs a micro-batch
+forward and, for a trainable section, backward (of the loss, else of the sum of its floating
+outputs' squares / 2), timing both and collecting gradient norms per parameter group and of the
+inputs. `synthetic_batches` makes micro-batches from real samples with inputs computed by the
+upstream sections (run here) or random tensors of given per-sample shapes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from maestro_flow.config import Pipeline
+from maestro_flow.errors import MaestroError
+from maestro_flow.graph import SectionGraph
+from maestro_flow.runtime.build import build_stage, default_dtype, open_source, resolve_device
+from maestro_flow.stage import MicroBatch
+
+
+class ReplayError(MaestroError):
+    """Something the user can fix about a replay (no recording, bad step, unusable inputs)."""
+
+
+# -- running one section -------------------------------------------------------------------------
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class RunResult:
+    outputs: dict[str, Any]
+    forward_s: list[float]
+    backward_s: list[float]
+    param_grads: dict[str, float]  # parameter group -> gradient norm (trainable sections)
+    input_grads: dict[str, tuple[float, int, int]]  # input name -> (norm, samples with a gradient, leaves)
+    backward_of: str  # what was backwarded ("" when nothing)
+
+
+def _group(name: str) -> str:
+    """Parameter group: the name up to its first layer index (model.decoder.layers.0), else attr.child."""
+    parts = name.split(".")[:-1] or name.split(".")
+    for i, part in enumerate(parts[:5]):
+        if part.isdigit():
+            return ".".join(parts[:i + 1])
+    return ".".join(parts[:2])
+
+
+class SectionRunner:
+    """One section's stage, built as replica 0 of a run builds it, plus how to run a micro-batch."""
+
+    def __init__(self, pipeline: Pipeline, name: str) -> None:
+        self.pipeline = pipeline
+        self.graph = SectionGraph(pipeline)
+        self.section = pipeline.section(name)
+        self.name = name
+        self.device = torch.device(resolve_device(self.section, 0))
+        self.dtype = getattr(torch, pipeline.dtype)
+        with default_dtype(self.dtype):
+            self.stage = build_stage(pipeline, self.section, 0, str(self.device))
+        self.trainable = self.section.trainable
+        self.stage.train(self.trainable)  # as the executor does
+        self.grad_names = {t for e in self.graph.inputs(name) if e.carries_grad for t in e.edge.tensors}
+
+    def load_weights(self, path: str) -> None:
+        from safetensors.torch import load_file as load_tensors
+
+        state = load_tensors(path)
+        own = self.stage.state_dict()
+        missing = sorted(set(own) - set(state))
+        if missing:
+            raise ReplayError(f"{path}: has no {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''} "
+                              f"for section {self.name!r} (a file of another section or pipeline?)")
+        self.stage.load_state_dict({k: state[k].to(device=own[k].device, dtype=own[k].dtype) for k in own})
+
+    def prepare(self, batch: MicroBatch) -> tuple[MicroBatch, dict[tuple[int, str], torch.Tensor]]:
+        """A fresh copy of `batch` with inputs on the section's device (floating ones in the
+        pipeline's dtype); inputs of gradient edges become leaves requiring grad (trainable
+        sections), as the executor makes them."""
+        leaves: dict[tuple[int, str], torch.Tensor] = {}
+        inputs: dict[str, list[torch.Tensor | None]] = {}
+        for name, values in batch.inputs.items():
+            column = []
+            for i, t in enumerate(values):
+                if t is not None:
+                    t = t.detach().to(self.device).clone()
+                    if t.is_floating_point() and t.dtype != self.dtype:
+                        t = t.to(self.dtype)  # e.g. replaying a float32 recording with --set dtype=float64
+                    if self.trainable and name in self.grad_names and t.is_floating_point():
+                        t.requires_grad_(True)
+                        leaves[(i, name)] = t
+                column.append(t)
+            inputs[name] = column
+        columns = {k: list(v) for k, v in batch.columns.items()}
+        return (MicroBatch(step=batch.step, index=batch.index, sample_ids=list(batch.sample_ids),
+                           modalities=list(batch.modalities), columns=columns, inputs=inputs), leaves)
+
+    def forward(self, batch: MicroBatch) -> dict[str, Any]:
+        from maestro_flow.runtime.precision import compute
+
+        with default_dtype(self.dtype), torch.set_grad_enabled(self.trainable), \
+                compute(self.pipeline.mixed_precision, self.device):
+            out = self.stage.forward(batch)
+        if not isinstance(out, dict):
+            raise TypeError(f"{self.section.stage}.forward returned {type(out).__name__}, not a dict of outputs")
+        return out
+
+    def _backward_target(self, out: dict[str, Any]) -> tuple[torch.Tensor | None, str]:
+        loss = out.get("loss")
+        if isinstance(loss, torch.Tensor) and loss.requires_grad:
+            return loss.sum(), "loss"
+        total = None
+        for value in out.values():
+            for x in value if isinstance(value, (list, tuple)) else [value]:
+                if isinstance(x, torch.Tensor) and x.requires_grad and x.is_floating_point():
+                    term = x.float().pow(2).sum() / 2
+                    total = term if total is None else total + term
+        return total, "sum of outputs' squares / 2"
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def run(self, batch: MicroBatch, repeat: int = 1) -> RunResult:
+        """Forward (+ backward when trainable) `repeat` times; outputs and gradients of the first."""
+        fwd, bwd = [], []
+        first: RunResult | None = None
+        for _ in range(max(1, repeat)):
+            for p in self.stage.parameters():
+                p.grad = None
+            prepared, leaves = self.prepare(batch)
+            self._sync()
+            t0 = time.perf_counter()
+            out = self.forward(prepared)
+            self._sync()
+            t1 = time.perf_counter()
+            what = ""
+            if self.trainable:
+                target, what = self._backward_target(out)
+                if target is not None:
+                    with default_dtype(self.dtype):
+                        target.backward()
+                else:
+                    what = ""
+            self._sync()
+            t2 = time.perf_counter()
+            fwd.append(t1 - t0)
+            bwd.append(t2 - t1)
+            if first is None:
+                first = RunResult(outputs=_detached(out), forward_s=[], backward_s=[],
+                                  param_grads=self._param_grads() if what else {},
+                                  input_grads=_input_grads(leaves, batch.inputs) if what else {}, backward_of=what)
+        for p in self.stage.parameters():
+            p.grad = None
+        first.forward_s, first.backward_s = fwd, bwd if self.trainable else []
+        return first
+
+    def _param_grads(self) -> dict[str, float]:
+        sq: dict[str, float] = {}
+        for name, p in self.stage.named_parameters():
+            if p.grad is not None:
+                g = _group(name)
+                sq[g] = sq.get(g, 0.0) + float(p.grad.detach().double().pow(2).sum())
+        return {g: math.sqrt(v) for g, v in sq.items()}
+
+
+def _detached(out: dict[str, Any]) -> dict[str, Any]:
+    def d(x: Any) -> Any:
+        return x.detach() if isinstance(x, torch.Tensor) else x
+    return {k: [d(x) for x in v] if isinstance(v, (list, tuple)) else d(v) for k, v in out.items()}
+
+
+def _input_grads(leaves: dict[tuple[int, str], torch.Tensor], inputs: dict[str, list]) -> dict[str, tuple[float, int, int]]:
+    out: dict[str, tuple[float, int, int]] = {}
+    for name in inputs:
+        mine = [t for (_, n), t in leaves.items() if n == name]
+        if not mine:
+            continue
+        grads = [t.grad for t in mine if t.grad is not None]
+        norm = math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads))
+        out[name] = (norm, len(grads), len(mine))
+    return out
+
+
+# -- synthetic inputs ------------------------------------------------------------------------------
+
+def _to_torch(name: str, value: Any) -> Any:
+    try:  # the executor's conversion, so the stage sees what it sees in a run
+        from maestro_flow.runtime.executor import _to_torch as convert
+    except ImportError:  # pragma: no cover
+        convert = None
+    if convert is not None:
+        return convert(name, value)
+    if isinstance(value, np.ndarray):
+        return torch.from_numpy(value.astype(np.int64) if name == "tokens" else np.array(value))
+    return value
+
+
+def _ancestors(graph: SectionGraph, name: str) -> list[str]:
+    need, todo = set(), [name]
+    while todo:
+        for e in graph.inputs(todo.pop()):
+            if e.edge.src not in need:
+                need.add(e.edge.src)
+                todo.append(e.edge.src)
+    return [n for n in graph.order if n in need]
+
+
+def _pick_samples(graph: SectionGraph, name: str, metadata: list, n: int) -> list:
+    """`n` samples the section activates on, in file order, including at least one that each of
+    its producers activates on when the dataset has one (so every input is exercised)."""
+    section = graph.sections[name]
+    mine = [s for s in metadata if section.activates(s.modalities)]
+    if not mine:
+        raise ReplayError(f"no sample of the dataset activates section {name!r} "
+                          f"(activates_on={section.activates_on!r})")
+    chosen = mine[:n]
+    for e in graph.inputs(name):
+        producer = graph.sections[e.edge.src]
+        if not any(producer.activates(s.modalities) for s in chosen):
+            extra = next((s for s in mine if producer.activates(s.modalities)), None)
+            if extra is not None:
+                keep = [s for s in chosen if not producer.activates(s.modalities)]
+                chosen = (keep[:n - 1] + [extra]) if n > 1 else [extra]
+    return sorted(chosen, key=lambda s: s.id)
+
+
+def _micro_batch(section: Any, graph: SectionGraph, source: Any, samples: list, produced: dict,
+                 index: int) -> MicroBatch:
+    raw = source.read([s.row for s in samples], section.columns)
+    columns = {k: [_to_torch(k, v) for v in vals] for k, vals in raw.items()}
+    inputs: dict[str, list[torch.Tensor | None]] = {}
+    for e in graph.inputs(section.name):
+        producer = graph.sections[e.edge.src]
+        for t in e.edge.tensors:
+            inputs[t] = [produced.get((s.id, t)) if producer.activates(s.modalities) else None for s in samples]
+    return MicroBatch(step=0, index=index, sample_ids=[s.id for s in samples],
+                      modalities=[frozenset(s.modalities) for s in samples], columns=columns, inputs=inputs)
+
+
+def synthetic_batches(pipeline: Pipeline, name: str, samples: int | None = None,
+                      input_shapes: dict[str, tuple[int, ...]] | None = None,
+                      log: Callable[[str], None] | None = None) -> list[MicroBatch]:
+    """Micro-batches for section `name` from real samples, with inputs computed by its upstream
+    sections (run here on the same samples) or random tensors of `input_shapes` (per sample)."""
+    log = log or (lambda _m: None)
+    input_shapes = input_shapes or {}
+    graph = SectionGraph(pipeline)
+    section = graph.sections[name]
+    source = open_source(pipeline)
+    chosen = _pick_samples(graph, name, source.metadata(), samples or section.micro_batch)
+    produced: dict[tuple[int, str], torch.Tensor | None] = {}
+    wanted = {t for e in graph.inputs(name) for t in e.edge.tensors}
+    random_names = wanted & set(input_shapes)
+    if wanted - random_names:
+        _run_upstream(pipeline, graph, name, chosen, produced, random_names, input_shapes, log)
+    if random_names:
+        gen = torch.Generator().manual_seed(pipeline.seed)
+        dtype = getattr(torch, pipeline.dtype)
+        for t in sorted(random_names):
+            for s in chosen:
+                produced[(s.id, t)] = torch.randn(input_shapes[t], generator=gen, dtype=torch.float32).to(dtype)
+        log(f"inputs {', '.join(sorted(random_names))}: random normal, per-sample shape "
+            + ", ".join(f"{t}={list(input_shapes[t])}" for t in sorted(random_names)))
+    batches = []
+    step = section.micro_batch
+    for i in range(0, len(chosen), step):
+        batches.append(_micro_batch(section, graph, source, chosen[i:i + step], produced, len(batches)))
+    return batches
+
+
+def _run_upstream(pipeline: Pipeline, graph: SectionGraph, name: str, chosen: list, produced: dict,
+                  random_names: set[str], input_shapes: dict, log: Callable[[str], None]) -> None:
+    source = open_source(pipeline)
+    for up in _ancestors(graph, name):
+        section = graph.sections[up]
+        try:
+            runner = SectionRunner(pipeline, up)
+        except MaestroError:
+            raise
+        except Exception as exc:
+            raise ReplayError(f"building upstream section {up!r} to compute this section's inputs failed "
+                              f"({type(exc).__name__}: {exc}); pass --input-shape NAME=DxD for its outputs "
+                              "to use random inputs instead") from exc
+        names = [t for e in graph.outputs(up) for t in e.edge.tensors]
+        mine = [s for s in chosen if section.activates(s.modalities)]
+        for i in range(0, len(mine), section.micro_batch):
+            mb = mine[i:i + section.micro_batch]
+            batch = _micro_batch(section, graph, source, mb, produced, i)
+            try:
+                with default_dtype(runner.dtype), torch.no_grad():
+                    out = runner.stage.forward(batch)
+                for t in names:
+                    for s, x in zip(mb, out[t], strict=True):
+                        produced[(s.id, t)] = None if x is None else x.detach()
+            except Exception as exc:
+                raise ReplayError(f"running upstream section {up!r} to compute this section's inputs failed "
+                                  f"({type(exc).__name__}: {exc}); pass --input-shape NAME=DxD to use random "
+                                  "inputs instead") from exc
+        log(f"inputs {', '.join(names)}: computed by section {up!r} ({section.stage}, freshly initialised) "
+            f"on {len(mine)} sample(s)")
