@@ -133,6 +133,7 @@ class Agent:
             if quieted:  # the workers started with torch's default log level; this process stays quiet
                 os.environ["MAESTRO_AGENT_QUIETED_TORCH"], os.environ["TORCH_CPP_LOG_LEVEL"] = "1", quieted
             reported = False
+            gone_since: float | None = None  # when the last of this node's workers ended
             while True:
                 if self._ask(store.check, [f"maestro/end/{session}"]):
                     outcome = self._ask(store.get, f"maestro/end/{session}").decode()
@@ -147,6 +148,13 @@ class Agent:
                     self._ask(store.set, f"maestro/lost/{session}",
                               f"worker {w.label} on node {node} {w.exit_description()}")
                     reported = True
+                if len(launcher.dead()) == len(mine):
+                    gone_since = gone_since or time.monotonic()
+                    waited = time.monotonic() - gone_since
+                    if waited > self.timeouts.coordinator_timeout_s:
+                        raise SystemFailure(f"node 0 neither ended attempt {session[:8]} nor started another "
+                                            f"{waited:.0f}s after this node's workers ended (raise "
+                                            f"MAESTRO_COORDINATOR_TIMEOUT_S if node 0 can be that slow)")
                 time.sleep(POLL_S)
         finally:
             launcher.shutdown(0.5, self.timeouts.kill_grace_s)

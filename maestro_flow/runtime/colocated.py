@@ -22,7 +22,8 @@ from maestro_flow.graph import SectionGraph
 from maestro_flow.planner import make_planner
 from maestro_flow.planner.plan import Placement
 from maestro_flow.runtime.build import build_stage, default_dtype, resolve_device
-from maestro_flow.runtime.executor import SectionExecutor, StageFault, recording
+from maestro_flow.runtime.executor import SectionExecutor
+from maestro_flow.runtime.executor_state import StageFault, recording
 from maestro_flow.runtime.ledger import StepLedger, plan_message
 from maestro_flow.runtime.observe import RunObserver, timed_plan
 from maestro_flow.runtime.report import RunReport

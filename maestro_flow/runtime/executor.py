@@ -28,10 +28,8 @@ import time
 import traceback
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 
 from maestro_flow.graph import SectionGraph
@@ -41,59 +39,13 @@ from maestro_flow.parallel import memory
 from maestro_flow.parallel.section import Layout
 from maestro_flow.planner.costfit import Timing
 from maestro_flow.planner.plan import Placement
+from maestro_flow.runtime.executor_state import PendingBackward, StageFault, StepState, to_torch
 from maestro_flow.runtime.precision import autocast_dtype, compute
 from maestro_flow.runtime.trace import Tracer
 from maestro_flow.stage import MicroBatch, Stage
 from maestro_flow.transport.tensor_comm import Comm
 
 Report = Callable[[str, dict[str, Any]], None]
-
-
-class StageFault(Exception):
-    """User stage code raised; carries the phase and the traceback formatted here."""
-
-    def __init__(self, phase: str, step: int | None, text: str) -> None:
-        super().__init__(text)
-        self.phase, self.step, self.text = phase, step, text
-
-
-@dataclass
-class _Pending:
-    """A trainable micro-batch whose outputs await gradients from downstream."""
-
-    outputs: dict[tuple[int, str], torch.Tensor]
-    expected: set[tuple[int, int]]  # (edge index, sample id) still to come
-    grads: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
-    leaves: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
-    sample_ids: tuple[int, ...] = ()
-    index: int = 0  # the micro-batch's index in the step
-
-
-@dataclass
-class _Step:
-    step: int
-    mbs: list[tuple[int, ...]]
-    rows: dict[int, int]
-    modalities: dict[int, frozenset[str]]
-    routes: dict[str, dict[int, int]]
-    next_mb: int = 0
-    pending: list[_Pending] = field(default_factory=list)
-    loss_sum: float = 0.0
-    denominator: float = 0.0
-    loss_reported: bool = False
-    global_denominator: float | None = None
-    sizes: dict[int, tuple[int, int, int]] = field(default_factory=dict)  # sid -> tokens, patches, frames
-    gates: list[list[tuple[int, int]]] = field(default_factory=list)  # per mb: (consumer rank, forwards done)
-    notify: list[int] = field(default_factory=list)  # producer ranks gated on this replica's progress
-    started: float = 0.0
-    busy_s: float = 0.0
-    tokens: int = 0
-    timings: list[list] = field(default_factory=list)  # per micro-batch, for the cost model (costfit.Timing)
-    waiting: tuple[str, float] | None = None  # (what for, since when), for the trace
-    grad_sq: float | None = None  # this replica's share of the squared global gradient norm, once reduced
-    lr: float | None = None  # the learning rate of this step's optimizer step
-    stepped: bool = False
-    memory: dict[str, int] = field(default_factory=dict)  # bytes held in the step and at its end (parallel/memory)
 
 
 class SectionExecutor:
@@ -132,13 +84,13 @@ class SectionExecutor:
         # Mixed precision: autocast dtype for the stage's forward and the dtype tensors travel in.
         self.mixed_precision = pipeline.mixed_precision
         self.autocast = autocast_dtype(pipeline.mixed_precision)
-        self.plans: deque[_Step] = deque()
-        self.current: _Step | None = None
+        self.plans: deque[StepState] = deque()
+        self.current: StepState | None = None
         # step -> sample id -> tensor name -> tensor; filled by deliver(), possibly ahead of the plan.
         self.inbox: dict[int, dict[int, dict[str, torch.Tensor]]] = {}
         self.finalized: dict[int, float] = {}
         self.progress: dict[tuple[int, int], int] = {}  # (step, consumer rank) -> forwards it finished
-        self.pending_by_sample: dict[tuple[int, int], _Pending] = {}
+        self.pending_by_sample: dict[tuple[int, int], PendingBackward] = {}
         self.early_grads: list[tuple[int, int, list]] = []
         self.steps_done = 0
         self.tracer = tracer or Tracer(enabled=False)
@@ -151,7 +103,7 @@ class SectionExecutor:
 
     def add_plan(self, msg: dict[str, Any]) -> None:
         samples = msg["samples"]
-        self.plans.append(_Step(
+        self.plans.append(StepState(
             step=msg["step"], mbs=[tuple(mb) for mb in msg["micro_batches"]],
             rows={s[0]: s[1] for s in samples}, modalities={s[0]: frozenset(s[2]) for s in samples},
             sizes={s[0]: (s[3], s[4], s[5]) for s in samples},
@@ -212,14 +164,14 @@ class SectionExecutor:
 
     # -- forward ---------------------------------------------------------------------------
 
-    def _expected_inputs(self, st: _Step, sid: int) -> list[str]:
+    def _expected_inputs(self, st: StepState, sid: int) -> list[str]:
         names = []
         for e in self.in_edges:
             if self.graph.sections[e.edge.src].activates(st.modalities[sid]):
                 names.extend(e.edge.tensors)
         return names
 
-    def _run_next_forward(self, st: _Step) -> bool:
+    def _run_next_forward(self, st: StepState) -> bool:
         if st.next_mb >= len(st.mbs):
             return False
         mb = st.mbs[st.next_mb]
@@ -259,7 +211,7 @@ class SectionExecutor:
             self.comm.notify(rank, st.step, st.next_mb)
         return True
 
-    def _record(self, st: _Step, batch: MicroBatch, out: dict) -> None:
+    def _record(self, st: StepState, batch: MicroBatch, out: dict) -> None:
         """Save what the stage received and produced (and, once per step, the weights it used),
         for `maestro stage --replay`. Outside the timed region."""
         from maestro_flow.runtime import record
@@ -269,7 +221,7 @@ class SectionExecutor:
             record.save_weights(directory, st.step, self.stage)  # before this step's update
         record.save_micro_batch(directory, batch, out)
 
-    def _wait(self, st: _Step, reason: str) -> bool:
+    def _wait(self, st: StepState, reason: str) -> bool:
         """Note when the executor started waiting (for the trace); always False (nothing ran)."""
         if st.waiting is None:
             st.waiting = (reason, self.clock())
@@ -281,23 +233,23 @@ class SectionExecutor:
                        "buffered": sum(len(v) for v in self.inbox.values()),
                        "in_flight": getattr(self.comm, "in_flight", 0)}
 
-    def _waited(self, st: _Step, now: float, **args: Any) -> None:
+    def _waited(self, st: StepState, now: float, **args: Any) -> None:
         if st.waiting is not None:
             reason, since = st.waiting
             self.tracer.span(reason, "wait", since, now, step=st.step, **args)
             st.waiting = None
 
-    def _timing(self, st: _Step, kind: str, mb: tuple[int, ...], seconds: float) -> None:
+    def _timing(self, st: StepState, kind: str, mb: tuple[int, ...], seconds: float) -> None:
         tokens = sum(st.sizes[s][0] for s in mb)
         patches = sum(st.sizes[s][1] for s in mb)
         frames = sum(st.sizes[s][2] for s in mb)
         st.timings.append(Timing(kind=kind, samples=len(mb), tokens=tokens, patches=patches, frames=frames,
                                  seconds=seconds).to_list())
 
-    def _make_batch(self, st: _Step, index: int, mb: tuple[int, ...], arrived: dict) -> tuple[MicroBatch, dict]:
+    def _make_batch(self, st: StepState, index: int, mb: tuple[int, ...], arrived: dict) -> tuple[MicroBatch, dict]:
         rows = [st.rows[sid] for sid in mb]
         raw = self.source.read(rows, self.section.columns)
-        columns = {name: [_to_torch(name, v) for v in values] for name, values in raw.items()}
+        columns = {name: [to_torch(name, v) for v in values] for name, values in raw.items()}
         st.tokens += sum(len(t) for t in columns.get("tokens", ()))
         leaves: dict[tuple[int, str], torch.Tensor] = {}
         inputs: dict[str, list[torch.Tensor | None]] = {}
@@ -341,7 +293,7 @@ class SectionExecutor:
                              f"micro-batch of {n} samples (first dimension must index the samples)")
         return value
 
-    def _send_outputs(self, st: _Step, mb: tuple[int, ...], out: dict) -> None:
+    def _send_outputs(self, st: StepState, mb: tuple[int, ...], out: dict) -> None:
         if self.follower:
             return  # the replica's outputs are the same on all its ranks: the leader sends them
         for e in self.out_edges:
@@ -359,7 +311,7 @@ class SectionExecutor:
 
     # -- backward --------------------------------------------------------------------------
 
-    def _loss_backward(self, st: _Step, mb: tuple[int, ...], out: dict, leaves: dict) -> None:
+    def _loss_backward(self, st: StepState, mb: tuple[int, ...], out: dict, leaves: dict) -> None:
         if not isinstance(out, dict) or "loss" not in out:
             returned = ", ".join(map(str, out)) if isinstance(out, dict) else type(out).__name__
             raise StageFault("forward", st.step, f"section {self.name!r}: {self.section.stage}.forward returned no "
@@ -376,8 +328,8 @@ class SectionExecutor:
                 raise StageFault("backward", st.step, traceback.format_exc()) from None
             self._send_input_grads(st, leaves)
 
-    def _keep_for_backward(self, st: _Step, mb: tuple[int, ...], out: dict, leaves: dict, index: int) -> None:
-        pending = _Pending(outputs={}, expected=set(), leaves=leaves, sample_ids=mb, index=index)
+    def _keep_for_backward(self, st: StepState, mb: tuple[int, ...], out: dict, leaves: dict, index: int) -> None:
+        pending = PendingBackward(outputs={}, expected=set(), leaves=leaves, sample_ids=mb, index=index)
         for e in self.graph.needs_grad_from(self.name):
             consumer = self.graph.sections[e.edge.dst]
             per_name = {name: self._per_sample(out, name, len(mb), st.step, e.edge.name) for name in e.edge.tensors}
@@ -417,7 +369,7 @@ class SectionExecutor:
         for sid in sids:
             self.pending_by_sample[(step, sid)].expected.discard((edge, sid))
 
-    def _run_ready_backward(self, st: _Step) -> bool:
+    def _run_ready_backward(self, st: StepState) -> bool:
         # Oldest first: gradients accumulate in micro-batch order whatever order they return in,
         # so a run is reproducible bit for bit (and a resumed run equals the uninterrupted one).
         if not st.pending or st.pending[0].expected:
@@ -429,7 +381,7 @@ class SectionExecutor:
         self._backward(st, pending)
         return True
 
-    def _follow(self, st: _Step) -> bool:
+    def _follow(self, st: StepState) -> bool:
         """A tensor-parallel follower: run the next relayed forward or backward, if it is here."""
         if not self.ops or self.ops[0][1] != st.step:
             return False
@@ -448,7 +400,7 @@ class SectionExecutor:
         self._backward(st, pending)
         return True
 
-    def _backward(self, st: _Step, pending: _Pending) -> None:
+    def _backward(self, st: StepState, pending: PendingBackward) -> None:
         st.pending.remove(pending)
         for sid in pending.sample_ids:
             self.pending_by_sample.pop((st.step, sid), None)
@@ -468,7 +420,7 @@ class SectionExecutor:
         self.tracer.span("backward", "compute", t0, t0 + elapsed, step=st.step, mb=pending.index,
                          samples=list(pending.sample_ids))
 
-    def _send_input_grads(self, st: _Step, leaves: dict[tuple[int, str], torch.Tensor]) -> None:
+    def _send_input_grads(self, st: StepState, leaves: dict[tuple[int, str], torch.Tensor]) -> None:
         if self.follower:
             return
         for e in self.in_edges:
@@ -486,7 +438,7 @@ class SectionExecutor:
 
     # -- end of step -----------------------------------------------------------------------
 
-    def _finish_step(self, st: _Step) -> bool:
+    def _finish_step(self, st: StepState) -> bool:
         if st.next_mb < len(st.mbs) or st.pending:
             return False
         if self.is_loss and self.feeds_upstream and not st.loss_reported and not self.follower:
@@ -547,7 +499,7 @@ class SectionExecutor:
         self.steps_done += 1
         return True
 
-    def _reduce(self, st: _Step, denominator: float | None) -> None:
+    def _reduce(self, st: StepState, denominator: float | None) -> None:
         """All-reduce the gradients, divide by the global loss denominator, measure the norm. A
         loss section passes None: its replicas sum their denominators in the same collective as
         the gradients (no round trip through the coordinator on the critical path)."""
@@ -561,14 +513,14 @@ class SectionExecutor:
         self._measure(st, "rest")
         st.grad_sq = self.optim.sq_norm()
 
-    def _measure(self, st: _Step, when: str) -> None:
+    def _measure(self, st: StepState, when: str) -> None:
         """Bytes of the parameters and gradients this rank holds now (parallel/memory.py)."""
         params, grads = memory.held(self.stage.parameters())
         if when == "step" and self.fsdp is not None and self.fsdp.gathered:
             params += memory.local_bytes(self.fsdp.sharded())  # kept beside the gathered copy
         st.memory.update({f"{when}_params": params, f"{when}_grads": grads})
 
-    def _stats(self, st: _Step) -> dict[str, Any]:
+    def _stats(self, st: StepState) -> dict[str, Any]:
         wall = self.clock() - st.started
         stage_stats = getattr(self.stage, "stats", None)
         return {"busy_s": st.busy_s, "wall_s": wall, "stage": dict(stage_stats()) if callable(stage_stats) else {},
@@ -581,20 +533,3 @@ class SectionExecutor:
                 "memory": {**st.memory, "peak_mb": memory.peak_mb(self.device)},
                 **({"trace": self.tracer.take()} if self.tracer.enabled else {}),
                 **self.comm.stats.snapshot_and_reset()}
-
-
-def recording(spec: dict[str, Any] | None, section: str, replica: int) -> tuple[str, frozenset[int] | None] | None:
-    """The executor's `record` argument from the run's record spec ({"dir", "section", "steps"})."""
-    if not spec or spec["section"] != section:
-        return None
-    from maestro_flow.runtime.record import record_dir
-
-    steps = frozenset(spec["steps"]) if spec.get("steps") is not None else None
-    return record_dir(spec["dir"], section, replica), steps
-
-
-def _to_torch(name: str, value: Any) -> Any:
-    if isinstance(value, np.ndarray):
-        # Copies: the loader's arrays are read-only views of the memory-mapped dataset.
-        return torch.from_numpy(value.astype(np.int64) if name == "tokens" else np.array(value))
-    return value

@@ -178,7 +178,7 @@ class _Section:
         self.out_names = [t for e in graph.outputs(name) for t in e.edge.tensors]
 
     def batch(self, mb: Sequence[SampleMeta], outputs: dict[tuple[int, str], torch.Tensor | None]) -> MicroBatch:
-        from maestro_flow.runtime.executor import _to_torch
+        from maestro_flow.runtime.executor_state import to_torch as _to_torch
 
         raw = self.source.read([s.row for s in mb], self.section.columns)
         columns = {k: [_to_torch(k, v) for v in vals] for k, vals in raw.items()}

@@ -190,7 +190,7 @@ def _input_grads(leaves: dict[tuple[int, str], torch.Tensor], inputs: dict[str, 
 
 def _to_torch(name: str, value: Any) -> Any:
     try:  # the executor's conversion, so the stage sees what it sees in a run
-        from maestro_flow.runtime.executor import _to_torch as convert
+        from maestro_flow.runtime.executor_state import to_torch as convert
     except ImportError:  # pragma: no cover
         convert = None
     if convert is not None:

@@ -291,7 +291,7 @@ class _Worker:
 
     def run(self) -> int:
         from maestro_flow.errors import PipelineError
-        from maestro_flow.runtime.executor import StageFault
+        from maestro_flow.runtime.executor_state import StageFault
 
         try:
             executor = self._setup()
@@ -321,7 +321,8 @@ class _Worker:
         from maestro_flow.parallel.section import parallelize_section
         from maestro_flow.planner.plan import Placement
         from maestro_flow.runtime.build import add_paths, build_stage, open_source
-        from maestro_flow.runtime.executor import SectionExecutor, recording
+        from maestro_flow.runtime.executor import SectionExecutor
+        from maestro_flow.runtime.executor_state import recording
         from maestro_flow.runtime.topology import process_groups
         from maestro_flow.runtime.trace import Tracer
         from maestro_flow.transport.tensor_comm import TensorComm

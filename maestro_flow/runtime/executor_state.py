@@ -1,0 +1,80 @@
+"""The executor's bookkeeping of one step and one micro-batch, and what it hands a stage.
+
+Used by runtime/executor.py (and, for `to_torch`, by profiling and `maestro stage`, so a stage
+sees the same values everywhere). `StageFault` is user stage code that raised, with the phase
+and the traceback formatted where it happened; `recording` turns the run's --record spec into
+the executor's argument.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+
+class StageFault(Exception):
+    """User stage code raised; carries the phase and the traceback formatted here."""
+
+    def __init__(self, phase: str, step: int | None, text: str) -> None:
+        super().__init__(text)
+        self.phase, self.step, self.text = phase, step, text
+
+
+@dataclass
+class PendingBackward:
+    """A trainable micro-batch whose outputs await gradients from downstream."""
+
+    outputs: dict[tuple[int, str], torch.Tensor]
+    expected: set[tuple[int, int]]  # (edge index, sample id) still to come
+    grads: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
+    leaves: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
+    sample_ids: tuple[int, ...] = ()
+    index: int = 0  # the micro-batch's index in the step
+
+
+@dataclass
+class StepState:
+    step: int
+    mbs: list[tuple[int, ...]]
+    rows: dict[int, int]
+    modalities: dict[int, frozenset[str]]
+    routes: dict[str, dict[int, int]]
+    next_mb: int = 0
+    pending: list[PendingBackward] = field(default_factory=list)
+    loss_sum: float = 0.0
+    denominator: float = 0.0
+    loss_reported: bool = False
+    global_denominator: float | None = None
+    sizes: dict[int, tuple[int, int, int]] = field(default_factory=dict)  # sid -> tokens, patches, frames
+    gates: list[list[tuple[int, int]]] = field(default_factory=list)  # per mb: (consumer rank, forwards done)
+    notify: list[int] = field(default_factory=list)  # producer ranks gated on this replica's progress
+    started: float = 0.0
+    busy_s: float = 0.0
+    tokens: int = 0
+    timings: list[list] = field(default_factory=list)  # per micro-batch, for the cost model (costfit.Timing)
+    waiting: tuple[str, float] | None = None  # (what for, since when), for the trace
+    grad_sq: float | None = None  # this replica's share of the squared global gradient norm, once reduced
+    lr: float | None = None  # the learning rate of this step's optimizer step
+    stepped: bool = False
+    memory: dict[str, int] = field(default_factory=dict)  # bytes held in the step and at its end (parallel/memory)
+
+
+def recording(spec: dict[str, Any] | None, section: str, replica: int) -> tuple[str, frozenset[int] | None] | None:
+    """The executor's `record` argument from the run's record spec ({"dir", "section", "steps"})."""
+    if not spec or spec["section"] != section:
+        return None
+    from maestro_flow.runtime.record import record_dir
+
+    steps = frozenset(spec["steps"]) if spec.get("steps") is not None else None
+    return record_dir(spec["dir"], section, replica), steps
+
+
+def to_torch(name: str, value: Any) -> Any:
+    """A loader value as a stage receives it: numeric arrays as tensors (tokens as int64)."""
+    if isinstance(value, np.ndarray):
+        # Copies: the loader's arrays are read-only views of the memory-mapped dataset.
+        return torch.from_numpy(value.astype(np.int64) if name == "tokens" else np.array(value))
+    return value
