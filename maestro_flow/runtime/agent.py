@@ -6,7 +6,7 @@ it each attempt of the run (its first, and one per automatic restart):
 
     maestro/attempt            the current attempt's session (a fresh nonce, not a secret)
     maestro/attempt/<session>  where the coordinator listens, the timeouts, which node runs which
-                               rank, worker names
+                               rank, each rank's section, replica and worker names
     maestro/end/<session>      "done" or "failed", when the attempt ends
     maestro/lost/<session>     set by an agent: one of its workers died (the coordinator stops
                                the attempt, naming it)
@@ -126,8 +126,7 @@ class Agent:
         quieted = os.environ.pop("MAESTRO_AGENT_QUIETED_TORCH", None) and os.environ.pop("TORCH_CPP_LOG_LEVEL", None)
         try:
             for rank in mine:
-                name, label = info["names"][str(rank)], info["labels"][str(rank)]
-                section, replica = label.split("/")[0], int(label.split("/")[1].split(".")[0])
+                section, replica, name, label = info["workers"][str(rank)]
                 launcher.start(rank, section, replica, {**boot, "rank": rank, "label": label,
                                                         "log": self.worker_log(name)})
             if quieted:  # the workers started with torch's default log level; this process stays quiet

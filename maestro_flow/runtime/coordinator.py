@@ -169,8 +169,8 @@ class Coordinator:
         if self.rdzv is not None:
             agent.publish_attempt(self.rdzv, self.session, {
                 "address": addr, "timeouts": self.timeouts.to_dict(), "node_of": self.node_of,
-                "names": {r: self.placement.worker_name(r) for r in range(self.placement.world_size)},
-                "labels": {r: self.placement.worker_name(r, "/") for r in range(self.placement.world_size)}})
+                "workers": {r: [*self.placement.who(r), self.placement.worker_name(r), self.placement.worker_name(r, "/")]
+                            for r in range(self.placement.world_size)}})
         self.observer.start(self.placement)
         deadline = time.monotonic() + self.timeouts.startup_s
         hellos: dict[int, dict] = {}

@@ -3,7 +3,10 @@
 Runs in the coordinator process. Returns the metrics rows; raises PipelineError (bad input,
 found before any worker starts), StageError, SystemFailure or CheckpointError. Section mode
 resumes from a checkpoint when asked, and restarts from the newest one after a worker failure
-when allowed (runtime/restart.py).
+when allowed (runtime/restart.py). With several nodes (runtime/nodes.py), node 0 runs the
+coordinator and hosts the rendezvous; every other node runs an agent (runtime/agent.py) and
+returns no rows. The control plane's secret and listening address are settled here, before
+anything starts.
 """
 
 from __future__ import annotations
@@ -67,6 +70,7 @@ def resolve_host(options: RunOptions, nodes: Nodes) -> str:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:  # no packet is sent
         probe.connect(nodes.endpoint)
         return probe.getsockname()[0]
+
 
 def control_secret(options: RunOptions, host: str = "127.0.0.1", nodes: Nodes | None = None) -> bytes | None:
     """The run's secret, refused before anything starts when unusable or missing where needed."""
