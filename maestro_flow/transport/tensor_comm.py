@@ -209,13 +209,35 @@ class TensorComm:
 
     # -- comm threads ----------------------------------------------------------------------
 
+    def _next(self, q: queue.Queue) -> Any:
+        """A waiter's next job; None once the comm closes. An idle waiter looks at the stop flag
+        every half second, so no wait here is unbounded."""
+        while True:
+            try:
+                return q.get(timeout=0.5)
+            except queue.Empty:
+                if self._stop.is_set():
+                    return None
+
+    def _complete(self, works: Any, what: str) -> None:
+        """Wait for posted transfers; bounded by the process group's timeout (collective_s), whose
+        expiry is reported as what was awaited and which setting changes it."""
+        try:
+            p2p.wait_all(works)
+        except RuntimeError as exc:
+            if "timed out" not in str(exc).lower() and "timeout" not in str(exc).lower():
+                raise
+            raise TimeoutError(f"rank {self.rank} waited {self._timeout_s:.0f}s for {what}; the peer is stuck or "
+                               f"gone (raise MAESTRO_COLLECTIVE_S if transfers can be that slow)") from exc
+
     def _send_waiter(self, sent: queue.Queue) -> None:
         while True:
-            job = sent.get()
+            job = self._next(sent)
             if job is None:
                 return
             works, buffers, t0, dst, kind, step = job
-            p2p.wait_all(works)
+            self._complete(works, f"the bytes of {kind} tensors of step {step} to reach "
+                                  + (f"rank {dst}" if dst >= 0 else "its tensor-parallel group"))
             if self._tracer is not None:
                 self._tracer.transfer(f"send {kind}", t0, time.perf_counter(), peer=dst, step=step,
                                       bytes=sum(b.numel() * b.element_size() for b in buffers))
@@ -270,11 +292,11 @@ class TensorComm:
 
     def _recv_waiter(self, src: int, kind: str, received: queue.Queue) -> None:
         while True:
-            job = received.get()
+            job = self._next(received)
             if job is None:
                 return
             works, buffers, msg, t0 = job
-            p2p.wait_all(works)
+            self._complete(works, f"the bytes of {msg['kind']} tensors of step {msg['step']} from rank {src}")
             if self._tracer is not None:
                 self._tracer.transfer(f"recv {kind}", t0, time.perf_counter(), peer=src, step=msg["step"],
                                       bytes=sum(b.numel() * b.element_size() for b in buffers))
