@@ -33,3 +33,12 @@ class WriteGuard:
                 pass  # nowhere left to say it
             return False
         return True
+
+    def close(self, f: Any) -> None:
+        """Close an output file: through the guard (its last buffered bytes may fail too), and
+        quietly whatever happened, so the file is closed either way."""
+        if not self(f.close):
+            try:
+                f.close()
+            except OSError:
+                pass

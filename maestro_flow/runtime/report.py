@@ -94,12 +94,7 @@ class RunReport:
 
     def close(self) -> None:
         for f, guard in self._metrics:
-            guard(f.close)
-            if guard.failed is not None:
-                try:
-                    f.close()
-                except OSError:
-                    pass
+            guard.close(f)
         self._metrics = []
         for sink in self._sinks:
             sink.close()

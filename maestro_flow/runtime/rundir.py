@@ -92,9 +92,5 @@ class RunDir:
 
     def close(self) -> None:
         if self._plans is not None:
-            if not self._plans_guard(self._plans.close):
-                try:
-                    self._plans.close()
-                except OSError:
-                    pass
+            self._plans_guard.close(self._plans)
             self._plans = None

@@ -91,10 +91,5 @@ class TraceWriter:
     def close(self) -> None:
         if self._f is not None:
             self._guard(self._f.write, "\n]}\n")
-            self._guard(self._f.close)
-            if self._guard.failed is not None:
-                try:
-                    self._f.close()
-                except OSError:
-                    pass
+            self._guard.close(self._f)
             self._f = None
