@@ -113,6 +113,17 @@ def main(ctx: click.Context, debug: bool) -> None:
 @click.option("--secret-file", type=click.Path(dir_okay=False), metavar="FILE",
               help="The run's shared secret (at least 16 bytes; or set MAESTRO_SECRET). Every control message is "
                    "authenticated with it; without one a one-node run generates its own.")
+@click.option("--baseline", type=click.Choice(["monolithic"]),
+              help="Run the Megatron-style comparison instead of section mode: --devices data-parallel ranks, "
+                   "each running every section in graph order on its share of each global batch, one micro-batch "
+                   "size for all, one gradient reduction per step (same maths as --colocated).")
+@click.option("--devices", type=int, help="--baseline monolithic: data-parallel ranks (default: as many as section "
+                                          "mode's workers).")
+@click.option("--micro-batch", "micro_batch", type=int,
+              help="--baseline monolithic: the micro-batch every section runs (default: the loss section's).")
+@click.option("--pin-cpus", is_flag=True, help="Pin each CPU worker to its own cores (shared by all when there are "
+                                               "more workers than cores); the cores are those `maestro run` may use "
+                                               "(e.g. under taskset).")
 @click.option("--quiet", is_flag=True, help="No progress output.")
 @click.pass_context
 def run(ctx: click.Context, pipeline: str, steps: int | None, sets: tuple[str, ...], colocated: bool,
@@ -121,7 +132,8 @@ def run(ctx: click.Context, pipeline: str, steps: int | None, sets: tuple[str, .
         checkpoint_dir: str | None, checkpoint_every: int | None, keep_last: int | None, checkpoint_errors: str,
         resume: str | None, max_restarts: int, tensorboard: str | None, nnodes: int, node_rank: int | None,
         rdzv_endpoint: str | None, nproc_per_node: int | None, host: str | None, interface: str | None,
-        secret_file: str | None, quiet: bool) -> None:
+        secret_file: str | None, baseline: str | None, devices: int | None, micro_batch: int | None,
+        pin_cpus: bool, quiet: bool) -> None:
     """Train PIPELINE (a Python file defining pipeline(**overrides)).
 
     Every run writes a run directory (runs/NAME-TIMESTAMP unless --run-dir or --no-run-dir): the
@@ -132,6 +144,10 @@ def run(ctx: click.Context, pipeline: str, steps: int | None, sets: tuple[str, .
     A long job: checkpoints every 100 steps, the newest 3 kept, restarts after a lost worker:
       maestro run PIPE --checkpoint-dir ckpt --checkpoint-every 100 --keep-last 3 --max-restarts 2
     and after a crash, the same command with --resume ckpt.
+
+    \b
+    The Megatron-style comparison (every rank runs every section), on the same data:
+      maestro run PIPE --baseline monolithic --devices 2 --pin-cpus
 
     \b
     Two nodes (the same command on each, with the same MAESTRO_SECRET; under Slurm one
@@ -167,7 +183,8 @@ def run(ctx: click.Context, pipeline: str, steps: int | None, sets: tuple[str, .
                              record=record, record_steps=steps_to_record, checkpoint=checkpoint,
                              tensorboard=tensorboard, host=host, interface=interface, secret_file=secret_file,
                              nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint,
-                             nproc_per_node=nproc_per_node)
+                             nproc_per_node=nproc_per_node, baseline=baseline, devices=devices,
+                             micro_batch=micro_batch, pin_cpus=pin_cpus)
         run_pipeline(pipeline, options)
     except KeyboardInterrupt:
         click.echo("interrupted: workers stopped", err=True)

@@ -131,6 +131,13 @@ class Stage:
     def forward(self, batch: MicroBatch) -> dict[str, torch.Tensor | list[torch.Tensor]]:
         raise NotImplementedError(f"{type(self).__name__}.forward")
 
+    def optimizer_groups(self, spec: dict[str, Any]) -> list[tuple[dict[str, Any], list[torch.nn.Parameter]]] | None:
+        """Optional: several optimizers for this stage's trainable parameters, each
+        `(optimizer spec, parameters)` (a spec as `Section.optimizer`, with its own lr schedule);
+        they step together after the section's one gradient reduction. None (the default): one
+        optimizer, the section's `spec`, over every trainable parameter."""
+        return None
+
     def stats(self) -> dict[str, float]:
         """Counters of this stage's own (e.g. corrupt images skipped), reported in the metrics
         under sections.NAME.stage, summed over replicas. Cumulative over the run."""

@@ -47,7 +47,12 @@ def full_state(stage: Any) -> dict[str, torch.Tensor]:
 
 
 def save_stage(stage: Any, save_dir: str, section: str, *, write: bool = True) -> str:
-    """Gather the stage's trainable state and (when `write`) write it to save_dir/<section>.safetensors."""
+    """Gather the stage's trainable state and (when `write`) write it to save_dir/<section>.safetensors.
+    A stage that holds other sections' stages (the monolithic baseline's, `saved_sections()`)
+    writes each of them as that section would."""
+    parts = getattr(stage, "saved_sections", None)
+    if callable(parts):
+        return [save_stage(part, save_dir, name, write=write) for name, part in parts().items()][-1]
     path = os.path.join(save_dir, f"{section}.safetensors")
     gathered = full_state(stage)
     if not write:

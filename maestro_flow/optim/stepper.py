@@ -23,13 +23,19 @@ from maestro_flow.optim.reduce import local
 
 class SectionOptimizer:
     def __init__(self, spec: dict[str, Any], params: Sequence[torch.nn.Parameter], *, total_steps: int,
-                 reducer: Any = None, owns_norm: bool | Sequence[bool] = True) -> None:
+                 reducer: Any = None, owns_norm: bool | Sequence[bool] = True,
+                 groups: Sequence[tuple[dict[str, Any], Sequence[torch.nn.Parameter]]] | None = None) -> None:
         """`reducer`: a GradientReducer (replicated section) or parallel.fsdp.FSDPSection;
         `owns_norm`: whether this rank counts each parameter in the global norm (one bool for all,
-        or one per parameter: sharded and replicated parameters are counted once)."""
-        self.params = list(params)
-        self.optimizer = build_optimizer(spec, self.params)
-        self.scheduler = build_scheduler(spec, self.optimizer, total_steps)
+        or one per parameter: sharded and replicated parameters are counted once); `groups`:
+        several (spec, parameters) optimizers stepping together (Stage.optimizer_groups; they
+        replace `spec` and `params`). `optimizer` and `scheduler` are the first group's."""
+        parts = [(spec, list(params))] if groups is None else [(s, list(ps)) for s, ps in groups if ps]
+        self.params = [p for _, ps in parts for p in ps]
+        self.optimizers = [build_optimizer(s, ps) for s, ps in parts]
+        self.schedulers = [build_scheduler(s, opt, total_steps) for (s, _), opt in zip(parts, self.optimizers,
+                                                                                     strict=True)]
+        self.optimizer, self.scheduler = self.optimizers[0], self.schedulers[0]
         self.reducer = reducer
         self.owners = [owns_norm] * len(self.params) if isinstance(owns_norm, bool) else list(owns_norm)
 
@@ -86,7 +92,8 @@ class SectionOptimizer:
             for p in self.params:
                 if p.grad is not None:
                     p.grad.mul_(coef)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        if self.scheduler is not None:
-            self.scheduler.step()
+        for optimizer, scheduler in zip(self.optimizers, self.schedulers, strict=True):
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            if scheduler is not None:
+                scheduler.step()

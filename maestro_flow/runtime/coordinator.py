@@ -77,7 +77,8 @@ class Coordinator:
                  run_dir: str | None = None, record: dict | None = None,
                  checkpointer: Checkpointer | None = None, resume: tuple[str, Manifest] | None = None,
                  restarts: int = 0, secret: bytes | None = None, host: str = zmq_link.LOOPBACK,
-                 interface: str | None = None, nodes: Nodes | None = None, rdzv: Any = None) -> None:
+                 interface: str | None = None, nodes: Nodes | None = None, rdzv: Any = None,
+                 pin_cpus: bool = False) -> None:
         self.pipeline, self.graph, self.sampler, self.report = pipeline, graph, sampler, report
         self.paths, self.save_dir = paths, save_dir
         self.timeouts = timeouts or Timeouts.from_env()
@@ -87,6 +88,7 @@ class Coordinator:
         self.rdzv = rdzv  # the job's rendezvous store (several nodes), hosted by this node
         self.store_addr: list = []
         self.launcher = Launcher(worker_entry)
+        self.pin_cpus = pin_cpus  # each CPU worker on its own cores (runtime/cpus.py)
         self.observer = observer or RunObserver()
         self.zctx = zmq.Context()
         self.router: zmq.Socket | None = None
@@ -159,13 +161,14 @@ class Coordinator:
             self.store_addr = [self.nodes.endpoint[0], self.nodes.endpoint[1], f"{self.session}/"]
         boot = {"coordinator": addr, "parent_pid": os.getpid(), "timeouts": self.timeouts.to_dict(),
                 "secret": self.secret.hex(), "session": self.session, "host": self.host, "interface": self.interface}
+        pinned = self._pinned()
         for rank in range(self.placement.world_size):
             if self.node_of[rank] != 0:
                 continue  # its node's agent starts it
             section, replica = self.placement.who(rank)
             self.launcher.start(rank, section, replica, {
                 **boot, "rank": rank, "label": self.placement.worker_name(rank, "/"),
-                "log": self.observer.worker_log(self.placement.worker_name(rank))})
+                "log": self.observer.worker_log(self.placement.worker_name(rank)), **pinned.get(rank, {})})
         if self.rdzv is not None:
             agent.publish_attempt(self.rdzv, self.session, {
                 "address": addr, "timeouts": self.timeouts.to_dict(), "node_of": self.node_of,
@@ -199,6 +202,18 @@ class Coordinator:
                                    if self.resume is not None else "MAESTRO_STARTUP_S")
             if msg["t"] == "ready":
                 ready.add(rank)
+
+    def _pinned(self) -> dict[int, dict[str, Any]]:
+        """With --pin-cpus: each CPU worker of this node's cores and torch threads (boot fields)."""
+        if not self.pin_cpus:
+            return {}
+        from maestro_flow.runtime.cpus import cpu_shares, threads
+
+        ranks = [r for r in range(self.placement.world_size)
+                 if self.node_of[r] == 0 and self.placement.devices[r] == "cpu"]
+        cores = sorted(os.sched_getaffinity(0))
+        return {r: {"cpus": list(share), "threads": threads(len(ranks), cores)}
+                for r, share in zip(ranks, cpu_shares(len(ranks), cores), strict=True)}
 
     # -- steps -----------------------------------------------------------------------------
 

@@ -75,10 +75,13 @@ class SectionExecutor:
         self.ops: deque[tuple[str, int, int, list]] = deque()  # a follower's relays, in the leader's order
         params = [p for p in stage.parameters() if p.requires_grad] if self.trainable else []
         pipeline = graph.pipeline
+        groups = stage.optimizer_groups(dict(self.section.optimizer)) if params else None
+        if groups is not None:  # the same parameters, in the groups' order
+            params = [p for _, ps in groups for p in ps]
         self.optim = SectionOptimizer(
             self.section.optimizer, params, total_steps=pipeline.steps,
             reducer=self.fsdp if self.fsdp is not None else reducer,
-            owns_norm=[self.layout.owns(p) for p in params]) if params else None
+            owns_norm=[self.layout.owns(p) for p in params], groups=groups) if params else None
         self.grad_clip = pipeline.grad_clip
         self.clips: dict[int, float] = {}  # step -> clip coefficient, from the coordinator
         # Mixed precision: autocast dtype for the stage's forward and the dtype tensors travel in.
@@ -489,7 +492,7 @@ class SectionExecutor:
         for when in ("step", "rest"):  # unless measured around the gradient reduction
             if f"{when}_params" not in st.memory:
                 self._measure(st, when)
-        st.memory["optimizer"] = memory.optimizer_bytes(self.optim and self.optim.optimizer)
+        st.memory["optimizer"] = sum(memory.optimizer_bytes(o) for o in (self.optim.optimizers if self.optim else ()))
         self.inbox.pop(st.step, None)
         for key in [k for k in self.progress if k[0] <= st.step]:
             del self.progress[key]

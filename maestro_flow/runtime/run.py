@@ -54,6 +54,10 @@ class RunOptions:
     node_rank: int | None = None
     rdzv_endpoint: str | None = None
     nproc_per_node: int | None = None
+    baseline: str | None = None  # "monolithic": the Megatron-style comparison (baseline/monolithic.py)
+    devices: int | None = None  # the baseline's data-parallel ranks (None: as many as section mode's workers)
+    micro_batch: int | None = None  # the baseline's one micro-batch size (None: the loss section's)
+    pin_cpus: bool = False  # each CPU worker on its own cores (runtime/cpus.py)
 
 
 def resolve_host(options: RunOptions, nodes: Nodes) -> str:
@@ -136,9 +140,36 @@ def _run_agent(pipeline: Any, options: RunOptions, nodes: Nodes, host: str, secr
     return []
 
 
+def _as_baseline(pipeline: Any, checked: Any, options: RunOptions) -> tuple[Any, Any]:
+    """The monolithic baseline's one-section pipeline (and its checks), refusing what it cannot do."""
+    import dataclasses
+
+    from maestro_flow.baseline.monolithic import monolithic_pipeline
+    from maestro_flow.graph import SectionGraph
+
+    if options.baseline != "monolithic":
+        raise PipelineError(f"--baseline must be 'monolithic', got {options.baseline!r}")
+    refused = [flag for flag, given in (("--colocated", options.colocated), ("--nnodes", options.nnodes > 1),
+                                        ("--record", options.record), ("--checkpoint-dir", options.checkpoint.dir),
+                                        ("--resume", options.checkpoint.resume),
+                                        ("--max-restarts", options.checkpoint.max_restarts)) if given]
+    if refused:
+        raise PipelineError(f"--baseline monolithic is a one-node comparison run: drop {', '.join(refused)}")
+    devices = options.devices if options.devices is not None else sum(s.dp * s.tp for s in pipeline.sections)
+    fused = monolithic_pipeline(pipeline, devices, options.micro_batch)
+    fused.validate()
+    return fused, dataclasses.replace(checked, graph=SectionGraph(fused))
+
+
 def run_pipeline(path: str, options: RunOptions) -> list[dict[str, Any]]:
     pipeline, paths = load_pipeline(path, options.overrides)
     checked = check_pipeline(pipeline)  # bad input is refused here, before any worker starts
+    original = pipeline
+    if options.baseline is not None:
+        pipeline, checked = _as_baseline(pipeline, checked, options)
+    elif options.devices is not None or options.micro_batch is not None:
+        raise PipelineError("--devices and --micro-batch set the monolithic baseline: add --baseline monolithic "
+                            "(section mode takes each section's dp and micro_batch, e.g. --set sections.NAME.dp=2)")
     nodes = Nodes.from_options(options.nnodes, options.node_rank, options.rdzv_endpoint, options.nproc_per_node)
     if nodes.multi and options.colocated:
         raise PipelineError("--colocated runs in one process: drop --nnodes")
@@ -162,7 +193,11 @@ def run_pipeline(path: str, options: RunOptions) -> list[dict[str, Any]]:
     sampler = EpochSampler(checked.metadata, pipeline.global_batch, pipeline.seed, shuffle=pipeline.data.shuffle)
     skipped = getattr(checked.source, "num_skipped", 0)
     if options.show_progress:
-        mode = "colocated" if options.colocated else f"{sum(s.dp for s in pipeline.sections)} workers"
+        mode = "colocated" if options.colocated else f"{sum(s.dp * s.tp for s in pipeline.sections)} workers"
+        if options.baseline:
+            fused = pipeline.sections[0]
+            mode = (f"monolithic baseline: {fused.dp} data-parallel ranks, each running every section on "
+                    f"micro-batches of {fused.micro_batch}")
         print(f"{pipeline.name}: {len(checked.metadata)} samples from {pipeline.data.path}"
               f"{f' ({skipped} bad rows skipped)' if skipped else ''}, {pipeline.steps} steps of "
               f"{pipeline.global_batch}, {mode}", file=sys.stderr)
@@ -204,7 +239,7 @@ def run_pipeline(path: str, options: RunOptions) -> list[dict[str, Any]]:
                 Coordinator(pipeline, checked.graph, sampler, report, paths=paths, save_dir=options.save_dir,
                             observer=observer, run_dir=options.run_dir, record=record, checkpointer=checkpointer,
                             resume=resume_at, restarts=restarts, secret=secret, host=host,
-                            interface=options.interface, nodes=nodes, rdzv=rdzv).run()
+                            interface=options.interface, nodes=nodes, rdzv=rdzv, pin_cpus=options.pin_cpus).run()
 
             rdzv = None
             if nodes.multi:
@@ -223,6 +258,10 @@ def run_pipeline(path: str, options: RunOptions) -> list[dict[str, Any]]:
                 raise
             if rdzv is not None:
                 end_job(rdzv, "done", nodes.nnodes, Timeouts.from_env().shutdown_grace_s + 5)
+            if options.save_dir and pipeline is not original:  # the baseline saves the sections as section mode
+                from maestro_flow.checkpoint.savedir import save_pipeline
+
+                save_pipeline(options.save_dir, original.to_dict())
     finally:
         signal.signal(signal.SIGTERM, previous)
         report.close()

@@ -221,6 +221,8 @@ def _await_init(dealer: zmq.Socket, opener: Opener, drops: DropLog, deadline: fl
 
 def worker_main(boot: dict[str, Any]) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the coordinator, which stops us
+    if boot.get("cpus"):
+        os.sched_setaffinity(0, boot["cpus"])  # before any library starts its threads
     capture = _OutputCapture(boot.get("label", f"rank {boot['rank']}"), boot.get("log"))
     _die_with_parent(boot["parent_pid"])
     rank = boot["rank"]
@@ -249,6 +251,7 @@ def worker_main(boot: dict[str, Any]) -> None:
     out = control.outbound()
     worker = _Worker(init, inbox, out, pull, zctx, timeouts, key)
     worker.detail, worker.keep = capture.detail, capture.keep
+    worker.threads = boot.get("threads")
     worker.clock_offset_s = init["now"] - received  # this host's wall clock -> the coordinator's
     worker.control = control
     code = worker.run()
@@ -280,6 +283,7 @@ class _Worker:
         self.state = None  # checkpoint.section_state.SectionState, once set up
         self.detail = print  # where tracebacks behind a one-line report go (the worker's log)
         self.keep: Any = lambda text: None  # the worker's log only (reported errors)
+        self.threads: int | None = None  # torch threads, when pinned to cores (--pin-cpus)
 
     def send(self, t: str, **fields: Any) -> None:
         zmq_link.send_msg(self.out, make(t, rank=self.rank, **fields))
@@ -336,8 +340,10 @@ class _Worker:
         section = graph.sections[self.section]
         device = placement.devices[self.rank]
         # CPU workers share the host's cores; without this each one would start a thread per core.
+        # A pinned worker (--pin-cpus) is told its thread count with its cores (runtime/cpus.py).
         cpu_workers = sum(1 for d in placement.devices.values() if d == "cpu") or 1
-        threads = int(os.environ.get("MAESTRO_WORKER_THREADS", "0")) or max(1, (os.cpu_count() or 1) // cpu_workers)
+        threads = (int(os.environ.get("MAESTRO_WORKER_THREADS", "0")) or self.threads
+                   or max(1, (os.cpu_count() or 1) // cpu_workers))
         torch.set_num_threads(threads)
         if device.startswith("cuda"):
             torch.cuda.set_device(torch.device(device))

@@ -1,0 +1,1 @@
+"""Baselines to compare section mode against (the monolithic, Megatron-style trainer)."""

@@ -1,0 +1,29 @@
+"""Which host cores each CPU worker may run on (`maestro run --pin-cpus`).
+
+Pure (standard library only). The cores are those the `maestro run` process may use (so
+`taskset -c 0-7 maestro run ...` gives the job eight cores). With at most as many CPU workers
+as cores, each worker gets its own contiguous block of cores (blocks differ by at most one core
+in size); with more workers than cores, a core cannot be anyone's own, so every worker may run
+on all of them and the kernel shares them. A pinned worker runs as many torch threads as it has
+cores of its own (`threads`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+def cpu_shares(num_workers: int, cores: Sequence[int]) -> list[tuple[int, ...]]:
+    """One tuple of cores per CPU worker, in worker order."""
+    cores = sorted(cores)
+    if num_workers <= 0:
+        return []
+    if num_workers > len(cores):
+        return [tuple(cores)] * num_workers
+    return [tuple(cores[i * len(cores) // num_workers:(i + 1) * len(cores) // num_workers])
+            for i in range(num_workers)]
+
+
+def threads(num_workers: int, cores: Sequence[int]) -> int:
+    """torch threads per pinned worker: its own cores, or its share of cores shared by all."""
+    return max(1, len(cores) // max(1, num_workers))

@@ -1,0 +1,69 @@
+"""The monolithic baseline's pipeline (maestro_flow/baseline/monolithic.py) and CPU shares
+(runtime/cpus.py): pure transformations, no processes."""
+
+from __future__ import annotations
+
+import pytest
+
+from maestro_flow import ArrowData, Edge, Pipeline, Section
+from maestro_flow.baseline.monolithic import MODEL, monolithic_pipeline
+from maestro_flow.errors import PipelineError
+from maestro_flow.runtime.cpus import cpu_shares, threads
+
+
+def vlm(**kw) -> Pipeline:
+    return Pipeline(name="vlm", data=ArrowData(path="d"), global_batch=12, sections=[
+        Section(name="vision", stage="m:V", activates_on="image", dp=2, micro_batch=8, columns=("image",),
+                optimizer={"name": "sgd", "lr": 0.1}),
+        Section(name="llm", stage="m:L", dp=4, micro_batch=3, tp=2, fsdp=True, columns=("tokens",),
+                optimizer={"name": "adamw", "lr": 1e-3}, **kw)],
+        edges=[Edge(src="vision", dst="llm", tensors=("e",))])
+
+
+def test_one_section_of_n_ranks_holding_every_section():
+    fused = monolithic_pipeline(vlm(), devices=5)
+    fused.validate()
+    (model,) = fused.sections
+    assert (model.name, model.dp, model.micro_batch, model.tp, model.fsdp) == (MODEL, 5, 3, 1, False)
+    assert model.columns == ("image", "tokens") and fused.schedule == "fifo" and not fused.edges
+    inner = Pipeline.from_dict(model.config["pipeline"])
+    assert [(s.name, s.dp, s.tp, s.fsdp) for s in inner.sections] == [("vision", 1, 1, False), ("llm", 1, 1, False)]
+    assert [s.optimizer["name"] for s in inner.sections] == ["sgd", "adamw"]  # each keeps its own
+    assert monolithic_pipeline(vlm(), devices=2, micro_batch=7).sections[0].micro_batch == 7
+
+
+def test_a_section_reading_every_column_makes_the_model_read_every_column():
+    p = vlm().override(**{"sections.llm.columns": None})
+    assert monolithic_pipeline(p, devices=2).sections[0].columns is None
+
+
+def test_what_it_refuses():
+    two_losses = Pipeline(name="p", data=ArrowData(path="d"), sections=[
+        Section(name="a", stage="m:A"), Section(name="b", stage="m:B")])
+    with pytest.raises(PipelineError, match="2 loss sections"):
+        monolithic_pipeline(two_losses, devices=2)
+    frozen = Pipeline(name="p", data=ArrowData(path="d"), sections=[Section(name="a", stage="m:A", trainable=False)])
+    with pytest.raises(PipelineError, match="trains nothing"):
+        monolithic_pipeline(frozen, devices=2)
+    with pytest.raises(PipelineError, match="different devices"):
+        monolithic_pipeline(vlm(device="cuda"), devices=2)
+    with pytest.raises(PipelineError, match="--devices"):
+        monolithic_pipeline(vlm(), devices=0)
+
+
+@pytest.mark.parametrize(("workers", "cores", "expected"), [
+    (2, [0, 1], [(0,), (1,)]),
+    (3, [0, 1, 2, 3, 4, 5, 6, 7], [(0, 1), (2, 3, 4), (5, 6, 7)]),
+    (3, [4, 5], [(4, 5)] * 3),  # more workers than cores: shared by all
+    (1, [2, 3], [(2, 3)]),
+    (0, [0, 1], []),
+])
+def test_cpu_shares(workers, cores, expected):
+    shares = cpu_shares(workers, cores)
+    assert shares == expected
+    if workers <= len(cores):
+        assert sorted(c for s in shares for c in s) == sorted(cores) or not workers
+
+
+def test_threads_per_pinned_worker():
+    assert threads(2, [0, 1]) == 1 and threads(2, list(range(8))) == 4 and threads(3, [0, 1]) == 1
