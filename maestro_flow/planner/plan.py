@@ -28,6 +28,15 @@ class Placement:
     ranks: dict[str, tuple[int, ...]]
     devices: dict[int, str]
     members: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    # rank -> (section, replica, index in its replica): built once, so `who` is a lookup (the
+    # coordinator asks it for every report of every rank, every step).
+    _where: dict[int, tuple[str, int, int]] = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        for name, leaders in self.ranks.items():
+            for replica, leader in enumerate(leaders):
+                for i, rank in enumerate(self.members.get(leader, (leader,))):
+                    self._where[rank] = (name, replica, i)
 
     @staticmethod
     def build(order: list[str], dp: dict[str, int], devices: dict[str, list[str]] | None = None,
@@ -74,16 +83,17 @@ class Placement:
 
     def who(self, rank: int) -> tuple[str, int]:
         """(section, replica) of any rank, leader or not."""
-        for name, leaders in self.ranks.items():
-            for replica, leader in enumerate(leaders):
-                if rank in self.group(leader):
-                    return name, replica
-        raise KeyError(f"no rank {rank} in placement")
+        where = self._where.get(rank)
+        if where is None:
+            raise KeyError(f"no rank {rank} in placement")
+        return where[0], where[1]
 
     def tp_index(self, rank: int) -> int:
         """The rank's place in its replica's tensor-parallel group (0: the leader)."""
-        section, replica = self.who(rank)
-        return self.group(self.rank(section, replica)).index(rank)
+        where = self._where.get(rank)
+        if where is None:
+            raise KeyError(f"no rank {rank} in placement")
+        return where[2]
 
     def worker_name(self, rank: int, sep: str = "-") -> str:
         """"student-1" (replica 1), "student-1.2" (its third tensor-parallel rank), for logs."""
@@ -122,6 +132,9 @@ class Plan:
     # j): that micro-batch may start once the consumer replica has finished j micro-batches of
     # this step. Missing or empty: no gate.
     gates: dict[str, tuple[tuple[Gates, ...], ...]] = field(default_factory=dict)
+    # Which rules produced the order, where a planner tries several (the wavefront names its
+    # winning candidate per component, "fifo" where FIFO's order simulated shorter).
+    variant: str = ""
 
     def gates_of(self, section: str, replica: int) -> tuple[Gates, ...]:
         reps = self.gates.get(section)
@@ -138,6 +151,7 @@ class Plan:
         """The plan in the format of DESIGN 5.5."""
         return {
             "schedule": self.schedule,
+            "variant": self.variant,
             "step": self.step,
             "sections": {name: {"replicas": [[list(mb) for mb in rep] for rep in reps]}
                          for name, reps in self.replicas.items()},

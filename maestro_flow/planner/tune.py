@@ -62,6 +62,7 @@ from maestro_flow.errors import PipelineError
 from maestro_flow.graph import SectionGraph
 from maestro_flow.planner import make_planner
 from maestro_flow.planner.cost import CostModel
+from maestro_flow.planner.monolithic import MonolithicStep, best_monolithic
 from maestro_flow.planner.simulate import simulate
 from maestro_flow.planner.tune_space import (
     Candidate,
@@ -466,7 +467,25 @@ def tune(pipeline: Pipeline, costs: CostModel | None, samples: Sequence[SampleMe
             refusals.append(exc)
     if not results:
         raise refusals[0]
-    return merge(results, top)
+    return dataclasses.replace(merge(results, top), monolithic=monolithic_for(pipeline, costs, batches, devices,
+                                                                               options))
+
+
+def monolithic_for(pipeline: Pipeline, costs: CostModel, batches: Sequence[Sequence[SampleMeta]], devices: int,
+                   options: Mapping, micro_batches: Sequence[int] | None = None) -> MonolithicStep | None:
+    """The monolithic baseline on the same devices at its best micro-batch (of `micro_batches`,
+    default powers of two up to max_micro_batch) that fits the memory limit with every section
+    on each rank; None when none fits."""
+    graph = SectionGraph(pipeline)
+    memory, limit = options.get("memory") or {}, options.get("memory_limit_mb")
+    fits = [m for m in micro_batches or _pow2_upto(options.get("max_micro_batch", 64))
+            if limit is None or sum(memory.get(n, MemoryModel()).at(m) for n in graph.order) <= limit]
+    if not fits:
+        return None
+    return best_monolithic(graph, costs, batches, devices=devices, micro_batches=fits,
+                           overhead_s=options.get("overhead_s"), runtime_s=options.get("runtime_s"),
+                           step_s=options.get("step_s"), grad_mb=options.get("grad_mb"),
+                           planning_s=options.get("planning_s", 0.0), cpu_cores=options.get("cpu_cores"))
 
 
 def tp_assignments(pipeline: Pipeline, tp_options: Mapping[str, Sequence[int]] | None,

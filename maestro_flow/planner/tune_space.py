@@ -9,6 +9,7 @@ import dataclasses
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from maestro_flow.errors import PipelineError
 from maestro_flow.samples import SampleMeta
@@ -79,11 +80,15 @@ class TuneResult:
     devices: int
     evaluated: int  # configurations simulated
     scored: int  # dp vectors scored analytically
+    monolithic: Any = None  # planner.monolithic.MonolithicStep: the Megatron-style baseline on the same devices
 
     def to_json_dict(self) -> dict:
+        mono = self.monolithic
         return {"devices": self.devices, "evaluated": self.evaluated, "scored": self.scored,
                 "best": [c.to_json_dict() for c in self.best],
-                "uniform": self.uniform.to_json_dict() if self.uniform else None}
+                "uniform": self.uniform.to_json_dict() if self.uniform else None,
+                "monolithic": None if mono is None else {"step_s": mono.step_s, "devices": mono.devices,
+                                                         "micro_batch": mono.micro_batch}}
 
 
 def to_overrides(candidate: Candidate) -> list[str]:

@@ -6,7 +6,8 @@ data (ints, floats, strings, lists, dicts), so msgpack carries them and nothing 
 is refused before anything reads it (receivers drop it and log why; see protocol/auth.py).
 
 Worker -> coordinator (DEALER -> ROUTER):
-  hello      on connect: protocol version, rank, pid, the worker's tensor-header address. The
+  hello      on connect: protocol version, rank, pid, the worker's tensor-header address and
+             host key (which workers share memory: transport/shm.host_key). The
              coordinator binds the connection to that rank; it accepts nothing else from a
              connection before its hello, and a rank's hello only once
   ready      stage built, process groups formed; the worker waits for plans
@@ -24,6 +25,7 @@ Worker -> coordinator (DEALER -> ROUTER):
 
 Coordinator -> worker:
   init       after hello: pipeline config, placement, rendezvous store, peers' header addresses,
+             the channels that go through shared memory (`shm`, [src, dst, kind] each),
              the coordinator's clock (to align trace timestamps), whether to trace, and what to
              record for replay ({"dir", "section", "steps"} or None), and the checkpoint to resume
              from (a folder, or None)
@@ -39,7 +41,11 @@ Coordinator -> worker:
 
 Worker -> worker (PUSH -> PULL, on the tensor-header sockets):
   tensors    the header that precedes tensor bytes sent over torch.distributed: kind "fwd"
-             (activations along an edge) or "bwd" (gradients back along it)
+             (activations along an edge) or "bwd" (gradients back along it); between CPU workers
+             on one host the bytes are in a shared-memory slot instead, named by `shm` ([slot,
+             byte offsets], transport/shm.py)
+  release    the receiver of slots holds no view of them any more: the sender may reuse them
+             (its own stream, sender name "rank<N>/release")
   progress   a consumer finished a forward micro-batch: a producer gated on it may go on
              (run-ahead credits, see Plan.gates)
 """
@@ -48,7 +54,7 @@ from __future__ import annotations
 
 from typing import Any
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 
 FIELDS: dict[str, tuple[str, ...]] = {
     "hello": ("version", "rank", "pid", "data_addr"),
@@ -61,7 +67,7 @@ FIELDS: dict[str, tuple[str, ...]] = {
     "saved": ("rank", "step", "info", "error"),
     "bye": ("rank",),
     "init": ("rank", "pipeline", "placement", "store", "peers", "timeouts", "paths", "now", "trace", "record",
-             "resume"),
+             "resume", "shm"),
     "plan": ("step", "micro_batches", "samples", "routes", "gates", "notify"),
     "finalize": ("step", "denominator"),
     "clip": ("step", "coef"),
@@ -70,8 +76,12 @@ FIELDS: dict[str, tuple[str, ...]] = {
     "ping": (),
     "tensors": ("src", "kind", "edge", "step", "entries", "buffers"),
     "progress": ("src", "step", "finished"),
+    "release": ("src", "slots"),
 }
 
+# Fields a message may carry or leave out (a hello's host key is optional so that a worker of
+# another protocol version still parses, and its version mismatch is reported).
+OPTIONAL: dict[str, tuple[str, ...]] = {"hello": ("host_key",), "heartbeat": ("status",), "tensors": ("shm",)}
 
 _NUM = (int, float)
 _OPT_STR = (str, type(None))
@@ -85,9 +95,11 @@ TYPES: dict[str, tuple[type, ...]] = {
     "timeouts": (dict,), "paths": (list,), "now": _NUM, "trace": (bool,), "record": (dict, type(None)),
     "resume": _OPT_STR, "micro_batches": (list,), "samples": (list,), "routes": (dict,), "gates": (list,),
     "notify": (list,), "path": (str,), "save_dir": _OPT_STR, "src": (int,), "edge": (int,), "entries": (list,),
-    "buffers": (list,), "finished": (int,), "status": (dict,), "session": (str,),
+    "buffers": (list,), "finished": (int,), "status": (dict,), "session": (str,), "host_key": _OPT_STR,
+    "slots": (list,),
 }
-TYPES_OF: dict[tuple[str, str], tuple[type, ...]] = {("error", "step"): _OPT_INT}
+TYPES_OF: dict[tuple[str, str], tuple[type, ...]] = {("error", "step"): _OPT_INT, ("tensors", "shm"): (list, type(None)),
+                                                     ("init", "shm"): (list,)}
 
 
 class ProtocolError(Exception):

@@ -40,16 +40,23 @@ from maestro_flow.protocol.messages import PROTOCOL_VERSION, make
 from maestro_flow.runtime import agent
 from maestro_flow.runtime.build import resolve_device
 from maestro_flow.runtime.launcher import Launcher
-from maestro_flow.runtime.ledger import StepLedger, plan_message
+from maestro_flow.runtime.ledger import PlanMessages, StepLedger
 from maestro_flow.runtime.liveness import Liveness
 from maestro_flow.runtime.nodes import Nodes, listening_store
 from maestro_flow.runtime.observe import RunObserver, timed_plan
 from maestro_flow.runtime.report import RunReport
 from maestro_flow.runtime.sampler import EpochSampler
 from maestro_flow.runtime.status import StatusServer
+from maestro_flow.runtime.topology import shm_channels
 from maestro_flow.runtime.worker import worker_main
 from maestro_flow.timeouts import Timeouts
+from maestro_flow.transport import host as shm_host
 from maestro_flow.transport import zmq_link
+
+
+def shm_enabled() -> bool:
+    """Whether same-host CPU channels use shared memory (MAESTRO_SHM=0: gloo instead), read per run."""
+    return os.environ.get("MAESTRO_SHM", "1") != "0"
 
 
 def placement_for(graph: SectionGraph) -> Placement:
@@ -117,13 +124,16 @@ class Coordinator:
         self.address: str | None = None  # the control socket's endpoint, once bound
         self.peers: dict[int, str] = {}  # every worker's tensor-header endpoint, after the hellos
         self.liveness = Liveness(self.placement, self.node_of, self.timeouts, self._label)
+        self.startup_s: float | None = None
 
     # -- public ----------------------------------------------------------------------------
 
     def run(self) -> None:
         outcome = "failed"
+        started = time.perf_counter()
         try:
             self._start()
+            self.startup_s = time.perf_counter() - started
             self._train()
             self._stop()
             outcome = "done"
@@ -145,6 +155,7 @@ class Coordinator:
             self.router = None
         self.zctx.term()
         self.store = None
+        shm_host.sweep(self.session)  # slots a killed worker could not remove (transport/shm.py)
 
     # -- startup ---------------------------------------------------------------------------
 
@@ -186,12 +197,14 @@ class Coordinator:
                                         f"the coordinator {PROTOCOL_VERSION}: reinstall maestro_flow consistently")
                 hellos[rank] = msg
         peers = self.peers = {r: h["data_addr"] for r, h in hellos.items()}
+        shm = [list(ch) for ch in shm_channels(self.graph, self.placement, {r: h.get("host_key") for r, h in
+                                                                            hellos.items()})] if shm_enabled() else []
         for rank in hellos:
             self._send(rank, make("init", rank=rank, pipeline=self.pipeline.to_dict(),
                                   placement=self.placement.to_dict(), store=self.store_addr,
                                   peers=peers, timeouts=self.timeouts.to_dict(), paths=self.paths,
                                   now=self.observer.tracer.epoch, trace=self.observer.tracing,
-                                  record=self.record, resume=self.resume[0] if self.resume else None))
+                                  record=self.record, resume=self.resume[0] if self.resume else None, shm=shm))
         ready: set[int] = set()
         what = "every worker to be ready (stage built, process groups formed)"
         if self.resume is not None:  # loading the checkpoint is part of getting ready
@@ -238,8 +251,12 @@ class Coordinator:
                 planner.costs = ledger.costs()  # refined from the timings measured so far
                 plan = timed_plan(planner, next_plan, sampler.batch(next_plan), self.observer)
                 ledger.planned(plan, time.perf_counter())
-                for rank in range(self.placement.world_size):
-                    self._send(rank, plan_message(plan, self.graph, *self.placement.who(rank)))
+                messages = PlanMessages(plan, self.graph)
+                for name, leaders in self.placement.ranks.items():
+                    for replica, leader in enumerate(leaders):
+                        msg = messages.of(name, replica)  # a tensor-parallel replica's ranks share it
+                        for rank in self.placement.group(leader):
+                            self._send(rank, msg)
                 next_plan += 1
             return next_plan
 
@@ -257,6 +274,8 @@ class Coordinator:
                 except Rejected as exc:  # a repeated or misplaced report never changes training
                     self.drops.drop(self._label(rank), str(exc))
             row["restarts"] = self.restarts
+            if step == first:  # how long this attempt took to start (spawn to every worker ready)
+                row["startup_s"] = self.startup_s
             self.liveness.step_time(row["step_time_s"])
             try:
                 if self.checkpointer.due(step + 1):

@@ -28,22 +28,40 @@ MiB = float(1 << 20)
 
 def plan_message(plan: Plan, graph: SectionGraph, section: str, replica: int) -> dict[str, Any]:
     """What one replica needs of a plan: its micro-batches, their rows, and neighbours' routes."""
-    mbs = plan.micro_batches(section, replica)
-    mine = {sid for mb in mbs for sid in mb}
-    meta = {s.id: s for s in plan.samples if s.id in mine}
-    neighbours = [e.edge.dst for e in graph.outputs(section)] + [e.edge.src for e in graph.inputs(section)]
-    return {
-        "t": "plan", "step": plan.step,
-        "micro_batches": [list(mb) for mb in mbs],
-        "samples": [[sid, meta[sid].row, sorted(meta[sid].modalities), meta[sid].num_tokens, meta[sid].num_patches,
-                     meta[sid].num_frames] for sid in sorted(mine)],
-        "routes": {n: {sid: plan.routes[n][sid] for sid in mine} for n in neighbours},
-        # Run-ahead credits: per micro-batch, (consumer section, replica, forwards it must have
-        # finished); and which producer replicas wait on this replica's progress.
-        "gates": [[list(g) for g in mb] for mb in plan.gates_of(section, replica)],
-        "notify": sorted({(p, r) for p in plan.gates for r, reps in enumerate(plan.gates[p])
-                          for mb in reps for (c, ci, _) in mb if (c, ci) == (section, replica)}),
-    }
+    return PlanMessages(plan, graph).of(section, replica)
+
+
+class PlanMessages:
+    """Every replica's plan message of one plan, each built in time proportional to its own
+    samples (the sample index and who waits on whom are built once per plan: the coordinator
+    sends a message to every rank every step)."""
+
+    def __init__(self, plan: Plan, graph: SectionGraph) -> None:
+        self.plan, self.graph = plan, graph
+        self.meta = {s.id: s for s in plan.samples}
+        self.notify: dict[tuple[str, int], set[tuple[str, int]]] = {}
+        for p, reps in plan.gates.items():
+            for r, rep in enumerate(reps):
+                for mb in rep:
+                    for c, ci, _ in mb:
+                        self.notify.setdefault((c, ci), set()).add((p, r))
+
+    def of(self, section: str, replica: int) -> dict[str, Any]:
+        plan, meta = self.plan, self.meta
+        mbs = plan.micro_batches(section, replica)
+        mine = sorted({sid for mb in mbs for sid in mb})
+        neighbours = [e.edge.dst for e in self.graph.outputs(section)] + [e.edge.src for e in self.graph.inputs(section)]
+        return {
+            "t": "plan", "step": plan.step,
+            "micro_batches": [list(mb) for mb in mbs],
+            "samples": [[sid, meta[sid].row, sorted(meta[sid].modalities), meta[sid].num_tokens,
+                         meta[sid].num_patches, meta[sid].num_frames] for sid in mine],
+            "routes": {n: {sid: plan.routes[n][sid] for sid in mine} for n in neighbours},
+            # Run-ahead credits: per micro-batch, (consumer section, replica, forwards it must
+            # have finished); and which producer replicas wait on this replica's progress.
+            "gates": [[list(g) for g in mb] for mb in plan.gates_of(section, replica)],
+            "notify": sorted(self.notify.get((section, replica), ())),
+        }
 
 
 class StepLedger:
@@ -59,6 +77,9 @@ class StepLedger:
         self.started: dict[int, float] = {}
         self.norms: dict[int, dict[int, float]] = {}  # step -> trainable rank -> squared norm share
         self.trainable_ranks = [r for n in graph.order if graph.sections[n].trainable for r in placement.section_ranks(n)]
+        self.trainable_set = set(self.trainable_ranks)
+        self.loss_ranks = {r for n in graph.loss_sections() for r in placement.ranks[n]}
+        self.all_ranks = range(placement.world_size)
 
     def planned(self, plan: Plan, now: float) -> None:
         self.tokens[plan.step] = sum(s.num_tokens for s in plan.samples)
@@ -77,8 +98,7 @@ class StepLedger:
         """Record a loss report; when a loss section is complete, return [(ranks to finalize, D)]."""
         section, _ = self.placement.who(rank)
         per = self.losses.get(step, {}).get(section, {})
-        senders = [r for n in self.graph.loss_sections() for r in self.placement.ranks[n]]
-        self._check("loss", rank, step, senders, per)
+        self._check("loss", rank, step, self.loss_ranks, per)
         per = self.losses.setdefault(step, {}).setdefault(section, {})
         per[rank] = denominator
         if len(per) < self.placement.dp(section):
@@ -96,7 +116,7 @@ class StepLedger:
         """Record a replica's share of the squared gradient norm (a report counts once per rank and
         step); when every trainable replica has reported, return (ranks to send it to, clip
         coefficient)."""
-        self._check("norm", rank, step, self.trainable_ranks, self.norms.get(step, {}))
+        self._check("norm", rank, step, self.trainable_set, self.norms.get(step, {}))
         per = self.norms.setdefault(step, {})
         per[rank] = sq
         if len(per) < len(self.trainable_ranks):
@@ -107,7 +127,7 @@ class StepLedger:
 
     def on_done(self, rank: int, step: int, stats: dict[str, Any], now: float) -> dict[str, Any] | None:
         """Record a done report; when every replica is done, return the step's metrics row."""
-        self._check("done", rank, step, range(self.placement.world_size), self.done.get(step, {}))
+        self._check("done", rank, step, self.all_ranks, self.done.get(step, {}))
         per = self.done.setdefault(step, {})
         per[rank] = stats
         if self.fitter is not None and self.placement.tp_index(rank) == 0:  # a tensor-parallel group times once

@@ -1,15 +1,21 @@
 """Which tensor channels and process groups a placement needs.
 
 `channels` is pure: every (producer rank, consumer rank, kind) pair the routing rule allows,
-in one deterministic order. `process_groups` runs in every worker after init_process_group:
-each channel gets its own two-rank group, so matched sends and receives of one channel never
-queue behind another's (NCCL executes a communicator's operations in order); every section gets
-a gloo group of its ranks (checkpoints are written over it with torch.distributed.checkpoint),
-tensor-parallel replicas their compute and relay groups, and sections that reduce gradients or
-shard a DP group per tensor-parallel index (see `process_groups`). new_group is collective over
-the world, so every rank creates every group in the same order and keeps those it belongs to.
-Channels join replica leaders: a tensor-parallel replica talks to other sections through its
-leader.
+in one deterministic order; `shm_channels` (pure) picks those between CPU workers that share
+memory (transport/shm.py), which send through shared memory and fall back on their group only
+where a slot cannot be made. `process_groups` runs in every worker after init_process_group.
+The channels of an edge share one group per direction and backend (every rank of the edge's
+channels): gloo pairs inside a group are independent connections, and
+NCCL gives each pair of a group its own communicator for point-to-point operations, so one slow
+pair never holds another up; a direction has its own group so that the forward and backward
+streams of a pair never queue behind each other on NCCL's stream. So the groups grow with the
+edges and sections, not with the channels (each new_group is a collective over the whole
+world: it is what startup pays per group). Every section gets a gloo group of its ranks
+(checkpoints are written over it with torch.distributed.checkpoint), tensor-parallel replicas
+their compute and relay groups, and sections that reduce gradients or shard a DP group per
+tensor-parallel index (see `process_groups`). Every rank creates every group in the same order
+and keeps those it belongs to. Channels join replica leaders: a tensor-parallel replica talks to
+other sections through its leader.
 """
 
 from __future__ import annotations
@@ -25,15 +31,27 @@ Channel = tuple[int, int, str]  # (sending rank, receiving rank, "fwd" | "bwd")
 
 
 def channels(graph: SectionGraph, placement: Placement) -> list[Channel]:
-    out: list[Channel] = []
+    return [ch for _, ch in _indexed(graph, placement)]
+
+
+def _indexed(graph: SectionGraph, placement: Placement) -> list[tuple[int, Channel]]:
+    out: list[tuple[int, Channel]] = []
     for e in graph.edges:
         for p in range(e.src_dp):
             for c in e.consumers_of(p):
                 src, dst = placement.rank(e.edge.src, p), placement.rank(e.edge.dst, c)
-                out.append((src, dst, "fwd"))
+                out.append((e.index, (src, dst, "fwd")))
                 if e.carries_grad:
-                    out.append((dst, src, "bwd"))
+                    out.append((e.index, (dst, src, "bwd")))
     return out
+
+
+def shm_channels(graph: SectionGraph, placement: Placement, hosts: dict[int, str | None]) -> list[Channel]:
+    """The channels whose two ranks are CPU workers sharing memory (`hosts`: each rank's
+    transport.shm.host_key, None where it has none)."""
+    return [ch for ch in channels(graph, placement)
+            if placement.devices[ch[0]] == "cpu" and placement.devices[ch[1]] == "cpu"
+            and hosts.get(ch[0]) is not None and hosts.get(ch[0]) == hosts.get(ch[1])]
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,11 +85,15 @@ def process_groups(graph: SectionGraph, placement: Placement, rank: int, timeout
         return "nccl" if on_cuda else "gloo"
 
     mine: dict[Channel, Any] = {}
-    for ch in channels(graph, placement):
-        pair = sorted(ch[:2])
-        group = dist.new_group(pair, timeout=timeout, backend=backend(pair))
-        if rank in pair:
-            mine[ch] = group
+    by_group: dict[tuple[int, str, str], list[Channel]] = {}  # (edge, kind, backend) -> its channels
+    for edge_index, ch in _indexed(graph, placement):
+        by_group.setdefault((edge_index, ch[2], backend(sorted(ch[:2]))), []).append(ch)
+    for (_, _, kind), chs in by_group.items():
+        ranks = sorted({r for ch in chs for r in ch[:2]})
+        group = dist.new_group(ranks, timeout=timeout, backend=kind)
+        for ch in chs:
+            if rank in ch[:2]:
+                mine[ch] = group
     found: dict[str, Any] = {"section": None, "dp": None, "tp": None, "relay": None}
     for name in graph.order:
         section = graph.sections[name]

@@ -41,6 +41,30 @@ class TuneOptions:
 
 def tune_pipeline(path: str, options: TuneOptions) -> tuple[TuneResult, list[str]]:
     """The tuning result and notes worth telling the user (e.g. the memory limit went unchecked)."""
+    pipeline, costs, batches, kwargs, notes = _inputs(path, options)
+    result = tune(pipeline, costs, batches, devices=options.devices, top=options.top,
+                  tp_options=allowed_tp(pipeline, options.max_tp), **kwargs)
+    return result, notes
+
+
+def predict(path: str, options: TuneOptions, micro_batch: int | None = None) -> tuple[Candidate, Any]:
+    """The predicted step of the pipeline as configured (its own dp, micro-batch and tp), and of
+    the monolithic baseline on `options.devices` devices at `micro_batch` (default: its best;
+    None when it does not fit memory)."""
+    from maestro_flow.planner.tune import Tuner, monolithic_for
+
+    pipeline, costs, batches, kwargs, _ = _inputs(path, options)
+    tp = {s.name: s.tp for s in pipeline.sections}
+    tuner = Tuner(pipeline, costs, batches, devices=max(options.devices, sum(s.dp * s.tp for s in pipeline.sections)),
+                  tp=tp, **kwargs)
+    own = tuner.evaluate(tuple((s.name, s.dp, s.micro_batch) for s in pipeline.sections))
+    return own, monolithic_for(pipeline, costs, batches, options.devices, kwargs,
+                               micro_batches=[micro_batch] if micro_batch else None)
+
+
+def _inputs(path: str, options: TuneOptions) -> tuple[Any, CostModel, list, dict[str, Any], list[str]]:
+    """(pipeline with the cost file's costs, cost model, representative batches, the tuner's
+    keyword options, notes)."""
     overrides = dict(options.overrides)
     if options.global_batch is not None:
         overrides["global_batch"] = options.global_batch
@@ -88,10 +112,9 @@ def tune_pipeline(path: str, options: TuneOptions) -> tuple[TuneResult, list[str
     searched = [f"{n} {'/'.join(map(str, v))}" for n, v in tp_options.items() if len(v) > 1]
     if searched:
         notes.append(f"tensor parallelism searched: {', '.join(searched)} (--max-tp to change)")
-    result = tune(pipeline, costs, batches, devices=options.devices, top=options.top, memory_limit_mb=limit,
-                  memory=memory, overhead_s=overhead, cpu_cores=cores or None, tp_options=tp_options,
-                  tp_efficiency=options.tp_efficiency, **calibration)
-    return result, notes
+    kwargs = {"memory_limit_mb": limit, "memory": memory, "overhead_s": overhead, "cpu_cores": cores or None,
+              "tp_efficiency": options.tp_efficiency, **calibration}
+    return pipeline, costs, batches, kwargs, notes
 
 
 def state_copies(section: Any) -> int:
@@ -165,6 +188,12 @@ def format_result(result: TuneResult, current: Candidate | None = None) -> str:
              for r in rows]
     lines.append(f"({result.evaluated} configurations simulated, {result.scored} scored, "
                  f"{result.devices} devices)")
+    mono = result.monolithic
+    if mono is not None:
+        lines.append(f"monolithic baseline (every section on each of {mono.devices} ranks, micro-batch "
+                     f"{mono.micro_batch}): {mono.step_s * 1e3:.1f} ms per step; #1 is {mono.step_s / best:.2f}x "
+                     f"its throughput (maestro run PIPE --baseline monolithic --devices {mono.devices} "
+                     f"--micro-batch {mono.micro_batch})")
     return "\n".join(lines)
 
 

@@ -235,8 +235,10 @@ def worker_main(boot: dict[str, Any]) -> None:
     dealer = zmq_link.connect(zctx, zmq.DEALER, boot["coordinator"])  # the coordinator binds it by its hello
     pull, data_addr = zmq_link.bind(zctx, zmq.PULL, boot.get("host", zmq_link.LOOPBACK),
                                     max_bytes=zmq_link.HEADER_MAX_BYTES)
-    zmq_link.send_msg(dealer, make("hello", version=PROTOCOL_VERSION, rank=rank, pid=os.getpid(), data_addr=data_addr),
-                      sealer=link[0])
+    from maestro_flow.transport.host import host_key
+
+    zmq_link.send_msg(dealer, make("hello", version=PROTOCOL_VERSION, rank=rank, pid=os.getpid(), data_addr=data_addr,
+                                   host_key=host_key()), sealer=link[0])
     init = _await_init(dealer, link[1], drops, time.monotonic() + timeouts.startup_s)
     if init is None:
         os._exit(4)  # the coordinator never answered; it reports the missing worker itself
@@ -250,6 +252,7 @@ def worker_main(boot: dict[str, Any]) -> None:
     control.thread.start()
     out = control.outbound()
     worker = _Worker(init, inbox, out, pull, zctx, timeouts, key)
+    worker.session = boot["session"]
     worker.detail, worker.keep = capture.detail, capture.keep
     worker.threads = boot.get("threads")
     worker.clock_offset_s = init["now"] - received  # this host's wall clock -> the coordinator's
@@ -284,6 +287,7 @@ class _Worker:
         self.detail = print  # where tracebacks behind a one-line report go (the worker's log)
         self.keep: Any = lambda text: None  # the worker's log only (reported errors)
         self.threads: int | None = None  # torch threads, when pinned to cores (--pin-cpus)
+        self.session = "local"  # the attempt's nonce: names this worker's shared-memory slots
 
     def send(self, t: str, **fields: Any) -> None:
         zmq_link.send_msg(self.out, make(t, rank=self.rank, **fields))
@@ -362,6 +366,7 @@ class _Worker:
         dist.init_process_group(backend="cpu:gloo,cuda:nccl" if uses_cuda else "gloo", store=store, rank=self.rank,
                                 world_size=placement.world_size,
                                 timeout=timedelta(seconds=self.timeouts.collective_s))
+        shm = [tuple(ch) for ch in init["shm"]]  # channels through shared memory (transport/shm.py)
         groups = process_groups(graph, placement, self.rank, self.timeouts.collective_s, self.timeouts.checkpoint_s)
         try:
             layout = parallelize_section(stage, section, placement, self.rank, groups, torch.device(device))
@@ -376,7 +381,8 @@ class _Worker:
                           on_error=lambda text: self.inbox.put(("comm_error", text)),
                           tracer=tracer if tracer.enabled else None,
                           relay=(layout.members, groups.relay) if len(layout.members) > 1 else None,
-                          timeout_s=self.timeouts.collective_s)
+                          timeout_s=self.timeouts.collective_s, shm=shm,
+                          shm_prefix=f"maestro-{self.session}-{self.rank}")
         self.comm = comm
         executor = SectionExecutor(
             stage=stage, graph=graph, placement=placement, section=self.section, replica=self.replica,

@@ -22,6 +22,23 @@ COALESCE_BYTES = 1 << 20
 Item = tuple[int, str, "torch.Tensor | None"]  # (sample id, tensor name, tensor or None)
 
 
+def pack_each(items: Sequence[Item]) -> tuple[list[list[Any]], list[list[Any]], list[torch.Tensor]]:
+    """Like `pack`, but every tensor its own buffer, never concatenated: the shared-memory path
+    copies each buffer into its slot once, so coalescing would copy small tensors twice."""
+    entries: list[list[Any]] = []
+    buffers: list[torch.Tensor] = []
+    specs: list[list[Any]] = []
+    for sid, name, t in items:
+        if t is None:
+            entries.append([sid, name, None, None, -1, 0])
+            continue
+        dtype = str(t.dtype).removeprefix("torch.")
+        entries.append([sid, name, dtype, list(t.shape), len(buffers), 0])
+        buffers.append(t.detach())
+        specs.append([dtype, t.numel()])
+    return entries, specs, buffers
+
+
 def pack(items: Sequence[Item]) -> tuple[list[list[Any]], list[list[Any]], list[torch.Tensor]]:
     """Items -> (header entries, buffer specs, buffers to send)."""
     entries: list[list[Any]] = []

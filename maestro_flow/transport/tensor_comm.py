@@ -13,6 +13,13 @@ except for a send on a channel that does not exist. Headers are sealed under the
 (protocol/auth.py), one stream per destination; the header thread drops and logs any frame that
 is not an authentic header from the rank it names, so garbage or forged headers cost nothing.
 
+Between CPU workers on one host a channel goes through shared memory: the sender copies a
+message's buffers into a reused shared-memory slot and names it in the header; the header
+thread delivers views of the slot at once, and sends the slot back ("release") once the
+executor holds no view of it (transport/shm.py). Releases travel on a stream of their own. A
+sender that cannot make a slot (a full /dev/shm) says so once and sends that channel's later
+messages over its process group, which every channel has.
+
 A tensor-parallel replica's leader relays what its replica computes on — each micro-batch's
 inputs ("tpf") and gradients ("tpb") — to the other ranks of the replica with `relay`: a header
 to each, then one broadcast per buffer over the replica's relay group. Members post the matching
@@ -36,6 +43,7 @@ import zmq
 from maestro_flow.protocol.auth import DropLog, Opener, Rejected, Sealer
 from maestro_flow.protocol.messages import make
 from maestro_flow.transport import p2p, zmq_link
+from maestro_flow.transport import shm as shm_module
 
 Channel = tuple[int, str]  # (peer rank, "fwd" | "bwd")
 Deliver = Callable[[str, int, int, int, list[p2p.Item]], None]  # kind, edge, step, src rank, items
@@ -73,10 +81,13 @@ class TensorComm:
     def __init__(self, *, zctx: zmq.Context, rank: int, pull: zmq.Socket, key: bytes, peers: dict[int, str],
                  groups: dict[tuple[int, int, str], Any], device: torch.device,
                  deliver: Deliver, on_error: Callable[[str], None], tracer: Any = None,
-                 relay: tuple[tuple[int, ...], Any] | None = None, timeout_s: float = 300.0) -> None:
+                 relay: tuple[tuple[int, ...], Any] | None = None, timeout_s: float = 300.0,
+                 shm: Sequence[tuple[int, int, str]] = (), shm_prefix: str = "maestro") -> None:
         """`relay`: (the replica's ranks, leader first; its relay group) for tensor-parallel ranks.
         `timeout_s`: how long a send may wait for room in its channel's window, and the header
-        thread for room in a receiving channel (Timeouts.collective_s, MAESTRO_COLLECTIVE_S)."""
+        thread for room in a receiving channel (Timeouts.collective_s, MAESTRO_COLLECTIVE_S).
+        `shm`: the channels (src, dst, kind) through shared memory; `shm_prefix` names this
+        worker's slots (maestro-<session>-<rank>)."""
         self._timeout_s = timeout_s
         self.rank = rank
         self._tracer = tracer  # runtime.trace.Tracer or None: transfers as async trace events
@@ -92,6 +103,12 @@ class TensorComm:
         self._received: dict[Channel, queue.Queue] = {}
         self._pools: dict[Channel, p2p.BufferPool] = {}
         self.stats = _Stats()
+        self._shm_out = {(dst, kind) for src, dst, kind in shm if src == rank}
+        self._shm_in = {(src, kind) for src, dst, kind in shm if dst == rank}
+        self._slots = shm_module.SlotWriter(shm_prefix) if self._shm_out else None
+        self._mapped = shm_module.SlotReader() if self._shm_in else None
+        self._releases: queue.SimpleQueue = queue.SimpleQueue()  # (rank, slot names) from the header thread
+        self._release_sockets: dict[int, tuple[zmq.Socket, Sealer]] = {}  # owned by the header thread
         self._relay_members, self._relay_group = relay or ((rank,), None)
         if len(self._relay_members) > 1:
             channel = (self._relay_members[0], "relay")
@@ -128,6 +145,14 @@ class TensorComm:
     # -- the sending thread ----------------------------------------------------------------
 
     def send(self, dst: int, kind: str, edge: int, step: int, items: Sequence[p2p.Item]) -> None:
+        if (dst, kind) in self._shm_out:
+            try:
+                self._send_shm(dst, kind, edge, step, items)
+                return
+            except OSError as exc:  # no slot to be had (a full /dev/shm, a file size limit): the group, from now on
+                self._shm_out.discard((dst, kind))
+                print(f"maestro: rank {self.rank}: {exc.strerror or exc}; {kind} tensors to rank {dst} go through "
+                      "gloo from now on", flush=True)
         sent = self._sent.get((dst, kind))
         if sent is None:
             raise RuntimeError(f"rank {self.rank} has no {kind} channel to rank {dst}")
@@ -142,6 +167,26 @@ class TensorComm:
                                buffers=specs))
         self._put(sent, (p2p.post_sends(buffers, dst, group), buffers, t0, dst, kind, step),
                   f"room to send {kind} tensors to rank {dst} (its {self.WINDOW} earlier sends unfinished)")
+
+    def _send_shm(self, dst: int, kind: str, edge: int, step: int, items: Sequence[p2p.Item]) -> None:
+        """The bytes into a reused shared-memory slot, the slot's name in the header: done when
+        this returns (nothing waits on a transfer)."""
+        t0 = time.perf_counter()
+        while True:  # slots the receivers gave back, before taking one
+            try:
+                self._slots.released(*self._releases.get_nowait())
+            except queue.Empty:
+                break
+        entries, specs, buffers = p2p.pack_each(items)
+        slot, offsets = self._slots.write((dst, kind), buffers)
+        nbytes = sum(b.numel() * b.element_size() for b in buffers)
+        self._header(dst, make("tensors", src=self.rank, kind=kind, edge=edge, step=step, entries=entries,
+                               buffers=specs, shm=[slot, offsets]))
+        with self.stats.lock:
+            self.stats.bytes_sent += nbytes
+            self.stats.send_s += time.perf_counter() - t0
+        if self._tracer is not None:
+            self._tracer.transfer(f"send {kind}", t0, time.perf_counter(), peer=dst, step=step, bytes=nbytes)
 
     def _put(self, q: queue.Queue, job: Any, what: str) -> None:
         try:
@@ -205,6 +250,8 @@ class TensorComm:
         for sock, _ in self._sockets.values():
             sock.close(linger=0)
         self._sockets.clear()
+        if self._slots is not None:
+            self._slots.close()  # receivers' mappings stay valid; the files go
         return not any(t.is_alive() for t in self._threads)
 
     # -- comm threads ----------------------------------------------------------------------
@@ -250,13 +297,23 @@ class TensorComm:
         poller.register(self._pull, zmq.POLLIN)
         try:
             while not self._stop.is_set():
-                if not poller.poll(100):
+                # While views of shared-memory slots are out, look every 20 ms for slots to give back.
+                outstanding = self._mapped is not None and self._mapped.outstanding
+                if outstanding:
+                    self._give_back()
+                if not poller.poll(20 if outstanding else 100):
                     continue
                 msg = self._open(self._pull.recv())
                 if msg is None:
                     continue
                 if msg["t"] == "progress":
                     self._deliver("progress", -1, msg["step"], msg["src"], msg["finished"])
+                    continue
+                if msg["t"] == "release":
+                    self._releases.put((msg["src"], [str(n) for n in msg["slots"]]))
+                    continue
+                if msg.get("shm") is not None:
+                    self._receive_shm(msg)
                     continue
                 relayed = msg["kind"] in ("tpf", "tpb")
                 channel = (msg["src"], "relay" if relayed else msg["kind"])
@@ -277,15 +334,47 @@ class TensorComm:
                           f"transfers unfinished)")
         finally:
             self._pull.close(linger=0)
+            for sock, _ in self._release_sockets.values():
+                sock.close(linger=0)
+            if self._mapped is not None:
+                self._mapped.close()
+
+    def _receive_shm(self, msg: dict) -> None:
+        """A message whose bytes are in a shared-memory slot: delivered now, as views of it."""
+        if (msg["src"], msg["kind"]) not in self._shm_in:
+            raise RuntimeError(f"rank {self.rank} got a shared-memory {msg['kind']} header from rank {msg['src']}, "
+                               "which has no such channel to it")
+        t0 = time.perf_counter()
+        slot, offsets = msg["shm"]
+        buffers = self._mapped.read(msg["src"], slot, offsets, msg["buffers"])
+        nbytes = sum(b.numel() * b.element_size() for b in buffers)
+        with self.stats.lock:
+            self.stats.recv_s += time.perf_counter() - t0
+            self.stats.bytes_received += nbytes
+        if self._tracer is not None:
+            self._tracer.transfer(f"recv {msg['kind']}", t0, time.perf_counter(), peer=msg["src"], step=msg["step"],
+                                  bytes=nbytes)
+        self._deliver(msg["kind"], msg["edge"], msg["step"], msg["src"], p2p.unpack(msg["entries"], buffers))
+
+    def _give_back(self) -> None:
+        """Send back the slots whose views are all gone (header thread; its own sealed stream)."""
+        for src, names in self._mapped.reap().items():
+            link = self._release_sockets.get(src)
+            if link is None:
+                sock = zmq_link.connect(self._zctx, zmq.PUSH, self._peers[src], max_bytes=zmq_link.HEADER_MAX_BYTES)
+                link = self._release_sockets[src] = (sock, Sealer(self._key, f"rank{self.rank}/release", f"data{src}"))
+            zmq_link.send_msg(link[0], make("release", src=self.rank, slots=names), sealer=link[1])
 
     def _open(self, frame: bytes) -> dict | None:
-        """An authentic header or progress note from the rank it names; else None (dropped, logged)."""
+        """An authentic header, progress note or release from the rank it names; else None
+        (dropped, logged)."""
         try:
             sender, msg = zmq_link.open_msg(self._opener, frame)
         except Rejected as exc:
             self.drops.drop("a header socket", str(exc))
             return None
-        if msg["t"] not in ("tensors", "progress") or sender != f"rank{msg['src']}":
+        expected = f"rank{msg.get('src')}" + ("/release" if msg["t"] == "release" else "")
+        if msg["t"] not in ("tensors", "progress", "release") or sender != expected:
             self.drops.drop(sender, f"a {msg['t']!r} message naming rank {msg.get('src')!r}")
             return None
         return msg

@@ -1,14 +1,18 @@
-"""The transfer paths: one contract over TensorComm (gloo + ZeroMQ, real processes) and LocalComm.
+"""The transfer paths: one contract over TensorComm (gloo + ZeroMQ, and shared-memory slots +
+ZeroMQ, real processes) and LocalComm.
 
 The contract: every message arrives once, in the order sent per channel, with the same names,
 dtypes, shapes and values (small tensors coalesced, big ones sent as they are, missing entries
 as None); sending and receiving at once on both sides does not deadlock; a slow pair does not
-hold up another pair.
+hold up another pair. Shared memory besides: slots are reused once the receiver drops its views,
+a receiver holding every message never blocks its sender, no slot file outlives its sender, and
+where no slot can be made ("shm-full") the channel falls back on gloo.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 
 import pytest
 import torch.distributed as dist
@@ -18,19 +22,23 @@ from tests.integration.transport_peers import local_exchange, messages, peer_mai
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
 
-def run_world(world: int, plan, delay_s=None) -> dict[int, tuple]:
+PATHS = ("gloo", "shm", "shm-full")
+
+
+def run_world(world: int, plan, delay_s=None, path: str = "gloo", hold: bool = False,
+              pace_s: float = 0.0) -> dict[int, tuple]:
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    procs = [ctx.Process(target=peer_main, args=(r, world, store.port, plan, delay_s or {}, results), daemon=True)
-             for r in range(world)]
+    procs = [ctx.Process(target=peer_main, args=(r, world, store.port, plan, delay_s or {}, results, path, hold, pace_s),
+                         daemon=True) for r in range(world)]
     for p in procs:
         p.start()
     try:
         out = {}
         for _ in range(world):
-            rank, t, received, errors = results.get(timeout=90)
-            out[rank] = (t, received, errors)
+            rank, t, received, errors, slots = results.get(timeout=90)
+            out[rank] = (t, received, errors, slots)
         for p in procs:
             p.join(30)
             assert p.exitcode == 0
@@ -52,20 +60,45 @@ def check_contract(received: dict[int, list], plan) -> None:
         assert got == expected_from(src, dst), f"{src}->{dst} {kind}"
 
 
-def test_gloo_both_directions_at_once_match_local_comm():
+@pytest.mark.parametrize("path", PATHS)
+def test_both_directions_at_once_match_local_comm(path):
     plan = [(0, 1, "fwd"), (1, 0, "bwd")]  # each side sends and receives concurrently
-    out = run_world(2, plan)
-    for _, _, errors in out.values():
+    out = run_world(2, plan, path=path)
+    for _, _, errors, _ in out.values():
         assert not errors, errors
-    check_contract({r: received for r, (_, received, _) in out.items()}, plan)
+    check_contract({r: received for r, (_, received, _, _) in out.items()}, plan)
     check_contract(local_exchange(plan), plan)
+    if path == "shm":  # a burst: at most a slot per message (releases come back a few ms later)
+        assert all(1 <= slots <= len(messages(0)) for *_, slots in out.values()), out
 
 
-def test_a_slow_pair_does_not_block_another():
+def test_shared_memory_slots_are_reused():
+    """Messages spaced out, each dropped on arrival: its slot comes back before the next send,
+    so one slot (two: the messages with a 1.2 MB tensor need a larger one) serves them all."""
+    plan = [(0, 1, "fwd")]
+    out = run_world(2, plan, path="shm", pace_s=0.1)
+    check_contract({1: out[1][1]}, plan)
+    assert 1 <= out[0][3] <= 2, out[0][3]
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_slow_pair_does_not_block_another(path):
     # Rank 0 sends to 2 first, but rank 2 posts no receive for 4 s; rank 1 must not wait for it.
     plan = [(0, 2, "fwd"), (0, 1, "fwd")]
-    out = run_world(3, plan, delay_s={2: 4.0})
-    done_1, _, _ = out[1]
-    done_2, _, _ = out[2]
+    out = run_world(3, plan, delay_s={2: 4.0}, path=path)
+    done_1, _, _, _ = out[1]
+    done_2, _, _, _ = out[2]
     assert done_2 - done_1 > 2.0, "rank 1 finished only after the slow rank 2"
-    check_contract({r: received for r, (_, received, _) in out.items() if r != 0}, plan)
+    check_contract({r: received for r, (_, received, _, _) in out.items() if r != 0}, plan)
+
+
+def test_a_receiver_holding_every_message_never_blocks_its_sender():
+    """Shared memory: the receiver keeps every view until all arrived (as an LLM keeps a step's
+    image embeddings until its backward); the sender makes a slot per message instead of
+    waiting, and nothing is left in /dev/shm afterwards."""
+    plan = [(0, 1, "fwd")]
+    out = run_world(2, plan, path="shm", hold=True)
+    assert not out[0][2] and not out[1][2]
+    check_contract({1: out[1][1]}, plan)
+    assert out[0][3] == len(messages(0))  # one slot per held message, then all given back
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith("maestro-transport-test-")]

@@ -1,13 +1,17 @@
 """Processes for the transport tests: real TensorComms over gloo and ZeroMQ on loopback.
 
 `peer_main` runs in a spawned process: it joins a world through a TCPStore, publishes its header
-address, builds a TensorComm exactly like a worker does, runs a scenario, and puts what it
-received on a result queue as plain data.
+address, builds a TensorComm exactly like a worker does — its channels over gloo groups, or
+through shared-memory slots (`path="shm"`; "shm-full": where no slot can be made, so the
+channel falls back on its group) — runs a scenario, and puts what it received on a
+result queue as plain data, with how many slot files it made.
 """
 
 from __future__ import annotations
 
+import os
 import queue
+import resource
 import time
 from datetime import timedelta
 
@@ -48,7 +52,10 @@ def plain(items) -> list:
             for sid, name, t in items]
 
 
-def peer_main(rank: int, world: int, port: int, plan: list[tuple[int, int, str]], delay_s: dict, results) -> None:
+def peer_main(rank: int, world: int, port: int, plan: list[tuple[int, int, str]], delay_s: dict, results,
+              path: str = "gloo", hold: bool = False, pace_s: float = 0.0) -> None:
+    """`hold`: keep every received tensor until everything arrived (the sender must not wait);
+    `pace_s`: pause after each send (time for the receiver to give a slot back)."""
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=60))
     zctx = zmq.Context()
@@ -56,23 +63,36 @@ def peer_main(rank: int, world: int, port: int, plan: list[tuple[int, int, str]]
     store.set(f"addr{rank}", addr)
     peers = {r: store.get(f"addr{r}").decode() for r in range(world)}
     groups = {}
-    for src, dst, kind in plan:  # every rank creates every group, in the same order
+    for src, dst, kind in plan:  # every rank creates every group, in the same order (shm falls back on it)
         g = dist.new_group(sorted((src, dst)))
         if rank in (src, dst):
             groups[(src, dst, kind)] = g
+    if path == "shm-full":  # no slot can be made (as with a full /dev/shm): the channel falls back on gloo
+        resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
     time.sleep(delay_s.get(rank, 0.0))  # a slow peer: no receive posted before this
     got: queue.Queue = queue.Queue()
     errors: list[str] = []
+    held: list = []
+
+    def deliver(kind, edge, step, src, items):
+        if hold:
+            held.append(items)
+        got.put((time.monotonic(), kind, src, plain(items)))
+
+    prefix = f"maestro-transport-test-{port}-{rank}"
     comm = TensorComm(zctx=zctx, rank=rank, pull=pull, key=KEY, peers=peers, groups=groups, device=torch.device("cpu"),
-                      deliver=lambda kind, edge, step, src, items: got.put((time.monotonic(), kind, src, plain(items))),
-                      on_error=errors.append)
+                      deliver=deliver, on_error=errors.append, shm=plan if path.startswith("shm") else (),
+                      shm_prefix=prefix)
     for src, dst, kind in plan:
         if src == rank:
             for i, items in enumerate(messages(seed=dst * 100 + src)):
                 comm.send(dst, kind, 0, i, items)
+                time.sleep(pace_s)
     expected = sum(len(messages(0)) for src, dst, _ in plan if dst == rank)
     received = [got.get(timeout=60) for _ in range(expected)]
-    results.put((rank, time.monotonic(), received, errors))
+    held.clear()  # the slots go back to their senders now
+    slots = len([n for n in os.listdir("/dev/shm") if n.startswith(prefix)]) if path == "shm" else 0
+    results.put((rank, time.monotonic(), received, errors, slots))
     store.set(f"done{rank}", "1")
     for r in range(world):  # keep every process alive until all have received everything
         store.get(f"done{r}")

@@ -14,7 +14,7 @@ from maestro_flow import ArrowData, Edge, Pipeline, Section
 from maestro_flow.graph import SectionGraph
 from maestro_flow.planner import Placement, make_planner
 from maestro_flow.protocol.codec import decode, encode
-from maestro_flow.protocol.messages import FIELDS, PROTOCOL_VERSION, ProtocolError, check, make
+from maestro_flow.protocol.messages import FIELDS, OPTIONAL, PROTOCOL_VERSION, ProtocolError, check, make
 from maestro_flow.runtime.ledger import plan_message
 from maestro_flow.samples import SampleMeta
 from maestro_flow.timeouts import Timeouts
@@ -35,7 +35,8 @@ PLAN = make_planner("fifo", GRAPH).plan(
 # One plausible message of every type, as its sender builds it (lists, not tuples: msgpack
 # gives lists back).
 MESSAGES = {
-    "hello": {"version": PROTOCOL_VERSION, "rank": 2, "pid": 4242, "data_addr": "tcp://127.0.0.1:40123"},
+    "hello": {"version": PROTOCOL_VERSION, "rank": 2, "pid": 4242, "data_addr": "tcp://127.0.0.1:40123",
+              "host_key": "0b5e4c1a:23:1"},
     "ready": {"rank": 2},
     "heartbeat": {"rank": 0},
     "loss": {"rank": 1, "step": 4, "loss_sum": 123.25, "denominator": 517.0},
@@ -47,7 +48,7 @@ MESSAGES = {
     "init": {"rank": 1, "pipeline": PIPELINE.to_dict(), "placement": PLACEMENT.to_dict(),
              "store": ["127.0.0.1", 29500, ""], "peers": {0: "tcp://127.0.0.1:5001", 1: "tcp://127.0.0.1:5002"},
              "timeouts": Timeouts().to_dict(), "paths": ["/work/pipelines", "/work"], "now": 1.7e9, "trace": False,
-             "record": None, "resume": None},
+             "record": None, "resume": None, "shm": [[0, 1, "fwd"]]},
     "plan": {k: v for k, v in plan_message(PLAN, GRAPH, "student", 1).items() if k != "t"},
     "finalize": {"step": 4, "denominator": 1034.0},
     "norm": {"rank": 1, "step": 4, "sq": 0.0625},
@@ -57,8 +58,9 @@ MESSAGES = {
     "saved": {"rank": 1, "step": 8, "info": {"params": {"model.head.weight": [260, 64]}}, "error": None},
     "tensors": {"src": 0, "kind": "fwd", "edge": 0, "step": 4,
                 "entries": [[3, "hidden", "float32", [7, 16], 0, 0], [5, "hidden", "float32", [9, 16], 0, 112]],
-                "buffers": [["float32", 256]]},
+                "buffers": [["float32", 256]], "shm": ["maestro-3f2a-0-7", [0, 448]]},
     "progress": {"src": 2, "step": 4, "finished": 3},
+    "release": {"src": 1, "slots": ["maestro-3f2a-0-7"]},
     "ping": {},
 }
 
@@ -70,7 +72,7 @@ def test_every_message_type_has_a_sample_here():
 @pytest.mark.parametrize("t", sorted(FIELDS))
 def test_round_trip(t):
     msg = make(t, **MESSAGES[t])
-    assert set(msg) == {"t", *FIELDS[t]}
+    assert {"t", *FIELDS[t]} <= set(msg) <= {"t", *FIELDS[t], *OPTIONAL.get(t, ())}
     frame = encode(msg)
     assert isinstance(frame, bytes)
     assert decode(frame) == msg

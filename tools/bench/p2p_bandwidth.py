@@ -1,4 +1,5 @@
-"""P2P bandwidth: the runtime's tensor path (TensorComm) against raw torch.distributed isend/irecv.
+"""P2P bandwidth: the runtime's tensor paths (TensorComm over gloo, and over shared memory)
+against raw torch.distributed isend/irecv and against memcpy.
 
 Two spawned processes (gloo, world size 2, rendezvous through a TCPStore on 127.0.0.1 port 0).
 Rank 0 sends, rank 1 receives. Every repetition runs every case in every mode back to back,
@@ -10,7 +11,13 @@ rotating which mode goes first, so machine noise hits all modes alike:
   runtime    the real TensorComm, built as maestro_flow/runtime/worker.py builds it (PULL socket
              from zmq_link.bind, peers' header addresses exchanged through the store, a two-rank
              group from dist.new_group keyed (0, 1, "fwd"), a deliver callback that queues), one
-             `send()` per message, measured until the receiver's deliver callback has run.
+             `send()` per message, measured until the receiver's deliver callback has run;
+  shm        the same TensorComm on its shared-memory channel (0, 1, "bwd"), as the runtime uses
+             between CPU workers of one host (transport/shm.py): the sender copies each message
+             into a reused slot, the receiver is handed views; until the deliver callback ran;
+  memcpy     no transfer: the sender copies the burst's messages with torch's copy_ into
+             preallocated destinations (one per message, as slots are), single-threaded -- the
+             bandwidth one copy of the same bytes has on this machine.
 
 Cases: "one" sends one tensor of SIZE per message; "many" sends 64 per-sample tensors of 16 KiB
 per message (the runtime coalesces them into one buffer; raw posts 64 isends). A measurement is a
@@ -37,7 +44,7 @@ from tools.bench.common import GiB, MiB, median, quartiles, run_spawned, size_la
 FULL_SIZES = (64 * 1024, MiB, 4 * MiB, 16 * MiB, 64 * MiB)
 TINY_SIZES = (64 * 1024, MiB)
 MANY_COUNT, MANY_BYTES = 64, 16 * 1024
-MODES = ("raw", "raw_fresh", "runtime")
+MODES = ("raw", "raw_fresh", "runtime", "shm", "memcpy")
 MIN_MSGS = 4
 
 
@@ -99,32 +106,46 @@ def _rank_main(rank: int, port: int, cases: list[dict[str, Any]], schedule: list
             delivered.put((None, text))
 
         comm = TensorComm(zctx=zctx, rank=rank, pull=pull, key=derive_key(b"bench", "p2p"), peers=peers, groups=groups,
-                          device=torch.device("cpu"), deliver=deliver, on_error=on_error)
+                          device=torch.device("cpu"), deliver=deliver, on_error=on_error, shm=[(0, 1, "bwd")],
+                          shm_prefix=f"maestro-bench-{port}-{rank}")
 
         # Sender tensors carry the case index (+1) so the receiver can check what it got.
         def fill(c: int, numel: int, j: int = 0) -> torch.Tensor:
             return torch.full((numel,), float(c + 1 + j), dtype=torch.float32)
 
         bufs: dict[int, list[torch.Tensor]] = {}
+        copies: dict[int, list[list[torch.Tensor]]] = {}  # memcpy's destinations, one set per message
         for c, case in enumerate(cases):
             numel = case["tensor_bytes"] // 4
             bufs[c] = [fill(c, numel, j) if rank == 0 else torch.empty(numel) for j in range(case["tensors"])]
+            if rank == 0:
+                copies[c] = [[torch.zeros(numel) for _ in range(case["tensors"])] for _ in range(case["n_msgs"])]
         stamps: list[float] = []
+        ends: list[float] = []  # memcpy's end, taken by the sender
         for _rep, c, mode in schedule:
             case, tensors = cases[c], bufs[c]
             dist.barrier()
             if rank == 0:
                 stamps.append(time.perf_counter())
-                if mode != "runtime":
+                if mode == "memcpy":
+                    for dsts in copies[c]:
+                        for d, t in zip(dsts, tensors, strict=True):
+                            d.copy_(t)
+                    ends.append(time.perf_counter())
+                elif mode in ("runtime", "shm"):
+                    kind = "fwd" if mode == "runtime" else "bwd"
+                    for i in range(case["n_msgs"]):
+                        comm.send(1, kind, 0, i, [(i * len(tensors) + j, "x", t) for j, t in enumerate(tensors)])
+                else:
                     for _ in range(case["n_msgs"]):
                         works = [dist.isend(t, dst=1) for t in tensors]
                         for w in works:
                             w.wait()
-                else:
-                    for i in range(case["n_msgs"]):
-                        comm.send(1, "fwd", 0, i, [(i * len(tensors) + j, "x", t) for j, t in enumerate(tensors)])
             else:
-                if mode != "runtime":
+                if mode == "memcpy":
+                    stamps.append(0.0)  # the sender's own end stands
+                    continue
+                if mode not in ("runtime", "shm"):
                     got = tensors
                     for _ in range(case["n_msgs"]):
                         if mode == "raw_fresh":  # what the runtime's receiver does: new buffers each time
@@ -140,13 +161,15 @@ def _rank_main(rank: int, port: int, cases: list[dict[str, Any]], schedule: list
                             raise RuntimeError(f"tensor channel failed:\n{items}")
                     stamps.append(t_end)
                     got = [t for _, _, t in items]
+                    del items  # shm: the slot goes back once the check below is done
                 # Checked after the clock stopped: first and last element of first and last tensor.
                 for j in (0, len(got) - 1):
                     want = float(c + 1 + j)
                     if got[j][0].item() != want or got[j][-1].item() != want:
                         raise RuntimeError(f"case {case} mode {mode}: received wrong data in tensor {j}")
+                del got
         dist.barrier()
-        return {"stamps": stamps}
+        return {"stamps": stamps, "ends": ends}
     finally:
         if comm is not None:
             comm.close(timeout_s=2.0)  # its threads close their sockets before the context ends
@@ -165,7 +188,10 @@ def measure(sizes: tuple[int, ...], reps: int, warmup: int, burst_bytes: int, ti
     sender, receiver = run_spawned(_rank_main, [(store.port, cases, schedule, timeout_s, thp)] * 2, timeout_s)
     per: dict[tuple[int, str], list[float]] = {}
     per_msg_us: dict[tuple[int, str], list[float]] = {}
+    ends = iter(sender["ends"])
     for (rep, c, mode), t0, t1 in zip(schedule, sender["stamps"], receiver["stamps"], strict=True):
+        if mode == "memcpy":
+            t1 = next(ends)
         if rep < warmup:
             continue
         case, elapsed = cases[c], max(t1 - t0, 1e-9)
@@ -174,9 +200,15 @@ def measure(sizes: tuple[int, ...], reps: int, warmup: int, burst_bytes: int, ti
     results = []
     for c, case in enumerate(cases):
         raw, fresh, rt = per[(c, "raw")], per[(c, "raw_fresh")], per[(c, "runtime")]
+        shm, copy = per[(c, "shm")], per[(c, "memcpy")]
         paired = [r / w for r, w in zip(rt, raw, strict=True)]  # same repetition, measured side by side
+        shm_copy = [a / b for a, b in zip(shm, copy, strict=True)]
         q1, q3 = quartiles(paired)
+        s1, s3 = quartiles(shm_copy)
         results.append({**case, "raw_gibps": median(raw), "raw_fresh_gibps": median(fresh),
+                        "shm_gibps": median(shm), "memcpy_gibps": median(copy), "shm_over_memcpy": median(shm_copy),
+                        "shm_q1": s1, "shm_q3": s3,
+                        "shm_over_raw": median([a / b for a, b in zip(shm, raw, strict=True)]),
                         "runtime_gibps": median(rt), "ratio": median(paired), "ratio_q1": q1, "ratio_q3": q3,
                         "fresh_ratio": median([f / w for f, w in zip(fresh, raw, strict=True)]),
                         "raw_us_per_msg": median(per_msg_us[(c, "raw")]),
@@ -212,10 +244,18 @@ def main(argv: list[str] | None = None) -> dict:
           + (", THP on" if args.thp else ""))
     print(table(["message", "msgs/burst", "raw GiB/s", "raw_fresh GiB/s", "runtime GiB/s", "runtime/raw",
                  "ratio IQR", "raw_fresh/raw", "raw us/msg", "runtime us/msg"], rows))
+    print("\nSame-host shared memory (the runtime's path between CPU workers of one host), side by side:")
+    print(table(["message", "memcpy GiB/s", "shm GiB/s", "shm/memcpy", "IQR", "gloo raw GiB/s", "shm/gloo raw"],
+                [[size_label(r["msg_bytes"]) if r["kind"] == "one" else f"{r['tensors']} x "
+                  f"{size_label(r['tensor_bytes'])}", r["memcpy_gibps"], r["shm_gibps"], r["shm_over_memcpy"],
+                  f"{r['shm_q1']:.2f}-{r['shm_q3']:.2f}", r["raw_gibps"], r["shm_over_raw"]] for r in out["cases"]]))
     big = [r["ratio"] for r in out["cases"] if r["kind"] == "one" and r["msg_bytes"] >= MiB]
     out["min_ratio_from_1mib"] = min(big) if big else None
+    shm = [r["shm_over_memcpy"] for r in out["cases"] if r["kind"] == "one" and r["msg_bytes"] >= MiB]
+    out["min_shm_over_memcpy_from_1mib"] = min(shm) if shm else None
     if big:
-        print(f"lowest runtime/raw from 1 MiB up: {min(big):.2f} (goal >= 0.9)")
+        print(f"lowest runtime/raw from 1 MiB up: {min(big):.2f} (goal >= 0.9); lowest shm/memcpy from 1 MiB up: "
+              f"{min(shm):.2f} (goal >= 0.5)")
     return out
 
 

@@ -67,3 +67,37 @@ def test_cpu_shares(workers, cores, expected):
 
 def test_threads_per_pinned_worker():
     assert threads(2, [0, 1]) == 1 and threads(2, list(range(8))) == 4 and threads(3, [0, 1]) == 1
+
+
+def test_predicted_monolithic_step():
+    """A drawn case: vision (trainable, images only: 1 s forward, backward 2x) -> llm (2 s
+    forward, backward 1x); 4 samples [img, txt, txt, img] on 2 ranks with micro-batch 2: each
+    rank one micro-batch holding one image: vision 1 + 2, llm 2 x (2 + 2), plus one fixed cost
+    per section run (0.5 s each) = 12 s; then a 100 MB all-reduce over 2 ranks (0.1 s at
+    1000 MB/s) and both optimizer steps (0.25 s each); 3 ranks on 2 cores run 1.5x slower."""
+    from maestro_flow.config import Cost
+    from maestro_flow.graph import SectionGraph
+    from maestro_flow.planner.cost import CostModel
+    from maestro_flow.planner.monolithic import best_monolithic, monolithic_step
+    from maestro_flow.samples import SampleMeta
+
+    p = Pipeline(name="p", data=ArrowData(path="d"), sections=[
+        Section(name="vision", stage="m:V", activates_on="image", cost=Cost(per_sample_s=1.0)),
+        Section(name="llm", stage="m:L", cost=Cost(per_sample_s=2.0, backward_factor=1.0))],
+        edges=[Edge(src="vision", dst="llm", tensors=("e",))])
+    graph = SectionGraph(p)
+    costs = CostModel(costs={s.name: s.cost for s in p.sections})
+    img, txt = frozenset({"text", "image"}), frozenset({"text"})
+    batch = [SampleMeta(id=i, modalities=m) for i, m in enumerate((img, txt, txt, img))]
+    calib = {"overhead_s": {"vision": 0.5, "llm": 0.5}, "step_s": {"vision": 0.25, "llm": 0.25},
+             "grad_mb": {"vision": 40.0, "llm": 60.0}}
+    step = monolithic_step(graph, costs, batch, devices=2, micro_batch=2, **calib)
+    assert step.compute_s == pytest.approx(1 + 2 + 2 * (2 + 2) + 2 * 0.5)
+    assert step.end_s == pytest.approx(2 * 100 * 0.5 / 1000 + 0.5)
+    assert step.step_s == pytest.approx(step.compute_s + step.end_s)
+    # micro-batch 1: the image's rank pays vision's fixed cost once, the llm's twice
+    one = monolithic_step(graph, costs, batch, devices=2, micro_batch=1, **calib)
+    assert one.compute_s == pytest.approx(3 + 8 + 3 * 0.5)
+    assert best_monolithic(graph, costs, [batch], devices=2, micro_batches=[1, 2], **calib).micro_batch == 2
+    slow = monolithic_step(graph, costs, batch, devices=3, micro_batch=2, cpu_cores=2)
+    assert slow.step_s == pytest.approx(1.5 * monolithic_step(graph, costs, batch, devices=3, micro_batch=2).step_s)

@@ -1,0 +1,198 @@
+"""The same-host path for CPU tensors: reused shared-memory slots, zero-copy on the receiving side.
+
+Runs inside worker processes, under transport/tensor_comm.py. Between two CPU workers on one
+host (the same kernel and the same /dev/shm, transport/host.host_key), a message's buffers are copied once,
+by the sender, into a slot: a file in /dev/shm that the sender created and keeps for reuse. The
+header (over ZeroMQ, as for gloo) names the slot and each buffer's offset; the receiver maps the
+slot once and delivers tensors that are views of it, so the bytes are never copied again. When
+every view of a message is gone (the executor dropped the tensors), the receiver sends the slot
+back ("release") and the sender reuses it for a later message of the same channel.
+
+Slots are never awaited: a sender without a free slot that fits makes a new one, so a consumer
+that holds many messages (an LLM keeping a step's image embeddings until its backward) can never
+block its producer; spare slots beyond `SPARE` per channel are removed. Slot files are named
+`maestro-<session>-<rank>-...`, removed by their sender when it closes, and swept by the
+coordinator at the end of the run (transport/host.py), so a killed worker leaves nothing behind
+either.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from collections.abc import Sequence
+
+import torch
+
+from maestro_flow.transport.host import SHM_DIR
+
+ALIGN = 64  # every buffer starts on a cache line (and on its dtype's alignment)
+MIN_SLOT = 1 << 20  # slots are at least this large, then powers of two, so sizes repeat and reuse works
+SPARE = 4  # free slots a channel keeps for reuse; more are removed
+MAX_MAPPED = 64  # slots a receiver keeps mapped before it forgets those not in use
+
+
+def _aligned(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def _slot_size(nbytes: int) -> int:
+    size = MIN_SLOT
+    while size < nbytes:
+        size *= 2
+    return size
+
+
+class _Slot:
+    def __init__(self, path: str, size: int, create: bool) -> None:
+        self.path, self.size = path, size
+        fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
+        try:
+            if create:
+                try:
+                    os.posix_fallocate(fd, 0, size)  # fail now (ENOSPC), not with SIGBUS on first touch
+                except AttributeError:  # not on every platform
+                    os.ftruncate(fd, size)
+            self.map = mmap.mmap(fd, size)
+        except OSError:
+            if create:
+                os.unlink(path)
+            raise
+        finally:
+            os.close(fd)
+        self.bytes = torch.frombuffer(self.map, dtype=torch.uint8)
+
+    def close(self) -> None:
+        self.bytes = None
+        try:
+            self.map.close()
+        except BufferError:  # views still exported (tensors alive): the mapping goes with them
+            pass
+
+
+class SlotWriter:
+    """The sending side of the channels of one worker: slots by channel, free or in use. Used by
+    the sending (compute) thread only; releases come in through `released`."""
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix  # maestro-<session>-<rank>
+        self._count = 0
+        self._free: dict[tuple[int, str], list[_Slot]] = {}  # channel -> free slots
+        self._used: dict[str, _Slot] = {}  # slot name -> slot (sent, not released yet)
+        self._channel_of: dict[str, tuple[int, str]] = {}
+
+    def write(self, channel: tuple[int, str], buffers: Sequence[torch.Tensor]) -> tuple[str, list[int]]:
+        """Copy `buffers` (CPU tensors) into a slot of `channel` (receiving rank, kind), each
+        contiguous in the slot;
+        (slot name, byte offset of each)."""
+        offsets, total = [], 0
+        for b in buffers:
+            offsets.append(total)
+            total = _aligned(total + b.numel() * b.element_size())
+        slot = self._take(channel, max(total, 1))
+        for b, off in zip(buffers, offsets, strict=True):
+            n = b.numel() * b.element_size()
+            if n:
+                slot.bytes[off:off + n].view(b.dtype).view(b.shape).copy_(b)  # strided sources copy as they are
+        name = os.path.basename(slot.path)
+        self._used[name] = slot
+        return name, offsets
+
+    def released(self, by: int, names: Sequence[str]) -> None:
+        """Rank `by` is done with these slots (names of slots sent to someone else are ignored)."""
+        for name in names:
+            if name not in self._used or self._channel_of[name][0] != by:
+                continue  # not sent to `by`, or released twice: nothing to do
+            slot = self._used.pop(name)
+            free = self._free.setdefault(self._channel_of[name], [])
+            if len(free) < SPARE:
+                free.append(slot)
+            else:
+                self._remove(slot)
+
+    def _take(self, channel: tuple[int, str], nbytes: int) -> _Slot:
+        free = self._free.setdefault(channel, [])
+        fits = [s for s in free if s.size >= nbytes]
+        if fits:
+            slot = min(fits, key=lambda s: s.size)
+            free.remove(slot)
+            return slot
+        self._count += 1
+        path = os.path.join(SHM_DIR, f"{self.prefix}-{self._count}")
+        try:
+            slot = _Slot(path, _slot_size(nbytes), create=True)
+        except OSError as exc:
+            raise OSError(exc.errno, f"cannot make a {_slot_size(nbytes) >> 20} MiB shared-memory slot in {SHM_DIR} "
+                                     f"for tensors to a worker on this host ({exc.strerror}): give the host (or the "
+                                     f"container: docker --shm-size) more shared memory, or set MAESTRO_SHM=0 to "
+                                     f"send through gloo instead") from None
+        self._channel_of[os.path.basename(path)] = channel
+        return slot
+
+    def close(self) -> None:
+        for slot in list(self._used.values()) + [s for free in self._free.values() for s in free]:
+            self._remove(slot)
+        self._used.clear()
+        self._free.clear()
+
+    def _remove(self, slot: _Slot) -> None:
+        self._channel_of.pop(os.path.basename(slot.path), None)
+        slot.close()
+        try:
+            os.unlink(slot.path)
+        except FileNotFoundError:
+            pass
+
+
+class SlotReader:
+    """The receiving side: maps each sender's slots once and hands out views of them; tells
+    which slots nothing refers to any more (`reap`). Used by the header thread only."""
+
+    def __init__(self) -> None:
+        self._maps: dict[str, _Slot] = {}
+        self._out: dict[str, tuple[int, torch.Tensor]] = {}  # slot name -> (sender rank, the message's view)
+
+    def read(self, src: int, name: str, offsets: Sequence[int], specs: Sequence[Sequence]) -> list[torch.Tensor]:
+        """The message's buffers as views of slot `name` (specs: [dtype, numel] per buffer)."""
+        if "/" in name or not name.startswith("maestro-"):
+            raise ValueError(f"not a slot name: {name!r}")
+        slot = self._maps.get(name)
+        if slot is None:
+            if len(self._maps) >= MAX_MAPPED:  # senders remove spare slots: forget mappings not in use
+                for old in [n for n in self._maps if n not in self._out]:
+                    self._maps.pop(old).close()
+            path = os.path.join(SHM_DIR, name)
+            slot = self._maps[name] = _Slot(path, os.stat(path).st_size, create=False)
+        end = max((off + int(n) * torch.empty((), dtype=getattr(torch, d)).element_size()
+                   for off, (d, n) in zip(offsets, specs, strict=True)), default=0)
+        if end > slot.size:
+            raise ValueError(f"slot {name} holds {slot.size} bytes, the header asks for {end}")
+        whole = slot.bytes[:max(end, 1)]  # one storage user for the whole message (see reap)
+        out = []
+        for off, (dtype, numel) in zip(offsets, specs, strict=True):
+            dt = getattr(torch, dtype)
+            n = int(numel) * torch.empty((), dtype=dt).element_size()
+            out.append(whole[off:off + n].view(dt))
+        self._out[name] = (src, whole)
+        return out
+
+    @property
+    def outstanding(self) -> int:
+        return len(self._out)
+
+    def reap(self) -> dict[int, list[str]]:
+        """Slots whose views are all gone, by sender rank (to send back)."""
+        done: dict[int, list[str]] = {}
+        for name, (src, whole) in list(self._out.items()):
+            # Users of the slot's storage with no view of the message alive: the slot's own
+            # tensor, the message's base, and the temporary storage object of this check.
+            if torch._C._storage_Use_Count(whole.untyped_storage()._cdata) <= 3:
+                del self._out[name]
+                done.setdefault(src, []).append(name)
+        return done
+
+    def close(self) -> None:
+        self._out.clear()
+        for slot in self._maps.values():
+            slot.close()
+        self._maps.clear()
