@@ -32,6 +32,7 @@ from maestro_flow.errors import SystemFailure
 from maestro_flow.runtime.launcher import Launcher
 from maestro_flow.runtime.nodes import Nodes, node_ranks, rendezvous
 from maestro_flow.timeouts import Timeouts
+from maestro_flow.transport.host import sweep
 
 POLL_S = 0.2
 
@@ -157,3 +158,4 @@ class Agent:
                 time.sleep(POLL_S)
         finally:
             launcher.shutdown(0.5, self.timeouts.kill_grace_s)
+            sweep(session)  # shared-memory slots a killed worker of this node left (transport/shm.py)

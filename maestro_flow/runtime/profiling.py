@@ -1,7 +1,8 @@
 """`maestro profile`: measure each section's time per micro-batch and its peak memory, fit costs.
 
-Runs in the CLI process, every section in this one process (like colocated mode): each
-section's stage is built with dp=1 on its own device, fed real dataset rows (entry sections) or
+Runs in a worker process the CLI process starts (spawn, pinned to one core: `profile_pipeline`),
+every section in that one process (like colocated mode): each section's stage is built with
+dp=1 on its own device, fed real dataset rows (entry sections) or
 the real outputs of its producers (run first on the same samples; detached, and marked
 requires_grad where the edge carries gradients, as the executor does).
 
@@ -55,6 +56,7 @@ from typing import Any
 import torch
 
 from maestro_flow.config import Cost, Pipeline
+from maestro_flow.errors import PipelineError
 from maestro_flow.graph import SectionGraph
 from maestro_flow.planner.costfit import FEATURES, fit_nonnegative
 from maestro_flow.runtime.build import build_stage, default_dtype, load_pipeline, resolve_device
@@ -303,7 +305,66 @@ def fit_section(prior: Cost, rows: list[dict[str, Any]], trainable: bool, param_
 
 
 def profile_pipeline(path: str, options: ProfileOptions) -> dict[str, Any]:
-    """Profile every section of the pipeline file `path`; write and return the cost file."""
+    """Profile every section of the pipeline file `path` in a worker process of its own; write
+    and return the cost file.
+
+    The measurements run where a worker runs: a process started with spawn (none of the
+    caller's threads, imports or allocator state), pinned to one core with `threads` torch
+    threads, as `maestro run --pin-cpus` runs a worker that has a core of its own. Its progress
+    lines and its result come back over a queue; an error in it is raised here (PipelineError
+    for bad input, else RuntimeError with its traceback)."""
+    import multiprocessing as mp
+    import queue as queue_module
+
+    log = options.log or (lambda _msg: None)
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    child = ctx.Process(target=_profile_worker, args=(path, dataclasses.replace(options, log=None), results),
+                        name="maestro-profile", daemon=True)
+    child.start()
+    try:
+        while True:
+            try:
+                kind, body = results.get(timeout=1.0)
+            except queue_module.Empty:
+                if child.exitcode is not None:
+                    raise RuntimeError(f"the profiling worker exited with code {child.exitcode} without a result") from None
+                continue
+            if kind == "log":
+                log(body)
+            elif kind == "input":
+                raise PipelineError(body)
+            elif kind == "error":
+                raise RuntimeError(f"profiling failed in its worker process:\n{body}")
+            else:
+                data = body
+                break
+    finally:
+        child.join(5.0)
+        if child.exitcode is None:
+            child.kill()
+            child.join(5.0)
+    write_cost_file(data["path"], {k: v for k, v in data.items() if k != "path"})
+    return data
+
+
+def _profile_worker(path: str, options: ProfileOptions, results: Any) -> None:
+    """The profiling worker process (see profile_pipeline)."""
+    import traceback
+
+    cores = sorted(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, cores[:1])
+    try:
+        data = _profile_here(path, dataclasses.replace(options, log=lambda msg: results.put(("log", msg))))
+        results.put(("ok", data))
+    except PipelineError as exc:
+        results.put(("input", str(exc)))
+    except Exception:
+        results.put(("error", traceback.format_exc()))
+
+
+def _profile_here(path: str, options: ProfileOptions) -> dict[str, Any]:
+    """Profile in this process (the worker's body); return the cost file's data and its path."""
     log = options.log or (lambda _msg: None)
     pipeline, _ = load_pipeline(path, options.overrides)
     single = pipeline.override(**{f"sections.{s.name}.dp": 1 for s in pipeline.sections})
@@ -325,13 +386,12 @@ def profile_pipeline(path: str, options: ProfileOptions) -> dict[str, Any]:
         report = _profile(single, graph, checked, sizes, pools, options, log)
     finally:
         torch.set_num_threads(previous_threads)
-    data = {"pipeline": pipeline.name, "machine": {**machine_info(), "torch_threads": threads},
+    data = {"pipeline": pipeline.name, "machine": {**machine_info(), "torch_threads": threads,
+                                                   "cores": len(os.sched_getaffinity(0))},
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "repeats": options.repeats,
             "planning_s": _planning_s(pipeline, graph, list(checked.metadata), options.repeats),
             "sections": report}
-    out = options.out or os.path.join("runs", f"costs-{pipeline.name}.json")
-    write_cost_file(out, data)
-    data["path"] = out
+    data["path"] = options.out or os.path.join("runs", f"costs-{pipeline.name}.json")
     return data
 
 

@@ -10,7 +10,10 @@ back ("release") and the sender reuses it for a later message of the same channe
 
 Slots are never awaited: a sender without a free slot that fits makes a new one, so a consumer
 that holds many messages (an LLM keeping a step's image embeddings until its backward) can never
-block its producer; spare slots beyond `SPARE` per channel are removed. Slot files are named
+block its producer; spare slots beyond `SPARE` (or `SPARE_BYTES`) per channel are removed, the
+smallest first. Reuse
+is what makes the path fast: a fresh slot's pages are zeroed and faulted in on first touch, which
+costs as much as the copy itself. Slot files are named
 `maestro-<session>-<rank>-...`, removed by their sender when it closes, and swept by the
 coordinator at the end of the run (transport/host.py), so a killed worker leaves nothing behind
 either.
@@ -28,8 +31,23 @@ from maestro_flow.transport.host import SHM_DIR
 
 ALIGN = 64  # every buffer starts on a cache line (and on its dtype's alignment)
 MIN_SLOT = 1 << 20  # slots are at least this large, then powers of two, so sizes repeat and reuse works
-SPARE = 4  # free slots a channel keeps for reuse; more are removed
+SPARE = 32  # free slots a channel keeps for reuse; more are removed, the smallest first
+SPARE_BYTES = 512 << 20  # and at most this many bytes of them (a fresh slot costs its pages' first touch)
 MAX_MAPPED = 64  # slots a receiver keeps mapped before it forgets those not in use
+
+
+_DTYPES: dict[str, torch.dtype] = {}
+
+
+def _dtype(name: str) -> torch.dtype:
+    """A dtype from its name in a header (only torch dtypes: never an arbitrary attribute)."""
+    dt = _DTYPES.get(name)
+    if dt is None:
+        dt = getattr(torch, name, None)
+        if not isinstance(dt, torch.dtype):
+            raise ValueError(f"not a dtype: {name!r}")
+        _DTYPES[name] = dt
+    return dt
 
 
 def _aligned(n: int) -> int:
@@ -45,7 +63,7 @@ def _slot_size(nbytes: int) -> int:
 
 class _Slot:
     def __init__(self, path: str, size: int, create: bool) -> None:
-        self.path, self.size = path, size
+        self.path, self.size, self.name = path, size, os.path.basename(path)
         fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
         try:
             if create:
@@ -85,30 +103,32 @@ class SlotWriter:
         """Copy `buffers` (CPU tensors) into a slot of `channel` (receiving rank, kind), each
         contiguous in the slot;
         (slot name, byte offset of each)."""
-        offsets, total = [], 0
+        offsets, sizes, total = [], [], 0
         for b in buffers:
-            offsets.append(total)
-            total = _aligned(total + b.numel() * b.element_size())
-        slot = self._take(channel, max(total, 1))
-        for b, off in zip(buffers, offsets, strict=True):
             n = b.numel() * b.element_size()
+            offsets.append(total)
+            sizes.append(n)
+            total = _aligned(total + n)
+        slot = self._take(channel, max(total, 1))
+        for b, off, n in zip(buffers, offsets, sizes, strict=True):
             if n:
-                slot.bytes[off:off + n].view(b.dtype).view(b.shape).copy_(b)  # strided sources copy as they are
-        name = os.path.basename(slot.path)
-        self._used[name] = slot
-        return name, offsets
+                dst = slot.bytes[off:off + n].view(b.dtype)
+                dst.copy_(b.view(-1) if b.is_contiguous() else b.reshape(-1))
+        self._used[slot.name] = slot
+        return slot.name, offsets
 
     def released(self, by: int, names: Sequence[str]) -> None:
         """Rank `by` is done with these slots (names of slots sent to someone else are ignored)."""
         for name in names:
             if name not in self._used or self._channel_of[name][0] != by:
                 continue  # not sent to `by`, or released twice: nothing to do
-            slot = self._used.pop(name)
             free = self._free.setdefault(self._channel_of[name], [])
-            if len(free) < SPARE:
-                free.append(slot)
-            else:
-                self._remove(slot)
+            free.append(self._used.pop(name))
+            # Over the limits, the smallest spare slots go first: they cost the least to make again.
+            while len(free) > SPARE or sum(s.size for s in free) > SPARE_BYTES:
+                smallest = min(free, key=lambda s: s.size)
+                free.remove(smallest)
+                self._remove(smallest)
 
     def _take(self, channel: tuple[int, str], nbytes: int) -> _Slot:
         free = self._free.setdefault(channel, [])
@@ -126,7 +146,7 @@ class SlotWriter:
                                      f"for tensors to a worker on this host ({exc.strerror}): give the host (or the "
                                      f"container: docker --shm-size) more shared memory, or set MAESTRO_SHM=0 to "
                                      f"send through gloo instead") from None
-        self._channel_of[os.path.basename(path)] = channel
+        self._channel_of[slot.name] = channel
         return slot
 
     def close(self) -> None:
@@ -136,7 +156,7 @@ class SlotWriter:
         self._free.clear()
 
     def _remove(self, slot: _Slot) -> None:
-        self._channel_of.pop(os.path.basename(slot.path), None)
+        self._channel_of.pop(slot.name, None)
         slot.close()
         try:
             os.unlink(slot.path)
@@ -163,16 +183,15 @@ class SlotReader:
                     self._maps.pop(old).close()
             path = os.path.join(SHM_DIR, name)
             slot = self._maps[name] = _Slot(path, os.stat(path).st_size, create=False)
-        end = max((off + int(n) * torch.empty((), dtype=getattr(torch, d)).element_size()
-                   for off, (d, n) in zip(offsets, specs, strict=True)), default=0)
-        if end > slot.size:
-            raise ValueError(f"slot {name} holds {slot.size} bytes, the header asks for {end}")
-        whole = slot.bytes[:max(end, 1)]  # one storage user for the whole message (see reap)
-        out = []
+        spans = []
         for off, (dtype, numel) in zip(offsets, specs, strict=True):
-            dt = getattr(torch, dtype)
-            n = int(numel) * torch.empty((), dtype=dt).element_size()
-            out.append(whole[off:off + n].view(dt))
+            dt = _dtype(dtype)
+            spans.append((off, off + int(numel) * dt.itemsize, dt))
+        end = max((e for _, e, _ in spans), default=0)
+        if end > slot.size or any(o < 0 for o, _, _ in spans):
+            raise ValueError(f"slot {name} holds {slot.size} bytes, the header asks for bytes up to {end}")
+        whole = slot.bytes[:max(end, 1)]  # one storage user for the whole message (see reap)
+        out = [whole[start:stop].view(dt) for start, stop, dt in spans]
         self._out[name] = (src, whole)
         return out
 

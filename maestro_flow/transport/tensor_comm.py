@@ -77,6 +77,7 @@ class _Stats:
 
 class TensorComm:
     WINDOW = 16  # messages posted but not completed, per channel; send() waits beyond that
+    REAP_S = 0.002  # how often the header thread looks for shared-memory slots to give back
 
     def __init__(self, *, zctx: zmq.Context, rank: int, pull: zmq.Socket, key: bytes, peers: dict[int, str],
                  groups: dict[tuple[int, int, str], Any], device: torch.device,
@@ -172,16 +173,15 @@ class TensorComm:
         """The bytes into a reused shared-memory slot, the slot's name in the header: done when
         this returns (nothing waits on a transfer)."""
         t0 = time.perf_counter()
-        while True:  # slots the receivers gave back, before taking one
-            try:
-                self._slots.released(*self._releases.get_nowait())
-            except queue.Empty:
-                break
+        while not self._releases.empty():  # slots the receivers gave back, before taking one (one consumer)
+            self._slots.released(*self._releases.get_nowait())
         entries, specs, buffers = p2p.pack_each(items)
         slot, offsets = self._slots.write((dst, kind), buffers)
         nbytes = sum(b.numel() * b.element_size() for b in buffers)
-        self._header(dst, make("tensors", src=self.rank, kind=kind, edge=edge, step=step, entries=entries,
-                               buffers=specs, shm=[slot, offsets]))
+        # Built here from this worker's own values (what `make` would check is true by
+        # construction): this is the per-message path. The receiver checks it at the door.
+        self._header(dst, {"t": "tensors", "src": self.rank, "kind": kind, "edge": edge, "step": step,
+                           "entries": entries, "buffers": specs, "shm": [slot, offsets]})
         with self.stats.lock:
             self.stats.bytes_sent += nbytes
             self.stats.send_s += time.perf_counter() - t0
@@ -295,49 +295,62 @@ class TensorComm:
     def _header_loop(self) -> None:
         poller = zmq.Poller()
         poller.register(self._pull, zmq.POLLIN)
+        next_reap = 0.0
         try:
             while not self._stop.is_set():
-                # While views of shared-memory slots are out, look every 20 ms for slots to give back.
+                # While views of shared-memory slots are out, look for slots to give back every
+                # REAP_S (a burst's releases then go back in a few messages, not one per slot).
                 outstanding = self._mapped is not None and self._mapped.outstanding
-                if outstanding:
+                if outstanding and time.monotonic() >= next_reap:
                     self._give_back()
-                if not poller.poll(20 if outstanding else 100):
+                    next_reap = time.monotonic() + self.REAP_S
+                if not poller.poll(int(self.REAP_S * 1000) if outstanding else 100):
                     continue
-                msg = self._open(self._pull.recv())
-                if msg is None:
-                    continue
-                if msg["t"] == "progress":
-                    self._deliver("progress", -1, msg["step"], msg["src"], msg["finished"])
-                    continue
-                if msg["t"] == "release":
-                    self._releases.put((msg["src"], [str(n) for n in msg["slots"]]))
-                    continue
-                if msg.get("shm") is not None:
-                    self._receive_shm(msg)
-                    continue
-                relayed = msg["kind"] in ("tpf", "tpb")
-                channel = (msg["src"], "relay" if relayed else msg["kind"])
-                received = self._received.get(channel)
-                if received is None:
-                    raise RuntimeError(f"rank {self.rank} got a {msg['kind']} header from unexpected rank {msg['src']}")
-                t0 = time.perf_counter()
-                group = self._relay_group if relayed else self._groups[(msg["src"], self.rank, msg["kind"])]
-                host = not relayed and p2p.through_host(group, self._device)  # gloo broadcasts CUDA itself
-                buffers = p2p.allocate(msg["buffers"], torch.device("cpu") if host else self._device,
-                                       self._pools[channel])
-                if relayed:
-                    works = p2p.post_broadcasts(buffers, msg["src"], group)
-                else:
-                    works = p2p.post_recvs(buffers, msg["src"], group)
-                self._put(received, (works, buffers, msg, t0),
-                          f"room to receive {msg['kind']} tensors from rank {msg['src']} (its {self.WINDOW} earlier "
-                          f"transfers unfinished)")
+                while True:  # every frame already here, before polling again
+                    try:
+                        frame = self._pull.recv(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    self._handle(frame)
         finally:
             self._pull.close(linger=0)
             for sock, _ in self._release_sockets.values():
                 sock.close(linger=0)
             if self._mapped is not None:
                 self._mapped.close()
+
+    def _handle(self, frame: bytes) -> None:
+        """One frame from the header socket: a header (post its receives, or deliver a
+        shared-memory message), a progress note or a release."""
+        msg = self._open(frame)
+        if msg is None:
+            return
+        if msg["t"] == "progress":
+            self._deliver("progress", -1, msg["step"], msg["src"], msg["finished"])
+            return
+        if msg["t"] == "release":
+            self._releases.put((msg["src"], [str(n) for n in msg["slots"]]))
+            return
+        if msg.get("shm") is not None:
+            self._receive_shm(msg)
+            return
+        relayed = msg["kind"] in ("tpf", "tpb")
+        channel = (msg["src"], "relay" if relayed else msg["kind"])
+        received = self._received.get(channel)
+        if received is None:
+            raise RuntimeError(f"rank {self.rank} got a {msg['kind']} header from unexpected rank {msg['src']}")
+        t0 = time.perf_counter()
+        group = self._relay_group if relayed else self._groups[(msg["src"], self.rank, msg["kind"])]
+        host = not relayed and p2p.through_host(group, self._device)  # gloo broadcasts CUDA itself
+        buffers = p2p.allocate(msg["buffers"], torch.device("cpu") if host else self._device,
+                               self._pools[channel])
+        if relayed:
+            works = p2p.post_broadcasts(buffers, msg["src"], group)
+        else:
+            works = p2p.post_recvs(buffers, msg["src"], group)
+        self._put(received, (works, buffers, msg, t0),
+                  f"room to receive {msg['kind']} tensors from rank {msg['src']} (its {self.WINDOW} earlier "
+                  f"transfers unfinished)")
 
     def _receive_shm(self, msg: dict) -> None:
         """A message whose bytes are in a shared-memory slot: delivered now, as views of it."""

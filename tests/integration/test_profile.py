@@ -1,6 +1,6 @@
 """`maestro profile` and `maestro tune --costs` on the demo pipelines, on a small demo dataset.
 
-One process each (profiling builds every section in the test process), bounded by a timeout.
+Profiling runs in a worker process of its own (spawned by `maestro profile`), bounded by a timeout.
 """
 
 from __future__ import annotations
@@ -76,6 +76,8 @@ def test_profile_distill_then_tune_with_its_costs(tmp_path, demo):
     assert data["sections"]["student"]["cost"]["backward_factor"] > 0
     for m in data["sections"]["teacher"]["measurements"]:
         assert m["backward_s"] == 0
+    # Measured as a pinned worker measures: another process, on one core, one torch thread.
+    assert data["machine"]["cores"] == 1 and data["machine"]["torch_threads"] == 1
 
     costs_file = str(tmp_path / "costs.json")
     costs = load_cost_file(costs_file)

@@ -1,0 +1,97 @@
+"""VLM at text-only speed: the LLM's throughput in pipelines/vlm.py against a text-only run of the
+same LLM on the same token counts, at image shares 0 / 33 / 66 / 100%.
+
+For each share, the demo image-text data is built with that share of image samples, and beside
+it a text-only twin: row for row the same samples, each image sample replaced by a text-only
+sample whose token list is as long as the LLM's sequence for the original (its text tokens
+without the placeholder, plus one position per image patch), so the LLM does the same work on
+the same number of positions, only without waiting for an encoder. Both run the same pipeline
+(vision dp 1 -> llm dp 1, wavefront schedule, `--pin-cpus`: the encoder's worker on one core, the
+LLM's on another; in the twin the encoder's worker idles), alternately, several rounds, the
+same seed and steps. Reported per share: the LLM's positions per second in each (positions per
+step / median step time; both runs have the same positions per step), their ratio, and the
+encoder's and the LLM's busy seconds per replica per step in the VLM run: where the encoder's
+is below the LLM's, its work can hide behind the LLM's. Goal: ratio >= 0.95 there.
+
+Run from the repository root: python -m tools.bench.vlm_text_only [--tiny] [--rounds N] [--steps N]
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from tools.bench.common import median, pipeline_bench_args, repo_path, table
+
+SHARES = (0.0, 0.33, 0.66, 1.0)
+GOAL = 0.95
+
+
+def text_twin(vlm_path: Path, out: Path, seed: int = 0) -> Path:
+    """The text-only twin of an image demo file (module docstring)."""
+    import pyarrow as pa
+
+    from loaders.demo import write_arrow
+
+    table = pa.ipc.open_file(pa.memory_map(str(vlm_path))).read_all()
+    rng = random.Random(seed)
+    cols = table.to_pydict()
+    for i, mods in enumerate(cols["modalities"]):
+        tokens = cols["tokens"][i]
+        if "image" in mods:
+            n = len(tokens) - 1 + cols["num_patches"][i]
+            cols["tokens"][i] = [rng.randrange(256) for _ in range(n)]
+            cols["modalities"][i], cols["image"][i], cols["num_patches"][i] = ["text"], None, 0
+    return write_arrow(pa.table(cols, schema=table.schema), out)
+
+
+def run_one(data: Path, steps: int, sets: dict[str, Any]) -> list[dict[str, Any]]:
+    from maestro_flow.runtime.run import RunOptions, run_pipeline
+
+    overrides = {"sections.vision.dp": 1, "sections.llm.dp": 1, **sets, "data.path": str(data), "steps": steps}
+    return run_pipeline(repo_path("pipelines", "vlm.py"), RunOptions(overrides=overrides, show_progress=False,
+                                                                      pin_cpus=True))
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args, rounds, steps, warmup, sets = pipeline_bench_args(argv, "tools.bench.vlm_text_only", __doc__, rounds=3,
+                                                            steps=24, warmup=6, tiny_steps=3)
+    from loaders.demo import build_image_demo
+
+    num = 96 if args.tiny else 480
+    out: dict[str, Any] = {"config": {"rounds": rounds, "steps": steps, "warmup": warmup, "sets": sets,
+                                      "samples": num, "cores": sorted(os.sched_getaffinity(0))}}
+    rows = []
+    with tempfile.TemporaryDirectory() as folder:
+        for share in SHARES:
+            vlm = build_image_demo(Path(folder) / f"vlm{share}", num_samples=num, image_share=share)
+            twin = text_twin(vlm, Path(folder) / f"text{share}" / "vlm.arrow")
+            times: dict[str, list[float]] = {"vlm": [], "text": []}
+            busy: dict[str, list[float]] = {"vision": [], "llm": []}
+            for _ in range(rounds):
+                for mode, data in (("vlm", vlm), ("text", twin)):
+                    for row in run_one(data, steps, sets)[warmup:]:
+                        times[mode].append(row["step_time_s"])
+                        if mode == "vlm":
+                            for name in busy:
+                                busy[name].append(row["sections"][name]["busy_s"])
+            ratio = median(times["text"]) / median(times["vlm"])
+            enc, llm = median(busy["vision"]), median(busy["llm"])
+            out[str(share)] = {"vlm_step_s": median(times["vlm"]), "text_step_s": median(times["text"]),
+                               "ratio": ratio, "encoder_busy_s": enc, "llm_busy_s": llm,
+                               "encoder_below_llm": enc < llm}
+            rows.append([f"{share:.0%}", f"{median(times['vlm']) * 1e3:.1f}", f"{median(times['text']) * 1e3:.1f}",
+                         f"{ratio:.3f}", f"{enc * 1e3:.1f}", f"{llm * 1e3:.1f}",
+                         ("yes" if ratio >= GOAL else "NO") if enc < llm else "n/a (encoder-bound)"])
+    print(f"pipelines/vlm.py, vision dp 1 -> llm dp 1, --pin-cpus, {rounds} alternating rounds of {steps} steps "
+          f"(first {warmup} dropped), medians; the twin has the same LLM positions per step")
+    print(table(["images", "VLM step ms", "text-only step ms", "LLM throughput VLM / text-only",
+                 "encoder busy ms/step", "LLM busy ms/step", f">= {GOAL}"], rows))
+    return out
+
+
+if __name__ == "__main__":
+    main()
