@@ -28,19 +28,26 @@ class FifoPlanner:
         self.graph = graph
         self.costs = costs
 
+    def routes(self, comp: list[str], samples: Sequence[SampleMeta]) -> dict[str, dict[int, int]]:
+        """Every section's routes in one component (what plan() orders; the wavefront planner
+        bounds FIFO's makespan from them alone)."""
+        graph = self.graph
+        anchor = default_anchor(graph, comp)
+        dp = graph.sections[anchor].dp
+        active = [s for s in samples if graph.sections[anchor].activates(s.modalities)]
+        position = {s.id: i for i, s in enumerate(active)}
+        # Contiguous blocks by count over the anchor's active samples; others follow by index.
+        anchor_routes = {s.id: (position[s.id] * dp // len(active) if s.id in position
+                                else i * dp // len(samples)) for i, s in enumerate(samples)}
+        return propagate(graph, anchor, anchor_routes, samples, lambda n, s: 1.0)
+
     def plan(self, step: int, samples: Sequence[SampleMeta]) -> Plan:
         graph = self.graph
         routes: dict[str, dict[int, int]] = {}
         replicas: dict[str, tuple[MicroBatches, ...]] = {}
         for comp in components(graph):
             anchor = default_anchor(graph, comp)
-            dp = graph.sections[anchor].dp
-            active = [s for s in samples if graph.sections[anchor].activates(s.modalities)]
-            position = {s.id: i for i, s in enumerate(active)}
-            # Contiguous blocks by count over the anchor's active samples; others follow by index.
-            anchor_routes = {s.id: (position[s.id] * dp // len(active) if s.id in position
-                                    else i * dp // len(samples)) for i, s in enumerate(samples)}
-            comp_routes = propagate(graph, anchor, anchor_routes, samples, lambda n, s: 1.0)
+            comp_routes = self.routes(comp, samples)
             routes.update(comp_routes)
             # Order sections outward from the anchor so that each one's neighbour is ordered first.
             key: dict[str, dict[int, tuple]] = {}

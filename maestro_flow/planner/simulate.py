@@ -18,6 +18,7 @@ them. Reduction and optimizer time are not modelled (the same for every ordering
 from __future__ import annotations
 
 import heapq
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -248,22 +249,34 @@ def critical_section(graph: SectionGraph, costs: CostModel, samples) -> str:
     return max(graph.order, key=lambda n: (work[n] / graph.sections[n].dp, graph.order.index(n)))
 
 
-def bound_terms(samples, graph: SectionGraph, costs: CostModel) -> dict[str, float]:
+def bound_terms(samples, graph: SectionGraph, costs: CostModel, *, sections: Sequence[str] | None = None,
+                fwd: Mapping[str, Mapping[int, float]] | None = None,
+                task: Mapping[str, Mapping[int, float]] | None = None) -> dict[str, float]:
     """Every term of the lower bound, named (`work:S`, `head:P->C`, `tail:P->C`); the bound is
-    their maximum (see the module docstring)."""
-    work = section_work(graph, costs, samples)
-    terms = {f"work:{n}": work[n] / graph.sections[n].dp for n in graph.order}
+    their maximum (see the module docstring). `sections` restricts them to those sections and
+    the edges between them; `fwd`/`task` are sample_s and task_s per section and sample id,
+    where the caller has them already (the wavefront planner)."""
+    wanted = set(graph.order if sections is None else sections)
+    names = [n for n in graph.order if n in wanted]
+    secs = graph.sections
+    active = {n: [s for s in samples if secs[n].activates(s.modalities)] for n in names}
+    if task is None:
+        task = {n: {s.id: task_s(graph, costs, n, s) for s in active[n]} for n in names}
+    if fwd is None:
+        fwd = {n: {s.id: costs.sample_s(n, s) for s in active[n]} for n in names}
+    terms = {f"work:{n}": sum(task[n][s.id] for s in active[n]) / secs[n].dp for n in names}
     for e in graph.edges:
         p, c = e.edge.src, e.edge.dst
-        both = [s for s in samples if graph.sections[p].activates(s.modalities)
-                and graph.sections[c].activates(s.modalities)]
+        if f"work:{p}" not in terms or f"work:{c}" not in terms:
+            continue
+        both = [s.id for s in active[p] if secs[c].activates(s.modalities)]
         if not both:
             continue
-        t0 = min(costs.sample_s(p, s) for s in both) + costs.transfer_s
-        terms[f"head:{p}->{c}"] = t0 + sum(task_s(graph, costs, c, s) for s in both) / graph.sections[c].dp
-        fwd_p = sum(costs.sample_s(p, s) for s in both)  # the outputs C waits for, at least
-        tail = min(task_s(graph, costs, c, s) for s in both)
-        terms[f"tail:{p}->{c}"] = fwd_p / graph.sections[p].dp + costs.transfer_s + tail
+        t0 = min(fwd[p][sid] for sid in both) + costs.transfer_s
+        terms[f"head:{p}->{c}"] = t0 + sum(task[c][sid] for sid in both) / secs[c].dp
+        fwd_p = sum(fwd[p][sid] for sid in both)  # the outputs C waits for, at least
+        tail = min(task[c][sid] for sid in both)
+        terms[f"tail:{p}->{c}"] = fwd_p / secs[p].dp + costs.transfer_s + tail
     return terms
 
 

@@ -63,6 +63,7 @@ from maestro_flow.graph import SectionGraph
 from maestro_flow.planner import make_planner
 from maestro_flow.planner.cost import CostModel
 from maestro_flow.planner.monolithic import MonolithicStep, best_monolithic
+from maestro_flow.planner.ordering import default_run_ahead
 from maestro_flow.planner.simulate import simulate
 from maestro_flow.planner.tune_space import (
     Candidate,
@@ -193,7 +194,7 @@ class Tuner:
         run_ahead = 0
         for e in grads:
             cdp, cmb = (layout or {}).get(e.edge.dst, (dp, mb))
-            credit = self.pipeline.run_ahead if self.pipeline.run_ahead is not None else 4 * cmb
+            credit = self.pipeline.run_ahead if self.pipeline.run_ahead is not None else default_run_ahead(cmb)
             run_ahead += max(1, cdp // dp) * credit
         return min(per_replica, mb + run_ahead) if per_replica > mb else mb
 

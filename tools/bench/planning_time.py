@@ -6,9 +6,12 @@ trainable encoder, micro-batches llm 4 / vision 8), a 4096-sample global batch w
 over layouts of 64 replicas in total (the goal's "4096-sample global batch over 64 replicas") and
 one of 80. Each repetition draws the batch with its own seed and plans it with a planner built
 once (as the coordinator does); the timer covers `plan()` only. The median of the repetitions is
-reported with its quartiles (wall-clock, the goal's measure), with the median CPU time, and for
+reported with its quartiles (wall-clock, the goal's measure), with the median CPU time, for
 each layout how many batches had which critical section (the wavefront's balancing anchor, whose
-replica groups set the cost of balance.assign).
+replica groups set the cost of balance.assign), and which of the wavefront's rule sets won
+(Plan.variant: at 4096 samples the planner plays out the first two of rules.CANDIDATES, or
+stops after the first when it is within 0.5% of the lower bound, then rules FIFO out from its
+replicas' work or simulates it).
 Goal: wavefront <= 100 ms per plan.
 
 `--profile` runs cProfile over one more wavefront plan of the first layout and prints the top
@@ -38,17 +41,18 @@ IMAGE_FRACTION = 0.33
 GOAL_S = 0.100
 
 
-def time_plans(planner, batches: list) -> tuple[list[float], list[float]]:
+def time_plans(planner, batches: list) -> tuple[list[float], list[float], Counter]:
     """Wall-clock and CPU seconds of each plan (CPU time leaves out the time this process was
-    descheduled, which a busy shared machine adds to the wall-clock)."""
-    wall, cpu = [], []
+    descheduled, which a busy shared machine adds to the wall-clock), and the plans' variants."""
+    wall, cpu, variants = [], [], Counter()
     for step, samples in enumerate(batches):
         gc.collect()  # a collection from the previous repetition's garbage must not land in this one
         c0, t0 = time.process_time(), time.perf_counter()
-        planner.plan(step, samples)
+        plan = planner.plan(step, samples)
         wall.append(time.perf_counter() - t0)
         cpu.append(time.process_time() - c0)
-    return wall, cpu
+        variants[plan.variant or plan.schedule] += 1
+    return wall, cpu, variants
 
 
 def profile_plan(planner, samples, top: int) -> list[dict[str, Any]]:
@@ -92,10 +96,10 @@ def main(argv: list[str] | None = None) -> dict:
         for schedule in ("wavefront", "fifo"):
             planner = make_planner(schedule, graph, costs)
             planner.plan(0, batches[0])  # warm-up: first-call costs (imports, allocator) are not planning
-            times, cpu = time_plans(planner, batches)
+            times, cpu, variants = time_plans(planner, batches)
             q1, q3 = quartiles(times)
             row[schedule] = {"median_s": median(times), "q1_s": q1, "q3_s": q3, "times_s": times,
-                             "cpu_median_s": median(cpu)}
+                             "cpu_median_s": median(cpu), "variants": dict(variants)}
         results.append(row)
 
     rows = [[r["layout"], r["replicas"], r["fanout"], ", ".join(f"{k} {v}" for k, v in sorted(r["critical"].items())),
@@ -103,10 +107,11 @@ def main(argv: list[str] | None = None) -> dict:
              f"{1e3 * r['wavefront']['q1_s']:.1f}-{1e3 * r['wavefront']['q3_s']:.1f}", 1e3 * r["wavefront"]["cpu_median_s"],
              1e3 * r["fifo"]["median_s"], f"{1e3 * r['fifo']['q1_s']:.1f}-{1e3 * r['fifo']['q3_s']:.1f}",
              r["wavefront"]["median_s"] / r["fifo"]["median_s"],
-             "yes" if r["wavefront"]["median_s"] <= GOAL_S else "NO"] for r in results]
+             "yes" if r["wavefront"]["median_s"] <= GOAL_S else "NO",
+             ", ".join(f"{k} {v}" for k, v in sorted(r["wavefront"]["variants"].items()))] for r in results]
     print(f"Planning time per step, {n} samples ({IMAGE_FRACTION:.0%} images), median of {reps} plans")
     print(table(["layout", "replicas", "fan-out", "critical (batches)", "wavefront ms", "wf IQR ms", "wf CPU ms", "FIFO ms", "FIFO IQR ms",
-                 "wf/FIFO", f"wf <= {GOAL_S * 1e3:.0f} ms"], rows))
+                 "wf/FIFO", f"wf <= {GOAL_S * 1e3:.0f} ms", "wf rules (batches)"], rows))
     out: dict[str, Any] = {
         "layouts": results,
         "goal_met": all(r["wavefront"]["median_s"] <= GOAL_S for r in results),
