@@ -29,8 +29,9 @@ MIXED_PRECISION = ("bf16",)
 class Cost:
     """The planner's starting cost model for one section: forward seconds per unit of work.
 
-    A trainable section's backward takes `backward_factor` times its forward. During a run the
-    coefficients are refined from measured micro-batch timings.
+    A micro-batch's forward takes per_micro_batch_s plus the per-sample, per-token, per-patch and
+    per-frame terms of its samples; a trainable section's backward takes `backward_factor` times
+    its forward. During a run the coefficients are refined from measured micro-batch timings.
     """
 
     per_sample_s: float = 1e-3
@@ -38,6 +39,7 @@ class Cost:
     per_patch_s: float = 0.0
     per_frame_s: float = 0.0
     backward_factor: float = 2.0  # backward time / forward time, for trainable sections
+    per_micro_batch_s: float = 0.0  # a micro-batch's fixed forward seconds, whatever its samples
 
     def validate(self, where: str) -> None:
         for f in dataclasses.fields(self):

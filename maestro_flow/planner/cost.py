@@ -1,9 +1,10 @@
 """Per-section cost model: seconds of compute per sample from its metadata.
 
 Pure (standard library only). Starts from the pipeline's `Cost` records; the coordinator replaces
-a section's coefficients with fitted ones between steps (see `costfit.py`). Forward cost is
-linear in the sample's tokens, patches and frames; a trainable section's backward is
-`backward_factor` times its forward; each transfer between replicas costs `transfer_s`.
+a section's coefficients with fitted ones between steps (see `costfit.py`). Forward cost is a
+fixed cost per micro-batch plus terms linear in each sample's tokens, patches and frames; a
+trainable section's backward is `backward_factor` times its forward; each transfer between
+replicas costs `transfer_s`.
 """
 
 from __future__ import annotations
@@ -27,3 +28,7 @@ class CostModel:
 
     def backward_s(self, section: str, sample: SampleMeta) -> float:
         return self.costs[section].backward_factor * self.sample_s(section, sample)
+
+    def micro_batch_s(self, section: str) -> float:
+        """A micro-batch's fixed forward seconds (its backward: backward_factor times that)."""
+        return self.costs[section].per_micro_batch_s

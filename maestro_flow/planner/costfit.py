@@ -2,8 +2,9 @@
 
 Pure (standard library only). Each observation is one micro-batch of one section: how many
 samples, tokens, patches and frames it held, and how long its forward (and, apart, its backward)
-took. A section's forward cost is fitted as seconds = a*samples + b*tokens + c*patches +
-d*frames (only the terms its `Cost` uses) by least squares with non-negative coefficients, pulled towards the pipeline's `Cost`
+took. A section's forward cost is fitted as seconds = m + a*samples + b*tokens + c*patches +
+d*frames (m the fixed cost of a micro-batch; only the terms its `Cost` uses) by least squares
+with non-negative coefficients, pulled towards the pipeline's `Cost`
 (ridge towards the prior, so a few noisy timings cannot swing the plan), over a sliding window.
 For a loss section the measured task is forward + backward, which is divided by
 1 + backward_factor; for other trainable sections the backward factor is the measured ratio.
@@ -53,14 +54,18 @@ class CostFitter:
         self.prior_weight = prior_weight  # how many "average micro-batches" the prior counts as
         self._obs: dict[tuple[str, str], deque[Timing]] = {}  # (section, kind) -> recent timings
 
-    def add(self, section: str, timings: Iterable[Timing]) -> None:
+    def add(self, section: str, timings: Iterable[Timing | Sequence]) -> None:
+        """Timings as Timing records or in their list form (as workers report them: kept as
+        they come, converted only when fitted, since a window keeps only the newest)."""
         for t in timings:
-            self._obs.setdefault((section, t.kind), deque(maxlen=self.window)).append(t)
+            kind = t.kind if isinstance(t, Timing) else t[0]
+            self._obs.setdefault((section, kind), deque(maxlen=self.window)).append(t)
 
     def state(self) -> list[list]:
         """The observations, as plain data (a checkpoint holds them, so a resumed run plans with
         the cost model the interrupted one had): [[section, kind, [timing lists]], ...]."""
-        return [[section, kind, [t.to_list() for t in ts]] for (section, kind), ts in self._obs.items()]
+        return [[section, kind, [t.to_list() if isinstance(t, Timing) else list(t) for t in ts]]
+                for (section, kind), ts in self._obs.items()]
 
     def load(self, state: Sequence[Sequence]) -> None:
         self._obs = {}
@@ -71,7 +76,8 @@ class CostFitter:
     def model(self) -> CostModel:
         costs = dict(self.prior.costs)
         for name in costs:
-            obs = [t for (n, _), ts in self._obs.items() if n == name for t in ts]
+            obs = [t if isinstance(t, Timing) else Timing.from_list(t)
+                   for (n, _), ts in self._obs.items() if n == name for t in ts]
             if obs:
                 costs[name] = self._fit(costs[name], obs)
         return dataclasses.replace(self.prior, costs=costs)
@@ -87,11 +93,14 @@ class CostFitter:
         if not rows:
             return dataclasses.replace(prior, backward_factor=factor)
         # The pipeline's Cost says which features drive a section (a vision encoder's time does
-        # not depend on its samples' token counts): only those and per_sample_s are fitted.
+        # not depend on its samples' token counts): only those, per_sample_s and the fixed cost
+        # per micro-batch (the intercept: what makes small micro-batches dear) are fitted.
         used = [f == "per_sample_s" or getattr(prior, f) > 0 for f in FEATURES]
-        rows = [(tuple(v if u else 0.0 for v, u in zip(x, used, strict=True)), y) for x, y in rows]
-        coef = fit_nonnegative(rows, tuple(getattr(prior, f) for f in FEATURES), self.prior_weight)
-        return dataclasses.replace(prior, backward_factor=factor, **dict(zip(FEATURES, coef, strict=True)))
+        rows = [((1.0, *(v if u else 0.0 for v, u in zip(x, used, strict=True))), y) for x, y in rows]
+        coef = fit_nonnegative(rows, (prior.per_micro_batch_s, *(getattr(prior, f) for f in FEATURES)),
+                               self.prior_weight)
+        return dataclasses.replace(prior, backward_factor=factor, per_micro_batch_s=coef[0],
+                                   **dict(zip(FEATURES, coef[1:], strict=True)))
 
 
 def fit_nonnegative(rows: Sequence[tuple[Sequence[float], float]], prior: Sequence[float],

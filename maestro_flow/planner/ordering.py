@@ -142,6 +142,7 @@ class Ordering:
         # The executor's backward of a micro-batch runs through all of it, even the samples no
         # gradient comes back for (simulate.py charges the same).
         self.bwd_factor = {n: costs.costs[n].backward_factor if self.sections[n].trainable else 0.0 for n in comp}
+        self.fixed = {n: costs.micro_batch_s(n) for n in comp}  # per micro-batch, as simulate.py charges it
         self.active, self.grads_of = routed.active, routed.grads_of
         self.keys_of, self.keys_out, self.keys_in = routed.keys_of, routed.keys_out, routed.keys_in
         self.out_keys, self.in_keys = routed.out_keys, routed.in_keys
@@ -251,7 +252,8 @@ class Ordering:
         rep.waiting = False
         if rep.bwd_ready and rep.bwd_ready[0][0] <= t:
             _, m = heapq.heappop(rep.bwd_ready)
-            self._busy(rep, t, self.bwd_factor[rep.section] * sum(self.fwd[rep.section][s] for s in rep.mbs[m]))
+            n = rep.section
+            self._busy(rep, t, self.bwd_factor[n] * (self.fixed[n] + sum(self.fwd[n][s] for s in rep.mbs[m])))
             self._send_grads(rep, rep.mbs[m], rep.free_at)
             return
         batch = self._pick_producer(rep, t) if rep.has_consumers else self._pick_consumer(rep, t)
@@ -382,7 +384,8 @@ class Ordering:
         fwd_n, task_n, taken, mb_of, missing, todo = self.fwd[n], self.task[n], self.taken, self.mb_of, rep.missing, rep.todo
         m = len(rep.mbs)
         rep.mbs.append(tuple(batch))
-        fwd = work = 0
+        fwd = self.fixed[n]  # the micro-batch's fixed cost (forward; with its backward for a loss section)
+        work = fwd * (1.0 + self.bwd_factor[n]) if rep.loss else fwd
         for sid in batch:
             todo.discard(sid)
             taken.add((n, sid))

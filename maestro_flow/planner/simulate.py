@@ -5,8 +5,11 @@ executor does: it runs its micro-batches in plan order, each once every input ha
 its run-ahead credits allow (the plan's gates: a consumer must have finished so many forwards); a
 trainable section that is not a loss section runs a micro-batch's backward as soon as every
 gradient for it has returned, before its next forward; a loss section runs forward and backward
-of a micro-batch as one task. Outputs and gradients arrive `transfer_s` after the task that made
-them. Reduction and optimizer time are not modelled (the same for every ordering).
+of a micro-batch as one task. A micro-batch's forward costs its section's fixed cost per
+micro-batch (Cost.per_micro_batch_s) plus its samples' costs; its backward, backward_factor
+times that. Outputs and gradients arrive `transfer_s` after the task that made them. Reduction
+and optimizer time are not modelled (the same for every ordering). The lower bound leaves the
+fixed costs out (so it stays a bound whatever the micro-batches):
 
     lower bound = max over sections S of  work(S) / dp(S)
                   max over edges P -> C of  t0 + work(C, samples needing P) / dp(C)
@@ -93,8 +96,10 @@ class _Sim:
             for r, mbs in enumerate(plan.replicas[name]):
                 fwd, bwd, needs, grads = [], [], [], []
                 for mb in mbs:
-                    f = sum(costs.sample_s(name, self.meta[s]) for s in mb)
-                    b = sum(costs.backward_s(name, self.meta[s]) for s in mb) if section.trainable else 0.0
+                    fixed = costs.micro_batch_s(name) if mb else 0.0
+                    f = fixed + sum(costs.sample_s(name, self.meta[s]) for s in mb)
+                    b = (sum(costs.backward_s(name, self.meta[s]) for s in mb)
+                         + fixed * costs.costs[name].backward_factor) if section.trainable else 0.0
                     if name in losses:
                         f, b = f + b, 0.0
                     expected = sum(1 for e in grad_edges for s in mb

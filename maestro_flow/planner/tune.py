@@ -26,15 +26,15 @@ the parameters and a trainable section's gradients are gathered for the whole st
 runtime holds them). Each combination of the sections' candidate tp values (`tp_assignments`) is
 searched as below and the results are merged.
 Its step time is the wavefront plan's simulated makespan (planner/simulate.py). Time per
-micro-batch = overhead_s + the linear Cost; the overhead is folded into per_sample_s as
-overhead_s / micro_batch, which is what makes larger micro-batches pay off.
+micro-batch = the section's Cost, whose fixed cost per micro-batch (Cost.per_micro_batch_s, a
+`maestro profile` cost file's fitted one) is raised by overhead_s, which is what makes larger
+micro-batches pay off; the planner plans with these costs and the simulation charges the fixed
+cost on every micro-batch the plan runs (the wavefront may cut a section's samples into
+micro-batches smaller than its micro_batch to follow arrivals; it does so only where that pays).
 
 Calibration (runtime costs the stage's compute leaves out; all optional, zero by default):
-  - runtime_s (section -> seconds per micro-batch): the executor's own cost per micro-batch. It
-    and overhead_s are charged per micro-batch the plan actually runs: the wavefront planner
-    may cut a section's samples into micro-batches smaller than its micro_batch (it follows
-    arrivals), so the simulation uses (overhead_s + runtime_s) / mean planned micro-batch size
-    per sample, not / micro_batch;
+  - runtime_s (section -> seconds per micro-batch): the executor's own cost per micro-batch,
+    added to the fixed cost per micro-batch like overhead_s;
   - step_s (section -> seconds per step, trainable sections): optimizer step etc. after the
     last micro-batch, plus for dp > 1 a gradient all-reduce estimated as
     2 x grad_mb x (dp - 1) / dp / REDUCE_MB_PER_S (ring all-reduce over loopback); sections
@@ -158,14 +158,17 @@ class Tuner:
 
     # -- cost and memory at a micro-batch size -------------------------------------------------
 
-    def cost_at(self, name: str, mb: float, scale: float = 1.0) -> Cost:
-        """Cost per sample at (mean) micro-batch size `mb`, fixed costs included, times `scale`."""
+    def cost_at(self, name: str, scale: float = 1.0) -> Cost:
+        """The section's Cost as the search charges it: the fixed cost per micro-batch includes
+        overhead_s and runtime_s, and every term is multiplied by `scale` (and divided by a
+        tensor-parallel replica's speed-up)."""
         c = self.costs.costs[name]
         if self.tp[name] > 1:  # the replica's ranks share its compute, at an efficiency
             scale /= self.tp[name] * self.tp_efficiency
-        per_sample = c.per_sample_s + (self.overhead[name] + self.runtime[name]) / mb
-        return dataclasses.replace(c, per_sample_s=per_sample * scale, per_token_s=c.per_token_s * scale,
-                                   per_patch_s=c.per_patch_s * scale, per_frame_s=c.per_frame_s * scale)
+        fixed = c.per_micro_batch_s + self.overhead[name] + self.runtime[name]
+        return dataclasses.replace(c, per_sample_s=c.per_sample_s * scale, per_token_s=c.per_token_s * scale,
+                                   per_patch_s=c.per_patch_s * scale, per_frame_s=c.per_frame_s * scale,
+                                   per_micro_batch_s=fixed * scale)
 
     def contention(self, workers: int) -> float:
         """Time scale when `workers` CPU processes share `cpu_cores` cores (module docstring)."""
@@ -183,7 +186,7 @@ class Tuner:
 
     def model_at(self, layout: Layout) -> CostModel:
         return dataclasses.replace(self.costs, costs={**self.costs.costs,
-                                                      **{n: self.cost_at(n, m) for n, _, m in layout}})
+                                                      **{n: self.cost_at(n) for n, _, _ in layout}})
 
     def _kept(self, name: str, dp: int, mb: int, layout: Mapping[str, tuple[int, int]] | None) -> int:
         graph = self.graph
@@ -239,15 +242,16 @@ class Tuner:
     # -- analytic score -----------------------------------------------------------------------
 
     def _task(self, name: str, mb: int, s: SampleMeta) -> float:
-        c = self.cost_at(name, mb)
-        f = c.per_sample_s + c.per_token_s * s.num_tokens + c.per_patch_s * s.num_patches + c.per_frame_s * s.num_frames
+        """A sample's work at micro-batch `mb`, its share of the fixed cost included (scoring)."""
         from maestro_flow.planner.simulate import needs_backward
 
-        return f * (1.0 + c.backward_factor) if needs_backward(self.graph, name, s) else f
+        f = self._fwd(name, mb, s)
+        return f * (1.0 + self.costs.costs[name].backward_factor) if needs_backward(self.graph, name, s) else f
 
     def _fwd(self, name: str, mb: int, s: SampleMeta) -> float:
-        c = self.cost_at(name, mb)
-        return c.per_sample_s + c.per_token_s * s.num_tokens + c.per_patch_s * s.num_patches + c.per_frame_s * s.num_frames
+        c = self.cost_at(name)
+        return (c.per_micro_batch_s / mb + c.per_sample_s + c.per_token_s * s.num_tokens
+                + c.per_patch_s * s.num_patches + c.per_frame_s * s.num_frames)
 
     def _term(self, key: tuple) -> float:
         """Cached sums over the representative batch (they do not depend on dp)."""
@@ -305,13 +309,9 @@ class Tuner:
         workers = sum(d * self.tp[n] for n, d, _ in layout)
         for step, batch in enumerate(self.batches):
             plan = planner.plan(step, batch)
-            planned = {}
-            for n in self.order:
-                mbs = [mb for rep in plan.replicas[n] for mb in rep if mb]
-                planned[n] = sum(len(mb) for mb in mbs) / len(mbs) if mbs else 1.0
             scale = self.contention(workers)
             sim = simulate(plan, graph, dataclasses.replace(costs, costs={**costs.costs, **{
-                n: self.cost_at(n, planned[n], scale) for n in self.order}}))
+                n: self.cost_at(n, scale) for n in self.order}}))
             step_s = sim.makespan_s + fixed * scale
             spans.append(step_s)
             bounds.append(sim.lower_bound_s)

@@ -10,7 +10,8 @@ Worker -> coordinator (DEALER -> ROUTER):
              host key (which workers share memory: transport/shm.host_key). The
              coordinator binds the connection to that rank; it accepts nothing else from a
              connection before its hello, and a rank's hello only once
-  ready      stage built, process groups formed; the worker waits for plans
+  ready      stage built, process groups formed; the worker waits for plans (`setup`: seconds
+             spent importing, building the stage, joining the world, forming the groups, the rest)
   heartbeat  every Timeouts.heartbeat_interval_s from the worker's control thread
   loss       a loss section replica finished its micro-batches: loss sum and denominator (sent
              only when trainable sections upstream need the denominator; the loss section itself
@@ -81,7 +82,8 @@ FIELDS: dict[str, tuple[str, ...]] = {
 
 # Fields a message may carry or leave out (a hello's host key is optional so that a worker of
 # another protocol version still parses, and its version mismatch is reported).
-OPTIONAL: dict[str, tuple[str, ...]] = {"hello": ("host_key",), "heartbeat": ("status",), "tensors": ("shm",)}
+OPTIONAL: dict[str, tuple[str, ...]] = {"hello": ("host_key",), "heartbeat": ("status",), "tensors": ("shm",),
+                                        "ready": ("setup",)}
 
 _NUM = (int, float)
 _OPT_STR = (str, type(None))
@@ -96,7 +98,7 @@ TYPES: dict[str, tuple[type, ...]] = {
     "resume": _OPT_STR, "micro_batches": (list,), "samples": (list,), "routes": (dict,), "gates": (list,),
     "notify": (list,), "path": (str,), "save_dir": _OPT_STR, "src": (int,), "edge": (int,), "entries": (list,),
     "buffers": (list,), "finished": (int,), "status": (dict,), "session": (str,), "host_key": _OPT_STR,
-    "slots": (list,),
+    "slots": (list,), "setup": (dict,),
 }
 TYPES_OF: dict[tuple[str, str], tuple[type, ...]] = {("error", "step"): _OPT_INT, ("tensors", "shm"): (list, type(None)),
                                                      ("init", "shm"): (list,)}

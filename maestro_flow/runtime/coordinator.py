@@ -125,6 +125,8 @@ class Coordinator:
         self.peers: dict[int, str] = {}  # every worker's tensor-header endpoint, after the hellos
         self.liveness = Liveness(self.placement, self.node_of, self.timeouts, self._label)
         self.startup_s: float | None = None
+        self.last_sent: dict[int, float] = {}  # rank -> when the coordinator last sent it a frame
+        self.startup_parts: dict[str, float] = {}  # setup part -> the slowest worker's seconds in it
 
     # -- public ----------------------------------------------------------------------------
 
@@ -199,9 +201,10 @@ class Coordinator:
         peers = self.peers = {r: h["data_addr"] for r, h in hellos.items()}
         shm = [list(ch) for ch in shm_channels(self.graph, self.placement, {r: h.get("host_key") for r, h in
                                                                             hellos.items()})] if shm_enabled() else []
+        pipeline_dict, placement_dict = self.pipeline.to_dict(), self.placement.to_dict()
         for rank in hellos:
-            self._send(rank, make("init", rank=rank, pipeline=self.pipeline.to_dict(),
-                                  placement=self.placement.to_dict(), store=self.store_addr,
+            self._send(rank, make("init", rank=rank, pipeline=pipeline_dict,
+                                  placement=placement_dict, store=self.store_addr,
                                   peers=peers, timeouts=self.timeouts.to_dict(), paths=self.paths,
                                   now=self.observer.tracer.epoch, trace=self.observer.tracing,
                                   record=self.record, resume=self.resume[0] if self.resume else None, shm=shm))
@@ -215,6 +218,9 @@ class Coordinator:
                                    if self.resume is not None else "MAESTRO_STARTUP_S")
             if msg["t"] == "ready":
                 ready.add(rank)
+                for part, seconds in msg.get("setup", {}).items():  # the slowest worker's, per part
+                    if isinstance(seconds, (int, float)) and isinstance(part, str):
+                        self.startup_parts[part] = max(self.startup_parts.get(part, 0.0), float(seconds))
 
     def _pinned(self) -> dict[int, dict[str, Any]]:
         """With --pin-cpus: each CPU worker of this node's cores and torch threads (boot fields)."""
@@ -274,8 +280,9 @@ class Coordinator:
                 except Rejected as exc:  # a repeated or misplaced report never changes training
                     self.drops.drop(self._label(rank), str(exc))
             row["restarts"] = self.restarts
-            if step == first:  # how long this attempt took to start (spawn to every worker ready)
+            if step == first:  # how long this attempt took to start (spawn to every worker ready), and where
                 row["startup_s"] = self.startup_s
+                row["startup"] = dict(self.startup_parts)
             self.liveness.step_time(row["step_time_s"])
             try:
                 if self.checkpointer.due(step + 1):
@@ -364,9 +371,13 @@ class Coordinator:
 
     # -- messaging -------------------------------------------------------------------------
 
+    def _seal_and_send(self, rank: int, msg: dict) -> None:
+        zmq_link.send_msg(self.router, msg, identity=self.rank_identity[rank], sealer=self.sealers[rank])
+        self.last_sent[rank] = time.monotonic()
+
     def _send(self, rank: int, msg: dict) -> None:
         try:
-            zmq_link.send_msg(self.router, msg, identity=self.rank_identity[rank], sealer=self.sealers[rank])
+            self._seal_and_send(rank, msg)
         except zmq.ZMQError as exc:
             # The worker is gone. It may have said why just before it went: prefer its report.
             deadline = time.monotonic() + 1.0
@@ -418,10 +429,15 @@ class Coordinator:
         if now < self._next_tick:
             return
         self._next_tick = now + self.timeouts.heartbeat_interval_s
+        # Any frame tells a worker its coordinator is alive: ping only those sent nothing for a
+        # while (during training the plans go to everyone every step; pings to a thousand
+        # workers every interval would cost the coordinator more than its steps).
+        quiet = now - min(self.timeouts.coordinator_timeout_s / 6, 5.0)
         for rank in list(self.rank_identity):
+            if self.last_sent.get(rank, 0.0) > quiet:
+                continue
             try:
-                zmq_link.send_msg(self.router, make("ping"), identity=self.rank_identity[rank],
-                                  sealer=self.sealers[rank])
+                self._seal_and_send(rank, make("ping"))
             except zmq.ZMQError:
                 pass  # a worker that left: _check_workers names it
         if self.status is not None:
@@ -500,15 +516,21 @@ class Coordinator:
                 raise TimeoutFailure(what, now - started, setting)
             self._tick(now)
             # Liveness is judged only once every queued message is read: a coordinator that was
-            # paused or busy finds its workers' heartbeats waiting, not missing.
-            if not self.router.poll(0):
+            # paused or busy finds its workers' heartbeats waiting, not missing. A queued message
+            # is taken without a poll (one system call per message, not two: with a thousand
+            # workers the coordinator reads thousands of messages a step).
+            try:
+                frames = self.router.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                frames = None
+            if frames is None:
                 self._check_workers(now, allow_exit or set())
                 hung = self.liveness.hang(self.awaited_step, now) if hang else None
                 if hung is not None:
                     raise hung
-                if not self.router.poll(100):
-                    continue
-            got = self._accept(self.router.recv_multipart())
+                self.router.poll(100)
+                continue
+            got = self._accept(frames)
             if got is None:
                 continue
             rank, msg = got

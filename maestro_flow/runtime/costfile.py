@@ -74,7 +74,10 @@ def read_cost_file(path: str) -> tuple[str, dict[str, SectionProfile]]:
         if unknown:
             raise PipelineError(f"{where}.cost: unknown field(s) {', '.join(sorted(unknown))}")
         try:
-            c = Cost(**{k: float(v) for k, v in cost.items()})
+            values = {k: float(v) for k, v in cost.items()}
+            if "per_micro_batch_s" not in values:  # a file from before Cost had the fixed cost
+                values["per_micro_batch_s"] = float(body.get("micro_batch_overhead_s", 0.0))
+            c = Cost(**values)
             c.validate(where)
             extra = {k: float(body.get(k, 0.0)) for k in ("micro_batch_overhead_s", "memory_base_mb",
                                                           "peak_memory_mb_per_sample", "runtime_overhead_s",

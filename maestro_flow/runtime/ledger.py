@@ -19,7 +19,7 @@ from typing import Any
 from maestro_flow.graph import SectionGraph
 from maestro_flow.optim.clip import clip_coefficient, global_norm
 from maestro_flow.planner.cost import CostModel
-from maestro_flow.planner.costfit import CostFitter, Timing
+from maestro_flow.planner.costfit import CostFitter
 from maestro_flow.planner.plan import Placement, Plan
 from maestro_flow.protocol.auth import Rejected
 
@@ -77,11 +77,14 @@ class StepLedger:
         self.started: dict[int, float] = {}
         self.norms: dict[int, dict[int, float]] = {}  # step -> trainable rank -> squared norm share
         self.trainable_ranks = [r for n in graph.order if graph.sections[n].trainable for r in placement.section_ranks(n)]
+        self.first_step: int | None = None  # the first step this ledger planned (its timings are not fitted)
         self.trainable_set = set(self.trainable_ranks)
         self.loss_ranks = {r for n in graph.loss_sections() for r in placement.ranks[n]}
         self.all_ranks = range(placement.world_size)
 
     def planned(self, plan: Plan, now: float) -> None:
+        if self.first_step is None:
+            self.first_step = plan.step
         self.tokens[plan.step] = sum(s.num_tokens for s in plan.samples)
         self.samples[plan.step] = len(plan.samples)
         self.started.setdefault(plan.step, now)
@@ -130,8 +133,11 @@ class StepLedger:
         self._check("done", rank, step, self.all_ranks, self.done.get(step, {}))
         per = self.done.setdefault(step, {})
         per[rank] = stats
-        if self.fitter is not None and self.placement.tp_index(rank) == 0:  # a tensor-parallel group times once
-            self.fitter.add(self.placement.who(rank)[0], (Timing.from_list(t) for t in stats.get("timings", ())))
+        # A tensor-parallel group times once. The first step's timings hold one-time costs (an
+        # image decoder's pipeline built, lazy initialisation, cold caches: a hundred times a
+        # micro-batch's cost), which would skew the fit for a whole window: they are left out.
+        if self.fitter is not None and self.placement.tp_index(rank) == 0 and step != self.first_step:
+            self.fitter.add(self.placement.who(rank)[0], stats.get("timings", ()))
         if len(per) < self.placement.world_size:
             return None
         step_time = now - self.started.pop(step)

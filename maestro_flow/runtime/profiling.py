@@ -297,7 +297,7 @@ def fit_section(prior: Cost, rows: list[dict[str, Any]], trainable: bool, param_
     coef = fit_nonnegative(data, (0.0, *(getattr(prior, f) for f in FEATURES)), 0.05)
     fwd = sum(r["forward_s"] for r in rows)
     factor = sum(r["backward_s"] for r in rows) / fwd if trainable and fwd > 0 else prior.backward_factor
-    cost = Cost(**dict(zip(FEATURES, coef[1:], strict=True)), backward_factor=factor)
+    cost = Cost(**dict(zip(FEATURES, coef[1:], strict=True)), backward_factor=factor, per_micro_batch_s=coef[0])
     mem = fit_nonnegative([((1.0, float(r["samples"])), r["peak_mb"]) for r in rows], (1.0, 1.0), 0.05)
     state = 1 if not trainable else (4 if optimizer == "adamw" else 2)
     return {"cost": dataclasses.asdict(cost), "micro_batch_overhead_s": coef[0],

@@ -79,7 +79,7 @@ def _inputs(path: str, options: TuneOptions) -> tuple[Any, CostModel, list, dict
         memory = {n: MemoryModel(base_mb=p.memory_base_mb, per_sample_mb=p.peak_memory_mb_per_sample,
                                  param_mb=p.param_mb, copies=state_copies(pipeline.section(n)), tp_share=p.tp_share)
                   for n, p in profiles.items() if n in {s.name for s in pipeline.sections}}
-        overhead = {n: p.micro_batch_overhead_s for n, p in profiles.items()}
+        overhead = None  # the cost file's fitted fixed cost per micro-batch is in its Cost (per_micro_batch_s)
         calibration = {"runtime_s": {n: p.runtime_overhead_s for n, p in profiles.items()},
                        "step_s": {n: p.step_overhead_s for n, p in profiles.items()},
                        "grad_mb": {n: p.grad_mb for n, p in profiles.items()},

@@ -288,6 +288,7 @@ class _Worker:
         self.keep: Any = lambda text: None  # the worker's log only (reported errors)
         self.threads: int | None = None  # torch threads, when pinned to cores (--pin-cpus)
         self.session = "local"  # the attempt's nonce: names this worker's shared-memory slots
+        self.setup_marks: dict[str, float] = {}  # seconds of each part of the setup (startup breakdown)
 
     def send(self, t: str, **fields: Any) -> None:
         zmq_link.send_msg(self.out, make(t, rank=self.rank, **fields))
@@ -307,7 +308,7 @@ class _Worker:
                 return 1
             if self.control is not None:
                 self.control.status = lambda: dict(executor.status)
-            self.send("ready")
+            self.send("ready", setup=self.setup_marks)
             return self._loop(executor)
         except StageFault as fault:
             self.step, self.phase = fault.step, fault.phase
@@ -319,6 +320,7 @@ class _Worker:
         return 1
 
     def _setup(self):
+        t0 = time.perf_counter()
         import torch
         import torch.distributed as dist
 
@@ -352,22 +354,29 @@ class _Worker:
         if device.startswith("cuda"):
             torch.cuda.set_device(torch.device(device))
         torch.set_default_dtype(getattr(torch, pipeline.dtype))  # this process is this pipeline's
+        marks = {"imports_s": time.perf_counter() - t0}
         try:
             stage = build_stage(pipeline, section, self.replica, device)
         except Exception:
             self.report_error("stage", traceback.format_exc())
             return None
+        marks["stage_s"] = time.perf_counter() - t0 - sum(marks.values())
         source = open_source(pipeline)
         host, port, prefix = init["store"]
         store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=self.timeouts.startup_s))
         if prefix:  # the job's rendezvous store (several nodes): this attempt's keys only
             store = dist.PrefixStore(prefix, store)
+        # gloo connects the ranks of a group when they first talk, not all pairs at creation: an
+        # edge's group then costs a connection per channel, and the world group none it does not use.
+        os.environ.setdefault("TORCH_GLOO_LAZY_INIT", "1")
         uses_cuda = any(d.startswith("cuda") for d in placement.devices.values())
         dist.init_process_group(backend="cpu:gloo,cuda:nccl" if uses_cuda else "gloo", store=store, rank=self.rank,
                                 world_size=placement.world_size,
                                 timeout=timedelta(seconds=self.timeouts.collective_s))
         shm = [tuple(ch) for ch in init["shm"]]  # channels through shared memory (transport/shm.py)
+        marks["world_s"] = time.perf_counter() - t0 - sum(marks.values())
         groups = process_groups(graph, placement, self.rank, self.timeouts.collective_s, self.timeouts.checkpoint_s)
+        marks["groups_s"] = time.perf_counter() - t0 - sum(marks.values())
         try:
             layout = parallelize_section(stage, section, placement, self.rank, groups, torch.device(device))
         except Exception:
@@ -396,6 +405,8 @@ class _Worker:
             note = self.state.load(init["resume"])
             if note:
                 print(f"resume: {note}", flush=True)
+        marks["rest_s"] = time.perf_counter() - t0 - sum(marks.values())
+        self.setup_marks = marks
         return executor
 
     def _loop(self, executor) -> int:

@@ -274,7 +274,8 @@ def trained_pipelines(draw) -> Pipeline:
                   activates_on=draw(st.sampled_from((None, None, *MODALITIES))),
                   cost=Cost(per_sample_s=draw(money), per_token_s=draw(st.sampled_from((0.0, 0.01, 0.1))),
                             per_patch_s=draw(st.sampled_from((0.0, 0.05))),
-                            backward_factor=draw(st.sampled_from((0.5, 1.0, 2.0, 3.0)))))
+                            backward_factor=draw(st.sampled_from((0.5, 1.0, 2.0, 3.0))),
+                            per_micro_batch_s=draw(st.sampled_from((0.0, 0.0, 0.3)))))
                 for i in range(n)]
     return pipeline(sections, [Edge(src=f"s{a}", dst=f"s{b}", tensors=(f"t{a}{b}",)) for a, b in edges])
 
@@ -324,12 +325,14 @@ def check_simulation(graph: SectionGraph, costs: CostModel, plan: Plan, sim: Sim
     assert set(bwd) == needs_bwd
     for k, t in fwd.items():
         mb = mbs_of[k]
-        cost = sum(costs.sample_s(k[0], meta[s]) for s in mb)
+        cost = costs.micro_batch_s(k[0]) + sum(costs.sample_s(k[0], meta[s]) for s in mb)
         if k[0] in losses:
-            cost += sum(costs.backward_s(k[0], meta[s]) for s in mb)
+            cost *= 1.0 + costs.costs[k[0]].backward_factor
         assert t.start_s >= 0 and t.end_s - t.start_s == pytest.approx(cost, abs=EPS)
     for k, t in bwd.items():
-        assert t.end_s - t.start_s == pytest.approx(sum(costs.backward_s(k[0], meta[s]) for s in mbs_of[k]), abs=EPS)
+        factor = costs.costs[k[0]].backward_factor
+        cost = factor * costs.micro_batch_s(k[0]) + sum(costs.backward_s(k[0], meta[s]) for s in mbs_of[k])
+        assert t.end_s - t.start_s == pytest.approx(cost, abs=EPS)
 
     # (b) a forward starts only once every producer task holding one of its samples ended + transfer.
     def inputs_at(k) -> float:

@@ -7,15 +7,20 @@ and startup time against world size.
     reports — but its launcher starts no processes: every rank is simulated in one other
     process, one DEALER socket per rank, speaking the real protocol (sealed hello, ready,
     heartbeats every interval, loss and done reports with realistic timings and memory figures,
-    bye) and answering each message as soon as it arrives. Each step's coordinator CPU time is
-    read at every metrics row (time.process_time of the coordinator process: its own work,
-    never the simulator's), with the planning time measured inside it (planner.plan alone),
-    so "handling" = CPU per step - planning. Goal: handling < 50 ms per step at 1024 workers.
+    bye) and answering each message as soon as it arrives. At every metrics row the CPU time of
+    the coordinator's thread (its own work: planning, sealing and sending plans, reading and
+    checking reports, the ledger, metrics) and of its whole process (plus ZeroMQ's I/O thread,
+    which moves the bytes, and the status thread) is read, never the simulator's; planning is
+    timed apart (planner.plan alone), so "handling" = the thread's CPU per step - planning.
+    Goal: handling < 50 ms per step at 1024 workers.
 (b) Startup (`--startup-sizes`, default 2 4 8 16 32): real runs of a two-section pipeline of tiny
     stages (tests/integration/assets/plain.py: 1 embed replica -> N-1 head replicas), one step;
     the time from `maestro run`'s start until every worker is ready (metrics `startup_s`), with
     same-host channels through shared memory (no channel group) and with MAESTRO_SHM=0 (one gloo
-    group per edge and direction).
+    group per edge and direction); and (c) the creation of the channel groups alone, timed in a
+    world of N spawned ranks: one two-rank group per channel and direction (the scheme before
+    this one) against the runtime's process_groups (one group per edge and direction, and the
+    section groups), every group a world-collective new_group.
 
 Run from the repository root: python -m tools.bench.coordinator_scale [--tiny] [--workers N] [--steps N]
 """
@@ -162,10 +167,12 @@ def per_step(workers: int, steps: int, samples_per_replica: int) -> dict[str, An
                            num_patches=64 if i % 3 == 0 else 0) for i in range(pipeline.global_batch * 4)]
     sampler = EpochSampler(metadata, pipeline.global_batch, 0)
     cpu: list[float] = []
+    own: list[float] = []
 
     class Report(RunReport):
         def step(self, row: dict) -> None:
             cpu.append(time.process_time())
+            own.append(time.thread_time())
             super().step(row)
 
     report = Report(total_steps=steps, metrics_out=None, show_progress=False)
@@ -192,13 +199,65 @@ def per_step(workers: int, steps: int, samples_per_replica: int) -> dict[str, An
         planner.plan(step, sampler.batch(step))
         plan_s.append(time.process_time() - p0)
     cpu_steps = [b - a for a, b in zip(cpu, cpu[1:], strict=False)][1:]  # steady state: not the first two rows
+    own_steps = [b - a for a, b in zip(own, own[1:], strict=False)][1:]
     walls = [r["step_time_s"] for r in report.rows][2:]
     plan_ms = median(plan_s) * 1e3
     return {"workers": workers, "steps": steps, "global_batch": pipeline.global_batch,
             "sections": {s.name: s.dp for s in pipeline.sections}, "cpu_ms_per_step": median(cpu_steps) * 1e3,
             "cpu_ms_p90": sorted(cpu_steps)[max(0, math.ceil(0.9 * len(cpu_steps)) - 1)] * 1e3 if cpu_steps else None,
-            "plan_ms": plan_ms, "handling_ms": median(cpu_steps) * 1e3 - plan_ms,
+            "thread_ms_per_step": median(own_steps) * 1e3, "plan_ms": plan_ms,
+            "handling_ms": median(own_steps) * 1e3 - plan_ms,
             "wall_ms_per_step": median(walls) * 1e3 if walls else None, "run_s": total_s}
+
+
+def _groups_rank(rank: int, world: int, port: int) -> dict[str, float]:
+    """One rank: join the world, then time creating the channel groups one per channel and
+    direction (the scheme before: two ranks each) and as the runtime creates them
+    (runtime/topology.process_groups: per edge and direction, plus the section groups)."""
+    from datetime import timedelta
+
+    os.environ["TORCH_GLOO_LAZY_INIT"] = "1"  # as the runtime's workers (runtime/worker.py)
+    import torch.distributed as dist
+
+    from maestro_flow.config import ArrowData, Edge, Pipeline, Section
+    from maestro_flow.graph import SectionGraph
+    from maestro_flow.runtime.coordinator import placement_for
+    from maestro_flow.runtime.topology import channels, process_groups
+
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=300))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=300))
+    pipeline = Pipeline(name="g", data=ArrowData(path="x"), sections=[
+        Section(name="embed", stage="x:E", dp=max(1, world // 4)),
+        Section(name="head", stage="x:H", dp=world - max(1, world // 4))],
+        edges=[Edge(src="embed", dst="head", tensors=("f",))])
+    graph = SectionGraph(pipeline)
+    placement = placement_for(graph)
+    dist.barrier()
+    t0 = time.perf_counter()
+    for ch in channels(graph, placement):
+        dist.new_group(sorted(ch[:2]))
+    dist.barrier()
+    t1 = time.perf_counter()
+    process_groups(graph, placement, rank, 300.0)
+    dist.barrier()
+    t2 = time.perf_counter()
+    dist.destroy_process_group()
+    return {"per_channel_s": t1 - t0, "per_edge_s": t2 - t1, "channels": len(channels(graph, placement))}
+
+
+def groups(sizes: tuple[int, ...]) -> list[dict[str, Any]]:
+    import torch.distributed as dist
+
+    from tools.bench.common import run_spawned
+
+    out = []
+    for world in sizes:
+        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        got = run_spawned(_groups_rank, [(world, store.port)] * world, 600)
+        out.append({"world": world, "channels": got[0]["channels"],
+                    "per_channel_s": max(g["per_channel_s"] for g in got),
+                    "per_edge_s": max(g["per_edge_s"] for g in got)})
+    return out
 
 
 def startup(sizes: tuple[int, ...], repeats: int) -> list[dict[str, Any]]:
@@ -239,8 +298,10 @@ def main(argv: list[str] | None = None) -> dict:
     p = out["per_step"]
     print(f"(a) coordinator per step, {workers} simulated workers ({p['sections']}), global batch "
           f"{p['global_batch']}, {steps} steps (medians of the steady state)")
-    print(table(["coordinator CPU ms/step", "p90", "of which planning ms", "handling ms", "wall ms/step"],
-                [[p["cpu_ms_per_step"], p["cpu_ms_p90"], p["plan_ms"], p["handling_ms"], p["wall_ms_per_step"]]]))
+    print(table(["coordinator thread CPU ms/step", "of which planning ms", "handling ms",
+                 "process CPU ms/step (+ ZeroMQ I/O)", "p90", "wall ms/step"],
+                [[p["thread_ms_per_step"], p["plan_ms"], p["handling_ms"], p["cpu_ms_per_step"], p["cpu_ms_p90"],
+                  p["wall_ms_per_step"]]]))
     print(f"handling: {p['handling_ms']:.1f} ms per step (goal < {GOAL_MS:.0f} ms)")
     if not args.skip_startup:
         sizes = tuple(args.startup_sizes or ((2, 3) if args.tiny else (2, 4, 8, 16, 32)))
@@ -251,6 +312,12 @@ def main(argv: list[str] | None = None) -> dict:
         print(table(["world", "channels via", "startup s (median)", "min s"],
                     [[r["world"], "shared memory" if r["shm"] else "gloo (a group per edge)", r["startup_s"],
                       r["min_s"]] for r in rows]))
+        made = groups(sizes)
+        out["groups"] = made
+        print("\n(c) creating the channel groups alone (world-collective new_group calls; embed dp N/4 -> head, "
+              "gradients both ways), the slowest rank")
+        print(table(["world", "channels", "a group per channel and direction s", "per edge and direction s (runtime)"],
+                    [[g["world"], g["channels"], g["per_channel_s"], g["per_edge_s"]] for g in made]))
     return out
 
 
