@@ -70,7 +70,9 @@ def test_p2p_bandwidth_tiny():
             assert positive(c[key]), (key, c)
         assert c["ratio_q1"] <= c["ratio"] <= c["ratio_q3"]
         assert c["reps"] == out["config"]["reps"]
-    assert positive(out["min_ratio_from_1mib"])
+        for key in ("shm_gibps", "memcpy_gibps", "shm_over_memcpy", "shm_over_raw"):  # the same-host path
+            assert positive(c[key]), (key, c)
+    assert positive(out["min_ratio_from_1mib"]) and positive(out["min_shm_over_memcpy_from_1mib"])
 
 
 @needs_demo_data

@@ -54,4 +54,4 @@ def test_tune_report_tiny():
     assert fitted
     for r in fitted:
         assert positive(r["best"]["step_s"]) and r["gain_vs_uniform"] >= 1 / 1.005
-        assert positive(r["monolithic_estimate_s"])
+        assert positive(r["monolithic_step_s"]) and r["monolithic_replicas"] >= 1 and positive(r["gain_vs_monolithic"])

@@ -55,8 +55,10 @@ def _check_structure(data: dict, sections: dict[str, str]) -> None:
     for name, term in sections.items():
         body = data["sections"][name]
         cost = body["cost"]
-        assert set(cost) == {"per_sample_s", "per_token_s", "per_patch_s", "per_frame_s", "backward_factor"}
+        assert set(cost) == {"per_sample_s", "per_token_s", "per_patch_s", "per_frame_s", "backward_factor",
+                             "per_micro_batch_s"}
         assert all(v >= 0 for v in cost.values())
+        assert cost["per_micro_batch_s"] == body["micro_batch_overhead_s"]  # the fitted intercept, in the Cost
         # The section's time is explained by something: its per-sample, size term or overhead.
         assert cost["per_sample_s"] + cost[term] + body["micro_batch_overhead_s"] > 0
         assert body["memory_base_mb"] > 0 and body["peak_memory_mb_per_sample"] >= 0

@@ -288,7 +288,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--workers", type=int, help="simulated workers (default 1024, tiny 16)")
     ap.add_argument("--steps", type=int, help="steps (default 12, tiny 4)")
     ap.add_argument("--samples-per-replica", type=int, default=4, help="LLM samples per replica per step")
-    ap.add_argument("--startup-sizes", type=int, nargs="*", help="world sizes for (b) (default 2 4 8 16 32, tiny 2 3)")
+    ap.add_argument("--startup-sizes", type=int, nargs="*", help="world sizes for (b) and (c) (default 2 4 8 16 32, tiny 2)")
     ap.add_argument("--startup-repeats", type=int, help="runs per size and mode (default 2, tiny 1)")
     ap.add_argument("--skip-startup", action="store_true")
     args = ap.parse_args(argv)
@@ -304,7 +304,7 @@ def main(argv: list[str] | None = None) -> dict:
                   p["wall_ms_per_step"]]]))
     print(f"handling: {p['handling_ms']:.1f} ms per step (goal < {GOAL_MS:.0f} ms)")
     if not args.skip_startup:
-        sizes = tuple(args.startup_sizes or ((2, 3) if args.tiny else (2, 4, 8, 16, 32)))
+        sizes = tuple(args.startup_sizes or ((2,) if args.tiny else (2, 4, 8, 16, 32)))
         rows = startup(sizes, args.startup_repeats or (1 if args.tiny else 2))
         out["startup"] = rows
         print("\n(b) startup (maestro run until every worker is ready), tests/integration/assets/plain.py, 1 embed "

@@ -1,8 +1,9 @@
 """`maestro tune`'s predictions: against measured steps here, and at published scale in simulation.
 
 (a) Here, on this CPU: for pipelines/distill.py and pipelines/vlm.py, profile every section
-    (runtime/profiling.py), tune for `--devices` CPU workers (default 3), run the chosen
-    configuration in section mode (real worker processes) with the profiled costs, and compare
+    (runtime/profiling.py: in a worker process, pinned to one core), tune for `--devices` CPU
+    workers (default: as many as this process has cores), run the chosen configuration in
+    section mode (real worker processes, `--pin-cpus`) with the profiled costs, and compare
     the median measured step_time_s (first steps left out) with the predicted step (the
     simulated makespan of the wavefront plan). The best uniform configuration (one dp and
     micro-batch for every section) is run the same way, so the predicted gain can be checked
@@ -51,7 +52,7 @@ import tempfile
 import time
 from typing import Any
 
-from maestro_flow.config import ArrowData, Cost, Edge, Pipeline, Section
+from maestro_flow.config import ArrowData, Cost, Edge, Pipeline, Section, parse_set
 from maestro_flow.planner.cost import CostModel
 from maestro_flow.planner.tune import Tuner, to_overrides
 from maestro_flow.samples import SampleMeta
@@ -84,11 +85,9 @@ def measured(pipeline: str, devices: int, steps: int, warmup: int, sizes: tuple[
         if cand is None:
             continue
         overrides = {**sets, **cost_sets, "steps": steps}
-        for item in to_overrides(cand):
-            key, value = item.split("=", 1)
-            overrides[key] = int(value)
+        overrides.update(parse_set(to_overrides(cand)))
         run_dir = os.path.join(folder, f"run-{pipeline}-{label}")
-        rows = run_pipeline(path, RunOptions(overrides=overrides, show_progress=False, run_dir=run_dir))
+        rows = run_pipeline(path, RunOptions(overrides=overrides, show_progress=False, run_dir=run_dir, pin_cpus=True))
         got = median([r["step_time_s"] for r in rows[warmup:]])
         out[label] = {"layout": [list(x) for x in cand.layout], "predicted_step_s": cand.step_s,
                       "measured_step_s": got, "measured_over_predicted": got / cand.step_s,
@@ -221,7 +220,8 @@ def monolithic(pipeline: Pipeline, costs: CostModel, batch: list[SampleMeta], gp
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(prog="python -m tools.bench.tune_report", description=__doc__.splitlines()[0])
     ap.add_argument("--tiny", action="store_true", help="seconds-long smoke size")
-    ap.add_argument("--devices", type=int, default=3, help="CPU workers for part (a) (default 3)")
+    ap.add_argument("--devices", type=int, default=len(os.sched_getaffinity(0)),
+                    help="CPU workers for part (a) (default: the cores this process may use, one each)")
     ap.add_argument("--steps", type=int, help="steps per measured run (default 12, tiny 3)")
     ap.add_argument("--skip-measured", action="store_true", help="only part (b)")
     args = ap.parse_args(argv)
@@ -249,8 +249,14 @@ def main(argv: list[str] | None = None) -> dict:
         for m in out["measured"]:
             if "uniform" in m:
                 agree = (m["predicted_gain"] > 1) == (m["measured_gain"] > 1)
+                m["ranking_agrees"] = agree
                 print(f"{m['pipeline']}: uniform/tuned predicted {m['predicted_gain']:.2f}, measured "
                       f"{m['measured_gain']:.2f} (ranking {'agrees' if agree else 'DISAGREES'})")
+        ratios = [m[label]["measured_over_predicted"] for m in out["measured"] for label in ("tuned", "uniform")
+                  if label in m]
+        out["worst_error"] = max(abs(r - 1) for r in ratios) if ratios else None
+        if ratios:
+            print(f"largest |measured/predicted - 1|: {out['worst_error']:.1%} (goal <= 15%)")
     sizes = (64,) if args.tiny else (64, 1024)
     sims = 8 if args.tiny else 40
     for devices in sizes:

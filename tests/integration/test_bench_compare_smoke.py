@@ -1,0 +1,69 @@
+"""The comparison benchmarks (section mode against the monolithic baseline, the VLM against its
+text-only twin, the control plane at scale) run at their --tiny size and return sane numbers.
+
+Real processes (spawned workers, simulated ranks in one process); bounded by timeouts, nothing
+left running. The numbers are not judged against the goals here (tools/bench/RESULTS.md holds
+full-size runs): only their shape.
+"""
+
+from __future__ import annotations
+
+import math
+import multiprocessing as mp
+import os
+
+import pytest
+
+from tools.bench import baseline_compare, coordinator_scale, vlm_text_only
+from tools.bench.common import REPO_ROOT
+
+pytestmark = pytest.mark.integration
+
+
+def positive(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+@pytest.fixture(autouse=True)
+def in_repo(monkeypatch):
+    from loaders.demo import build_image_demo, build_text_demo
+
+    monkeypatch.chdir(REPO_ROOT)  # the pipelines name their data relative to the repository root
+    demo = os.path.join(REPO_ROOT, "data", "demo")
+    if not os.path.exists(os.path.join(demo, "text.arrow")):
+        build_text_demo(demo)
+    if not os.path.exists(os.path.join(demo, "vlm.arrow")):
+        build_image_demo(demo)
+    yield
+    assert mp.active_children() == [], "a benchmark left child processes running"
+
+
+@pytest.mark.timeout(180)
+def test_baseline_compare_tiny():
+    out = baseline_compare.main(["--tiny", "--pipelines", "distill"])
+    d = out["distill"]
+    assert set(d["samples_per_s"]) == {"section (shipped)", "section student dp=1 student micro_batch=2",
+                                       "monolithic mb 2"}
+    assert all(positive(v) for v in d["samples_per_s"].values())
+    assert positive(d["section_over_monolithic"]) and d["best_monolithic"] == "monolithic mb 2"
+
+
+@pytest.mark.timeout(240)
+def test_vlm_text_only_tiny():
+    out = vlm_text_only.main(["--tiny"])
+    for share in ("0.0", "0.66"):
+        r = out[share]
+        assert positive(r["vlm_step_s"]) and positive(r["text_step_s"]) and positive(r["ratio"])
+        assert r["llm_busy_s"] > 0 and r["encoder_busy_s"] >= 0
+    assert out["0.0"]["encoder_busy_s"] < out["0.66"]["encoder_busy_s"]  # no image, no encoder work
+
+
+@pytest.mark.timeout(240)
+def test_coordinator_scale_tiny():
+    out = coordinator_scale.main(["--tiny"])
+    p = out["per_step"]
+    assert p["workers"] == 16 and sum(p["sections"].values()) == 16
+    for key in ("thread_ms_per_step", "cpu_ms_per_step", "wall_ms_per_step"):
+        assert positive(p[key]), key
+    assert [r["world"] for r in out["startup"]] == [2, 2] and all(positive(r["startup_s"]) for r in out["startup"])
+    assert out["groups"][0]["channels"] == 2 and positive(out["groups"][0]["per_edge_s"])
