@@ -2,7 +2,9 @@
 
 Pure (standard library only). Each observation is one micro-batch of one section: how many
 samples, tokens, patches and frames it held, and how long its forward (and, apart, its backward)
-took. A section's forward cost is fitted as seconds = m + a*samples + b*tokens + c*patches +
+took. The fit works on each window's normal equations, kept up to date as timings come and go
+(so the coordinator's work per step does not grow with the window), and is cached until the next
+timing. A section's forward cost is fitted as seconds = m + a*samples + b*tokens + c*patches +
 d*frames (m the fixed cost of a micro-batch; only the terms its `Cost` uses) by least squares
 with non-negative coefficients, pulled towards the pipeline's `Cost`
 (ridge towards the prior, so a few noisy timings cannot swing the plan), over a sliding window.
@@ -47,58 +49,96 @@ class Timing:
                       seconds=float(v[5]))
 
 
+K = 1 + len(FEATURES)  # the fitted terms: the fixed cost per micro-batch, then FEATURES
+
+
+class _Sums:
+    """The normal equations of one window of timings (x = 1, samples, tokens, patches, frames),
+    kept as timings come and go, so a fit costs O(K^3), not a pass over the window."""
+
+    def __init__(self) -> None:
+        self.n = 0
+        self.y = 0.0
+        self.xx = [[0.0] * K for _ in range(K)]
+        self.xy = [0.0] * K
+
+    def update(self, t: Sequence, sign: float) -> None:
+        x = (1.0, float(t[1]), float(t[2]), float(t[3]), float(t[4]))
+        y = float(t[5]) * sign
+        self.n += 1 if sign > 0 else -1
+        self.y += y
+        for i in range(K):
+            self.xy[i] += x[i] * y
+            row = self.xx[i]
+            for j in range(K):
+                row[j] += x[i] * x[j] * sign
+
+
 class CostFitter:
     def __init__(self, prior: CostModel, *, window: int = 256, prior_weight: float = 4.0) -> None:
         self.prior = prior
         self.window = window
         self.prior_weight = prior_weight  # how many "average micro-batches" the prior counts as
-        self._obs: dict[tuple[str, str], deque[Timing]] = {}  # (section, kind) -> recent timings
+        self._obs: dict[tuple[str, str], deque[list]] = {}  # (section, kind) -> recent timings (list form)
+        self._sums: dict[tuple[str, str], _Sums] = {}
+        self._model: CostModel | None = None  # the last fit, until a timing comes
 
     def add(self, section: str, timings: Iterable[Timing | Sequence]) -> None:
-        """Timings as Timing records or in their list form (as workers report them: kept as
-        they come, converted only when fitted, since a window keeps only the newest)."""
+        """Timings as Timing records or in their list form (as workers report them)."""
         for t in timings:
-            kind = t.kind if isinstance(t, Timing) else t[0]
-            self._obs.setdefault((section, kind), deque(maxlen=self.window)).append(t)
+            t = t.to_list() if isinstance(t, Timing) else list(t)
+            key = (section, t[0])
+            window = self._obs.setdefault(key, deque())
+            sums = self._sums.setdefault(key, _Sums())
+            if len(window) == self.window:
+                sums.update(window.popleft(), -1.0)
+            window.append(t)
+            sums.update(t, 1.0)
+            self._model = None
 
     def state(self) -> list[list]:
         """The observations, as plain data (a checkpoint holds them, so a resumed run plans with
         the cost model the interrupted one had): [[section, kind, [timing lists]], ...]."""
-        return [[section, kind, [t.to_list() if isinstance(t, Timing) else list(t) for t in ts]]
-                for (section, kind), ts in self._obs.items()]
+        return [[section, kind, [list(t) for t in ts]] for (section, kind), ts in self._obs.items()]
 
     def load(self, state: Sequence[Sequence]) -> None:
-        self._obs = {}
-        for section, kind, timings in state:
+        self._obs, self._sums, self._model = {}, {}, None
+        for section, _kind, timings in state:  # each timing names its kind
             if section in self.prior.costs:  # a section the pipeline no longer has is dropped
-                self._obs[(section, kind)] = deque((Timing.from_list(t) for t in timings), maxlen=self.window)
+                self.add(section, timings)
 
     def model(self) -> CostModel:
-        costs = dict(self.prior.costs)
-        for name in costs:
-            obs = [t if isinstance(t, Timing) else Timing.from_list(t)
-                   for (n, _), ts in self._obs.items() if n == name for t in ts]
-            if obs:
-                costs[name] = self._fit(costs[name], obs)
-        return dataclasses.replace(self.prior, costs=costs)
+        """The prior with every section's coefficients fitted to its window (cached until the
+        next timing)."""
+        if self._model is None:
+            costs = dict(self.prior.costs)
+            for name in costs:
+                mine = {kind: sums for (n, kind), sums in self._sums.items() if n == name and sums.n > 0}
+                if mine:
+                    costs[name] = self._fit(costs[name], mine)
+            self._model = dataclasses.replace(self.prior, costs=costs)
+        return self._model
 
-    def _fit(self, prior: Cost, obs: list[Timing]) -> Cost:
-        fwd = [o for o in obs if o.kind == "forward"]
-        combined = [o for o in obs if o.kind == "forward+backward"]
-        bwd = [o for o in obs if o.kind == "backward"]
+    def _fit(self, prior: Cost, sums: dict[str, _Sums]) -> Cost:
+        fwd, combined, bwd = sums.get("forward"), sums.get("forward+backward"), sums.get("backward")
         factor = prior.backward_factor
         if fwd and bwd:
-            factor = max(0.0, sum(o.seconds for o in bwd) / max(sum(o.seconds for o in fwd), 1e-12))
-        rows = [(o.x, o.seconds) for o in fwd] + [(o.x, o.seconds / (1.0 + factor)) for o in combined]
-        if not rows:
+            factor = max(0.0, bwd.y / max(fwd.y, 1e-12))
+        parts = [(s, w) for s, w in ((fwd, 1.0), (combined, 1.0 / (1.0 + factor))) if s is not None]
+        if not parts:
             return dataclasses.replace(prior, backward_factor=factor)
+        # The forward rows, and a loss section's forward+backward rows divided by 1 + factor.
+        xx = [[sum(s.xx[i][j] for s, _ in parts) for j in range(K)] for i in range(K)]
+        xy = [sum(s.xy[i] * w for s, w in parts) for i in range(K)]
+        n = sum(s.n for s, _ in parts)
         # The pipeline's Cost says which features drive a section (a vision encoder's time does
         # not depend on its samples' token counts): only those, per_sample_s and the fixed cost
         # per micro-batch (the intercept: what makes small micro-batches dear) are fitted.
-        used = [f == "per_sample_s" or getattr(prior, f) > 0 for f in FEATURES]
-        rows = [((1.0, *(v if u else 0.0 for v, u in zip(x, used, strict=True))), y) for x, y in rows]
-        coef = fit_nonnegative(rows, (prior.per_micro_batch_s, *(getattr(prior, f) for f in FEATURES)),
-                               self.prior_weight)
+        used = [True] + [f == "per_sample_s" or getattr(prior, f) > 0 for f in FEATURES]
+        xx = [[xx[i][j] if used[i] and used[j] else 0.0 for j in range(K)] for i in range(K)]
+        xy = [v if u else 0.0 for v, u in zip(xy, used, strict=True)]
+        coef = fit_from_sums(xx, xy, n, (prior.per_micro_batch_s, *(getattr(prior, f) for f in FEATURES)),
+                             self.prior_weight)
         return dataclasses.replace(prior, backward_factor=factor, per_micro_batch_s=coef[0],
                                    **dict(zip(FEATURES, coef[1:], strict=True)))
 
@@ -106,34 +146,39 @@ class CostFitter:
 def fit_nonnegative(rows: Sequence[tuple[Sequence[float], float]], prior: Sequence[float],
                     prior_weight: float) -> tuple[float, ...]:
     """Ridge least squares towards the prior (rescaled to the data), then active-set clamping
-    of negative coefficients.
+    of negative coefficients (see fit_from_sums), from the rows (x, y) themselves."""
+    k = len(prior)
+    xx = [[sum(x[i] * x[j] for x, _ in rows) for j in range(k)] for i in range(k)]
+    xy = [sum(x[i] * y for x, y in rows) for i in range(k)]
+    return fit_from_sums(xx, xy, len(rows), prior, prior_weight)
+
+
+def fit_from_sums(xx: Sequence[Sequence[float]], xy: Sequence[float], n: int, prior: Sequence[float],
+                  prior_weight: float) -> tuple[float, ...]:
+    """Ridge least squares towards the prior (rescaled to the data), then active-set clamping
+    of negative coefficients, from the normal equations (xx = sum of x x^T, xy = sum of x y over
+    n rows).
 
     The ridge strength per feature is prior_weight times that feature's mean square, so the
     prior weighs like `prior_weight` typical observations whatever the units.
     """
     k = len(prior)
+    if n <= 0:
+        return tuple(max(0.0, p) for p in prior)
     # Shrink towards the prior's shape at the measured scale: a prior that is 10x off in
     # absolute terms must not drag the fit, only its relative weights should.
-    pred = [sum(p * v for p, v in zip(prior, x, strict=True)) for x, _ in rows]
-    norm = sum(q * q for q in pred)
-    scale = sum(q * y for q, (_, y) in zip(pred, rows, strict=True)) / norm if norm > 0 else 1.0
+    norm = sum(prior[i] * xx[i][j] * prior[j] for i in range(k) for j in range(k))
+    scale = sum(p * v for p, v in zip(prior, xy, strict=True)) / norm if norm > 0 else 1.0
     prior = [p * max(scale, 0.0) for p in prior]
-    active = [i for i in range(k) if any(x[i] for x, _ in rows)]
+    active = [i for i in range(k) if xx[i][i] > 0]
     coef = list(prior)
     for _ in range(k):
         if not active:
             break
-        n = len(active)
-        ata = [[0.0] * n for _ in range(n)]
-        atb = [0.0] * n
-        for x, y in rows:
-            xa = [x[i] for i in active]
-            for r in range(n):
-                atb[r] += xa[r] * y
-                for c in range(n):
-                    ata[r][c] += xa[r] * xa[c]
+        ata = [[xx[i][j] for j in active] for i in active]
+        atb = [xy[i] for i in active]
         for r, i in enumerate(active):
-            lam = prior_weight * ata[r][r] / len(rows)
+            lam = prior_weight * xx[i][i] / n
             ata[r][r] += lam
             atb[r] += lam * prior[i]
         solution = _solve(ata, atb)
