@@ -72,7 +72,7 @@ def main(ctx: click.Context, debug: bool) -> None:
 @click.argument("pipeline", type=click.Path(dir_okay=False))
 @click.option("--steps", type=int, help="Number of steps (overrides the pipeline's steps).")
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help=SET_HELP)
-@click.option("--colocated", is_flag=True, help="Run all sections in one process (the reference/baseline).")
+@click.option("--colocated", is_flag=True, help="Run all sections in one process (the correctness reference).")
 @click.option("--schedule", type=click.Choice(["wavefront", "fifo"]), help="Sample ordering across sections.")
 @click.option("--metrics-out", type=click.Path(dir_okay=False), help="Write one JSON line of metrics per step.")
 @click.option("--save-dir", type=click.Path(file_okay=False), help="Write <section>.safetensors per trainable section.")

@@ -43,21 +43,25 @@ def _sizes(text: str | None) -> tuple[int, ...] | None:
                                                "each section's micro_batch, at least 8].")
 @click.option("--repeats", type=click.IntRange(1, 100), default=3, show_default=True,
               help="Timed calls per micro-batch (the median is kept), after one warm-up call.")
+@click.option("--calibrate-steps", type=click.IntRange(0, 1000), default=14, show_default=True,
+              help="Steps of a real run (every section at dp 1, pinned workers) whose measured busy time "
+                   "scales each section's costs (0: no calibration run).")
 @click.pass_context
 def profile(ctx: click.Context, pipeline: str, sets: tuple[str, ...], out: str | None, sizes: str | None,
-            repeats: int) -> None:
-    """Measure each section of PIPELINE: time per micro-batch and peak memory, in one process.
+            repeats: int, calibrate_steps: int) -> None:
+    """Measure each section of PIPELINE: time per micro-batch and peak memory, in a worker process.
 
     Every section runs on real dataset rows (downstream sections on their producers' real
-    outputs) at several micro-batch sizes and input sizes; the fitted costs (seconds per sample,
-    token, patch, frame; backward factor; per-micro-batch overhead) and a memory model go to a
-    JSON cost file for `maestro tune --costs FILE` (and the planner).
+    outputs) at several micro-batch sizes and input sizes, in one worker process pinned to one
+    core; the fitted costs (seconds per micro-batch, sample, token, patch, frame; backward
+    factor) and a memory model go to a JSON cost file for `maestro tune --costs FILE` (and the
+    planner). Then a short real run calibrates the costs against what the workers measure.
     """
     from maestro_flow.runtime.profiling import ProfileOptions, profile_pipeline
 
     try:
         data = profile_pipeline(pipeline, ProfileOptions(overrides=parse_set(sets), out=out, sizes=_sizes(sizes),
-                                                         repeats=repeats,
+                                                         repeats=repeats, calibrate_steps=calibrate_steps,
                                                          log=lambda msg: click.echo(msg, err=True)))
     except MaestroError as exc:
         _fail(ctx, exc)

@@ -3,8 +3,9 @@
 Runs in the `maestro run --colocated` process. The same executors, planner, loss normalisation
 and optimizers as section mode, on the same global batches, with an in-process comm instead of
 sockets and torch.distributed: the correctness oracle for section mode (parameters after N steps
-must match) and the monolithic performance baseline. Sections run one after another in
-topological order; gradients flow back in reverse.
+must match). Sections run one after another in topological order; gradients flow back in
+reverse. (The performance baseline is `--baseline monolithic`, baseline/monolithic.py: several
+data-parallel ranks, as a Megatron-style trainer runs.)
 """
 
 from __future__ import annotations

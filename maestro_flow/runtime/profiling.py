@@ -35,9 +35,12 @@ Runtime costs (calibration; the stage's compute alone under-predicts a real step
     gradient size, from which the tuner estimates the all-reduce when dp > 1;
   - runtime_overhead_s: the executor's fixed cost per micro-batch beyond the stage's forward
     and backward (headers and tensor sends per micro-batch, progress messages, the executor's
-    Python loop, waking the compute thread). It cannot be timed in this one process, so the
-    default (RUNTIME_OVERHEAD_S) was measured from real runs on the 2-core CPU VM of
-    tools/bench/RESULTS.md (see tools/bench/tune_report.py); pass runtime_overhead_s to override;
+    Python loop, waking the compute thread). It cannot be timed in this one process: it starts
+    at RUNTIME_OVERHEAD_S (measured on the 2-core CPU VM of tools/bench/RESULTS.md) and the
+    calibration run scales it with the compute terms; pass runtime_overhead_s to override;
+  - calibration (calibrate_steps > 0, the default): a short real run of the pipeline, one pinned
+    worker per section, scales each section's costs by its measured busy time over the
+    profile's prediction (runtime/calibration.py);
   - planning_s: one wavefront plan of the global batch, which the coordinator computes every step.
 """
 
@@ -45,6 +48,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import json
 import os
 import platform
 import statistics
@@ -84,6 +88,7 @@ class ProfileOptions:
     threads: int | None = None  # torch CPU threads; default MAESTRO_WORKER_THREADS or 1 (see below)
     log: Any = None  # callable(str) for progress lines, or None
     runtime_overhead_s: float | None = None  # per micro-batch; default RUNTIME_OVERHEAD_S
+    calibrate_steps: int = 14  # a real run of this many steps calibrates the costs (runtime/calibration.py); 0: none
 
 
 def default_sizes(micro_batch: int) -> tuple[int, ...]:
@@ -345,6 +350,12 @@ def profile_pipeline(path: str, options: ProfileOptions) -> dict[str, Any]:
             child.kill()
             child.join(5.0)
     write_cost_file(data["path"], {k: v for k, v in data.items() if k != "path"})
+    if options.calibrate_steps > 0:
+        from maestro_flow.runtime.calibration import calibrate
+
+        data["calibration"] = calibrate(path, options.overrides, data["path"], steps=options.calibrate_steps, log=log)
+        with open(data["path"]) as f:
+            data["sections"] = json.load(f)["sections"]
     return data
 
 

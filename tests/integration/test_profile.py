@@ -80,6 +80,10 @@ def test_profile_distill_then_tune_with_its_costs(tmp_path, demo):
         assert m["backward_s"] == 0
     # Measured as a pinned worker measures: another process, on one core, one torch thread.
     assert data["machine"]["cores"] == 1 and data["machine"]["torch_threads"] == 1
+    # Then calibrated against a real run (one pinned worker per section): a factor per section,
+    # recorded in the file, and the costs scaled by it.
+    factors = data["calibration"]["factors"]
+    assert set(factors) == {"teacher", "student"} and all(f > 0 for f in factors.values())
 
     costs_file = str(tmp_path / "costs.json")
     costs = load_cost_file(costs_file)

@@ -1,0 +1,101 @@
+"""Calibrating a cost file against a real multi-worker run (`maestro profile`, after profiling).
+
+Runs in the CLI process. The profile times each section alone, in one pinned worker; a real
+run differs from that by what only a real run has: its neighbours computing on the other cores
+at the same time (shared caches and memory bandwidth), the executor's own work per micro-batch
+(reading rows, transfers, bookkeeping), the micro-batches the plan actually cuts. So the
+pipeline runs in section mode for a few steps, every section at dp 1 (with as many sections
+as cores, one pinned worker per core: no time sharing, which the tuner models by itself) with
+the profiled costs, and for each section the busy time the run measured (the executor's,
+optimizer step left out) is set against what the profile predicts for the micro-batches the
+plan ran: their ratio scales the section's cost terms and runtime overhead in the cost file
+(`calibration` records the factors and the run). The tuner then predicts from costs a real run
+of this machine had.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import tempfile
+from typing import Any
+
+from maestro_flow.runtime.costfile import read_cost_file
+
+
+def calibrate(path: str, overrides: dict[str, Any], cost_file: str, *, steps: int = 14, warmup: int = 4,
+              log: Any = None) -> dict[str, float]:
+    """Run the pipeline, rewrite `cost_file` with the calibrated costs; returns section -> factor."""
+    from maestro_flow.runtime.build import load_pipeline
+    from maestro_flow.runtime.checks import check_pipeline
+    from maestro_flow.runtime.costfile import cost_overrides
+    from maestro_flow.runtime.run import RunOptions, run_pipeline
+    from maestro_flow.samples import SampleMeta
+
+    log = log or (lambda _msg: None)
+    _, profiles = read_cost_file(cost_file)
+    pipeline, _ = load_pipeline(path, dict(overrides))
+    layout = {f"sections.{s.name}.{k}": v for s in pipeline.sections for k, v in (("dp", 1), ("tp", 1), ("fsdp", False))}
+    costs = cost_overrides(pipeline, {n: p.cost for n, p in profiles.items()}, f"--costs {cost_file}")
+    run_sets = {**overrides, **layout, **costs, "steps": steps + warmup, "adapt_costs": False}
+    meta: dict[int, SampleMeta] = {s.id: s for s in check_pipeline(pipeline.override(**run_sets)).metadata}
+    with tempfile.TemporaryDirectory(prefix="maestro-calibrate-") as folder:
+        rows = run_pipeline(path, RunOptions(overrides=run_sets, show_progress=False, run_dir=folder, pin_cpus=True))
+        with open(os.path.join(folder, "plans.jsonl")) as f:
+            plans = [json.loads(line) for line in f]
+    from maestro_flow.graph import SectionGraph
+
+    sections = {s.name: s for s in pipeline.sections}
+    graph = SectionGraph(pipeline)
+    factors: dict[str, float] = {}
+    for name, prof in profiles.items():
+        if name not in sections:
+            continue
+        ratios = []
+        for plan, row in list(zip(plans, rows, strict=False))[warmup:]:
+            mbs = [mb for rep in plan["sections"][name]["replicas"] for mb in rep]
+            predicted = sum(_micro_batch_s(prof, [meta[i] for i in mb], name, graph) for mb in mbs)
+            measured = row["sections"][name]["busy_s"] - (prof.step_overhead_s if sections[name].trainable else 0.0)
+            if predicted > 0 and measured > 0:
+                ratios.append(measured / predicted)
+        if ratios:
+            factors[name] = statistics.median(ratios)
+            log(f"{name}: a real run's busy time is {factors[name]:.2f}x the profile's (median over {len(ratios)} "
+                "steps); costs scaled by it")
+    _rewrite(cost_file, factors, steps)
+    return factors
+
+
+def _micro_batch_s(prof: Any, mb: list, name: str, graph: Any) -> float:
+    """The profile's compute for one micro-batch (forward, and backward for the samples a
+    gradient comes back for, as simulate.task_s) plus the runtime overhead."""
+    from maestro_flow.planner.simulate import needs_backward
+
+    c = prof.cost
+    samples, backward = 0.0, False
+    for s in mb:
+        f = c.per_sample_s + c.per_token_s * s.num_tokens + c.per_patch_s * s.num_patches + c.per_frame_s * s.num_frames
+        if needs_backward(graph, name, s):
+            f *= 1.0 + c.backward_factor
+            backward = True
+        samples += f
+    fixed = c.per_micro_batch_s * (1.0 + c.backward_factor if backward else 1.0)
+    return fixed + samples + prof.runtime_overhead_s
+
+
+def _rewrite(cost_file: str, factors: dict[str, float], steps: int) -> None:
+    with open(cost_file) as f:
+        data = json.load(f)
+    for name, factor in factors.items():
+        body = data["sections"][name]
+        for key in ("per_micro_batch_s", "per_sample_s", "per_token_s", "per_patch_s", "per_frame_s"):
+            body["cost"][key] = body["cost"].get(key, 0.0) * factor
+        body["micro_batch_overhead_s"] = body["cost"]["per_micro_batch_s"]
+        body["runtime_overhead_s"] = body.get("runtime_overhead_s", 0.0) * factor
+    data["calibration"] = {"factors": factors, "steps": steps,
+                           "how": "section mode, every section dp 1, one pinned worker per core"}
+    tmp = cost_file + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1)
+    os.replace(tmp, cost_file)
