@@ -1,5 +1,6 @@
 """The comparison benchmarks (section mode against the monolithic baseline, the VLM against its
-text-only twin, the control plane at scale) run at their --tiny size and return sane numbers.
+text-only twin, the control plane at scale, `maestro tune`'s predictions against measured
+steps and at published scale) run at their --tiny size and return sane numbers.
 
 Real processes (spawned workers, simulated ranks in one process); bounded by timeouts, nothing
 left running. The numbers are not judged against the goals here (tools/bench/RESULTS.md holds
@@ -14,7 +15,7 @@ import os
 
 import pytest
 
-from tools.bench import baseline_compare, coordinator_scale, vlm_text_only
+from tools.bench import baseline_compare, coordinator_scale, tune_report, vlm_text_only
 from tools.bench.common import REPO_ROOT
 
 pytestmark = pytest.mark.integration
@@ -67,3 +68,25 @@ def test_coordinator_scale_tiny():
         assert positive(p[key]), key
     assert [r["world"] for r in out["startup"]] == [2, 2] and all(positive(r["startup_s"]) for r in out["startup"])
     assert out["groups"][0]["channels"] == 2 and positive(out["groups"][0]["per_edge_s"])
+
+
+@pytest.mark.timeout(300)
+def test_tune_report_tiny():
+    """Profile, tune and run both demo pipelines (section mode), and the published-scale predictions."""
+    out = tune_report.main(["--tiny"])
+    assert [m["pipeline"] for m in out["measured"]] == ["distill.py", "vlm.py"]
+    for m in out["measured"]:
+        for label in ("tuned", "uniform"):
+            r = m[label]
+            assert positive(r["predicted_step_s"]) and positive(r["measured_step_s"])
+            assert positive(r["measured_over_predicted"])
+            assert sum(dp for _, dp, _ in r["layout"]) <= m["devices"]
+    assert positive(out["worst_error"] + 1)
+    scale = out["published_scale"]
+    assert {r["gpus"] for r in scale} == {64}
+    fitted = [r for r in scale if r["fits"]]
+    assert fitted
+    for r in fitted:
+        assert positive(r["best"]["step_s"]) and r["gain_vs_uniform"] >= 1 / 1.005
+        assert positive(r["monolithic_step_s"]) and r["monolithic_replicas"] >= 1 and positive(r["gain_vs_monolithic"])
+
