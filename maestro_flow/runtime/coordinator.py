@@ -54,6 +54,9 @@ from maestro_flow.transport import host as shm_host
 from maestro_flow.transport import zmq_link
 
 
+AWAY_S = 1.0  # a gap this long between two looks at the socket means the coordinator stalled
+
+
 def shm_enabled() -> bool:
     """Whether same-host CPU channels use shared memory (MAESTRO_SHM=0: gloo instead), read per run."""
     return os.environ.get("MAESTRO_SHM", "1") != "0"
@@ -126,6 +129,7 @@ class Coordinator:
         self.liveness = Liveness(self.placement, self.node_of, self.timeouts, self._label)
         self.startup_s: float | None = None
         self.last_sent: dict[int, float] = {}  # rank -> when the coordinator last sent it a frame
+        self._listened_at = time.monotonic()  # when _recv last looked at its socket
         self.startup_parts: dict[str, float] = {}  # setup part -> the slowest worker's seconds in it
 
     # -- public ----------------------------------------------------------------------------
@@ -512,6 +516,9 @@ class Coordinator:
         started = time.monotonic()
         while True:
             now = time.monotonic()
+            if now - self._listened_at > AWAY_S:  # the coordinator itself stalled: not the workers' silence
+                self.liveness.away(now - self._listened_at)
+            self._listened_at = now
             if now > deadline:
                 raise TimeoutFailure(what, now - started, setting)
             self._tick(now)

@@ -36,6 +36,14 @@ class Liveness:
     def seen(self, rank: int, now: float) -> None:
         self.last_seen[rank] = now
 
+    def away(self, seconds: float) -> None:
+        """The coordinator was not listening for `seconds` (paused, swapped out, busy elsewhere):
+        that time is not its workers' silence. What they sent meanwhile may still sit in the
+        kernel's buffers, out of reach of a non-blocking read, so it is credited to every one."""
+        for rank in self.last_seen:
+            self.last_seen[rank] += seconds
+        self.progress_at += seconds
+
     def note_status(self, rank: int, status: dict, now: float) -> None:
         self.status[rank] = status
         key = (status.get("state"), status.get("step"), status.get("mb"))

@@ -43,3 +43,15 @@ def test_a_silent_node_is_named_with_its_ranks():
     assert str(live.silent(now=5.0)).startswith("node 1 (ranks 1, 2) is lost: none of its workers sent anything for 5.0s")
     live.seen(1, now=5.0)  # one of its workers still talks: that is one silent worker, not a lost node
     assert str(live.silent(now=5.0)).startswith("worker rank 2 sent nothing for 5.0s")
+
+
+def test_time_the_coordinator_was_away_is_not_its_workers_silence():
+    # CI caught it: a coordinator paused for 5s (SIGSTOP) read no heartbeat yet on waking (they
+    # were still in the kernel's buffers) and named a live worker silent.
+    live = liveness(heartbeat_timeout_s=2.0, hang_s=3.0)
+    for r in range(3):
+        live.seen(r, now=0.0)
+    live.progress_at = 0.0
+    live.away(5.0)
+    assert live.silent(now=5.5) is None and live.hang(0, now=5.5) is None
+    assert str(live.silent(now=7.5)).startswith("worker rank 0 sent nothing for 2.5s")
