@@ -68,7 +68,7 @@ def profile(ctx: click.Context, pipeline: str, sets: tuple[str, ...], out: str |
         return
     for name, body in data["sections"].items():
         c = body["cost"]
-        terms = ", ".join(f"{k}={v:.3g}" for k, v in c.items() if v)
+        terms = ", ".join(("padded" if k == "padded" else f"{k}={v:.3g}") for k, v in c.items() if v)
         step = f"; optimizer step {body['step_overhead_s'] * 1e3:.2f} ms" if body.get("step_overhead_s") else ""
         click.echo(f"{name}: {terms}; overhead/micro-batch {body['micro_batch_overhead_s'] * 1e3:.2f} ms "
                    f"+ runtime {body['runtime_overhead_s'] * 1e3:.2f} ms{step}; "
@@ -97,11 +97,14 @@ def profile(ctx: click.Context, pipeline: str, sets: tuple[str, ...], out: str |
               help="Largest tensor parallelism searched for sections whose stage has a tp_plan (1: none).")
 @click.option("--tp-efficiency", type=click.FloatRange(0.05, 1.0), default=0.8, show_default=True,
               help="Speed of a tp-rank replica relative to tp single ranks (its all-reduces cost the rest).")
+@click.option("--batches", type=click.IntRange(min=1),
+              help="Representative global batches each configuration is simulated on (their mean is its "
+                   "step) [default: enough for 256 samples, at most 16].")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 @click.pass_context
 def tune(ctx: click.Context, pipeline: str, sets: tuple[str, ...], devices: int, memory_gb: float | None,
          costs: str | None, top: int, global_batch: int | None, trace_in: str | None, write_to: str | None,
-         cpu_cores: int | None, max_tp: int, tp_efficiency: float, as_json: bool) -> None:
+         cpu_cores: int | None, max_tp: int, tp_efficiency: float, batches: int | None, as_json: bool) -> None:
     """Search each section's dp, micro-batch size, tp and fsdp for PIPELINE within a device budget.
 
     Every configuration that fits the budget, the memory limit and integral fan-out/fan-in across
@@ -123,7 +126,7 @@ def tune(ctx: click.Context, pipeline: str, sets: tuple[str, ...], devices: int,
                                                             memory_gb=memory_gb, costs=costs,
                                                             global_batch=global_batch, trace_in=trace_in, top=top,
                                                             cpu_cores=cpu_cores, max_tp=max_tp,
-                                                            tp_efficiency=tp_efficiency))
+                                                            tp_efficiency=tp_efficiency, batches=batches))
         if write_to:
             write_overrides(write_to, result.best[0])
     except MaestroError as exc:

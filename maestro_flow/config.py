@@ -32,6 +32,9 @@ class Cost:
     A micro-batch's forward takes per_micro_batch_s plus the per-sample, per-token, per-patch and
     per-frame terms of its samples; a trainable section's backward takes `backward_factor` times
     its forward. During a run the coefficients are refined from measured micro-batch timings.
+    `padded=True` says the stage pads every sample to the micro-batch's longest (as the stages
+    shipped here do: stages/common.pad_right): the token, patch and frame terms are then charged
+    for every sample at the lengths of the micro-batch's longest one (planner/cost.py).
     """
 
     per_sample_s: float = 1e-3
@@ -40,10 +43,13 @@ class Cost:
     per_frame_s: float = 0.0
     backward_factor: float = 2.0  # backward time / forward time, for trainable sections
     per_micro_batch_s: float = 0.0  # a micro-batch's fixed forward seconds, whatever its samples
+    padded: bool = False  # the stage pads each sample to the micro-batch's longest
 
     def validate(self, where: str) -> None:
+        if not isinstance(self.padded, bool):
+            raise PipelineError(f"{where}.cost.padded must be true or false, got {self.padded!r}")
         for f in dataclasses.fields(self):
-            if getattr(self, f.name) < 0:
+            if f.name != "padded" and getattr(self, f.name) < 0:
                 raise PipelineError(f"{where}.cost.{f.name} must be >= 0, got {getattr(self, f.name)}")
 
 

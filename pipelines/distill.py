@@ -21,11 +21,12 @@ def pipeline(**overrides):
         global_batch=16, steps=30, seed=0,
         sections=[
             Section(name="teacher", stage="stages.lm:CausalLM", config=TEACHER,
-                    trainable=False, dp=1, micro_batch=8, cost=Cost(per_sample_s=2e-3, per_token_s=1e-4)),
+                    trainable=False, dp=1, micro_batch=8,
+                    cost=Cost(per_sample_s=1e-4, per_token_s=3e-5, per_micro_batch_s=1e-3, padded=True)),
             Section(name="student", stage="stages.distill:KDStudent",
                     config={"student": STUDENT, "teacher": TEACHER, "temperature": 2.0, "alpha": 0.5},
                     trainable=True, dp=2, micro_batch=2, optimizer={"name": "adamw", "lr": 3e-3},
-                    cost=Cost(per_sample_s=2e-3, per_token_s=5e-5)),
+                    cost=Cost(per_sample_s=1e-4, per_token_s=1e-5, per_micro_batch_s=1e-3, padded=True)),
         ],
         edges=[Edge(src="teacher", dst="student", tensors=("hidden",))],
     ).override(**overrides)

@@ -23,10 +23,11 @@ def pipeline(**overrides):
         sections=[
             Section(name="vision", stage="stages.vision:VisionEncoder", config=VISION, activates_on="image",
                     dp=1, micro_batch=8, columns=("image",), optimizer={"name": "adamw", "lr": 1e-3},
-                    cost=Cost(per_sample_s=1e-3, per_patch_s=4e-5)),
+                    cost=Cost(per_sample_s=5e-4, per_patch_s=2e-5, per_micro_batch_s=2e-3, padded=True)),
             Section(name="llm", stage="stages.multimodal:MultimodalLM", config=LLM, dp=2, micro_batch=4,
                     columns=("tokens",), optimizer={"name": "adamw", "lr": 3e-3},
-                    cost=Cost(per_sample_s=1e-3, per_token_s=3e-5, per_patch_s=3e-5)),
+                    cost=Cost(per_sample_s=1e-4, per_token_s=1e-5, per_patch_s=1e-5,
+                              per_micro_batch_s=1e-3, padded=True)),
         ],
         edges=[Edge(src="vision", dst="llm", tensors=("image_embeds",))],
     ).override(**overrides)

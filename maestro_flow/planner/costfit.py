@@ -1,8 +1,9 @@
 """Refining the cost model from measured micro-batch timings.
 
 Pure (standard library only). Each observation is one micro-batch of one section: how many
-samples, tokens, patches and frames it held, and how long its forward (and, apart, its backward)
-took. The fit works on each window's normal equations, kept up to date as timings come and go
+samples, tokens, patches and frames it was charged for (cost.charged: for a stage that pads,
+every sample at the micro-batch's longest), and how long its forward (and, apart, its
+backward) took. The fit works on each window's normal equations, kept up to date as timings come and go
 (so the coordinator's work per step does not grow with the window), and is cached until the next
 timing. A section's forward cost is fitted as seconds = m + a*samples + b*tokens + c*patches +
 d*frames (m the fixed cost of a micro-batch; only the terms its `Cost` uses) by least squares

@@ -4,9 +4,10 @@ Pure (standard library only). The baseline runs `devices` data-parallel ranks; r
 contiguous block of the global batch (sample i of N goes to rank i * devices // N, as its FIFO
 plan does) in micro-batches of `micro_batch`, and on each micro-batch runs every section that
 activates on one of its samples, on those samples: forward, and backward where the section
-trains and a gradient reaches it (simulate.task_s, the same costs as section mode). A section
-that runs in a micro-batch pays its fixed cost there (overhead_s + runtime_s, as `maestro
-profile` measures them per micro-batch). The step ends when the slowest rank is done, plus one
+trains and a gradient reaches it (simulate.micro_batch_task_s, the same costs as section mode,
+padding to the micro-batch's longest sample included). A section that runs in a micro-batch
+pays its fixed costs there (its Cost's, plus overhead_s + runtime_s, as `maestro profile`
+measures them per micro-batch). The step ends when the slowest rank is done, plus one
 gradient all-reduce of every trainable parameter (the tuner's ring estimate over the summed
 gradients) and every section's optimizer step one after another, plus planning. Ranks that are
 CPU processes sharing fewer cores than there are ranks run `devices / cpu_cores` slower, as the
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 
 from maestro_flow.graph import SectionGraph
 from maestro_flow.planner.cost import CostModel
-from maestro_flow.planner.simulate import task_s
+from maestro_flow.planner.simulate import micro_batch_task_s
 from maestro_flow.samples import SampleMeta
 
 REDUCE_MB_PER_S = 1000.0  # as planner/tune.py
@@ -54,7 +55,7 @@ def monolithic_step(graph: SectionGraph, costs: CostModel, batch: Sequence[Sampl
                 active = [s for s in mb if graph.sections[name].activates(s.modalities)]
                 if active:
                     t += overhead.get(name, 0.0) + runtime.get(name, 0.0)
-                    t += sum(task_s(graph, costs, name, s) for s in active)
+                    t += micro_batch_task_s(graph, costs, name, active)
         slowest = max(slowest, t)
     trainable = [name for name in graph.order if graph.sections[name].trainable]
     grads = sum((grad_mb or {}).get(name, 0.0) for name in trainable)

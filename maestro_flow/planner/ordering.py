@@ -7,7 +7,8 @@ replica serial, a micro-batch once its inputs arrived and its gates allow, a tra
 section's backward of a whole micro-batch as soon as every gradient for it returned, before its
 next forward) and makes each decision the executor leaves to the plan: which samples form a
 replica's next micro-batch. The recorded order is the plan, and the simulated end of its last
-task is the plan's makespan under simulate.py wherever no section has two producer sections
+task is the plan's makespan under simulate.py (padding included: a micro-batch's cost is
+CostModel.batch_s's, so the orderings and rule sets are compared on what padding costs) wherever no section has two producer sections
 (tests/unit/test_ordering.py checks they agree exactly), so the wavefront planner can compare
 orderings without simulating them again. It knows nothing of the other rules the planner
 tries, nor of FIFO.
@@ -23,6 +24,10 @@ Decisions (the `Rules` fields name the alternatives):
   - a consumer takes what has arrived first (oldest first) and fills the rest of a micro-batch
     (or not: pad) with samples that need nothing from upstream (text-only samples while the
     encoder works), longest first, shortest first, or short ones at both ends of the step.
+Whatever the rules, a micro-batch of a stage that pads (Cost.padded) runs as the consecutive
+pieces that cost least (`_split`: its samples by increasing cost, cut where padding them to the
+longest costs more than another micro-batch's fixed cost); the pieces are recorded as the
+plan's micro-batches, so the gates and the makespan account for them.
 """
 
 from __future__ import annotations
@@ -54,6 +59,7 @@ class _Rep:
     missing: dict[int, int] = field(default_factory=dict)  # sid -> producer outputs still to arrive
     inputs_at: dict[int, float] = field(default_factory=dict)  # sid -> latest arrival of its outputs so far
     mbs: list[tuple[int, ...]] = field(default_factory=list)
+    pieces: list[list[int]] = field(default_factory=list)  # decided micro-batches still to start, in order
     free_at: float = 0.0
     bwd_ready: list[tuple[float, int]] = field(default_factory=list)  # heap: (ready, mb), as simulate.py
     grads_missing: dict[int, int] = field(default_factory=dict)  # mb -> gradients still to come
@@ -143,6 +149,7 @@ class Ordering:
         # gradient comes back for (simulate.py charges the same).
         self.bwd_factor = {n: costs.costs[n].backward_factor if self.sections[n].trainable else 0.0 for n in comp}
         self.fixed = {n: costs.micro_batch_s(n) for n in comp}  # per micro-batch, as simulate.py charges it
+        self.padded = {n: costs.costs[n].padded for n in comp}
         self.active, self.grads_of = routed.active, routed.grads_of
         self.keys_of, self.keys_out, self.keys_in = routed.keys_of, routed.keys_out, routed.keys_in
         self.out_keys, self.in_keys = routed.out_keys, routed.in_keys
@@ -253,12 +260,17 @@ class Ordering:
         if rep.bwd_ready and rep.bwd_ready[0][0] <= t:
             _, m = heapq.heappop(rep.bwd_ready)
             n = rep.section
-            self._busy(rep, t, self.bwd_factor[n] * (self.fixed[n] + sum(self.fwd[n][s] for s in rep.mbs[m])))
+            self._busy(rep, t, self.bwd_factor[n] * self._batch_fwd(n, rep.mbs[m]))
             self._send_grads(rep, rep.mbs[m], rep.free_at)
+            return
+        if rep.pieces:  # the rest of a micro-batch split by padding (_split), one piece at a time
+            self._forward(rep, t, rep.pieces.pop(0))
             return
         batch = self._pick_producer(rep, t) if rep.has_consumers else self._pick_consumer(rep, t)
         if batch:
-            self._forward(rep, t, batch)
+            pieces = self._split(rep.section, batch)
+            rep.pieces = pieces[1:]
+            self._forward(rep, t, pieces[0])
             return
         rep.waiting = True
         # Wake at the next arrival or gradient; a producer held back by run-ahead credits is
@@ -381,17 +393,15 @@ class Ordering:
 
     def _forward(self, rep: _Rep, t: float, batch: list[int]) -> None:
         n = rep.section
-        fwd_n, task_n, taken, mb_of, missing, todo = self.fwd[n], self.task[n], self.taken, self.mb_of, rep.missing, rep.todo
+        task_n, taken, mb_of, missing, todo = self.task[n], self.taken, self.mb_of, rep.missing, rep.todo
         m = len(rep.mbs)
         rep.mbs.append(tuple(batch))
-        fwd = self.fixed[n]  # the micro-batch's fixed cost (forward; with its backward for a loss section)
-        work = fwd * (1.0 + self.bwd_factor[n]) if rep.loss else fwd
+        fwd = self._batch_fwd(n, batch)
+        work = fwd * (1.0 + self.bwd_factor[n]) if rep.loss else fwd  # a loss section's backward follows
         for sid in batch:
             todo.discard(sid)
             taken.add((n, sid))
             mb_of[(n, sid)] = m
-            fwd += fwd_n[sid]
-            work += task_n[sid]
             if sid in missing:
                 rep.pending_work -= task_n[sid]
                 for k in self.keys_in[(n, sid)]:  # a credit came back: a producer held back may go on
@@ -428,6 +438,43 @@ class Ordering:
             rep.grads_at[m] = 0.0
         else:
             self._send_grads(rep, batch, done)
+
+    def _split(self, n: str, batch: list[int]) -> list[list[int]]:
+        """A micro-batch of a padding stage as the consecutive pieces that cost least: its samples
+        by increasing forward, cut where padding costs more than another micro-batch's fixed
+        cost (exact: O(len^2) over the sorted samples, fewer pieces on ties); the batch itself
+        when it stays whole."""
+        if not self.padded[n] or len(batch) < 2:
+            return [batch]
+        fwd, fixed = self.fwd[n], self.fixed[n]
+        order = sorted(batch, key=lambda sid: (fwd[sid], sid))
+        k = len(order)
+        # best[j]: (cost, pieces) of the first j samples; a piece i..j-1 costs fixed + its size x
+        # its last (largest) sample's forward.
+        best: list[tuple[float, int, int]] = [(0.0, 0, 0)] + [(INF, 0, 0)] * k
+        for j in range(1, k + 1):
+            top = fwd[order[j - 1]]
+            for i in range(j):
+                cost = best[i][0] + fixed + (j - i) * top
+                if (cost, best[i][1] + 1) < best[j][:2]:
+                    best[j] = (cost, best[i][1] + 1, i)
+        if best[k][1] == 1:
+            return [batch]
+        pieces, j = [], k
+        while j > 0:
+            i = best[j][2]
+            pieces.append(order[i:j])
+            j = i
+        return pieces[::-1]
+
+    def _batch_fwd(self, n: str, batch: Sequence[int]) -> float:
+        """A micro-batch's forward, as simulate.py charges it (CostModel.batch_s): the fixed cost
+        plus its samples' forwards, each at the longest one's where the stage pads (a sample's
+        forward is its per-sample term plus its length terms, so the longest has the largest)."""
+        fwd_n = self.fwd[n]
+        if self.padded[n]:
+            return self.fixed[n] + len(batch) * max((fwd_n[sid] for sid in batch), default=0.0)
+        return self.fixed[n] + sum(fwd_n[sid] for sid in batch)
 
     def _send_grads(self, rep: _Rep, batch: Sequence[int], done: float) -> None:
         arrive = done + self.costs.transfer_s

@@ -6,10 +6,10 @@ its run-ahead credits allow (the plan's gates: a consumer must have finished so 
 trainable section that is not a loss section runs a micro-batch's backward as soon as every
 gradient for it has returned, before its next forward; a loss section runs forward and backward
 of a micro-batch as one task. A micro-batch's forward costs its section's fixed cost per
-micro-batch (Cost.per_micro_batch_s) plus its samples' costs; its backward, backward_factor
-times that. Outputs and gradients arrive `transfer_s` after the task that made them. Reduction
+micro-batch (Cost.per_micro_batch_s) plus its samples' costs, each at the costliest one's
+where the stage pads (CostModel.batch_s); its backward, backward_factor times that. Outputs and gradients arrive `transfer_s` after the task that made them. Reduction
 and optimizer time are not modelled (the same for every ordering). The lower bound leaves the
-fixed costs out (so it stays a bound whatever the micro-batches):
+fixed costs and padding out (so it stays a bound whatever the micro-batches):
 
     lower bound = max over sections S of  work(S) / dp(S)
                   max over edges P -> C of  t0 + work(C, samples needing P) / dp(C)
@@ -96,10 +96,8 @@ class _Sim:
             for r, mbs in enumerate(plan.replicas[name]):
                 fwd, bwd, needs, grads = [], [], [], []
                 for mb in mbs:
-                    fixed = costs.micro_batch_s(name) if mb else 0.0
-                    f = fixed + sum(costs.sample_s(name, self.meta[s]) for s in mb)
-                    b = (sum(costs.backward_s(name, self.meta[s]) for s in mb)
-                         + fixed * costs.costs[name].backward_factor) if section.trainable else 0.0
+                    f = costs.batch_s(name, [self.meta[s] for s in mb])
+                    b = f * costs.costs[name].backward_factor if section.trainable else 0.0
                     if name in losses:
                         f, b = f + b, 0.0
                     expected = sum(1 for e in grad_edges for s in mb
@@ -232,6 +230,15 @@ def task_s(graph: SectionGraph, costs: CostModel, name: str, sample: SampleMeta)
     that trains activates on the sample), as the executor and the simulation do."""
     f = costs.sample_s(name, sample)
     return f + (costs.backward_s(name, sample) if needs_backward(graph, name, sample) else 0.0)
+
+
+def micro_batch_task_s(graph: SectionGraph, costs: CostModel, name: str, samples: Sequence[SampleMeta]) -> float:
+    """All the compute one micro-batch costs `name`, as the simulation charges it: its forward
+    (padding included), and a backward of all of it when a gradient comes back for any sample."""
+    f = costs.batch_s(name, samples)
+    if any(needs_backward(graph, name, s) for s in samples):
+        f *= 1.0 + costs.costs[name].backward_factor
+    return f
 
 
 def needs_backward(graph: SectionGraph, name: str, sample: SampleMeta) -> bool:

@@ -68,20 +68,13 @@ def calibrate(path: str, overrides: dict[str, Any], cost_file: str, *, steps: in
 
 
 def _micro_batch_s(prof: Any, mb: list, name: str, graph: Any) -> float:
-    """The profile's compute for one micro-batch (forward, and backward for the samples a
-    gradient comes back for, as simulate.task_s) plus the runtime overhead."""
-    from maestro_flow.planner.simulate import needs_backward
+    """The profile's compute for one micro-batch, as the simulation charges it
+    (simulate.micro_batch_task_s: padding, and a backward when a gradient comes back), plus the
+    runtime overhead."""
+    from maestro_flow.planner.cost import CostModel
+    from maestro_flow.planner.simulate import micro_batch_task_s
 
-    c = prof.cost
-    samples, backward = 0.0, False
-    for s in mb:
-        f = c.per_sample_s + c.per_token_s * s.num_tokens + c.per_patch_s * s.num_patches + c.per_frame_s * s.num_frames
-        if needs_backward(graph, name, s):
-            f *= 1.0 + c.backward_factor
-            backward = True
-        samples += f
-    fixed = c.per_micro_batch_s * (1.0 + c.backward_factor if backward else 1.0)
-    return fixed + samples + prof.runtime_overhead_s
+    return micro_batch_task_s(graph, CostModel(costs={name: prof.cost}), name, mb) + prof.runtime_overhead_s
 
 
 def _rewrite(cost_file: str, factors: dict[str, float], steps: int) -> None:

@@ -53,7 +53,6 @@ from maestro_flow.timeouts import Timeouts
 from maestro_flow.transport import host as shm_host
 from maestro_flow.transport import zmq_link
 
-
 AWAY_S = 1.0  # a gap this long between two looks at the socket means the coordinator stalled
 
 

@@ -74,7 +74,7 @@ def read_cost_file(path: str) -> tuple[str, dict[str, SectionProfile]]:
         if unknown:
             raise PipelineError(f"{where}.cost: unknown field(s) {', '.join(sorted(unknown))}")
         try:
-            values = {k: float(v) for k, v in cost.items()}
+            values = {k: (v if k == "padded" else float(v)) for k, v in cost.items()}
             if "per_micro_batch_s" not in values:  # a file from before Cost had the fixed cost
                 values["per_micro_batch_s"] = float(body.get("micro_batch_overhead_s", 0.0))
             c = Cost(**values)

@@ -37,11 +37,13 @@ from maestro_flow.optim.reduce import GradientReducer
 from maestro_flow.optim.stepper import SectionOptimizer
 from maestro_flow.parallel import memory
 from maestro_flow.parallel.section import Layout
+from maestro_flow.planner.cost import charged
 from maestro_flow.planner.costfit import Timing
 from maestro_flow.planner.plan import Placement
 from maestro_flow.runtime.executor_state import PendingBackward, StageFault, StepState, to_torch
 from maestro_flow.runtime.precision import autocast_dtype, compute
 from maestro_flow.runtime.trace import Tracer
+from maestro_flow.samples import SampleMeta
 from maestro_flow.stage import MicroBatch, Stage
 from maestro_flow.transport.tensor_comm import Comm
 
@@ -109,7 +111,7 @@ class SectionExecutor:
         self.plans.append(StepState(
             step=msg["step"], mbs=[tuple(mb) for mb in msg["micro_batches"]],
             rows={s[0]: s[1] for s in samples}, modalities={s[0]: frozenset(s[2]) for s in samples},
-            sizes={s[0]: (s[3], s[4], s[5]) for s in samples},
+            sizes={s[0]: SampleMeta(id=s[0], num_tokens=s[3], num_patches=s[4], num_frames=s[5]) for s in samples},
             # Credits are the leader's: its followers run what it relays.
             gates=[] if self.follower else [[(self.placement.rank(c, ci), j) for c, ci, j in mb]
                                             for mb in msg.get("gates", ())],
@@ -243,9 +245,8 @@ class SectionExecutor:
             st.waiting = None
 
     def _timing(self, st: StepState, kind: str, mb: tuple[int, ...], seconds: float) -> None:
-        tokens = sum(st.sizes[s][0] for s in mb)
-        patches = sum(st.sizes[s][1] for s in mb)
-        frames = sum(st.sizes[s][2] for s in mb)
+        # What the cost model charges (planner/cost.py: padded to the longest where the stage pads).
+        _, tokens, patches, frames = charged(self.section.cost, [st.sizes[s] for s in mb])
         st.timings.append(Timing(kind=kind, samples=len(mb), tokens=tokens, patches=patches, frames=frames,
                                  seconds=seconds).to_list())
 

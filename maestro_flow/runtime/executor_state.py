@@ -14,6 +14,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from maestro_flow.samples import SampleMeta
+
 
 class StageFault(Exception):
     """User stage code raised; carries the phase and the traceback formatted here."""
@@ -48,7 +50,7 @@ class StepState:
     denominator: float = 0.0
     loss_reported: bool = False
     global_denominator: float | None = None
-    sizes: dict[int, tuple[int, int, int]] = field(default_factory=dict)  # sid -> tokens, patches, frames
+    sizes: dict[int, SampleMeta] = field(default_factory=dict)  # sid -> its tokens, patches and frames
     gates: list[list[tuple[int, int]]] = field(default_factory=list)  # per mb: (consumer rank, forwards done)
     notify: list[int] = field(default_factory=list)  # producer ranks gated on this replica's progress
     started: float = 0.0

@@ -8,8 +8,10 @@ requires_grad where the edge carries gradients, as the executor does).
 
 What is measured, per section and per micro-batch size (default 1, 2, 4, ... up to twice the
 section's micro_batch): three micro-batches — the smallest, middle and largest samples by
-tokens+patches+frames among a pool spread over the dataset's size range — each timed
-`repeats` times after one warm-up call, keeping the median:
+tokens+patches+frames among a pool spread over the dataset's size range — and one of mixed
+lengths spread over the pool, each timed `repeats` times after one warm-up call, keeping the
+median. Each is counted as the cost model charges it (planner/cost.charged: for a stage that
+pads, `Cost.padded`, every sample at the micro-batch's longest):
   - forward: building the micro-batch (reading and converting its rows, as the executor's
     timing does) + `stage.forward` (under no_grad for frozen sections);
   - backward (trainable sections): the loss's backward for a loss section, else the backward of
@@ -62,6 +64,7 @@ import torch
 from maestro_flow.config import Cost, Pipeline
 from maestro_flow.errors import PipelineError
 from maestro_flow.graph import SectionGraph
+from maestro_flow.planner.cost import charged
 from maestro_flow.planner.costfit import FEATURES, fit_nonnegative
 from maestro_flow.runtime.build import build_stage, default_dtype, load_pipeline, resolve_device
 from maestro_flow.runtime.checks import check_pipeline
@@ -270,8 +273,8 @@ def _measure(sec: _Section, mb: list[SampleMeta], outputs: dict, repeats: int) -
             bwd.append(t2 - t1)
             peak = max(peak, meter.grown_mb)
     sec.zero_grad()
-    return {"micro_batch": len(mb), "samples": len(mb), "tokens": sum(s.num_tokens for s in mb),
-            "patches": sum(s.num_patches for s in mb), "frames": sum(s.num_frames for s in mb),
+    _, tokens, patches, frames = charged(sec.section.cost, mb)  # padded to the longest where the stage pads
+    return {"micro_batch": len(mb), "samples": len(mb), "tokens": tokens, "patches": patches, "frames": frames,
             "forward_s": statistics.median(fwd), "backward_s": statistics.median(bwd) if sec.section.trainable else 0.0,
             "peak_mb": peak}
 
@@ -302,7 +305,8 @@ def fit_section(prior: Cost, rows: list[dict[str, Any]], trainable: bool, param_
     coef = fit_nonnegative(data, (0.0, *(getattr(prior, f) for f in FEATURES)), 0.05)
     fwd = sum(r["forward_s"] for r in rows)
     factor = sum(r["backward_s"] for r in rows) / fwd if trainable and fwd > 0 else prior.backward_factor
-    cost = Cost(**dict(zip(FEATURES, coef[1:], strict=True)), backward_factor=factor, per_micro_batch_s=coef[0])
+    cost = Cost(**dict(zip(FEATURES, coef[1:], strict=True)), backward_factor=factor, per_micro_batch_s=coef[0],
+                padded=prior.padded)
     mem = fit_nonnegative([((1.0, float(r["samples"])), r["peak_mb"]) for r in rows], (1.0, 1.0), 0.05)
     state = 1 if not trainable else (4 if optimizer == "adamw" else 2)
     return {"cost": dataclasses.asdict(cost), "micro_batch_overhead_s": coef[0],
@@ -427,9 +431,12 @@ def _profile(single: Pipeline, graph: SectionGraph, checked: Any, sizes: dict[st
             for m in sizes[n]:
                 m = min(m, len(pool))
                 starts = sorted({0, (len(pool) - m) // 2, len(pool) - m})
-                for start in starts:
-                    rows.append(_measure(sec, pool[start:start + m], outputs, options.repeats))
-                log(f"{n}: micro-batch {m}: forward {statistics.median(r['forward_s'] for r in rows[-len(starts):]) * 1e3:.1f} ms")
+                mbs = [pool[start:start + m] for start in starts]
+                if m > 1:  # and one of mixed lengths, spread over the pool: what padding costs
+                    mbs.append(pool[::max(1, len(pool) // m)][:m])
+                for mb in mbs:
+                    rows.append(_measure(sec, mb, outputs, options.repeats))
+                log(f"{n}: micro-batch {m}: forward {statistics.median(r['forward_s'] for r in rows[-len(mbs):]) * 1e3:.1f} ms")
             fitted = fit_section(sec.section.cost, rows, sec.section.trainable, sec.param_mb(),
                                  str(sec.section.optimizer.get("name")))
             if sec.section.trainable:

@@ -1,6 +1,6 @@
 """The comparison benchmarks (section mode against the monolithic baseline, the VLM against its
 text-only twin, the control plane at scale, `maestro tune`'s predictions against measured
-steps and at published scale) run at their --tiny size and return sane numbers.
+steps and at published scale, what padding costs) run at their --tiny size and return sane numbers.
 
 Real processes (spawned workers, simulated ranks in one process); bounded by timeouts, nothing
 left running. The numbers are not judged against the goals here (tools/bench/RESULTS.md holds
@@ -15,7 +15,7 @@ import os
 
 import pytest
 
-from tools.bench import baseline_compare, coordinator_scale, tune_report, vlm_text_only
+from tools.bench import baseline_compare, coordinator_scale, padding, tune_report, vlm_text_only
 from tools.bench.common import REPO_ROOT
 
 pytestmark = pytest.mark.integration
@@ -90,3 +90,17 @@ def test_tune_report_tiny():
         assert positive(r["best"]["step_s"]) and r["gain_vs_uniform"] >= 1 / 1.005
         assert positive(r["monolithic_step_s"]) and r["monolithic_replicas"] >= 1 and positive(r["gain_vs_monolithic"])
 
+
+
+@pytest.mark.timeout(240)
+def test_padding_tiny():
+    out = padding.main(["--tiny"])
+    assert [r["micro_batch"] for r in out["stage"]] == list(padding.SIZES)
+    assert all(positive(r["time_ratio"]) and r["padded_ratio"] >= 1.0 for r in out["stage"])
+    for pipeline in ("distill.py", "vlm.py"):
+        r = out[pipeline]
+        assert positive(r["ratio_off_over_on"])
+        for variant in ("on", "off"):
+            assert positive(r[variant]["step_s"])
+            for stats in r[variant]["sections"].values():
+                assert stats["padding"] >= 1.0 and stats["micro_batches"] >= 1 and stats["busy_s"] > 0

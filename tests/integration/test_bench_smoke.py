@@ -87,8 +87,9 @@ def test_control_overhead_tiny():
     pipe = out["pipeline"]
     assert pipe["steps"] == 3
     assert positive(pipe["median_step_time_s"])
-    # distill at global batch 16: teacher 2 micro-batches of 8, student 2 replicas x 4 of 2.
-    assert pipe["micro_batches_per_step"] == pipe["micro_batches_per_step_measured"] == 10
+    # distill at global batch 16: teacher micro-batches of up to 8 (split where padding costs more
+    # than a micro-batch), student 2 replicas, micro-batches of up to 2: what was counted ran.
+    assert pipe["micro_batches_per_step"] == pipe["micro_batches_per_step_measured"] >= 2 + 2 * 4
     counts = pipe["messages_per_step"]
     # The students sum their loss denominators with their gradients: no loss/finalize round trip.
     assert counts["plan"] == counts["done"] == 3 and counts["loss"] == counts["finalize"] == 0

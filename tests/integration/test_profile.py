@@ -56,7 +56,8 @@ def _check_structure(data: dict, sections: dict[str, str]) -> None:
         body = data["sections"][name]
         cost = body["cost"]
         assert set(cost) == {"per_sample_s", "per_token_s", "per_patch_s", "per_frame_s", "backward_factor",
-                             "per_micro_batch_s"}
+                             "per_micro_batch_s", "padded"}
+        assert cost.pop("padded") is True  # the pipeline's, kept: the shipped stages pad
         assert all(v >= 0 for v in cost.values())
         assert cost["per_micro_batch_s"] == body["micro_batch_overhead_s"]  # the fitted intercept, in the Cost
         # The section's time is explained by something: its per-sample, size term or overhead.
@@ -66,6 +67,10 @@ def _check_structure(data: dict, sections: dict[str, str]) -> None:
         assert (body["step_overhead_s"] > 0) == (name != "teacher")  # timed optimizer step if trainable
         sizes = sorted({m["micro_batch"] for m in body["measurements"]})
         assert sizes == [1, 2, 4]
+        # Counted as charged: a padding stage's samples at their micro-batch's longest, so the
+        # mixed-length micro-batch of each size is charged more than its own lengths.
+        term_key = {"per_token_s": "tokens", "per_patch_s": "patches"}[term]
+        assert all(m[term_key] % m["samples"] == 0 for m in body["measurements"])
         for m in body["measurements"]:
             assert m["forward_s"] > 0 and m["samples"] == m["micro_batch"]
 
@@ -108,7 +113,7 @@ def test_profile_distill_then_tune_with_its_costs(tmp_path, demo):
     # The cost file's numbers are what the tuner simulated with: scaling them scales the step.
     slow = json.loads(open(costs_file).read())
     for body in slow["sections"].values():
-        body["cost"] = {k: (v * 10 if k != "backward_factor" else v) for k, v in body["cost"].items()}
+        body["cost"] = {k: (v if k in ("backward_factor", "padded") else v * 10) for k, v in body["cost"].items()}
         for key in ("micro_batch_overhead_s", "runtime_overhead_s", "step_overhead_s"):
             body[key] *= 10
     slow["planning_s"] *= 10

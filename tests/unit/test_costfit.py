@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -70,3 +71,61 @@ def test_the_prior_holds_without_timings_and_keeps_its_shape_with_few():
     fitted = fitter.model().costs["llm"]
     assert fitted.per_token_s / fitted.per_sample_s == pytest.approx(1e-2, rel=1e-6)
     assert 2 * fitted.per_sample_s + 100 * fitted.per_token_s == pytest.approx(0.03, rel=1e-6)
+
+
+# -- padding (Cost.padded) ------------------------------------------------------------------------
+
+
+def test_a_padded_stage_is_charged_at_its_longest_sample():
+    from maestro_flow.samples import SampleMeta
+
+    short, long = SampleMeta(id=0, num_tokens=10), SampleMeta(id=1, num_tokens=90, num_patches=4)
+    cost = Cost(per_sample_s=1.0, per_token_s=0.1, per_patch_s=1.0, per_micro_batch_s=5.0)
+    from maestro_flow.planner.cost import charged
+
+    assert charged(cost, [short, long]) == (2, 100, 4, 0)
+    padded = dataclasses.replace(cost, padded=True)
+    assert charged(padded, [short, long]) == (2, 180, 8, 0)
+    model = CostModel(costs={"plain": cost, "padded": padded})
+    assert model.batch_s("plain", [short, long]) == pytest.approx(5 + 2 + 10 + 4)
+    assert model.batch_s("padded", [short, long]) == pytest.approx(5 + 2 + 18 + 8)
+    assert model.batch_s("padded", [short]) == model.batch_s("plain", [short])  # one sample: no padding
+    assert model.batch_s("padded", []) == 0.0
+    # A sample's own cost (what the planner orders by) stays its own length's.
+    assert model.sample_s("padded", short) == model.sample_s("plain", short) == pytest.approx(2.0)
+
+
+def test_padded_timings_fit_the_padded_coefficients():
+    """Timings of a padding stage, reported as the executor reports them (charged counts),
+    recover the true coefficients; the same timings read as sums would not."""
+    from maestro_flow.planner.cost import charged
+    from maestro_flow.samples import SampleMeta
+
+    rnd = random.Random(1)
+    true = Cost(per_sample_s=2e-3, per_token_s=5e-5, per_micro_batch_s=1e-3, padded=True)
+    out = []
+    for _ in range(300):
+        mb = [SampleMeta(id=i, num_tokens=rnd.randint(20, 400)) for i in range(rnd.randint(1, 8))]
+        n, tokens, _, _ = charged(true, mb)
+        seconds = CostModel(costs={"lm": true}).batch_s("lm", mb)
+        out.append(Timing(kind="forward", samples=n, tokens=tokens, patches=0, frames=0, seconds=seconds))
+    fitter = CostFitter(CostModel(costs={"lm": Cost(per_sample_s=1.0, per_token_s=1.0, padded=True)}),
+                        prior_weight=0.01)
+    fitter.add("lm", out)
+    fitted = fitter.model().costs["lm"]
+    assert fitted.padded
+    assert fitted.per_token_s == pytest.approx(5e-5, rel=0.02)
+    assert fitted.per_sample_s == pytest.approx(2e-3, rel=0.05)
+
+
+def test_padded_must_be_a_boolean_and_survives_a_cost_file(tmp_path):
+    import json
+
+    from maestro_flow.errors import PipelineError
+    from maestro_flow.runtime.costfile import read_cost_file
+
+    with pytest.raises(PipelineError, match="cost.padded must be true or false"):
+        Cost(padded="yes").validate("sections.lm")
+    path = tmp_path / "costs.json"
+    path.write_text(json.dumps({"sections": {"lm": {"cost": {"per_token_s": 1e-4, "padded": True}}}}))
+    assert read_cost_file(str(path))[1]["lm"].cost.padded is True

@@ -28,10 +28,10 @@ EPS = 1e-9
 
 @settings(max_examples=60, deadline=None, database=None)
 @given(p=trained_pipelines(), samples=batches(), transfer_s=st.sampled_from((0.0, 2e-4, 0.05, 0.5)),
-       rules=st.sampled_from(CANDIDATES))
-def test_every_ordering_simulates_to_its_makespan(p, samples, transfer_s, rules):
+       rules=st.sampled_from(CANDIDATES), padded=st.booleans())
+def test_every_ordering_simulates_to_its_makespan(p, samples, transfer_s, rules, padded):
     graph = SectionGraph(p)
-    costs = costs_of(graph, transfer_s)
+    costs = costs_of(graph, transfer_s, padded)
     plan, makespan = WavefrontPlanner(graph, costs).plan_with(0, samples, rules)
     sim = simulate(plan, graph, costs)
     check_simulation(graph, costs, plan, sim)
@@ -39,20 +39,22 @@ def test_every_ordering_simulates_to_its_makespan(p, samples, transfer_s, rules)
 
 
 @pytest.mark.parametrize("rules", CANDIDATES, ids=[r.name for r in CANDIDATES])
-@pytest.mark.parametrize(("vision_dp", "llm_dp", "trainable"), [(1, 4, True), (2, 4, True), (2, 8, False), (1, 2, True)])
-def test_vlm_orderings_simulate_to_their_makespan(rules, vision_dp, llm_dp, trainable):
+@pytest.mark.parametrize(("vision_dp", "llm_dp", "trainable", "padded"),
+                         [(1, 4, True, False), (2, 4, True, True), (2, 8, False, False), (1, 2, True, True)])
+def test_vlm_orderings_simulate_to_their_makespan(rules, vision_dp, llm_dp, trainable, padded):
     graph = vlm(vision_dp, trainable, llm_dp=llm_dp)
-    costs = costs_of(graph, 2e-4)
+    costs = costs_of(graph, 2e-4, padded)
     for seed, share in ((0, 0.1), (1, 0.5), (2, 0.9)):
         plan, makespan = WavefrontPlanner(graph, costs).plan_with(0, mix(seed, share, 96), rules)
         assert makespan == pytest.approx(simulate(plan, graph, costs).makespan_s, abs=EPS)
 
 
 @settings(max_examples=40, deadline=None, database=None)
-@given(p=trained_pipelines(), samples=batches(), transfer_s=st.sampled_from((0.0, 2e-4, 0.05)))
-def test_the_plan_is_the_best_candidate_and_never_slower_than_fifo(p, samples, transfer_s):
+@given(p=trained_pipelines(), samples=batches(), transfer_s=st.sampled_from((0.0, 2e-4, 0.05)),
+       padded=st.booleans())
+def test_the_plan_is_the_best_candidate_and_never_slower_than_fifo(p, samples, transfer_s, padded):
     graph = SectionGraph(p)
-    costs = costs_of(graph, transfer_s)
+    costs = costs_of(graph, transfer_s, padded)
     planner = WavefrontPlanner(graph, costs)
     plan = planner.plan(0, samples)
     sim = simulate(plan, graph, costs)
@@ -76,3 +78,30 @@ def test_rules_refuse_unknown_choices():
     for bad in (dict(balance="time"), dict(serve="random"), dict(fill="random"), dict(taper=-1.0)):
         with pytest.raises(ValueError, match="Rules"):
             Rules(name="bad", **bad).validate()
+
+
+def test_a_padding_stage_splits_a_micro_batch_where_padding_costs_more_than_a_micro_batch():
+    """One loss section, 8 samples of lengths 100, 90, 10 x 6 in one micro-batch of 8: whole it
+    costs fixed + 8 x 100; in two pieces (the 6 short ones, then the 2 long ones) 2 x fixed +
+    6 x 10 + 2 x 100; in three (the long ones apart) 3 x fixed + 6 x 10 + 90 + 100. The planner
+    takes the cheapest: three at fixed 1, two at fixed 20, one when the fixed cost outweighs the
+    padding (fixed 1000), and one without padding."""
+    from maestro_flow.config import ArrowData, Cost, Pipeline, Section
+    from maestro_flow.planner.cost import CostModel
+    from maestro_flow.samples import SampleMeta
+
+    samples = [SampleMeta(id=i, num_tokens=n) for i, n in enumerate((100, 10, 90, 10, 10, 10, 10, 10))]
+    for fixed, padded, want in ((1.0, True, [[1, 3, 4, 5, 6, 7], [2], [0]]), (20.0, True, [[1, 3, 4, 5, 6, 7], [2, 0]]),
+                                (1000.0, True, None), (1.0, False, None)):
+        cost = Cost(per_sample_s=0.0, per_token_s=1.0, per_micro_batch_s=fixed, padded=padded)
+        graph = SectionGraph(Pipeline(name="p", data=ArrowData(path="d"), global_batch=8,
+                                      sections=[Section(name="lm", stage="m:L", micro_batch=8, cost=cost)]))
+        costs = CostModel(costs={"lm": cost})
+        plan, makespan = WavefrontPlanner(graph, costs).plan_with(0, samples, CANDIDATES[0])
+        got = [list(mb) for mb in plan.replicas["lm"][0]]
+        if want is None:
+            assert len(got) == 1 and sorted(got[0]) == list(range(8))
+        else:
+            assert got == want
+        assert makespan == pytest.approx(simulate(plan, graph, costs).makespan_s)
+    assert makespan == pytest.approx((1.0 + 250.0) * 3.0)  # unpadded: one micro-batch, backward 2x

@@ -39,8 +39,18 @@ def pipeline(sections, edges) -> Pipeline:
     return Pipeline(name="p", data=ArrowData(path="d"), sections=sections, edges=edges)
 
 
-def costs_of(graph: SectionGraph, transfer_s: float = 0.0) -> CostModel:
-    return CostModel(costs={n: s.cost for n, s in graph.sections.items()}, transfer_s=transfer_s)
+def costs_of(graph: SectionGraph, transfer_s: float = 0.0, padded: bool = False) -> CostModel:
+    return CostModel(costs={n: dataclasses.replace(s.cost, padded=padded) for n, s in graph.sections.items()},
+                     transfer_s=transfer_s)
+
+
+def forward_s(costs: CostModel, name: str, samples) -> float:
+    """A micro-batch's forward from first principles: the fixed cost, and every sample at its
+    own cost, or, where the stage pads, at the cost of the micro-batch's costliest sample."""
+    each = [costs.sample_s(name, s) for s in samples]
+    if costs.costs[name].padded:
+        each = [max(each)] * len(each)
+    return costs.micro_batch_s(name) + sum(each)
 
 
 def timeline(sim: Simulation, graph: SectionGraph) -> list[tuple[str, int, int, str, float, float]]:
@@ -325,13 +335,12 @@ def check_simulation(graph: SectionGraph, costs: CostModel, plan: Plan, sim: Sim
     assert set(bwd) == needs_bwd
     for k, t in fwd.items():
         mb = mbs_of[k]
-        cost = costs.micro_batch_s(k[0]) + sum(costs.sample_s(k[0], meta[s]) for s in mb)
+        cost = forward_s(costs, k[0], [meta[s] for s in mb])
         if k[0] in losses:
             cost *= 1.0 + costs.costs[k[0]].backward_factor
         assert t.start_s >= 0 and t.end_s - t.start_s == pytest.approx(cost, abs=EPS)
     for k, t in bwd.items():
-        factor = costs.costs[k[0]].backward_factor
-        cost = factor * costs.micro_batch_s(k[0]) + sum(costs.backward_s(k[0], meta[s]) for s in mbs_of[k])
+        cost = costs.costs[k[0]].backward_factor * forward_s(costs, k[0], [meta[s] for s in mbs_of[k]])
         assert t.end_s - t.start_s == pytest.approx(cost, abs=EPS)
 
     # (b) a forward starts only once every producer task holding one of its samples ended + transfer.
@@ -428,3 +437,22 @@ def test_lower_bound_never_exceeds_makespan_where_every_output_is_consumed(sched
     costs = costs_of(graph, 2e-4)
     sim = simulate(make_planner(schedule, graph, costs).plan(0, samples), graph, costs)
     assert sim.lower_bound_s <= sim.makespan_s + EPS
+
+
+def test_the_simulation_charges_padding_to_the_longest_sample():
+    """One replica, one micro-batch of a 10-token and a 90-token sample: a padding stage's
+    forward costs 2 x 90 tokens, a packing one's 100."""
+    from maestro_flow.config import ArrowData, Cost, Pipeline, Section
+    from maestro_flow.graph import SectionGraph
+    from maestro_flow.planner.cost import CostModel
+    from maestro_flow.planner.plan import Plan
+    from maestro_flow.planner.simulate import simulate
+    from maestro_flow.samples import SampleMeta
+
+    samples = (SampleMeta(id=0, num_tokens=10), SampleMeta(id=1, num_tokens=90))
+    for padded, want in ((False, 100.0), (True, 180.0)):
+        cost = Cost(per_sample_s=0.0, per_token_s=1.0, backward_factor=1.0, padded=padded)
+        p = Pipeline(name="p", data=ArrowData(path="d"), sections=[Section(name="lm", stage="m:L", cost=cost)])
+        plan = Plan(step=0, schedule="fifo", samples=samples, replicas={"lm": (((0, 1),),)}, routes={"lm": {0: 0, 1: 0}})
+        sim = simulate(plan, SectionGraph(p), CostModel(costs={"lm": cost}, transfer_s=0.0))
+        assert sim.makespan_s == pytest.approx(2 * want)  # a loss section: forward + backward

@@ -167,8 +167,9 @@ def test_tune_imports_only_the_standard_library():
 
 def test_runtime_costs_lengthen_the_step():
     """Calibration: a runtime cost per planned micro-batch, an optimizer step per step (plus an
-    all-reduce estimate when dp > 1) and planning time all add to the simulated step."""
-    p, batch = distill(), samples(64)
+    all-reduce estimate when dp > 1) and planning time all add to the simulated step (steps that
+    do not overlap: no lookahead)."""
+    p, batch = distill().override(lookahead_steps=0), samples(64)
     layout = (("teacher", 2, 4), ("student", 2, 4))
     base = tune(p, None, batch, devices=4).best[0]
     from maestro_flow.planner.tune import REDUCE_MB_PER_S, Tuner
@@ -260,3 +261,43 @@ def test_fsdp_is_chosen_only_where_a_section_does_not_fit_without_it():
     sets = to_overrides(tight.best[0])
     assert "sections.student.fsdp=true" in sets
     assert p.override(**parse_set(sets)).section("student").fsdp is True
+
+
+def test_the_tuner_expects_padding_to_grow_with_the_micro_batch():
+    """For a padding stage a sample's expected share at micro-batch m carries the expected
+    longest of m random samples less the mean (exact here: lengths 1 and 3, m = 2 -> E[max] =
+    1 x 1/4 + 3 x 3/4 = 2.5, mean 2: 0.5 per sample); none at m = 1 or without padding."""
+    from maestro_flow.planner.tune import Tuner
+
+    batch = [SampleMeta(id=i, num_tokens=1 + 2 * (i % 2)) for i in range(8)]
+    for padded, want in ((False, 0.0), (True, 0.5)):
+        cost = Cost(per_sample_s=0.0, per_token_s=1.0, padded=padded)
+        p = Pipeline(name="p", data=ArrowData(path="d"), global_batch=8,
+                     sections=[Section(name="lm", stage="m:L", cost=cost)])
+        tuner = Tuner(p, _costs(p), [batch], devices=1)
+        assert tuner._padding_s("lm", 1) == 0.0
+        assert tuner._padding_s("lm", 2) == pytest.approx(want)
+
+
+def test_steps_with_a_frozen_producer_overlap_under_lookahead():
+    """With lookahead and no gradient across an edge (a frozen teacher), the step is the busiest
+    replica's simulated busy time plus its section's end of step (the teacher runs on into the
+    next step): planning and the fill and drain hide. A trainable producer keeps the makespan."""
+    from maestro_flow.planner.simulate import simulate
+    from maestro_flow.planner.tune import Tuner
+
+    batch = samples(64)
+    layout = (("teacher", 2, 4), ("student", 2, 4))
+    calib = {"step_s": {"student": 0.01}, "planning_s": 0.003}
+    p = distill()
+    tuner = Tuner(p, _costs(p), [batch], devices=4, **calib)
+    assert tuner.overlapped() and not Tuner(p.override(lookahead_steps=0), _costs(p), [batch], devices=4).overlapped()
+    from maestro_flow.planner import make_planner
+
+    graph = SectionGraph(p.override(**{f"sections.{n}.{k}": v for n in ("teacher", "student")
+                                       for k, v in (("dp", 2), ("micro_batch", 4))}))
+    sim = simulate(make_planner("wavefront", graph, _costs(p)).plan(0, batch), graph, _costs(p))
+    want = max(max(sim.busy_s["teacher"]), max(sim.busy_s["student"]) + 0.01)
+    assert tuner.evaluate(layout).step_s == pytest.approx(want)
+    assert want < Tuner(p.override(lookahead_steps=0), _costs(p), [batch], devices=4, **calib).evaluate(layout).step_s
+    assert not Tuner(vlm(), _costs(vlm()), [batch], devices=4).overlapped()  # its encoder trains

@@ -243,7 +243,8 @@ def pipeline_overhead(path: str, overrides: dict[str, Any], costs_us: dict[str, 
     from maestro_flow.timeouts import Timeouts
 
     t0 = time.monotonic()
-    rows = run_pipeline(path, RunOptions(overrides=overrides, show_progress=False))
+    # Costs fixed (adapt_costs off): the run plans exactly the plans counted here.
+    rows = run_pipeline(path, RunOptions(overrides={**overrides, "adapt_costs": False}, show_progress=False))
     wall_s = time.monotonic() - t0
     timed = rows[1:] if len(rows) > 2 else rows  # step 0 pays one-off warm-up (allocator, lazy init)
     step_time_s = median([r["step_time_s"] for r in timed])

@@ -32,7 +32,10 @@ RATIO_GOAL = 1.10  # "close to 1": under 10% growth for 4x the micro-batches
 def run_one(path: str, global_batch: int, steps: int, sets: dict[str, Any]) -> dict[str, Any]:
     from maestro_flow.runtime.run import RunOptions, run_pipeline
 
-    rows = run_pipeline(path, RunOptions(overrides={**sets, "global_batch": global_batch, "steps": steps},
+    # Whole micro-batches of 8 (padding not charged: no micro-batch is split into pieces), so the
+    # teacher serves exactly global_batch / 8 of them.
+    whole = {"sections.teacher.cost.padded": False, "sections.student.cost.padded": False}
+    rows = run_pipeline(path, RunOptions(overrides={**whole, **sets, "global_batch": global_batch, "steps": steps},
                                          show_progress=False))
     out: dict[str, Any] = {"global_batch": global_batch, "steps": len(rows)}
     half = (len(rows) - 1) // 2
