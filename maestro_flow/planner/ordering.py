@@ -23,7 +23,8 @@ Decisions (the `Rules` fields name the alternatives):
     consumer replica by at most `run_ahead` samples (default_run_ahead when unset);
   - a consumer takes what has arrived first (oldest first) and fills the rest of a micro-batch
     (or not: pad) with samples that need nothing from upstream (text-only samples while the
-    encoder works), longest first, shortest first, or short ones at both ends of the step.
+    encoder works), longest first, shortest first, or short ones at both ends of the step
+    (for a stage that pads, first those no longer than the longest that arrived: free of padding).
 Whatever the rules, a micro-batch of a stage that pads (Cost.padded) runs as the consecutive
 pieces that cost least (`_split`: its samples by increasing cost, cut where padding them to the
 longest costs more than another micro-batch's fixed cost); the pieces are recorded as the
@@ -295,6 +296,16 @@ class Ordering:
             batch.append(heapq.heappop(rep.arrived)[-1])
         if batch and not self.rules.pad:
             return batch
+        if batch and self.padded[rep.section] and rep.free:
+            # A padding stage fills first with free samples no longer than the longest that
+            # arrived (the largest first): they cost no padding.
+            fwd = self.fwd[rep.section]
+            top = max(fwd[sid] for sid in batch)
+            under = sorted((sid for sid in rep.free if fwd[sid] <= top), key=lambda sid: (-fwd[sid], sid))
+            chosen = set(under[:rep.mb - len(batch)])
+            if chosen:
+                batch.extend(sid for sid in under if sid in chosen)
+                rep.free = [sid for sid in rep.free if sid not in chosen]
         while len(batch) < rep.mb and rep.free:
             batch.append(rep.free.pop(0))
         return batch
