@@ -19,7 +19,10 @@ pads, `Cost.padded`, every sample at the micro-batch's longest):
 Fit (planner.costfit.fit_nonnegative, non-negative least squares lightly pulled towards the
 pipeline's Cost shape): forward seconds = overhead + a*samples + b*tokens + c*patches +
 d*frames, with the token/patch/frame terms the section's Cost uses (the CostFitter rule);
-backward_factor = total backward / total forward time.
+backward_factor = total backward / total forward time. The fit is made both with padding
+(tokens, patches, frames counted at each micro-batch's longest sample) and without, and the
+clearly better one sets the cost file's `padded` (`fit_section`: padding is measured, not only
+declared).
 
 Peak memory per micro-batch: on CUDA, torch.cuda.max_memory_allocated above the allocation
 before the call; on CPU, the process RSS sampled every millisecond by a thread during the call,
@@ -273,10 +276,15 @@ def _measure(sec: _Section, mb: list[SampleMeta], outputs: dict, repeats: int) -
             bwd.append(t2 - t1)
             peak = max(peak, meter.grown_mb)
     sec.zero_grad()
-    _, tokens, patches, frames = charged(sec.section.cost, mb)  # padded to the longest where the stage pads
+    # Counted as the section's Cost charges them (fit_section recounts them if padding is detected).
+    _, tokens, patches, frames = charged(sec.section.cost, mb)
     return {"micro_batch": len(mb), "samples": len(mb), "tokens": tokens, "patches": patches, "frames": frames,
+            "sizes": [[s.num_tokens, s.num_patches, s.num_frames] for s in mb],
             "forward_s": statistics.median(fwd), "backward_s": statistics.median(bwd) if sec.section.trainable else 0.0,
             "peak_mb": peak}
+
+
+PADDING_MARGIN = 0.2  # the other padding model must fit 20% better (sum of squared residuals) to be taken
 
 
 def tp_share(stage: Any, section: Any) -> float:
@@ -294,23 +302,54 @@ def tp_share(stage: Any, section: Any) -> float:
     return sum(size[n] for n in sharded(plan, modules)) / total if total else 0.0
 
 
-def fit_section(prior: Cost, rows: list[dict[str, Any]], trainable: bool, param_mb: float,
-                optimizer: str) -> dict[str, Any]:
-    """Cost coefficients, per-micro-batch overhead and memory model from the measurements."""
+def _fit_forward(prior: Cost, rows: list[dict[str, Any]], padded: bool) -> tuple[tuple[float, ...], float]:
+    """(fixed cost, FEATURES coefficients) of the forward times with the rows counted as a stage
+    that pads (or not) is charged, and the fit's sum of squared residuals."""
     used = [f == "per_sample_s" or getattr(prior, f) > 0 for f in FEATURES]
+    as_charged = dataclasses.replace(prior, padded=padded)
     data = []
     for r in rows:
-        x = [float(r["samples"]), float(r["tokens"]), float(r["patches"]), float(r["frames"])]
+        if "sizes" in r:  # recount: every sample at the longest one's lengths, or each at its own
+            mb = [SampleMeta(id=i, num_tokens=t, num_patches=p, num_frames=f) for i, (t, p, f) in enumerate(r["sizes"])]
+            counts = charged(as_charged, mb)
+        else:
+            counts = (r["samples"], r["tokens"], r["patches"], r["frames"])
+        x = [float(v) for v in counts]
         data.append(([1.0] + [v if u else 0.0 for v, u in zip(x, used, strict=True)], r["forward_s"]))
     coef = fit_nonnegative(data, (0.0, *(getattr(prior, f) for f in FEATURES)), 0.05)
+    residual = sum((y - sum(c * v for c, v in zip(coef, x, strict=True))) ** 2 for x, y in data)
+    return coef, residual
+
+
+def fit_section(prior: Cost, rows: list[dict[str, Any]], trainable: bool, param_mb: float,
+                optimizer: str) -> dict[str, Any]:
+    """Cost coefficients, per-micro-batch overhead and memory model from the measurements.
+
+    Padding is detected, not only declared: the forward times are fitted both ways (each
+    micro-batch charged at its longest sample, or at its samples' own lengths) and the better
+    fit sets `Cost.padded` (PADDING_MARGIN: clearly better; otherwise the pipeline's setting
+    stays). The mixed-length micro-batches tell the two apart; a stage whose time does not
+    depend on lengths fits both alike."""
+    fits = {padded: _fit_forward(prior, rows, padded) for padded in (False, True)}
+    padded = prior.padded
+    if fits[not padded][1] < fits[padded][1] * (1 - PADDING_MARGIN):
+        padded = not padded
+    coef = fits[padded][0]
+    if padded != prior.padded:  # the rows as the detected model counts them
+        for r in rows:
+            if "sizes" in r:
+                mb = [SampleMeta(id=i, num_tokens=t, num_patches=p, num_frames=f) for i, (t, p, f) in enumerate(r["sizes"])]
+                _, r["tokens"], r["patches"], r["frames"] = charged(dataclasses.replace(prior, padded=padded), mb)
     fwd = sum(r["forward_s"] for r in rows)
     factor = sum(r["backward_s"] for r in rows) / fwd if trainable and fwd > 0 else prior.backward_factor
     cost = Cost(**dict(zip(FEATURES, coef[1:], strict=True)), backward_factor=factor, per_micro_batch_s=coef[0],
-                padded=prior.padded)
+                padded=padded)
     mem = fit_nonnegative([((1.0, float(r["samples"])), r["peak_mb"]) for r in rows], (1.0, 1.0), 0.05)
     state = 1 if not trainable else (4 if optimizer == "adamw" else 2)
     return {"cost": dataclasses.asdict(cost), "micro_batch_overhead_s": coef[0],
-            "memory_base_mb": param_mb * state + mem[0], "peak_memory_mb_per_sample": mem[1]}
+            "memory_base_mb": param_mb * state + mem[0], "peak_memory_mb_per_sample": mem[1],
+            "padding": {"declared": prior.padded, "detected": padded,
+                        "residual_padded": fits[True][1], "residual_summed": fits[False][1]}}
 
 
 def profile_pipeline(path: str, options: ProfileOptions) -> dict[str, Any]:
@@ -439,6 +478,12 @@ def _profile(single: Pipeline, graph: SectionGraph, checked: Any, sizes: dict[st
                 log(f"{n}: micro-batch {m}: forward {statistics.median(r['forward_s'] for r in rows[-len(mbs):]) * 1e3:.1f} ms")
             fitted = fit_section(sec.section.cost, rows, sec.section.trainable, sec.param_mb(),
                                  str(sec.section.optimizer.get("name")))
+            pad = fitted["padding"]
+            if pad["detected"] != pad["declared"]:
+                follows = ("the longest sample of each micro-batch (padding)" if pad["detected"]
+                           else "each sample's own length (no padding)")
+                log(f"{n}: its time follows {follows}, not what its Cost says (padded={pad['declared']}): "
+                    f"the cost file says padded={pad['detected']}")
             if sec.section.trainable:
                 fitted["step_overhead_s"] = _time_optimizer_step(sec, pool[:sec.section.micro_batch], outputs,
                                                                  options.repeats)

@@ -129,3 +129,28 @@ def test_padded_must_be_a_boolean_and_survives_a_cost_file(tmp_path):
     path = tmp_path / "costs.json"
     path.write_text(json.dumps({"sections": {"lm": {"cost": {"per_token_s": 1e-4, "padded": True}}}}))
     assert read_cost_file(str(path))[1]["lm"].cost.padded is True
+
+
+def test_maestro_profile_detects_padding_from_mixed_micro_batches():
+    """fit_section fits the timings both ways and keeps the clearly better model: timings of a
+    stage that pads are detected as padded whatever the Cost declared, and those of one that
+    does not as not padded; the rows are recounted as the chosen model charges them."""
+    from maestro_flow.runtime.profiling import fit_section
+    from maestro_flow.samples import SampleMeta
+
+    rnd = random.Random(3)
+    mbs = []
+    for m in (1, 2, 4, 8):
+        for _ in range(4):
+            mbs.append([rnd.choice((20, 40, 300)) for _ in range(m)])
+    for truth in (True, False):
+        model = CostModel(costs={"s": Cost(per_sample_s=1e-3, per_token_s=1e-4, per_micro_batch_s=2e-3, padded=truth)})
+        rows = [{"samples": len(mb), "tokens": sum(mb), "patches": 0, "frames": 0, "sizes": [[t, 0, 0] for t in mb],
+                 "forward_s": model.batch_s("s", [SampleMeta(id=i, num_tokens=t) for i, t in enumerate(mb)]),
+                 "backward_s": 0.0, "peak_mb": 1.0} for mb in mbs]
+        fitted = fit_section(Cost(per_sample_s=1e-3, per_token_s=1e-4, padded=not truth), rows, False, 1.0, "adamw")
+        assert fitted["cost"]["padded"] is truth and fitted["padding"]["declared"] is (not truth)
+        assert fitted["cost"]["per_token_s"] == pytest.approx(1e-4, rel=0.05)
+        mixed = next(r for r in rows if len(set(t for t, _, _ in r["sizes"])) > 1)
+        assert mixed["tokens"] == (len(mixed["sizes"]) * max(t for t, _, _ in mixed["sizes"]) if truth
+                                   else sum(t for t, _, _ in mixed["sizes"]))
