@@ -42,6 +42,8 @@ bench: setup data/demo/text.arrow
 	$(BIN)/python -m tools.bench.coordinator_scale
 	$(BIN)/python -m tools.bench.tune_report
 	$(BIN)/python -m tools.bench.wavefront_sim --worst
+	$(BIN)/python -m tools.bench.planning_time --padded
+	$(BIN)/python -m tools.bench.padding
 
 lint: setup
 	$(BIN)/ruff check .
