@@ -21,8 +21,8 @@ pipeline's Cost shape): forward seconds = overhead + a*samples + b*tokens + c*pa
 d*frames, with the token/patch/frame terms the section's Cost uses (the CostFitter rule);
 backward_factor = total backward / total forward time. The fit is made both with padding
 (tokens, patches, frames counted at each micro-batch's longest sample) and without, and the
-clearly better one sets the cost file's `padded` (`fit_section`: padding is measured, not only
-declared).
+clearly better one sets the cost file's `padded` (runtime/profile_fit.py: padding is measured,
+not only declared).
 
 Peak memory per micro-batch: on CUDA, torch.cuda.max_memory_allocated above the allocation
 before the call; on CPU, the process RSS sampled every millisecond by a thread during the call,
@@ -64,14 +64,14 @@ from typing import Any
 
 import torch
 
-from maestro_flow.config import Cost, Pipeline
+from maestro_flow.config import Pipeline
 from maestro_flow.errors import PipelineError
 from maestro_flow.graph import SectionGraph
 from maestro_flow.planner.cost import charged
-from maestro_flow.planner.costfit import FEATURES, fit_nonnegative
 from maestro_flow.runtime.build import build_stage, default_dtype, load_pipeline, resolve_device
 from maestro_flow.runtime.checks import check_pipeline
 from maestro_flow.runtime.costfile import apply_cost_file, load_cost_file, write_cost_file
+from maestro_flow.runtime.profile_fit import fit_section
 from maestro_flow.samples import SampleMeta
 from maestro_flow.stage import MicroBatch
 
@@ -284,9 +284,6 @@ def _measure(sec: _Section, mb: list[SampleMeta], outputs: dict, repeats: int) -
             "peak_mb": peak}
 
 
-PADDING_MARGIN = 0.2  # the other padding model must fit 20% better (sum of squared residuals) to be taken
-
-
 def tp_share(stage: Any, section: Any) -> float:
     """The share of the stage's parameter bytes its tp_plan shards (0 without a plan): what
     `maestro tune` divides by tp."""
@@ -300,56 +297,6 @@ def tp_share(stage: Any, section: Any) -> float:
     size = {n: sum(p.numel() * p.element_size() for p in m.parameters(recurse=False)) for n, m in modules.items()}
     total = sum(size.values())
     return sum(size[n] for n in sharded(plan, modules)) / total if total else 0.0
-
-
-def _fit_forward(prior: Cost, rows: list[dict[str, Any]], padded: bool) -> tuple[tuple[float, ...], float]:
-    """(fixed cost, FEATURES coefficients) of the forward times with the rows counted as a stage
-    that pads (or not) is charged, and the fit's sum of squared residuals."""
-    used = [f == "per_sample_s" or getattr(prior, f) > 0 for f in FEATURES]
-    as_charged = dataclasses.replace(prior, padded=padded)
-    data = []
-    for r in rows:
-        if "sizes" in r:  # recount: every sample at the longest one's lengths, or each at its own
-            mb = [SampleMeta(id=i, num_tokens=t, num_patches=p, num_frames=f) for i, (t, p, f) in enumerate(r["sizes"])]
-            counts = charged(as_charged, mb)
-        else:
-            counts = (r["samples"], r["tokens"], r["patches"], r["frames"])
-        x = [float(v) for v in counts]
-        data.append(([1.0] + [v if u else 0.0 for v, u in zip(x, used, strict=True)], r["forward_s"]))
-    coef = fit_nonnegative(data, (0.0, *(getattr(prior, f) for f in FEATURES)), 0.05)
-    residual = sum((y - sum(c * v for c, v in zip(coef, x, strict=True))) ** 2 for x, y in data)
-    return coef, residual
-
-
-def fit_section(prior: Cost, rows: list[dict[str, Any]], trainable: bool, param_mb: float,
-                optimizer: str) -> dict[str, Any]:
-    """Cost coefficients, per-micro-batch overhead and memory model from the measurements.
-
-    Padding is detected, not only declared: the forward times are fitted both ways (each
-    micro-batch charged at its longest sample, or at its samples' own lengths) and the better
-    fit sets `Cost.padded` (PADDING_MARGIN: clearly better; otherwise the pipeline's setting
-    stays). The mixed-length micro-batches tell the two apart; a stage whose time does not
-    depend on lengths fits both alike."""
-    fits = {padded: _fit_forward(prior, rows, padded) for padded in (False, True)}
-    padded = prior.padded
-    if fits[not padded][1] < fits[padded][1] * (1 - PADDING_MARGIN):
-        padded = not padded
-    coef = fits[padded][0]
-    if padded != prior.padded:  # the rows as the detected model counts them
-        for r in rows:
-            if "sizes" in r:
-                mb = [SampleMeta(id=i, num_tokens=t, num_patches=p, num_frames=f) for i, (t, p, f) in enumerate(r["sizes"])]
-                _, r["tokens"], r["patches"], r["frames"] = charged(dataclasses.replace(prior, padded=padded), mb)
-    fwd = sum(r["forward_s"] for r in rows)
-    factor = sum(r["backward_s"] for r in rows) / fwd if trainable and fwd > 0 else prior.backward_factor
-    cost = Cost(**dict(zip(FEATURES, coef[1:], strict=True)), backward_factor=factor, per_micro_batch_s=coef[0],
-                padded=padded)
-    mem = fit_nonnegative([((1.0, float(r["samples"])), r["peak_mb"]) for r in rows], (1.0, 1.0), 0.05)
-    state = 1 if not trainable else (4 if optimizer == "adamw" else 2)
-    return {"cost": dataclasses.asdict(cost), "micro_batch_overhead_s": coef[0],
-            "memory_base_mb": param_mb * state + mem[0], "peak_memory_mb_per_sample": mem[1],
-            "padding": {"declared": prior.padded, "detected": padded,
-                        "residual_padded": fits[True][1], "residual_summed": fits[False][1]}}
 
 
 def profile_pipeline(path: str, options: ProfileOptions) -> dict[str, Any]:

@@ -135,7 +135,7 @@ def test_maestro_profile_detects_padding_from_mixed_micro_batches():
     """fit_section fits the timings both ways and keeps the clearly better model: timings of a
     stage that pads are detected as padded whatever the Cost declared, and those of one that
     does not as not padded; the rows are recounted as the chosen model charges them."""
-    from maestro_flow.runtime.profiling import fit_section
+    from maestro_flow.runtime.profile_fit import fit_section
     from maestro_flow.samples import SampleMeta
 
     rnd = random.Random(3)
