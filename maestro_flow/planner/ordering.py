@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from maestro_flow.graph import SectionGraph
@@ -249,11 +249,8 @@ class Ordering:
         """Cumulative count of samples from producer replica p in crep's first j micro-batches."""
         key = (crep.section, crep.index, producer, p)
         if key not in self._consumed:
-            counts, total = [0], 0
-            for mb in crep.mbs:
-                total += sum(1 for sid in mb if (producer, p, crep.section, crep.index) in self.keys_of.get(sid, ()))
-                counts.append(total)
-            self._consumed[key] = counts
+            queue = (producer, p, crep.section, crep.index)
+            self._consumed[key] = cumulative(crep.mbs, lambda sid: queue in self.keys_of.get(sid, ()))
         return self._consumed[key]
 
     def _decide(self, rep: _Rep, t: float) -> None:
@@ -510,6 +507,14 @@ def default_run_ahead(consumer_micro_batch: int) -> int:
     (8 samples) a frozen encoder feeding 4 llm replicas idled both sides, 1.06-1.09x the bound
     at 90% images, against 1.005x with 16."""
     return max(4 * consumer_micro_batch, 16)
+
+
+def cumulative(mbs: Sequence[Sequence[int]], keep: Callable[[int], bool]) -> list[int]:
+    """[0, then for each j the samples `keep` accepts in the first j micro-batches]."""
+    counts = [0]
+    for mb in mbs:
+        counts.append(counts[-1] + sum(1 for sid in mb if keep(sid)))
+    return counts
 
 
 def first_covering(cumulative: list[int], need: int) -> int:

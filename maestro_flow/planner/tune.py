@@ -277,9 +277,9 @@ class Tuner:
         that pads (Cost.padded): the expected longest of `mb` samples drawn at random from the
         section's samples, less their mean length (scoring only: the evaluation simulates the
         plan's actual micro-batches)."""
-        c = self.cost_at(name)
         key = ("padding", name, mb)
         if key not in self._terms:
+            c = self.cost_at(name)
             lengths = sorted(length_s(c, s) for s in self.active[name])
             n = len(lengths)
             if not c.padded or mb <= 1 or n == 0:

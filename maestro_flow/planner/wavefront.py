@@ -36,7 +36,7 @@ from maestro_flow.graph import SectionGraph
 from maestro_flow.planner.balance import assign
 from maestro_flow.planner.cost import CostModel
 from maestro_flow.planner.fifo import FifoPlanner
-from maestro_flow.planner.ordering import Ordering, Routed, first_covering
+from maestro_flow.planner.ordering import Ordering, Routed, cumulative, first_covering
 from maestro_flow.planner.plan import Plan
 from maestro_flow.planner.routing import components
 from maestro_flow.planner.rules import CANDIDATES, Rules
@@ -214,14 +214,11 @@ class WavefrontPlanner:
                 if not feeds:
                     reps.append(tuple(() for _ in mbs))
                     continue
+                def mine(sid: int, n: str = n, r: int = r) -> bool:
+                    return sections[n].activates(meta[sid].modalities) and plan.routes[n][sid] == r
+
                 # Per consumer replica: cumulative samples from this producer replica in its first j mbs.
-                consumed: dict[int, list[int]] = {}
-                for ci, cmbs in enumerate(plan.replicas[critical]):
-                    counts = [0]
-                    for cmb in cmbs:
-                        counts.append(counts[-1] + sum(1 for sid in cmb if sections[n].activates(meta[sid].modalities)
-                                                       and plan.routes[n][sid] == r))
-                    consumed[ci] = counts
+                consumed = {ci: cumulative(cmbs, mine) for ci, cmbs in enumerate(plan.replicas[critical])}
                 sent: dict[int, int] = {}
                 per_mb = []
                 for mb in mbs:

@@ -45,6 +45,8 @@ def calibrate(path: str, overrides: dict[str, Any], cost_file: str, *, steps: in
         with open(os.path.join(folder, "plans.jsonl")) as f:
             plans = [json.loads(line) for line in f]
     from maestro_flow.graph import SectionGraph
+    from maestro_flow.planner.cost import CostModel
+    from maestro_flow.planner.simulate import micro_batch_task_s
 
     sections = {s.name: s for s in pipeline.sections}
     graph = SectionGraph(pipeline)
@@ -52,10 +54,12 @@ def calibrate(path: str, overrides: dict[str, Any], cost_file: str, *, steps: in
     for name, prof in profiles.items():
         if name not in sections:
             continue
+        model = CostModel(costs={name: prof.cost})
         ratios = []
         for plan, row in list(zip(plans, rows, strict=False))[warmup:]:
             mbs = [mb for rep in plan["sections"][name]["replicas"] for mb in rep]
-            predicted = sum(_micro_batch_s(prof, [meta[i] for i in mb], name, graph) for mb in mbs)
+            predicted = sum(micro_batch_task_s(graph, model, name, [meta[i] for i in mb]) + prof.runtime_overhead_s
+                            for mb in mbs)
             measured = row["sections"][name]["busy_s"] - (prof.step_overhead_s if sections[name].trainable else 0.0)
             if predicted > 0 and measured > 0:
                 ratios.append(measured / predicted)
@@ -65,16 +69,6 @@ def calibrate(path: str, overrides: dict[str, Any], cost_file: str, *, steps: in
                 "steps); costs scaled by it")
     _rewrite(cost_file, factors, steps)
     return factors
-
-
-def _micro_batch_s(prof: Any, mb: list, name: str, graph: Any) -> float:
-    """The profile's compute for one micro-batch, as the simulation charges it
-    (simulate.micro_batch_task_s: padding, and a backward when a gradient comes back), plus the
-    runtime overhead."""
-    from maestro_flow.planner.cost import CostModel
-    from maestro_flow.planner.simulate import micro_batch_task_s
-
-    return micro_batch_task_s(graph, CostModel(costs={name: prof.cost}), name, mb) + prof.runtime_overhead_s
 
 
 def _rewrite(cost_file: str, factors: dict[str, float], steps: int) -> None:
