@@ -110,6 +110,12 @@ class SectionGraph:
         """Sections with no outgoing edge, in topological order."""
         return [n for n in self.order if not self.outputs(n)]
 
+    def lockstep(self, name: str) -> bool:
+        """Whether section `name`'s FSDP gathers per micro-batch, its replicas in lockstep
+        (parallel/fsdp.py): frozen, fsdp, tp=1, and fed by no other section (a teacher)."""
+        section = self.sections[name]
+        return bool(section.fsdp) and not section.trainable and section.tp == 1 and not self.inputs(name)
+
     def loss_sections(self) -> list[str]:
         """Trainable sinks: each must return a loss (checked against the stage in runtime/checks)."""
         return list(self._losses)

@@ -60,7 +60,8 @@ def section_mesh(placement: Any, section: str, dp_group: Any, tp_group: Any, dev
 
 
 def parallelize_section(stage: Any, section: Any, placement: Any, rank: int, groups: Any,
-                        device: torch.device) -> Layout:
+                        device: torch.device, per_micro_batch: bool = False) -> Layout:
+    """`per_micro_batch`: FSDP gathers each unit for its forward only (SectionGraph.lockstep)."""
     from maestro_flow.stage import Stage
 
     name, replica = placement.who(rank)
@@ -73,12 +74,12 @@ def parallelize_section(stage: Any, section: Any, placement: Any, rank: int, gro
         stage.parallelize(mesh)  # full control; the FSDP units it made are driven per step below
         units = _fsdp_modules(stage)
         if units:
-            layout.fsdp = FSDPSection(stage, None, groups.dp, units=units)
+            layout.fsdp = FSDPSection(stage, None, groups.dp, units=units, per_micro_batch=per_micro_batch)
         return layout
     if section.tp > 1:
         apply_plan(stage, type(stage).tp_plan(dict(section.config)), mesh["tp"])
     if section.fsdp:
-        layout.fsdp = FSDPSection(stage, mesh["dp"], groups.dp)
+        layout.fsdp = FSDPSection(stage, mesh["dp"], groups.dp, per_micro_batch=per_micro_batch)
     return layout
 
 

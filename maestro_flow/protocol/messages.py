@@ -30,7 +30,8 @@ Coordinator -> worker:
              the coordinator's clock (to align trace timestamps), whether to trace, and what to
              record for replay ({"dir", "section", "steps"} or None), and the checkpoint to resume
              from (a folder, or None)
-  plan       one step's plan, restricted to what this replica needs
+  plan       one step's plan, restricted to what this replica needs (a lockstep FSDP teacher's
+             also `rounds` and `probe`: forwards every replica runs, a sample to fill them)
   finalize   every loss replica reported: the step's global loss denominator, to the trainable
              sections upstream of that loss
   clip       every trainable replica reported its norm share: the step's clip coefficient, to all
@@ -83,7 +84,7 @@ FIELDS: dict[str, tuple[str, ...]] = {
 # Fields a message may carry or leave out (a hello's host key is optional so that a worker of
 # another protocol version still parses, and its version mismatch is reported).
 OPTIONAL: dict[str, tuple[str, ...]] = {"hello": ("host_key",), "heartbeat": ("status",), "tensors": ("shm",),
-                                        "ready": ("setup",)}
+                                        "ready": ("setup",), "plan": ("rounds", "probe")}
 
 _NUM = (int, float)
 _OPT_STR = (str, type(None))
@@ -98,7 +99,7 @@ TYPES: dict[str, tuple[type, ...]] = {
     "resume": _OPT_STR, "micro_batches": (list,), "samples": (list,), "routes": (dict,), "gates": (list,),
     "notify": (list,), "path": (str,), "save_dir": _OPT_STR, "src": (int,), "edge": (int,), "entries": (list,),
     "buffers": (list,), "finished": (int,), "status": (dict,), "session": (str,), "host_key": _OPT_STR,
-    "slots": (list,), "setup": (dict,),
+    "slots": (list,), "setup": (dict,), "rounds": (int,), "probe": (list,),
 }
 TYPES_OF: dict[tuple[str, str], tuple[type, ...]] = {("error", "step"): _OPT_INT, ("tensors", "shm"): (list, type(None)),
                                                      ("init", "shm"): (list,)}

@@ -13,14 +13,15 @@ Format (version 1):
                          "grad_mb": MB,                    # gradient size (all-reduce estimate when dp > 1)
                          "param_mb": MB,                   # parameters (what tp and fsdp shard)
                          "tp_share": f,                    # share of param_mb the stage's tp_plan shards
+                         "unit_mb": MB,                    # its largest FSDP unit (a block)
                          "device": "cpu" | "cuda:0", "memory_method": "...",
                          "measurements": [{micro_batch, samples, tokens, patches, frames,
                                            forward_s, backward_s, peak_mb}, ...]}},
      "planning_s": s}                                      # one plan of a global batch (per step)
 
-runtime_overhead_s, step_overhead_s, grad_mb, planning_s, param_mb and tp_share were added later
-(still version 1): a file without them reads as 0 (no runtime costs modelled, no memory saved by
-sharding), as before.
+runtime_overhead_s, step_overhead_s, grad_mb, planning_s, param_mb, tp_share and unit_mb were added
+later (still version 1): a file without them reads as 0 (no runtime costs modelled, no memory saved
+by sharding), as before.
 
 `cost` is what the planner uses (Pipeline sections' `cost`); the overhead and memory figures
 are what `maestro tune` adds on top.
@@ -50,6 +51,7 @@ class SectionProfile:
     grad_mb: float = 0.0
     param_mb: float = 0.0
     tp_share: float = 0.0
+    unit_mb: float = 0.0
 
 
 def read_cost_file(path: str) -> tuple[str, dict[str, SectionProfile]]:
@@ -81,7 +83,7 @@ def read_cost_file(path: str) -> tuple[str, dict[str, SectionProfile]]:
             c.validate(where)
             extra = {k: float(body.get(k, 0.0)) for k in ("micro_batch_overhead_s", "memory_base_mb",
                                                           "peak_memory_mb_per_sample", "runtime_overhead_s",
-                                                          "step_overhead_s", "grad_mb", "param_mb", "tp_share")}
+                                                          "step_overhead_s", "grad_mb", "param_mb", "tp_share", "unit_mb")}
         except (TypeError, ValueError) as exc:
             raise PipelineError(f"{where}: {exc}") from None
         out[name] = SectionProfile(cost=c, **extra)

@@ -16,7 +16,10 @@ talks to other sections, and before each forward and each backward relays the mi
 inputs ("tpf") or gradients ("tpb") to the other ranks (`Comm.relay`); those ranks follow the
 relays in the leader's order (`_follow`), so every collective inside the stage's forward and
 backward pairs up, and send nothing themselves. With FSDP, the section's parameters are gathered
-at each step's start and reduce-scattered and released at its end (parallel/fsdp.py). Each
+at each step's start and reduce-scattered and released at its end; a frozen teacher's are
+gathered unit by unit in each forward instead, and a replica with fewer micro-batches than the
+step's `rounds` runs the plan's probe sample until it has run as many forwards as its peers
+(parallel/fsdp.py). Each
 step's report holds the bytes of training state the rank held in the step and after it
 (parallel/memory.py).
 """
@@ -117,7 +120,14 @@ class SectionExecutor:
                                             for mb in msg.get("gates", ())],
             notify=[] if self.follower else [self.placement.rank(p, r) for p, r in msg.get("notify", ())],
             routes={k: {int(sid): r for sid, r in v.items()} for k, v in msg["routes"].items()},
+            rounds=msg.get("rounds", 0),
         ))
+        probe = msg.get("probe")
+        if probe and self.fsdp is not None and self.fsdp.per_micro_batch:
+            st = self.plans[-1]
+            st.probe = probe[0]
+            st.rows.setdefault(probe[0], probe[1])
+            st.modalities.setdefault(probe[0], frozenset(probe[2]))
 
     def deliver(self, kind: str, edge: int, step: int, src: int, items: Any) -> None:
         if kind in ("tpf", "tpb"):  # a relay from this replica's leader; `edge` is the micro-batch index
@@ -154,7 +164,7 @@ class SectionExecutor:
                 self.current = self.plans.popleft()
                 self.current.started = self.clock()
                 if self.fsdp is not None:
-                    self.fsdp.gather()  # every replica, every step, whatever it computes in it
+                    self.fsdp.begin_step()  # every replica, every step, whatever it computes in it
             st = self.current
             work = self._follow(st) if self.follower else (self._run_ready_backward(st) or self._run_next_forward(st))
             if work or self._finish_step(st):
@@ -196,6 +206,7 @@ class SectionExecutor:
         if self.relaying:
             self.comm.relay("tpf", st.step, index, [(sid, name, t) for sid in mb for name, t in arrived[sid].items()])
         batch, leaves = self._make_batch(st, index, mb, arrived)
+        st.tokens += sum(len(t) for t in batch.columns.get("tokens", ()))
         try:
             with torch.set_grad_enabled(self.trainable), compute(self.mixed_precision, self.device):
                 out = self.stage.forward(batch)
@@ -254,7 +265,6 @@ class SectionExecutor:
         rows = [st.rows[sid] for sid in mb]
         raw = self.source.read(rows, self.section.columns)
         columns = {name: [to_torch(name, v) for v in values] for name, values in raw.items()}
-        st.tokens += sum(len(t) for t in columns.get("tokens", ()))
         leaves: dict[tuple[int, str], torch.Tensor] = {}
         inputs: dict[str, list[torch.Tensor | None]] = {}
         grad_names = {n for e in self.in_edges if e.carries_grad for n in e.edge.tensors}
@@ -312,6 +322,26 @@ class SectionExecutor:
                                                    for name in e.edge.tensors)
             for dst, items in by_rank.items():
                 self.comm.send(dst, "fwd", e.index, st.step, items)
+
+    def _probe_round(self, st: StepState) -> None:
+        """A forward this replica's FSDP peers run and it has no micro-batch for: the probe
+        sample's, its outputs dropped, so that every unit's all-gather pairs up (parallel/fsdp.py)."""
+        if st.probe is None:
+            raise RuntimeError(f"section {self.name!r} step {st.step}: the plan asks for {st.rounds} FSDP rounds "
+                               f"and this replica has {len(st.mbs)} micro-batches, but it names no probe sample")
+        t0 = self.clock()
+        self._waited(st, t0)
+        self._doing("FSDP round without samples", st.step, None)
+        batch, _ = self._make_batch(st, -1, (st.probe,), {st.probe: {}})
+        try:
+            with torch.no_grad(), compute(self.mixed_precision, self.device):
+                self.stage.forward(batch)
+        except Exception:
+            raise StageFault("forward", st.step, traceback.format_exc()) from None
+        st.probes += 1
+        elapsed = self.clock() - t0
+        st.busy_s += elapsed
+        self.tracer.span("FSDP round without samples", "compute", t0, t0 + elapsed, step=st.step)
 
     # -- backward --------------------------------------------------------------------------
 
@@ -445,6 +475,9 @@ class SectionExecutor:
     def _finish_step(self, st: StepState) -> bool:
         if st.next_mb < len(st.mbs) or st.pending:
             return False
+        if self.fsdp is not None and self.fsdp.per_micro_batch and st.next_mb + st.probes < st.rounds:
+            self._probe_round(st)
+            return True
         if self.is_loss and self.feeds_upstream and not st.loss_reported and not self.follower:
             # Trainable sections upstream need the global denominator: the coordinator sums the
             # loss replicas' reports and sends it to them (finalize).
@@ -487,7 +520,7 @@ class SectionExecutor:
                 st.busy_s += self.clock() - t0
                 self.tracer.span("optimizer step", "compute", t0, self.clock(), step=st.step)
             st.stepped = True
-        if self.fsdp is not None and self.fsdp.gathered:
+        if self.fsdp is not None and (self.fsdp.gathered or self.fsdp.per_micro_batch):
             self._measure(st, "step")
             self.fsdp.release()  # a frozen section's (a trainable one released when it reduced)
         for when in ("step", "rest"):  # unless measured around the gradient reduction
@@ -522,6 +555,8 @@ class SectionExecutor:
         params, grads = memory.held(self.stage.parameters())
         if when == "step" and self.fsdp is not None and self.fsdp.gathered:
             params += memory.local_bytes(self.fsdp.sharded())  # kept beside the gathered copy
+        elif when == "step" and self.fsdp is not None and self.fsdp.per_micro_batch:
+            params = max(params, self.fsdp.peak_bytes)  # the most it held at once, within a forward
         st.memory.update({f"{when}_params": params, f"{when}_grads": grads})
 
     def _stats(self, st: StepState) -> dict[str, Any]:
@@ -530,6 +565,7 @@ class SectionExecutor:
         return {"busy_s": st.busy_s, "wall_s": wall, "stage": dict(stage_stats()) if callable(stage_stats) else {},
                 **({"loss_sum": st.loss_sum, "denominator": st.denominator} if self.is_loss else {}),
                 "micro_batches": len(st.mbs), "samples": sum(len(mb) for mb in st.mbs), "tokens": st.tokens,
+                **({"probe_rounds": st.probes} if st.rounds else {}),
                 "timings": st.timings,
                 **({"grad_sq": st.grad_sq} if self.trainable else {}),
                 **({"lr": st.lr} if self.optim is not None else {}),

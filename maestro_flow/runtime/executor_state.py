@@ -62,6 +62,9 @@ class StepState:
     lr: float | None = None  # the learning rate of this step's optimizer step
     stepped: bool = False
     memory: dict[str, int] = field(default_factory=dict)  # bytes held in the step and at its end (parallel/memory)
+    rounds: int = 0  # a per-micro-batch FSDP section's forwards per replica this step (parallel/fsdp.py)
+    probe: int | None = None  # the sample it runs for rounds without a micro-batch of its own
+    probes: int = 0  # such rounds run
 
 
 def recording(spec: dict[str, Any] | None, section: str, replica: int) -> tuple[str, frozenset[int] | None] | None:

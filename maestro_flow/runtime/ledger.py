@@ -39,8 +39,13 @@ class PlanMessages:
     def __init__(self, plan: Plan, graph: SectionGraph) -> None:
         self.plan, self.graph = plan, graph
         self.meta = {s.id: s for s in plan.samples}
+        # Frozen teachers with per-micro-batch FSDP: their replicas run in lockstep, so they take
+        # no run-ahead credits, and get the step's rounds and a probe sample (parallel/fsdp.py).
+        self.lockstep = {n for n in graph.order if graph.lockstep(n)}
         self.notify: dict[tuple[str, int], set[tuple[str, int]]] = {}
         for p, reps in plan.gates.items():
+            if p in self.lockstep:
+                continue
             for r, rep in enumerate(reps):
                 for mb in rep:
                     for c, ci, _ in mb:
@@ -51,7 +56,7 @@ class PlanMessages:
         mbs = plan.micro_batches(section, replica)
         mine = sorted({sid for mb in mbs for sid in mb})
         neighbours = [e.edge.dst for e in self.graph.outputs(section)] + [e.edge.src for e in self.graph.inputs(section)]
-        return {
+        msg = {
             "t": "plan", "step": plan.step,
             "micro_batches": [list(mb) for mb in mbs],
             "samples": [[sid, meta[sid].row, sorted(meta[sid].modalities), meta[sid].num_tokens,
@@ -59,9 +64,24 @@ class PlanMessages:
             "routes": {n: {sid: plan.routes[n][sid] for sid in mine} for n in neighbours},
             # Run-ahead credits: per micro-batch, (consumer section, replica, forwards it must
             # have finished); and which producer replicas wait on this replica's progress.
-            "gates": [[list(g) for g in mb] for mb in plan.gates_of(section, replica)],
+            "gates": [] if section in self.lockstep else [[list(g) for g in mb]
+                                                          for mb in plan.gates_of(section, replica)],
             "notify": sorted(self.notify.get((section, replica), ())),
         }
+        if section in self.lockstep:
+            msg.update(self._rounds(section))
+        return msg
+
+    def _rounds(self, section: str) -> dict[str, Any]:
+        """The most micro-batches any replica of `section` runs this step, and a sample of the
+        step's for a replica to run when it has no micro-batch of its own left."""
+        per_replica = [self.plan.micro_batches(section, r) for r in range(self.graph.sections[section].dp)]
+        first = next((mbs[0][0] for mbs in per_replica if mbs), None)
+        out: dict[str, Any] = {"rounds": max(len(mbs) for mbs in per_replica)}
+        if first is not None:
+            s = self.meta[first]
+            out["probe"] = [first, s.row, sorted(s.modalities)]
+        return out
 
 
 class StepLedger:
@@ -162,6 +182,8 @@ class StepLedger:
                     counters[k] = counters.get(k, 0) + v
             if counters:
                 sections[name]["stage"] = counters
+            if any("probe_rounds" in s for s in reps):  # lockstep FSDP forwards without samples
+                sections[name]["probe_rounds"] = sum(s.get("probe_rounds", 0) for s in reps)
             if "lr" in reps[0]:
                 sections[name]["lr"] = reps[0]["lr"]
             sections[name].update(memory_row(reps))

@@ -284,6 +284,20 @@ def _measure(sec: _Section, mb: list[SampleMeta], outputs: dict, repeats: int) -
             "peak_mb": peak}
 
 
+def largest_unit_mb(stage: Any) -> float:
+    """The bytes of the stage's largest FSDP unit (parallel/fsdp.py: fsdp_units), less the units
+    inside it: what a frozen FSDP teacher gathers at once beside its shard."""
+    from maestro_flow.parallel.fsdp import fsdp_units
+
+    units = fsdp_units(stage)
+    ids = {id(u) for u in units}
+    sizes = []
+    for u in units:
+        inner = {id(p) for m in u.modules() if m is not u and id(m) in ids for p in m.parameters()}
+        sizes.append(sum(p.numel() * p.element_size() for p in u.parameters() if id(p) not in inner))
+    return max(sizes, default=0) / MB
+
+
 def tp_share(stage: Any, section: Any) -> float:
     """The share of the stage's parameter bytes its tp_plan shards (0 without a plan): what
     `maestro tune` divides by tp."""
@@ -439,6 +453,7 @@ def _profile(single: Pipeline, graph: SectionGraph, checked: Any, sizes: dict[st
             else:
                 fitted["step_overhead_s"], fitted["grad_mb"] = 0.0, 0.0
             fitted["param_mb"], fitted["tp_share"] = sec.param_mb(), tp_share(sec.stage, sec.section)
+            fitted["unit_mb"] = largest_unit_mb(sec.stage)
             fitted["runtime_overhead_s"] = (RUNTIME_OVERHEAD_S if options.runtime_overhead_s is None
                                             else options.runtime_overhead_s)
             report[n] = {**fitted, "device": str(sec.device),

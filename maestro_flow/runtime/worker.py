@@ -378,7 +378,11 @@ class _Worker:
         groups = process_groups(graph, placement, self.rank, self.timeouts.collective_s, self.timeouts.checkpoint_s)
         marks["groups_s"] = time.perf_counter() - t0 - sum(marks.values())
         try:
-            layout = parallelize_section(stage, section, placement, self.rank, groups, torch.device(device))
+            # A frozen teacher gathers per micro-batch, unless it is recorded for replay (which
+            # saves its whole weights at a step's start).
+            per_mb = graph.lockstep(self.section) and recording(init["record"], self.section, self.replica) is None
+            layout = parallelize_section(stage, section, placement, self.rank, groups, torch.device(device),
+                                         per_micro_batch=per_mb)
         except Exception:
             self.report_error("stage", traceback.format_exc())  # the stage's plan or parallelize failed
             return None

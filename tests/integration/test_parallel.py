@@ -5,6 +5,9 @@ PyTorch loop with clipping active; checkpoints reshard when a section's tp or fs
 Cases: (a) distillation with an FSDP teacher (dp 2) feeding a tp=2 student; (b) a 2-D student
 (dp 2 x tp 2, fsdp); (c) the VLM with an FSDP trainable encoder (dp 2) feeding a tp=2 LLM;
 (d) a Hugging Face Starcoder2 student with tp=2 through stages.hf, using transformers' own tp plan.
+A frozen FSDP teacher gathers per micro-batch, its replicas in lockstep (parallel/fsdp.py): at
+dp 4 its replicas run different numbers of micro-batches, so some run probe forwards, and it still
+equals colocated mode while holding a fraction of its parameters within the step.
 """
 
 from __future__ import annotations
@@ -52,6 +55,26 @@ def vlm_data(tmp_path_factory):
     from loaders.demo import build_image_demo
 
     return build_image_demo(tmp_path_factory.mktemp("vlm-parallel"), num_samples=96, image_share=0.33)
+
+
+def test_a_lockstep_fsdp_teacher_with_uneven_replicas_equals_colocated(demo_data, tmp_path):
+    out = run_both("pipelines/distill.py", demo_data, tmp_path, **{"sections.teacher.dp": 4, "sections.teacher.fsdp": True})
+    (s_rows, s_dir), (c_rows, c_dir) = out["section"], out["colocated"]
+    assert_same_losses(s_rows, c_rows)
+    assert_same_parameters(s_dir, c_dir, ["student"])
+    teacher = [r["sections"]["teacher"] for r in s_rows]
+    assert sum(t["probe_rounds"] for t in teacher) > 0  # the replicas' micro-batch counts differed
+    whole = sum(p.numel() * p.element_size() for p in _teacher_parameters()) / (1 << 20)
+    for t in teacher:
+        assert t["state_mb"] == pytest.approx(whole / 4, rel=0.02)  # its shard at rest
+        assert t["state_mb"] < t["step_mb"] < 0.75 * whole  # the shard plus the units of one forward
+
+
+def _teacher_parameters():
+    from maestro_flow.runtime.build import build_stage
+
+    pipeline, _ = load_pipeline(str(ROOT / "pipelines" / "distill.py"), {"dtype": "float64"})
+    return build_stage(pipeline, pipeline.section("teacher"), 0, "cpu", meta=True).parameters()
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -4,6 +4,8 @@ modules built on the meta device."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -102,3 +104,17 @@ def test_built_in_plans_shard_every_layer_of_their_stage(stage, config, tp):
     assert split and all(isinstance(stage_modules(built)[n], nn.Linear | nn.Embedding) for n in split)
     with pytest.raises(ValueError, match="is not divisible by tp=3"):
         cls.check_tp(config, 3)
+
+
+def test_the_largest_fsdp_unit_of_a_teacher_is_one_block():
+    """What a frozen FSDP teacher gathers at once (`maestro profile` writes it as unit_mb)."""
+    from maestro_flow.runtime.build import build_stage, load_pipeline
+    from maestro_flow.runtime.profiling import MB, largest_unit_mb
+
+    root = Path(__file__).resolve().parents[2]
+    pipeline, _ = load_pipeline(str(root / "pipelines" / "distill.py"), {})
+    stage = build_stage(pipeline, pipeline.section("teacher"), 0, "cpu", meta=True)
+    blocks = [b for top in stage.modules().values() for m in top.modules() if isinstance(m, nn.ModuleList) for b in m]
+    assert len(blocks) == 4
+    block = sum(p.numel() * p.element_size() for p in blocks[0].parameters())
+    assert largest_unit_mb(stage) * MB == block  # a block outweighs the embeddings and the head here

@@ -92,6 +92,13 @@ def test_plan_message_round_trips_with_integer_sample_ids():
     assert all(isinstance(sid, int) for routes in back["routes"].values() for sid in routes)
 
 
+def test_a_lockstep_plan_carries_its_rounds_and_probe_checked():
+    plan = {**MESSAGES["plan"], "rounds": 3, "probe": [7, 107, ["text"]]}
+    assert decode(encode(make("plan", **plan)))["probe"] == [7, 107, ["text"]]
+    with pytest.raises(ProtocolError, match="field 'rounds' is str, not int"):
+        decode(msgpack.packb({"t": "plan", **plan, "rounds": "3"}))
+
+
 def test_integer_map_keys_survive():
     msg = make("init", **{**MESSAGES["init"], "peers": {0: "a", 7: "b", -1: "c"}})
     assert decode(encode(msg))["peers"] == {0: "a", 7: "b", -1: "c"}

@@ -140,6 +140,38 @@ def test_plan_message_for_a_replica_without_samples():
     assert (msg["micro_batches"], msg["samples"], msg["routes"]) == ([], [], {"teacher": {}})
 
 
+def test_a_lockstep_fsdp_teacher_gets_rounds_and_a_probe_and_no_credits():
+    """A frozen FSDP teacher fed by the data runs in lockstep (parallel/fsdp.py): every replica
+    is told the most micro-batches any of them runs and a sample to run when it has none left;
+    it takes no run-ahead credits, so no consumer notifies it."""
+    graph = graph_of([S("teacher", trainable=False, dp=2, micro_batch=2, fsdp=True), S("student", dp=2, micro_batch=2)],
+                     [Edge(src="teacher", dst="student", tensors=("hidden",))])
+    assert graph.lockstep("teacher") and not graph.lockstep("student")
+    samples = [SampleMeta(id=i, row=100 + i, num_tokens=10 + 7 * i) for i in range(11)]
+    plan = make_planner("wavefront", graph).plan(0, samples)
+    counts = [len(plan.micro_batches("teacher", r)) for r in range(2)]
+    first = next(mbs[0][0] for mbs in (plan.micro_batches("teacher", r) for r in range(2)) if mbs)
+    for r in range(2):
+        msg = plan_message(plan, graph, "teacher", r)
+        assert msg["rounds"] == max(counts)
+        assert msg["probe"] == [first, 100 + first, ["text"]]
+        assert msg["gates"] == []
+        assert "rounds" not in plan_message(plan, graph, "student", r)
+        assert plan_message(plan, graph, "student", r)["notify"] == []
+
+
+def test_only_frozen_fsdp_sections_fed_by_the_data_run_in_lockstep():
+    edge = [Edge(src="a", dst="b", tensors=("x",))]
+    for a, b, expected in [
+        (S("a", trainable=False, fsdp=True), S("b"), (True, False)),
+        (S("a", trainable=False, fsdp=True, tp=2), S("b"), (False, False)),  # tp: per-step gathering
+        (S("a", fsdp=True), S("b", fsdp=True), (False, False)),  # trainable
+        (S("a", trainable=False), S("b", trainable=False, fsdp=True), (False, False)),  # fed by a section
+    ]:
+        graph = graph_of([a, b], edge)
+        assert (graph.lockstep("a"), graph.lockstep("b")) == expected
+
+
 # -- StepLedger ----------------------------------------------------------------------------
 
 

@@ -263,6 +263,19 @@ def test_fsdp_is_chosen_only_where_a_section_does_not_fit_without_it():
     assert p.override(**parse_set(sets)).section("student").fsdp is True
 
 
+def test_a_teacher_too_large_for_one_device_is_sharded_to_fit_with_fsdp():
+    """A frozen teacher fed by the data gathers one unit at a time under FSDP (parallel/fsdp.py):
+    a rank holds its 1/dp shard plus the largest unit, so FSDP alone makes it fit."""
+    p = distill()
+    teacher = MemoryModel(base_mb=1800, per_sample_mb=1, param_mb=1800, copies=1, unit_mb=100, lockstep=True)
+    assert teacher.at(0, dp=4, fsdp=True) == pytest.approx(1800 / 4 + 100)
+    assert teacher.at(0, tp=2, dp=4, fsdp=True) > 900  # with tp the section gathers per step
+    memory = {"teacher": teacher, "student": MemoryModel(base_mb=100)}
+    result = tune(p, None, samples(64), devices=8, memory_limit_mb=1000, memory=memory)
+    for c in result.best:
+        assert c.fsdp["teacher"] and c.dp("teacher") >= 2 and c.memory_mb["teacher"] <= 1000
+
+
 def test_the_tuner_expects_padding_to_grow_with_the_micro_batch():
     """For a padding stage a sample's expected share at micro-batch m carries the expected
     longest of m random samples less the mean (exact here: lengths 1 and 3, m = 2 -> E[max] =

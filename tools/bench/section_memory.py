@@ -1,11 +1,17 @@
 """Per-rank training-state memory of a sharded section: FSDP over dp=4 against plain dp=4, and
-tensor parallelism (tp=2) against the bytes its plan should leave on each rank.
+tensor parallelism (tp=2) against the bytes its plan should leave on each rank; and a frozen
+teacher sharded over dp=4 (FSDP gathering unit by unit in each forward) against plain dp=4.
 
 Runs pipelines/distill.py in section mode (real workers, gloo) with the student section as
 
     dp4         dp=4, every replica holds the whole student
     dp4-fsdp    dp=4, fsdp=True: parameters, gradients and AdamW state sharded over the 4 replicas
     dp2-tp2     dp=2, tp=2: the student's tp_plan shards its attention and MLP layers over 2 ranks
+
+and the teacher section as
+
+    teacher-dp4       dp=4, every replica holds the whole (frozen) teacher
+    teacher-dp4-fsdp  dp=4, fsdp=True: replicas in lockstep, each unit gathered for its forward only
 
 and reads each step's metrics row (DESIGN 5.4): `state_mb` is what a student rank keeps between
 steps (parameters, reduced gradients, optimizer state: exact tensor bytes of its own shards,
@@ -15,7 +21,9 @@ peak resident memory (CPU; includes the ~350 MB of Python and torch every worker
 
 The goals: dp4-fsdp's state at most 1/4 + 5% of dp4's; dp2-tp2's state equal to the bytes
 expected from the plan (layers it shards at 1/2, the rest whole), computed from the student built
-on the meta device. Run from the repository root:
+on the meta device; teacher-dp4-fsdp's in-step bytes at most 1/4 of teacher-dp4's plus its
+largest FSDP unit (one transformer block; the bound a frozen teacher too large for one device
+must meet), + 5%. Run from the repository root:
     python -m tools.bench.section_memory [--tiny] [--steps N] [--set KEY=VALUE ...]
 """
 
@@ -30,15 +38,21 @@ VARIANTS = {
     "dp4-fsdp": {"sections.student.dp": 4, "sections.student.fsdp": True},
     "dp2-tp2": {"sections.student.dp": 2, "sections.student.tp": 2},
 }
-# A student large enough that its state dwarfs rounding (about 3.4M parameters); --tiny keeps the demo's.
-LARGER = {"sections.student.config.student.d_model": 256, "sections.student.config.student.n_layers": 4}
+TEACHER_VARIANTS = {
+    "teacher-dp4": {"sections.teacher.dp": 4},
+    "teacher-dp4-fsdp": {"sections.teacher.dp": 4, "sections.teacher.fsdp": True},
+}
+# A student large enough that its state dwarfs rounding (about 3.4M parameters), and a deeper
+# teacher (a block is then a smaller part of it); --tiny keeps the demo's.
+LARGER = {"sections.student.config.student.d_model": 256, "sections.student.config.student.n_layers": 4,
+          "sections.teacher.config.n_layers": 12}
 MiB = float(1 << 20)
 
 
 def run_one(variant: str, steps: int, sets: dict[str, Any]) -> list[dict[str, Any]]:
     from maestro_flow.runtime.run import RunOptions, run_pipeline
 
-    overrides = {"adapt_costs": False, **sets, **VARIANTS[variant], "steps": steps}
+    overrides = {"adapt_costs": False, **sets, **{**VARIANTS, **TEACHER_VARIANTS}[variant], "steps": steps}
     return run_pipeline(repo_path("pipelines", "distill.py"), RunOptions(overrides=overrides, show_progress=False))
 
 
@@ -61,6 +75,19 @@ def expected_tp_mb(sets: dict[str, Any], tp: int) -> float:
     return total / MiB
 
 
+def largest_unit_mb(sets: dict[str, Any]) -> float:
+    """The largest FSDP unit of the teacher (parallel/fsdp.py: fsdp_units), built on the meta device."""
+    from maestro_flow.parallel.fsdp import fsdp_units
+    from maestro_flow.runtime.build import build_stage, load_pipeline
+
+    pipeline, _ = load_pipeline(repo_path("pipelines", "distill.py"), sets)
+    stage = build_stage(pipeline, pipeline.section("teacher"), 0, "cpu", meta=True)
+    units = fsdp_units(stage)
+    inner = {id(p) for u in units for m in u.children() if m in units for p in m.parameters()}
+    return max(sum(p.numel() * p.element_size() for p in u.parameters() if id(p) not in inner)
+               for u in units) / MiB
+
+
 def main(argv: list[str] | None = None) -> dict:
     args, _, steps, warmup, sets = pipeline_bench_args(argv, "tools.bench.section_memory", __doc__, rounds=1,
                                                        steps=4, warmup=1, tiny_steps=2)
@@ -77,6 +104,16 @@ def main(argv: list[str] | None = None) -> dict:
     out["tp2_expected_state_mb"] = expected_tp_mb(sets, 2)
     out["tp2_over_expected_state"] = out["dp2-tp2"]["state_mb"] / out["tp2_expected_state_mb"]
     out["tp2_over_dp4_state"] = out["dp2-tp2"]["state_mb"] / base
+    for variant in TEACHER_VARIANTS:
+        rows = run_one(variant, steps, sets)
+        teacher = [r["sections"]["teacher"] for r in rows[warmup:] or rows]
+        out[variant] = {key: median([s[key] for s in teacher]) for key in ("state_mb", "step_mb", "max_rss_mb")}
+        out[variant]["step_ms"] = 1e3 * median([r["step_time_s"] for r in rows[warmup:] or rows])
+    whole = out["teacher-dp4"]["step_mb"]
+    out["teacher_unit_mb"] = largest_unit_mb(sets)
+    out["teacher_fsdp_step_bound_mb"] = whole / 4 + out["teacher_unit_mb"]
+    out["teacher_fsdp_over_dp4_step"] = out["teacher-dp4-fsdp"]["step_mb"] / whole
+    out["teacher_fsdp_step_over_bound"] = out["teacher-dp4-fsdp"]["step_mb"] / out["teacher_fsdp_step_bound_mb"]
     out["config"] = {"steps": steps, "warmup_steps": warmup, "sets": sets}
     print(f"pipelines/distill.py, section mode, {steps} steps per variant; student, per rank (largest replica)")
     print(table(["student", "state MiB/rank", "state / dp4", "in-step MiB/rank", "max RSS MiB"],
@@ -86,6 +123,13 @@ def main(argv: list[str] | None = None) -> dict:
           f"in-step {out['fsdp_over_dp4_step']:.3f}")
     print(f"dp2-tp2: state {out['dp2-tp2']['state_mb']:.3f} MiB against {out['tp2_expected_state_mb']:.3f} expected "
           f"from the plan (ratio {out['tp2_over_expected_state']:.3f})")
+    print("\nteacher (frozen), per rank (largest replica)")
+    print(table(["teacher", "state MiB/rank", "in-step MiB/rank", "in-step / dp4", "max RSS MiB", "step ms"],
+                [[v, f"{out[v]['state_mb']:.3f}", f"{out[v]['step_mb']:.3f}", f"{out[v]['step_mb'] / whole:.3f}",
+                  f"{out[v]['max_rss_mb']:.0f}", f"{out[v]['step_ms']:.1f}"] for v in TEACHER_VARIANTS]))
+    print(f"teacher-dp4-fsdp in-step {out['teacher-dp4-fsdp']['step_mb']:.3f} MiB against 1/4 of dp4 + the largest "
+          f"unit ({out['teacher_unit_mb']:.3f} MiB) = {out['teacher_fsdp_step_bound_mb']:.3f} MiB: ratio "
+          f"{out['teacher_fsdp_step_over_bound']:.3f} (goal <= 1.05)")
     return out
 
 
