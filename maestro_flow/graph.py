@@ -112,9 +112,12 @@ class SectionGraph:
 
     def lockstep(self, name: str) -> bool:
         """Whether section `name`'s FSDP gathers per micro-batch, its replicas in lockstep
-        (parallel/fsdp.py): frozen, fsdp, tp=1, and fed by no other section (a teacher)."""
+        (parallel/fsdp.py): fsdp at tp=1, and either frozen and fed by no other section (a
+        teacher) or a loss section (each forward's backward follows at once: a student, an LLM)."""
         section = self.sections[name]
-        return bool(section.fsdp) and not section.trainable and section.tp == 1 and not self.inputs(name)
+        if not section.fsdp or section.tp != 1:
+            return False
+        return name in self._losses if section.trainable else not self.inputs(name)
 
     def loss_sections(self) -> list[str]:
         """Trainable sinks: each must return a loss (checked against the stage in runtime/checks)."""

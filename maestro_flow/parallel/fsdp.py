@@ -1,4 +1,4 @@
-"""FSDP2 over a section's data-parallel replicas, driven once per step (a frozen teacher: per micro-batch).
+"""FSDP2 over a section's data-parallel replicas, driven per micro-batch (lockstep) or per step.
 
 Runs in a worker's compute thread. `fully_shard` (torch's FSDP2) shards every parameter over the
 section's dp mesh dimension: between steps each replica holds 1/dp of the parameters, gradients
@@ -23,17 +23,22 @@ A parameter no replica produced a gradient for gets `grad = None` and is skipped
 optimizer (DESIGN 4b), although the reduce-scatter includes it (as zeros) so that every replica
 reduces the same tensors.
 
-A frozen section fed only by the data (a teacher: no producer sections, no backward, tp=1)
-gathers per micro-batch instead (`per_micro_batch`, see SectionGraph.lockstep), so that it holds 1/dp of its
-parameters plus the unit it is running, not the whole section, and can be sharded to fit:
-FSDP's own hooks gather each unit as its forward starts and free it as it ends
-(reshard_after_forward). The collectives still pair up because every replica runs the same
-number of forwards in a step: the coordinator sends each replica the step's `rounds` (the most
-micro-batches any replica of the section runs) and a `probe` sample, and a replica with fewer
-micro-batches runs the probe (outputs dropped) until it has run `rounds` forwards
-(runtime/executor.py). Such a replica waits on nothing but its own data and its peers' gathers,
-so it never waits on a credit from a consumer (PlanMessages drops its run-ahead gates), and no
-cycle through another section can form.
+Two kinds of sections (at tp=1) run per micro-batch instead, in lockstep (`per_micro_batch`,
+SectionGraph.lockstep): a frozen section fed only by the data (a teacher), and a loss section
+(a student, an LLM: each forward's backward follows at once). FSDP's own hooks then gather each
+unit as its forward (or backward) starts and free it as it ends, and each backward
+reduce-scatters its gradients into the sharded ones, so a rank holds 1/dp of the section plus
+the unit it runs (training: two units' parameters, the next one prefetched, and one unit's
+gradients), not the whole section: a section too large for one device is sharded to fit. The
+collectives pair up because every replica runs the same number of micro-batches in a step and
+the same units in each: the coordinator sends each replica the step's `rounds` (the most any
+replica of the section runs), and a replica with fewer runs its last micro-batch again (or the
+plan's `probe` sample, read from the data) with outputs dropped and a zero loss until it has run
+`rounds` (runtime/lockstep.py). Such a replica waits on its inputs and its peers' collectives
+only: it takes no run-ahead credit and gives none (PlanMessages drops those gates), and inputs
+reach a lockstep loss section whatever it waits on, so no cycle through another section forms.
+Which parameters got a gradient (the presence rule) is noted in each backward, before FSDP
+reduce-scatters (`_watch_backward`), and summed over the replicas at the step's end.
 
 Units: every element of an `nn.ModuleList` (a block), then every other module that owns
 parameters directly, children before parents.
@@ -77,7 +82,8 @@ class FSDPSection:
                  per_micro_batch: bool = False) -> None:
         """Shard the stage's units over `dp_mesh`; or, given `units` a stage already sharded with
         fully_shard (its own `parallelize`), drive those. `per_micro_batch`: gather each unit
-        for its forward only (a frozen source section, SectionGraph.lockstep), else once per step."""
+        for its forward (and backward) only and reduce-scatter each micro-batch's gradients (a
+        lockstep section, SectionGraph.lockstep), else gather and reduce once per step."""
         from torch.distributed.fsdp import fully_shard
 
         self.group = dp_group
@@ -87,22 +93,26 @@ class FSDPSection:
             if units is None:
                 fully_shard(unit, mesh=dp_mesh, reshard_after_forward=per_micro_batch)
             unit.set_reshard_after_forward(per_micro_batch, recurse=False)
-            unit.set_reshard_after_backward(False, recurse=False)
-            unit.set_requires_gradient_sync(False, recurse=False)
+            unit.set_reshard_after_backward(per_micro_batch, recurse=False)
+            unit.set_requires_gradient_sync(per_micro_batch, recurse=False)
             unit.set_reduce_scatter_unused_params(True, recurse=False)
             unit.set_gradient_divide_factor(1.0)  # a sum: the runtime divides by the loss denominator
             unit.set_force_sum_reduction_for_comms(True)  # plain SUM: gloo has no PREMUL_SUM
             if per_micro_batch:  # after FSDP's own pre-forward hook: the unit is gathered by now
-                unit.register_forward_pre_hook(self._note_held)
+                unit.register_forward_pre_hook(lambda *_: self._note_held())
+                for group in self._groups(unit):
+                    self._watch_backward(group)
         self.gathered = False
         self.initialized = False
-        self.peak_bytes = 0  # per_micro_batch: the most parameter bytes held at once in this step
+        self.present: set[int] = set()  # per_micro_batch: the parameters that got a gradient this step
+        self.peak = (0, 0)  # per_micro_batch: (parameter, gradient) bytes at the step's peak so far
 
     def begin_step(self) -> None:
         """At every step's start, on every replica whatever it computes in the step."""
         self._init()
         if self.per_micro_batch:
-            self.peak_bytes = local_bytes(self.sharded())
+            self.peak = (0, 0)
+            self._note_held()
         else:
             self.gather()
 
@@ -121,12 +131,38 @@ class FSDPSection:
                 unit.unshard()
             self.gathered = True
 
-    def _note_held(self, *_: Any) -> None:
-        """The shards plus every unit gathered right now (a sharded DTensor's numel is global)."""
-        gathered = sum(fp.sharded_param.numel() * fp.sharded_param.element_size()
-                       for u in self.units if all(g.is_unsharded for g in self._groups(u))
-                       for g in self._groups(u) for fp in g.fsdp_params)
-        self.peak_bytes = max(self.peak_bytes, local_bytes(self.sharded()) + gathered)
+    def _watch_backward(self, group: Any) -> None:
+        """Wrap a parameter group's post_backward (run by every backward, and by FSDP's final
+        callback for groups autograd did not reach): note which parameters got a gradient (the
+        presence rule) and the bytes held, just before FSDP reduce-scatters and frees them."""
+        original = group.post_backward
+
+        def post_backward(*args: Any) -> Any:
+            grads = 0
+            for fp in group.fsdp_params:
+                if not hasattr(fp, "_unsharded_param"):  # never gathered (as FSDP checks)
+                    continue
+                grad = fp.unsharded_accumulated_grad
+                grad = fp.unsharded_param.grad if grad is None else grad
+                if grad is not None:
+                    self.present.add(id(fp))
+                    grads += grad.numel() * grad.element_size()
+            self._note_held(grads)
+            return original(*args)
+
+        group.post_backward = post_backward
+
+    def _note_held(self, unsharded_grads: int = 0) -> None:
+        """Shards (parameters and reduced gradients) plus every unit gathered right now (a
+        sharded DTensor's numel is global) and `unsharded_grads`; keeps the largest total."""
+        fps = [fp for unit in self.units for g in self._groups(unit) for fp in g.fsdp_params]
+        params = local_bytes(fp.sharded_param for fp in fps) + sum(
+            fp.sharded_param.numel() * fp.sharded_param.element_size()
+            for u in self.units if all(g.is_unsharded for g in self._groups(u))
+            for g in self._groups(u) for fp in g.fsdp_params)
+        grads = local_bytes(fp.sharded_param.grad for fp in fps) + unsharded_grads
+        if params + grads > sum(self.peak):
+            self.peak = (params, grads)
 
     def sharded(self) -> list[torch.Tensor]:
         """Every unit's sharded parameters (kept while the gathered ones are in use)."""
@@ -144,21 +180,29 @@ class FSDPSection:
 
     def reduce(self, params: Sequence[torch.nn.Parameter], extra: Sequence[float] = ()) -> list[float]:
         """The GradientReducer interface for an FSDP section: `params` are the optimizer's
-        (sharded) parameters; returns `extra` summed over the replicas."""
-        self.gather()  # a replica that ran nothing this step joins the same collectives
+        (sharded) parameters; returns `extra` summed over the replicas. Per step: gather (a
+        replica that ran nothing joins the same collectives), then reduce-scatter; per micro-batch
+        the backwards reduce-scattered already, and only the presence counts remain."""
+        if not self.per_micro_batch:
+            self.gather()
         fsdp_params = [fp for unit in self.units for group in self._groups(unit) for fp in group.fsdp_params]
         device = fsdp_params[0].sharded_param.device if fsdp_params else torch.device("cpu")
-        present = [0.0 if fp.unsharded_param.grad is None else 1.0 for fp in fsdp_params]
+        if self.per_micro_batch:
+            present = [1.0 if id(fp) in self.present else 0.0 for fp in fsdp_params]
+            self.present.clear()
+        else:
+            present = [0.0 if fp.unsharded_param.grad is None else 1.0 for fp in fsdp_params]
         head = torch.tensor(present + list(extra), dtype=torch.float64, device=device)
         dist.all_reduce(head, op=dist.ReduceOp.SUM, group=self.group)
-        for unit in reversed(self.units):
-            unit.set_requires_gradient_sync(True, recurse=False)
-            for group in reversed(self._groups(unit)):
-                group.post_backward()
-        for unit in self.units:
-            for group in self._groups(unit):
-                group.finalize_backward()
-            unit.set_requires_gradient_sync(False, recurse=False)
+        if not self.per_micro_batch:
+            for unit in reversed(self.units):
+                unit.set_requires_gradient_sync(True, recurse=False)
+                for group in reversed(self._groups(unit)):
+                    group.post_backward()
+            for unit in self.units:
+                for group in self._groups(unit):
+                    group.finalize_backward()
+                unit.set_requires_gradient_sync(False, recurse=False)
         self.release()
         counts = head.tolist()
         for fp, count in zip(fsdp_params, counts[:len(fsdp_params)], strict=True):

@@ -29,20 +29,22 @@ class MemoryModel:
     copies: int = 1
     tp_share: float = 0.0  # the share of param_mb the stage's tp_plan shards
     unit_mb: float = 0.0  # the largest FSDP unit (0: unknown)
-    lockstep: bool = False  # frozen and fed only by the data: with fsdp at tp=1, gathered per unit
+    lockstep: bool = False  # a frozen section fed only by the data, or a loss section: with fsdp at tp=1, per unit
 
     def at(self, kept: int, tp: int = 1, dp: int = 1, fsdp: bool = False) -> float:
         """Peak MB of one rank of a replica of `tp` ranks, one of `dp` replicas, as the runtime
         holds state (parallel/fsdp.py): with fsdp the parameters (and a trainable section's
         gradients) are gathered for the whole step beside the persistent 1/dp shard, and the
-        optimizer state stays sharded; a lockstep teacher at tp=1 holds its 1/dp shard and one
-        unit. Activations are not divided by tp (the residual stream is replicated; conservative)."""
+        optimizer state stays sharded; a lockstep section at tp=1 holds its 1/dp shard and the unit
+        it runs (a frozen one), or, training, two units' parameters (the one in backward and the
+        next, prefetched) and one unit's gradients. Activations are not divided by tp (the residual
+        stream is replicated; conservative)."""
         shard = self.param_mb * (1.0 - self.tp_share + self.tp_share / tp)
         fixed = max(0.0, self.base_mb - self.param_mb * self.copies)
         if not fsdp or dp == 1:
             state = shard * self.copies
         elif self.lockstep and tp == 1 and self.unit_mb > 0:
-            state = shard / dp + min(self.unit_mb, shard)
+            state = shard * self.copies / dp + min(self.unit_mb, shard) * (1 if self.copies == 1 else 3)
         elif self.copies == 1:
             state = shard * (1.0 + 1.0 / dp)
         else:

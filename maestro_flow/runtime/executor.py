@@ -16,10 +16,10 @@ talks to other sections, and before each forward and each backward relays the mi
 inputs ("tpf") or gradients ("tpb") to the other ranks (`Comm.relay`); those ranks follow the
 relays in the leader's order (`_follow`), so every collective inside the stage's forward and
 backward pairs up, and send nothing themselves. With FSDP, the section's parameters are gathered
-at each step's start and reduce-scattered and released at its end; a frozen teacher's are
-gathered unit by unit in each forward instead, and a replica with fewer micro-batches than the
-step's `rounds` runs the plan's probe sample until it has run as many forwards as its peers
-(parallel/fsdp.py). Each
+at each step's start and reduce-scattered and released at its end; a lockstep section's (a
+frozen teacher, a loss section) unit by unit in each forward and backward instead, and a replica
+with fewer micro-batches than the step's `rounds` runs stand-in rounds until it has run as many
+as its peers (parallel/fsdp.py, runtime/lockstep.py). Each
 step's report holds the bytes of training state the rank held in the step and after it
 (parallel/memory.py).
 """
@@ -43,6 +43,7 @@ from maestro_flow.parallel.section import Layout
 from maestro_flow.planner.cost import charged
 from maestro_flow.planner.costfit import Timing
 from maestro_flow.planner.plan import Placement
+from maestro_flow.runtime import lockstep
 from maestro_flow.runtime.executor_state import PendingBackward, StageFault, StepState, to_torch
 from maestro_flow.runtime.precision import autocast_dtype, compute
 from maestro_flow.runtime.trace import Tracer
@@ -75,6 +76,7 @@ class SectionExecutor:
         self.trainable = self.section.trainable
         self.layout = layout or Layout(replica=replica, tp_index=0, members=(self.rank,))
         self.fsdp = self.layout.fsdp
+        self.last_batch: MicroBatch | None = None  # a lockstep FSDP section's, for rounds without samples
         self.follower = not self.layout.leader  # a tensor-parallel rank that follows its leader
         self.relaying = self.layout.leader and len(self.layout.members) > 1
         self.ops: deque[tuple[str, int, int, list]] = deque()  # a follower's relays, in the leader's order
@@ -207,6 +209,8 @@ class SectionExecutor:
             self.comm.relay("tpf", st.step, index, [(sid, name, t) for sid in mb for name, t in arrived[sid].items()])
         batch, leaves = self._make_batch(st, index, mb, arrived)
         st.tokens += sum(len(t) for t in batch.columns.get("tokens", ()))
+        if self.fsdp is not None and self.fsdp.per_micro_batch:
+            self.last_batch = lockstep.kept(batch)
         try:
             with torch.set_grad_enabled(self.trainable), compute(self.mixed_precision, self.device):
                 out = self.stage.forward(batch)
@@ -322,26 +326,6 @@ class SectionExecutor:
                                                    for name in e.edge.tensors)
             for dst, items in by_rank.items():
                 self.comm.send(dst, "fwd", e.index, st.step, items)
-
-    def _probe_round(self, st: StepState) -> None:
-        """A forward this replica's FSDP peers run and it has no micro-batch for: the probe
-        sample's, its outputs dropped, so that every unit's all-gather pairs up (parallel/fsdp.py)."""
-        if st.probe is None:
-            raise RuntimeError(f"section {self.name!r} step {st.step}: the plan asks for {st.rounds} FSDP rounds "
-                               f"and this replica has {len(st.mbs)} micro-batches, but it names no probe sample")
-        t0 = self.clock()
-        self._waited(st, t0)
-        self._doing("FSDP round without samples", st.step, None)
-        batch, _ = self._make_batch(st, -1, (st.probe,), {st.probe: {}})
-        try:
-            with torch.no_grad(), compute(self.mixed_precision, self.device):
-                self.stage.forward(batch)
-        except Exception:
-            raise StageFault("forward", st.step, traceback.format_exc()) from None
-        st.probes += 1
-        elapsed = self.clock() - t0
-        st.busy_s += elapsed
-        self.tracer.span("FSDP round without samples", "compute", t0, t0 + elapsed, step=st.step)
 
     # -- backward --------------------------------------------------------------------------
 
@@ -476,7 +460,7 @@ class SectionExecutor:
         if st.next_mb < len(st.mbs) or st.pending:
             return False
         if self.fsdp is not None and self.fsdp.per_micro_batch and st.next_mb + st.probes < st.rounds:
-            self._probe_round(st)
+            lockstep.run_round(self, st)
             return True
         if self.is_loss and self.feeds_upstream and not st.loss_reported and not self.follower:
             # Trainable sections upstream need the global denominator: the coordinator sums the
@@ -520,7 +504,7 @@ class SectionExecutor:
                 st.busy_s += self.clock() - t0
                 self.tracer.span("optimizer step", "compute", t0, self.clock(), step=st.step)
             st.stepped = True
-        if self.fsdp is not None and (self.fsdp.gathered or self.fsdp.per_micro_batch):
+        if self.fsdp is not None and (self.fsdp.gathered or (self.fsdp.per_micro_batch and "step_params" not in st.memory)):
             self._measure(st, "step")
             self.fsdp.release()  # a frozen section's (a trainable one released when it reduced)
         for when in ("step", "rest"):  # unless measured around the gradient reduction
@@ -556,7 +540,7 @@ class SectionExecutor:
         if when == "step" and self.fsdp is not None and self.fsdp.gathered:
             params += memory.local_bytes(self.fsdp.sharded())  # kept beside the gathered copy
         elif when == "step" and self.fsdp is not None and self.fsdp.per_micro_batch:
-            params = max(params, self.fsdp.peak_bytes)  # the most it held at once, within a forward
+            params, grads = self.fsdp.peak  # the most it held at once, in a forward or a backward
         st.memory.update({f"{when}_params": params, f"{when}_grads": grads})
 
     def _stats(self, st: StepState) -> dict[str, Any]:

@@ -39,16 +39,16 @@ class PlanMessages:
     def __init__(self, plan: Plan, graph: SectionGraph) -> None:
         self.plan, self.graph = plan, graph
         self.meta = {s.id: s for s in plan.samples}
-        # Frozen teachers with per-micro-batch FSDP: their replicas run in lockstep, so they take
-        # no run-ahead credits, and get the step's rounds and a probe sample (parallel/fsdp.py).
+        # Sections with per-micro-batch FSDP run their replicas in lockstep (parallel/fsdp.py): they
+        # get the step's rounds and a probe sample, take no run-ahead credits and give none (a
+        # producer waiting on one replica's progress while that replica waits on its peers'
+        # gathers, and a peer on that producer, would be a cycle).
         self.lockstep = {n for n in graph.order if graph.lockstep(n)}
         self.notify: dict[tuple[str, int], set[tuple[str, int]]] = {}
         for p, reps in plan.gates.items():
-            if p in self.lockstep:
-                continue
             for r, rep in enumerate(reps):
                 for mb in rep:
-                    for c, ci, _ in mb:
+                    for c, ci, _ in self._gates(p, mb):
                         self.notify.setdefault((c, ci), set()).add((p, r))
 
     def of(self, section: str, replica: int) -> dict[str, Any]:
@@ -64,13 +64,18 @@ class PlanMessages:
             "routes": {n: {sid: plan.routes[n][sid] for sid in mine} for n in neighbours},
             # Run-ahead credits: per micro-batch, (consumer section, replica, forwards it must
             # have finished); and which producer replicas wait on this replica's progress.
-            "gates": [] if section in self.lockstep else [[list(g) for g in mb]
-                                                          for mb in plan.gates_of(section, replica)],
+            "gates": [[list(g) for g in self._gates(section, mb)] for mb in plan.gates_of(section, replica)],
             "notify": sorted(self.notify.get((section, replica), ())),
         }
         if section in self.lockstep:
             msg.update(self._rounds(section))
         return msg
+
+    def _gates(self, producer: str, gates: list) -> list:
+        """A micro-batch's run-ahead gates, less those that involve a lockstep section."""
+        if producer in self.lockstep:
+            return []
+        return [g for g in gates if g[0] not in self.lockstep]
 
     def _rounds(self, section: str) -> dict[str, Any]:
         """The most micro-batches any replica of `section` runs this step, and a sample of the

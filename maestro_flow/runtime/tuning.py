@@ -87,10 +87,12 @@ def _inputs(path: str, options: TuneOptions) -> tuple[Any, CostModel, list, dict
         _, profiles = read_cost_file(options.costs)
         pipeline = pipeline.override(**cost_overrides(pipeline, {n: p.cost for n, p in profiles.items()},
                                                       f"--costs {options.costs}"))
-        fed = {e.dst for e in pipeline.edges}
+        fed, feeding = {e.dst for e in pipeline.edges}, {e.src for e in pipeline.edges}
+        trains = {s.name for s in pipeline.sections if s.trainable}
         memory = {n: MemoryModel(base_mb=p.memory_base_mb, per_sample_mb=p.peak_memory_mb_per_sample,
                                  param_mb=p.param_mb, copies=state_copies(pipeline.section(n)), tp_share=p.tp_share,
-                                 unit_mb=p.unit_mb, lockstep=not pipeline.section(n).trainable and n not in fed)
+                                 unit_mb=p.unit_mb,  # graph.lockstep, less what the search varies (fsdp, tp)
+                                 lockstep=n not in feeding if n in trains else n not in fed)
                   for n, p in profiles.items() if n in {s.name for s in pipeline.sections}}
         overhead = None  # the cost file's fitted fixed cost per micro-batch is in its Cost (per_micro_batch_s)
         calibration = {"runtime_s": {n: p.runtime_overhead_s for n, p in profiles.items()},

@@ -193,7 +193,8 @@ def test_section_memory_tiny():
     # Exact tensor byte counts, not timings: the goals hold even on a noisy machine.
     assert out["fsdp_over_dp4_state"] <= 0.25 * 1.05
     assert out["tp2_over_expected_state"] == pytest.approx(1.0, rel=0.01)
-    assert out["dp4-fsdp"]["step_mb"] > out["dp4-fsdp"]["state_mb"]  # the step gathers the parameters
+    assert out["dp4-fsdp"]["step_mb"] > out["dp4-fsdp"]["state_mb"]  # the step gathers units
+    assert out["fsdp_step_over_bound"] <= 1.05  # ... one or two at a time
     # A frozen FSDP teacher holds its shard plus the unit it runs, not the whole teacher.
     assert out["teacher_fsdp_step_over_bound"] <= 1.05
     assert out["teacher-dp4-fsdp"]["step_mb"] > out["teacher-dp4-fsdp"]["state_mb"]

@@ -43,6 +43,9 @@ CASES = {
     "b-2d-student": ("pipelines/distill.py", "text", {"sections.student.tp": 2, "sections.student.fsdp": True}),
     "c-fsdp-encoder-tp-llm": ("pipelines/vlm.py", "vlm", {
         "global_batch": 24, "sections.vision.dp": 2, "sections.vision.fsdp": True, "sections.llm.tp": 2}),
+    "e-vlm-lockstep-fsdp-llm": ("pipelines/vlm.py", "vlm", {
+        "global_batch": 24, "sections.vision.dp": 2, "sections.vision.fsdp": True, "sections.llm.dp": 2,
+        "sections.llm.fsdp": True}),
     "d-hugging-face-tp": ("pipelines/distill.py", "text", {
         "sections.teacher.stage": "stages.hf:HFCausalLM", "sections.teacher.config": {**GPT2, "role": "teacher"},
         "sections.student.stage": "stages.hf:HFCausalLM", "sections.student.config": STARCODER2,
@@ -68,6 +71,19 @@ def test_a_lockstep_fsdp_teacher_with_uneven_replicas_equals_colocated(demo_data
     for t in teacher:
         assert t["state_mb"] == pytest.approx(whole / 4, rel=0.02)  # its shard at rest
         assert t["state_mb"] < t["step_mb"] < 0.75 * whole  # the shard plus the units of one forward
+
+
+def test_a_lockstep_fsdp_student_equals_colocated_and_holds_its_shard_and_a_block(demo_data, tmp_path):
+    """A loss section with FSDP gathers and reduce-scatters per micro-batch (each forward's
+    backward follows at once), its replicas in lockstep; dp 4 gives uneven micro-batch counts."""
+    out = run_both("pipelines/distill.py", demo_data, tmp_path, **{"sections.student.dp": 4, "sections.student.fsdp": True})
+    (s_rows, s_dir), (c_rows, c_dir) = out["section"], out["colocated"]
+    assert_same_losses(s_rows, c_rows)
+    assert_same_parameters(s_dir, c_dir, ["student"])
+    student = [r["sections"]["student"] for r in s_rows]
+    assert sum(s["probe_rounds"] for s in student) > 0
+    for s in student:
+        assert s["step_mb"] < 0.5 * 4 * s["state_mb"]  # per step it held 0.689 of dp=4 (RESULTS 9)
 
 
 def _teacher_parameters():

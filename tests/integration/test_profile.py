@@ -87,6 +87,8 @@ def test_profile_distill_then_tune_with_its_costs(tmp_path, demo):
     assert data["sections"]["student"]["cost"]["backward_factor"] > 0
     for m in data["sections"]["teacher"]["measurements"]:
         assert m["backward_s"] == 0
+    for body in data["sections"].values():  # what FSDP gathers at once in lockstep: part of the whole
+        assert 0 < body["unit_mb"] < body["param_mb"]
     # Measured as a pinned worker measures: another process, on one core, one torch thread.
     assert data["machine"]["cores"] == 1 and data["machine"]["torch_threads"] == 1
     # Then calibrated against a real run (one pinned worker per section): a factor per section,

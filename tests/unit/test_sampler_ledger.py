@@ -144,6 +144,7 @@ def test_a_lockstep_fsdp_teacher_gets_rounds_and_a_probe_and_no_credits():
     """A frozen FSDP teacher fed by the data runs in lockstep (parallel/fsdp.py): every replica
     is told the most micro-batches any of them runs and a sample to run when it has none left;
     it takes no run-ahead credits, so no consumer notifies it."""
+    # (A lockstep consumer gives none either: tests/integration/test_parallel.py runs both.)
     graph = graph_of([S("teacher", trainable=False, dp=2, micro_batch=2, fsdp=True), S("student", dp=2, micro_batch=2)],
                      [Edge(src="teacher", dst="student", tensors=("hidden",))])
     assert graph.lockstep("teacher") and not graph.lockstep("student")
@@ -155,17 +156,36 @@ def test_a_lockstep_fsdp_teacher_gets_rounds_and_a_probe_and_no_credits():
         msg = plan_message(plan, graph, "teacher", r)
         assert msg["rounds"] == max(counts)
         assert msg["probe"] == [first, 100 + first, ["text"]]
-        assert msg["gates"] == []
+        assert msg["gates"] == [[]] * counts[r]
         assert "rounds" not in plan_message(plan, graph, "student", r)
         assert plan_message(plan, graph, "student", r)["notify"] == []
 
 
-def test_only_frozen_fsdp_sections_fed_by_the_data_run_in_lockstep():
+def test_a_lockstep_consumer_gives_no_run_ahead_credits():
+    """Its producers do not wait on its progress: one of its replicas may be waiting on a peer's
+    gather while that peer waits on the producer."""
+    def graph_with(fsdp: bool) -> SectionGraph:
+        return graph_of([S("teacher", trainable=False, dp=1, micro_batch=1),
+                         S("student", dp=2, micro_batch=1, fsdp=fsdp)],
+                        [Edge(src="teacher", dst="student", tensors=("hidden",))])
+    samples = [SampleMeta(id=i, row=i, num_tokens=10 + 7 * (i % 9)) for i in range(64)]
+    plain = graph_with(False)
+    gated = plan_message(make_planner("wavefront", plain).plan(0, samples), plain, "teacher", 0)["gates"]
+    assert any(gated)  # without FSDP the teacher runs ahead of the student by a bounded credit
+    graph = graph_with(True)
+    plan = make_planner("wavefront", graph).plan(0, samples)
+    assert not any(plan_message(plan, graph, "teacher", 0)["gates"])
+    assert all(plan_message(plan, graph, "student", r)["notify"] == [] for r in range(2))
+    assert plan_message(plan, graph, "student", 0)["rounds"] == max(len(plan.micro_batches("student", r)) for r in range(2))
+
+
+def test_lockstep_sections_are_fsdp_teachers_fed_by_the_data_and_fsdp_loss_sections():
     edge = [Edge(src="a", dst="b", tensors=("x",))]
     for a, b, expected in [
         (S("a", trainable=False, fsdp=True), S("b"), (True, False)),
         (S("a", trainable=False, fsdp=True, tp=2), S("b"), (False, False)),  # tp: per-step gathering
-        (S("a", fsdp=True), S("b", fsdp=True), (False, False)),  # trainable
+        (S("a", fsdp=True), S("b", fsdp=True), (False, True)),  # a trainable encoder; the loss section
+        (S("a", fsdp=True), S("b", fsdp=True, tp=2), (False, False)),
         (S("a", trainable=False), S("b", trainable=False, fsdp=True), (False, False)),  # fed by a section
     ]:
         graph = graph_of([a, b], edge)

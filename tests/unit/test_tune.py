@@ -270,6 +270,8 @@ def test_a_teacher_too_large_for_one_device_is_sharded_to_fit_with_fsdp():
     teacher = MemoryModel(base_mb=1800, per_sample_mb=1, param_mb=1800, copies=1, unit_mb=100, lockstep=True)
     assert teacher.at(0, dp=4, fsdp=True) == pytest.approx(1800 / 4 + 100)
     assert teacher.at(0, tp=2, dp=4, fsdp=True) > 900  # with tp the section gathers per step
+    student = MemoryModel(base_mb=4 * 800, param_mb=800, copies=4, unit_mb=50, lockstep=True)
+    assert student.at(0, dp=4, fsdp=True) == pytest.approx(800 + 3 * 50)  # 2 units' parameters, 1's gradients
     memory = {"teacher": teacher, "student": MemoryModel(base_mb=100)}
     result = tune(p, None, samples(64), devices=8, memory_limit_mb=1000, memory=memory)
     for c in result.best:

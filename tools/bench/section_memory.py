@@ -15,11 +15,13 @@ and the teacher section as
 
 and reads each step's metrics row (DESIGN 5.4): `state_mb` is what a student rank keeps between
 steps (parameters, reduced gradients, optimizer state: exact tensor bytes of its own shards,
-parallel/memory.py), `step_mb` what it holds within a step (an FSDP section gathers its
-parameters for the whole step and accumulates unsharded gradients), `max_rss_mb` the process's
+parallel/memory.py), `step_mb` the most it held at once within a step (the student and the
+teacher here run FSDP in lockstep, parallel/fsdp.py: a unit gathered for its forward or backward
+only), `max_rss_mb` the process's
 peak resident memory (CPU; includes the ~350 MB of Python and torch every worker carries).
 
-The goals: dp4-fsdp's state at most 1/4 + 5% of dp4's; dp2-tp2's state equal to the bytes
+The goals: dp4-fsdp's state at most 1/4 + 5% of dp4's, its in-step bytes at most that plus three
+units (two units' parameters, the next one prefetched in backward, and one unit's gradients) + 5%; dp2-tp2's state equal to the bytes
 expected from the plan (layers it shards at 1/2, the rest whole), computed from the student built
 on the meta device; teacher-dp4-fsdp's in-step bytes at most 1/4 of teacher-dp4's plus its
 largest FSDP unit (one transformer block; the bound a frozen teacher too large for one device
@@ -75,17 +77,14 @@ def expected_tp_mb(sets: dict[str, Any], tp: int) -> float:
     return total / MiB
 
 
-def largest_unit_mb(sets: dict[str, Any]) -> float:
-    """The largest FSDP unit of the teacher (parallel/fsdp.py: fsdp_units), built on the meta device."""
-    from maestro_flow.parallel.fsdp import fsdp_units
+def unit_mb(sets: dict[str, Any], section: str) -> float:
+    """The section's largest FSDP unit (what `maestro profile` writes as unit_mb), built on the
+    meta device."""
     from maestro_flow.runtime.build import build_stage, load_pipeline
+    from maestro_flow.runtime.profiling import largest_unit_mb
 
     pipeline, _ = load_pipeline(repo_path("pipelines", "distill.py"), sets)
-    stage = build_stage(pipeline, pipeline.section("teacher"), 0, "cpu", meta=True)
-    units = fsdp_units(stage)
-    inner = {id(p) for u in units for m in u.children() if m in units for p in m.parameters()}
-    return max(sum(p.numel() * p.element_size() for p in u.parameters() if id(p) not in inner)
-               for u in units) / MiB
+    return largest_unit_mb(build_stage(pipeline, pipeline.section(section), 0, "cpu", meta=True))
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -101,6 +100,10 @@ def main(argv: list[str] | None = None) -> dict:
     base = out["dp4"]["state_mb"]
     out["fsdp_over_dp4_state"] = out["dp4-fsdp"]["state_mb"] / base
     out["fsdp_over_dp4_step"] = out["dp4-fsdp"]["step_mb"] / out["dp4"]["step_mb"]
+    # In a step a lockstep student holds its shards, two units' parameters and one unit's gradients.
+    out["student_unit_mb"] = unit_mb(sets, "student")
+    out["fsdp_step_bound_mb"] = base / 4 + 3 * out["student_unit_mb"]
+    out["fsdp_step_over_bound"] = out["dp4-fsdp"]["step_mb"] / out["fsdp_step_bound_mb"]
     out["tp2_expected_state_mb"] = expected_tp_mb(sets, 2)
     out["tp2_over_expected_state"] = out["dp2-tp2"]["state_mb"] / out["tp2_expected_state_mb"]
     out["tp2_over_dp4_state"] = out["dp2-tp2"]["state_mb"] / base
@@ -110,7 +113,7 @@ def main(argv: list[str] | None = None) -> dict:
         out[variant] = {key: median([s[key] for s in teacher]) for key in ("state_mb", "step_mb", "max_rss_mb")}
         out[variant]["step_ms"] = 1e3 * median([r["step_time_s"] for r in rows[warmup:] or rows])
     whole = out["teacher-dp4"]["step_mb"]
-    out["teacher_unit_mb"] = largest_unit_mb(sets)
+    out["teacher_unit_mb"] = unit_mb(sets, "teacher")
     out["teacher_fsdp_step_bound_mb"] = whole / 4 + out["teacher_unit_mb"]
     out["teacher_fsdp_over_dp4_step"] = out["teacher-dp4-fsdp"]["step_mb"] / whole
     out["teacher_fsdp_step_over_bound"] = out["teacher-dp4-fsdp"]["step_mb"] / out["teacher_fsdp_step_bound_mb"]
@@ -120,7 +123,9 @@ def main(argv: list[str] | None = None) -> dict:
                 [[v, f"{out[v]['state_mb']:.3f}", f"{out[v]['state_mb'] / base:.3f}", f"{out[v]['step_mb']:.3f}",
                   f"{out[v]['max_rss_mb']:.0f}"] for v in VARIANTS]))
     print(f"dp4-fsdp / dp4: state {out['fsdp_over_dp4_state']:.3f} (goal <= 0.2625: 1/4 + 5%), "
-          f"in-step {out['fsdp_over_dp4_step']:.3f}")
+          f"in-step {out['fsdp_over_dp4_step']:.3f}; in-step {out['dp4-fsdp']['step_mb']:.3f} MiB against 1/4 of "
+          f"dp4 + 3 x the largest unit ({out['student_unit_mb']:.3f} MiB) = {out['fsdp_step_bound_mb']:.3f} MiB: "
+          f"ratio {out['fsdp_step_over_bound']:.3f} (goal <= 1.05)")
     print(f"dp2-tp2: state {out['dp2-tp2']['state_mb']:.3f} MiB against {out['tp2_expected_state_mb']:.3f} expected "
           f"from the plan (ratio {out['tp2_over_expected_state']:.3f})")
     print("\nteacher (frozen), per rank (largest replica)")
