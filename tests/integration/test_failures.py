@@ -40,9 +40,12 @@ def test_exception_in_setup(demo_data):
     assert elapsed < 60
 
 
-def test_exception_in_forward_at_step_k(demo_data):
+@pytest.mark.parametrize("sharding", [(), ("sections.student.fsdp=true",)], ids=["replicated", "lockstep-fsdp"])
+def test_exception_in_forward_at_step_k(demo_data, sharding):
+    """With FSDP in lockstep the other replica is inside a collective with the failed one: the
+    run still stops at once, naming the replica that failed."""
     result, elapsed = run_faulty(demo_data, "sections.student.config.fail=forward",
-                                 "sections.student.config.at_step=2", "sections.student.config.on_replica=1")
+                                 "sections.student.config.at_step=2", "sections.student.config.on_replica=1", *sharding)
     assert result.returncode == 1
     err = result.stderr
     assert "section 'student' replica 1" in err and "during forward at step 2" in err
