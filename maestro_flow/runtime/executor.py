@@ -7,7 +7,7 @@ on every run), then the next micro-batch whose inputs have all arrived, then the
 (gradient reduction once the global loss denominator is known, then the optimizer step once the
 global clip coefficient is known, see optim/stepper.py) — and returns without blocking. Inputs,
 gradients, plans, denominators and clip coefficients arrive through `add_plan`, `deliver`,
-`finalize` and `clip`. With `mixed_precision="bf16"` the stage's forward runs under bf16 autocast
+`finalize` and `clip`. The step's end lives in runtime/step_end.py (a mixin). With `mixed_precision="bf16"` the stage's forward runs under bf16 autocast
 and floating tensors cross sections in bf16 (both ways). The executor knows nothing of sockets or
 processes: it talks to peers through a `Comm` and to the coordinator through a `report` callback.
 
@@ -26,7 +26,6 @@ step's report holds the bytes of training state the rank held in the step and af
 
 from __future__ import annotations
 
-import resource
 import time
 import traceback
 from collections import deque
@@ -38,7 +37,6 @@ import torch
 from maestro_flow.graph import SectionGraph
 from maestro_flow.optim.reduce import GradientReducer
 from maestro_flow.optim.stepper import SectionOptimizer
-from maestro_flow.parallel import memory
 from maestro_flow.parallel.section import Layout
 from maestro_flow.planner.cost import charged
 from maestro_flow.planner.costfit import Timing
@@ -46,6 +44,7 @@ from maestro_flow.planner.plan import Placement
 from maestro_flow.runtime import lockstep
 from maestro_flow.runtime.executor_state import PendingBackward, StageFault, StepState, to_torch
 from maestro_flow.runtime.precision import autocast_dtype, compute
+from maestro_flow.runtime.step_end import StepEnd
 from maestro_flow.runtime.trace import Tracer
 from maestro_flow.samples import SampleMeta
 from maestro_flow.stage import MicroBatch, Stage
@@ -54,7 +53,7 @@ from maestro_flow.transport.tensor_comm import Comm
 Report = Callable[[str, dict[str, Any]], None]
 
 
-class SectionExecutor:
+class SectionExecutor(StepEnd):
     def __init__(self, *, stage: Stage, graph: SectionGraph, placement: Placement, section: str, replica: int,
                  source: Any, comm: Comm, report: Report, device: torch.device, dtype: torch.dtype,
                  reducer: GradientReducer | None, clock: Callable[[], float] = time.perf_counter,
@@ -453,107 +452,3 @@ class SectionExecutor:
                     by_rank.setdefault(src, []).append((sid, name, None if leaf is None else self._wire(leaf.grad)))
             for src, items in by_rank.items():
                 self.comm.send(src, "bwd", e.index, st.step, items)
-
-    # -- end of step -----------------------------------------------------------------------
-
-    def _finish_step(self, st: StepState) -> bool:
-        if st.next_mb < len(st.mbs) or st.pending:
-            return False
-        if self.fsdp is not None and self.fsdp.per_micro_batch and st.next_mb + st.probes < st.rounds:
-            lockstep.run_round(self, st)
-            return True
-        if self.is_loss and self.feeds_upstream and not st.loss_reported and not self.follower:
-            # Trainable sections upstream need the global denominator: the coordinator sums the
-            # loss replicas' reports and sends it to them (finalize).
-            st.loss_reported = True
-            self.report("loss", {"step": st.step, "loss_sum": st.loss_sum, "denominator": st.denominator})
-            return True
-        if self.trainable and st.grad_sq is None:
-            st.grad_sq = 0.0  # a trainable stage without trainable parameters adds nothing to the norm
-            if self.optim is not None:
-                if self.is_loss:
-                    denominator = None  # summed over the DP group with the gradients, below
-                else:
-                    denominator = self.finalized.get(st.step)
-                    if denominator is None:
-                        st.grad_sq = None
-                        return self._wait(st, "wait loss denominator")
-                    del self.finalized[st.step]
-                t0 = self.clock()
-                self._waited(st, t0)
-                self._doing("reducing gradients", st.step, None)
-                self._reduce(st, denominator)
-                st.busy_s += self.clock() - t0
-            if self.grad_clip is not None:
-                # Every trainable replica's share of the global norm goes to the coordinator,
-                # which answers every one of them with the same clip coefficient.
-                self.report("norm", {"step": st.step, "sq": st.grad_sq})
-                return True
-        if self.trainable and not st.stepped:
-            coef = 1.0
-            if self.grad_clip is not None:
-                if st.step not in self.clips:
-                    return self._wait(st, "wait clip")
-                coef = self.clips.pop(st.step)
-            if self.optim is not None:
-                t0 = self.clock()
-                self._waited(st, t0)
-                self._doing("optimizer step", st.step, None)
-                st.lr = self.optim.lr
-                self.optim.step(coef)
-                st.busy_s += self.clock() - t0
-                self.tracer.span("optimizer step", "compute", t0, self.clock(), step=st.step)
-            st.stepped = True
-        if self.fsdp is not None and (self.fsdp.gathered or (self.fsdp.per_micro_batch and "step_params" not in st.memory)):
-            self._measure(st, "step")
-            self.fsdp.release()  # a frozen section's (a trainable one released when it reduced)
-        for when in ("step", "rest"):  # unless measured around the gradient reduction
-            if f"{when}_params" not in st.memory:
-                self._measure(st, when)
-        st.memory["optimizer"] = sum(memory.optimizer_bytes(o) for o in (self.optim.optimizers if self.optim else ()))
-        self.inbox.pop(st.step, None)
-        for key in [k for k in self.progress if k[0] <= st.step]:
-            del self.progress[key]
-        self.report("done", {"step": st.step, "stats": self._stats(st)})
-        self._doing("idle (step done)", st.step, None)
-        self.current = None
-        self.steps_done += 1
-        return True
-
-    def _reduce(self, st: StepState, denominator: float | None) -> None:
-        """All-reduce the gradients, divide by the global loss denominator, measure the norm. A
-        loss section passes None: its replicas sum their denominators in the same collective as
-        the gradients (no round trip through the coordinator on the critical path)."""
-        extra = [st.loss_sum, st.denominator] if denominator is None else []
-        self._measure(st, "step")
-        t0 = self.clock()
-        extra = self.optim.reduce(extra)
-        if self.optim.reducer is not None:
-            self.tracer.span("gradient all-reduce", "reduce", t0, self.clock(), step=st.step)
-        self.optim.divide(extra[1] if denominator is None else denominator)
-        self._measure(st, "rest")
-        st.grad_sq = self.optim.sq_norm()
-
-    def _measure(self, st: StepState, when: str) -> None:
-        """Bytes of the parameters and gradients this rank holds now (parallel/memory.py)."""
-        params, grads = memory.held(self.stage.parameters())
-        if when == "step" and self.fsdp is not None and self.fsdp.gathered:
-            params += memory.local_bytes(self.fsdp.sharded())  # kept beside the gathered copy
-        elif when == "step" and self.fsdp is not None and self.fsdp.per_micro_batch:
-            params, grads = self.fsdp.peak  # the most it held at once, in a forward or a backward
-        st.memory.update({f"{when}_params": params, f"{when}_grads": grads})
-
-    def _stats(self, st: StepState) -> dict[str, Any]:
-        wall = self.clock() - st.started
-        stage_stats = getattr(self.stage, "stats", None)
-        return {"busy_s": st.busy_s, "wall_s": wall, "stage": dict(stage_stats()) if callable(stage_stats) else {},
-                **({"loss_sum": st.loss_sum, "denominator": st.denominator} if self.is_loss else {}),
-                "micro_batches": len(st.mbs), "samples": sum(len(mb) for mb in st.mbs), "tokens": st.tokens,
-                **({"probe_rounds": st.probes} if st.rounds else {}),
-                "timings": st.timings,
-                **({"grad_sq": st.grad_sq} if self.trainable else {}),
-                **({"lr": st.lr} if self.optim is not None else {}),
-                "max_rss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
-                "memory": {**st.memory, "peak_mb": memory.peak_mb(self.device)},
-                **({"trace": self.tracer.take()} if self.tracer.enabled else {}),
-                **self.comm.stats.snapshot_and_reset()}
