@@ -7,9 +7,10 @@ on every run), then the next micro-batch whose inputs have all arrived, then the
 (gradient reduction once the global loss denominator is known, then the optimizer step once the
 global clip coefficient is known, see optim/stepper.py) — and returns without blocking. Inputs,
 gradients, plans, denominators and clip coefficients arrive through `add_plan`, `deliver`,
-`finalize` and `clip`. The step's end lives in runtime/step_end.py (a mixin). With `mixed_precision="bf16"` the stage's forward runs under bf16 autocast
-and floating tensors cross sections in bf16 (both ways). The executor knows nothing of sockets or
-processes: it talks to peers through a `Comm` and to the coordinator through a `report` callback.
+`finalize` and `clip`; the step's end is runtime/step_end.py's (a mixin). With
+`mixed_precision="bf16"` the stage's forward runs under bf16 autocast and floating tensors cross
+sections in bf16 (both ways). The executor knows nothing of sockets or processes: it talks to
+peers through a `Comm` and to the coordinator through a `report` callback.
 
 Tensor parallelism: every rank of a replica runs an executor with the replica's plan. The leader
 talks to other sections, and before each forward and each backward relays the micro-batch's
