@@ -124,7 +124,8 @@ class Stage:
         """Full control over the section's layout: shard this stage's modules over `mesh`, a
         torch DeviceMesh with dimensions ("dp", "tp") (or ("dp",) for tp=1) over the section's
         ranks. Override it instead of `tp_plan` for layouts a plan cannot express; modules it
-        wraps with `fully_shard` are driven by the runtime once per step, as with `fsdp=True`.
+        wraps with `fully_shard` are driven by the runtime as with `fsdp=True` (per step, or per
+        micro-batch in a lockstep section: parallel/fsdp.py).
         Not called unless overridden."""
         raise NotImplementedError
 

@@ -7,8 +7,9 @@ and optimizer state (ZeRO-3 at rest), and checkpoints are DTensors that reshard 
 The runtime's replicas do not run in lockstep: with data-dependent routing one replica may run
 three micro-batches in a step, another one, another none, and a trainable encoder runs its
 backwards when its consumers' gradients arrive. FSDP's per-forward all-gathers and per-backward
-reduce-scatters would then pair up wrongly across replicas. So the collectives are tied to the
-step instead of to the micro-batches, the same sequence on every replica whatever it computes:
+reduce-scatters would then pair up wrongly across replicas. So, but for the lockstep sections
+below, the collectives are tied to the step instead of to the micro-batches, the same sequence
+on every replica whatever it computes:
 
     begin_step()        at the step's start: all-gather every unit, in unit order (public unshard)
     (forwards and backwards: no collective; gradients accumulate unsharded, no sync)
@@ -28,13 +29,17 @@ SectionGraph.lockstep): a frozen section fed only by the data (a teacher), and a
 (a student, an LLM: each forward's backward follows at once). FSDP's own hooks then gather each
 unit as its forward (or backward) starts and free it as it ends, and each backward
 reduce-scatters its gradients into the sharded ones, so a rank holds 1/dp of the section plus
-the unit it runs (training: two units' parameters, the next one prefetched, and one unit's
-gradients), not the whole section: a section too large for one device is sharded to fit. The
+about two units (the one it runs and FSDP's all-gather buffer of the last; training, about
+four: a prefetched unit, a unit's gradients and the reduce-scatter buffer), not the whole
+section: a section too large for one device is sharded to fit. The
 collectives pair up because every replica runs the same number of micro-batches in a step and
 the same units in each: the coordinator sends each replica the step's `rounds` (the most any
 replica of the section runs), and a replica with fewer runs its last micro-batch again (or the
 plan's `probe` sample, read from the data) with outputs dropped and a zero loss until it has run
-`rounds` (runtime/lockstep.py). Such a replica waits on its inputs and its peers' collectives
+`rounds` (runtime/lockstep.py; their zero gradients do not count as present). At the step's end
+the replicas check that they ran as many unit forwards and backwards (`verify`): a stage that
+skips modules for some micro-batches breaks the pairing, and the run stops with an error
+saying so. Such a replica waits on its inputs and its peers' collectives
 only: it takes no run-ahead credit and gives none (PlanMessages drops those gates), and inputs
 reach a lockstep loss section whatever it waits on, so no cycle through another section forms.
 Which parameters got a gradient (the presence rule) is noted in each backward, before FSDP
@@ -54,6 +59,16 @@ import torch.distributed as dist
 from torch import nn
 
 from maestro_flow.parallel.memory import local_bytes
+
+
+def same_counts(sums: Sequence[float], n: int) -> bool:
+    """Whether n integers were all equal, from their sum and their sum of squares (one SUM
+    all-reduce gives both): (sum x)^2 <= n sum x^2, with equality iff all are equal."""
+    return abs(sums[0] ** 2 - n * sums[1]) < 0.5
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 def fsdp_units(stage: Any) -> list[nn.Module]:
@@ -99,22 +114,32 @@ class FSDPSection:
             unit.set_gradient_divide_factor(1.0)  # a sum: the runtime divides by the loss denominator
             unit.set_force_sum_reduction_for_comms(True)  # plain SUM: gloo has no PREMUL_SUM
             if per_micro_batch:  # after FSDP's own pre-forward hook: the unit is gathered by now
-                unit.register_forward_pre_hook(lambda *_: self._note_held())
+                unit.register_forward_pre_hook(self._forward_started)
                 for group in self._groups(unit):
                     self._watch_backward(group)
         self.gathered = False
         self.initialized = False
-        self.present: set[int] = set()  # per_micro_batch: the parameters that got a gradient this step
-        self.peak = (0, 0)  # per_micro_batch: (parameter, gradient) bytes at the step's peak so far
+        # per_micro_batch: the parameters that got a real gradient this step (not in stand-in
+        # rounds: `counting` off), the units run (forwards and backwards: every replica's count
+        # must be equal, `verify`), and (parameter, gradient) bytes at the step's peak so far.
+        self.present: set[int] = set()
+        self.counting = True
+        self.calls = 0
+        self.peak = (0, 0)
+        self._sizes: Any = None  # built on first use, after FSDP's lazy init (_held)
 
     def begin_step(self) -> None:
         """At every step's start, on every replica whatever it computes in the step."""
         self._init()
         if self.per_micro_batch:
-            self.peak = (0, 0)
+            self.peak, self.calls = (0, 0), 0
             self._note_held()
         else:
             self.gather()
+
+    def _forward_started(self, *_: Any) -> None:
+        self.calls += 1
+        self._note_held()
 
     def _init(self) -> None:
         if not self.initialized:
@@ -145,24 +170,63 @@ class FSDPSection:
                 grad = fp.unsharded_accumulated_grad
                 grad = fp.unsharded_param.grad if grad is None else grad
                 if grad is not None:
-                    self.present.add(id(fp))
+                    if self.counting:
+                        self.present.add(id(fp))
                     grads += grad.numel() * grad.element_size()
+            self.calls += 1
             self._note_held(grads)
             return original(*args)
 
         group.post_backward = post_backward
 
     def _note_held(self, unsharded_grads: int = 0) -> None:
-        """Shards (parameters and reduced gradients) plus every unit gathered right now (a
-        sharded DTensor's numel is global) and `unsharded_grads`; keeps the largest total."""
-        fps = [fp for unit in self.units for g in self._groups(unit) for fp in g.fsdp_params]
-        params = local_bytes(fp.sharded_param for fp in fps) + sum(
-            fp.sharded_param.numel() * fp.sharded_param.element_size()
-            for u in self.units if all(g.is_unsharded for g in self._groups(u))
-            for g in self._groups(u) for fp in g.fsdp_params)
-        grads = local_bytes(fp.sharded_param.grad for fp in fps) + unsharded_grads
+        """Keep the largest (parameter, gradient) bytes held so far in the step: the shards, every
+        unit gathered now and the all-gather output FSDP keeps until the next all-gather;
+        the reduced gradient shards, `unsharded_grads` (a unit's, in its post-backward) and the
+        reduce-scatter inputs FSDP keeps in flight. Counted from the tensors FSDP holds (sizes
+        taken once), not from an allocator."""
+        sizes = self._sizes or self._size_up()
+        fps, shard, units, contexts = sizes
+        params = sum(shard.values()) + sum(full for groups, full in units if all(g.is_unsharded for g in groups))
+        grads = unsharded_grads + sum(shard[id(fp)] for fp in fps if fp.sharded_param.grad is not None)
+        for ctx in contexts:
+            kept = getattr(ctx, "all_gather_state", None)
+            if kept is not None:
+                params += _nbytes(kept.all_gather_result.all_gather_output)
+            grads += sum(_nbytes(s.reduce_scatter_input) for s in getattr(ctx, "reduce_scatter_states", ()))
         if params + grads > sum(self.peak):
             self.peak = (params, grads)
+
+    def _size_up(self) -> Any:
+        fps = [fp for unit in self.units for g in self._groups(unit) for fp in g.fsdp_params]
+        shard = {id(fp): local_bytes([fp.sharded_param]) for fp in fps}
+        units = [(self._groups(u), sum(_nbytes(fp.sharded_param) for g in self._groups(u) for fp in g.fsdp_params))
+                 for u in self.units]  # a sharded DTensor's numel is the whole parameter's
+        contexts = list({id(g.comm_ctx): g.comm_ctx for u in self.units for g in self._groups(u)}.values())
+        self._sizes = (fps, shard, units, contexts)
+        return self._sizes
+
+    def verify(self, sums: Sequence[float] | None = None) -> None:
+        """Every replica ran the same number of unit forwards and backwards this step (a lockstep
+        section's collectives pair up only then): from `sums`, the step's summed [calls,
+        calls squared] (reduce's all-reduce), or one small all-reduce of its own."""
+        if sums is None:
+            head = torch.tensor([float(self.calls), float(self.calls) ** 2], dtype=torch.float64,
+                                device=self._device())
+            dist.all_reduce(head, op=dist.ReduceOp.SUM, group=self.group)
+            sums = head.tolist()
+        n = dist.get_world_size(self.group)
+        if not same_counts(sums, n):
+            raise RuntimeError(
+                f"the replicas of this FSDP section ran different numbers of unit forwards and "
+                f"backwards (this one {self.calls}, mean {sums[0] / n:g}), so their per-micro-batch gathers "
+                "did not pair up and the step's results cannot be trusted. A section that runs FSDP per "
+                "micro-batch (a frozen teacher fed by the data, a loss section: parallel/fsdp.py) must run "
+                "the same modules for every micro-batch; make the stage do so, or set fsdp=False or tp > 1")
+
+    def _device(self) -> torch.device:
+        fps = self._sizes[0] if self._sizes else []
+        return fps[0].sharded_param.device if fps else torch.device("cpu")
 
     def sharded(self) -> list[torch.Tensor]:
         """Every unit's sharded parameters (kept while the gathered ones are in use)."""
@@ -189,11 +253,16 @@ class FSDPSection:
         device = fsdp_params[0].sharded_param.device if fsdp_params else torch.device("cpu")
         if self.per_micro_batch:
             present = [1.0 if id(fp) in self.present else 0.0 for fp in fsdp_params]
+            present += [float(self.calls), float(self.calls) ** 2]  # checked below (verify)
             self.present.clear()
         else:
             present = [0.0 if fp.unsharded_param.grad is None else 1.0 for fp in fsdp_params]
         head = torch.tensor(present + list(extra), dtype=torch.float64, device=device)
         dist.all_reduce(head, op=dist.ReduceOp.SUM, group=self.group)
+        counts = head.tolist()
+        if self.per_micro_batch:
+            self.verify(counts[len(fsdp_params):len(fsdp_params) + 2])
+            del counts[len(fsdp_params):len(fsdp_params) + 2]
         if not self.per_micro_batch:
             for unit in reversed(self.units):
                 unit.set_requires_gradient_sync(True, recurse=False)
@@ -204,7 +273,6 @@ class FSDPSection:
                     group.finalize_backward()
                 unit.set_requires_gradient_sync(False, recurse=False)
         self.release()
-        counts = head.tolist()
         for fp, count in zip(fsdp_params, counts[:len(fsdp_params)], strict=True):
             if count == 0.0:
                 fp.sharded_param.grad = None

@@ -30,8 +30,8 @@ Coordinator -> worker:
              the coordinator's clock (to align trace timestamps), whether to trace, and what to
              record for replay ({"dir", "section", "steps"} or None), and the checkpoint to resume
              from (a folder, or None)
-  plan       one step's plan, restricted to what this replica needs (a lockstep FSDP teacher's
-             also `rounds` and `probe`: forwards every replica runs, a sample to fill them)
+  plan       one step's plan, restricted to what this replica needs (a lockstep FSDP section's
+             also `rounds` and `probe`: micro-batches every replica runs, a sample to fill them)
   finalize   every loss replica reported: the step's global loss denominator, to the trainable
              sections upstream of that loss
   clip       every trainable replica reported its norm share: the step's clip coefficient, to all

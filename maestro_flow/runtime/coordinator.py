@@ -260,7 +260,7 @@ class Coordinator:
                 planner.costs = ledger.costs()  # refined from the timings measured so far
                 plan = timed_plan(planner, next_plan, sampler.batch(next_plan), self.observer)
                 ledger.planned(plan, time.perf_counter())
-                messages = PlanMessages(plan, self.graph)
+                messages = PlanMessages(plan, self.graph, (self.record or {}).get("section"))
                 for name, leaders in self.placement.ranks.items():
                     for replica, leader in enumerate(leaders):
                         msg = messages.of(name, replica)  # a tensor-parallel replica's ranks share it

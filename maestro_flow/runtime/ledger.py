@@ -36,14 +36,15 @@ class PlanMessages:
     samples (the sample index and who waits on whom are built once per plan: the coordinator
     sends a message to every rank every step)."""
 
-    def __init__(self, plan: Plan, graph: SectionGraph) -> None:
+    def __init__(self, plan: Plan, graph: SectionGraph, recorded: str | None = None) -> None:
+        """`recorded`: the section --record saves for replay (it gathers per step: see worker.py)."""
         self.plan, self.graph = plan, graph
         self.meta = {s.id: s for s in plan.samples}
         # Sections with per-micro-batch FSDP run their replicas in lockstep (parallel/fsdp.py): they
         # get the step's rounds and a probe sample, take no run-ahead credits and give none (a
         # producer waiting on one replica's progress while that replica waits on its peers'
         # gathers, and a peer on that producer, would be a cycle).
-        self.lockstep = {n for n in graph.order if graph.lockstep(n)}
+        self.lockstep = {n for n in graph.order if graph.lockstep(n) and n != recorded}
         self.notify: dict[tuple[str, int], set[tuple[str, int]]] = {}
         for p, reps in plan.gates.items():
             for r, rep in enumerate(reps):

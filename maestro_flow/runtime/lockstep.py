@@ -23,22 +23,33 @@ from maestro_flow.stage import MicroBatch
 
 def run_round(executor: Any, st: Any) -> None:
     """A forward (and, training, a backward of a zero loss) the replica's lockstep peers run and
-    it has no micro-batch for, so that every unit's collectives pair up; nothing is sent, counted
-    or kept, and the random streams are restored (they would otherwise differ from a run where
-    the replica had the samples)."""
+    it has no micro-batch for, so that every unit's collectives pair up. Nothing is sent or
+    kept; its gradients (zeros) do not count as present; the random streams and, training, the
+    stage's buffers are restored. A stage's own counters (`Stage.stats`) do count it."""
     ex = executor
     t0 = ex.clock()
     ex._waited(st, t0)
     ex._doing("FSDP round without samples", st.step, None)
     batch = round_batch(ex, st)
+    buffers = [b for m in ex.stage.modules().values() for b in m.buffers()]
+    saved = [b.clone() for b in buffers] if ex.trainable else []  # e.g. batch-norm statistics
+    ex.fsdp.counting = False  # its zero gradients are no one's: the presence rule ignores them
     try:
         with torch.random.fork_rng(devices=[ex.device] if ex.device.type == "cuda" else []):
             with torch.set_grad_enabled(ex.trainable), compute(ex.mixed_precision, ex.device):
                 out = ex.stage.forward(batch)
-            if ex.trainable and isinstance(out, dict) and getattr(out.get("loss"), "requires_grad", False):
-                (out["loss"] * 0.0).backward()
+            loss = out.get("loss") if ex.trainable and isinstance(out, dict) else None
+            if loss is not None and loss.requires_grad:
+                if not torch.isfinite(loss.detach()).all():  # 0 x inf would add NaN to every peer's gradients
+                    raise FloatingPointError(f"the stand-in round's loss is {float(loss.detach())}")
+                (loss * 0.0).backward()
     except Exception:
         raise StageFault("forward", st.step, traceback.format_exc()) from None
+    finally:
+        ex.fsdp.counting = True
+        with torch.no_grad():
+            for b, value in zip(buffers, saved, strict=False):
+                b.copy_(value)
     st.probes += 1
     elapsed = ex.clock() - t0
     st.busy_s += elapsed
@@ -46,8 +57,11 @@ def run_round(executor: Any, st: Any) -> None:
 
 
 def kept(batch: MicroBatch) -> MicroBatch:
-    """The batch as kept for later rounds: its inputs detached from their producers' graphs."""
-    inputs = {name: [t.detach() if isinstance(t, torch.Tensor) else t for t in column]
+    """The batch as kept for later rounds: its inputs detached from their producers' graphs, as
+    new leaves that require a gradient where the inputs did (so that autograd reaches the same
+    units as in a real round, and FSDP reduce-scatters them in the same order)."""
+    inputs = {name: [t.detach().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t
+                     for t in column]
               for name, column in batch.inputs.items()}
     return dataclasses.replace(batch, inputs=inputs)
 

@@ -68,6 +68,8 @@ class StepEnd:
             st.stepped = True
         if self.fsdp is not None and (self.fsdp.gathered or (self.fsdp.per_micro_batch and "step_params" not in st.memory)):
             self._measure(st, "step")
+            if self.fsdp.per_micro_batch:
+                self.fsdp.verify()  # (a trainable section verified in its reduction)
             self.fsdp.release()  # a frozen section's (a trainable one released when it reduced)
         for when in ("step", "rest"):  # unless measured around the gradient reduction
             if f"{when}_params" not in st.memory:

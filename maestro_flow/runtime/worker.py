@@ -378,8 +378,9 @@ class _Worker:
         groups = process_groups(graph, placement, self.rank, self.timeouts.collective_s, self.timeouts.checkpoint_s)
         marks["groups_s"] = time.perf_counter() - t0 - sum(marks.values())
         try:
-            # A frozen teacher gathers per micro-batch, unless it is recorded for replay (which
-            # saves its whole weights at a step's start).
+            # A lockstep section (parallel/fsdp.py) gathers per micro-batch, unless it is recorded
+            # for replay, which saves its whole weights at a step's start (the coordinator agrees:
+            # PlanMessages).
             per_mb = graph.lockstep(self.section) and recording(init["record"], self.section, self.replica) is None
             layout = parallelize_section(stage, section, placement, self.rank, groups, torch.device(device),
                                          per_micro_batch=per_mb)

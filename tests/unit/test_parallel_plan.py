@@ -118,3 +118,11 @@ def test_the_largest_fsdp_unit_of_a_teacher_is_one_block():
     assert len(blocks) == 4
     block = sum(p.numel() * p.element_size() for p in blocks[0].parameters())
     assert largest_unit_mb(stage) * MB == block  # a block outweighs the embeddings and the head here
+
+
+@pytest.mark.parametrize("counts, same", [([3, 3, 3, 3], True), ([0, 0], True), ([3, 3, 4, 3], False),
+                                          ([2, 4], False), ([100, 101], False)])
+def test_lockstep_replicas_check_their_unit_counts_from_two_sums(counts, same):
+    from maestro_flow.parallel.fsdp import same_counts
+
+    assert same_counts([sum(counts), sum(c * c for c in counts)], len(counts)) is same

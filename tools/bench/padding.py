@@ -99,7 +99,7 @@ def plan_stats(run_dir: str, rows: list[dict[str, Any]], warmup: int, data: str)
                     # What the section computes on: patches for the encoder, text + image rows for the LLM.
                     lengths = [size[i][1] if name == "vision" else size[i][0] + size[i][1] for i in mb]
                     real, padded, count = real + sum(lengths), padded + len(lengths) * max(lengths), count + 1
-            pads.append(padded / real)
+            pads.append(padded / real if real else 1.0)  # a section with no samples pads nothing
             counts.append(count)
         out[name] = {"padding": median(pads), "micro_batches": median(counts),
                      "busy_s": median([r["sections"][name]["busy_s"] for r in rows[warmup:]])}
