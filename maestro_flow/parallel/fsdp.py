@@ -30,7 +30,7 @@ SectionGraph.lockstep): a frozen section fed only by the data (a teacher), and a
 unit as its forward (or backward) starts and free it as it ends, and each backward
 reduce-scatters its gradients into the sharded ones, so a rank holds 1/dp of the section plus
 about two units (the one it runs and FSDP's all-gather buffer of the last; training, about
-four: a prefetched unit, a unit's gradients and the reduce-scatter buffer), not the whole
+five: also a prefetched unit, a unit's gradients, reduce-scatter buffers), not the whole
 section: a section too large for one device is sharded to fit. The
 collectives pair up because every replica runs the same number of micro-batches in a step and
 the same units in each: the coordinator sends each replica the step's `rounds` (the most any

@@ -36,15 +36,16 @@ class MemoryModel:
         holds state (parallel/fsdp.py): with fsdp the parameters (and a trainable section's
         gradients) are gathered for the whole step beside the persistent 1/dp shard, and the
         optimizer state stays sharded; a lockstep section at tp=1 holds its 1/dp shard and two units
-        (the one it runs, FSDP's all-gather buffer of the last), four training (also a prefetched
-        unit, a unit's gradients, the reduce-scatter buffer: parallel/fsdp.py). Activations are not
-        divided by tp (the residual stream is replicated; conservative)."""
+        (the one it runs, FSDP's all-gather buffer of the last), five training (also a prefetched
+        unit, a unit's gradients, reduce-scatter buffers: measured 5.1, tools/bench/RESULTS.md
+        section 9). Activations are not divided by tp (the residual stream is replicated;
+        conservative)."""
         shard = self.param_mb * (1.0 - self.tp_share + self.tp_share / tp)
         fixed = max(0.0, self.base_mb - self.param_mb * self.copies)
         if not fsdp or dp == 1:
             state = shard * self.copies
         elif self.lockstep and tp == 1 and self.unit_mb > 0:
-            state = shard * self.copies / dp + min(self.unit_mb, shard) * (2 if self.copies == 1 else 4)
+            state = shard * self.copies / dp + min(self.unit_mb, shard) * (2 if self.copies == 1 else 5)
         elif self.copies == 1:
             state = shard * (1.0 + 1.0 / dp)
         else:
