@@ -39,9 +39,10 @@ plan's `probe` sample, read from the data) with outputs dropped and a zero loss 
 `rounds` (runtime/lockstep.py; their zero gradients do not count as present). At the step's end
 the replicas check that they ran as many unit forwards and backwards (`verify`): a stage that
 skips modules for some micro-batches breaks the pairing, and the run stops with an error
-saying so. Such a replica waits on its inputs and its peers' collectives
-only: it takes no run-ahead credit and gives none (PlanMessages drops those gates), and inputs
-reach a lockstep loss section whatever it waits on, so no cycle through another section forms.
+saying so. Run-ahead credits change so that no wait closes a cycle through the gathers
+(runtime/ledger.py, PlanMessages._gates): a lockstep section gives none (its producers run
+ahead freely), and a lockstep teacher's round k waits only for consumer forwards that outputs of
+earlier rounds feed.
 Which parameters got a gradient (the presence rule) is noted in each backward, before FSDP
 reduce-scatters (`_watch_backward`), and summed over the replicas at the step's end.
 

@@ -41,16 +41,15 @@ class PlanMessages:
         self.plan, self.graph = plan, graph
         self.meta = {s.id: s for s in plan.samples}
         # Sections with per-micro-batch FSDP run their replicas in lockstep (parallel/fsdp.py): they
-        # get the step's rounds and a probe sample, take no run-ahead credits and give none (a
-        # producer waiting on one replica's progress while that replica waits on its peers'
-        # gathers, and a peer on that producer, would be a cycle).
+        # get the step's rounds and a probe sample, and their run-ahead credits change (_gates).
         self.lockstep = {n for n in graph.order if graph.lockstep(n) and n != recorded}
+        self._reach: dict[tuple[str, str, int], list[int]] = {}
+        self.gates = {(p, r): self._gates(p, r) for p, reps in plan.gates.items() for r in range(len(reps))}
         self.notify: dict[tuple[str, int], set[tuple[str, int]]] = {}
-        for p, reps in plan.gates.items():
-            for r, rep in enumerate(reps):
-                for mb in rep:
-                    for c, ci, _ in self._gates(p, mb):
-                        self.notify.setdefault((c, ci), set()).add((p, r))
+        for (p, r), rep in self.gates.items():
+            for mb in rep:
+                for c, ci, _ in mb:
+                    self.notify.setdefault((c, ci), set()).add((p, r))
 
     def of(self, section: str, replica: int) -> dict[str, Any]:
         plan, meta = self.plan, self.meta
@@ -65,18 +64,49 @@ class PlanMessages:
             "routes": {n: {sid: plan.routes[n][sid] for sid in mine} for n in neighbours},
             # Run-ahead credits: per micro-batch, (consumer section, replica, forwards it must
             # have finished); and which producer replicas wait on this replica's progress.
-            "gates": [[list(g) for g in self._gates(section, mb)] for mb in plan.gates_of(section, replica)],
+            "gates": [[list(g) for g in mb] for mb in self.gates.get((section, replica), plan.gates_of(section, replica))],
             "notify": sorted(self.notify.get((section, replica), ())),
         }
         if section in self.lockstep:
             msg.update(self._rounds(section))
         return msg
 
-    def _gates(self, producer: str, gates: list) -> list:
-        """A micro-batch's run-ahead gates, less those that involve a lockstep section."""
-        if producer in self.lockstep:
-            return []
-        return [g for g in gates if g[0] not in self.lockstep]
+    def _gates(self, producer: str, replica: int) -> list[list[tuple[str, int, int]]]:
+        """A replica's run-ahead gates per micro-batch. A gate on a lockstep consumer is dropped:
+        a producer waiting on one of its replicas while that replica waits on a peer's gather, and
+        the peer on that producer, would be a cycle. A lockstep producer's gate for its round k
+        asks a consumer for at most the forwards it can run on outputs of rounds before k (which
+        every replica has passed once one starts round k), and only of a consumer that has no
+        other producer and no gates of its own; others are dropped. Its run-ahead stays bounded
+        without any wait that could close a cycle."""
+        out = []
+        for k, mb in enumerate(self.plan.gates_of(producer, replica)):
+            if producer not in self.lockstep:
+                out.append([g for g in mb if g[0] not in self.lockstep])
+                continue
+            kept = []
+            for c, ci, done in mb:
+                if c not in self.lockstep and len(self.graph.inputs(c)) == 1 and not any(
+                        g for rep in self.plan.gates.get(c, ()) for mbg in rep for g in mbg):
+                    reach = self._reachable(producer, c, ci)
+                    kept.append((c, ci, min(done, reach[min(k, len(reach) - 1)])))
+            out.append(kept)
+        return out
+
+    def _reachable(self, producer: str, consumer: str, replica: int) -> list[int]:
+        """[k] = the consumer replica's leading micro-batches whose inputs from `producer` all
+        come from its rounds (micro-batch indices) before k."""
+        key = (producer, consumer, replica)
+        if key not in self._reach:
+            rounds = {sid: k for r in range(self.graph.sections[producer].dp)
+                      for k, mb in enumerate(self.plan.micro_batches(producer, r)) for sid in mb}
+            needs, latest = [], -1
+            for mb in self.plan.micro_batches(consumer, replica):
+                latest = max([latest] + [rounds[s] for s in mb if s in rounds])
+                needs.append(latest)
+            top = max(rounds.values(), default=0) + 2
+            self._reach[key] = [sum(1 for n in needs if n <= k - 1) for k in range(top)]
+        return self._reach[key]
 
     def _rounds(self, section: str) -> dict[str, Any]:
         """The most micro-batches any replica of `section` runs this step, and a sample of the

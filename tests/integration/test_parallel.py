@@ -61,7 +61,9 @@ def vlm_data(tmp_path_factory):
 
 
 def test_a_lockstep_fsdp_teacher_with_uneven_replicas_equals_colocated(demo_data, tmp_path):
-    out = run_both("pipelines/distill.py", demo_data, tmp_path, **{"sections.teacher.dp": 4, "sections.teacher.fsdp": True})
+    # 64 samples: enough for the teacher's run-ahead credits to bind (ledger.PlanMessages._gates).
+    out = run_both("pipelines/distill.py", demo_data, tmp_path,
+                   **{"sections.teacher.dp": 4, "sections.teacher.fsdp": True, "global_batch": 64})
     (s_rows, s_dir), (c_rows, c_dir) = out["section"], out["colocated"]
     assert_same_losses(s_rows, c_rows)
     assert_same_parameters(s_dir, c_dir, ["student"])

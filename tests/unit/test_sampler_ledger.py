@@ -140,11 +140,9 @@ def test_plan_message_for_a_replica_without_samples():
     assert (msg["micro_batches"], msg["samples"], msg["routes"]) == ([], [], {"teacher": {}})
 
 
-def test_a_lockstep_fsdp_teacher_gets_rounds_and_a_probe_and_no_credits():
+def test_a_lockstep_fsdp_teacher_gets_rounds_and_a_probe():
     """A frozen FSDP teacher fed by the data runs in lockstep (parallel/fsdp.py): every replica
-    is told the most micro-batches any of them runs and a sample to run when it has none left;
-    it takes no run-ahead credits, so no consumer notifies it."""
-    # (A lockstep consumer gives none either: tests/integration/test_parallel.py runs both.)
+    is told the most micro-batches any of them runs and a sample to run when it has none left."""
     graph = graph_of([S("teacher", trainable=False, dp=2, micro_batch=2, fsdp=True), S("student", dp=2, micro_batch=2)],
                      [Edge(src="teacher", dst="student", tensors=("hidden",))])
     assert graph.lockstep("teacher") and not graph.lockstep("student")
@@ -156,9 +154,29 @@ def test_a_lockstep_fsdp_teacher_gets_rounds_and_a_probe_and_no_credits():
         msg = plan_message(plan, graph, "teacher", r)
         assert msg["rounds"] == max(counts)
         assert msg["probe"] == [first, 100 + first, ["text"]]
-        assert msg["gates"] == [[]] * counts[r]
         assert "rounds" not in plan_message(plan, graph, "student", r)
-        assert plan_message(plan, graph, "student", r)["notify"] == []
+
+
+def test_a_lockstep_teacher_s_credits_ask_only_for_what_earlier_rounds_feed():
+    """Its round k waits on a student's progress, but never for more forwards than the student
+    can run on the outputs of rounds before k (every replica has passed those once one starts
+    round k), so the wait cannot close a cycle through the teacher's gathers."""
+    graph = graph_of([S("teacher", trainable=False, dp=2, micro_batch=2, fsdp=True),
+                      S("student", dp=2, micro_batch=2)], [Edge(src="teacher", dst="student", tensors=("hidden",))])
+    samples = [SampleMeta(id=i, row=i, num_tokens=10 + 7 * (i % 9)) for i in range(96)]
+    plan = make_planner("wavefront", graph).plan(0, samples)
+    round_of = {sid: k for r in range(2) for k, mb in enumerate(plan.micro_batches("teacher", r)) for sid in mb}
+    waits = 0
+    for r in range(2):
+        for k, gates in enumerate(plan_message(plan, graph, "teacher", r)["gates"]):
+            for c, ci, done in gates:
+                assert c == "student"
+                fed = plan.micro_batches("student", ci)[:done]
+                assert all(round_of[s] < k for mb in fed for s in mb)
+                waits += done > 0
+    assert waits > 0  # the credits still bound how far the teacher runs ahead
+    notified = {tuple(x) for ci in range(2) for x in plan_message(plan, graph, "student", ci)["notify"]}
+    assert notified <= {("teacher", 0), ("teacher", 1)} and notified
 
 
 def test_a_lockstep_consumer_gives_no_run_ahead_credits():
