@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from maestro_flow.runtime.build import load_pipeline
@@ -89,6 +90,40 @@ def test_a_lockstep_fsdp_student_equals_colocated_and_holds_its_shard_and_a_bloc
     for s in student:  # its shards and about five blocks (the tuner's model), less than the whole
         assert s["state_mb"] < s["step_mb"] <= 1.05 * (s["state_mb"] + 5 * unit)
         assert s["step_mb"] < 0.75 * 4 * s["state_mb"]
+
+
+def test_lockstep_fsdp_sums_gradients_and_keeps_the_presence_rule():
+    """FSDPSection in lockstep on two ranks, against the same model unsharded: gradients are the
+    sums of every real micro-batch's, a parameter no replica used has none (the presence rule,
+    noted per backward), a stand-in round's zero gradients make nothing present."""
+    from tests.integration import fsdp_presence_peers as peers
+    from tools.bench.common import run_spawned
+
+    port = _free_port()
+    out = run_spawned(peers.peer, [(port,), (port,)], timeout_s=120)
+    t = lambda x: torch.tensor(x, dtype=torch.float64)  # noqa: E731
+    model = peers.Model().double()
+    model.load_state_dict({n: t(v) for n, v in out[0]["full"].items()})
+    model(t(out[0]["xs"][0]), False).backward()
+    model(t(out[0]["xs"][1]), True).backward()
+    model(t(out[1]["xs"][0]), False).backward()
+    for name, p in model.named_parameters():
+        for rank in range(2):
+            got = out[rank]["grads"][name]
+            if p.grad is None:  # block.never everywhere; block.extra is used on rank 0
+                assert got is None, name
+            else:
+                assert got is not None and torch.allclose(t(got), p.grad, atol=1e-12), name
+    assert [n for n, p in model.named_parameters() if p.grad is None] == [
+        f"blocks.{i}.never.{w}" for i in range(2) for w in ("weight", "bias")]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _unit_mb(section: str) -> float:

@@ -1,0 +1,73 @@
+"""Two gloo ranks driving FSDPSection directly (spawned by test_parallel.py): a lockstep section's
+reduce-scattered gradient sums and gradient presence, against the same model unsharded."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.extra, self.never = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, use_extra: bool) -> torch.Tensor:
+        x = self.a(x)
+        return self.extra(x) if use_extra else x  # `never` is used by no one
+
+
+class Model(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([Block(), Block()])
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor, use_extra: bool) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x, use_extra)
+        return self.head(x).sum()
+
+
+class Stage:
+    def __init__(self) -> None:
+        torch.manual_seed(0)
+        self.model = Model().double()
+
+    def modules(self) -> dict[str, nn.Module]:
+        return {"model": self.model}
+
+
+def peer(rank: int, port: int) -> dict:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from maestro_flow.parallel.fsdp import FSDPSection
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        stage = Stage()
+        full = {n: p.detach().clone() for n, p in stage.model.named_parameters()}
+        mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu", mesh=torch.arange(2), mesh_dim_names=("dp",))
+        fsdp = FSDPSection(stage, mesh["dp"], dist.group.WORLD, per_micro_batch=True)
+        fsdp.begin_step()
+        # Rank 0 runs two micro-batches, the second one using `extra`; rank 1 one micro-batch
+        # without it, then a stand-in round (counted as no one's gradient).
+        torch.manual_seed(1 + rank)
+        xs = [torch.randn(3, 4, dtype=torch.float64) for _ in range(2)]
+        stage.model(xs[0], False).backward()
+        if rank == 0:
+            stage.model(xs[1], True).backward()
+        else:
+            fsdp.counting = False
+            (stage.model(xs[0], True) * 0.0).backward()
+            fsdp.counting = True
+        fsdp.reduce([])  # also checks that both ran as many unit forwards and backwards
+        grads = {n: None if p.grad is None else p.grad.full_tensor().tolist() for n, p in stage.model.named_parameters()}
+        # Plain lists: tensors would travel through shared memory this process is about to drop.
+        return {"grads": grads, "full": {n: t.tolist() for n, t in full.items()}, "xs": [x.tolist() for x in xs]}
+    finally:
+        dist.destroy_process_group()
