@@ -15,9 +15,9 @@ class Block(nn.Module):
         super().__init__()
         self.a, self.extra, self.never = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
 
-    def forward(self, x: torch.Tensor, use_extra: bool) -> torch.Tensor:
-        x = self.a(x)
-        return self.extra(x) if use_extra else x  # `never` is used by no one
+    def forward(self, x: torch.Tensor, use: str) -> torch.Tensor:
+        x = self.a(x)  # `extra`: used by one replica; `never`: by a stand-in round only
+        return self.extra(x) if use == "extra" else self.never(x) if use == "never" else x
 
 
 class Model(nn.Module):
@@ -26,9 +26,9 @@ class Model(nn.Module):
         self.blocks = nn.ModuleList([Block(), Block()])
         self.head = nn.Linear(4, 1)
 
-    def forward(self, x: torch.Tensor, use_extra: bool) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, use: str) -> torch.Tensor:
         for b in self.blocks:
-            x = b(x, use_extra)
+            x = b(x, use)
         return self.head(x).sum()
 
 
@@ -58,12 +58,12 @@ def peer(rank: int, port: int) -> dict:
         # without it, then a stand-in round (counted as no one's gradient).
         torch.manual_seed(1 + rank)
         xs = [torch.randn(3, 4, dtype=torch.float64) for _ in range(2)]
-        stage.model(xs[0], False).backward()
+        stage.model(xs[0], "").backward()
         if rank == 0:
-            stage.model(xs[1], True).backward()
+            stage.model(xs[1], "extra").backward()
         else:
-            fsdp.counting = False
-            (stage.model(xs[0], True) * 0.0).backward()
+            fsdp.counting = False  # as runtime/lockstep.py runs a stand-in round
+            (stage.model(xs[0], "never") * 0.0).backward()
             fsdp.counting = True
         fsdp.reduce([])  # also checks that both ran as many unit forwards and backwards
         grads = {n: None if p.grad is None else p.grad.full_tensor().tolist() for n, p in stage.model.named_parameters()}

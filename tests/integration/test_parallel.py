@@ -104,13 +104,13 @@ def test_lockstep_fsdp_sums_gradients_and_keeps_the_presence_rule():
     t = lambda x: torch.tensor(x, dtype=torch.float64)  # noqa: E731
     model = peers.Model().double()
     model.load_state_dict({n: t(v) for n, v in out[0]["full"].items()})
-    model(t(out[0]["xs"][0]), False).backward()
-    model(t(out[0]["xs"][1]), True).backward()
-    model(t(out[1]["xs"][0]), False).backward()
+    model(t(out[0]["xs"][0]), "").backward()
+    model(t(out[0]["xs"][1]), "extra").backward()
+    model(t(out[1]["xs"][0]), "").backward()
     for name, p in model.named_parameters():
         for rank in range(2):
             got = out[rank]["grads"][name]
-            if p.grad is None:  # block.never everywhere; block.extra is used on rank 0
+            if p.grad is None:  # block.never: only a stand-in used it; block.extra is used on rank 0
                 assert got is None, name
             else:
                 assert got is not None and torch.allclose(t(got), p.grad, atol=1e-12), name
