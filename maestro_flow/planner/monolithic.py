@@ -22,9 +22,8 @@ from dataclasses import dataclass
 from maestro_flow.graph import SectionGraph
 from maestro_flow.planner.cost import CostModel
 from maestro_flow.planner.simulate import micro_batch_task_s
+from maestro_flow.planner.tune_model import REDUCE_MB_PER_S
 from maestro_flow.samples import SampleMeta
-
-REDUCE_MB_PER_S = 1000.0  # as planner/tune.py
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

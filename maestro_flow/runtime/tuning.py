@@ -8,7 +8,7 @@ pipeline's own `Cost` records (no memory model: the memory limit cannot be check
 Sample metadata come from `--trace-in` (JSON Lines) or the pipeline's dataset.
 A cost file also carries the runtime's own costs (per micro-batch, per step, planning), and when
 every section runs on the CPU the simulation shares `cpu_cores` cores between the worker
-processes (default os.cpu_count(); see planner/tune.py for the approximation).
+processes (default os.cpu_count(); see planner/tune_model.py for the approximation).
 """
 
 from __future__ import annotations

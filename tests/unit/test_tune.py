@@ -172,7 +172,8 @@ def test_runtime_costs_lengthen_the_step():
     p, batch = distill().override(lookahead_steps=0), samples(64)
     layout = (("teacher", 2, 4), ("student", 2, 4))
     base = tune(p, None, batch, devices=4).best[0]
-    from maestro_flow.planner.tune import REDUCE_MB_PER_S, Tuner
+    from maestro_flow.planner.tune import Tuner
+    from maestro_flow.planner.tune_model import REDUCE_MB_PER_S
 
     def step(**kw):
         return Tuner(p, _costs(p), [batch], devices=4, **kw).evaluate(layout).step_s
