@@ -31,7 +31,7 @@ import zmq
 from maestro_flow.checkpoint.checkpointer import Checkpointer, CheckpointOptions
 from maestro_flow.checkpoint.manifest import Manifest
 from maestro_flow.config import Pipeline
-from maestro_flow.errors import PipelineError, StageError, SystemFailure, TimeoutFailure, WorkerLost
+from maestro_flow.errors import SystemFailure
 from maestro_flow.graph import SectionGraph
 from maestro_flow.planner import make_planner
 from maestro_flow.planner.plan import Placement
@@ -39,6 +39,7 @@ from maestro_flow.protocol.auth import DropLog, Opener, Rejected, Sealer, derive
 from maestro_flow.protocol.messages import PROTOCOL_VERSION, make
 from maestro_flow.runtime import agent
 from maestro_flow.runtime.build import resolve_device
+from maestro_flow.runtime.coordinator_io import CoordinatorIO
 from maestro_flow.runtime.launcher import Launcher
 from maestro_flow.runtime.ledger import PlanMessages, StepLedger
 from maestro_flow.runtime.liveness import Liveness
@@ -52,8 +53,6 @@ from maestro_flow.runtime.worker import worker_main
 from maestro_flow.timeouts import Timeouts
 from maestro_flow.transport import host as shm_host
 from maestro_flow.transport import zmq_link
-
-AWAY_S = 1.0  # a gap this long between two looks at the socket means the coordinator stalled
 
 
 def shm_enabled() -> bool:
@@ -79,7 +78,7 @@ def placement_for(graph: SectionGraph) -> Placement:
 
 
 
-class Coordinator:
+class Coordinator(CoordinatorIO):
     def __init__(self, pipeline: Pipeline, graph: SectionGraph, sampler: EpochSampler, report: RunReport, *,
                  paths: list[str], timeouts: Timeouts | None = None, save_dir: str | None = None,
                  worker_entry: Callable[[dict], None] = worker_main, observer: RunObserver | None = None,
@@ -371,200 +370,3 @@ class Coordinator:
             if msg["t"] == "bye":
                 bye.add(rank)
         self.launcher.join(self.timeouts.shutdown_grace_s)
-
-    # -- messaging -------------------------------------------------------------------------
-
-    def _seal_and_send(self, rank: int, msg: dict) -> None:
-        zmq_link.send_msg(self.router, msg, identity=self.rank_identity[rank], sealer=self.sealers[rank])
-        self.last_sent[rank] = time.monotonic()
-
-    def _send(self, rank: int, msg: dict) -> None:
-        try:
-            self._seal_and_send(rank, msg)
-        except zmq.ZMQError as exc:
-            # The worker is gone. It may have said why just before it went: prefer its report.
-            deadline = time.monotonic() + 1.0
-            while self.router.poll(int(max(0.0, deadline - time.monotonic()) * 1000)):
-                self._recv(deadline + 1.0, "the error report of a worker that left", "MAESTRO_STEP_S")
-            for w in self.launcher.dead():
-                if w.rank == rank:
-                    raise self._death(w) from None
-            raise SystemFailure(f"cannot reach {self._label(rank)}: {exc}") from None
-
-    def _accept(self, frames: list[bytes]) -> tuple[int, dict] | None:
-        """(rank, message) of an authentic frame from the connection its rank said hello on;
-        anything else is dropped and logged (None). Never trusts the socket identity: a
-        connection is bound to a rank by its authenticated hello, once."""
-        if len(frames) != 2:
-            self.drops.drop("a connection", f"{len(frames)} frames, not [identity, message]")
-            return None
-        identity, frame = frames
-        rank = self.identity_rank.get(identity)
-        origin = self._label(rank) if rank is not None else f"connection {identity.hex()}"
-        try:
-            sender, msg = zmq_link.open_msg(self.opener, frame)
-        except Rejected as exc:
-            self.drops.drop(origin, str(exc))
-            return None
-        claimed = msg.get("rank")
-        if sender != f"rank{claimed}" or not isinstance(claimed, int) or not 0 <= claimed < self.placement.world_size:
-            self.drops.drop(origin, f"sender {sender!r} claims rank {claimed!r}")
-            return None
-        if rank is None:
-            if msg["t"] != "hello":
-                self.drops.drop(origin, f"a {msg['t']!r} message before this connection's hello")
-                return None
-            if claimed in self.rank_identity:
-                self.drops.drop(origin, f"hello as rank {claimed}, which is connected already")
-                return None
-            self.identity_rank[identity], self.rank_identity[claimed] = claimed, identity
-            self.sealers[claimed] = Sealer(self.key, "coordinator", f"rank{claimed}")
-            rank = claimed
-        elif claimed != rank or msg["t"] == "hello":
-            self.drops.drop(origin, f"a {msg['t']!r} message claiming rank {claimed}")
-            return None
-        self.liveness.seen(rank, time.monotonic())
-        return rank, msg
-
-    def _tick(self, now: float) -> None:
-        """Pings to the workers (they exit when their coordinator goes silent) and the status
-        endpoint's snapshot, each at most every heartbeat interval."""
-        if now < self._next_tick:
-            return
-        self._next_tick = now + self.timeouts.heartbeat_interval_s
-        # Any frame tells a worker its coordinator is alive: ping only those sent nothing for a
-        # while (during training the plans go to everyone every step; pings to a thousand
-        # workers every interval would cost the coordinator more than its steps).
-        quiet = now - min(self.timeouts.coordinator_timeout_s / 6, 5.0)
-        for rank in list(self.rank_identity):
-            if self.last_sent.get(rank, 0.0) > quiet:
-                continue
-            try:
-                self._seal_and_send(rank, make("ping"))
-            except zmq.ZMQError:
-                pass  # a worker that left: _check_workers names it
-        if self.status is not None:
-            self.status.publish(self._snapshot())
-        if self.rdzv is not None:
-            lost = agent.lost_report(self.rdzv, self.session)
-            if lost is not None:
-                raise WorkerLost(lost)
-
-    def _snapshot(self) -> dict:
-        """What `maestro top` shows (read-only: built from what the coordinator already knows)."""
-        row = self.last_row or {}
-        now = time.monotonic()
-        workers = []
-        for rank in range(self.placement.world_size):
-            section, replica = self.placement.who(rank)
-            busy = min(1.0, self.replica_busy[rank]) if rank in self.replica_busy else None
-            workers.append({"name": f"{section}[{replica}]", "rank": rank, "busy_fraction": busy,
-                            "seen_s": now - self.liveness.last_seen.get(rank, now),
-                            **self.liveness.status.get(rank, {})})
-        return {"pipeline": self.pipeline.name, "step": self.awaited_step, "steps": self.pipeline.steps,
-                "loss": row.get("loss"), "step_time_s": row.get("step_time_s"), "workers": workers}
-
-    def _death(self, w) -> WorkerLost:
-        if not self.training:
-            return WorkerLost(f"worker {w.label} {w.exit_description()} during startup")
-        last = self.liveness.last_done.get(w.rank)
-        reported = "before finishing any step" if last is None else f"after finishing step {last}"
-        return WorkerLost(f"worker {w.label} {w.exit_description()} {reported}, "
-                             f"while the run was at step {self.awaited_step}")
-
-    def _raise_dead_peer(self, exclude: int) -> None:
-        """A system error is often a peer's death seen from the other end (a closed connection):
-        name the dead peer instead, when one shows within a grace period. With several nodes
-        the grace lasts a heartbeat timeout, the time a lost node takes to show as silent."""
-        grace_s = self.timeouts.heartbeat_timeout_s + 1.0 if self.nodes.multi else 1.0
-        deadline = time.monotonic() + grace_s
-        while time.monotonic() < deadline:
-            # A worker that exited with code 0 left normally (it said bye): never the cause.
-            dead = [w for w in self.launcher.dead() if w.rank != exclude and w.process.exitcode != 0]
-            if dead:
-                raise self._death(dead[0])
-            if not self.nodes.multi:
-                time.sleep(0.05)
-                continue
-            lost = agent.lost_report(self.rdzv, self.session)
-            if lost is not None:
-                raise WorkerLost(lost)
-            lost = self.liveness.lost_node(time.monotonic())
-            if lost is not None:
-                raise lost
-            if self.router.poll(50):  # keep reading heartbeats, so only the lost fall silent
-                self._accept(self.router.recv_multipart())
-
-    def _label(self, rank: int) -> str:
-        section, replica = self.placement.who(rank)
-        node = f", node {self.node_of[rank]}" if self.nodes.multi else ""
-        return f"section {section!r} replica {replica} (rank {rank}{node})"
-
-    def _missing(self, have: dict | set) -> str:
-        """The ranks not heard from yet, by node (for startup timeouts)."""
-        missing = [r for r in range(self.placement.world_size) if r not in have]
-        if not self.nodes.multi:
-            return f"ranks {', '.join(map(str, missing))}"
-        nodes = sorted({self.node_of[r] for r in missing})
-        return "; ".join(f"node {n}: ranks {', '.join(str(r) for r in missing if self.node_of[r] == n)}"
-                         + (f" (is `maestro run ... --node-rank {n}` running there?)" if n else "") for n in nodes)
-
-    def _recv(self, deadline: float, what: str, setting: str, allow_exit: set[int] | None = None,
-              hang: bool = False) -> tuple[int, dict]:
-        """Next message other than a heartbeat; raises on error reports, dead or silent workers."""
-        started = time.monotonic()
-        while True:
-            now = time.monotonic()
-            if now - self._listened_at > AWAY_S:  # the coordinator itself stalled: not the workers' silence
-                self.liveness.away(now - self._listened_at)
-            self._listened_at = now
-            if now > deadline:
-                raise TimeoutFailure(what, now - started, setting)
-            self._tick(now)
-            # Liveness is judged only once every queued message is read: a coordinator that was
-            # paused or busy finds its workers' heartbeats waiting, not missing. A queued message
-            # is taken without a poll (one system call per message, not two: with a thousand
-            # workers the coordinator reads thousands of messages a step).
-            try:
-                frames = self.router.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                frames = None
-            if frames is None:
-                self._check_workers(now, allow_exit or set())
-                hung = self.liveness.hang(self.awaited_step, now) if hang else None
-                if hung is not None:
-                    raise hung
-                self.router.poll(100)
-                continue
-            got = self._accept(frames)
-            if got is None:
-                continue
-            rank, msg = got
-            if msg["t"] == "heartbeat":
-                if "status" in msg:
-                    self.liveness.note_status(rank, msg["status"], time.monotonic())
-                continue
-            if msg["t"] == "error":
-                section, replica = self.placement.who(rank)  # where the rank is, whatever it says
-                if msg["kind"] == "input":  # e.g. a checkpoint that does not fit the pipeline
-                    raise PipelineError(msg["traceback"])
-                if msg["kind"] == "stage":
-                    raise StageError(section=section, replica=replica, rank=rank, step=msg["step"],
-                                     phase=msg["phase"], traceback=msg["traceback"])
-                self._raise_dead_peer(exclude=rank)  # a peer's death is the cause, not the symptom
-                raise SystemFailure(f"system error in {self._label(rank)} during {msg['phase']}"
-                                    f"{'' if msg['step'] is None else ' at step ' + str(msg['step'])}:\n"
-                                    f"{msg['traceback'].rstrip()}")
-            return rank, msg
-
-    def _check_workers(self, now: float, allow_exit: set[int]) -> None:
-        for w in self.launcher.dead():
-            if w.rank in allow_exit:
-                continue
-            # A worker that reported an error exits right after; prefer its report if it is queued.
-            if self.router.poll(0):
-                return
-            raise self._death(w)
-        lost = self.liveness.silent(now)
-        if lost is not None:
-            raise lost
