@@ -83,6 +83,18 @@ def fsdp_units(stage: Any) -> list[nn.Module]:
     return units
 
 
+def largest_unit_bytes(stage: Any) -> int:
+    """The bytes of the stage's largest unit, less the units inside it: what a lockstep section
+    gathers at once beside its shard (`maestro profile` writes it as unit_mb)."""
+    units = fsdp_units(stage)
+    ids = {id(u) for u in units}
+    sizes = []
+    for u in units:
+        inner = {id(p) for m in u.modules() if m is not u and id(m) in ids for p in m.parameters()}
+        sizes.append(sum(_nbytes(p) for p in u.parameters() if id(p) not in inner))
+    return max(sizes, default=0)
+
+
 def _collect(m: nn.Module, blocks: set[int], units: list[nn.Module]) -> None:
     if id(m) in blocks:
         units.append(m)

@@ -16,7 +16,8 @@ Nothing from a socket is trusted until authenticated (protocol/auth.py): every f
 under this attempt's key, a connection becomes a rank only by that rank's sealed hello, and a
 report counts once per rank and step (runtime/ledger.py). Anything else is dropped and logged,
 never fatal. The control socket, the store and the status endpoint listen on `host` only
-(loopback unless the run says otherwise).
+(loopback unless the run says otherwise). Sending, receiving and watching the workers:
+runtime/coordinator_io.py.
 """
 
 from __future__ import annotations

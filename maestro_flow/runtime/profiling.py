@@ -67,6 +67,7 @@ import torch
 from maestro_flow.config import Pipeline
 from maestro_flow.errors import PipelineError
 from maestro_flow.graph import SectionGraph
+from maestro_flow.parallel.fsdp import largest_unit_bytes
 from maestro_flow.planner.cost import charged
 from maestro_flow.runtime.build import build_stage, default_dtype, load_pipeline, resolve_device
 from maestro_flow.runtime.checks import check_pipeline
@@ -284,20 +285,6 @@ def _measure(sec: _Section, mb: list[SampleMeta], outputs: dict, repeats: int) -
             "peak_mb": peak}
 
 
-def largest_unit_mb(stage: Any) -> float:
-    """The bytes of the stage's largest FSDP unit (parallel/fsdp.py: fsdp_units), less the units
-    inside it: what a frozen FSDP teacher gathers at once beside its shard."""
-    from maestro_flow.parallel.fsdp import fsdp_units
-
-    units = fsdp_units(stage)
-    ids = {id(u) for u in units}
-    sizes = []
-    for u in units:
-        inner = {id(p) for m in u.modules() if m is not u and id(m) in ids for p in m.parameters()}
-        sizes.append(sum(p.numel() * p.element_size() for p in u.parameters() if id(p) not in inner))
-    return max(sizes, default=0) / MB
-
-
 def tp_share(stage: Any, section: Any) -> float:
     """The share of the stage's parameter bytes its tp_plan shards (0 without a plan): what
     `maestro tune` divides by tp."""
@@ -453,7 +440,7 @@ def _profile(single: Pipeline, graph: SectionGraph, checked: Any, sizes: dict[st
             else:
                 fitted["step_overhead_s"], fitted["grad_mb"] = 0.0, 0.0
             fitted["param_mb"], fitted["tp_share"] = sec.param_mb(), tp_share(sec.stage, sec.section)
-            fitted["unit_mb"] = largest_unit_mb(sec.stage)
+            fitted["unit_mb"] = largest_unit_bytes(sec.stage) / MB
             fitted["runtime_overhead_s"] = (RUNTIME_OVERHEAD_S if options.runtime_overhead_s is None
                                             else options.runtime_overhead_s)
             report[n] = {**fitted, "device": str(sec.device),

@@ -3,8 +3,6 @@ reduce-scattered gradient sums and gradient presence, against the same model uns
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -41,13 +39,12 @@ class Stage:
         return {"model": self.model}
 
 
-def peer(rank: int, port: int) -> dict:
+def peer(rank: int, store: str) -> dict:
     from torch.distributed.device_mesh import DeviceMesh
 
     from maestro_flow.parallel.fsdp import FSDPSection
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)  # no port to race for
     try:
         stage = Stage()
         full = {n: p.detach().clone() for n, p in stage.model.named_parameters()}

@@ -92,15 +92,15 @@ def test_a_lockstep_fsdp_student_equals_colocated_and_holds_its_shard_and_a_bloc
         assert s["step_mb"] < 0.75 * 4 * s["state_mb"]
 
 
-def test_lockstep_fsdp_sums_gradients_and_keeps_the_presence_rule():
+def test_lockstep_fsdp_sums_gradients_and_keeps_the_presence_rule(tmp_path):
     """FSDPSection in lockstep on two ranks, against the same model unsharded: gradients are the
     sums of every real micro-batch's, a parameter no replica used has none (the presence rule,
     noted per backward), a stand-in round's zero gradients make nothing present."""
     from tests.integration import fsdp_presence_peers as peers
     from tools.bench.common import run_spawned
 
-    port = _free_port()
-    out = run_spawned(peers.peer, [(port,), (port,)], timeout_s=120)
+    store = str(tmp_path / "store")
+    out = run_spawned(peers.peer, [(store,), (store,)], timeout_s=120)
     t = lambda x: torch.tensor(x, dtype=torch.float64)  # noqa: E731
     model = peers.Model().double()
     model.load_state_dict({n: t(v) for n, v in out[0]["full"].items()})
@@ -118,20 +118,12 @@ def test_lockstep_fsdp_sums_gradients_and_keeps_the_presence_rule():
         f"blocks.{i}.never.{w}" for i in range(2) for w in ("weight", "bias")]
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _unit_mb(section: str) -> float:
+    from maestro_flow.parallel.fsdp import largest_unit_bytes
     from maestro_flow.runtime.build import build_stage
-    from maestro_flow.runtime.profiling import largest_unit_mb
 
     pipeline, _ = load_pipeline(str(ROOT / "pipelines" / "distill.py"), {"dtype": "float64"})
-    return largest_unit_mb(build_stage(pipeline, pipeline.section(section), 0, "cpu", meta=True))
+    return largest_unit_bytes(build_stage(pipeline, pipeline.section(section), 0, "cpu", meta=True)) / (1 << 20)
 
 
 def _teacher_parameters():

@@ -108,8 +108,8 @@ def test_built_in_plans_shard_every_layer_of_their_stage(stage, config, tp):
 
 def test_the_largest_fsdp_unit_of_a_teacher_is_one_block():
     """What a frozen FSDP teacher gathers at once (`maestro profile` writes it as unit_mb)."""
+    from maestro_flow.parallel.fsdp import largest_unit_bytes
     from maestro_flow.runtime.build import build_stage, load_pipeline
-    from maestro_flow.runtime.profiling import MB, largest_unit_mb
 
     root = Path(__file__).resolve().parents[2]
     pipeline, _ = load_pipeline(str(root / "pipelines" / "distill.py"), {})
@@ -117,7 +117,7 @@ def test_the_largest_fsdp_unit_of_a_teacher_is_one_block():
     blocks = [b for top in stage.modules().values() for m in top.modules() if isinstance(m, nn.ModuleList) for b in m]
     assert len(blocks) == 4
     block = sum(p.numel() * p.element_size() for p in blocks[0].parameters())
-    assert largest_unit_mb(stage) * MB == block  # a block outweighs the embeddings and the head here
+    assert largest_unit_bytes(stage) == block  # a block outweighs the embeddings and the head here
 
 
 @pytest.mark.parametrize("counts, same", [([3, 3, 3, 3], True), ([0, 0], True), ([3, 3, 4, 3], False),

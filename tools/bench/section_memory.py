@@ -82,11 +82,11 @@ def expected_tp_mb(sets: dict[str, Any], tp: int) -> float:
 def unit_mb(sets: dict[str, Any], section: str) -> float:
     """The section's largest FSDP unit (what `maestro profile` writes as unit_mb), built on the
     meta device."""
+    from maestro_flow.parallel.fsdp import largest_unit_bytes
     from maestro_flow.runtime.build import build_stage, load_pipeline
-    from maestro_flow.runtime.profiling import largest_unit_mb
 
     pipeline, _ = load_pipeline(repo_path("pipelines", "distill.py"), sets)
-    return largest_unit_mb(build_stage(pipeline, pipeline.section(section), 0, "cpu", meta=True))
+    return largest_unit_bytes(build_stage(pipeline, pipeline.section(section), 0, "cpu", meta=True)) / (1 << 20)
 
 
 def main(argv: list[str] | None = None) -> dict:
