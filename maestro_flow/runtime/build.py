@@ -96,10 +96,14 @@ def resolve_device(section: Section, local_index: int) -> str:
     return "cpu"
 
 
-def build_stage(pipeline: Pipeline, section: Section, replica: int, device: str, *, meta: bool = False) -> Any:
+def build_stage(pipeline: Pipeline, section: Section, replica: int, device: str, *, meta: bool = False,
+                keep_on_cpu: bool = False) -> Any:
     """Construct a section's stage exactly as every mode does (same seed, dtype, device).
 
-    `meta`: build its tensors on the meta device (shapes only, no memory, no values), for checks."""
+    `meta`: build its tensors on the meta device (shapes only, no memory, no values), for checks.
+    `keep_on_cpu`: leave its modules on the CPU (the stage is still told `device`): a sharded
+    section's are moved to the device as they are sharded (FSDP and tp move each unit's shard),
+    so the device never holds the whole section (runtime/worker.py)."""
     import torch
 
     from maestro_flow.stage import Stage, StageContext
@@ -120,7 +124,7 @@ def build_stage(pipeline: Pipeline, section: Section, replica: int, device: str,
             torch.manual_seed(seed)
         stage = cls(dict(section.config), ctx)
     for module in stage.modules().values():
-        module.to(device=torch.device("meta" if meta else device), dtype=dtype)
+        module.to(device=torch.device("meta" if meta else "cpu" if keep_on_cpu else device), dtype=dtype)
     if not section.trainable:
         for p in stage.parameters():
             p.requires_grad_(False)

@@ -355,8 +355,10 @@ class _Worker:
             torch.cuda.set_device(torch.device(device))
         torch.set_default_dtype(getattr(torch, pipeline.dtype))  # this process is this pipeline's
         marks = {"imports_s": time.perf_counter() - t0}
+        # A sharded section on a GPU is built on the CPU and reaches the device shard by shard.
+        staged = device.startswith("cuda") and (section.fsdp or section.tp > 1)
         try:
-            stage = build_stage(pipeline, section, self.replica, device)
+            stage = build_stage(pipeline, section, self.replica, device, keep_on_cpu=staged)
         except Exception:
             self.report_error("stage", traceback.format_exc())
             return None
@@ -384,6 +386,9 @@ class _Worker:
             per_mb = graph.lockstep(self.section) and recording(init["record"], self.section, self.replica) is None
             layout = parallelize_section(stage, section, placement, self.rank, groups, torch.device(device),
                                          per_micro_batch=per_mb)
+            if staged:  # what no plan or unit sharded (norms, buffers): whole, onto the device
+                for module in stage.modules().values():
+                    module.to(torch.device(device))
         except Exception:
             self.report_error("stage", traceback.format_exc())  # the stage's plan or parallelize failed
             return None

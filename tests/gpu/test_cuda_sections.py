@@ -62,3 +62,11 @@ def test_a_tensor_parallel_student_on_cuda(demo_data, tmp_path):
     student_matches_colocated(demo_data, tmp_path, **{
         "sections.teacher.device": "cuda", "sections.student.device": "cuda", "sections.student.tp": 2,
         "sections.student.fsdp": True})
+
+
+def test_lockstep_fsdp_sections_on_cuda(demo_data, tmp_path):
+    """A frozen FSDP teacher and an FSDP student gathering per micro-batch (parallel/fsdp.py), built
+    on the CPU and moved to the GPU shard by shard (runtime/worker.py)."""
+    student_matches_colocated(demo_data, tmp_path, **{
+        "sections.teacher.device": "cuda", "sections.student.device": "cuda", "sections.teacher.dp": 2,
+        "sections.teacher.fsdp": True, "sections.student.fsdp": True})
