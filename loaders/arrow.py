@@ -11,6 +11,7 @@ only the requested columns, the last one cached). Construction reads only schema
 null bitmaps — without turning any token into a Python object, and checks every row against the
 contract: declared modalities must match the image/audio columns (or the columns
 `data.modality_columns` names for them, e.g. precomputed `pixel_values`), ids must be unique.
+The row-level checks and column reads are loaders/arrow_rows.py's.
 """
 
 from __future__ import annotations
@@ -22,44 +23,43 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from pyarrow import ipc
 
+from loaders.arrow_rows import (
+    AUDIO_FRAME_S,
+    KNOWN_MODALITIES,
+    MODALITY_BIT,
+    check_unique,
+    describe_bad_row,
+    extract,
+    is_binary,
+    is_list,
+    is_string,
+    scan_segment,
+    token_rows_outside,
+)
 from maestro_flow import ArrowData, PipelineError
 from maestro_flow.samples import SampleMeta
 
-KNOWN_MODALITIES = ("text", "image", "audio")
-# One audio "frame" is a 10 ms hop of the waveform (the usual mel-spectrogram hop); used for
-# `num_frames` when the dataset has no precomputed `num_frames` column.
-AUDIO_FRAME_S = 0.01
-
 _REQUIRED = ("id int64, modalities list<string>, tokens list<int32>")
-_BIT = {name: 1 << i for i, name in enumerate(KNOWN_MODALITIES)}
 _ARROW_MAGIC = b"ARROW1"
-INT32_END = 1 << 31
 _PARQUET_MAGIC = b"PAR1"
 
 
-def _is_list(t: pa.DataType) -> bool:
-    return pa.types.is_list(t) or pa.types.is_large_list(t)
 
 
-def _is_string(t: pa.DataType) -> bool:
-    return pa.types.is_string(t) or pa.types.is_large_string(t)
 
 
-def _is_binary(t: pa.DataType) -> bool:
-    return pa.types.is_binary(t) or pa.types.is_large_binary(t)
 
 
 # Column name -> (type check, expected type in words). Required columns first.
 _TYPE_RULES: dict[str, tuple[Any, str]] = {
     "id": (pa.types.is_integer, "int64"),
-    "modalities": (lambda t: _is_list(t) and _is_string(t.value_type), "list<string>"),
-    "tokens": (lambda t: _is_list(t) and pa.types.is_integer(t.value_type), "list<int32>"),
-    "image": (_is_binary, "binary"),
-    "audio": (lambda t: _is_list(t) and pa.types.is_floating(t.value_type), "list<float32>"),
+    "modalities": (lambda t: is_list(t) and is_string(t.value_type), "list<string>"),
+    "tokens": (lambda t: is_list(t) and pa.types.is_integer(t.value_type), "list<int32>"),
+    "image": (is_binary, "binary"),
+    "audio": (lambda t: is_list(t) and pa.types.is_floating(t.value_type), "list<float32>"),
     "sample_rate": (pa.types.is_integer, "int32"),
     "num_patches": (pa.types.is_integer, "int32"),
     "num_frames": (pa.types.is_integer, "int32"),
@@ -97,22 +97,10 @@ def _as_array(col: pa.Array | pa.ChunkedArray) -> pa.Array:
     return col
 
 
-def _valid(arr: pa.Array) -> np.ndarray:
-    if arr.null_count == 0:
-        return np.ones(len(arr), dtype=bool)
-    return arr.is_valid().to_numpy(zero_copy_only=False)
 
 
-def _ints(arr: pa.Array) -> np.ndarray:
-    """Integer column as int64 numpy, nulls as 0."""
-    if arr.null_count:
-        arr = pc.fill_null(arr, 0)
-    return arr.cast(pa.int64()).to_numpy(zero_copy_only=False)
 
 
-def _list_lengths(arr: pa.Array) -> np.ndarray:
-    """Per-row list lengths from the offsets alone (nulls as 0); never touches the values."""
-    return _ints(pc.list_value_length(arr))
 
 
 class ArrowSource:
@@ -298,7 +286,7 @@ class ArrowSource:
             local = idx[positions] - seg.start
             table = self._segment_columns(int(seg_i), names)
             for name in names:
-                values = _extract(_as_array(table.column(name)), local, as_int32=(name == "tokens"))
+                values = extract(_as_array(table.column(name)), local, as_int32=(name == "tokens"))
                 col = out[name]
                 for p, v in zip(positions.tolist(), values, strict=False):
                     col[p] = v
@@ -372,13 +360,13 @@ class ArrowSource:
         all_ids: list[np.ndarray] = []
         first_bad: str | None = None
         num_bad = 0
-        mod_sets = {m: frozenset(k for k, b in _BIT.items() if m & b) for m in range(1 << len(_BIT))}
+        mod_sets = {m: frozenset(k for k, b in MODALITY_BIT.items() if m & b) for m in range(1 << len(MODALITY_BIT))}
         for seg_i, seg in enumerate(self._segments):
             table = self._segment_columns(seg_i, wanted, cache=False)
             self._validate(seg_i, table)
             cols = {c: _as_array(table.column(c)) for c in wanted}
             n = seg.num_rows
-            scan = _scan_segment(cols, n, payload)
+            scan = scan_segment(cols, n, payload)
             bad = scan["bad"]
             ids = scan["ids"]
             all_ids.append(ids[scan["id_valid"]])
@@ -386,7 +374,7 @@ class ArrowSource:
                 bad_local = np.nonzero(bad)[0]
                 num_bad += len(bad_local)
                 if first_bad is None:
-                    first_bad = _describe_bad_row(cols, int(bad_local[0]), seg.start + int(bad_local[0]), payload)
+                    first_bad = describe_bad_row(cols, int(bad_local[0]), seg.start + int(bad_local[0]), payload)
                 skipped_rows.extend((seg.start + bad_local).tolist())
                 skipped_ids.extend(ids[bad_local[scan["id_valid"][bad_local]]].tolist())
             good = np.nonzero(~bad)[0]
@@ -402,127 +390,18 @@ class ArrowSource:
                 f"data.path: bad row in {self._path}: {first_bad}{more}; fix the data or set "
                 "data.skip_bad_rows=True to skip such rows"
             )
-        _check_unique(np.concatenate(all_ids) if all_ids else np.zeros(0, np.int64), self._path)
+        check_unique(np.concatenate(all_ids) if all_ids else np.zeros(0, np.int64), self._path)
         return metas, skipped_rows, skipped_ids
 
 
-def token_rows_outside(arr: pa.Array, low: int, end: int) -> np.ndarray:
-    """Per row of a list<int> column: whether any of its values lies outside [low, end)."""
-    out = np.zeros(len(arr), dtype=bool)
-    values = pc.list_flatten(arr)
-    if len(values) == 0:
-        return out
-    v = _ints(values)
-    wrong = (v < low) | (v >= end)
-    if wrong.any():
-        out[_ints(pc.list_parent_indices(arr))[wrong]] = True
-    return out
 
 
-def _scan_segment(cols: dict[str, pa.Array], n: int, payload: dict[str, str]) -> dict[str, np.ndarray]:
-    """Vectorised per-row checks and counts for one segment (no Python loop over rows).
-    `payload`: modality -> the column that carries it."""
-    id_valid = _valid(cols["id"])
-    ids = _ints(cols["id"])
-    mods = cols["modalities"]
-    mods_valid = _valid(mods)
-    # Modality names -> bit per row; an unknown or null name marks the row.
-    names = mods.flatten()
-    codes = pc.index_in(names, value_set=pa.array(KNOWN_MODALITIES, type=names.type))
-    codes_np = _ints(pc.fill_null(codes, -1)) if len(codes) else np.zeros(0, np.int64)
-    parents = _ints(pc.list_parent_indices(mods)) if len(codes) else np.zeros(0, np.int64)
-    mask = np.zeros(n, dtype=np.int64)
-    known = codes_np >= 0
-    np.bitwise_or.at(mask, parents[known], np.left_shift(1, codes_np[known]))
-    unknown = np.zeros(n, dtype=bool)
-    unknown[parents[~known]] = True
-    tokens_valid = _valid(cols["tokens"])
-    num_tokens = _list_lengths(cols["tokens"])
-    # Token ids are read as int32: a wider column must fit, and no id is negative.
-    tokens_out = token_rows_outside(cols["tokens"], 0, INT32_END)
-    bad = ~id_valid | ~mods_valid | (mask == 0) | unknown | ~tokens_valid | (num_tokens == 0) | tokens_out
-    for modality in ("image", "audio"):
-        declared = (mask & _BIT[modality]) != 0
-        column = payload[modality]
-        present = _valid(cols[column]) if column in cols else np.zeros(n, dtype=bool)
-        bad |= declared != present
-    zeros = np.zeros(n, dtype=np.int64)
-    num_frames = _ints(cols["num_frames"]) if "num_frames" in cols else zeros
-    if payload["audio"] in cols and "sample_rate" in cols:
-        rate_valid = _valid(cols["sample_rate"])
-        rate = _ints(cols["sample_rate"])
-        has_audio = (mask & _BIT["audio"]) != 0
-        bad |= has_audio & (~rate_valid | (rate <= 0))
-        if "num_frames" not in cols and _is_list(cols[payload["audio"]].type):
-            hop = np.maximum(rate, 1) * AUDIO_FRAME_S
-            num_frames = np.where(has_audio, np.ceil(_list_lengths(cols[payload["audio"]]) / hop), 0).astype(np.int64)
-    return {"ids": ids, "id_valid": id_valid, "mask": mask, "bad": bad,
-            "num_tokens": num_tokens,
-            "num_patches": _ints(cols["num_patches"]) if "num_patches" in cols else zeros,
-            "num_frames": num_frames}
 
 
-def _describe_bad_row(cols: dict[str, pa.Array], j: int, row: int, payload: dict[str, str]) -> str:
-    """One line on why row `row` (local index `j`) is bad; called only for the first bad row."""
-    rid = cols["id"][j].as_py()
-    if rid is None:
-        return f"row {row} has a null id"
-    where = f"row {row} (id {rid})"
-    mods = cols["modalities"][j].as_py()
-    if mods is None:
-        return f"{where} has null modalities"
-    if not mods:
-        return f"{where} declares no modalities"
-    unknown = [m for m in mods if m not in KNOWN_MODALITIES]
-    if unknown:
-        return f"{where} has unknown modality {unknown[0]!r} (known: {', '.join(KNOWN_MODALITIES)})"
-    if not cols["tokens"][j].is_valid:
-        return f"{where} has null tokens"
-    tokens = cols["tokens"][j].values
-    if len(tokens) == 0:
-        return f"{where} has no tokens"
-    outside = [t for t in tokens.to_pylist() if not 0 <= t < INT32_END]
-    if outside:
-        return f"{where} has token id {outside[0]}, outside 0..{INT32_END - 1} (token ids are read as int32)"
-    for modality in ("image", "audio"):
-        column = payload[modality]
-        present = column in cols and cols[column][j].is_valid
-        if modality in mods and not present:
-            what = f"column {column!r} is null" if column in cols else f"there is no {column!r} column"
-            return f"{where} declares modality {modality!r} but {what}"
-        if present and modality not in mods:
-            return f"{where} has a value in column {column!r} but {modality!r} is not in its modalities"
-    if "audio" in mods:
-        return f"{where} has audio but no positive sample_rate"
-    return f"{where} is inconsistent"
 
 
-def _check_unique(ids: np.ndarray, path: str) -> None:
-    if len(ids) < 2:
-        return
-    order = np.argsort(ids, kind="stable")
-    sorted_ids = ids[order]
-    dup = np.nonzero(sorted_ids[1:] == sorted_ids[:-1])[0]
-    if len(dup):
-        # Report the duplicate whose second occurrence comes first in file order.
-        first = dup[np.argmin(order[dup + 1])]
-        raise PipelineError(f"data.path: id {int(sorted_ids[first])} appears more than once in {path} "
-                            "(ids must be unique)")
 
 
-def _extract(arr: pa.Array, local: np.ndarray, *, as_int32: bool = False) -> list[Any]:
-    """Values of `arr` at `local` indices: numeric lists as numpy views, everything else via as_py."""
-    t = arr.type
-    if _is_list(t) and (pa.types.is_integer(t.value_type) or pa.types.is_floating(t.value_type)):
-        offsets = arr.offsets.to_numpy(zero_copy_only=False)  # absolute positions into arr.values
-        values = arr.values
-        flat = values.to_numpy(zero_copy_only=values.null_count == 0)
-        valid = _valid(arr)
-        rows = [flat[offsets[j]:offsets[j + 1]] if valid[j] else None for j in local.tolist()]
-        if as_int32 and flat.dtype != np.int32:  # cast only the rows asked for, not the whole segment
-            rows = [None if r is None else r.astype(np.int32) for r in rows]
-        return rows
-    return [arr[j].as_py() for j in local.tolist()]
 
 
 __all__ = ["AUDIO_FRAME_S", "KNOWN_MODALITIES", "ArrowSource"]

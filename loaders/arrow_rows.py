@@ -1,0 +1,174 @@
+"""Row-level work on Arrow columns for loaders/arrow.py: the vectorised per-segment scan that
+checks every row against the dataset contract and counts its tokens, patches and frames, the
+one-line description of the first bad row, the unique-id check, and reading values out of
+columns (numeric lists as numpy views). Pure functions of pyarrow arrays and numpy.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from maestro_flow import PipelineError
+
+KNOWN_MODALITIES = ("text", "image", "audio")
+
+# One audio "frame" is a 10 ms hop of the waveform (the usual mel-spectrogram hop); used for
+# `num_frames` when the dataset has no precomputed `num_frames` column.
+AUDIO_FRAME_S = 0.01
+
+MODALITY_BIT = {name: 1 << i for i, name in enumerate(KNOWN_MODALITIES)}
+
+INT32_END = 1 << 31
+
+
+def is_list(t: pa.DataType) -> bool:
+    return pa.types.is_list(t) or pa.types.is_large_list(t)
+
+
+def is_string(t: pa.DataType) -> bool:
+    return pa.types.is_string(t) or pa.types.is_large_string(t)
+
+
+def is_binary(t: pa.DataType) -> bool:
+    return pa.types.is_binary(t) or pa.types.is_large_binary(t)
+
+
+def valid_mask(arr: pa.Array) -> np.ndarray:
+    if arr.null_count == 0:
+        return np.ones(len(arr), dtype=bool)
+    return arr.is_valid().to_numpy(zero_copy_only=False)
+
+
+def as_ints(arr: pa.Array) -> np.ndarray:
+    """Integer column as int64 numpy, nulls as 0."""
+    if arr.null_count:
+        arr = pc.fill_null(arr, 0)
+    return arr.cast(pa.int64()).to_numpy(zero_copy_only=False)
+
+
+def list_lengths(arr: pa.Array) -> np.ndarray:
+    """Per-row list lengths from the offsets alone (nulls as 0); never touches the values."""
+    return as_ints(pc.list_value_length(arr))
+
+
+def token_rows_outside(arr: pa.Array, low: int, end: int) -> np.ndarray:
+    """Per row of a list<int> column: whether any of its values lies outside [low, end)."""
+    out = np.zeros(len(arr), dtype=bool)
+    values = pc.list_flatten(arr)
+    if len(values) == 0:
+        return out
+    v = as_ints(values)
+    wrong = (v < low) | (v >= end)
+    if wrong.any():
+        out[as_ints(pc.list_parent_indices(arr))[wrong]] = True
+    return out
+
+
+def scan_segment(cols: dict[str, pa.Array], n: int, payload: dict[str, str]) -> dict[str, np.ndarray]:
+    """Vectorised per-row checks and counts for one segment (no Python loop over rows).
+    `payload`: modality -> the column that carries it."""
+    id_valid = valid_mask(cols["id"])
+    ids = as_ints(cols["id"])
+    mods = cols["modalities"]
+    mods_valid = valid_mask(mods)
+    # Modality names -> bit per row; an unknown or null name marks the row.
+    names = mods.flatten()
+    codes = pc.index_in(names, value_set=pa.array(KNOWN_MODALITIES, type=names.type))
+    codes_np = as_ints(pc.fill_null(codes, -1)) if len(codes) else np.zeros(0, np.int64)
+    parents = as_ints(pc.list_parent_indices(mods)) if len(codes) else np.zeros(0, np.int64)
+    mask = np.zeros(n, dtype=np.int64)
+    known = codes_np >= 0
+    np.bitwise_or.at(mask, parents[known], np.left_shift(1, codes_np[known]))
+    unknown = np.zeros(n, dtype=bool)
+    unknown[parents[~known]] = True
+    tokens_valid = valid_mask(cols["tokens"])
+    num_tokens = list_lengths(cols["tokens"])
+    # Token ids are read as int32: a wider column must fit, and no id is negative.
+    tokens_out = token_rows_outside(cols["tokens"], 0, INT32_END)
+    bad = ~id_valid | ~mods_valid | (mask == 0) | unknown | ~tokens_valid | (num_tokens == 0) | tokens_out
+    for modality in ("image", "audio"):
+        declared = (mask & MODALITY_BIT[modality]) != 0
+        column = payload[modality]
+        present = valid_mask(cols[column]) if column in cols else np.zeros(n, dtype=bool)
+        bad |= declared != present
+    zeros = np.zeros(n, dtype=np.int64)
+    num_frames = as_ints(cols["num_frames"]) if "num_frames" in cols else zeros
+    if payload["audio"] in cols and "sample_rate" in cols:
+        rate_valid = valid_mask(cols["sample_rate"])
+        rate = as_ints(cols["sample_rate"])
+        has_audio = (mask & MODALITY_BIT["audio"]) != 0
+        bad |= has_audio & (~rate_valid | (rate <= 0))
+        if "num_frames" not in cols and is_list(cols[payload["audio"]].type):
+            hop = np.maximum(rate, 1) * AUDIO_FRAME_S
+            num_frames = np.where(has_audio, np.ceil(list_lengths(cols[payload["audio"]]) / hop), 0).astype(np.int64)
+    return {"ids": ids, "id_valid": id_valid, "mask": mask, "bad": bad,
+            "num_tokens": num_tokens,
+            "num_patches": as_ints(cols["num_patches"]) if "num_patches" in cols else zeros,
+            "num_frames": num_frames}
+
+
+def describe_bad_row(cols: dict[str, pa.Array], j: int, row: int, payload: dict[str, str]) -> str:
+    """One line on why row `row` (local index `j`) is bad; called only for the first bad row."""
+    rid = cols["id"][j].as_py()
+    if rid is None:
+        return f"row {row} has a null id"
+    where = f"row {row} (id {rid})"
+    mods = cols["modalities"][j].as_py()
+    if mods is None:
+        return f"{where} has null modalities"
+    if not mods:
+        return f"{where} declares no modalities"
+    unknown = [m for m in mods if m not in KNOWN_MODALITIES]
+    if unknown:
+        return f"{where} has unknown modality {unknown[0]!r} (known: {', '.join(KNOWN_MODALITIES)})"
+    if not cols["tokens"][j].is_valid:
+        return f"{where} has null tokens"
+    tokens = cols["tokens"][j].values
+    if len(tokens) == 0:
+        return f"{where} has no tokens"
+    outside = [t for t in tokens.to_pylist() if not 0 <= t < INT32_END]
+    if outside:
+        return f"{where} has token id {outside[0]}, outside 0..{INT32_END - 1} (token ids are read as int32)"
+    for modality in ("image", "audio"):
+        column = payload[modality]
+        present = column in cols and cols[column][j].is_valid
+        if modality in mods and not present:
+            what = f"column {column!r} is null" if column in cols else f"there is no {column!r} column"
+            return f"{where} declares modality {modality!r} but {what}"
+        if present and modality not in mods:
+            return f"{where} has a value in column {column!r} but {modality!r} is not in its modalities"
+    if "audio" in mods:
+        return f"{where} has audio but no positive sample_rate"
+    return f"{where} is inconsistent"
+
+
+def check_unique(ids: np.ndarray, path: str) -> None:
+    if len(ids) < 2:
+        return
+    order = np.argsort(ids, kind="stable")
+    sorted_ids = ids[order]
+    dup = np.nonzero(sorted_ids[1:] == sorted_ids[:-1])[0]
+    if len(dup):
+        # Report the duplicate whose second occurrence comes first in file order.
+        first = dup[np.argmin(order[dup + 1])]
+        raise PipelineError(f"data.path: id {int(sorted_ids[first])} appears more than once in {path} "
+                            "(ids must be unique)")
+
+
+def extract(arr: pa.Array, local: np.ndarray, *, as_int32: bool = False) -> list[Any]:
+    """Values of `arr` at `local` indices: numeric lists as numpy views, everything else via as_py."""
+    t = arr.type
+    if is_list(t) and (pa.types.is_integer(t.value_type) or pa.types.is_floating(t.value_type)):
+        offsets = arr.offsets.to_numpy(zero_copy_only=False)  # absolute positions into arr.values
+        values = arr.values
+        flat = values.to_numpy(zero_copy_only=values.null_count == 0)
+        valid = valid_mask(arr)
+        rows = [flat[offsets[j]:offsets[j + 1]] if valid[j] else None for j in local.tolist()]
+        if as_int32 and flat.dtype != np.int32:  # cast only the rows asked for, not the whole segment
+            rows = [None if r is None else r.astype(np.int32) for r in rows]
+        return rows
+    return [arr[j].as_py() for j in local.tolist()]
