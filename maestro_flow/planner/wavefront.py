@@ -36,8 +36,9 @@ from maestro_flow.graph import SectionGraph
 from maestro_flow.planner.balance import assign
 from maestro_flow.planner.cost import CostModel
 from maestro_flow.planner.fifo import FifoPlanner
-from maestro_flow.planner.ordering import Ordering, Routed, cumulative, first_covering
+from maestro_flow.planner.ordering import Ordering, cumulative, first_covering
 from maestro_flow.planner.plan import Plan
+from maestro_flow.planner.routed import Routed
 from maestro_flow.planner.routing import components
 from maestro_flow.planner.rules import CANDIDATES, Rules
 from maestro_flow.planner.simulate import bound_terms, simulate
