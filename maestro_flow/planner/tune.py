@@ -24,7 +24,8 @@ parameters the stage's tp_plan shards is divided by tp; FSDP, chosen for a secti
 does not fit without (its collectives cost every step), shards the optimizer state over dp while
 the parameters and a trainable section's gradients are gathered for the whole step, or, in a
 lockstep section (a frozen teacher fed by the data, a loss section at tp=1), a few units at a
-time (as the runtime holds them, parallel/fsdp.py). Each combination of the sections'
+time (as the runtime holds them, parallel/fsdp.py), whose collectives are then charged on every
+micro-batch (`TuneModel.lockstep_s`). Each combination of the sections'
 candidate tp values (`tp_assignments`) is searched as below and the results are merged. How a
 configuration's step time and memory are predicted: planner/tune_model.py (`TuneModel`, which
 `Tuner` extends with the search).

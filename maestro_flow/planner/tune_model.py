@@ -122,14 +122,15 @@ class TuneModel:
 
     # -- cost and memory at a micro-batch size -------------------------------------------------
 
-    def cost_at(self, name: str, scale: float = 1.0) -> Cost:
+    def cost_at(self, name: str, scale: float = 1.0, gathers_s: float = 0.0) -> Cost:
         """The section's Cost as the search charges it: the fixed cost per micro-batch includes
-        overhead_s and runtime_s, and every term is multiplied by `scale` (and divided by a
+        overhead_s, runtime_s and `gathers_s` (a lockstep FSDP section's collectives,
+        `lockstep_s`), and every term is multiplied by `scale` (and divided by a
         tensor-parallel replica's speed-up)."""
         c = self.costs.costs[name]
         if self.tp[name] > 1:  # the replica's ranks share its compute, at an efficiency
             scale /= self.tp[name] * self.tp_efficiency
-        fixed = c.per_micro_batch_s + self.overhead[name] + self.runtime[name]
+        fixed = c.per_micro_batch_s + self.overhead[name] + self.runtime[name] + gathers_s
         return dataclasses.replace(c, per_sample_s=c.per_sample_s * scale, per_token_s=c.per_token_s * scale,
                                    per_patch_s=c.per_patch_s * scale, per_frame_s=c.per_frame_s * scale,
                                    per_micro_batch_s=fixed * scale)
@@ -162,9 +163,23 @@ class TuneModel:
         for every gradient of this one: there the step is the makespan plus its end."""
         return self.pipeline.lookahead_steps >= 1 and not any(e.carries_grad for e in self.graph.edges)
 
+    def lockstep_s(self, name: str, dp: int, fsdp: bool) -> float:
+        """A lockstep FSDP section's collectives per micro-batch (parallel/fsdp.py): its whole
+        parameters all-gathered once per forward, and training once more for the backward plus a
+        reduce-scatter of the gradients, each moving (dp - 1)/dp of the bytes (REDUCE_MB_PER_S).
+        Every replica's pace is the slowest one's: not modelled. Zero without a memory model's
+        parameter size."""
+        m = self.memory[name]
+        if not (fsdp and m.lockstep and dp > 1 and self.tp[name] == 1):
+            return 0.0
+        passes = 1 if m.copies == 1 else 3
+        return passes * m.param_mb * (dp - 1) / dp / REDUCE_MB_PER_S
+
     def model_at(self, layout: Layout) -> CostModel:
-        return dataclasses.replace(self.costs, costs={**self.costs.costs,
-                                                      **{n: self.cost_at(n) for n, _, _ in layout}})
+        by_name = {n: (d, m) for n, d, m in layout}
+        return dataclasses.replace(self.costs, costs={**self.costs.costs, **{
+            n: self.cost_at(n, gathers_s=self.lockstep_s(n, d, self.fsdp_for(n, d, m, by_name)))
+            for n, d, m in layout}})
 
     def _kept(self, name: str, dp: int, mb: int, layout: Mapping[str, tuple[int, int]] | None) -> int:
         graph = self.graph
@@ -297,6 +312,7 @@ class TuneModel:
                          for s in self.pipeline.sections)
         graph = SectionGraph(dataclasses.replace(self.pipeline, sections=sections))
         costs = self.model_at(layout)
+        gathers = {n: self.lockstep_s(n, d, self.fsdp_for(n, d, m, by_name)) for n, d, m in layout}
         planner = make_planner("wavefront", graph, costs)
         spans, bounds, busy = [], [], {n: 0.0 for n in self.order}
         fixed = self.end_of_step_s(layout)
@@ -306,7 +322,7 @@ class TuneModel:
             plan = planner.plan(step, batch)
             scale = self.contention(workers)
             sim = simulate(plan, graph, dataclasses.replace(costs, costs={**costs.costs, **{
-                n: self.cost_at(n, scale) for n in self.order}}))
+                n: self.cost_at(n, scale, gathers[n]) for n in self.order}}))
             if overlapped:  # the busiest replica, with its section's end of step, sets the pace
                 step_s = max(max(sim.busy_s[n], default=0.0) + self.section_end_s(n, by_name[n][0]) * scale
                              for n in self.order)

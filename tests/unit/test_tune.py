@@ -187,6 +187,29 @@ def test_runtime_costs_lengthen_the_step():
     assert base.step_s > 0
 
 
+def test_a_lockstep_fsdp_section_is_charged_its_gathers_per_micro_batch():
+    """Whole parameters all-gathered per forward (frozen), and per backward plus a
+    reduce-scatter (training), each moving (dp - 1)/dp of the bytes."""
+    from maestro_flow.planner.tune import Tuner
+    from maestro_flow.planner.tune_model import REDUCE_MB_PER_S
+
+    p, batch = distill().override(lookahead_steps=0), samples(64)
+    layout = (("teacher", 4, 4), ("student", 2, 4))
+    teacher = MemoryModel(base_mb=1800, param_mb=1800, copies=1, unit_mb=100, lockstep=True)
+    t = Tuner(p, _costs(p), [batch], devices=8, memory_limit_mb=1000,
+              memory={"teacher": teacher, "student": MemoryModel(base_mb=100)})
+    assert t.fsdp_for("teacher", 4, 4)  # 1800 MB does not fit 1000 without
+    assert t.lockstep_s("teacher", 4, True) == pytest.approx(1800 * 3 / 4 / REDUCE_MB_PER_S)
+    assert t.lockstep_s("teacher", 4, False) == 0.0
+    student = MemoryModel(base_mb=400, param_mb=100, copies=4, unit_mb=10, lockstep=True)
+    t2 = Tuner(p, _costs(p), [batch], devices=8, memory={"student": student})
+    assert t2.lockstep_s("student", 2, True) == pytest.approx(3 * 100 / 2 / REDUCE_MB_PER_S)
+    free = Tuner(p, _costs(p), [batch], devices=8, memory_limit_mb=10_000,
+                 memory={"teacher": teacher, "student": MemoryModel(base_mb=100)})
+    assert not free.fsdp_for("teacher", 4, 4)
+    assert t.evaluate(layout).step_s > free.evaluate(layout).step_s  # same layout, its gathers charged
+
+
 def test_cpu_contention_scales_busy_workers():
     p, batch = distill(), samples(64)
     from maestro_flow.planner.tune import Tuner
