@@ -173,7 +173,8 @@ def test_a_2d_student_equals_a_plain_loop_with_clipping(demo_data, tmp_path):
     ({"sections.student.tp": 2, "sections.student.fsdp": True}, {}),
     ({}, {"sections.student.tp": 2, "sections.student.fsdp": True}),
     ({"sections.student.fsdp": True}, {"sections.student.tp": 2}),
-], ids=["2d-to-replicated", "replicated-to-2d", "fsdp-to-tp"])
+    ({"sections.student.tp": 2}, {"sections.student.fsdp": True, "sections.teacher.fsdp": True}),
+], ids=["2d-to-replicated", "replicated-to-2d", "fsdp-to-tp", "tp-to-lockstep-fsdp"])
 def test_checkpoints_reshard_across_tp_and_fsdp(demo_data, tmp_path, saved, resumed):
     def run(*args, sets):
         argv = ["run", "pipelines/distill.py", "--quiet", "--no-run-dir", "--steps", "4", "--set",
