@@ -139,7 +139,7 @@ class FSDPSection:
         self.counting = True
         self.calls = 0
         self.peak = (0, 0)
-        self._sizes: Any = None  # built on first use, after FSDP's lazy init (_held)
+        self._sizes: Any = None  # built on first use, after FSDP's lazy init (_size_up)
 
     def begin_step(self) -> None:
         """At every step's start, on every replica whatever it computes in the step."""
