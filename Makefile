@@ -39,6 +39,7 @@ bench: setup data/demo/text.arrow
 	$(BIN)/python -m tools.bench.section_memory
 	$(BIN)/python -m tools.bench.baseline_compare --predict
 	$(BIN)/python -m tools.bench.vlm_text_only
+	$(BIN)/python -m tools.bench.vlm_gap
 	$(BIN)/python -m tools.bench.coordinator_scale
 	$(BIN)/python -m tools.bench.tune_report
 	$(BIN)/python -m tools.bench.wavefront_sim --worst

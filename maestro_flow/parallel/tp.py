@@ -96,3 +96,16 @@ def check_plan(stage: Any, plan: dict[str, str], tp: int) -> list[str]:
         if size % tp:
             problems.append(f"{name} ({style}): its {size} {what} do not divide by tp={tp}")
     return problems
+
+
+def tp_share(stage: Any, section: Any) -> float:
+    """The share of the stage's parameter bytes its tp_plan shards (0 without a plan): what
+    `maestro tune` divides by tp."""
+    try:
+        plan = type(stage).tp_plan(dict(section.config)) or {}
+    except Exception:
+        return 0.0
+    modules = stage_modules(stage)
+    size = {n: sum(p.numel() * p.element_size() for p in m.parameters(recurse=False)) for n, m in modules.items()}
+    total = sum(size.values())
+    return sum(size[n] for n in sharded(plan, modules)) / total if total else 0.0

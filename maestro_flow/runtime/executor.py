@@ -202,6 +202,7 @@ class SectionExecutor(StepEnd):
         index = st.next_mb
         st.next_mb += 1
         t0 = self.clock()
+        cpu0 = time.thread_time() if self.tracer.enabled else 0.0  # the compute thread's own CPU, for the trace
         self._waited(st, t0, mb=index)
         self._doing("forward", st.step, index)
         arrived = {sid: got.pop(sid, {}) for sid in mb}
@@ -226,7 +227,9 @@ class SectionExecutor(StepEnd):
             self._record(st, batch, out)
         st.busy_s += elapsed
         self._timing(st, "forward+backward" if self.is_loss and self.trainable else "forward", mb, elapsed)
-        self.tracer.span("forward", "compute", t0, t0 + elapsed, step=st.step, mb=index, samples=list(mb))
+        if self.tracer.enabled:  # `cpu` below the span's length: the thread was kept off its core
+            self.tracer.span("forward", "compute", t0, t0 + elapsed, step=st.step, mb=index, samples=list(mb),
+                             cpu=time.thread_time() - cpu0)
         for rank in st.notify:
             self.comm.notify(rank, st.step, st.next_mb)
         return True

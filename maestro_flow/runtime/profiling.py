@@ -68,6 +68,7 @@ from maestro_flow.config import Pipeline
 from maestro_flow.errors import PipelineError
 from maestro_flow.graph import SectionGraph
 from maestro_flow.parallel.fsdp import largest_unit_bytes
+from maestro_flow.parallel.tp import tp_share
 from maestro_flow.planner.cost import charged
 from maestro_flow.runtime.build import build_stage, default_dtype, load_pipeline, resolve_device
 from maestro_flow.runtime.checks import check_pipeline
@@ -283,21 +284,6 @@ def _measure(sec: _Section, mb: list[SampleMeta], outputs: dict, repeats: int) -
             "sizes": [[s.num_tokens, s.num_patches, s.num_frames] for s in mb],
             "forward_s": statistics.median(fwd), "backward_s": statistics.median(bwd) if sec.section.trainable else 0.0,
             "peak_mb": peak}
-
-
-def tp_share(stage: Any, section: Any) -> float:
-    """The share of the stage's parameter bytes its tp_plan shards (0 without a plan): what
-    `maestro tune` divides by tp."""
-    from maestro_flow.parallel.tp import sharded, stage_modules
-
-    try:
-        plan = type(stage).tp_plan(dict(section.config)) or {}
-    except Exception:
-        return 0.0
-    modules = stage_modules(stage)
-    size = {n: sum(p.numel() * p.element_size() for p in m.parameters(recurse=False)) for n, m in modules.items()}
-    total = sum(size.values())
-    return sum(size[n] for n in sharded(plan, modules)) / total if total else 0.0
 
 
 def profile_pipeline(path: str, options: ProfileOptions) -> dict[str, Any]:

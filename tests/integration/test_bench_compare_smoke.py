@@ -15,7 +15,7 @@ import os
 
 import pytest
 
-from tools.bench import baseline_compare, coordinator_scale, padding, tune_report, vlm_text_only
+from tools.bench import baseline_compare, coordinator_scale, padding, tune_report, vlm_gap, vlm_text_only
 from tools.bench.common import REPO_ROOT
 
 pytestmark = pytest.mark.integration
@@ -57,6 +57,16 @@ def test_vlm_text_only_tiny():
         assert positive(r["vlm_step_s"]) and positive(r["text_step_s"]) and positive(r["ratio"])
         assert r["llm_busy_s"] > 0 and r["encoder_busy_s"] >= 0
     assert out["0.0"]["encoder_busy_s"] < out["0.66"]["encoder_busy_s"]  # no image, no encoder work
+
+
+@pytest.mark.timeout(240)
+def test_vlm_gap_tiny():
+    out = vlm_gap.main(["--tiny"])
+    assert positive(out["stage"]["image"]) and positive(out["stage"]["text"])
+    for mode in ("vlm", "text"):
+        r = out[mode]
+        assert positive(r["us_per_position"]) and 0 < r["cpu_over_wall"] <= 1.01
+        assert r["padding"] >= 1 and r["micro_batches"] >= 1 and r["lost_ms"] >= -0.5 and r["wait_inputs_ms"] >= 0
 
 
 @pytest.mark.timeout(240)

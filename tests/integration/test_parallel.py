@@ -157,11 +157,16 @@ def test_llama_with_tp_equals_llama_without(demo_data, tmp_path):
     assert_same_parameters(saved[2], saved[1], ["student"])
 
 
-def test_a_2d_student_equals_a_plain_loop_with_clipping(demo_data, tmp_path):
-    """Sharded gradients count once each in the global norm: clipping equals clip_grad_norm_."""
+@pytest.mark.parametrize("layout", [
+    {"sections.student.tp": 2, "sections.student.fsdp": True},
+    {"sections.student.dp": 4, "sections.student.fsdp": True, "sections.teacher.dp": 2, "sections.teacher.fsdp": True},
+], ids=["2d", "lockstep-fsdp"])
+def test_sharded_students_equal_a_plain_loop_with_clipping(demo_data, tmp_path, layout):
+    """Sharded gradients count once each in the global norm: clipping equals clip_grad_norm_; a
+    lockstep FSDP student (and teacher) equals the plain loop too."""
     from tests.integration.test_oracle import DISTILL, run_modes
 
-    overrides = {**DISTILL, "data.path": str(demo_data), "sections.student.tp": 2, "sections.student.fsdp": True}
+    overrides = {**DISTILL, "data.path": str(demo_data), **layout}
     pipeline, _ = load_pipeline(str(ROOT / "pipelines/distill.py"), overrides)
     expected = oracle.train(pipeline, pipeline.steps)
     rows, save = run_modes("pipelines/distill.py", overrides, tmp_path, modes=("section",))["section"]

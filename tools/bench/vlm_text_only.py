@@ -48,12 +48,13 @@ def text_twin(vlm_path: Path, out: Path, seed: int = 0) -> Path:
     return write_arrow(pa.table(cols, schema=table.schema), out)
 
 
-def run_one(data: Path, steps: int, sets: dict[str, Any]) -> list[dict[str, Any]]:
+def run_one(data: Path, steps: int, sets: dict[str, Any], run_dir: str | None = None) -> list[dict[str, Any]]:
+    """One pinned run; with `run_dir`, its plans, metrics and trace (run_dir/trace.json) kept there."""
     from maestro_flow.runtime.run import RunOptions, run_pipeline
 
     overrides = {"sections.vision.dp": 1, "sections.llm.dp": 1, **sets, "data.path": str(data), "steps": steps}
-    return run_pipeline(repo_path("pipelines", "vlm.py"), RunOptions(overrides=overrides, show_progress=False,
-                                                                      pin_cpus=True))
+    return run_pipeline(repo_path("pipelines", "vlm.py"), RunOptions(
+        overrides=overrides, show_progress=False, pin_cpus=True, run_dir=run_dir, trace="" if run_dir else None))
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -1,0 +1,142 @@
+"""Where the VLM's LLM loses against its text-only twin (tools/bench/vlm_text_only.py), at one
+image share (default 33%).
+
+(a) The stage: pipelines/vlm.py's LLM (stages.multimodal:MultimodalLM, one torch thread) runs
+    forward and backward on micro-batches of 4 image samples (text tokens and 64 image rows that
+    need gradients) and on their text twins (as many positions, all tokens), alternately. Equal
+    times mean the stage does not mind where its positions come from.
+(b) The runtime: the VLM and its twin (vision dp 1 -> llm dp 1, --pin-cpus, --trace),
+    alternating rounds. From each run's trace, plans and data: the LLM's time per padded position
+    in its forward spans; its compute thread's CPU time over the spans' wall time, and the wall
+    time lost per step (the thread runnable but off its core: other threads of its worker on
+    that core); the padding (padded / real positions of its micro-batches) and micro-batches per
+    step; and the time it waited for inputs per step. Medians over rounds.
+
+Run from the repository root: python -m tools.bench.vlm_gap [--tiny] [--rounds N] [--steps N] [--share F]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from tools.bench.common import median, pipeline_bench_args, run_spawned, table
+from tools.bench.padding import plan_stats
+from tools.bench.vlm_text_only import run_one, text_twin
+
+
+def stage_times(draws: int, seed: int = 0) -> dict[str, float]:
+    """Part (a), in a process of its own (one torch thread)."""
+    return run_spawned(_stage_times, [(draws, seed)], timeout_s=600)[0]
+
+
+def _stage_times(_rank: int, draws: int, seed: int) -> dict[str, float]:
+    import torch
+
+    from maestro_flow.stage import MicroBatch, StageContext
+    from pipelines.vlm import LLM
+    from stages.multimodal import MultimodalLM
+
+    torch.set_num_threads(1)
+    stage = MultimodalLM(dict(LLM), StageContext(section="llm", trainable=True, placeholder_ids={"image": 259}))
+    name = stage.inputs["image"]
+    rng = random.Random(seed)
+
+    def pair(n: int = 4, patches: int = 64) -> tuple[MicroBatch, MicroBatch]:
+        lens = [rng.randrange(20, 120) for _ in range(n)]
+        image = [torch.tensor([259] + [rng.randrange(256) for _ in range(k)]) for k in lens]
+        text = [torch.tensor([rng.randrange(256) for _ in range(k + patches)]) for k in lens]
+        rows = [torch.randn(patches, LLM["d_model"], requires_grad=True) for _ in lens]
+        ids = list(range(n))
+        return (MicroBatch(step=0, index=0, sample_ids=ids, modalities=[frozenset({"text", "image"})] * n,
+                           columns={"tokens": image}, inputs={name: rows}),
+                MicroBatch(step=0, index=0, sample_ids=ids, modalities=[frozenset({"text"})] * n,
+                           columns={"tokens": text}, inputs={name: [None] * n}))
+
+    def timed(batch: MicroBatch) -> float:
+        t0 = time.perf_counter()
+        stage.forward(batch)["loss"].backward()
+        return time.perf_counter() - t0
+
+    out: dict[str, list[float]] = {"image": [], "text": []}
+    for i in range(draws + 3):
+        image, text = pair()
+        for kind, batch in ((("image", image), ("text", text)) if i % 2 else (("text", text), ("image", image))):
+            t = timed(batch)
+            if i >= 3:  # warm-up
+                out[kind].append(t)
+    return {k: statistics.median(v) for k, v in out.items()}
+
+
+def run_stats(run_dir: str, data: str, warmup: int) -> dict[str, float]:
+    """Part (b) for one run: the LLM's figures from its trace, plans and data."""
+    import pyarrow as pa
+
+    t = pa.ipc.open_file(pa.memory_map(data)).read_all()
+    size = {i: len(tok) + (p or 0) for i, tok, p in zip(t["id"].to_pylist(), t["tokens"].to_pylist(),
+                                                         t["num_patches"].to_pylist(), strict=True)}
+    with open(os.path.join(run_dir, "trace.json")) as f:
+        events = json.load(f)["traceEvents"]
+    llm = {e["pid"] for e in events if e.get("ph") == "M" and e["name"] == "process_name"
+           and e["args"]["name"].startswith("llm[")}
+    per_pos, cpu, wall, waited, steps = [], 0.0, 0.0, 0.0, set()
+    for e in events:
+        args = e.get("args") or {}
+        if e.get("ph") != "X" or e.get("pid") not in llm or args.get("step", 0) < warmup:
+            continue
+        steps.add(args["step"])
+        if e["name"] == "forward":
+            per_pos.append(e["dur"] / (len(args["samples"]) * max(size[s] for s in args["samples"])))
+            cpu += args["cpu"] * 1e6
+            wall += e["dur"]
+        elif e["name"] == "wait inputs":
+            waited += e["dur"]
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    plans = plan_stats(run_dir, rows, warmup, data)["llm"]
+    n = max(1, len(steps))
+    return {"us_per_position": median(per_pos), "cpu_over_wall": cpu / wall if wall else 1.0,
+            "lost_ms": (wall - cpu) / 1e3 / n, "padding": plans["padding"], "micro_batches": plans["micro_batches"],
+            "wait_inputs_ms": waited / 1e3 / n}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args, rounds, steps, warmup, sets = pipeline_bench_args(
+        argv, "tools.bench.vlm_gap", __doc__, rounds=3, steps=24, warmup=6, tiny_steps=3,
+        add=lambda ap: ap.add_argument("--share", type=float, default=0.33, help="image share (default 0.33)"))
+    from loaders.demo import build_image_demo
+
+    out: dict[str, Any] = {"stage": stage_times(3 if args.tiny else 55)}
+    print("(a) the LLM stage, one thread, forward + backward of 4 samples: image rows against their text twin")
+    print(table(["image ms", "text ms", "image / text"], [[f"{out['stage']['image'] * 1e3:.2f}",
+                f"{out['stage']['text'] * 1e3:.2f}", f"{out['stage']['image'] / out['stage']['text']:.3f}"]]))
+    num = 96 if args.tiny else 480
+    stats: dict[str, list[dict[str, float]]] = {"vlm": [], "text": []}
+    with tempfile.TemporaryDirectory() as folder:
+        vlm = build_image_demo(Path(folder) / "vlm", num_samples=num, image_share=args.share)
+        twin = text_twin(vlm, Path(folder) / "text" / "vlm.arrow")
+        for r in range(rounds):
+            for mode, data in (("vlm", vlm), ("text", twin)):
+                run_dir = os.path.join(folder, f"{mode}-{r}")
+                run_one(data, steps, sets, run_dir=run_dir)
+                stats[mode].append(run_stats(run_dir, str(data), warmup))
+    keys = ("us_per_position", "cpu_over_wall", "lost_ms", "padding", "micro_batches", "wait_inputs_ms")
+    out.update({mode: {k: median([s[k] for s in v]) for k in keys} for mode, v in stats.items()})
+    out["config"] = {"share": args.share, "rounds": rounds, "steps": steps, "warmup": warmup, "samples": num}
+    labels = ["LLM µs per padded position", "compute thread CPU / wall in its spans", "wall ms lost per step",
+              "padded / real positions", "micro-batches per step", "ms waiting for inputs per step"]
+    print(f"\n(b) pipelines/vlm.py at {args.share:.0%} images and its text-only twin, vision dp 1 -> llm dp 1, "
+          f"--pin-cpus, {rounds} alternating rounds of {steps} steps (first {warmup} dropped), medians")
+    print(table(["LLM", "VLM", "text-only twin"],
+                [[label, f"{out['vlm'][k]:.3f}", f"{out['text'][k]:.3f}"] for label, k in zip(labels, keys, strict=True)]))
+    return out
+
+
+if __name__ == "__main__":
+    main()
