@@ -199,8 +199,8 @@ class FSDPSection:
         reduce-scatter inputs FSDP keeps in flight. Counted from the tensors FSDP holds (sizes
         taken once), not from an allocator."""
         sizes = self._sizes or self._size_up()
-        fps, shard, units, contexts = sizes
-        params = sum(shard.values()) + sum(full for groups, full in units if all(g.is_unsharded for g in groups))
+        fps, shard, shards, units, contexts = sizes
+        params = shards + sum(full for groups, full in units if all(g.is_unsharded for g in groups))
         grads = unsharded_grads + sum(shard[id(fp)] for fp in fps if fp.sharded_param.grad is not None)
         for ctx in contexts:
             kept = getattr(ctx, "all_gather_state", None)
@@ -216,7 +216,7 @@ class FSDPSection:
         units = [(self._groups(u), sum(_nbytes(fp.sharded_param) for g in self._groups(u) for fp in g.fsdp_params))
                  for u in self.units]  # a sharded DTensor's numel is the whole parameter's
         contexts = list({id(g.comm_ctx): g.comm_ctx for u in self.units for g in self._groups(u)}.values())
-        self._sizes = (fps, shard, units, contexts)
+        self._sizes = (fps, shard, sum(shard.values()), units, contexts)
         return self._sizes
 
     def verify(self, sums: Sequence[float] | None = None) -> None:

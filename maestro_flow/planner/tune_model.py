@@ -175,11 +175,10 @@ class TuneModel:
         passes = 1 if m.copies == 1 else 3
         return passes * m.param_mb * (dp - 1) / dp / REDUCE_MB_PER_S
 
-    def model_at(self, layout: Layout) -> CostModel:
-        by_name = {n: (d, m) for n, d, m in layout}
+    def model_at(self, layout: Layout, gathers: Mapping[str, float]) -> CostModel:
+        """The cost model the planner plans a layout with; `gathers`: each section's lockstep_s."""
         return dataclasses.replace(self.costs, costs={**self.costs.costs, **{
-            n: self.cost_at(n, gathers_s=self.lockstep_s(n, d, self.fsdp_for(n, d, m, by_name)))
-            for n, d, m in layout}})
+            n: self.cost_at(n, gathers_s=gathers[n]) for n, _, _ in layout}})
 
     def _kept(self, name: str, dp: int, mb: int, layout: Mapping[str, tuple[int, int]] | None) -> int:
         graph = self.graph
@@ -311,8 +310,8 @@ class TuneModel:
         sections = tuple(dataclasses.replace(s, dp=by_name[s.name][0], micro_batch=by_name[s.name][1])
                          for s in self.pipeline.sections)
         graph = SectionGraph(dataclasses.replace(self.pipeline, sections=sections))
-        costs = self.model_at(layout)
         gathers = {n: self.lockstep_s(n, d, self.fsdp_for(n, d, m, by_name)) for n, d, m in layout}
+        costs = self.model_at(layout, gathers)
         planner = make_planner("wavefront", graph, costs)
         spans, bounds, busy = [], [], {n: 0.0 for n in self.order}
         fixed = self.end_of_step_s(layout)

@@ -13,6 +13,7 @@ coordinator drops it and logs why), so a repeated or misplaced report never chan
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from typing import Any
 
@@ -43,7 +44,13 @@ class PlanMessages:
         # Sections with per-micro-batch FSDP run their replicas in lockstep (parallel/fsdp.py): they
         # get the step's rounds and a probe sample, and their run-ahead credits change (_gates).
         self.lockstep = {n for n in graph.order if graph.lockstep(n) and n != recorded}
+        # Built once per plan, on first use: a lockstep producer's round of each sample, what a
+        # consumer replica can run on rounds before k, whether a consumer may be asked at all, and
+        # a lockstep section's rounds and probe (the same in every replica's message).
+        self._round_of: dict[str, dict[int, int]] = {}
         self._reach: dict[tuple[str, str, int], list[int]] = {}
+        self._askable: dict[str, bool] = {}
+        self._rounds_of: dict[str, dict[str, Any]] = {}
         self.gates = {(p, r): self._gates(p, r) for p, reps in plan.gates.items() for r in range(len(reps))}
         self.notify: dict[tuple[str, int], set[tuple[str, int]]] = {}
         for (p, r), rep in self.gates.items():
@@ -68,7 +75,9 @@ class PlanMessages:
             "notify": sorted(self.notify.get((section, replica), ())),
         }
         if section in self.lockstep:
-            msg.update(self._rounds(section))
+            if section not in self._rounds_of:
+                self._rounds_of[section] = self._rounds(section)
+            msg.update(self._rounds_of[section])
         return msg
 
     def _gates(self, producer: str, replica: int) -> list[list[tuple[str, int, int]]]:
@@ -86,8 +95,10 @@ class PlanMessages:
                 continue
             kept = []
             for c, ci, done in mb:
-                if c not in self.lockstep and len(self.graph.inputs(c)) == 1 and not any(
-                        g for rep in self.plan.gates.get(c, ()) for mbg in rep for g in mbg):
+                if c not in self._askable:
+                    self._askable[c] = c not in self.lockstep and len(self.graph.inputs(c)) == 1 and not any(
+                        g for rep in self.plan.gates.get(c, ()) for mbg in rep for g in mbg)
+                if self._askable[c]:
                     reach = self._reachable(producer, c, ci)
                     kept.append((c, ci, min(done, reach[min(k, len(reach) - 1)])))
             out.append(kept)
@@ -98,14 +109,16 @@ class PlanMessages:
         come from its rounds (micro-batch indices) before k."""
         key = (producer, consumer, replica)
         if key not in self._reach:
-            rounds = {sid: k for r in range(self.graph.sections[producer].dp)
-                      for k, mb in enumerate(self.plan.micro_batches(producer, r)) for sid in mb}
-            needs, latest = [], -1
+            if producer not in self._round_of:
+                self._round_of[producer] = {sid: k for r in range(self.graph.sections[producer].dp)
+                                            for k, mb in enumerate(self.plan.micro_batches(producer, r)) for sid in mb}
+            rounds = self._round_of[producer]
+            needs, latest = [], -1  # needs[m]: the latest round consumer micro-batches 0..m need
             for mb in self.plan.micro_batches(consumer, replica):
                 latest = max([latest] + [rounds[s] for s in mb if s in rounds])
                 needs.append(latest)
             top = max(rounds.values(), default=0) + 2
-            self._reach[key] = [sum(1 for n in needs if n <= k - 1) for k in range(top)]
+            self._reach[key] = [bisect.bisect_right(needs, k - 1) for k in range(top)]  # needs never decrease
         return self._reach[key]
 
     def _rounds(self, section: str) -> dict[str, Any]:
