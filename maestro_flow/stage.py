@@ -132,6 +132,15 @@ class Stage:
     def forward(self, batch: MicroBatch) -> dict[str, torch.Tensor | list[torch.Tensor]]:
         raise NotImplementedError(f"{type(self).__name__}.forward")
 
+    def prepare(self, batch: MicroBatch) -> MicroBatch:
+        """Optional: the part of a micro-batch's work that needs only its columns (no parameters,
+        no inputs from other sections, no randomness), e.g. decoding images; `forward` then gets
+        the returned batch. The runtime may call it ahead, for a section that reads only the data,
+        while the worker would otherwise wait (for gradients, for the step's loss), so that the
+        work leaves the critical path; otherwise just before `forward`. The default returns the
+        batch unchanged."""
+        return batch
+
     def optimizer_groups(self, spec: dict[str, Any]) -> list[tuple[dict[str, Any], list[torch.nn.Parameter]]] | None:
         """Optional: several optimizers for this stage's trainable parameters, each
         `(optimizer spec, parameters)` (a spec as `Section.optimizer`, with its own lr schedule);

@@ -141,6 +141,16 @@ class VisionEncoder(Stage):
         """Corrupt images the decoder skipped (with decode.skip_corrupt=True), so far."""
         return {"corrupt_images": getattr(self.decoder, "num_corrupt", 0)} if self.decoder is not None else {}
 
+    def prepare(self, batch: MicroBatch) -> MicroBatch:
+        """Decodes the micro-batch's encoded images (the runtime may do it ahead, Stage.prepare):
+        the image column then holds pixel tensors, which `forward` takes as they are."""
+        column = self.ctx.modality_columns.get("image", "image")
+        images = batch.columns.get(column)
+        if "pixels" in batch.inputs or images is None or not any(isinstance(d, (bytes, bytearray, memoryview))
+                                                                  for d in images):
+            return batch
+        return dataclasses.replace(batch, columns={**batch.columns, column: self._pixels(batch)})
+
     def forward(self, batch: MicroBatch) -> Outputs:
         pixels = self._pixels(batch)
         present = [i for i, p in enumerate(pixels) if p is not None]

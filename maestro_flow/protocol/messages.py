@@ -27,7 +27,8 @@ Worker -> coordinator (DEALER -> ROUTER):
 Coordinator -> worker:
   init       after hello: pipeline config, placement, rendezvous store, peers' header addresses,
              the channels that go through shared memory (`shm`, [src, dst, kind] each),
-             the coordinator's clock (to align trace timestamps), whether to trace, and what to
+             the trace's epoch and the coordinator's wall clock at sending (`now`; None for a
+             worker on the coordinator's host, which reads the same clock), whether to trace, and what to
              record for replay ({"dir", "section", "steps"} or None), and the checkpoint to resume
              from (a folder, or None)
   plan       one step's plan, restricted to what this replica needs (a lockstep FSDP section's
@@ -56,7 +57,7 @@ from __future__ import annotations
 
 from typing import Any
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 
 FIELDS: dict[str, tuple[str, ...]] = {
     "hello": ("version", "rank", "pid", "data_addr"),
@@ -68,8 +69,8 @@ FIELDS: dict[str, tuple[str, ...]] = {
     "error": ("rank", "kind", "section", "replica", "step", "phase", "traceback"),
     "saved": ("rank", "step", "info", "error"),
     "bye": ("rank",),
-    "init": ("rank", "pipeline", "placement", "store", "peers", "timeouts", "paths", "now", "trace", "record",
-             "resume", "shm"),
+    "init": ("rank", "pipeline", "placement", "store", "peers", "timeouts", "paths", "epoch", "now", "trace",
+             "record", "resume", "shm"),
     "plan": ("step", "micro_batches", "samples", "routes", "gates", "notify"),
     "finalize": ("step", "denominator"),
     "clip": ("step", "coef"),
@@ -95,7 +96,8 @@ TYPES: dict[str, tuple[type, ...]] = {
     "loss_sum": _NUM, "denominator": _NUM, "sq": _NUM, "coef": _NUM, "stats": (dict,), "kind": (str,),
     "section": (str,), "replica": (int,), "phase": (str,), "traceback": (str,), "info": (dict,),
     "error": _OPT_STR, "pipeline": (dict,), "placement": (dict,), "store": (list,), "peers": (dict,),
-    "timeouts": (dict,), "paths": (list,), "now": _NUM, "trace": (bool,), "record": (dict, type(None)),
+    "timeouts": (dict,), "paths": (list,), "epoch": _NUM, "now": (int, float, type(None)), "trace": (bool,),
+    "record": (dict, type(None)),
     "resume": _OPT_STR, "micro_batches": (list,), "samples": (list,), "routes": (dict,), "gates": (list,),
     "notify": (list,), "path": (str,), "save_dir": _OPT_STR, "src": (int,), "edge": (int,), "entries": (list,),
     "buffers": (list,), "finished": (int,), "status": (dict,), "session": (str,), "host_key": _OPT_STR,

@@ -70,7 +70,7 @@ def _run(pipeline: Pipeline, source: Any, sampler: EpochSampler, report: RunRepo
             comm=LocalComm(rank, lambda dst: executors[dst].deliver),
             report=lambda kind, body, rank=rank: events.append((rank, kind, body)),
             device=torch.device(device), dtype=getattr(torch, single.dtype), reducer=None,
-            tracer=Tracer(enabled=observer.tracing), record=recording(record, name, 0))
+            tracer=Tracer(enabled=observer.tracing, epoch=observer.tracer.epoch), record=recording(record, name, 0))
     for step in range(pipeline.steps):
         planner.costs = ledger.costs()
         plan = timed_plan(planner, step, sampler.batch(step), observer)

@@ -205,11 +205,16 @@ class Coordinator(CoordinatorIO):
         shm = [list(ch) for ch in shm_channels(self.graph, self.placement, {r: h.get("host_key") for r, h in
                                                                             hellos.items()})] if shm_enabled() else []
         pipeline_dict, placement_dict = self.pipeline.to_dict(), self.placement.to_dict()
+        here = shm_host.host_key()
         for rank in hellos:
+            # A worker on this host reads the same wall clock (no offset to estimate); another
+            # host's worker aligns its trace by this reading (off by the message's latency).
+            same_clock = here is not None and hellos[rank].get("host_key") == here
             self._send(rank, make("init", rank=rank, pipeline=pipeline_dict,
                                   placement=placement_dict, store=self.store_addr,
                                   peers=peers, timeouts=self.timeouts.to_dict(), paths=self.paths,
-                                  now=self.observer.tracer.epoch, trace=self.observer.tracing,
+                                  epoch=self.observer.tracer.epoch, now=None if same_clock else time.time(),
+                                  trace=self.observer.tracing,
                                   record=self.record, resume=self.resume[0] if self.resume else None, shm=shm))
         ready: set[int] = set()
         what = "every worker to be ready (stage built, process groups formed)"

@@ -23,6 +23,10 @@ with fewer micro-batches than the step's `rounds` runs stand-in rounds until it 
 as its peers (parallel/fsdp.py, runtime/lockstep.py). Each
 step's report holds the bytes of training state the rank held in the step and after it
 (parallel/memory.py).
+
+A section that reads only the data prepares its next micro-batches (`Stage.prepare`: decoding
+images) ahead when the worker would otherwise wait (`prefetch`), up to PREFETCH of them, from
+the current step's plan and the next ones'; else just before their forward.
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ from maestro_flow.stage import MicroBatch, Stage
 from maestro_flow.transport.tensor_comm import Comm
 
 Report = Callable[[str, dict[str, Any]], None]
+PREFETCH = 2  # micro-batches a section that reads only the data prepares ahead (Stage.prepare)
 
 
 class SectionExecutor(StepEnd):
@@ -107,6 +112,9 @@ class SectionExecutor(StepEnd):
         self.record = record  # (directory, steps or None for all): what this replica saves for replay
         # What this replica is doing now, for `maestro top` (read by the heartbeat thread).
         self.status: dict[str, Any] = {"state": "idle", "step": None, "mb": None, "buffered": 0, "in_flight": 0}
+        # (step, micro-batch) -> (the batch as read, as prepared): Stage.prepare run ahead.
+        self.prepared: dict[tuple[int, int], tuple[MicroBatch, MicroBatch]] = {}
+        self.prefetching = not self.in_edges and type(stage).prepare is not Stage.prepare
         stage.train(self.trainable)
 
     # -- inputs from outside ---------------------------------------------------------------
@@ -208,7 +216,12 @@ class SectionExecutor(StepEnd):
         arrived = {sid: got.pop(sid, {}) for sid in mb}
         if self.relaying:
             self.comm.relay("tpf", st.step, index, [(sid, name, t) for sid in mb for name, t in arrived[sid].items()])
-        batch, leaves = self._make_batch(st, index, mb, arrived)
+        ahead = self.prepared.pop((st.step, index), None)
+        if ahead is None:
+            raw, leaves = self._make_batch(st, index, mb, arrived)
+            batch = self._prepare(st, raw)
+        else:
+            (raw, batch), leaves = ahead, {}
         st.tokens += sum(len(t) for t in batch.columns.get("tokens", ()))
         if self.fsdp is not None and self.fsdp.per_micro_batch:
             self.last_batch = lockstep.kept(batch)
@@ -224,7 +237,7 @@ class SectionExecutor(StepEnd):
             self._keep_for_backward(st, mb, out, leaves, index)
         elapsed = self.clock() - t0
         if self.record is not None and (self.record[1] is None or st.step in self.record[1]):
-            self._record(st, batch, out)
+            self._record(st, raw, out)  # as read: a replay prepares it again
         st.busy_s += elapsed
         self._timing(st, "forward+backward" if self.is_loss and self.trainable else "forward", mb, elapsed)
         if self.tracer.enabled:  # `cpu` below the span's length: the thread was kept off its core
@@ -233,6 +246,32 @@ class SectionExecutor(StepEnd):
         for rank in st.notify:
             self.comm.notify(rank, st.step, st.next_mb)
         return True
+
+    def _prepare(self, st: StepState, batch: MicroBatch) -> MicroBatch:
+        try:
+            return self.stage.prepare(batch)
+        except Exception:
+            raise StageFault("forward", st.step, traceback.format_exc()) from None
+
+    def prefetch(self) -> bool:
+        """Prepare (Stage.prepare) the next micro-batch this replica will run, if its section
+        reads only the data and fewer than PREFETCH are prepared: work taken off the critical
+        path. The worker calls it when it would otherwise wait; True if it prepared one."""
+        if not self.prefetching or len(self.prepared) >= PREFETCH:
+            return False
+        upcoming = ([self.current] if self.current is not None else []) + list(self.plans)
+        for st in upcoming:
+            for index in range(st.next_mb, len(st.mbs)):
+                if (st.step, index) in self.prepared:
+                    continue
+                t0 = self.clock()
+                mb = st.mbs[index]
+                raw, _ = self._make_batch(st, index, mb, {sid: {} for sid in mb})
+                self.prepared[(st.step, index)] = (raw, self._prepare(st, raw))
+                st.busy_s += self.clock() - t0  # the step's work, done ahead
+                self.tracer.span("prepare", "compute", t0, self.clock(), step=st.step, mb=index)
+                return True
+        return False
 
     def _record(self, st: StepState, batch: MicroBatch, out: dict) -> None:
         """Save what the stage received and produced (and, once per step, the weights it used),

@@ -72,7 +72,7 @@ def round_batch(executor: Any, st: Any) -> MicroBatch:
         return dataclasses.replace(executor.last_batch, step=st.step, index=-1)
     if st.probe is not None and not executor.in_edges:
         batch, _ = executor._make_batch(st, -1, (st.probe,), {st.probe: {}})
-        return batch
+        return executor._prepare(st, batch)
     raise RuntimeError(
         f"section {executor.name!r} replica {executor.replica} step {st.step}: its FSDP peers run {st.rounds} "
         f"micro-batches and it has none yet to stand in for them (a section fed by other sections needs a "

@@ -16,6 +16,11 @@ from maestro_flow.parallel import memory
 from maestro_flow.runtime import lockstep
 from maestro_flow.runtime.executor_state import StepState
 
+# The process's peak resident size, per step. Linux gives it for the calling thread too (it is
+# the address space's), and RUSAGE_SELF would sum every thread's CPU times first: 1.5 ms a step
+# in a worker with DALI's busy threads, measured (tools/bench/RESULTS.md 11.2).
+_RSS_OF = getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)
+
 
 class StepEnd:
     def _finish_step(self, st: StepState) -> bool:
@@ -117,7 +122,7 @@ class StepEnd:
                 "timings": st.timings,
                 **({"grad_sq": st.grad_sq} if self.trainable else {}),
                 **({"lr": st.lr} if self.optim is not None else {}),
-                "max_rss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+                "max_rss_kb": resource.getrusage(_RSS_OF).ru_maxrss,
                 "memory": {**st.memory, "peak_mb": memory.peak_mb(self.device)},
                 **({"trace": self.tracer.take()} if self.tracer.enabled else {}),
                 **self.comm.stats.snapshot_and_reset()}

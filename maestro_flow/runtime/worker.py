@@ -255,7 +255,9 @@ def worker_main(boot: dict[str, Any]) -> None:
     worker.session = boot["session"]
     worker.detail, worker.keep = capture.detail, capture.keep
     worker.threads = boot.get("threads")
-    worker.clock_offset_s = init["now"] - received  # this host's wall clock -> the coordinator's
+    # This host's wall clock -> the coordinator's: none on its host; else its reading at sending
+    # against ours at receiving (off by the message's latency).
+    worker.clock_offset_s = 0.0 if init["now"] is None else init["now"] - received
     worker.control = control
     code = worker.run()
     if worker.comm is not None:
@@ -392,7 +394,7 @@ class _Worker:
         except Exception:
             self.report_error("stage", traceback.format_exc())  # the stage's plan or parallelize failed
             return None
-        tracer = Tracer(enabled=init["trace"], offset_s=self.clock_offset_s, epoch=init["now"])
+        tracer = Tracer(enabled=init["trace"], offset_s=self.clock_offset_s, epoch=init["epoch"])
         comm = TensorComm(zctx=self.zctx, rank=self.rank, pull=self.pull, key=self.key,
                           peers={int(k): v for k, v in init["peers"].items()}, groups=groups.channels,
                           device=torch.device(device),
@@ -468,6 +470,9 @@ class _Worker:
             if executor.current is not None:
                 self.step = executor.current.step
             executor.poll()
+            self.comm.reap()  # out of work: give back the shared-memory slots it is done with
+            while self.inbox.empty() and executor.prefetch():
+                pass  # and prepare what comes next, one micro-batch at a time, while nothing arrives
 
     def _checkpoint(self, executor, step: int, path: str) -> None:
         """Save this replica's part at a step boundary; a failure is reported, not fatal (the

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import threading
 from collections.abc import Sequence
 
 import torch
@@ -166,11 +167,13 @@ class SlotWriter:
 
 class SlotReader:
     """The receiving side: maps each sender's slots once and hands out views of them; tells
-    which slots nothing refers to any more (`reap`). Used by the header thread only."""
+    which slots nothing refers to any more (`reap`). `read` is called by one thread (the header
+    thread); `reap` may be called from another."""
 
     def __init__(self) -> None:
         self._maps: dict[str, _Slot] = {}
         self._out: dict[str, tuple[int, torch.Tensor]] = {}  # slot name -> (sender rank, the message's view)
+        self._lock = threading.Lock()  # guards _out
 
     def read(self, src: int, name: str, offsets: Sequence[int], specs: Sequence[Sequence]) -> list[torch.Tensor]:
         """The message's buffers as views of slot `name` (specs: [dtype, numel] per buffer)."""
@@ -179,7 +182,9 @@ class SlotReader:
         slot = self._maps.get(name)
         if slot is None:
             if len(self._maps) >= MAX_MAPPED:  # senders remove spare slots: forget mappings not in use
-                for old in [n for n in self._maps if n not in self._out]:
+                with self._lock:
+                    idle = [n for n in self._maps if n not in self._out]
+                for old in idle:
                     self._maps.pop(old).close()
             path = os.path.join(SHM_DIR, name)
             slot = self._maps[name] = _Slot(path, os.stat(path).st_size, create=False)
@@ -192,7 +197,8 @@ class SlotReader:
             raise ValueError(f"slot {name} holds {slot.size} bytes, the header asks for bytes up to {end}")
         whole = slot.bytes[:max(end, 1)]  # one storage user for the whole message (see reap)
         out = [whole[start:stop].view(dt) for start, stop, dt in spans]
-        self._out[name] = (src, whole)
+        with self._lock:
+            self._out[name] = (src, whole)
         return out
 
     @property
@@ -202,16 +208,18 @@ class SlotReader:
     def reap(self) -> dict[int, list[str]]:
         """Slots whose views are all gone, by sender rank (to send back)."""
         done: dict[int, list[str]] = {}
-        for name, (src, whole) in list(self._out.items()):
-            # Users of the slot's storage with no view of the message alive: the slot's own
-            # tensor, the message's base, and the temporary storage object of this check.
-            if torch._C._storage_Use_Count(whole.untyped_storage()._cdata) <= 3:
-                del self._out[name]
-                done.setdefault(src, []).append(name)
+        with self._lock:
+            for name, (src, whole) in list(self._out.items()):
+                # Users of the slot's storage with no view of the message alive: the slot's own
+                # tensor, the message's base, and the temporary storage object of this check.
+                if torch._C._storage_Use_Count(whole.untyped_storage()._cdata) <= 3:
+                    del self._out[name]
+                    done.setdefault(src, []).append(name)
         return done
 
     def close(self) -> None:
-        self._out.clear()
+        with self._lock:
+            self._out.clear()
         for slot in self._maps.values():
             slot.close()
         self._maps.clear()

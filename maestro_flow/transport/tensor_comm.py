@@ -16,7 +16,10 @@ is not an authentic header from the rank it names, so garbage or forged headers 
 Between CPU workers on one host a channel goes through shared memory: the sender copies a
 message's buffers into a reused shared-memory slot and names it in the header; the header
 thread delivers views of the slot at once, and sends the slot back ("release") once the
-executor holds no view of it (transport/shm.py). Releases travel on a stream of their own. A
+executor holds no view of it (transport/shm.py): the compute thread looks for such slots whenever
+it runs out of work (`reap`, so slots go back as soon as the executor is done with them and no
+thread wakes up just to look), and the header thread every REAP_S while views are out (for a
+compute thread that never runs out of work). Releases travel on a stream of their own. A
 sender that cannot make a slot (a full /dev/shm) says so once and sends that channel's later
 messages over its process group, which every channel has.
 
@@ -77,7 +80,7 @@ class _Stats:
 
 class TensorComm:
     WINDOW = 16  # messages posted but not completed, per channel; send() waits beyond that
-    REAP_S = 0.002  # how often the header thread looks for shared-memory slots to give back
+    REAP_S = 0.05  # how often the header thread looks for shared-memory slots to give back (see reap)
 
     def __init__(self, *, zctx: zmq.Context, rank: int, pull: zmq.Socket, key: bytes, peers: dict[int, str],
                  groups: dict[tuple[int, int, str], Any], device: torch.device,
@@ -109,7 +112,8 @@ class TensorComm:
         self._slots = shm_module.SlotWriter(shm_prefix) if self._shm_out else None
         self._mapped = shm_module.SlotReader() if self._shm_in else None
         self._releases: queue.SimpleQueue = queue.SimpleQueue()  # (rank, slot names) from the header thread
-        self._release_sockets: dict[int, tuple[zmq.Socket, Sealer]] = {}  # owned by the header thread
+        self._release_sockets: dict[int, tuple[zmq.Socket, Sealer]] = {}  # used under _release_lock
+        self._release_lock = threading.Lock()  # the header thread and the compute thread give slots back
         self._relay_members, self._relay_group = relay or ((rank,), None)
         if len(self._relay_members) > 1:
             channel = (self._relay_members[0], "relay")
@@ -314,10 +318,12 @@ class TensorComm:
                     self._handle(frame)
         finally:
             self._pull.close(linger=0)
-            for sock, _ in self._release_sockets.values():
-                sock.close(linger=0)
-            if self._mapped is not None:
-                self._mapped.close()
+            with self._release_lock:
+                for sock, _ in self._release_sockets.values():
+                    sock.close(linger=0)
+                self._release_sockets.clear()
+                if self._mapped is not None:
+                    self._mapped.close()
 
     def _handle(self, frame: bytes) -> None:
         """One frame from the header socket: a header (post its receives, or deliver a
@@ -369,14 +375,25 @@ class TensorComm:
                                   bytes=nbytes)
         self._deliver(msg["kind"], msg["edge"], msg["step"], msg["src"], p2p.unpack(msg["entries"], buffers))
 
+    def reap(self) -> None:
+        """Give back the shared-memory slots whose views are all gone. The compute thread calls
+        this when it runs out of work: the executor has dropped what it finished with, and a
+        moment's work here costs its section nothing (where the header thread's polling for them
+        would take the core from it every few milliseconds)."""
+        if self._mapped is not None and self._mapped.outstanding and not self._stop.is_set():
+            self._give_back()
+
     def _give_back(self) -> None:
-        """Send back the slots whose views are all gone (header thread; its own sealed stream)."""
-        for src, names in self._mapped.reap().items():
-            link = self._release_sockets.get(src)
-            if link is None:
-                sock = zmq_link.connect(self._zctx, zmq.PUSH, self._peers[src], max_bytes=zmq_link.HEADER_MAX_BYTES)
-                link = self._release_sockets[src] = (sock, Sealer(self._key, f"rank{self.rank}/release", f"data{src}"))
-            zmq_link.send_msg(link[0], make("release", src=self.rank, slots=names), sealer=link[1])
+        """Send back the slots whose views are all gone (on a sealed stream of their own)."""
+        with self._release_lock:
+            for src, names in self._mapped.reap().items():
+                link = self._release_sockets.get(src)
+                if link is None:
+                    sock = zmq_link.connect(self._zctx, zmq.PUSH, self._peers[src],
+                                            max_bytes=zmq_link.HEADER_MAX_BYTES)
+                    link = self._release_sockets[src] = (sock, Sealer(self._key, f"rank{self.rank}/release",
+                                                                      f"data{src}"))
+                zmq_link.send_msg(link[0], make("release", src=self.rank, slots=names), sealer=link[1])
 
     def _open(self, frame: bytes) -> dict | None:
         """An authentic header, progress note or release from the rank it names; else None

@@ -55,6 +55,17 @@ def check_trace(trace: dict, plans: list[dict], sections: dict[str, int]) -> Non
                     assert forwards[(pid, plan["step"], m)] == mb, (section, r, plan["step"], m)
     planning = [e for e in spans if e["pid"] == 0 and e["name"].startswith("plan step")]
     assert len(planning) == len(plans)
+    # One time axis for every process: nothing of a step starts before the coordinator began
+    # planning it, and no receive of a step begins before the first send of that step did.
+    planned = {int(e["name"].split()[-1]): e["ts"] for e in planning}
+    assert all(e["ts"] >= planned[e["args"]["step"]] for e in spans if e["pid"] != 0 and "step" in e["args"])
+    for kind in ("fwd", "bwd"):
+        first_send, first_recv = {}, {}
+        for e in events:
+            if e["ph"] == "b" and e["name"] in (f"send {kind}", f"recv {kind}"):
+                first = first_send if e["name"].startswith("send") else first_recv
+                first[e["args"]["step"]] = min(e["ts"], first.get(e["args"]["step"], e["ts"]))
+        assert all(first_recv[s] >= first_send[s] for s in first_recv), (kind, first_send, first_recv)
 
 
 @pytest.mark.parametrize("pipeline,colocated", [("pipelines/vlm.py", False), ("pipelines/chain.py", False),
@@ -76,7 +87,27 @@ def test_trace_and_run_directory(demo_data, tmp_path, pipeline, colocated):
     config = json.loads((run_dir / "pipeline.json").read_text())["pipeline"]
     sections = {s["name"]: (1 if colocated else s["dp"]) for s in config["sections"]}
     assert dp is None or dp == {}
-    check_trace(json.loads((run_dir / "trace.json").read_text()), plans, sections)
+    trace = json.loads((run_dir / "trace.json").read_text())
+    check_trace(trace, plans, sections)
+    if "vlm" in pipeline:  # the encoder reads only the data: it decodes images ahead (Stage.prepare)
+        check_prepared_ahead(trace, plans, "vision")
+
+
+def check_prepared_ahead(trace: dict, plans: list[dict], section: str) -> None:
+    """Micro-batches prepared ahead were planned ones, each prepared once and before its forward;
+    at least one was prepared before its step began (during the previous step's waits)."""
+    events = trace["traceEvents"]
+    pids = {e["pid"] for e in events if e["ph"] == "M" and e["name"] == "process_name"
+            and e["args"]["name"].startswith(f"{section}[")}
+    spans = [e for e in events if e["ph"] == "X" and e["pid"] in pids]
+    prepared = [(e["pid"], e["args"]["step"], e["args"]["mb"], e["ts"] + e["dur"]) for e in spans
+                if e["name"] == "prepare"]
+    forwards = {(e["pid"], e["args"]["step"], e["args"]["mb"]): e["ts"] for e in spans if e["name"] == "forward"}
+    assert prepared, "no micro-batch was prepared ahead"
+    assert len({p[:3] for p in prepared}) == len(prepared), "a micro-batch was prepared twice"
+    assert all(end <= forwards[(pid, step, mb)] + 0.01 for pid, step, mb, end in prepared)
+    starts = {s: min(ts for (pid, step, mb), ts in forwards.items() if step == s) for s in {k[1] for k in forwards}}
+    assert any(end <= starts[step] for _, step, mb, end in prepared if step > 0)
 
 
 def test_worker_logs_prefix_every_line(demo_data, tmp_path):

@@ -121,6 +121,25 @@ def test_vision_decodes_bytes_with_the_configured_decoder():
     close(out[0], encode_images(stage, [randn(3, 16, 8, seed=10).float().double()])[0])
 
 
+def test_vision_prepare_decodes_ahead_and_forward_takes_its_batch():
+    """Stage.prepare: the images decoded once, ahead; forward on the prepared batch gives what
+    forward on the encoded one gives, and decodes nothing more."""
+    stage = make(VisionEncoder, {**VISION, "decoder": f"{__name__}:FakeDecoder", "decode": {"max_side": 32}})
+    raw = batch([10, 11, 12, 13], columns={"image": [b"16x8", None, b"bad", b"8x8"]})
+    expected = stage.forward(raw)["image_embeds"]
+    stage.decoder.calls.clear()
+    ready = stage.prepare(raw)
+    assert stage.decoder.calls == [[10, 12, 13]]
+    assert raw.columns["image"][0] == b"16x8"  # the batch as read is left as it was (record, replay)
+    assert ready.columns["image"][1] is None and ready.columns["image"][2] is None
+    out = stage.forward(ready)["image_embeds"]
+    assert stage.decoder.calls == [[10, 12, 13]]  # forward decoded nothing again
+    assert out[1] is None and out[2] is None
+    for got, want in ((out[0], expected[0]), (out[3], expected[3])):
+        close(got, want)
+    assert stage.prepare(ready) is ready  # nothing left to decode
+
+
 def test_vision_config_and_input_errors():
     with pytest.raises(ValueError, match="unknown config key 'patch_size'"):
         VisionEncoder({"patch_size": 4}, CTX)

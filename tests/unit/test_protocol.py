@@ -47,7 +47,7 @@ MESSAGES = {
     "bye": {"rank": 2},
     "init": {"rank": 1, "pipeline": PIPELINE.to_dict(), "placement": PLACEMENT.to_dict(),
              "store": ["127.0.0.1", 29500, ""], "peers": {0: "tcp://127.0.0.1:5001", 1: "tcp://127.0.0.1:5002"},
-             "timeouts": Timeouts().to_dict(), "paths": ["/work/pipelines", "/work"], "now": 1.7e9, "trace": False,
+             "timeouts": Timeouts().to_dict(), "paths": ["/work/pipelines", "/work"], "epoch": 1.7e9, "now": None, "trace": False,
              "record": None, "resume": None, "shm": [[0, 1, "fwd"]]},
     "plan": {k: v for k, v in plan_message(PLAN, GRAPH, "student", 1).items() if k != "t"},
     "finalize": {"step": 4, "denominator": 1034.0},
