@@ -134,11 +134,12 @@ class Stage:
 
     def prepare(self, batch: MicroBatch) -> MicroBatch:
         """Optional: the part of a micro-batch's work that needs only its columns (no parameters,
-        no inputs from other sections, no randomness), e.g. decoding images; `forward` then gets
-        the returned batch. The runtime may call it ahead, for a section that reads only the data,
-        while the worker would otherwise wait (for gradients, for the step's loss), so that the
-        work leaves the critical path; otherwise just before `forward`. The default returns the
-        batch unchanged."""
+        no inputs from other sections, no randomness), e.g. decoding images; the runtime's
+        `forward` then gets the returned batch. In section mode the runtime calls it ahead, for a
+        section that reads only the data, while the worker would otherwise wait (for gradients,
+        for the step's loss), so that the work leaves the critical path; otherwise just before
+        `forward`. `forward` must give the same result on a batch as read (replay, profiling and
+        the monolithic baseline call it directly). The default returns the batch unchanged."""
         return batch
 
     def optimizer_groups(self, spec: dict[str, Any]) -> list[tuple[dict[str, Any], list[torch.nn.Parameter]]] | None:

@@ -25,8 +25,10 @@ step's report holds the bytes of training state the rank held in the step and af
 (parallel/memory.py).
 
 A section that reads only the data prepares its next micro-batches (`Stage.prepare`: decoding
-images) ahead when the worker would otherwise wait (`prefetch`), up to PREFETCH of them, from
-the current step's plan and the next ones'; else just before their forward.
+images) ahead when its worker would otherwise wait (`prefetch`, called by the worker: section
+mode), up to PREFETCH of them, from the current step's plan and the next ones'; else just before
+their forward. Work done ahead counts in its own step's busy time, so a step's busy time can
+exceed its wall time.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from maestro_flow.planner.plan import Placement
 from maestro_flow.runtime import lockstep
 from maestro_flow.runtime.executor_state import PendingBackward, StageFault, StepState, to_torch
 from maestro_flow.runtime.precision import autocast_dtype, compute
+from maestro_flow.runtime.prefetch import Prefetch
 from maestro_flow.runtime.step_end import StepEnd
 from maestro_flow.runtime.trace import Tracer
 from maestro_flow.samples import SampleMeta
@@ -56,10 +59,9 @@ from maestro_flow.stage import MicroBatch, Stage
 from maestro_flow.transport.tensor_comm import Comm
 
 Report = Callable[[str, dict[str, Any]], None]
-PREFETCH = 2  # micro-batches a section that reads only the data prepares ahead (Stage.prepare)
 
 
-class SectionExecutor(StepEnd):
+class SectionExecutor(StepEnd, Prefetch):
     def __init__(self, *, stage: Stage, graph: SectionGraph, placement: Placement, section: str, replica: int,
                  source: Any, comm: Comm, report: Report, device: torch.device, dtype: torch.dtype,
                  reducer: GradientReducer | None, clock: Callable[[], float] = time.perf_counter,
@@ -112,8 +114,9 @@ class SectionExecutor(StepEnd):
         self.record = record  # (directory, steps or None for all): what this replica saves for replay
         # What this replica is doing now, for `maestro top` (read by the heartbeat thread).
         self.status: dict[str, Any] = {"state": "idle", "step": None, "mb": None, "buffered": 0, "in_flight": 0}
-        # (step, micro-batch) -> (the batch as read, as prepared): Stage.prepare run ahead.
+        # (step, micro-batch) -> (the batch as read when recording, as prepared): Stage.prepare run ahead.
         self.prepared: dict[tuple[int, int], tuple[MicroBatch, MicroBatch]] = {}
+        self.unprepared: set[tuple[int, int]] = set()  # those whose preparing ahead failed
         self.prefetching = not self.in_edges and type(stage).prepare is not Stage.prepare
         stage.train(self.trainable)
 
@@ -217,7 +220,8 @@ class SectionExecutor(StepEnd):
         if self.relaying:
             self.comm.relay("tpf", st.step, index, [(sid, name, t) for sid in mb for name, t in arrived[sid].items()])
         ahead = self.prepared.pop((st.step, index), None)
-        if ahead is None:
+        self.unprepared.discard((st.step, index))
+        if ahead is None:  # (also where preparing it ahead failed: the error is raised here, in its step)
             raw, leaves = self._make_batch(st, index, mb, arrived)
             batch = self._prepare(st, raw)
         else:
@@ -237,7 +241,7 @@ class SectionExecutor(StepEnd):
             self._keep_for_backward(st, mb, out, leaves, index)
         elapsed = self.clock() - t0
         if self.record is not None and (self.record[1] is None or st.step in self.record[1]):
-            self._record(st, raw, out)  # as read: a replay prepares it again
+            self._record(st, raw, out)  # as read (forward takes it as it is, Stage.prepare)
         st.busy_s += elapsed
         self._timing(st, "forward+backward" if self.is_loss and self.trainable else "forward", mb, elapsed)
         if self.tracer.enabled:  # `cpu` below the span's length: the thread was kept off its core
@@ -246,32 +250,6 @@ class SectionExecutor(StepEnd):
         for rank in st.notify:
             self.comm.notify(rank, st.step, st.next_mb)
         return True
-
-    def _prepare(self, st: StepState, batch: MicroBatch) -> MicroBatch:
-        try:
-            return self.stage.prepare(batch)
-        except Exception:
-            raise StageFault("forward", st.step, traceback.format_exc()) from None
-
-    def prefetch(self) -> bool:
-        """Prepare (Stage.prepare) the next micro-batch this replica will run, if its section
-        reads only the data and fewer than PREFETCH are prepared: work taken off the critical
-        path. The worker calls it when it would otherwise wait; True if it prepared one."""
-        if not self.prefetching or len(self.prepared) >= PREFETCH:
-            return False
-        upcoming = ([self.current] if self.current is not None else []) + list(self.plans)
-        for st in upcoming:
-            for index in range(st.next_mb, len(st.mbs)):
-                if (st.step, index) in self.prepared:
-                    continue
-                t0 = self.clock()
-                mb = st.mbs[index]
-                raw, _ = self._make_batch(st, index, mb, {sid: {} for sid in mb})
-                self.prepared[(st.step, index)] = (raw, self._prepare(st, raw))
-                st.busy_s += self.clock() - t0  # the step's work, done ahead
-                self.tracer.span("prepare", "compute", t0, self.clock(), step=st.step, mb=index)
-                return True
-        return False
 
     def _record(self, st: StepState, batch: MicroBatch, out: dict) -> None:
         """Save what the stage received and produced (and, once per step, the weights it used),

@@ -57,6 +57,8 @@ class Comm(Protocol):
 
     def notify(self, dst: int, step: int, finished: int) -> None: ...
 
+    def reap(self) -> None: ...
+
     def close(self, timeout_s: float = 0.0) -> bool: ...
 
 
@@ -442,6 +444,9 @@ class LocalComm:
 
     def notify(self, dst: int, step: int, finished: int) -> None:
         self._deliver_to(dst)("progress", -1, step, self.rank, finished)
+
+    def reap(self) -> None:
+        """Nothing to give back: copies, not shared memory."""
 
     def close(self, timeout_s: float = 0.0) -> bool:
         return True
