@@ -101,6 +101,17 @@ def test_a_corrupt_image_names_its_sample(corrupt_data):
     assert result.returncode == 1
     assert f"sample {bad_id}: cannot decode image" in result.stderr
     assert "section 'vision'" in result.stderr
+    # It names the step that holds the sample, though the encoder may prepare that micro-batch
+    # during the step before (Stage.prepare ahead).
+    from maestro_flow.runtime.build import load_pipeline
+    from maestro_flow.runtime.checks import check_pipeline
+    from maestro_flow.runtime.sampler import EpochSampler
+
+    pipeline, _ = load_pipeline(str(ROOT / "pipelines/vlm.py"), {"data.path": str(path), "global_batch": 24})
+    checked = check_pipeline(pipeline)
+    sampler = EpochSampler(checked.metadata, 24, pipeline.seed, shuffle=pipeline.data.shuffle)
+    step = next(s for s in range(4) if any(m.id == bad_id for m in sampler.batch(s)))
+    assert f"during forward at step {step}:" in result.stderr
 
 
 def test_corrupt_images_can_be_skipped_and_counted(corrupt_data, tmp_path):
