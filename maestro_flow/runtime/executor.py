@@ -115,7 +115,7 @@ class SectionExecutor(StepEnd, Prefetch):
         # What this replica is doing now, for `maestro top` (read by the heartbeat thread).
         self.status: dict[str, Any] = {"state": "idle", "step": None, "mb": None, "buffered": 0, "in_flight": 0}
         # (step, micro-batch) -> (the batch as read when recording, as prepared): Stage.prepare run ahead.
-        self.prepared: dict[tuple[int, int], tuple[MicroBatch, MicroBatch]] = {}
+        self.prepared: dict[tuple[int, int], tuple[MicroBatch | None, MicroBatch]] = {}
         self.unprepared: set[tuple[int, int]] = set()  # those whose preparing ahead failed
         self.prefetching = not self.in_edges and type(stage).prepare is not Stage.prepare
         stage.train(self.trainable)
