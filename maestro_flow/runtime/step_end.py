@@ -17,8 +17,8 @@ from maestro_flow.runtime import lockstep
 from maestro_flow.runtime.executor_state import StepState
 
 # The process's peak resident size, per step. Linux gives it for the calling thread too (it is
-# the address space's), and RUSAGE_SELF would sum every thread's CPU times first: 1.5 ms a step
-# in a worker with DALI's busy threads, measured (tools/bench/RESULTS.md 11.2).
+# the address space's), and RUSAGE_SELF would sum every thread's CPU times first: a visible cost
+# in a worker with DALI's busy threads (py-spy, tools/bench/RESULTS.md 11.2).
 _RSS_OF = getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)
 
 
