@@ -37,6 +37,7 @@ bench: setup data/demo/text.arrow
 	$(BIN)/python -m tools.bench.mixed_precision
 	$(BIN)/python -m tools.bench.checkpoint_cost
 	$(BIN)/python -m tools.bench.section_memory
+	$(BIN)/python -m tools.bench.cuda_ipc
 	$(BIN)/python -m tools.bench.baseline_compare --predict
 	$(BIN)/python -m tools.bench.vlm_text_only
 	$(BIN)/python -m tools.bench.vlm_gap

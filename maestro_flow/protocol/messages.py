@@ -26,7 +26,8 @@ Worker -> coordinator (DEALER -> ROUTER):
 
 Coordinator -> worker:
   init       after hello: pipeline config, placement, rendezvous store, peers' header addresses,
-             the channels that go through shared memory (`shm`, [src, dst, kind] each),
+             the channels that go through shared memory (`shm`, [src, dst, kind] each) and
+             those through CUDA IPC (`ipc`, optional, the same form),
              the trace's epoch and the coordinator's wall clock at sending (`now`; None for a
              worker on the coordinator's host, which reads the same clock), whether to trace, and what to
              record for replay ({"dir", "section", "steps"} or None), and the checkpoint to resume
@@ -46,7 +47,9 @@ Worker -> worker (PUSH -> PULL, on the tensor-header sockets):
   tensors    the header that precedes tensor bytes sent over torch.distributed: kind "fwd"
              (activations along an edge) or "bwd" (gradients back along it); between CPU workers
              on one host the bytes are in a shared-memory slot instead, named by `shm` ([slot,
-             byte offsets], transport/shm.py)
+             byte offsets], transport/shm.py), and between two workers on one GPU in a CUDA IPC
+             slot, named by `ipc` ([slot, byte offsets, the slot's IPC handles the first time it
+             is sent, else None], transport/cuda_ipc.py)
   release    the receiver of slots holds no view of them any more: the sender may reuse them
              (its own stream, sender name "rank<N>/release")
   progress   a consumer finished a forward micro-batch: a producer gated on it may go on
@@ -57,7 +60,7 @@ from __future__ import annotations
 
 from typing import Any
 
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 
 FIELDS: dict[str, tuple[str, ...]] = {
     "hello": ("version", "rank", "pid", "data_addr"),
@@ -84,8 +87,8 @@ FIELDS: dict[str, tuple[str, ...]] = {
 
 # Fields a message may carry or leave out (a hello's host key is optional so that a worker of
 # another protocol version still parses, and its version mismatch is reported).
-OPTIONAL: dict[str, tuple[str, ...]] = {"hello": ("host_key",), "heartbeat": ("status",), "tensors": ("shm",),
-                                        "ready": ("setup",), "plan": ("rounds", "probe")}
+OPTIONAL: dict[str, tuple[str, ...]] = {"hello": ("host_key",), "heartbeat": ("status",), "tensors": ("shm", "ipc"),
+                                        "ready": ("setup",), "plan": ("rounds", "probe"), "init": ("ipc",)}
 
 _NUM = (int, float)
 _OPT_STR = (str, type(None))
@@ -104,7 +107,8 @@ TYPES: dict[str, tuple[type, ...]] = {
     "slots": (list,), "setup": (dict,), "rounds": (int,), "probe": (list,),
 }
 TYPES_OF: dict[tuple[str, str], tuple[type, ...]] = {("error", "step"): _OPT_INT, ("tensors", "shm"): (list, type(None)),
-                                                     ("init", "shm"): (list,)}
+                                                     ("init", "shm"): (list,), ("tensors", "ipc"): (list, type(None)),
+                                                     ("init", "ipc"): (list,)}
 
 
 class ProtocolError(Exception):

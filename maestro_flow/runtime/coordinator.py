@@ -49,7 +49,7 @@ from maestro_flow.runtime.observe import RunObserver, timed_plan
 from maestro_flow.runtime.report import RunReport
 from maestro_flow.runtime.sampler import EpochSampler
 from maestro_flow.runtime.status import StatusServer
-from maestro_flow.runtime.topology import shm_channels
+from maestro_flow.runtime.topology import ipc_channels, shm_channels
 from maestro_flow.runtime.worker import worker_main
 from maestro_flow.timeouts import Timeouts
 from maestro_flow.transport import host as shm_host
@@ -59,6 +59,11 @@ from maestro_flow.transport import zmq_link
 def shm_enabled() -> bool:
     """Whether same-host CPU channels use shared memory (MAESTRO_SHM=0: gloo instead), read per run."""
     return os.environ.get("MAESTRO_SHM", "1") != "0"
+
+
+def ipc_enabled() -> bool:
+    """Whether ranks sharing a GPU use CUDA IPC (MAESTRO_CUDA_IPC=0: gloo through the host instead)."""
+    return os.environ.get("MAESTRO_CUDA_IPC", "1") != "0"
 
 
 def placement_for(graph: SectionGraph) -> Placement:
@@ -202,8 +207,9 @@ class Coordinator(CoordinatorIO):
                                         f"the coordinator {PROTOCOL_VERSION}: reinstall maestro_flow consistently")
                 hellos[rank] = msg
         peers = self.peers = {r: h["data_addr"] for r, h in hellos.items()}
-        shm = [list(ch) for ch in shm_channels(self.graph, self.placement, {r: h.get("host_key") for r, h in
-                                                                            hellos.items()})] if shm_enabled() else []
+        hosts = {r: h.get("host_key") for r, h in hellos.items()}
+        shm = [list(ch) for ch in shm_channels(self.graph, self.placement, hosts)] if shm_enabled() else []
+        ipc = [list(ch) for ch in ipc_channels(self.graph, self.placement, hosts)] if ipc_enabled() else []
         pipeline_dict, placement_dict = self.pipeline.to_dict(), self.placement.to_dict()
         here = shm_host.host_key()
         for rank in hellos:
@@ -215,7 +221,8 @@ class Coordinator(CoordinatorIO):
                                   peers=peers, timeouts=self.timeouts.to_dict(), paths=self.paths,
                                   epoch=self.observer.tracer.epoch, now=None if same_clock else time.time(),
                                   trace=self.observer.tracing,
-                                  record=self.record, resume=self.resume[0] if self.resume else None, shm=shm))
+                                  record=self.record, resume=self.resume[0] if self.resume else None, shm=shm,
+                                  ipc=ipc))
         ready: set[int] = set()
         what = "every worker to be ready (stage built, process groups formed)"
         if self.resume is not None:  # loading the checkpoint is part of getting ready

@@ -3,7 +3,8 @@
 `channels` is pure: every (producer rank, consumer rank, kind) pair the routing rule allows,
 in one deterministic order; `shm_channels` (pure) picks those between CPU workers that share
 memory (transport/shm.py), which send through shared memory and fall back on their group only
-where a slot cannot be made. `process_groups` runs in every worker after init_process_group.
+where a slot cannot be made, and `ipc_channels` (pure) those between workers on one GPU of one
+host (transport/cuda_ipc.py), likewise through CUDA IPC. `process_groups` runs in every worker after init_process_group.
 The channels of an edge share one group per direction and backend (every rank of the edge's
 channels): gloo pairs inside a group are independent connections, and
 NCCL gives each pair of a group its own communicator for point-to-point operations, so one slow
@@ -51,6 +52,14 @@ def shm_channels(graph: SectionGraph, placement: Placement, hosts: dict[int, str
     transport.shm.host_key, None where it has none)."""
     return [ch for ch in channels(graph, placement)
             if placement.devices[ch[0]] == "cpu" and placement.devices[ch[1]] == "cpu"
+            and hosts.get(ch[0]) is not None and hosts.get(ch[0]) == hosts.get(ch[1])]
+
+
+def ipc_channels(graph: SectionGraph, placement: Placement, hosts: dict[int, str | None]) -> list[Channel]:
+    """The channels whose two ranks share one GPU of one host (transport/cuda_ipc.py): NCCL refuses
+    two ranks on one device, so these go through CUDA IPC (`hosts` as for shm_channels)."""
+    return [ch for ch in channels(graph, placement)
+            if placement.devices[ch[0]].startswith("cuda") and placement.devices[ch[0]] == placement.devices[ch[1]]
             and hosts.get(ch[0]) is not None and hosts.get(ch[0]) == hosts.get(ch[1])]
 
 

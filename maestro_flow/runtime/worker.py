@@ -378,6 +378,7 @@ class _Worker:
                                 world_size=placement.world_size,
                                 timeout=timedelta(seconds=self.timeouts.collective_s))
         shm = [tuple(ch) for ch in init["shm"]]  # channels through shared memory (transport/shm.py)
+        ipc = [tuple(ch) for ch in init.get("ipc", ())]  # through CUDA IPC (transport/cuda_ipc.py)
         marks["world_s"] = time.perf_counter() - t0 - sum(marks.values())
         groups = process_groups(graph, placement, self.rank, self.timeouts.collective_s, self.timeouts.checkpoint_s)
         marks["groups_s"] = time.perf_counter() - t0 - sum(marks.values())
@@ -403,7 +404,7 @@ class _Worker:
                           tracer=tracer if tracer.enabled else None,
                           relay=(layout.members, groups.relay) if len(layout.members) > 1 else None,
                           timeout_s=self.timeouts.collective_s, shm=shm,
-                          shm_prefix=f"maestro-{self.session}-{self.rank}")
+                          shm_prefix=f"maestro-{self.session}-{self.rank}", ipc=ipc)
         self.comm = comm
         executor = SectionExecutor(
             stage=stage, graph=graph, placement=placement, section=self.section, replica=self.replica,

@@ -139,16 +139,21 @@ class SlotWriter:
             free.remove(slot)
             return slot
         self._count += 1
-        path = os.path.join(SHM_DIR, f"{self.prefix}-{self._count}")
+        slot = self._make(self._count, _slot_size(nbytes))
+        self._channel_of[slot.name] = channel
+        return slot
+
+    def _make(self, count: int, size: int) -> _Slot:
+        """A new slot of `size` bytes, the `count`-th this writer makes (transport/cuda_ipc.py
+        makes device slots instead)."""
+        path = os.path.join(SHM_DIR, f"{self.prefix}-{count}")
         try:
-            slot = _Slot(path, _slot_size(nbytes), create=True)
+            return _Slot(path, size, create=True)
         except OSError as exc:
-            raise OSError(exc.errno, f"cannot make a {_slot_size(nbytes) >> 20} MiB shared-memory slot in {SHM_DIR} "
+            raise OSError(exc.errno, f"cannot make a {size >> 20} MiB shared-memory slot in {SHM_DIR} "
                                      f"for tensors to a worker on this host ({exc.strerror}): give the host (or the "
                                      f"container: docker --shm-size) more shared memory, or set MAESTRO_SHM=0 to "
                                      f"send through gloo instead") from None
-        self._channel_of[slot.name] = channel
-        return slot
 
     def close(self) -> None:
         for slot in list(self._used.values()) + [s for free in self._free.values() for s in free]:
@@ -161,7 +166,7 @@ class SlotWriter:
         slot.close()
         try:
             os.unlink(slot.path)
-        except FileNotFoundError:
+        except (FileNotFoundError, AttributeError):  # gone already; a device slot has no file
             pass
 
 
@@ -170,6 +175,8 @@ class SlotReader:
     which slots nothing refers to any more (`reap`). `read` is called by one thread (the header
     thread); `reap` may be called from another."""
 
+    max_mapped: float = MAX_MAPPED  # a device slot's handles come once: cuda_ipc never forgets one
+
     def __init__(self) -> None:
         self._maps: dict[str, _Slot] = {}
         self._out: dict[str, tuple[int, torch.Tensor]] = {}  # slot name -> (sender rank, the message's view)
@@ -177,17 +184,14 @@ class SlotReader:
 
     def read(self, src: int, name: str, offsets: Sequence[int], specs: Sequence[Sequence]) -> list[torch.Tensor]:
         """The message's buffers as views of slot `name` (specs: [dtype, numel] per buffer)."""
-        if "/" in name or not name.startswith("maestro-"):
-            raise ValueError(f"not a slot name: {name!r}")
         slot = self._maps.get(name)
         if slot is None:
-            if len(self._maps) >= MAX_MAPPED:  # senders remove spare slots: forget mappings not in use
+            if len(self._maps) >= self.max_mapped:  # senders remove spare slots: forget mappings not in use
                 with self._lock:
                     idle = [n for n in self._maps if n not in self._out]
                 for old in idle:
                     self._maps.pop(old).close()
-            path = os.path.join(SHM_DIR, name)
-            slot = self._maps[name] = _Slot(path, os.stat(path).st_size, create=False)
+            slot = self._maps[name] = self._open(src, name)
         spans = []
         for off, (dtype, numel) in zip(offsets, specs, strict=True):
             dt = _dtype(dtype)
@@ -200,6 +204,13 @@ class SlotReader:
         with self._lock:
             self._out[name] = (src, whole)
         return out
+
+    def _open(self, src: int, name: str) -> _Slot:
+        """Map a slot the first time a message names it (transport/cuda_ipc.py opens device slots)."""
+        if "/" in name or not name.startswith("maestro-"):
+            raise ValueError(f"not a slot name: {name!r}")
+        path = os.path.join(SHM_DIR, name)
+        return _Slot(path, os.stat(path).st_size, create=False)
 
     @property
     def outstanding(self) -> int:

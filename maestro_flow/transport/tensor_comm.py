@@ -23,6 +23,12 @@ compute thread that never runs out of work). Releases travel on a stream of thei
 sender that cannot make a slot (a full /dev/shm) says so once and sends that channel's later
 messages over its process group, which every channel has.
 
+Between two workers on one host and one GPU (NCCL refuses two ranks on one device) a channel
+goes through CUDA IPC the same way, with device slots (transport/cuda_ipc.py): the header names
+the slot and, the first time, its IPC handles; the receiver's stream waits for the sender's copy
+and it is handed views. A sender whose CUDA IPC fails says so once and falls back to the
+channel's process group (gloo, staged through host memory).
+
 A tensor-parallel replica's leader relays what its replica computes on — each micro-batch's
 inputs ("tpf") and gradients ("tpb") — to the other ranks of the replica with `relay`: a header
 to each, then one broadcast per buffer over the replica's relay group. Members post the matching
@@ -45,10 +51,11 @@ import zmq
 
 from maestro_flow.protocol.auth import DropLog, Opener, Rejected, Sealer
 from maestro_flow.protocol.messages import make
-from maestro_flow.transport import p2p, zmq_link
+from maestro_flow.transport import cuda_ipc, p2p, zmq_link
 from maestro_flow.transport import shm as shm_module
 
 Channel = tuple[int, str]  # (peer rank, "fwd" | "bwd")
+
 Deliver = Callable[[str, int, int, int, list[p2p.Item]], None]  # kind, edge, step, src rank, items
 
 
@@ -88,12 +95,14 @@ class TensorComm:
                  groups: dict[tuple[int, int, str], Any], device: torch.device,
                  deliver: Deliver, on_error: Callable[[str], None], tracer: Any = None,
                  relay: tuple[tuple[int, ...], Any] | None = None, timeout_s: float = 300.0,
-                 shm: Sequence[tuple[int, int, str]] = (), shm_prefix: str = "maestro") -> None:
+                 shm: Sequence[tuple[int, int, str]] = (), shm_prefix: str = "maestro",
+                 ipc: Sequence[tuple[int, int, str]] = ()) -> None:
         """`relay`: (the replica's ranks, leader first; its relay group) for tensor-parallel ranks.
         `timeout_s`: how long a send may wait for room in its channel's window, and the header
         thread for room in a receiving channel (Timeouts.collective_s, MAESTRO_COLLECTIVE_S).
         `shm`: the channels (src, dst, kind) through shared memory; `shm_prefix` names this
-        worker's slots (maestro-<session>-<rank>)."""
+        worker's slots (maestro-<session>-<rank>). `ipc`: the channels through CUDA IPC (both
+        ranks on this host and this device: transport/cuda_ipc.py)."""
         self._timeout_s = timeout_s
         self.rank = rank
         self._tracer = tracer  # runtime.trace.Tracer or None: transfers as async trace events
@@ -113,6 +122,10 @@ class TensorComm:
         self._shm_in = {(src, kind) for src, dst, kind in shm if dst == rank}
         self._slots = shm_module.SlotWriter(shm_prefix) if self._shm_out else None
         self._mapped = shm_module.SlotReader() if self._shm_in else None
+        self._ipc_out = {(dst, kind) for src, dst, kind in ipc if src == rank}
+        self._ipc_in = {(src, kind) for src, dst, kind in ipc if dst == rank}
+        self._ipc_slots = cuda_ipc.IpcWriter(rank, device) if self._ipc_out else None
+        self._ipc_mapped = cuda_ipc.IpcReader(device) if self._ipc_in else None
         self._releases: queue.SimpleQueue = queue.SimpleQueue()  # (rank, slot names) from the header thread
         self._release_sockets: dict[int, tuple[zmq.Socket, Sealer]] = {}  # used under _release_lock
         self._release_lock = threading.Lock()  # the header thread and the compute thread give slots back
@@ -152,9 +165,17 @@ class TensorComm:
     # -- the sending thread ----------------------------------------------------------------
 
     def send(self, dst: int, kind: str, edge: int, step: int, items: Sequence[p2p.Item]) -> None:
+        if (dst, kind) in self._ipc_out:
+            try:
+                self._send_slot(dst, kind, edge, step, items, ipc=True)
+                return
+            except RuntimeError as exc:  # CUDA IPC refused (a container without it): the group, from now on
+                self._ipc_out.discard((dst, kind))
+                print(f"maestro: rank {self.rank}: CUDA IPC failed ({exc}); {kind} tensors to rank {dst} go through "
+                      "its process group from now on", flush=True)
         if (dst, kind) in self._shm_out:
             try:
-                self._send_shm(dst, kind, edge, step, items)
+                self._send_slot(dst, kind, edge, step, items)
                 return
             except OSError as exc:  # no slot to be had (a full /dev/shm, a file size limit): the group, from now on
                 self._shm_out.discard((dst, kind))
@@ -175,19 +196,29 @@ class TensorComm:
         self._put(sent, (p2p.post_sends(buffers, dst, group), buffers, t0, dst, kind, step),
                   f"room to send {kind} tensors to rank {dst} (its {self.WINDOW} earlier sends unfinished)")
 
-    def _send_shm(self, dst: int, kind: str, edge: int, step: int, items: Sequence[p2p.Item]) -> None:
-        """The bytes into a reused shared-memory slot, the slot's name in the header: done when
-        this returns (nothing waits on a transfer)."""
+    def _send_slot(self, dst: int, kind: str, edge: int, step: int, items: Sequence[p2p.Item],
+                   ipc: bool = False) -> None:
+        """The bytes into a reused slot (shared memory, or with `ipc` device memory), the slot's
+        name in the header: done when this returns (nothing waits on a transfer)."""
         t0 = time.perf_counter()
         while not self._releases.empty():  # slots the receivers gave back, before taking one (one consumer)
-            self._slots.released(*self._releases.get_nowait())
+            by, names = self._releases.get_nowait()
+            for writer, mine in ((self._slots, False), (self._ipc_slots, True)):
+                if writer is not None:
+                    writer.released(by, [n for n in names if n.startswith(cuda_ipc.PREFIX) == mine])
         entries, specs, buffers = p2p.pack_each(items)
-        slot, offsets = self._slots.write((dst, kind), buffers)
+        writer = self._ipc_slots if ipc else self._slots
+        slot, offsets = writer.write((dst, kind), buffers)
         nbytes = sum(b.numel() * b.element_size() for b in buffers)
         # Built here from this worker's own values (what `make` would check is true by
         # construction): this is the per-message path. The receiver checks it at the door.
-        self._header(dst, {"t": "tensors", "src": self.rank, "kind": kind, "edge": edge, "step": step,
-                           "entries": entries, "buffers": specs, "shm": [slot, offsets]})
+        msg = {"t": "tensors", "src": self.rank, "kind": kind, "edge": edge, "step": step,
+               "entries": entries, "buffers": specs}
+        if ipc:
+            msg["ipc"] = [slot, offsets, writer.export(slot)]
+        else:
+            msg["shm"] = [slot, offsets]
+        self._header(dst, msg)
         with self.stats.lock:
             self.stats.bytes_sent += nbytes
             self.stats.send_s += time.perf_counter() - t0
@@ -256,8 +287,9 @@ class TensorComm:
         for sock, _ in self._sockets.values():
             sock.close(linger=0)
         self._sockets.clear()
-        if self._slots is not None:
-            self._slots.close()  # receivers' mappings stay valid; the files go
+        for writer in (self._slots, self._ipc_slots):
+            if writer is not None:
+                writer.close()  # receivers' mappings stay valid; the files go
         return not any(t.is_alive() for t in self._threads)
 
     # -- comm threads ----------------------------------------------------------------------
@@ -306,7 +338,7 @@ class TensorComm:
             while not self._stop.is_set():
                 # While views of shared-memory slots are out, look for slots to give back every
                 # REAP_S (a burst's releases then go back in a few messages, not one per slot).
-                outstanding = self._mapped is not None and self._mapped.outstanding
+                outstanding = any(r is not None and r.outstanding for r in (self._mapped, self._ipc_mapped))
                 if outstanding and time.monotonic() >= next_reap:
                     self._give_back()
                     next_reap = time.monotonic() + self.REAP_S
@@ -324,8 +356,9 @@ class TensorComm:
                 for sock, _ in self._release_sockets.values():
                     sock.close(linger=0)
                 self._release_sockets.clear()
-                if self._mapped is not None:
-                    self._mapped.close()
+                for reader in (self._mapped, self._ipc_mapped):
+                    if reader is not None:
+                        reader.close()
 
     def _handle(self, frame: bytes) -> None:
         """One frame from the header socket: a header (post its receives, or deliver a
@@ -339,8 +372,8 @@ class TensorComm:
         if msg["t"] == "release":
             self._releases.put((msg["src"], [str(n) for n in msg["slots"]]))
             return
-        if msg.get("shm") is not None:
-            self._receive_shm(msg)
+        if msg.get("shm") is not None or msg.get("ipc") is not None:
+            self._receive_slot(msg)
             return
         relayed = msg["kind"] in ("tpf", "tpb")
         channel = (msg["src"], "relay" if relayed else msg["kind"])
@@ -360,14 +393,20 @@ class TensorComm:
                   f"room to receive {msg['kind']} tensors from rank {msg['src']} (its {self.WINDOW} earlier "
                   f"transfers unfinished)")
 
-    def _receive_shm(self, msg: dict) -> None:
-        """A message whose bytes are in a shared-memory slot: delivered now, as views of it."""
-        if (msg["src"], msg["kind"]) not in self._shm_in:
-            raise RuntimeError(f"rank {self.rank} got a shared-memory {msg['kind']} header from rank {msg['src']}, "
-                               "which has no such channel to it")
+    def _receive_slot(self, msg: dict) -> None:
+        """A message whose bytes are in a shared-memory (or CUDA IPC) slot: delivered now, as
+        views of it."""
+        ipc = msg.get("ipc") is not None
+        if (msg["src"], msg["kind"]) not in (self._ipc_in if ipc else self._shm_in):
+            raise RuntimeError(f"rank {self.rank} got a {'CUDA IPC' if ipc else 'shared-memory'} {msg['kind']} header "
+                               f"from rank {msg['src']}, which has no such channel to it")
         t0 = time.perf_counter()
-        slot, offsets = msg["shm"]
-        buffers = self._mapped.read(msg["src"], slot, offsets, msg["buffers"])
+        if ipc:
+            slot, offsets, export = msg["ipc"]
+            buffers = self._ipc_mapped.read_ipc(msg["src"], slot, offsets, msg["buffers"], export)
+        else:
+            slot, offsets = msg["shm"]
+            buffers = self._mapped.read(msg["src"], slot, offsets, msg["buffers"])
         nbytes = sum(b.numel() * b.element_size() for b in buffers)
         with self.stats.lock:
             self.stats.recv_s += time.perf_counter() - t0
@@ -382,13 +421,18 @@ class TensorComm:
         this when it runs out of work: the executor has dropped what it finished with, and a
         moment's work here costs its section nothing (where the header thread's polling for them
         would take the core from it every few milliseconds)."""
-        if self._mapped is not None and self._mapped.outstanding and not self._stop.is_set():
+        if any(r is not None and r.outstanding for r in (self._mapped, self._ipc_mapped)) and not self._stop.is_set():
             self._give_back()
 
     def _give_back(self) -> None:
         """Send back the slots whose views are all gone (on a sealed stream of their own)."""
         with self._release_lock:
-            for src, names in self._mapped.reap().items():
+            back: dict[int, list[str]] = {}
+            for reader in (self._mapped, self._ipc_mapped):
+                if reader is not None:
+                    for src, names in reader.reap().items():
+                        back.setdefault(src, []).extend(names)
+            for src, names in back.items():
                 link = self._release_sockets.get(src)
                 if link is None:
                     sock = zmq_link.connect(self._zctx, zmq.PUSH, self._peers[src],

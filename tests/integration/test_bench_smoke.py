@@ -17,6 +17,7 @@ import pytest
 from tools.bench import (
     checkpoint_cost,
     control_overhead,
+    cuda_ipc,
     mixed_precision,
     p2p_bandwidth,
     planning_time,
@@ -73,6 +74,20 @@ def test_p2p_bandwidth_tiny():
         for key in ("shm_gibps", "memcpy_gibps", "shm_over_memcpy", "shm_over_raw"):  # the same-host path
             assert positive(c[key]), (key, c)
     assert positive(out["min_ratio_from_1mib"]) and positive(out["min_shm_over_memcpy_from_1mib"])
+
+
+@pytest.mark.timeout(240)
+def test_cuda_ipc_tiny():
+    """Measures where CUDA is (one GPU is enough); elsewhere it says it skipped, and returns so."""
+    import torch
+
+    out = cuda_ipc.main(["--tiny"])
+    if not torch.cuda.is_available():
+        assert out == {"skipped": "no CUDA device"}
+        return
+    (case,) = out["cases"]
+    assert case["ipc_gibps"] > 0 and case["copy_gibps"] > 0 and case["staged_gibps"] > 0
+    assert not mp.active_children()
 
 
 @needs_demo_data

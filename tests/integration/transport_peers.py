@@ -3,8 +3,9 @@
 `peer_main` runs in a spawned process: it joins a world through a TCPStore, publishes its header
 address, builds a TensorComm exactly like a worker does — its channels over gloo groups, or
 through shared-memory slots (`path="shm"`; "shm-full": where no slot can be made, so the
-channel falls back on its group) — runs a scenario, and puts what it received on a
-result queue as plain data, with how many slot files it made.
+channel falls back on its group), or on one GPU through CUDA IPC slots (`path="ipc"`,
+tests/gpu) — runs a scenario, and puts what it received on a result queue as plain data, with
+how many slots it made.
 """
 
 from __future__ import annotations
@@ -74,24 +75,31 @@ def peer_main(rank: int, world: int, port: int, plan: list[tuple[int, int, str]]
     errors: list[str] = []
     held: list = []
 
+    device = torch.device("cuda", 0) if path == "ipc" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
     def deliver(kind, edge, step, src, items):
         if hold:
             held.append(items)
-        got.put((time.monotonic(), kind, src, plain(items)))
+        # Values summed on the host, as the expected ones are (a device sum may round otherwise).
+        got.put((time.monotonic(), kind, src, plain([(sid, n, t if t is None else t.cpu()) for sid, n, t in items])))
 
     prefix = f"maestro-transport-test-{port}-{rank}"
-    comm = TensorComm(zctx=zctx, rank=rank, pull=pull, key=KEY, peers=peers, groups=groups, device=torch.device("cpu"),
+    comm = TensorComm(zctx=zctx, rank=rank, pull=pull, key=KEY, peers=peers, groups=groups, device=device,
                       deliver=deliver, on_error=errors.append, shm=plan if path.startswith("shm") else (),
-                      shm_prefix=prefix)
+                      shm_prefix=prefix, ipc=plan if path == "ipc" else ())
     for src, dst, kind in plan:
         if src == rank:
             for i, items in enumerate(messages(seed=dst * 100 + src)):
-                comm.send(dst, kind, 0, i, items)
+                comm.send(dst, kind, 0, i, [(sid, n, t if t is None else t.to(device)) for sid, n, t in items])
                 time.sleep(pace_s)
     expected = sum(len(messages(0)) for src, dst, _ in plan if dst == rank)
     received = [got.get(timeout=60) for _ in range(expected)]
     held.clear()  # the slots go back to their senders now
     slots = len([n for n in os.listdir("/dev/shm") if n.startswith(prefix)]) if path == "shm" else 0
+    if path == "ipc":
+        slots = comm._ipc_slots._count if comm._ipc_slots is not None else 0  # device slots it made
     results.put((rank, time.monotonic(), received, errors, slots))
     store.set(f"done{rank}", "1")
     for r in range(world):  # keep every process alive until all have received everything

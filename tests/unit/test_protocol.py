@@ -48,7 +48,7 @@ MESSAGES = {
     "init": {"rank": 1, "pipeline": PIPELINE.to_dict(), "placement": PLACEMENT.to_dict(),
              "store": ["127.0.0.1", 29500, ""], "peers": {0: "tcp://127.0.0.1:5001", 1: "tcp://127.0.0.1:5002"},
              "timeouts": Timeouts().to_dict(), "paths": ["/work/pipelines", "/work"], "epoch": 1.7e9, "now": None, "trace": False,
-             "record": None, "resume": None, "shm": [[0, 1, "fwd"]]},
+             "record": None, "resume": None, "shm": [[0, 1, "fwd"]], "ipc": [[1, 2, "bwd"]]},
     "plan": {k: v for k, v in plan_message(PLAN, GRAPH, "student", 1).items() if k != "t"},
     "finalize": {"step": 4, "denominator": 1034.0},
     "norm": {"rank": 1, "step": 4, "sq": 0.0625},
@@ -164,3 +164,16 @@ def test_make_checks_fields_and_extra_fields_are_allowed():
 def test_unhashable_type_tag_raises_protocol_error():
     with pytest.raises(ProtocolError):
         decode(msgpack.packb({"t": [1]}))
+
+
+def test_a_cuda_ipc_header_carries_its_handles_as_bytes_and_round_trips():
+    """transport/cuda_ipc.py: the first message through a device slot carries its IPC handles
+    (bytes and integers only), later ones None in their place."""
+    first = make("tensors", src=0, kind="fwd", edge=0, step=4, entries=[[3, "hidden", "float32", [7, 16], 0, 0]],
+                 buffers=[["float32", 112]], ipc=["ipc-0-1", [0], [0, b"\x01" * 64, 1 << 20, 0, b"ref", 0, b"", True,
+                                                                  b"\x02" * 64]])
+    assert decode(encode(first)) == first
+    later = {**first, "ipc": ["ipc-0-1", [0], None]}
+    assert check(decode(encode(later))) == later
+    with pytest.raises(ProtocolError):
+        check({**first, "ipc": "ipc-0-1"})

@@ -1,0 +1,161 @@
+"""The same-device path for CUDA tensors: reused device slots shared through CUDA IPC.
+
+Runs inside worker processes, under transport/tensor_comm.py. NCCL refuses two ranks on one
+GPU, so when two workers of one host share a device (more ranks than GPUs) their channel goes
+through CUDA IPC instead of gloo staged through host memory. It is transport/shm.py's design on
+the device: the sender keeps a pool of device slots per channel (uint8 CUDA tensors from its
+caching allocator), copies a message's buffers into one (one device-to-device copy on its current
+stream) and records the slot's interprocess event after the copy; the header (over ZeroMQ) names
+the slot and each buffer's offset, and the first time a slot is sent, its IPC memory handle and
+its event's handle (`ipc` in the header). The receiver opens each slot and event once, makes its
+current stream wait for the event (no host synchronisation) and delivers views of the slot: the
+bytes are not copied again. When no view of a message is left, the receiver records an event on
+its stream and sends the slot back ("release", as for shared memory) once that event has
+completed, so the sender never overwrites bytes a kernel of the receiver may still read.
+
+The handles come from torch's own CUDA IPC (what torch.multiprocessing uses to share CUDA
+tensors: `UntypedStorage._share_cuda_` / `_new_shared_cuda`, `torch.cuda.Event(interprocess=True)`
+and `Event.from_ipc_handle`). A header carries them as bytes and integers only; nothing from a
+socket is unpickled. Both ranks must be on the same host and the same device
+(runtime/topology.ipc_channels). Unverified on hardware as of this module's writing: no GPU was
+available; tests/gpu/test_cuda_ipc.py and tools/bench/cuda_ipc.py check it where CUDA is.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from maestro_flow.transport.shm import SlotReader, SlotWriter
+
+PREFIX = "ipc-"  # slot names: ipc-<sender rank>-<count>; releases are routed by it
+
+
+class _DeviceSlot:
+    """A slot of the sender: device bytes, their IPC export and an interprocess event."""
+
+    def __init__(self, name: str, size: int, device: torch.device) -> None:
+        self.name, self.size = name, size
+        self.bytes = torch.empty(size, dtype=torch.uint8, device=device)
+        self.event = torch.cuda.Event(interprocess=True)
+        self.event.record(torch.cuda.current_stream(device))  # it has a handle only once recorded
+        storage = self.bytes.untyped_storage()
+        (dev, handle, size_bytes, offset_bytes, ref_handle, ref_offset, event_handle,
+         event_sync) = storage._share_cuda_()
+        # Sent once per slot (the first message through it); bytes and integers only.
+        self.export: list[Any] = [int(dev), bytes(handle), int(size_bytes), int(offset_bytes), bytes(ref_handle),
+                                  int(ref_offset), bytes(event_handle or b""), bool(event_sync),
+                                  bytes(self.event.ipc_handle())]
+        self.announced = False
+
+    def close(self) -> None:
+        self.bytes = None
+
+
+class _OpenedSlot:
+    """A slot as its receiver sees it: a view of the sender's device memory and its event."""
+
+    def __init__(self, name: str, export: Sequence[Any], device: torch.device) -> None:
+        if not isinstance(export, (list, tuple)) or len(export) != 9:
+            raise ValueError(f"slot {name}: a CUDA IPC export has 9 fields, got {export!r}")
+        dev, handle, size_bytes, offset_bytes, ref_handle, ref_offset, event_handle, event_sync, ipc_event = export
+        for field in (handle, ref_handle, event_handle, ipc_event):
+            if not isinstance(field, bytes):
+                raise ValueError(f"slot {name}: CUDA IPC handles are bytes")
+        if int(dev) != device.index:
+            raise ValueError(f"slot {name} is on cuda:{dev}, this worker on {device}: not the same device")
+        storage = torch.UntypedStorage._new_shared_cuda(int(dev), handle, int(size_bytes), int(offset_bytes),
+                                                        ref_handle, int(ref_offset), event_handle or None,
+                                                        bool(event_sync))
+        self.name, self.size = name, int(size_bytes)
+        # Only the tensor holds the storage (SlotReader.reap counts its users).
+        self.bytes = torch.empty(0, dtype=torch.uint8, device=device).set_(storage, 0, (self.size,), (1,))
+        del storage
+        self.event = torch.cuda.Event.from_ipc_handle(device, ipc_event)
+
+    def close(self) -> None:
+        self.bytes = None
+
+
+class IpcWriter(SlotWriter):
+    """The sending side of one worker's CUDA IPC channels (shm.SlotWriter's pool, device slots).
+    Used by the sending (compute) thread only."""
+
+    def __init__(self, rank: int, device: torch.device) -> None:
+        super().__init__(f"{PREFIX}{rank}")
+        self.device = device
+
+    def _make(self, count: int, size: int) -> _DeviceSlot:
+        return _DeviceSlot(f"{self.prefix}-{count}", size, self.device)
+
+    def write(self, channel: tuple[int, str], buffers: Sequence[torch.Tensor]) -> tuple[str, list[int]]:
+        name, offsets = super().write(channel, buffers)  # copies on the current stream
+        # After the copy, on the stream that ran it: the receiver's stream waits for this event.
+        self._used[name].event.record(torch.cuda.current_stream(self.device))
+        return name, offsets
+
+    def export(self, name: str) -> list[Any] | None:
+        """The slot's handles if its receiver has not seen them yet (then never again)."""
+        slot = self._used[name]
+        if slot.announced:
+            return None
+        slot.announced = True
+        return slot.export
+
+
+class IpcReader(SlotReader):
+    """The receiving side: opens each sender slot once, waits for its event on the current stream,
+    hands out views; gives a slot back only once its stream is past every use of those views."""
+
+    max_mapped = float("inf")  # a slot's handles come once: a mapping forgotten could not be opened again
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__()
+        self.device = device
+        self._exports: dict[str, Sequence[Any]] = {}
+        self._draining: list[tuple[int, str, torch.cuda.Event]] = []  # views gone, stream not yet past them
+        self._drain_lock = threading.Lock()
+
+    def read_ipc(self, src: int, name: str, offsets: Sequence[int], specs: Sequence[Sequence],
+                 export: Sequence[Any] | None) -> list[torch.Tensor]:
+        if not name.startswith(f"{PREFIX}{src}-") or "/" in name:
+            raise ValueError(f"not a CUDA IPC slot of rank {src}: {name!r}")
+        if export is not None:
+            if name in self._maps:  # a slot's handles come once; again means the sender remade it
+                self._maps.pop(name).close()
+            self._exports[name] = export
+        out = self.read(src, name, offsets, specs)
+        self._maps[name].event.wait(torch.cuda.current_stream(self.device))
+        return out
+
+    def _open(self, src: int, name: str) -> _OpenedSlot:
+        export = self._exports.pop(name, None)
+        if export is None:
+            raise ValueError(f"rank {src} sent CUDA IPC slot {name} without its handles")
+        return _OpenedSlot(name, export, self.device)
+
+    @property
+    def outstanding(self) -> int:
+        return super().outstanding + len(self._draining)
+
+    def reap(self) -> dict[int, list[str]]:
+        """Slots with no view left and whose uses on the device are done, by sender rank."""
+        done: dict[int, list[str]] = {}
+        with self._drain_lock:
+            stream = torch.cuda.current_stream(self.device)
+            for src, names in super().reap().items():
+                for name in names:
+                    event = torch.cuda.Event()
+                    event.record(stream)
+                    self._draining.append((src, name, event))
+            keep = []
+            for src, name, event in self._draining:
+                if event.query():
+                    done.setdefault(src, []).append(name)
+                else:
+                    keep.append((src, name, event))
+            self._draining = keep
+        return done
