@@ -47,7 +47,7 @@ class _DeviceSlot:
          event_sync) = storage._share_cuda_()
         # Sent once per slot (the first message through it); bytes and integers only.
         self.export: list[Any] = [int(dev), bytes(handle), int(size_bytes), int(offset_bytes), bytes(ref_handle),
-                                  int(ref_offset), bytes(event_handle or b""), bool(event_sync),
+                                  int(ref_offset), bytes(event_handle), bool(event_sync),
                                   bytes(self.event.ipc_handle())]
         self.announced = False
 
@@ -67,14 +67,20 @@ class _OpenedSlot:
                 raise ValueError(f"slot {name}: CUDA IPC handles are bytes")
         if int(dev) != device.index:
             raise ValueError(f"slot {name} is on cuda:{dev}, this worker on {device}: not the same device")
-        storage = torch.UntypedStorage._new_shared_cuda(int(dev), handle, int(size_bytes), int(offset_bytes),
-                                                        ref_handle, int(ref_offset), event_handle or None,
-                                                        bool(event_sync))
+        try:
+            storage = torch.UntypedStorage._new_shared_cuda(int(dev), handle, int(size_bytes), int(offset_bytes),
+                                                            ref_handle, int(ref_offset), event_handle,
+                                                            bool(event_sync))
+            self.event = torch.cuda.Event.from_ipc_handle(device, ipc_event)
+        except RuntimeError as exc:
+            raise RuntimeError(f"cannot open CUDA IPC slot {name} of another worker on {device} ({exc}); workers "
+                               "in separate containers or PID namespaces cannot share device memory: run them in "
+                               "one, or set MAESTRO_CUDA_IPC=0 to send through gloo and host memory") from None
         self.name, self.size = name, int(size_bytes)
-        # Only the tensor holds the storage (SlotReader.reap counts its users).
+        # The slot tensor, a message's base and the storage's Python object are the three users
+        # SlotReader.reap expects when no view of a message is left.
         self.bytes = torch.empty(0, dtype=torch.uint8, device=device).set_(storage, 0, (self.size,), (1,))
         del storage
-        self.event = torch.cuda.Event.from_ipc_handle(device, ipc_event)
 
     def close(self) -> None:
         self.bytes = None
@@ -82,7 +88,11 @@ class _OpenedSlot:
 
 class IpcWriter(SlotWriter):
     """The sending side of one worker's CUDA IPC channels (shm.SlotWriter's pool, device slots).
-    Used by the sending (compute) thread only."""
+    Used by the sending (compute) thread only. Its slots stay until it closes: the receiver maps
+    each for good, and torch frees a shared block only once every mapping of it is closed, so a
+    slot removed early would leak (a channel holds as many as its most messages in flight)."""
+
+    spare = spare_bytes = float("inf")
 
     def __init__(self, rank: int, device: torch.device) -> None:
         super().__init__(f"{PREFIX}{rank}")
@@ -96,6 +106,10 @@ class IpcWriter(SlotWriter):
         # After the copy, on the stream that ran it: the receiver's stream waits for this event.
         self._used[name].event.record(torch.cuda.current_stream(self.device))
         return name, offsets
+
+    def _remove(self, slot: _DeviceSlot) -> None:
+        self._channel_of.pop(slot.name, None)
+        slot.close()
 
     def export(self, name: str) -> list[Any] | None:
         """The slot's handles if its receiver has not seen them yet (then never again)."""
@@ -124,11 +138,11 @@ class IpcReader(SlotReader):
         if not name.startswith(f"{PREFIX}{src}-") or "/" in name:
             raise ValueError(f"not a CUDA IPC slot of rank {src}: {name!r}")
         if export is not None:
-            if name in self._maps:  # a slot's handles come once; again means the sender remade it
-                self._maps.pop(name).close()
             self._exports[name] = export
         out = self.read(src, name, offsets, specs)
-        self._maps[name].event.wait(torch.cuda.current_stream(self.device))
+        # The executor computes on the device's default stream (and so must a stage): its use of
+        # the views comes after the sender's copy.
+        self._maps[name].event.wait(torch.cuda.default_stream(self.device))
         return out
 
     def _open(self, src: int, name: str) -> _OpenedSlot:
@@ -145,7 +159,7 @@ class IpcReader(SlotReader):
         """Slots with no view left and whose uses on the device are done, by sender rank."""
         done: dict[int, list[str]] = {}
         with self._drain_lock:
-            stream = torch.cuda.current_stream(self.device)
+            stream = torch.cuda.default_stream(self.device)  # where the views were used (read_ipc)
             for src, names in super().reap().items():
                 for name in names:
                     event = torch.cuda.Event()

@@ -93,6 +93,10 @@ class SlotWriter:
     """The sending side of the channels of one worker: slots by channel, free or in use. Used by
     the sending (compute) thread only; releases come in through `released`."""
 
+    # Spare slots kept per channel (cuda_ipc keeps every device slot: its receiver maps each for good).
+    spare: float = SPARE
+    spare_bytes: float = SPARE_BYTES
+
     def __init__(self, prefix: str) -> None:
         self.prefix = prefix  # maestro-<session>-<rank>
         self._count = 0
@@ -126,7 +130,7 @@ class SlotWriter:
             free = self._free.setdefault(self._channel_of[name], [])
             free.append(self._used.pop(name))
             # Over the limits, the smallest spare slots go first: they cost the least to make again.
-            while len(free) > SPARE or sum(s.size for s in free) > SPARE_BYTES:
+            while len(free) > self.spare or sum(s.size for s in free) > self.spare_bytes:
                 smallest = min(free, key=lambda s: s.size)
                 free.remove(smallest)
                 self._remove(smallest)
@@ -166,7 +170,7 @@ class SlotWriter:
         slot.close()
         try:
             os.unlink(slot.path)
-        except (FileNotFoundError, AttributeError):  # gone already; a device slot has no file
+        except FileNotFoundError:
             pass
 
 

@@ -166,21 +166,11 @@ class TensorComm:
 
     def send(self, dst: int, kind: str, edge: int, step: int, items: Sequence[p2p.Item]) -> None:
         if (dst, kind) in self._ipc_out:
-            try:
-                self._send_slot(dst, kind, edge, step, items, ipc=True)
+            if self._send_slot(dst, kind, edge, step, items, ipc=True):
                 return
-            except RuntimeError as exc:  # CUDA IPC refused (a container without it): the group, from now on
-                self._ipc_out.discard((dst, kind))
-                print(f"maestro: rank {self.rank}: CUDA IPC failed ({exc}); {kind} tensors to rank {dst} go through "
-                      "its process group from now on", flush=True)
-        if (dst, kind) in self._shm_out:
-            try:
-                self._send_slot(dst, kind, edge, step, items)
+        elif (dst, kind) in self._shm_out:
+            if self._send_slot(dst, kind, edge, step, items):
                 return
-            except OSError as exc:  # no slot to be had (a full /dev/shm, a file size limit): the group, from now on
-                self._shm_out.discard((dst, kind))
-                print(f"maestro: rank {self.rank}: {exc.strerror or exc}; {kind} tensors to rank {dst} go through "
-                      "gloo from now on", flush=True)
         sent = self._sent.get((dst, kind))
         if sent is None:
             raise RuntimeError(f"rank {self.rank} has no {kind} channel to rank {dst}")
@@ -197,9 +187,11 @@ class TensorComm:
                   f"room to send {kind} tensors to rank {dst} (its {self.WINDOW} earlier sends unfinished)")
 
     def _send_slot(self, dst: int, kind: str, edge: int, step: int, items: Sequence[p2p.Item],
-                   ipc: bool = False) -> None:
+                   ipc: bool = False) -> bool:
         """The bytes into a reused slot (shared memory, or with `ipc` device memory), the slot's
-        name in the header: done when this returns (nothing waits on a transfer)."""
+        name in the header: done when this returns (nothing waits on a transfer). False where
+        no slot can be had (a full /dev/shm; CUDA IPC refused): the channel's process group
+        carries this message and the channel's later ones (the receiver handles both)."""
         t0 = time.perf_counter()
         while not self._releases.empty():  # slots the receivers gave back, before taking one (one consumer)
             by, names = self._releases.get_nowait()
@@ -208,14 +200,25 @@ class TensorComm:
                     writer.released(by, [n for n in names if n.startswith(cuda_ipc.PREFIX) == mine])
         entries, specs, buffers = p2p.pack_each(items)
         writer = self._ipc_slots if ipc else self._slots
-        slot, offsets = writer.write((dst, kind), buffers)
+        refused: type[Exception] = RuntimeError if ipc else OSError  # CUDA IPC refused; no shared memory to be had
+        try:
+            slot, offsets = writer.write((dst, kind), buffers)
+            export = writer.export(slot) if ipc else None
+        except torch.OutOfMemoryError:
+            raise
+        except refused as exc:
+            (self._ipc_out if ipc else self._shm_out).discard((dst, kind))
+            what = f"CUDA IPC failed ({exc})" if ipc else (getattr(exc, "strerror", None) or str(exc))
+            print(f"maestro: rank {self.rank}: {what}; {kind} tensors to rank {dst} go through "
+                  f"{'gloo and host memory' if ipc else 'gloo'} from now on", flush=True)
+            return False
         nbytes = sum(b.numel() * b.element_size() for b in buffers)
         # Built here from this worker's own values (what `make` would check is true by
         # construction): this is the per-message path. The receiver checks it at the door.
         msg = {"t": "tensors", "src": self.rank, "kind": kind, "edge": edge, "step": step,
                "entries": entries, "buffers": specs}
         if ipc:
-            msg["ipc"] = [slot, offsets, writer.export(slot)]
+            msg["ipc"] = [slot, offsets, export]
         else:
             msg["shm"] = [slot, offsets]
         self._header(dst, msg)
@@ -224,6 +227,7 @@ class TensorComm:
             self.stats.send_s += time.perf_counter() - t0
         if self._tracer is not None:
             self._tracer.transfer(f"send {kind}", t0, time.perf_counter(), peer=dst, step=step, bytes=nbytes)
+        return True
 
     def _put(self, q: queue.Queue, job: Any, what: str) -> None:
         try:

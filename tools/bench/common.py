@@ -92,6 +92,27 @@ def run_spawned(target: Callable[..., Any], args_per_rank: Sequence[tuple], time
         results.join_thread()
 
 
+def pair_world(rank: int, port: int, timeout_s: float) -> tuple[Any, Any, dict[int, str], Any]:
+    """In a spawned rank of a two-rank transfer benchmark: join the gloo world through the TCPStore
+    on 127.0.0.1:`port`, bind this rank's tensor-header socket and learn the peer's, as a worker
+    does. Returns (ZeroMQ context, its PULL socket, header address by rank, the default timeout);
+    the caller destroys the context and the process group."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    import zmq
+
+    from maestro_flow.transport import zmq_link
+
+    timeout = timedelta(seconds=timeout_s)
+    store = dist.TCPStore(zmq_link.LOOPBACK, port, is_master=False, timeout=timeout)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timeout)
+    zctx = zmq.Context()
+    pull, addr = zmq_link.bind(zctx, zmq.PULL)
+    store.set(f"bench/data_addr/{rank}", addr)
+    return zctx, pull, {r: store.get(f"bench/data_addr/{r}").decode() for r in (0, 1)}, timeout
+
+
 def pipeline_bench_args(argv: list[str] | None, prog: str, doc: str, *, rounds: int, steps: int, warmup: int,
                         tiny_steps: int, add: Callable[[argparse.ArgumentParser], None] | None = None
                         ) -> tuple[argparse.Namespace, int, int, int, dict[str, Any]]:

@@ -39,7 +39,7 @@ import time
 from datetime import timedelta
 from typing import Any
 
-from tools.bench.common import GiB, MiB, median, quartiles, run_spawned, size_label, table
+from tools.bench.common import GiB, MiB, median, pair_world, quartiles, run_spawned, size_label, table
 
 FULL_SIZES = (64 * 1024, MiB, 4 * MiB, 16 * MiB, 64 * MiB)
 TINY_SIZES = (64 * 1024, MiB)
@@ -80,22 +80,14 @@ def _rank_main(rank: int, port: int, cases: list[dict[str, Any]], schedule: list
         os.environ["THP_MEM_ALLOC_ENABLE"] = "1"
     import torch
     import torch.distributed as dist
-    import zmq
 
     from maestro_flow.protocol.auth import derive_key
-    from maestro_flow.transport import zmq_link
     from maestro_flow.transport.tensor_comm import TensorComm
 
     torch.set_num_threads(1)  # two processes on a small machine: no intra-op threads fighting gloo
-    timeout = timedelta(seconds=timeout_s)
-    store = dist.TCPStore(zmq_link.LOOPBACK, port, is_master=False, timeout=timeout)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timeout)
-    zctx = zmq.Context()
+    zctx, pull, peers, timeout = pair_world(rank, port, timeout_s)
     comm = None
     try:
-        pull, data_addr = zmq_link.bind(zctx, zmq.PULL)
-        store.set(f"bench/data_addr/{rank}", data_addr)
-        peers = {r: store.get(f"bench/data_addr/{r}").decode() for r in (0, 1)}
         groups = {(0, 1, "fwd"): dist.new_group([0, 1], timeout=timeout)}
         delivered: queue.Queue = queue.Queue()
 
