@@ -3,7 +3,7 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test test-unit bench lint clean
+.PHONY: setup demo test test-unit bench gpu lint clean
 
 $(BIN)/maestro: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -46,6 +46,12 @@ bench: setup data/demo/text.arrow
 	$(BIN)/python -m tools.bench.wavefront_sim --worst
 	$(BIN)/python -m tools.bench.planning_time --padded
 	$(BIN)/python -m tools.bench.padding
+
+# On a machine with a GPU: the GPU suite and the GPU benchmarks (tools/bench/RESULTS.md, section 9).
+gpu: setup data/demo/text.arrow
+	$(BIN)/python -m pytest tests/gpu -q
+	$(BIN)/python -m tools.bench.cuda_ipc
+	$(BIN)/python -m tools.bench.teacher_throughput
 
 lint: setup
 	$(BIN)/ruff check .

@@ -23,6 +23,7 @@ from tools.bench import (
     planning_time,
     section_memory,
     teacher_memory,
+    teacher_throughput,
     vlm_schedules,
     wavefront_sim,
 )
@@ -88,6 +89,17 @@ def test_cuda_ipc_tiny():
     (case,) = out["cases"]
     assert case["ipc_gibps"] > 0 and case["copy_gibps"] > 0 and case["staged_gibps"] > 0
     assert not mp.active_children()
+
+
+@pytest.mark.timeout(60)
+def test_teacher_throughput_tiny():
+    """The teacher as its worker runs it, micro-batches 1 and 4: throughput per size and its ratio."""
+    out = teacher_throughput.main(["--tiny", "--device", "cpu"])
+    rows = out["rows"]
+    assert [r["micro_batch"] for r in rows] == [1, 4]
+    assert rows[0]["throughput_vs_mb1"] == 1.0
+    for r in rows:
+        assert positive(r["samples_per_s"]) and math.isclose(r["tokens_per_s"], r["samples_per_s"] * out["seq_len"])
 
 
 @needs_demo_data
