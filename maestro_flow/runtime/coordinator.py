@@ -113,6 +113,7 @@ class Coordinator(CoordinatorIO):
         self.run_dir = run_dir
         self.record = record  # {"dir", "section", "steps"}: what a section records for replay
         self.replica_busy: dict[int, float] = {}  # rank -> busy share of its last step
+        self._cpu_mark = time.process_time()  # each step's row: this process's CPU since the last one
         self.last_row: dict | None = None
         self.checkpointer = checkpointer or Checkpointer(CheckpointOptions())
         self.resume = resume  # (checkpoint folder, its manifest): start there
@@ -322,6 +323,10 @@ class Coordinator(CoordinatorIO):
                     self._send(r, make("clip", step=msg["step"], coef=clip[1]))
         elif msg["t"] == "done":
             row = ledger.on_done(rank, msg["step"], msg["stats"], time.perf_counter())
+            if row is not None:  # this process's CPU (all its threads) since the last step ended
+                cpu = time.process_time()
+                row["coordinator_cpu_s"] = cpu - self._cpu_mark
+                self._cpu_mark = cpu
             self.liveness.done(rank, msg["step"], time.monotonic())
             stats = msg["stats"]
             self.replica_busy[rank] = stats.get("busy_s", 0.0) / max(stats.get("wall_s", 0.0), 1e-12)

@@ -225,6 +225,8 @@ class StepLedger:
                 "comm_s": sum(s.get("send_s", 0.0) + s.get("recv_s", 0.0) for s in reps),
                 "max_rss_mb": max(s.get("max_rss_kb", 0) for s in reps) / 1024,
             }
+            if all("cpu_s" in s for s in reps):  # section mode: its workers' CPU, every thread, summed
+                sections[name]["cpu_s"] = sum(s["cpu_s"] for s in reps)
             counters: dict[str, float] = {}
             for s in reps:  # a stage's own counters (stats()), e.g. images it skipped
                 for k, v in s.get("stage", {}).items():

@@ -291,9 +291,19 @@ class _Worker:
         self.threads: int | None = None  # torch threads, when pinned to cores (--pin-cpus)
         self.session = "local"  # the attempt's nonce: names this worker's shared-memory slots
         self.setup_marks: dict[str, float] = {}  # seconds of each part of the setup (startup breakdown)
+        self.cpu_mark = time.process_time()  # the process's CPU at its last step report
 
     def send(self, t: str, **fields: Any) -> None:
         zmq_link.send_msg(self.out, make(t, rank=self.rank, **fields))
+
+    def report_step(self, kind: str, body: dict[str, Any]) -> None:
+        """The executor's reports; a step's "done" also carries this process's CPU seconds (all
+        its threads: compute, transfers, decoding) since the last one (metrics: sections.*.cpu_s)."""
+        if kind == "done":
+            cpu = time.process_time()
+            body["stats"]["cpu_s"] = cpu - self.cpu_mark
+            self.cpu_mark = cpu
+        self.send(kind, **body)
 
     def report_error(self, kind: str, text: str) -> None:
         self.keep(text)  # the worker's log keeps it, whatever the coordinator makes of the report
@@ -408,7 +418,7 @@ class _Worker:
         self.comm = comm
         executor = SectionExecutor(
             stage=stage, graph=graph, placement=placement, section=self.section, replica=self.replica,
-            source=source, comm=comm, report=lambda kind, body: self.send(kind, **body),
+            source=source, comm=comm, report=self.report_step,
             device=torch.device(device), dtype=getattr(torch, pipeline.dtype),
             reducer=GradientReducer(groups.dp) if section.trainable and section.dp > 1 else None, tracer=tracer,
             record=recording(init["record"], self.section, self.replica), layout=layout)

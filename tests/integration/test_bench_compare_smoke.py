@@ -56,6 +56,10 @@ def test_vlm_text_only_tiny():
         r = out[share]
         assert positive(r["vlm_step_s"]) and positive(r["text_step_s"]) and positive(r["ratio"])
         assert r["llm_busy_s"] > 0 and r["encoder_busy_s"] >= 0
+        # Every process's CPU per step: the machine's ceiling on the ratio (no step is shorter
+        # than its CPU seconds over the cores).
+        assert positive(r["vlm_cpu_s"]) and positive(r["text_cpu_s"]) and positive(r["cpu_ceiling"])
+        assert r["vlm_step_s"] * len(out["config"]["cores"]) >= r["vlm_cpu_s"] * 0.8  # medians of other intervals
     assert out["0.0"]["encoder_busy_s"] < out["0.66"]["encoder_busy_s"]  # no image, no encoder work
 
 

@@ -79,6 +79,11 @@ def test_trace_and_run_directory(demo_data, tmp_path, pipeline, colocated):
         overrides={"steps": 3, "data.path": str(data), "global_batch": 12}, show_progress=False,
         run_dir=str(run_dir), trace="", colocated=colocated))
     assert len(rows) == 3
+    for row in rows:  # CPU seconds per step: in section mode, each section's workers and the coordinator
+        if colocated:
+            assert "coordinator_cpu_s" not in row and all("cpu_s" not in s for s in row["sections"].values())
+        else:
+            assert row["coordinator_cpu_s"] > 0 and all(s["cpu_s"] > 0 for s in row["sections"].values())
     plans = [json.loads(line) for line in (run_dir / "plans.jsonl").read_text().splitlines()]
     assert [p["step"] for p in plans] == [0, 1, 2]
     assert [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2]
