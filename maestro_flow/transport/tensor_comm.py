@@ -55,7 +55,6 @@ from maestro_flow.transport import cuda_ipc, p2p, zmq_link
 from maestro_flow.transport import shm as shm_module
 
 Channel = tuple[int, str]  # (peer rank, "fwd" | "bwd")
-
 Deliver = Callable[[str, int, int, int, list[p2p.Item]], None]  # kind, edge, step, src rank, items
 
 
