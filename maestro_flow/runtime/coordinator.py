@@ -113,7 +113,7 @@ class Coordinator(CoordinatorIO):
         self.run_dir = run_dir
         self.record = record  # {"dir", "section", "steps"}: what a section records for replay
         self.replica_busy: dict[int, float] = {}  # rank -> busy share of its last step
-        self._cpu_mark = time.process_time()  # each step's row: this process's CPU since the last one
+        self._cpu_mark = 0.0  # each step's row: this process's CPU since the last one (or since _train began)
         self.last_row: dict | None = None
         self.checkpointer = checkpointer or Checkpointer(CheckpointOptions())
         self.resume = resume  # (checkpoint folder, its manifest): start there
@@ -254,6 +254,7 @@ class Coordinator(CoordinatorIO):
 
     def _train(self) -> None:
         p = self.pipeline
+        self._cpu_mark = time.process_time()  # the first step's CPU leaves the startup out
         planner = make_planner(p.schedule, self.graph)
         sampler = self.sampler
         ledger = StepLedger(self.graph, self.placement, adapt_costs=p.adapt_costs)

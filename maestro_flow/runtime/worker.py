@@ -291,7 +291,7 @@ class _Worker:
         self.threads: int | None = None  # torch threads, when pinned to cores (--pin-cpus)
         self.session = "local"  # the attempt's nonce: names this worker's shared-memory slots
         self.setup_marks: dict[str, float] = {}  # seconds of each part of the setup (startup breakdown)
-        self.cpu_mark = time.process_time()  # the process's CPU at its last step report
+        self.cpu_mark = 0.0  # the process's CPU when it was ready, then at its last step report
 
     def send(self, t: str, **fields: Any) -> None:
         zmq_link.send_msg(self.out, make(t, rank=self.rank, **fields))
@@ -320,6 +320,7 @@ class _Worker:
                 return 1
             if self.control is not None:
                 self.control.status = lambda: dict(executor.status)
+            self.cpu_mark = time.process_time()  # the first step's CPU leaves the setup out
             self.send("ready", setup=self.setup_marks)
             return self._loop(executor)
         except StageFault as fault:
