@@ -6,7 +6,8 @@ Entry point `worker_main`, started with multiprocessing's spawn by the launcher.
   * control: owns the DEALER socket to the coordinator, forwards inbound messages to the inbox
     and outbound events from an inproc socket, sends heartbeats;
   * tensor channels (transport.tensor_comm): headers over ZeroMQ, bytes over torch.distributed;
-  * parent watchdog: exits the process when the coordinator is gone.
+  * parent watchdog: exits the process when the coordinator is gone;
+  * output: the process's stdout and stderr into its log (runtime/worker_output.py).
 Failures go back to the coordinator as data (`error` messages with the traceback as text):
 kind "stage" when user code raised, kind "system" for anything else.
 """
@@ -18,7 +19,6 @@ import os
 import queue
 import signal
 import socket
-import sys
 import threading
 import time
 import traceback
@@ -30,7 +30,7 @@ import zmq
 
 from maestro_flow.protocol.auth import DropLog, Opener, Rejected, Sealer, derive_key
 from maestro_flow.protocol.messages import PROTOCOL_VERSION, make
-from maestro_flow.runtime.guard import WriteGuard
+from maestro_flow.runtime.worker_output import OutputCapture
 from maestro_flow.timeouts import Timeouts
 from maestro_flow.transport import zmq_link
 
@@ -121,80 +121,6 @@ class _Control:
         self.dealer.close(linger=2000)
 
 
-class _OutputCapture:
-    """This process's stdout and stderr (Python's and C libraries' alike, at the fd level), each
-    line prefixed with "[section/replica] " and written to the run's worker log and, as before,
-    to the terminal's stderr."""
-
-    def __init__(self, label: str, log_path: str | None) -> None:
-        self.prefix = f"[{label}] ".encode()
-        self.terminal = os.dup(2)
-        self.log = open(log_path, "ab") if log_path else None  # noqa: SIM115 (closed in close())
-        self.log_guard = WriteGuard(f"the worker log {log_path}",
-                                    lambda text: os.write(self.terminal, self._lines(text)))
-        read_end, write_end = os.pipe()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os.dup2(write_end, 1)
-        os.dup2(write_end, 2)
-        os.close(write_end)
-        sys.stdout.reconfigure(line_buffering=True)
-        self.reader = threading.Thread(target=self._pump, args=(read_end,), name="output", daemon=True)
-        self.reader.start()
-
-    def _pump(self, fd: int) -> None:
-        pending = b""
-        while True:
-            chunk = os.read(fd, 65536)
-            if not chunk:
-                break
-            *lines, pending = (pending + chunk).split(b"\n")
-            self._write(b"".join(self.prefix + line + b"\n" for line in lines))
-        if pending:
-            self._write(self.prefix + pending + b"\n")
-
-    def _write(self, data: bytes) -> None:
-        os.write(self.terminal, data)
-        self.keep_bytes(data)
-
-    def keep_bytes(self, data: bytes) -> None:
-        """Into the worker's log; a log that cannot be written (full disk) is dropped, with one
-        line on the terminal, and the worker goes on."""
-        if self.log is not None:
-            self.log_guard(self._append, data)
-
-    def _append(self, data: bytes) -> None:
-        self.log.write(data)
-        self.log.flush()
-
-    def _lines(self, text: str) -> bytes:
-        return b"".join(self.prefix + line.encode() + b"\n" for line in text.rstrip().splitlines())
-
-    def keep(self, text: str) -> None:
-        """Into the worker's log, when there is one (the coordinator shows the terminal the text)."""
-        self.keep_bytes(self._lines(text))
-
-    def report(self, text: str) -> None:
-        """To the terminal and the worker's log at once (the process is about to end)."""
-        self._write(self._lines(text))
-
-    def detail(self, text: str) -> None:
-        """Details the coordinator's one-line error points to: the worker's log only when there
-        is one (the terminal gets the one line), else the terminal."""
-        if self.log is not None and self.log_guard.failed is None:
-            self.keep(text)
-        else:
-            os.write(self.terminal, self._lines(text))
-
-    def close(self) -> None:
-        """Flush and wait for the last lines (bounded): closing fds 1 and 2 ends the pipe."""
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os.close(1)
-        os.close(2)
-        self.reader.join(timeout=2.0)
-
-
 def use_interface(host: str, interface: str | None) -> None:
     """gloo (and NCCL's bootstrap) listen on the run's interface: the one named, else loopback
     when the control plane is on loopback (they would pick the host's first address)."""
@@ -223,7 +149,7 @@ def worker_main(boot: dict[str, Any]) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the coordinator, which stops us
     if boot.get("cpus"):
         os.sched_setaffinity(0, boot["cpus"])  # before any library starts its threads
-    capture = _OutputCapture(boot.get("label", f"rank {boot['rank']}"), boot.get("log"))
+    capture = OutputCapture(boot.get("label", f"rank {boot['rank']}"), boot.get("log"))
     _die_with_parent(boot["parent_pid"])
     rank = boot["rank"]
     timeouts = Timeouts(**boot["timeouts"])

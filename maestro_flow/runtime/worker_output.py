@@ -1,0 +1,89 @@
+"""A worker process's own output: its stdout and stderr, prefixed, into the run's worker log.
+
+Runs in the worker process (runtime/worker.py starts it first): file descriptors 1 and 2 become a
+pipe that an "output" thread reads, so C libraries' prints are caught as well as Python's. Knows
+nothing of sections, plans or the control plane; a log that cannot be written (full disk) is
+dropped with one line on the terminal, and the worker goes on.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+
+from maestro_flow.runtime.guard import WriteGuard
+
+
+class OutputCapture:
+    """This process's stdout and stderr (Python's and C libraries' alike, at the fd level), each
+    line prefixed with "[section/replica] " and written to the run's worker log and, as before,
+    to the terminal's stderr."""
+
+    def __init__(self, label: str, log_path: str | None) -> None:
+        self.prefix = f"[{label}] ".encode()
+        self.terminal = os.dup(2)
+        self.log = open(log_path, "ab") if log_path else None  # noqa: SIM115 (closed in close())
+        self.log_guard = WriteGuard(f"the worker log {log_path}",
+                                    lambda text: os.write(self.terminal, self._lines(text)))
+        read_end, write_end = os.pipe()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(write_end, 1)
+        os.dup2(write_end, 2)
+        os.close(write_end)
+        sys.stdout.reconfigure(line_buffering=True)
+        self.reader = threading.Thread(target=self._pump, args=(read_end,), name="output", daemon=True)
+        self.reader.start()
+
+    def _pump(self, fd: int) -> None:
+        pending = b""
+        while True:
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                break
+            *lines, pending = (pending + chunk).split(b"\n")
+            self._write(b"".join(self.prefix + line + b"\n" for line in lines))
+        if pending:
+            self._write(self.prefix + pending + b"\n")
+
+    def _write(self, data: bytes) -> None:
+        os.write(self.terminal, data)
+        self.keep_bytes(data)
+
+    def keep_bytes(self, data: bytes) -> None:
+        """Into the worker's log; a log that cannot be written (full disk) is dropped, with one
+        line on the terminal, and the worker goes on."""
+        if self.log is not None:
+            self.log_guard(self._append, data)
+
+    def _append(self, data: bytes) -> None:
+        self.log.write(data)
+        self.log.flush()
+
+    def _lines(self, text: str) -> bytes:
+        return b"".join(self.prefix + line.encode() + b"\n" for line in text.rstrip().splitlines())
+
+    def keep(self, text: str) -> None:
+        """Into the worker's log, when there is one (the coordinator shows the terminal the text)."""
+        self.keep_bytes(self._lines(text))
+
+    def report(self, text: str) -> None:
+        """To the terminal and the worker's log at once (the process is about to end)."""
+        self._write(self._lines(text))
+
+    def detail(self, text: str) -> None:
+        """Details the coordinator's one-line error points to: the worker's log only when there
+        is one (the terminal gets the one line), else the terminal."""
+        if self.log is not None and self.log_guard.failed is None:
+            self.keep(text)
+        else:
+            os.write(self.terminal, self._lines(text))
+
+    def close(self) -> None:
+        """Flush and wait for the last lines (bounded): closing fds 1 and 2 ends the pipe."""
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.close(1)
+        os.close(2)
+        self.reader.join(timeout=2.0)
