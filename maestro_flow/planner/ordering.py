@@ -18,13 +18,16 @@ Decisions (the `Rules` fields name the alternatives):
     first (or the one with the most work still to produce for it); for each consumer replica
     its samples come in Johnson's order (cheap-to-produce / expensive-to-consume first, then by
     decreasing consumption), or it takes the largest job that the consumer's buffer hides; a
-    micro-batch may be capped per consumer replica (spread) and, for a trainable producer, by
-    the backward it will owe at the end of the step (taper); producers run ahead of a critical
-    consumer replica by at most `run_ahead` samples (default_run_ahead when unset);
+    micro-batch may be capped per consumer replica (spread), for a trainable producer by the
+    backward it will owe at the end of the step (taper), and by the work its hungriest consumer
+    replica still holds (prompt); producers run ahead of a critical consumer replica by at most
+    `run_ahead` samples (default_run_ahead when unset);
   - a consumer takes what has arrived first (oldest first) and fills the rest of a micro-batch
     (or not: pad) with samples that need nothing from upstream (text-only samples while the
     encoder works), longest first, shortest first, or short ones at both ends of the step
-    (for a stage that pads, first those no longer than the longest that arrived: free of padding).
+    (for a stage that pads, first those no longer than the longest that arrived: free of padding);
+    with nothing arrived it may instead take free samples that end before the next output it
+    knows is coming (gap), so that output does not wait behind a long one.
 Whatever the rules, a micro-batch of a stage that pads (Cost.padded) runs as the consecutive
 pieces that cost least (`_split`: its samples by increasing cost, cut where padding them to the
 longest costs more than another micro-batch's fixed cost); the pieces are recorded as the
@@ -244,8 +247,28 @@ class Ordering:
             if chosen:
                 batch.extend(sid for sid in under if sid in chosen)
                 rep.free = [sid for sid in rep.free if sid not in chosen]
+        if not batch and self.rules.gap and rep.free and rep.arrived:
+            return self._fill_gap(rep, rep.arrived[0][0] - t)  # nothing arrived by t: the next one
         while len(batch) < rep.mb and rep.free:
             batch.append(rep.free.pop(0))
+        return batch
+
+    def _fill_gap(self, rep: _Rep, room: float) -> list[int]:
+        """Free samples for a micro-batch that ends within `room` (rules.gap): the largest that
+        fit, as long as they fit; else the single shortest free sample."""
+        n = rep.section
+        scale = 1.0 + self.bwd_factor[n] if rep.loss else 1.0
+        fwd = self.fwd[n]
+        batch: list[int] = []
+        for sid in sorted(rep.free, key=lambda sid: (-fwd[sid], sid)):
+            if len(batch) >= rep.mb:
+                break
+            if self._batch_fwd(n, batch + [sid]) * scale <= room:
+                batch.append(sid)
+        if not batch:
+            batch = [min(rep.free, key=lambda sid: (fwd[sid], sid))]
+        chosen = set(batch)
+        rep.free = [sid for sid in rep.free if sid not in chosen]
         return batch
 
     def _head(self, key: Key, available: set[int]) -> int | None:
@@ -294,9 +317,12 @@ class Ordering:
         budget = INF
         if rules.taper and self.grad_from[n]:
             budget = rules.taper * min((self.reps[k[2]][k[3]].free_work for k in keys), default=INF)
-        backward = 0.0
+        backward = forward = 0.0
+        hungry = INF
+        if rules.prompt:
+            hungry = min((starve[k] - t for k in keys if self.remaining[k] > 0), default=INF)
         batch: list[int] = []
-        while len(batch) < rep.mb and not (batch and backward >= budget):
+        while len(batch) < rep.mb and not (batch and (backward >= budget or forward >= hungry)):
             sid = None
             rank = (lambda k: (-self.remaining[k], k)) if rules.serve == "remaining" else (lambda k: (starve[k], k))
             first = min(keys, key=rank) if keys else None
@@ -318,6 +344,7 @@ class Ordering:
                     break
             batch.append(sid)
             backward += self.task[n][sid] - self.fwd[n][sid]
+            forward += self.fwd[n][sid]
             self.taken.add((n, sid))
             for k in self.keys_out.get((n, sid), ()):
                 c = self.reps[k[2]][k[3]]

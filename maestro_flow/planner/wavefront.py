@@ -9,7 +9,9 @@ Pure (standard library only). Per connected component:
      with samples that need nothing upstream (text while the encoder works);
   4. that simulation is played out under several sets of rules (rules.CANDIDATES: e.g. answer
      a trainable encoder's gradients promptly, taper its last micro-batches, keep long text for
-     the middle of the step, fit big encoder jobs into the LLM's buffer) and the order whose
+     the middle of the step, fit big encoder jobs into the LLM's buffer, run text that ends
+     before the next encoder output, cut an encoder micro-batch an LLM replica would starve
+     behind) and the order whose
      simulated step ends first is kept (on a tie, the one with fewer micro-batches). Its
      simulation is simulate.py's (except where a section has several producer sections: there
      simulate.py itself judges), so the choice is exact, not estimated. CANDIDATE_BUDGET

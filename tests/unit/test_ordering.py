@@ -105,3 +105,63 @@ def test_a_padding_stage_splits_a_micro_batch_where_padding_costs_more_than_a_mi
             assert got == want
         assert makespan == pytest.approx(simulate(plan, graph, costs).makespan_s)
     assert makespan == pytest.approx((1.0 + 250.0) * 3.0)  # unpadded: one micro-batch, backward 2x
+
+
+def _two_sections(trainable: bool, mb_vision: int, mb_llm: int, llm_dp: int = 1):
+    """vision -> llm with round costs: an image's forward is 1 ms + 1 ms per patch, the LLM's
+    1 ms per token, backward 2x; transfers 0.1 ms."""
+    from maestro_flow.config import ArrowData, Cost, Edge, Pipeline, Section
+    from maestro_flow.planner.cost import CostModel
+
+    vision = Cost(per_sample_s=1e-3, per_patch_s=1e-3, backward_factor=2.0)
+    llm = Cost(per_sample_s=0.0, per_token_s=1e-3, backward_factor=2.0)
+    p = Pipeline(name="p", data=ArrowData(path="d"), global_batch=8, sections=[
+        Section(name="vision", stage="m:V", activates_on="image", trainable=trainable, micro_batch=mb_vision,
+                cost=vision),
+        Section(name="llm", stage="m:L", dp=llm_dp, micro_batch=mb_llm, cost=llm)],
+        edges=[Edge(src="vision", dst="llm", tensors=("e",))])
+    return SectionGraph(p), CostModel(costs={"vision": vision, "llm": llm}, transfer_s=1e-4)
+
+
+def test_gap_runs_short_text_before_an_arrival_instead_of_a_long_one():
+    """One image (its forward ends at 5 ms) and two texts, 300 and 2 tokens, on one LLM replica of
+    micro-batch 1 behind a trainable encoder. Longest-first fills the wait with the long text, so
+    the image's gradient and the encoder's backward come last; `gap` runs the short text (6 ms
+    of LLM work) before the image arrives, then the image, and the encoder's backward hides
+    behind the long text."""
+    from maestro_flow.samples import SampleMeta
+
+    graph, costs = _two_sections(True, 1, 1)
+    samples = [SampleMeta(id=0, modalities=frozenset({"text", "image"}), num_tokens=10, num_patches=4),
+               SampleMeta(id=1, num_tokens=300), SampleMeta(id=2, num_tokens=2)]
+    plain = Rules(name="plain", fill="longest")
+    gap = Rules(name="gap", fill="longest", gap=True)
+    planner = WavefrontPlanner(graph, costs)
+    (plan_plain, span_plain), (plan_gap, span_gap) = (planner.plan_with(0, samples, r) for r in (plain, gap))
+    assert plan_plain.replicas["llm"][0] == ((1,), (0,), (2,))
+    assert plan_gap.replicas["llm"][0] == ((2,), (0,), (1,))
+    assert span_gap < span_plain
+    assert span_gap == pytest.approx(simulate(plan_gap, graph, costs).makespan_s)
+    # The LLM never waits: its work (forward + backward of 312 tokens) ends the step, and the
+    # encoder's backward (15 ms) hid behind the long text.
+    assert span_gap == pytest.approx(3 * 1e-3 * (10 + 300 + 2), rel=1e-6)
+
+
+def test_prompt_cuts_a_producer_micro_batch_a_hungry_consumer_would_wait_for():
+    """A frozen encoder of micro-batch 8 feeding one LLM replica that has nothing else to do: as
+    one micro-batch, the LLM waits for all 8 forwards; with `prompt` the encoder's first
+    micro-batch stops at one image (the LLM holds no work yet), the next ones grow with the
+    LLM's buffer, and the step is shorter."""
+    from maestro_flow.samples import SampleMeta
+
+    graph, costs = _two_sections(False, 8, 1)
+    samples = [SampleMeta(id=i, modalities=frozenset({"text", "image"}), num_tokens=4, num_patches=9)
+               for i in range(8)]
+    planner = WavefrontPlanner(graph, costs)
+    plain, span_plain = planner.plan_with(0, samples, Rules(name="plain"))
+    prompt, span_prompt = planner.plan_with(0, samples, Rules(name="prompt", prompt=True))
+    assert [len(mb) for mb in plain.replicas["vision"][0]] == [8]
+    sizes = [len(mb) for mb in prompt.replicas["vision"][0]]
+    assert sizes[0] == 1 and len(sizes) > 1 and sum(sizes) == 8
+    assert span_prompt < span_plain
+    assert span_prompt == pytest.approx(simulate(prompt, graph, costs).makespan_s)

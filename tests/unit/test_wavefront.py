@@ -195,22 +195,45 @@ def worst_id(case) -> str:
     return f"{workload}-v{vdp}-l{ldp}-mb{vmb}x{lmb}-{'trainable' if trainable else 'frozen'}-{round(share * 100)}pct"
 
 
-@pytest.mark.parametrize("case", WORST, ids=[worst_id(c) for c in WORST])
-def test_worst_cases_are_within_5_percent_of_the_bound_and_never_slower_than_fifo(case):
-    """256 samples, seeds 0-2: the wavefront plan simulates within 5% of the lower bound and no
-    slower than FIFO's plan, in every seed (not only the median)."""
+def worst_batches(case, n: int):
+    """(samples, graph, costs) of a worst case's three seeds (0-2), `n` samples each."""
     workload, vdp, ldp, vmb, lmb, trainable, share = case
     vision, llm = (bench.MIX_VISION_COST, bench.MIX_LLM_COST) if workload == "mix" else (bench.VISION_COST,
                                                                                       bench.llm_cost())
     graph, costs = bench.build(vdp, ldp, trainable, llm, vision=vision, mb_vision=vmb, mb_llm=lmb)
-    for seed in (0, 1, 2):
-        samples = (bench.draw_mix if workload == "mix" else bench.draw_samples)(256, share, seed)
+    draw = bench.draw_mix if workload == "mix" else bench.draw_samples
+    return [(draw(n, share, seed), graph, costs) for seed in (0, 1, 2)]
+
+
+@pytest.mark.parametrize("case", WORST, ids=[worst_id(c) for c in WORST])
+def test_worst_cases_are_within_5_percent_of_the_bound_and_never_slower_than_fifo(case):
+    """256 samples, seeds 0-2: the wavefront plan simulates within 5% of the lower bound and no
+    slower than FIFO's plan, in every seed (not only the median)."""
+    for seed, (samples, graph, costs) in enumerate(worst_batches(case, 256)):
         plan = make_planner("wavefront", graph, costs).plan(0, samples)
         wavefront = simulate(plan, graph, costs)
         fifo = simulate(make_planner("fifo", graph, costs).plan(0, samples), graph, costs)
         assert wavefront.makespan_s <= 1.05 * wavefront.lower_bound_s, (seed, plan.variant, wavefront.makespan_s
                                                                          / wavefront.lower_bound_s)
         assert wavefront.makespan_s <= fifo.makespan_s * (1 + 1e-9), (seed, plan.variant)
+
+
+# 128 samples (few per replica: the grid's hardest size), cases that were above 1.05x in some seed
+# before the `gap` and `prompt` rules (up to 1.23x) and are within it in every seed since. The
+# near-balanced trainable cases that stay above it at 128 samples are in tools/bench/RESULTS.md 11.3.
+WORST_128 = [
+    ("draw", 2, 8, 8, 4, True, 0.33), ("draw", 1, 8, 8, 4, True, 0.1), ("draw", 2, 8, 8, 4, False, 0.9),
+    ("mix", 1, 8, 4, 4, True, 0.1), ("mix", 2, 8, 8, 4, True, 0.33), ("mix", 2, 8, 8, 4, False, 0.9),
+]
+
+
+@pytest.mark.parametrize("case", WORST_128, ids=[worst_id(c) for c in WORST_128])
+def test_worst_cases_of_128_samples_are_within_5_percent_of_the_bound(case):
+    for seed, (samples, graph, costs) in enumerate(worst_batches(case, 128)):
+        plan = make_planner("wavefront", graph, costs).plan(0, samples)
+        wavefront = simulate(plan, graph, costs)
+        assert wavefront.makespan_s <= 1.05 * wavefront.lower_bound_s, (seed, plan.variant, wavefront.makespan_s
+                                                                         / wavefront.lower_bound_s)
 
 
 # -- load balance --------------------------------------------------------------------------
