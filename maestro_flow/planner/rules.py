@@ -54,8 +54,10 @@ class Rules:
     # before the next output it knows is coming (the largest that fit first; the shortest one
     # when none fits), so an arrival does not wait behind a long free sample.
     gap: bool = False
-    # A producer's micro-batch stops growing once its forward would outlast the work its
-    # hungriest consumer replica still holds (no consumer starves behind one long micro-batch).
+    # A producer's micro-batch stops growing once the forwards of its samples (fixed cost,
+    # padding and transfer left out: a heuristic) reach the work the hungriest consumer replica
+    # it feeds still holds, counted when the decision starts (that replica then starves behind
+    # no long micro-batch); at least one sample.
     prompt: bool = False
 
     def validate(self) -> None:

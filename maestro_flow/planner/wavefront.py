@@ -11,8 +11,8 @@ Pure (standard library only). Per connected component:
      a trainable encoder's gradients promptly, taper its last micro-batches, keep long text for
      the middle of the step, fit big encoder jobs into the LLM's buffer, run text that ends
      before the next encoder output, cut an encoder micro-batch an LLM replica would starve
-     behind) and the order whose
-     simulated step ends first is kept (on a tie, the one with fewer micro-batches). Its
+     behind) and the order whose simulated step ends first is kept (on a tie, the one with
+     fewer micro-batches). Its
      simulation is simulate.py's (except where a section has several producer sections: there
      simulate.py itself judges), so the choice is exact, not estimated. CANDIDATE_BUDGET
      (samples x orderings) bounds the work: a large batch plays out only the first candidates,

@@ -124,27 +124,28 @@ def _two_sections(trainable: bool, mb_vision: int, mb_llm: int, llm_dp: int = 1)
 
 
 def test_gap_runs_short_text_before_an_arrival_instead_of_a_long_one():
-    """One image (its forward ends at 5 ms) and two texts, 300 and 2 tokens, on one LLM replica of
-    micro-batch 1 behind a trainable encoder. Longest-first fills the wait with the long text, so
-    the image's gradient and the encoder's backward come last; `gap` runs the short text (6 ms
-    of LLM work) before the image arrives, then the image, and the encoder's backward hides
-    behind the long text."""
+    """One image (its forward ends at 5 ms, it arrives at 5.1) and three texts, of 300, 1 and 1
+    tokens, on one LLM replica of micro-batch 1 behind a trainable encoder. Longest-first fills
+    the wait with the long text, so the image's gradient and the encoder's backward come last.
+    `gap` runs a short text (3 ms of LLM work: it fits the 5.1 ms), then, with 2.1 ms left and no
+    free sample that fits, the shortest (the other short one), then the image, and the encoder's
+    backward hides behind the long text."""
     from maestro_flow.samples import SampleMeta
 
     graph, costs = _two_sections(True, 1, 1)
     samples = [SampleMeta(id=0, modalities=frozenset({"text", "image"}), num_tokens=10, num_patches=4),
-               SampleMeta(id=1, num_tokens=300), SampleMeta(id=2, num_tokens=2)]
+               SampleMeta(id=1, num_tokens=300), SampleMeta(id=2, num_tokens=1), SampleMeta(id=3, num_tokens=1)]
     plain = Rules(name="plain", fill="longest")
     gap = Rules(name="gap", fill="longest", gap=True)
     planner = WavefrontPlanner(graph, costs)
     (plan_plain, span_plain), (plan_gap, span_gap) = (planner.plan_with(0, samples, r) for r in (plain, gap))
-    assert plan_plain.replicas["llm"][0] == ((1,), (0,), (2,))
-    assert plan_gap.replicas["llm"][0] == ((2,), (0,), (1,))
+    assert plan_plain.replicas["llm"][0][0] == (1,)
+    assert plan_gap.replicas["llm"][0] == ((2,), (3,), (0,), (1,))
     assert span_gap < span_plain
     assert span_gap == pytest.approx(simulate(plan_gap, graph, costs).makespan_s)
     # The LLM never waits: its work (forward + backward of 312 tokens) ends the step, and the
-    # encoder's backward (15 ms) hid behind the long text.
-    assert span_gap == pytest.approx(3 * 1e-3 * (10 + 300 + 2), rel=1e-6)
+    # encoder's backward (10 ms) hid behind the long text.
+    assert span_gap == pytest.approx(3 * 1e-3 * (10 + 300 + 1 + 1), rel=1e-6)
 
 
 def test_prompt_cuts_a_producer_micro_batch_a_hungry_consumer_would_wait_for():
