@@ -1,8 +1,8 @@
 """Teacher memory: a forward-only section's peak RSS must not grow with the micro-batches it serves.
 
 Runs pipelines/distill.py in section mode (run_pipeline) at several global batch sizes with the
-same micro-batch sizes (teacher 8, student 2), so the teacher serves global_batch / 8
-micro-batches per step, and reads each section's `max_rss_mb` from the metrics rows (the largest
+same micro-batch sizes (teacher 8, student 2) under FIFO's schedule (whole micro-batches), so the
+teacher serves global_batch / 8 micro-batches per step, and reads each section's `max_rss_mb` from the metrics rows (the largest
 replica's ru_maxrss high-water mark, reported with every step). Every run processes the same
 number of samples (--samples, so steps = samples / global_batch): the sampler cuts one seeded
 epoch order into batches, so all runs see the same samples in the same order, and the longest
@@ -32,9 +32,10 @@ RATIO_GOAL = 1.10  # "close to 1": under 10% growth for 4x the micro-batches
 def run_one(path: str, global_batch: int, steps: int, sets: dict[str, Any]) -> dict[str, Any]:
     from maestro_flow.runtime.run import RunOptions, run_pipeline
 
-    # Whole micro-batches of 8 (padding not charged: no micro-batch is split into pieces), so the
-    # teacher serves exactly global_batch / 8 of them.
-    whole = {"sections.teacher.cost.padded": False, "sections.student.cost.padded": False}
+    # Whole micro-batches of 8, so the teacher serves exactly global_batch / 8 of them: FIFO's
+    # schedule (the wavefront may cut a teacher micro-batch short to feed a starving student
+    # sooner, rules.Rules.prompt), padding not charged (no micro-batch is split into pieces).
+    whole = {"schedule": "fifo", "sections.teacher.cost.padded": False, "sections.student.cost.padded": False}
     rows = run_pipeline(path, RunOptions(overrides={**whole, **sets, "global_batch": global_batch, "steps": steps},
                                          show_progress=False))
     out: dict[str, Any] = {"global_batch": global_batch, "steps": len(rows)}
