@@ -22,6 +22,7 @@ from maestro_flow.planner.simulate import simulate
 from maestro_flow.planner.wavefront import CANDIDATE_BUDGET, WavefrontPlanner
 from tests.unit.test_simulate import batches, check_simulation, costs_of, trained_pipelines
 from tests.unit.test_wavefront import mix, vlm
+from tools.bench import wavefront_sim as bench
 
 EPS = 1e-9
 
@@ -107,27 +108,21 @@ def test_a_padding_stage_splits_a_micro_batch_where_padding_costs_more_than_a_mi
     assert makespan == pytest.approx((1.0 + 250.0) * 3.0)  # unpadded: one micro-batch, backward 2x
 
 
-def _two_sections(trainable: bool, mb_vision: int, mb_llm: int, llm_dp: int = 1):
-    """vision -> llm with round costs: an image's forward is 1 ms + 1 ms per patch, the LLM's
-    1 ms per token, backward 2x; transfers 0.1 ms."""
-    from maestro_flow.config import ArrowData, Cost, Edge, Pipeline, Section
-    from maestro_flow.planner.cost import CostModel
+def _two_sections(trainable: bool, mb_vision: int, mb_llm: int):
+    """vision -> llm (tools/bench/wavefront_sim.build) with round costs: an image's forward is
+    1 ms + 1 ms per patch, the LLM's 1 ms per token, backward 2x; transfers 0.2 ms."""
+    from maestro_flow.config import Cost
 
     vision = Cost(per_sample_s=1e-3, per_patch_s=1e-3, backward_factor=2.0)
     llm = Cost(per_sample_s=0.0, per_token_s=1e-3, backward_factor=2.0)
-    p = Pipeline(name="p", data=ArrowData(path="d"), global_batch=8, sections=[
-        Section(name="vision", stage="m:V", activates_on="image", trainable=trainable, micro_batch=mb_vision,
-                cost=vision),
-        Section(name="llm", stage="m:L", dp=llm_dp, micro_batch=mb_llm, cost=llm)],
-        edges=[Edge(src="vision", dst="llm", tensors=("e",))])
-    return SectionGraph(p), CostModel(costs={"vision": vision, "llm": llm}, transfer_s=1e-4)
+    return bench.build(1, 1, trainable, llm, vision=vision, mb_vision=mb_vision, mb_llm=mb_llm)
 
 
 def test_gap_runs_short_text_before_an_arrival_instead_of_a_long_one():
-    """One image (its forward ends at 5 ms, it arrives at 5.1) and three texts, of 300, 1 and 1
+    """One image (its forward ends at 5 ms, it arrives at 5.2) and three texts, of 300, 1 and 1
     tokens, on one LLM replica of micro-batch 1 behind a trainable encoder. Longest-first fills
     the wait with the long text, so the image's gradient and the encoder's backward come last.
-    `gap` runs a short text (3 ms of LLM work: it fits the 5.1 ms), then, with 2.1 ms left and no
+    `gap` runs a short text (3 ms of LLM work: it fits the 5.2 ms), then, with 2.2 ms left and no
     free sample that fits, the shortest (the other short one), then the image, and the encoder's
     backward hides behind the long text."""
     from maestro_flow.samples import SampleMeta

@@ -2,8 +2,9 @@
 
 Runs pipelines/distill.py in section mode (run_pipeline) at several global batch sizes with the
 same micro-batch sizes (teacher 8, student 2) under FIFO's schedule (whole micro-batches), so the
-teacher serves global_batch / 8 micro-batches per step, and reads each section's `max_rss_mb` from the metrics rows (the largest
-replica's ru_maxrss high-water mark, reported with every step). Every run processes the same
+teacher serves global_batch / 8 micro-batches per step, and reads each section's `max_rss_mb`
+from the metrics rows (the largest replica's ru_maxrss high-water mark, reported with every
+step). Every run processes the same
 number of samples (--samples, so steps = samples / global_batch): the sampler cuts one seeded
 epoch order into batches, so all runs see the same samples in the same order, and the longest
 sequences (which set the activation high-water mark) are the same for every batch size.
