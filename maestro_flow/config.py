@@ -183,6 +183,10 @@ class Pipeline:
     schedule: str = "wavefront"
     lookahead_steps: int = 1
     run_ahead: int | None = None  # samples a producer may get ahead of each consumer replica
+    # Share of a step's planned seconds the wavefront planner may spend searching for a shorter
+    # plan than its rules make (planner/refine.py; only where the plan is >2% over its bound); 0: off.
+    # A run searches only where the coordinator plans ahead on a core of its own (coordinator.py).
+    plan_search: float = 0.25
     adapt_costs: bool = True  # refine the sections' Cost from measured micro-batch timings
     grad_clip: float | None = None  # clip by the global norm of every trainable parameter (None: no clipping)
     mixed_precision: str | None = None  # "bf16": bf16 autocast compute and transfers, fp32 master weights
@@ -212,6 +216,9 @@ class Pipeline:
 
         if self.run_ahead is not None and (not isinstance(self.run_ahead, int) or self.run_ahead < 1):
             raise PipelineError(f"run_ahead must be an integer >= 1 or None, got {self.run_ahead!r}")
+        if (not isinstance(self.plan_search, (int, float)) or isinstance(self.plan_search, bool)
+                or not 0 <= self.plan_search <= 1):
+            raise PipelineError(f"plan_search must be a number from 0 to 1, got {self.plan_search!r}")
         for key in ("global_batch", "steps", "lookahead_steps", "seed"):
             value = getattr(self, key)
             low = 0 if key in ("lookahead_steps", "seed") else 1

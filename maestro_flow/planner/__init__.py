@@ -24,24 +24,26 @@ class Planner(Protocol):
     def plan(self, step: int, samples: Sequence[SampleMeta]) -> Plan: ...
 
 
-def _fifo(graph: SectionGraph, costs: CostModel) -> Planner:
+def _fifo(graph: SectionGraph, costs: CostModel, search: float | None) -> Planner:
     from maestro_flow.planner.fifo import FifoPlanner
 
     return FifoPlanner(graph, costs)
 
 
-def _wavefront(graph: SectionGraph, costs: CostModel) -> Planner:
+def _wavefront(graph: SectionGraph, costs: CostModel, search: float | None) -> Planner:
     from maestro_flow.planner.wavefront import WavefrontPlanner
 
-    return WavefrontPlanner(graph, costs, run_ahead=graph.pipeline.run_ahead)
+    return WavefrontPlanner(graph, costs, run_ahead=graph.pipeline.run_ahead, search=search)
 
 
 SCHEDULES = {"fifo": _fifo, "wavefront": _wavefront}
 
 
-def make_planner(schedule: str, graph: SectionGraph, costs: CostModel | None = None) -> Planner:
+def make_planner(schedule: str, graph: SectionGraph, costs: CostModel | None = None,
+                 search: float | None = None) -> Planner:
+    """`search`: the wavefront's local search share (refine.py); None: the pipeline's plan_search."""
     if schedule not in SCHEDULES:
         raise PipelineError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
     if costs is None:
         costs = CostModel(costs={n: s.cost for n, s in graph.sections.items()})
-    return SCHEDULES[schedule](graph, costs)
+    return SCHEDULES[schedule](graph, costs, search)

@@ -82,46 +82,53 @@ class _Replica:
 
 
 class _Sim:
-    def __init__(self, plan: Plan, graph: SectionGraph, costs: CostModel) -> None:
+    def __init__(self, plan: Plan, graph: SectionGraph, costs: CostModel, memo: dict | None = None) -> None:
+        """`memo` (optional, owned by the caller): each micro-batch's costs and inputs by (section,
+        samples), kept across simulations of plans that share micro-batches (refine.py's search)."""
         self.graph, self.costs = graph, costs
         self.meta = {s.id: s for s in plan.samples}
         self.arrival: dict[tuple[str, int], float] = {}  # (producer, sid) -> when its output arrives
         self.where: dict[tuple[str, int], tuple[_Replica, int]] = {}  # (section, sid) -> replica, mb
         self.replicas: list[_Replica] = []
-        losses = set(graph.loss_sections())
+        self.losses = set(graph.loss_sections())
+        memo = {} if memo is None else memo
         for name in graph.order:
-            section = graph.sections[name]
-            producers = [e.edge.src for e in graph.inputs(name)]
-            grad_edges = graph.needs_grad_from(name)
             for r, mbs in enumerate(plan.replicas[name]):
-                fwd, bwd, needs, grads = [], [], [], []
-                for mb in mbs:
-                    f = costs.batch_s(name, [self.meta[s] for s in mb])
-                    b = f * costs.costs[name].backward_factor if section.trainable else 0.0
-                    if name in losses:
-                        f, b = f + b, 0.0
-                    expected = sum(1 for e in grad_edges for s in mb
-                                   if graph.sections[e.edge.dst].activates(self.meta[s].modalities))
-                    fwd.append(f)
-                    bwd.append(b if expected else 0.0)  # the executor skips a backward nobody needs
-                    needs.append({(p, s) for s in mb for p in producers
-                                  if graph.sections[p].activates(self.meta[s].modalities)})
-                    grads.append(expected)
-                rep = _Replica(section=name, index=r, mbs=mbs, fwd_cost=fwd, bwd_cost=bwd, needs=needs,
-                               grads_needed=grads, grad_ready=[0.0] * len(mbs), slot=len(self.replicas),
-                               gates=plan.gates_of(name, r))
+                facts = [memo.get((name, mb)) or memo.setdefault((name, mb), self._facts(name, mb)) for mb in mbs]
+                rep = _Replica(section=name, index=r, mbs=mbs, fwd_cost=[f[0] for f in facts],
+                               bwd_cost=[f[1] for f in facts], needs=[f[2] for f in facts],
+                               grads_needed=[f[3] for f in facts], grad_ready=[0.0] * len(mbs),
+                               slot=len(self.replicas), gates=plan.gates_of(name, r))
                 self.replicas.append(rep)
                 for m, mb in enumerate(mbs):
                     for s in mb:
                         self.where[(name, s)] = (rep, m)
         self.consumers = {name: [e.edge.dst for e in graph.outputs(name)] for name in graph.order}
-        self.producers_of = {name: [e.edge.src for e in graph.inputs(name)] for name in graph.order}
         self.by_name = {(r.section, r.index): r for r in self.replicas}
-        self.by_section = {name: [r for r in self.replicas if r.section == name] for name in graph.order}
+        # Producer replicas whose run-ahead gates wait on a consumer replica: woken by its forwards.
+        self.gated_by: dict[tuple[str, int], list[_Replica]] = {}
+        for rep in self.replicas:
+            for c, ci in {(c, ci) for gates in rep.gates for c, ci, _ in gates}:
+                self.gated_by.setdefault((c, ci), []).append(rep)
         self.grad_producers = {name: [e.edge.src for e in graph.inputs(name) if e.carries_grad]
                                for name in graph.order}
         self.heap: list[tuple[float, int]] = []
-        self.tasks: list[Task] = []
+        self.tasks: list[tuple[str, int, int, str, float, float]] = []  # Task's fields, in start order
+
+    def _facts(self, name: str, mb: tuple[int, ...]) -> tuple[float, float, frozenset, int]:
+        """One micro-batch's forward and backward seconds (a loss section's forward includes its
+        backward), the (producer, sample) outputs it needs, and the gradients it waits for."""
+        graph, costs, section = self.graph, self.costs, self.graph.sections[name]
+        metas = [self.meta[s] for s in mb]
+        f = costs.batch_s(name, metas)
+        b = f * costs.costs[name].backward_factor if section.trainable else 0.0
+        if name in self.losses:
+            f, b = f + b, 0.0
+        expected = sum(1 for e in graph.needs_grad_from(name) for s in metas
+                       if graph.sections[e.edge.dst].activates(s.modalities))
+        needs = frozenset((e.edge.src, s.id) for e in graph.inputs(name) for s in metas
+                          if graph.sections[e.edge.src].activates(s.modalities))
+        return f, (b if expected else 0.0), needs, expected  # the executor skips a backward nobody needs
 
     def run(self) -> None:
         for i in range(len(self.replicas)):
@@ -163,17 +170,16 @@ class _Sim:
         # else: blocked until a producer's output or a consumer's gradient wakes it (see _wake).
 
     def _run(self, rep: _Replica, i: int, t: float, cost: float, m: int, kind: str) -> None:
-        self.tasks.append(Task(section=rep.section, replica=rep.index, micro_batch=m, kind=kind,
-                               start_s=t, end_s=t + cost))
+        end = t + cost
+        self.tasks.append((rep.section, rep.index, m, kind, t, end))
         if kind == "forward":
-            rep.fwd_ends.append(t + cost)
-            for p in self.producers_of[rep.section]:  # a credit may come back at t + cost
-                for prep in self.by_section[p]:
-                    self._wake(prep, t + cost)
-        rep.free_at = t + cost
+            rep.fwd_ends.append(end)
+            for prep in self.gated_by.get((rep.section, rep.index), ()):  # a credit may come back
+                self._wake(prep, end)
+        rep.free_at = end
         rep.busy += cost
-        rep.finish = max(rep.finish, rep.free_at)
-        heapq.heappush(self.heap, (rep.free_at, i))
+        rep.finish = max(rep.finish, end)
+        heapq.heappush(self.heap, (end, i))
 
     def _wake(self, rep: _Replica, t: float) -> None:
         if rep.waiting:
@@ -204,24 +210,32 @@ class _Sim:
                     self._wake(prep, prep.grad_ready[pm])
 
 
-def simulate(plan: Plan, graph: SectionGraph, costs: CostModel) -> Simulation:
-    sim = _Sim(plan, graph, costs)
+def replay(plan: Plan, graph: SectionGraph, costs: CostModel, memo: dict | None = None) -> _Sim:
+    """The plan's event simulation, run (tasks as Task's fields, no bound): what simulate() reports
+    on, and what refine.py's search compares plans by. ValueError where the plan cannot complete."""
+    sim = _Sim(plan, graph, costs, memo)
     sim.run()
+    for rep in sim.replicas:
+        if rep.next_fwd < len(rep.mbs) or rep.ready_bwd or any(g > 0 for g in rep.grads_needed[:rep.next_fwd]):
+            raise ValueError(f"plan cannot complete: {rep.section}[{rep.index}] is stuck at micro-batch "
+                             f"{rep.next_fwd} (a consumer ordered before its producer?)")
+    return sim
+
+
+def simulate(plan: Plan, graph: SectionGraph, costs: CostModel) -> Simulation:
+    sim = replay(plan, graph, costs)
     busy: dict[str, list[float]] = {n: [] for n in graph.order}
     finish: dict[str, list[float]] = {n: [] for n in graph.order}
     for rep in sim.replicas:
         busy[rep.section].append(rep.busy)
         finish[rep.section].append(rep.finish)
-        if rep.next_fwd < len(rep.mbs) or rep.ready_bwd or any(g > 0 for g in rep.grads_needed[:rep.next_fwd]):
-            raise ValueError(f"plan cannot complete: {rep.section}[{rep.index}] is stuck at micro-batch "
-                             f"{rep.next_fwd} (a consumer ordered before its producer?)")
     makespan = max((f for fs in finish.values() for f in fs), default=0.0)
     bound, critical = lower_bound(plan.samples, graph, costs)
     crit_busy = sum(busy[critical])
     fraction = crit_busy / (makespan * graph.sections[critical].dp) if makespan > 0 else 1.0
     return Simulation(makespan_s=makespan, lower_bound_s=bound, critical_section=critical,
                       critical_busy_fraction=fraction, busy_s={k: tuple(v) for k, v in busy.items()},
-                      finish_s={k: tuple(v) for k, v in finish.items()}, tasks=tuple(sim.tasks))
+                      finish_s={k: tuple(v) for k, v in finish.items()}, tasks=tuple(Task(*t) for t in sim.tasks))
 
 
 def task_s(graph: SectionGraph, costs: CostModel, name: str, sample: SampleMeta) -> float:

@@ -18,10 +18,15 @@ Pure (standard library only). Per connected component:
      (samples x orderings) bounds the work: a large batch plays out only the first candidates,
      and stops at one within GOOD_ENOUGH of simulate.lower_bound, which keeps a 4096-sample
      step under 100 ms;
-  5. FIFO's order is a candidate too: where it simulates shorter than every ordering (only
+  5. where the best order still ends more than 2% over the bound, a bounded local search
+     (refine.py) changes its micro-batches, their order and routes and keeps what its
+     simulation shows shorter, within a share of the step's planned time (Pipeline.plan_search,
+     default 0.25; not for batches too large to try every rule set);
+  6. FIFO's order is a candidate too: where it simulates shorter than every ordering (only
      simulated where its replicas' work alone does not already rule it out), it is kept for
      that component, so the wavefront is never slower than FIFO under simulate.py.
-The recorded order is the plan (schedule "wavefront"; `Plan.variant` names the rules that won);
+The recorded order is the plan (schedule "wavefront"; `Plan.variant` names the rules that won,
+"refined <rules>" where the search shortened their order);
 transfers follow it, so both ends of every pair agree.
 
     image samples i1..i4 (encoder cost 1, LLM cost 2), text t1..t4 (LLM cost 1); vision dp=1
@@ -37,9 +42,11 @@ from collections.abc import Sequence
 from maestro_flow.graph import SectionGraph
 from maestro_flow.planner.balance import assign
 from maestro_flow.planner.cost import CostModel
+from maestro_flow.planner.credit import credit_gates
 from maestro_flow.planner.fifo import FifoPlanner
-from maestro_flow.planner.ordering import Ordering, cumulative, first_covering
+from maestro_flow.planner.ordering import Ordering, default_run_ahead
 from maestro_flow.planner.plan import Plan
+from maestro_flow.planner.refine import refine
 from maestro_flow.planner.routed import Routed
 from maestro_flow.planner.routing import components
 from maestro_flow.planner.rules import CANDIDATES, Rules
@@ -54,10 +61,13 @@ class WavefrontPlanner:
     schedule = "wavefront"
 
     def __init__(self, graph: SectionGraph, costs: CostModel, run_ahead: int | None = None,
-                 candidates: Sequence[Rules] = CANDIDATES, versus_fifo: bool = True) -> None:
+                 candidates: Sequence[Rules] = CANDIDATES, versus_fifo: bool = True, search: float | None = None
+                 ) -> None:
         self.graph = graph
         self.costs = costs
         self.run_ahead = run_ahead
+        # Share of a step's planned seconds refine.py's search may take (None: the pipeline's plan_search).
+        self.search = graph.pipeline.plan_search if search is None else search
         for rules in candidates:
             rules.validate()
         self.candidates = tuple(candidates)
@@ -75,21 +85,27 @@ class WavefrontPlanner:
         return {s.id: fwd[s.id] * (factor if any(c.activates(s.modalities) for c in consumers) else 1.0)
                 for s in samples}
 
+    def _critical(self, comp: list[str], task: dict[str, dict[int, float]], active: dict[str, list[int]]) -> str:
+        """The component's section with the most work per replica (ties: the later one)."""
+        sections, order = self.graph.sections, self.graph.order
+        work = {n: sum(task[n][sid] for sid in active[n]) for n in comp}
+        return max(comp, key=lambda n: (work[n] / sections[n].dp, order.index(n)))
+
     def tried(self, num_samples: int) -> tuple[Rules, ...]:
         """The candidates one plan of `num_samples` samples plays out (at least one)."""
         return self.candidates[:max(1, min(len(self.candidates), CANDIDATE_BUDGET // max(1, num_samples)))]
 
     def plan(self, step: int, samples: Sequence[SampleMeta]) -> Plan:
-        return self._plan(step, samples, self.tried(len(samples)), self.versus_fifo)[0]
+        return self._plan(step, samples, self.tried(len(samples)), self.versus_fifo, self.search)[0]
 
     def plan_with(self, step: int, samples: Sequence[SampleMeta], rules: Rules) -> tuple[Plan, float]:
         """The plan one set of rules makes alone (no other candidate, no FIFO), and its makespan
         as the ordering simulated it: simulate(plan).makespan_s exactly (tests/unit/test_ordering.py)."""
         rules.validate()
-        return self._plan(step, samples, (rules,), False)
+        return self._plan(step, samples, (rules,), False, 0.0)
 
-    def _plan(self, step: int, samples: Sequence[SampleMeta], tried: Sequence[Rules], versus_fifo: bool
-              ) -> tuple[Plan, float]:
+    def _plan(self, step: int, samples: Sequence[SampleMeta], tried: Sequence[Rules], versus_fifo: bool,
+              search: float) -> tuple[Plan, float]:
         graph = self.graph
         sections = graph.sections
         # Every per-sample cost once: forward, and all the work (forward + backward) it causes.
@@ -98,9 +114,8 @@ class WavefrontPlanner:
         active = {n: [s.id for s in samples if sections[n].activates(s.modalities)] for n in graph.order}
         chosen: list[tuple[list[str], float, str, dict, dict, dict]] = []  # comp, makespan, rules, routes, mbs, gates
         hurry = len(tried) < len(self.candidates)  # a large batch: the budget cut the candidates short
-        for comp in components(graph):
-            work = {n: sum(task[n][sid] for sid in active[n]) for n in comp}
-            anchor = max(comp, key=lambda n: (work[n] / sections[n].dp, graph.order.index(n)))
+        for index, comp in enumerate(components(graph)):
+            anchor = self._critical(comp, task, active)
             cost = {n: {sid: task[n][sid] for sid in active[n]} for n in comp}  # absent: not activated
             bound = max(bound_terms(samples, graph, self.costs, sections=comp, fwd=fwd, task=task).values())
             # The ordering's own simulation is simulate.py's exactly unless a section has several
@@ -127,7 +142,16 @@ class WavefrontPlanner:
                 if hurry and best[0] <= bound * (1 + GOOD_ENOUGH):
                     break  # no candidate can do much better: spare the time
             span, _, name, routes, mbs, order = best
-            chosen.append((comp, span, name, routes, mbs, order.gates()))
+            gates = order.gates()
+            if search > 0 and not hurry:  # a batch too large to try every rule set is not searched either
+                credit = self.run_ahead if self.run_ahead is not None else default_run_ahead(sections[anchor].micro_batch)
+                start = self._component_plan(samples, comp, mbs, gates, routes)
+                better = refine(graph, self.costs, comp, start, span, bound, anchor, credit, search,
+                                seed=step * 1009 + index)
+                if better is not None:
+                    span, name = better.makespan_s, f"refined {name}"
+                    routes, mbs, gates = better.routes, better.replicas, better.gates
+            chosen.append((comp, span, name, routes, mbs, gates))
         if versus_fifo:
             chosen = self._versus_fifo(step, samples, active, task, chosen)
         replicas, routes, gates = {}, {}, {}
@@ -142,13 +166,17 @@ class WavefrontPlanner:
                     variant="+".join(names) if len(set(names)) > 1 else (names[0] if names else ""))
         return plan, max((span for _, span, *_ in chosen), default=0.0)
 
+    def _component_plan(self, samples: Sequence[SampleMeta], comp: list[str], mbs: dict, gates: dict,
+                        routes: dict | None = None) -> Plan:
+        """One component's order as a plan of its own (the other sections' replicas idle)."""
+        sections = self.graph.sections
+        return Plan(step=0, schedule=self.schedule, samples=tuple(samples),
+                    replicas={n: mbs[n] if n in mbs else tuple(() for _ in range(sections[n].dp)) for n in self.graph.order},
+                    routes=routes or {}, gates=gates)
+
     def _simulated(self, comp: list[str], samples: Sequence[SampleMeta], mbs: dict, gates: dict) -> float:
         """simulate.py's makespan of one component's order (the other sections idle)."""
-        sections = self.graph.sections
-        plan = Plan(step=0, schedule=self.schedule, samples=tuple(samples),
-                    replicas={n: mbs[n] if n in mbs else tuple(() for _ in range(sections[n].dp)) for n in self.graph.order},
-                    routes={}, gates=gates)
-        return simulate(plan, self.graph, self.costs).makespan_s
+        return simulate(self._component_plan(samples, comp, mbs, gates), self.graph, self.costs).makespan_s
 
     def _versus_fifo(self, step: int, samples: Sequence[SampleMeta], active: dict[str, list[int]],
                      task: dict[str, dict[int, float]], chosen: list) -> list:
@@ -183,7 +211,7 @@ class WavefrontPlanner:
             if self.run_ahead is None:
                 gates.update({n: tuple(tuple(() for _ in rep) for rep in fifo.replicas[n]) for n in comp})
             else:
-                gates.update(self._credit_gates(fifo, comp, samples, task))
+                gates.update(credit_gates(self.graph, fifo, comp, self._critical(comp, task, active), self.run_ahead))
         fifo = dataclasses.replace(fifo, gates={n: gates[n] for n in self.graph.order if n in gates})
         try:
             sim = simulate(fifo, self.graph, self.costs)
@@ -196,46 +224,4 @@ class WavefrontPlanner:
             if fifo_span < span:
                 out[i] = (comp, fifo_span, "fifo", {n: fifo.routes[n] for n in comp},
                           {n: fifo.replicas[n] for n in comp}, {n: gates[n] for n in comp})
-        return out
-
-    def _credit_gates(self, plan: Plan, comp: list[str], samples: Sequence[SampleMeta],
-                      task: dict[str, dict[int, float]]) -> dict[str, tuple]:
-        """Run-ahead gates for a given order, as Ordering.gates words them: producer micro-batch k
-        may start once each consumer replica of the critical section it feeds has finished
-        enough forwards that at most `run_ahead` of its outputs, plus one consumer micro-batch,
-        wait there."""
-        sections = self.graph.sections
-        work = {n: sum(task[n][s.id] for s in samples if sections[n].activates(s.modalities)) for n in comp}
-        critical = max(comp, key=lambda n: (work[n] / sections[n].dp, self.graph.order.index(n)))
-        credit = self.run_ahead
-        meta = {s.id: s for s in samples}
-        out: dict[str, tuple] = {}
-        for n in comp:
-            feeds = critical in [e.edge.dst for e in self.graph.outputs(n)]
-            reps = []
-            for r, mbs in enumerate(plan.replicas[n]):
-                if not feeds:
-                    reps.append(tuple(() for _ in mbs))
-                    continue
-                def mine(sid: int, n: str = n, r: int = r) -> bool:
-                    return sections[n].activates(meta[sid].modalities) and plan.routes[n][sid] == r
-
-                # Per consumer replica: cumulative samples from this producer replica in its first j mbs.
-                consumed = {ci: cumulative(cmbs, mine) for ci, cmbs in enumerate(plan.replicas[critical])}
-                sent: dict[int, int] = {}
-                per_mb = []
-                for mb in mbs:
-                    gate = []
-                    for sid in mb:
-                        if sections[critical].activates(meta[sid].modalities):
-                            ci = plan.routes[critical][sid]
-                            sent[ci] = sent.get(ci, 0) + 1
-                    for ci in sorted({plan.routes[critical][sid] for sid in mb
-                                      if sections[critical].activates(meta[sid].modalities)}):
-                        j = first_covering(consumed[ci], sent[ci] - credit) - 1
-                        if j > 0:
-                            gate.append((critical, ci, j))
-                    per_mb.append(tuple(gate))
-                reps.append(tuple(per_mb))
-            out[n] = tuple(reps)
         return out

@@ -50,7 +50,7 @@ def _run(pipeline: Pipeline, source: Any, sampler: EpochSampler, report: RunRepo
     graph = SectionGraph(single)
     placement = Placement.build(graph.order, {n: 1 for n in graph.order})
     observer.start(placement)
-    planner = make_planner(pipeline.schedule, graph)
+    planner = make_planner(pipeline.schedule, graph, search=0.0)  # one process: a search would lengthen the step
     ledger = StepLedger(graph, placement, adapt_costs=pipeline.adapt_costs)
     events: list[tuple[int, str, dict]] = []
     executors: dict[int, SectionExecutor] = {}

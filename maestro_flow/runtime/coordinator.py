@@ -238,6 +238,15 @@ class Coordinator(CoordinatorIO):
                     if isinstance(seconds, (int, float)) and isinstance(part, str):
                         self.startup_parts[part] = max(self.startup_parts.get(part, 0.0), float(seconds))
 
+    def _plan_search(self) -> float:
+        """Pipeline.plan_search where the planner's search costs training nothing (cpus.search_share)."""
+        from maestro_flow.runtime.cpus import search_share
+
+        cpu_here = sum(1 for r in range(self.placement.world_size)
+                       if self.node_of[r] == 0 and self.placement.devices[r] == "cpu")
+        p = self.pipeline
+        return search_share(p.plan_search, p.lookahead_steps, cpu_here, len(os.sched_getaffinity(0)))
+
     def _pinned(self) -> dict[int, dict[str, Any]]:
         """With --pin-cpus: each CPU worker of this node's cores and torch threads (boot fields)."""
         if not self.pin_cpus:
@@ -255,7 +264,7 @@ class Coordinator(CoordinatorIO):
     def _train(self) -> None:
         p = self.pipeline
         self._cpu_mark = time.process_time()  # the first step's CPU leaves the startup out
-        planner = make_planner(p.schedule, self.graph)
+        planner = make_planner(p.schedule, self.graph, search=self._plan_search())
         sampler = self.sampler
         ledger = StepLedger(self.graph, self.placement, adapt_costs=p.adapt_costs)
         first = 0

@@ -1,4 +1,5 @@
-"""Which host cores each CPU worker may run on (`maestro run --pin-cpus`).
+"""Which host cores each CPU worker may run on (`maestro run --pin-cpus`), and whether the
+coordinator has one to spare for the planner's search (`search_share`).
 
 Pure (standard library only). The cores are those the `maestro run` process may use (so
 `taskset -c 0-7 maestro run ...` gives the job eight cores). With at most as many CPU workers
@@ -27,3 +28,13 @@ def cpu_shares(num_workers: int, cores: Sequence[int]) -> list[tuple[int, ...]]:
 def threads(num_workers: int, cores: Sequence[int]) -> int:
     """torch threads per pinned worker: its own cores, or its share of cores shared by all."""
     return max(1, len(cores) // max(1, num_workers))
+
+
+def search_share(plan_search: float, lookahead_steps: int, cpu_workers: int, cores: int) -> float:
+    """The share of each step the planner's search may take in a run (Pipeline.plan_search,
+    planner/refine.py): the pipeline's, or 0 where it would take time from training — plans not
+    made ahead of their step (lookahead_steps=0), or `cpu_workers` on the coordinator's node that
+    fill its `cores` (the coordinator would search on a worker's core)."""
+    if lookahead_steps == 0 or cpu_workers >= cores:
+        return 0.0
+    return plan_search

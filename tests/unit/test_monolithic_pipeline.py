@@ -8,7 +8,7 @@ import pytest
 from maestro_flow import ArrowData, Edge, Pipeline, Section
 from maestro_flow.baseline.monolithic import MODEL, monolithic_pipeline
 from maestro_flow.errors import PipelineError
-from maestro_flow.runtime.cpus import cpu_shares, threads
+from maestro_flow.runtime.cpus import cpu_shares, search_share, threads
 
 
 def vlm(**kw) -> Pipeline:
@@ -101,3 +101,12 @@ def test_predicted_monolithic_step():
     assert best_monolithic(graph, costs, [batch], devices=2, micro_batches=[1, 2], **calib).micro_batch == 2
     slow = monolithic_step(graph, costs, batch, devices=3, micro_batch=2, cpu_cores=2)
     assert slow.step_s == pytest.approx(1.5 * monolithic_step(graph, costs, batch, devices=3, micro_batch=2).step_s)
+
+
+def test_the_planner_searches_only_on_a_spare_core_ahead_of_the_step():
+    assert search_share(0.25, 1, cpu_workers=3, cores=16) == 0.25  # GPU-node-like: cores to spare
+    assert search_share(0.25, 1, cpu_workers=0, cores=2) == 0.25  # every worker on a GPU
+    assert search_share(0.25, 1, cpu_workers=3, cores=2) == 0.0  # the CPU demo: workers fill the host
+    assert search_share(0.25, 1, cpu_workers=2, cores=2) == 0.0
+    assert search_share(0.25, 0, cpu_workers=0, cores=16) == 0.0  # plans made just in time
+    assert search_share(0.0, 1, cpu_workers=0, cores=16) == 0.0

@@ -42,17 +42,25 @@ and frozen encoders, two workloads (this module's `draw_samples` and costs, and 
 tests/unit/test_wavefront.py's mix, lognormal tokens up to 8192 and 64..2304 patches per image,
 with its costs), seeds 0-2. It prints, per layout and encoder, the max and median over the
 group's cases of wavefront/lower bound and wavefront/FIFO, which rules won (Plan.variant), and
-the cases above the 5% goal or slower than FIFO; `--batch` sets the global batch (default 256).
+the cases above the 5% goal or slower than FIFO, and the wavefront's planning time (wall-clock,
+median and max a plan, and the max of planning time / the planned step's makespan: what the
+planner's local search, Pipeline.plan_search, spends); `--batch` sets the global batch
+(default 256).
 
-Run from the repository root: python -m tools.bench.wavefront_sim [--tiny] [--run-ahead N]
-                              python -m tools.bench.wavefront_sim --worst [--batch N]
+`--plan-search X` sets Pipeline.plan_search (default: the pipeline's default; 0 turns the
+planner's local search off, so the rules alone are measured).
+
+Run from the repository root: python -m tools.bench.wavefront_sim [--tiny] [--run-ahead N] [--plan-search X]
+                              python -m tools.bench.wavefront_sim --worst [--batch N] [--plan-search X]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import random
+import time
 from collections import Counter
 from typing import Any
 
@@ -133,8 +141,8 @@ def llm_cost() -> Cost:
 
 
 def build(vision_dp: int, llm_dp: int, encoder_trainable: bool, llm: Cost, run_ahead: int | None = None, *,
-          vision: Cost = VISION_COST, mb_vision: int = MB_VISION, mb_llm: int = MB_LLM
-          ) -> tuple[SectionGraph, CostModel]:
+          vision: Cost = VISION_COST, mb_vision: int = MB_VISION, mb_llm: int = MB_LLM,
+          plan_search: float | None = None) -> tuple[SectionGraph, CostModel]:
     p = Pipeline(
         name="vlm-sim", data=ArrowData(path="unused.arrow"),
         sections=[
@@ -145,6 +153,7 @@ def build(vision_dp: int, llm_dp: int, encoder_trainable: bool, llm: Cost, run_a
         ],
         edges=[Edge(src="vision", dst="llm", tensors=("embeddings",))],
         run_ahead=run_ahead,
+        **({} if plan_search is None else {"plan_search": plan_search}),
     )
     graph = SectionGraph(p)
     return graph, CostModel(costs={"vision": vision, "llm": llm}, transfer_s=TRANSFER_S)
@@ -159,10 +168,12 @@ WORST_SEEDS = (0, 1, 2)
 ISSUE_CASES = ((1, 4, 2, 4, 0.5), (2, 4, 2, 4, 0.8), (2, 4, 4, 4, 0.8), (2, 4, 4, 4, 0.5))
 
 
-def worst(n: int, run_ahead: int | None = None) -> dict[str, Any]:
+def worst(n: int, run_ahead: int | None = None, plan_search: float | None = None) -> dict[str, Any]:
     """The worst-case grid (see the module docstring): every case, then per layout and encoder."""
     llm = llm_cost()
     rows = []
+    search = next(f.default for f in dataclasses.fields(Pipeline) if f.name == "plan_search") \
+        if plan_search is None else plan_search
     for workload in ("draw", "mix"):
         draw = draw_samples if workload == "draw" else draw_mix
         vision, llm_c = (VISION_COST, llm) if workload == "draw" else (MIX_VISION_COST, MIX_LLM_COST)
@@ -171,12 +182,14 @@ def worst(n: int, run_ahead: int | None = None) -> dict[str, Any]:
                 for mb_llm in WORST_MB_LLM:
                     for encoder, trainable in ENCODERS.items():
                         graph, costs = build(vision_dp, llm_dp, trainable, llm_c, run_ahead, vision=vision,
-                                             mb_vision=mb_vision, mb_llm=mb_llm)
+                                             mb_vision=mb_vision, mb_llm=mb_llm, plan_search=plan_search)
                         planners = {s: make_planner(s, graph, costs) for s in ("wavefront", "fifo")}
                         for share in WORST_SHARES:
                             for seed in WORST_SEEDS:
                                 samples = draw(n, share, seed)
+                                start = time.perf_counter()
                                 plan = planners["wavefront"].plan(0, samples)
+                                planning_s = time.perf_counter() - start
                                 wf = simulate(plan, graph, costs)
                                 ff = simulate(planners["fifo"].plan(0, samples), graph, costs)
                                 rows.append({"workload": workload, "vision_dp": vision_dp, "llm_dp": llm_dp,
@@ -184,6 +197,8 @@ def worst(n: int, run_ahead: int | None = None) -> dict[str, Any]:
                                              "share": share, "seed": seed, "variant": plan.variant,
                                              "issue_case": trainable and (vision_dp, llm_dp, mb_vision, mb_llm, share)
                                              in ISSUE_CASES,
+                                             "planning_s": planning_s,
+                                             "planning_over_step": planning_s / wf.makespan_s,
                                              "wavefront_over_bound": wf.makespan_s / wf.lower_bound_s,
                                              "wavefront_over_fifo": wf.makespan_s / ff.makespan_s,
                                              "fifo_over_bound": ff.makespan_s / ff.lower_bound_s})
@@ -199,7 +214,7 @@ def worst(n: int, run_ahead: int | None = None) -> dict[str, Any]:
                            max(r["fifo_over_bound"] for r in rs), sum(x > LB_GOAL for x in lb),
                            sum(x > 1 + 1e-9 for x in ff), ", ".join(f"{v} {k}" for v, k in won)])
     print(f"Worst-case grid: global batch {n}, {len(rows)} cases (workloads x layouts x micro-batches x encoder x "
-          f"mixes x seeds {list(WORST_SEEDS)}), run_ahead {run_ahead}")
+          f"mixes x seeds {list(WORST_SEEDS)}), run_ahead {run_ahead}, plan_search {search}")
     print(table(["layout", "encoder", "cases", "max wf/LB", "median wf/LB", "max wf/FIFO", "median wf/FIFO",
                  "max FIFO/LB", f"wf/LB > {LB_GOAL}", "wf > FIFO", "rules that won most"], table_rows))
     lb_all = [r["wavefront_over_bound"] for r in rows]
@@ -207,6 +222,11 @@ def worst(n: int, run_ahead: int | None = None) -> dict[str, Any]:
     issue = [r for r in rows if r["issue_case"]]
     print(f"over all {len(rows)} cases: wavefront/lower bound max {max(lb_all):.4f} median {median(lb_all):.4f}; "
           f"wavefront/FIFO max {max(ff_all):.4f} median {median(ff_all):.4f}")
+    plan_s = [r["planning_s"] for r in rows]
+    searched = [r for r in rows if r["variant"].startswith("refined")]
+    print(f"wavefront planning: median {median(plan_s) * 1e3:.1f} ms, max {max(plan_s) * 1e3:.0f} ms a plan; "
+          f"max planning / planned step {max(r['planning_over_step'] for r in rows):.3f}; "
+          f"{len(searched)} plans shortened by the search (plan_search)")
     print(f"the issue's cases ({len(issue)}): wavefront/lower bound max "
           f"{max(r['wavefront_over_bound'] for r in issue):.4f}, wavefront/FIFO max "
           f"{max(r['wavefront_over_fifo'] for r in issue):.4f}")
@@ -217,6 +237,7 @@ def worst(n: int, run_ahead: int | None = None) -> dict[str, Any]:
               f"{r['encoder']} {r['share']:.0%} seed {r['seed']}: wf/LB {r['wavefront_over_bound']:.4f} "
               f"wf/FIFO {r['wavefront_over_fifo']:.4f} FIFO/LB {r['fifo_over_bound']:.4f} ({r['variant']})")
     return {"rows": rows, "max_wavefront_over_bound": max(lb_all), "median_wavefront_over_bound": median(lb_all),
+            "median_planning_s": median(plan_s), "max_planning_s": max(plan_s), "searched": len(searched),
             "max_wavefront_over_fifo": max(ff_all), "missed": len(missed),
             "goals": {"within_5pct_of_bound_everywhere": max(lb_all) <= LB_GOAL,
                       "never_slower_than_fifo": max(ff_all) <= 1 + 1e-9}}
@@ -275,9 +296,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--seeds", type=int, help="seeds per case, medians reported (default 5, tiny 2)")
     ap.add_argument("--run-ahead", type=int, help="Pipeline.run_ahead for the wavefront (default: planner's)")
     ap.add_argument("--worst", action="store_true", help="the worst-case grid of issue 10 instead (see the docstring)")
+    ap.add_argument("--plan-search", type=float, help="Pipeline.plan_search (default: the pipeline's, 0 turns the "
+                                                       "planner's local search off)")
     args = ap.parse_args(argv)
     if args.worst:
-        return worst(args.batch or (32 if args.tiny else 256), args.run_ahead)
+        return worst(args.batch or (32 if args.tiny else 256), args.run_ahead, args.plan_search)
     n = args.batch or (32 if args.tiny else 256)
     seeds = list(range(args.seeds or (2 if args.tiny else 5)))
 
@@ -285,7 +308,7 @@ def main(argv: list[str] | None = None) -> dict:
     cases = []
     for layout, (vision_dp, llm_dp) in LAYOUTS.items():
         for encoder, trainable in ENCODERS.items():
-            graph, costs = build(vision_dp, llm_dp, trainable, llm, args.run_ahead)
+            graph, costs = build(vision_dp, llm_dp, trainable, llm, args.run_ahead, plan_search=args.plan_search)
             for mix, fraction in MIXES.items():
                 case = run_case(graph, costs, n, fraction, seeds)
                 case.update(layout=layout, encoder=encoder, mix=mix, vision_dp=vision_dp, llm_dp=llm_dp)

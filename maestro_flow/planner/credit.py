@@ -1,0 +1,48 @@
+"""Run-ahead gates for an order decided elsewhere (FIFO's, or one refine.py's search changed).
+
+Pure (standard library only). Producer micro-batch k of a replica may start once each replica
+of the critical section it feeds has finished enough forwards that at most `credit` of this
+producer's outputs, plus one consumer micro-batch, wait there: the memory bound the wavefront's
+own orderings keep (Ordering.gates words the same rule for the order it decides itself).
+"""
+
+from __future__ import annotations
+
+from maestro_flow.graph import SectionGraph
+from maestro_flow.planner.ordering import cumulative, first_covering
+from maestro_flow.planner.plan import Plan
+
+
+def credit_gates(graph: SectionGraph, plan: Plan, comp: list[str], critical: str, credit: int) -> dict[str, tuple]:
+    """The gates of every section of `comp` in `plan` (none for a section that does not feed
+    `critical`), as Plan.gates holds them."""
+    sections = graph.sections
+    meta = {s.id: s for s in plan.samples}
+    takes = {sid for sid, s in meta.items() if sections[critical].activates(s.modalities)}
+    to = plan.routes[critical]
+    out: dict[str, tuple] = {}
+    for n in comp:
+        feeds = critical in [e.edge.dst for e in graph.outputs(n)]
+        reps = []
+        for mbs in plan.replicas[n]:
+            if not feeds:
+                reps.append(tuple(() for _ in mbs))
+                continue
+            mine = {sid for mb in mbs for sid in mb}
+            # Per consumer replica: cumulative samples from this producer replica in its first j mbs.
+            consumed = {ci: cumulative(cmbs, mine.__contains__) for ci, cmbs in enumerate(plan.replicas[critical])}
+            sent: dict[int, int] = {}
+            per_mb = []
+            for mb in mbs:
+                into = [to[sid] for sid in mb if sid in takes]
+                for ci in into:
+                    sent[ci] = sent.get(ci, 0) + 1
+                gate = []
+                for ci in sorted(set(into)):
+                    j = first_covering(consumed[ci], sent[ci] - credit) - 1
+                    if j > 0:
+                        gate.append((critical, ci, j))
+                per_mb.append(tuple(gate))
+            reps.append(tuple(per_mb))
+        out[n] = tuple(reps)
+    return out

@@ -1,0 +1,268 @@
+"""A bounded local search that shortens the best ordering's plan, judged by simulate.py.
+
+Pure (standard library only; a seeded `random.Random`, so the same batch gets the same plan).
+Why: the orderings (ordering.py) decide greedily, under fixed rules. Where an encoder trains and
+has about as much work per replica as the LLM, its backwards (run as soon as their gradients
+return) push its forwards back, the LLM idles mid-step and the encoder waits for gradients at
+the end; at small batches every rule set then ends some steps well above the lower bound
+(RESULTS 11.3). The search starts from one component's best ordering and tries small changes
+to its plan, keeping a change when the simulated step is no longer (simulate.replay: the same
+event simulation the planner's makespans come from, so the result is exact):
+  - within one replica: a sample moves to another of its micro-batches (never past the
+    section's micro-batch size), two samples swap micro-batches, a micro-batch moves to
+    another place in the order, or splits in two;
+  - across the replicas of one section: two samples swap replicas (their routes).
+Most changes (P_CHAIN) touch a replica on the step's critical chain: the tasks that decide when
+it ends, traced back from the last one through each wait on an input or a gradient; the others
+touch any replica. Run-ahead gates are recomputed for every changed plan (credit.py), so the
+memory bound the orderings keep holds for a refined plan too.
+
+Budget, without clocks: only a component whose best ordering ends more than ABOVE over its
+lower bound is searched; the search simulates at most MAX_EVALS plans and at most as many as
+cost `share` (Pipeline.plan_search) of the step's planned seconds, at EVAL_FIXED_S + EVAL_TASK_S
+per simulated task each; it stops once within ABOVE of the bound, or after STALL plans none of which was shorter.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+from maestro_flow.graph import SectionGraph
+from maestro_flow.planner.cost import CostModel
+from maestro_flow.planner.credit import credit_gates
+from maestro_flow.planner.plan import MicroBatches, Plan
+from maestro_flow.planner.simulate import replay
+from maestro_flow.samples import SampleMeta
+
+ABOVE = 0.02  # search a component only above (1 + ABOVE) x its lower bound; stop there
+MAX_EVALS = 256  # plans simulated at most, however long the step
+STALL = 64  # stop after this many plans in a row none of which was shorter
+# Seconds one candidate costs the search (its change, gates and simulation): a fixed part and a
+# part per task of the simulated step. Measured on this project's 2-core host (5-10 us per task
+# at 150-280 tasks, 250-320 us a candidate at 12-24 tasks; the planning times of
+# tools/bench/wavefront_sim.py --worst follow from them); a faster host spends less.
+EVAL_FIXED_S = 2.5e-4
+EVAL_TASK_S = 7e-6
+P_CHAIN = 0.75  # share of changes made on a replica of the critical chain
+P_ROUTE = 0.1  # share of changes that swap two samples between replicas
+
+
+@dataclass(frozen=True, slots=True)
+class Refined:
+    replicas: dict[str, tuple[MicroBatches, ...]]  # the component's sections only
+    routes: dict[str, dict[int, int]]
+    gates: dict[str, tuple]
+    makespan_s: float
+    evaluated: int  # plans simulated
+
+
+def evals_allowed(span_s: float, tasks: int, share: float) -> int:
+    """How many plans the budget lets the search simulate for a step of `span_s` planned seconds
+    whose simulation runs `tasks` tasks."""
+    if share <= 0 or span_s <= 0:
+        return 0
+    return min(MAX_EVALS, int(share * span_s / (EVAL_FIXED_S + EVAL_TASK_S * tasks)))
+
+
+def refine(graph: SectionGraph, costs: CostModel, comp: Sequence[str], start: Plan, span_s: float, bound_s: float,
+           critical: str, credit: int, share: float, seed: int) -> Refined | None:
+    """A shorter plan for component `comp` than `start` (its sections' micro-batches, routes and
+    gates; the other sections' replicas empty), whose simulated step ends at `span_s`; None where
+    the search is not worth it or finds none."""
+    if span_s <= bound_s * (1 + ABOVE):
+        return None
+    memo: dict = {}
+    search = _Search(graph, costs, list(comp), critical, credit, start.samples)
+    current = search.gated(start)
+    try:
+        sim = replay(current, graph, costs, memo)
+    except ValueError:
+        return None
+    budget = evals_allowed(span_s, len(sim.tasks), share)
+    if budget <= 0:
+        return None
+    cur = _end(sim)
+    best_plan, best = (current, cur) if cur < span_s else (None, span_s)
+    chain = search.chain(current, sim)
+    rng = random.Random(seed)
+    evaluated = stalled = drawn = 0
+    while evaluated < budget and stalled < STALL and best > bound_s * (1 + ABOVE) and drawn < 4 * budget:
+        drawn += 1
+        candidate = search.change(current, chain, rng)
+        if candidate is None:
+            continue  # the drawn change does not apply (e.g. to a full micro-batch): draw again
+        evaluated += 1
+        try:
+            sim = replay(candidate, graph, costs, memo)
+        except ValueError:  # the recomputed gates wait in a circle: not a plan
+            stalled += 1
+            continue
+        end = _end(sim)
+        if end > cur * (1 + 1e-12):
+            stalled += 1
+            continue
+        stalled = 0 if end < cur * (1 - 1e-12) else stalled + 1
+        current, cur, chain = candidate, end, search.chain(candidate, sim)
+        if cur < best * (1 - 1e-12):
+            best_plan, best = current, cur
+    if best_plan is None:
+        return None
+    return Refined(replicas={n: best_plan.replicas[n] for n in comp}, routes={n: best_plan.routes[n] for n in comp},
+                   gates={n: best_plan.gates[n] for n in comp if n in best_plan.gates}, makespan_s=best,
+                   evaluated=evaluated)
+
+
+def _end(sim) -> float:
+    return max((rep.finish for rep in sim.replicas), default=0.0)
+
+
+class _Search:
+    """The changes the search tries, and the critical chain that aims them."""
+
+    def __init__(self, graph: SectionGraph, costs: CostModel, comp: list[str], critical: str, credit: int,
+                 samples: Sequence[SampleMeta]) -> None:
+        self.meta = {s.id: s for s in samples}
+        self.graph, self.costs, self.comp, self.critical, self.credit = graph, costs, comp, critical, credit
+        self.replicas = [(n, r) for n in comp for r in range(graph.sections[n].dp)]
+        self.inputs = {n: [e.edge.src for e in graph.inputs(n)] for n in comp}
+        self.grads_from = {n: [e.edge.dst for e in graph.needs_grad_from(n)] for n in comp}
+        self.edges = {n: [e for e in graph.edges if n in (e.edge.src, e.edge.dst)] for n in comp}
+        # Consumers with one producer section that feed no one take each producer replica's
+        # outputs in the order it sent them, under every schedule (tests/unit/test_planner.py's
+        # check_pair_order): the search keeps that (`in_order`).
+        self.in_order = {n: self.inputs[n][0] for n in comp if len(self.inputs[n]) == 1 and not graph.outputs(n)}
+
+    def routable(self, routes: dict[str, dict[int, int]], n: str, sid: int, replica: int) -> bool:
+        """Whether `sid` may move to replica `replica` of `n`: every edge of `n` still connects
+        its replicas at both ends (Edge.consumers_of: fan-out and fan-in keep their blocks)."""
+        sections = self.graph.sections
+        for e in self.edges[n]:
+            other = e.edge.dst if e.edge.src == n else e.edge.src
+            if not sections[other].activates(self.meta[sid].modalities):
+                continue
+            src, dst = (replica, routes[other][sid]) if e.edge.src == n else (routes[other][sid], replica)
+            if dst not in e.consumers_of(src):
+                return False
+        return True
+
+    def gated(self, plan: Plan) -> Plan:
+        gates = credit_gates(self.graph, plan, self.comp, self.critical, self.credit)
+        return replace(plan, gates={**plan.gates, **gates})
+
+    def chain(self, plan: Plan, sim) -> list[tuple[str, int]]:
+        """The replicas of the tasks that decide the step's end, with repeats (a replica on the
+        chain for many tasks is picked more often)."""
+        tasks = sim.tasks  # (section, replica, mb, kind, start, end), in start order
+        if not tasks:
+            return []
+        runs: dict[tuple[str, int], list[int]] = {}
+        by_mb: dict[tuple[str, int, int, str], int] = {}
+        for i, (n, r, m, kind, _, _) in enumerate(tasks):
+            runs.setdefault((n, r), []).append(i)
+            by_mb[(n, r, m, kind)] = i
+        where = {(n, sid): (r, m) for n in self.comp for r, mbs in enumerate(plan.replicas[n])
+                 for m, mb in enumerate(mbs) for sid in mb}
+        transfer = self.costs.transfer_s
+        i = max(range(len(tasks)), key=lambda k: tasks[k][5])
+        out: list[tuple[str, int]] = []
+        for _ in range(len(tasks)):
+            n, r, m, kind, start, _ = tasks[i]
+            out.append((n, r))
+            mine = runs[(n, r)]
+            at = mine.index(i)
+            prev = mine[at - 1] if at else None
+            if prev is not None and tasks[prev][5] >= start - 1e-12:
+                i = prev  # it ran as soon as its replica was free
+                continue
+            # It waited: for an input (a forward) or a gradient (a backward). Follow the latest.
+            deps = []
+            for sid in plan.replicas[n][r][m]:
+                for other in (self.inputs[n] if kind == "forward" else self.grads_from[n]):
+                    if (other, sid) in where:
+                        o_r, o_m = where[(other, sid)]
+                        k = by_mb.get((other, o_r, o_m, "backward" if kind == "backward" else "forward"))
+                        if k is None:
+                            k = by_mb.get((other, o_r, o_m, "forward"))
+                        if k is not None:
+                            deps.append(k)
+            dep = max(deps, key=lambda k: tasks[k][5], default=None)
+            if dep is not None and tasks[dep][5] + transfer >= start - 1e-12:
+                i = dep
+            elif prev is not None:
+                i = prev  # held by a gate, or its wait was shorter than it looks: go on along the replica
+            else:
+                break
+        return out
+
+    def change(self, plan: Plan, chain: list[tuple[str, int]], rng: random.Random) -> Plan | None:
+        """One random change of `plan` (a new plan with recomputed gates), or None where the
+        drawn change does not apply."""
+        n, r = rng.choice(chain) if chain and rng.random() < P_CHAIN else rng.choice(self.replicas)
+        sections = self.graph.sections
+        reps = [list(map(list, mbs)) for mbs in plan.replicas[n]]
+        routes = plan.routes
+        if rng.random() < P_ROUTE:
+            if sections[n].dp < 2:
+                return None
+            other = rng.randrange(sections[n].dp - 1)
+            other += other >= r
+            mine, theirs = reps[r], reps[other]
+            if not mine or not theirs:
+                return None
+            a, b = rng.choice(mine), rng.choice(theirs)
+            i, j = rng.randrange(len(a)), rng.randrange(len(b))
+            if not (self.routable(routes, n, a[i], other) and self.routable(routes, n, b[j], r)):
+                return None
+            a[i], b[j] = b[j], a[i]
+            routes = {**routes, n: {**routes[n], a[i]: r, b[j]: other}}
+        elif not self._within(reps[r], sections[n].micro_batch, rng):
+            return None
+        replicas = {**plan.replicas, n: tuple(tuple(tuple(mb) for mb in rep if mb) for rep in reps)}
+        for c, p in self.in_order.items():
+            if n in (c, p):
+                replicas[c] = self._sent_order(replicas, routes, p, c)
+        return self.gated(replace(plan, replicas=replicas, routes=routes))
+
+    def _sent_order(self, replicas: dict, routes: dict[str, dict[int, int]], p: str, c: str) -> tuple:
+        """Consumer `c`'s micro-batches with the samples of each producer replica, in the places
+        they hold, put back in the order that replica produces them."""
+        sections, meta = self.graph.sections, self.meta
+        sent: dict[tuple[int, int], list[int]] = {}  # (producer replica, consumer replica) -> sids
+        for pr, mbs in enumerate(replicas[p]):
+            for mb in mbs:
+                for sid in mb:
+                    if sections[c].activates(meta[sid].modalities):
+                        sent.setdefault((pr, routes[c][sid]), []).append(sid)
+        queues = {key: iter(sids) for key, sids in sent.items()}
+        route_p = routes[p]
+        return tuple(tuple(tuple(next(queues[(route_p[sid], ci)]) if sid in route_p and
+                                 sections[p].activates(meta[sid].modalities) else sid for sid in mb) for mb in mbs)
+                     for ci, mbs in enumerate(replicas[c]))
+
+    @staticmethod
+    def _within(mbs: list[list[int]], size: int, rng: random.Random) -> bool:
+        """Change one replica's micro-batches in place; False where the drawn change does not apply."""
+        if not mbs:
+            return False
+        kind, i = rng.randrange(4), rng.randrange(len(mbs))
+        if kind == 3:  # split a micro-batch in two
+            if len(mbs[i]) < 2:
+                return False
+            cut = rng.randrange(1, len(mbs[i]))
+            mbs[i:i + 1] = [mbs[i][:cut], mbs[i][cut:]]
+            return True
+        j = rng.randrange(len(mbs))
+        if i == j:
+            return False
+        if kind == 0:  # a sample moves to another micro-batch
+            if len(mbs[j]) >= size:
+                return False
+            mbs[j].append(mbs[i].pop(rng.randrange(len(mbs[i]))))
+        elif kind == 1:  # two samples swap micro-batches
+            a, b = rng.randrange(len(mbs[i])), rng.randrange(len(mbs[j]))
+            mbs[i][a], mbs[j][b] = mbs[j][b], mbs[i][a]
+        else:  # a micro-batch moves to another place in the order
+            mbs.insert(j, mbs.pop(i))
+        return True

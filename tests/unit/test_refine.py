@@ -1,0 +1,104 @@
+"""The wavefront planner's local search (planner/refine.py): it only ever shortens the rules'
+plan, exactly as simulate.py times it, keeps every plan invariant and the run-ahead credit, stays
+within its budget and is deterministic."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from maestro_flow.errors import PipelineError
+from maestro_flow.graph import SectionGraph
+from maestro_flow.planner import refine
+from maestro_flow.planner.simulate import simulate
+from maestro_flow.planner.wavefront import WavefrontPlanner
+from tests.unit.test_planner import check_plan
+from tests.unit.test_wavefront import run_with_credits
+from tools.bench import wavefront_sim as bench
+
+
+@pytest.fixture(scope="module")
+def issue_case():
+    """The issue's case (vision dp 2 -> llm dp 4, trainable, micro-batches 2 / 4, 80% images) on
+    the 128-sample draw that every rule set leaves 12.7% over the lower bound."""
+    graph, costs = bench.build(2, 4, True, bench.llm_cost(), mb_vision=2, mb_llm=4)
+    return graph, costs, bench.draw_samples(128, 0.8, 2)
+
+
+def test_the_search_shortens_the_rules_plan_exactly_as_simulated(issue_case):
+    graph, costs, samples = issue_case
+    rules = WavefrontPlanner(graph, costs, search=0.0)
+    searched = WavefrontPlanner(graph, costs)  # the pipeline's plan_search
+    assert searched.search == graph.pipeline.plan_search > 0
+    before = simulate(rules.plan(0, samples), graph, costs)
+    plan, span = searched._plan(0, samples, searched.tried(len(samples)), True, searched.search)
+    after = simulate(plan, graph, costs)
+    assert plan.variant.startswith("refined ") and not rules.plan(0, samples).variant.startswith("refined")
+    assert after.makespan_s == span  # the planner's own figure is the simulation's, exactly
+    assert before.makespan_s > 1.12 * before.lower_bound_s
+    assert after.makespan_s <= 1.05 * after.lower_bound_s, after.makespan_s / after.lower_bound_s
+    check_plan(graph, samples, plan)  # routes keep every edge's fan-out blocks; each sample once
+
+
+def test_a_searched_plan_keeps_the_run_ahead_credit(issue_case):
+    graph, costs, samples = issue_case
+    for run_ahead in (4, None):
+        k = run_ahead or max(4 * graph.sections["llm"].micro_batch, 16)
+        plan = WavefrontPlanner(graph, costs, run_ahead=run_ahead).plan(0, samples)
+        assert plan.variant.startswith("refined ")
+        peak, makespan = run_with_credits(plan, graph, costs, k)
+        assert max(peak) <= k + graph.sections["vision"].micro_batch, (run_ahead, peak)
+        assert makespan <= simulate(plan, graph, costs).makespan_s * (1 + 1e-9)
+
+
+def test_the_search_is_deterministic(issue_case):
+    graph, costs, samples = issue_case
+    first = WavefrontPlanner(graph, costs).plan(3, samples)
+    assert first.variant.startswith("refined ")
+    assert first == WavefrontPlanner(graph, costs).plan(3, list(samples))
+
+
+def test_the_budget_follows_the_share_of_the_planned_step():
+    assert refine.evals_allowed(1.0, 200, 0.0) == 0
+    assert refine.evals_allowed(0.0, 200, 0.1) == 0
+    small, large = refine.evals_allowed(0.05, 20, 0.1), refine.evals_allowed(1.0, 200, 0.1)
+    assert 0 < small < large <= refine.MAX_EVALS
+    # What the budget lets it simulate costs at most the share, at the modelled cost per candidate.
+    assert large * (refine.EVAL_FIXED_S + 200 * refine.EVAL_TASK_S) <= 0.1 * 1.0
+    assert refine.evals_allowed(1e6, 200, 1.0) == refine.MAX_EVALS
+
+
+def test_no_search_near_the_bound_nor_without_a_share(issue_case):
+    graph, costs, samples = issue_case
+    planner = WavefrontPlanner(graph, costs, search=0.0)
+    plan = planner.plan(0, samples)
+    sim = simulate(plan, graph, costs)
+    comp = list(graph.order)
+    start = dataclasses.replace(plan, step=0)
+    args = (graph, costs, comp, start)
+    # Within ABOVE of the bound: nothing to gain worth the time.
+    assert refine.refine(*args, sim.makespan_s, sim.makespan_s / (1 + refine.ABOVE / 2), "llm", 16, 1.0, 0) is None
+    # No share of the step: no search at all.
+    assert refine.refine(*args, sim.makespan_s, sim.lower_bound_s, "llm", 16, 0.0, 0) is None
+    found = refine.refine(*args, sim.makespan_s, sim.lower_bound_s, "llm", 16, 0.1, 0)
+    assert found is not None and found.makespan_s < sim.makespan_s
+    assert 0 < found.evaluated <= refine.evals_allowed(sim.makespan_s, len(sim.tasks), 0.1)
+
+
+def test_a_large_batch_is_not_searched():
+    """Past the batch size at which every rule set is played out, the planner keeps its 100 ms
+    goal at 4096 samples: no search."""
+    graph, costs = bench.build(2, 8, True, bench.llm_cost())
+    planner = WavefrontPlanner(graph, costs, search=1.0)
+    samples = bench.draw_samples(1536, 0.8, 2)
+    assert len(planner.tried(len(samples))) < len(planner.candidates)
+    assert not planner.plan(0, samples).variant.startswith("refined")
+
+
+def test_plan_search_is_validated():
+    graph, _ = bench.build(1, 2, True, bench.llm_cost())
+    for bad in (-0.1, 1.5, "0.1", True):
+        with pytest.raises(PipelineError, match="plan_search"):
+            dataclasses.replace(graph.pipeline, plan_search=bad).validate()
+    assert SectionGraph(dataclasses.replace(graph.pipeline, plan_search=0.0)).pipeline.plan_search == 0.0
