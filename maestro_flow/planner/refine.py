@@ -20,7 +20,7 @@ memory bound the orderings keep holds for a refined plan too.
 Budget, without clocks: only a component whose best ordering ends more than ABOVE over its
 lower bound is searched; the search simulates at most MAX_EVALS plans and at most as many as
 cost `share` (Pipeline.plan_search) of the step's planned seconds, at EVAL_FIXED_S + EVAL_TASK_S
-per simulated task each; it stops once within ABOVE of the bound, or after STALL plans none of which was shorter.
+per simulated task each, its start included (none where that leaves fewer than MIN_EVALS); it stops once within ABOVE of the bound, or after STALL plans none of which was shorter.
 """
 
 from __future__ import annotations
@@ -39,12 +39,16 @@ from maestro_flow.samples import SampleMeta
 ABOVE = 0.02  # search a component only above (1 + ABOVE) x its lower bound; stop there
 MAX_EVALS = 256  # plans simulated at most, however long the step
 STALL = 64  # stop after this many plans in a row none of which was shorter
-# Seconds one candidate costs the search (its change, gates and simulation): a fixed part and a
-# part per task of the simulated step. Measured on this project's 2-core host (5-10 us per task
-# at 150-280 tasks, 250-320 us a candidate at 12-24 tasks; the planning times of
-# tools/bench/wavefront_sim.py --worst follow from them); a faster host spends less.
-EVAL_FIXED_S = 2.5e-4
-EVAL_TASK_S = 7e-6
+# Seconds one candidate costs the search (its change, order, gates and simulation): a fixed part
+# and a part per task of the simulated step. Measured on this project's 2-core host (1.1-1.7 ms a
+# candidate at 170-280 tasks, 0.2-0.35 ms at 12-22 tasks: a least-squares fit gave 170 us + 8.6 us
+# per task; tools/bench/wavefront_sim.py --worst reports the planning times that follow); a faster
+# host spends less. Starting a search (the first simulation, its gates and chain) costs about
+# SETUP_EVALS candidates, and a search allowed fewer than MIN_EVALS is not started.
+EVAL_FIXED_S = 2e-4
+EVAL_TASK_S = 8e-6
+SETUP_EVALS = 3
+MIN_EVALS = 8
 P_CHAIN = 0.75  # share of changes made on a replica of the critical chain
 P_ROUTE = 0.1  # share of changes that swap two samples between replicas
 
@@ -63,7 +67,8 @@ def evals_allowed(span_s: float, tasks: int, share: float) -> int:
     whose simulation runs `tasks` tasks."""
     if share <= 0 or span_s <= 0:
         return 0
-    return min(MAX_EVALS, int(share * span_s / (EVAL_FIXED_S + EVAL_TASK_S * tasks)))
+    evals = min(MAX_EVALS, int(share * span_s / (EVAL_FIXED_S + EVAL_TASK_S * tasks)) - SETUP_EVALS)
+    return evals if evals >= MIN_EVALS else 0
 
 
 def refine(graph: SectionGraph, costs: CostModel, comp: Sequence[str], start: Plan, span_s: float, bound_s: float,
@@ -73,15 +78,15 @@ def refine(graph: SectionGraph, costs: CostModel, comp: Sequence[str], start: Pl
     the search is not worth it or finds none."""
     if span_s <= bound_s * (1 + ABOVE):
         return None
-    memo: dict = {}
     search = _Search(graph, costs, list(comp), critical, credit, start.samples)
+    budget = evals_allowed(span_s, search.tasks(start), share)
+    if budget <= 0:
+        return None
+    memo: dict = {}
     current = search.gated(start)
     try:
         sim = replay(current, graph, costs, memo)
     except ValueError:
-        return None
-    budget = evals_allowed(span_s, len(sim.tasks), share)
-    if budget <= 0:
         return None
     cur = _end(sim)
     best_plan, best = (current, cur) if cur < span_s else (None, span_s)
@@ -92,7 +97,7 @@ def refine(graph: SectionGraph, costs: CostModel, comp: Sequence[str], start: Pl
         drawn += 1
         candidate = search.change(current, chain, rng)
         if candidate is None:
-            continue  # the drawn change does not apply (e.g. to a full micro-batch): draw again
+            continue  # the drawn change does not apply (a full micro-batch), or the send order undid it
         evaluated += 1
         try:
             sim = replay(candidate, graph, costs, memo)
@@ -147,6 +152,14 @@ class _Search:
                 return False
         return True
 
+    def tasks(self, plan: Plan) -> int:
+        """The tasks the plan's simulation runs, at most: a forward per micro-batch, and a backward
+        where a trainable section that is not a loss section gets gradients back."""
+        graph = self.graph
+        losses = set(graph.loss_sections())
+        return sum(len(mbs) * (2 if self.grads_from[n] and graph.sections[n].trainable and n not in losses else 1)
+                   for n in self.comp for mbs in plan.replicas[n])
+
     def gated(self, plan: Plan) -> Plan:
         gates = credit_gates(self.graph, plan, self.comp, self.critical, self.credit)
         return replace(plan, gates={**plan.gates, **gates})
@@ -198,7 +211,7 @@ class _Search:
 
     def change(self, plan: Plan, chain: list[tuple[str, int]], rng: random.Random) -> Plan | None:
         """One random change of `plan` (a new plan with recomputed gates), or None where the
-        drawn change does not apply."""
+        drawn change does not apply or changes nothing once consumers are back in send order."""
         n, r = rng.choice(chain) if chain and rng.random() < P_CHAIN else rng.choice(self.replicas)
         sections = self.graph.sections
         reps = [list(map(list, mbs)) for mbs in plan.replicas[n]]
@@ -223,6 +236,8 @@ class _Search:
         for c, p in self.in_order.items():
             if n in (c, p):
                 replicas[c] = self._sent_order(replicas, routes, p, c)
+        if routes is plan.routes and all(replicas[m] == plan.replicas[m] for m in self.comp):
+            return None
         return self.gated(replace(plan, replicas=replicas, routes=routes))
 
     def _sent_order(self, replicas: dict, routes: dict[str, dict[int, int]], p: str, c: str) -> tuple:

@@ -83,7 +83,7 @@ def test_no_search_near_the_bound_nor_without_a_share(issue_case):
     assert refine.refine(*args, sim.makespan_s, sim.lower_bound_s, "llm", 16, 0.0, 0) is None
     found = refine.refine(*args, sim.makespan_s, sim.lower_bound_s, "llm", 16, 0.1, 0)
     assert found is not None and found.makespan_s < sim.makespan_s
-    assert 0 < found.evaluated <= refine.evals_allowed(sim.makespan_s, len(sim.tasks), 0.1)
+    assert 0 < found.evaluated <= refine.evals_allowed(sim.makespan_s, len(sim.tasks), 0.1)  # as many tasks here
 
 
 def test_a_large_batch_is_not_searched():
