@@ -3,7 +3,9 @@
 Pure (standard library only). Producer micro-batch k of a replica may start once each replica
 of the critical section it feeds has finished enough forwards that at most `credit` of this
 producer's outputs, plus one consumer micro-batch, wait there: the memory bound the wavefront's
-own orderings keep (Ordering.gates words the same rule for the order it decides itself).
+own orderings keep. Ordering.gates words the same rule for the order it decides itself, and
+also loosens a gate to what the consumer had started when that order was decided (so its gates
+never delay its own plan); these gates have no such record, so they can be stricter.
 """
 
 from __future__ import annotations

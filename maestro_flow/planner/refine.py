@@ -1,6 +1,7 @@
 """A bounded local search that shortens the best ordering's plan, judged by simulate.py.
 
-Pure (standard library only; a seeded `random.Random`, so the same batch gets the same plan).
+Pure (standard library only; a `random.Random` seeded by the step, so the same step of the same
+batch under the same costs gets the same plan).
 Why: the orderings (ordering.py) decide greedily, under fixed rules. Where an encoder trains and
 has about as much work per replica as the LLM, its backwards (run as soon as their gradients
 return) push its forwards back, the LLM idles mid-step and the encoder waits for gradients at
@@ -14,13 +15,18 @@ event simulation the planner's makespans come from, so the result is exact):
   - across the replicas of one section: two samples swap replicas (their routes).
 Most changes (P_CHAIN) touch a replica on the step's critical chain: the tasks that decide when
 it ends, traced back from the last one through each wait on an input or a gradient; the others
-touch any replica. Run-ahead gates are recomputed for every changed plan (credit.py), so the
-memory bound the orderings keep holds for a refined plan too.
+touch any replica. A consumer with one producer section that feeds no one keeps taking each
+producer replica's outputs in the order they were sent (as every schedule does). Run-ahead gates
+are recomputed for every changed plan (credit.py), so the memory bound the orderings keep holds
+for a refined plan too.
 
 Budget, without clocks: only a component whose best ordering ends more than ABOVE over its
 lower bound is searched; the search simulates at most MAX_EVALS plans and at most as many as
-cost `share` (Pipeline.plan_search) of the step's planned seconds, at EVAL_FIXED_S + EVAL_TASK_S
-per simulated task each, its start included (none where that leaves fewer than MIN_EVALS); it stops once within ABOVE of the bound, or after STALL plans none of which was shorter.
+cost `share` (Pipeline.plan_search; the planner splits it between a graph's components) of the
+step's planned seconds, at EVAL_FIXED_S + EVAL_TASK_S per simulated task each, its start included
+(none where that leaves fewer than MIN_EVALS); it stops once within ABOVE of the bound, after
+STALL plans none of which was shorter, or after drawing 4x its budget in changes (most of which
+do not apply or change nothing: those cost no simulation).
 """
 
 from __future__ import annotations
@@ -39,18 +45,19 @@ from maestro_flow.samples import SampleMeta
 ABOVE = 0.02  # search a component only above (1 + ABOVE) x its lower bound; stop there
 MAX_EVALS = 256  # plans simulated at most, however long the step
 STALL = 64  # stop after this many plans in a row none of which was shorter
-# Seconds one candidate costs the search (its change, order, gates and simulation): a fixed part
-# and a part per task of the simulated step. Measured on this project's 2-core host (1.1-1.7 ms a
-# candidate at 170-280 tasks, 0.2-0.35 ms at 12-22 tasks: a least-squares fit gave 170 us + 8.6 us
-# per task; tools/bench/wavefront_sim.py --worst reports the planning times that follow); a faster
-# host spends less. Starting a search (the first simulation, its gates and chain) costs about
-# SETUP_EVALS candidates, and a search allowed fewer than MIN_EVALS is not started.
+# Seconds one candidate costs the search (its change, send order, gates, simulation, and the
+# critical chain of an accepted one): a fixed part and a part per task of the simulated step.
+# Measured on this project's 2-core host: 0.2-0.35 ms a candidate at 12-22 tasks, 1.1-2.1 ms at
+# 170-280 tasks; the constants are set at the costly end (tools/bench/wavefront_sim.py --worst
+# reports the planning time against the planned step that follows); a faster host spends less.
+# Starting a search (the first simulation and chain) costs about SETUP_EVALS candidates, and a
+# search allowed fewer than MIN_EVALS is not started.
 EVAL_FIXED_S = 2e-4
-EVAL_TASK_S = 8e-6
+EVAL_TASK_S = 1e-5
 SETUP_EVALS = 3
 MIN_EVALS = 8
 P_CHAIN = 0.75  # share of changes made on a replica of the critical chain
-P_ROUTE = 0.1  # share of changes that swap two samples between replicas
+P_ROUTE = 0.25  # share of changes that swap two samples between replicas
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,13 +90,8 @@ def refine(graph: SectionGraph, costs: CostModel, comp: Sequence[str], start: Pl
     if budget <= 0:
         return None
     memo: dict = {}
-    current = search.gated(start)
-    try:
-        sim = replay(current, graph, costs, memo)
-    except ValueError:
-        return None
-    cur = _end(sim)
-    best_plan, best = (current, cur) if cur < span_s else (None, span_s)
+    current, sim = start, replay(start, graph, costs, memo)  # its own gates: it ends at span_s
+    cur, best_plan, best = _end(sim), None, span_s
     chain = search.chain(current, sim)
     rng = random.Random(seed)
     evaluated = stalled = drawn = 0
@@ -170,10 +172,12 @@ class _Search:
         tasks = sim.tasks  # (section, replica, mb, kind, start, end), in start order
         if not tasks:
             return []
-        runs: dict[tuple[str, int], list[int]] = {}
+        prev_of: dict[int, int | None] = {}  # task -> the task before it on its replica
+        last: dict[tuple[str, int], int] = {}
         by_mb: dict[tuple[str, int, int, str], int] = {}
         for i, (n, r, m, kind, _, _) in enumerate(tasks):
-            runs.setdefault((n, r), []).append(i)
+            prev_of[i] = last.get((n, r))
+            last[(n, r)] = i
             by_mb[(n, r, m, kind)] = i
         where = {(n, sid): (r, m) for n in self.comp for r, mbs in enumerate(plan.replicas[n])
                  for m, mb in enumerate(mbs) for sid in mb}
@@ -183,9 +187,7 @@ class _Search:
         for _ in range(len(tasks)):
             n, r, m, kind, start, _ = tasks[i]
             out.append((n, r))
-            mine = runs[(n, r)]
-            at = mine.index(i)
-            prev = mine[at - 1] if at else None
+            prev = prev_of[i]
             if prev is not None and tasks[prev][5] >= start - 1e-12:
                 i = prev  # it ran as soon as its replica was free
                 continue

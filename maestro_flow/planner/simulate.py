@@ -67,7 +67,7 @@ class _Replica:
     mbs: tuple[tuple[int, ...], ...]
     fwd_cost: list[float]
     bwd_cost: list[float]  # 0 where no separate backward task
-    needs: list[set[tuple[str, int]]]  # per mb: (producer section, sample id) inputs
+    needs: list[frozenset[tuple[str, int]]]  # per mb: (producer section, sample id) inputs
     grads_needed: list[int]  # per mb: gradient messages still to come (separate backward only)
     next_fwd: int = 0
     free_at: float = 0.0
@@ -84,7 +84,8 @@ class _Replica:
 class _Sim:
     def __init__(self, plan: Plan, graph: SectionGraph, costs: CostModel, memo: dict | None = None) -> None:
         """`memo` (optional, owned by the caller): each micro-batch's costs and inputs by (section,
-        samples), kept across simulations of plans that share micro-batches (refine.py's search)."""
+        samples), kept across simulations of plans of the same samples, graph and costs that share
+        micro-batches (refine.py's search)."""
         self.graph, self.costs = graph, costs
         self.meta = {s.id: s for s in plan.samples}
         self.arrival: dict[tuple[str, int], float] = {}  # (producer, sid) -> when its output arrives

@@ -99,7 +99,7 @@ class WavefrontPlanner:
         return self._plan(step, samples, self.tried(len(samples)), self.versus_fifo, self.search)[0]
 
     def plan_with(self, step: int, samples: Sequence[SampleMeta], rules: Rules) -> tuple[Plan, float]:
-        """The plan one set of rules makes alone (no other candidate, no FIFO), and its makespan
+        """The plan one set of rules makes alone (no other candidate, no FIFO, no search), and its makespan
         as the ordering simulated it: simulate(plan).makespan_s exactly (tests/unit/test_ordering.py)."""
         rules.validate()
         return self._plan(step, samples, (rules,), False, 0.0)
@@ -114,7 +114,8 @@ class WavefrontPlanner:
         active = {n: [s.id for s in samples if sections[n].activates(s.modalities)] for n in graph.order}
         chosen: list[tuple[list[str], float, str, dict, dict, dict]] = []  # comp, makespan, rules, routes, mbs, gates
         hurry = len(tried) < len(self.candidates)  # a large batch: the budget cut the candidates short
-        for index, comp in enumerate(components(graph)):
+        comps = components(graph)
+        for index, comp in enumerate(comps):
             anchor = self._critical(comp, task, active)
             cost = {n: {sid: task[n][sid] for sid in active[n]} for n in comp}  # absent: not activated
             bound = max(bound_terms(samples, graph, self.costs, sections=comp, fwd=fwd, task=task).values())
@@ -146,8 +147,8 @@ class WavefrontPlanner:
             if search > 0 and not hurry:  # a batch too large to try every rule set is not searched either
                 credit = self.run_ahead if self.run_ahead is not None else default_run_ahead(sections[anchor].micro_batch)
                 start = self._component_plan(samples, comp, mbs, gates, routes)
-                better = refine(graph, self.costs, comp, start, span, bound, anchor, credit, search,
-                                seed=step * 1009 + index)
+                better = refine(graph, self.costs, comp, start, span, bound, anchor, credit,
+                                search / len(comps), seed=step * 1009 + index)
                 if better is not None:
                     span, name = better.makespan_s, f"refined {name}"
                     routes, mbs, gates = better.routes, better.replicas, better.gates

@@ -242,10 +242,10 @@ class Coordinator(CoordinatorIO):
         """Pipeline.plan_search where the planner's search costs training nothing (cpus.search_share)."""
         from maestro_flow.runtime.cpus import search_share
 
-        cpu_here = sum(1 for r in range(self.placement.world_size)
-                       if self.node_of[r] == 0 and self.placement.devices[r] == "cpu")
+        here = sum(1 for r in range(self.placement.world_size) if self.node_of[r] == 0)
         p = self.pipeline
-        return search_share(p.plan_search, p.lookahead_steps, cpu_here, len(os.sched_getaffinity(0)))
+        return search_share(p.plan_search if p.schedule == "wavefront" else 0.0, p.lookahead_steps, here,
+                            len(os.sched_getaffinity(0)))
 
     def _pinned(self) -> dict[int, dict[str, Any]]:
         """With --pin-cpus: each CPU worker of this node's cores and torch threads (boot fields)."""
@@ -264,7 +264,8 @@ class Coordinator(CoordinatorIO):
     def _train(self) -> None:
         p = self.pipeline
         self._cpu_mark = time.process_time()  # the first step's CPU leaves the startup out
-        planner = make_planner(p.schedule, self.graph, search=self._plan_search())
+        search = self._plan_search()
+        planner = make_planner(p.schedule, self.graph, search=search)
         sampler = self.sampler
         ledger = StepLedger(self.graph, self.placement, adapt_costs=p.adapt_costs)
         first = 0
@@ -281,6 +282,8 @@ class Coordinator(CoordinatorIO):
                 upto = min(upto, limit - 1)
             while next_plan <= min(upto, p.steps - 1):
                 planner.costs = ledger.costs()  # refined from the timings measured so far
+                if search:  # no search for a plan the workers are waiting for
+                    planner.search = search if next_plan > completed else 0.0  # type: ignore[attr-defined]
                 plan = timed_plan(planner, next_plan, sampler.batch(next_plan), self.observer)
                 ledger.planned(plan, time.perf_counter())
                 messages = PlanMessages(plan, self.graph, (self.record or {}).get("section"))

@@ -30,11 +30,13 @@ def threads(num_workers: int, cores: Sequence[int]) -> int:
     return max(1, len(cores) // max(1, num_workers))
 
 
-def search_share(plan_search: float, lookahead_steps: int, cpu_workers: int, cores: int) -> float:
+def search_share(plan_search: float, lookahead_steps: int, workers: int, cores: int) -> float:
     """The share of each step the planner's search may take in a run (Pipeline.plan_search,
     planner/refine.py): the pipeline's, or 0 where it would take time from training — plans not
-    made ahead of their step (lookahead_steps=0), or `cpu_workers` on the coordinator's node that
-    fill its `cores` (the coordinator would search on a worker's core)."""
-    if lookahead_steps == 0 or cpu_workers >= cores:
+    made ahead of their step (lookahead_steps=0), or `workers` on the coordinator's node (each
+    keeps a core busy, a GPU worker too) that fill its `cores` (the coordinator would search on a
+    worker's core). The coordinator also plans with the rules alone whenever the workers wait for
+    that plan (the first step, a step after a checkpoint)."""
+    if lookahead_steps == 0 or workers >= cores:
         return 0.0
     return plan_search

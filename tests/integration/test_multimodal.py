@@ -120,3 +120,28 @@ def test_corrupt_images_can_be_skipped_and_counted(corrupt_data, tmp_path):
         overrides={"steps": 4, "global_batch": 24, "data.path": str(path),
                    "sections.vision.config.decode.skip_corrupt": True}, show_progress=False))
     assert rows[-1]["sections"]["vision"]["stage"]["corrupt_images"] == 1  # 96 samples, 4 steps of 24: seen once
+
+
+def test_plans_the_search_shortened_train_as_the_colocated_reference(vlm_data, tmp_path, monkeypatch):
+    """The planner's search (planner/refine.py) on in a run (this 2-core host's workers fill its
+    cores, so the run would turn it off: the test lets it search anyway): its plans (micro-batches
+    moved, reordered and split, samples swapped between replicas, gates recomputed) run to the
+    colocated reference's parameters."""
+    import json
+
+    from maestro_flow.runtime import cpus
+
+    monkeypatch.setattr(cpus, "search_share", lambda share, lookahead, workers, cores: share)
+    overrides = {"dtype": "float64", "steps": 3, "data.path": str(vlm_data[1.0]), "global_batch": 24,
+                 "sections.llm.dp": 4, "sections.llm.micro_batch": 3, "plan_search": 1.0}
+    section, colocated = tmp_path / "section", tmp_path / "colocated"
+    s_rows = run_pipeline(str(ROOT / "pipelines/vlm.py"), RunOptions(
+        overrides=overrides, save_dir=str(section), run_dir=str(tmp_path / "run"), show_progress=False))
+    c_rows = run_pipeline(str(ROOT / "pipelines/vlm.py"), RunOptions(
+        overrides=overrides, colocated=True, save_dir=str(colocated), show_progress=False))
+    plans = [json.loads(line) for path in (tmp_path / "run").rglob("plans.jsonl") for line in path.open()]
+    assert [p["step"] for p in plans] == [0, 1, 2]
+    assert not plans[0]["variant"].startswith("refined")  # the workers wait for the first plan: rules alone
+    assert any(p["variant"].startswith("refined") for p in plans[1:]), [p["variant"] for p in plans]
+    assert_same_losses(s_rows, c_rows)
+    assert_same_parameters(section, colocated, ["llm", "vision"])

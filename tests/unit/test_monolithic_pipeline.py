@@ -104,9 +104,9 @@ def test_predicted_monolithic_step():
 
 
 def test_the_planner_searches_only_on_a_spare_core_ahead_of_the_step():
-    assert search_share(0.25, 1, cpu_workers=3, cores=16) == 0.25  # GPU-node-like: cores to spare
-    assert search_share(0.25, 1, cpu_workers=0, cores=2) == 0.25  # every worker on a GPU
-    assert search_share(0.25, 1, cpu_workers=3, cores=2) == 0.0  # the CPU demo: workers fill the host
-    assert search_share(0.25, 1, cpu_workers=2, cores=2) == 0.0
-    assert search_share(0.25, 0, cpu_workers=0, cores=16) == 0.0  # plans made just in time
-    assert search_share(0.0, 1, cpu_workers=0, cores=16) == 0.0
+    assert search_share(0.25, 1, workers=3, cores=16) == 0.25  # GPU-node-like: cores to spare
+    assert search_share(0.25, 1, workers=0, cores=2) == 0.25  # every worker on a GPU
+    assert search_share(0.25, 1, workers=3, cores=2) == 0.0  # the CPU demo: workers fill the host
+    assert search_share(0.25, 1, workers=2, cores=2) == 0.0
+    assert search_share(0.25, 0, workers=0, cores=16) == 0.0  # plans made just in time
+    assert search_share(0.0, 1, workers=0, cores=16) == 0.0

@@ -227,7 +227,7 @@ def test_worst_cases_are_within_5_percent_of_the_bound_and_never_slower_than_fif
 WORST_128 = [
     ("draw", 2, 8, 8, 4, True, 0.33), ("draw", 1, 8, 8, 4, True, 0.1), ("draw", 2, 8, 8, 4, False, 0.9),
     ("mix", 1, 8, 4, 4, True, 0.1), ("mix", 2, 8, 8, 4, True, 0.33), ("mix", 2, 8, 8, 4, False, 0.9),
-    ("draw", 2, 4, 2, 4, True, 0.8), ("draw", 1, 2, 4, 4, True, 0.8), ("draw", 2, 4, 4, 2, True, 0.8),
+    ("draw", 2, 4, 2, 4, True, 0.8), ("draw", 1, 2, 4, 4, True, 0.8), ("draw", 2, 4, 4, 4, True, 0.8),
     ("mix", 1, 8, 8, 4, True, 0.1), ("mix", 2, 2, 4, 4, True, 0.9),
 ]
 
