@@ -59,7 +59,7 @@ def _plan_messages(pipeline: Any, graph: Any, metadata: list[Any], steps: int) -
     from maestro_flow.runtime.sampler import EpochSampler
 
     placement = placement_for(graph)
-    planner = make_planner(pipeline.schedule, graph)
+    planner = make_planner(pipeline.schedule, graph, search=0.0)  # as the run on this host: workers fill its cores
     sampler = EpochSampler(metadata, pipeline.global_batch, pipeline.seed)
     plans = [planner.plan(s, sampler.batch(s)) for s in range(steps)]
     messages = [plan_message(plans[0], graph, *placement.who(r)) for r in range(placement.world_size)]
