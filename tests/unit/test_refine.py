@@ -5,15 +5,17 @@ within its budget and is deterministic."""
 from __future__ import annotations
 
 import dataclasses
+from unittest import mock
 
 import pytest
+from hypothesis import given, settings
 
 from maestro_flow.errors import PipelineError
 from maestro_flow.graph import SectionGraph
-from maestro_flow.planner import refine
+from maestro_flow.planner import CostModel, refine
 from maestro_flow.planner.simulate import simulate
 from maestro_flow.planner.wavefront import WavefrontPlanner
-from tests.unit.test_planner import check_plan
+from tests.unit.test_planner import batches, check_plan, pipelines
 from tests.unit.test_wavefront import run_with_credits
 from tools.bench import wavefront_sim as bench
 
@@ -102,3 +104,21 @@ def test_plan_search_is_validated():
         with pytest.raises(PipelineError, match="plan_search"):
             dataclasses.replace(graph.pipeline, plan_search=bad).validate()
     assert SectionGraph(dataclasses.replace(graph.pipeline, plan_search=0.0)).pipeline.plan_search == 0.0
+
+
+@settings(max_examples=120, deadline=None, database=None)
+@given(p=pipelines(), samples=batches())
+def test_a_searched_plan_keeps_every_invariant_on_any_graph(p, samples):
+    """Random graphs (chains, fan-in, fan-out, several producers, several components): with the
+    search let loose (any plan above its bound searched, its budget not charged), every plan
+    still satisfies the planner's invariants, is no longer than the rules' own, and its
+    makespan is the simulation's."""
+    graph = SectionGraph(p)
+    rules = WavefrontPlanner(graph, CostModel(costs={n: s.cost for n, s in graph.sections.items()}), search=0.0)
+    with mock.patch.multiple(refine, ABOVE=0.0, EVAL_FIXED_S=1e-12, EVAL_TASK_S=1e-12, MAX_EVALS=24, MIN_EVALS=1):
+        searched = WavefrontPlanner(graph, rules.costs, search=1.0)
+        plan, span = searched._plan(3, samples, searched.tried(len(samples)), True, 1.0)
+    check_plan(graph, samples, plan)
+    sim = simulate(plan, graph, rules.costs)
+    assert sim.makespan_s == pytest.approx(span, rel=1e-12, abs=1e-12)
+    assert sim.makespan_s <= simulate(rules.plan(3, samples), graph, rules.costs).makespan_s * (1 + 1e-12) + 1e-12
