@@ -91,8 +91,8 @@ def refine(graph: SectionGraph, costs: CostModel, comp: Sequence[str], start: Pl
         return None
     memo: dict = {}
     current, sim = start, replay(start, graph, costs, memo)  # its own gates: it ends at span_s
-    cur, best_plan, best = _end(sim), None, span_s
-    chain = search.chain(current, sim)
+    cur, best_plan, best = sim.makespan_s, None, span_s
+    chain = search.chain(sim)
     rng = random.Random(seed)
     evaluated = stalled = drawn = 0
     while evaluated < budget and stalled < STALL and best > bound_s * (1 + ABOVE) and drawn < 4 * budget:
@@ -106,12 +106,12 @@ def refine(graph: SectionGraph, costs: CostModel, comp: Sequence[str], start: Pl
         except ValueError:  # the recomputed gates wait in a circle: not a plan
             stalled += 1
             continue
-        end = _end(sim)
+        end = sim.makespan_s
         if end > cur * (1 + 1e-12):
             stalled += 1
             continue
         stalled = 0 if end < cur * (1 - 1e-12) else stalled + 1
-        current, cur, chain = candidate, end, search.chain(candidate, sim)
+        current, cur, chain = candidate, end, search.chain(sim)
         if cur < best * (1 - 1e-12):
             best_plan, best = current, cur
     if best_plan is None:
@@ -119,10 +119,6 @@ def refine(graph: SectionGraph, costs: CostModel, comp: Sequence[str], start: Pl
     return Refined(replicas={n: best_plan.replicas[n] for n in comp}, routes={n: best_plan.routes[n] for n in comp},
                    gates={n: best_plan.gates[n] for n in comp if n in best_plan.gates}, makespan_s=best,
                    evaluated=evaluated)
-
-
-def _end(sim) -> float:
-    return max((rep.finish for rep in sim.replicas), default=0.0)
 
 
 class _Search:
@@ -166,7 +162,7 @@ class _Search:
         gates = credit_gates(self.graph, plan, self.comp, self.critical, self.credit)
         return replace(plan, gates={**plan.gates, **gates})
 
-    def chain(self, plan: Plan, sim) -> list[tuple[str, int]]:
+    def chain(self, sim) -> list[tuple[str, int]]:
         """The replicas of the tasks that decide the step's end, with repeats (a replica on the
         chain for many tasks is picked more often)."""
         tasks = sim.tasks  # (section, replica, mb, kind, start, end), in start order
@@ -179,8 +175,7 @@ class _Search:
             prev_of[i] = last.get((n, r))
             last[(n, r)] = i
             by_mb[(n, r, m, kind)] = i
-        where = {(n, sid): (r, m) for n in self.comp for r, mbs in enumerate(plan.replicas[n])
-                 for m, mb in enumerate(mbs) for sid in mb}
+        where = sim.where  # (section, sample) -> (its replica, micro-batch)
         transfer = self.costs.transfer_s
         i = max(range(len(tasks)), key=lambda k: tasks[k][5])
         out: list[tuple[str, int]] = []
@@ -193,10 +188,11 @@ class _Search:
                 continue
             # It waited: for an input (a forward) or a gradient (a backward). Follow the latest.
             deps = []
-            for sid in plan.replicas[n][r][m]:
+            for sid in sim.by_name[(n, r)].mbs[m]:
                 for other in (self.inputs[n] if kind == "forward" else self.grads_from[n]):
                     if (other, sid) in where:
-                        o_r, o_m = where[(other, sid)]
+                        o_rep, o_m = where[(other, sid)]
+                        o_r = o_rep.index
                         k = by_mb.get((other, o_r, o_m, "backward" if kind == "backward" else "forward"))
                         if k is None:
                             k = by_mb.get((other, o_r, o_m, "forward"))

@@ -131,6 +131,11 @@ class _Sim:
                           if graph.sections[e.edge.src].activates(s.modalities))
         return f, (b if expected else 0.0), needs, expected  # the executor skips a backward nobody needs
 
+    @property
+    def makespan_s(self) -> float:
+        """When the last task ends (after run())."""
+        return max((rep.finish for rep in self.replicas), default=0.0)
+
     def run(self) -> None:
         for i in range(len(self.replicas)):
             heapq.heappush(self.heap, (0.0, i))
@@ -230,7 +235,7 @@ def simulate(plan: Plan, graph: SectionGraph, costs: CostModel) -> Simulation:
     for rep in sim.replicas:
         busy[rep.section].append(rep.busy)
         finish[rep.section].append(rep.finish)
-    makespan = max((f for fs in finish.values() for f in fs), default=0.0)
+    makespan = sim.makespan_s
     bound, critical = lower_bound(plan.samples, graph, costs)
     crit_busy = sum(busy[critical])
     fraction = crit_busy / (makespan * graph.sections[critical].dp) if makespan > 0 else 1.0

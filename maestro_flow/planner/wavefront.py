@@ -44,7 +44,7 @@ from maestro_flow.planner.balance import assign
 from maestro_flow.planner.cost import CostModel
 from maestro_flow.planner.credit import credit_gates
 from maestro_flow.planner.fifo import FifoPlanner
-from maestro_flow.planner.ordering import Ordering, default_run_ahead
+from maestro_flow.planner.ordering import Ordering
 from maestro_flow.planner.plan import Plan
 from maestro_flow.planner.refine import refine
 from maestro_flow.planner.routed import Routed
@@ -145,9 +145,8 @@ class WavefrontPlanner:
             span, _, name, routes, mbs, order = best
             gates = order.gates()
             if search > 0 and not hurry:  # a batch too large to try every rule set is not searched either
-                credit = self.run_ahead if self.run_ahead is not None else default_run_ahead(sections[anchor].micro_batch)
                 start = self._component_plan(samples, comp, mbs, gates, routes)
-                better = refine(graph, self.costs, comp, start, span, bound, anchor, credit,
+                better = refine(graph, self.costs, comp, start, span, bound, anchor, order.credit[anchor],
                                 search / len(comps), seed=step * 1009 + index)
                 if better is not None:
                     span, name = better.makespan_s, f"refined {name}"
