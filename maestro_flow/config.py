@@ -186,7 +186,7 @@ class Pipeline:
     # Share of a step's planned seconds the wavefront planner may spend searching for a shorter
     # plan than its rules make (planner/refine.py; only where the plan is >2% over its bound); 0: off.
     # A run searches only where the coordinator plans ahead on a core of its own (coordinator.py).
-    plan_search: float = 0.25
+    plan_search: float = 0.5
     adapt_costs: bool = True  # refine the sections' Cost from measured micro-batch timings
     grad_clip: float | None = None  # clip by the global norm of every trainable parameter (None: no clipping)
     mixed_precision: str | None = None  # "bf16": bf16 autocast compute and transfers, fp32 master weights

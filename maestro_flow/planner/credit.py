@@ -11,28 +11,37 @@ never delay its own plan); these gates have no such record, so they can be stric
 from __future__ import annotations
 
 from maestro_flow.graph import SectionGraph
-from maestro_flow.planner.ordering import cumulative, first_covering
+from maestro_flow.planner.ordering import first_covering
 from maestro_flow.planner.plan import Plan
 
 
-def credit_gates(graph: SectionGraph, plan: Plan, comp: list[str], critical: str, credit: int) -> dict[str, tuple]:
+def credit_gates(graph: SectionGraph, plan: Plan, comp: list[str], critical: str, credit: int, *,
+                 takes: set[int] | None = None) -> dict[str, tuple]:
     """The gates of every section of `comp` in `plan` (none for a section that does not feed
-    `critical`), as Plan.gates holds them."""
-    sections = graph.sections
-    meta = {s.id: s for s in plan.samples}
-    takes = {sid for sid, s in meta.items() if sections[critical].activates(s.modalities)}
+    `critical`), as Plan.gates holds them. `takes`: the samples `critical` activates on, where
+    the caller has them."""
+    if takes is None:
+        takes = {s.id for s in plan.samples if graph.sections[critical].activates(s.modalities)}
     to = plan.routes[critical]
     out: dict[str, tuple] = {}
     for n in comp:
-        feeds = critical in [e.edge.dst for e in graph.outputs(n)]
+        if critical not in [e.edge.dst for e in graph.outputs(n)]:
+            out[n] = tuple(tuple(() for _ in mbs) for mbs in plan.replicas[n])
+            continue
+        # Per producer replica and consumer replica: how many of the producer replica's samples
+        # the consumer replica's first j micro-batches hold, for every j.
+        owner = {sid: pr for pr, mbs in enumerate(plan.replicas[n]) for mb in mbs for sid in mb}
+        counts = [[[0] for _ in plan.replicas[critical]] for _ in plan.replicas[n]]
+        for ci, cmbs in enumerate(plan.replicas[critical]):
+            for cmb in cmbs:
+                for per_ci in counts:
+                    per_ci[ci].append(per_ci[ci][-1])
+                for sid in cmb:
+                    pr = owner.get(sid)
+                    if pr is not None:
+                        counts[pr][ci][-1] += 1
         reps = []
-        for mbs in plan.replicas[n]:
-            if not feeds:
-                reps.append(tuple(() for _ in mbs))
-                continue
-            mine = {sid for mb in mbs for sid in mb}
-            # Per consumer replica: cumulative samples from this producer replica in its first j mbs.
-            consumed = {ci: cumulative(cmbs, mine.__contains__) for ci, cmbs in enumerate(plan.replicas[critical])}
+        for mbs, consumed in zip(plan.replicas[n], counts, strict=True):
             sent: dict[int, int] = {}
             per_mb = []
             for mb in mbs:

@@ -12,7 +12,9 @@ event simulation the planner's makespans come from, so the result is exact):
   - within one replica: a sample moves to another of its micro-batches (never past the
     section's micro-batch size), two samples swap micro-batches, a micro-batch moves to
     another place in the order, or splits in two;
-  - across the replicas of one section: two samples swap replicas (their routes).
+  - across the replicas of one section: two samples swap replicas (their routes), or, where an
+    edge's fan-out blocks forbid that (the other replica feeds other consumer replicas), two
+    samples the same sections take trade places in every section of the component.
 Most changes (P_CHAIN) touch a replica on the step's critical chain: the tasks that decide when
 it ends, traced back from the last one through each wait on an input or a gradient; the others
 touch any replica. A consumer with one producer section that feeds no one keeps taking each
@@ -20,10 +22,13 @@ producer replica's outputs in the order they were sent (as every schedule does).
 are recomputed for every changed plan (credit.py), so the memory bound the orderings keep holds
 for a refined plan too.
 
+A candidate's simulation stops as soon as some replica cannot end by the current plan's end
+(it would be rejected anyway), which spares most of a longer candidate's events.
+
 Budget, without clocks: only a component whose best ordering ends more than ABOVE over its
 lower bound is searched; the search simulates at most MAX_EVALS plans and at most as many as
 cost `share` (Pipeline.plan_search; the planner splits it between a graph's components) of the
-step's planned seconds, at EVAL_FIXED_S + EVAL_TASK_S per simulated task each, its start included
+step's planned seconds, at the modelled cost of a candidate (evals_allowed), its start included
 (none where that leaves fewer than MIN_EVALS); it stops once within ABOVE of the bound, after
 STALL plans none of which was shorter, or after drawing 4x its budget in changes (most of which
 do not apply or change nothing: those cost no simulation).
@@ -43,17 +48,21 @@ from maestro_flow.planner.simulate import replay
 from maestro_flow.samples import SampleMeta
 
 ABOVE = 0.02  # search a component only above (1 + ABOVE) x its lower bound; stop there
-MAX_EVALS = 256  # plans simulated at most, however long the step
-STALL = 64  # stop after this many plans in a row none of which was shorter
+MAX_EVALS = 1024  # plans simulated at most, however long the step
+STALL = 256  # stop after this many plans in a row none of which was shorter
 # Seconds one candidate costs the search (its change, send order, gates, simulation, and the
-# critical chain of an accepted one): a fixed part and a part per task of the simulated step.
-# Measured on this project's 2-core host: 0.2-0.35 ms a candidate at 12-22 tasks, 1.1-2.1 ms at
-# 170-280 tasks; the constants are set at the costly end (tools/bench/wavefront_sim.py --worst
-# reports the planning time against the planned step that follows); a faster host spends less.
+# critical chain of an accepted one): a fixed part, a part per task of the simulated step and a
+# part per sample placed in the component's sections (the send order, gates and simulation's
+# set-up walk every one). Fitted on this project's 2-core host over the searched plans of the
+# worst-case grid at 128 and 256 samples (2026-11-25: about 4 us a task and 1.6 us a sample,
+# 0.3-0.5 ms a candidate at 50-90 tasks, 1.0-1.2 ms at 265 tasks of 230 samples), set a little
+# above the fit; tools/bench/wavefront_sim.py --worst reports the planning time against the
+# planned step that follows, and a faster host spends less.
 # Starting a search (the first simulation and chain) costs about SETUP_EVALS candidates, and a
 # search allowed fewer than MIN_EVALS is not started.
-EVAL_FIXED_S = 2e-4
-EVAL_TASK_S = 1e-5
+EVAL_FIXED_S = 1e-4
+EVAL_TASK_S = 4e-6
+EVAL_PLACED_S = 2e-6
 SETUP_EVALS = 3
 MIN_EVALS = 8
 P_CHAIN = 0.75  # share of changes made on a replica of the critical chain
@@ -69,12 +78,13 @@ class Refined:
     evaluated: int  # plans simulated
 
 
-def evals_allowed(span_s: float, tasks: int, share: float) -> int:
+def evals_allowed(span_s: float, tasks: int, placed: int, share: float) -> int:
     """How many plans the budget lets the search simulate for a step of `span_s` planned seconds
-    whose simulation runs `tasks` tasks."""
+    whose simulation runs `tasks` tasks over `placed` sample placements."""
     if share <= 0 or span_s <= 0:
         return 0
-    evals = min(MAX_EVALS, int(share * span_s / (EVAL_FIXED_S + EVAL_TASK_S * tasks)) - SETUP_EVALS)
+    evals = min(MAX_EVALS, int(share * span_s / (EVAL_FIXED_S + EVAL_TASK_S * tasks + EVAL_PLACED_S * placed))
+                - SETUP_EVALS)
     return evals if evals >= MIN_EVALS else 0
 
 
@@ -86,7 +96,8 @@ def refine(graph: SectionGraph, costs: CostModel, comp: Sequence[str], start: Pl
     if span_s <= bound_s * (1 + ABOVE):
         return None
     search = _Search(graph, costs, list(comp), critical, credit, start.samples)
-    budget = evals_allowed(span_s, search.tasks(start), share)
+    placed = sum(len(mb) for n in comp for rep in start.replicas[n] for mb in rep)
+    budget = evals_allowed(span_s, search.tasks(start), placed, share)
     if budget <= 0:
         return None
     memo: dict = {}
@@ -101,9 +112,11 @@ def refine(graph: SectionGraph, costs: CostModel, comp: Sequence[str], start: Pl
         if candidate is None:
             continue  # the drawn change does not apply (a full micro-batch), or the send order undid it
         evaluated += 1
-        try:
-            sim = replay(candidate, graph, costs, memo)
+        try:  # stopped early (None) once some replica cannot end by the current plan's end: longer
+            sim = replay(candidate, graph, costs, memo, limit=cur * (1 + 1e-12))
         except ValueError:  # the recomputed gates wait in a circle: not a plan
+            sim = None
+        if sim is None:
             stalled += 1
             continue
         end = sim.makespan_s
@@ -126,7 +139,6 @@ class _Search:
 
     def __init__(self, graph: SectionGraph, costs: CostModel, comp: list[str], critical: str, credit: int,
                  samples: Sequence[SampleMeta]) -> None:
-        self.meta = {s.id: s for s in samples}
         self.graph, self.costs, self.comp, self.critical, self.credit = graph, costs, comp, critical, credit
         self.replicas = [(n, r) for n in comp for r in range(graph.sections[n].dp)]
         self.inputs = {n: [e.edge.src for e in graph.inputs(n)] for n in comp}
@@ -136,14 +148,14 @@ class _Search:
         # outputs in the order it sent them, under every schedule (tests/unit/test_planner.py's
         # check_pair_order): the search keeps that (`in_order`).
         self.in_order = {n: self.inputs[n][0] for n in comp if len(self.inputs[n]) == 1 and not graph.outputs(n)}
+        self.takes = {n: {s.id for s in samples if graph.sections[n].activates(s.modalities)} for n in graph.order}
 
     def routable(self, routes: dict[str, dict[int, int]], n: str, sid: int, replica: int) -> bool:
         """Whether `sid` may move to replica `replica` of `n`: every edge of `n` still connects
         its replicas at both ends (Edge.consumers_of: fan-out and fan-in keep their blocks)."""
-        sections = self.graph.sections
         for e in self.edges[n]:
             other = e.edge.dst if e.edge.src == n else e.edge.src
-            if not sections[other].activates(self.meta[sid].modalities):
+            if sid not in self.takes[other]:
                 continue
             src, dst = (replica, routes[other][sid]) if e.edge.src == n else (routes[other][sid], replica)
             if dst not in e.consumers_of(src):
@@ -159,7 +171,7 @@ class _Search:
                    for n in self.comp for mbs in plan.replicas[n])
 
     def gated(self, plan: Plan) -> Plan:
-        gates = credit_gates(self.graph, plan, self.comp, self.critical, self.credit)
+        gates = credit_gates(self.graph, plan, self.comp, self.critical, self.credit, takes=self.takes[self.critical])
         return replace(plan, gates={**plan.gates, **gates})
 
     def chain(self, sim) -> list[tuple[str, int]]:
@@ -224,35 +236,57 @@ class _Search:
                 return None
             a, b = rng.choice(mine), rng.choice(theirs)
             i, j = rng.randrange(len(a)), rng.randrange(len(b))
-            if not (self.routable(routes, n, a[i], other) and self.routable(routes, n, b[j], r)):
-                return None
-            a[i], b[j] = b[j], a[i]
-            routes = {**routes, n: {**routes[n], a[i]: r, b[j]: other}}
+            if self.routable(routes, n, a[i], other) and self.routable(routes, n, b[j], r):
+                a[i], b[j] = b[j], a[i]
+                routes = {**routes, n: {**routes[n], a[i]: r, b[j]: other}}
+                replicas, changed = {**plan.replicas, n: tuple(tuple(tuple(mb) for mb in rep) for rep in reps)}, {n}
+            else:  # the other replica serves other replicas downstream (or upstream): swap them everywhere
+                swapped = self._swap_everywhere(plan, a[i], b[j])
+                if swapped is None:
+                    return None
+                replicas, routes, changed = swapped
         elif not self._within(reps[r], sections[n].micro_batch, rng):
             return None
-        replicas = {**plan.replicas, n: tuple(tuple(tuple(mb) for mb in rep if mb) for rep in reps)}
+        else:
+            replicas, changed = {**plan.replicas, n: tuple(tuple(tuple(mb) for mb in rep if mb) for rep in reps)}, {n}
         for c, p in self.in_order.items():
-            if n in (c, p):
+            if changed & {c, p}:
                 replicas[c] = self._sent_order(replicas, routes, p, c)
         if routes is plan.routes and all(replicas[m] == plan.replicas[m] for m in self.comp):
             return None
         return self.gated(replace(plan, replicas=replicas, routes=routes))
 
+    def _swap_everywhere(self, plan: Plan, a: int, b: int) -> tuple[dict, dict, set[str]] | None:
+        """Samples `a` and `b` trade places (micro-batch and route) in every section of the
+        component, which keeps every edge's blocks; None unless the same sections take both."""
+        takes = [m for m in self.comp if a in self.takes[m]]
+        if takes != [m for m in self.comp if b in self.takes[m]]:
+            return None
+        other = {a: b, b: a}
+        replicas, routes = dict(plan.replicas), dict(plan.routes)
+        for m in takes:
+            replicas[m] = tuple(tuple(tuple(other.get(sid, sid) for sid in mb) for mb in rep) for rep in replicas[m])
+        for m in self.comp:
+            routes[m] = {**routes[m], a: routes[m][b], b: routes[m][a]}
+        return replicas, routes, set(takes)
+
     def _sent_order(self, replicas: dict, routes: dict[str, dict[int, int]], p: str, c: str) -> tuple:
         """Consumer `c`'s micro-batches with the samples of each producer replica, in the places
         they hold, put back in the order that replica produces them."""
-        sections, meta = self.graph.sections, self.meta
+        takes_c, takes_p, route_c, route_p = self.takes[c], self.takes[p], routes[c], routes[p]
         sent: dict[tuple[int, int], list[int]] = {}  # (producer replica, consumer replica) -> sids
         for pr, mbs in enumerate(replicas[p]):
             for mb in mbs:
                 for sid in mb:
-                    if sections[c].activates(meta[sid].modalities):
-                        sent.setdefault((pr, routes[c][sid]), []).append(sid)
+                    if sid in takes_c:
+                        key = (pr, route_c[sid])
+                        if key in sent:
+                            sent[key].append(sid)
+                        else:
+                            sent[key] = [sid]
         queues = {key: iter(sids) for key, sids in sent.items()}
-        route_p = routes[p]
-        return tuple(tuple(tuple(next(queues[(route_p[sid], ci)]) if sid in route_p and
-                                 sections[p].activates(meta[sid].modalities) else sid for sid in mb) for mb in mbs)
-                     for ci, mbs in enumerate(replicas[c]))
+        return tuple(tuple(tuple(next(queues[(route_p[sid], ci)]) if sid in takes_p else sid for sid in mb)
+                           for mb in mbs) for ci, mbs in enumerate(replicas[c]))
 
     @staticmethod
     def _within(mbs: list[list[int]], size: int, rng: random.Random) -> bool:

@@ -67,18 +67,20 @@ class _Replica:
     mbs: tuple[tuple[int, ...], ...]
     fwd_cost: list[float]
     bwd_cost: list[float]  # 0 where no separate backward task
-    needs: list[frozenset[tuple[str, int]]]  # per mb: (producer section, sample id) inputs
+    missing: list[int]  # per mb: inputs (producer section, sample) still to arrive
     grads_needed: list[int]  # per mb: gradient messages still to come (separate backward only)
     next_fwd: int = 0
     free_at: float = 0.0
     busy: float = 0.0
     ready_bwd: list[tuple[float, int]] = field(default_factory=list)  # heap of (ready time, mb)
     grad_ready: list[float] = field(default_factory=list)  # per mb: latest gradient arrival
+    inputs_at: list[float] = field(default_factory=list)  # per mb: latest input arrival so far
     finish: float = 0.0
     waiting: bool = False
     slot: int = 0  # index in _Sim.replicas
     gates: tuple = ()  # per mb: ((consumer section, replica, j), ...)
     fwd_ends: list[float] = field(default_factory=list)
+    left: float = 0.0  # seconds of tasks still to run
 
 
 class _Sim:
@@ -87,8 +89,7 @@ class _Sim:
         samples), kept across simulations of plans of the same samples, graph and costs that share
         micro-batches (refine.py's search)."""
         self.graph, self.costs = graph, costs
-        self.meta = {s.id: s for s in plan.samples}
-        self.arrival: dict[tuple[str, int], float] = {}  # (producer, sid) -> when its output arrives
+        self.samples, self.meta = plan.samples, None  # sample id -> SampleMeta, built on a memo's first miss
         self.where: dict[tuple[str, int], tuple[_Replica, int]] = {}  # (section, sid) -> replica, mb
         self.replicas: list[_Replica] = []
         self.losses = set(graph.loss_sections())
@@ -97,14 +98,16 @@ class _Sim:
             for r, mbs in enumerate(plan.replicas[name]):
                 facts = [memo.get((name, mb)) or memo.setdefault((name, mb), self._facts(name, mb)) for mb in mbs]
                 rep = _Replica(section=name, index=r, mbs=mbs, fwd_cost=[f[0] for f in facts],
-                               bwd_cost=[f[1] for f in facts], needs=[f[2] for f in facts],
+                               bwd_cost=[f[1] for f in facts], missing=[f[2] for f in facts],
                                grads_needed=[f[3] for f in facts], grad_ready=[0.0] * len(mbs),
-                               slot=len(self.replicas), gates=plan.gates_of(name, r))
+                               inputs_at=[0.0] * len(mbs),
+                               slot=len(self.replicas), gates=plan.gates_of(name, r),
+                               left=sum(f[0] + f[1] for f in facts))
                 self.replicas.append(rep)
                 for m, mb in enumerate(mbs):
                     for s in mb:
                         self.where[(name, s)] = (rep, m)
-        self.consumers = {name: [e.edge.dst for e in graph.outputs(name)] for name in graph.order}
+        self.consumers = {name: list(dict.fromkeys(e.edge.dst for e in graph.outputs(name))) for name in graph.order}
         self.by_name = {(r.section, r.index): r for r in self.replicas}
         # Producer replicas whose run-ahead gates wait on a consumer replica: woken by its forwards.
         self.gated_by: dict[tuple[str, int], list[_Replica]] = {}
@@ -114,12 +117,15 @@ class _Sim:
         self.grad_producers = {name: [e.edge.src for e in graph.inputs(name) if e.carries_grad]
                                for name in graph.order}
         self.heap: list[tuple[float, int]] = []
+        self.limit, self.over = INF, False
         self.tasks: list[tuple[str, int, int, str, float, float]] = []  # Task's fields, in start order
 
-    def _facts(self, name: str, mb: tuple[int, ...]) -> tuple[float, float, frozenset, int]:
+    def _facts(self, name: str, mb: tuple[int, ...]) -> tuple[float, float, int, int]:
         """One micro-batch's forward and backward seconds (a loss section's forward includes its
-        backward), the (producer, sample) outputs it needs, and the gradients it waits for."""
+        backward), how many (producer, sample) outputs it needs, and the gradients it waits for."""
         graph, costs, section = self.graph, self.costs, self.graph.sections[name]
+        if self.meta is None:
+            self.meta = {s.id: s for s in self.samples}
         metas = [self.meta[s] for s in mb]
         f = costs.batch_s(name, metas)
         b = f * costs.costs[name].backward_factor if section.trainable else 0.0
@@ -127,8 +133,8 @@ class _Sim:
             f, b = f + b, 0.0
         expected = sum(1 for e in graph.needs_grad_from(name) for s in metas
                        if graph.sections[e.edge.dst].activates(s.modalities))
-        needs = frozenset((e.edge.src, s.id) for e in graph.inputs(name) for s in metas
-                          if graph.sections[e.edge.src].activates(s.modalities))
+        needs = len({(e.edge.src, s.id) for e in graph.inputs(name) for s in metas
+                     if graph.sections[e.edge.src].activates(s.modalities)})
         return f, (b if expected else 0.0), needs, expected  # the executor skips a backward nobody needs
 
     @property
@@ -136,15 +142,20 @@ class _Sim:
         """When the last task ends (after run())."""
         return max((rep.finish for rep in self.replicas), default=0.0)
 
-    def run(self) -> None:
+    def run(self, limit: float = INF) -> bool:
+        """Play the plan out; False (stopped early) as soon as some replica cannot end by `limit`."""
+        self.limit = limit
         for i in range(len(self.replicas)):
             heapq.heappush(self.heap, (0.0, i))
         while self.heap:
             t, i = heapq.heappop(self.heap)
             self._step(self.replicas[i], i, t)
+            if self.over:
+                return False
+        return True
 
     def _inputs_ready(self, rep: _Replica, m: int) -> float:
-        ready = max((self.arrival.get(k, INF) for k in rep.needs[m]), default=0.0)
+        ready = INF if rep.missing[m] else rep.inputs_at[m]
         for c, ci, j in rep.gates[m]:  # run-ahead credit: the consumer must have finished j forwards
             ends = self.by_name[(c, ci)].fwd_ends
             ready = max(ready, ends[j - 1] if len(ends) >= j else INF)
@@ -178,13 +189,15 @@ class _Sim:
     def _run(self, rep: _Replica, i: int, t: float, cost: float, m: int, kind: str) -> None:
         end = t + cost
         self.tasks.append((rep.section, rep.index, m, kind, t, end))
+        rep.left -= cost
+        if end + rep.left > self.limit:
+            self.over = True
         if kind == "forward":
             rep.fwd_ends.append(end)
             for prep in self.gated_by.get((rep.section, rep.index), ()):  # a credit may come back
                 self._wake(prep, end)
-        rep.free_at = end
+        rep.free_at = rep.finish = end  # a replica's tasks run one after another
         rep.busy += cost
-        rep.finish = max(rep.finish, end)
         heapq.heappush(self.heap, (end, i))
 
     def _wake(self, rep: _Replica, t: float) -> None:
@@ -194,11 +207,17 @@ class _Sim:
     def _emit(self, rep: _Replica, m: int, done: float) -> None:
         arrive = done + self.costs.transfer_s
         name = rep.section
-        for s in rep.mbs[m]:
-            for consumer in self.consumers[name]:
-                if (consumer, s) in self.where:
-                    self.arrival[(name, s)] = arrive
-                    self._wake(self.where[(consumer, s)][0], arrive)
+        where = self.where
+        for consumer in self.consumers[name]:
+            for s in rep.mbs[m]:
+                hit = where.get((consumer, s))
+                if hit is not None:
+                    crep, cm = hit
+                    crep.missing[cm] -= 1
+                    if arrive > crep.inputs_at[cm]:
+                        crep.inputs_at[cm] = arrive
+                    if not crep.missing[cm] and cm == crep.next_fwd:  # else this arrival changes nothing now
+                        self._wake(crep, crep.inputs_at[cm])
         if not rep.bwd_cost[m]:  # loss section (backward done), frozen, or no gradient expected
             self._send_grads(rep, m, done)
 
@@ -216,11 +235,15 @@ class _Sim:
                     self._wake(prep, prep.grad_ready[pm])
 
 
-def replay(plan: Plan, graph: SectionGraph, costs: CostModel, memo: dict | None = None) -> _Sim:
+def replay(plan: Plan, graph: SectionGraph, costs: CostModel, memo: dict | None = None, limit: float = INF
+           ) -> _Sim | None:
     """The plan's event simulation, run (tasks as Task's fields, no bound): what simulate() reports
-    on, and what refine.py's search compares plans by. ValueError where the plan cannot complete."""
+    on, and what refine.py's search compares plans by. ValueError where the plan cannot complete;
+    None, stopped early, once some replica cannot end by `limit` (its tasks still to run, back to
+    back, would end after it): then the step ends after `limit`."""
     sim = _Sim(plan, graph, costs, memo)
-    sim.run()
+    if not sim.run(limit):
+        return None
     for rep in sim.replicas:
         if rep.next_fwd < len(rep.mbs) or rep.ready_bwd or any(g > 0 for g in rep.grads_needed[:rep.next_fwd]):
             raise ValueError(f"plan cannot complete: {rep.section}[{rep.index}] is stuck at micro-batch "

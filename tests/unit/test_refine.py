@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from maestro_flow.errors import PipelineError
 from maestro_flow.graph import SectionGraph
 from maestro_flow.planner import CostModel, refine
-from maestro_flow.planner.simulate import simulate
+from maestro_flow.planner.simulate import replay, simulate
 from maestro_flow.planner.wavefront import WavefrontPlanner
 from tests.unit.test_planner import batches, check_plan, pipelines
 from tests.unit.test_wavefront import run_with_credits
@@ -62,13 +62,46 @@ def test_the_search_is_deterministic(issue_case):
 
 
 def test_the_budget_follows_the_share_of_the_planned_step():
-    assert refine.evals_allowed(1.0, 200, 0.0) == 0
-    assert refine.evals_allowed(0.0, 200, 0.1) == 0
-    small, large = refine.evals_allowed(0.05, 20, 0.1), refine.evals_allowed(1.0, 200, 0.1)
+    assert refine.evals_allowed(1.0, 200, 128, 0.0) == 0
+    assert refine.evals_allowed(0.0, 200, 128, 0.1) == 0
+    small, large = refine.evals_allowed(0.05, 20, 16, 0.1), refine.evals_allowed(1.0, 200, 128, 0.1)
     assert 0 < small < large <= refine.MAX_EVALS
     # What the budget lets it simulate costs at most the share, at the modelled cost per candidate.
-    assert large * (refine.EVAL_FIXED_S + 200 * refine.EVAL_TASK_S) <= 0.1 * 1.0
-    assert refine.evals_allowed(1e6, 200, 1.0) == refine.MAX_EVALS
+    assert large * (refine.EVAL_FIXED_S + 200 * refine.EVAL_TASK_S + 128 * refine.EVAL_PLACED_S) <= 0.1 * 1.0
+    assert refine.evals_allowed(1.0, 200, 512, 0.1) < large  # more samples to walk: fewer candidates
+    assert refine.evals_allowed(1e6, 200, 128, 1.0) == refine.MAX_EVALS
+
+
+def test_a_pruned_simulation_stops_only_past_its_limit(issue_case):
+    """replay(limit=...) gives up on a plan only once it cannot end by the limit: the search's
+    rejected candidates are the ones it would have rejected after the whole simulation."""
+    graph, costs, samples = issue_case
+    plan = WavefrontPlanner(graph, costs, search=0.0).plan(0, samples)
+    whole = replay(plan, graph, costs)
+    assert replay(plan, graph, costs, limit=whole.makespan_s).makespan_s == whole.makespan_s
+    cut = replay(plan, graph, costs, limit=whole.makespan_s * (1 - 1e-9))
+    assert cut is None
+    assert replay(plan, graph, costs, limit=whole.makespan_s * 0.5) is None
+
+
+def test_samples_trade_places_everywhere_across_fan_out_blocks(issue_case):
+    """With vision dp 2 -> llm dp 4 each encoder replica feeds its own two LLM replicas, so an
+    image cannot change encoder replica alone: two images trade places in both sections, and the
+    plan stays valid (each edge's blocks, each sample once, the send order)."""
+    graph, costs, samples = issue_case
+    plan = WavefrontPlanner(graph, costs, search=0.0).plan(0, samples)
+    search = refine._Search(graph, costs, list(graph.order), "llm", 16, samples)
+    a = plan.replicas["vision"][0][0][0]
+    b = plan.replicas["vision"][1][-1][-1]
+    assert not search.routable(plan.routes, "vision", a, 1)  # its LLM replica is in the other block
+    replicas, routes, changed = search._swap_everywhere(plan, a, b)
+    assert changed == {"vision", "llm"}
+    assert routes["vision"][a] == 1 and routes["vision"][b] == 0
+    assert (routes["llm"][a], routes["llm"][b]) == (plan.routes["llm"][b], plan.routes["llm"][a])
+    replicas["llm"] = search._sent_order(replicas, routes, "vision", "llm")
+    check_plan(graph, samples, search.gated(dataclasses.replace(plan, replicas=replicas, routes=routes)))
+    text = next(s.id for s in samples if "image" not in s.modalities)
+    assert search._swap_everywhere(plan, a, text) is None  # not taken by the same sections
 
 
 def test_no_search_near_the_bound_nor_without_a_share(issue_case):
@@ -85,7 +118,8 @@ def test_no_search_near_the_bound_nor_without_a_share(issue_case):
     assert refine.refine(*args, sim.makespan_s, sim.lower_bound_s, "llm", 16, 0.0, 0) is None
     found = refine.refine(*args, sim.makespan_s, sim.lower_bound_s, "llm", 16, 0.1, 0)
     assert found is not None and found.makespan_s < sim.makespan_s
-    assert 0 < found.evaluated <= refine.evals_allowed(sim.makespan_s, len(sim.tasks), 0.1)  # as many tasks here
+    placed = sum(len(mb) for n in comp for rep in plan.replicas[n] for mb in rep)
+    assert 0 < found.evaluated <= refine.evals_allowed(sim.makespan_s, len(sim.tasks), placed, 0.1)
 
 
 def test_a_large_batch_is_not_searched():
@@ -115,7 +149,8 @@ def test_a_searched_plan_keeps_every_invariant_on_any_graph(p, samples):
     makespan is the simulation's."""
     graph = SectionGraph(p)
     rules = WavefrontPlanner(graph, CostModel(costs={n: s.cost for n, s in graph.sections.items()}), search=0.0)
-    with mock.patch.multiple(refine, ABOVE=0.0, EVAL_FIXED_S=1e-12, EVAL_TASK_S=1e-12, MAX_EVALS=24, MIN_EVALS=1):
+    with mock.patch.multiple(refine, ABOVE=0.0, EVAL_FIXED_S=1e-12, EVAL_TASK_S=1e-12, EVAL_PLACED_S=1e-12,
+                             MAX_EVALS=24, MIN_EVALS=1):
         searched = WavefrontPlanner(graph, rules.costs, search=1.0)
         plan, span = searched._plan(3, samples, searched.tried(len(samples)), True, 1.0)
     check_plan(graph, samples, plan)

@@ -47,11 +47,14 @@ median and max a plan, and the max of planning time / the planned step's makespa
 planner's local search, Pipeline.plan_search, spends); `--batch` sets the global batch
 (default 256).
 
+`--step S` plans step S instead of step 0 (the step seeds the search, so other steps show how
+much its result depends on the seed).
+
 `--plan-search X` sets Pipeline.plan_search (default: the pipeline's default; 0 turns the
 planner's local search off, so the rules alone are measured).
 
 Run from the repository root: python -m tools.bench.wavefront_sim [--tiny] [--run-ahead N] [--plan-search X]
-                              python -m tools.bench.wavefront_sim --worst [--batch N] [--plan-search X]
+                              python -m tools.bench.wavefront_sim --worst [--batch N] [--step S] [--plan-search X]
 """
 
 from __future__ import annotations
@@ -168,7 +171,7 @@ WORST_SEEDS = (0, 1, 2)
 ISSUE_CASES = ((1, 4, 2, 4, 0.5), (2, 4, 2, 4, 0.8), (2, 4, 4, 4, 0.8), (2, 4, 4, 4, 0.5))
 
 
-def worst(n: int, run_ahead: int | None = None, plan_search: float | None = None) -> dict[str, Any]:
+def worst(n: int, run_ahead: int | None = None, plan_search: float | None = None, step: int = 0) -> dict[str, Any]:
     """The worst-case grid (see the module docstring): every case, then per layout and encoder."""
     llm = llm_cost()
     rows = []
@@ -188,7 +191,7 @@ def worst(n: int, run_ahead: int | None = None, plan_search: float | None = None
                             for seed in WORST_SEEDS:
                                 samples = draw(n, share, seed)
                                 start = time.perf_counter()
-                                plan = planners["wavefront"].plan(0, samples)
+                                plan = planners["wavefront"].plan(step, samples)
                                 planning_s = time.perf_counter() - start
                                 wf = simulate(plan, graph, costs)
                                 ff = simulate(planners["fifo"].plan(0, samples), graph, costs)
@@ -214,7 +217,7 @@ def worst(n: int, run_ahead: int | None = None, plan_search: float | None = None
                            max(r["fifo_over_bound"] for r in rs), sum(x > LB_GOAL for x in lb),
                            sum(x > 1 + 1e-9 for x in ff), ", ".join(f"{v} {k}" for v, k in won)])
     print(f"Worst-case grid: global batch {n}, {len(rows)} cases (workloads x layouts x micro-batches x encoder x "
-          f"mixes x seeds {list(WORST_SEEDS)}), run_ahead {run_ahead}, plan_search {search}")
+          f"mixes x seeds {list(WORST_SEEDS)}), run_ahead {run_ahead}, plan_search {search}, step {step}")
     print(table(["layout", "encoder", "cases", "max wf/LB", "median wf/LB", "max wf/FIFO", "median wf/FIFO",
                  "max FIFO/LB", f"wf/LB > {LB_GOAL}", "wf > FIFO", "rules that won most"], table_rows))
     lb_all = [r["wavefront_over_bound"] for r in rows]
@@ -296,11 +299,13 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--seeds", type=int, help="seeds per case, medians reported (default 5, tiny 2)")
     ap.add_argument("--run-ahead", type=int, help="Pipeline.run_ahead for the wavefront (default: planner's)")
     ap.add_argument("--worst", action="store_true", help="the worst-case grid of issue 10 instead (see the docstring)")
+    ap.add_argument("--step", type=int, default=0, help="with --worst: the step number planned (it seeds the "
+                    "planner's search; default 0)")
     ap.add_argument("--plan-search", type=float, help="Pipeline.plan_search (default: the pipeline's, 0 turns the "
                                                        "planner's local search off)")
     args = ap.parse_args(argv)
     if args.worst:
-        return worst(args.batch or (32 if args.tiny else 256), args.run_ahead, args.plan_search)
+        return worst(args.batch or (32 if args.tiny else 256), args.run_ahead, args.plan_search, args.step)
     n = args.batch or (32 if args.tiny else 256)
     seeds = list(range(args.seeds or (2 if args.tiny else 5)))
 
