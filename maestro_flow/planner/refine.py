@@ -23,7 +23,8 @@ are recomputed for every changed plan (credit.py), so the memory bound the order
 for a refined plan too.
 
 A candidate's simulation stops as soon as some replica cannot end by the current plan's end
-(it would be rejected anyway), which spares most of a longer candidate's events.
+(it would be rejected anyway), which spares the rest of a longer candidate's events (about a
+quarter of them on the issue's case: most longer candidates show it late).
 
 Budget, without clocks: only a component whose best ordering ends more than ABOVE over its
 lower bound is searched; the search simulates at most MAX_EVALS plans and at most as many as
@@ -53,11 +54,12 @@ STALL = 256  # stop after this many plans in a row none of which was shorter
 # Seconds one candidate costs the search (its change, send order, gates, simulation, and the
 # critical chain of an accepted one): a fixed part, a part per task of the simulated step and a
 # part per sample placed in the component's sections (the send order, gates and simulation's
-# set-up walk every one). Fitted on this project's 2-core host over the searched plans of the
-# worst-case grid at 128 and 256 samples (2026-11-25: about 4 us a task and 1.6 us a sample,
-# 0.3-0.5 ms a candidate at 50-90 tasks, 1.0-1.2 ms at 265 tasks of 230 samples), set a little
-# above the fit; tools/bench/wavefront_sim.py --worst reports the planning time against the
-# planned step that follows, and a faster host spends less.
+# set-up walk every one). A least-squares fit on this project's 2-core host over the 88 searched
+# plans of the worst-case grid at 128 and 256 samples (2026-11-26): 4.0 us a task, 1.6 us a
+# sample placed, no fixed part to speak of (1.4 ms a candidate at 265 tasks of 230 samples); a
+# search's measured cost per candidate was within 1.35x of the fit for 90% of them. The constants
+# are 10-15% above the fit at the grid's largest searches; tools/bench/wavefront_sim.py --worst
+# reports the planning time against the planned step that follows, and a faster host spends less.
 # Starting a search (the first simulation and chain) costs about SETUP_EVALS candidates, and a
 # search allowed fewer than MIN_EVALS is not started.
 EVAL_FIXED_S = 1e-4
@@ -102,6 +104,7 @@ def refine(graph: SectionGraph, costs: CostModel, comp: Sequence[str], start: Pl
         return None
     memo: dict = {}
     current, sim = start, replay(start, graph, costs, memo)  # its own gates: it ends at span_s
+    assert sim is not None  # no limit: never stopped early
     cur, best_plan, best = sim.makespan_s, None, span_s
     chain = search.chain(sim)
     rng = random.Random(seed)
@@ -113,7 +116,7 @@ def refine(graph: SectionGraph, costs: CostModel, comp: Sequence[str], start: Pl
             continue  # the drawn change does not apply (a full micro-batch), or the send order undid it
         evaluated += 1
         try:  # stopped early (None) once some replica cannot end by the current plan's end: longer
-            sim = replay(candidate, graph, costs, memo, limit=cur * (1 + 1e-12))
+            sim = replay(candidate, graph, costs, memo, limit=cur)
         except ValueError:  # the recomputed gates wait in a circle: not a plan
             sim = None
         if sim is None:

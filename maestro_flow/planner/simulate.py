@@ -31,6 +31,7 @@ from maestro_flow.planner.plan import Plan
 from maestro_flow.samples import SampleMeta
 
 INF = float("inf")
+LIMIT_SLACK = 1e-12  # relative: a replica's seconds still to run are kept by subtraction, so they round
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -190,7 +191,7 @@ class _Sim:
         end = t + cost
         self.tasks.append((rep.section, rep.index, m, kind, t, end))
         rep.left -= cost
-        if end + rep.left > self.limit:
+        if end + rep.left > self.limit * (1 + LIMIT_SLACK):
             self.over = True
         if kind == "forward":
             rep.fwd_ends.append(end)
@@ -240,7 +241,8 @@ def replay(plan: Plan, graph: SectionGraph, costs: CostModel, memo: dict | None 
     """The plan's event simulation, run (tasks as Task's fields, no bound): what simulate() reports
     on, and what refine.py's search compares plans by. ValueError where the plan cannot complete;
     None, stopped early, once some replica cannot end by `limit` (its tasks still to run, back to
-    back, would end after it): then the step ends after `limit`."""
+    back, would end after it, by more than LIMIT_SLACK): then the step ends after `limit`. Never
+    None without a limit."""
     sim = _Sim(plan, graph, costs, memo)
     if not sim.run(limit):
         return None
@@ -253,6 +255,7 @@ def replay(plan: Plan, graph: SectionGraph, costs: CostModel, memo: dict | None 
 
 def simulate(plan: Plan, graph: SectionGraph, costs: CostModel) -> Simulation:
     sim = replay(plan, graph, costs)
+    assert sim is not None  # no limit: never stopped early
     busy: dict[str, list[float]] = {n: [] for n in graph.order}
     finish: dict[str, list[float]] = {n: [] for n in graph.order}
     for rep in sim.replicas:

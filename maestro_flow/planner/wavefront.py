@@ -21,7 +21,7 @@ Pure (standard library only). Per connected component:
   5. where the best order still ends more than 2% over the bound, a bounded local search
      (refine.py) changes its micro-batches, their order and routes and keeps what its
      simulation shows shorter, within a share of the step's planned time (Pipeline.plan_search,
-     default 0.25; not for batches too large to try every rule set);
+     default 0.5; not for batches too large to try every rule set);
   6. FIFO's order is a candidate too: where it simulates shorter than every ordering (only
      simulated where its replicas' work alone does not already rule it out), it is kept for
      that component, so the wavefront is never slower than FIFO under simulate.py.
