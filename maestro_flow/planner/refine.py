@@ -23,8 +23,8 @@ are recomputed for every changed plan (credit.py), so the memory bound the order
 for a refined plan too.
 
 A candidate's simulation stops as soon as some replica cannot end by the current plan's end
-(it would be rejected anyway), which spares the rest of a longer candidate's events (about a
-quarter of them on the issue's case: most longer candidates show it late).
+(it would be rejected anyway), which spares the rest of a longer candidate's events (a minority
+of them on the issue's case: most longer candidates show it late).
 
 Budget, without clocks: only a component whose best ordering ends more than ABOVE over its
 lower bound is searched; the search simulates at most MAX_EVALS plans and at most as many as
@@ -54,12 +54,11 @@ STALL = 256  # stop after this many plans in a row none of which was shorter
 # Seconds one candidate costs the search (its change, send order, gates, simulation, and the
 # critical chain of an accepted one): a fixed part, a part per task of the simulated step and a
 # part per sample placed in the component's sections (the send order, gates and simulation's
-# set-up walk every one). A least-squares fit on this project's 2-core host over the 88 searched
-# plans of the worst-case grid at 128 and 256 samples (2026-11-26): 4.0 us a task, 1.6 us a
-# sample placed, no fixed part to speak of (1.4 ms a candidate at 265 tasks of 230 samples); a
-# search's measured cost per candidate was within 1.35x of the fit for 90% of them. The constants
-# are 10-15% above the fit at the grid's largest searches; tools/bench/wavefront_sim.py --worst
-# reports the planning time against the planned step that follows, and a faster host spends less.
+# set-up walk every one). Set from a one-off least-squares fit (script not kept) over the searched
+# plans of the worst-case grid at 128 and 256 samples on this project's 2-core host (2026-11-26),
+# a little above the fit at the grid's largest searches; tools/bench/wavefront_sim.py --worst
+# reports the planning time against the planned step that follows (RESULTS 11.3), and a faster
+# host spends less.
 # Starting a search (the first simulation and chain) costs about SETUP_EVALS candidates, and a
 # search allowed fewer than MIN_EVALS is not started.
 EVAL_FIXED_S = 1e-4
