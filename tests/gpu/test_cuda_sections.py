@@ -1,7 +1,8 @@
-"""CUDA sections: NCCL tensor channels and DP reduction (gloo staged through the host where ranks
+"""CUDA sections (distill, chain, and the VLM on precomputed pixels): NCCL tensor channels and DP reduction (gloo staged through the host where ranks
 share a GPU or an edge joins a CPU section), checked against the colocated reference.
 
-Skipped without CUDA (CI has no GPU). Needs at least one GPU; with one GPU all replicas share it.
+Skipped without CUDA (CI has no GPU). Needs at least one GPU; with one GPU all replicas share it
+(tensors between them go by CUDA IPC).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from maestro_flow.runtime.run import RunOptions, run_pipeline
-from tests.integration.conftest import ROOT
+from tests.integration.conftest import PIXEL_VLM, ROOT, write_pixel_vlm
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300),
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -34,6 +35,22 @@ def test_cuda_section_mode_matches_colocated(demo_data, tmp_path, pipeline, sect
         run_pipeline(str(ROOT / pipeline), RunOptions(overrides=overrides, colocated=mode == "colocated",
                                                       save_dir=str(tmp_path / mode), show_progress=False))
     for s in sections:
+        a, b = load_file(tmp_path / "section" / f"{s}.safetensors"), load_file(tmp_path / "colocated" / f"{s}.safetensors")
+        for k in a:
+            assert (a[k] - b[k]).abs().max().item() <= 1e-8, f"{s}.{k}"
+
+
+def test_cuda_vlm_matches_colocated(tmp_path):
+    """The VLM (trainable encoder, dp 1, feeding an LLM at dp 2) on CUDA, images as precomputed
+    pixels so that no decoder (DALI) is needed."""
+    data = write_pixel_vlm(tmp_path / "px.arrow")
+    overrides = {**PIXEL_VLM, "dtype": "float64", "steps": 3, "data.path": str(data),
+                 "sections.vision.device": "cuda", "sections.llm.device": "cuda"}
+    for mode in ("section", "colocated"):
+        rows = run_pipeline(str(ROOT / "pipelines/vlm.py"), RunOptions(
+            overrides=overrides, colocated=mode == "colocated", save_dir=str(tmp_path / mode), show_progress=False))
+        assert sum(r["sections"]["vision"]["samples"] for r in rows) > 0
+    for s in ("vision", "llm"):
         a, b = load_file(tmp_path / "section" / f"{s}.safetensors"), load_file(tmp_path / "colocated" / f"{s}.safetensors")
         for k in a:
             assert (a[k] - b[k]).abs().max().item() <= 1e-8, f"{s}.{k}"

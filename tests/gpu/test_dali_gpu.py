@@ -7,14 +7,25 @@ exactly: one level is 1 / (0.225 * 255) ~ 0.017 after normalisation.
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 
 from loaders.dali import ImageDecoder
 from loaders.images import digit_images, photo_crops, photo_jpegs
 
+
+def _has_dali() -> bool:
+    try:
+        return importlib.util.find_spec("nvidia.dali") is not None
+    except ModuleNotFoundError:  # no `nvidia` namespace package at all
+        return False
+
+
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(120),
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+              pytest.mark.skipif(not _has_dali(), reason="needs DALI (nvidia-dali-cuda120)")]
 
 
 @pytest.fixture(scope="module")

@@ -101,3 +101,35 @@ def maestro(*args: str, timeout: float = 120, **kwargs) -> subprocess.CompletedP
     """Run the CLI in a subprocess (the real entry point, real exit codes)."""
     return subprocess.run([sys.executable, "-m", "maestro_flow.cli", *args], cwd=ROOT, capture_output=True,
                           text=True, timeout=timeout, **kwargs)
+
+
+# pipelines/vlm.py reading precomputed pixels: no image decoder (so no DALI), e.g. on a GPU machine
+# whose image lacks DALI. Merge with write_pixel_vlm's data.path.
+PIXEL_VLM = {"data.modality_columns": {"image": "pixel_values"}, "sections.vision.config.decoder": None,
+             "sections.vision.columns": ("pixel_values",)}
+
+
+def write_pixel_vlm(path: Path, *, num_samples: int = 96, image_share: float = 0.4, seed: int = 0, patch: int = 8,
+                    max_side: int = 64) -> Path:
+    """An image-text Arrow file whose images are precomputed pixel arrays ([3, H, W], float32
+    noise, H and W multiples of `patch` up to `max_side`) in a `pixel_values` column."""
+    import numpy as np
+    import pyarrow as pa
+
+    from loaders import text
+    from loaders.demo import write_arrow
+
+    rng = np.random.default_rng(seed)
+    cols: dict[str, list] = {"id": [], "modalities": [], "tokens": [], "pixel_values": [], "num_patches": []}
+    for i in range(num_samples):
+        words = rng.integers(32, 127, size=int(rng.integers(8, 40))).tolist()
+        image = rng.random() < image_share
+        h, w = (int(rng.integers(1, max_side // patch + 1)) * patch for _ in range(2))
+        cols["id"].append(i)
+        cols["modalities"].append(["text", "image"] if image else ["text"])
+        cols["tokens"].append([text.BOS, *([text.IMAGE] if image else []), *words, text.EOS])
+        cols["pixel_values"].append(rng.standard_normal((3, h, w), dtype=np.float32).tolist() if image else None)
+        cols["num_patches"].append((h // patch) * (w // patch) if image else 0)
+    types = {"id": pa.int64(), "modalities": pa.list_(pa.string()), "tokens": pa.list_(pa.int32()),
+             "pixel_values": pa.list_(pa.list_(pa.list_(pa.float32()))), "num_patches": pa.int32()}
+    return write_arrow(pa.table({k: pa.array(v, type=types[k]) for k, v in cols.items()}), path)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from maestro_flow.runtime.run import RunOptions, run_pipeline
-from tests.integration.conftest import ROOT, maestro
+from tests.integration.conftest import PIXEL_VLM, ROOT, maestro, write_pixel_vlm
 from tests.integration.test_equivalence import assert_same_losses, assert_same_parameters, run_both
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -64,6 +64,17 @@ def test_vlm_section_mode_matches_colocated(vlm_data, tmp_path, case):
         assert images == 3 * 24
     else:
         assert 0 < images < 3 * 24
+
+
+def test_precomputed_pixels_need_no_decoder(tmp_path):
+    """data.modality_columns={"image": "pixel_values"} and decoder None: the encoder takes pixel
+    arrays from the Arrow file (what tests/gpu runs on a machine without DALI)."""
+    data = write_pixel_vlm(tmp_path / "px.arrow")
+    out = run_both("pipelines/vlm.py", data, tmp_path, **PIXEL_VLM)
+    (s_rows, s_dir), (c_rows, c_dir) = out["section"], out["colocated"]
+    assert_same_losses(s_rows, c_rows)
+    assert_same_parameters(s_dir, c_dir, ["llm", "vision"])
+    assert sum(r["sections"]["vision"]["samples"] for r in s_rows) > 0
 
 
 def test_image_and_audio_encoders_feed_one_llm(tmp_path):

@@ -27,7 +27,10 @@ expected from the plan (layers it shards at 1/2, the rest whole), computed from 
 on the meta device; teacher-dp4-fsdp's in-step bytes at most 1/4 of teacher-dp4's plus two
 of its largest FSDP units (a transformer block, and FSDP's all-gather buffer of the last one),
 + 5%. In-step bytes are counted from the tensors FSDP holds (parallel/fsdp.py), not read from
-an allocator. Run from the repository root:
+an allocator; with the sections on CUDA (`--set sections.student.device=cuda --set
+sections.teacher.device=cuda`) the table adds the CUDA allocator's peak per rank
+(torch.cuda.max_memory_allocated, weights, activations and workspace included). Run from the
+repository root:
     python -m tools.bench.section_memory [--tiny] [--steps N] [--set KEY=VALUE ...]
 """
 
@@ -89,6 +92,18 @@ def unit_mb(sets: dict[str, Any], section: str) -> float:
     return largest_unit_bytes(build_stage(pipeline, pipeline.section(section), 0, "cpu", meta=True)) / (1 << 20)
 
 
+def _medians(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per-step medians of a section's memory figures; `peak_mb` (the CUDA allocator's peak on its
+    largest replica) is None on the CPU."""
+    out = {key: median([r[key] for r in rows]) for key in ("state_mb", "step_mb", "max_rss_mb")}
+    out["peak_mb"] = median([r["peak_mb"] for r in rows]) if all("peak_mb" in r for r in rows) else None
+    return out
+
+
+def _peak(row: dict[str, Any]) -> str:
+    return "-" if row["peak_mb"] is None else f"{row['peak_mb']:.1f}"
+
+
 def main(argv: list[str] | None = None) -> dict:
     args, _, steps, warmup, sets = pipeline_bench_args(argv, "tools.bench.section_memory", __doc__, rounds=1,
                                                        steps=4, warmup=1, tiny_steps=2)
@@ -97,8 +112,7 @@ def main(argv: list[str] | None = None) -> dict:
     out: dict[str, Any] = {}
     for variant in VARIANTS:
         rows = run_one(variant, steps, sets)
-        student = [r["sections"]["student"] for r in rows[warmup:] or rows]
-        out[variant] = {key: median([s[key] for s in student]) for key in ("state_mb", "step_mb", "max_rss_mb")}
+        out[variant] = _medians([r["sections"]["student"] for r in rows[warmup:] or rows])
     base = out["dp4"]["state_mb"]
     out["fsdp_over_dp4_state"] = out["dp4-fsdp"]["state_mb"] / base
     out["fsdp_over_dp4_step"] = out["dp4-fsdp"]["step_mb"] / out["dp4"]["step_mb"]
@@ -111,8 +125,7 @@ def main(argv: list[str] | None = None) -> dict:
     out["tp2_over_dp4_state"] = out["dp2-tp2"]["state_mb"] / base
     for variant in TEACHER_VARIANTS:
         rows = run_one(variant, steps, sets)
-        teacher = [r["sections"]["teacher"] for r in rows[warmup:] or rows]
-        out[variant] = {key: median([s[key] for s in teacher]) for key in ("state_mb", "step_mb", "max_rss_mb")}
+        out[variant] = _medians([r["sections"]["teacher"] for r in rows[warmup:] or rows])
         out[variant]["step_ms"] = 1e3 * median([r["step_time_s"] for r in rows[warmup:] or rows])
     whole = out["teacher-dp4"]["step_mb"]
     out["teacher_unit_mb"] = unit_mb(sets, "teacher")
@@ -121,9 +134,9 @@ def main(argv: list[str] | None = None) -> dict:
     out["teacher_fsdp_step_over_bound"] = out["teacher-dp4-fsdp"]["step_mb"] / out["teacher_fsdp_step_bound_mb"]
     out["config"] = {"steps": steps, "warmup_steps": warmup, "sets": sets}
     print(f"pipelines/distill.py, section mode, {steps} steps per variant; student, per rank (largest replica)")
-    print(table(["student", "state MiB/rank", "state / dp4", "in-step MiB/rank", "max RSS MiB"],
+    print(table(["student", "state MiB/rank", "state / dp4", "in-step MiB/rank", "max RSS MiB", "CUDA peak MiB"],
                 [[v, f"{out[v]['state_mb']:.3f}", f"{out[v]['state_mb'] / base:.3f}", f"{out[v]['step_mb']:.3f}",
-                  f"{out[v]['max_rss_mb']:.0f}"] for v in VARIANTS]))
+                  f"{out[v]['max_rss_mb']:.0f}", _peak(out[v])] for v in VARIANTS]))
     print(f"dp4-fsdp / dp4: state {out['fsdp_over_dp4_state']:.3f} (goal <= 0.2625: 1/4 + 5%), "
           f"in-step {out['fsdp_over_dp4_step']:.3f}; in-step {out['dp4-fsdp']['step_mb']:.3f} MiB against 1/4 of "
           f"dp4 + 5 x the largest unit ({out['student_unit_mb']:.3f} MiB) = {out['fsdp_step_bound_mb']:.3f} MiB: "
@@ -131,9 +144,10 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"dp2-tp2: state {out['dp2-tp2']['state_mb']:.3f} MiB against {out['tp2_expected_state_mb']:.3f} expected "
           f"from the plan (ratio {out['tp2_over_expected_state']:.3f})")
     print("\nteacher (frozen), per rank (largest replica)")
-    print(table(["teacher", "state MiB/rank", "in-step MiB/rank", "in-step / dp4", "max RSS MiB", "step ms"],
+    print(table(["teacher", "state MiB/rank", "in-step MiB/rank", "in-step / dp4", "max RSS MiB", "CUDA peak MiB",
+                 "step ms"],
                 [[v, f"{out[v]['state_mb']:.3f}", f"{out[v]['step_mb']:.3f}", f"{out[v]['step_mb'] / whole:.3f}",
-                  f"{out[v]['max_rss_mb']:.0f}", f"{out[v]['step_ms']:.1f}"] for v in TEACHER_VARIANTS]))
+                  f"{out[v]['max_rss_mb']:.0f}", _peak(out[v]), f"{out[v]['step_ms']:.1f}"] for v in TEACHER_VARIANTS]))
     print(f"teacher-dp4-fsdp in-step {out['teacher-dp4-fsdp']['step_mb']:.3f} MiB against 1/4 of dp4 + 2 x the largest "
           f"unit ({out['teacher_unit_mb']:.3f} MiB) = {out['teacher_fsdp_step_bound_mb']:.3f} MiB: ratio "
           f"{out['teacher_fsdp_step_over_bound']:.3f} (goal <= 1.05)")

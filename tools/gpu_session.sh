@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Issue 8's GPU checks on a machine whose python3 already has a CUDA build of torch and no network
+# (a lent GPU machine): the GPU suite (tests/gpu) and the GPU benchmarks, each bounded, each
+# logged to OUTDIR/<step>.log, a summary line per step on stdout. On a machine with network and
+# the project's own setup, `make gpu` runs the same suite and benchmarks from the venv.
+#
+#   bash tools/gpu_session.sh OUTDIR [WHEELDIR]
+#
+# WHEELDIR: wheels of packages the machine's python3 lacks (pyzmq, ...), installed with --no-deps
+# into /tmp/site first. DALI's wheel (about 400 MiB) is usually not among them; then the DALI
+# GPU test skips and the VLM test reads precomputed pixels instead of decoding images.
+set -u
+out=${1:?usage: bash tools/gpu_session.sh OUTDIR [WHEELDIR]}
+whl=${2:-}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+if [ -n "$whl" ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        "$whl"/*.whl || exit 1
+    export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+# section_memory runs pipelines/distill.py on the text demo (what `maestro data demo` writes first)
+[ -f data/demo/text.arrow ] || python3 -c "from loaders.demo import build_text_demo; build_text_demo('data/demo')" || exit 1
+
+step() {  # step NAME LIMIT_S COMMAND...: run bounded, log to OUTDIR/NAME.log, print its end
+    local name=$1 limit=$2 start rc
+    shift 2
+    echo "== $name (limit ${limit}s): $*"
+    start=$(date +%s)
+    timeout -k 10 "$limit" "$@" > "$out/$name.log" 2>&1
+    rc=$?
+    echo "== $name: exit $rc after $(( $(date +%s) - start ))s"
+    tail -n "${TAIL_LINES:-25}" "$out/$name.log"
+}
+
+step env 40 bash -c 'date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; nproc;
+  python3 -c "import sys, torch; print(sys.version.split()[0], torch.__version__, torch.version.cuda,
+torch.cuda.get_device_name(0), torch.cuda.nccl.version())";
+  python3 -c "import zmq, msgpack, pyarrow, click, safetensors, transformers
+import maestro_flow.runtime.worker, maestro_flow.parallel.fsdp, maestro_flow.parallel.tp
+import maestro_flow.transport.cuda_ipc
+print(\"imports ok: pyzmq\", zmq.__version__, \"transformers\", transformers.__version__)"'
+step gpu_tests "${GPU_TESTS_S:-240}" python3 -m pytest tests/gpu -v -p no:cacheprovider --timeout 150
+step cuda_ipc "${CUDA_IPC_S:-90}" python3 -m tools.bench.cuda_ipc
+step teacher_throughput "${TEACHER_S:-80}" python3 -m tools.bench.teacher_throughput
+step section_memory "${SECTION_MEMORY_S:-130}" python3 -m tools.bench.section_memory \
+    --set sections.student.device=cuda --set sections.teacher.device=cuda
