@@ -9,6 +9,7 @@
 # WHEELDIR: wheels of packages the machine's python3 lacks (pyzmq, ...), installed with --no-deps
 # into /tmp/site first. DALI's wheel (about 400 MiB) is usually not among them; then the DALI
 # GPU test skips and the VLM test reads precomputed pixels instead of decoding images.
+# STEPS="env gpu_tests ..." (step names below) runs only those; <NAME>_S variables bound each.
 set -u
 out=${1:?usage: bash tools/gpu_session.sh OUTDIR [WHEELDIR]}
 whl=${2:-}
@@ -26,6 +27,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 step() {  # step NAME LIMIT_S COMMAND...: run bounded, log to OUTDIR/NAME.log, print its end
     local name=$1 limit=$2 start rc
     shift 2
+    case " ${STEPS:-$name} " in *" $name "*) ;; *) return 0 ;; esac  # STEPS="env gpu_tests ...": only those
     echo "== $name (limit ${limit}s): $*"
     start=$(date +%s)
     timeout -k 10 "$limit" "$@" > "$out/$name.log" 2>&1

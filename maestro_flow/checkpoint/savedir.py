@@ -29,7 +29,8 @@ def trainable_state(stage: Any) -> dict[str, torch.Tensor]:
 
 def full_state(stage: Any) -> dict[str, torch.Tensor]:
     """The trainable state with sharded (DTensor) entries gathered: a collective over the section's
-    ranks when any entry is sharded (every rank calls it, in the same key order)."""
+    ranks when any entry is sharded (every rank calls it, in the same key order). Gathered over
+    gloo, the entries are on the CPU; over NCCL, on the device."""
     import logging
 
     from torch.distributed.tensor import DTensor
@@ -39,11 +40,34 @@ def full_state(stage: Any) -> dict[str, torch.Tensor]:
     log = logging.getLogger("torch.distributed.tensor._redistribute")
     level = log.level
     log.setLevel(logging.ERROR)
+    hosts: dict[int, Any] = {}
     try:
-        return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach()
+        return {k: (_full_tensor(v, hosts) if isinstance(v, DTensor) else v).detach()
                 for k, v in trainable_state(stage).items()}
     finally:
         log.setLevel(level)
+
+
+def _full_tensor(v: Any, hosts: dict[int, Any]) -> torch.Tensor:
+    """A DTensor gathered whole. Over gloo groups (a CPU section, or ranks sharing one GPU) its
+    shard is gathered in host memory, on a CPU mesh of the same groups (`hosts`: one per mesh):
+    gloo cannot all-gather CUDA tensors (the process crashes; pytorch issues #152645, #132709).
+    Over NCCL, on the device."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor
+
+    mesh = v.device_mesh
+    groups = [mesh.get_group(i) for i in range(mesh.ndim)]
+    if any(dist.get_backend(g) != "gloo" for g in groups):
+        return v.full_tensor()
+    host = hosts.get(id(mesh))
+    if host is None:
+        host = hosts[id(mesh)] = DeviceMesh.from_group(groups, "cpu", mesh=mesh.mesh,
+                                                       mesh_dim_names=mesh.mesh_dim_names)
+    local = v.to_local().detach().cpu()
+    return DTensor.from_local(local, host, v.placements, run_check=False, shape=v.shape,
+                              stride=v.stride()).full_tensor()
 
 
 def save_stage(stage: Any, save_dir: str, section: str, *, write: bool = True) -> str:

@@ -123,7 +123,7 @@ class FSDPSection:
             unit.set_reshard_after_forward(per_micro_batch, recurse=False)
             unit.set_reshard_after_backward(per_micro_batch, recurse=False)
             unit.set_requires_gradient_sync(per_micro_batch, recurse=False)
-            unit.set_reduce_scatter_unused_params(True, recurse=False)
+            self._reduce_unused_as_zeros(unit)
             unit.set_gradient_divide_factor(1.0)  # a sum: the runtime divides by the loss denominator
             unit.set_force_sum_reduction_for_comms(True)  # plain SUM: gloo has no PREMUL_SUM
             if per_micro_batch:  # after FSDP's own pre-forward hook: the unit is gathered by now
@@ -168,6 +168,29 @@ class FSDPSection:
             for unit in self.units:
                 unit.unshard()
             self.gathered = True
+
+    def _reduce_unused_as_zeros(self, unit: nn.Module) -> None:
+        """A trainable parameter that this replica's backward did not reach still joins the
+        reduce-scatter, with zeros, so that every replica reduces the same tensors (another one
+        may have used it). FSDP2's own switch where torch has it; torch releases without it
+        (2.11 is one) reduce only the parameters with a gradient, so the zeros are set here, in
+        the parameter group's post_backward just before FSDP's own (inside the presence rule's
+        wrapper, which must not count them: installed first, it runs second)."""
+        if hasattr(unit, "set_reduce_scatter_unused_params"):
+            unit.set_reduce_scatter_unused_params(True, recurse=False)
+            return
+        for group in self._groups(unit):
+            original = group.post_backward
+
+            def post_backward(*args: Any, group: Any = group, original: Any = original) -> Any:
+                if getattr(group, "reduce_grads", True):
+                    for fp in group.fsdp_params:
+                        if (hasattr(fp, "_unsharded_param") and getattr(fp, "unsharded_accumulated_grad", None) is None
+                                and fp.unsharded_param.grad is None and fp.unsharded_param.requires_grad):
+                            fp.unsharded_param.grad = torch.zeros_like(fp.unsharded_param)
+                return original(*args)
+
+            group.post_backward = post_backward
 
     def _watch_backward(self, group: Any) -> None:
         """Wrap a parameter group's post_backward (run by every backward, and by FSDP's final
@@ -253,7 +276,13 @@ class FSDPSection:
     def _groups(self, unit: nn.Module) -> list[Any]:
         # FSDP2 exposes no public "reduce now"; its parameter groups' post_backward is what every
         # backward runs, and is documented there as idempotent and safe without a backward.
-        return list(unit._get_fsdp_state()._fsdp_param_groups)
+        # torch 2.13 keeps a list of them; releases before it (2.11) a single one, or None.
+        state = unit._get_fsdp_state()
+        groups = getattr(state, "_fsdp_param_groups", None)
+        if groups is None:
+            group = getattr(state, "_fsdp_param_group", None)
+            groups = [] if group is None else [group]
+        return list(groups)
 
     def reduce(self, params: Sequence[torch.nn.Parameter], extra: Sequence[float] = ()) -> list[float]:
         """The GradientReducer interface for an FSDP section: `params` are the optimizer's

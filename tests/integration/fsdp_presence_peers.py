@@ -39,8 +39,14 @@ class Stage:
         return {"model": self.model}
 
 
-def peer(rank: int, store: str) -> dict:
+def peer(rank: int, store: str, legacy: bool = False) -> dict:
+    """`legacy`: as on a torch without FSDP2's set_reduce_scatter_unused_params (FSDPSection's
+    own zeros for unused parameters)."""
     from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import FSDPModule
+
+    if legacy and hasattr(FSDPModule, "set_reduce_scatter_unused_params"):
+        del FSDPModule.set_reduce_scatter_unused_params  # this spawned process only
 
     from maestro_flow.parallel.fsdp import FSDPSection
 

@@ -92,15 +92,18 @@ def test_a_lockstep_fsdp_student_equals_colocated_and_holds_its_shard_and_a_bloc
         assert s["step_mb"] < 0.75 * 4 * s["state_mb"]
 
 
-def test_lockstep_fsdp_sums_gradients_and_keeps_the_presence_rule(tmp_path):
+@pytest.mark.parametrize("legacy", [False, True], ids=["torch-switch", "own-zeros"])
+def test_lockstep_fsdp_sums_gradients_and_keeps_the_presence_rule(tmp_path, legacy):
     """FSDPSection in lockstep on two ranks, against the same model unsharded: gradients are the
     sums of every real micro-batch's, a parameter no replica used has none (the presence rule,
-    noted per backward), a stand-in round's zero gradients make nothing present."""
+    noted per backward), a stand-in round's zero gradients make nothing present. `own-zeros`: as
+    on a torch without FSDP2's set_reduce_scatter_unused_params (2.11), where FSDPSection gives
+    the parameters a replica did not use their zeros itself."""
     from tests.integration import fsdp_presence_peers as peers
     from tools.bench.common import run_spawned
 
     store = str(tmp_path / "store")
-    out = run_spawned(peers.peer, [(store,), (store,)], timeout_s=120)
+    out = run_spawned(peers.peer, [(store, legacy), (store, legacy)], timeout_s=120)
     t = lambda x: torch.tensor(x, dtype=torch.float64)  # noqa: E731
     model = peers.Model().double()
     model.load_state_dict({n: t(v) for n, v in out[0]["full"].items()})

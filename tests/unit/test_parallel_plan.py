@@ -126,3 +126,17 @@ def test_lockstep_replicas_check_their_unit_counts_from_two_sums(counts, same):
     from maestro_flow.parallel.fsdp import same_counts
 
     assert same_counts([sum(counts), sum(c * c for c in counts)], len(counts)) is same
+
+
+@pytest.mark.parametrize(("state", "expected"), [
+    ({"_fsdp_param_groups": ["a", "b"]}, ["a", "b"]),  # torch 2.13: a list of parameter groups
+    ({"_fsdp_param_group": "a"}, ["a"]),  # earlier releases (2.11 on the GPU machine): one, or None
+    ({"_fsdp_param_group": None}, []),
+])
+def test_fsdp_parameter_groups_across_torch_releases(state, expected):
+    from types import SimpleNamespace
+
+    from maestro_flow.parallel.fsdp import FSDPSection
+
+    unit = SimpleNamespace(_get_fsdp_state=lambda: SimpleNamespace(**state))
+    assert FSDPSection._groups(None, unit) == expected
