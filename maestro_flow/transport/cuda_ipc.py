@@ -17,8 +17,9 @@ The handles come from torch's own CUDA IPC (what torch.multiprocessing uses to s
 tensors: `UntypedStorage._share_cuda_` / `_new_shared_cuda`, `torch.cuda.Event(interprocess=True)`
 and `Event.from_ipc_handle`). A header carries them as bytes and integers only; nothing from a
 socket is unpickled. Both ranks must be on the same host and the same device
-(runtime/topology.ipc_channels). Unverified on hardware as of this module's writing: no GPU was
-available; tests/gpu/test_cuda_ipc.py and tools/bench/cuda_ipc.py check it where CUDA is.
+(runtime/topology.ipc_channels). tests/gpu/test_cuda_ipc.py checks it where CUDA is (passed on an
+H200, 2026-11-26); tools/bench/cuda_ipc.py measures it (RESULTS 9.1: about 120 µs per message
+beyond the copy, so 0.19x a device copy at 16 MiB and 0.55x at 256 MiB).
 """
 
 from __future__ import annotations

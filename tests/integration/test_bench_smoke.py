@@ -225,3 +225,22 @@ def test_section_memory_tiny():
     # A frozen FSDP teacher holds its shard plus the unit it runs, not the whole teacher.
     assert out["teacher_fsdp_step_over_bound"] <= 1.05
     assert out["teacher-dp4-fsdp"]["step_mb"] > out["teacher-dp4-fsdp"]["state_mb"]
+
+
+@pytest.mark.timeout(120)
+def test_gpu_session_script_runs_its_steps_bounded_with_logs(tmp_path):
+    """tools/gpu_session.sh (a lent GPU machine's runner) here, with the venv's python3: the
+    chosen steps run, each logs to OUT/<step>.log and reports its exit status; without CUDA
+    the GPU suite skips and cuda_ipc says so."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"],
+           "STEPS": "gpu_tests cuda_ipc"}
+    out = subprocess.run(["bash", "tools/gpu_session.sh", str(tmp_path / "out")], cwd=REPO_ROOT, env=env,
+                         capture_output=True, text=True, timeout=110)
+    assert out.returncode == 0, out.stderr
+    assert "== gpu_tests: exit 0" in out.stdout and "== cuda_ipc: exit 0" in out.stdout, out.stdout
+    assert "== env" not in out.stdout and "== teacher_throughput" not in out.stdout
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["cuda_ipc.log", "gpu_tests.log"]
+    assert "skipped, no CUDA device" in (tmp_path / "out" / "cuda_ipc.log").read_text()
