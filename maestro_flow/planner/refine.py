@@ -227,7 +227,7 @@ class _Search:
         n, r = rng.choice(chain) if chain and rng.random() < P_CHAIN else rng.choice(self.replicas)
         sections = self.graph.sections
         reps = [list(map(list, mbs)) for mbs in plan.replicas[n]]
-        routes = plan.routes
+        routes, replicas = plan.routes, None
         if rng.random() < P_ROUTE:
             if sections[n].dp < 2:
                 return None
@@ -241,7 +241,6 @@ class _Search:
             if self.routable(routes, n, a[i], other) and self.routable(routes, n, b[j], r):
                 a[i], b[j] = b[j], a[i]
                 routes = {**routes, n: {**routes[n], a[i]: r, b[j]: other}}
-                replicas, changed = {**plan.replicas, n: tuple(tuple(tuple(mb) for mb in rep) for rep in reps)}, {n}
             else:  # the other replica serves other replicas downstream (or upstream): swap them everywhere
                 swapped = self._swap_everywhere(plan, a[i], b[j])
                 if swapped is None:
@@ -249,7 +248,7 @@ class _Search:
                 replicas, routes, changed = swapped
         elif not self._within(reps[r], sections[n].micro_batch, rng):
             return None
-        else:
+        if replicas is None:  # section n's micro-batches, changed in place (none left empty)
             replicas, changed = {**plan.replicas, n: tuple(tuple(tuple(mb) for mb in rep if mb) for rep in reps)}, {n}
         for c, p in self.in_order.items():
             if changed & {c, p}:
