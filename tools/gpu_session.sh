@@ -9,7 +9,8 @@
 # WHEELDIR: wheels of packages the machine's python3 lacks (pyzmq, ...), installed with --no-deps
 # into /tmp/site first. DALI's wheel (about 400 MiB) is usually not among them; then the DALI
 # GPU test skips and the VLM test reads precomputed pixels instead of decoding images.
-# STEPS="env gpu_tests ..." (step names below) runs only those; <NAME>_S variables bound each.
+# STEPS="env gpu_tests ..." (step names below) runs only those; GPU_TESTS_S=300 (a step's name in
+# capitals, then _S) changes its limit. Exits 1 if any step failed (each step's status is printed).
 set -u
 out=${1:?usage: bash tools/gpu_session.sh OUTDIR [WHEELDIR]}
 whl=${2:-}
@@ -21,20 +22,29 @@ if [ -n "$whl" ]; then
     export PYTHONPATH=/tmp/site
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-# section_memory runs pipelines/distill.py on the text demo (what `maestro data demo` writes first)
-[ -f data/demo/text.arrow ] || python3 -c "from loaders.demo import build_text_demo; build_text_demo('data/demo')" || exit 1
+failed=0
 
-step() {  # step NAME LIMIT_S COMMAND...: run bounded, log to OUTDIR/NAME.log, print its end
-    local name=$1 limit=$2 start rc
+chosen() { case " ${STEPS:-$1} " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
+
+step() {  # step NAME LIMIT_S COMMAND...: run bounded (NAME_S overrides LIMIT_S), log to OUTDIR/NAME.log
+    local name=$1 limit=$2 start rc var
     shift 2
-    case " ${STEPS:-$name} " in *" $name "*) ;; *) return 0 ;; esac  # STEPS="env gpu_tests ...": only those
+    chosen "$name" || return 0
+    var="$(echo "$name" | tr '[:lower:]' '[:upper:]')_S"
+    limit=${!var:-$limit}
     echo "== $name (limit ${limit}s): $*"
     start=$(date +%s)
     timeout -k 10 "$limit" "$@" > "$out/$name.log" 2>&1
     rc=$?
     echo "== $name: exit $rc after $(( $(date +%s) - start ))s"
     tail -n "${TAIL_LINES:-25}" "$out/$name.log"
+    [ "$rc" -eq 0 ] || failed=1
 }
+
+# section_memory runs pipelines/distill.py on the text demo (what `maestro data demo` writes first)
+if chosen section_memory && [ ! -f data/demo/text.arrow ]; then
+    python3 -c "from loaders.demo import build_text_demo; build_text_demo('data/demo')" || exit 1
+fi
 
 step env 40 bash -c 'date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; nproc;
   python3 -c "import sys, torch; print(sys.version.split()[0], torch.__version__, torch.version.cuda,
@@ -43,8 +53,9 @@ torch.cuda.get_device_name(0), torch.cuda.nccl.version())";
 import maestro_flow.runtime.worker, maestro_flow.parallel.fsdp, maestro_flow.parallel.tp
 import maestro_flow.transport.cuda_ipc
 print(\"imports ok: pyzmq\", zmq.__version__, \"transformers\", transformers.__version__)"'
-step gpu_tests "${GPU_TESTS_S:-240}" python3 -m pytest tests/gpu -v -p no:cacheprovider --timeout 150
-step cuda_ipc "${CUDA_IPC_S:-90}" python3 -m tools.bench.cuda_ipc
-step teacher_throughput "${TEACHER_S:-80}" python3 -m tools.bench.teacher_throughput
-step section_memory "${SECTION_MEMORY_S:-130}" python3 -m tools.bench.section_memory \
+step gpu_tests 240 python3 -m pytest tests/gpu -v -p no:cacheprovider --timeout 150
+step cuda_ipc 90 python3 -m tools.bench.cuda_ipc
+step teacher_throughput 80 python3 -m tools.bench.teacher_throughput
+step section_memory 130 python3 -m tools.bench.section_memory \
     --set sections.student.device=cuda --set sections.teacher.device=cuda
+exit "$failed"

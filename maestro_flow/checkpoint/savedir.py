@@ -49,22 +49,27 @@ def full_state(stage: Any) -> dict[str, torch.Tensor]:
 
 
 def _full_tensor(v: Any, hosts: dict[int, Any]) -> torch.Tensor:
-    """A DTensor gathered whole. Over gloo groups (a CPU section, or ranks sharing one GPU) its
-    shard is gathered in host memory, on a CPU mesh of the same groups (`hosts`: one per mesh):
-    gloo cannot all-gather CUDA tensors (the process crashes; pytorch issues #152645, #132709).
-    Over NCCL, on the device."""
+    """A DTensor gathered whole. The mesh dimensions over gloo groups (a CPU section, or ranks
+    sharing one GPU) are gathered in host memory, on a CPU mesh of the same groups (`hosts`: one
+    per mesh), the others (NCCL) on the device first. gloo's all-gathers of CUDA tensors are
+    not all supported (pytorch issues #152645, #132709), and a gather for --save-dir of FSDP/TP
+    sections on one shared GPU crashed (tools/bench/RESULTS.md 9.1): the suspected cause."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor, Replicate
 
     mesh = v.device_mesh
     groups = [mesh.get_group(i) for i in range(mesh.ndim)]
-    if any(dist.get_backend(g) != "gloo" for g in groups):
+    gloo = [dist.get_backend(g) == "gloo" for g in groups]
+    if not any(gloo):
         return v.full_tensor()
+    if not all(gloo):  # NCCL dimensions first, on the device
+        v = v.redistribute(mesh, [p if g else Replicate() for p, g in zip(v.placements, gloo, strict=True)])
     host = hosts.get(id(mesh))
     if host is None:
-        host = hosts[id(mesh)] = DeviceMesh.from_group(groups, "cpu", mesh=mesh.mesh,
-                                                       mesh_dim_names=mesh.mesh_dim_names)
+        # The list form, even in 1-D: it keeps the mesh's own rank order (so each rank's coordinate).
+        names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
+        host = hosts[id(mesh)] = DeviceMesh.from_group(groups, "cpu", mesh=mesh.mesh, mesh_dim_names=names)
     local = v.to_local().detach().cpu()
     return DTensor.from_local(local, host, v.placements, run_check=False, shape=v.shape,
                               stride=v.stride()).full_tensor()

@@ -1,13 +1,15 @@
 """A worker process's own output: its stdout and stderr, prefixed, into the run's worker log.
 
 Runs in the worker process (runtime/worker.py starts it first): file descriptors 1 and 2 become a
-pipe that an "output" thread reads, so C libraries' prints are caught as well as Python's. Knows
+pipe that an "output" thread reads, so C libraries' prints are caught as well as Python's; a
+crash in native code prints every thread's Python stack (faulthandler) to the terminal. Knows
 nothing of sections, plans or the control plane; a log that cannot be written (full disk) is
 dropped with one line on the terminal, and the worker goes on.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import sys
 import threading
@@ -33,6 +35,10 @@ class OutputCapture:
         os.dup2(write_end, 2)
         os.close(write_end)
         sys.stdout.reconfigure(line_buffering=True)
+        # A crash in native code (SIGSEGV, SIGBUS, SIGFPE, SIGABRT, SIGILL) dumps every thread's
+        # Python stack straight to the terminal: the pipe's reader dies with the process.
+        self.faults = open(self.terminal, "w", closefd=False)  # noqa: SIM115 (lives as long as the process)
+        faulthandler.enable(self.faults, all_threads=True)
         self.reader = threading.Thread(target=self._pump, args=(read_end,), name="output", daemon=True)
         self.reader.start()
 

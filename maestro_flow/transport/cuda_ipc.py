@@ -18,8 +18,8 @@ tensors: `UntypedStorage._share_cuda_` / `_new_shared_cuda`, `torch.cuda.Event(i
 and `Event.from_ipc_handle`). A header carries them as bytes and integers only; nothing from a
 socket is unpickled. Both ranks must be on the same host and the same device
 (runtime/topology.ipc_channels). tests/gpu/test_cuda_ipc.py checks it where CUDA is (passed on an
-H200, 2026-11-26); tools/bench/cuda_ipc.py measures it (RESULTS 9.1: about 120 µs per message
-beyond the copy, so 0.19x a device copy at 16 MiB and 0.55x at 256 MiB).
+H200, 2026-11-26); tools/bench/cuda_ipc.py measures it (RESULTS 9.1: 0.19x a device copy at
+16 MiB, 0.53-0.56x at 256 MiB; about 100 µs per message beyond the copy at 1 and 16 MiB).
 """
 
 from __future__ import annotations

@@ -1,5 +1,7 @@
-"""CUDA sections (distill, chain, and the VLM on precomputed pixels): NCCL tensor channels and DP reduction (gloo staged through the host where ranks
-share a GPU or an edge joins a CPU section), checked against the colocated reference.
+"""CUDA sections (distill, chain, and the VLM on precomputed pixels): NCCL tensor channels and DP
+reduction (gloo staged through the host where ranks share a GPU or an edge joins a CPU section),
+checked against the colocated reference: the same losses and every trainable parameter within
+1e-8 (float64, 3 steps).
 
 Skipped without CUDA (CI has no GPU). Needs at least one GPU; with one GPU all replicas share it
 (tensors between them go by CUDA IPC).
@@ -9,10 +11,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
-from maestro_flow.runtime.run import RunOptions, run_pipeline
-from tests.integration.conftest import PIXEL_VLM, ROOT, write_pixel_vlm
+from tests.integration.conftest import PIXEL_VLM, write_pixel_vlm
+from tests.integration.test_equivalence import assert_same_losses, assert_same_parameters, run_both
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300),
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -25,45 +26,32 @@ def demo_data(tmp_path_factory):
     return build_text_demo(tmp_path_factory.mktemp("demo"), num_samples=128, parquet=False)
 
 
-@pytest.mark.parametrize("pipeline,names,sections", [("pipelines/distill.py", ["teacher", "student"], ["student"]),
-                                                     ("pipelines/chain.py", ["embed", "lm"], ["embed", "lm"])])
-def test_cuda_section_mode_matches_colocated(demo_data, tmp_path, pipeline, names, sections):
-    """Every section on CUDA; `sections`: the trainable ones, compared."""
-    overrides = {"dtype": "float64", "steps": 3, "data.path": str(demo_data),
-                 **{f"sections.{n}.device": "cuda" for n in names}}
-    for mode in ("section", "colocated"):
-        run_pipeline(str(ROOT / pipeline), RunOptions(overrides=overrides, colocated=mode == "colocated",
-                                                      save_dir=str(tmp_path / mode), show_progress=False))
-    for s in sections:
-        a, b = load_file(tmp_path / "section" / f"{s}.safetensors"), load_file(tmp_path / "colocated" / f"{s}.safetensors")
-        for k in a:
-            assert (a[k] - b[k]).abs().max().item() <= 1e-8, f"{s}.{k}"
+def matches_colocated(pipeline: str, data, tmp_path, trainable: list[str], **overrides) -> list[dict]:
+    """Section mode against colocated mode; the section run's metrics rows."""
+    out = run_both(pipeline, data, tmp_path, **overrides)
+    (s_rows, s_dir), (c_rows, c_dir) = out["section"], out["colocated"]
+    assert_same_losses(s_rows, c_rows)
+    assert_same_parameters(s_dir, c_dir, trainable)
+    return s_rows
+
+
+@pytest.mark.parametrize("pipeline,names,trainable", [("pipelines/distill.py", ["teacher", "student"], ["student"]),
+                                                      ("pipelines/chain.py", ["embed", "lm"], ["embed", "lm"])])
+def test_cuda_section_mode_matches_colocated(demo_data, tmp_path, pipeline, names, trainable):
+    """Every section on CUDA."""
+    matches_colocated(pipeline, demo_data, tmp_path, trainable, **{f"sections.{n}.device": "cuda" for n in names})
 
 
 def test_cuda_vlm_matches_colocated(tmp_path):
     """The VLM (trainable encoder, dp 1, feeding an LLM at dp 2) on CUDA, images as precomputed
     pixels so that no decoder (DALI) is needed."""
-    data = write_pixel_vlm(tmp_path / "px.arrow")
-    overrides = {**PIXEL_VLM, "dtype": "float64", "steps": 3, "data.path": str(data),
-                 "sections.vision.device": "cuda", "sections.llm.device": "cuda"}
-    for mode in ("section", "colocated"):
-        rows = run_pipeline(str(ROOT / "pipelines/vlm.py"), RunOptions(
-            overrides=overrides, colocated=mode == "colocated", save_dir=str(tmp_path / mode), show_progress=False))
-        assert sum(r["sections"]["vision"]["samples"] for r in rows) > 0
-    for s in ("vision", "llm"):
-        a, b = load_file(tmp_path / "section" / f"{s}.safetensors"), load_file(tmp_path / "colocated" / f"{s}.safetensors")
-        for k in a:
-            assert (a[k] - b[k]).abs().max().item() <= 1e-8, f"{s}.{k}"
+    rows = matches_colocated("pipelines/vlm.py", write_pixel_vlm(tmp_path / "px.arrow"), tmp_path, ["vision", "llm"],
+                             **PIXEL_VLM, **{"sections.vision.device": "cuda", "sections.llm.device": "cuda"})
+    assert sum(r["sections"]["vision"]["samples"] for r in rows) > 0
 
 
 def student_matches_colocated(demo_data, tmp_path, **sets):
-    overrides = {"dtype": "float64", "steps": 3, "data.path": str(demo_data), **sets}
-    for mode in ("section", "colocated"):
-        run_pipeline(str(ROOT / "pipelines/distill.py"), RunOptions(
-            overrides=overrides, colocated=mode == "colocated", save_dir=str(tmp_path / mode), show_progress=False))
-    a, b = load_file(tmp_path / "section" / "student.safetensors"), load_file(tmp_path / "colocated" / "student.safetensors")
-    for k in a:
-        assert (a[k] - b[k]).abs().max().item() <= 1e-8, k
+    matches_colocated("pipelines/distill.py", demo_data, tmp_path, ["student"], **sets)
 
 
 @pytest.mark.parametrize("devices", [

@@ -231,7 +231,7 @@ def test_section_memory_tiny():
 def test_gpu_session_script_runs_its_steps_bounded_with_logs(tmp_path):
     """tools/gpu_session.sh (a lent GPU machine's runner) here, with the venv's python3: the
     chosen steps run, each logs to OUT/<step>.log and reports its exit status; without CUDA
-    the GPU suite skips and cuda_ipc says so."""
+    the GPU suite skips and cuda_ipc says so; a step past its limit fails the script."""
     import subprocess
     import sys
 
@@ -244,3 +244,8 @@ def test_gpu_session_script_runs_its_steps_bounded_with_logs(tmp_path):
     assert "== env" not in out.stdout and "== teacher_throughput" not in out.stdout
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["cuda_ipc.log", "gpu_tests.log"]
     assert "skipped, no CUDA device" in (tmp_path / "out" / "cuda_ipc.log").read_text()
+    # A step over its limit (TEACHER_THROUGHPUT_S): killed, reported, and the script fails.
+    env.update(STEPS="teacher_throughput", TEACHER_THROUGHPUT_S="1")
+    out = subprocess.run(["bash", "tools/gpu_session.sh", str(tmp_path / "out2")], cwd=REPO_ROOT, env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1 and "== teacher_throughput: exit 124" in out.stdout, out.stdout

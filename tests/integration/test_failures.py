@@ -64,6 +64,18 @@ def test_worker_killed_mid_step(demo_data):
     assert elapsed < 60
 
 
+def test_a_crash_in_native_code_shows_the_python_stack(demo_data):
+    """SIGSEGV: the run names the worker and the signal, and the worker's Python stack (every
+    thread's, from faulthandler) reaches the terminal, down to the stage's line."""
+    result, elapsed = run_faulty(demo_data, "sections.student.config.fail=segfault", "sections.student.config.at_step=1")
+    assert result.returncode == 1
+    err = result.stderr
+    assert "section 'student' replica 0" in err and "was killed by SIGSEGV" in err
+    assert "Fatal Python error: Segmentation fault" in err
+    assert "faulty_stages.py" in err and "in forward" in err
+    assert elapsed < 60
+
+
 def test_hung_worker_hits_the_step_timeout(demo_data):
     result, _ = run_faulty(demo_data, "sections.student.config.fail=hang", "sections.student.config.at_step=1",
                            env={"MAESTRO_STEP_S": "5"})

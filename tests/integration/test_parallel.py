@@ -92,6 +92,19 @@ def test_a_lockstep_fsdp_student_equals_colocated_and_holds_its_shard_and_a_bloc
         assert s["step_mb"] < 0.75 * 4 * s["state_mb"]
 
 
+def test_save_dir_gathers_dtensors_in_host_memory(tmp_path):
+    """--save-dir's gather over gloo groups (checkpoint/savedir._full_tensor): on a CPU mesh of the
+    same groups, for a 1-D mesh without names, a 2-D mesh and its sub-mesh, uneven shards."""
+    from tests.integration import gather_peers as peers
+    from tools.bench.common import run_spawned
+
+    out = run_spawned(peers.peer, [(str(tmp_path / "store"),)] * 2, timeout_s=120)
+    for rank in range(2):
+        for key in ("flat", "2d", "sub"):
+            assert out[rank][key] == out[rank]["whole"], (rank, key)
+        assert out[rank]["hosts"] == 3
+
+
 @pytest.mark.parametrize("legacy", [False, True], ids=["torch-switch", "own-zeros"])
 def test_lockstep_fsdp_sums_gradients_and_keeps_the_presence_rule(tmp_path, legacy):
     """FSDPSection in lockstep on two ranks, against the same model unsharded: gradients are the

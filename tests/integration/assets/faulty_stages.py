@@ -1,11 +1,12 @@
 """A trainable LM stage that fails on purpose, for the failure-matrix tests.
 
-Config keys besides CausalLM's: `fail` ("setup", "forward", "kill", "hang" or None), `at_step`
+Config keys besides CausalLM's: `fail` ("setup", "forward", "kill", "segfault", "hang" or None), `at_step`
 and `on_replica` (which step and replica fail), `sleep_s` (slow every forward down).
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import time
@@ -37,6 +38,8 @@ class Faulty(CausalLM):
                 raise ValueError(f"deliberate failure in forward at step {batch.step}")
             if f["fail"] == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
+            if f["fail"] == "segfault":  # a crash in native code, as a library's bug would cause
+                ctypes.string_at(0)
             if f["fail"] == "hang":
                 time.sleep(3600)
         return super().forward(batch)
