@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.integration.conftest import PIXEL_VLM, write_pixel_vlm
-from tests.integration.test_equivalence import assert_same_losses, assert_same_parameters, run_both
+from tests.integration.test_equivalence import section_equals_colocated
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300),
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -26,32 +26,25 @@ def demo_data(tmp_path_factory):
     return build_text_demo(tmp_path_factory.mktemp("demo"), num_samples=128, parquet=False)
 
 
-def matches_colocated(pipeline: str, data, tmp_path, trainable: list[str], **overrides) -> list[dict]:
-    """Section mode against colocated mode; the section run's metrics rows."""
-    out = run_both(pipeline, data, tmp_path, **overrides)
-    (s_rows, s_dir), (c_rows, c_dir) = out["section"], out["colocated"]
-    assert_same_losses(s_rows, c_rows)
-    assert_same_parameters(s_dir, c_dir, trainable)
-    return s_rows
-
-
 @pytest.mark.parametrize("pipeline,names,trainable", [("pipelines/distill.py", ["teacher", "student"], ["student"]),
                                                       ("pipelines/chain.py", ["embed", "lm"], ["embed", "lm"])])
 def test_cuda_section_mode_matches_colocated(demo_data, tmp_path, pipeline, names, trainable):
     """Every section on CUDA."""
-    matches_colocated(pipeline, demo_data, tmp_path, trainable, **{f"sections.{n}.device": "cuda" for n in names})
+    section_equals_colocated(pipeline, demo_data, tmp_path, trainable,
+                             **{f"sections.{n}.device": "cuda" for n in names})
 
 
 def test_cuda_vlm_matches_colocated(tmp_path):
     """The VLM (trainable encoder, dp 1, feeding an LLM at dp 2) on CUDA, images as precomputed
     pixels so that no decoder (DALI) is needed."""
-    rows = matches_colocated("pipelines/vlm.py", write_pixel_vlm(tmp_path / "px.arrow"), tmp_path, ["vision", "llm"],
-                             **PIXEL_VLM, **{"sections.vision.device": "cuda", "sections.llm.device": "cuda"})
+    rows, _ = section_equals_colocated("pipelines/vlm.py", write_pixel_vlm(tmp_path / "px.arrow"), tmp_path,
+                                       ["vision", "llm"], **PIXEL_VLM,
+                                       **{"sections.vision.device": "cuda", "sections.llm.device": "cuda"})
     assert sum(r["sections"]["vision"]["samples"] for r in rows) > 0
 
 
 def student_matches_colocated(demo_data, tmp_path, **sets):
-    matches_colocated("pipelines/distill.py", demo_data, tmp_path, ["student"], **sets)
+    section_equals_colocated("pipelines/distill.py", demo_data, tmp_path, ["student"], **sets)
 
 
 @pytest.mark.parametrize("devices", [

@@ -29,6 +29,16 @@ def run_both(pipeline: str, data, tmp_path, **overrides):
     return out
 
 
+def section_equals_colocated(pipeline: str, data, tmp_path, trainable: list[str], **overrides):
+    """run_both, then the same losses and every `trainable` section's parameters within 1e-8;
+    (the section run's metrics rows, its save dir)."""
+    out = run_both(pipeline, data, tmp_path, **overrides)
+    (s_rows, s_dir), (c_rows, c_dir) = out["section"], out["colocated"]
+    assert_same_losses(s_rows, c_rows)
+    assert_same_parameters(s_dir, c_dir, trainable)
+    return s_rows, s_dir
+
+
 def assert_same_parameters(a_dir, b_dir, sections):
     for section in sections:
         a = load_file(a_dir / f"{section}.safetensors")
@@ -47,10 +57,7 @@ def assert_same_losses(a_rows, b_rows):
 
 
 def test_distill_section_mode_matches_colocated(demo_data, tmp_path):
-    out = run_both("pipelines/distill.py", demo_data, tmp_path)
-    (s_rows, s_dir), (c_rows, c_dir) = out["section"], out["colocated"]
-    assert_same_losses(s_rows, c_rows)
-    assert_same_parameters(s_dir, c_dir, ["student"])
+    _, s_dir = section_equals_colocated("pipelines/distill.py", demo_data, tmp_path, ["student"])
     assert not (s_dir / "teacher.safetensors").exists()  # frozen sections are not saved
 
 
@@ -60,10 +67,7 @@ def test_distill_section_mode_matches_colocated(demo_data, tmp_path):
      "sections.embed.optimizer": {"name": "sgd", "lr": 0.1, "momentum": 0.9}},  # fan-in 2, SGD
 ], ids=["fanout-adamw", "fanin-sgd"])
 def test_chain_gradients_cross_the_edge(demo_data, tmp_path, overrides):
-    out = run_both("pipelines/chain.py", demo_data, tmp_path, **overrides)
-    (s_rows, s_dir), (c_rows, c_dir) = out["section"], out["colocated"]
-    assert_same_losses(s_rows, c_rows)
-    assert_same_parameters(s_dir, c_dir, ["embed", "lm"])
+    _, s_dir = section_equals_colocated("pipelines/chain.py", demo_data, tmp_path, ["embed", "lm"], **overrides)
     # The embedding really trained: gradients crossed the edge.
     init = load_file(s_dir / "embed.safetensors")["tok_emb.weight"]
     assert init.abs().sum() > 0
@@ -74,21 +78,16 @@ def test_hugging_face_teacher_and_student(demo_data, tmp_path):
     teacher = {"role": "teacher", "init_seed": 3, "hf_config": {"n_layer": 1, "n_embd": 32, "n_head": 2}}
     student = {"role": "kd_student", "teacher": {k: v for k, v in teacher.items() if k != "role"},
                "hf_config": {"n_layer": 1, "n_embd": 32, "n_head": 2}}
-    out = run_both("pipelines/distill.py", demo_data, tmp_path, **{
+    section_equals_colocated("pipelines/distill.py", demo_data, tmp_path, ["student"], **{
         "sections.teacher.stage": "stages.hf:HFCausalLM", "sections.teacher.config": teacher,
         "sections.student.stage": "stages.hf:HFCausalLM", "sections.student.config": student})
-    (s_rows, s_dir), (c_rows, c_dir) = out["section"], out["colocated"]
-    assert_same_losses(s_rows, c_rows)
-    assert_same_parameters(s_dir, c_dir, ["student"])
 
 
 def test_replicas_without_samples_still_join_the_step(demo_data, tmp_path):
     """3 samples over 4 LM replicas: replica 3 gets nothing every step and must not hang it."""
-    out = run_both("pipelines/chain.py", demo_data, tmp_path, global_batch=3, **{"sections.lm.dp": 4})
-    (s_rows, s_dir), (c_rows, c_dir) = out["section"], out["colocated"]
+    s_rows, _ = section_equals_colocated("pipelines/chain.py", demo_data, tmp_path, ["embed", "lm"], global_batch=3,
+                                         **{"sections.lm.dp": 4})
     assert all(r["sections"]["lm"]["samples"] == 3 for r in s_rows)
-    assert_same_losses(s_rows, c_rows)
-    assert_same_parameters(s_dir, c_dir, ["embed", "lm"])
 
 
 def test_parquet_data_trains_like_arrow(demo_data, tmp_path):

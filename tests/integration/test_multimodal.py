@@ -11,7 +11,7 @@ import pytest
 
 from maestro_flow.runtime.run import RunOptions, run_pipeline
 from tests.integration.conftest import PIXEL_VLM, ROOT, maestro, write_pixel_vlm
-from tests.integration.test_equivalence import assert_same_losses, assert_same_parameters, run_both
+from tests.integration.test_equivalence import assert_same_losses, assert_same_parameters, section_equals_colocated
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -52,11 +52,9 @@ def test_a_small_credit_gates_the_encoder(vlm_data):
 @pytest.mark.parametrize("case", list(CASES))
 def test_vlm_section_mode_matches_colocated(vlm_data, tmp_path, case):
     share, overrides = CASES[case]
-    out = run_both("pipelines/vlm.py", vlm_data[share], tmp_path, global_batch=24, **overrides)
-    (s_rows, s_dir), (c_rows, c_dir) = out["section"], out["colocated"]
-    assert_same_losses(s_rows, c_rows)
     trainable = ["llm"] + ([] if overrides.get("sections.vision.trainable") is False else ["vision"])
-    assert_same_parameters(s_dir, c_dir, trainable)
+    s_rows, _ = section_equals_colocated("pipelines/vlm.py", vlm_data[share], tmp_path, trainable, global_batch=24,
+                                         **overrides)
     images = sum(r["sections"]["vision"]["samples"] for r in s_rows)
     if share == 0.0:
         assert images == 0  # the encoder never ran, yet every step finished
@@ -69,11 +67,8 @@ def test_vlm_section_mode_matches_colocated(vlm_data, tmp_path, case):
 def test_precomputed_pixels_need_no_decoder(tmp_path):
     """data.modality_columns={"image": "pixel_values"} and decoder None: the encoder takes pixel
     arrays from the Arrow file (what tests/gpu runs on a machine without DALI)."""
-    data = write_pixel_vlm(tmp_path / "px.arrow")
-    out = run_both("pipelines/vlm.py", data, tmp_path, **PIXEL_VLM)
-    (s_rows, s_dir), (c_rows, c_dir) = out["section"], out["colocated"]
-    assert_same_losses(s_rows, c_rows)
-    assert_same_parameters(s_dir, c_dir, ["llm", "vision"])
+    s_rows, _ = section_equals_colocated("pipelines/vlm.py", write_pixel_vlm(tmp_path / "px.arrow"), tmp_path,
+                                         ["llm", "vision"], **PIXEL_VLM)
     assert sum(r["sections"]["vision"]["samples"] for r in s_rows) > 0
 
 
@@ -81,12 +76,10 @@ def test_image_and_audio_encoders_feed_one_llm(tmp_path):
     from loaders.demo import build_multimodal_demo
 
     data = build_multimodal_demo(tmp_path / "mm", num_samples=64)
-    out = run_both("pipelines/multimodal.py", data, tmp_path, global_batch=16,
-                   **{"sections.vision.trainable": True, "sections.audio.trainable": True,
-                      "sections.vision.optimizer": {"name": "sgd", "lr": 0.05}})
-    (s_rows, s_dir), (c_rows, c_dir) = out["section"], out["colocated"]
-    assert_same_losses(s_rows, c_rows)
-    assert_same_parameters(s_dir, c_dir, ["llm", "vision", "audio"])
+    s_rows, _ = section_equals_colocated("pipelines/multimodal.py", data, tmp_path, ["llm", "vision", "audio"],
+                                         global_batch=16, **{"sections.vision.trainable": True,
+                                                             "sections.audio.trainable": True,
+                                                             "sections.vision.optimizer": {"name": "sgd", "lr": 0.05}})
     assert sum(r["sections"]["audio"]["samples"] for r in s_rows) > 0
     assert sum(r["sections"]["vision"]["samples"] for r in s_rows) > 0
 

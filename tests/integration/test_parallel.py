@@ -22,7 +22,7 @@ from maestro_flow.runtime.build import load_pipeline
 from maestro_flow.runtime.run import RunOptions, run_pipeline
 from tests.integration import oracle
 from tests.integration.conftest import ROOT, maestro
-from tests.integration.test_equivalence import assert_same_losses, assert_same_parameters, run_both
+from tests.integration.test_equivalence import assert_same_parameters, section_equals_colocated
 from tests.integration.test_oracle import assert_matches_oracle, assert_metrics_match
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -63,11 +63,8 @@ def vlm_data(tmp_path_factory):
 
 def test_a_lockstep_fsdp_teacher_with_uneven_replicas_equals_colocated(demo_data, tmp_path):
     # 64 samples: enough for the teacher's run-ahead credits to bind (ledger.PlanMessages._gates).
-    out = run_both("pipelines/distill.py", demo_data, tmp_path,
-                   **{"sections.teacher.dp": 4, "sections.teacher.fsdp": True, "global_batch": 64})
-    (s_rows, s_dir), (c_rows, c_dir) = out["section"], out["colocated"]
-    assert_same_losses(s_rows, c_rows)
-    assert_same_parameters(s_dir, c_dir, ["student"])
+    s_rows, _ = section_equals_colocated("pipelines/distill.py", demo_data, tmp_path, ["student"],
+                                         **{"sections.teacher.dp": 4, "sections.teacher.fsdp": True, "global_batch": 64})
     teacher = [r["sections"]["teacher"] for r in s_rows]
     assert sum(t["probe_rounds"] for t in teacher) > 0  # the replicas' micro-batch counts differed
     whole = sum(p.numel() * p.element_size() for p in _teacher_parameters()) / (1 << 20)
@@ -80,10 +77,8 @@ def test_a_lockstep_fsdp_teacher_with_uneven_replicas_equals_colocated(demo_data
 def test_a_lockstep_fsdp_student_equals_colocated_and_holds_its_shard_and_a_block(demo_data, tmp_path):
     """A loss section with FSDP gathers and reduce-scatters per micro-batch (each forward's
     backward follows at once), its replicas in lockstep; dp 4 gives uneven micro-batch counts."""
-    out = run_both("pipelines/distill.py", demo_data, tmp_path, **{"sections.student.dp": 4, "sections.student.fsdp": True})
-    (s_rows, s_dir), (c_rows, c_dir) = out["section"], out["colocated"]
-    assert_same_losses(s_rows, c_rows)
-    assert_same_parameters(s_dir, c_dir, ["student"])
+    s_rows, _ = section_equals_colocated("pipelines/distill.py", demo_data, tmp_path, ["student"],
+                                         **{"sections.student.dp": 4, "sections.student.fsdp": True})
     student = [r["sections"]["student"] for r in s_rows]
     assert sum(s["probe_rounds"] for s in student) > 0
     unit = _unit_mb("student")
@@ -152,11 +147,8 @@ def _teacher_parameters():
 @pytest.mark.parametrize("case", list(CASES))
 def test_sharded_sections_equal_colocated(demo_data, vlm_data, tmp_path, case):
     pipeline, data, overrides = CASES[case]
-    out = run_both(pipeline, demo_data if data == "text" else vlm_data, tmp_path, **overrides)
-    (s_rows, s_dir), (c_rows, c_dir) = out["section"], out["colocated"]
-    assert_same_losses(s_rows, c_rows)
     trainable = ["student"] if "distill" in pipeline else ["vision", "llm"]
-    assert_same_parameters(s_dir, c_dir, trainable)
+    section_equals_colocated(pipeline, demo_data if data == "text" else vlm_data, tmp_path, trainable, **overrides)
 
 
 def test_llama_with_tp_equals_llama_without(demo_data, tmp_path):
