@@ -54,7 +54,7 @@ import maestro_flow.runtime.worker, maestro_flow.parallel.fsdp, maestro_flow.par
 import maestro_flow.transport.cuda_ipc
 print(\"imports ok: pyzmq\", zmq.__version__, \"transformers\", transformers.__version__)"'
 step gpu_tests 240 python3 -m pytest tests/gpu -v -p no:cacheprovider --timeout 150
-step cuda_ipc 90 python3 -m tools.bench.cuda_ipc
+step cuda_ipc 120 python3 -m tools.bench.cuda_ipc
 step teacher_throughput 80 python3 -m tools.bench.teacher_throughput
 step section_memory 130 python3 -m tools.bench.section_memory \
     --set sections.student.device=cuda --set sections.teacher.device=cuda

@@ -31,6 +31,7 @@ from maestro_flow.runtime.report import RunReport
 from maestro_flow.runtime.rundir import RunDir
 from maestro_flow.runtime.sampler import EpochSampler
 from maestro_flow.timeouts import Timeouts
+from maestro_flow.transport import cuda_ipc
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -178,6 +179,10 @@ def run_pipeline(path: str, options: RunOptions) -> list[dict[str, Any]]:
     if nodes.node_rank != 0:
         return _run_agent(pipeline, options, nodes, host, secret)
     nodes.assign(placement_for(checked.graph))  # refused here when the ranks cannot be placed on the nodes
+    try:
+        cuda_ipc.wait_mode()  # read again by each worker; a bad value is refused before any starts
+    except ValueError as exc:
+        raise PipelineError(str(exc)) from None
     ckpt = options.checkpoint
     ckpt.validate()
     if options.colocated and (ckpt.dir or ckpt.resume or ckpt.max_restarts):

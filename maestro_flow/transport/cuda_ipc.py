@@ -7,9 +7,13 @@ the device: the sender keeps a pool of device slots per channel (uint8 CUDA tens
 caching allocator), copies a message's buffers into one (one device-to-device copy on its current
 stream) and records the slot's interprocess event after the copy; the header (over ZeroMQ) names
 the slot and each buffer's offset, and the first time a slot is sent, its IPC memory handle and
-its event's handle (`ipc` in the header). The receiver opens each slot and event once, makes its
-current stream wait for the event (no host synchronisation) and delivers views of the slot: the
-bytes are not copied again. When no view of a message is left, the receiver records an event on
+its event's handle (`ipc` in the header). The receiver opens each slot and event once, waits for
+the event and delivers views of the slot: the bytes are not copied again. It waits on the device
+by default (its default stream waits for the event, no host synchronisation); with
+MAESTRO_CUDA_IPC_WAIT=host its header thread waits until the copy is done instead, so that no
+work of the receiver's CUDA context waits on the sender's (whether two contexts taking turns on
+one GPU is what the ~100 µs a message below costs is not established; tools/bench/cuda_ipc.py
+measures both). When no view of a message is left, the receiver records an event on
 its stream and sends the slot back ("release", as for shared memory) once that event has
 completed, so the sender never overwrites bytes a kernel of the receiver may still read.
 
@@ -24,6 +28,7 @@ H200, 2026-11-26); tools/bench/cuda_ipc.py measures it (RESULTS 9.1: 0.19x a dev
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -33,6 +38,15 @@ import torch
 from maestro_flow.transport.shm import SlotReader, SlotWriter
 
 PREFIX = "ipc-"  # slot names: ipc-<sender rank>-<count>; releases are routed by it
+WAITS = ("device", "host")  # MAESTRO_CUDA_IPC_WAIT: how a receiver waits for the sender's copy
+
+
+def wait_mode() -> str:
+    """MAESTRO_CUDA_IPC_WAIT, checked: "device" (the default) or "host"."""
+    mode = os.environ.get("MAESTRO_CUDA_IPC_WAIT", "device")
+    if mode not in WAITS:
+        raise ValueError(f"MAESTRO_CUDA_IPC_WAIT={mode!r}: use one of {', '.join(WAITS)}")
+    return mode
 
 
 class _DeviceSlot:
@@ -127,9 +141,10 @@ class IpcReader(SlotReader):
 
     max_mapped = float("inf")  # a slot's handles come once: a mapping forgotten could not be opened again
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, wait: str = "device") -> None:
         super().__init__()
         self.device = device
+        self.wait = wait  # "device": the default stream waits for the sender's copy; "host": this thread does
         self._exports: dict[str, Sequence[Any]] = {}
         self._draining: list[tuple[int, str, torch.cuda.Event]] = []  # views gone, stream not yet past them
         self._drain_lock = threading.Lock()
@@ -141,9 +156,13 @@ class IpcReader(SlotReader):
         if export is not None:
             self._exports[name] = export
         out = self.read(src, name, offsets, specs)
-        # The executor computes on the device's default stream (and so must a stage): its use of
-        # the views comes after the sender's copy.
-        self._maps[name].event.wait(torch.cuda.default_stream(self.device))
+        event = self._maps[name].event
+        if self.wait == "host":
+            event.synchronize()  # the copy is done: any stream of this worker may read the views
+        else:
+            # The executor computes on the device's default stream (and so must a stage): its
+            # use of the views comes after the sender's copy.
+            event.wait(torch.cuda.default_stream(self.device))
         return out
 
     def _open(self, src: int, name: str) -> _OpenedSlot:

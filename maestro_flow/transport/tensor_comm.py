@@ -124,7 +124,7 @@ class TensorComm:
         self._ipc_out = {(dst, kind) for src, dst, kind in ipc if src == rank}
         self._ipc_in = {(src, kind) for src, dst, kind in ipc if dst == rank}
         self._ipc_slots = cuda_ipc.IpcWriter(rank, device) if self._ipc_out else None
-        self._ipc_mapped = cuda_ipc.IpcReader(device) if self._ipc_in else None
+        self._ipc_mapped = cuda_ipc.IpcReader(device, cuda_ipc.wait_mode()) if self._ipc_in else None
         self._releases: queue.SimpleQueue = queue.SimpleQueue()  # (rank, slot names) from the header thread
         self._release_sockets: dict[int, tuple[zmq.Socket, Sealer]] = {}  # used under _release_lock
         self._release_lock = threading.Lock()  # the header thread and the compute thread give slots back

@@ -1,6 +1,6 @@
 """CUDA IPC between two workers on one GPU (transport/cuda_ipc.py), over the transport tests'
 contract: every message arrives once, in order, with the same names, dtypes, shapes and values;
-both directions at once; device slots reused once the receiver drops its views; a receiver
+both directions at once (the receiver waiting on the device or on the host); device slots reused once the receiver drops its views; a receiver
 holding every message never blocks its sender.
 
 Skipped without CUDA (CI has no GPU). One GPU is enough: both ranks share cuda:0.
@@ -18,7 +18,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.timeout(180),
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
-def test_both_directions_at_once_through_cuda_ipc():
+@pytest.mark.parametrize("wait", ["device", "host"])
+def test_both_directions_at_once_through_cuda_ipc(wait, monkeypatch):
+    monkeypatch.setenv("MAESTRO_CUDA_IPC_WAIT", wait)  # read by each rank's TensorComm
     plan = [(0, 1, "fwd"), (1, 0, "bwd")]
     out = run_world(2, plan, path="ipc")
     for _, _, errors, _ in out.values():

@@ -294,3 +294,9 @@ def test_samples_longer_than_the_model_are_refused_naming_the_sample(tmp_path):
     result = invoke("validate", "pipelines/distill.py", "--set", f"data.path={_token_data(tmp_path, tokens)}")
     assert result.exit_code == 2
     assert "sample id 105 (row 5) has 300 tokens" in result.output and "max_tokens 256" in result.output
+
+
+def test_a_bad_cuda_ipc_wait_is_refused_before_any_worker_starts(tmp_path, dataset, monkeypatch):
+    monkeypatch.setenv("MAESTRO_CUDA_IPC_WAIT", "sometimes")
+    result = invoke("run", write_pipeline(tmp_path, dataset), "--quiet", "--no-run-dir")
+    assert_one_error_line(result, "MAESTRO_CUDA_IPC_WAIT='sometimes'", "device, host")
