@@ -32,20 +32,21 @@ def _allowed(e: EdgeInfo, known: str, replica: int) -> range:
 
 
 class _Heap:
-    """Least-loaded replica of a set, with lazy deletion (loads only grow)."""
+    """Least-loaded replica of a set (`best`), with lazy deletion (loads only grow). Every load
+    change of a replica in the set is followed by update(), so `best` is always current."""
 
     def __init__(self, replicas: list[int]) -> None:
         self.entries = [(0.0, r) for r in replicas]
         heapq.heapify(self.entries)
-
-    def top(self, load: list[float]) -> int:
-        # An entry is stale once its replica's load grew; update() pushed the fresh one then.
-        while self.entries[0][0] != load[self.entries[0][1]]:
-            heapq.heappop(self.entries)
-        return self.entries[0][1]
+        self.best = self.entries[0][1]
 
     def update(self, r: int, load: list[float]) -> None:
-        heapq.heappush(self.entries, (load[r], r))
+        entries = self.entries
+        heapq.heappush(entries, (load[r], r))
+        # An entry is stale once its replica's load grew; the fresh one was pushed then.
+        while entries[0][0] != load[entries[0][1]]:
+            heapq.heappop(entries)
+        self.best = entries[0][1]
 
 
 def assign(graph: SectionGraph, anchor: str, component: list[str], samples: Sequence[SampleMeta],
@@ -118,7 +119,7 @@ def assign(graph: SectionGraph, anchor: str, component: list[str], samples: Sequ
                     reps[other] = forced[1]
                 else:
                     reps[other] = allowed[0] if len(allowed) == 1 else \
-                        blocks[(other, allowed.start, allowed.stop)].top(load[other])
+                        blocks[(other, allowed.start, allowed.stop)].best
             return reps
         for known, other, e in steps:
             reps[other] = min(_allowed(e, known, reps[known]), key=lambda x: (load[other][x], x))
@@ -141,6 +142,10 @@ def assign(graph: SectionGraph, anchor: str, component: list[str], samples: Sequ
         parts = {other: allowed[0] if len(allowed) == 1 else blocks[(other, allowed.start, allowed.stop)]
                  for other, allowed in out} if direct else None
         scored.append((heap, parts))
+    # Every group direct: its heaps, and per neighbour section each group's replica or block.
+    pair = None
+    if all(parts is not None for _, parts in scored):
+        pair = ([heap for heap, _ in scored], {n: [parts[n] for _, parts in scored] for n in component if n != anchor})
     la = load[anchor]
     routes: dict[str, dict[int, int]] = {n: {} for n in component}
     order = sorted(samples, key=lambda s: (-sum(costs[s.id].values()), s.id))
@@ -148,42 +153,61 @@ def assign(graph: SectionGraph, anchor: str, component: list[str], samples: Sequ
         c = costs[s.id]
         touched = [n for n in component if c[n] > 0]
         if not touched or touched == [anchor]:
-            reps = resolve(every.top(la))
+            reps = resolve(every.best)
         elif len(touched) == 1 and touched[0] in single:
-            q = single[touched[0]].top(load[touched[0]])
+            q = single[touched[0]].best
             reps = resolve(reach[touched[0]][q], forced=(touched[0], q))
         else:
             terms = [(load[n], c[n], unit[n], n) for n in touched if n != anchor]
             mine = (c[anchor], unit[anchor]) if anchor in touched else None
             best_key, reps = None, None
-            for heap, parts in scored:
-                r = heap.top(la)
-                candidate = resolve(r) if parts is None else None
-                score = (la[r] + mine[0]) * mine[1] if mine else 0.0
-                for lo, cn, un, n in terms:
-                    if candidate is not None:
-                        q = candidate[n]
-                    else:
-                        q = parts[n]
-                        if not isinstance(q, int):
-                            q = q.top(lo)
+            if pair is not None and mine is not None and len(terms) == 1:
+                # The common case (two sections, each group's neighbour replica direct): the
+                # loop below, unrolled.
+                lo, cn, un, n = terms[0]
+                ca, ua = mine
+                for heap, q in zip(pair[0], pair[1][n], strict=True):
+                    r = heap.best
+                    if q.__class__ is not int:
+                        q = q.best
+                    score = (la[r] + ca) * ua
                     v = (lo[q] + cn) * un
-                    if v > score:
-                        score = v
-                key = (score, la[r], r)
-                if best_key is None or key < best_key:
-                    best_key, reps = key, candidate
+                    key = (v if v > score else score, la[r], r)
+                    if best_key is None or key < best_key:
+                        best_key = key
+            else:
+                for heap, parts in scored:
+                    r = heap.best
+                    candidate = resolve(r) if parts is None else None
+                    score = (la[r] + mine[0]) * mine[1] if mine else 0.0
+                    for lo, cn, un, n in terms:
+                        if candidate is not None:
+                            q = candidate[n]
+                        else:
+                            q = parts[n]
+                            if not isinstance(q, int):
+                                q = q.best
+                        v = (lo[q] + cn) * un
+                        if v > score:
+                            score = v
+                    key = (score, la[r], r)
+                    if best_key is None or key < best_key:
+                        best_key, reps = key, candidate
             if reps is None:
                 reps = resolve(best_key[2])
+        # A section the sample costs nothing keeps its loads, and so its heaps.
         for n in component:
-            load[n][reps[n]] += c[n]
-            routes[n][s.id] = reps[n]
-            block = block_of.get((n, reps[n]))
-            if block is not None:
-                block.update(reps[n], load[n])
-        r = reps[anchor]
-        every.update(r, load[anchor])
-        group_of[r].update(r, load[anchor])
-        for n, heap in single.items():
-            heap.update(reps[n], load[n])
+            q = reps[n]
+            routes[n][s.id] = q
+            if c[n]:
+                load[n][q] += c[n]
+                block = block_of.get((n, q))
+                if block is not None:
+                    block.update(q, load[n])
+                if n in single:
+                    single[n].update(q, load[n])
+        if c[anchor]:
+            r = reps[anchor]
+            every.update(r, la)
+            group_of[r].update(r, la)
     return routes

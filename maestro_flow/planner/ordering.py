@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from maestro_flow.graph import SectionGraph
@@ -278,8 +278,10 @@ class Ordering:
         while i < len(queue) and (n, queue[i]) in self.taken:
             i += 1
         self.heads[key] = i
-        for sid in queue[i:]:
-            if (n, sid) not in self.taken and sid in available:
+        taken = self.taken
+        for j in range(i, len(queue)):
+            sid = queue[j]
+            if sid in available and (n, sid) not in taken:
                 return sid
         return None
 
@@ -322,12 +324,12 @@ class Ordering:
         if rules.prompt:
             hungry = min((starve[k] - t for k in keys if self.remaining[k] > 0), default=INF)
         batch: list[int] = []
+        rank = (lambda k: (-self.remaining[k], k)) if rules.serve == "remaining" else (lambda k: (starve[k], k))
         while len(batch) < rep.mb and not (batch and (backward >= budget or forward >= hungry)):
             sid = None
-            rank = (lambda k: (-self.remaining[k], k)) if rules.serve == "remaining" else (lambda k: (starve[k], k))
             first = min(keys, key=rank) if keys else None
             # The first in line serves almost always: sort the others only when it cannot.
-            for k in ([first] if first is not None else []) + sorted((k for k in keys if k != first), key=rank):
+            for k in _first_then(first, keys, rank):
                 c = self.reps[k[2]][k[3]]
                 if self.inflight[k] >= self.credit[k[2]] and not c.waiting:
                     continue  # far enough ahead of this consumer; serve it again once it catches up
@@ -408,7 +410,7 @@ class Ordering:
                     if crep.waiting:
                         heapq.heappush(self.heap, (max(ready, crep.free_at), crep.slot))
         grads_of = self.grads_of.get(n)
-        expected = sum(grads_of[sid] for sid in batch) if grads_of else 0
+        expected = sum(map(grads_of.__getitem__, batch)) if grads_of else 0
         if self.sections[n].trainable and not rep.loss and expected:
             rep.grads_missing[m] = expected
             rep.grads_at[m] = 0.0
@@ -450,7 +452,7 @@ class Ordering:
         fwd_n = self.fwd[n]
         if self.padded[n]:
             return self.fixed[n] + len(batch) * max((fwd_n[sid] for sid in batch), default=0.0)
-        return self.fixed[n] + sum(fwd_n[sid] for sid in batch)
+        return self.fixed[n] + sum(map(fwd_n.__getitem__, batch))
 
     def _send_grads(self, rep: _Rep, batch: Sequence[int], done: float) -> None:
         arrive = done + self.costs.transfer_s
@@ -469,6 +471,14 @@ class Ordering:
                         heapq.heappush(self.heap, (max(prep.grads_at[m], prep.free_at), prep.slot))
 
 
+def _first_then(first: Key | None, keys: Sequence[Key], rank: Callable) -> Iterator[Key]:
+    """`first`, then the other keys by `rank`, sorted only if the caller asks past the first."""
+    if first is None:
+        return
+    yield first
+    yield from sorted((k for k in keys if k != first), key=rank)
+
+
 def default_run_ahead(consumer_micro_batch: int) -> int:
     """Pipeline.run_ahead=None: 4 consumer micro-batches, and at least 16 samples. With small
     consumer micro-batches fewer do not cover the spread of encoder costs: at llm micro-batch 2
@@ -481,7 +491,7 @@ def cumulative(mbs: Sequence[Sequence[int]], keep: Callable[[int], bool]) -> lis
     """[0, then for each j the samples `keep` accepts in the first j micro-batches]."""
     counts = [0]
     for mb in mbs:
-        counts.append(counts[-1] + sum(1 for sid in mb if keep(sid)))
+        counts.append(counts[-1] + sum(map(keep, mb)))
     return counts
 
 

@@ -39,7 +39,7 @@ class Routed:
             for sid in active[n]:
                 where = (n, route[sid])
                 self.todo[where].add(sid)
-                need = sum(1 for p in producers if sid in p)
+                need = sum(sid in p for p in producers)
                 if need:
                     self.need[where][sid] = need
                 else:
@@ -65,7 +65,7 @@ class Routed:
             self.out_keys.setdefault((key[0], key[1]), []).append(key)
             self.in_keys.setdefault((key[2], key[3]), []).append(key)
         # Gradients each sample of a section gets back (from consumers that train and take it).
-        self.grads_of = {n: {sid: sum(1 for c in self.grad_from[n] if sid in self.active[c]) for sid in active[n]}
+        self.grads_of = {n: {sid: sum(sid in self.active[c] for c in self.grad_from[n]) for sid in active[n]}
                          for n in comp if self.grad_from[n]}
         # Consumer work of each queue (what Rules.serve == "remaining" counts down).
         self.remaining = {key: sum(task[key[2]][sid] for sid in sids) for key, sids in self.queues.items()}

@@ -67,13 +67,20 @@ def propagate(graph: SectionGraph, anchor: str, anchor_routes: dict[int, int],
     """
     routes = {anchor: dict(anchor_routes)}
     for known, other, e in walk(graph, anchor):
-        allowed = e.consumers_of if e.edge.src == known else e.producer_of
-        load = [0.0] * graph.sections[other].dp
+        allowed_of = e.consumers_of if e.edge.src == known else e.producer_of
+        section = graph.sections[other]
+        choices = [allowed_of(r) for r in range(graph.sections[known].dp)]
+        known_routes = routes[known]
+        if all(len(c) == 1 for c in choices):  # every replica fixed by its neighbour's: no loads to weigh
+            only = [c[0] for c in choices]
+            routes[other] = {s.id: only[known_routes[s.id]] for s in samples}
+            continue
+        load = [0.0] * section.dp
         out: dict[int, int] = {}
         for s in samples:
-            pick = min(allowed(routes[known][s.id]), key=lambda r: (load[r], r))
+            pick = min(choices[known_routes[s.id]], key=lambda r: (load[r], r))
             out[s.id] = pick
-            if graph.sections[other].activates(s.modalities):
+            if section.activates(s.modalities):
                 load[pick] += weight(other, s)
         routes[other] = out
     return routes
