@@ -42,7 +42,10 @@ class _Heap:
 
     def update(self, r: int, load: list[float]) -> None:
         entries = self.entries
-        heapq.heappush(entries, (load[r], r))
+        if entries[0][1] == r:  # mostly: the least-loaded replica took the sample, its entry goes stale
+            heapq.heapreplace(entries, (load[r], r))
+        else:
+            heapq.heappush(entries, (load[r], r))
         # An entry is stale once its replica's load grew; the fresh one was pushed then.
         while entries[0][0] != load[entries[0][1]]:
             heapq.heappop(entries)

@@ -397,7 +397,7 @@ class Ordering:
         self._busy(rep, t, work if (rep.loss or not self.sections[n].trainable) else fwd)
         done = rep.free_at
         arrive = done + self.costs.transfer_s
-        for sid in batch:
+        for sid in batch if rep.has_consumers else ():
             for k in keys_out.get((n, sid), ()):
                 crep = self.reps[k[2]][k[3]]
                 crep.missing[sid] -= 1

@@ -165,6 +165,28 @@ def test_wavefront_sim_tiny():
 
 
 @pytest.mark.timeout(60)
+def test_plan_fingerprints_are_deterministic_and_tell_plans_apart(tmp_path):
+    from tools import plan_fingerprints
+
+    first = plan_fingerprints.main(["--tiny", str(tmp_path / "a.txt")])
+    assert first == plan_fingerprints.main(["--tiny"])  # the same plans, run after run
+    assert (tmp_path / "a.txt").read_text().splitlines() == first
+    assert len(first) == len(plan_fingerprints.cases(tiny=True)) * 2 * 2  # two schedules, two seeds
+    # Any change to a plan changes its fingerprint (here: one micro-batch's order).
+    import dataclasses
+
+    from maestro_flow.planner import make_planner
+    from tools.bench.wavefront_sim import VISION_COST, build, draw_samples, llm_cost
+
+    graph, costs = build(2, 4, True, llm_cost(), vision=VISION_COST)
+    plan = make_planner("wavefront", graph, costs).plan(0, draw_samples(24, 0.33, 0))
+    llm = [list(rep) for rep in plan.replicas["llm"]]
+    mb = next(i for i, m in enumerate(llm[0]) if len(m) > 1)
+    llm[0][mb] = tuple(reversed(llm[0][mb]))
+    changed = dataclasses.replace(plan, replicas={**plan.replicas, "llm": tuple(tuple(rep) for rep in llm)})
+    assert plan_fingerprints.fingerprint(changed) != plan_fingerprints.fingerprint(plan)
+
+
 def test_planning_time_tiny():
     out = planning_time.main(["--tiny", "--profile", "--top", "5"])
     assert out["config"]["samples"] == 256 and out["config"]["reps"] == 3
