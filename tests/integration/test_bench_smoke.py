@@ -88,8 +88,38 @@ def test_cuda_ipc_tiny():
         return
     (case,) = out["cases"]
     assert min(case["ipc_gibps"], case["ipc_host_gibps"], case["copy_gibps"], case["staged_gibps"]) > 0
-    assert case["ipc_send_us"] > 0 and case["ipc_host_send_us"] > 0
+    assert case["ipc_send_us"] > 0 and case["ipc_host_first_us"] > 0 and case["ipc_device_us"] >= 0
     assert not mp.active_children()
+
+
+def test_cuda_ipc_summary_from_stamps(capsys):
+    """Without a GPU the benchmark cannot run; its arithmetic and report can: synthetic stamps of
+    known bursts (1 GiB in one second for the copy; IPC bursts with known parts) give back the
+    bandwidths, ratios and where the time went."""
+    from tools.bench.common import GiB
+
+    sizes, warmup, reps = (GiB // 4,), 1, 2
+    schedule = cuda_ipc.schedule_for(len(sizes), reps, warmup)
+    assert len(schedule) == (warmup + reps) * len(cuda_ipc.MODES)
+    send, recv, clock = [], [], 0.0
+    for _rep, _i, mode in schedule:  # 4 messages per burst
+        seconds = {"copy": 1.0, "ipc": 2.0, "ipc-host": 1.25, "staged": 8.0}[mode]
+        send += [clock, clock + (seconds if mode == "copy" else 0.4)]
+        if mode != "copy":
+            recv += [clock + 0.1, clock + 0.5, clock + seconds]  # first, last delivery, end
+        clock += 10.0
+    out = cuda_ipc.summarize(sizes, schedule, warmup, {"stamps": send, "n_msgs": {sizes[0]: 4}, "slots_made": 4},
+                             {"stamps": recv})
+    (case,) = out["cases"]
+    assert case["copy_gibps"] == pytest.approx(1.0) and case["staged_gibps"] == pytest.approx(0.125)
+    assert case["ipc_over_copy"] == pytest.approx(0.5) and case["ipc_host_over_copy"] == pytest.approx(0.8)
+    assert case["ipc_over_staged"] == pytest.approx(4.0)
+    assert case["ipc_send_us"] == pytest.approx(0.1e6) and case["ipc_first_us"] == pytest.approx(0.1e6)
+    assert case["ipc_behind_us"] == pytest.approx(0.1e6) and case["ipc_device_us"] == pytest.approx(1.5e6)
+    cuda_ipc.report(out, "a test device", reps)
+    assert out["goal_met"] is True  # judged on the better wait (host: 0.8)
+    text = capsys.readouterr().out
+    assert "a test device" in text and "receiver waits on" in text and "met" in text
 
 
 @pytest.mark.timeout(60)
