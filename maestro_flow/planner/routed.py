@@ -39,7 +39,10 @@ class Routed:
             for sid in active[n]:
                 where = (n, route[sid])
                 self.todo[where].add(sid)
-                need = sum(sid in p for p in producers)
+                need = 0
+                for p in producers:
+                    if sid in p:
+                        need += 1
                 if need:
                     self.need[where][sid] = need
                 else:

@@ -109,7 +109,7 @@ class WavefrontPlanner:
         graph = self.graph
         sections = graph.sections
         # Every per-sample cost once: forward, and all the work (forward + backward) it causes.
-        fwd = {n: {s.id: self.costs.sample_s(n, s) for s in samples} for n in graph.order}
+        fwd = {n: self.costs.samples_s(n, samples) for n in graph.order}
         task = {n: self._task(n, samples, fwd[n]) for n in graph.order}
         active = {n: [s.id for s in samples if sections[n].activates(s.modalities)] for n in graph.order}
         chosen: list[tuple[list[str], float, str, dict, dict, dict]] = []  # comp, makespan, rules, routes, mbs, gates

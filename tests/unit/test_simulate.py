@@ -456,3 +456,16 @@ def test_the_simulation_charges_padding_to_the_longest_sample():
         plan = Plan(step=0, schedule="fifo", samples=samples, replicas={"lm": (((0, 1),),)}, routes={"lm": {0: 0, 1: 0}})
         sim = simulate(plan, SectionGraph(p), CostModel(costs={"lm": cost}, transfer_s=0.0))
         assert sim.makespan_s == pytest.approx(2 * want)  # a loss section: forward + backward
+
+
+def test_samples_s_is_sample_s_for_every_sample():
+    import random
+
+    from maestro_flow.samples import SampleMeta
+
+    rng = random.Random(0)
+    samples = [SampleMeta(id=i, modalities=("text", "image")[: 1 + i % 2], num_tokens=rng.randrange(1, 4000),
+                          num_patches=rng.randrange(0, 1000), num_frames=rng.randrange(0, 50)) for i in range(200)]
+    costs = CostModel(costs={"x": Cost(per_sample_s=1.3e-4, per_token_s=7.1e-6, per_patch_s=3.3e-5,
+                                       per_frame_s=2.9e-4)})
+    assert costs.samples_s("x", samples) == {s.id: costs.sample_s("x", s) for s in samples}  # exactly, not approx
