@@ -2,13 +2,13 @@
 planner leaves every plan as it was (a refactor, a speed-up) or to see which cases it changes.
 
 Each line: the case (vision dp, llm dp, samples, image share, padded, run_ahead, schedule, seed)
-and a hash of the whole plan (every replica's micro-batches, the routes, the gates and the
-variant). The graph, costs and sample draws are tools/bench/wavefront_sim.py's (a trainable
+and a hash of the whole plan (every replica's micro-batches, the routes, the gates, the variant
+and the simulated times it carries): 216 cases, 864 plans. The graph, costs and sample draws are tools/bench/wavefront_sim.py's (a trainable
 encoder); the large layouts plan 4096 samples (no search: the budget cuts the rule sets short),
 the small ones 24 to 256 samples (every rule set, refine's search). Plans are deterministic, so
 two runs of one revision give the same file. To compare two revisions:
 
-    git worktree add /tmp/before REV
+    git worktree add /tmp/before REV   # older than this tool: copy tools/plan_fingerprints.py in
     (cd /tmp/before && python -m tools.plan_fingerprints /tmp/before.txt)
     python -m tools.plan_fingerprints /tmp/after.txt && diff /tmp/before.txt /tmp/after.txt
 
@@ -33,7 +33,8 @@ SMALL = ((4, 8), (1, 4), (2, 4), (2, 8), (1, 2))  # 24, 64 and 256 samples
 
 def fingerprint(plan: Plan) -> str:
     routes = sorted((n, sorted(r.items())) for n, r in plan.routes.items())
-    return hashlib.sha256(repr((plan.replicas, routes, plan.gates, plan.variant)).encode()).hexdigest()[:16]
+    whole = (plan.replicas, routes, plan.gates, plan.variant, sorted(plan.simulated.items()))
+    return hashlib.sha256(repr(whole).encode()).hexdigest()[:16]
 
 
 def cases(tiny: bool) -> list[tuple]:

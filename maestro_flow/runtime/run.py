@@ -174,15 +174,15 @@ def run_pipeline(path: str, options: RunOptions) -> list[dict[str, Any]]:
     nodes = Nodes.from_options(options.nnodes, options.node_rank, options.rdzv_endpoint, options.nproc_per_node)
     if nodes.multi and options.colocated:
         raise PipelineError("--colocated runs in one process: drop --nnodes")
+    try:
+        cuda_ipc.wait_mode()  # read by each worker of this node; a bad value is refused before any starts
+    except ValueError as exc:
+        raise PipelineError(str(exc)) from None
     host = resolve_host(options, nodes)
     secret = None if options.colocated else control_secret(options, host, nodes)
     if nodes.node_rank != 0:
         return _run_agent(pipeline, options, nodes, host, secret)
     nodes.assign(placement_for(checked.graph))  # refused here when the ranks cannot be placed on the nodes
-    try:
-        cuda_ipc.wait_mode()  # read again by each worker; a bad value is refused before any starts
-    except ValueError as exc:
-        raise PipelineError(str(exc)) from None
     ckpt = options.checkpoint
     ckpt.validate()
     if options.colocated and (ckpt.dir or ckpt.resume or ckpt.max_restarts):

@@ -10,10 +10,10 @@ the slot and each buffer's offset, and the first time a slot is sent, its IPC me
 its event's handle (`ipc` in the header). The receiver opens each slot and event once, waits for
 the event and delivers views of the slot: the bytes are not copied again. It waits on the device
 by default (its default stream waits for the event, no host synchronisation); with
-MAESTRO_CUDA_IPC_WAIT=host its header thread waits until the copy is done instead, so that no
-work of the receiver's CUDA context waits on the sender's (whether two contexts taking turns on
-one GPU is what the ~100 µs a message below costs is not established; tools/bench/cuda_ipc.py
-measures both). When no view of a message is left, the receiver records an event on
+MAESTRO_CUDA_IPC_WAIT=host its header thread polls the event until the copy is done instead, so
+that no per-message work of the receiver's CUDA context waits on the sender's (whether two
+contexts taking turns on one GPU is what the ~100 µs a message below costs is not established;
+tools/bench/cuda_ipc.py measures both). Either way the views are read on the default stream. When no view of a message is left, the receiver records an event on
 its stream and sends the slot back ("release", as for shared memory) once that event has
 completed, so the sender never overwrites bytes a kernel of the receiver may still read.
 
@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -136,15 +137,17 @@ class IpcWriter(SlotWriter):
 
 
 class IpcReader(SlotReader):
-    """The receiving side: opens each sender slot once, waits for its event on the current stream,
-    hands out views; gives a slot back only once its stream is past every use of those views."""
+    """The receiving side: opens each sender slot once, waits for its event (on the default stream,
+    or on the host), hands out views; gives a slot back only once the default stream is past every
+    use of those views."""
 
     max_mapped = float("inf")  # a slot's handles come once: a mapping forgotten could not be opened again
 
-    def __init__(self, device: torch.device, wait: str = "device") -> None:
+    def __init__(self, device: torch.device, wait: str = "device", timeout_s: float = 600.0) -> None:
         super().__init__()
         self.device = device
         self.wait = wait  # "device": the default stream waits for the sender's copy; "host": this thread does
+        self.timeout_s = timeout_s  # the longest a host wait for one copy may take
         self._exports: dict[str, Sequence[Any]] = {}
         self._draining: list[tuple[int, str, torch.cuda.Event]] = []  # views gone, stream not yet past them
         self._drain_lock = threading.Lock()
@@ -158,12 +161,25 @@ class IpcReader(SlotReader):
         out = self.read(src, name, offsets, specs)
         event = self._maps[name].event
         if self.wait == "host":
-            event.synchronize()  # the copy is done: any stream of this worker may read the views
+            self._copied(src, name, event)
         else:
             # The executor computes on the device's default stream (and so must a stage): its
             # use of the views comes after the sender's copy.
             event.wait(torch.cuda.default_stream(self.device))
         return out
+
+    def _copied(self, src: int, name: str, event: Any) -> None:
+        """Wait on this thread until the sender's copy into slot `name` is done, within timeout_s
+        (polling: a GPU that never gets there must not hold the header thread for good). The
+        views are then read on the default stream like any other (reap() counts on it)."""
+        deadline = time.monotonic() + self.timeout_s
+        pause = 0.0
+        while not event.query():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"waited {self.timeout_s:.0f}s for rank {src}'s copy into CUDA IPC slot {name}; "
+                                   "its GPU is stuck (raise MAESTRO_COLLECTIVE_S if copies can be that slow)")
+            time.sleep(pause)
+            pause = min(2 * pause + 1e-5, 1e-3)  # a few polls at once, then at most every millisecond
 
     def _open(self, src: int, name: str) -> _OpenedSlot:
         export = self._exports.pop(name, None)

@@ -98,7 +98,8 @@ class TensorComm:
                  ipc: Sequence[tuple[int, int, str]] = ()) -> None:
         """`relay`: (the replica's ranks, leader first; its relay group) for tensor-parallel ranks.
         `timeout_s`: how long a send may wait for room in its channel's window, and the header
-        thread for room in a receiving channel (Timeouts.collective_s, MAESTRO_COLLECTIVE_S).
+        thread for room in a receiving channel or (MAESTRO_CUDA_IPC_WAIT=host) for a CUDA IPC copy
+        (Timeouts.collective_s, MAESTRO_COLLECTIVE_S).
         `shm`: the channels (src, dst, kind) through shared memory; `shm_prefix` names this
         worker's slots (maestro-<session>-<rank>). `ipc`: the channels through CUDA IPC (both
         ranks on this host and this device: transport/cuda_ipc.py)."""
@@ -124,7 +125,7 @@ class TensorComm:
         self._ipc_out = {(dst, kind) for src, dst, kind in ipc if src == rank}
         self._ipc_in = {(src, kind) for src, dst, kind in ipc if dst == rank}
         self._ipc_slots = cuda_ipc.IpcWriter(rank, device) if self._ipc_out else None
-        self._ipc_mapped = cuda_ipc.IpcReader(device, cuda_ipc.wait_mode()) if self._ipc_in else None
+        self._ipc_mapped = cuda_ipc.IpcReader(device, cuda_ipc.wait_mode(), timeout_s) if self._ipc_in else None
         self._releases: queue.SimpleQueue = queue.SimpleQueue()  # (rank, slot names) from the header thread
         self._release_sockets: dict[int, tuple[zmq.Socket, Sealer]] = {}  # used under _release_lock
         self._release_lock = threading.Lock()  # the header thread and the compute thread give slots back

@@ -92,6 +92,7 @@ def test_cuda_ipc_tiny():
     assert not mp.active_children()
 
 
+@pytest.mark.timeout(30)
 def test_cuda_ipc_summary_from_stamps(capsys):
     """Without a GPU the benchmark cannot run; its arithmetic and report can: synthetic stamps of
     known bursts (1 GiB in one second for the copy; IPC bursts with known parts) give back the
@@ -217,6 +218,7 @@ def test_plan_fingerprints_are_deterministic_and_tell_plans_apart(tmp_path):
     assert plan_fingerprints.fingerprint(changed) != plan_fingerprints.fingerprint(plan)
 
 
+@pytest.mark.timeout(60)
 def test_planning_time_tiny():
     out = planning_time.main(["--tiny", "--profile", "--top", "5"])
     assert out["config"]["samples"] == 256 and out["config"]["reps"] == 3

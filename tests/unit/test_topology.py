@@ -35,3 +35,42 @@ def test_cuda_ipc_needs_one_host_and_cpu_sections_use_shared_memory():
     hosts = {0: "h", 1: "h", 2: "h"}
     assert ipc_channels(GRAPH, cpus, hosts) == []
     assert shm_channels(GRAPH, cpus, hosts) == channels(GRAPH, cpus)
+
+
+class _SlowEvent:
+    """A stand-in for a CUDA interprocess event: done after `polls` queries (never, with None)."""
+
+    def __init__(self, polls: int | None) -> None:
+        self.polls, self.queried = polls, 0
+
+    def query(self) -> bool:
+        self.queried += 1
+        return self.polls is not None and self.queried > self.polls
+
+    def wait(self, stream) -> None:
+        raise AssertionError("a host wait must not make a stream wait")
+
+
+def test_a_host_wait_polls_the_senders_event_within_the_timeout(monkeypatch):
+    """MAESTRO_CUDA_IPC_WAIT=host (transport/cuda_ipc.py): the header thread polls the sender's
+    event until its copy is done, and gives up with an error naming the setting when it never is."""
+    import types
+
+    import pytest
+    import torch
+
+    from maestro_flow.transport import cuda_ipc
+
+    monkeypatch.setenv("MAESTRO_CUDA_IPC_WAIT", "host")
+    reader = cuda_ipc.IpcReader(torch.device("cpu"), cuda_ipc.wait_mode(), timeout_s=0.2)
+    monkeypatch.setattr(reader, "read", lambda src, name, offsets, specs: ["views"])
+    done_later = _SlowEvent(polls=3)
+    reader._maps["ipc-0-1"] = types.SimpleNamespace(event=done_later)
+    assert reader.read_ipc(0, "ipc-0-1", [0], [["float32", 1]], None) == ["views"]
+    assert done_later.queried == 4
+    reader._maps["ipc-0-2"] = types.SimpleNamespace(event=_SlowEvent(polls=None))
+    with pytest.raises(TimeoutError, match="rank 0's copy into CUDA IPC slot ipc-0-2.*MAESTRO_COLLECTIVE_S"):
+        reader.read_ipc(0, "ipc-0-2", [0], [["float32", 1]], None)
+    monkeypatch.setenv("MAESTRO_CUDA_IPC_WAIT", "never")
+    with pytest.raises(ValueError, match="use one of device, host"):
+        cuda_ipc.wait_mode()
