@@ -126,7 +126,7 @@ class Ordering:
             self.by_job = {key: sorted((task[key[0]][sid], -sid) for sid in sids) for key, sids in self.queues.items()}
             self.by_gain = {key: sorted((task[key[0]][sid] - task[key[2]][sid], sid) for sid in sids)
                             for key, sids in self.queues.items()}
-        self.taken: set[tuple[str, int]] = set()  # (section, sid) scheduled
+        self.taken: dict[str, set[int]] = {n: set() for n in comp}  # per section: the samples scheduled
         # Run-ahead credits protect the critical consumer's memory from a faster producer. A
         # consumer that is not critical needs no such bound: its producer is the slower side,
         # and holding the producer back would only lengthen the step.
@@ -134,7 +134,7 @@ class Ordering:
                        if n == critical else INF for n in comp}
         self.heap: list[tuple[float, int]] = []
         self.seq = 0
-        self.mb_of: dict[tuple[str, int], int] = {}  # (section, sid) -> its micro-batch index
+        self.mb_of: dict[str, dict[int, int]] = {n: {} for n in comp}  # per section: sid -> its micro-batch index
         self.started_at: dict[tuple[str, int, int], dict[tuple[str, int], int]] = {}
         self._consumed: dict[Key, list[int]] = {}
 
@@ -275,38 +275,39 @@ class Ordering:
         """The first sample of a producer->consumer queue that is not taken and can be produced now."""
         queue, n = self.queues[key], key[0]
         i = self.heads[key]
-        while i < len(queue) and (n, queue[i]) in self.taken:
+        taken = self.taken[n]
+        while i < len(queue) and queue[i] in taken:
             i += 1
         self.heads[key] = i
-        taken = self.taken
         for j in range(i, len(queue)):
             sid = queue[j]
-            if sid in available and (n, sid) not in taken:
+            if sid in available and sid not in taken:
                 return sid
         return None
 
     def _fit(self, key: Key, available: set[int], buffer_s: float) -> int | None:
         """The queue's largest producer job (forward + backward) that the consumer's buffer of work
         hides; if none fits, the job that costs the producer least more than the consumer."""
-        n, taken = key[0], self.taken
+        taken = self.taken[key[0]]
         jobs = self.by_job[key]
         i = bisect.bisect_right(jobs, (buffer_s, INF)) - 1
         while i >= 0:
             sid = -jobs[i][1]
-            if (n, sid) in taken:
+            if sid in taken:
                 del jobs[i]  # taken for good: drop it so later searches skip it for free
             elif sid in available:
                 return sid
             i -= 1
         gains = self.by_gain[key]
-        while gains and (n, gains[0][1]) in taken:
+        while gains and gains[0][1] in taken:
             gains.pop(0)
-        return next((sid for _, sid in gains if (n, sid) not in taken and sid in available), None)
+        return next((sid for _, sid in gains if sid not in taken and sid in available), None)
 
     def _pick_producer(self, rep: _Rep, t: float) -> list[int]:
         """Serve the consumer replica that would starve first (or has the most work to come),
         within its run-ahead credit."""
         n, rules = rep.section, self.rules
+        keys_out = self.keys_out[n]
         # What can be produced now: for an entry section everything it still has to do (read
         # only: a sample picked for this batch is in `taken`, which every search checks first).
         entry = not self.producers[n]
@@ -340,15 +341,15 @@ class Ordering:
                     break
             if sid is None:
                 # Samples that no consumer replica takes from here still need producing.
-                sid = next((x for x in sorted(available) if (n, x) not in self.taken and (n, x) not in self.keys_out),
+                sid = next((x for x in sorted(available) if x not in self.taken[n] and x not in self.keys_out[n]),
                            None)
                 if sid is None:
                     break
             batch.append(sid)
             backward += self.task[n][sid] - self.fwd[n][sid]
             forward += self.fwd[n][sid]
-            self.taken.add((n, sid))
-            for k in self.keys_out.get((n, sid), ()):
+            self.taken[n].add(sid)
+            for k in keys_out.get(sid, ()):
                 c = self.reps[k[2]][k[3]]
                 work = self.task[k[2]][sid]
                 self.inflight[k] += 1
@@ -371,34 +372,35 @@ class Ordering:
 
     def _forward(self, rep: _Rep, t: float, batch: list[int]) -> None:
         n = rep.section
-        task_n, taken, mb_of, missing, todo = self.task[n], self.taken, self.mb_of, rep.missing, rep.todo
+        task_n, taken, mb_of, missing, todo = self.task[n], self.taken[n], self.mb_of[n], rep.missing, rep.todo
+        keys_in = self.keys_in[n]
         m = len(rep.mbs)
         rep.mbs.append(tuple(batch))
         fwd = self._batch_fwd(n, batch)
         work = fwd * (1.0 + self.bwd_factor[n]) if rep.loss else fwd  # a loss section's backward follows
         for sid in batch:
             todo.discard(sid)
-            taken.add((n, sid))
-            mb_of[(n, sid)] = m
+            taken.add(sid)
+            mb_of[sid] = m
             if sid in missing:
                 rep.pending_work -= task_n[sid]
-                for k in self.keys_in[(n, sid)]:  # a credit came back: a producer held back may go on
+                for k in keys_in[sid]:  # a credit came back: a producer held back may go on
                     self.inflight[k] -= 1
                     prep = self.reps[k[0]][k[1]]
                     if prep.waiting:
                         heapq.heappush(self.heap, (max(t, prep.free_at), prep.slot))
             else:
                 rep.free_work -= task_n[sid]
-        keys_out = self.keys_out
+        keys_out = self.keys_out[n]
         if rep.has_consumers:  # what each credit-bound consumer had started when this was decided
             self.started_at[(n, rep.index, m)] = {
                 (k[2], k[3]): len(self.reps[k[2]][k[3]].mbs)
-                for sid in batch for k in keys_out.get((n, sid), ()) if self.credit[k[2]] < INF}
+                for sid in batch for k in keys_out.get(sid, ()) if self.credit[k[2]] < INF}
         self._busy(rep, t, work if (rep.loss or not self.sections[n].trainable) else fwd)
         done = rep.free_at
         arrive = done + self.costs.transfer_s
         for sid in batch if rep.has_consumers else ():
-            for k in keys_out.get((n, sid), ()):
+            for k in keys_out.get(sid, ()):
                 crep = self.reps[k[2]][k[3]]
                 crep.missing[sid] -= 1
                 # With several producers the sample is ready when the last output arrives, which
@@ -462,7 +464,7 @@ class Ordering:
                 if sid not in active:
                     continue
                 prep = self.reps[p][self.routes[p][sid]]
-                m = self.mb_of[(p, sid)]
+                m = self.mb_of[p][sid]
                 prep.grads_missing[m] -= 1
                 prep.grads_at[m] = max(prep.grads_at[m], arrive)
                 if prep.grads_missing[m] == 0:

@@ -50,8 +50,8 @@ class Routed:
                     self.free_work[where] += cost[sid]
         self.queues: dict[Key, list[int]] = {}  # (producer, p, consumer, c) -> sids, in sample order
         self.keys_of: dict[int, list[Key]] = {}  # sid -> its queues
-        self.keys_out: dict[tuple[str, int], list[Key]] = {}  # (producer, sid) -> its queues from there
-        self.keys_in: dict[tuple[str, int], list[Key]] = {}  # (consumer, sid) -> its queues to there
+        self.keys_out: dict[str, dict[int, list[Key]]] = {n: {} for n in comp}  # producer -> sid -> its queues from there
+        self.keys_in: dict[str, dict[int, list[Key]]] = {n: {} for n in comp}  # consumer -> sid -> its queues to there
         for n in comp:
             for c in self.consumers[n]:
                 consumer = self.active[c]
@@ -60,8 +60,8 @@ class Routed:
                         key = (n, routes[n][sid], c, routes[c][sid])
                         self.queues.setdefault(key, []).append(sid)
                         self.keys_of.setdefault(sid, []).append(key)
-                        self.keys_out.setdefault((n, sid), []).append(key)
-                        self.keys_in.setdefault((c, sid), []).append(key)
+                        self.keys_out[n].setdefault(sid, []).append(key)
+                        self.keys_in[c].setdefault(sid, []).append(key)
         self.out_keys: dict[tuple[str, int], list[Key]] = {}
         self.in_keys: dict[tuple[str, int], list[Key]] = {}
         for key in sorted(self.queues):
