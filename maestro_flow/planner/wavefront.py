@@ -73,17 +73,18 @@ class WavefrontPlanner:
         self.candidates = tuple(candidates)
         self.versus_fifo = versus_fifo
 
-    def _task(self, n: str, samples: Sequence[SampleMeta], fwd: dict[int, float]) -> dict[int, float]:
-        """simulate.task_s for every sample of one section, without re-deriving the graph facts."""
+    def _task(self, n: str, samples: Sequence[SampleMeta], fwd: dict[int, float],
+              active: dict[str, list[int]]) -> dict[int, float]:
+        """simulate.task_s for every sample of one section, without re-deriving the graph facts
+        (`active[c]`: the samples section c activates on)."""
         graph, section = self.graph, self.graph.sections[n]
         if not section.trainable:
             return dict(fwd)
         factor = 1.0 + self.costs.costs[n].backward_factor
         if n in graph.loss_sections():
             return {sid: f * factor for sid, f in fwd.items()}
-        consumers = [graph.sections[e.edge.dst] for e in graph.needs_grad_from(n)]
-        return {s.id: fwd[s.id] * (factor if any(c.activates(s.modalities) for c in consumers) else 1.0)
-                for s in samples}
+        grads = set().union(*(active[e.edge.dst] for e in graph.needs_grad_from(n)))  # a consumer sends one back
+        return {s.id: fwd[s.id] * (factor if s.id in grads else 1.0) for s in samples}
 
     def _critical(self, comp: list[str], task: dict[str, dict[int, float]], active: dict[str, list[int]]) -> str:
         """The component's section with the most work per replica (ties: the later one)."""
@@ -110,8 +111,8 @@ class WavefrontPlanner:
         sections = graph.sections
         # Every per-sample cost once: forward, and all the work (forward + backward) it causes.
         fwd = {n: self.costs.samples_s(n, samples) for n in graph.order}
-        task = {n: self._task(n, samples, fwd[n]) for n in graph.order}
         active = {n: [s.id for s in samples if sections[n].activates(s.modalities)] for n in graph.order}
+        task = {n: self._task(n, samples, fwd[n], active) for n in graph.order}
         chosen: list[tuple[list[str], float, str, dict, dict, dict]] = []  # comp, makespan, rules, routes, mbs, gates
         hurry = len(tried) < len(self.candidates)  # a large batch: the budget cut the candidates short
         comps = components(graph)

@@ -202,7 +202,12 @@ def test_plan_fingerprints_are_deterministic_and_tell_plans_apart(tmp_path):
     first = plan_fingerprints.main(["--tiny", str(tmp_path / "a.txt")])
     assert first == plan_fingerprints.main(["--tiny"])  # the same plans, run after run
     assert (tmp_path / "a.txt").read_text().splitlines() == first
-    assert len(first) == len(plan_fingerprints.cases(tiny=True)) * 2 * 2  # two schedules, two seeds
+    grid = [line for line in first if not line.startswith("graph ")]
+    assert len(grid) == len(plan_fingerprints.cases(tiny=True)) * 2 * 2  # two schedules, two seeds
+    graphs = [line for line in first if line.startswith("graph ")]
+    assert len({line.split()[1] for line in graphs}) == 20  # --tiny's random section graphs
+    assert sum(" wavefront " in line for line in graphs) > 5  # most of them valid, planned
+    assert not any(" error " in line for line in first)
     # Any change to a plan changes its fingerprint (here: one micro-batch's order).
     import dataclasses
 
