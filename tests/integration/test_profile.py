@@ -15,6 +15,7 @@ from click.testing import CliRunner
 from maestro_flow.cli_tools import profile, tune
 from maestro_flow.runtime.build import load_pipeline
 from maestro_flow.runtime.costfile import apply_cost_file, load_cost_file
+from maestro_flow.runtime.profile_fit import PADDING_MARGIN
 
 pytestmark = pytest.mark.integration
 
@@ -57,11 +58,16 @@ def _check_structure(data: dict, sections: dict[str, str]) -> None:
         cost = body["cost"]
         assert set(cost) == {"per_sample_s", "per_token_s", "per_patch_s", "per_frame_s", "backward_factor",
                              "per_micro_batch_s", "padded"}
-        # The shipped pipelines declare padding; the profile measures it: the LMs' time follows
-        # each micro-batch's longest sample (a vision encoder's per-image decode, its own size).
-        assert body["padding"]["declared"] is True and cost.pop("padded") is body["padding"]["detected"]
-        if name != "vision":
-            assert body["padding"]["detected"] is True, body["padding"]
+        # The shipped pipelines declare padding; the profile measures it and writes what it
+        # measured. Which model fits better is a timing (the LMs' time follows each micro-batch's
+        # longest sample when the host is quiet: tools/bench/padding.py, RESULTS 11.8); with 2
+        # repeats on a busy 2-core host it is not, so this test checks the report, and
+        # tests/unit/test_costfit.py the detection on known timings.
+        pad = body["padding"]
+        assert pad["declared"] is True and cost.pop("padded") is pad["detected"]
+        assert pad["residual_padded"] >= 0 and pad["residual_summed"] >= 0
+        # The declaration stands unless the other model fits by far better (profile_fit's rule).
+        assert pad["detected"] is not (pad["residual_summed"] < pad["residual_padded"] * (1 - PADDING_MARGIN))
         assert all(v >= 0 for v in cost.values())
         assert cost["per_micro_batch_s"] == body["micro_batch_overhead_s"]  # the fitted intercept, in the Cost
         # The section's time is explained by something: its per-sample, size term or overhead.
@@ -71,10 +77,11 @@ def _check_structure(data: dict, sections: dict[str, str]) -> None:
         assert (body["step_overhead_s"] > 0) == (name != "teacher")  # timed optimizer step if trainable
         sizes = sorted({m["micro_batch"] for m in body["measurements"]})
         assert sizes == [1, 2, 4]
-        # Counted as charged: a padding stage's samples at their micro-batch's longest, so the
-        # mixed-length micro-batch of each size is charged more than its own lengths.
+        # Counted as the written cost charges them: where it pads, every sample at its
+        # micro-batch's longest (so each micro-batch's count is a multiple of its samples).
         term_key = {"per_token_s": "tokens", "per_patch_s": "patches"}[term]
-        assert all(m[term_key] % m["samples"] == 0 for m in body["measurements"])
+        if pad["detected"]:
+            assert all(m[term_key] % m["samples"] == 0 for m in body["measurements"])
         for m in body["measurements"]:
             assert m["forward_s"] > 0 and m["samples"] == m["micro_batch"]
 
