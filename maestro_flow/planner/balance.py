@@ -145,10 +145,6 @@ def assign(graph: SectionGraph, anchor: str, component: list[str], samples: Sequ
         parts = {other: allowed[0] if len(allowed) == 1 else blocks[(other, allowed.start, allowed.stop)]
                  for other, allowed in out} if direct else None
         scored.append((heap, parts))
-    # Every group direct: its heaps, and per neighbour section each group's replica or block.
-    pair = None
-    if all(parts is not None for _, parts in scored):
-        pair = ([heap for heap, _ in scored], {n: [parts[n] for _, parts in scored] for n in component if n != anchor})
     la = load[anchor]
     routes: dict[str, dict[int, int]] = {n: {} for n in component}
     order = sorted(samples, key=lambda s: (-sum(costs[s.id].values()), s.id))
@@ -164,38 +160,23 @@ def assign(graph: SectionGraph, anchor: str, component: list[str], samples: Sequ
             terms = [(load[n], c[n], unit[n], n) for n in touched if n != anchor]
             mine = (c[anchor], unit[anchor]) if anchor in touched else None
             best_key, reps = None, None
-            if pair is not None and mine is not None and len(terms) == 1:
-                # The common case (two sections, each group's neighbour replica direct): the
-                # loop below, unrolled.
-                lo, cn, un, n = terms[0]
-                ca, ua = mine
-                for heap, q in zip(pair[0], pair[1][n], strict=True):
-                    r = heap.best
-                    if q.__class__ is not int:
-                        q = q.best
-                    score = (la[r] + ca) * ua
+            for heap, parts in scored:
+                r = heap.best
+                candidate = resolve(r) if parts is None else None
+                score = (la[r] + mine[0]) * mine[1] if mine else 0.0
+                for lo, cn, un, n in terms:
+                    if candidate is not None:
+                        q = candidate[n]
+                    else:
+                        q = parts[n]
+                        if not isinstance(q, int):
+                            q = q.best
                     v = (lo[q] + cn) * un
-                    key = (v if v > score else score, la[r], r)
-                    if best_key is None or key < best_key:
-                        best_key = key
-            else:
-                for heap, parts in scored:
-                    r = heap.best
-                    candidate = resolve(r) if parts is None else None
-                    score = (la[r] + mine[0]) * mine[1] if mine else 0.0
-                    for lo, cn, un, n in terms:
-                        if candidate is not None:
-                            q = candidate[n]
-                        else:
-                            q = parts[n]
-                            if not isinstance(q, int):
-                                q = q.best
-                        v = (lo[q] + cn) * un
-                        if v > score:
-                            score = v
-                    key = (score, la[r], r)
-                    if best_key is None or key < best_key:
-                        best_key, reps = key, candidate
+                    if v > score:
+                        score = v
+                key = (score, la[r], r)
+                if best_key is None or key < best_key:
+                    best_key, reps = key, candidate
             if reps is None:
                 reps = resolve(best_key[2])
         # A section the sample costs nothing keeps its loads, and so its heaps.

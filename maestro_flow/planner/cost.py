@@ -53,10 +53,9 @@ class CostModel:
         return c.per_sample_s + length_s(c, sample)
 
     def samples_s(self, section: str, samples: Sequence[SampleMeta]) -> dict[int, float]:
-        """sample_s of every sample, by id (the same arithmetic, in one pass)."""
+        """sample_s of every sample, by id (one lookup of the section's Cost)."""
         c = self.costs[section]
-        ps, pt, pp, pf = c.per_sample_s, c.per_token_s, c.per_patch_s, c.per_frame_s
-        return {s.id: ps + (pt * s.num_tokens + pp * s.num_patches + pf * s.num_frames) for s in samples}
+        return {s.id: c.per_sample_s + length_s(c, s) for s in samples}
 
     def backward_s(self, section: str, sample: SampleMeta) -> float:
         return self.costs[section].backward_factor * self.sample_s(section, sample)

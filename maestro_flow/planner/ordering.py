@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 
 from maestro_flow.graph import SectionGraph
 from maestro_flow.planner.cost import CostModel
+from maestro_flow.planner.credit import cumulative, default_run_ahead, first_covering
 from maestro_flow.planner.plan import MicroBatches
 from maestro_flow.planner.routed import Key, Routed
 from maestro_flow.planner.rules import Rules
@@ -479,29 +480,6 @@ def _first_then(first: Key | None, keys: Sequence[Key], rank: Callable) -> Itera
         return
     yield first
     yield from sorted((k for k in keys if k != first), key=rank)
-
-
-def default_run_ahead(consumer_micro_batch: int) -> int:
-    """Pipeline.run_ahead=None: 4 consumer micro-batches, and at least 16 samples. With small
-    consumer micro-batches fewer do not cover the spread of encoder costs: at llm micro-batch 2
-    (8 samples) a frozen encoder feeding 4 llm replicas idled both sides, 1.06-1.09x the bound
-    at 90% images, against 1.005x with 16."""
-    return max(4 * consumer_micro_batch, 16)
-
-
-def cumulative(mbs: Sequence[Sequence[int]], keep: Callable[[int], bool]) -> list[int]:
-    """[0, then for each j the samples `keep` accepts in the first j micro-batches]."""
-    counts = [0]
-    for mb in mbs:
-        counts.append(counts[-1] + sum(map(keep, mb)))
-    return counts
-
-
-def first_covering(cumulative: list[int], need: int) -> int:
-    """Smallest j with cumulative[j] >= need (cumulative is non-decreasing, cumulative[0] = 0)."""
-    if need <= 0:
-        return 0
-    return bisect.bisect_left(cumulative, need)
 
 
 def _johnson(produce_s: float, consume_s: float, sid: int) -> tuple:

@@ -44,7 +44,7 @@ from maestro_flow.errors import PipelineError
 from maestro_flow.graph import SectionGraph
 from maestro_flow.planner import make_planner
 from maestro_flow.planner.cost import CostModel, length_s
-from maestro_flow.planner.ordering import default_run_ahead
+from maestro_flow.planner.credit import default_run_ahead
 from maestro_flow.planner.simulate import simulate
 from maestro_flow.planner.tune_space import (
     Candidate,

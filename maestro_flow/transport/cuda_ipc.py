@@ -13,9 +13,10 @@ by default (its default stream waits for the event, no host synchronisation); wi
 MAESTRO_CUDA_IPC_WAIT=host its header thread polls the event until the copy is done instead, so
 that no per-message work of the receiver's CUDA context waits on the sender's (whether two
 contexts taking turns on one GPU is what the ~100 µs a message below costs is not established;
-tools/bench/cuda_ipc.py measures both). Either way the views are read on the default stream. When no view of a message is left, the receiver records an event on
-its stream and sends the slot back ("release", as for shared memory) once that event has
-completed, so the sender never overwrites bytes a kernel of the receiver may still read.
+tools/bench/cuda_ipc.py measures both). Either way the views are read on the default stream.
+When no view of a message is left, the receiver records an event on its stream and sends the
+slot back ("release", as for shared memory) once that event has completed, so the sender never
+overwrites bytes a kernel of the receiver may still read.
 
 The handles come from torch's own CUDA IPC (what torch.multiprocessing uses to share CUDA
 tensors: `UntypedStorage._share_cuda_` / `_new_shared_cuda`, `torch.cuda.Event(interprocess=True)`
