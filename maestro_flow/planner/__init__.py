@@ -1,4 +1,4 @@
-"""The planner: sample metadata + graph + placement + cost model -> the plan of one step.
+"""The planner: sample metadata + graph (each section's dp and micro-batch) + cost model -> the plan of one step.
 
 Pure (standard library only): no sockets, no torch, no clocks, so it is testable in microseconds
 and usable from a simulator. `make_planner` picks the implementation for a schedule name.

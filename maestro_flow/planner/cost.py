@@ -9,7 +9,7 @@ replicas costs `transfer_s`.
 Padding: a stage that pads every sample to the micro-batch's longest (`Cost.padded`) computes
 on samples x the longest sample's length, so a micro-batch's length terms are charged at that
 (`charged`, `CostModel.batch_s`): measured on the demo's CausalLM, a random micro-batch of 8
-took 1.99x the time of one of 8 samples of its mean length, for 1.95x the tokens. Per-sample
+took 2.01x the time of one of 8 samples of its mean length, for 1.94x the tokens (RESULTS 11.8). Per-sample
 costs (`sample_s`: what the planner orders and bounds by) stay each sample's own, a lower
 bound of its share of any micro-batch.
 """

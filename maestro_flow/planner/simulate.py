@@ -13,7 +13,7 @@ fixed costs and padding out (so it stays a bound whatever the micro-batches):
 
     lower bound = max over sections S of  work(S) / dp(S)
                   max over edges P -> C of  t0 + work(C, samples needing P) / dp(C)
-                                            (t0: the cheapest single output P can produce)
+                                            (t0: the cheapest single output P can produce, + transfer_s)
                   max over edges P -> C of  forward work(P, samples C takes) / dp(P) + transfer
                                             + cheapest C task
 """

@@ -16,7 +16,7 @@ A configuration gives every section `dp` (replicas) and `micro_batch`. It is fea
     live for one micro-batch), and for a trainable section that feeds others (a vision encoder)
     the samples whose activations wait for gradients: its own micro-batch plus what the plan
     lets it run ahead of its consumers — fan-out x run_ahead samples (default 4 consumer
-    micro-batches, the wavefront planner's credit) — capped by its samples per step.
+    micro-batches and at least 16 samples, the wavefront planner's credit) — capped by its samples per step.
 Tensor parallelism and FSDP (`tune(tp_options=...)`): a section's replica is tp ranks (tp
 devices); its compute per sample is divided by tp x TP_EFFICIENCY (0.8: the all-reduces inside
 each layer cost the rest), and its memory per rank follows `MemoryModel.at`: the share of the

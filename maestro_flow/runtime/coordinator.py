@@ -256,7 +256,7 @@ class Coordinator(CoordinatorIO):
         ranks = [r for r in range(self.placement.world_size)
                  if self.node_of[r] == 0 and self.placement.devices[r] == "cpu"]
         cores = sorted(os.sched_getaffinity(0))
-        return {r: {"cpus": list(share), "threads": threads(len(ranks), cores)}
+        return {r: {"cpus": list(share), "threads": threads(len(ranks), cores, share)}
                 for r, share in zip(ranks, cpu_shares(len(ranks), cores), strict=True)}
 
     # -- steps -----------------------------------------------------------------------------

@@ -25,8 +25,12 @@ def cpu_shares(num_workers: int, cores: Sequence[int]) -> list[tuple[int, ...]]:
             for i in range(num_workers)]
 
 
-def threads(num_workers: int, cores: Sequence[int]) -> int:
-    """torch threads per pinned worker: its own cores, or its share of cores shared by all."""
+def threads(num_workers: int, cores: Sequence[int], share: Sequence[int] | None = None) -> int:
+    """torch threads of a pinned worker: the cores of its own `share` (cpu_shares'; blocks may differ
+    by one core), or, with more workers than cores (or no share given), its part of the cores
+    they all share."""
+    if share is not None and num_workers <= len(cores):
+        return max(1, len(share))
     return max(1, len(cores) // max(1, num_workers))
 
 

@@ -5,8 +5,9 @@ pair never blocks another). A message is a list of per-sample tensors; tensors o
 `COALESCE_BYTES` go as they are (no copy), smaller ones are packed into one flat buffer per
 dtype so that many tiny tensors cost one transfer. All sends (or receives) of a message are
 posted at once and then awaited. Order per channel is the order of headers, which the sender
-emits in its execution order; each channel has its own process group, so matched operations
-never interleave with another channel's. CUDA tensors crossing a gloo group (a CPU section's
+emits in its execution order; the channels of one edge and direction share a process group
+(runtime/topology.process_groups) in which each rank pair has one channel, so matched
+operations never interleave with another channel's. CUDA tensors crossing a gloo group (a CPU section's
 edge, or ranks that share one GPU) are staged through pinned host memory (`to_host`).
 """
 

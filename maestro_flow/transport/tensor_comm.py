@@ -1,15 +1,17 @@
 """A worker's tensor channels: headers over ZeroMQ, bytes over torch.distributed.
 
 Runs inside a worker process. `TensorComm.send` is called by one thread (the compute thread)
-and returns at once: it packs the message, sends its header on the channel's ZeroMQ socket and
-posts the sends; a waiter thread per channel completes them in order. On the receiving side the
+and returns once the message is queued: it packs the message, sends its header on the channel's
+ZeroMQ socket and posts the sends (blocking only while the channel's WINDOW earlier sends are
+unfinished); a waiter thread per channel completes them in order. On the receiving side the
 header thread reads every incoming header, allocates the buffers (reused for large messages) and
 posts the matching receives at once (headers of a channel arrive in the order the sender posted
 its sends, so the receives match); the channel's waiter thread completes them in order and
 delivers the unpacked tensors through the `deliver` callback. Up to WINDOW messages per channel
 are in flight, so the next message's receive is posted while the previous one's bytes flow.
-Errors in the comm's threads go to `on_error`; the comm never raises into the compute thread
-except for a send on a channel that does not exist. Headers are sealed under the run's key
+Errors in the comm's threads go to `on_error`; the comm raises into the compute thread only for
+a send on a channel that does not exist, a window still full after MAESTRO_COLLECTIVE_S
+(TimeoutError: a peer is stuck or gone) and a device out of memory. Headers are sealed under the run's key
 (protocol/auth.py), one stream per destination; the header thread drops and logs any frame that
 is not an authentic header from the rank it names, so garbage or forged headers cost nothing.
 

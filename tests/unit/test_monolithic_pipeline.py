@@ -67,6 +67,9 @@ def test_cpu_shares(workers, cores, expected):
 
 def test_threads_per_pinned_worker():
     assert threads(2, [0, 1]) == 1 and threads(2, list(range(8))) == 4 and threads(3, [0, 1]) == 1
+    # Uneven blocks: each worker runs as many threads as its own block has cores.
+    assert [threads(2, [0, 1, 2], s) for s in cpu_shares(2, [0, 1, 2])] == [1, 2]
+    assert threads(3, [0, 1], (0, 1)) == 1  # more workers than cores: a part of the shared cores
 
 
 def test_predicted_monolithic_step():

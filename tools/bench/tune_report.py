@@ -6,13 +6,13 @@
     section mode (real worker processes, `--pin-cpus`) with the profiled costs, and compare
     the median measured step_time_s (first steps left out) with the predicted step (the
     tuner's: the simulated makespan of the wavefront plan plus the end of the step, or where
-    steps overlap the busiest replica's time; planner/tune.py). The best uniform configuration
+    steps overlap the busiest replica's time; planner/tune_model.py). The best uniform configuration
     (one dp and micro-batch for every section) is run the same way, alternately with the tuned
     one over several rounds, so the predicted gain can be checked against the measured one (the
     ranking agrees when both gains are on the same side of 1, or both within TIE of 1: a tie).
     The prediction includes the calibrated runtime costs of the cost file (per micro-batch
     runtime overhead, optimizer step per step, planning) and CPU contention (workers sharing
-    os.cpu_count() cores; planner/tune.py). Each run also reports
+    os.cpu_count() cores; planner/tune_model.py). Each run also reports
     the runtime overhead per micro-batch it implies ("implied runtime ms/mb"): the median over
     steps of (section busy time - profiled compute of the micro-batches it ran - optimizer
     step) / micro-batches — how profiling.RUNTIME_OVERHEAD_S was calibrated. Busy time on a
