@@ -52,6 +52,7 @@ gpu: setup data/demo/text.arrow
 	$(BIN)/python -m pytest tests/gpu -q
 	$(BIN)/python -m tools.bench.cuda_ipc
 	$(BIN)/python -m tools.bench.teacher_throughput
+	$(BIN)/python -m tools.bench.section_memory --set sections.student.device=cuda --set sections.teacher.device=cuda
 
 lint: setup
 	$(BIN)/ruff check .
