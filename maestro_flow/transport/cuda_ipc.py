@@ -94,8 +94,9 @@ class _OpenedSlot:
                                "in separate containers or PID namespaces cannot share device memory: run them in "
                                "one, or set MAESTRO_CUDA_IPC=0 to send through gloo and host memory") from None
         self.name, self.size = name, int(size_bytes)
-        # The slot tensor, a message's base and the storage's Python object are the three users
-        # SlotReader.reap expects when no view of a message is left.
+        # The slot tensor, a message's base and the storage object SlotReader.read keeps with it
+        # are the three users SlotReader.reap expects when no view of a message is left (so this
+        # storage object goes).
         self.bytes = torch.empty(0, dtype=torch.uint8, device=device).set_(storage, 0, (self.size,), (1,))
         del storage
 

@@ -117,7 +117,10 @@ def unpack(entries: Sequence[Sequence[Any]], buffers: Sequence[torch.Tensor]) ->
         numel = 1
         for d in shape:
             numel *= d
-        out.append((sid, name, flat[offset:offset + numel].view(shape)))
+        if offset == 0 and numel == flat.numel():  # the whole buffer (pack_each's, a large tensor's)
+            out.append((sid, name, flat.view(shape)))
+        else:
+            out.append((sid, name, flat[offset:offset + numel].view(shape)))
     return out
 
 
