@@ -122,6 +122,7 @@ class Coordinator(CoordinatorIO):
         self.host, self.interface = host, interface  # where the control plane, store and gloo listen
         self.secret = secret or new_secret()
         self.session = new_nonce()
+        self._owner: shm_host.SlotOwner | None = None  # marks this attempt's slots on this host as alive
         self.key = derive_key(self.secret, self.session)
         self.opener = Opener(self.key, "coordinator", zmq_link.CONTROL_MAX_BYTES)
         self.sealers: dict[int, Sealer] = {}
@@ -142,6 +143,9 @@ class Coordinator(CoordinatorIO):
     def run(self) -> None:
         outcome = "failed"
         started = time.perf_counter()
+        # Slots of runs whose coordinator was killed outright, then this attempt's mark (transport/host.py).
+        shm_host.sweep_orphans()
+        self._owner = shm_host.SlotOwner(self.session)
         try:
             self._start()
             self.startup_s = time.perf_counter() - started
@@ -167,6 +171,9 @@ class Coordinator(CoordinatorIO):
         self.zctx.term()
         self.store = None
         shm_host.sweep(self.session)  # slots a killed worker could not remove (transport/shm.py)
+        if self._owner is not None:
+            self._owner.close()
+            self._owner = None
 
     # -- startup ---------------------------------------------------------------------------
 

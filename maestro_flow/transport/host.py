@@ -1,12 +1,21 @@
 """Which processes share memory, and the removal of a run's shared-memory slots.
 
 Standard library only (a worker sends its host key in its hello, before it imports torch).
-Used by the worker (`host_key`) and the coordinator (`sweep`); the slots themselves are
-transport/shm.py's.
+Used by the worker (`host_key`), the coordinator and node agents (`sweep`, `SlotOwner`,
+`sweep_orphans`); the slots themselves are transport/shm.py's.
+
+A coordinator (or node agent) sweeps its attempt's slots when it ends. One that is killed
+outright (SIGKILL, the OOM killer) cannot, and its workers die with it (PR_SET_PDEATHSIG), so
+their slots would stay in /dev/shm, in memory, until the host reboots. So each such process
+marks its attempt as alive on its host with an owner file, `maestro-<session>.<pid>.owner`,
+held under an exclusive flock that the kernel drops however the process dies; every run's start
+sweeps the slots of the sessions whose owners are all dead (`sweep_orphans`). Slots of a session
+with no owner file at all (a version before owner files, a test's own prefix) are left alone.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 
 SHM_DIR = "/dev/shm"
@@ -42,4 +51,85 @@ def sweep(session: str) -> int:
                 removed += 1
             except OSError:
                 pass
+    return removed
+
+
+OWNER_SUFFIX = ".owner"
+
+
+class SlotOwner:
+    """This process's owner file for one attempt's slots on this host (see the module docstring):
+    made under a temporary name, locked, then renamed, so no sweeper ever sees it unlocked while
+    this process lives. `close` (after `sweep`) removes it. Without a writable /dev/shm it does
+    nothing (no slots are made there either)."""
+
+    def __init__(self, session: str) -> None:
+        self.path: str | None = None
+        self._fd: int | None = None
+        final = os.path.join(SHM_DIR, f"maestro-{session}.{os.getpid()}{OWNER_SUFFIX}")
+        temp = f"{final}.new"
+        try:
+            fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        except OSError:
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.rename(temp, final)
+        except OSError:
+            os.close(fd)
+            try:
+                os.unlink(temp)
+            except OSError:
+                pass
+            return
+        self.path, self._fd = final, fd
+
+    def close(self) -> None:
+        if self._fd is None:
+            return
+        try:
+            os.unlink(self.path)
+        except OSError:
+            pass
+        os.close(self._fd)
+        self._fd = None
+
+
+def sweep_orphans() -> int:
+    """Remove the slots (and owner files) of every session on this host whose owner files are all
+    unlocked: their coordinator or agent died without sweeping. Returns how many slots went."""
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return 0
+    owners: dict[str, list[str]] = {}
+    for name in names:
+        if name.startswith("maestro-") and (name.endswith(OWNER_SUFFIX) or name.endswith(f"{OWNER_SUFFIX}.new")):
+            owners.setdefault(name[len("maestro-"):].split(".", 1)[0], []).append(name)
+    removed = 0
+    for session, files in owners.items():
+        fds: list[int] = []
+        try:
+            alive = False
+            for name in files:
+                try:
+                    fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
+                except OSError:
+                    continue  # removed meanwhile: its owner ended and swept
+                fds.append(fd)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except OSError:
+                    alive = True  # its process holds it
+                    break
+            if not alive:
+                removed += sweep(session)
+                for name in files:
+                    try:
+                        os.unlink(os.path.join(SHM_DIR, name))
+                    except OSError:
+                        pass
+        finally:
+            for fd in fds:
+                os.close(fd)
     return removed

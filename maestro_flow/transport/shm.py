@@ -16,7 +16,8 @@ is what makes the path fast: a fresh slot's pages are zeroed and faulted in on f
 costs as much as the copy itself. Slot files are named
 `maestro-<session>-<rank>-...`, removed by their sender when it closes, and swept by the
 coordinator at the end of the run (transport/host.py), so a killed worker leaves nothing behind
-either.
+either; those of a run whose coordinator was itself killed outright go at the next run's start
+(host.sweep_orphans).
 """
 
 from __future__ import annotations
@@ -117,19 +118,20 @@ class SlotWriter:
             sizes.append(n)
             total = _aligned(total + n)
         slot = self._take(channel, max(total, 1))
+        self._used[slot.name] = slot  # before copying: a copy that raises leaves no file behind at close
         address = getattr(slot, "address", None)  # a host slot (cuda_ipc's device slots have none)
         for b, off, n in zip(buffers, offsets, sizes, strict=True):
             if not n:
                 continue
             if address is not None and b.device.type == "cpu" and b.is_contiguous() and not b.is_conj() \
-                    and not b.is_neg():
+                    and not b.is_neg() and not b._is_zerotensor() and not b.is_quantized:
                 # One memmove (the GIL released) instead of three tensor operations per buffer:
-                # the bytes of a dense tensor as they are (copy_ would resolve a lazy conj/neg).
+                # the bytes of a dense tensor as they are (copy_ resolves a lazy conj/neg, writes
+                # an efficient zero tensor's zeros, and refuses a quantized one).
                 ctypes.memmove(address + off, b.data_ptr(), n)
             else:
                 dst = slot.bytes[off:off + n].view(b.dtype)
                 dst.copy_(b.view(-1) if b.is_contiguous() else b.reshape(-1))
-        self._used[slot.name] = slot
         return slot.name, offsets
 
     def released(self, by: int, names: Sequence[str]) -> None:

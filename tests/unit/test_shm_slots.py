@@ -40,6 +40,8 @@ def test_views_hold_what_was_written(pair):
         base.t(),  # not contiguous: torch's copy
         base[:, 1:3],
         z.conj(),  # a lazy conjugate: its bytes are not its values
+        torch._neg_view(torch.arange(4.0)),  # a lazy negation, likewise
+        torch._efficientzerotensor(4),  # zeros with no memory (autograd makes them): data_ptr() is 0
         torch.empty(0, 3),
         torch.randn(2, 3, requires_grad=True),
     ]
@@ -47,7 +49,15 @@ def test_views_hold_what_was_written(pair):
     assert [(sid, name) for sid, name, _ in got] == [(i, "x") for i in range(len(tensors))]
     for (_, _, out), want in zip(got, tensors, strict=True):
         assert out.dtype == want.dtype and out.shape == want.shape and not out.requires_grad
-        assert torch.equal(out, want.detach().resolve_conj())
+        assert torch.equal(out, want.detach().resolve_conj().resolve_neg())
+
+
+@pytest.mark.filterwarnings("ignore:.*quantized tensor creation:UserWarning")
+def test_a_quantized_tensor_is_refused_not_sent_as_raw_integers(pair):
+    writer, reader = pair
+    q = torch.quantize_per_tensor(torch.randn(8), 0.1, 0, torch.qint8)
+    with pytest.raises(RuntimeError):
+        _send(writer, reader, [q])
 
 
 def test_a_slot_goes_back_only_once_no_view_is_left(pair):
@@ -62,3 +72,12 @@ def test_a_slot_goes_back_only_once_no_view_is_left(pair):
     again, got = _send(writer, reader, [torch.full((50,), 3.0)])
     assert again == name  # the freed slot, not a new one
     assert torch.equal(got[0][2], torch.full((50,), 3.0))
+
+
+def test_a_message_that_fills_its_slot_exactly_goes_back_too(pair):
+    writer, reader = pair
+    name, got = _send(writer, reader, [torch.ones(shm.MIN_SLOT // 4)])  # every byte of a 1 MiB slot
+    assert got[0][2].sum().item() == shm.MIN_SLOT // 4
+    assert reader.reap() == {}
+    del got
+    assert reader.reap() == {0: [name]}
