@@ -132,15 +132,17 @@ def test_killing_the_coordinator_leaves_no_worker(demo_data):
     proc, workers = _start_slow_run(demo_data)
     everything = descendants(proc.pid)
     # The run's mark on this host's shared memory (transport/host.py), held by the coordinator.
-    owners = [n for n in os.listdir(SHM_DIR) if n.endswith(f".{proc.pid}{OWNER_SUFFIX}")]
-    assert len(owners) == 1
-    session = owners[0][len("maestro-"):].split(".")[0]
+    shm = os.access(SHM_DIR, os.W_OK)  # else no slots and no mark
+    owners = [n for n in os.listdir(SHM_DIR) if n.endswith(f".{proc.pid}{OWNER_SUFFIX}")] if shm else []
+    assert len(owners) == int(shm)
+    session = owners[0][len("maestro-"):].split(".")[0] if shm else None
     proc.kill()
     proc.wait(10)
     assert not wait_gone(everything, 10.0), "workers outlived their coordinator"
     assert workers
-    sweep_orphans()  # what the next run's start does: nothing of the killed run stays in memory
-    assert not [n for n in os.listdir(SHM_DIR) if n.startswith(f"maestro-{session}")]
+    if shm:
+        sweep_orphans()  # what the next run's start does: nothing of the killed run stays in memory
+        assert not [n for n in os.listdir(SHM_DIR) if n.startswith(f"maestro-{session}")]
 
 
 def test_ctrl_c_shuts_down_cleanly(demo_data):
