@@ -114,8 +114,11 @@ def sweep_orphans() -> int:
             for name in files:
                 try:
                     fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
-                except OSError:
+                except FileNotFoundError:
                     continue  # removed meanwhile: its owner ended and swept
+                except OSError:
+                    alive = True  # another user's run: not ours to judge
+                    break
                 fds.append(fd)
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
