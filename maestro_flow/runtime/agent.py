@@ -123,11 +123,12 @@ class Agent:
         self.log(f"node {node}: starting ranks {', '.join(map(str, mine))} (coordinator {info['address']})")
         launcher = Launcher(self.entry)
         sweep_orphans()  # slots of runs whose agent or coordinator on this host was killed outright
-        owner = SlotOwner(session)  # this attempt's slots on this node are alive while this process is
+        owner: SlotOwner | None = None
         boot = {"coordinator": info["address"], "parent_pid": os.getpid(), "timeouts": info["timeouts"],
                 "secret": self.secret.hex(), "session": session, "host": self.host, "interface": self.interface}
         quieted = os.environ.pop("MAESTRO_AGENT_QUIETED_TORCH", None) and os.environ.pop("TORCH_CPP_LOG_LEVEL", None)
         try:
+            owner = SlotOwner(session)  # this attempt's slots on this node are alive while this process is
             for rank in mine:
                 section, replica, name, label = info["workers"][str(rank)]
                 launcher.start(rank, section, replica, {**boot, "rank": rank, "label": label,
@@ -159,6 +160,9 @@ class Agent:
                                             f"MAESTRO_COORDINATOR_TIMEOUT_S if node 0 can be that slow)")
                 time.sleep(POLL_S)
         finally:
-            launcher.shutdown(0.5, self.timeouts.kill_grace_s)
-            sweep(session)  # shared-memory slots a killed worker of this node left (transport/shm.py)
-            owner.close()
+            try:
+                launcher.shutdown(0.5, self.timeouts.kill_grace_s)
+                sweep(session)  # shared-memory slots a killed worker of this node left (transport/shm.py)
+            finally:
+                if owner is not None:
+                    owner.close()

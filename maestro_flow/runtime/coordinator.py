@@ -143,10 +143,10 @@ class Coordinator(CoordinatorIO):
     def run(self) -> None:
         outcome = "failed"
         started = time.perf_counter()
-        # Slots of runs whose coordinator was killed outright, then this attempt's mark (transport/host.py).
-        shm_host.sweep_orphans()
-        self._owner = shm_host.SlotOwner(self.session)
         try:
+            # Slots of runs whose coordinator was killed outright, then this attempt's mark (transport/host.py).
+            shm_host.sweep_orphans()
+            self._owner = shm_host.SlotOwner(self.session)
             self._start()
             self.startup_s = time.perf_counter() - started
             self._train()
@@ -161,19 +161,21 @@ class Coordinator(CoordinatorIO):
         """Idempotent; never waits longer than the shutdown grace periods."""
         # After a normal stop the workers have exited already; after a failure the others may
         # sit in a transfer with the dead one, so they get a short grace, then SIGTERM, then SIGKILL.
-        self.launcher.shutdown(0.5, self.timeouts.kill_grace_s)
-        if self.status is not None:
-            self.status.close()
-            self.status = None
-        if self.router is not None:
-            self.router.close(linger=0)
-            self.router = None
-        self.zctx.term()
-        self.store = None
-        shm_host.sweep(self.session)  # slots a killed worker could not remove (transport/shm.py)
-        if self._owner is not None:
-            self._owner.close()
-            self._owner = None
+        try:
+            self.launcher.shutdown(0.5, self.timeouts.kill_grace_s)
+            if self.status is not None:
+                self.status.close()
+                self.status = None
+            if self.router is not None:
+                self.router.close(linger=0)
+                self.router = None
+            self.zctx.term()
+            self.store = None
+        finally:
+            shm_host.sweep(self.session)  # slots a killed worker could not remove (transport/shm.py)
+            if self._owner is not None:
+                self._owner.close()
+                self._owner = None
 
     # -- startup ---------------------------------------------------------------------------
 

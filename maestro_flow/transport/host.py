@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import re
 
 SHM_DIR = "/dev/shm"
 
@@ -55,19 +56,20 @@ def sweep(session: str) -> int:
 
 
 OWNER_SUFFIX = ".owner"
+_OWNER = re.compile(r"maestro-([0-9a-f]{32})\.[0-9]+\.owner")  # a session is 32 hex digits (auth.new_nonce)
 
 
 class SlotOwner:
     """This process's owner file for one attempt's slots on this host (see the module docstring):
-    made under a temporary name, locked, then renamed, so no sweeper ever sees it unlocked while
-    this process lives. `close` (after `sweep`) removes it. Without a writable /dev/shm it does
-    nothing (no slots are made there either)."""
+    made under a temporary name no sweeper looks at, locked, then renamed, so no sweeper ever
+    sees it unlocked while this process lives. `close` (after `sweep`) removes it. Without a
+    writable /dev/shm it does nothing (no slots are made there either)."""
 
     def __init__(self, session: str) -> None:
         self.path: str | None = None
         self._fd: int | None = None
         final = os.path.join(SHM_DIR, f"maestro-{session}.{os.getpid()}{OWNER_SUFFIX}")
-        temp = f"{final}.new"
+        temp = os.path.join(SHM_DIR, f"maestro-owner-{os.getpid()}-{os.urandom(4).hex()}.tmp")
         try:
             fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         except OSError:
@@ -97,15 +99,18 @@ class SlotOwner:
 
 def sweep_orphans() -> int:
     """Remove the slots (and owner files) of every session on this host whose owner files are all
-    unlocked: their coordinator or agent died without sweeping. Returns how many slots went."""
+    unlocked and this user's: their coordinator or agent died without sweeping. A session whose
+    owner file went meanwhile is left alone (its owner ended and swept). Returns how many slots
+    went."""
     try:
         names = os.listdir(SHM_DIR)
     except OSError:
         return 0
     owners: dict[str, list[str]] = {}
     for name in names:
-        if name.startswith("maestro-") and (name.endswith(OWNER_SUFFIX) or name.endswith(f"{OWNER_SUFFIX}.new")):
-            owners.setdefault(name[len("maestro-"):].split(".", 1)[0], []).append(name)
+        match = _OWNER.fullmatch(name)
+        if match:
+            owners.setdefault(match.group(1), []).append(name)
     removed = 0
     for session, files in owners.items():
         fds: list[int] = []
@@ -114,13 +119,13 @@ def sweep_orphans() -> int:
             for name in files:
                 try:
                     fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
-                except FileNotFoundError:
-                    continue  # removed meanwhile: its owner ended and swept
-                except OSError:
-                    alive = True  # another user's run: not ours to judge
+                except OSError:  # gone meanwhile (its owner ended and swept), or another user's
+                    alive = True
                     break
                 fds.append(fd)
                 try:
+                    if os.fstat(fd).st_uid != os.geteuid():
+                        raise PermissionError  # another user's run: not ours to judge
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except OSError:
                     alive = True  # its process holds it

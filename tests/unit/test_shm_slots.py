@@ -11,6 +11,8 @@ import torch
 
 from maestro_flow.transport import p2p, shm
 
+pytestmark = pytest.mark.skipif(not os.access(shm.SHM_DIR, os.W_OK), reason="no writable /dev/shm")
+
 
 @pytest.fixture
 def pair():
