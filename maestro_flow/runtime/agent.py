@@ -32,7 +32,7 @@ from maestro_flow.errors import SystemFailure
 from maestro_flow.runtime.launcher import Launcher
 from maestro_flow.runtime.nodes import Nodes, node_ranks, rendezvous
 from maestro_flow.timeouts import Timeouts
-from maestro_flow.transport.host import SlotOwner, sweep, sweep_orphans
+from maestro_flow.transport.host import SlotOwner, claim
 
 POLL_S = 0.2
 
@@ -122,13 +122,12 @@ class Agent:
         self.node0_ranks = node_ranks(node_of, 0)
         self.log(f"node {node}: starting ranks {', '.join(map(str, mine))} (coordinator {info['address']})")
         launcher = Launcher(self.entry)
-        sweep_orphans()  # slots of runs whose agent or coordinator on this host was killed outright
         owner: SlotOwner | None = None
         boot = {"coordinator": info["address"], "parent_pid": os.getpid(), "timeouts": info["timeouts"],
                 "secret": self.secret.hex(), "session": session, "host": self.host, "interface": self.interface}
         quieted = os.environ.pop("MAESTRO_AGENT_QUIETED_TORCH", None) and os.environ.pop("TORCH_CPP_LOG_LEVEL", None)
         try:
-            owner = SlotOwner(session)  # this attempt's slots on this node are alive while this process is
+            owner = claim(session)  # this attempt's slots on this node (transport/host.py)
             for rank in mine:
                 section, replica, name, label = info["workers"][str(rank)]
                 launcher.start(rank, section, replica, {**boot, "rank": rank, "label": label,
@@ -162,7 +161,6 @@ class Agent:
         finally:
             try:
                 launcher.shutdown(0.5, self.timeouts.kill_grace_s)
-                sweep(session)  # shared-memory slots a killed worker of this node left (transport/shm.py)
             finally:
-                if owner is not None:
+                if owner is not None:  # sweeps the slots a killed worker of this node left
                     owner.close()

@@ -144,9 +144,7 @@ class Coordinator(CoordinatorIO):
         outcome = "failed"
         started = time.perf_counter()
         try:
-            # Slots of runs whose coordinator was killed outright, then this attempt's mark (transport/host.py).
-            shm_host.sweep_orphans()
-            self._owner = shm_host.SlotOwner(self.session)
+            self._owner = shm_host.claim(self.session)  # shared-memory slots of this attempt (transport/host.py)
             self._start()
             self.startup_s = time.perf_counter() - started
             self._train()
@@ -172,8 +170,7 @@ class Coordinator(CoordinatorIO):
             self.zctx.term()
             self.store = None
         finally:
-            shm_host.sweep(self.session)  # slots a killed worker could not remove (transport/shm.py)
-            if self._owner is not None:
+            if self._owner is not None:  # sweeps the slots a killed worker could not remove
                 self._owner.close()
                 self._owner = None
 

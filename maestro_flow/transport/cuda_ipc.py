@@ -54,6 +54,8 @@ def wait_mode() -> str:
 class _DeviceSlot:
     """A slot of the sender: device bytes, their IPC export and an interprocess event."""
 
+    address = None  # no host address: SlotWriter.write copies into it with torch
+
     def __init__(self, name: str, size: int, device: torch.device) -> None:
         self.name, self.size = name, size
         self.bytes = torch.empty(size, dtype=torch.uint8, device=device)

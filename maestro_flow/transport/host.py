@@ -1,15 +1,15 @@
 """Which processes share memory, and the removal of a run's shared-memory slots.
 
 Standard library only (a worker sends its host key in its hello, before it imports torch).
-Used by the worker (`host_key`), the coordinator and node agents (`sweep`, `SlotOwner`,
-`sweep_orphans`); the slots themselves are transport/shm.py's.
+Used by the worker (`host_key`), the coordinator and node agents (`claim`, `SlotOwner`); the
+slots themselves are transport/shm.py's.
 
 A coordinator (or node agent) sweeps its attempt's slots when it ends. One that is killed
 outright (SIGKILL, the OOM killer) cannot, and its workers die with it (PR_SET_PDEATHSIG), so
 their slots would stay in /dev/shm, in memory, until the host reboots. So each such process
 marks its attempt as alive on its host with an owner file, `maestro-<session>.<pid>.owner`,
-held under an exclusive flock that the kernel drops however the process dies; every run's start
-sweeps the slots of the sessions whose owners are all dead (`sweep_orphans`). Slots of a session
+held under an exclusive flock that the kernel drops however the process dies; every attempt's
+start (`claim`) sweeps the slots of the sessions whose owners are all dead (`sweep_orphans`). Slots of a session
 with no owner file at all (a version before owner files, a test's own prefix) are left alone.
 """
 
@@ -62,10 +62,12 @@ _OWNER = re.compile(r"maestro-([0-9a-f]{32})\.[0-9]+\.owner")  # a session is 32
 class SlotOwner:
     """This process's owner file for one attempt's slots on this host (see the module docstring):
     made under a temporary name no sweeper looks at, locked, then renamed, so no sweeper ever
-    sees it unlocked while this process lives. `close` (after `sweep`) removes it. Without a
-    writable /dev/shm it does nothing (no slots are made there either)."""
+    sees it unlocked while this process lives. `close` sweeps the attempt's slots (those a killed
+    worker could not remove), then removes the file. Without a writable /dev/shm there is no
+    file (no slots are made there either)."""
 
     def __init__(self, session: str) -> None:
+        self.session = session
         self.path: str | None = None
         self._fd: int | None = None
         final = os.path.join(SHM_DIR, f"maestro-{session}.{os.getpid()}{OWNER_SUFFIX}")
@@ -87,6 +89,7 @@ class SlotOwner:
         self.path, self._fd = final, fd
 
     def close(self) -> None:
+        sweep(self.session)  # before the mark goes: no sweeper may judge the attempt dead meanwhile
         if self._fd is None:
             return
         try:
@@ -95,6 +98,12 @@ class SlotOwner:
             pass
         os.close(self._fd)
         self._fd = None
+
+
+def claim(session: str) -> SlotOwner:
+    """An attempt's start on this host: sweep the slots of runs killed outright, then mark this one."""
+    sweep_orphans()
+    return SlotOwner(session)
 
 
 def sweep_orphans() -> int:

@@ -119,7 +119,7 @@ class SlotWriter:
             total = _aligned(total + n)
         slot = self._take(channel, max(total, 1))
         self._used[slot.name] = slot  # before copying: a copy that raises leaves no file behind at close
-        address = getattr(slot, "address", None)  # a host slot (cuda_ipc's device slots have none)
+        address = slot.address  # None for cuda_ipc's device slots
         for b, off, n in zip(buffers, offsets, sizes, strict=True):
             if not n:
                 continue

@@ -63,12 +63,13 @@ def test_a_killed_owners_slots_are_swept_a_live_ones_are_not():
     assert _files(alive) == []  # swept once its holder died too
 
 
-def test_an_owner_removes_its_file_on_close():
+def test_an_owner_sweeps_its_slots_and_removes_its_file_on_close():
     session = uuid.uuid4().hex
-    owner = host.SlotOwner(session)
+    owner = host.claim(session)
     if owner.path is None:
         pytest.skip("no writable /dev/shm")
     assert os.path.exists(owner.path)
+    open(os.path.join(host.SHM_DIR, f"maestro-{session}-0-1"), "w").close()  # a slot a killed worker left
     owner.close()
     owner.close()  # idempotent
     assert _files(session) == []
