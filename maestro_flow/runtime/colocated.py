@@ -30,7 +30,7 @@ from maestro_flow.runtime.observe import RunObserver, timed_plan
 from maestro_flow.runtime.report import RunReport
 from maestro_flow.runtime.sampler import EpochSampler
 from maestro_flow.runtime.trace import Tracer
-from maestro_flow.transport.tensor_comm import LocalComm
+from maestro_flow.transport.local_comm import LocalComm
 
 
 def run_colocated(pipeline: Pipeline, source: Any, sampler: EpochSampler, report: RunReport, *,

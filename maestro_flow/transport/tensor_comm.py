@@ -36,7 +36,8 @@ inputs ("tpf") and gradients ("tpb") — to the other ranks of the replica with 
 to each, then one broadcast per buffer over the replica's relay group. Members post the matching
 broadcasts as headers arrive, so they receive relays in the leader's order.
 
-`LocalComm` is the in-process implementation of the same interface (colocated mode, tests).
+transport/local_comm.py's `LocalComm` is the in-process implementation of the same interface
+(colocated mode, tests).
 """
 
 from __future__ import annotations
@@ -70,7 +71,9 @@ class Comm(Protocol):
     def close(self, timeout_s: float = 0.0) -> bool: ...
 
 
-class _Stats:
+class Stats:
+    """A comm's transfer counters, read and reset once per step (snapshot_and_reset)."""
+
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.bytes_sent = 0
@@ -119,7 +122,7 @@ class TensorComm:
         self._sent: dict[Channel, queue.Queue] = {}
         self._received: dict[Channel, queue.Queue] = {}
         self._pools: dict[Channel, p2p.BufferPool] = {}
-        self.stats = _Stats()
+        self.stats = Stats()
         self._shm_out = {(dst, kind) for src, dst, kind in shm if src == rank}
         self._shm_in = {(src, kind) for src, dst, kind in shm if dst == rank}
         self._slots = shm_module.SlotWriter(shm_prefix) if self._shm_out else None
@@ -478,25 +481,3 @@ class TensorComm:
                 buffers = [b.to(self._device) for b in buffers]  # staged through the host (gloo)
             self._deliver(msg["kind"], msg["edge"], msg["step"], src, p2p.unpack(msg["entries"], buffers))
 
-
-class LocalComm:
-    """In-process comm: delivers copies straight to the destination's callback (same interface)."""
-
-    def __init__(self, rank: int, deliver_to: Callable[[int], Deliver]) -> None:
-        self.rank = rank
-        self._deliver_to = deliver_to
-        self.stats = _Stats()
-        self.in_flight = 0
-
-    def send(self, dst: int, kind: str, edge: int, step: int, items: Sequence[p2p.Item]) -> None:
-        copies = [(sid, name, None if t is None else t.detach().clone()) for sid, name, t in items]
-        self._deliver_to(dst)(kind, edge, step, self.rank, copies)
-
-    def notify(self, dst: int, step: int, finished: int) -> None:
-        self._deliver_to(dst)("progress", -1, step, self.rank, finished)
-
-    def reap(self) -> None:
-        """Nothing to give back: copies, not shared memory."""
-
-    def close(self, timeout_s: float = 0.0) -> bool:
-        return True

@@ -22,7 +22,8 @@ import zmq
 
 from maestro_flow.protocol.auth import derive_key
 from maestro_flow.transport import zmq_link
-from maestro_flow.transport.tensor_comm import LocalComm, TensorComm
+from maestro_flow.transport.local_comm import LocalComm
+from maestro_flow.transport.tensor_comm import TensorComm
 
 KEY = derive_key(b"transport test secret", "session")
 
