@@ -100,7 +100,8 @@ class Agent:
                                 f"workers are stopped") from None
 
     def _next_attempt(self, store: Any, previous: str | None) -> str | None:
-        deadline = time.monotonic() + self.timeouts.startup_s + self.timeouts.checkpoint_s
+        wait_s = self.timeouts.startup_s + self.timeouts.checkpoint_s
+        deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline:
             if self._ask(store.check, ["maestro/job"]):
                 outcome = self._ask(store.get, "maestro/job").decode()
@@ -113,7 +114,7 @@ class Agent:
                 if session != previous:
                     return session
             time.sleep(POLL_S)
-        raise SystemFailure(f"node 0 started no attempt of the run within {deadline:.0f}s (rendezvous {self.where})")
+        raise SystemFailure(f"node 0 started no attempt of the run within {wait_s:.0f}s (rendezvous {self.where})")
 
     def _attempt(self, store: Any, session: str, info: dict[str, Any]) -> None:
         node = self.nodes.node_rank

@@ -230,6 +230,9 @@ class Coordinator(CoordinatorIO):
                                   trace=self.observer.tracing,
                                   record=self.record, resume=self.resume[0] if self.resume else None, shm=shm,
                                   ipc=ipc))
+            # Silence counts from here: before its init a worker sends nothing (it may wait long
+            # for another node's workers to say hello, and that is the startup deadline's to judge).
+            self.liveness.seen(rank, time.monotonic())
         ready: set[int] = set()
         what = "every worker to be ready (stage built, process groups formed)"
         if self.resume is not None:  # loading the checkpoint is part of getting ready
@@ -406,4 +409,5 @@ class Coordinator(CoordinatorIO):
                                    allow_exit=bye)
             if msg["t"] == "bye":
                 bye.add(rank)
+                self.liveness.forget(rank)  # it has left: its silence is no one's loss
         self.launcher.join(self.timeouts.shutdown_grace_s)

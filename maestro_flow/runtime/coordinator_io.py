@@ -72,7 +72,8 @@ class CoordinatorIO:
         elif claimed != rank or msg["t"] == "hello":
             self.drops.drop(origin, f"a {msg['t']!r} message claiming rank {claimed}")
             return None
-        self.liveness.seen(rank, time.monotonic())
+        if msg["t"] != "hello":  # a worker is silent until its init (liveness counts from there)
+            self.liveness.seen(rank, time.monotonic())
         return rank, msg
 
     def _tick(self, now: float) -> None:

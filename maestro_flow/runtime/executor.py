@@ -201,7 +201,8 @@ class SectionExecutor(StepEnd, Prefetch):
 
     def _run_next_forward(self, st: StepState) -> bool:
         if st.next_mb >= len(st.mbs):
-            return False
+            # Every forward ran; a backward still to run waits for its gradients.
+            return self._wait(st, "wait gradients") if st.pending else False
         mb = st.mbs[st.next_mb]
         if st.gates and any(self.progress.get((st.step, rank), 0) < done for rank, done in st.gates[st.next_mb]):
             return self._wait(st, "wait credit")  # run-ahead credit: a consumer has not caught up yet
@@ -422,7 +423,7 @@ class SectionExecutor(StepEnd, Prefetch):
     def _follow(self, st: StepState) -> bool:
         """A tensor-parallel follower: run the next relayed forward or backward, if it is here."""
         if not self.ops or self.ops[0][1] != st.step:
-            return False
+            return self._wait(st, "wait relay") if st.next_mb < len(st.mbs) or st.pending else False
         kind, _, index, items = self.ops.popleft()
         if kind == "tpf":
             if index != st.next_mb or not self._run_next_forward(st):

@@ -36,6 +36,12 @@ class Liveness:
     def seen(self, rank: int, now: float) -> None:
         self.last_seen[rank] = now
 
+    def forget(self, rank: int) -> None:
+        """A worker that said bye: no longer judged (it exits, and sends nothing more)."""
+        self.last_seen.pop(rank, None)
+        self.status.pop(rank, None)
+        self.since.pop(rank, None)
+
     def away(self, seconds: float) -> None:
         """The coordinator was not listening for `seconds` (paused, swapped out, busy elsewhere):
         that time is not its workers' silence. What they sent meanwhile may still sit in the

@@ -240,6 +240,7 @@ class _Worker:
         from maestro_flow.errors import PipelineError
         from maestro_flow.runtime.executor_state import StageFault
 
+        executor = None
         try:
             executor = self._setup()
             if executor is None:
@@ -255,6 +256,8 @@ class _Worker:
         except PipelineError as exc:  # bad input found here, e.g. a checkpoint that does not fit
             self.report_error("input", str(exc))
         except Exception:
+            if self.phase == "step" and executor is not None and executor.current is not None:
+                self.step = executor.current.step  # poll() may have finished a step and begun the next
             self.report_error("system", traceback.format_exc())
         return 1
 
@@ -363,9 +366,12 @@ class _Worker:
         from maestro_flow.checkpoint.savedir import save_stage
 
         self.phase = "step"
-        # Nothing may come for a whole step elsewhere (plans, inputs, gradients); after that and
-        # the coordinator's own silence limit, this worker gives up on its own.
-        limit_s = self.timeouts.step_s + self.timeouts.coordinator_timeout_s
+        # Nothing may come for a whole step elsewhere (plans, inputs, gradients), nor while other
+        # workers load (a resume: the first plan waits for every worker's ready) or write a
+        # checkpoint; past the longest of the coordinator's own waits and its silence limit, this
+        # worker gives up on its own.
+        t = self.timeouts
+        limit_s = max(t.step_s, t.startup_s) + t.checkpoint_s + t.coordinator_timeout_s
         while True:
             try:
                 item = self.inbox.get(timeout=limit_s)
@@ -373,7 +379,8 @@ class _Worker:
                 state = dict(executor.status)
                 raise TimeoutError(f"worker {self.section}[{self.replica}] (rank {self.rank}) waited {limit_s:.0f}s "
                                    f"for a plan, inputs or gradients while {state.get('state')} (step "
-                                   f"{state.get('step')}); raise MAESTRO_STEP_S if steps can be that slow") from None
+                                   f"{state.get('step')}); raise MAESTRO_STEP_S (MAESTRO_CHECKPOINT_S) if steps "
+                                   f"(checkpoints) can be that slow") from None
             kind, body = item
             if kind == "tensors":
                 executor.deliver(*body)

@@ -69,11 +69,31 @@ def pack(items: Sequence[Item]) -> tuple[list[list[Any]], list[list[Any]], list[
     return entries, specs, buffers
 
 
+_DTYPES: dict[str, torch.dtype] = {}
+
+
+def dtype_named(name: str) -> torch.dtype:
+    """A dtype from its name in a header (only torch dtypes: never an arbitrary attribute)."""
+    dt = _DTYPES.get(name) if isinstance(name, str) else None
+    if dt is None:
+        dt = getattr(torch, name, None) if isinstance(name, str) else None
+        if not isinstance(dt, torch.dtype):
+            raise ValueError(f"not a dtype: {name!r}")
+        _DTYPES[name] = dt
+    return dt
+
+
 def allocate(specs: Sequence[Sequence[Any]], device: torch.device,
              pool: BufferPool | None = None) -> list[torch.Tensor]:
     if pool is not None:
-        return [pool.take(getattr(torch, d), int(n), device) for d, n in specs]
-    return [torch.empty(int(n), dtype=getattr(torch, d), device=device) for d, n in specs]
+        return [pool.take(dtype_named(d), _count(n), device) for d, n in specs]
+    return [torch.empty(_count(n), dtype=dtype_named(d), device=device) for d, n in specs]
+
+
+def _count(n: Any) -> int:
+    if not isinstance(n, int) or n < 0:
+        raise ValueError(f"not an element count: {n!r}")
+    return n
 
 
 class BufferPool:
@@ -110,7 +130,7 @@ class BufferPool:
 def unpack(entries: Sequence[Sequence[Any]], buffers: Sequence[torch.Tensor]) -> list[Item]:
     out: list[Item] = []
     for sid, name, _dtype, shape, buf, offset in entries:
-        if buf < 0:
+        if buf == -1:
             out.append((sid, name, None))
             continue
         flat = buffers[buf]

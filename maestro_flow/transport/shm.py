@@ -30,6 +30,7 @@ from collections.abc import Sequence
 
 import torch
 
+from maestro_flow.transport import p2p
 from maestro_flow.transport.host import SHM_DIR
 
 ALIGN = 64  # every buffer starts on a cache line (and on its dtype's alignment)
@@ -37,20 +38,6 @@ MIN_SLOT = 1 << 20  # slots are at least this large, then powers of two, so size
 SPARE = 32  # free slots a channel keeps for reuse; more are removed, the smallest first
 SPARE_BYTES = 512 << 20  # and at most this many bytes of them (a fresh slot costs its pages' first touch)
 MAX_MAPPED = 64  # slots a receiver keeps mapped before it forgets those not in use
-
-
-_DTYPES: dict[str, torch.dtype] = {}
-
-
-def _dtype(name: str) -> torch.dtype:
-    """A dtype from its name in a header (only torch dtypes: never an arbitrary attribute)."""
-    dt = _DTYPES.get(name)
-    if dt is None:
-        dt = getattr(torch, name, None)
-        if not isinstance(dt, torch.dtype):
-            raise ValueError(f"not a dtype: {name!r}")
-        _DTYPES[name] = dt
-    return dt
 
 
 def _aligned(n: int) -> int:
@@ -214,7 +201,7 @@ class SlotReader:
             slot = self._maps[name] = self._open(src, name)
         spans = []
         for off, (dtype, numel) in zip(offsets, specs, strict=True):
-            dt = _dtype(dtype)
+            dt = p2p.dtype_named(dtype)
             spans.append((off, off + int(numel) * dt.itemsize, dt))
         end = max((e for _, e, _ in spans), default=0)
         if end > slot.size or any(o < 0 for o, _, _ in spans):

@@ -92,7 +92,9 @@ class Stats:
 
 
 class TensorComm:
-    WINDOW = 16  # messages posted but not completed, per channel; send() waits beyond that
+    # Posted messages queued for their completion, per channel: send() (the header thread, for
+    # receives) posts a message and then waits for room, so at most WINDOW + 2 are in flight.
+    WINDOW = 16
     REAP_S = 0.05  # how often the header thread looks for shared-memory slots to give back (see reap)
 
     def __init__(self, *, zctx: zmq.Context, rank: int, pull: zmq.Socket, key: bytes, peers: dict[int, str],

@@ -55,3 +55,50 @@ def test_time_the_coordinator_was_away_is_not_its_workers_silence():
     live.away(5.0)
     assert live.silent(now=5.5) is None and live.hang(0, now=5.5) is None
     assert str(live.silent(now=7.5)).startswith("worker rank 0 sent nothing for 2.5s")
+
+
+def test_a_worker_that_said_bye_is_not_judged():
+    # Reproduced before: a frozen teacher said bye at --save-dir shutdown while the student took
+    # longer than the heartbeat timeout to write its weights; the teacher was then named silent
+    # and the student stopped in the middle of its write.
+    live = liveness({0: 0, 1: 1, 2: 1}, heartbeat_timeout_s=3.0)
+    for r in range(3):
+        live.seen(r, now=0.0)
+        live.note_status(r, {"state": "idle (step done)", "step": 4, "mb": None}, now=0.0)
+    live.forget(0)
+    live.seen(1, now=10.0)
+    assert str(live.silent(now=10.0)).startswith("worker rank 2 sent nothing")
+    live.forget(2)
+    assert live.silent(now=10.0) is None
+    live.forget(1)  # every worker of node 1 left: not a lost node
+    assert live.silent(now=100.0) is None and 0 not in live.status
+
+
+def test_a_worker_is_judged_from_its_init_not_its_hello():
+    # Reproduced before: a worker sends nothing between its hello and its init (which goes out once
+    # every rank said hello), so with another node's workers starting more than the heartbeat
+    # timeout later, a healthy worker of node 0 was named silent instead of the missing node.
+    from types import SimpleNamespace
+
+    from maestro_flow.protocol.auth import DropLog, Opener, Sealer, derive_key
+    from maestro_flow.protocol.messages import PROTOCOL_VERSION, make
+    from maestro_flow.runtime.coordinator_io import CoordinatorIO
+    from maestro_flow.transport import zmq_link
+
+    key = derive_key(b"secret" * 4, "session")
+    io = CoordinatorIO()
+    io.placement, io.node_of, io.nodes = PLACEMENT, {0: 0, 1: 0, 2: 0}, SimpleNamespace(multi=False)
+    io.liveness = live = liveness(heartbeat_timeout_s=3.0)
+    io.opener, io.drops = Opener(key, "coordinator", zmq_link.CONTROL_MAX_BYTES), DropLog("test")
+    io.identity_rank, io.rank_identity, io.sealers, io.key = {}, {}, {}, key
+    worker = Sealer(key, "rank0", "coordinator")
+
+    def frame(msg: dict) -> list[bytes]:
+        return [b"conn0", worker.seal(zmq_link.encode(msg))]
+
+    hello = make("hello", version=PROTOCOL_VERSION, rank=0, pid=1, data_addr="tcp://127.0.0.1:1")
+    assert io._accept(frame(hello)) == (0, hello)
+    assert 0 not in live.last_seen and live.silent(now=1e9) is None
+    beat = make("heartbeat", rank=0)
+    assert io._accept(frame(beat)) == (0, beat)
+    assert 0 in live.last_seen

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from maestro_flow.transport import p2p
@@ -41,3 +42,12 @@ def test_pool_does_not_keep_small_buffers():
     pool = p2p.BufferPool()
     pool.take(torch.float32, 16, torch.device("cpu"))
     assert not pool._free
+
+
+def test_a_header_naming_no_dtype_or_a_bad_count_is_refused():
+    # A header names dtypes and element counts as strings and numbers: only torch dtypes and
+    # non-negative integers are taken (getattr(torch, name) would reach any attribute).
+    for specs in ([["manual_seed", 4]], [["float32", -1]], [["float32", 2.5]], [[["float32"], 4]]):
+        with pytest.raises(ValueError):
+            p2p.allocate(specs, torch.device("cpu"))
+    assert p2p.allocate([["bfloat16", 3]], torch.device("cpu"))[0].dtype == torch.bfloat16
