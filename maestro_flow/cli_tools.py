@@ -166,3 +166,5 @@ def export(ctx: click.Context, source: str, section: str, out: str) -> None:
     click.echo(f"from {done.source}:")
     for path in done.files:
         click.echo(f"wrote {path}")
+    if done.note:
+        click.echo(f"note: {done.note}", err=True)

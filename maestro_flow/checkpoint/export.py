@@ -31,6 +31,7 @@ from maestro_flow.errors import PipelineError
 class Exported:
     files: list[str]
     source: str
+    note: str | None = None  # what was not written, and why (a stage that cannot be imported here)
 
 
 def export_section(source: str, section: str, out: str) -> Exported:
@@ -42,7 +43,16 @@ def export_section(source: str, section: str, out: str) -> Exported:
     os.makedirs(out, exist_ok=True)
     path = os.path.join(out, f"{section}.safetensors")
     save_file({k: v.contiguous() for k, v in state.items()}, path, metadata={"section": section, "source": where})
-    return Exported(files=[path, *_hugging_face(pipeline, spec, state, out)], source=where)
+    try:
+        files = _hugging_face(pipeline, spec, state, out)
+    except _NotImportable as exc:
+        return Exported(files=[path], source=where, note=str(exc))
+    return Exported(files=[path, *files], source=where)
+
+
+class _NotImportable(Exception):
+    """The section's stage cannot be imported here: whether it owns a Hugging Face model is unknown."""
+
 
 
 def _read(source: str, section: str) -> tuple[dict[str, Any], dict[str, torch.Tensor], str]:
@@ -95,7 +105,12 @@ def _hugging_face(pipeline: dict[str, Any], spec: dict[str, Any], state: dict[st
     from maestro_flow.runtime.build import add_paths, build_stage, resolve, search_paths
 
     add_paths(search_paths(None))  # stage paths resolve from the current directory, as in a run
-    model_attr = getattr(resolve(spec["stage"], f"sections.{spec['name']}.stage"), "hugging_face_model", None)
+    try:
+        stage_class = resolve(spec["stage"], f"sections.{spec['name']}.stage")
+    except PipelineError as exc:  # the safetensors file never needs the stage; only a Hugging Face folder does
+        raise _NotImportable(f"{exc}; no Hugging Face folder written (if the stage owns one, export from the "
+                             f"directory the run started in, or with the pipeline's folder on PYTHONPATH)") from None
+    model_attr = getattr(stage_class, "hugging_face_model", None)
     if model_attr is None:
         return []
     p = Pipeline.from_dict(pipeline)

@@ -64,7 +64,12 @@ class Manifest:
 
 def write(folder: str, manifest: Manifest) -> str:
     """Write the manifest atomically (temporary file, fsync, rename), then fsync the folder, so a
-    crash leaves either no manifest or a whole one."""
+    crash leaves either no manifest or a whole one; every file and folder the workers wrote is
+    made durable first, so a manifest that survives a power loss names no file that did not."""
+    for root, _, files in os.walk(folder):
+        for name in files:
+            _fsync(os.path.join(root, name))
+        _fsync(root)
     path = os.path.join(folder, MANIFEST)
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
@@ -72,12 +77,16 @@ def write(folder: str, manifest: Manifest) -> str:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    fd = os.open(folder, os.O_RDONLY)
+    _fsync(folder)
+    return path
+
+
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
-    return path
 
 
 def read(folder: str) -> Manifest:

@@ -13,6 +13,10 @@ reads the same checkpoint. The state is one flat dict:
     optim_groups            the optimizer's param_groups (hyperparameters, parameter names)
     scheduler               the LambdaLR state, when the section has a schedule
 
+A stage with several optimizers (Stage.optimizer_groups) saves the first one's groups and
+schedule under these names and optimizer i's under `optim_groups.<i>` and `scheduler.<i>`; its
+parameters' state is keyed by parameter name whichever optimizer holds them.
+
 Every entry is a tensor — the last two hold their JSON text as bytes (DCP would otherwise split
 nested Python containers into one entry per leaf).
 
@@ -75,24 +79,25 @@ class SectionState:
         rng.save(rng_file(checkpoint, self.section, self.replica, self.tp_index), self.device)
         return info
 
-    def _names(self) -> list[str]:
-        """The name of each of the optimizer's parameters, in the optimizer's order."""
+    def _names(self) -> list[list[str]]:
+        """Per optimizer, the name of each of its parameters, in its state_dict's order."""
         by_id = {id(p): name for name, p in self.stage.named_parameters()}
-        return [by_id[id(p)] for p in self.optim.params]
+        return [[by_id[id(p)] for g in opt.param_groups for p in g["params"]] for opt in self.optim.optimizers]
 
     def _state_dict(self) -> dict[str, Any]:
         state: dict[str, Any] = {f"model/{k}": v.detach() for k, v in trainable_state(self.stage).items()}
-        names = self._names()
-        saved = self.optim.optimizer.state_dict()
-        for index, per_param in saved["state"].items():
-            for key, value in per_param.items():
-                if isinstance(value, torch.Tensor):  # SGD without momentum keeps None: nothing to keep
-                    state[f"optim/{names[index]}/{key}"] = value
-        state["optim_groups"] = _json_tensor([{**{k: v for k, v in g.items() if k != "params"},
-                                               "params": [names[i] for i in g["params"]]}
-                                              for g in saved["param_groups"]])
-        if self.optim.scheduler is not None:
-            state["scheduler"] = _json_tensor(self.optim.scheduler.state_dict())
+        for i, (names, optimizer, scheduler) in enumerate(zip(self._names(), self.optim.optimizers,
+                                                               self.optim.schedulers, strict=True)):
+            saved = optimizer.state_dict()
+            for index, per_param in saved["state"].items():
+                for key, value in per_param.items():
+                    if isinstance(value, torch.Tensor):  # SGD without momentum keeps None: nothing to keep
+                        state[f"optim/{names[index]}/{key}"] = value
+            state[_entry("optim_groups", i)] = _json_tensor([{**{k: v for k, v in g.items() if k != "params"},
+                                                             "params": [names[j] for j in g["params"]]}
+                                                            for g in saved["param_groups"]])
+            if scheduler is not None:
+                state[_entry("scheduler", i)] = _json_tensor(scheduler.state_dict())
         return state
 
     # -- load ------------------------------------------------------------------------------
@@ -110,17 +115,24 @@ class SectionState:
                 raise CheckpointMismatch(f"--resume {checkpoint}: cannot read the state of section "
                                          f"{self.section!r}: {self.cause(exc)}") from None
         own = rng_file(checkpoint, self.section, self.replica, self.tp_index)
-        if os.path.isfile(own):
-            rng.load(own, self.device)
-            return None
         who = f"{self.section} replica {self.replica}" + (f" tp rank {self.tp_index}" if self.tp_index else "")
+        if os.path.isfile(own):
+            self._load_rng(checkpoint, own, who)
+            return None
         for replica, tp_index in ((self.replica, 0), (0, 0)):
             other = rng_file(checkpoint, self.section, replica, tp_index)
             if os.path.isfile(other):
-                rng.load(other, self.device)
+                self._load_rng(checkpoint, other, who)
                 return (f"{who}: no RNG state saved for it (the section's dp or tp changed); using replica "
                         f"{replica}'s" + (" leader's" if self.tp_index else ""))
         return f"{who}: the checkpoint holds no RNG state for this section"
+
+    def _load_rng(self, checkpoint: str, path: str, who: str) -> None:
+        try:
+            rng.load(path, self.device)
+        except Exception as exc:  # truncated or corrupt: torch.load's zip reader says so
+            raise CheckpointMismatch(f"--resume {checkpoint}: cannot read the RNG state of {who} ({path}): "
+                                     f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from None
 
     def _load_state(self, folder: str) -> None:
         try:
@@ -131,7 +143,9 @@ class SectionState:
         model = {f"model/{k}": v.detach() for k, v in trainable_state(self.stage).items()}
         self._check(model, metadata, folder)
         target: dict[str, Any] = dict(model)
-        params = dict(zip(self._names(), self.optim.params, strict=True))
+        per_optimizer = self._names()
+        params = {name: p for names, opt in zip(per_optimizer, self.optim.optimizers, strict=True)
+                  for name, p in zip(names, (p for g in opt.param_groups for p in g["params"]), strict=True)}
         for key, meta in metadata.items():
             if not isinstance(meta, TensorStorageMetadata) or key.startswith("model/"):
                 continue
@@ -142,18 +156,28 @@ class SectionState:
             else:  # Adam's step (kept on the CPU, as torch.optim keeps it), the JSON entries
                 target[key] = torch.zeros(tuple(meta.size), dtype=meta.properties.dtype)
         dcp.load(target, checkpoint_id=folder, process_group=self.group)
-        index = {name: i for i, name in enumerate(self._names())}
-        state: dict[int, dict[str, Any]] = {}
-        for key, value in target.items():
-            if key.startswith("optim/"):
-                name, field = key[len("optim/"):].rsplit("/", 1)
-                state.setdefault(index[name], {})[field] = value
-        groups = [{**g, "params": [index[n] for n in g["params"]]} for g in _from_json_tensor(target["optim_groups"])]
-        for g in groups:
-            if "betas" in g:
-                g["betas"] = tuple(g["betas"])
-        self.optim.optimizer.load_state_dict({"state": state, "param_groups": groups})
-        steps_done = _from_json_tensor(target["scheduler"])["last_epoch"] if "scheduler" in target else None
+        steps_done: list[int | None] = []
+        for i, (names, optimizer) in enumerate(zip(per_optimizer, self.optim.optimizers, strict=True)):
+            index = {name: j for j, name in enumerate(names)}
+            state: dict[int, dict[str, Any]] = {}
+            for key, value in target.items():
+                if key.startswith("optim/"):
+                    name, field = key[len("optim/"):].rsplit("/", 1)
+                    if name in index:
+                        state.setdefault(index[name], {})[field] = value
+            saved = _from_json_tensor(target[_entry("optim_groups", i)]) if _entry("optim_groups", i) in target else None
+            if saved is None or sorted(n for g in saved for n in g["params"]) != sorted(names):
+                raise CheckpointMismatch(
+                    f"--resume {os.path.dirname(folder)}: section {self.section!r}'s optimizer {i} "
+                    f"({len(names)} parameters, e.g. {', '.join(names[:2])}) is not one the checkpoint saved: "
+                    f"the stage's optimizer_groups changed since")
+            groups = [{**g, "params": [index[n] for n in g["params"]]} for g in saved]
+            for g in groups:
+                if "betas" in g:
+                    g["betas"] = tuple(g["betas"])
+            optimizer.load_state_dict({"state": state, "param_groups": groups})
+            scheduler = target.get(_entry("scheduler", i))
+            steps_done.append(_from_json_tensor(scheduler)["last_epoch"] if scheduler is not None else None)
         self.optim.resume(steps_done)
 
     def _check(self, model: dict[str, torch.Tensor], metadata: dict[str, Any], folder: str) -> None:
@@ -175,6 +199,12 @@ class SectionState:
             raise CheckpointMismatch(f"--resume {os.path.dirname(folder)}: section {self.section!r} "
                                      f"({self.stage.__class__.__module__}:{self.stage.__class__.__name__}) does not "
                                      "fit the checkpoint: " + "; ".join(problems))
+
+
+def _entry(name: str, optimizer: int) -> str:
+    """The checkpoint entry of optimizer `optimizer`'s groups or schedule (the first: as it was named
+    before stages could have several)."""
+    return name if optimizer == 0 else f"{name}.{optimizer}"
 
 
 def _json_tensor(value: Any) -> torch.Tensor:

@@ -62,30 +62,13 @@ class SectionOptimizer:
                  for p, owner in zip(self.params, self.owners, strict=True) if owner and p.grad is not None]
         return float(torch.stack(norms).square().sum()) if norms else 0.0  # one device sync, not one per parameter
 
-    def resume(self, steps_done: int | None) -> None:
-        """After the optimizer's state was loaded from a checkpoint: its hyperparameters and lr
-        schedule are the pipeline's as given now (so raising `steps` stretches the decay), at
-        `steps_done` steps (None: the checkpoint had no schedule; the pipeline's step count then
-        comes from the optimizer's own state)."""
-        current = self.optimizer.defaults
-        for group in self.optimizer.param_groups:
-            for key, value in current.items():
-                if key != "lr" and key in group:
-                    group[key] = value
-            group["initial_lr"] = current["lr"]
-        if self.scheduler is None:
-            for group in self.optimizer.param_groups:
-                group["lr"] = current["lr"]
-            return
-        if steps_done is None:
-            steps = [int(s["step"]) for s in self.optimizer.state.values() if "step" in s]
-            steps_done = max(steps, default=0)
-        self.scheduler.base_lrs = [current["lr"]] * len(self.optimizer.param_groups)
-        self.scheduler.last_epoch = steps_done
-        lrs = [base * fn(steps_done) for base, fn in zip(self.scheduler.base_lrs, self.scheduler.lr_lambdas, strict=True)]
-        for group, lr in zip(self.optimizer.param_groups, lrs, strict=True):
-            group["lr"] = lr
-        self.scheduler._last_lr = lrs
+    def resume(self, steps_done: Sequence[int | None]) -> None:
+        """After the optimizers' state was loaded from a checkpoint: their hyperparameters and lr
+        schedules are the pipeline's as given now (so raising `steps` stretches the decay), at
+        `steps_done[i]` steps for optimizer i (None: the checkpoint had no schedule for it; the
+        step count then comes from the optimizer's own state)."""
+        for optimizer, scheduler, done in zip(self.optimizers, self.schedulers, steps_done, strict=True):
+            _resume(optimizer, scheduler, done)
 
     def step(self, coef: float = 1.0) -> None:
         if coef < 1.0:
@@ -97,3 +80,25 @@ class SectionOptimizer:
             optimizer.zero_grad(set_to_none=True)
             if scheduler is not None:
                 scheduler.step()
+
+
+def _resume(optimizer: torch.optim.Optimizer, scheduler: Any, steps_done: int | None) -> None:
+    current = optimizer.defaults
+    for group in optimizer.param_groups:
+        for key, value in current.items():
+            if key != "lr" and key in group:
+                group[key] = value
+        group["initial_lr"] = current["lr"]
+    if scheduler is None:
+        for group in optimizer.param_groups:
+            group["lr"] = current["lr"]
+        return
+    if steps_done is None:
+        steps = [int(s["step"]) for s in optimizer.state.values() if "step" in s]
+        steps_done = max(steps, default=0)
+    scheduler.base_lrs = [current["lr"]] * len(optimizer.param_groups)
+    scheduler.last_epoch = steps_done
+    lrs = [base * fn(steps_done) for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas, strict=True)]
+    for group, lr in zip(optimizer.param_groups, lrs, strict=True):
+        group["lr"] = lr
+    scheduler._last_lr = lrs

@@ -30,9 +30,9 @@ from typing import Any
 import zmq
 
 from maestro_flow.checkpoint.checkpointer import Checkpointer, CheckpointOptions
-from maestro_flow.checkpoint.manifest import Manifest
+from maestro_flow.checkpoint.manifest import Manifest, rng_file
 from maestro_flow.config import Pipeline
-from maestro_flow.errors import SystemFailure
+from maestro_flow.errors import SystemFailure, TimeoutFailure
 from maestro_flow.graph import SectionGraph
 from maestro_flow.planner import make_planner
 from maestro_flow.planner.plan import Placement
@@ -369,8 +369,17 @@ class Coordinator(CoordinatorIO):
         infos: dict[int, dict] = {}
         errors: dict[str, str] = {}
         while len(infos) + len(errors) < self.placement.world_size:
-            rank, msg = self._recv(deadline, f"every worker to save its part of the checkpoint at step {step}",
-                                   "MAESTRO_CHECKPOINT_S")
+            try:
+                rank, msg = self._recv(deadline, f"every worker to save its part of the checkpoint at step {step}",
+                                       "MAESTRO_CHECKPOINT_S")
+            except TimeoutFailure:
+                # A save too slow for the limit (a slow filesystem, mostly) is a failed checkpoint,
+                # not a hung worker: restarting would train up to here and time out again.
+                for rank in range(self.placement.world_size):
+                    if rank not in infos and self._label(rank) not in errors:
+                        errors[self._label(rank)] = (f"did not finish saving within {self.timeouts.checkpoint_s:g}s "
+                                                     "(raise MAESTRO_CHECKPOINT_S if saves take that long)")
+                break
             if msg["t"] != "saved":
                 continue
             if msg["step"] != step or rank in infos or self._label(rank) in errors:
@@ -382,6 +391,10 @@ class Coordinator(CoordinatorIO):
             else:
                 log = self.observer.worker_log(self.placement.worker_name(rank))
                 errors[self._label(rank)] = msg["error"] + (f" (traceback: {log})" if log else "")
+        missing = self._not_written(folder, infos)
+        if missing and not errors:
+            errors["the coordinator"] = (f"{len(missing)} files the workers wrote are not in {folder} as it sees it, "
+                                         f"e.g. {missing[0]}: --checkpoint-dir must be on a filesystem every node shares")
         if errors:
             self.checkpointer.failed(step, errors)
             return False
@@ -394,6 +407,18 @@ class Coordinator(CoordinatorIO):
         return self.checkpointer.commit(step, Manifest(
             step=step, pipeline=self.pipeline.to_dict(), sections=sections, sampler=self.sampler.position(step),
             costs=ledger.fitter.state() if ledger.fitter is not None else [], restarts=self.restarts))
+
+    def _not_written(self, folder: str, infos: dict[int, dict]) -> list[str]:
+        """What the workers reported saving but this process cannot see (another node's local disk,
+        not a shared one): each rank's RNG states, and the DCP metadata of each section with
+        training state (its first replica's report lists its parameters)."""
+        expected = [os.path.join(folder, name, ".metadata") for name in self.graph.order
+                    if infos.get(self.placement.rank(name, 0), {}).get("params")]
+        for rank in range(self.placement.world_size):
+            section, replica = self.placement.who(rank)
+            tp_index = self.placement.group(self.placement.rank(section, replica)).index(rank)
+            expected.append(rng_file(folder, section, replica, tp_index))
+        return [path for path in expected if not os.path.exists(path)]
 
     def _stop(self) -> None:
         if self.save_dir:

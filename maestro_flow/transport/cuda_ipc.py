@@ -51,6 +51,12 @@ def wait_mode() -> str:
     return mode
 
 
+class IpcRefused(RuntimeError):
+    """CUDA IPC cannot be had for a new slot (its export or its interprocess event refused): the
+    channel goes through the host instead. Any other error (a CUDA error surfacing in the copy)
+    is not this, and fails the run as it is."""
+
+
 class _DeviceSlot:
     """A slot of the sender: device bytes, their IPC export and an interprocess event."""
 
@@ -59,15 +65,18 @@ class _DeviceSlot:
     def __init__(self, name: str, size: int, device: torch.device) -> None:
         self.name, self.size = name, size
         self.bytes = torch.empty(size, dtype=torch.uint8, device=device)
-        self.event = torch.cuda.Event(interprocess=True)
-        self.event.record(torch.cuda.current_stream(device))  # it has a handle only once recorded
-        storage = self.bytes.untyped_storage()
-        (dev, handle, size_bytes, offset_bytes, ref_handle, ref_offset, event_handle,
-         event_sync) = storage._share_cuda_()
-        # Sent once per slot (the first message through it); bytes and integers only.
-        self.export: list[Any] = [int(dev), bytes(handle), int(size_bytes), int(offset_bytes), bytes(ref_handle),
-                                  int(ref_offset), bytes(event_handle), bool(event_sync),
-                                  bytes(self.event.ipc_handle())]
+        try:
+            self.event = torch.cuda.Event(interprocess=True)
+            self.event.record(torch.cuda.current_stream(device))  # it has a handle only once recorded
+            storage = self.bytes.untyped_storage()
+            (dev, handle, size_bytes, offset_bytes, ref_handle, ref_offset, event_handle,
+             event_sync) = storage._share_cuda_()
+            # Sent once per slot (the first message through it); bytes and integers only.
+            self.export: list[Any] = [int(dev), bytes(handle), int(size_bytes), int(offset_bytes), bytes(ref_handle),
+                                      int(ref_offset), bytes(event_handle), bool(event_sync),
+                                      bytes(self.event.ipc_handle())]
+        except RuntimeError as exc:
+            raise IpcRefused(str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from exc
         self.announced = False
 
     def close(self) -> None:

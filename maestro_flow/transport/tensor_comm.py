@@ -207,7 +207,7 @@ class TensorComm:
                     writer.released(by, [n for n in names if n.startswith(cuda_ipc.PREFIX) == mine])
         entries, specs, buffers = p2p.pack_each(items)
         writer = self._ipc_slots if ipc else self._slots
-        refused: type[Exception] = RuntimeError if ipc else OSError  # CUDA IPC refused; no shared memory to be had
+        refused: type[Exception] = cuda_ipc.IpcRefused if ipc else OSError  # no IPC export; no shared memory
         try:
             slot, offsets = writer.write((dst, kind), buffers)
             export = writer.export(slot) if ipc else None

@@ -225,6 +225,20 @@ def test_a_failing_write_stops_cleanly_or_is_skipped_with_the_flag(small_data, t
     assert result.stderr.count("warning: checkpoint at step") == 2  # steps 2 and 4, training went on
 
 
+def test_a_save_slower_than_its_limit_is_a_failed_checkpoint_not_a_restart(small_data, tmp_path):
+    """Reproduced before: a save past MAESTRO_CHECKPOINT_S was taken for a hung worker, so each of
+    --max-restarts retrained up to the checkpoint and timed out at the same save again."""
+    ck = tmp_path / "ck"
+    result = maestro(*args(small_data, "float32", "--checkpoint-dir", str(ck), "--checkpoint-every", "2",
+                           "--max-restarts", "2", steps=4), timeout=120,
+                     env={**os.environ, "MAESTRO_CHECKPOINT_S": "0.01"})
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert "checkpoint at step 2 failed: " in result.stderr and "did not finish saving within 0.01s" in result.stderr
+    assert "MAESTRO_CHECKPOINT_S" in result.stderr and "restart" not in result.stderr
+    # Workers still writing when it was given up may leave an incomplete folder: never resumed.
+    assert mf.latest(str(ck)) is None and all(not complete for _, _, complete in mf.checkpoints(str(ck)))
+
+
 def test_a_full_disk_keeps_the_previous_checkpoint(small_data, tmp_path):
     """A real ENOSPC: a tmpfs with room for one checkpoint but not two."""
     ck = tmp_path / "ck"

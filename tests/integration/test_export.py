@@ -85,3 +85,16 @@ def test_a_maestro_stage_exports_its_safetensors(demo_data, tmp_path):
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["lm.safetensors"]
     a, b = load_file(tmp_path / "save" / "lm.safetensors"), load_file(tmp_path / "out" / "lm.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+    # A stage importable only where the run started (a module beside the pipeline file): its
+    # safetensors file needs no import, so it is still written, with a note on what was not.
+    saved = json.loads((tmp_path / "save" / "pipeline.json").read_text())
+    for spec in saved["sections"]:
+        if spec["name"] == "lm":
+            spec["stage"] = "stages_beside_my_pipeline:MyLM"
+    (tmp_path / "save" / "pipeline.json").write_text(json.dumps(saved))
+    result = maestro("export", str(tmp_path / "save"), "--section", "lm", "-o", str(tmp_path / "elsewhere"))
+    assert result.returncode == 0, result.stderr
+    assert sorted(p.name for p in (tmp_path / "elsewhere").iterdir()) == ["lm.safetensors"]
+    assert "note: sections.lm.stage: cannot import 'stages_beside_my_pipeline:MyLM'" in result.stderr
+    assert "no Hugging Face folder written" in result.stderr

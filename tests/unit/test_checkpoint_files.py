@@ -156,3 +156,29 @@ def test_rng_states_round_trip(tmp_path):
     rng.load(path, torch.device("cpu"))
     again = (torch.rand(3), random.random(), np.random.rand(2))
     assert torch.equal(first[0], again[0]) and first[1] == again[1] and np.array_equal(first[2], again[2])
+
+
+def test_files_another_node_wrote_to_its_own_disk_keep_the_checkpoint_incomplete(tmp_path):
+    # Suspected in review: with --checkpoint-dir on each node's local disk, node 0 wrote a manifest
+    # for a checkpoint whose other parts were elsewhere (a resume then took another replica's RNG
+    # states, saying the dp had changed). The coordinator now checks what it can see first.
+    from types import SimpleNamespace
+
+    from maestro_flow.graph import SectionGraph
+    from maestro_flow.planner.plan import Placement
+    from maestro_flow.runtime.coordinator import Coordinator
+
+    pipeline = PIPELINE.override(**{"sections.student.dp": 2})
+    graph = SectionGraph(pipeline)
+    coordinator = SimpleNamespace(graph=graph, placement=Placement.build(graph.order, {"teacher": 1, "student": 2}))
+    folder = tmp_path / "step-00000002"
+    infos = {0: {}, 1: {"params": {"w": [2, 3]}}, 2: {}}  # ranks: teacher 0 | student 1 2
+    (folder / "student").mkdir(parents=True)
+    (folder / "student" / ".metadata").write_bytes(b"x")
+    (folder / "rng").mkdir()
+    for name in ("teacher-0", "student-0"):  # node 0's ranks; student replica 1 (rank 2) saved elsewhere
+        (folder / "rng" / f"{name}.pt").write_bytes(b"x")
+    assert Coordinator._not_written(coordinator, str(folder), infos) == [str(folder / "rng" / "student-1.pt")]
+    (folder / "rng" / "student-1.pt").write_bytes(b"x")
+    assert Coordinator._not_written(coordinator, str(folder), infos) == []
+    assert Coordinator._not_written(coordinator, str(folder), {**infos, 1: {}}) == []  # no training state: no DCP

@@ -121,7 +121,7 @@ def test_a_resumed_schedule_is_the_pipeline_s_as_given_now():
     q = torch.nn.Parameter(p.detach().clone())
     after = SectionOptimizer({**spec, "weight_decay": 0.2}, [q], total_steps=20)
     after.optimizer.load_state_dict(before.optimizer.state_dict())
-    after.resume(4)
+    after.resume([4])
     assert after.lr == pytest.approx(WarmupDecay(lr=1.0, warmup_steps=2, decay="cosine", min_lr=0.0,
                                                   total_steps=20).lr_at(4))
     assert after.optimizer.param_groups[0]["weight_decay"] == 0.2

@@ -1,0 +1,84 @@
+"""A replica's training state through a checkpoint (checkpoint/section_state.py), in one process
+(DCP without a process group): a stage with several optimizers resumes every one of them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from maestro_flow.checkpoint.manifest import rng_file
+from maestro_flow.checkpoint.section_state import CheckpointMismatch, SectionState
+from maestro_flow.optim.stepper import SectionOptimizer
+
+# DCP says it saves and loads in a single process: it is meant.
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+
+SPEC = {"name": "adamw", "lr": 0.1, "warmup_steps": 3, "decay": "cosine", "min_lr": 0.0}
+
+
+class TwoPart(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = torch.nn.Linear(3, 3), torch.nn.Linear(3, 3)
+
+
+def build(split: bool = True) -> tuple[TwoPart, SectionOptimizer]:
+    """Stage.optimizer_groups' way: one optimizer per part (its own lr), or one for all."""
+    stage = TwoPart()
+    groups = [(SPEC, list(stage.a.parameters())), ({**SPEC, "lr": 0.02}, list(stage.b.parameters()))] if split \
+        else [(SPEC, list(stage.parameters()))]
+    return stage, SectionOptimizer(SPEC, list(stage.parameters()), total_steps=10, groups=groups)
+
+
+def train(optim: SectionOptimizer, steps: int) -> None:
+    for _ in range(steps):
+        for i, p in enumerate(optim.params):
+            p.grad = torch.full_like(p, 0.1 * (i + 1))
+        optim.step()
+
+
+def state(stage: TwoPart, optim: SectionOptimizer) -> SectionState:
+    return SectionState(stage, optim, section="x", replica=0, group=None, device=torch.device("cpu"))
+
+
+def test_every_optimizer_of_a_stage_resumes(tmp_path):
+    # Reproduced before: only the first optimizer's state and schedule were saved; the second
+    # restarted with empty Adam moments and its warmup, and the resumed run drifted from the
+    # uninterrupted one.
+    (tmp_path / "rng").mkdir()
+    stage, optim = build()
+    train(optim, 4)
+    state(stage, optim).save(str(tmp_path))
+    train(optim, 2)  # the uninterrupted run
+
+    again, resumed = build()
+    assert state(again, resumed).load(str(tmp_path)) is None
+    assert [s.last_epoch for s in resumed.schedulers] == [4, 4]
+    assert [{int(v["step"]) for v in o.state.values()} for o in resumed.optimizers] == [{4}, {4}]
+    train(resumed, 2)
+    for (name, p), q in zip(stage.named_parameters(), again.parameters(), strict=True):
+        assert torch.equal(p, q), name
+    assert [o.param_groups[0]["lr"] for o in resumed.optimizers] == [o.param_groups[0]["lr"] for o in optim.optimizers]
+
+
+def test_optimizers_split_otherwise_than_saved_are_refused(tmp_path):
+    (tmp_path / "rng").mkdir()
+    stage, optim = build(split=True)
+    train(optim, 1)
+    state(stage, optim).save(str(tmp_path))
+    again, one = build(split=False)
+    with pytest.raises(CheckpointMismatch, match="optimizer 0 .*optimizer_groups changed"):
+        state(again, one).load(str(tmp_path))
+
+
+def test_a_truncated_rng_file_is_a_clear_error(tmp_path):
+    # Reproduced before: a raw traceback from torch.load's zip reader, reported as a system error.
+    (tmp_path / "rng").mkdir()
+    stage, optim = build()
+    state(stage, optim).save(str(tmp_path))
+    path = rng_file(str(tmp_path), "x", 0, 0)
+    with open(path, "r+b") as f:
+        f.truncate(200)
+    with pytest.raises(CheckpointMismatch, match=r"cannot read the RNG state of x replica 0 \(.*x-0.*\): RuntimeError"):
+        state(*build()).load(str(tmp_path))
