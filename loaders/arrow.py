@@ -37,6 +37,7 @@ from loaders.arrow_rows import (
     is_list,
     is_string,
     scan_segment,
+    token_counts,
     token_rows_outside,
 )
 from maestro_flow import ArrowData, PipelineError
@@ -310,14 +311,23 @@ class ArrowSource:
             self._cache = (seg_i, key, table)
         return table
 
-    def rows_with_tokens_outside(self, end: int) -> list[int]:
-        """Rows whose tokens hold an id at or above `end` (a stage's vocabulary), in file order."""
+    def rows_with_tokens_outside(self, end: int, allowed: tuple[int, ...] = ()) -> list[int]:
+        """Rows whose tokens hold an id at or above `end` (a stage's vocabulary) other than the
+        `allowed` ones, in file order."""
         rows: list[int] = []
         for seg_i, seg in enumerate(self._segments):
             table = self._segment_columns(seg_i, ["tokens"], cache=False)
-            out = token_rows_outside(_as_array(table.column("tokens")), 0, end)
+            out = token_rows_outside(_as_array(table.column("tokens")), 0, end, allowed)
             rows.extend((seg.start + np.nonzero(out)[0]).tolist())
         return rows
+
+    def token_counts(self, token: int) -> np.ndarray:
+        """How many times each row's tokens hold `token` (a placeholder id), by row."""
+        counts = np.zeros(sum(seg.num_rows for seg in self._segments), dtype=np.int64)
+        for seg_i, seg in enumerate(self._segments):
+            table = self._segment_columns(seg_i, ["tokens"], cache=False)
+            counts[seg.start:seg.start + seg.num_rows] = token_counts(_as_array(table.column("tokens")), token)
+        return counts
 
     def _validate(self, seg_i: int, table: pa.RecordBatch | pa.Table) -> None:
         """Every offset and length of a segment checked (a corrupt file must not crash a reader)."""
@@ -388,7 +398,7 @@ class ArrowSource:
             more = f" ({num_bad} bad rows in all)" if num_bad > 1 else ""
             raise PipelineError(
                 f"data.path: bad row in {self._path}: {first_bad}{more}; fix the data or set "
-                "data.skip_bad_rows=True to skip such rows"
+                "data.skip_bad_rows=true to skip such rows"
             )
         check_unique(np.concatenate(all_ids) if all_ids else np.zeros(0, np.int64), self._path)
         return metas, skipped_rows, skipped_ids

@@ -13,8 +13,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from maestro_flow import PipelineError
+from maestro_flow.samples import MODALITIES
 
-KNOWN_MODALITIES = ("text", "image", "audio")
+KNOWN_MODALITIES = MODALITIES
 
 # One audio "frame" is a 10 ms hop of the waveform (the usual mel-spectrogram hop); used for
 # `num_frames` when the dataset has no precomputed `num_frames` column.
@@ -47,7 +48,23 @@ def as_ints(arr: pa.Array) -> np.ndarray:
     """Integer column as int64 numpy, nulls as 0."""
     if arr.null_count:
         arr = pc.fill_null(arr, 0)
-    return arr.cast(pa.int64()).to_numpy(zero_copy_only=False)
+    try:
+        return arr.cast(pa.int64()).to_numpy(zero_copy_only=False)
+    except pa.ArrowInvalid as exc:  # an unsigned 64-bit value past int64
+        raise PipelineError(f"data.path: an integer column holds a value beyond int64 ({_first_line(exc)})") from None
+
+
+def _first_line(exc: BaseException) -> str:
+    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+
+
+def rows_with_null_values(arr: pa.Array) -> np.ndarray:
+    """Per row of a list column: whether it holds a null element (a null list is not one)."""
+    out = np.zeros(len(arr), dtype=bool)
+    values = pc.list_flatten(arr)
+    if values.null_count:
+        out[as_ints(pc.list_parent_indices(arr))[~valid_mask(values)]] = True
+    return out
 
 
 def list_lengths(arr: pa.Array) -> np.ndarray:
@@ -55,17 +72,31 @@ def list_lengths(arr: pa.Array) -> np.ndarray:
     return as_ints(pc.list_value_length(arr))
 
 
-def token_rows_outside(arr: pa.Array, low: int, end: int) -> np.ndarray:
-    """Per row of a list<int> column: whether any of its values lies outside [low, end)."""
+def token_rows_outside(arr: pa.Array, low: int, end: int, allowed: tuple[int, ...] = ()) -> np.ndarray:
+    """Per row of a list<int> column: whether any of its values lies outside [low, end) and is
+    not one of `allowed` (null elements are rows_with_null_values' to find)."""
     out = np.zeros(len(arr), dtype=bool)
     values = pc.list_flatten(arr)
     if len(values) == 0:
         return out
-    v = as_ints(values)
+    if values.null_count:
+        values = pc.fill_null(values, low)
+    v = values.to_numpy(zero_copy_only=False)  # its own integer type: a uint64 past int64 compares right
     wrong = (v < low) | (v >= end)
+    for ok in allowed:
+        wrong &= v != ok
     if wrong.any():
         out[as_ints(pc.list_parent_indices(arr))[wrong]] = True
     return out
+
+
+def token_counts(arr: pa.Array, token: int) -> np.ndarray:
+    """Per row of a list<int> column: how many of its values equal `token`."""
+    values = pc.list_flatten(arr)
+    if len(values) == 0:
+        return np.zeros(len(arr), dtype=np.int64)
+    hit = (values.to_numpy(zero_copy_only=False) == token) & valid_mask(values)
+    return np.bincount(as_ints(pc.list_parent_indices(arr))[hit], minlength=len(arr))
 
 
 def scan_segment(cols: dict[str, pa.Array], n: int, payload: dict[str, str]) -> dict[str, np.ndarray]:
@@ -88,13 +119,15 @@ def scan_segment(cols: dict[str, pa.Array], n: int, payload: dict[str, str]) -> 
     tokens_valid = valid_mask(cols["tokens"])
     num_tokens = list_lengths(cols["tokens"])
     # Token ids are read as int32: a wider column must fit, and no id is negative.
-    tokens_out = token_rows_outside(cols["tokens"], 0, INT32_END)
+    tokens_out = token_rows_outside(cols["tokens"], 0, INT32_END) | rows_with_null_values(cols["tokens"])
     bad = ~id_valid | ~mods_valid | (mask == 0) | unknown | ~tokens_valid | (num_tokens == 0) | tokens_out
     for modality in ("image", "audio"):
         declared = (mask & MODALITY_BIT[modality]) != 0
         column = payload[modality]
         present = valid_mask(cols[column]) if column in cols else np.zeros(n, dtype=bool)
         bad |= declared != present
+        if column in cols and is_list(cols[column].type):
+            bad |= rows_with_null_values(cols[column])  # a null audio sample would be read as NaN
     zeros = np.zeros(n, dtype=np.int64)
     num_frames = as_ints(cols["num_frames"]) if "num_frames" in cols else zeros
     if payload["audio"] in cols and "sample_rate" in cols:
@@ -130,6 +163,8 @@ def describe_bad_row(cols: dict[str, pa.Array], j: int, row: int, payload: dict[
     tokens = cols["tokens"][j].values
     if len(tokens) == 0:
         return f"{where} has no tokens"
+    if tokens.null_count:
+        return f"{where} has a null token id (at position {tokens.to_pylist().index(None)})"
     outside = [t for t in tokens.to_pylist() if not 0 <= t < INT32_END]
     if outside:
         return f"{where} has token id {outside[0]}, outside 0..{INT32_END - 1} (token ids are read as int32)"
@@ -141,6 +176,8 @@ def describe_bad_row(cols: dict[str, pa.Array], j: int, row: int, payload: dict[
             return f"{where} declares modality {modality!r} but {what}"
         if present and modality not in mods:
             return f"{where} has a value in column {column!r} but {modality!r} is not in its modalities"
+        if present and is_list(cols[column].type) and cols[column][j].values.null_count:
+            return f"{where} has a null element in column {column!r}"
     if "audio" in mods:
         return f"{where} has audio but no positive sample_rate"
     return f"{where} is inconsistent"

@@ -128,7 +128,7 @@ def tune(ctx: click.Context, pipeline: str, sets: tuple[str, ...], devices: int,
                                                             cpu_cores=cpu_cores, max_tp=max_tp,
                                                             tp_efficiency=tp_efficiency, batches=batches))
         if write_to:
-            write_overrides(write_to, result.best[0])
+            write_overrides(write_to, result.best[0], global_batch)
     except MaestroError as exc:
         _fail(ctx, exc)
         return

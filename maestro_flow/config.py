@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from maestro_flow.errors import PipelineError
+from maestro_flow.samples import MODALITIES
 
-MODALITIES = ("text", "image", "audio")
 DTYPES = ("float32", "float64", "bfloat16", "float16")
 DEVICES = ("cpu", "cuda", "auto")
 SCHEDULES = ("wavefront", "fifo")
@@ -72,8 +72,17 @@ class ArrowData:
     modality_columns: dict[str, str] = field(default_factory=dict)
 
     def validate(self) -> None:
-        if not isinstance(self.shuffle, bool):
-            raise PipelineError(f"data.shuffle must be true or false, got {self.shuffle!r}")
+        for key in ("shuffle", "skip_bad_rows"):  # `--set data.skip_bad_rows=False` is the string 'False'
+            if not isinstance(getattr(self, key), bool):
+                raise PipelineError(f"data.{key} must be true or false, got {getattr(self, key)!r}")
+        if not isinstance(self.placeholder_ids, dict):
+            raise PipelineError(f"data.placeholder_ids must map modalities to token ids, got {self.placeholder_ids!r}")
+        for modality, token in self.placeholder_ids.items():
+            if modality not in MODALITIES or modality == "text":
+                raise PipelineError(f"data.placeholder_ids: {modality!r} is not a payload modality (image or audio)")
+            if not isinstance(token, int) or isinstance(token, bool) or token < 0:
+                raise PipelineError(f"data.placeholder_ids.{modality} must be a token id (an integer >= 0), "
+                                    f"got {token!r}")
         if not isinstance(self.modality_columns, dict):
             raise PipelineError(f"data.modality_columns must map modalities to column names, got {self.modality_columns!r}")
         for modality, column in self.modality_columns.items():
@@ -214,6 +223,8 @@ class Pipeline:
         """Field checks plus graph checks; never imports user code or touches files."""
         from maestro_flow.graph import SectionGraph
 
+        if not isinstance(self.adapt_costs, bool):
+            raise PipelineError(f"adapt_costs must be true or false, got {self.adapt_costs!r}")
         if self.run_ahead is not None and (not isinstance(self.run_ahead, int) or self.run_ahead < 1):
             raise PipelineError(f"run_ahead must be an integer >= 1 or None, got {self.run_ahead!r}")
         if (not isinstance(self.plan_search, (int, float)) or isinstance(self.plan_search, bool)

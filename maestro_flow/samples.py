@@ -11,6 +11,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+MODALITIES = ("text", "image", "audio")  # what a sample may carry (a dataset's modalities column)
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class SampleMeta:
@@ -29,7 +31,12 @@ class SampleMeta:
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> SampleMeta:
-        return SampleMeta(id=int(d["id"]), row=int(d.get("row", -1)), modalities=frozenset(d.get("modalities", ("text",))),
+        """From a JSON object (a trace line): ValueError for modalities that are not a list of known names."""
+        modalities = d.get("modalities", ("text",))
+        if not isinstance(modalities, (list, tuple)) or not modalities \
+                or not all(isinstance(m, str) and m in MODALITIES for m in modalities):
+            raise ValueError(f"modalities must be a non-empty list of {', '.join(MODALITIES)}, got {modalities!r}")
+        return SampleMeta(id=int(d["id"]), row=int(d.get("row", -1)), modalities=frozenset(modalities),
                           num_tokens=int(d.get("num_tokens", 0)), num_patches=int(d.get("num_patches", 0) or 0),
                           num_frames=int(d.get("num_frames", 0) or 0))
 

@@ -98,7 +98,12 @@ class Stage:
     @classmethod
     def token_limits(cls, config: dict[str, Any]) -> dict[str, int] | None:
         """What this stage accepts in a sample's `tokens`: {"vocab_size": V} (every id below V)
-        and/or {"max_tokens": L} (at most L per sample). `maestro validate` and `maestro run`
+        and/or {"max_tokens": L} (at most L per sample), or, for a stage that puts each
+        modality's encoder rows in place of its placeholder token (data.placeholder_ids, as
+        stages.multimodal does), {"max_positions": L}: at most L positions once expanded (one per
+        image patch, one per audio frame: num_patches, num_frames), placeholder ids exempt from
+        vocab_size, and exactly one placeholder in a sample that declares its modality.
+        `maestro validate` and `maestro run`
         check every sample the section reads against them before any worker starts, naming the
         first sample id that breaks one. None (the default): no limits beyond the loader's (ids
         in int32, no empty token list)."""

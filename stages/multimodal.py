@@ -58,6 +58,13 @@ class MultimodalLM(Stage):
         return ("loss", "loss_denominator")
 
     @classmethod
+    def token_limits(cls, config: dict[str, Any]) -> dict[str, int]:
+        """The vocabulary (placeholder ids exempt: they are replaced, never looked up) and
+        max_seq_len as "max_positions": counted after each placeholder's expansion."""
+        limits = LMConfig.token_limits({"vocab_size": VOCAB_SIZE, **config})
+        return {"vocab_size": limits["vocab_size"], "max_positions": limits["max_tokens"]}
+
+    @classmethod
     def tp_plan(cls, config: dict[str, Any]) -> dict[str, str]:
         return block_tp_plan("model.decoder.blocks")
 

@@ -62,7 +62,7 @@ def check_tensor_parallel(pipeline: Pipeline, section: Any, cls: Any) -> None:
 def check_token_limits(pipeline: Pipeline, source: Any, metadata: list[SampleMeta]) -> None:
     """Every sample a section reads fits its stage's token_limits (vocabulary, length), or the
     run is refused naming the section, the limit and the first sample id that breaks it."""
-    rows_over: dict[int, list[int]] = {}  # vocabulary size -> rows with an id at or above it
+    rows_over: dict[tuple, list[int]] = {}  # (vocabulary size, ids exempt) -> rows with an id at or above it
     for s in pipeline.sections:
         if s.columns is not None and "tokens" not in s.columns:
             continue
@@ -81,17 +81,53 @@ def check_token_limits(pipeline: Pipeline, source: Any, metadata: list[SampleMet
                     f"sections.{s.name}: sample id {over[0].id} (row {over[0].row}) has {over[0].num_tokens} tokens, "
                     f"more than {s.stage} takes (max_tokens {max_tokens}, from its config); samples that "
                     f"long: {len(over)}. Cut the samples or raise the model's maximum length")
+        placeholders = pipeline.data.placeholder_ids if "max_positions" in limits else {}
+        if placeholders:
+            _check_placeholders(s, source, reads, placeholders, int(limits["max_positions"]))
         vocab = limits.get("vocab_size")
         if vocab is not None and hasattr(source, "rows_with_tokens_outside"):
-            if vocab not in rows_over:
-                rows_over[vocab] = source.rows_with_tokens_outside(vocab)
-            rows = set(rows_over[vocab])
+            allowed = tuple(sorted(placeholders.values()))  # replaced by encoder rows, never looked up
+            if (vocab, allowed) not in rows_over:
+                rows_over[(vocab, allowed)] = source.rows_with_tokens_outside(vocab, allowed)
+            rows = set(rows_over[(vocab, allowed)])
             bad = [m for m in reads if m.row in rows]
             if bad:
                 raise PipelineError(
                     f"sections.{s.name}: sample id {bad[0].id} (row {bad[0].row}) has a token id at or above "
                     f"{s.stage}'s vocab_size {vocab}; samples like it: {len(bad)}. Fix the tokenization or the "
                     f"model's vocab_size")
+
+
+def _check_placeholders(s: Any, source: Any, reads: list[SampleMeta], placeholders: dict[str, int],
+                        max_positions: int) -> None:
+    """A stage that puts each modality's encoder rows in place of its placeholder token
+    (token_limits' "max_positions"): a sample that declares the modality holds exactly one
+    placeholder for it, none holds two, and its positions once expanded (one per image patch, one
+    per audio frame, as the built-in encoders give) fit."""
+    if not hasattr(source, "token_counts"):
+        return
+    removed = {m.id: 0 for m in reads}
+    for modality, token in sorted(placeholders.items()):
+        counts = source.token_counts(token)
+        for m in reads:
+            n = int(counts[m.row])
+            declared = modality in m.modalities
+            if n > 1 or (declared and n == 0):
+                raise PipelineError(
+                    f"sections.{s.name}: sample id {m.id} (row {m.row}) " + (
+                        f"holds {n} {modality} placeholders (id {token}); {s.stage} takes at most one per sample"
+                        if n > 1 else f"declares {modality!r} but its tokens hold no {modality} placeholder (id "
+                                      f"{token}, data.placeholder_ids): {s.stage} would have nowhere to put it"))
+            removed[m.id] += n
+    for m in reads:
+        positions = m.num_tokens - removed[m.id] + ("image" in m.modalities) * m.num_patches \
+            + ("audio" in m.modalities) * m.num_frames
+        if positions > max_positions:
+            raise PipelineError(
+                f"sections.{s.name}: sample id {m.id} (row {m.row}) has {positions} positions once its "
+                f"placeholders are expanded ({m.num_tokens} tokens, {m.num_patches} image patches, {m.num_frames} "
+                f"audio frames), more than {s.stage} takes (max_seq_len {max_positions}, from its config). Cut "
+                f"the samples, use smaller images, or raise max_seq_len")
 
 
 def check_pipeline(pipeline: Pipeline) -> Checked:

@@ -212,9 +212,11 @@ def format_result(result: TuneResult, current: Candidate | None = None) -> str:
     return "\n".join(lines)
 
 
-def write_overrides(path: str, candidate: Candidate) -> None:
+def write_overrides(path: str, candidate: Candidate, global_batch: int | None = None) -> None:
+    """The candidate's `--set`s, and the global batch it was tuned for when not the pipeline's."""
+    sets = ([f"global_batch={global_batch}"] if global_batch is not None else []) + to_overrides(candidate)
     with open(path, "w") as f:
-        f.write("\n".join(f"--set {s}" for s in to_overrides(candidate)) + "\n")
+        f.write("\n".join(f"--set {s}" for s in sets) + "\n")
 
 
 

@@ -6,6 +6,7 @@ import json
 import random
 from pathlib import Path
 
+import pytest
 from click.testing import CliRunner
 
 from maestro_flow.cli import main
@@ -58,3 +59,16 @@ def test_a_bad_trace_line_is_one_clear_error(tmp_path):
     result = CliRunner().invoke(main, ["plan", str(ROOT / "pipelines" / "vlm.py"), "--trace-in", str(trace)])
     assert result.exit_code == 2
     assert "samples.jsonl:2: not a sample metadata line" in result.output
+
+
+@pytest.mark.parametrize("modalities", ['"image"', '["img"]', '[]'])
+def test_a_trace_line_with_bad_modalities_is_refused(tmp_path, modalities):
+    # Reproduced before: "image" became {'i', 'm', 'a', 'g', 'e'} and ["img"] was taken: the
+    # encoder never activated, and the plan misjudged the load without a word.
+    trace = tmp_path / "samples.jsonl"
+    trace.write_text('{"id": 1, "modalities": ["text"], "num_tokens": 5}\n'
+                     f'{{"id": 2, "modalities": {modalities}, "num_tokens": 5}}\n')
+    result = CliRunner().invoke(main, ["plan", str(ROOT / "pipelines" / "vlm.py"), "--trace-in", str(trace)])
+    assert result.exit_code == 2
+    assert "samples.jsonl:2: not a sample metadata line (modalities must be a non-empty list of text, image, audio" \
+        in result.output

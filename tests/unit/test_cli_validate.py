@@ -193,6 +193,10 @@ def test_global_batch_larger_than_the_dataset(tmp_path, dataset):
     ("sections.ghost.dp=1", ["--set sections.ghost.dp", "no section named 'ghost'"]),
     ("global_bach=8", ["--set global_bach", "unknown pipeline field 'global_bach'"]),
     ("global_batch", ["--set expects key.path=value"]),
+    # Reproduced before: not JSON, so the string 'False', which counts as true.
+    ("data.skip_bad_rows=False", ["data.skip_bad_rows must be true or false, got 'False'"]),
+    ("adapt_costs=False", ["adapt_costs must be true or false, got 'False'"]),
+    ("data.placeholder_ids.image=IMAGE", ["data.placeholder_ids.image must be a token id", "got 'IMAGE'"]),
 ])
 def test_bad_set_overrides_are_refused(tmp_path, dataset, item, fragments):
     result = invoke("validate", write_pipeline(tmp_path, dataset), "--set", item)
@@ -300,3 +304,40 @@ def test_a_bad_cuda_ipc_wait_is_refused_before_any_worker_starts(tmp_path, datas
     monkeypatch.setenv("MAESTRO_CUDA_IPC_WAIT", "sometimes")
     result = invoke("run", write_pipeline(tmp_path, dataset), "--quiet", "--no-run-dir")
     assert_one_error_line(result, "MAESTRO_CUDA_IPC_WAIT='sometimes'", "device, host")
+
+
+def _image_data(tmp_path, rows: list[tuple[list[int], int]]) -> str:
+    """(tokens, num_patches) per row; a row with patches carries an image (bytes never decoded here)."""
+    import pyarrow as pa
+
+    from loaders.demo import IMAGE_SCHEMA, write_arrow
+
+    n = len(rows)
+    table = pa.table({"id": list(range(100, 100 + n)),
+                      "modalities": [["text", "image"] if p else ["text"] for _, p in rows],
+                      "tokens": [t for t, _ in rows], "image": [b"\xff\xd8" if p else None for _, p in rows],
+                      "num_patches": [p for _, p in rows], "caption": [None] * n}, schema=IMAGE_SCHEMA)
+    return str(write_arrow(table, tmp_path / "images.arrow"))
+
+
+@pytest.mark.parametrize("bad, fragments", [
+    (([1] * 40 + [259] + [2] * 30, 251), ["sample id 117 (row 17) has 321 positions once its placeholders are "
+                                          "expanded (71 tokens, 251 image patches", "max_seq_len 320"]),
+    (([1, 2, 3], 16), ["sample id 117 (row 17) declares 'image' but its tokens hold no image placeholder (id 259"]),
+    (([1, 259, 2, 259], 16), ["sample id 117 (row 17) holds 2 image placeholders (id 259)"]),
+    (([1, 2, 300], 0), ["sample id 117 (row 17) has a token id at or above", "vocab_size 261"]),
+])
+def test_a_vlm_s_samples_are_checked_as_its_llm_expands_them(tmp_path, bad, fragments):
+    # Reproduced before: validate said ok, and the workers then failed on these samples.
+    rows = [([1, 259, 2], 16), ([1, 2, 3], 0)] * 20
+    rows[17] = bad
+    result = invoke("validate", "pipelines/vlm.py", "--set", f"data.path={_image_data(tmp_path, rows)}")
+    assert result.exit_code == 2, result.output
+    assert all(f in result.output for f in fragments), result.output
+
+
+def test_placeholder_ids_need_no_room_in_the_vocabulary(tmp_path):
+    rows = [([1, 259, 2], 16), ([1, 2, 3], 0)] * 20  # 259 is replaced by the image's rows, never looked up
+    result = invoke("validate", "pipelines/vlm.py", "--set", f"data.path={_image_data(tmp_path, rows)}",
+                    "--set", "sections.llm.config.vocab_size=259")
+    assert result.exit_code == 0, result.output

@@ -248,13 +248,17 @@ def test_audio_needs_sample_rate_column(tmp_path):
     ({"tokens": [[257, 1, 2], [], [257, 4, 5, 6], [259, 7]]}, r"row 1 \(id 11\) has no tokens"),
     ({"tokens": [[257, 1, 2], [257, -3], [257, 4, 5, 6], [259, 7]]},
      r"row 1 \(id 11\) has token id -3, outside 0..2147483647"),
+    # Reproduced before: a null inside the list was read as -2147483648 and passed every check.
+    ({"tokens": [[257, 1, 2], [257, None, 3], [257, 4, 5, 6], [259, 7]]},
+     r"row 1 \(id 11\) has a null token id \(at position 1\)"),
+    ({"audio": [None, None, [0.5, None] * 800, [0.25] * 800]}, r"row 2 \(id 12\) has a null element in column 'audio'"),
 ])
 def test_rows_whose_modalities_do_not_match_their_columns(tmp_path, replace, expected):
     path = write_arrow(multimodal_table(**replace), tmp_path / "bad.arrow")
     src = source(path)  # construction stays cheap: the rows are checked by metadata()
     with pytest.raises(PipelineError, match=expected) as err:
         src.metadata()
-    assert "data.skip_bad_rows=True" in str(err.value)
+    assert "data.skip_bad_rows=true" in str(err.value)
 
 
 def test_declared_modality_without_its_column(tmp_path):
@@ -368,3 +372,11 @@ def test_a_modality_column_carries_precomputed_pixels(tmp_path):
         source(bad, modality_columns={"image": "pixel_values"}).metadata()
     with pytest.raises(PipelineError, match=r"data.modality_columns.image: no column 'pixels'"):
         source(path, modality_columns={"image": "pixels"})
+
+
+def test_token_ids_past_int64_are_a_bad_row_not_a_crash(tmp_path):
+    # Reproduced before: a uint64 token column with a value >= 2**63 raised ArrowInvalid (a traceback).
+    table = multimodal_table().set_column(2, "tokens", pa.array([[257, 1], [257, 2**63 + 5], [257, 4], [259, 7]],
+                                                                 pa.list_(pa.uint64())))
+    with pytest.raises(PipelineError, match=r"row 1 \(id 11\) has token id 9223372036854775813, outside"):
+        source(write_arrow(table, tmp_path / "big.arrow")).metadata()

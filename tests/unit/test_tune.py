@@ -131,6 +131,20 @@ def test_overrides_round_trip_through_pipeline_override():
     assert {s.name: (s.dp, s.micro_batch) for s in applied.sections} == {n: (d, m) for n, d, m in best.layout}
 
 
+def test_a_written_configuration_keeps_the_global_batch_it_was_tuned_for(tmp_path):
+    # Reproduced before: `maestro tune --global-batch N --write f` left N out of f, so
+    # `maestro run PIPE $(cat f)` ran the layout at the pipeline's own batch size.
+    from maestro_flow.runtime.tuning import write_overrides
+
+    best = tune(distill(), None, samples(64), devices=8, memory_limit_mb=2000, memory=MEMORY,
+                overhead_s=OVERHEAD).best[0]
+    write_overrides(str(tmp_path / "f"), best, global_batch=64)
+    lines = (tmp_path / "f").read_text().splitlines()
+    assert lines == ["--set global_batch=64"] + [f"--set {s}" for s in to_overrides(best)]
+    write_overrides(str(tmp_path / "g"), best)
+    assert (tmp_path / "g").read_text().splitlines() == [f"--set {s}" for s in to_overrides(best)]
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_deterministic(seed):
     batch = samples(48, seed)
