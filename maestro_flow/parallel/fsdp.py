@@ -75,12 +75,41 @@ def _nbytes(t: torch.Tensor) -> int:
 def fsdp_units(stage: Any) -> list[nn.Module]:
     """The modules `fully_shard` wraps, children before parents, in a fixed order: each element
     of an nn.ModuleList as a whole, then each other module that owns parameters directly (FSDP2
-    lets a parent unit hold just its own parameters around child units)."""
+    lets a parent unit hold just its own parameters around child units).
+
+    A parameter that several modules hold (tied weights: an embedding and the LM head sharing
+    one matrix) must be in one unit, or FSDP2 would shard it twice and untie it: the modules
+    between its holders and their lowest common ancestor are not units, and that ancestor is."""
     units: list[nn.Module] = []
     for top in stage.modules().values():
         blocks = {id(x) for m in top.modules() if isinstance(m, nn.ModuleList) for x in m}
-        _collect(top, blocks, units)
+        demote, force = _tied(top)
+        _collect(top, blocks, units, demote, force)
     return units
+
+
+def _tied(top: nn.Module) -> tuple[set[int], set[int]]:
+    """(modules that must not be units, modules that must be) for the parameters several modules
+    of `top` hold."""
+    holders: dict[int, list[str]] = {}
+    modules = dict(top.named_modules(remove_duplicate=False))
+    for path, m in modules.items():
+        for p in m._parameters.values():
+            if p is not None:
+                holders.setdefault(id(p), []).append(path)
+    demote: set[int] = set()
+    force: set[int] = set()
+    for paths in holders.values():
+        if len(paths) < 2:
+            continue
+        parts = [p.split(".") if p else [] for p in paths]
+        common = 0
+        while all(len(x) > common for x in parts) and len({x[common] for x in parts}) == 1:
+            common += 1
+        force.add(id(modules[".".join(parts[0][:common])]))
+        for x in parts:
+            demote.update(id(modules[".".join(x[:k])]) for k in range(common + 1, len(x) + 1))
+    return demote, force
 
 
 def largest_unit_bytes(stage: Any) -> int:
@@ -95,13 +124,13 @@ def largest_unit_bytes(stage: Any) -> int:
     return max(sizes, default=0)
 
 
-def _collect(m: nn.Module, blocks: set[int], units: list[nn.Module]) -> None:
-    if id(m) in blocks:
+def _collect(m: nn.Module, blocks: set[int], units: list[nn.Module], demote: set[int], force: set[int]) -> None:
+    if id(m) in blocks and id(m) not in demote:
         units.append(m)
         return
     for child in m.children():
-        _collect(child, blocks, units)
-    if any(p is not None for p in m._parameters.values()):
+        _collect(child, blocks, units, demote, force)
+    if id(m) in force or (id(m) not in demote and any(p is not None for p in m._parameters.values())):
         units.append(m)
 
 

@@ -75,12 +75,31 @@ def parallelize_section(stage: Any, section: Any, placement: Any, rank: int, gro
         units = _fsdp_modules(stage)
         if units:
             layout.fsdp = FSDPSection(stage, None, groups.dp, units=units, per_micro_batch=per_micro_batch)
+            _check_all_sharded(stage, layout.fsdp, name, placement.dp(name))
         return layout
     if section.tp > 1:
         apply_plan(stage, type(stage).tp_plan(dict(section.config)), mesh["tp"])
     if section.fsdp:
         layout.fsdp = FSDPSection(stage, mesh["dp"], groups.dp, per_micro_batch=per_micro_batch)
     return layout
+
+
+def _check_all_sharded(stage: Any, fsdp: FSDPSection, section: str, dp: int) -> None:
+    """A stage's own parallelize that shards some modules must shard every trainable parameter:
+    the section then sums gradients through FSDP alone, so one left out would never be summed
+    over the replicas (they would train apart)."""
+    from maestro_flow.errors import PipelineError
+
+    if dp == 1:
+        return
+    managed = {id(fp.sharded_param) for unit in fsdp.units for group in fsdp._groups(unit) for fp in group.fsdp_params}
+    left = [name for name, p in stage.named_parameters() if p.requires_grad and id(p) not in managed]
+    if left:
+        raise PipelineError(
+            f"sections.{section}.stage: {type(stage).__module__}:{type(stage).__name__}.parallelize(mesh) shards some "
+            f"modules with fully_shard but leaves {len(left)} trainable parameters outside every FSDP unit (e.g. "
+            f"{', '.join(left[:3])}): their gradients would never be summed over the section's {dp} replicas. "
+            f"Also fully_shard the module that holds them (the stage's top module, after its blocks)")
 
 
 def _fsdp_modules(stage: Any) -> list[Any]:

@@ -174,6 +174,12 @@ def check_pipeline(pipeline: Pipeline) -> Checked:
             check_optimizer_spec(s.optimizer, f"sections.{s.name}")
         if s.tp > 1:
             check_tensor_parallel(pipeline, s, resolve(s.stage, f"sections.{s.name}.stage"))
+        if graph.lockstep(s.name) and graph.inputs(s.name) and pipeline.global_batch < s.dp:
+            # Its replicas gather each unit together, so one without a sample stands in with its
+            # last micro-batch: in the first step it has none (runtime/lockstep.py).
+            raise PipelineError(f"sections.{s.name}: an FSDP section fed by other sections needs a sample for each "
+                                f"of its {s.dp} replicas in its first step, and global_batch={pipeline.global_batch} has "
+                                f"fewer: raise global_batch or lower sections.{s.name}.dp")
     make_planner(pipeline.schedule, graph)  # refuses a schedule this version does not have
     source = open_source(pipeline)
     for s in pipeline.sections:

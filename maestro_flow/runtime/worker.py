@@ -28,6 +28,7 @@ from typing import Any
 
 import zmq
 
+from maestro_flow.errors import PipelineError
 from maestro_flow.protocol.auth import DropLog, Opener, Rejected, Sealer, derive_key
 from maestro_flow.protocol.messages import PROTOCOL_VERSION, make
 from maestro_flow.runtime.worker_output import OutputCapture
@@ -237,7 +238,6 @@ class _Worker:
                   phase=self.phase, traceback=text)
 
     def run(self) -> int:
-        from maestro_flow.errors import PipelineError
         from maestro_flow.runtime.executor_state import StageFault
 
         executor = None
@@ -332,6 +332,9 @@ class _Worker:
             if staged:  # what no plan or unit sharded (norms, buffers): whole, onto the device
                 for module in stage.modules().values():
                     module.to(torch.device(device))
+        except PipelineError as exc:  # a layout that cannot train right (parallel/section.py says why)
+            self.report_error("input", str(exc))
+            return None
         except Exception:
             self.report_error("stage", traceback.format_exc())  # the stage's plan or parallelize failed
             return None

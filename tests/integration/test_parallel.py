@@ -4,7 +4,8 @@ PyTorch loop with clipping active; checkpoints reshard when a section's tp or fs
 
 Cases: (a) distillation with an FSDP teacher (dp 2) feeding a tp=2 student; (b) a 2-D student
 (dp 2 x tp 2, fsdp); (c) the VLM with an FSDP trainable encoder (dp 2) feeding a tp=2 LLM;
-(d) a Hugging Face Starcoder2 student with tp=2 through stages.hf, using transformers' own tp plan.
+(d) a Hugging Face Starcoder2 student with tp=2 through stages.hf, using transformers' own tp plan;
+(f) a GPT-2 student with tied embeddings under FSDP.
 A frozen FSDP teacher gathers per micro-batch, its replicas in lockstep (parallel/fsdp.py): at
 dp 4 its replicas run different numbers of micro-batches, so some run probe forwards, and it still
 equals colocated mode while holding a fraction of its parameters within the step.
@@ -51,6 +52,13 @@ CASES = {
         "sections.teacher.stage": "stages.hf:HFCausalLM", "sections.teacher.config": {**GPT2, "role": "teacher"},
         "sections.student.stage": "stages.hf:HFCausalLM", "sections.student.config": STARCODER2,
         "sections.student.tp": 2}),
+    # Tied weights (gpt2's wte and lm_head) stay one parameter in one FSDP unit (they were sharded
+    # twice, and so untied, before).
+    "f-tied-hugging-face-fsdp": ("pipelines/distill.py", "text", {
+        "sections.teacher.stage": "stages.hf:HFCausalLM", "sections.teacher.config": {**GPT2, "role": "teacher"},
+        "sections.student.stage": "stages.hf:HFCausalLM",
+        "sections.student.config": {**GPT2, "role": "kd_student", "init_seed": 5, "teacher": GPT2},
+        "sections.student.fsdp": True}),
 }
 
 
@@ -204,3 +212,28 @@ def test_checkpoints_reshard_across_tp_and_fsdp(demo_data, tmp_path, saved, resu
     assert a.keys() == b.keys()
     for key in a:
         assert (a[key] - b[key]).abs().max().item() <= 1e-8, key
+
+
+def test_a_parallelize_that_leaves_trainable_parameters_unsharded_is_refused(demo_data, tmp_path):
+    # Reproduced before: FSDP2's usual idiom minus the root (each block sharded, the embeddings,
+    # norm and head left whole) trained, but those parameters' gradients were never summed over the
+    # replicas, which drifted apart without a word.
+    (tmp_path / "blocks_only.py").write_text(
+        "from torch.distributed.fsdp import fully_shard\n"
+        "from stages.lm import CausalLM\n\n"
+        "class BlocksOnly(CausalLM):\n"
+        "    def parallelize(self, mesh):\n"
+        "        for block in self.model.decoder.blocks:\n"
+        "            fully_shard(block, mesh=mesh['dp'])\n")
+    (tmp_path / "pipe.py").write_text(
+        "from maestro_flow import ArrowData, Pipeline, Section\n"
+        "CFG = {'role': 'lm', 'vocab_size': 260, 'd_model': 32, 'n_layers': 2, 'n_heads': 2, 'max_seq_len': 256}\n"
+        "def pipeline(**overrides):\n"
+        f"    return Pipeline(name='blocks', data=ArrowData(path={str(demo_data)!r}), global_batch=8, steps=2,\n"
+        "        sections=[Section(name='lm', stage='blocks_only:BlocksOnly', config=CFG, dp=2, micro_batch=2,\n"
+        "                          fsdp=True)], edges=[]).override(**overrides)\n")
+    result = maestro("run", str(tmp_path / "pipe.py"), "--quiet", "--no-run-dir", timeout=180)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "sections.lm.stage: blocks_only:BlocksOnly.parallelize(mesh) shards some modules with fully_shard but " \
+           "leaves 5 trainable parameters outside every FSDP unit (e.g. model.tok_emb.weight" in result.stderr
+    assert "Traceback" not in result.stderr

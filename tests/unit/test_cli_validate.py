@@ -341,3 +341,12 @@ def test_placeholder_ids_need_no_room_in_the_vocabulary(tmp_path):
     result = invoke("validate", "pipelines/vlm.py", "--set", f"data.path={_image_data(tmp_path, rows)}",
                     "--set", "sections.llm.config.vocab_size=259")
     assert result.exit_code == 0, result.output
+
+
+def test_a_lockstep_fsdp_section_with_fewer_samples_than_replicas_is_refused():
+    # Reproduced before: validate said ok; at step 0 a replica with no sample had nothing to stand
+    # in with for its FSDP peers, and the run failed naming another replica.
+    result = invoke("validate", "pipelines/distill.py", "--set", "sections.student.dp=4", "--set",
+                    "sections.student.fsdp=true", "--set", "global_batch=3")
+    assert_one_error_line(result, "sections.student: an FSDP section fed by other sections needs a sample for each "
+                                  "of its 4 replicas in its first step", "lower sections.student.dp")

@@ -120,6 +120,25 @@ def test_the_largest_fsdp_unit_of_a_teacher_is_one_block():
     assert largest_unit_bytes(stage) == block  # a block outweighs the embeddings and the head here
 
 
+def test_tied_weights_stay_in_one_fsdp_unit():
+    # Reproduced before: gpt2's wte and lm_head (one matrix) were two units, so FSDP2 sharded the
+    # matrix twice and the two trained apart. Their common ancestor holds it now; blocks stay units.
+    from maestro_flow.parallel.fsdp import fsdp_units
+    from maestro_flow.runtime.build import resolve
+    from maestro_flow.stage import StageContext
+
+    config = {"role": "lm", "model_type": "gpt2", "init_seed": 3,
+              "hf_config": {"n_layer": 2, "n_embd": 16, "n_head": 2, "vocab_size": 32, "n_positions": 16}}
+    with torch.device("meta"):
+        stage = resolve("stages.hf:HFCausalLM", "stage")(config, StageContext(section="x", dtype="float32"))
+    model = stage.model
+    assert model.lm_head.weight is model.transformer.wte.weight
+    units = fsdp_units(stage)
+    assert model.transformer.wte not in units and model.lm_head not in units
+    assert units[-1] is model and all(block in units for block in model.transformer.h)
+    assert model.transformer.wpe in units  # untied modules keep their own units
+
+
 @pytest.mark.parametrize("counts, same", [([3, 3, 3, 3], True), ([0, 0], True), ([3, 3, 4, 3], False),
                                           ([2, 4], False), ([100, 101], False)])
 def test_lockstep_replicas_check_their_unit_counts_from_two_sums(counts, same):
