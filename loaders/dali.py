@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -100,9 +101,13 @@ def _dali_reason(exc: BaseException) -> str:
         lines = lines[len(lines) - lines[::-1].index("encountered:"):]
     lines = [ln for ln in lines if ln and ln != _INVALID_PIPELINE and not ln.startswith("Critical error")]
     reason = "; ".join(lines[:2]) or type(exc).__name__
-    for code, words in _CODEC_STATUS.items():
-        if f"'{code}'" in reason:
-            reason = f"{reason} ({words})"
+    if re.fullmatch(r"Failed to decode sample #\d+ ?:?", reason):  # DALI's position in its batch, nothing more
+        return "the decoder could not read it (corrupt or truncated data, or not an image)"
+    known = [words for code, words in _CODEC_STATUS.items() if f"'{code}'" in reason]
+    if known:
+        return f"{reason} ({known[0]})"
+    if re.search(r"'#\d+'", reason):
+        return f"{reason} (the codec could not parse it: corrupt or truncated data, or not an image)"
     return reason
 
 

@@ -149,7 +149,14 @@ def incompatibilities(manifest: Manifest, pipeline: dict[str, Any]) -> list[str]
     return problems
 
 
-def check_sample_count(manifest: Manifest, num_samples: int) -> None:
+def check_samples(manifest: Manifest, num_samples: int, fingerprint: str) -> None:
+    """The dataset is the one the checkpoint was trained on: as many usable samples, the same ids
+    in the same rows (sampler.data_fingerprint; a checkpoint from before it records none)."""
     if manifest.sampler.get("num_samples") != num_samples:
         raise PipelineError(f"data.path: the dataset has {num_samples} usable samples, the checkpoint was trained on "
                             f"{manifest.sampler.get('num_samples')} (the sampler position would mean other samples)")
+    saved = manifest.sampler.get("data_fingerprint")
+    if saved is not None and saved != fingerprint:
+        raise PipelineError(f"data.path: the dataset is not the one the checkpoint was trained on (as many samples, "
+                            f"but other ids or rows: fingerprint {fingerprint}, the checkpoint's {saved}); the "
+                            f"sampler position would mean other samples")

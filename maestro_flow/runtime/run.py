@@ -29,7 +29,7 @@ from maestro_flow.runtime.nodes import Nodes
 from maestro_flow.runtime.observe import RunObserver
 from maestro_flow.runtime.report import RunReport
 from maestro_flow.runtime.rundir import RunDir
-from maestro_flow.runtime.sampler import EpochSampler
+from maestro_flow.runtime.sampler import EpochSampler, data_fingerprint
 from maestro_flow.timeouts import Timeouts
 from maestro_flow.transport import cuda_ipc
 
@@ -99,7 +99,7 @@ def _sigterm_as_interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
 
 
-def _resume_from(options: RunOptions, pipeline: Any, num_samples: int) -> tuple[str, mf.Manifest] | None:
+def _resume_from(options: RunOptions, pipeline: Any, metadata: Any) -> tuple[str, mf.Manifest] | None:
     """The checkpoint to start from, checked against the pipeline before any worker starts."""
     if options.checkpoint.resume is None:
         return None
@@ -107,7 +107,7 @@ def _resume_from(options: RunOptions, pipeline: Any, num_samples: int) -> tuple[
     problems = mf.incompatibilities(manifest, pipeline.to_dict())
     if problems:
         raise PipelineError(f"--resume {folder}: the checkpoint does not fit this pipeline: " + "; ".join(problems))
-    mf.check_sample_count(manifest, num_samples)
+    mf.check_samples(manifest, len(metadata), data_fingerprint(metadata))
     if manifest.step >= pipeline.steps:
         raise PipelineError(f"--resume {folder}: the checkpoint is at step {manifest.step}, and the run has "
                             f"steps={pipeline.steps} in all (--steps is the total; raise it to train further)")
@@ -187,7 +187,7 @@ def run_pipeline(path: str, options: RunOptions) -> list[dict[str, Any]]:
     ckpt.validate()
     if options.colocated and (ckpt.dir or ckpt.resume or ckpt.max_restarts):
         raise PipelineError("checkpoints, --resume and --max-restarts are for section mode; drop --colocated")
-    resume = _resume_from(options, pipeline, len(checked.metadata))
+    resume = _resume_from(options, pipeline, checked.metadata)
     checkpointer = Checkpointer(ckpt)  # one for the whole job, across restarts
     checkpointer.check_fresh(resume[1].step if resume else 0)
     sinks = []

@@ -9,12 +9,22 @@ alone, which is what makes a resumed run draw exactly the batches the interrupte
 
 from __future__ import annotations
 
+import hashlib
 import random
 from collections.abc import Sequence
 from typing import Any
 
 from maestro_flow.errors import PipelineError
 from maestro_flow.samples import SampleMeta
+
+
+def data_fingerprint(metadata: Sequence[SampleMeta]) -> str:
+    """Which samples, in which rows: a resumed run's sampler position means the same samples only
+    on a dataset with this fingerprint (the same count is not enough: a rebuilt dataset)."""
+    h = hashlib.sha256()
+    for m in metadata:
+        h.update(f"{m.id}:{m.row};".encode())
+    return h.hexdigest()[:16]
 
 
 class EpochSampler:
@@ -27,6 +37,7 @@ class EpochSampler:
         self.shuffle = shuffle
         self.per_epoch = len(self.metadata) // global_batch
         self._epoch, self._order = -1, []
+        self._fingerprint: str | None = None
 
     def batch(self, step: int) -> list[SampleMeta]:
         epoch, index = divmod(step, self.per_epoch)
@@ -44,4 +55,10 @@ class EpochSampler:
         epoch, index = divmod(step, self.per_epoch)
         return {"step": step, "epoch": epoch, "batch_in_epoch": index, "batches_per_epoch": self.per_epoch,
                 "num_samples": len(self.metadata), "global_batch": self.global_batch, "seed": self.seed,
-                "shuffle": self.shuffle}
+                "shuffle": self.shuffle, "data_fingerprint": self.fingerprint}
+
+    @property
+    def fingerprint(self) -> str:
+        if self._fingerprint is None:
+            self._fingerprint = data_fingerprint(self.metadata)
+        return self._fingerprint

@@ -75,7 +75,23 @@ def test_what_keeps_a_checkpoint_from_resuming_a_pipeline():
         "sections.teacher: trainable here, but not in the checkpoint",
     ]
     with pytest.raises(PipelineError, match="the dataset has 10 usable samples, the checkpoint was trained on 12"):
-        mf.check_sample_count(m, 10)
+        mf.check_samples(m, 10, "x")
+    mf.check_samples(m, 12, "anything")  # a checkpoint from before fingerprints: the count alone
+
+
+def test_a_rebuilt_dataset_of_the_same_size_is_refused_on_resume():
+    # Suspected in review: only the sample count was compared, so a dataset rebuilt with the same
+    # count (another `maestro data demo --seed`) resumed silently, the position meaning other samples.
+    from maestro_flow.runtime.sampler import EpochSampler, data_fingerprint
+    from maestro_flow.samples import SampleMeta
+
+    data = [SampleMeta(id=i, row=i, num_tokens=3) for i in range(12)]
+    position = EpochSampler(data, 4, 0).position(4)
+    m = mf.Manifest(step=4, pipeline=PIPELINE.to_dict(), sections=manifest(4).sections, sampler=position)
+    mf.check_samples(m, 12, data_fingerprint(data))
+    rebuilt = [SampleMeta(id=i + 100, row=i, num_tokens=3) for i in range(12)]
+    with pytest.raises(PipelineError, match="the dataset is not the one the checkpoint was trained on"):
+        mf.check_samples(m, 12, data_fingerprint(rebuilt))
 
 
 def test_plans_stop_at_each_checkpoint_boundary():

@@ -139,6 +139,15 @@ def test_corrupt_image_raises_naming_the_sample(decoder, bad):
     assert decoder.decode([good], [1])[0].shape == (3, 16, 24)  # still usable afterwards
 
 
+def test_a_truncated_image_says_why_it_failed(decoder):
+    # Reproduced before: "Failed to decode sample #0 :" (DALI's position in a one-image batch) and
+    # "nvImageCodec failure: '#17'" with no word on what went wrong.
+    good = solid_png(16, 24)
+    for cut in (good[:len(good) // 2], good[:-12]):
+        with pytest.raises(ValueError, match=r"^sample 7: cannot decode image: .*corrupt or truncated data"):
+            decoder.decode([cut], [7])
+
+
 def test_skip_corrupt_returns_none_and_counts():
     good = solid_png(16, 24)
     dec = ImageDecoder(skip_corrupt=True, batch_size=3)

@@ -10,7 +10,7 @@ from maestro_flow.graph import SectionGraph
 from maestro_flow.planner import Placement, make_planner
 from maestro_flow.protocol.auth import Rejected
 from maestro_flow.runtime.ledger import StepLedger, plan_message
-from maestro_flow.runtime.sampler import EpochSampler
+from maestro_flow.runtime.sampler import EpochSampler, data_fingerprint
 from maestro_flow.samples import SampleMeta
 
 TEXT, IMAGE = frozenset({"text"}), frozenset({"text", "image"})
@@ -341,7 +341,8 @@ def test_without_shuffle_every_epoch_takes_the_file_order():
 def test_the_position_says_where_a_resumed_run_starts():
     sampler = EpochSampler(metadata(10), 4, seed=3)
     assert sampler.position(5) == {"step": 5, "epoch": 2, "batch_in_epoch": 1, "batches_per_epoch": 2,
-                                   "num_samples": 10, "global_batch": 4, "seed": 3, "shuffle": True}
+                                   "num_samples": 10, "global_batch": 4, "seed": 3, "shuffle": True,
+                                   "data_fingerprint": data_fingerprint(metadata(10))}
     # A fresh sampler (a resumed run) draws the same batches from that step on.
     assert [ids(EpochSampler(metadata(10), 4, seed=3).batch(s)) for s in (5, 6)] == \
         [ids(sampler.batch(s)) for s in (5, 6)]
