@@ -198,13 +198,13 @@ def run(ctx: click.Context, pipeline: str, steps: int | None, sets: tuple[str, .
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help=SET_HELP)
 @click.pass_context
 def validate(ctx: click.Context, pipeline: str, sets: tuple[str, ...]) -> None:
-    """Check PIPELINE (fields, graph, stage imports, dataset) without starting workers."""
+    """Check PIPELINE (fields, graph, stages built from their configs, dataset) without starting workers."""
     from maestro_flow.runtime.build import load_pipeline
     from maestro_flow.runtime.checks import check_pipeline
 
     try:
         p, _ = load_pipeline(pipeline, _overrides(sets))
-        checked = check_pipeline(p)
+        checked = check_pipeline(p, build=True)
         skipped = getattr(checked.source, "num_skipped", 0)
         click.echo(f"ok: {p.name}: {_count(len(checked.graph.order), 'section')}, {_count(len(checked.graph.edges), 'edge')}, "
                    f"{sum(s.dp * s.tp for s in p.sections)} workers, {len(checked.metadata)} samples"

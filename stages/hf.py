@@ -40,7 +40,7 @@ from stages.common import (
 )
 from stages.distill import KD_KEYS, KDConfig, build_teacher_head, check_same_vocab, distillation_outputs
 from stages.lm import stage_role
-from stages.weights import read_checkpoint
+from stages.weights import on_meta, read_checkpoint
 
 LOSS = ("loss", "loss_denominator")
 ROLES = {"teacher": ("hidden",), "lm": LOSS, "kd_student": LOSS}
@@ -139,7 +139,7 @@ def load_hf_checkpoint(model: nn.Module, path: str) -> None:
     for key, tensor in expected.items():
         groups.setdefault(tensor.data_ptr(), []).append(key)
     tied = {k for keys in groups.values() if len(keys) > 1 for k in keys}
-    state = read_checkpoint(path, expected.keys(), optional=tied)
+    state = read_checkpoint(path, expected.keys(), optional=tied, meta=on_meta(model))
     for keys in groups.values():
         if not any(k in state for k in keys):
             raise ValueError(f"checkpoint {path!r} lacks {keys[0]!r}")

@@ -122,6 +122,10 @@ class VisionEncoder(Stage):
         self.decoder = None
         if cfg.decoder is not None:
             kwargs = {"max_side": DEFAULT_MAX_SIDE, "patch": cfg.patch, "device": str(ctx.device), **cfg.decode}
+            side = kwargs["max_side"]
+            if isinstance(side, int) and kwargs["patch"] == cfg.patch and side // cfg.patch > cfg.max_grid:
+                raise ValueError(f"decode.max_side={side} makes grids of up to {side // cfg.patch} patches of {cfg.patch} "
+                                 f"pixels a side, more than max_grid={cfg.max_grid}: raise max_grid or lower max_side")
             self.decoder = load_class(cfg.decoder, "decoder")(**kwargs)
 
     @classmethod

@@ -14,6 +14,7 @@ import hashlib
 import math
 import os
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -53,8 +54,10 @@ def init_weights(module: nn.Module, *, seed: int | None, n_layers: int, prefix: 
 
 
 def read_checkpoint(path: str, keys: Iterable[str], *, prefix: str = "",
-                    optional: Iterable[str] = ()) -> dict[str, Tensor]:
-    """The tensors for `keys` from a .safetensors file, keyed without `prefix`.
+                    optional: Iterable[str] = (), meta: bool = False) -> dict[str, Tensor]:
+    """The tensors for `keys` from a .safetensors file, keyed without `prefix`. `meta`: their
+    shapes and dtypes only, on the meta device, from the file's header (`maestro validate` builds
+    stages there: a checkpoint of many GB is checked without being read).
 
     The file's keys are `prefix + key`, or `"model." + prefix + key` as in a stage's saved
     state_dict. Keys in `optional` may be absent (e.g. tied weights saved once).
@@ -69,16 +72,34 @@ def read_checkpoint(path: str, keys: Iterable[str], *, prefix: str = "",
         required = [k for k in keys if k not in optional]
         for lead in (prefix, SAVED_STAGE_PREFIX + prefix):
             if all(lead + k in stored for k in required):
+                if meta:
+                    return {k: _meta_tensor(f.get_slice(lead + k)) for k in keys if lead + k in stored}
                 return {k: f.get_tensor(lead + k) for k in keys if lead + k in stored}
     missing = [prefix + k for k in required if prefix + k not in stored]
     raise ValueError(f"checkpoint {path!r} lacks {len(missing)} weights, e.g. {missing[:3]}")
+
+
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                       "BOOL": torch.bool}
+
+
+def _meta_tensor(view: Any) -> Tensor:
+    dtype = _SAFETENSORS_DTYPES.get(view.get_dtype(), torch.float32)
+    return torch.empty(view.get_shape(), dtype=dtype, device="meta")
+
+
+def on_meta(module: nn.Module) -> bool:
+    """Whether `module` is being built on the meta device (shapes only: `maestro validate`)."""
+    return any(t.is_meta for t in module.state_dict().values())
 
 
 def load_weights(module: nn.Module, path: str, *, prefix: str = "") -> None:
     """Load every entry of `module.state_dict()` from the checkpoint (see `read_checkpoint`).
 
     Tensors keep the checkpoint's dtype (`assign=True`), so a float64 checkpoint stays exact when
-    the runtime later casts the module to ctx.dtype.
+    the runtime later casts the module to ctx.dtype. On the meta device only the file's header is
+    read (the keys and shapes are checked all the same).
     """
-    state = read_checkpoint(path, module.state_dict().keys(), prefix=prefix)
+    state = read_checkpoint(path, module.state_dict().keys(), prefix=prefix, meta=on_meta(module))
     module.load_state_dict(state, assign=True)

@@ -14,7 +14,7 @@ from maestro_flow.config import Pipeline
 from maestro_flow.errors import PipelineError
 from maestro_flow.graph import SectionGraph
 from maestro_flow.planner import make_planner
-from maestro_flow.runtime.build import open_source, resolve
+from maestro_flow.runtime.build import build_stage, open_source, resolve
 from maestro_flow.samples import SampleMeta
 
 
@@ -57,6 +57,19 @@ def check_tensor_parallel(pipeline: Pipeline, section: Any, cls: Any) -> None:
     problems = check_plan(stage, plan, section.tp)
     if problems:
         raise PipelineError(f"{where}.tp={section.tp}: " + "; ".join(problems))
+
+
+def check_builds(pipeline: Pipeline, section: Any) -> None:
+    """The stage builds from its config (on the meta device: shapes only, no memory, a
+    checkpoint's header only), so a config a worker would refuse is refused before any starts."""
+    try:
+        build_stage(pipeline, section, 0, "cpu", meta=True)
+    except PipelineError:
+        raise
+    except Exception as exc:
+        text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise PipelineError(f"sections.{section.name}.config: building {section.stage} from it failed: "
+                            f"{type(exc).__name__}: {text}") from exc
 
 
 def check_token_limits(pipeline: Pipeline, source: Any, metadata: list[SampleMeta]) -> None:
@@ -130,8 +143,11 @@ def _check_placeholders(s: Any, source: Any, reads: list[SampleMeta], placeholde
                 f"the samples, use smaller images, or raise max_seq_len")
 
 
-def check_pipeline(pipeline: Pipeline) -> Checked:
-    """Validate everything checkable without starting workers.
+def check_pipeline(pipeline: Pipeline, build: bool = False) -> Checked:
+    """Validate everything checkable without starting workers. `build` (maestro validate):
+    also build every stage from its config on the meta device (check_builds; about 2 s for
+    torch's meta initialisers, which a run spends in its workers instead, where the same errors
+    show at setup naming the section).
 
     Reading the metadata checks every row (declared modalities against columns, unique ids), so
     bad rows are refused here too.
@@ -174,6 +190,8 @@ def check_pipeline(pipeline: Pipeline) -> Checked:
             check_optimizer_spec(s.optimizer, f"sections.{s.name}")
         if s.tp > 1:
             check_tensor_parallel(pipeline, s, resolve(s.stage, f"sections.{s.name}.stage"))
+        elif build:
+            check_builds(pipeline, s)
         if graph.lockstep(s.name) and graph.inputs(s.name) and pipeline.global_batch < s.dp:
             # Its replicas gather each unit together, so one without a sample stands in with its
             # last micro-batch: in the first step it has none (runtime/lockstep.py).

@@ -350,3 +350,16 @@ def test_a_lockstep_fsdp_section_with_fewer_samples_than_replicas_is_refused():
                     "sections.student.fsdp=true", "--set", "global_batch=3")
     assert_one_error_line(result, "sections.student: an FSDP section fed by other sections needs a sample for each "
                                   "of its 4 replicas in its first step", "lower sections.student.dp")
+
+
+@pytest.mark.parametrize("item, fragments", [
+    ("sections.llm.config.n_head=4", ["sections.llm.config: building stages.multimodal:MultimodalLM from it failed",
+                                      "unknown config key 'n_head'"]),
+    ("sections.llm.config.d_model=66", ["sections.llm.config", "d_model (66) must be divisible by n_heads (4)"]),
+    ("sections.vision.config.max_grid=4", ["sections.vision.config", "decode.max_side=64 makes grids of up to 8",
+                                           "more than max_grid=4"]),
+])
+def test_a_stage_config_its_stage_refuses_is_refused_by_validate(item, fragments):
+    # Reproduced before: validate built no stage (unless tp > 1), so it said ok, and the workers
+    # then failed at setup.
+    assert_one_error_line(invoke("validate", "pipelines/vlm.py", "--set", item), *fragments)

@@ -77,7 +77,7 @@ STAGES = [  # stage, config, tp the config allows
     ("stages.lm:CausalLM", {"role": "lm", "vocab_size": 64, "d_model": 16, "n_layers": 2, "n_heads": 4,
                             "max_seq_len": 32}, 4),
     ("stages.chain:TransformerLM", {"vocab_size": 64, "d_model": 16, "n_layers": 1, "n_heads": 2, "max_seq_len": 32}, 2),
-    ("stages.vision:VisionEncoder", {"d_model": 16, "n_layers": 1, "n_heads": 2, "patch": 8, "max_grid": 4,
+    ("stages.vision:VisionEncoder", {"d_model": 16, "n_layers": 1, "n_heads": 2, "patch": 8, "max_grid": 4, "decode": {"max_side": 32},
                                      "project_to": 16}, 2),
     ("stages.audio:AudioEncoder", {"d_model": 16, "n_layers": 1, "n_heads": 2, "n_mels": 8, "project_to": 16}, 2),
     ("stages.multimodal:MultimodalLM", {"vocab_size": 64, "d_model": 16, "n_layers": 1, "n_heads": 2,
