@@ -117,30 +117,35 @@ def _check_placeholders(s: Any, source: Any, reads: list[SampleMeta], placeholde
     (token_limits' "max_positions"): a sample that declares the modality holds exactly one
     placeholder for it, none holds two, and its positions once expanded (one per image patch, one
     per audio frame, as the built-in encoders give) fit."""
-    if not hasattr(source, "token_counts"):
+    if not hasattr(source, "token_counts") or not reads:
         return
-    removed = {m.id: 0 for m in reads}
+    import numpy as np  # a dataset of millions of rows: one pass per array, not per sample
+
+    rows = np.fromiter((m.row for m in reads), dtype=np.int64, count=len(reads))
+    removed = np.zeros(len(reads), dtype=np.int64)
     for modality, token in sorted(placeholders.items()):
-        counts = source.token_counts(token)
-        for m in reads:
-            n = int(counts[m.row])
-            declared = modality in m.modalities
-            if n > 1 or (declared and n == 0):
-                raise PipelineError(
-                    f"sections.{s.name}: sample id {m.id} (row {m.row}) " + (
-                        f"holds {n} {modality} placeholders (id {token}); {s.stage} takes at most one per sample"
-                        if n > 1 else f"declares {modality!r} but its tokens hold no {modality} placeholder (id "
-                                      f"{token}, data.placeholder_ids): {s.stage} would have nowhere to put it"))
-            removed[m.id] += n
-    for m in reads:
-        positions = m.num_tokens - removed[m.id] + ("image" in m.modalities) * m.num_patches \
-            + ("audio" in m.modalities) * m.num_frames
-        if positions > max_positions:
+        counts = source.token_counts(token)[rows]
+        declared = np.fromiter((modality in m.modalities for m in reads), dtype=bool, count=len(reads))
+        wrong = np.nonzero((counts > 1) | (declared & (counts == 0)))[0]
+        if len(wrong):
+            m, n = reads[int(wrong[0])], int(counts[wrong[0]])
             raise PipelineError(
-                f"sections.{s.name}: sample id {m.id} (row {m.row}) has {positions} positions once its "
-                f"placeholders are expanded ({m.num_tokens} tokens, {m.num_patches} image patches, {m.num_frames} "
-                f"audio frames), more than {s.stage} takes (max_seq_len {max_positions}, from its config). Cut "
-                f"the samples, use smaller images, or raise max_seq_len")
+                f"sections.{s.name}: sample id {m.id} (row {m.row}) " + (
+                    f"holds {n} {modality} placeholders (id {token}); {s.stage} takes at most one per sample"
+                    if n > 1 else f"declares {modality!r} but its tokens hold no {modality} placeholder (id "
+                                  f"{token}, data.placeholder_ids): {s.stage} would have nowhere to put it"))
+        removed += counts
+    positions = np.fromiter((m.num_tokens + ("image" in m.modalities) * m.num_patches
+                             + ("audio" in m.modalities) * m.num_frames for m in reads),
+                            dtype=np.int64, count=len(reads)) - removed
+    over = np.nonzero(positions > max_positions)[0]
+    if len(over):
+        m = reads[int(over[0])]
+        raise PipelineError(
+            f"sections.{s.name}: sample id {m.id} (row {m.row}) has {int(positions[over[0]])} positions once its "
+            f"placeholders are expanded ({m.num_tokens} tokens, {m.num_patches} image patches, {m.num_frames} "
+            f"audio frames), more than {s.stage} takes (max_seq_len {max_positions}, from its config). Cut "
+            f"the samples, use smaller images, or raise max_seq_len")
 
 
 def check_pipeline(pipeline: Pipeline, build: bool = False) -> Checked:
