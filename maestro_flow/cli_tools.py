@@ -92,7 +92,8 @@ def profile(ctx: click.Context, pipeline: str, sets: tuple[str, ...], out: str |
               help="Write the best configuration's overrides here, one '--set KEY=VALUE' per line.")
 @click.option("--cpu-cores", type=click.IntRange(min=1),
               help="Cores the CPU workers share (contention is modelled when workers exceed them) "
-                   "[default: os.cpu_count() when every section is on the CPU, else not modelled].")
+                   "[default: the cores this process may use when every section is on the CPU, else not "
+                   "modelled].")
 @click.option("--max-tp", type=click.IntRange(min=1), default=8, show_default=True,
               help="Largest tensor parallelism searched for sections whose stage has a tp_plan (1: none).")
 @click.option("--tp-efficiency", type=click.FloatRange(0.05, 1.0), default=0.8, show_default=True,
@@ -128,7 +129,7 @@ def tune(ctx: click.Context, pipeline: str, sets: tuple[str, ...], devices: int,
                                                             cpu_cores=cpu_cores, max_tp=max_tp,
                                                             tp_efficiency=tp_efficiency, batches=batches))
         if write_to:
-            write_overrides(write_to, result.best[0], global_batch)
+            write_overrides(write_to, result.best[0], global_batch, sets)
     except MaestroError as exc:
         _fail(ctx, exc)
         return

@@ -237,6 +237,10 @@ class Pipeline:
                 raise PipelineError(f"{key} must be an integer >= {low}, got {value!r}")
         if self.dtype not in DTYPES:
             raise PipelineError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.dtype == "float16" and any(s.trainable for s in self.sections):
+            raise PipelineError("dtype=float16 cannot train: gradients are summed over micro-batches and replicas "
+                                "before the division by the loss denominator, in float16 without loss scaling, "
+                                "and overflow on real batches; use dtype=float32 with mixed_precision='bf16'")
         if self.schedule not in SCHEDULES:
             raise PipelineError(f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
         if self.grad_clip is not None and (not isinstance(self.grad_clip, (int, float))

@@ -34,6 +34,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from maestro_flow.checkpoint import manifest as mf
 from maestro_flow.checkpoint import rng
 from maestro_flow.checkpoint.manifest import rng_file
 from maestro_flow.checkpoint.savedir import trainable_state
@@ -108,7 +109,8 @@ class SectionState:
         be read, is a CheckpointMismatch naming the section and the cause."""
         if self.optim is not None:
             try:
-                self._load_state(self.folder(checkpoint))
+                manifest = os.path.join(checkpoint, mf.MANIFEST)
+                self._load_state(self.folder(checkpoint), mf.read(checkpoint).step if os.path.isfile(manifest) else None)
             except CheckpointMismatch:
                 raise
             except (Exception, CheckpointException) as exc:  # DCP's CheckpointException is a BaseException
@@ -134,7 +136,8 @@ class SectionState:
             raise CheckpointMismatch(f"--resume {checkpoint}: cannot read the RNG state of {who} ({path}): "
                                      f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from None
 
-    def _load_state(self, folder: str) -> None:
+    def _load_state(self, folder: str, step: int | None) -> None:
+        """`step`: the checkpoint's, where a schedule starts that the checkpoint did not have."""
         try:
             metadata = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata
         except FileNotFoundError:
@@ -177,7 +180,9 @@ class SectionState:
                     g["betas"] = tuple(g["betas"])
             optimizer.load_state_dict({"state": state, "param_groups": groups})
             scheduler = target.get(_entry("scheduler", i))
-            steps_done.append(_from_json_tensor(scheduler)["last_epoch"] if scheduler is not None else None)
+            # A schedule added since (the checkpoint's lr was constant) starts at the checkpoint's
+            # step: the optimizer's own state counts no steps (SGD) or only those with a gradient.
+            steps_done.append(_from_json_tensor(scheduler)["last_epoch"] if scheduler is not None else step)
         self.optim.resume(steps_done)
 
     def _check(self, model: dict[str, torch.Tensor], metadata: dict[str, Any], folder: str) -> None:

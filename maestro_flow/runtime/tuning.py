@@ -14,6 +14,7 @@ processes (default os.cpu_count(); see planner/tune_model.py for the approximati
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -120,7 +121,7 @@ def _inputs(path: str, options: TuneOptions) -> tuple[Any, CostModel, list, dict
     costs = CostModel(costs={s.name: s.cost for s in pipeline.sections})
     cores = options.cpu_cores
     if cores is None and all(on_cpu(s.device) for s in pipeline.sections):
-        cores = os.cpu_count()
+        cores = len(os.sched_getaffinity(0))  # the cores this process (and its workers) may run on
     if cores:
         notes.append(f"CPU workers share {cores} cores (contention modelled; --cpu-cores to change)")
     tp_options = allowed_tp(pipeline, options.max_tp)
@@ -212,9 +213,11 @@ def format_result(result: TuneResult, current: Candidate | None = None) -> str:
     return "\n".join(lines)
 
 
-def write_overrides(path: str, candidate: Candidate, global_batch: int | None = None) -> None:
-    """The candidate's `--set`s, and the global batch it was tuned for when not the pipeline's."""
-    sets = ([f"global_batch={global_batch}"] if global_batch is not None else []) + to_overrides(candidate)
+def write_overrides(path: str, candidate: Candidate, global_batch: int | None = None,
+                    given: Sequence[str] = ()) -> None:
+    """The candidate's `--set`s, after what it was tuned with: the user's own `--set`s (`given`)
+    and the global batch when not the pipeline's (where they overlap, the candidate's win)."""
+    sets = [*given, *([f"global_batch={global_batch}"] if global_batch is not None else []), *to_overrides(candidate)]
     with open(path, "w") as f:
         f.write("\n".join(f"--set {s}" for s in sets) + "\n")
 

@@ -2,9 +2,10 @@
 
 No maestro_flow runtime code runs here. The stages' modules are the model (their `forward` is
 its maths), called directly on one global batch per step, in file order (the pipelines under
-test set `data.shuffle=false`): each section sees the samples it activates on, the loss is the
-global batch's mean (loss sum over the whole batch divided by its denominator), one
-`backward()`, `torch.nn.utils.clip_grad_norm_` over every trainable parameter, and plain
+test set `data.shuffle=false`): each section sees the samples it activates on, each loss
+section's loss is the global batch's mean (its loss sum over the whole batch divided by its
+denominator) and the objective is their sum (each loss a mean of its own, as if each trained
+alone), one `backward()`, `torch.nn.utils.clip_grad_norm_` over every trainable parameter, and plain
 `torch.optim.AdamW` / `SGD` whose learning rate this module sets each step from its own
 formula (the README's schedule). Parameters that get no gradient keep `grad is None`, and
 torch.optim skips them: the semantics the runtime must reproduce.
@@ -43,7 +44,7 @@ def lr_at(spec: dict[str, Any], step: int, total: int) -> float:
 class Result:
     states: dict[str, dict[str, torch.Tensor]]  # trainable section -> its stage's state_dict
     initial: dict[str, dict[str, torch.Tensor]]
-    losses: list[float] = field(default_factory=list)
+    losses: list[Any] = field(default_factory=list)  # per step: the loss, or per loss section
     grad_norms: list[float] = field(default_factory=list)
     lrs: dict[str, list[float]] = field(default_factory=dict)
 
@@ -105,7 +106,8 @@ def _train(pipeline: Pipeline, steps: int, dtype: torch.dtype) -> Result:
         first = (step % per_epoch) * pipeline.global_batch
         rows = list(range(first, first + pipeline.global_batch))
         outputs: dict[str, dict[int, dict[str, Any]]] = {}
-        loss_sum, denominator = 0.0, 0.0
+        loss_sums: dict[str, Any] = {}  # per loss section: each is a mean over its own targets
+        denominators: dict[str, float] = {}
         for name in order:
             section = pipeline.section(name)
             mine = [r for r in rows if section.activates(set(table["modalities"][r]))]
@@ -124,13 +126,15 @@ def _train(pipeline: Pipeline, steps: int, dtype: torch.dtype) -> Result:
             with torch.set_grad_enabled(section.trainable):
                 out = stages[name].forward(batch)
             if "loss" in out:
-                loss_sum = loss_sum + out["loss"]
-                denominator += float(out.get("loss_denominator", len(ids)))
+                loss_sums[name] = out["loss"]
+                denominators[name] = float(out.get("loss_denominator", len(ids)))
             outputs[name] = {i: {k: v[j] for k, v in out.items() if k not in ("loss", "loss_denominator")}
                              for j, i in enumerate(ids)}
-        loss = loss_sum / denominator
+        means = {name: loss_sums[name] / denominators[name] for name in loss_sums}
+        loss = sum(means.values())
         loss.backward()
-        result.losses.append(float(loss.detach()))
+        result.losses.append(float(loss.detach()) if len(means) == 1
+                             else {name: float(m.detach()) for name, m in means.items()})
         if pipeline.grad_clip is not None:
             norm = torch.nn.utils.clip_grad_norm_(every, pipeline.grad_clip)
         else:

@@ -132,3 +132,37 @@ def test_vlm_equals_a_plain_pytorch_loop_with_unused_layers_and_an_imageless_ste
         saved = load_file(save / "vision.safetensors")
         for key in unused:
             assert torch.equal(saved[key], initial[key]), f"{key} has no gradient yet moved"
+
+
+def test_two_students_of_one_teacher_equal_a_plain_loop_each_a_mean_of_its_own(demo_data, tmp_path):
+    """Two loss sections: each student's gradients are its own loss's mean over the global batch
+    (the runtime's rule, and now the oracle's: before, the oracle divided the sum of both losses
+    by the sum of both denominators, which no test had tried)."""
+    from pipelines.distill import STUDENT, TEACHER
+
+    student = {"student": {**STUDENT, "init_seed": 5}, "teacher": TEACHER, "temperature": 2.0, "alpha": 0.5}
+    twin = {**student, "student": {**STUDENT, "d_model": 32, "init_seed": 6}}
+    optimizer = {"name": "sgd", "lr": 0.05, "momentum": 0.9}  # AdamW would hide a gradient scale
+    (tmp_path / "two_students.py").write_text(
+        "from maestro_flow import ArrowData, Edge, Pipeline, Section\n\n"
+        "def pipeline(**overrides):\n"
+        "    return Pipeline(name='two_students', data=ArrowData(path='data/demo/text.arrow'), global_batch=8,\n"
+        "        steps=3, seed=0, sections=[\n"
+        f"        Section(name='teacher', stage='stages.lm:CausalLM', config={TEACHER!r}, trainable=False,\n"
+        "                micro_batch=4),\n"
+        f"        Section(name='student', stage='stages.distill:KDStudent', config={student!r}, dp=2,\n"
+        f"                micro_batch=2, optimizer={optimizer!r}),\n"
+        f"        Section(name='twin', stage='stages.distill:KDStudent', config={twin!r}, micro_batch=3,\n"
+        f"                optimizer={optimizer!r})],\n"
+        "        edges=[Edge(src='teacher', dst='student', tensors=('hidden',)),\n"
+        "               Edge(src='teacher', dst='twin', tensors=('hidden',))]).override(**overrides)\n")
+    overrides = {"dtype": "float64", "data.shuffle": False, "data.path": str(demo_data)}
+    pipeline, _ = load_pipeline(str(tmp_path / "two_students.py"), overrides)
+    expected = oracle.train(pipeline, pipeline.steps)
+    for mode in ("section", "colocated"):
+        save = tmp_path / mode
+        rows = run_pipeline(str(tmp_path / "two_students.py"), RunOptions(
+            overrides=overrides, colocated=mode == "colocated", save_dir=str(save), show_progress=False))
+        assert_matches_oracle(expected, save, ["student", "twin"])
+        for step, row in enumerate(rows):
+            assert row["loss"] == pytest.approx(expected.losses[step], rel=1e-12)

@@ -268,3 +268,13 @@ def test_a_string_tensors_field_is_one_name_or_a_clear_error():
         assert "edges[0]" in str(exc) and "tensors" in str(exc)
     else:
         assert p.edges[0].tensors == ("hidden",)
+
+
+def test_float16_cannot_train():
+    # Found in review: gradients are summed in the parameters' dtype before the division by the
+    # loss denominator, which float16 (no loss scaling) overflows on real batches.
+    from maestro_flow import ArrowData, Pipeline, PipelineError, Section
+
+    p = Pipeline(name="p", data=ArrowData(path="d"), dtype="float16", sections=[Section(name="s", stage="m:S")])
+    with pytest.raises(PipelineError, match="dtype=float16 cannot train.*mixed_precision='bf16'"):
+        p.validate()

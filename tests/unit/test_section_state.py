@@ -82,3 +82,32 @@ def test_a_truncated_rng_file_is_a_clear_error(tmp_path):
         f.truncate(200)
     with pytest.raises(CheckpointMismatch, match=r"cannot read the RNG state of x replica 0 \(.*x-0.*\): RuntimeError"):
         state(*build()).load(str(tmp_path))
+
+
+def test_a_schedule_added_on_resume_starts_at_the_checkpoint_s_step(tmp_path):
+    # Reproduced in review: a checkpoint written with a constant lr, resumed with a decay, took
+    # its step from the optimizer's own state; SGD keeps none, so the schedule began again at 0.
+    from maestro_flow.checkpoint import manifest as mf
+    from maestro_flow.optim.build import WarmupDecay
+
+    (tmp_path / "rng").mkdir()
+    p = torch.nn.Parameter(torch.ones(3))
+    holder = torch.nn.Module()
+    holder.w = p
+    stage = TwoPart()
+    stage.a = holder  # one parameter: the stage is only a named_parameters() source here
+    constant = SectionOptimizer({"name": "sgd", "lr": 1.0, "momentum": 0.9}, [p], total_steps=10)
+    for _ in range(6):
+        p.grad = torch.ones(3)
+        constant.step()
+    state(stage, constant).save(str(tmp_path))
+    mf.write(str(tmp_path), mf.Manifest(step=6, pipeline={}, sections={}, sampler={}))
+    spec = {"name": "sgd", "lr": 1.0, "momentum": 0.9, "decay": "cosine", "min_lr": 0.0}
+    q = torch.nn.Parameter(torch.ones(3))
+    again = TwoPart()
+    again.a = torch.nn.Module()
+    again.a.w = q
+    decayed = SectionOptimizer(spec, [q], total_steps=10)
+    state(again, decayed).load(str(tmp_path))
+    assert decayed.lr == pytest.approx(WarmupDecay(lr=1.0, warmup_steps=0, decay="cosine", min_lr=0.0,
+                                                   total_steps=10).lr_at(6))
