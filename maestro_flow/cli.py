@@ -42,9 +42,9 @@ def _overrides(sets: tuple[str, ...], costs: str | None = None, pipeline: str | 
     out.update({k: v for k, v in fields.items() if v is not None})
     if costs:  # a cost file from `maestro profile`: each section's cost as overrides
         from maestro_flow.runtime.build import load_pipeline
-        from maestro_flow.runtime.costfile import cost_overrides, load_cost_file
+        from maestro_flow.runtime.costfile import file_overrides
 
-        out.update(cost_overrides(load_pipeline(pipeline, out)[0], load_cost_file(costs)))
+        out.update(file_overrides(load_pipeline(pipeline, out)[0], costs))
     return out
 
 
@@ -171,6 +171,8 @@ def run(ctx: click.Context, pipeline: str, steps: int | None, sets: tuple[str, .
         if not no_run_dir and run_dir is None:
             run_dir = default_run_dir(load_pipeline(pipeline, overrides)[0])
         steps_to_record = None
+        if record_steps and not record:
+            raise PipelineError("--record-steps says which steps --record SECTION saves: give --record too")
         if record_steps:
             try:
                 steps_to_record = tuple(int(x) for x in record_steps.split(","))
@@ -217,7 +219,8 @@ def validate(ctx: click.Context, pipeline: str, sets: tuple[str, ...]) -> None:
 @click.argument("pipeline", type=click.Path(dir_okay=False))
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help=SET_HELP)
 @click.option("--schedule", type=click.Choice(["wavefront", "fifo"]), help="Sample ordering across sections.")
-@click.option("--step", type=int, default=0, show_default=True, help="Which step's global batch to plan.")
+@click.option("--step", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Which step's global batch to plan.")
 @click.option("--trace-in", type=click.Path(dir_okay=False, exists=True),
               help="Plan these samples (JSON Lines of {id, modalities, num_tokens, num_patches?, num_frames?}) "
                    "as one global batch instead of the dataset's.")
@@ -275,7 +278,8 @@ def graph(ctx: click.Context, pipeline: str, sets: tuple[str, ...], output: str 
 
 @main.command()
 @click.argument("run_dir", required=False, type=click.Path(file_okay=False))
-@click.option("--interval", default=1.0, show_default=True, help="Seconds between refreshes.")
+@click.option("--interval", type=click.FloatRange(min=0.05), default=1.0, show_default=True,
+              help="Seconds between refreshes.")
 @click.option("--once", is_flag=True, help="Print one snapshot and exit.")
 def top(run_dir: str | None, interval: float, once: bool) -> None:
     """Watch a running pipeline: step, loss, step time, and what each worker is doing now.

@@ -34,10 +34,10 @@ def calibrate(path: str, overrides: dict[str, Any], cost_file: str, *, steps: in
     from maestro_flow.samples import SampleMeta
 
     log = log or (lambda _msg: None)
-    _, profiles = read_cost_file(cost_file)
+    profiled, profiles = read_cost_file(cost_file)
     pipeline, _ = load_pipeline(path, dict(overrides))
     layout = {f"sections.{s.name}.{k}": v for s in pipeline.sections for k, v in (("dp", 1), ("tp", 1), ("fsdp", False))}
-    costs = cost_overrides(pipeline, {n: p.cost for n, p in profiles.items()}, f"--costs {cost_file}")
+    costs = cost_overrides(pipeline, {n: p.cost for n, p in profiles.items()}, f"--costs {cost_file}", profiled)
     run_sets = {**overrides, **layout, **costs, "steps": steps + warmup, "adapt_costs": False}
     meta: dict[int, SampleMeta] = {s.id: s for s in check_pipeline(pipeline.override(**run_sets)).metadata}
     with tempfile.TemporaryDirectory(prefix="maestro-calibrate-") as folder:

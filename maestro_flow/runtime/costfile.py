@@ -104,8 +104,20 @@ def load_cost_file(path: str) -> dict[str, Cost]:
     return {n: p.cost for n, p in read_cost_file(path)[1].items()}
 
 
-def cost_overrides(pipeline: Pipeline, costs: dict[str, Cost], where: str = "--costs") -> dict[str, Any]:
-    """`Pipeline.override` keys that replace each profiled section's cost."""
+def file_overrides(pipeline: Pipeline, path: str) -> dict[str, Any]:
+    """`Pipeline.override` keys that give each section the cost file's cost for it; a file of
+    another pipeline (by name) is refused: its sections' costs are another model's."""
+    profiled, profiles = read_cost_file(path)
+    return cost_overrides(pipeline, {n: p.cost for n, p in profiles.items()}, f"--costs {path}", profiled)
+
+
+def cost_overrides(pipeline: Pipeline, costs: dict[str, Cost], where: str = "--costs",
+                   profiled: str = "") -> dict[str, Any]:
+    """`Pipeline.override` keys that replace each profiled section's cost (`profiled`: the name of
+    the pipeline the costs were measured on, when known)."""
+    if profiled and profiled != pipeline.name:
+        raise PipelineError(f"{where}: the costs were measured on pipeline {profiled!r}, not {pipeline.name!r}; "
+                            f"profile this pipeline (maestro profile PIPELINE --out FILE)")
     names = set(pipeline.section_names)
     unknown = sorted(set(costs) - names)
     if unknown:
@@ -116,7 +128,7 @@ def cost_overrides(pipeline: Pipeline, costs: dict[str, Cost], where: str = "--c
 
 def apply_cost_file(pipeline: Pipeline, path: str) -> Pipeline:
     """`pipeline` with each section's cost replaced by the file's (sections not in it keep theirs)."""
-    return pipeline.override(**cost_overrides(pipeline, load_cost_file(path), f"--costs {path}"))
+    return pipeline.override(**file_overrides(pipeline, path))
 
 
 def write_cost_file(path: str, data: dict[str, Any]) -> None:

@@ -85,9 +85,9 @@ def _inputs(path: str, options: TuneOptions) -> tuple[Any, CostModel, list, dict
     memory, overhead = None, None
     calibration: dict[str, Any] = {}
     if options.costs:
-        _, profiles = read_cost_file(options.costs)
+        profiled, profiles = read_cost_file(options.costs)
         pipeline = pipeline.override(**cost_overrides(pipeline, {n: p.cost for n, p in profiles.items()},
-                                                      f"--costs {options.costs}"))
+                                                      f"--costs {options.costs}", profiled))
         fed, feeding = {e.dst for e in pipeline.edges}, {e.src for e in pipeline.edges}
         trains = {s.name for s in pipeline.sections if s.trainable}
         memory = {n: MemoryModel(base_mb=p.memory_base_mb, per_sample_mb=p.peak_memory_mb_per_sample,

@@ -363,3 +363,14 @@ def test_a_stage_config_its_stage_refuses_is_refused_by_validate(item, fragments
     # Reproduced before: validate built no stage (unless tp > 1), so it said ok, and the workers
     # then failed at setup.
     assert_one_error_line(invoke("validate", "pipelines/vlm.py", "--set", item), *fragments)
+
+
+@pytest.mark.parametrize("args, fragment", [
+    # Found in review: accepted, then ignored or failing later with a traceback.
+    (["run", "pipelines/distill.py", "--record-steps", "1", "--no-run-dir"], "give --record too"),
+    (["plan", "pipelines/distill.py", "--step", "-1"], "-1 is not in the range x>=0"),
+    (["top", "--interval", "-1"], "-1.0 is not in the range x>=0.05"),
+])
+def test_options_that_cannot_work_are_refused(args, fragment):
+    result = invoke(*args)
+    assert result.exit_code == 2 and fragment in result.output, result.output

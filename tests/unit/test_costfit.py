@@ -154,3 +154,24 @@ def test_maestro_profile_detects_padding_from_mixed_micro_batches():
         mixed = next(r for r in rows if len(set(t for t, _, _ in r["sizes"])) > 1)
         assert mixed["tokens"] == (len(mixed["sizes"]) * max(t for t, _, _ in mixed["sizes"]) if truth
                                    else sum(t for t, _, _ in mixed["sizes"]))
+
+
+def test_a_cost_file_of_another_pipeline_is_refused(tmp_path):
+    # Found in review: only section names were compared, so vlm's costs (sections vision, llm)
+    # applied to pipelines/multimodal.py without a word.
+    import json
+
+    from maestro_flow import ArrowData, Pipeline, Section
+    from maestro_flow.errors import PipelineError
+    from maestro_flow.runtime.costfile import file_overrides
+
+    pipeline = Pipeline(name="multimodal", data=ArrowData(path="d"), sections=[Section(name="llm", stage="m:S")])
+    path = tmp_path / "costs.json"
+    for name, ok in (("vlm", False), ("multimodal", True), (None, True)):  # no name: an older file
+        path.write_text(json.dumps({**({"pipeline": name} if name else {}),
+                                    "sections": {"llm": {"cost": {"per_token_s": 1e-4}}}}))
+        if ok:
+            assert file_overrides(pipeline, str(path))["sections.llm.cost"]["per_token_s"] == 1e-4
+        else:
+            with pytest.raises(PipelineError, match="measured on pipeline 'vlm', not 'multimodal'"):
+                file_overrides(pipeline, str(path))
