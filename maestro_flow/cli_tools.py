@@ -81,7 +81,7 @@ def profile(ctx: click.Context, pipeline: str, sets: tuple[str, ...], out: str |
 @click.argument("pipeline", type=click.Path(dir_okay=False))
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help=SET_HELP)
 @click.option("--devices", type=int, required=True, help="Device budget: workers (CPU) or GPUs in all.")
-@click.option("--memory-gb", type=float, help="Memory limit per device (checked with a --costs memory model).")
+@click.option("--memory-gb", type=float, help="Memory limit per device, in GiB (2**30 bytes; checked with a --costs memory model).")
 @click.option("--costs", type=click.Path(dir_okay=False), help="Cost file from `maestro profile`.")
 @click.option("--top", type=click.IntRange(1, 50), default=3, show_default=True, help="Configurations to show.")
 @click.option("--global-batch", type=click.IntRange(min=1), help="Tune for this global batch instead of the pipeline's.")

@@ -173,6 +173,9 @@ def load_file(path: str) -> tuple[MicroBatch, dict[str, Any]]:
     if "format" not in raw:
         raise ValueError(f"{path}: not a maestro recording (no 'format' in its metadata)")
     meta = {k: json.loads(v) for k, v in raw.items()}
+    if meta["format"] != FORMAT:
+        raise ValueError(f"{path}: a recording of format {meta['format']!r}; this version reads {FORMAT!r} "
+                         f"(record the run again with this version)")
     columns = {name: [_rebuild(e, f"columns/{name}/{i}", tensors) for i, e in enumerate(entries)]
                for name, entries in meta["columns"].items()}
     inputs = {name: [_rebuild(e, f"inputs/{name}/{i}", tensors) for i, e in enumerate(entries)]

@@ -29,6 +29,8 @@ import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from safetensors import SafetensorError
+
 from maestro_flow.config import Pipeline
 from maestro_flow.errors import MaestroError, PipelineError
 from maestro_flow.graph import SectionGraph
@@ -205,7 +207,10 @@ def _replay(path: str, pipeline: Pipeline, name: str, options: ReplayOptions, ec
         echo(f"inputs: recorded in {os.path.join(options.run_dir, 'record')} — {len(recorded)} micro-batch(es), "
              f"step(s) {', '.join(map(str, steps))}")
         for folder, step, _index, file in recorded:
-            batch, outputs = load_file(file)
+            try:
+                batch, outputs = load_file(file)
+            except (ValueError, KeyError, OSError, SafetensorError) as exc:  # a recording we cannot read
+                raise ReplayError(f"--replay {options.run_dir}: cannot read {file}: {exc}") from None
             work.append((batch, outputs, recorded_weights(folder, step) if not options.weights else None))
         if options.weights:
             pass

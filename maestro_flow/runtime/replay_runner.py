@@ -67,14 +67,22 @@ class SectionRunner:
         self.grad_names = {t for e in self.graph.inputs(name) if e.carries_grad for t in e.edge.tensors}
 
     def load_weights(self, path: str) -> None:
+        from safetensors import SafetensorError
         from safetensors.torch import load_file as load_tensors
 
-        state = load_tensors(path)
+        try:
+            state = load_tensors(path)
+        except (OSError, SafetensorError) as exc:
+            raise ReplayError(f"--weights {path}: not a readable safetensors file ({exc})") from None
         own = self.stage.state_dict()
         missing = sorted(set(own) - set(state))
         if missing:
             raise ReplayError(f"{path}: has no {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''} "
                               f"for section {self.name!r} (a file of another section or pipeline?)")
+        shapes = [f"{k} is {list(state[k].shape)} there, {list(own[k].shape)} here" for k in own
+                  if tuple(state[k].shape) != tuple(own[k].shape)]
+        if shapes:
+            raise ReplayError(f"--weights {path}: does not fit section {self.name!r}: {'; '.join(shapes[:3])}")
         self.stage.load_state_dict({k: state[k].to(device=own[k].device, dtype=own[k].dtype) for k in own})
 
     def prepare(self, batch: MicroBatch) -> tuple[MicroBatch, dict[tuple[int, str], torch.Tensor]]:

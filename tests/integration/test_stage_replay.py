@@ -83,6 +83,35 @@ def test_replay_errors_are_one_line(data, tmp_path):
 
 
 @pytest.mark.timeout(120)
+def test_unreadable_weights_and_recordings_are_one_line_errors(data, tmp_path):
+    # Found in review: a traceback and "section raised ... rerun with --pdb" (exit 3) instead.
+    from safetensors.torch import save_file
+
+    sets = ["--set", f"data.path={data['text']}"]
+    (tmp_path / "junk.safetensors").write_bytes(b"not a safetensors file")
+    junk = CliRunner().invoke(stage, [DISTILL, "student", "--weights", str(tmp_path / "junk.safetensors"), *sets])
+    assert junk.exit_code == 2 and "--weights" in junk.output and "not a readable safetensors file" in junk.output
+    pipeline, _ = load_pipeline(DISTILL, {"data.path": data["text"]})
+    own = SectionRunner(pipeline, "student").stage.state_dict()
+    save_file({k: torch.zeros(*(d + 1 for d in v.shape)) for k, v in own.items()}, str(tmp_path / "big.safetensors"))
+    big = CliRunner().invoke(stage, [DISTILL, "student", "--weights", str(tmp_path / "big.safetensors"), *sets])
+    assert big.exit_code == 2 and "does not fit section 'student'" in big.output, big.output
+    _fake_recording(DISTILL, "student", tmp_path / "run", {"data.path": data["text"]}, samples=2)
+    folder = record_dir(str(tmp_path / "run"), "student", 0)
+    batch, outputs = load_micro_batches(folder)[0]
+    save_micro_batch(folder, batch, outputs)
+    path = next(p for p in Path(folder).iterdir() if p.name.endswith(".safetensors") and "weights" not in p.name)
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    save_file(tensors, str(path), metadata={**meta, "format": '"maestro-record/99"'})
+    newer = CliRunner().invoke(stage, [DISTILL, "student", "--replay", str(tmp_path / "run"), *sets])
+    assert newer.exit_code == 2 and "a recording of format 'maestro-record/99'" in newer.output, newer.output
+    assert "Traceback" not in junk.output + big.output + newer.output
+
+
+@pytest.mark.timeout(120)
 def test_synthetic_llm_inputs_come_from_the_vision_section(data):
     result = _invoke(VLM, "llm", "--set", f"data.path={data['vlm']}", "--samples", "4")
     assert result.exit_code == 0, result.output
