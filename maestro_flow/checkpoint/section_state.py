@@ -80,10 +80,13 @@ class SectionState:
         rng.save(rng_file(checkpoint, self.section, self.replica, self.tp_index), self.device)
         return info
 
-    def _names(self) -> list[list[str]]:
-        """Per optimizer, the name of each of its parameters, in its state_dict's order."""
+    def _named(self) -> list[list[tuple[str, torch.Tensor]]]:
+        """Per optimizer, each of its parameters with its name, in its state_dict's order."""
         by_id = {id(p): name for name, p in self.stage.named_parameters()}
-        return [[by_id[id(p)] for g in opt.param_groups for p in g["params"]] for opt in self.optim.optimizers]
+        return [[(by_id[id(p)], p) for g in opt.param_groups for p in g["params"]] for opt in self.optim.optimizers]
+
+    def _names(self) -> list[list[str]]:
+        return [[name for name, _ in named] for named in self._named()]
 
     def _state_dict(self) -> dict[str, Any]:
         state: dict[str, Any] = {f"model/{k}": v.detach() for k, v in trainable_state(self.stage).items()}
@@ -146,9 +149,9 @@ class SectionState:
         model = {f"model/{k}": v.detach() for k, v in trainable_state(self.stage).items()}
         self._check(model, metadata, folder)
         target: dict[str, Any] = dict(model)
-        per_optimizer = self._names()
-        params = {name: p for names, opt in zip(per_optimizer, self.optim.optimizers, strict=True)
-                  for name, p in zip(names, (p for g in opt.param_groups for p in g["params"]), strict=True)}
+        named = self._named()
+        per_optimizer = [[name for name, _ in pairs] for pairs in named]
+        params = dict(pair for pairs in named for pair in pairs)
         for key, meta in metadata.items():
             if not isinstance(meta, TensorStorageMetadata) or key.startswith("model/"):
                 continue

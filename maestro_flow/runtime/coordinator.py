@@ -416,8 +416,7 @@ class Coordinator(CoordinatorIO):
                     if infos.get(self.placement.rank(name, 0), {}).get("params")]
         for rank in range(self.placement.world_size):
             section, replica = self.placement.who(rank)
-            tp_index = self.placement.group(self.placement.rank(section, replica)).index(rank)
-            expected.append(rng_file(folder, section, replica, tp_index))
+            expected.append(rng_file(folder, section, replica, self.placement.tp_index(rank)))
         return [path for path in expected if not os.path.exists(path)]
 
     def _stop(self) -> None:
