@@ -16,9 +16,10 @@ per micro-batch. Tensor keys:
 The safetensors metadata (str -> str, each value JSON) holds "format", "step", "index",
 "sample_ids", "modalities" (sorted lists) and, under "columns", "inputs" and "outputs", how to
 rebuild every entry: a column or input entry is {"kind": "tensor"} | {"kind": "bytes"} |
-{"kind": "scalar", "value": V} (None is a scalar with value null); an output is
-{"kind": "list", "entries": [entry, ...]} | {"kind": "tensor"} | {"kind": "scalar", "value": V} |
-{"kind": "other", "repr": "..."} (kept for the report only).
+{"kind": "scalar", "value": V} (None is a scalar with value null; V is JSON: a number, a string,
+a list of them) | {"kind": "other", "repr": "..."} (anything else: kept as text for the report
+only, loaded as TextOnly, never compared); an output is {"kind": "list", "entries": [entry, ...]}
+or an entry.
 
 Beside them, `weights-step<STEP:06d>.safetensors` (save_weights): the stage's state_dict as it
 was for that step's forwards, so a replay of step N runs with step N's parameters.
@@ -72,15 +73,27 @@ def _tensor(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to("cpu").contiguous().clone()
 
 
-def _scalar(value: Any) -> Any:
-    """A JSON-able form of a non-tensor value (numpy scalars to Python numbers)."""
+class TextOnly(str):
+    """A recorded value that was kept as its repr only (not JSON-able, e.g. a dict of tensors):
+    the report shows it; `--compare` cannot compare it."""
+
+    def __repr__(self) -> str:
+        return f"<recorded as text: {str(self)}>"
+
+
+_PLAIN = (bool, int, float, str)
+
+
+def _scalar_or_text(value: Any) -> dict[str, Any]:
+    """The entry of a non-tensor value: a JSON-able one as is (numpy scalars as Python numbers),
+    anything else as its repr."""
     if isinstance(value, np.generic):
-        return value.item()
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    if isinstance(value, (list, tuple)) and all(v is None or isinstance(v, (bool, int, float, str)) for v in value):
-        return list(value)
-    return repr(value)
+        value = value.item()
+    if value is None or isinstance(value, _PLAIN):
+        return {"kind": "scalar", "value": value}
+    if isinstance(value, (list, tuple)) and all(v is None or isinstance(v, _PLAIN) for v in value):
+        return {"kind": "scalar", "value": list(value)}
+    return {"kind": "other", "repr": repr(value)[:200]}
 
 
 def _entry(value: Any, key: str, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
@@ -95,7 +108,7 @@ def _entry(value: Any, key: str, tensors: dict[str, torch.Tensor]) -> dict[str, 
         tensors[key] = torch.frombuffer(bytearray(bytes(value)), dtype=torch.uint8).clone() if len(value) else \
             torch.zeros(0, dtype=torch.uint8)
         return {"kind": "bytes"}
-    return {"kind": "scalar", "value": _scalar(value)}
+    return _scalar_or_text(value)
 
 
 def _output(value: Any, name: str, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
@@ -105,9 +118,7 @@ def _output(value: Any, name: str, tensors: dict[str, torch.Tensor]) -> dict[str
         return {"kind": "tensor"}
     if isinstance(value, (list, tuple)):
         return {"kind": "list", "entries": [_entry(v, f"{key}/{i}", tensors) for i, v in enumerate(value)]}
-    if value is None or isinstance(value, (bool, int, float, np.generic)):
-        return {"kind": "scalar", "value": _scalar(value)}
-    return {"kind": "other", "repr": repr(value)[:200]}
+    return _scalar_or_text(value)
 
 
 def save_micro_batch(directory: str, batch: MicroBatch, outputs: dict) -> str:
@@ -146,6 +157,8 @@ def _rebuild(entry: dict[str, Any], key: str, tensors: dict[str, torch.Tensor]) 
         return tensors[key]
     if kind == "bytes":
         return tensors[key].numpy().tobytes()
+    if kind == "other":
+        return TextOnly(entry.get("repr", ""))
     return entry.get("value")
 
 
@@ -156,9 +169,7 @@ def _rebuild_output(entry: dict[str, Any], name: str, tensors: dict[str, torch.T
         return tensors[key]
     if kind == "list":
         return [_rebuild(e, f"{key}/{i}", tensors) for i, e in enumerate(entry["entries"])]
-    if kind == "scalar":
-        return entry.get("value")
-    return entry.get("repr")
+    return _rebuild(entry, key, tensors)
 
 
 def load_file(path: str) -> tuple[MicroBatch, dict[str, Any]]:

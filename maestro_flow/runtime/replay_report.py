@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from maestro_flow.runtime.record import TextOnly
+
 # -- report ----------------------------------------------------------------------------------------
 
 def _shape_summary(shapes: list[tuple[int, ...]]) -> str:
@@ -100,6 +102,7 @@ class Diff:
     max_rel: float = 0.0
     ok: bool = True
     problem: str = ""
+    compared: bool = True  # False: only the recorded value's text was kept (TextOnly)
 
 
 def _tensor_diff(a: torch.Tensor, b: torch.Tensor, atol: float, rtol: float) -> tuple[float, float, bool, str]:
@@ -119,6 +122,10 @@ def _tensor_diff(a: torch.Tensor, b: torch.Tensor, atol: float, rtol: float) -> 
     return float(diff.max()), float(rel.max()), ok, ""
 
 
+def _kind(value: Any) -> str:
+    return "a tensor" if isinstance(value, torch.Tensor) else repr(value)
+
+
 def compare_outputs(got: dict[str, Any], want: dict[str, Any], atol: float, rtol: float) -> list[Diff]:
     """Per output name: the largest absolute/relative difference from the recorded value and
     whether every element is within atol + rtol * |recorded|."""
@@ -130,24 +137,29 @@ def compare_outputs(got: dict[str, Any], want: dict[str, Any], atol: float, rtol
             d.ok, d.problem = False, "missing from the replayed outputs"
             continue
         mine = got[name]
-        if isinstance(ref, list):
+        if isinstance(ref, TextOnly):
+            d.compared, d.problem = False, "recorded as text only: not compared"
+        elif isinstance(ref, list):
             if not isinstance(mine, (list, tuple)) or len(mine) != len(ref):
                 d.ok, d.problem = False, (f"{len(mine) if isinstance(mine, (list, tuple)) else type(mine).__name__} "
                                           f"entries vs recorded {len(ref)}")
                 continue
+            text_only = 0
             for i, (a, b) in enumerate(zip(mine, ref, strict=True)):
-                if (a is None) != (b is None):
-                    d.ok, d.problem = False, f"entry {i} is {'None' if a is None else 'a tensor'} (recorded: " \
-                                             f"{'None' if b is None else 'a tensor'})"
-                    break
-                if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+                if isinstance(b, TextOnly):
+                    text_only += 1
+                elif isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
                     ma, mr, ok, problem = _tensor_diff(a, b, atol, rtol)
                     d.max_abs, d.max_rel = max(d.max_abs, ma), max(d.max_rel, mr)
                     if not ok:
                         d.ok = False
                         d.problem = d.problem or (f"entry {i}: {problem}" if problem else "")
-                elif a != b and not (isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor)):
-                    d.ok, d.problem = False, f"entry {i}: {a!r} vs recorded {b!r}"
+                elif isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor) or a != b:
+                    d.ok, d.problem = False, f"entry {i}: {_kind(a)} vs recorded {_kind(b)}"
+                    break
+            if text_only and d.ok:
+                d.compared = text_only < len(ref)
+                d.problem = f"{text_only} of {len(ref)} entries recorded as text only: not compared"
         elif isinstance(ref, torch.Tensor):
             if not isinstance(mine, torch.Tensor):
                 d.ok, d.problem = False, f"{type(mine).__name__} vs a recorded tensor"

@@ -22,6 +22,7 @@ from maestro_flow.config import Pipeline
 from maestro_flow.errors import MaestroError
 from maestro_flow.graph import SectionGraph
 from maestro_flow.runtime.build import build_stage, default_dtype, open_source, resolve_device
+from maestro_flow.runtime.precision import autocast_dtype, compute
 from maestro_flow.stage import MicroBatch
 
 
@@ -60,6 +61,9 @@ class SectionRunner:
         self.name = name
         self.device = torch.device(resolve_device(self.section, 0))
         self.dtype = getattr(torch, pipeline.dtype)
+        # The dtype floating inputs arrive in: bf16 under mixed precision (they cross sections
+        # so, and the executor hands them on as they came), else the pipeline's.
+        self.input_dtype = autocast_dtype(pipeline.mixed_precision) or self.dtype
         with default_dtype(self.dtype):
             self.stage = build_stage(pipeline, self.section, 0, str(self.device))
         self.trainable = self.section.trainable
@@ -87,7 +91,7 @@ class SectionRunner:
 
     def prepare(self, batch: MicroBatch) -> tuple[MicroBatch, dict[tuple[int, str], torch.Tensor]]:
         """A fresh copy of `batch` with inputs on the section's device (floating ones in the
-        pipeline's dtype); inputs of gradient edges become leaves requiring grad (trainable
+        dtype they cross sections in: bf16 under mixed precision, else the pipeline's); inputs of gradient edges become leaves requiring grad (trainable
         sections), as the executor makes them."""
         leaves: dict[tuple[int, str], torch.Tensor] = {}
         inputs: dict[str, list[torch.Tensor | None]] = {}
@@ -96,8 +100,8 @@ class SectionRunner:
             for i, t in enumerate(values):
                 if t is not None:
                     t = t.detach().to(self.device).clone()
-                    if t.is_floating_point() and t.dtype != self.dtype:
-                        t = t.to(self.dtype)  # e.g. replaying a float32 recording with --set dtype=float64
+                    if t.is_floating_point() and t.dtype != self.input_dtype:
+                        t = t.to(self.input_dtype)  # e.g. a float32 recording replayed with --set dtype=float64
                     if self.trainable and name in self.grad_names and t.is_floating_point():
                         t.requires_grad_(True)
                         leaves[(i, name)] = t
@@ -108,8 +112,6 @@ class SectionRunner:
                            modalities=list(batch.modalities), columns=columns, inputs=inputs), leaves)
 
     def forward(self, batch: MicroBatch) -> dict[str, Any]:
-        from maestro_flow.runtime.precision import compute
-
         with default_dtype(self.dtype), torch.set_grad_enabled(self.trainable), \
                 compute(self.pipeline.mixed_precision, self.device):
             out = self.stage.forward(batch)
@@ -208,10 +210,15 @@ def _to_torch(name: str, value: Any) -> Any:
     return value
 
 
-def _ancestors(graph: SectionGraph, name: str) -> list[str]:
+def _ancestors(graph: SectionGraph, name: str, replaced: frozenset[str] | set[str] = frozenset()) -> list[str]:
+    """The sections upstream of `name` that must run to compute its inputs, in graph order; an
+    edge into `name` whose tensors are all `replaced` (random inputs) needs nothing."""
     need, todo = set(), [name]
     while todo:
-        for e in graph.inputs(todo.pop()):
+        at = todo.pop()
+        for e in graph.inputs(at):
+            if at == name and set(e.edge.tensors) <= replaced:
+                continue
             if e.edge.src not in need:
                 need.add(e.edge.src)
                 todo.append(e.edge.src)
@@ -284,7 +291,7 @@ def synthetic_batches(pipeline: Pipeline, name: str, samples: int | None = None,
 def _run_upstream(pipeline: Pipeline, graph: SectionGraph, name: str, chosen: list, produced: dict,
                   random_names: set[str], input_shapes: dict, log: Callable[[str], None]) -> None:
     source = open_source(pipeline)
-    for up in _ancestors(graph, name):
+    for up in _ancestors(graph, name, random_names):
         section = graph.sections[up]
         try:
             runner = SectionRunner(pipeline, up)

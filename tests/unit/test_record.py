@@ -133,3 +133,63 @@ def test_views_sharing_storage(tmp_path):
     batch = MicroBatch(step=0, index=0, sample_ids=[0, 1], modalities=[frozenset({"text"})] * 2, columns={},
                        inputs={"x": [base[:2], base[2:].T]})
     _check(batch, {"y": [base[1:3], base[:, 1]]}, tmp_path)
+
+
+def test_random_inputs_leave_their_producer_unbuilt() -> None:
+    """`maestro stage --input-shape` for one input builds only the sections that compute the
+    others (multimodal: random image_embeds still runs the audio encoder, and not vision)."""
+    from pathlib import Path
+
+    from maestro_flow.graph import SectionGraph
+    from maestro_flow.runtime.build import load_pipeline
+    from maestro_flow.runtime.replay_runner import _ancestors
+
+    pipeline, _ = load_pipeline(str(Path(__file__).resolve().parents[2] / "pipelines" / "multimodal.py"), {})
+    graph = SectionGraph(pipeline)
+    assert set(_ancestors(graph, "llm")) == {"vision", "audio"}
+    assert _ancestors(graph, "llm", {"image_embeds"}) == ["audio"]
+    assert _ancestors(graph, "llm", {"image_embeds", "audio_embeds"}) == []
+
+
+@pytest.mark.parametrize("mixed", [None, "bf16"])
+def test_replay_hands_inputs_in_the_dtype_they_cross_sections_in(mixed) -> None:
+    """A replay feeds a section what the executor would: under bf16 mixed precision its inputs
+    stay bf16 (as they arrive over the wire), else they take the pipeline's dtype."""
+    from pathlib import Path
+
+    from maestro_flow.runtime.build import load_pipeline
+    from maestro_flow.runtime.replay_runner import SectionRunner
+
+    overrides = {"dtype": "float64"} | ({"mixed_precision": mixed} if mixed else {})
+    pipeline, _ = load_pipeline(str(Path(__file__).resolve().parents[2] / "pipelines" / "distill.py"), overrides)
+    runner = SectionRunner(pipeline, "student")
+    [name] = [t for e in runner.graph.inputs("student") for t in e.edge.tensors]
+    batch = MicroBatch(step=0, index=0, sample_ids=[7], modalities=[frozenset({"text"})], columns={},
+                       inputs={name: [torch.ones(3, 4, dtype=torch.bfloat16)]})
+    prepared, _ = runner.prepare(batch)
+    assert prepared.inputs[name][0].dtype == (torch.bfloat16 if mixed else torch.float64)
+
+
+def test_outputs_kept_as_text_are_not_compared_and_strings_are(tmp_path):
+    """A str output is recorded as itself; a value JSON cannot hold (a dict of tensors) as its
+    text only, which `--compare` reports as not compared instead of a mismatch. A list entry that
+    turns from a number into a tensor is a mismatch (it passed unseen before)."""
+    from maestro_flow.runtime.record import TextOnly
+    from maestro_flow.runtime.replay_report import compare_outputs
+
+    metrics = {"acc": torch.tensor(0.5)}
+    batch = MicroBatch(step=0, index=0, sample_ids=[1], modalities=[frozenset({"text"})], columns={})
+    save_micro_batch(str(tmp_path), batch, {"name": "student", "metrics": metrics, "mixed": [1.0, metrics],
+                                            "n": [3]})
+    [(_, out)] = load_micro_batches(str(tmp_path))
+    assert out["name"] == "student" and not isinstance(out["name"], TextOnly)
+    assert isinstance(out["metrics"], TextOnly) and "acc" in out["metrics"]
+    assert out["mixed"][0] == 1.0 and isinstance(out["mixed"][1], TextOnly)
+    live = {"name": "student", "metrics": {"acc": torch.tensor(0.5000001)}, "mixed": [1.0, metrics],
+            "n": [torch.tensor(3)]}
+    diffs = {d.name: d for d in compare_outputs(live, out, atol=1e-6, rtol=0.0)}
+    assert diffs["name"].ok and diffs["name"].compared
+    assert diffs["metrics"].ok and not diffs["metrics"].compared
+    assert diffs["mixed"].ok and diffs["mixed"].compared and "1 of 2 entries" in diffs["mixed"].problem
+    assert not diffs["n"].ok and "a tensor vs recorded 3" in diffs["n"].problem
+    assert not compare_outputs({"name": "teacher"}, {"name": "student"}, 0.0, 0.0)[0].ok
