@@ -124,17 +124,24 @@ class CoordinatorIO:
 
     def _raise_dead_peer(self, exclude: int) -> None:
         """A system error is often a peer's death seen from the other end (a closed connection):
-        name the dead peer instead, when one shows within a grace period. With several nodes
-        the grace lasts a heartbeat timeout, the time a lost node takes to show as silent."""
+        name the dead peer instead, when one shows within a grace period. A peer that died after
+        reporting an error of its own is not that cause: it is as likely collateral of the first
+        report (the rank that failed first closed its connections), so the first report stands.
+        With several nodes the grace lasts a heartbeat timeout, the time a lost node takes to
+        show as silent."""
         grace_s = self.timeouts.heartbeat_timeout_s + 1.0 if self.nodes.multi else 1.0
         deadline = time.monotonic() + grace_s
+        reported = {exclude}
         while time.monotonic() < deadline:
+            self._note_reports(reported, 0.05)
             # A worker that exited with code 0 left normally (it said bye): never the cause.
-            dead = [w for w in self.launcher.dead() if w.rank != exclude and w.process.exitcode != 0]
+            dead = [w for w in self.launcher.dead() if w.rank not in reported and w.process.exitcode != 0]
             if dead:
-                raise self._death(dead[0])
+                self._note_reports(reported, 0.2)  # a report it sent before exiting may still be on its way
+                dead = [w for w in dead if w.rank not in reported]
+                if dead:
+                    raise self._death(dead[0])
             if not self.nodes.multi:
-                time.sleep(0.05)
                 continue
             lost = agent.lost_report(self.rdzv, self.session)
             if lost is not None:
@@ -142,8 +149,27 @@ class CoordinatorIO:
             lost = self.liveness.lost_node(time.monotonic())
             if lost is not None:
                 raise lost
-            if self.router.poll(50):  # keep reading heartbeats, so only the lost fall silent
-                self._accept(self.router.recv_multipart())
+
+    def _raise_root_cause(self, rank: int, msg: dict) -> None:
+        """An error report that is a cause by its kind: a stage's own exception, or bad input."""
+        if msg["kind"] == "input":  # e.g. a checkpoint that does not fit the pipeline
+            raise PipelineError(msg["traceback"])
+        if msg["kind"] == "stage":
+            section, replica = self.placement.who(rank)  # where the rank is, whatever it says
+            raise StageError(section=section, replica=replica, rank=rank, step=msg["step"],
+                             phase=msg["phase"], traceback=msg["traceback"])
+
+    def _note_reports(self, reported: set[int], wait_s: float) -> None:
+        """Read what arrives within `wait_s` (heartbeats too, so that only the lost fall silent),
+        adding the ranks that report a system error to `reported`; a stage's exception or bad
+        input reported meanwhile is the cause, and raised. The run is failing: nothing else read
+        here is needed any more."""
+        end = time.monotonic() + wait_s
+        while self.router.poll(max(0, int((end - time.monotonic()) * 1000))):
+            got = self._accept(self.router.recv_multipart())
+            if got is not None and got[1]["t"] == "error":
+                self._raise_root_cause(*got)
+                reported.add(got[0])
 
     def _label(self, rank: int) -> str:
         section, replica = self.placement.who(rank)
@@ -195,12 +221,7 @@ class CoordinatorIO:
                     self.liveness.note_status(rank, msg["status"], time.monotonic())
                 continue
             if msg["t"] == "error":
-                section, replica = self.placement.who(rank)  # where the rank is, whatever it says
-                if msg["kind"] == "input":  # e.g. a checkpoint that does not fit the pipeline
-                    raise PipelineError(msg["traceback"])
-                if msg["kind"] == "stage":
-                    raise StageError(section=section, replica=replica, rank=rank, step=msg["step"],
-                                     phase=msg["phase"], traceback=msg["traceback"])
+                self._raise_root_cause(rank, msg)
                 self._raise_dead_peer(exclude=rank)  # a peer's death is the cause, not the symptom
                 raise SystemFailure(f"system error in {self._label(rank)} during {msg['phase']}"
                                     f"{'' if msg['step'] is None else ' at step ' + str(msg['step'])}:\n"

@@ -1,0 +1,71 @@
+"""Which failure the coordinator names when several ranks fail together (coordinator_io):
+a peer that died without a word is the cause of a system error; a peer that died after
+reporting an error of its own is collateral, so the first report stands; a stage's exception
+reported meanwhile is the cause."""
+
+from __future__ import annotations
+
+import types
+from collections import deque
+
+import pytest
+
+from maestro_flow.errors import StageError, WorkerLost
+from maestro_flow.runtime.coordinator_io import CoordinatorIO
+
+
+class FakeRouter:
+    def __init__(self, frames: list) -> None:
+        self.frames = deque(frames)
+
+    def poll(self, timeout_ms: int) -> bool:
+        return bool(self.frames)
+
+    def recv_multipart(self):
+        return self.frames.popleft()
+
+
+class FakeWorker:
+    def __init__(self, rank: int, exitcode: int) -> None:
+        self.rank, self.label = rank, f"rank {rank}"
+        self.process = types.SimpleNamespace(exitcode=exitcode)
+
+    def exit_description(self) -> str:
+        return f"exited with code {self.process.exitcode}"
+
+
+class Coordinator(CoordinatorIO):
+    def __init__(self, dead: list[FakeWorker], reports: list[tuple[int, dict]]) -> None:
+        self.timeouts = types.SimpleNamespace(heartbeat_timeout_s=5.0)
+        self.nodes = types.SimpleNamespace(multi=False)
+        self.launcher = types.SimpleNamespace(dead=lambda: dead)
+        self.router = FakeRouter(reports)
+        self.placement = types.SimpleNamespace(who=lambda rank: ("student", rank - 1))
+        self.training, self.awaited_step = True, 3
+        self.liveness = types.SimpleNamespace(last_done={})
+
+    def _accept(self, frames):
+        return frames  # the fake router's "frames" are already (rank, message)
+
+
+def _error(kind: str) -> dict:
+    return {"t": "error", "kind": kind, "step": 3, "phase": "forward", "traceback": f"a {kind} error"}
+
+
+def test_a_peer_that_died_silently_is_the_cause() -> None:
+    with pytest.raises(WorkerLost, match="rank 2 exited with code 1"):
+        Coordinator([FakeWorker(2, 1)], [(2, {"t": "heartbeat"})])._raise_dead_peer(exclude=1)
+
+
+def test_a_peer_that_reported_its_own_error_is_not_blamed() -> None:
+    # Before: rank 2, which failed because rank 1 did, was named as the cause (WorkerLost).
+    Coordinator([FakeWorker(1, 1), FakeWorker(2, 1)], [(2, _error("system"))])._raise_dead_peer(exclude=1)
+
+
+def test_a_stage_error_reported_meanwhile_is_the_cause() -> None:
+    with pytest.raises(StageError, match="a stage error"):
+        Coordinator([FakeWorker(2, 1)], [(2, _error("stage"))])._raise_dead_peer(exclude=1)
+
+
+def test_a_worker_that_left_normally_is_never_the_cause() -> None:
+    Coordinator([FakeWorker(2, 0)], [])._raise_dead_peer(exclude=1)
