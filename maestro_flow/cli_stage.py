@@ -27,7 +27,8 @@ SET_HELP = "Override a field: top-level (dtype=float64) or sections.NAME.FIELD=v
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help=SET_HELP)
 @click.option("--steps", metavar="0,3-5", help="Recorded steps to replay [default: all recorded].")
 @click.option("--replica", type=int, help="Replay only this replica's recording [default: all].")
-@click.option("--compare", is_flag=True, help="Check the outputs against the recorded ones; exit 1 on a mismatch.")
+@click.option("--compare", is_flag=True, help="Check the outputs against the recorded ones; exit 1 on a mismatch "
+              "(outputs recorded as text only, not tensors, numbers or strings, are listed as not compared).")
 @click.option("--atol", type=float, default=1e-5, show_default=True, help="--compare: absolute tolerance.")
 @click.option("--rtol", type=float, default=1e-4, show_default=True, help="--compare: relative tolerance.")
 @click.option("--repeat", type=click.IntRange(1, 1000), default=1, show_default=True,
