@@ -77,7 +77,8 @@ def main(ctx: click.Context, debug: bool) -> None:
 @click.option("--metrics-out", type=click.Path(dir_okay=False), help="Write one JSON line of metrics per step.")
 @click.option("--save-dir", type=click.Path(file_okay=False), help="Write <section>.safetensors per trainable section.")
 @click.option("--trace", "trace", type=click.Path(dir_okay=False), default=None, is_flag=False, flag_value="",
-              help="Write a Chrome/Perfetto timeline to FILE (default RUN_DIR/trace.json if no FILE).")
+              help="Write a Chrome/Perfetto timeline to FILE (no FILE: RUN_DIR/trace.json, or ./trace.json "
+                   "with --no-run-dir).")
 @click.option("--run-dir", type=click.Path(file_okay=False),
               help="Where plans, metrics and worker logs go (default runs/NAME-TIMESTAMP).")
 @click.option("--no-run-dir", is_flag=True, help="Write no run directory.")
@@ -97,8 +98,9 @@ def main(ctx: click.Context, debug: bool) -> None:
               help="When a worker dies or hangs, stop all workers and restart from the newest checkpoint, up to N "
                    "times.")
 @click.option("--tensorboard", "tensorboard", type=click.Path(file_okay=False), metavar="DIR",
-              help="Log loss, lr, grad norm, throughput and each section's busy share per step for TensorBoard "
-                   "(needs the tensorboard package).")
+              help="Log loss, lr, grad norm, throughput and each section's busy share per step for TensorBoard, "
+                   "in DIR/NAME-TIMESTAMP (one folder per run: `tensorboard --logdir DIR` compares them; needs the "
+                   "tensorboard package).")
 @click.option("--nnodes", type=int, default=1, show_default=True, help="Nodes the run spans (torchrun's convention).")
 @click.option("--node-rank", type=int, help="This node's index, 0 to NNODES-1 (node 0 runs the coordinator; default: "
                                              "SLURM_NODEID under Slurm).")
@@ -166,10 +168,11 @@ def run(ctx: click.Context, pipeline: str, steps: int | None, sets: tuple[str, .
     from maestro_flow.runtime.run import RunOptions, run_pipeline
     from maestro_flow.runtime.rundir import default_run_dir
 
+    created = None  # the default run dir made here: removed again if the run is refused before writing to it
     try:
         overrides = _overrides(sets, costs, pipeline, steps=steps, schedule=schedule)
         if not no_run_dir and run_dir is None:
-            run_dir = default_run_dir(load_pipeline(pipeline, overrides)[0])
+            run_dir = created = default_run_dir(load_pipeline(pipeline, overrides)[0])
         steps_to_record = None
         if record_steps and not record:
             raise PipelineError("--record-steps says which steps --record SECTION saves: give --record too")
@@ -193,6 +196,9 @@ def run(ctx: click.Context, pipeline: str, steps: int | None, sets: tuple[str, .
         sys.exit(130)
     except MaestroError as exc:
         _fail(exc, ctx.obj["debug"])
+    finally:
+        if created and os.path.isdir(created) and not os.listdir(created):
+            os.rmdir(created)
 
 
 @main.command()
@@ -229,7 +235,13 @@ def validate(ctx: click.Context, pipeline: str, sets: tuple[str, ...]) -> None:
 @click.pass_context
 def plan(ctx: click.Context, pipeline: str, sets: tuple[str, ...], schedule: str | None, step: int,
          trace_in: str | None, costs: str | None, as_json: bool) -> None:
-    """Print the plan of one step of PIPELINE and its simulated timing under the sections' costs."""
+    """Print the plan of one step of PIPELINE and its simulated timing under the sections' costs.
+
+    It is the plan a run of PIPELINE on this machine makes for that step, searching as the run
+    would (not for step 0, which the workers wait for, nor where it would take a worker's core),
+    with the costs given (the sections' `cost`, or --costs). A run also refines its costs from
+    its own timings as it goes (adapt_costs), so its later steps can differ unless
+    --set adapt_costs=false."""
     from maestro_flow.runtime.planning import plan_one_step
 
     try:
@@ -287,16 +299,24 @@ def top(run_dir: str | None, interval: float, once: bool) -> None:
     RUN_DIR is the run's directory (printed by maestro run); by default the most recent running
     one under runs/. Read-only: attaching and detaching (Ctrl-C) never disturbs the run.
     """
-    from maestro_flow.runtime.status import find_run, query, render
+    from maestro_flow.runtime.status import ended, find_run, query, render
 
     try:
         path = find_run(run_dir)
+        shown = False
         while True:
-            text = render(query(path))
+            try:
+                text = render(query(path))
+            except (FileNotFoundError, TimeoutError):
+                if shown and (done := ended(path)) is not None:  # it finished (or failed) while watched
+                    click.echo(done)
+                    return
+                raise
             if once:
                 click.echo(text)
                 return
             click.echo("\x1b[2J\x1b[H" + f"{path}\n" + text)
+            shown = True
             time.sleep(interval)
     except (FileNotFoundError, TimeoutError) as exc:
         click.echo(f"error: {exc}", err=True)

@@ -236,6 +236,8 @@ class SectionExecutor(StepEnd, Prefetch):
         except Exception:
             raise StageFault("forward", st.step, traceback.format_exc()) from None
         self._send_outputs(st, mb, out)
+        t_forward = self.clock()  # a loss section goes on to its backward at once: traced as its own span
+        cpu_forward = time.thread_time() if self.tracer.enabled else 0.0
         if self.is_loss:
             self._loss_backward(st, mb, out, leaves)
         elif self.trainable:
@@ -246,8 +248,12 @@ class SectionExecutor(StepEnd, Prefetch):
         st.busy_s += elapsed
         self._timing(st, "forward+backward" if self.is_loss and self.trainable else "forward", mb, elapsed)
         if self.tracer.enabled:  # `cpu` below the span's length: the thread was kept off its core
-            self.tracer.span("forward", "compute", t0, t0 + elapsed, step=st.step, mb=index, samples=list(mb),
-                             cpu=time.thread_time() - cpu0)
+            backward = self.is_loss and self.trainable
+            self.tracer.span("forward", "compute", t0, t_forward if backward else t0 + elapsed, step=st.step,
+                             mb=index, samples=list(mb), cpu=(cpu_forward if backward else time.thread_time()) - cpu0)
+            if backward:
+                self.tracer.span("backward", "compute", t_forward, t0 + elapsed, step=st.step, mb=index,
+                                 samples=list(mb), cpu=time.thread_time() - cpu_forward)
         for rank in st.notify:
             self.comm.notify(rank, st.step, st.next_mb)
         return True

@@ -41,7 +41,10 @@ class RunObserver:
     def planned(self, plan: Plan, started: float, finished: float) -> None:
         """`started`/`finished`: time.perf_counter() around the planner call."""
         if self.run_dir is not None:
-            self.run_dir.plan(plan.to_json_dict())
+            entry = plan.to_json_dict()
+            if not entry["simulated"]:  # a run does not simulate its plans: `maestro plan --step N` does
+                del entry["simulated"]
+            self.run_dir.plan(entry)
         if self.trace is not None:
             self.tracer.span(f"plan step {plan.step}", "plan", started, finished, step=plan.step,
                              samples=len(plan.samples), schedule=plan.schedule)

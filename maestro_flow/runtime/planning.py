@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from typing import Any
 
 from maestro_flow.errors import PipelineError
@@ -16,6 +17,7 @@ from maestro_flow.planner import CostModel, Plan, make_planner
 from maestro_flow.planner.simulate import simulate
 from maestro_flow.runtime.build import load_pipeline
 from maestro_flow.runtime.checks import check_pipeline
+from maestro_flow.runtime.cpus import search_share
 from maestro_flow.runtime.sampler import EpochSampler
 from maestro_flow.samples import SampleMeta
 
@@ -40,6 +42,16 @@ def read_trace(path: str) -> list[SampleMeta]:
     return samples
 
 
+def run_search(pipeline, step: int) -> float:
+    """The planner's search share a one-node run on this machine plans `step` with (the
+    coordinator's rule, runtime/coordinator.py): none for the first step, which the workers wait
+    for, and none where the search would take a core from training (cpus.search_share)."""
+    if step == 0:
+        return 0.0
+    return search_share(pipeline.plan_search if pipeline.schedule == "wavefront" else 0.0, pipeline.lookahead_steps,
+                        sum(s.dp * s.tp for s in pipeline.sections), len(os.sched_getaffinity(0)))
+
+
 def plan_one_step(path: str, overrides: dict[str, Any], *, step: int = 0, trace_in: str | None = None) -> Plan:
     pipeline, _ = load_pipeline(path, overrides)
     if trace_in:
@@ -52,5 +64,5 @@ def plan_one_step(path: str, overrides: dict[str, Any], *, step: int = 0, trace_
         samples = EpochSampler(checked.metadata, pipeline.global_batch, pipeline.seed,
                                 shuffle=pipeline.data.shuffle).batch(step)
     costs = CostModel(costs={n: s.cost for n, s in graph.sections.items()})
-    result = make_planner(pipeline.schedule, graph, costs).plan(step, samples)
+    result = make_planner(pipeline.schedule, graph, costs, search=run_search(pipeline, step)).plan(step, samples)
     return dataclasses.replace(result, simulated=simulate(result, graph, costs).to_json_dict())

@@ -28,7 +28,7 @@ from maestro_flow.runtime.coordinator import placement_for
 from maestro_flow.runtime.nodes import Nodes
 from maestro_flow.runtime.observe import RunObserver
 from maestro_flow.runtime.report import RunReport
-from maestro_flow.runtime.rundir import RunDir
+from maestro_flow.runtime.rundir import RunDir, default_run_dir
 from maestro_flow.runtime.sampler import EpochSampler, data_fingerprint
 from maestro_flow.timeouts import Timeouts
 from maestro_flow.transport import cuda_ipc
@@ -190,11 +190,25 @@ def run_pipeline(path: str, options: RunOptions) -> list[dict[str, Any]]:
     resume = _resume_from(options, pipeline, checked.metadata)
     checkpointer = Checkpointer(ckpt)  # one for the whole job, across restarts
     checkpointer.check_fresh(resume[1].step if resume else 0)
+    record = None  # checked before anything is written (the run dir, the trace, TensorBoard's folder)
+    if options.record:
+        if options.record not in checked.graph.sections:
+            raise PipelineError(f"--record: no section named {options.record!r} "
+                                f"(sections: {', '.join(checked.graph.order)})")
+        if not options.run_dir:
+            raise PipelineError("--record needs a run directory (drop --no-run-dir)")
+        record = {"dir": os.path.abspath(options.run_dir), "section": options.record,
+                  "steps": list(options.record_steps) if options.record_steps is not None else None}
     sinks = []
     if options.tensorboard:
-        from maestro_flow.runtime.tensorboard import TensorBoardSink
+        from maestro_flow.runtime.tensorboard import TensorBoardSink, check_available
 
-        sinks.append(TensorBoardSink(options.tensorboard))
+        check_available()  # before its folder is made
+        # One folder per run under DIR, as TensorBoard expects: `tensorboard --logdir DIR` shows
+        # the runs side by side (two runs in one folder drew one curve, two points a step).
+        sinks.append(TensorBoardSink(default_run_dir(pipeline, root=options.tensorboard)))
+        if options.show_progress:
+            print(f"tensorboard: {sinks[-1].log_dir}", file=sys.stderr)
     sampler = EpochSampler(checked.metadata, pipeline.global_batch, pipeline.seed, shuffle=pipeline.data.shuffle)
     skipped = getattr(checked.source, "num_skipped", 0)
     if options.show_progress:
@@ -220,15 +234,6 @@ def run_pipeline(path: str, options: RunOptions) -> list[dict[str, Any]]:
     report = RunReport(total_steps=pipeline.steps, metrics_out=metrics, show_progress=options.show_progress,
                        sinks=sinks)
     observer = RunObserver(run_dir=run_dir, trace_path=trace)
-    record = None
-    if options.record:
-        if options.record not in checked.graph.sections:
-            raise PipelineError(f"--record: no section named {options.record!r} "
-                                f"(sections: {', '.join(checked.graph.order)})")
-        if not options.run_dir:
-            raise PipelineError("--record needs a run directory (drop --no-run-dir)")
-        record = {"dir": os.path.abspath(options.run_dir), "section": options.record,
-                  "steps": list(options.record_steps) if options.record_steps is not None else None}
     previous = signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
     try:
         if options.colocated:

@@ -3,10 +3,12 @@
 Runs in the coordinator process. Layout:
     pipeline.json        the resolved pipeline configuration (after --set overrides)
     metrics.jsonl        one JSON object per step (DESIGN 5.4)
-    plans.jsonl          every step's plan (DESIGN 5.5 format)
+    plans.jsonl          every step's plan (DESIGN 5.5 format, without "simulated": a run does not
+                         simulate its plans; `maestro plan --step N` shows one with its simulation)
     workers/S-R.log      worker stdout/stderr, every line prefixed with [section/replica]
                          (S-R.T.log and [section/replica.T] for tensor-parallel rank T)
-    events.jsonl         what happened to the run besides steps: automatic restarts (with cause)
+    events.jsonl         what happened to the run besides steps: automatic restarts (with cause);
+                         written only once something has
     trace.json           the timeline, when `--trace` is given without a path of its own
     previous-N/          what an earlier run left in a reused --run-dir (moved aside, never lost)
 

@@ -101,9 +101,33 @@ def find_run(run_dir: str | None, root: str = "runs") -> str:
     return max(live, key=os.path.getmtime)
 
 
+def ended(run_dir: str) -> str | None:
+    """What `top` says once the run it watched is over (None while its coordinator runs): the
+    last step the run dir's metrics.jsonl recorded."""
+    if _live(run_dir):
+        return None
+    last = None
+    try:
+        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+            for line in f:
+                if line.strip():
+                    last = line
+        row = json.loads(last) if last else None
+    except (OSError, ValueError):
+        row = None
+    if not isinstance(row, dict) or "step" not in row:
+        return f"{run_dir}: the run has ended"
+    loss = row.get("loss")
+    return (f"{run_dir}: the run has ended; its last step was {row['step']}"
+            + (f", loss {loss:.4f}" if isinstance(loss, (int, float)) else ""))
+
+
 def query(run_dir: str, timeout_s: float = 2.0) -> dict[str, Any]:
-    with open(os.path.join(run_dir, "status.json")) as f:
-        endpoint = json.load(f)["endpoint"]
+    try:
+        with open(os.path.join(run_dir, "status.json")) as f:
+            endpoint = json.load(f)["endpoint"]
+    except (ValueError, KeyError, TypeError):
+        raise FileNotFoundError(f"{run_dir}/status.json is not a maestro status file (no endpoint)") from None
     ctx = zmq.Context.instance()
     sock = zmq_link.connect(ctx, zmq.REQ, endpoint)
     try:

@@ -12,6 +12,7 @@ a run that fails still leaves a loadable trace.
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from typing import Any
@@ -62,6 +63,8 @@ class TraceWriter:
 
     def __init__(self, path: str) -> None:
         self.path = path
+        if os.path.dirname(path):
+            os.makedirs(os.path.dirname(path), exist_ok=True)  # as --metrics-out does
         self._f = open(path, "w")  # noqa: SIM115 (closed in close())
         self._guard = WriteGuard(f"the trace to {path}")  # a full disk ends the trace, not the run
         self._guard(self._f.write, '{"displayTimeUnit": "ms", "traceEvents": [\n')

@@ -6,9 +6,12 @@ processes it started) may still be running.
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -97,8 +100,15 @@ def demo_data(tmp_path_factory) -> Path:
     return build_text_demo(out, num_samples=256, parquet=False)
 
 
+_RUN_DIRS = tempfile.mkdtemp(prefix="maestro-test-runs-")
+atexit.register(shutil.rmtree, _RUN_DIRS, ignore_errors=True)
+
+
 def maestro(*args: str, timeout: float = 120, **kwargs) -> subprocess.CompletedProcess:
-    """Run the CLI in a subprocess (the real entry point, real exit codes)."""
+    """Run the CLI in a subprocess (the real entry point, real exit codes). A `run` without a
+    run dir of its own gets one under a temporary folder, not the checkout's runs/."""
+    if args and args[0] == "run" and "--run-dir" not in args and "--no-run-dir" not in args:
+        args = (*args, "--run-dir", tempfile.mkdtemp(dir=_RUN_DIRS))
     return subprocess.run([sys.executable, "-m", "maestro_flow.cli", *args], cwd=ROOT, capture_output=True,
                           text=True, timeout=timeout, **kwargs)
 

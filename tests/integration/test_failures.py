@@ -113,7 +113,7 @@ def test_a_failed_save_dir_write_names_the_writer_not_a_worker_that_exited(demo_
 
 def _start_slow_run(demo_data) -> tuple[subprocess.Popen, list[int]]:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "maestro_flow.cli", "run", PIPELINE, "--quiet", "--steps", "1000",
+        [sys.executable, "-m", "maestro_flow.cli", "run", PIPELINE, "--quiet", "--steps", "1000", "--no-run-dir",
          "--set", f"data.path={demo_data}", "--set", "sections.student.config.sleep_s=0.2"],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60

@@ -8,6 +8,7 @@ micro-batch of every plan must appear as a forward span on its replica's track.
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -53,6 +54,12 @@ def check_trace(trace: dict, plans: list[dict], sections: dict[str, int]) -> Non
                 pid = next(p for n, p in pid_of.items() if n.startswith(f"{section}[{r}]"))
                 for m, mb in enumerate(mbs):
                     assert forwards[(pid, plan["step"], m)] == mb, (section, r, plan["step"], m)
+    # Backward spans belong to micro-batches that ran; a loss section's backward, which follows
+    # its forward at once, is its own span (it was inside the forward span before).
+    backwards = {(e["pid"], e["args"]["step"], e["args"]["mb"]) for e in spans if e["name"] == "backward"}
+    assert backwards and backwards <= forwards.keys()
+    loss = [p for p, n in names.items() if n.startswith(f"{list(sections)[-1]}[")]
+    assert {k for k in forwards if k[0] in loss} <= backwards
     planning = [e for e in spans if e["pid"] == 0 and e["name"].startswith("plan step")]
     assert len(planning) == len(plans)
     # One time axis for every process: nothing of a step starts before the coordinator began
@@ -75,9 +82,11 @@ def test_trace_and_run_directory(demo_data, tmp_path, pipeline, colocated):
 
     data = build_image_demo(tmp_path / "vlm", num_samples=64) if "vlm" in pipeline else demo_data
     run_dir = tmp_path / "run"
+    overrides = {"steps": 3, "data.path": str(data), "global_batch": 12}
+    if "vlm" in pipeline:
+        overrides["adapt_costs"] = False  # so that `maestro plan` has the run's costs (below)
     rows = run_pipeline(str(ROOT / pipeline), RunOptions(
-        overrides={"steps": 3, "data.path": str(data), "global_batch": 12}, show_progress=False,
-        run_dir=str(run_dir), trace="", colocated=colocated))
+        overrides=overrides, show_progress=False, run_dir=str(run_dir), trace="", colocated=colocated))
     assert len(rows) == 3
     for row in rows:  # CPU seconds per step: in section mode, each section's workers and the coordinator
         if colocated:
@@ -96,6 +105,14 @@ def test_trace_and_run_directory(demo_data, tmp_path, pipeline, colocated):
     check_trace(trace, plans, sections)
     if "vlm" in pipeline:  # the encoder reads only the data: it decodes images ahead (Stage.prepare)
         check_prepared_ahead(trace, "vision")
+        # `maestro plan --step N` shows the plan the run made (it showed a searched plan where
+        # the run, with no core to spare or for its first step, searched none).
+        from maestro_flow.runtime.planning import plan_one_step
+
+        for made in plans:
+            shown = plan_one_step(str(ROOT / pipeline), overrides, step=made["step"]).to_json_dict()
+            assert "simulated" not in made and shown["simulated"]["makespan_s"] > 0
+            assert (shown["variant"], shown["sections"]) == (made["variant"], made["sections"]), made["step"]
 
 
 def check_prepared_ahead(trace: dict, section: str) -> None:
@@ -136,7 +153,7 @@ def test_top_attaches_to_a_run_started_elsewhere_and_detaches(demo_data, tmp_pat
 
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "maestro_flow.cli", "run", str(ASSETS / "faulty.py"), "--quiet", "--steps", "30",
+        [sys.executable, "-m", "maestro_flow.cli", "run", str(ASSETS / "faulty.py"), "--quiet", "--steps", "40",
          "--run-dir", str(run_dir), "--set", f"data.path={demo_data}", "--set", "sections.student.config.sleep_s=0.1"],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -152,12 +169,20 @@ def test_top_attaches_to_a_run_started_elsewhere_and_detaches(demo_data, tmp_pat
             time.sleep(0.3)
         assert snapshot, "maestro top never showed the running workers"
         assert "teacher[0]" in snapshot and "student[0]" in snapshot
+        # A top that keeps watching says so when the run ends, and exits 0 (it exited 2 with
+        # "No such file or directory: .../status.json" before).
+        watcher = subprocess.Popen([sys.executable, "-m", "maestro_flow.cli", "top", str(run_dir), "--interval", "0.2"],
+                                   cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         _, err = proc.communicate(timeout=90)
         assert proc.returncode == 0, err  # attaching did not disturb the run
+        out, err = watcher.communicate(timeout=30)
+        assert watcher.returncode == 0, err
+        assert re.search(r"the run has ended; its last step was 39, loss \d+\.\d{4}$", out.rstrip()), out[-300:]
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
+        for p in (proc, locals().get("watcher")):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait(10)
     assert not (run_dir / "status.json").exists()  # nothing to attach to once the run is over
     result = maestro("top", str(run_dir), "--once", timeout=30)
     assert result.returncode == 2 and "not running" in result.stderr
@@ -173,3 +198,21 @@ def test_a_full_disk_for_metrics_and_trace_does_not_stop_training(demo_data):
     assert "cannot write metrics to /dev/full (No space left on device); the run goes on without it" in result.stderr
     assert "cannot write the trace to /dev/full" in result.stderr
     assert "step 3/3" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_refused_record_writes_nothing_and_a_trace_makes_its_folder(demo_data, tmp_path):
+    """A bad --record is refused before the run dir or the trace is written (a half-written
+    trace.json and a run dir were left before); --trace into a new folder makes it, as
+    --metrics-out does (a FileNotFoundError traceback before)."""
+    from maestro_flow.errors import PipelineError
+
+    with pytest.raises(PipelineError, match="--record: no section named 'nosuch'"):
+        run_pipeline(str(ROOT / "pipelines" / "distill.py"), RunOptions(
+            overrides={"steps": 1, "data.path": str(demo_data)}, show_progress=False, run_dir=str(tmp_path / "rd"),
+            trace="", record="nosuch"))
+    assert not (tmp_path / "rd").exists()
+    trace = tmp_path / "new" / "deeper" / "t.json"
+    run_pipeline(str(ROOT / "pipelines" / "distill.py"), RunOptions(
+        overrides={"steps": 1, "data.path": str(demo_data)}, show_progress=False, run_dir=None,
+        trace=str(trace), colocated=True))
+    assert json.loads(trace.read_text())["traceEvents"]

@@ -374,3 +374,13 @@ def test_a_stage_config_its_stage_refuses_is_refused_by_validate(item, fragments
 def test_options_that_cannot_work_are_refused(args, fragment):
     result = invoke(*args)
     assert result.exit_code == 2 and fragment in result.output, result.output
+
+
+def test_a_refused_run_leaves_no_empty_default_run_dir(tmp_path, monkeypatch):
+    """`maestro run` makes runs/NAME-TIMESTAMP before checking the pipeline; a run refused there
+    removes it again (an empty folder per refused run was left before)."""
+    monkeypatch.chdir(tmp_path)
+    pipeline = str(Path(__file__).resolve().parents[2] / "pipelines" / "distill.py")
+    result = CliRunner().invoke(main, ["run", pipeline, "--set", f"data.path={tmp_path / 'missing.arrow'}"])
+    assert result.exit_code == 2 and "missing.arrow" in result.output
+    assert not list((tmp_path / "runs").iterdir())

@@ -61,3 +61,18 @@ def test_a_network_address_needs_a_secret(tmp_path, monkeypatch):
     monkeypatch.setenv("MAESTRO_SECRET", "short")
     with pytest.raises(PipelineError, match="at least 16"):
         control_secret(RunOptions(overrides={}))
+
+
+def test_a_status_file_without_an_endpoint_and_a_run_that_ended(tmp_path):
+    """A status.json that names no endpoint is a one-line error (a KeyError traceback before);
+    once the coordinator is gone, `ended` gives the run's last step (top prints it, exit 0)."""
+    from maestro_flow.runtime.status import ended, query
+
+    (tmp_path / "status.json").write_text(json.dumps({"pid": os.getpid()}))
+    with pytest.raises(FileNotFoundError, match="no endpoint"):
+        query(str(tmp_path))
+    assert ended(str(tmp_path)) is None  # its pid runs: the run is not over
+    os.remove(tmp_path / "status.json")
+    assert ended(str(tmp_path)) == f"{tmp_path}: the run has ended"
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0, "loss": 2.5}\n{"step": 1, "loss": 2.25}\n')
+    assert ended(str(tmp_path)) == f"{tmp_path}: the run has ended; its last step was 1, loss 2.2500"

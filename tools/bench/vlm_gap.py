@@ -85,18 +85,20 @@ def run_stats(run_dir: str, data: str, warmup: int) -> dict[str, float]:
         events = json.load(f)["traceEvents"]
     llm = {e["pid"] for e in events if e.get("ph") == "M" and e["name"] == "process_name"
            and e["args"]["name"].startswith("llm[")}
-    per_pos, cpu, wall, waited, steps = [], 0.0, 0.0, 0.0, set()
+    cpu, wall, waited, steps = 0.0, 0.0, 0.0, set()
+    busy: dict[tuple, list] = {}  # (pid, step, mb) -> [microseconds, samples]: the LLM's forward + backward
     for e in events:
         args = e.get("args") or {}
         if e.get("ph") != "X" or e.get("pid") not in llm or args.get("step", 0) < warmup:
             continue
         steps.add(args["step"])
-        if e["name"] == "forward":
-            per_pos.append(e["dur"] / (len(args["samples"]) * max(size[s] for s in args["samples"])))
+        if e["name"] in ("forward", "backward"):  # the loss section's backward follows its forward at once
+            busy.setdefault((e["pid"], args["step"], args["mb"]), [0.0, args["samples"]])[0] += e["dur"]
             cpu += args["cpu"] * 1e6
             wall += e["dur"]
         elif e["name"] == "wait inputs":
             waited += e["dur"]
+    per_pos = [us / (len(samples) * max(size[s] for s in samples)) for us, samples in busy.values()]
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]
     plans = plan_stats(run_dir, rows, warmup, data)["llm"]
