@@ -102,13 +102,18 @@ class LogMel(nn.Module):
         return self._filters[key]
 
     def forward(self, wave: Tensor, sample_rate: int) -> Tensor:
+        """In the wave's dtype; a half-precision wave (a bf16 or fp16 pipeline) is transformed in
+        float32, which torch.fft needs, and its features cast back."""
+        dtype = wave.dtype
+        if dtype not in (torch.float32, torch.float64):
+            wave = wave.float()
         frame_len, hop = frame_samples(self.frame_s, sample_rate), frame_samples(self.hop_s, sample_rate)
         if wave.shape[0] < frame_len:
             wave = torch.nn.functional.pad(wave, (0, frame_len - wave.shape[0]))
         frames = wave.unfold(0, frame_len, hop)  # exactly num_frames(len, rate) rows
         window, filters = self._window_and_filters(frame_len, sample_rate, wave)
         power = torch.fft.rfft(frames * window, dim=-1).abs().square()
-        return (power @ filters).clamp_min(LOG_FLOOR).log()
+        return (power @ filters).clamp_min(LOG_FLOOR).log().to(dtype)
 
 
 class AudioTransformer(nn.Module):

@@ -19,7 +19,10 @@ Outputs = dict[str, Tensor | list[Tensor] | int]
 
 
 def check_keys(config: dict[str, Any], allowed: Iterable[str], where: str = "") -> None:
-    """Raise a ValueError naming the first key of `config` that is not in `allowed` (a typo guard)."""
+    """Raise a ValueError naming the first key of `config` that is not in `allowed` (a typo guard),
+    or `config` itself when it is not a mapping (e.g. teacher: "teacher")."""
+    if not isinstance(config, dict):
+        raise ValueError(f"{where.rstrip('.') or 'config'} must be a mapping of config keys, got {config!r}")
     allowed = set(allowed)
     for key in config:
         if key not in allowed:

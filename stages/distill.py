@@ -18,6 +18,7 @@ section's model config: CausalLM keys, or HFCausalLM keys with `model_type`/`hf_
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,11 +54,15 @@ class KDConfig:
     @classmethod
     def from_dict(cls, config: dict[str, Any]) -> KDConfig:
         kd = cls(**{f.name: config[f.name] for f in dataclasses.fields(cls) if f.name in config})
-        if not kd.temperature > 0:
-            raise ValueError(f"temperature must be > 0, got {kd.temperature!r}")
-        if not 0.0 <= kd.alpha <= 1.0:
-            raise ValueError(f"alpha must be in [0, 1], got {kd.alpha!r}")
+        if not _number(kd.temperature) or not 0 < kd.temperature < math.inf:
+            raise ValueError(f"temperature must be a finite number > 0, got {kd.temperature!r}")
+        if not _number(kd.alpha) or not 0.0 <= kd.alpha <= 1.0:
+            raise ValueError(f"alpha must be a number in [0, 1], got {kd.alpha!r}")
         return kd
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 KD_KEYS = tuple(f.name for f in dataclasses.fields(KDConfig))

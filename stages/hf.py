@@ -34,7 +34,6 @@ from stages.common import (
     module_device,
     next_token_targets,
     pad_tokens,
-    padding_mask,
     select_predicted,
     unpad,
 )
@@ -85,6 +84,9 @@ def hf_model_config(config: dict[str, Any], *, where: str = "") -> tuple[Any, st
     from transformers import AutoConfig
 
     model_type = config.get("model_type", "gpt2")
+    if not isinstance(config.get("hf_config", {}), dict):
+        raise ValueError(f"{where}hf_config must be a mapping of transformers config fields (e.g. "
+                         f"{{'n_layer': 2}}), got {config['hf_config']!r}; the model is named by {where}model_type")
     user = dict(config.get("hf_config", {}))
     attn = config.get("attn_implementation", user.pop("attn_implementation", None))
     kwargs = {**(GPT2_DEFAULTS if model_type == "gpt2" else {}), **user}
@@ -92,6 +94,13 @@ def hf_model_config(config: dict[str, Any], *, where: str = "") -> tuple[Any, st
         hf_config = AutoConfig.for_model(model_type, **kwargs)
     except (ValueError, TypeError) as exc:
         raise ValueError(f"{where}model_type/{where}hf_config: {exc}") from exc
+    if hasattr(hf_config, "is_decoder"):
+        # An encoder family (bert, roberta, ...) is a causal LM only as a decoder: else its
+        # attention is bidirectional and the next-token loss sees the tokens it predicts.
+        if user.get("is_decoder") is False:
+            raise ValueError(f"{where}hf_config.is_decoder: a {model_type} model trains here as a causal LM, "
+                             "which needs is_decoder=True (False lets every position see the tokens it predicts)")
+        hf_config.is_decoder = True
     return hf_config, attn
 
 
@@ -148,24 +157,63 @@ def load_hf_checkpoint(model: nn.Module, path: str) -> None:
     model.load_state_dict(state, strict=False)
 
 
+class SoftcappedHead(nn.Linear):
+    """An LM head whose logits are soft-capped, cap * tanh(logits / cap), as gemma2's model
+    does after its lm_head (`final_logit_softcapping`)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, cap: float) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self.cap = cap
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(super().forward(x) / self.cap) * self.cap
+
+
 def build_hf_lm_head(config: dict[str, Any], *, where: str = "") -> nn.Linear:
-    """Exactly the LM head an HFCausalLM with this config has, as a standalone nn.Linear.
+    """Exactly what an HFCausalLM with this config computes from its last hidden states to its
+    logits, as a standalone nn.Linear: its LM head, soft-capped where the model caps its logits.
 
     Builds the whole model to get it (transformers initialises from one RNG stream), which is
-    fine for the sizes used here; a very large teacher should be given as a checkpoint.
+    fine for the sizes used here; a very large teacher should be given as a checkpoint. Checks
+    on a few tokens that the head gives the model's own logits: a model that processes them
+    otherwise after its head is refused, naming the model type.
     """
     if config.get("init_seed") is None and config.get("checkpoint") is None:
         raise ValueError(
             f"{where}init_seed or {where}checkpoint must be set so that the LM head can be rebuilt "
             "in another section with the same weights"
         )
-    out = build_hf_model(config, where=where, quiet=True).get_output_embeddings()
-    head = nn.Linear(out.in_features, out.out_features, bias=out.bias is not None).to(out.weight.dtype)
+    model = build_hf_model(config, where=where, quiet=True)
+    out = model.get_output_embeddings()
+    cap = getattr(model.config, "final_logit_softcapping", None)
+    if cap:
+        head: nn.Linear = SoftcappedHead(out.in_features, out.out_features, out.bias is not None, float(cap))
+    else:
+        head = nn.Linear(out.in_features, out.out_features, bias=out.bias is not None)
+    head = head.to(out.weight.dtype)
     with torch.no_grad():
         head.weight.copy_(out.weight)
         if out.bias is not None:
             head.bias.copy_(out.bias)
+    if not on_meta(model):
+        _check_head(model, head, where)
     return head
+
+
+def _check_head(model: nn.Module, head: nn.Linear, where: str) -> None:
+    was_training = model.training
+    model.eval()  # dropout off: the same forward both ways
+    try:
+        with torch.no_grad():
+            ids = torch.arange(min(4, head.out_features), device=module_device(model)).unsqueeze(0)
+            hidden = model.base_model(input_ids=ids).last_hidden_state
+            want = model(input_ids=ids).logits
+    finally:
+        model.train(was_training)
+    if not torch.allclose(head(hidden), want, rtol=1e-4, atol=1e-5):
+        raise ValueError(f"{where}model_type ({model.config.model_type!r}): the model changes its logits after "
+                         "its LM head in a way a KD student's copy of the head does not reproduce; use it as a "
+                         "teacher through a stage of your own")
 
 
 class HFCausalLM(Stage):
@@ -228,15 +276,18 @@ class HFCausalLM(Stage):
     def forward(self, batch: MicroBatch) -> Outputs:
         tokens = batch.columns["tokens"]
         device = module_device(self.model)
+        # Right padding under causal attention: no real position sees a pad, so no padding mask
+        # is passed. One would change nothing for real positions, but where a sliding window
+        # leaves a pad row no visible key, transformers' eager attention in float64 turns that row
+        # into NaN, which then reaches real positions through 0 * NaN in the backward.
         ids, lengths = pad_tokens(tokens, device)
-        mask = padding_mask(lengths, ids.shape[1], device).long()
         if self.role == "teacher":
             # The base model's last hidden state is what the LM head reads (gpt2: after ln_f);
             # running it alone avoids computing vocab-sized logits nobody uses.
-            hidden = self.model.base_model(input_ids=ids, attention_mask=mask).last_hidden_state
+            hidden = self.model.base_model(input_ids=ids).last_hidden_state
             return {"hidden": unpad(hidden, lengths)}
         # The full model (not base model + head) so that model-specific logit processing applies.
-        logits = select_predicted(self.model(input_ids=ids, attention_mask=mask).logits, lengths)
+        logits = select_predicted(self.model(input_ids=ids).logits, lengths)
         if self.role == "kd_student":
             return distillation_outputs(logits, batch, self.teacher_head, self.kd)
         targets = next_token_targets(tokens, device)

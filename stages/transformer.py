@@ -73,10 +73,11 @@ class LMConfig:
                 raise ValueError(f"{where}{key} must be an integer >= 1, got {value!r}")
         if self.d_model % self.n_heads:
             raise ValueError(f"{where}d_model ({self.d_model}) must be divisible by {where}n_heads ({self.n_heads})")
-        if self.d_ff is not None and (not isinstance(self.d_ff, int) or self.d_ff < 1):
+        if self.d_ff is not None and (not isinstance(self.d_ff, int) or isinstance(self.d_ff, bool) or self.d_ff < 1):
             raise ValueError(f"{where}d_ff must be an integer >= 1 or None, got {self.d_ff!r}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"{where}dropout must be in [0, 1), got {self.dropout!r}")
+        if (not isinstance(self.dropout, (int, float)) or isinstance(self.dropout, bool)
+                or not 0.0 <= self.dropout < 1.0):
+            raise ValueError(f"{where}dropout must be a number in [0, 1), got {self.dropout!r}")
         if self.init_seed is not None and (not isinstance(self.init_seed, int) or isinstance(self.init_seed, bool)):
             raise ValueError(f"{where}init_seed must be an integer or None, got {self.init_seed!r}")
 

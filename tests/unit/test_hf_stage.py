@@ -146,3 +146,66 @@ def test_sizes_left_to_defaults_are_announced(capsys):
     make(HFCausalLM, {**STUDENT, "role": "lm"})
     printed = capsys.readouterr().out
     assert "hf_config leaves vocab_size=260" in printed and "maestro_flow's small gpt2 defaults" in printed
+
+
+def test_config_types_are_checked_naming_the_key():
+    from stages.distill import KDStudent
+
+    for config, match in (({"teacher": TEACHER, "temperature": float("inf")}, "temperature must be a finite"),
+                          ({"teacher": TEACHER, "alpha": None}, "alpha must be a number"),
+                          ({"teacher": "teacher"}, "teacher must be a mapping"),
+                          ({"teacher": TEACHER, "student": None}, "student must be a mapping"),
+                          ({"teacher": TEACHER, "student": {"dropout": "0.1"}}, "student.dropout must be a number")):
+        with pytest.raises(ValueError, match=match):
+            KDStudent(config, CTX)
+    with pytest.raises(ValueError, match="hf_config must be a mapping"):
+        HFCausalLM({"role": "lm", "hf_config": "gpt2"}, CTX)
+
+
+SMALL = {"vocab_size": 260, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "max_position_embeddings": 64}
+
+
+@pytest.mark.parametrize("model_type", ["bert", "roberta"])
+def test_an_encoder_family_trains_as_a_causal_lm(model_type):
+    """bert/roberta through AutoModelForCausalLM attend both ways unless is_decoder: the hidden
+    state at a position moved when only a later token changed (5e-3), so the next-token loss saw
+    what it predicts. Now they are built as decoders; is_decoder=False is refused."""
+    config = {"role": "teacher", "init_seed": 0, "model_type": model_type, "hf_config": {**SMALL, "pad_token_id": 0}}
+    stage = make(HFCausalLM, config)
+    stage.train(False)  # their default dropout off: only attention can move the states
+    a, b = [5, 1, 2, 3, 4, 9, 7], [5, 1, 2, 3, 4, 9, 200]
+    ha, hb = (stage.forward(micro_batch([s]))["hidden"][0] for s in (a, b))
+    torch.testing.assert_close(ha[:6], hb[:6], atol=0, rtol=0)
+    with pytest.raises(ValueError, match="is_decoder"):
+        HFCausalLM({**config, "hf_config": {**config["hf_config"], "is_decoder": False}}, CTX)
+
+
+def test_a_soft_capping_teachers_head_caps_as_its_model_does():
+    """gemma2 caps its logits after lm_head (final_logit_softcapping); the KD student's copy of the
+    head did not, so a student equal to its teacher had a KD loss of 69 instead of 0."""
+    gemma = {"model_type": "gemma2", "init_seed": 3, "attn_implementation": "eager",
+             "hf_config": {**SMALL, "num_key_value_heads": 2, "head_dim": 8, "final_logit_softcapping": 5.0,
+                           "initializer_range": 0.5}}
+    teacher = make(HFCausalLM, {"role": "teacher", **gemma})
+    head = build_hf_lm_head(gemma).to(torch.float64)
+    ids = torch.tensor([[5, 1, 2, 3, 4]])
+    hidden = teacher.model.base_model(input_ids=ids).last_hidden_state
+    want = teacher.model(input_ids=ids).logits
+    assert want.abs().max() <= 5.0 < teacher.model.lm_head(hidden).abs().max()  # the cap matters here
+    torch.testing.assert_close(head(hidden), want, atol=ATOL, rtol=0)
+
+
+def test_a_sliding_window_in_float64_eager_attention_stays_finite():
+    """mistral with a sliding window, float64, eager attention: a short sample batched with a
+    longer one gave NaN (a pad row with no visible key); it equals the sample run alone now."""
+    config = {"role": "lm", "init_seed": 4, "model_type": "mistral", "attn_implementation": "eager",
+              "hf_config": {**SMALL, "num_key_value_heads": 2, "sliding_window": 3}}
+    stage = make(HFCausalLM, config)
+    samples = [[5, 1, 2, 3, 4, 9, 7, 8], [3, 4]]
+    together = stage.forward(micro_batch(samples))["loss"]
+    together.backward()
+    assert torch.isfinite(together) and all(torch.isfinite(p.grad).all() for p in stage.model.parameters()
+                                            if p.grad is not None)
+    alone = sum(stage.forward(micro_batch([s]))["loss"] for s in samples)
+    torch.testing.assert_close(together, alone, atol=ATOL, rtol=0)

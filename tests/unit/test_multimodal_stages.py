@@ -359,3 +359,17 @@ def test_vision_takes_precomputed_pixels_from_the_modality_column():
                                         columns={}, inputs={"pixels": pixels}))["image_embeds"]
     assert out[1] is None and out[0].shape == out[2].shape == (2, 32)  # 1x2 and 2x1 patch grids, d_model 32
     assert torch.equal(out[0], expected[0]) and torch.equal(out[2], expected[2])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_audio_in_a_half_precision_pipeline(dtype):
+    """A bf16 or fp16 pipeline's audio encoder computes its log-mel features in float32 (torch.fft
+    has no half kernels on CPU: a RuntimeError in forward before) and hands them on in its dtype."""
+    stage = AudioEncoder(AUDIO_CFG, CTX)
+    for module in stage.modules().values():
+        module.to(dtype)
+    full = make(AudioEncoder, AUDIO_CFG)
+    [got] = encode_audio(stage, CLIPS[:1])
+    [want] = encode_audio(full, CLIPS[:1])
+    assert got.dtype == dtype and torch.isfinite(got).all()
+    assert (got.double() - want).abs().max() < 0.1  # the same features, to half precision
