@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,8 +50,10 @@ class Cost:
         if not isinstance(self.padded, bool):
             raise PipelineError(f"{where}.cost.padded must be true or false, got {self.padded!r}")
         for f in dataclasses.fields(self):
-            if f.name != "padded" and getattr(self, f.name) < 0:
-                raise PipelineError(f"{where}.cost.{f.name} must be >= 0, got {getattr(self, f.name)}")
+            value = getattr(self, f.name)
+            if f.name != "padded" and (not isinstance(value, (int, float)) or isinstance(value, bool)
+                                       or not 0 <= value < math.inf):  # NaN fails this too
+                raise PipelineError(f"{where}.cost.{f.name} must be a finite number >= 0, got {value!r}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

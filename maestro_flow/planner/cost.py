@@ -16,11 +16,35 @@ bound of its share of any micro-batch.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from maestro_flow.config import Cost
 from maestro_flow.samples import SampleMeta
+
+
+def cheapest_pieces(order: Sequence[int], fwd: Mapping[int, float], fixed: float) -> list[list[int]]:
+    """`order` (sample ids of a padding stage's micro-batch) cut into the consecutive pieces that
+    cost least in all, a piece costing `fixed` + its size x its largest `fwd` (exact dynamic
+    programme, O(len^2); fewer pieces on ties)."""
+    k = len(order)
+    # best[j]: (cost, pieces, start of the last piece) of the first j samples.
+    best: list[tuple[float, int, int]] = [(0.0, 0, 0)] + [(float("inf"), 0, 0)] * k
+    for j in range(1, k + 1):
+        tops = [0.0] * j  # tops[i]: the largest forward of order[i:j]
+        top = 0.0
+        for i in range(j - 1, -1, -1):
+            top = tops[i] = max(top, fwd[order[i]])
+        for i in range(j):
+            cost = best[i][0] + fixed + (j - i) * tops[i]
+            if (cost, best[i][1] + 1) < best[j][:2]:
+                best[j] = (cost, best[i][1] + 1, i)
+    pieces, j = [], k
+    while j > 0:
+        i = best[j][2]
+        pieces.append(list(order[i:j]))
+        j = i
+    return pieces[::-1]
 
 
 def length_s(c: Cost, sample: SampleMeta) -> float:

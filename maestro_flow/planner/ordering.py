@@ -42,7 +42,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from maestro_flow.graph import SectionGraph
-from maestro_flow.planner.cost import CostModel
+from maestro_flow.planner.cost import CostModel, cheapest_pieces
 from maestro_flow.planner.credit import cumulative, default_run_ahead, first_covering
 from maestro_flow.planner.plan import MicroBatches
 from maestro_flow.planner.routed import Key, Routed
@@ -66,7 +66,8 @@ class _Rep:
     mbs: list[tuple[int, ...]] = field(default_factory=list)
     pieces: list[list[int]] = field(default_factory=list)  # decided micro-batches still to start, in order
     free_at: float = 0.0
-    bwd_ready: list[tuple[float, int]] = field(default_factory=list)  # heap: (ready, mb), as simulate.py
+    bwd_order: list[int] = field(default_factory=list)  # mbs with a backward, run oldest first (as simulate.py)
+    next_bwd: int = 0  # index into bwd_order
     grads_missing: dict[int, int] = field(default_factory=dict)  # mb -> gradients still to come
     grads_at: dict[int, float] = field(default_factory=dict)
     need: dict[int, int] = field(default_factory=dict)  # sid -> producers it needs outputs from
@@ -96,6 +97,9 @@ class Ordering:
         self.bwd_factor = {n: costs.costs[n].backward_factor if self.sections[n].trainable else 0.0 for n in comp}
         self.fixed = {n: costs.micro_batch_s(n) for n in comp}  # per micro-batch, as simulate.py charges it
         self.padded = {n: costs.costs[n].padded for n in comp}
+        # A consumer of one producer section that feeds no one takes each producer's outputs in
+        # the order they were sent (tests/unit/test_planner.check_pair_order): its splits keep it.
+        self.keep_order = {n: len(graph.inputs(n)) == 1 and not graph.outputs(n) for n in comp}
         self.active, self.grads_of = routed.active, routed.grads_of
         self.keys_of, self.keys_out, self.keys_in = routed.keys_of, routed.keys_out, routed.keys_in
         self.out_keys, self.in_keys = routed.out_keys, routed.in_keys
@@ -200,8 +204,10 @@ class Ordering:
 
     def _decide(self, rep: _Rep, t: float) -> None:
         rep.waiting = False
-        if rep.bwd_ready and rep.bwd_ready[0][0] <= t:
-            _, m = heapq.heappop(rep.bwd_ready)
+        bwd_at = _backward_ready(rep)
+        if bwd_at <= t:
+            m = rep.bwd_order[rep.next_bwd]
+            rep.next_bwd += 1
             n = rep.section
             self._busy(rep, t, self.bwd_factor[n] * self._batch_fwd(n, rep.mbs[m]))
             self._send_grads(rep, rep.mbs[m], rep.free_at)
@@ -222,8 +228,7 @@ class Ordering:
         # before t can be left by a producer held back by credits: then look past it.)
         arrived = rep.arrived
         wake = arrived[0][0] if arrived and arrived[0][0] > t else min((a for a, _, _ in arrived if a > t), default=INF)
-        if rep.bwd_ready:
-            wake = min(wake, rep.bwd_ready[0][0])
+        wake = min(wake, bwd_at)
         if wake < INF:
             heapq.heappush(self.heap, (wake, rep.slot))
         # An idle consumer overrides run-ahead credits: wake producers that held back for it.
@@ -417,36 +422,21 @@ class Ordering:
         if self.sections[n].trainable and not rep.loss and expected:
             rep.grads_missing[m] = expected
             rep.grads_at[m] = 0.0
+            rep.bwd_order.append(m)
         else:
             self._send_grads(rep, batch, done)
 
     def _split(self, n: str, batch: list[int]) -> list[list[int]]:
         """A micro-batch of a padding stage as the consecutive pieces that cost least: its samples
-        by increasing forward, cut where padding costs more than another micro-batch's fixed
-        cost (exact: O(len^2) over the sorted samples, fewer pieces on ties); the batch itself
-        when it stays whole."""
+        by increasing forward (in their given order where the section keeps its producer's send
+        order), cut where padding costs more than another micro-batch's fixed cost (exact:
+        O(len^2), fewer pieces on ties: cost.cheapest_pieces); the batch itself when it stays whole."""
         if not self.padded[n] or len(batch) < 2:
             return [batch]
-        fwd, fixed = self.fwd[n], self.fixed[n]
-        order = sorted(batch, key=lambda sid: (fwd[sid], sid))
-        k = len(order)
-        # best[j]: (cost, pieces) of the first j samples; a piece i..j-1 costs fixed + its size x
-        # its last (largest) sample's forward.
-        best: list[tuple[float, int, int]] = [(0.0, 0, 0)] + [(INF, 0, 0)] * k
-        for j in range(1, k + 1):
-            top = fwd[order[j - 1]]
-            for i in range(j):
-                cost = best[i][0] + fixed + (j - i) * top
-                if (cost, best[i][1] + 1) < best[j][:2]:
-                    best[j] = (cost, best[i][1] + 1, i)
-        if best[k][1] == 1:
-            return [batch]
-        pieces, j = [], k
-        while j > 0:
-            i = best[j][2]
-            pieces.append(order[i:j])
-            j = i
-        return pieces[::-1]
+        fwd = self.fwd[n]
+        order = list(batch) if self.keep_order[n] else sorted(batch, key=lambda sid: (fwd[sid], sid))
+        pieces = cheapest_pieces(order, fwd, self.fixed[n])
+        return [batch] if len(pieces) == 1 else pieces
 
     def _batch_fwd(self, n: str, batch: Sequence[int]) -> float:
         """A micro-batch's forward, as simulate.py charges it (CostModel.batch_s): the fixed cost
@@ -468,10 +458,17 @@ class Ordering:
                 m = self.mb_of[p][sid]
                 prep.grads_missing[m] -= 1
                 prep.grads_at[m] = max(prep.grads_at[m], arrive)
-                if prep.grads_missing[m] == 0:
-                    heapq.heappush(prep.bwd_ready, (prep.grads_at[m], m))
+                if prep.grads_missing[m] == 0 and prep.bwd_order[prep.next_bwd] == m:  # else an older one is due
                     if prep.waiting:
                         heapq.heappush(self.heap, (max(prep.grads_at[m], prep.free_at), prep.slot))
+
+
+def _backward_ready(rep: _Rep) -> float:
+    """When the oldest backward still to run can start (INF: its gradients are not all in)."""
+    if rep.next_bwd == len(rep.bwd_order):
+        return INF
+    m = rep.bwd_order[rep.next_bwd]
+    return rep.grads_at[m] if not rep.grads_missing[m] else INF
 
 
 def _first_then(first: Key | None, keys: Sequence[Key], rank: Callable) -> Iterator[Key]:

@@ -68,12 +68,14 @@ class _Replica:
     mbs: tuple[tuple[int, ...], ...]
     fwd_cost: list[float]
     bwd_cost: list[float]  # 0 where no separate backward task
+    has_bwd: list[bool]  # a separate backward task (a zero cost one too: it still sends the gradients)
     missing: list[int]  # per mb: inputs (producer section, sample) still to arrive
     grads_needed: list[int]  # per mb: gradient messages still to come (separate backward only)
     next_fwd: int = 0
     free_at: float = 0.0
     busy: float = 0.0
-    ready_bwd: list[tuple[float, int]] = field(default_factory=list)  # heap of (ready time, mb)
+    bwd_order: list[int] = field(default_factory=list)  # mbs with a backward, run in this order (as the executor)
+    next_bwd: int = 0  # index into bwd_order
     grad_ready: list[float] = field(default_factory=list)  # per mb: latest gradient arrival
     inputs_at: list[float] = field(default_factory=list)  # per mb: latest input arrival so far
     finish: float = 0.0
@@ -101,6 +103,7 @@ class _Sim:
                 rep = _Replica(section=name, index=r, mbs=mbs, fwd_cost=[f[0] for f in facts],
                                bwd_cost=[f[1] for f in facts], missing=[f[2] for f in facts],
                                grads_needed=[f[3] for f in facts], grad_ready=[0.0] * len(mbs),
+                               has_bwd=[f[3] > 0 for f in facts], bwd_order=[m for m, f in enumerate(facts) if f[3]],
                                inputs_at=[0.0] * len(mbs),
                                slot=len(self.replicas), gates=plan.gates_of(name, r),
                                left=sum(f[0] + f[1] for f in facts))
@@ -123,7 +126,8 @@ class _Sim:
 
     def _facts(self, name: str, mb: tuple[int, ...]) -> tuple[float, float, int, int]:
         """One micro-batch's forward and backward seconds (a loss section's forward includes its
-        backward), how many (producer, sample) outputs it needs, and the gradients it waits for."""
+        backward), how many (producer, sample) outputs it needs, and the gradients it waits for
+        (0: no separate backward task)."""
         graph, costs, section = self.graph, self.costs, self.graph.sections[name]
         if self.meta is None:
             self.meta = {s.id: s for s in self.samples}
@@ -136,6 +140,8 @@ class _Sim:
                        if graph.sections[e.edge.dst].activates(s.modalities))
         needs = len({(e.edge.src, s.id) for e in graph.inputs(name) for s in metas
                      if graph.sections[e.edge.src].activates(s.modalities)})
+        if not section.trainable or name in self.losses:
+            expected = 0  # no separate backward: nothing waits for gradients
         return f, (b if expected else 0.0), needs, expected  # the executor skips a backward nobody needs
 
     @property
@@ -166,8 +172,12 @@ class _Sim:
         if t < rep.free_at:
             return  # busy: its own completion event decides next
         rep.waiting = False
-        if rep.ready_bwd and rep.ready_bwd[0][0] <= t:
-            _, m = heapq.heappop(rep.ready_bwd)
+        # Backwards run oldest first, as the executor runs them (gradients accumulate in
+        # micro-batch order): a later micro-batch whose gradients came back first waits.
+        bwd_at = self._backward_ready(rep)
+        if bwd_at <= t:
+            m = rep.bwd_order[rep.next_bwd]
+            rep.next_bwd += 1
             self._run(rep, i, t, rep.bwd_cost[m], m, "backward")
             self._send_grads(rep, m, rep.free_at)
             return
@@ -181,11 +191,19 @@ class _Sim:
                 return
         else:
             ready = INF
-        wake = min(ready, rep.ready_bwd[0][0] if rep.ready_bwd else INF)
+        wake = min(ready, bwd_at)
         rep.waiting = True
         if wake < INF:
             heapq.heappush(self.heap, (wake, i))
         # else: blocked until a producer's output or a consumer's gradient wakes it (see _wake).
+
+    @staticmethod
+    def _backward_ready(rep: _Replica) -> float:
+        """When the oldest backward still to run can start (INF: its gradients are not all in)."""
+        if rep.next_bwd == len(rep.bwd_order):
+            return INF
+        m = rep.bwd_order[rep.next_bwd]
+        return rep.grad_ready[m] if m < rep.next_fwd and not rep.grads_needed[m] else INF
 
     def _run(self, rep: _Replica, i: int, t: float, cost: float, m: int, kind: str) -> None:
         end = t + cost
@@ -219,7 +237,7 @@ class _Sim:
                         crep.inputs_at[cm] = arrive
                     if not crep.missing[cm] and cm == crep.next_fwd:  # else this arrival changes nothing now
                         self._wake(crep, crep.inputs_at[cm])
-        if not rep.bwd_cost[m]:  # loss section (backward done), frozen, or no gradient expected
+        if not rep.has_bwd[m]:  # loss section (backward done), frozen, or no gradient expected
             self._send_grads(rep, m, done)
 
     def _send_grads(self, rep: _Replica, m: int, done: float) -> None:
@@ -231,9 +249,9 @@ class _Sim:
                 prep, pm = self.where[(producer, s)]
                 prep.grads_needed[pm] -= 1
                 prep.grad_ready[pm] = max(prep.grad_ready[pm], arrive)
-                if prep.grads_needed[pm] == 0 and prep.next_fwd > pm:
-                    heapq.heappush(prep.ready_bwd, (prep.grad_ready[pm], pm))
-                    self._wake(prep, prep.grad_ready[pm])
+                if (prep.has_bwd[pm] and prep.grads_needed[pm] == 0 and prep.next_fwd > pm
+                        and prep.bwd_order[prep.next_bwd] == pm):
+                    self._wake(prep, prep.grad_ready[pm])  # else it waits for an older backward
 
 
 def replay(plan: Plan, graph: SectionGraph, costs: CostModel, memo: dict | None = None, limit: float = INF
@@ -247,7 +265,7 @@ def replay(plan: Plan, graph: SectionGraph, costs: CostModel, memo: dict | None 
     if not sim.run(limit):
         return None
     for rep in sim.replicas:
-        if rep.next_fwd < len(rep.mbs) or rep.ready_bwd or any(g > 0 for g in rep.grads_needed[:rep.next_fwd]):
+        if rep.next_fwd < len(rep.mbs) or rep.next_bwd < len(rep.bwd_order):
             raise ValueError(f"plan cannot complete: {rep.section}[{rep.index}] is stuck at micro-batch "
                              f"{rep.next_fwd} (a consumer ordered before its producer?)")
     return sim

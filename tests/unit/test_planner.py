@@ -17,7 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from maestro_flow import ArrowData, Edge, Pipeline, PipelineError, Section
+from maestro_flow import ArrowData, Cost, Edge, Pipeline, PipelineError, Section
 from maestro_flow.graph import SectionGraph
 from maestro_flow.planner import Plan, make_planner
 from maestro_flow.runtime.ledger import plan_message
@@ -338,3 +338,19 @@ def test_drawn_case_is_the_same_under_several_seeds():
         assert plan == plan_of(p, list(samples))
         assert [[len(mb) for mb in rep] for rep in plan.replicas["student"]] == [[2, 2, 2, 2], [2, 2, 2, 2]]
         check_plan(SectionGraph(p), samples, plan)
+
+
+def test_a_padded_consumer_keeps_its_producers_send_order():
+    """A student behind a teacher takes the teacher's outputs in the order they were sent; the
+    wavefront's split of a padded micro-batch re-sorted it by length (student [1] [2,3] [0] for
+    teacher [1] [0] [2] [3])."""
+    p = Pipeline(name="p", data=ArrowData(path="d"), plan_search=0.0, sections=[
+        Section(name="teacher", stage="x:T", micro_batch=1, trainable=False, cost=Cost(per_patch_s=1e-5, padded=True)),
+        Section(name="student", stage="x:S", micro_batch=3, cost=Cost(per_token_s=1e-5, padded=True))],
+        edges=[Edge(src="teacher", dst="student", tensors=("h",))])
+    graph = SectionGraph(p)
+    samples = [SampleMeta(id=i, row=i, num_tokens=t, num_patches=q)
+               for i, (t, q) in enumerate([(1000, 1000), (1000, 10), (1, 1000), (1, 1000)])]
+    plan = make_planner("wavefront", graph).plan(0, samples)
+    assert len(plan.replicas["student"][0]) > 1  # the split happened
+    check_pair_order(graph, plan)

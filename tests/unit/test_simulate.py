@@ -382,6 +382,10 @@ def check_simulation(graph: SectionGraph, costs: CostModel, plan: Plan, sim: Sim
         for r in range(len(reps)):
             mine = sorted((t for t in sim.tasks if (t.section, t.replica) == (n, r)), key=lambda t: t.start_s)
             assert [t.micro_batch for t in mine if t.kind == "forward"] == list(range(len(reps[r])))
+            # Backwards run oldest first, as the executor runs them (a later one whose gradients
+            # came back first waits: the simulation let it go ahead, up to 9.5% optimistic).
+            backwards = [t.micro_batch for t in mine if t.kind == "backward"]
+            assert backwards == sorted(backwards), (n, r, backwards)
             free = 0.0
             for t in mine:
                 assert t.start_s >= free - EPS, (n, r, t)
@@ -469,3 +473,23 @@ def test_samples_s_is_sample_s_for_every_sample():
     costs = CostModel(costs={"x": Cost(per_sample_s=1.3e-4, per_token_s=7.1e-6, per_patch_s=3.3e-5,
                                        per_frame_s=2.9e-4)})
     assert costs.samples_s("x", samples) == {s.id: costs.sample_s("x", s) for s in samples}  # exactly, not approx
+
+
+def test_a_zero_cost_backward_still_waits_for_its_gradients():
+    """a -> b -> c, all trainable, c the loss; b costs nothing. b's backward is a task of no
+    length, still after c's gradients: the simulation sent b's gradients at its forward's end, so
+    a's backward ran while c was still computing."""
+    p = pipeline([S("a", trainable=True, micro_batch=2, cost=Cost(per_sample_s=1.0)),
+                  S("b", trainable=True, micro_batch=2, cost=Cost(per_sample_s=0.0)),
+                  S("c", trainable=True, micro_batch=2, cost=Cost(per_sample_s=10.0))],
+                 [Edge(src="a", dst="b", tensors=("x",)), Edge(src="b", dst="c", tensors=("y",))])
+    graph = SectionGraph(p)
+    costs = CostModel(costs={n: s.cost for n, s in graph.sections.items()})
+    plan = make_planner("fifo", graph, costs).plan(0, [SampleMeta(id=i, row=i) for i in range(4)])
+    sim = simulate(plan, graph, costs)
+    ends = {(t.section, t.micro_batch, t.kind): t.end_s for t in sim.tasks}
+    starts = {(t.section, t.micro_batch, t.kind): t.start_s for t in sim.tasks}
+    for m in (0, 1):
+        assert starts[("b", m, "backward")] >= ends[("c", m, "forward")]
+        assert starts[("a", m, "backward")] >= ends[("b", m, "backward")]
+    check_simulation(graph, costs, plan, sim)
