@@ -26,19 +26,20 @@ from maestro_flow.samples import SampleMeta
 def cheapest_pieces(order: Sequence[int], fwd: Mapping[int, float], fixed: float) -> list[list[int]]:
     """`order` (sample ids of a padding stage's micro-batch) cut into the consecutive pieces that
     cost least in all, a piece costing `fixed` + its size x its largest `fwd` (exact dynamic
-    programme, O(len^2); fewer pieces on ties)."""
+    programme, O(len^2); fewer pieces, then earlier cuts, on ties)."""
     k = len(order)
+    vals = [fwd[sid] for sid in order]
     # best[j]: (cost, pieces, start of the last piece) of the first j samples.
-    best: list[tuple[float, int, int]] = [(0.0, 0, 0)] + [(float("inf"), 0, 0)] * k
+    best: list[tuple[float, int, int]] = [(0.0, 0, 0)] * (k + 1)
     for j in range(1, k + 1):
-        tops = [0.0] * j  # tops[i]: the largest forward of order[i:j]
-        top = 0.0
-        for i in range(j - 1, -1, -1):
-            top = tops[i] = max(top, fwd[order[i]])
-        for i in range(j):
-            cost = best[i][0] + fixed + (j - i) * tops[i]
-            if (cost, best[i][1] + 1) < best[j][:2]:
-                best[j] = (cost, best[i][1] + 1, i)
+        top, bj = 0.0, (float("inf"), 0, 0)
+        for i in range(j - 1, -1, -1):  # the last piece is order[i:j]; top: its largest
+            if vals[i] > top:
+                top = vals[i]
+            cost, n = best[i][0] + fixed + (j - i) * top, best[i][1] + 1
+            if (cost, n) <= bj[:2]:  # down to i = 0: on a tie the smallest i wins
+                bj = (cost, n, i)
+        best[j] = bj
     pieces, j = [], k
     while j > 0:
         i = best[j][2]
