@@ -8,12 +8,17 @@ it each attempt of the run (its first, and one per automatic restart):
     maestro/attempt/<session>  where the coordinator listens, the timeouts, which node runs which
                                rank, each rank's section, replica and worker names
     maestro/end/<session>      "done" or "failed", when the attempt ends
-    maestro/lost/<session>     set by an agent: one of its workers died (the coordinator stops
-                               the attempt, naming it)
+    maestro/lost/<session>     set by an agent: one of its workers died, or the agent was
+                               interrupted (the coordinator stops the attempt, naming it), or
+                               "refused: ..." when this node cannot join (a pipeline or secret
+                               that differs from node 0's: the run fails, no restart)
     maestro/job                "done" or "failed: <why>", when the whole run is over
     maestro/bye/<node>         set by an agent once it read maestro/job (node 0 waits for it)
 
-An agent starts its node's workers of each attempt (the same worker processes node 0 starts,
+Before starting any worker an agent checks that its own pipeline (after --set) is node 0's and
+that its secret is (the attempt carries a MAC under the attempt's key, never the key), so a
+mismatch fails at once, naming what differs, instead of as a missing node after the startup
+timeout. An agent starts its node's workers of each attempt (the same worker processes node 0 starts,
 with the secret from its own MAESTRO_SECRET / --secret-file: the store carries nothing that
 lets anyone into the control plane), reports a dead worker, stops its workers when the attempt
 ends, and follows the next attempt. It ends with the run, or when node 0 is gone (the store no
@@ -22,13 +27,16 @@ longer answers), stopping its workers first.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import os
 import sys
 import time
 from typing import Any
 
-from maestro_flow.errors import SystemFailure
+from maestro_flow.errors import MaestroError, PipelineError, SystemFailure, WorkerLost
+from maestro_flow.protocol.auth import derive_key
 from maestro_flow.runtime.launcher import Launcher
 from maestro_flow.runtime.nodes import Nodes, node_ranks, rendezvous
 from maestro_flow.timeouts import Timeouts
@@ -49,29 +57,62 @@ def end_attempt(store: Any, session: str, outcome: str) -> None:
         pass
 
 
-def end_job(store: Any, outcome: str, nnodes: int, wait_s: float) -> None:
-    """The run is over: tell the agents, and keep the store up (bounded) until each has read it."""
+def end_job(store: Any, outcome: str, nnodes: int, wait_s: float, lost: set[int] = frozenset()) -> None:
+    """The run is over: tell the agents, and keep the store up (bounded) until each has read it
+    (not those of the `lost` nodes: nothing there will answer)."""
     try:
         store.set("maestro/job", outcome)
         deadline = time.monotonic() + wait_s
-        keys = [f"maestro/bye/{n}" for n in range(1, nnodes)]
+        keys = [f"maestro/bye/{n}" for n in range(1, nnodes) if n not in lost]
         while time.monotonic() < deadline and not store.check(keys):
             time.sleep(POLL_S)
     except Exception:  # noqa: BLE001 (the store is ours: it fails only when this process is going down)
         pass
 
 
-def lost_report(store: Any, session: str) -> str | None:
+REFUSED = "refused: "
+
+
+def lost_error(store: Any, session: str) -> MaestroError | None:
+    """What an agent reported for this attempt, as the error node 0 stops with: a node that
+    cannot join is bad input (no restart helps), anything else a lost worker."""
     key = f"maestro/lost/{session}"
-    return store.get(key).decode() if store.check([key]) else None
+    if not store.check([key]):
+        return None
+    text = store.get(key).decode()
+    return PipelineError(text.removeprefix(REFUSED)) if text.startswith(REFUSED) else WorkerLost(text)
+
+
+def canonical(pipeline: dict[str, Any]) -> str:
+    """A pipeline's dict as text that two nodes can compare."""
+    return json.dumps(pipeline, sort_keys=True, default=str)
+
+
+def verifier(key: bytes) -> str:
+    """Proof that a node holds the attempt's key (derived from the secret), which reveals neither."""
+    return hmac.new(key, b"maestro_flow attempt verifier", hashlib.sha256).hexdigest()
+
+
+def differences(mine: Any, theirs: Any, where: str = "") -> list[str]:
+    """The keys (dotted, as --set names them) where two pipeline dicts differ, with both values."""
+    if isinstance(mine, dict) and isinstance(theirs, dict):
+        out = []
+        for k in sorted(set(mine) | set(theirs), key=str):
+            out += differences(mine.get(k), theirs.get(k), f"{where}.{k}" if where else str(k))
+        return out
+    if isinstance(mine, list) and isinstance(theirs, list) and len(mine) == len(theirs) and all(
+            isinstance(x, dict) and "name" in x for x in mine + theirs):  # sections, by name
+        return differences({x["name"]: x for x in mine}, {x["name"]: x for x in theirs}, where)
+    return [] if mine == theirs else [f"{where} ({mine!r} here, {theirs!r} on node 0)"]
 
 
 class Agent:
     def __init__(self, nodes: Nodes, *, secret: bytes, host: str, interface: str | None, timeouts: Timeouts,
-                 worker_log: Any, log: Any = None, entry: Any = None) -> None:
+                 worker_log: Any, log: Any = None, entry: Any = None, pipeline: dict[str, Any] | None = None) -> None:
         from maestro_flow.runtime.worker import worker_main
 
         self.nodes, self.secret, self.host, self.interface = nodes, secret, host, interface
+        self.pipeline = json.loads(canonical(pipeline)) if pipeline is not None else None  # None: not checked
         self.timeouts, self.worker_log = timeouts, worker_log
         self.log = log or (lambda text: print(text, file=sys.stderr, flush=True))
         self.entry = entry or worker_main
@@ -99,6 +140,20 @@ class Agent:
                                 f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}; this node's "
                                 f"workers are stopped") from None
 
+    def _refusal(self, store: Any, session: str, info: dict[str, Any]) -> str | None:
+        """Why this node cannot join the attempt (None: it can)."""
+        node = self.nodes.node_rank
+        if "verifier" in info and info["verifier"] != verifier(derive_key(self.secret, session)):
+            return (f"node {node}'s control-plane secret differs from node 0's: give every node the same "
+                    "MAESTRO_SECRET (or --secret-file)")
+        if self.pipeline is not None and "pipeline" in info:
+            differ = differences(self.pipeline, json.loads(info["pipeline"]))
+            if differ:
+                return (f"node {node}'s pipeline differs from node 0's (give every node the same pipeline file "
+                        f"and --set/--steps options): {'; '.join(differ[:5])}"
+                        + (f"; {len(differ)} differences in all" if len(differ) > 5 else ""))
+        return None
+
     def _next_attempt(self, store: Any, previous: str | None) -> str | None:
         wait_s = self.timeouts.startup_s + self.timeouts.checkpoint_s
         deadline = time.monotonic() + wait_s
@@ -121,18 +176,27 @@ class Agent:
         node_of = {int(r): n for r, n in info["node_of"].items()}
         mine = node_ranks(node_of, node)
         self.node0_ranks = node_ranks(node_of, 0)
+        problem = self._refusal(store, session, info)
+        if problem is not None:
+            self._ask(store.set, f"maestro/lost/{session}", REFUSED + problem)  # node 0 stops at once
+            raise PipelineError(problem)
         self.log(f"node {node}: starting ranks {', '.join(map(str, mine))} (coordinator {info['address']})")
         launcher = Launcher(self.entry)
         owner: SlotOwner | None = None
         boot = {"coordinator": info["address"], "parent_pid": os.getpid(), "timeouts": info["timeouts"],
                 "secret": self.secret.hex(), "session": session, "host": self.host, "interface": self.interface}
+        pinned: dict[int, dict[str, Any]] = {}
+        if info.get("pin_cpus"):  # node 0's --pin-cpus: this node's CPU workers on this node's cores
+            from maestro_flow.runtime.cpus import pinned as pin
+
+            pinned = pin([r for r in mine if info["devices"][r] == "cpu"], os.sched_getaffinity(0))
         quieted = os.environ.pop("MAESTRO_AGENT_QUIETED_TORCH", None) and os.environ.pop("TORCH_CPP_LOG_LEVEL", None)
         try:
             owner = claim(session)  # this attempt's slots on this node (transport/host.py)
             for rank in mine:
                 section, replica, name, label = info["workers"][str(rank)]
                 launcher.start(rank, section, replica, {**boot, "rank": rank, "label": label,
-                                                        "log": self.worker_log(name)})
+                                                        "log": self.worker_log(name), **pinned.get(rank, {})})
             if quieted:  # the workers started with torch's default log level; this process stays quiet
                 os.environ["MAESTRO_AGENT_QUIETED_TORCH"], os.environ["TORCH_CPP_LOG_LEVEL"] = "1", quieted
             reported = False
@@ -159,6 +223,14 @@ class Agent:
                                             f"{waited:.0f}s after this node's workers ended (raise "
                                             f"MAESTRO_COORDINATOR_TIMEOUT_S if node 0 can be that slow)")
                 time.sleep(POLL_S)
+        except KeyboardInterrupt:  # Ctrl-C or SIGTERM here: node 0 learns why at once
+            try:
+                store.set(f"maestro/lost/{session}", f"node {node} was interrupted (Ctrl-C or SIGTERM there); "
+                                                     "its workers are stopped")
+                store.set(f"maestro/bye/{node}", "1")  # node 0 need not wait for this node to read the end
+            except Exception:  # noqa: BLE001 (node 0 may be gone too)
+                pass
+            raise
         finally:
             try:
                 launcher.shutdown(0.5, self.timeouts.kill_grace_s)

@@ -201,7 +201,9 @@ class Coordinator(CoordinatorIO):
             agent.publish_attempt(self.rdzv, self.session, {
                 "address": addr, "timeouts": self.timeouts.to_dict(), "node_of": self.node_of,
                 "workers": {r: [*self.placement.who(r), self.placement.worker_name(r), self.placement.worker_name(r, "/")]
-                            for r in range(self.placement.world_size)}})
+                            for r in range(self.placement.world_size)},
+                "devices": list(self.placement.devices), "pin_cpus": self.pin_cpus,
+                "pipeline": agent.canonical(self.pipeline.to_dict()), "verifier": agent.verifier(self.key)})
         self.observer.start(self.placement)
         deadline = time.monotonic() + self.timeouts.startup_s
         hellos: dict[int, dict] = {}
@@ -260,13 +262,10 @@ class Coordinator(CoordinatorIO):
         """With --pin-cpus: each CPU worker of this node's cores and torch threads (boot fields)."""
         if not self.pin_cpus:
             return {}
-        from maestro_flow.runtime.cpus import cpu_shares, threads
+        from maestro_flow.runtime.cpus import pinned
 
-        ranks = [r for r in range(self.placement.world_size)
-                 if self.node_of[r] == 0 and self.placement.devices[r] == "cpu"]
-        cores = sorted(os.sched_getaffinity(0))
-        return {r: {"cpus": list(share), "threads": threads(len(ranks), cores, share)}
-                for r, share in zip(ranks, cpu_shares(len(ranks), cores), strict=True)}
+        return pinned([r for r in range(self.placement.world_size)
+                       if self.node_of[r] == 0 and self.placement.devices[r] == "cpu"], os.sched_getaffinity(0))
 
     # -- steps -----------------------------------------------------------------------------
 

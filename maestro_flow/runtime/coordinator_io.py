@@ -96,9 +96,9 @@ class CoordinatorIO:
         if self.status is not None:
             self.status.publish(self._snapshot())
         if self.rdzv is not None:
-            lost = agent.lost_report(self.rdzv, self.session)
+            lost = agent.lost_error(self.rdzv, self.session)
             if lost is not None:
-                raise WorkerLost(lost)
+                raise lost
 
     def _snapshot(self) -> dict:
         """What `maestro top` shows (read-only: built from what the coordinator already knows)."""
@@ -143,9 +143,9 @@ class CoordinatorIO:
                     raise self._death(dead[0])
             if not self.nodes.multi:
                 continue
-            lost = agent.lost_report(self.rdzv, self.session)
+            lost = agent.lost_error(self.rdzv, self.session)
             if lost is not None:
-                raise WorkerLost(lost)
+                raise lost
             lost = self.liveness.lost_node(time.monotonic())
             if lost is not None:
                 raise lost

@@ -44,3 +44,11 @@ def search_share(plan_search: float, lookahead_steps: int, workers: int, cores: 
     if lookahead_steps == 0 or workers >= cores:
         return 0.0
     return plan_search
+
+
+def pinned(cpu_ranks: Sequence[int], cores: Sequence[int]) -> dict[int, dict[str, object]]:
+    """The boot fields of each of one node's CPU workers under --pin-cpus: its cores and torch
+    threads (node 0's coordinator and the other nodes' agents each for their own ranks)."""
+    cores = sorted(cores)
+    return {r: {"cpus": list(share), "threads": threads(len(cpu_ranks), cores, share)}
+            for r, share in zip(cpu_ranks, cpu_shares(len(cpu_ranks), cores), strict=True)}

@@ -98,9 +98,11 @@ class Liveness:
             on_node = node_ranks(self.node_of, node)
             quiet = [now - self.last_seen.get(r, now) for r in on_node]
             if quiet and min(quiet) > self.timeouts.heartbeat_timeout_s:
-                return WorkerLost(f"node {node} (ranks {', '.join(map(str, on_node))}) is lost: none of its workers "
+                lost = WorkerLost(f"node {node} (ranks {', '.join(map(str, on_node))}) is lost: none of its workers "
                                   f"sent anything for {min(quiet):.1f}s (heartbeat timeout; raise "
                                   f"MAESTRO_HEARTBEAT_TIMEOUT_S if it is just slow)")
+                lost.lost_nodes = {node}  # type: ignore[attr-defined]  # no goodbye to wait for (run.py)
+                return lost
         return None
 
     def silent(self, now: float) -> WorkerLost | None:

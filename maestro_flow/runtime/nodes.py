@@ -40,6 +40,8 @@ class Nodes:
         if nnodes < 1:
             raise PipelineError(f"--nnodes must be at least 1, got {nnodes}")
         if nnodes == 1:
+            if node_rank not in (None, 0):  # it would train the whole job alone
+                raise PipelineError(f"--node-rank {node_rank} is for a run over several nodes: add --nnodes N")
             return cls()
         if node_rank is None:
             raw = environ.get("SLURM_NODEID") or environ.get("SLURM_PROCID")

@@ -121,6 +121,13 @@ def _run_agent(pipeline: Any, options: RunOptions, nodes: Nodes, host: str, secr
     if options.checkpoint.resume or options.record or options.save_dir:
         raise PipelineError("--resume, --record and --save-dir are node 0's to give (it runs the coordinator); "
                             f"drop them on node {nodes.node_rank}")
+    ckpt = options.checkpoint
+    node0 = [flag for flag, given in (("--metrics-out", options.metrics_out), ("--trace", options.trace is not None),
+                                      ("--tensorboard", options.tensorboard), ("--checkpoint-dir", ckpt.dir),
+                                      ("--max-restarts", ckpt.max_restarts), ("--pin-cpus", options.pin_cpus)) if given]
+    if node0 and options.show_progress:  # the same command on every node stays valid
+        print(f"node {nodes.node_rank}: {', '.join(node0)} take effect as node 0 was given them (it runs the "
+              "coordinator), not as given here", file=sys.stderr)
     run_dir = RunDir(options.run_dir, pipeline, options.overrides) if options.run_dir else None
     if options.show_progress:
         print(f"{pipeline.name}: node {nodes.node_rank} of {nodes.nnodes}, joining node 0 at "
@@ -129,7 +136,7 @@ def _run_agent(pipeline: Any, options: RunOptions, nodes: Nodes, host: str, secr
     previous = signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
     try:
         Agent(nodes, secret=secret, host=host, interface=options.interface, timeouts=Timeouts.from_env(),
-              worker_log=run_dir.worker_log if run_dir else (lambda name: None),
+              pipeline=pipeline.to_dict(), worker_log=run_dir.worker_log if run_dir else (lambda name: None),
               log=(lambda text: print(text, file=sys.stderr, flush=True)) if options.show_progress else
               (lambda text: None)).run()
     finally:
@@ -172,8 +179,13 @@ def run_pipeline(path: str, options: RunOptions) -> list[dict[str, Any]]:
         raise PipelineError("--devices and --micro-batch set the monolithic baseline: add --baseline monolithic "
                             "(section mode takes each section's dp and micro_batch, e.g. --set sections.NAME.dp=2)")
     nodes = Nodes.from_options(options.nnodes, options.node_rank, options.rdzv_endpoint, options.nproc_per_node)
-    if nodes.multi and options.colocated:
-        raise PipelineError("--colocated runs in one process: drop --nnodes")
+    if options.colocated:
+        ignored = [flag for flag, given in (("--nnodes", nodes.multi), ("--pin-cpus", options.pin_cpus),
+                                            ("--host", options.host), ("--secret-file", options.secret_file),
+                                            ("--nproc-per-node", options.nproc_per_node)) if given]
+        if ignored:
+            raise PipelineError(f"--colocated runs in one process, with no workers or control plane: drop "
+                                f"{', '.join(ignored)}")
     try:
         cuda_ipc.wait_mode()  # read by each worker of this node; a bad value is refused before any starts
     except ValueError as exc:
@@ -264,7 +276,7 @@ def run_pipeline(path: str, options: RunOptions) -> list[dict[str, Any]]:
             except BaseException as exc:
                 if rdzv is not None:
                     end_job(rdzv, f"failed: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}",
-                            nodes.nnodes, Timeouts.from_env().shutdown_grace_s + 5)
+                            nodes.nnodes, Timeouts.from_env().shutdown_grace_s + 5, getattr(exc, "lost_nodes", set()))
                 raise
             if rdzv is not None:
                 end_job(rdzv, "done", nodes.nnodes, Timeouts.from_env().shutdown_grace_s + 5)

@@ -137,3 +137,43 @@ def test_a_lost_node_rejoins_with_max_restarts(demo_data, tmp_path):
     assert "restart" in err0.lower()
     steps = [line for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if line]
     assert steps and '"step": 29' in steps[-1]
+
+
+def test_a_node_that_differs_from_node_0_is_refused_at_once(demo_data):
+    """Node 1 with another --set, then with another secret: both nodes stop within seconds,
+    naming what differs. Before, node 1's pipeline was silently replaced by node 0's, and a
+    wrong secret showed after the startup timeout as node 1 missing (2 min by default)."""
+    args = ["--steps", "2", "--set", f"data.path={demo_data}", "--quiet", "--no-run-dir"]
+    for extra, env, said in ((("--set", "seed=7"), None, "node 1's pipeline differs from node 0's"),
+                             ((), {"MAESTRO_SECRET": "another secret, held by node 1 alone"},
+                              "node 1's control-plane secret differs from node 0's")):
+        port = free_port()
+        n1 = node(1, port, "pipelines/distill.py", *args, *extra, env=env)
+        n0 = node(0, port, "pipelines/distill.py", *args)
+        t0 = time.monotonic()
+        err0, err1 = finish(n0, n1, timeout=90)
+        assert time.monotonic() - t0 < 45
+        assert n0.returncode == 2 and n1.returncode == 2, (err0, err1)
+        assert said in err0 and said in err1, (err0, err1)
+        if extra:
+            assert "seed (7 here, 0 on node 0)" in err1, err1
+
+
+def test_stopping_node_1_is_named_at_once(demo_data):
+    """SIGTERM to node 1: node 0 stops naming it within a few seconds (it waited for the heartbeat
+    timeout, then reported node 1 silent, and then waited for a goodbye from it)."""
+    import signal
+
+    port = free_port()
+    pipeline = str(ASSETS / "faulty.py")
+    n1 = node(1, port, pipeline, *_slow(demo_data=demo_data))
+    n0 = node(0, port, pipeline, *_slow(demo_data=demo_data))
+    everything = _training(n0, 2) + _training(n1, 1)
+    n1.send_signal(signal.SIGTERM)
+    t0 = time.monotonic()
+    [err] = finish(n0, timeout=60)
+    elapsed = time.monotonic() - t0
+    finish(n1)
+    assert n0.returncode == 1 and "node 1 was interrupted" in err, err
+    assert elapsed < 9, f"node 0 took {elapsed:.1f}s to stop"  # under the 10 s heartbeat timeout
+    assert not wait_gone(everything, 10.0), "processes left running"

@@ -384,3 +384,14 @@ def test_a_refused_run_leaves_no_empty_default_run_dir(tmp_path, monkeypatch):
     result = CliRunner().invoke(main, ["run", pipeline, "--set", f"data.path={tmp_path / 'missing.arrow'}"])
     assert result.exit_code == 2 and "missing.arrow" in result.output
     assert not list((tmp_path / "runs").iterdir())
+
+
+def test_colocated_refuses_the_options_of_workers_and_nodes(dataset, tmp_path):
+    """--colocated has no workers, control plane or nodes: --pin-cpus, --host, --secret-file and
+    --nproc-per-node were accepted and ignored."""
+    pipeline = str(Path(__file__).resolve().parents[2] / "pipelines" / "distill.py")
+    result = CliRunner().invoke(main, ["run", pipeline, "--colocated", "--no-run-dir", "--pin-cpus", "--host",
+                                       "10.1.2.3", "--set", f"data.path={dataset}"])
+    assert result.exit_code == 2
+    assert "--colocated runs in one process, with no workers or control plane: drop --pin-cpus, --host" \
+        in result.output

@@ -23,6 +23,7 @@ def test_flags_and_slurm():
     ((2, 0, None, None), "--rdzv-endpoint HOST:PORT is needed"),
     ((2, 0, "nohost", None), "must be HOST:PORT"),
     ((2, 0, "h:1", 0), "--nproc-per-node must be at least 1"),
+    ((1, 1, "h:1", None), "--node-rank 1 is for a run over several nodes: add --nnodes"),  # it trained alone
     ((0, 0, "h:1", None), "--nnodes must be at least 1"),
 ])
 def test_bad_flags_are_refused(args, message):
@@ -45,3 +46,26 @@ def test_layouts_that_do_not_fit_are_refused():
         Nodes(nnodes=5, node_rank=0, endpoint=("h", 1), nproc_per_node=1).assign(placement)
     with pytest.raises(PipelineError, match="more than 2 nodes of 2 hold"):
         Nodes(nnodes=2, node_rank=0, endpoint=("h", 1), nproc_per_node=2).assign(placement)
+
+
+def test_what_an_agent_compares_with_node_0():
+    """A node whose pipeline or secret differs from node 0's is refused before its workers start,
+    naming the keys that differ (runtime/agent.py)."""
+    from maestro_flow.protocol.auth import derive_key
+    from maestro_flow.runtime.agent import canonical, differences, verifier
+
+    node0 = {"steps": 2, "seed": 0, "sections": [{"name": "teacher", "dp": 1}, {"name": "student", "dp": 2}]}
+    here = {"steps": 4, "seed": 0, "sections": [{"name": "teacher", "dp": 1}, {"name": "student", "dp": 1}]}
+    assert differences(here, node0) == ["sections.student.dp (1 here, 2 on node 0)", "steps (4 here, 2 on node 0)"]
+    assert differences(node0, node0) == [] and canonical(node0) == canonical(dict(reversed(node0.items())))
+    key = derive_key(b"s" * 32, "session")
+    assert verifier(key) == verifier(derive_key(b"s" * 32, "session"))
+    assert verifier(key) != verifier(derive_key(b"t" * 32, "session"))
+    assert verifier(key) != verifier(derive_key(b"s" * 32, "another session"))
+
+
+def test_pinned_cores_per_node():
+    from maestro_flow.runtime.cpus import pinned
+
+    assert pinned([2, 5], [0, 1, 2, 3]) == {2: {"cpus": [0, 1], "threads": 2}, 5: {"cpus": [2, 3], "threads": 2}}
+    assert pinned([], [0, 1]) == {}
