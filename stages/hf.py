@@ -76,7 +76,29 @@ def build_hf_model(config: dict[str, Any], *, where: str = "", quiet: bool = Fal
             model = AutoModelForCausalLM.from_config(hf_config, **kwargs)
     if config.get("checkpoint") is not None:
         load_hf_checkpoint(model, config["checkpoint"])
+    if not on_meta(model):
+        _check_causal(model, hf_config.model_type, where)
     return model
+
+
+def _check_causal(model: nn.Module, model_type: str, where: str) -> None:
+    """Refuse a model whose earlier positions see later tokens (a bidirectional encoder built as
+    a causal LM, e.g. xlnet, or xlm without `causal`): its next-token loss would see the tokens it
+    predicts. Two forwards of four tokens differing in the last one, dropout off: the same shapes
+    and the same first three tokens give bit-identical first positions in a causal model."""
+    was_training = model.training
+    model.eval()
+    t = max(0, model.get_input_embeddings().num_embeddings // 2 - 4)  # ordinary tokens, not pad or specials
+    try:
+        with torch.no_grad():
+            a, b = (model.base_model(input_ids=torch.tensor([[t, t + 1, t + 2, last]], device=module_device(model)))
+                    .last_hidden_state[0, :3] for last in (t + 3, t + 4))
+    finally:
+        model.train(was_training)
+    if not torch.equal(a, b):
+        raise ValueError(f"{where}model_type ({model_type!r}): the model's earlier positions see later tokens "
+                         "(bidirectional attention), so a next-token loss would see what it predicts; use a "
+                         "causal model type, or the config field that makes this one causal")
 
 
 def hf_model_config(config: dict[str, Any], *, where: str = "") -> tuple[Any, str | None]:
@@ -94,12 +116,10 @@ def hf_model_config(config: dict[str, Any], *, where: str = "") -> tuple[Any, st
         hf_config = AutoConfig.for_model(model_type, **kwargs)
     except (ValueError, TypeError) as exc:
         raise ValueError(f"{where}model_type/{where}hf_config: {exc}") from exc
-    if hasattr(hf_config, "is_decoder"):
+    if hasattr(hf_config, "is_decoder") and "is_decoder" not in user:
         # An encoder family (bert, roberta, ...) is a causal LM only as a decoder: else its
-        # attention is bidirectional and the next-token loss sees the tokens it predicts.
-        if user.get("is_decoder") is False:
-            raise ValueError(f"{where}hf_config.is_decoder: a {model_type} model trains here as a causal LM, "
-                             "which needs is_decoder=True (False lets every position see the tokens it predicts)")
+        # attention is bidirectional and the next-token loss sees the tokens it predicts
+        # (build_hf_model checks every model for that).
         hf_config.is_decoder = True
     return hf_config, attn
 

@@ -450,6 +450,7 @@ class SectionExecutor(StepEnd, Prefetch):
         for sid in pending.sample_ids:
             self.pending_by_sample.pop((st.step, sid), None)
         t0 = self.clock()
+        cpu0 = time.thread_time() if self.tracer.enabled else 0.0
         self._waited(st, t0)
         self._doing("backward", st.step, pending.index)
         keys = [k for k in pending.outputs if k in pending.grads]
@@ -462,8 +463,9 @@ class SectionExecutor(StepEnd, Prefetch):
         elapsed = self.clock() - t0
         st.busy_s += elapsed
         self._timing(st, "backward", pending.sample_ids, elapsed)
-        self.tracer.span("backward", "compute", t0, t0 + elapsed, step=st.step, mb=pending.index,
-                         samples=list(pending.sample_ids))
+        if self.tracer.enabled:
+            self.tracer.span("backward", "compute", t0, t0 + elapsed, step=st.step, mb=pending.index,
+                             samples=list(pending.sample_ids), cpu=time.thread_time() - cpu0)
 
     def _send_input_grads(self, st: StepState, leaves: dict[tuple[int, str], torch.Tensor]) -> None:
         if self.follower:

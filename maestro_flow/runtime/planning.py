@@ -45,7 +45,9 @@ def read_trace(path: str) -> list[SampleMeta]:
 def run_search(pipeline, step: int) -> float:
     """The planner's search share a one-node run on this machine plans `step` with (the
     coordinator's rule, runtime/coordinator.py): none for the first step, which the workers wait
-    for, and none where the search would take a core from training (cpus.search_share)."""
+    for, and none where the search would take a core from training (cpus.search_share). A run
+    also plans without search the first step after a checkpoint or a resume (the workers wait for
+    it), which is not known here."""
     if step == 0:
         return 0.0
     return search_share(pipeline.plan_search if pipeline.schedule == "wavefront" else 0.0, pipeline.lookahead_steps,

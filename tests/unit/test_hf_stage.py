@@ -170,15 +170,22 @@ SMALL = {"vocab_size": 260, "hidden_size": 32, "intermediate_size": 64, "num_hid
 def test_an_encoder_family_trains_as_a_causal_lm(model_type):
     """bert/roberta through AutoModelForCausalLM attend both ways unless is_decoder: the hidden
     state at a position moved when only a later token changed (5e-3), so the next-token loss saw
-    what it predicts. Now they are built as decoders; is_decoder=False is refused."""
+    what it predicts. Now they are built as decoders; with is_decoder=False, or a model type that
+    stays bidirectional (xlnet), the build refuses the model."""
     config = {"role": "teacher", "init_seed": 0, "model_type": model_type, "hf_config": {**SMALL, "pad_token_id": 0}}
     stage = make(HFCausalLM, config)
     stage.train(False)  # their default dropout off: only attention can move the states
     a, b = [5, 1, 2, 3, 4, 9, 7], [5, 1, 2, 3, 4, 9, 200]
     ha, hb = (stage.forward(micro_batch([s]))["hidden"][0] for s in (a, b))
     torch.testing.assert_close(ha[:6], hb[:6], atol=0, rtol=0)
-    with pytest.raises(ValueError, match="is_decoder"):
+    with pytest.raises(ValueError, match="earlier positions see later tokens"):
         HFCausalLM({**config, "hf_config": {**config["hf_config"], "is_decoder": False}}, CTX)
+
+
+def test_a_bidirectional_model_type_is_refused():
+    with pytest.raises(ValueError, match=r"model_type \('xlnet'\): the model's earlier positions see later"):
+        HFCausalLM({"role": "teacher", "init_seed": 0, "model_type": "xlnet",
+                    "hf_config": {"vocab_size": 260, "d_model": 32, "n_layer": 1, "n_head": 2, "d_inner": 64}}, CTX)
 
 
 def test_a_soft_capping_teachers_head_caps_as_its_model_does():
