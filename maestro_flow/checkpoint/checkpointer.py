@@ -45,8 +45,11 @@ class CheckpointOptions:
             raise PipelineError("--checkpoint-every needs --checkpoint-dir and a number of steps >= 1")
         if self.dir is not None and self.every is None:
             raise PipelineError("--checkpoint-dir needs --checkpoint-every N (how often to save)")
-        if self.keep_last is not None and (self.keep_last < 1 or not self.dir):
-            raise PipelineError(f"--keep-last needs --checkpoint-dir and a count >= 1, got {self.keep_last}")
+        if self.keep_last is not None and not self.dir:
+            raise PipelineError("--keep-last says how many of --checkpoint-dir's checkpoints to keep: give "
+                                "--checkpoint-dir too")
+        if self.keep_last is not None and self.keep_last < 1:
+            raise PipelineError(f"--keep-last must be a count >= 1, got {self.keep_last}")
         if self.on_error not in ON_ERROR:
             raise PipelineError(f"--checkpoint-errors must be one of {', '.join(ON_ERROR)}, got {self.on_error!r}")
         if self.max_restarts < 0:

@@ -148,8 +148,9 @@ def test_a_failed_save_is_discarded_and_stops_or_is_skipped(tmp_path):
 
 @pytest.mark.parametrize("options, message", [
     (CheckpointOptions(every=2), "--checkpoint-every needs --checkpoint-dir"),
-    (CheckpointOptions(dir="x", every=2, keep_last=0), "--keep-last needs --checkpoint-dir and a count >= 1"),
-    (CheckpointOptions(keep_last=2), "--keep-last needs --checkpoint-dir"),
+    (CheckpointOptions(dir="x", every=2, keep_last=0), "--keep-last must be a count >= 1, got 0"),
+    (CheckpointOptions(keep_last=2), "--keep-last says how many of --checkpoint-dir's checkpoints to keep: give "
+                                     "--checkpoint-dir too"),
     (CheckpointOptions(dir="x"), "--checkpoint-dir needs --checkpoint-every N"),
     (CheckpointOptions(max_restarts=-1), "--max-restarts must be >= 0"),
     (CheckpointOptions(resume="/no/such/folder"), "--resume: no such folder"),
