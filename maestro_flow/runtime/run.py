@@ -211,16 +211,10 @@ def run_pipeline(path: str, options: RunOptions) -> list[dict[str, Any]]:
             raise PipelineError("--record needs a run directory (drop --no-run-dir)")
         record = {"dir": os.path.abspath(options.run_dir), "section": options.record,
                   "steps": list(options.record_steps) if options.record_steps is not None else None}
-    sinks = []
     if options.tensorboard:
-        from maestro_flow.runtime.tensorboard import TensorBoardSink, check_available
+        from maestro_flow.runtime.tensorboard import check_available
 
-        check_available()  # before its folder is made
-        # One folder per run under DIR, as TensorBoard expects: `tensorboard --logdir DIR` shows
-        # the runs side by side (two runs in one folder drew one curve, two points a step).
-        sinks.append(TensorBoardSink(default_run_dir(pipeline, root=options.tensorboard)))
-        if options.show_progress:
-            print(f"tensorboard: {sinks[-1].log_dir}", file=sys.stderr)
+        check_available()  # before anything is written
     sampler = EpochSampler(checked.metadata, pipeline.global_batch, pipeline.seed, shuffle=pipeline.data.shuffle)
     skipped = getattr(checked.source, "num_skipped", 0)
     if options.show_progress:
@@ -243,9 +237,18 @@ def run_pipeline(path: str, options: RunOptions) -> list[dict[str, Any]]:
     if resume is not None and options.show_progress:
         print(f"resuming from {resume[0]} at step {resume[1].step}", file=sys.stderr)
     metrics = [p for p in (options.metrics_out, run_dir.metrics if run_dir else None) if p]
+    observer = RunObserver(run_dir=run_dir, trace_path=trace)
+    sinks = []
+    if options.tensorboard:
+        from maestro_flow.runtime.tensorboard import TensorBoardSink
+
+        # One folder per run under DIR, as TensorBoard expects: `tensorboard --logdir DIR` shows
+        # the runs side by side (two runs in one folder drew one curve, two points a step).
+        sinks.append(TensorBoardSink(default_run_dir(pipeline, root=options.tensorboard)))
+        if options.show_progress:
+            print(f"tensorboard: {sinks[-1].log_dir}", file=sys.stderr)
     report = RunReport(total_steps=pipeline.steps, metrics_out=metrics, show_progress=options.show_progress,
                        sinks=sinks)
-    observer = RunObserver(run_dir=run_dir, trace_path=trace)
     previous = signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
     try:
         if options.colocated:
