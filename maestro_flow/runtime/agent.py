@@ -46,6 +46,8 @@ POLL_S = 0.2
 
 
 def publish_attempt(store: Any, session: str, info: dict[str, Any]) -> None:
+    for node in sorted(set(info["node_of"].values()) - {0}):  # a goodbye said in an earlier attempt is stale
+        store.delete_key(f"maestro/bye/{node}")
     store.set(f"maestro/attempt/{session}", json.dumps(info))
     store.set("maestro/attempt", session)
 
@@ -91,6 +93,22 @@ def canonical(pipeline: dict[str, Any]) -> str:
 def verifier(key: bytes) -> str:
     """Proof that a node holds the attempt's key (derived from the secret), which reveals neither."""
     return hmac.new(key, b"maestro_flow attempt verifier", hashlib.sha256).hexdigest()
+
+
+NODE0_ONLY = ("adapt_costs", "plan_search", "lookahead_steps")  # planning: node 0's alone (with sections' cost)
+
+
+def comparable(pipeline: dict[str, Any]) -> dict[str, Any]:
+    """What of a pipeline every node must agree on, as this node sees it: the data path resolved
+    here (where this node's workers open node 0's path), without what only node 0's planner reads
+    (the sections' costs, as `--costs` sets them, and the planning options)."""
+    out = {k: v for k, v in pipeline.items() if k not in NODE0_ONLY}
+    if isinstance(out.get("data"), dict) and isinstance(out["data"].get("path"), str):
+        out["data"] = {**out["data"], "path": os.path.realpath(out["data"]["path"])}
+    if isinstance(out.get("sections"), list):
+        out["sections"] = [{k: v for k, v in x.items() if k != "cost"} if isinstance(x, dict) else x
+                           for x in out["sections"]]
+    return out
 
 
 def differences(mine: Any, theirs: Any, where: str = "") -> list[str]:
@@ -147,7 +165,7 @@ class Agent:
             return (f"node {node}'s control-plane secret differs from node 0's: give every node the same "
                     "MAESTRO_SECRET (or --secret-file)")
         if self.pipeline is not None and "pipeline" in info:
-            differ = differences(self.pipeline, json.loads(info["pipeline"]))
+            differ = differences(comparable(self.pipeline), comparable(json.loads(info["pipeline"])))
             if differ:
                 return (f"node {node}'s pipeline differs from node 0's (give every node the same pipeline file "
                         f"and --set/--steps options): {'; '.join(differ[:5])}"

@@ -69,3 +69,18 @@ def test_pinned_cores_per_node():
 
     assert pinned([2, 5], [0, 1, 2, 3]) == {2: {"cpus": [0, 1], "threads": 2}, 5: {"cpus": [2, 3], "threads": 2}}
     assert pinned([], [0, 1]) == {}
+
+
+def test_nodes_agree_on_what_their_workers_use_not_on_node_0s_planning(tmp_path, monkeypatch):
+    """The same data file named relative here and absolute on node 0 is the same pipeline, and so
+    are costs only node 0's planner reads (`--costs` there alone); both were refused."""
+    from maestro_flow.runtime.agent import comparable, differences
+
+    monkeypatch.chdir(tmp_path)
+    node0 = {"data": {"path": str(tmp_path / "d.arrow")}, "plan_search": 0.5, "steps": 2,
+             "sections": [{"name": "student", "dp": 2, "cost": {"per_sample_s": 0.002}}]}
+    here = {"data": {"path": "d.arrow"}, "plan_search": 0.0, "steps": 2,
+            "sections": [{"name": "student", "dp": 2, "cost": {"per_sample_s": 0.0001}}]}
+    assert differences(comparable(here), comparable(node0)) == []
+    here["sections"][0]["dp"] = 1
+    assert differences(comparable(here), comparable(node0)) == ["sections.student.dp (1 here, 2 on node 0)"]
