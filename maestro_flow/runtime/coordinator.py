@@ -251,12 +251,10 @@ class Coordinator(CoordinatorIO):
 
     def _plan_search(self) -> float:
         """Pipeline.plan_search where the planner's search costs training nothing (cpus.search_share)."""
-        from maestro_flow.runtime.cpus import search_share
+        from maestro_flow.runtime.cpus import pipeline_search
 
         here = sum(1 for r in range(self.placement.world_size) if self.node_of[r] == 0)
-        p = self.pipeline
-        return search_share(p.plan_search if p.schedule == "wavefront" else 0.0, p.lookahead_steps, here,
-                            len(os.sched_getaffinity(0)))
+        return pipeline_search(self.pipeline, here, len(os.sched_getaffinity(0)))
 
     def _pinned(self) -> dict[int, dict[str, Any]]:
         """With --pin-cpus: each CPU worker of this node's cores and torch threads (boot fields)."""

@@ -46,6 +46,13 @@ def search_share(plan_search: float, lookahead_steps: int, workers: int, cores: 
     return plan_search
 
 
+def pipeline_search(pipeline, workers: int, cores: int) -> float:
+    """search_share of a pipeline (its `plan_search`, for the wavefront only), `workers` of it on
+    the coordinator's node: what a run plans with (the coordinator) and what `maestro plan` shows."""
+    return search_share(pipeline.plan_search if pipeline.schedule == "wavefront" else 0.0,
+                        pipeline.lookahead_steps, workers, cores)
+
+
 def pinned(cpu_ranks: Sequence[int], cores: Sequence[int]) -> dict[int, dict[str, object]]:
     """The boot fields of each of one node's CPU workers under --pin-cpus: its cores and torch
     threads (node 0's coordinator and the other nodes' agents each for their own ranks)."""

@@ -17,7 +17,7 @@ from maestro_flow.planner import CostModel, Plan, make_planner
 from maestro_flow.planner.simulate import simulate
 from maestro_flow.runtime.build import load_pipeline
 from maestro_flow.runtime.checks import check_pipeline
-from maestro_flow.runtime.cpus import search_share
+from maestro_flow.runtime.cpus import pipeline_search
 from maestro_flow.runtime.sampler import EpochSampler
 from maestro_flow.samples import SampleMeta
 
@@ -50,8 +50,7 @@ def run_search(pipeline, step: int) -> float:
     it), which is not known here."""
     if step == 0:
         return 0.0
-    return search_share(pipeline.plan_search if pipeline.schedule == "wavefront" else 0.0, pipeline.lookahead_steps,
-                        sum(s.dp * s.tp for s in pipeline.sections), len(os.sched_getaffinity(0)))
+    return pipeline_search(pipeline, sum(s.dp * s.tp for s in pipeline.sections), len(os.sched_getaffinity(0)))
 
 
 def plan_one_step(path: str, overrides: dict[str, Any], *, step: int = 0, trace_in: str | None = None) -> Plan:
