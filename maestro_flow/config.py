@@ -26,6 +26,11 @@ SCHEDULE_KEYS = ("warmup_steps", "decay", "min_lr")  # optimizer keys that shape
 MIXED_PRECISION = ("bf16",)
 
 
+def is_number(value: Any) -> bool:
+    """An int or float from a config (a bool, which Python counts as an int, is not one)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Cost:
     """The planner's starting cost model for one section: forward seconds per unit of work.
@@ -51,8 +56,7 @@ class Cost:
             raise PipelineError(f"{where}.cost.padded must be true or false, got {self.padded!r}")
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if f.name != "padded" and (not isinstance(value, (int, float)) or isinstance(value, bool)
-                                       or not 0 <= value < math.inf):  # NaN fails this too
+            if f.name != "padded" and (not is_number(value) or not 0 <= value < math.inf):  # NaN fails this too
                 raise PipelineError(f"{where}.cost.{f.name} must be a finite number >= 0, got {value!r}")
 
 
@@ -160,7 +164,7 @@ class Section:
         if decay not in LR_DECAYS:
             raise PipelineError(f"{where}.optimizer.decay must be one of {', '.join(LR_DECAYS)}, got {decay!r}")
         min_lr = opt.get("min_lr", 0.0)
-        if not isinstance(min_lr, (int, float)) or isinstance(min_lr, bool) or not 0 <= min_lr <= lr:
+        if not is_number(min_lr) or not 0 <= min_lr <= lr:
             raise PipelineError(f"{where}.optimizer.min_lr must be a number in [0, lr={lr}], got {min_lr!r}")
 
     def activates(self, modalities: frozenset[str] | set[str] | tuple[str, ...]) -> bool:
@@ -230,8 +234,7 @@ class Pipeline:
             raise PipelineError(f"adapt_costs must be true or false, got {self.adapt_costs!r}")
         if self.run_ahead is not None and (not isinstance(self.run_ahead, int) or self.run_ahead < 1):
             raise PipelineError(f"run_ahead must be an integer >= 1 or None, got {self.run_ahead!r}")
-        if (not isinstance(self.plan_search, (int, float)) or isinstance(self.plan_search, bool)
-                or not 0 <= self.plan_search <= 1):
+        if not is_number(self.plan_search) or not 0 <= self.plan_search <= 1:
             raise PipelineError(f"plan_search must be a number from 0 to 1, got {self.plan_search!r}")
         for key in ("global_batch", "steps", "lookahead_steps", "seed"):
             value = getattr(self, key)

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from maestro_flow import MicroBatch, Stage, StageContext
+from maestro_flow.config import is_number
 from stages.common import (
     Outputs,
     ce_sum,
@@ -54,15 +55,11 @@ class KDConfig:
     @classmethod
     def from_dict(cls, config: dict[str, Any]) -> KDConfig:
         kd = cls(**{f.name: config[f.name] for f in dataclasses.fields(cls) if f.name in config})
-        if not _number(kd.temperature) or not 0 < kd.temperature < math.inf:
+        if not is_number(kd.temperature) or not 0 < kd.temperature < math.inf:
             raise ValueError(f"temperature must be a finite number > 0, got {kd.temperature!r}")
-        if not _number(kd.alpha) or not 0.0 <= kd.alpha <= 1.0:
+        if not is_number(kd.alpha) or not 0.0 <= kd.alpha <= 1.0:
             raise ValueError(f"alpha must be a number in [0, 1], got {kd.alpha!r}")
         return kd
-
-
-def _number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 KD_KEYS = tuple(f.name for f in dataclasses.fields(KDConfig))

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from maestro_flow.config import is_number
 from stages.common import check_keys
 
 
@@ -75,8 +76,7 @@ class LMConfig:
             raise ValueError(f"{where}d_model ({self.d_model}) must be divisible by {where}n_heads ({self.n_heads})")
         if self.d_ff is not None and (not isinstance(self.d_ff, int) or isinstance(self.d_ff, bool) or self.d_ff < 1):
             raise ValueError(f"{where}d_ff must be an integer >= 1 or None, got {self.d_ff!r}")
-        if (not isinstance(self.dropout, (int, float)) or isinstance(self.dropout, bool)
-                or not 0.0 <= self.dropout < 1.0):
+        if not is_number(self.dropout) or not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"{where}dropout must be a number in [0, 1), got {self.dropout!r}")
         if self.init_seed is not None and (not isinstance(self.init_seed, int) or isinstance(self.init_seed, bool)):
             raise ValueError(f"{where}init_seed must be an integer or None, got {self.init_seed!r}")
