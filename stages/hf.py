@@ -20,6 +20,8 @@ are the full published size, e.g. llama's 4096 x 32 layers) and the resulting pa
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -81,6 +83,19 @@ def build_hf_model(config: dict[str, Any], *, where: str = "", quiet: bool = Fal
     return model
 
 
+@contextlib.contextmanager
+def _probing(model: nn.Module) -> Iterator[None]:
+    """A build-time check's forwards: dropout off (the same forward both ways), no autograd; the
+    model's train/eval mode as it was afterwards."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        model.train(was_training)
+
+
 def _check_causal(model: nn.Module, model_type: str, where: str) -> None:
     """Refuse a model whose earlier positions see later tokens (a bidirectional encoder built as
     a causal LM, e.g. xlnet, or xlm without `causal`): its next-token loss would see the tokens it
@@ -88,15 +103,10 @@ def _check_causal(model: nn.Module, model_type: str, where: str) -> None:
     gives the same first positions, to rounding (a mixture of experts groups tokens per expert:
     ~1e-7 in float32; a bidirectional model moves them by ~5e-3). In bf16/fp16 only leaks well
     above that precision's rounding are caught."""
-    was_training = model.training
-    model.eval()
     t = max(0, model.get_input_embeddings().num_embeddings // 2 - 4)  # ordinary tokens, not pad or specials
-    try:
-        with torch.no_grad():
-            a, b = (model.base_model(input_ids=torch.tensor([[t, t + 1, t + 2, last]], device=module_device(model)))
-                    .last_hidden_state[0, :3] for last in (t + 3, t + 4))
-    finally:
-        model.train(was_training)
+    with _probing(model):
+        a, b = (model.base_model(input_ids=torch.tensor([[t, t + 1, t + 2, last]], device=module_device(model)))
+                .last_hidden_state[0, :3] for last in (t + 3, t + 4))
     tol = 2e-2 if a.dtype in (torch.bfloat16, torch.float16) else 1e-4
     if not torch.allclose(a.float(), b.float(), rtol=tol, atol=tol * max(1.0, float(a.abs().max()))):
         raise ValueError(f"{where}model_type ({model_type!r}): the model's earlier positions see later tokens "
@@ -224,15 +234,10 @@ def build_hf_lm_head(config: dict[str, Any], *, where: str = "") -> nn.Linear:
 
 
 def _check_head(model: nn.Module, head: nn.Linear, where: str) -> None:
-    was_training = model.training
-    model.eval()  # dropout off: the same forward both ways
-    try:
-        with torch.no_grad():
-            ids = torch.arange(min(4, head.out_features), device=module_device(model)).unsqueeze(0)
-            hidden = model.base_model(input_ids=ids).last_hidden_state
-            want = model(input_ids=ids).logits
-    finally:
-        model.train(was_training)
+    with _probing(model):
+        ids = torch.arange(min(4, head.out_features), device=module_device(model)).unsqueeze(0)
+        hidden = model.base_model(input_ids=ids).last_hidden_state
+        want = model(input_ids=ids).logits
     if not torch.allclose(head(hidden), want, rtol=1e-4, atol=1e-5):
         raise ValueError(f"{where}model_type ({model.config.model_type!r}): the model changes its logits after "
                          "its LM head in a way a KD student's copy of the head does not reproduce; use it as a "
