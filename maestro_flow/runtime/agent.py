@@ -18,8 +18,8 @@ it each attempt of the run (its first, and one per automatic restart):
 Before starting any worker an agent checks that its own pipeline (after --set) is node 0's and
 that its secret is (the attempt carries a MAC under the attempt's key, never the key), so a
 mismatch fails at once, naming what differs, instead of as a missing node after the startup
-timeout. An agent starts its node's workers of each attempt (the same worker processes node 0 starts,
-with the secret from its own MAESTRO_SECRET / --secret-file: the store carries nothing that
+timeout. An agent starts its node's workers of each attempt (the same worker processes node 0
+starts, with the secret from its own MAESTRO_SECRET / --secret-file: the store carries nothing that
 lets anyone into the control plane), reports a dead worker, stops its workers when the attempt
 ends, and follows the next attempt. It ends with the run, or when node 0 is gone (the store no
 longer answers), stopping its workers first.
@@ -130,7 +130,8 @@ class Agent:
         from maestro_flow.runtime.worker import worker_main
 
         self.nodes, self.secret, self.host, self.interface = nodes, secret, host, interface
-        self.pipeline = json.loads(canonical(pipeline)) if pipeline is not None else None  # None: not checked
+        # What node 0's pipeline must match (None: not checked), through the JSON node 0's travels in.
+        self.pipeline = comparable(json.loads(canonical(pipeline))) if pipeline is not None else None
         self.timeouts, self.worker_log = timeouts, worker_log
         self.log = log or (lambda text: print(text, file=sys.stderr, flush=True))
         self.entry = entry or worker_main
@@ -165,7 +166,7 @@ class Agent:
             return (f"node {node}'s control-plane secret differs from node 0's: give every node the same "
                     "MAESTRO_SECRET (or --secret-file)")
         if self.pipeline is not None and "pipeline" in info:
-            differ = differences(comparable(self.pipeline), comparable(json.loads(info["pipeline"])))
+            differ = differences(self.pipeline, comparable(json.loads(info["pipeline"])))
             if differ:
                 return (f"node {node}'s pipeline differs from node 0's (give every node the same pipeline file "
                         f"and --set/--steps options): {'; '.join(differ[:5])}"

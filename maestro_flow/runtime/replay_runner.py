@@ -91,8 +91,9 @@ class SectionRunner:
 
     def prepare(self, batch: MicroBatch) -> tuple[MicroBatch, dict[tuple[int, str], torch.Tensor]]:
         """A fresh copy of `batch` with inputs on the section's device (floating ones in the
-        dtype they cross sections in: bf16 under mixed precision, else the pipeline's); inputs of gradient edges become leaves requiring grad (trainable
-        sections), as the executor makes them."""
+        dtype they cross sections in: bf16 under mixed precision, else the pipeline's); inputs
+        of gradient edges become leaves requiring grad (trainable sections), as the executor
+        makes them."""
         leaves: dict[tuple[int, str], torch.Tensor] = {}
         inputs: dict[str, list[torch.Tensor | None]] = {}
         for name, values in batch.inputs.items():

@@ -1,9 +1,9 @@
 """`--tensorboard DIR`: the curves people look at, one point per step, in TensorBoard's format.
 
 Runs in the `maestro run` process (section or colocated mode), fed the metrics rows of DESIGN 5.4
-by RunReport, into DIR/NAME-TIMESTAMP (one folder per run, made by runtime/run.py). Writes with `torch.utils.tensorboard.SummaryWriter`, which needs the optional
-`tensorboard` package (`pip install 'maestro-flow[tensorboard]'`). Scalars, at global step =
-the step index:
+by RunReport, into DIR/NAME-TIMESTAMP (one folder per run, made by runtime/run.py). Writes with
+`torch.utils.tensorboard.SummaryWriter`, which needs the optional `tensorboard` package
+(`pip install 'maestro-flow[tensorboard]'`). Scalars, at global step = the step index:
     loss (or loss/<section> with several loss sections), grad_norm, step_time_s,
     throughput/samples_per_s, throughput/tokens_per_s, lr/<section>, busy/<section> (the share of
     its replicas' step time spent computing), restarts
