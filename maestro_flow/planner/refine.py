@@ -12,9 +12,12 @@ event simulation the planner's makespans come from, so the result is exact):
   - within one replica: a sample moves to another of its micro-batches (never past the
     section's micro-batch size), two samples swap micro-batches, a micro-batch moves to
     another place in the order, or splits in two;
-  - across the replicas of one section: two samples swap replicas (their routes), or, where an
-    edge's fan-out blocks forbid that (the other replica feeds other consumer replicas), two
-    samples the same sections take trade places in every section of the component.
+  - across the replicas of one section: a sample moves to another replica (into a micro-batch
+    with room there, or one of its own), or two samples swap replicas (their routes), or, where
+    an edge's fan-out blocks forbid a swap (the other replica feeds other consumer replicas),
+    two samples the same sections take trade places in every section of the component. Swaps
+    keep each replica's sample count; moves change it, which balances a section whose replicas
+    the rules left a few percent apart.
 Most changes (P_CHAIN) touch a replica on the step's critical chain: the tasks that decide when
 it ends, traced back from the last one through each wait on an input or a gradient; the others
 touch any replica. A consumer with one producer section that feeds no one keeps taking each
@@ -67,7 +70,8 @@ EVAL_PLACED_S = 2e-6
 SETUP_EVALS = 3
 MIN_EVALS = 8
 P_CHAIN = 0.75  # share of changes made on a replica of the critical chain
-P_ROUTE = 0.25  # share of changes that swap two samples between replicas
+P_ROUTE = 0.25  # share of changes that swap two samples between replicas, or move one
+P_MOVE = 0.5  # of those, the share that move one sample (the others swap two)
 
 
 @dataclass(frozen=True, slots=True)
@@ -238,7 +242,11 @@ class _Search:
                 return None
             a, b = rng.choice(mine), rng.choice(theirs)
             i, j = rng.randrange(len(a)), rng.randrange(len(b))
-            if self.routable(routes, n, a[i], other) and self.routable(routes, n, b[j], r):
+            if rng.random() < P_MOVE:  # a sample moves to the other replica (its load changes by it alone)
+                routes = self._move(mine, theirs, a, i, routes, n, r, other, sections[n].micro_batch, rng)
+                if routes is None:
+                    return None
+            elif self.routable(routes, n, a[i], other) and self.routable(routes, n, b[j], r):
                 a[i], b[j] = b[j], a[i]
                 routes = {**routes, n: {**routes[n], a[i]: r, b[j]: other}}
             else:  # the other replica serves other replicas downstream (or upstream): swap them everywhere
@@ -256,6 +264,23 @@ class _Search:
         if routes is plan.routes and all(replicas[m] == plan.replicas[m] for m in self.comp):
             return None
         return self.gated(replace(plan, replicas=replicas, routes=routes))
+
+    def _move(self, mine: list[list[int]], theirs: list[list[int]], a: list[int], i: int,
+              routes: dict[str, dict[int, int]], n: str, r: int, other: int, size: int,
+              rng: random.Random) -> dict[str, dict[int, int]] | None:
+        """Sample a[i] of replica r leaves for replica `other` of `n`: into one of its micro-batches
+        with room, or a micro-batch of its own there; the new routes, or None where the move does
+        not apply (it would empty replica r, or an edge's blocks forbid it)."""
+        sid = a[i]
+        if sum(map(len, mine)) < 2 or not self.routable(routes, n, sid, other):
+            return None
+        a.pop(i)
+        k = rng.randrange(len(theirs) + 1)
+        if k < len(theirs) and len(theirs[k]) < size:
+            theirs[k].append(sid)
+        else:
+            theirs.insert(rng.randrange(len(theirs) + 1), [sid])
+        return {**routes, n: {**routes[n], sid: other}}
 
     def _swap_everywhere(self, plan: Plan, a: int, b: int) -> tuple[dict, dict, set[str]] | None:
         """Samples `a` and `b` trade places (micro-batch and route) in every section of the

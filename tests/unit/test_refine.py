@@ -5,6 +5,7 @@ within its budget and is deterministic."""
 from __future__ import annotations
 
 import dataclasses
+import random
 from unittest import mock
 
 import pytest
@@ -104,6 +105,35 @@ def test_samples_trade_places_everywhere_across_fan_out_blocks(issue_case):
     check_plan(graph, samples, search.gated(dataclasses.replace(plan, replicas=replicas, routes=routes)))
     text = next(s.id for s in samples if "image" not in s.modalities)
     assert search._swap_everywhere(plan, a, text) is None  # not taken by the same sections
+
+
+def test_a_sample_moves_to_another_replica(issue_case):
+    """One sample leaves its LLM replica for another (its load changes by that sample alone):
+    the plan stays valid (routes, micro-batch sizes, send order); a move that breaks an edge's
+    blocks or would empty the replica is refused."""
+    graph, costs, samples = issue_case
+    plan = WavefrontPlanner(graph, costs, search=0.0).plan(0, samples)
+    search = refine._Search(graph, costs, list(graph.order), "llm", 16, samples)
+    rng = random.Random(0)
+    reps = [list(map(list, mbs)) for mbs in plan.replicas["llm"]]
+    src = next(r for r in range(4) if plan.routes["llm"][reps[r][0][0]] == r and
+               search.routable(plan.routes, "llm", reps[r][0][0], r ^ 1))
+    sid = reps[src][0][0]
+    routes = search._move(reps[src], reps[src ^ 1], reps[src][0], 0, plan.routes, "llm", src, src ^ 1, 4, rng)
+    assert routes is not None and routes["llm"][sid] == src ^ 1
+    assert sid in [x for mb in reps[src ^ 1] for x in mb] and sid not in [x for mb in reps[src] for x in mb]
+    assert all(len(mb) <= 4 for mb in reps[src ^ 1])
+    replicas = {**plan.replicas, "llm": tuple(tuple(tuple(mb) for mb in rep if mb) for rep in reps)}
+    replicas["llm"] = search._sent_order(replicas, routes, "vision", "llm")
+    check_plan(graph, samples, search.gated(dataclasses.replace(plan, replicas=replicas, routes=routes)))
+    # An image's LLM replica must be one its encoder replica feeds (vision dp 2 -> llm dp 4).
+    image = next(s.id for s in samples if "image" in s.modalities)
+    here = plan.routes["llm"][image]
+    away = next(r for r in range(4) if r not in graph.edges[0].consumers_of(plan.routes["vision"][image]))
+    mbs = [list(map(list, rep)) for rep in plan.replicas["llm"]]
+    mb = next(mb for mb in mbs[here] if image in mb)
+    assert search._move(mbs[here], mbs[away], mb, mb.index(image), plan.routes, "llm", here, away, 4, rng) is None
+    assert search._move([[sid]], [[]], [sid], 0, routes, "llm", src ^ 1, src, 4, rng) is None  # would empty it
 
 
 def test_no_search_near_the_bound_nor_without_a_share(issue_case):

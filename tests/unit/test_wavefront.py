@@ -244,6 +244,22 @@ def test_worst_cases_of_128_samples_are_within_5_percent_of_the_bound(case):
                                                                          / wavefront.lower_bound_s)
 
 
+# Cases whose plan for some later step (the step seeds the search) stayed above 1.05x (up to
+# 1.057x) until the search could move one sample to another replica, not only swap two: the
+# LLM's replicas stayed unbalanced by a few percent (RESULTS 11.3).
+WORST_128_STEPS = [("mix", 1, 8, 2, 4, True, 0.1), ("mix", 1, 8, 4, 2, True, 0.1)]
+
+
+@pytest.mark.parametrize("case", WORST_128_STEPS, ids=[worst_id(c) for c in WORST_128_STEPS])
+def test_worst_cases_of_128_samples_stay_within_5_percent_at_later_steps(case):
+    graph, costs, batches = worst_batches(case, 128)
+    planner = make_planner("wavefront", graph, costs)
+    for step in (1, 2, 3):
+        wavefront = simulate(planner.plan(step, batches[0]), graph, costs)
+        assert wavefront.makespan_s <= 1.05 * wavefront.lower_bound_s, (step, wavefront.makespan_s
+                                                                         / wavefront.lower_bound_s)
+
+
 # -- load balance --------------------------------------------------------------------------
 
 
