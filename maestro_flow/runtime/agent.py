@@ -15,6 +15,15 @@ it each attempt of the run (its first, and one per automatic restart):
     maestro/job                "done" or "failed: <why>", when the whole run is over
     maestro/bye/<node>         set by an agent once it read maestro/job (node 0 waits for it)
 
+and the agents keep, for themselves:
+
+    maestro/node/<session>/<node>  the agent that runs that node in the attempt (the first to claim it)
+    maestro/beat/<agent>           a counter each agent raises at every poll, while it lives
+
+A second agent started with a node rank that a live agent already runs stops with an error and
+starts nothing (the run goes on); one that finds the attempt claimed by an agent whose beat stands
+still (killed: node 0 will find its workers gone) waits for node 0's next attempt, and rejoins.
+
 Before starting any worker an agent checks that its own pipeline (after --set) is node 0's and
 that its secret is (the attempt carries a MAC under the attempt's key, never the key), so a
 mismatch fails at once, naming what differs, instead of as a missing node after the startup
@@ -31,6 +40,8 @@ import hashlib
 import hmac
 import json
 import os
+import secrets
+import socket
 import sys
 import time
 from typing import Any
@@ -43,6 +54,7 @@ from maestro_flow.timeouts import Timeouts
 from maestro_flow.transport.host import SlotOwner, claim
 
 POLL_S = 0.2
+BEAT_WAIT_S = 3.0  # how long an agent watches another one's beat before it takes it as gone
 
 
 def publish_attempt(store: Any, session: str, info: dict[str, Any]) -> None:
@@ -137,6 +149,7 @@ class Agent:
         self.entry = entry or worker_main
         self.where = f"{nodes.endpoint[0]}:{nodes.endpoint[1]}" if nodes.endpoint else "?"
         self.node0_ranks: list[int] = []  # known once an attempt is published
+        self.me = f"{socket.gethostname()} pid {os.getpid()} ({secrets.token_hex(4)})"  # this agent, in the store
 
     def run(self) -> None:
         """Until the run is over. Raises SystemFailure when it failed or node 0 is gone."""
@@ -159,6 +172,29 @@ class Agent:
                                 f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}; this node's "
                                 f"workers are stopped") from None
 
+    def _beat(self, store: Any) -> None:
+        self._ask(store.add, f"maestro/beat/{self.me}", 1)
+
+    def _claim(self, store: Any, session: str) -> bool:
+        """Whether this agent runs its node in the attempt (the first agent to claim it does).
+        Raises PipelineError where a live agent (its beat moves) has it: a second agent with this
+        node rank, which stops here and the run goes on. False where the holder's beat stands
+        still: it is gone, and node 0 will start another attempt."""
+        node = self.nodes.node_rank
+        holder = self._ask(store.compare_set, f"maestro/node/{session}/{node}", "", self.me).decode()
+        if holder == self.me:
+            return True
+        beat = f"maestro/beat/{holder}"
+        first = self._ask(store.add, beat, 0)
+        deadline = time.monotonic() + BEAT_WAIT_S
+        while time.monotonic() < deadline:
+            time.sleep(POLL_S)
+            if self._ask(store.add, beat, 0) != first:
+                raise PipelineError(f"node {node} of this run already has an agent ({holder}): give each node its "
+                                    f"own --node-rank (0 to {self.nodes.nnodes - 1}); this one stops, the run goes on")
+        self.log(f"node {node}: the agent that ran this node ({holder}) is gone; waiting for node 0's next attempt")
+        return False
+
     def _refusal(self, store: Any, session: str, info: dict[str, Any]) -> str | None:
         """Why this node cannot join the attempt (None: it can)."""
         node = self.nodes.node_rank
@@ -177,6 +213,7 @@ class Agent:
         wait_s = self.timeouts.startup_s + self.timeouts.checkpoint_s
         deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline:
+            self._beat(store)
             if self._ask(store.check, ["maestro/job"]):
                 outcome = self._ask(store.get, "maestro/job").decode()
                 self._ask(store.set, f"maestro/bye/{self.nodes.node_rank}", "1")
@@ -195,6 +232,8 @@ class Agent:
         node_of = {int(r): n for r, n in info["node_of"].items()}
         mine = node_ranks(node_of, node)
         self.node0_ranks = node_ranks(node_of, 0)
+        if not self._claim(store, session):  # before anything reaches node 0: a second agent stops alone
+            return
         problem = self._refusal(store, session, info)
         if problem is not None:
             self._ask(store.set, f"maestro/lost/{session}", REFUSED + problem)  # node 0 stops at once
@@ -221,6 +260,7 @@ class Agent:
             reported = False
             gone_since: float | None = None  # when the last of this node's workers ended
             while True:
+                self._beat(store)
                 if self._ask(store.check, [f"maestro/end/{session}"]):
                     outcome = self._ask(store.get, f"maestro/end/{session}").decode()
                     launcher.join(self.timeouts.shutdown_grace_s if outcome == "done" else 0.5)

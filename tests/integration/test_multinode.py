@@ -139,6 +139,30 @@ def test_a_lost_node_rejoins_with_max_restarts(demo_data, tmp_path):
     assert steps and '"step": 29' in steps[-1]
 
 
+def test_a_second_agent_with_the_same_node_rank_stops_alone(demo_data, tmp_path):
+    """Node 1 started twice: the second agent stops with an error naming the first, starts no
+    worker, and the run goes on (before, its workers reached node 0 as replayed frames)."""
+    import signal
+
+    port = free_port()
+    pipeline = str(ASSETS / "faulty.py")
+    metrics = tmp_path / "metrics.jsonl"
+    n1 = node(1, port, pipeline, *_slow(demo_data=demo_data))
+    n0 = node(0, port, pipeline, *_slow("--metrics-out", str(metrics), demo_data=demo_data))
+    everything = _training(n0, 2) + _training(n1, 1)
+    twin = node(1, port, pipeline, *_slow(demo_data=demo_data))
+    [err] = finish(twin, timeout=60)
+    assert twin.returncode == 2, err
+    assert "node 1 of this run already has an agent (" in err and "give each node its own --node-rank" in err, err
+    steps = len(metrics.read_text().splitlines())
+    time.sleep(3.0)
+    assert n0.poll() is None and n1.poll() is None, finish(n0, n1)
+    assert len(metrics.read_text().splitlines()) > steps, "the run stopped training"
+    n0.send_signal(signal.SIGTERM)
+    finish(n0, n1, timeout=60)
+    assert not wait_gone(everything, 10.0), "processes left running"
+
+
 def test_a_node_that_differs_from_node_0_is_refused_at_once(demo_data):
     """Node 1 with another --set, then with another secret: both nodes stop within seconds,
     naming what differs. Before, node 1's pipeline was silently replaced by node 0's, and a
