@@ -6,7 +6,12 @@ sections, plans or tensors: it maps row indices to column values.
 
 The file is cut into *segments*: the record batches of an Arrow IPC file (memory-mapped, so a
 segment is a zero-copy view of the map) or the row groups of the Parquet files (read on demand,
-only the requested columns, the last one cached). Construction reads only schemas and footers.
+only the requested columns, the last one cached). Construction reads only schemas and footers,
+except that a compressed Arrow IPC file (LZ4 or ZSTD, feather's default) is decompressed once,
+batch by batch, to count its rows: its batches are decompressed again whenever read, the last
+one cached, and never all held at once. (An IPC *stream* has no index: its batches are kept, as
+views of the map where uncompressed.) A Parquet folder keeps every file's footer and at most
+MAX_OPEN files open.
 `metadata()` scans the cheap parts of every segment — ids, modalities, list lengths from offsets,
 null bitmaps — without turning any token into a Python object, and checks every row against the
 contract: declared modalities must match the image/audio columns (or the columns
@@ -17,6 +22,7 @@ The row-level checks and column reads are loaders/arrow_rows.py's.
 from __future__ import annotations
 
 import os
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -27,7 +33,6 @@ import pyarrow.parquet as pq
 from pyarrow import ipc
 
 from loaders.arrow_rows import (
-    AUDIO_FRAME_S,
     KNOWN_MODALITIES,
     MODALITY_BIT,
     check_unique,
@@ -46,12 +51,7 @@ from maestro_flow.samples import SampleMeta
 _REQUIRED = ("id int64, modalities list<string>, tokens list<int32>")
 _ARROW_MAGIC = b"ARROW1"
 _PARQUET_MAGIC = b"PAR1"
-
-
-
-
-
-
+MAX_OPEN = 8  # Parquet files of a folder kept open at once (the least recently read one closes)
 
 
 # Column name -> (type check, expected type in words). Required columns first.
@@ -77,6 +77,8 @@ class _Segment:
     batch: pa.RecordBatch | None = None  # Arrow IPC: zero-copy view of the memory map
     file: int = -1  # Parquet: index into the file list
     row_group: int = -1
+    index: int = -1  # Arrow IPC: the record batch's index in the file
+    compressed: bool = False  # Arrow IPC file: decompressed again whenever read (no `batch` kept)
 
 
 def _row_group_offset(rg: Any) -> int:
@@ -90,18 +92,26 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0] if text else ''}"
 
 
+def _columns(schema: pa.Schema) -> list[tuple[str, pa.DataType]]:
+    return [(f.name, f.type) for f in schema]
+
+
+def _schema_difference(first: pa.Schema, other: pa.Schema) -> str:
+    a, b = dict(_columns(first)), dict(_columns(other))
+    for name in list(a) + [n for n in b if n not in a]:
+        if name not in b or name not in a:
+            return f"column {name!r} is only in {'the first' if name in a else 'this one'}"
+        if a[name] != b[name]:
+            return f"column {name!r} is {b[name]} here, {a[name]} in the first"
+    return "the columns are in another order"
+
+
 def _as_array(col: pa.Array | pa.ChunkedArray) -> pa.Array:
     if isinstance(col, pa.ChunkedArray):
         if col.num_chunks == 1:
             return col.chunk(0)
         return col.combine_chunks() if col.num_chunks else pa.array([], type=col.type)
     return col
-
-
-
-
-
-
 
 
 class ArrowSource:
@@ -117,8 +127,9 @@ class ArrowSource:
         self._path = os.path.abspath(os.path.expanduser(str(data.path)))
         if not os.path.exists(self._path):
             raise PipelineError(f"data.path: no such file: {self._path}")
-        self._parquet_files: list[pq.ParquetFile] = []
+        self._parquet_meta: list[pq.FileMetaData] = []  # every file's footer
         self._parquet_paths: list[str] = []
+        self._parquet_open: OrderedDict[int, pq.ParquetFile] = OrderedDict()  # the last MAX_OPEN files read
         self._cache: tuple[int, frozenset[str], pa.Table] | None = None  # last Parquet row group read
         if os.path.isdir(self._path):
             schema, segments = self._open_parquet_folder()
@@ -141,25 +152,34 @@ class ArrowSource:
             raise PipelineError(f"data.path: cannot read {self._path} ({_first_line(exc)})") from None
         if magic.startswith(_PARQUET_MAGIC):
             return self._open_parquet([self._path])
+        segments, start = [], 0
         try:
             source = pa.memory_map(self._path, "r")
             self._map_base = source.read_buffer(1).address  # zero-copy: buffers' addresses are in the map
+            map_end = self._map_base + source.size()
             source.seek(0)
             if magic == _ARROW_MAGIC:
                 reader = ipc.open_file(source)
-                batches = [reader.get_batch(i) for i in range(reader.num_record_batches)]
-            else:  # the IPC *stream* format has no magic; zero-copy from the map as well
+                for i in range(reader.num_record_batches):
+                    batch = reader.get_batch(i)
+                    # A compressed batch (LZ4/ZSTD, feather's default) is decompressed into memory
+                    # of its own: keep its row count only, and decompress it again when read.
+                    mapped = all(self._map_base <= b.address < map_end for col in batch.columns
+                                 for b in col.buffers() if b is not None and b.size)
+                    segments.append(_Segment(start=start, num_rows=batch.num_rows, batch=batch if mapped else None,
+                                             index=i, compressed=not mapped))
+                    start += batch.num_rows
+                self._ipc_reader = reader
+            else:  # the IPC *stream* format has no magic or index: its batches are kept (views of the map)
                 reader = ipc.open_stream(source)
-                batches = list(reader)
+                for i, batch in enumerate(reader):
+                    segments.append(_Segment(start=start, num_rows=batch.num_rows, batch=batch, index=i))
+                    start += batch.num_rows
             schema = reader.schema
         except (pa.ArrowException, OSError, ValueError) as exc:
             raise PipelineError(
                 f"data.path: not a readable Arrow IPC or Parquet file: {self._path} ({_first_line(exc)})"
             ) from None
-        segments, start = [], 0
-        for batch in batches:
-            segments.append(_Segment(start=start, num_rows=batch.num_rows, batch=batch))
-            start += batch.num_rows
         return schema, segments
 
     def _open_parquet_folder(self) -> tuple[pa.Schema, list[_Segment]]:
@@ -181,13 +201,14 @@ class ArrowSource:
                 ) from None
             if schema is None:
                 schema = file_schema
-            elif not file_schema.remove_metadata().equals(schema.remove_metadata()):
+            elif _columns(file_schema) != _columns(schema):  # nullability may differ: what Parquet writers vary
                 raise PipelineError(
                     f"data.path: {path} has a different schema from {paths[0]} (all Parquet files of a "
-                    "folder must have the same columns and types)"
+                    f"folder must have the same columns and types; {_schema_difference(schema, file_schema)})"
                 )
-            self._parquet_files.append(pf)
+            self._parquet_meta.append(pf.metadata)
             self._parquet_paths.append(path)
+            pf.close()  # a folder of thousands of files must not hold a descriptor each (_parquet_file reopens)
             for rg in range(pf.metadata.num_row_groups):
                 n = pf.metadata.row_group(rg).num_rows
                 segments.append(_Segment(start=start, num_rows=n, file=i, row_group=rg))
@@ -264,7 +285,9 @@ class ArrowSource:
         """Column name -> one value per requested row, in the requested order.
 
         Numeric list columns come back as 1-D numpy arrays (tokens as int32), binary columns as
-        bytes, strings as str, other lists and scalars as Python values; a null is None.
+        bytes, strings as str, other lists and scalars as Python values; a null is None. A row of
+        an integer list column that holds a null element comes back as a list (None there); one
+        of a float list column, as an array with NaN there.
         """
         names = list(self._schema.names) if columns is None else list(dict.fromkeys(columns))
         for name in names:
@@ -303,13 +326,26 @@ class ArrowSource:
         if self._cache is not None and self._cache[0] == seg_i and key <= self._cache[1]:
             return self._cache[2]
         try:
-            table = self._parquet_files[seg.file].read_row_group(seg.row_group, columns=names)
+            if seg.compressed:
+                table = self._ipc_reader.get_batch(seg.index).select(names)
+            else:
+                table = self._parquet_file(seg.file).read_row_group(seg.row_group, columns=names)
         except (pa.ArrowException, OSError, ValueError) as exc:
-            raise PipelineError(f"data.path: {self._parquet_paths[seg.file]} is corrupt: {self._row_group_where(seg)} "
-                                f"cannot be read ({_first_line(exc)})") from None
+            path, where = self._where(seg)
+            raise PipelineError(f"data.path: {path} is corrupt: {where} cannot be read ({_first_line(exc)})") from None
         if cache:
             self._cache = (seg_i, key, table)
         return table
+
+    def _parquet_file(self, i: int) -> pq.ParquetFile:
+        """Parquet file i, open (its footer parsed once, at construction); at most MAX_OPEN stay open."""
+        pf = self._parquet_open.pop(i, None)
+        if pf is None:
+            pf = pq.ParquetFile(self._parquet_paths[i], memory_map=True, metadata=self._parquet_meta[i])
+            if len(self._parquet_open) >= MAX_OPEN:
+                self._parquet_open.popitem(last=False)[1].close()
+        self._parquet_open[i] = pf
+        return pf
 
     def rows_with_tokens_outside(self, end: int, allowed: tuple[int, ...] = ()) -> list[int]:
         """Rows whose tokens hold an id at or above `end` (a stage's vocabulary) other than the
@@ -330,23 +366,22 @@ class ArrowSource:
         return counts
 
     def _validate(self, seg_i: int, table: pa.RecordBatch | pa.Table) -> None:
-        """Every offset and length of a segment checked (a corrupt file must not crash a reader)."""
+        """Every offset and length of a segment checked (a corrupt file must not crash a reader).
+        A Parquet row group's columns are decoded (and checked by the decoder) whenever read."""
         try:
             table.validate(full=True)
         except (pa.ArrowException, ValueError) as exc:
-            seg = self._segments[seg_i]
-            if seg.batch is not None:
-                where = f"record batch {seg_i} (rows {seg.start}..{seg.start + seg.num_rows - 1}"
-                offset = self._file_offset(seg.batch)
-                where += f", at byte {offset})" if offset is not None else ")"
-                path = self._path
-            else:
-                path, where = self._parquet_paths[seg.file], self._row_group_where(seg)
+            path, where = self._where(self._segments[seg_i])
             raise PipelineError(f"data.path: {path} is corrupt: {where} fails validation ({_first_line(exc)})") from None
 
-    def _row_group_where(self, seg: _Segment) -> str:
-        offset = _row_group_offset(self._parquet_files[seg.file].metadata.row_group(seg.row_group))
-        return f"row group {seg.row_group} (rows {seg.start}..{seg.start + seg.num_rows - 1}, at byte {offset})"
+    def _where(self, seg: _Segment) -> tuple[str, str]:
+        """The file of a segment, and where in it the segment is (for an error)."""
+        rows = f"rows {seg.start}..{seg.start + seg.num_rows - 1}"
+        if seg.file >= 0:
+            offset = _row_group_offset(self._parquet_meta[seg.file].row_group(seg.row_group))
+            return self._parquet_paths[seg.file], f"row group {seg.row_group} ({rows}, at byte {offset})"
+        offset = self._file_offset(seg.batch) if seg.batch is not None else None
+        return self._path, f"record batch {seg.index} ({rows}" + (f", at byte {offset})" if offset is not None else ")")
 
     def _file_offset(self, batch: pa.RecordBatch) -> int | None:
         """Where a memory-mapped record batch's buffers start in the file."""
@@ -372,8 +407,14 @@ class ArrowSource:
         num_bad = 0
         mod_sets = {m: frozenset(k for k, b in MODALITY_BIT.items() if m & b) for m in range(1 << len(MODALITY_BIT))}
         for seg_i, seg in enumerate(self._segments):
-            table = self._segment_columns(seg_i, wanted, cache=False)
-            self._validate(seg_i, table)
+            # An Arrow IPC segment is checked whole: a worker's read() of any column of it (an
+            # image, an extra column) must not fault on an offset past its buffers' end.
+            if seg.file >= 0:  # Parquet: the columns wanted (their decoder checks what it decodes)
+                checked = table = self._segment_columns(seg_i, wanted, cache=False)
+            else:
+                checked = self._segment_columns(seg_i, names, cache=False)
+                table = checked.select(wanted)
+            self._validate(seg_i, checked)
             cols = {c: _as_array(table.column(c)) for c in wanted}
             n = seg.num_rows
             scan = scan_segment(cols, n, payload)
@@ -404,14 +445,4 @@ class ArrowSource:
         return metas, skipped_rows, skipped_ids
 
 
-
-
-
-
-
-
-
-
-
-
-__all__ = ["AUDIO_FRAME_S", "KNOWN_MODALITIES", "ArrowSource"]
+__all__ = ["KNOWN_MODALITIES", "ArrowSource"]

@@ -17,9 +17,12 @@ from maestro_flow.samples import MODALITIES
 
 KNOWN_MODALITIES = MODALITIES
 
-# One audio "frame" is a 10 ms hop of the waveform (the usual mel-spectrogram hop); used for
-# `num_frames` when the dataset has no precomputed `num_frames` column.
-AUDIO_FRAME_S = 0.01
+# Audio frames, for `num_frames` when the dataset has no precomputed `num_frames` column: 25 ms
+# windows every 10 ms, in whole samples (rounded half up, at least 1), every full window from the
+# start, a clip shorter than one window one frame: the audio encoder's default framing
+# (stages.audio.num_frames), repeated here so that loaders/ does not import stages/.
+AUDIO_WINDOW_S = 0.025
+AUDIO_HOP_S = 0.01
 
 MODALITY_BIT = {name: 1 << i for i, name in enumerate(KNOWN_MODALITIES)}
 
@@ -44,14 +47,29 @@ def valid_mask(arr: pa.Array) -> np.ndarray:
     return arr.is_valid().to_numpy(zero_copy_only=False)
 
 
-def as_ints(arr: pa.Array) -> np.ndarray:
+def as_ints(arr: pa.Array, column: str | None = None) -> np.ndarray:
     """Integer column as int64 numpy, nulls as 0."""
     if arr.null_count:
         arr = pc.fill_null(arr, 0)
     try:
         return arr.cast(pa.int64()).to_numpy(zero_copy_only=False)
     except pa.ArrowInvalid as exc:  # an unsigned 64-bit value past int64
-        raise PipelineError(f"data.path: an integer column holds a value beyond int64 ({_first_line(exc)})") from None
+        what = f"column {column!r}" if column else "an integer column"
+        raise PipelineError(f"data.path: {what} holds a value beyond int64 ({_first_line(exc)})") from None
+
+
+def audio_frames(num_samples: np.ndarray, sample_rate: np.ndarray) -> np.ndarray:
+    """Frames of clips of `num_samples` samples at `sample_rate` (see AUDIO_WINDOW_S)."""
+    window, hop = (np.maximum(1, np.floor(sample_rate * x + 0.5)).astype(np.int64) for x in (AUDIO_WINDOW_S,
+                                                                                                AUDIO_HOP_S))
+    return np.maximum(1, 1 + (num_samples - window) // hop)
+
+
+def parents(arr: pa.Array) -> np.ndarray:
+    """Per value of list_flatten(arr) / arr.flatten(): the row it belongs to. Built from the
+    lengths, as the flatten is: a null row's offsets may still span values, which the flatten
+    leaves out and pc.list_parent_indices would count."""
+    return np.repeat(np.arange(len(arr), dtype=np.int64), list_lengths(arr))
 
 
 def _first_line(exc: BaseException) -> str:
@@ -63,7 +81,7 @@ def rows_with_null_values(arr: pa.Array) -> np.ndarray:
     out = np.zeros(len(arr), dtype=bool)
     values = pc.list_flatten(arr)
     if values.null_count:
-        out[as_ints(pc.list_parent_indices(arr))[~valid_mask(values)]] = True
+        out[parents(arr)[~valid_mask(values)]] = True
     return out
 
 
@@ -86,7 +104,7 @@ def token_rows_outside(arr: pa.Array, low: int, end: int, allowed: tuple[int, ..
     for ok in allowed:
         wrong &= v != ok
     if wrong.any():
-        out[as_ints(pc.list_parent_indices(arr))[wrong]] = True
+        out[parents(arr)[wrong]] = True
     return out
 
 
@@ -96,26 +114,26 @@ def token_counts(arr: pa.Array, token: int) -> np.ndarray:
     if len(values) == 0:
         return np.zeros(len(arr), dtype=np.int64)
     hit = (values.to_numpy(zero_copy_only=False) == token) & valid_mask(values)
-    return np.bincount(as_ints(pc.list_parent_indices(arr))[hit], minlength=len(arr))
+    return np.bincount(parents(arr)[hit], minlength=len(arr))
 
 
 def scan_segment(cols: dict[str, pa.Array], n: int, payload: dict[str, str]) -> dict[str, np.ndarray]:
     """Vectorised per-row checks and counts for one segment (no Python loop over rows).
     `payload`: modality -> the column that carries it."""
     id_valid = valid_mask(cols["id"])
-    ids = as_ints(cols["id"])
+    ids = as_ints(cols["id"], "id")
     mods = cols["modalities"]
     mods_valid = valid_mask(mods)
     # Modality names -> bit per row; an unknown or null name marks the row.
     names = mods.flatten()
     codes = pc.index_in(names, value_set=pa.array(KNOWN_MODALITIES, type=names.type))
     codes_np = as_ints(pc.fill_null(codes, -1)) if len(codes) else np.zeros(0, np.int64)
-    parents = as_ints(pc.list_parent_indices(mods)) if len(codes) else np.zeros(0, np.int64)
+    row_of = parents(mods) if len(codes) else np.zeros(0, np.int64)
     mask = np.zeros(n, dtype=np.int64)
     known = codes_np >= 0
-    np.bitwise_or.at(mask, parents[known], np.left_shift(1, codes_np[known]))
+    np.bitwise_or.at(mask, row_of[known], np.left_shift(1, codes_np[known]))
     unknown = np.zeros(n, dtype=bool)
-    unknown[parents[~known]] = True
+    unknown[row_of[~known]] = True
     tokens_valid = valid_mask(cols["tokens"])
     num_tokens = list_lengths(cols["tokens"])
     # Token ids are read as int32: a wider column must fit, and no id is negative.
@@ -129,19 +147,25 @@ def scan_segment(cols: dict[str, pa.Array], n: int, payload: dict[str, str]) -> 
         if column in cols and is_list(cols[column].type):
             bad |= rows_with_null_values(cols[column])  # a null audio sample would be read as NaN
     zeros = np.zeros(n, dtype=np.int64)
-    num_frames = as_ints(cols["num_frames"]) if "num_frames" in cols else zeros
+    has = {m: (mask & MODALITY_BIT[m]) != 0 for m in ("image", "audio")}
+    # Precomputed counts: given (not null, not negative) on every row with the modality, and 0 on
+    # the others, whatever the column holds there.
+    counts = {}
+    for column, modality in (("num_patches", "image"), ("num_frames", "audio")):
+        if column in cols:
+            values = as_ints(cols[column], column)
+            bad |= has[modality] & (~valid_mask(cols[column]) | (values < 0))
+            counts[column] = np.where(has[modality], values, 0)
+    num_frames = counts.get("num_frames", zeros)
     if payload["audio"] in cols and "sample_rate" in cols:
         rate_valid = valid_mask(cols["sample_rate"])
-        rate = as_ints(cols["sample_rate"])
-        has_audio = (mask & MODALITY_BIT["audio"]) != 0
-        bad |= has_audio & (~rate_valid | (rate <= 0))
+        rate = as_ints(cols["sample_rate"], "sample_rate")
+        bad |= has["audio"] & (~rate_valid | (rate <= 0))
         if "num_frames" not in cols and is_list(cols[payload["audio"]].type):
-            hop = np.maximum(rate, 1) * AUDIO_FRAME_S
-            num_frames = np.where(has_audio, np.ceil(list_lengths(cols[payload["audio"]]) / hop), 0).astype(np.int64)
+            frames = audio_frames(list_lengths(cols[payload["audio"]]), np.maximum(rate, 1))
+            num_frames = np.where(has["audio"], frames, 0)
     return {"ids": ids, "id_valid": id_valid, "mask": mask, "bad": bad,
-            "num_tokens": num_tokens,
-            "num_patches": as_ints(cols["num_patches"]) if "num_patches" in cols else zeros,
-            "num_frames": num_frames}
+            "num_tokens": num_tokens, "num_patches": counts.get("num_patches", zeros), "num_frames": num_frames}
 
 
 def describe_bad_row(cols: dict[str, pa.Array], j: int, row: int, payload: dict[str, str]) -> str:
@@ -178,6 +202,11 @@ def describe_bad_row(cols: dict[str, pa.Array], j: int, row: int, payload: dict[
             return f"{where} has a value in column {column!r} but {modality!r} is not in its modalities"
         if present and is_list(cols[column].type) and cols[column][j].values.null_count:
             return f"{where} has a null element in column {column!r}"
+    for column, modality in (("num_patches", "image"), ("num_frames", "audio")):
+        if column in cols and modality in mods:
+            value = cols[column][j].as_py()
+            if value is None or value < 0:
+                return f"{where} has {modality} but {column} {value} (a count: 0 or more)"
     if "audio" in mods:
         return f"{where} has audio but no positive sample_rate"
     return f"{where} is inconsistent"
@@ -197,15 +226,22 @@ def check_unique(ids: np.ndarray, path: str) -> None:
 
 
 def extract(arr: pa.Array, local: np.ndarray, *, as_int32: bool = False) -> list[Any]:
-    """Values of `arr` at `local` indices: numeric lists as numpy views, everything else via as_py."""
+    """Values of `arr` at `local` indices: numeric lists as numpy views, everything else via as_py.
+    A row of integers holding a null element comes back as a list (None for the null): numpy's
+    own conversion would turn every row of the segment into float64 (a float row: NaN there)."""
     t = arr.type
     if is_list(t) and (pa.types.is_integer(t.value_type) or pa.types.is_floating(t.value_type)):
         offsets = arr.offsets.to_numpy(zero_copy_only=False)  # absolute positions into arr.values
         values = arr.values
-        flat = values.to_numpy(zero_copy_only=values.null_count == 0)
+        holes = values.null_count and pa.types.is_integer(t.value_type)
+        flat = (pc.fill_null(values, 0) if holes else values).to_numpy(zero_copy_only=values.null_count == 0)
         valid = valid_mask(arr)
         rows = [flat[offsets[j]:offsets[j + 1]] if valid[j] else None for j in local.tolist()]
+        if holes:
+            filled = ~valid_mask(values)
+            rows = [arr[j].as_py() if r is not None and filled[offsets[j]:offsets[j + 1]].any() else r
+                    for j, r in zip(local.tolist(), rows, strict=True)]
         if as_int32 and flat.dtype != np.int32:  # cast only the rows asked for, not the whole segment
-            rows = [None if r is None else r.astype(np.int32) for r in rows]
+            rows = [r.astype(np.int32) if isinstance(r, np.ndarray) else r for r in rows]
         return rows
     return [arr[j].as_py() for j in local.tolist()]

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import inspect
-import math
 import os
 import random
 import re
@@ -41,6 +40,7 @@ import pyarrow.parquet as pq
 from pyarrow import ipc
 
 from loaders import text
+from loaders.arrow_rows import audio_frames
 
 # Pure-Python standard-library modules present on every CPython build (no optional C extensions
 # such as tkinter, sqlite3, curses or readline). Kept sorted; a module that still fails to import
@@ -80,9 +80,6 @@ MULTIMODAL_SCHEMA = pa.schema([
 DEMOS = ("text", "vlm", "mm")  # what `python -m loaders.demo` builds, by file stem
 AUDIO_SAMPLE_RATE = 8000
 TONE_S = 0.03  # seconds of tone per character
-# Audio frames as the audio encoder counts them by default: 25 ms windows every 10 ms.
-FRAME_S = 0.025
-HOP_S = 0.01
 
 _SPACE = re.compile(r"\s")
 _CODE_LINE = re.compile(r"^(>>>|\.\.\.|\.\. |::|\s{2,}|[-=~*^]{3,}\s*$|[|+])")
@@ -226,12 +223,9 @@ def build_text_demo(out_dir: str | os.PathLike[str], *, num_samples: int = 2048,
 # -- image and multimodal demos --------------------------------------------------------------
 
 def audio_num_frames(num_samples: int, sample_rate: int) -> int:
-    """Frames of a clip of `num_samples` samples: 1 + (len - frame_len) // hop, at least 1, with
-    frame_len = 0.025 s and hop = 0.01 s in whole samples (rounded half up, at least 1): the audio
-    encoder's default framing (`stages.audio.num_frames`), repeated here so that loaders/ does not
-    import stages/."""
-    frame_len, hop = (max(1, math.floor(x * sample_rate + 0.5)) for x in (FRAME_S, HOP_S))
-    return max(1, 1 + (num_samples - frame_len) // hop)
+    """Frames of a clip of `num_samples` samples: the audio encoder's default framing, as
+    ArrowSource derives `num_frames` where a dataset has no such column (arrow_rows.audio_frames)."""
+    return int(audio_frames(np.int64(num_samples), np.int64(sample_rate)))
 
 
 def tone_waveform(message: str, *, sample_rate: int = AUDIO_SAMPLE_RATE, tone_s: float = TONE_S) -> np.ndarray:

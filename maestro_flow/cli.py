@@ -333,10 +333,14 @@ def data() -> None:
 
 @data.command("demo")
 @click.option("--out", "out_dir", default="data/demo", show_default=True, type=click.Path(file_okay=False))
-@click.option("--samples", "num_samples", default=2048, show_default=True, help="Text samples (text.arrow).")
-@click.option("--vlm-samples", default=1024, show_default=True, help="Image-text samples (vlm.arrow).")
-@click.option("--image-share", default=0.33, show_default=True, help="Share of vlm.arrow samples with an image.")
-@click.option("--mm-samples", default=512, show_default=True, help="Text/image/audio samples (mm.arrow).")
+@click.option("--samples", "num_samples", default=2048, show_default=True, type=click.IntRange(min=1),
+              help="Text samples (text.arrow).")
+@click.option("--vlm-samples", default=1024, show_default=True, type=click.IntRange(min=1),
+              help="Image-text samples (vlm.arrow).")
+@click.option("--image-share", default=0.33, show_default=True, type=click.FloatRange(0, 1),
+              help="Share of vlm.arrow samples with an image.")
+@click.option("--mm-samples", default=512, show_default=True, type=click.IntRange(min=1),
+              help="Text/image/audio samples (mm.arrow).")
 @click.option("--only", type=click.Choice(["text", "vlm", "mm"]), multiple=True, help="Build only these.")
 @click.option("--seed", default=0, show_default=True)
 def data_demo(out_dir: str, num_samples: int, vlm_samples: int, image_share: float, mm_samples: int,
@@ -360,7 +364,10 @@ def data_demo(out_dir: str, num_samples: int, vlm_samples: int, image_share: flo
                                                                                  seed=seed),
     }
     for name in only or tuple(builders):
-        click.echo(f"wrote {builders[name]()}")
+        try:
+            click.echo(f"wrote {builders[name]()}")
+        except (ValueError, OSError) as exc:  # a builder's own check, or a folder it cannot write
+            raise click.ClickException(f"data demo ({name}): {exc}") from None
 
 
 def _register_tools() -> None:

@@ -10,9 +10,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from loaders import text
-from loaders.arrow import AUDIO_FRAME_S, ArrowSource
+from loaders.arrow import ArrowSource
 from loaders.demo import build_text_demo, text_demo_table, write_arrow, write_parquet
 from maestro_flow import ArrowData, PipelineError
+from stages.audio import num_frames
 
 
 def source(path, **kw) -> ArrowSource:
@@ -180,8 +181,10 @@ def test_multimodal_metadata_and_values(tmp_path, fmt):
                                                      ["audio", "image"]]
     assert [m.num_tokens for m in metas] == [3, 3, 4, 2]
     assert [m.num_patches for m in metas] == [0, 16, 0, 4]
-    # No num_frames column: 10 ms frames derived from the waveform length and sample rate.
-    assert AUDIO_FRAME_S == 0.01 and [m.num_frames for m in metas] == [0, 0, 10, 10]
+    # No num_frames column: derived from the waveform length and sample rate as the audio encoder
+    # frames it (25 ms windows every 10 ms: 0.1 s is 8 frames at either rate).
+    assert [m.num_frames for m in metas] == [0, 0, 8, 8]
+    assert [m.num_frames for m in metas[2:]] == [num_frames(800, 8000), num_frames(1600, 16000)]
     got = src.read([3, 1, 0, 2])
     assert got["image"] == [b"\x89PNG-b", b"\x89PNG-a", None, None]
     assert got["audio"][0].dtype == np.float32 and got["audio"][0].shape == (800,) and got["audio"][1] is None

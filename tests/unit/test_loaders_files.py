@@ -1,0 +1,137 @@
+"""ArrowSource on the files users have, not only the ones the demo writes: compressed feather,
+Parquet folders of many files or of mixed nullability, null rows whose offsets still span values,
+corrupt extra columns, null elements in extra integer columns, precomputed counts."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.feather as feather
+import pyarrow.parquet as pq
+import pytest
+from pyarrow import ipc
+
+from loaders import arrow as arrow_mod
+from loaders.demo import text_demo_table, write_arrow
+from maestro_flow import PipelineError
+from tests.unit.test_loaders import multimodal_table, source
+
+
+def _write_ipc(table: pa.Table, path, batch_rows: int | None = None) -> str:
+    with pa.OSFile(str(path), "wb") as sink, ipc.new_file(sink, table.schema) as w:
+        w.write_table(table, max_chunksize=batch_rows)
+    return str(path)
+
+
+@pytest.mark.parametrize("compression", ["lz4", "zstd"])
+def test_a_compressed_arrow_file_reads_as_the_uncompressed_one_without_holding_it(tmp_path, compression):
+    table = text_demo_table(num_samples=300, seed=5)
+    plain = source(write_arrow(table, tmp_path / "plain.arrow", batch_rows=64))
+    path = tmp_path / f"{compression}.arrow"
+    feather.write_feather(table, str(path), compression=compression, chunksize=64)
+    packed = source(path)
+    segs = packed._segments
+    assert len(segs) == 5 and all(s.compressed and s.batch is None for s in segs)  # only row counts kept
+    assert packed.metadata() == plain.metadata()
+    rows = [299, 0, 64, 63, 150, 1]
+    got, want = packed.read(rows), plain.read(rows)
+    assert all(np.array_equal(a, b) for a, b in zip(got["tokens"], want["tokens"], strict=True))
+    assert got["id"] == want["id"] and got["tokens"][0].dtype == np.int32
+    assert not any(s.compressed for s in plain._segments)  # an uncompressed file stays zero-copy
+
+
+def test_a_parquet_folder_of_many_files_keeps_few_open(tmp_path):
+    folder = tmp_path / "parts"
+    folder.mkdir()
+    table = text_demo_table(num_samples=120, seed=2)
+    for i in range(40):
+        pq.write_table(table.slice(3 * i, 3), folder / f"part-{i:03d}.parquet")
+    before = len(os.listdir("/proc/self/fd"))
+    src = source(folder)
+    assert len(os.listdir("/proc/self/fd")) == before  # footers kept, files closed
+    assert [m.id for m in src.metadata()] == table.column("id").to_pylist()
+    rows = list(range(119, -1, -7))
+    assert src.read(rows, ["id"])["id"] == [table.column("id")[r].as_py() for r in rows]
+    assert len(src._parquet_open) <= arrow_mod.MAX_OPEN
+    assert len(os.listdir("/proc/self/fd")) <= before + arrow_mod.MAX_OPEN
+
+
+def test_parquet_files_that_differ_only_in_nullability_form_one_folder(tmp_path):
+    folder = tmp_path / "parts"
+    folder.mkdir()
+    table = multimodal_table()
+    strict = table.schema.set(0, pa.field("id", pa.int64(), nullable=False))
+    pq.write_table(table.slice(0, 2).cast(strict), folder / "a.parquet")
+    pq.write_table(table.slice(2, 2), folder / "b.parquet")
+    assert [m.id for m in source(folder).metadata()] == [10, 11, 12, 13]
+    pq.write_table(table.slice(2, 2).cast(table.schema.set(7, pa.field("caption", pa.large_string()))),
+                   folder / "b.parquet")
+    with pytest.raises(PipelineError, match="column 'caption' is large_string here, string in the first"):
+        source(folder)
+
+
+@pytest.mark.parametrize("column", ["modalities", "tokens"])
+def test_a_null_row_whose_offsets_span_values_is_a_bad_row(tmp_path, column):
+    """Arrow lets a null list row keep offsets over values; the flatten leaves them out, so the
+    rows the values belong to must come from the lengths (an IndexError before)."""
+    table = text_demo_table(num_samples=3, seed=1)
+    col = table.column(column).combine_chunks()
+    nulled = pa.ListArray.from_arrays(col.offsets, col.values, mask=pa.array([False, True, False]))
+    assert pa.compute.list_flatten(nulled).to_pylist() != col.values.to_pylist()  # the values are spanned
+    path = _write_ipc(table.set_column(table.schema.get_field_index(column), column, nulled), tmp_path / "n.arrow")
+    with pytest.raises(PipelineError, match=f"row 1 \\(id {table.column('id')[1].as_py()}\\) has null {column}"):
+        source(path).metadata()
+    src = source(path, skip_bad_rows=True)
+    assert [m.row for m in src.metadata()] == [0, 2]
+    if column == "tokens":
+        assert src.rows_with_tokens_outside(1) == [0, 2] and list(src.token_counts(-1)) == [0, 0, 0]
+
+
+def test_a_corrupt_extra_column_is_refused_before_a_read_faults(tmp_path):
+    """An offset past the end in a column metadata() does not need: refused there, naming the
+    batch (before, a worker reading the column died of SIGBUS)."""
+    table = multimodal_table()
+    path = _write_ipc(table, tmp_path / "c.arrow")
+    data = bytearray(open(path, "rb").read())
+    offsets = np.array([0, 1, 2, 2, 3], dtype=np.int32).tobytes()  # caption's offsets: "a", "b", null, "d"
+    at = data.find(offsets)
+    assert at > 0
+    data[at + 8:at + 12] = np.int32(1 << 30).tobytes()
+    open(path, "wb").write(bytes(data))
+    with pytest.raises(PipelineError, match=r"is corrupt: record batch 0 \(rows 0..3, at byte \d+\) fails validation"):
+        source(path).metadata()
+
+
+def test_an_integer_list_with_a_null_element_keeps_its_integers(tmp_path):
+    big = 2 ** 60 + 1
+    table = multimodal_table(labels=[[7, None], [big, 3], [big, 3], [1]])
+    labels = source(_write_ipc(table, tmp_path / "l.arrow")).read([0, 1, 3], ["labels"])["labels"]
+    assert labels[0] == [7, None]
+    assert labels[1].dtype == np.int64 and labels[1].tolist() == [big, 3] and labels[2].tolist() == [1]
+
+
+def test_precomputed_counts_are_checked_where_the_modality_is(tmp_path):
+    for patches, said in (([0, -3, 0, 4], "num_patches -3"), ([0, None, 0, 4], "num_patches None")):
+        path = _write_ipc(multimodal_table(num_patches=patches), tmp_path / "p.arrow")
+        with pytest.raises(PipelineError, match=f"row 1 \\(id 11\\) has image but {said}"):
+            source(path).metadata()
+    # On a row without an image the column is not read: its count is 0 whatever it holds.
+    path = _write_ipc(multimodal_table(num_patches=[5, 16, -1, 4]), tmp_path / "q.arrow")
+    assert [m.num_patches for m in source(path).metadata()] == [0, 16, 0, 4]
+
+
+@pytest.mark.parametrize(("args", "said"), [
+    (["--only", "text", "--samples", "0"], "Invalid value for '--samples': 0 is not in the range x>=1"),
+    (["--only", "vlm", "--image-share", "1.5"], "Invalid value for '--image-share'"),
+    (["--only", "text", "--out", "/proc/no/such/folder"], "Error: data demo (text): "),
+])
+def test_maestro_data_demo_refuses_bad_options_in_one_line(args, said):
+    from click.testing import CliRunner
+
+    from maestro_flow.cli import main
+
+    result = CliRunner().invoke(main, ["data", "demo", *args])
+    assert result.exit_code != 0 and said in result.output and "Traceback" not in result.output, result.output
+    assert not isinstance(result.exception, (ValueError, OSError)), result.exception
