@@ -154,7 +154,7 @@ class IpcReader(SlotReader):
     or on the host), hands out views; gives a slot back only once the default stream is past every
     use of those views."""
 
-    max_mapped = float("inf")  # a slot's handles come once: a mapping forgotten could not be opened again
+    max_mapped = sweep_s = float("inf")  # a slot's handles come once: a mapping forgotten could not be opened again
 
     def __init__(self, device: torch.device, wait: str = "device", timeout_s: float = 600.0) -> None:
         super().__init__()

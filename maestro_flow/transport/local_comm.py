@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+import torch
+
 from maestro_flow.transport import p2p
 from maestro_flow.transport.tensor_comm import Deliver, Stats
 
@@ -23,7 +25,10 @@ class LocalComm:
         self.in_flight = 0
 
     def send(self, dst: int, kind: str, edge: int, step: int, items: Sequence[p2p.Item]) -> None:
-        copies = [(sid, name, None if t is None else t.detach().clone()) for sid, name, t in items]
+        # Contiguous, as every process-group or shared-memory delivery is: a stage that views its
+        # input must behave the same in colocated mode, the oracle of section mode.
+        copies = [(sid, name, None if t is None else t.detach().clone(memory_format=torch.contiguous_format))
+                  for sid, name, t in items]
         self._deliver_to(dst)(kind, edge, step, self.rank, copies)
 
     def notify(self, dst: int, step: int, finished: int) -> None:

@@ -40,6 +40,16 @@ def pack_each(items: Sequence[Item]) -> tuple[list[list[Any]], list[list[Any]], 
     return entries, specs, buffers
 
 
+def dense(t: torch.Tensor) -> torch.Tensor:
+    """`t` as plain bytes a process group can send: a lazy conjugate or negative resolved, an
+    efficient zero tensor made real, contiguous (torch.cat does all this for the coalesced
+    small tensors; shared memory copies with copy_, which does it too)."""
+    t = t.detach()
+    if t._is_zerotensor():
+        return torch.zeros(t.shape, dtype=t.dtype, device=t.device)
+    return t.resolve_conj().resolve_neg().contiguous()
+
+
 def pack(items: Sequence[Item]) -> tuple[list[list[Any]], list[list[Any]], list[torch.Tensor]]:
     """Items -> (header entries, buffer specs, buffers to send)."""
     entries: list[list[Any]] = []
@@ -55,7 +65,7 @@ def pack(items: Sequence[Item]) -> tuple[list[list[Any]], list[list[Any]], list[
         entries.append(entry)
         if t.numel() * t.element_size() >= COALESCE_BYTES:
             entry[4] = len(buffers)
-            buffers.append(t.detach().contiguous())
+            buffers.append(dense(t))
             specs.append([dtype, t.numel()])
         else:
             small.setdefault(t.dtype, []).append((len(entries) - 1, t))
@@ -177,8 +187,9 @@ def post_recvs(buffers: Sequence[torch.Tensor], peer: int, group: Any) -> list[A
 
 
 def post_broadcasts(buffers: Sequence[torch.Tensor], src: int, group: Any) -> list[Any]:
-    """A tensor-parallel leader relaying to its group (src = the leader), or a member receiving."""
-    return [dist.broadcast(b, src=src, group=group, async_op=True) for b in buffers]
+    """A tensor-parallel leader relaying to its group (src = the leader), or a member receiving.
+    As bytes: a typed broadcast refuses dtypes (int16, uint16, uint32, float8) that isend carries."""
+    return [dist.broadcast(b.view(torch.uint8), src=src, group=group, async_op=True) for b in buffers]
 
 
 def wait_all(works: Sequence[Any]) -> None:

@@ -11,7 +11,9 @@ back ("release") and the sender reuses it for a later message of the same channe
 Slots are never awaited: a sender without a free slot that fits makes a new one, so a consumer
 that holds many messages (an LLM keeping a step's image embeddings until its backward) can never
 block its producer; spare slots beyond `SPARE` (or `SPARE_BYTES`) per channel are removed, the
-smallest first. Reuse
+smallest first, and so is every slot of a channel that fell back on its process group; a
+receiver unmaps the removed slots it holds within SWEEP_S, which is when their memory goes back
+to the host. Reuse
 is what makes the path fast: a fresh slot's pages are zeroed and faulted in on first touch, which
 costs as much as the copy itself. Slot files are named
 `maestro-<session>-<rank>-...`, removed by their sender when it closes, and swept by the
@@ -26,6 +28,7 @@ import ctypes
 import mmap
 import os
 import threading
+import time
 from collections.abc import Sequence
 
 import torch
@@ -34,10 +37,13 @@ from maestro_flow.transport import p2p
 from maestro_flow.transport.host import SHM_DIR
 
 ALIGN = 64  # every buffer starts on a cache line (and on its dtype's alignment)
-MIN_SLOT = 1 << 20  # slots are at least this large, then powers of two, so sizes repeat and reuse works
+# Slots are at least this large, then powers of two, so sizes repeat and reuse works. Small: a
+# slot's pages are committed when it is made, and a consumer may hold many small messages.
+MIN_SLOT = 64 << 10
 SPARE = 32  # free slots a channel keeps for reuse; more are removed, the smallest first
 SPARE_BYTES = 512 << 20  # and at most this many bytes of them (a fresh slot costs its pages' first touch)
 MAX_MAPPED = 64  # slots a receiver keeps mapped before it forgets those not in use
+SWEEP_S = 1.0  # how often a receiver unmaps idle slots whose sender removed the file (their memory is freed then)
 
 
 def _aligned(n: int) -> int:
@@ -93,6 +99,7 @@ class SlotWriter:
         self._free: dict[tuple[int, str], list[_Slot]] = {}  # channel -> free slots
         self._used: dict[str, _Slot] = {}  # slot name -> slot (sent, not released yet)
         self._channel_of: dict[str, tuple[int, str]] = {}
+        self._dropped: set[tuple[int, str]] = set()  # channels gone to their process group (drop)
 
     def write(self, channel: tuple[int, str], buffers: Sequence[torch.Tensor]) -> tuple[str, list[int]]:
         """Copy `buffers` (CPU tensors) into a slot of `channel` (receiving rank, kind), each
@@ -126,6 +133,9 @@ class SlotWriter:
         for name in names:
             if name not in self._used or self._channel_of[name][0] != by:
                 continue  # not sent to `by`, or released twice: nothing to do
+            if self._channel_of[name] in self._dropped:
+                self._remove(self._used.pop(name))
+                continue
             free = self._free.setdefault(self._channel_of[name], [])
             free.append(self._used.pop(name))
             # Over the limits, the smallest spare slots go first: they cost the least to make again.
@@ -134,6 +144,14 @@ class SlotWriter:
                 smallest = min(free, key=lambda s: s.size)
                 free.remove(smallest)
                 self._remove(smallest)
+
+    def drop(self, channel: tuple[int, str]) -> None:
+        """The channel sends through its process group from now on (no slot could be made):
+        its free slots are removed, and so are those still in use once released, so that the
+        shared memory whose shortage caused this goes back to the host."""
+        self._dropped.add(channel)
+        for slot in self._free.pop(channel, []):
+            self._remove(slot)
 
     def _take(self, channel: tuple[int, str], nbytes: int) -> _Slot:
         free = self._free.setdefault(channel, [])
@@ -182,9 +200,11 @@ class SlotReader:
     thread); `reap` may be called from another."""
 
     max_mapped: float = MAX_MAPPED  # a device slot's handles come once: cuda_ipc never forgets one
+    sweep_s: float = SWEEP_S  # cuda_ipc: never (its sender keeps every slot)
 
     def __init__(self) -> None:
         self._maps: dict[str, _Slot] = {}
+        self._swept = time.monotonic()
         # slot name -> (sender rank, the message's view, its storage's Python object)
         self._out: dict[str, tuple[int, torch.Tensor, torch.UntypedStorage]] = {}
         self._lock = threading.Lock()  # guards _out
@@ -234,7 +254,21 @@ class SlotReader:
                 if torch._C._storage_Use_Count(storage._cdata) <= 3:
                     del self._out[name]
                     done.setdefault(src, []).append(name)
+        if time.monotonic() - self._swept >= self.sweep_s:
+            self._swept = time.monotonic()
+            self._unmap_removed()
         return done
+
+    def _unmap_removed(self) -> None:
+        """Unmap idle slots whose sender removed the file (spares over its limits, a channel
+        dropped): the memory stays the host's until the last mapping goes. A removed slot is
+        never named again (names are not reused), so the header thread cannot be reading it."""
+        with self._lock:
+            idle = [(n, s) for n, s in list(self._maps.items()) if n not in self._out]
+        for name, slot in idle:
+            if not os.path.exists(slot.path):
+                self._maps.pop(name, None)
+                slot.close()
 
     def close(self) -> None:
         with self._lock:

@@ -215,6 +215,7 @@ class TensorComm:
             raise
         except refused as exc:
             (self._ipc_out if ipc else self._shm_out).discard((dst, kind))
+            writer.drop((dst, kind))
             what = f"CUDA IPC failed ({exc})" if ipc else (getattr(exc, "strerror", None) or str(exc))
             print(f"maestro: rank {self.rank}: {what}; {kind} tensors to rank {dst} go through "
                   f"{'gloo and host memory' if ipc else 'gloo'} from now on", flush=True)

@@ -102,3 +102,27 @@ def test_a_receiver_holding_every_message_never_blocks_its_sender():
     check_contract({1: out[1][1]}, plan)
     assert out[0][3] == len(messages(0))  # one slot per held message, then all given back
     assert not [n for n in os.listdir("/dev/shm") if n.startswith("maestro-transport-test-")]
+
+
+def test_a_tensor_parallel_relay_carries_every_dtype_an_edge_does():
+    """The relay broadcasts bytes: a typed gloo broadcast refused int16, uint16, uint32 and float8,
+    which isend carries (a tp > 1 consumer of such an output failed where tp = 1 worked)."""
+    from tests.integration.transport_peers import relay_main
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=relay_main, args=(r, store.port, results), daemon=True) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        out = {rank: (got, sent) for rank, got, sent in (results.get(timeout=90) for _ in range(2))}
+        for p in procs:
+            p.join(30)
+        assert not isinstance(out[1][0], str), out[1][0]
+        assert out[1][0] == out[0][1]  # what the member got is, byte for byte, what the leader sent
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)

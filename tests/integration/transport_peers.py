@@ -29,7 +29,9 @@ KEY = derive_key(b"transport test secret", "session")
 
 
 def messages(seed: int) -> list[list[tuple[int, str, torch.Tensor | None]]]:
-    """A varied message sequence: dtypes, shapes, big and small tensors, missing entries."""
+    """A varied message sequence: dtypes, shapes, big and small tensors, missing entries, and
+    big tensors that are not plain bytes (a lazy conjugate, an efficient zero tensor: every path
+    must send their values, not fail after the header went)."""
     g = torch.Generator().manual_seed(seed)
     out = []
     for m in range(6):
@@ -41,17 +43,28 @@ def messages(seed: int) -> list[list[tuple[int, str, torch.Tensor | None]]]:
             items.append((sid, "f64", torch.randn(3, generator=g, dtype=torch.float64)))
             items.append((sid, "i64", torch.randint(0, 100, (4 + m,), generator=g)))
             items.append((sid, "bf16", torch.randn(2, 2, generator=g, dtype=torch.float32).to(torch.bfloat16)))
+            items.append((sid, "i16", torch.randint(-100, 100, (3,), generator=g, dtype=torch.int16)))
             items.append((sid, "none", None))
         if m % 2 == 0:
             items.append((m * 10, "big", torch.randn(300_000, generator=g, dtype=torch.float32)))  # > 1 MiB: uncoalesced
         items.append((m * 10, "empty", torch.empty(0, 3, dtype=torch.float32)))
+        if m == 1:
+            items.append((m * 10, "conj", torch.randn(150_000, generator=g, dtype=torch.complex64).conj()))
+        if m == 3:
+            items.append((m * 10, "zero", torch._efficientzerotensor((300_000,), dtype=torch.float32)))
         out.append(items)
     return out
 
 
 def plain(items) -> list:
-    return [(sid, name, None if t is None else (str(t.dtype), list(t.shape), t.float().sum().item()))
-            for sid, name, t in items]
+    return [(sid, name, None if t is None else (str(t.dtype), list(t.shape), _total(t))) for sid, name, t in items]
+
+
+def _total(t: torch.Tensor) -> float:
+    if t.is_complex():  # the imaginary part weighs differently: a lost conjugation shows
+        t = t.resolve_conj()
+        return (t.real.double().sum() + 3 * t.imag.double().sum()).item()
+    return t.float().sum().item()
 
 
 def peer_main(rank: int, world: int, port: int, plan: list[tuple[int, int, str]], delay_s: dict, results,
@@ -121,3 +134,28 @@ def local_exchange(plan: list[tuple[int, int, str]]) -> dict[int, list]:
         for i, items in enumerate(messages(seed=dst * 100 + src)):
             comms[src].send(dst, kind, 0, i, items)
     return received
+
+
+RELAY_DTYPES = ("int16", "uint16", "uint32", "float8_e4m3fn", "bool", "complex64", "bfloat16")
+
+
+def relay_main(rank: int, port: int, results) -> None:
+    """A tensor-parallel relay of two ranks (rank 0 the leader): every dtype an edge carries goes
+    through p2p.post_broadcasts; rank 1 puts what it got (as plain values) on `results`."""
+    from maestro_flow.transport import p2p
+
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=60))
+    g = torch.Generator().manual_seed(0)
+    items = [(i, name, torch.randint(0, 2, (5 + i,), generator=g).to(getattr(torch, name)))
+             for i, name in enumerate(RELAY_DTYPES)]
+    entries, specs, buffers = p2p.pack(items)
+    if rank == 1:
+        buffers = p2p.allocate(specs, torch.device("cpu"))
+    try:
+        p2p.wait_all(p2p.post_broadcasts(buffers, 0, dist.group.WORLD))
+        got = [(name, t.view(torch.uint8).tolist()) for _, name, t in p2p.unpack(entries, buffers)]
+        results.put((rank, got, [(name, t.view(torch.uint8).tolist()) for _, name, t in items]))
+    except Exception as exc:  # noqa: BLE001 (reported to the test)
+        results.put((rank, f"{type(exc).__name__}: {exc}", None))
+    dist.destroy_process_group()

@@ -51,3 +51,31 @@ def test_a_header_naming_no_dtype_or_a_bad_count_is_refused():
         with pytest.raises(ValueError):
             p2p.allocate(specs, torch.device("cpu"))
     assert p2p.allocate([["bfloat16", 3]], torch.device("cpu"))[0].dtype == torch.bfloat16
+
+
+def test_big_tensors_that_are_not_plain_bytes_are_packed_as_their_values():
+    """A process group sends bytes: a lazy conjugate or an efficient zero tensor of 1 MiB or more
+    is packed as its values (before, isend raised in the sending thread after the header went,
+    and the receiver waited for a transfer that never came)."""
+    conj = torch.randn(150_000, dtype=torch.complex64).conj()
+    zero = torch._efficientzerotensor((300_000,), dtype=torch.float32)
+    neg = torch.randn(150_000, dtype=torch.complex64).conj().imag  # a lazy negation
+    assert conj.is_conj() and zero._is_zerotensor() and neg.is_neg()
+    entries, specs, buffers = p2p.pack([(0, "conj", conj), (0, "zero", zero), (0, "neg", neg)])
+    assert not any(b.is_conj() or b.is_neg() or b._is_zerotensor() or not b.is_contiguous() for b in buffers)
+    out = p2p.unpack(entries, buffers)
+    assert torch.equal(out[0][2], conj.resolve_conj()) and torch.equal(out[1][2], torch.zeros(300_000))
+    assert torch.equal(out[2][2], neg.resolve_neg())
+
+
+def test_colocated_delivery_is_contiguous_as_every_transfer_is():
+    """Colocated mode is section mode's oracle: a stage that views its input must work in both.
+    Process groups and shared memory deliver contiguous tensors; so does LocalComm."""
+    from maestro_flow.transport.local_comm import LocalComm
+
+    got = []
+    comm = LocalComm(0, lambda dst: lambda kind, edge, step, src, items: got.extend(items))
+    sent = torch.arange(12.0).reshape(3, 4).t()
+    comm.send(1, "fwd", 0, 0, [(0, "x", sent)])
+    assert got[0][2].is_contiguous() and torch.equal(got[0][2], sent)
+    assert got[0][2].view(-1).shape == (12,)

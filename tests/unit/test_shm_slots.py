@@ -78,8 +78,54 @@ def test_a_slot_goes_back_only_once_no_view_is_left(pair):
 
 def test_a_message_that_fills_its_slot_exactly_goes_back_too(pair):
     writer, reader = pair
-    name, got = _send(writer, reader, [torch.ones(shm.MIN_SLOT // 4)])  # every byte of a 1 MiB slot
+    name, got = _send(writer, reader, [torch.ones(shm.MIN_SLOT // 4)])  # every byte of the smallest slot
     assert got[0][2].sum().item() == shm.MIN_SLOT // 4
     assert reader.reap() == {}
     del got
     assert reader.reap() == {0: [name]}
+
+
+def _mapped_bytes(reader) -> int:
+    return sum(s.size for s in reader._maps.values())
+
+
+def test_a_small_message_takes_a_small_slot(pair):
+    """A slot's pages are committed when it is made: a consumer holding many small messages (token
+    ids until its backward) must not hold a megabyte each."""
+    writer, reader = pair
+    name, _ = _send(writer, reader, [torch.ones(100)])
+    assert os.path.getsize(os.path.join(shm.SHM_DIR, name)) == shm.MIN_SLOT == 64 << 10
+
+
+def test_slots_the_sender_removes_are_unmapped_by_the_receiver(pair, monkeypatch):
+    """Spare slots over the sender's limits are removed; the receiver's mappings of them go at its
+    next sweep (before, they stayed mapped and their memory the host's for good)."""
+    writer, reader = pair
+    monkeypatch.setattr(writer, "spare", 2)
+    held = [_send(writer, reader, [torch.ones(100)]) for _ in range(6)]  # six slots, all in use
+    names = [n for n, _ in held]
+    del held
+    done = reader.reap()
+    assert sorted(done[0]) == sorted(names)
+    writer.released(1, names)  # two kept as spares, four removed
+    assert len(reader._maps) == 6
+    monkeypatch.setattr(reader, "sweep_s", 0.0)
+    reader.reap()
+    assert sorted(reader._maps) == sorted(n for n in names if os.path.exists(os.path.join(shm.SHM_DIR, n)))
+    assert len(reader._maps) == 2 and _mapped_bytes(reader) == 2 * shm.MIN_SLOT
+
+
+def test_a_dropped_channel_gives_its_slots_back_to_the_host(pair):
+    """A channel gone to its process group (no slot could be made) removes its spare slots at
+    once and each slot still in use when it comes back."""
+    writer, reader = pair
+    first, _ = _send(writer, reader, [torch.ones(100)])
+    writer.released(1, [first])  # a spare now
+    second, got = _send(writer, reader, [torch.ones(40_000)])  # a bigger slot: the spare does not fit
+    writer.drop((1, "fwd"))
+    assert not os.path.exists(os.path.join(shm.SHM_DIR, first))
+    assert os.path.exists(os.path.join(shm.SHM_DIR, second))  # still read by the receiver
+    del got
+    assert reader.reap() == {0: [second]}
+    writer.released(1, [second])
+    assert not os.path.exists(os.path.join(shm.SHM_DIR, second))
