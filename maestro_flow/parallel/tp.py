@@ -100,12 +100,19 @@ def check_plan(stage: Any, plan: dict[str, str], tp: int) -> list[str]:
 
 def tp_share(stage: Any, section: Any) -> float:
     """The share of the stage's parameter bytes its tp_plan shards (0 without a plan): what
-    `maestro tune` divides by tp."""
+    `maestro tune` divides by tp. Each parameter counts once (a tied embedding and LM head are
+    one tensor), and a rowwise Linear's bias is replicated, as RowwiseParallel leaves it."""
     try:
         plan = type(stage).tp_plan(dict(section.config)) or {}
     except Exception:
         return 0.0
     modules = stage_modules(stage)
-    size = {n: sum(p.numel() * p.element_size() for p in m.parameters(recurse=False)) for n, m in modules.items()}
-    total = sum(size.values())
-    return sum(size[n] for n in sharded(plan, modules)) / total if total else 0.0
+    chosen = sharded(plan, modules)
+    params: dict[int, tuple[int, bool]] = {}  # id -> (bytes, sharded by some module holding it)
+    for name, m in modules.items():
+        style = chosen.get(name)
+        for pname, p in m.named_parameters(recurse=False):
+            split = style is not None and not (style == "rowwise" and isinstance(m, nn.Linear) and pname == "bias")
+            params[id(p)] = (p.numel() * p.element_size(), split or params.get(id(p), (0, False))[1])
+    total = sum(b for b, _ in params.values())
+    return sum(b for b, split in params.values() if split) / total if total else 0.0

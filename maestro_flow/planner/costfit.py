@@ -16,6 +16,7 @@ For a loss section the measured task is forward + backward, which is divided by
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -85,9 +86,12 @@ class CostFitter:
         self._model: CostModel | None = None  # the last fit, until a timing comes
 
     def add(self, section: str, timings: Iterable[Timing | Sequence]) -> None:
-        """Timings as Timing records or in their list form (as workers report them)."""
+        """Timings as Timing records or in their list form (as workers report them). One that is
+        not finite is left out: the running sums would keep its NaN after it left the window."""
         for t in timings:
             t = t.to_list() if isinstance(t, Timing) else list(t)
+            if not all(math.isfinite(float(v)) for v in t[1:6]):
+                continue
             key = (section, t[0])
             window = self._obs.setdefault(key, deque())
             sums = self._sums.setdefault(key, _Sums())

@@ -117,9 +117,9 @@ class Tuner(TuneModel):
                     break
                 if any(n in dps and d % dps[n] and dps[n] % d for n in neighbours[name]):
                     continue
-                # Work at the largest micro-batch is the least a section can cost: a bound for
-                # the branch, cut when it cannot reach the current top `keep`.
-                bound = max(partial, self._term(("work", name, self.max_mb)) / d)
+                # The least work the section has at any micro-batch: a bound for the branch, cut
+                # when it cannot reach the current top `keep`.
+                bound = max(partial, self.least_work(name) / d)
                 if bound > cutoff() * (1 + 1e-9):
                     continue
                 dps[name] = d
@@ -241,9 +241,15 @@ def tp_assignments(pipeline: Pipeline, tp_options: Mapping[str, Sequence[int]] |
     for s in pipeline.sections:
         allowed = sorted({t for t in (tp_options or {}).get(s.name, (s.tp,)) if t <= devices}) or [s.tp]
         m = memory.get(s.name, MemoryModel())
-        fits = [t for t in allowed if limit is None or min(m.at(1, t, max(1, devices // t), f) for f in (False, True))
-                <= limit]
-        start = allowed.index(fits[0]) if fits else len(allowed) - 1
+        least = {t: min(m.at(1, t, max(1, devices // t), f) for f in (False, True)) for t in allowed}
+        fits = [t for t in allowed if limit is None or least[t] <= limit]
+        if not fits:  # no layout fits: say so (the largest tp's search would refuse it for other reasons)
+            raise PipelineError(
+                f"tune: sections.{s.name} does not fit the memory limit ({limit:.0f} MB) at micro_batch 1 with any "
+                f"tensor parallelism it allows ({', '.join(map(str, allowed))}) and FSDP over the most replicas "
+                f"{devices} devices give (predicted {min(least.values()):.0f} MB at least); raise --memory-gb, "
+                f"--max-tp or --devices")
+        start = allowed.index(fits[0])
         per[s.name] = allowed[start:start + 2]
     out: list[dict[str, int]] = [{}]
     for name, values in per.items():

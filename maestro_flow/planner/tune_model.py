@@ -139,18 +139,20 @@ class TuneModel:
         """Time scale when `workers` CPU processes share `cpu_cores` cores (module docstring)."""
         return workers / self.cpu_cores if self.cpu_cores and workers > self.cpu_cores else 1.0
 
-    def section_end_s(self, name: str, dp: int) -> float:
+    def section_end_s(self, name: str, dp: int, lockstep: bool = False) -> float:
         """A section's per-step cost after its last micro-batch (uncontended): a trainable
-        section's optimizer step plus its all-reduce estimate."""
+        section's optimizer step plus its all-reduce estimate; none for a `lockstep` FSDP
+        section, whose reduce-scatters lockstep_s charges at every micro-batch (at the step's
+        end it reduces only its presence counts)."""
         if not self.graph.sections[name].trainable:
             return 0.0
-        reduce = 2 * self.grad_mb[name] * (dp - 1) / dp / REDUCE_MB_PER_S if dp > 1 else 0.0
+        reduce = 2 * self.grad_mb[name] * (dp - 1) / dp / REDUCE_MB_PER_S if dp > 1 and not lockstep else 0.0
         return self.step_cost[name] + reduce
 
-    def end_of_step_s(self, layout: Layout) -> float:
+    def end_of_step_s(self, layout: Layout, gathers: Mapping[str, float]) -> float:
         """Per-step costs after the last micro-batch (uncontended): the slowest section's
-        optimizer step + all-reduce estimate, plus one plan."""
-        return max((self.section_end_s(n, dp) for n, dp, _ in layout), default=0.0) + self.planning_s
+        optimizer step + all-reduce estimate, plus one plan (`gathers`: each section's lockstep_s)."""
+        return max((self.section_end_s(n, dp, gathers[n] > 0) for n, dp, _ in layout), default=0.0) + self.planning_s
 
     def overlapped(self) -> bool:
         """Whether consecutive steps overlap: with lookahead (the next plan out before this step
@@ -194,9 +196,12 @@ class TuneModel:
         return min(per_replica, mb + run_ahead) if per_replica > mb else mb
 
     def fsdp_for(self, name: str, dp: int, mb: int, layout: Mapping[str, tuple[int, int]] | None = None) -> bool:
-        """FSDP only where the section does not fit without it (it adds collectives every step)."""
-        if self.limit is None or dp == 1:
+        """FSDP only where the section does not fit without it (it adds collectives every step);
+        without a memory limit to check, the pipeline's own choice."""
+        if dp == 1:
             return False
+        if self.limit is None:
+            return bool(self.graph.sections[name].fsdp)
         m, kept = self.memory[name], self._kept(name, dp, mb, layout)
         return m.at(kept, self.tp[name], dp) > self.limit and m.at(kept, self.tp[name], dp, True) <= self.limit
 
@@ -261,6 +266,12 @@ class TuneModel:
                 self._terms[key] = max(0.0, longest - sum(lengths) / n)
         return self._terms[key]
 
+    def least_work(self, name: str) -> float:
+        """The section's least work at any micro-batch the search tries: a lower bound on its
+        work at every one. Not simply the largest micro-batch's: a padded stage's work grows
+        with the micro-batch (_padding_s)."""
+        return min(self._term(("work", name, m)) for m in pow2_upto(self.max_mb))
+
     def _term(self, key: tuple) -> float:
         """Cached sums over the representative batch (they do not depend on dp)."""
         if key not in self._terms:
@@ -316,7 +327,7 @@ class TuneModel:
         # tuning time for the few % it takes off some plans.
         planner = make_planner("wavefront", graph, costs, search=0.0)
         spans, bounds, busy = [], [], {n: 0.0 for n in self.order}
-        fixed = self.end_of_step_s(layout)
+        fixed = self.end_of_step_s(layout, gathers)
         workers = sum(d * self.tp[n] for n, d, _ in layout)
         overlapped = self.overlapped()
         for step, batch in enumerate(self.batches):
@@ -325,7 +336,7 @@ class TuneModel:
             sim = simulate(plan, graph, dataclasses.replace(costs, costs={**costs.costs, **{
                 n: self.cost_at(n, scale, gathers[n]) for n in self.order}}))
             if overlapped:  # the busiest replica, with its section's end of step, sets the pace
-                step_s = max(max(sim.busy_s[n], default=0.0) + self.section_end_s(n, by_name[n][0]) * scale
+                step_s = max(max(sim.busy_s[n], default=0.0) + self.section_end_s(n, by_name[n][0], gathers[n] > 0) * scale
                              for n in self.order)
             else:
                 step_s = sim.makespan_s + fixed * scale

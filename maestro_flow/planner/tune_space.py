@@ -21,12 +21,13 @@ Layout = tuple[tuple[str, int, int], ...]  # (section, dp, micro_batch) in topol
 class MemoryModel:
     """Predicted peak memory of one rank: base_mb + per_sample_mb x kept samples, where base_mb
     holds param_mb x copies of training state (1 frozen; 4 AdamW: weights, gradients, two
-    moments; 2 SGD) that tensor parallelism and FSDP shard (`at`)."""
+    moments, 5 with amsgrad; 2 SGD, 3 with momentum; fewer where part of a trainable stage is
+    frozen: runtime/tuning.copies) that tensor parallelism and FSDP shard (`at`)."""
 
     base_mb: float = 0.0
     per_sample_mb: float = 0.0
     param_mb: float = 0.0  # the section's parameters (0: unknown, sharding saves nothing)
-    copies: int = 1
+    copies: float = 1.0  # a trainable section with frozen parameters has fewer than its optimizer's
     tp_share: float = 0.0  # the share of param_mb the stage's tp_plan shards
     unit_mb: float = 0.0  # the largest FSDP unit (0: unknown)
     lockstep: bool = False  # a frozen section fed only by the data, or a loss section: with fsdp at tp=1, per unit

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,6 +87,10 @@ def read_cost_file(path: str) -> tuple[str, dict[str, SectionProfile]]:
                                                           "step_overhead_s", "grad_mb", "param_mb", "tp_share", "unit_mb")}
         except (TypeError, ValueError) as exc:
             raise PipelineError(f"{where}: {exc}") from None
+        for k, v in extra.items():  # max(0, nan) is 0 downstream: a NaN limit would always fit
+            if not math.isfinite(v) or v < 0 or (k == "tp_share" and v > 1):
+                raise PipelineError(f"{where}.{k}: {body.get(k)!r} is not "
+                                    f"{'a share from 0 to 1' if k == 'tp_share' else 'a finite number >= 0'}")
         out[name] = SectionProfile(cost=c, **extra)
     return str(data.get("pipeline", "")), out
 

@@ -12,6 +12,7 @@ forward time; memory = parameter state + a fitted line in the micro-batch size.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 from maestro_flow.config import Cost
@@ -49,9 +50,24 @@ def _fit_forward(prior: Cost, rows: list[dict[str, Any]], padded: bool
     return coef, residual, counted
 
 
+def state_copies(trainable: bool, optimizer: Mapping[str, Any]) -> int:
+    """Bytes of training state per trained parameter byte: the weights, their gradients and the
+    optimizer's buffers (AdamW: two moments, three with amsgrad; SGD: a momentum buffer where
+    momentum is not 0); 1 (the weights) for a frozen section."""
+    if not trainable:
+        return 1
+    if optimizer.get("name") == "adamw":
+        return 5 if optimizer.get("amsgrad") else 4
+    return 3 if optimizer.get("momentum") else 2
+
+
 def fit_section(prior: Cost, rows: list[dict[str, Any]], trainable: bool, param_mb: float,
-                optimizer: str) -> dict[str, Any]:
+                optimizer: Mapping[str, Any], trained_mb: float | None = None) -> dict[str, Any]:
     """Cost coefficients, per-micro-batch overhead and memory model from the measurements.
+    `trained_mb`: the bytes of the parameters that train (default all of param_mb); a frozen
+    part of a trainable stage (a KD student's copy of the teacher's head) has no gradients or
+    optimizer state. The measured peaks hold no gradients: they exist before each measured
+    call, as in a run, where the state counts them.
 
     Padding is detected, not only declared: the forward times are fitted both ways (each
     micro-batch charged at its longest sample, or at its samples' own lengths) and the better
@@ -70,8 +86,9 @@ def fit_section(prior: Cost, rows: list[dict[str, Any]], trainable: bool, param_
     cost = Cost(**dict(zip(FEATURES, coef[1:], strict=True)), backward_factor=factor, per_micro_batch_s=coef[0],
                 padded=padded)
     mem = fit_nonnegative([((1.0, float(r["samples"])), r["peak_mb"]) for r in rows], (1.0, 1.0), 0.05)
-    state = 1 if not trainable else (4 if optimizer == "adamw" else 2)
+    trained = param_mb if trained_mb is None else trained_mb
+    state = param_mb + trained * (state_copies(trainable, optimizer) - 1)
     return {"cost": dataclasses.asdict(cost), "micro_batch_overhead_s": coef[0],
-            "memory_base_mb": param_mb * state + mem[0], "peak_memory_mb_per_sample": mem[1],
+            "memory_base_mb": state + mem[0], "peak_memory_mb_per_sample": mem[1],
             "padding": {"declared": prior.padded, "detected": padded,
                         "residual_padded": fits[True][1], "residual_summed": fits[False][1]}}

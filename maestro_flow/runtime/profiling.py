@@ -238,9 +238,17 @@ class _Section:
     def param_mb(self) -> float:
         return sum(p.numel() * p.element_size() for p in self.stage.parameters()) / MB
 
-    def zero_grad(self) -> None:
+    def trained_mb(self) -> float:
+        """The parameters that get gradients (a trainable stage may hold frozen ones)."""
+        return sum(p.numel() * p.element_size() for p in self.stage.parameters() if p.requires_grad) / MB
+
+    def zero_grad(self, keep: bool = False) -> None:
+        """`keep`: zero the gradients in place (they stay allocated, as they do in a run)."""
         for p in self.stage.parameters():
-            p.grad = None
+            if keep and p.grad is not None:
+                p.grad.zero_()
+            else:
+                p.grad = None
 
 
 def _produce(sec: _Section, samples: list[SampleMeta], outputs: dict) -> None:
@@ -260,8 +268,10 @@ def _produce(sec: _Section, samples: list[SampleMeta], outputs: dict) -> None:
 
 def _measure(sec: _Section, mb: list[SampleMeta], outputs: dict, repeats: int) -> dict[str, Any]:
     fwd, bwd, peak = [], [], 0.0
-    for r in range(repeats + 1):  # the first call warms up (allocator, lazy init) and is not kept
-        sec.zero_grad()
+    # The first call warms up (allocator, lazy init, the gradients' memory) and is not kept: the
+    # peaks kept are what a micro-batch adds to the training state (fit_section counts the state).
+    for r in range(repeats + 1):
+        sec.zero_grad(keep=True)
         meter = _CudaPeak(sec.device) if sec.device.type == "cuda" else _RssPeak()
         with meter:
             t0 = time.perf_counter()
@@ -411,7 +421,7 @@ def _profile(single: Pipeline, graph: SectionGraph, checked: Any, sizes: dict[st
                     rows.append(_measure(sec, mb, outputs, options.repeats))
                 log(f"{n}: micro-batch {m}: forward {statistics.median(r['forward_s'] for r in rows[-len(mbs):]) * 1e3:.1f} ms")
             fitted = fit_section(sec.section.cost, rows, sec.section.trainable, sec.param_mb(),
-                                 str(sec.section.optimizer.get("name")))
+                                 sec.section.optimizer, sec.trained_mb())
             pad = fitted["padding"]
             if pad["detected"] != pad["declared"]:
                 follows = ("the longest sample of each micro-batch (padding)" if pad["detected"]
@@ -421,7 +431,7 @@ def _profile(single: Pipeline, graph: SectionGraph, checked: Any, sizes: dict[st
             if sec.section.trainable:
                 fitted["step_overhead_s"] = _time_optimizer_step(sec, pool[:sec.section.micro_batch], outputs,
                                                                  options.repeats)
-                fitted["grad_mb"] = sec.param_mb()
+                fitted["grad_mb"] = sec.trained_mb()
                 log(f"{n}: optimizer step {fitted['step_overhead_s'] * 1e3:.1f} ms ({fitted['grad_mb']:.1f} MB of gradients)")
             else:
                 fitted["step_overhead_s"], fitted["grad_mb"] = 0.0, 0.0

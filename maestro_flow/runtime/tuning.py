@@ -23,6 +23,7 @@ from maestro_flow.planner.cost import CostModel
 from maestro_flow.planner.tune import Candidate, MemoryModel, TuneResult, representative_batch, to_overrides, tune
 from maestro_flow.runtime.build import load_pipeline
 from maestro_flow.runtime.costfile import cost_overrides, read_cost_file, read_planning_s
+from maestro_flow.runtime.profile_fit import state_copies
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -91,7 +92,7 @@ def _inputs(path: str, options: TuneOptions) -> tuple[Any, CostModel, list, dict
         fed, feeding = {e.dst for e in pipeline.edges}, {e.src for e in pipeline.edges}
         trains = {s.name for s in pipeline.sections if s.trainable}
         memory = {n: MemoryModel(base_mb=p.memory_base_mb, per_sample_mb=p.peak_memory_mb_per_sample,
-                                 param_mb=p.param_mb, copies=state_copies(pipeline.section(n)), tp_share=p.tp_share,
+                                 param_mb=p.param_mb, copies=copies(pipeline.section(n), p), tp_share=p.tp_share,
                                  unit_mb=p.unit_mb,  # graph.lockstep, less what the search varies (fsdp, tp)
                                  lockstep=n not in feeding if n in trains else n not in fed)
                   for n, p in profiles.items() if n in {s.name for s in pipeline.sections}}
@@ -133,17 +134,23 @@ def _inputs(path: str, options: TuneOptions) -> tuple[Any, CostModel, list, dict
     return pipeline, costs, batches, kwargs, notes
 
 
-def state_copies(section: Any) -> int:
-    """Bytes of training state per parameter byte (as `maestro profile` counts them)."""
-    if not section.trainable:
-        return 1
-    return 4 if section.optimizer.get("name") == "adamw" else 2
+def copies(section: Any, profile: Any) -> float:
+    """Bytes of training state per parameter byte, as `maestro profile` counts them: the
+    optimizer's copies for the parameters that train (grad_mb of param_mb), one for the rest."""
+    n = state_copies(section.trainable, section.optimizer)
+    if n == 1 or profile.param_mb <= 0:
+        return float(n)
+    trained = min(1.0, profile.grad_mb / profile.param_mb) if profile.grad_mb > 0 else 1.0
+    return 1.0 + trained * (n - 1)
 
 
 def allowed_tp(pipeline: Any, max_tp: int) -> dict[str, list[int]]:
-    """Each section's tensor-parallel sizes up to max_tp that its stage can take: a tp_plan (or
-    its own parallelize) and a configuration its check_tp accepts; the pipeline's own tp always."""
-    from maestro_flow.runtime.build import resolve
+    """Each section's tensor-parallel sizes up to max_tp that `maestro run` accepts
+    (checks.check_tensor_parallel): a tp_plan (or its own parallelize), a configuration its
+    check_tp accepts, and every dimension the plan shards dividing by tp (the stage built once
+    on the meta device); the pipeline's own tp always."""
+    from maestro_flow.parallel.tp import check_plan
+    from maestro_flow.runtime.build import build_stage, resolve
     from maestro_flow.stage import Stage
 
     out = {}
@@ -151,16 +158,27 @@ def allowed_tp(pipeline: Any, max_tp: int) -> dict[str, list[int]]:
         values = {s.tp}
         try:
             cls = resolve(s.stage, f"sections.{s.name}.stage")
-            planned = cls.parallelize is not Stage.parallelize or bool(cls.tp_plan(dict(s.config)))
+            own = cls.parallelize is not Stage.parallelize
+            plan = {} if own else cls.tp_plan(dict(s.config))
         except Exception:
-            planned = False
+            own, plan = False, {}
+        stage = None
         for t in (2, 4, 8, 16):
-            if planned and t <= max_tp:
-                try:
-                    cls.check_tp(dict(s.config), t)
-                except ValueError:
+            if not (own or plan) or t > max_tp:
+                continue
+            try:
+                cls.check_tp(dict(s.config), t)
+            except ValueError:
+                continue
+            if not own:
+                if stage is None:
+                    try:
+                        stage = build_stage(pipeline, s, 0, "cpu", meta=True)
+                    except Exception:  # noqa: BLE001 (the run's own check would refuse it as well)
+                        break
+                if check_plan(stage, plan, t):
                     continue
-                values.add(t)
+            values.add(t)
         out[s.name] = sorted(values | {1})
     return out
 
@@ -207,8 +225,8 @@ def format_result(result: TuneResult, current: Candidate | None = None) -> str:
     mono = result.monolithic
     if mono is not None:
         lines.append(f"monolithic baseline (every section on each of {mono.devices} ranks, micro-batch "
-                     f"{mono.micro_batch}): {mono.step_s * 1e3:.1f} ms per step; #1 is {mono.step_s / best:.2f}x "
-                     f"its throughput (maestro run PIPE --baseline monolithic --devices {mono.devices} "
+                     f"{mono.micro_batch}): {mono.step_s * 1e3:.1f} ms per step; #1 is "
+                     f"{f'{mono.step_s / best:.2f}x' if best > 0 else 'as fast as'} its throughput (maestro run PIPE --baseline monolithic --devices {mono.devices} "
                      f"--micro-batch {mono.micro_batch})")
     return "\n".join(lines)
 

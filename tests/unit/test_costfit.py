@@ -148,7 +148,7 @@ def test_maestro_profile_detects_padding_from_mixed_micro_batches():
         rows = [{"samples": len(mb), "tokens": sum(mb), "patches": 0, "frames": 0, "sizes": [[t, 0, 0] for t in mb],
                  "forward_s": model.batch_s("s", [SampleMeta(id=i, num_tokens=t) for i, t in enumerate(mb)]),
                  "backward_s": 0.0, "peak_mb": 1.0} for mb in mbs]
-        fitted = fit_section(Cost(per_sample_s=1e-3, per_token_s=1e-4, padded=not truth), rows, False, 1.0, "adamw")
+        fitted = fit_section(Cost(per_sample_s=1e-3, per_token_s=1e-4, padded=not truth), rows, False, 1.0, {"name": "adamw"})
         assert fitted["cost"]["padded"] is truth and fitted["padding"]["declared"] is (not truth)
         assert fitted["cost"]["per_token_s"] == pytest.approx(1e-4, rel=0.05)
         mixed = next(r for r in rows if len(set(t for t, _, _ in r["sizes"])) > 1)
