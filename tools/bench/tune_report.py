@@ -9,7 +9,8 @@
     steps overlap the busiest replica's time; planner/tune_model.py). The best uniform configuration
     (one dp and micro-batch for every section) is run the same way, alternately with the tuned
     one over several rounds, so the predicted gain can be checked against the measured one (the
-    ranking agrees when both gains are on the same side of 1, or both within TIE of 1: a tie).
+    ranking agrees when both gains are on the same side of 1, or both within TIE of 1: a tie;
+    where the tuned configuration is the uniform one there is nothing to rank: None).
     The prediction includes the calibrated runtime costs of the cost file (per micro-batch
     runtime overhead, optimizer step per step, planning) and CPU contention (workers sharing
     os.cpu_count() cores; planner/tune_model.py). Each run also reports
@@ -265,9 +266,14 @@ def main(argv: list[str] | None = None) -> dict:
                 # same layout, or two the noise here cannot tell apart).
                 same = (m["predicted_gain"] > 1) == (m["measured_gain"] > 1)
                 tie = abs(m["predicted_gain"] - 1) <= TIE and abs(m["measured_gain"] - 1) <= TIE
-                agree = same or tie
-                m["ranking_agrees"] = agree
-                verdict = "ranking " + ("agrees" if same else f"a tie (both within {TIE:.0%})" if tie else "DISAGREES")
+                if list(map(list, m["tuned"]["layout"])) == list(map(list, m["uniform"]["layout"])):
+                    # One configuration run twice: nothing to rank, the measured gain is the noise.
+                    m["ranking_agrees"] = None
+                    verdict = "the same configuration: nothing to rank, the measured gain is this host's noise"
+                else:
+                    m["ranking_agrees"] = same or tie
+                    verdict = "ranking " + ("agrees" if same else f"a tie (both within {TIE:.0%})" if tie
+                                            else "DISAGREES")
                 print(f"{m['pipeline']}: uniform/tuned predicted {m['predicted_gain']:.3f}, measured "
                       f"{m['measured_gain']:.3f} ({verdict})")
         ratios = [m[label]["measured_over_predicted"] for m in out["measured"] for label in ("tuned", "uniform")
