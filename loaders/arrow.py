@@ -6,10 +6,10 @@ sections, plans or tensors: it maps row indices to column values.
 
 The file is cut into *segments*: the record batches of an Arrow IPC file (memory-mapped, so a
 segment is a zero-copy view of the map) or the row groups of the Parquet files (read on demand,
-only the requested columns, the last one cached). Construction reads only schemas and footers,
-except that a compressed Arrow IPC file (LZ4 or ZSTD, feather's default) is decompressed once,
-batch by batch, to count its rows: its batches are decompressed again whenever read, the last
-one cached, and never all held at once. (An IPC *stream* has no index: its batches are kept, as
+only the requested columns, the latest up to CACHE_BYTES cached). Construction reads only
+schemas and footers, except that a compressed Arrow IPC file (LZ4 or ZSTD, feather's default) is
+decompressed once, batch by batch, to count its rows: its batches are decompressed again when
+read, only the columns asked for, cached as row groups are, and never all held at once. (An IPC *stream* has no index: its batches are kept, as
 views of the map where uncompressed.) A Parquet folder keeps every file's footer and at most
 MAX_OPEN files open.
 `metadata()` scans the cheap parts of every segment — ids, modalities, list lengths from offsets,
@@ -52,6 +52,7 @@ _REQUIRED = ("id int64, modalities list<string>, tokens list<int32>")
 _ARROW_MAGIC = b"ARROW1"
 _PARQUET_MAGIC = b"PAR1"
 MAX_OPEN = 8  # Parquet files of a folder kept open at once (the least recently read one closes)
+CACHE_BYTES = 256 << 20  # decoded segments a source keeps for the reads that follow
 
 
 # Column name -> (type check, expected type in words). Required columns first.
@@ -93,7 +94,22 @@ def _first_line(exc: BaseException) -> str:
 
 
 def _columns(schema: pa.Schema) -> list[tuple[str, pa.DataType]]:
-    return [(f.name, f.type) for f in schema]
+    """Names and types, nullability left out at every depth (Parquet writers vary it)."""
+    return [(f.name, _nullable(f.type)) for f in schema]
+
+
+def _nullable(t: pa.DataType) -> pa.DataType:
+    if pa.types.is_large_list(t):
+        return pa.large_list(_nullable(t.value_type))
+    if pa.types.is_fixed_size_list(t):
+        return pa.list_(_nullable(t.value_type), t.list_size)
+    if pa.types.is_list(t):
+        return pa.list_(_nullable(t.value_type))
+    if pa.types.is_map(t):
+        return pa.map_(_nullable(t.key_type), _nullable(t.item_type))
+    if pa.types.is_struct(t):
+        return pa.struct([pa.field(t.field(i).name, _nullable(t.field(i).type)) for i in range(t.num_fields)])
+    return t
 
 
 def _schema_difference(first: pa.Schema, other: pa.Schema) -> str:
@@ -130,7 +146,11 @@ class ArrowSource:
         self._parquet_meta: list[pq.FileMetaData] = []  # every file's footer
         self._parquet_paths: list[str] = []
         self._parquet_open: OrderedDict[int, pq.ParquetFile] = OrderedDict()  # the last MAX_OPEN files read
-        self._cache: tuple[int, frozenset[str], pa.Table] | None = None  # last Parquet row group read
+        # Decoded segments (Parquet row groups, compressed IPC batches): seg -> (columns, table),
+        # the least recently read first out past CACHE_BYTES.
+        self._cache: OrderedDict[int, tuple[frozenset[str], Any]] = OrderedDict()
+        self._cached_bytes = 0
+        self._ipc_readers: dict[tuple[int, ...], Any] = {}  # a compressed file's readers, by the columns they decode
         if os.path.isdir(self._path):
             schema, segments = self._open_parquet_folder()
         else:
@@ -169,7 +189,7 @@ class ArrowSource:
                     segments.append(_Segment(start=start, num_rows=batch.num_rows, batch=batch if mapped else None,
                                              index=i, compressed=not mapped))
                     start += batch.num_rows
-                self._ipc_reader = reader
+                self._ipc_source = source
             else:  # the IPC *stream* format has no magic or index: its batches are kept (views of the map)
                 reader = ipc.open_stream(source)
                 for i, batch in enumerate(reader):
@@ -323,19 +343,35 @@ class ArrowSource:
         if seg.batch is not None:
             return seg.batch.select(names)
         key = frozenset(names)
-        if self._cache is not None and self._cache[0] == seg_i and key <= self._cache[1]:
-            return self._cache[2]
+        hit = self._cache.get(seg_i)
+        if hit is not None and key <= hit[0]:
+            self._cache.move_to_end(seg_i)
+            return hit[1]
         try:
-            if seg.compressed:
-                table = self._ipc_reader.get_batch(seg.index).select(names)
+            if seg.compressed:  # only the columns asked for are decompressed
+                fields = tuple(sorted(self._schema.get_field_index(n) for n in names))
+                reader = self._ipc_readers.get(fields)
+                if reader is None:
+                    reader = self._ipc_readers[fields] = ipc.open_file(
+                        self._ipc_source, options=ipc.IpcReadOptions(included_fields=list(fields)))
+                table = reader.get_batch(seg.index)
             else:
                 table = self._parquet_file(seg.file).read_row_group(seg.row_group, columns=names)
         except (pa.ArrowException, OSError, ValueError) as exc:
             path, where = self._where(seg)
             raise PipelineError(f"data.path: {path} is corrupt: {where} cannot be read ({_first_line(exc)})") from None
         if cache:
-            self._cache = (seg_i, key, table)
+            self._keep(seg_i, key, table)
         return table
+
+    def _keep(self, seg_i: int, key: frozenset[str], table: Any) -> None:
+        old = self._cache.pop(seg_i, None)
+        if old is not None:
+            self._cached_bytes -= old[1].nbytes
+        self._cache[seg_i] = (key, table)
+        self._cached_bytes += table.nbytes
+        while self._cached_bytes > CACHE_BYTES and len(self._cache) > 1:
+            self._cached_bytes -= self._cache.popitem(last=False)[1][1].nbytes
 
     def _parquet_file(self, i: int) -> pq.ParquetFile:
         """Parquet file i, open (its footer parsed once, at construction); at most MAX_OPEN stay open."""

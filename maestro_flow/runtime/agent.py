@@ -17,12 +17,12 @@ it each attempt of the run (its first, and one per automatic restart):
 
 and the agents keep, for themselves:
 
-    maestro/node/<session>/<node>  the agent that runs that node in the attempt (the first to claim it)
-    maestro/beat/<agent>           a counter each agent raises at every poll, while it lives
+    maestro/node/<node>    the agent that runs that node (the first to claim it, for the whole run)
+    maestro/beat/<agent>   a counter each agent's beat thread raises every POLL_S while it lives
 
-A second agent started with a node rank that a live agent already runs stops with an error and
-starts nothing (the run goes on); one that finds the attempt claimed by an agent whose beat stands
-still (killed: node 0 will find its workers gone) waits for node 0's next attempt, and rejoins.
+A second agent started with a node rank that a live agent holds stops with an error before it
+does anything else (the run goes on); one that finds the node held by an agent whose beat stands
+still for BEAT_WAIT_S (killed: node 0 finds its workers gone) takes the node over and rejoins.
 
 Before starting any worker an agent checks that its own pipeline (after --set) is node 0's and
 that its secret is (the attempt carries a MAC under the attempt's key, never the key), so a
@@ -43,6 +43,7 @@ import os
 import secrets
 import socket
 import sys
+import threading
 import time
 from typing import Any
 
@@ -154,13 +155,50 @@ class Agent:
     def run(self) -> None:
         """Until the run is over. Raises SystemFailure when it failed or node 0 is gone."""
         store = rendezvous(self.nodes, self.timeouts.startup_s)
-        session = None
-        while True:
-            session = self._next_attempt(store, session)
-            if session is None:
-                return  # the run is done
-            info = json.loads(self._ask(store.get, f"maestro/attempt/{session}"))
-            self._attempt(store, session, info)
+        stop = threading.Event()
+        beat = threading.Thread(target=self._beat, args=(stop,), daemon=True, name="maestro-agent-beat")
+        beat.start()
+        try:
+            self._claim(store)
+            session = None
+            while True:
+                session = self._next_attempt(store, session)
+                if session is None:
+                    return  # the run is done
+                info = json.loads(self._ask(store.get, f"maestro/attempt/{session}"))
+                self._attempt(store, session, info)
+        finally:
+            stop.set()
+
+    def _beat(self, stop: threading.Event) -> None:
+        """Raise this agent's beat every POLL_S until `stop`, over a store connection of its own
+        (nothing this agent waits on, a worker's shutdown included, holds it up)."""
+        try:
+            store = rendezvous(self.nodes, self.timeouts.startup_s)
+            while not stop.is_set():
+                store.add(f"maestro/beat/{self.me}", 1)
+                stop.wait(POLL_S)
+        except Exception:  # noqa: BLE001 (node 0 gone: the main thread finds out and says so)
+            pass
+
+    def _claim(self, store: Any) -> None:
+        """Hold this node for the run. Raises PipelineError where a live agent (its beat moves)
+        holds it: a second agent with this node rank, which stops here, having done nothing,
+        and the run goes on. A holder whose beat stands still is gone: this agent takes over."""
+        node, key = self.nodes.node_rank, f"maestro/node/{self.nodes.node_rank}"
+        holder = self._ask(store.compare_set, key, "", self.me).decode()
+        while holder != self.me:
+            beat = f"maestro/beat/{holder}"
+            first = self._ask(store.add, beat, 0)
+            deadline = time.monotonic() + BEAT_WAIT_S
+            while time.monotonic() < deadline:
+                time.sleep(POLL_S)
+                if self._ask(store.add, beat, 0) != first:
+                    raise PipelineError(f"node {node} of this run already has an agent ({holder}): give each node "
+                                        f"its own --node-rank (0 to {self.nodes.nnodes - 1}); this one stops, the "
+                                        f"run goes on")
+            self.log(f"node {node}: the agent that ran this node before ({holder}) is gone; this one takes over")
+            holder = self._ask(store.compare_set, key, holder, self.me).decode()
 
     def _ask(self, fn: Any, *args: Any) -> Any:
         """A store call; node 0 gone shows as the store failing."""
@@ -171,29 +209,6 @@ class Agent:
             raise SystemFailure(f"lost node 0 (the coordinator{ranks}; rendezvous {self.where}): "
                                 f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}; this node's "
                                 f"workers are stopped") from None
-
-    def _beat(self, store: Any) -> None:
-        self._ask(store.add, f"maestro/beat/{self.me}", 1)
-
-    def _claim(self, store: Any, session: str) -> bool:
-        """Whether this agent runs its node in the attempt (the first agent to claim it does).
-        Raises PipelineError where a live agent (its beat moves) has it: a second agent with this
-        node rank, which stops here and the run goes on. False where the holder's beat stands
-        still: it is gone, and node 0 will start another attempt."""
-        node = self.nodes.node_rank
-        holder = self._ask(store.compare_set, f"maestro/node/{session}/{node}", "", self.me).decode()
-        if holder == self.me:
-            return True
-        beat = f"maestro/beat/{holder}"
-        first = self._ask(store.add, beat, 0)
-        deadline = time.monotonic() + BEAT_WAIT_S
-        while time.monotonic() < deadline:
-            time.sleep(POLL_S)
-            if self._ask(store.add, beat, 0) != first:
-                raise PipelineError(f"node {node} of this run already has an agent ({holder}): give each node its "
-                                    f"own --node-rank (0 to {self.nodes.nnodes - 1}); this one stops, the run goes on")
-        self.log(f"node {node}: the agent that ran this node ({holder}) is gone; waiting for node 0's next attempt")
-        return False
 
     def _refusal(self, store: Any, session: str, info: dict[str, Any]) -> str | None:
         """Why this node cannot join the attempt (None: it can)."""
@@ -213,7 +228,6 @@ class Agent:
         wait_s = self.timeouts.startup_s + self.timeouts.checkpoint_s
         deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline:
-            self._beat(store)
             if self._ask(store.check, ["maestro/job"]):
                 outcome = self._ask(store.get, "maestro/job").decode()
                 self._ask(store.set, f"maestro/bye/{self.nodes.node_rank}", "1")
@@ -232,8 +246,6 @@ class Agent:
         node_of = {int(r): n for r, n in info["node_of"].items()}
         mine = node_ranks(node_of, node)
         self.node0_ranks = node_ranks(node_of, 0)
-        if not self._claim(store, session):  # before anything reaches node 0: a second agent stops alone
-            return
         problem = self._refusal(store, session, info)
         if problem is not None:
             self._ask(store.set, f"maestro/lost/{session}", REFUSED + problem)  # node 0 stops at once
@@ -260,7 +272,6 @@ class Agent:
             reported = False
             gone_since: float | None = None  # when the last of this node's workers ended
             while True:
-                self._beat(store)
                 if self._ask(store.check, [f"maestro/end/{session}"]):
                     outcome = self._ask(store.get, f"maestro/end/{session}").decode()
                     launcher.join(self.timeouts.shutdown_grace_s if outcome == "done" else 0.5)

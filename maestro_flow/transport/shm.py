@@ -214,11 +214,10 @@ class SlotReader:
         slot = self._maps.get(name)
         if slot is None:
             if len(self._maps) >= self.max_mapped:  # senders remove spare slots: forget mappings not in use
-                with self._lock:
-                    idle = [n for n in self._maps if n not in self._out]
-                for old in idle:
-                    self._maps.pop(old).close()
-            slot = self._maps[name] = self._open(src, name)
+                self._unmap(lambda slot: True)
+            slot = self._open(src, name)
+            with self._lock:  # sweep() walks the mappings from another thread
+                self._maps[name] = slot
         spans = []
         for off, (dtype, numel) in zip(offsets, specs, strict=True):
             dt = p2p.dtype_named(dtype)
@@ -254,21 +253,27 @@ class SlotReader:
                 if torch._C._storage_Use_Count(storage._cdata) <= 3:
                     del self._out[name]
                     done.setdefault(src, []).append(name)
-        if time.monotonic() - self._swept >= self.sweep_s:
-            self._swept = time.monotonic()
-            self._unmap_removed()
+        self.sweep()
         return done
 
-    def _unmap_removed(self) -> None:
-        """Unmap idle slots whose sender removed the file (spares over its limits, a channel
-        dropped): the memory stays the host's until the last mapping goes. A removed slot is
-        never named again (names are not reused), so the header thread cannot be reading it."""
+    def sweep(self) -> None:
+        """At most every sweep_s: unmap the idle slots whose sender removed the file (spares
+        over its limits, a channel dropped), whose memory stays the host's until the last
+        mapping goes. Called from reap, and by the receiving worker when it has nothing
+        outstanding (tensor_comm.reap)."""
+        if time.monotonic() - self._swept >= self.sweep_s:
+            self._swept = time.monotonic()
+            self._unmap(lambda slot: not os.path.exists(slot.path))
+
+    def _unmap(self, which) -> None:
+        """Unmap the idle slots `which` picks. The header thread (read) and the compute thread
+        (sweep) both come here: the lock makes each slot go once."""
         with self._lock:
-            idle = [(n, s) for n, s in list(self._maps.items()) if n not in self._out]
-        for name, slot in idle:
-            if not os.path.exists(slot.path):
-                self._maps.pop(name, None)
-                slot.close()
+            idle = [(n, s) for n, s in self._maps.items() if n not in self._out and which(s)]
+            for name, _ in idle:
+                del self._maps[name]
+        for _, slot in idle:
+            slot.close()
 
     def close(self) -> None:
         with self._lock:

@@ -172,6 +172,7 @@ class TensorComm:
     # -- the sending thread ----------------------------------------------------------------
 
     def send(self, dst: int, kind: str, edge: int, step: int, items: Sequence[p2p.Item]) -> None:
+        self._take_releases()  # before taking a slot; on every path, a dropped channel's too
         if (dst, kind) in self._ipc_out:
             if self._send_slot(dst, kind, edge, step, items, ipc=True):
                 return
@@ -193,6 +194,16 @@ class TensorComm:
         self._put(sent, (p2p.post_sends(buffers, dst, group), buffers, t0, dst, kind, step),
                   f"room to send {kind} tensors to rank {dst} (its {self.WINDOW} earlier sends unfinished)")
 
+    def _take_releases(self) -> None:
+        """Slots the receivers gave back, to their writers (which keep or remove them). On the
+        compute thread only (the writers' one user): at every send, and when it runs out of work
+        (reap), so that a channel that no longer sends through slots still gives them back."""
+        while not self._releases.empty():
+            by, names = self._releases.get_nowait()
+            for writer, mine in ((self._slots, False), (self._ipc_slots, True)):
+                if writer is not None:
+                    writer.released(by, [n for n in names if n.startswith(cuda_ipc.PREFIX) == mine])
+
     def _send_slot(self, dst: int, kind: str, edge: int, step: int, items: Sequence[p2p.Item],
                    ipc: bool = False) -> bool:
         """The bytes into a reused slot (shared memory, or with `ipc` device memory), the slot's
@@ -200,11 +211,6 @@ class TensorComm:
         no slot can be had (a full /dev/shm; CUDA IPC refused): the channel's process group
         carries this message and the channel's later ones (the receiver handles both)."""
         t0 = time.perf_counter()
-        while not self._releases.empty():  # slots the receivers gave back, before taking one (one consumer)
-            by, names = self._releases.get_nowait()
-            for writer, mine in ((self._slots, False), (self._ipc_slots, True)):
-                if writer is not None:
-                    writer.released(by, [n for n in names if n.startswith(cuda_ipc.PREFIX) == mine])
         entries, specs, buffers = p2p.pack_each(items)
         writer = self._ipc_slots if ipc else self._slots
         refused: type[Exception] = cuda_ipc.IpcRefused if ipc else OSError  # no IPC export; no shared memory
@@ -433,8 +439,13 @@ class TensorComm:
         this when it runs out of work: the executor has dropped what it finished with, and a
         moment's work here costs its section nothing (where the header thread's polling for them
         would take the core from it every few milliseconds)."""
-        if any(r is not None and r.outstanding for r in (self._mapped, self._ipc_mapped)) and not self._stop.is_set():
+        if self._stop.is_set():
+            return
+        self._take_releases()
+        if any(r is not None and r.outstanding for r in (self._mapped, self._ipc_mapped)):
             self._give_back()
+        elif self._mapped is not None:
+            self._mapped.sweep()  # removed slots still mapped here go, even with nothing outstanding
 
     def _give_back(self) -> None:
         """Send back the slots whose views are all gone (on a sealed stream of their own)."""

@@ -126,3 +126,30 @@ def test_a_tensor_parallel_relay_carries_every_dtype_an_edge_does():
             if p.is_alive():
                 p.kill()
                 p.join(5)
+
+
+def test_a_channel_that_falls_back_on_gloo_gives_its_shared_memory_back():
+    """A channel whose next slot cannot be made goes through gloo from then on; its slots in use
+    at that moment are removed by the sender once given back, and the receiver unmaps them
+    (before, the sender kept them until it closed: it looked at releases only when sending
+    through a slot, and the receiver swept only while it held a slot's views)."""
+    from tests.integration.transport_peers import fallback_main
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=fallback_main, args=(r, store.port, results), daemon=True) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        out = {rank: (made, left) for rank, made, left in (results.get(timeout=90) for _ in range(2))}
+        for p in procs:
+            p.join(30)
+            assert p.exitcode == 0
+        assert out[0][0] == 3 and out[0][1] == 0, out  # three slots made, none left
+        assert out[1][1] == 0, out  # none still mapped by the receiver
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)

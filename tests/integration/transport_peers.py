@@ -159,3 +159,57 @@ def relay_main(rank: int, port: int, results) -> None:
     except Exception as exc:  # noqa: BLE001 (reported to the test)
         results.put((rank, f"{type(exc).__name__}: {exc}", None))
     dist.destroy_process_group()
+
+
+def fallback_main(rank: int, port: int, results) -> None:
+    """Rank 0 sends rank 1 small messages through shared-memory slots, then one too big for the
+    host's shared memory (a file-size limit stands in for a full /dev/shm), so its channel falls
+    back on gloo, then more. Rank 1 holds the slot messages until then. Both loop as a worker
+    does when out of work (comm.reap). Puts (rank, slot files of rank 0 left, slots rank 1
+    still maps) on `results`."""
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=60))
+    zctx = zmq.Context()
+    pull, addr = zmq_link.bind(zctx, zmq.PULL)
+    store.set(f"addr{rank}", addr)
+    peers = {r: store.get(f"addr{r}").decode() for r in range(2)}
+    plan = [(0, 1, "fwd")]
+    groups = {(0, 1, "fwd"): dist.new_group([0, 1])}
+    prefix = f"maestro-transport-fallback-{port}-0"
+    got: queue.Queue = queue.Queue()
+    held: list = []
+
+    def deliver(kind, edge, step, src, items):
+        held.append(items)
+        got.put(step)
+
+    comm = TensorComm(zctx=zctx, rank=rank, pull=pull, key=KEY, peers=peers, groups=groups,
+                      device=torch.device("cpu"), deliver=deliver, on_error=print, shm=plan, shm_prefix=prefix)
+    files = lambda: [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]  # noqa: E731
+    if rank == 0:
+        for i in range(3):
+            comm.send(1, "fwd", 0, i, [(i, "x", torch.full((1000,), float(i)))])  # 64 KiB slots
+        made = len(files())
+        resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+        comm.send(1, "fwd", 0, 3, [(3, "x", torch.ones(300_000))])  # no slot for it: gloo from now on
+        store.get("let go")
+        deadline = time.monotonic() + 10.0
+        while files() and time.monotonic() < deadline:
+            comm.reap()
+            time.sleep(0.05)
+        results.put((rank, made, len(files())))
+    else:
+        for _ in range(4):
+            got.get(timeout=60)
+        held.clear()  # every view gone: the header thread gives the slots back
+        store.set("let go", "1")
+        deadline = time.monotonic() + 10.0
+        while comm._mapped._maps and time.monotonic() < deadline:
+            comm.reap()
+            time.sleep(0.05)
+        results.put((rank, None, len(comm._mapped._maps)))
+    store.set(f"done{rank}", "1")
+    for r in range(2):
+        store.get(f"done{r}")
+    assert comm.close(timeout_s=10.0), "comm threads did not stop"
+    dist.destroy_process_group()

@@ -26,7 +26,8 @@ def _write_ipc(table: pa.Table, path, batch_rows: int | None = None) -> str:
 
 
 @pytest.mark.parametrize("compression", ["lz4", "zstd"])
-def test_a_compressed_arrow_file_reads_as_the_uncompressed_one_without_holding_it(tmp_path, compression):
+def test_a_compressed_arrow_file_reads_as_the_uncompressed_one_without_holding_it(tmp_path, compression,
+                                                                                   monkeypatch):
     table = text_demo_table(num_samples=300, seed=5)
     plain = source(write_arrow(table, tmp_path / "plain.arrow", batch_rows=64))
     path = tmp_path / f"{compression}.arrow"
@@ -40,6 +41,17 @@ def test_a_compressed_arrow_file_reads_as_the_uncompressed_one_without_holding_i
     assert all(np.array_equal(a, b) for a, b in zip(got["tokens"], want["tokens"], strict=True))
     assert got["id"] == want["id"] and got["tokens"][0].dtype == np.int32
     assert not any(s.compressed for s in plain._segments)  # an uncompressed file stays zero-copy
+    # Only the columns asked for are decompressed, and decoded batches are kept for the reads
+    # that follow, up to CACHE_BYTES.
+    fresh = source(path)
+    fresh.read([70], ["id"])
+    cached = fresh._cache[1][1]
+    assert cached.column_names == ["id"]
+    fresh.read([71, 72], ["id"])
+    assert fresh._cache[1][1] is cached  # served from the cache, not decompressed again
+    monkeypatch.setattr(arrow_mod, "CACHE_BYTES", 1)
+    fresh.read(rows, ["id"])
+    assert len(fresh._cache) == 1  # over the bound, the least recently read go
 
 
 def test_a_parquet_folder_of_many_files_keeps_few_open(tmp_path):
@@ -65,6 +77,11 @@ def test_parquet_files_that_differ_only_in_nullability_form_one_folder(tmp_path)
     strict = table.schema.set(0, pa.field("id", pa.int64(), nullable=False))
     pq.write_table(table.slice(0, 2).cast(strict), folder / "a.parquet")
     pq.write_table(table.slice(2, 2), folder / "b.parquet")
+    assert [m.id for m in source(folder).metadata()] == [10, 11, 12, 13]
+    # Nullability inside a list (its element field) varies between writers too.
+    strict_mods = table.schema.set(1, pa.field("modalities", pa.list_(pa.field("element", pa.string(),
+                                                                                nullable=False))))
+    pq.write_table(table.slice(2, 2).cast(strict_mods), folder / "b.parquet")
     assert [m.id for m in source(folder).metadata()] == [10, 11, 12, 13]
     pq.write_table(table.slice(2, 2).cast(table.schema.set(7, pa.field("caption", pa.large_string()))),
                    folder / "b.parquet")

@@ -84,3 +84,47 @@ def test_nodes_agree_on_what_their_workers_use_not_on_node_0s_planning(tmp_path,
     assert differences(comparable(here), comparable(node0)) == []
     here["sections"][0]["dp"] = 1
     assert differences(comparable(here), comparable(node0)) == ["sections.student.dp (1 here, 2 on node 0)"]
+
+
+def test_a_node_is_held_by_one_live_agent_for_the_whole_run(monkeypatch):
+    """An agent holds its node from its start to the run's end, its beat raised by a thread of
+    its own (so no teardown between attempts lets a second agent in). A second agent with the
+    same node rank stops at its claim, having done nothing; an agent whose holder's beat stands
+    still takes the node over (a killed node that comes back)."""
+    import threading
+
+    import torch.distributed as dist
+
+    from maestro_flow.runtime import agent as agent_mod
+    from maestro_flow.runtime.nodes import rendezvous
+    from maestro_flow.timeouts import Timeouts
+
+    monkeypatch.setattr(agent_mod, "BEAT_WAIT_S", 1.0)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    nodes = Nodes(nnodes=2, node_rank=1, endpoint=("127.0.0.1", store.port))
+
+    def agent():
+        return agent_mod.Agent(nodes, secret=b"s", host="127.0.0.1", interface=None, timeouts=Timeouts(),
+                               worker_log=lambda name: None, log=lambda text: None)
+
+    first = agent()
+    running = threading.Thread(target=first.run, daemon=True)
+    running.start()
+    try:
+        for _ in range(100):  # it claims before anything else
+            if store.check(["maestro/node/1"]):
+                break
+            threading.Event().wait(0.05)
+        assert store.get("maestro/node/1").decode() == first.me
+        second = agent()
+        with pytest.raises(PipelineError, match=r"node 1 of this run already has an agent \(.*\): give each node"):
+            second._claim(rendezvous(nodes, 10))
+        assert store.get("maestro/node/1").decode() == first.me
+        store.set("maestro/node/1", "a killed agent")  # nothing beats for it
+        back = agent()
+        back._claim(rendezvous(nodes, 10))
+        assert store.get("maestro/node/1").decode() == back.me
+    finally:
+        store.set("maestro/job", "done")
+        running.join(10)
+    assert not running.is_alive()

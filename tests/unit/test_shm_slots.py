@@ -129,3 +129,41 @@ def test_a_dropped_channel_gives_its_slots_back_to_the_host(pair):
     assert reader.reap() == {0: [second]}
     writer.released(1, [second])
     assert not os.path.exists(os.path.join(shm.SHM_DIR, second))
+
+
+def test_the_header_threads_unmapping_and_the_sweep_never_take_one_slot_twice(pair, monkeypatch):
+    """read() unmaps idle slots once MAX_MAPPED are mapped (header thread) while reap() sweeps
+    removed ones (compute thread): both under the reader's lock, so neither finds a slot gone
+    (a KeyError killed the header thread in about 1 round in 20 before)."""
+    import sys
+    import threading
+
+    writer, reader = pair
+    monkeypatch.setattr(writer, "spare", 0)  # every released slot is removed by its sender
+    monkeypatch.setattr(reader, "sweep_s", 0.0)
+    monkeypatch.setattr(reader, "max_mapped", 16)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        for _ in range(40):
+            held = [_send(writer, reader, [torch.ones(10)]) for _ in range(16)]
+            names = [n for n, _ in held]
+            del held
+            assert sorted(reader.reap()[0]) == sorted(names)
+            writer.released(1, names)  # removed by the sender, still mapped here
+            go = threading.Barrier(2)
+
+            def sweeping(go=go):
+                go.wait()
+                reader.reap()
+
+            t = threading.Thread(target=sweeping)
+            t.start()
+            go.wait()
+            name, got = _send(writer, reader, [torch.ones(10)])  # a new slot: read() unmaps the idle ones
+            t.join()
+            del got
+            reader.reap()
+            writer.released(1, [name])
+    finally:
+        sys.setswitchinterval(interval)
