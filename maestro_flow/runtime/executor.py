@@ -383,8 +383,9 @@ class SectionExecutor(StepEnd, Prefetch):
                     continue
                 pending.expected.add((e.index, sid))
                 for name in e.edge.tensors:
-                    if per_name[name][i] is not None:
-                        pending.outputs[(sid, name)] = per_name[name][i]
+                    t = per_name[name][i]
+                    if t is not None and t.requires_grad:  # a gradient flows back through this one only
+                        pending.outputs[(sid, name)] = t
         if not pending.expected:
             # No consumer of these outputs trains on them: their gradient is zero, so upstream
             # gets "no gradient" at once rather than waiting for a backward that never comes.

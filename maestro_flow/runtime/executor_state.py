@@ -16,13 +16,22 @@ import torch
 
 from maestro_flow.samples import SampleMeta
 
+# What a collective's failure says when raised inside stage code (FSDP's hooks, a tensor-parallel
+# layer's all-reduce): a peer's death seen from here, not this stage's fault.
+COLLECTIVE_FAILURES = ("Connection closed by peer", "Connection reset by peer", "gloo/", "NCCL", "DistBackendError",
+                       "DistNetworkError")
+
 
 class StageFault(Exception):
-    """User stage code raised; carries the phase and the traceback formatted here."""
+    """User stage code raised; carries the phase and the traceback formatted here. `collateral`:
+    what it raised is a collective's failure (a peer gone), which the worker reports as a system
+    error, so that the coordinator blames the peer's own report, not this stage."""
 
     def __init__(self, phase: str, step: int | None, text: str) -> None:
         super().__init__(text)
         self.phase, self.step, self.text = phase, step, text
+        last = text.strip().splitlines()[-1] if text.strip() else ""
+        self.collateral = any(s in last for s in COLLECTIVE_FAILURES)
 
 
 @dataclass

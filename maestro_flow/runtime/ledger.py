@@ -193,8 +193,7 @@ class StepLedger:
         per[rank] = sq
         if len(per) < len(self.trainable_ranks):
             return None
-        del self.norms[step]
-        norm = global_norm(per.values())
+        norm = global_norm(per.values())  # the reports stay until the step is done: a repeat is refused
         return list(self.trainable_ranks), clip_coefficient(self.graph.pipeline.grad_clip, norm)
 
     def on_done(self, rank: int, step: int, stats: dict[str, Any], now: float) -> dict[str, Any] | None:
@@ -239,6 +238,7 @@ class StepLedger:
                 sections[name]["lr"] = reps[0]["lr"]
             sections[name].update(memory_row(reps))
         self.losses.pop(step, None)
+        self.norms.pop(step, None)
         # The loss of each loss section, from its replicas' done reports (sum / denominator).
         losses = {}
         for name in self.graph.loss_sections():

@@ -252,7 +252,7 @@ class _Worker:
             return self._loop(executor)
         except StageFault as fault:
             self.step, self.phase = fault.step, fault.phase
-            self.report_error("stage", fault.text)
+            self.report_error("system" if fault.collateral else "stage", fault.text)
         except PipelineError as exc:  # bad input found here, e.g. a checkpoint that does not fit
             self.report_error("input", str(exc))
         except Exception:

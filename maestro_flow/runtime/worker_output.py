@@ -4,7 +4,9 @@ Runs in the worker process (runtime/worker.py starts it first): file descriptors
 pipe that an "output" thread reads, so C libraries' prints are caught as well as Python's; a
 crash in native code prints every thread's Python stack (faulthandler) to the terminal. Knows
 nothing of sections, plans or the control plane; a log that cannot be written (full disk) is
-dropped with one line on the terminal, and the worker goes on.
+dropped with one line on the terminal, and the worker goes on; so is a terminal that cannot be
+written (a closed pipe, a full disk behind a redirect): the log still gets every line, and the
+pipe is still drained, so the stage's prints never block.
 """
 
 from __future__ import annotations
@@ -26,8 +28,8 @@ class OutputCapture:
         self.prefix = f"[{label}] ".encode()
         self.terminal = os.dup(2)
         self.log = open(log_path, "ab") if log_path else None  # noqa: SIM115 (closed in close())
-        self.log_guard = WriteGuard(f"the worker log {log_path}",
-                                    lambda text: os.write(self.terminal, self._lines(text)))
+        self.log_guard = WriteGuard(f"the worker log {log_path}", lambda text: self._show(self._lines(text)))
+        self.terminal_failed: OSError | None = None
         read_end, write_end = os.pipe()
         sys.stdout.flush()
         sys.stderr.flush()
@@ -54,8 +56,16 @@ class OutputCapture:
             self._write(self.prefix + pending + b"\n")
 
     def _write(self, data: bytes) -> None:
-        os.write(self.terminal, data)
         self.keep_bytes(data)
+        self._show(data)
+
+    def _show(self, data: bytes) -> None:
+        """To the terminal, until it fails once (then never again: the log has the lines)."""
+        if self.terminal_failed is None:
+            try:
+                os.write(self.terminal, data)
+            except OSError as exc:
+                self.terminal_failed = exc
 
     def keep_bytes(self, data: bytes) -> None:
         """Into the worker's log; a log that cannot be written (full disk) is dropped, with one
@@ -84,7 +94,7 @@ class OutputCapture:
         if self.log is not None and self.log_guard.failed is None:
             self.keep(text)
         else:
-            os.write(self.terminal, self._lines(text))
+            self._show(self._lines(text))
 
     def close(self) -> None:
         """Flush and wait for the last lines (bounded): closing fds 1 and 2 ends the pipe."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -78,11 +79,20 @@ def _train(pipeline: Pipeline, steps: int, dtype: torch.dtype) -> Result:
     order = _topological(pipeline)
     stages = {}
     for s in pipeline.sections:
-        ctx = StageContext(section=s.name, dtype=dtype, trainable=s.trainable,
+        # The stage contract (DESIGN 5.2): the constructor runs in the pipeline's dtype with
+        # torch's global RNG seeded by ctx.seed (a stage without an init_seed of its own draws there).
+        seed = (pipeline.seed * 1_000_003 + zlib.crc32(s.name.encode())) % (2 ** 31)  # ctx.seed, as runtime/build.section_seed derives it
+        ctx = StageContext(section=s.name, dtype=dtype, seed=seed, trainable=s.trainable,
                            placeholder_ids=dict(pipeline.data.placeholder_ids),
                            modality_columns=dict(pipeline.data.modality_columns))
         module_name, _, cls_name = s.stage.partition(":")
-        stage = getattr(importlib.import_module(module_name), cls_name)(dict(s.config), ctx)
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            torch.manual_seed(seed)
+            stage = getattr(importlib.import_module(module_name), cls_name)(dict(s.config), ctx)
+        finally:
+            torch.set_default_dtype(previous)
         for module in stage.modules().values():
             module.to(dtype=dtype)
             module.train(s.trainable)

@@ -166,3 +166,19 @@ def test_two_students_of_one_teacher_equal_a_plain_loop_each_a_mean_of_its_own(d
         assert_matches_oracle(expected, save, ["student", "twin"])
         for step, row in enumerate(rows):
             assert row["loss"] == pytest.approx(expected.losses[step], rel=1e-12)
+
+
+def test_a_float_sent_beside_a_trained_output_needs_no_gradient(demo_data, tmp_path):
+    """A producer may send a float that needs no gradient (a weight read from the data) on an
+    edge its consumer trains through: the gradient flows back through the trained output only,
+    and every mode equals the plain loop (before, the producer's backward failed: "element 1 of
+    tensors does not require grad")."""
+    from tests.integration.conftest import ASSETS
+
+    overrides = {"dtype": "float64", "steps": 2, "data.path": str(demo_data), "data.shuffle": False}
+    pipeline, _ = load_pipeline(str(ASSETS / "weighted.py"), overrides)
+    expected = oracle.train(pipeline, pipeline.steps)
+    for _mode, (rows, save) in run_modes(str(ASSETS / "weighted.py"), overrides, tmp_path,
+                                          modes=("section", "colocated")).items():
+        assert_matches_oracle(expected, save, ["embed", "head"])
+        assert_metrics_match(rows, expected, ["embed", "head"])

@@ -69,3 +69,15 @@ def test_a_stage_error_reported_meanwhile_is_the_cause() -> None:
 
 def test_a_worker_that_left_normally_is_never_the_cause() -> None:
     Coordinator([FakeWorker(2, 0)], [])._raise_dead_peer(exclude=1)
+
+
+def test_a_collectives_failure_inside_stage_code_is_not_the_stages_fault() -> None:
+    """FSDP's hooks run collectives inside stage.forward: a peer's death shows there as a gloo
+    error, which the worker reports as a system error (collateral), not as the stage's: the
+    coordinator then blames the peer's own report (it named the survivor's stage)."""
+    from maestro_flow.runtime.executor_state import StageFault
+
+    gloo = "Traceback (most recent call last):\n  ...\nRuntimeError: [../gloo/transport/tcp/pair.cc:553] " \
+           "Connection closed by peer [127.0.0.1]:12345"
+    assert StageFault("forward", 3, gloo).collateral
+    assert not StageFault("forward", 3, "Traceback ...\nValueError: shapes (2, 3) and (4,) differ").collateral

@@ -362,7 +362,10 @@ def test_norm_shares_of_every_trainable_replica_give_one_clip_coefficient():
     ranks, coef = ledger.on_norm(4, 0, 0.0)
     assert ranks == [1, 2, 3, 4]
     assert coef == pytest.approx(1.0 / (5.0 + 1e-6))  # max_norm / (sqrt(9 + 16) + eps)
-    assert ledger.norms == {}
+    for rank in (1, 4):  # once complete too: a second coefficient could overwrite a rank's clip
+        with pytest.raises(Rejected, match="repeated norm report"):
+            ledger.on_norm(rank, 0, 1e6)
+    assert set(ledger.norms[0]) == {1, 2, 3, 4}  # kept until the step is done (on_done drops them)
 
 
 def test_the_row_has_the_global_grad_norm_and_each_section_s_lr():

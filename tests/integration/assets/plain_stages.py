@@ -2,8 +2,9 @@
 modules moved with `module.to(ctx.device, ctx.dtype)`.
 
 `Embedder` sends per-sample "feat" (unless config `forget` names it: then it returns nothing
-under that name); `Regressor` receives "feat" and returns the loss sum (or, with config
-`no_loss`, forgets it). Both report the cores their process may run on and its torch threads
+under that name), and with config `weights` a float "weight" per sample that needs no gradient;
+`Regressor` receives "feat" (weighted by "weight" where sent) and returns the loss sum (or, with
+config `no_loss`, forgets it). Both report the cores their process may run on and its torch threads
 in `stats()` (a bit mask, so a test can tell which worker had which cores)."""
 
 from __future__ import annotations
@@ -28,7 +29,10 @@ class Embedder(_ReportsCores):
     def forward(self, batch):
         if self.config.get("forget"):
             return {"other": [self.emb(t) for t in batch.columns["tokens"]]}
-        return {"feat": [self.emb(t) for t in batch.columns["tokens"]]}
+        out = {"feat": [self.emb(t) for t in batch.columns["tokens"]]}
+        if self.config.get("weights"):  # a float from the data beside it, needing no gradient
+            out["weight"] = [torch.full((1,), 1.0 + len(t) / 100.0, dtype=self.ctx.dtype) for t in batch.columns["tokens"]]
+        return out
 
 
 class Regressor(_ReportsCores):
@@ -38,7 +42,9 @@ class Regressor(_ReportsCores):
         assert isinstance(ctx.device, torch.device) and isinstance(ctx.dtype, torch.dtype)
 
     def forward(self, batch):
-        loss = sum(self.head(f).pow(2).sum() for f in batch.inputs["feat"])
+        weights = batch.inputs.get("weight") or [1.0] * len(batch.inputs["feat"])
+        loss = sum(self.head(f).pow(2).sum() * w.sum() if torch.is_tensor(w) else self.head(f).pow(2).sum()
+                   for f, w in zip(batch.inputs["feat"], weights, strict=True))
         if self.config.get("no_loss"):
             return {"total": loss}
         return {"loss": loss}

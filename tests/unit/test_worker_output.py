@@ -1,0 +1,33 @@
+"""A worker's own output (runtime/worker_output.py), in a process of its own (it takes over fds
+1 and 2): every line reaches the worker's log, and a terminal that cannot be written never
+blocks the stage's prints."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+SCRIPT = """
+import os, sys
+from maestro_flow.runtime.worker_output import OutputCapture
+cap = OutputCapture("head/0", sys.argv[1])
+for i in range(100):
+    print(f"line {i} " + "x" * 2000, flush=True)
+cap.close()
+print("unreachable: fd 1 is closed", file=sys.__stdout__)
+"""
+
+
+def test_a_terminal_that_cannot_be_written_neither_blocks_the_prints_nor_loses_the_log(tmp_path):
+    """stderr to /dev/full (ENOSPC on every write): the 200 KB of prints finish and the log has
+    every line (before, the output thread died on the first write, the log stayed empty and the
+    stage blocked once the pipe was full)."""
+    log = tmp_path / "head-0.log"
+    with open("/dev/full", "w") as full:
+        done = subprocess.run([sys.executable, "-c", SCRIPT, str(log)], cwd=ROOT, stderr=full, timeout=20)
+    assert done.returncode in (0, 1), done.returncode  # 1: the final print to a closed fd 1
+    lines = log.read_text().splitlines()
+    assert len(lines) == 100 and lines[0].startswith("[head/0] line 0 ") and lines[-1].startswith("[head/0] line 99 ")
