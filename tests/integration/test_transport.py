@@ -104,28 +104,35 @@ def test_a_receiver_holding_every_message_never_blocks_its_sender():
     assert not [n for n in os.listdir("/dev/shm") if n.startswith("maestro-transport-test-")]
 
 
-def test_a_tensor_parallel_relay_carries_every_dtype_an_edge_does():
-    """The relay broadcasts bytes: a typed gloo broadcast refused int16, uint16, uint32 and float8,
-    which isend carries (a tp > 1 consumer of such an output failed where tp = 1 worked)."""
-    from tests.integration.transport_peers import relay_main
-
+def run_pair(target) -> dict[int, tuple]:
+    """`target(rank, port, results)` in two spawned processes; each puts (rank, *result) once."""
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    procs = [ctx.Process(target=relay_main, args=(r, store.port, results), daemon=True) for r in range(2)]
+    procs = [ctx.Process(target=target, args=(r, store.port, results), daemon=True) for r in range(2)]
     for p in procs:
         p.start()
     try:
-        out = {rank: (got, sent) for rank, got, sent in (results.get(timeout=90) for _ in range(2))}
+        out = {rank: rest for rank, *rest in (results.get(timeout=90) for _ in range(2))}
         for p in procs:
             p.join(30)
-        assert not isinstance(out[1][0], str), out[1][0]
-        assert out[1][0] == out[0][1]  # what the member got is, byte for byte, what the leader sent
+            assert p.exitcode == 0
+        return out
     finally:
         for p in procs:
             if p.is_alive():
                 p.kill()
                 p.join(5)
+
+
+def test_a_tensor_parallel_relay_carries_every_dtype_an_edge_does():
+    """The relay broadcasts bytes: a typed gloo broadcast refused int16, uint16, uint32 and float8,
+    which isend carries (a tp > 1 consumer of such an output failed where tp = 1 worked)."""
+    from tests.integration.transport_peers import relay_main
+
+    out = run_pair(relay_main)
+    assert not isinstance(out[1][0], str), out[1][0]
+    assert out[1][0] == out[0][1]  # what the member got is, byte for byte, what the leader sent
 
 
 def test_a_channel_that_falls_back_on_gloo_gives_its_shared_memory_back():
@@ -135,21 +142,6 @@ def test_a_channel_that_falls_back_on_gloo_gives_its_shared_memory_back():
     through a slot, and the receiver swept only while it held a slot's views)."""
     from tests.integration.transport_peers import fallback_main
 
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=fallback_main, args=(r, store.port, results), daemon=True) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        out = {rank: (made, left) for rank, made, left in (results.get(timeout=90) for _ in range(2))}
-        for p in procs:
-            p.join(30)
-            assert p.exitcode == 0
-        assert out[0][0] == 3 and out[0][1] == 0, out  # three slots made, none left
-        assert out[1][1] == 0, out  # none still mapped by the receiver
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(5)
+    out = run_pair(fallback_main)
+    assert out[0] == [3, 0], out  # three slots made, none left
+    assert out[1][1] == 0, out  # none still mapped by the receiver
