@@ -19,10 +19,12 @@ and the agents keep, for themselves:
 
     maestro/node/<node>    the agent that runs that node (the first to claim it, for the whole run)
     maestro/beat/<agent>   a counter each agent's beat thread raises every POLL_S while it lives
+    maestro/in/<node>      the last attempt that node's agent started workers for
 
 A second agent started with a node rank that a live agent holds stops with an error before it
 does anything else (the run goes on); one that finds the node held by an agent whose beat stands
-still for BEAT_WAIT_S (killed: node 0 finds its workers gone) takes the node over and rejoins.
+still for BEAT_WAIT_S (killed: node 0 finds its workers gone) takes the node over and joins the
+first attempt after the one the killed agent was in.
 
 Before starting any worker an agent checks that its own pipeline (after --set) is node 0's and
 that its secret is (the attempt carries a MAC under the attempt's key, never the key), so a
@@ -159,8 +161,11 @@ class Agent:
         beat = threading.Thread(target=self._beat, args=(stop,), daemon=True, name="maestro-agent-beat")
         beat.start()
         try:
-            self._claim(store)
-            session = None
+            session, joined = None, f"maestro/in/{self.nodes.node_rank}"
+            if self._claim(store) and self._ask(store.check, [joined]):
+                # Taken over from a killed agent: the attempt it ran workers for is lost (node 0
+                # ends it when it finds them gone); this node joins any later one.
+                session = self._ask(store.get, joined).decode()
             while True:
                 session = self._next_attempt(store, session)
                 if session is None:
@@ -181,12 +186,14 @@ class Agent:
         except Exception:  # noqa: BLE001 (node 0 gone: the main thread finds out and says so)
             pass
 
-    def _claim(self, store: Any) -> None:
-        """Hold this node for the run. Raises PipelineError where a live agent (its beat moves)
-        holds it: a second agent with this node rank, which stops here, having done nothing,
-        and the run goes on. A holder whose beat stands still is gone: this agent takes over."""
+    def _claim(self, store: Any) -> bool:
+        """Hold this node for the run; True where it was taken over. Raises PipelineError where
+        a live agent (its beat moves) holds it: a second agent with this node rank, which stops
+        here, having done nothing, and the run goes on. A holder whose beat stands still is
+        gone: this agent takes over."""
         node, key = self.nodes.node_rank, f"maestro/node/{self.nodes.node_rank}"
         holder = self._ask(store.compare_set, key, "", self.me).decode()
+        taken = holder != self.me
         while holder != self.me:
             beat = f"maestro/beat/{holder}"
             first = self._ask(store.add, beat, 0)
@@ -199,6 +206,7 @@ class Agent:
                                         f"run goes on")
             self.log(f"node {node}: the agent that ran this node before ({holder}) is gone; this one takes over")
             holder = self._ask(store.compare_set, key, holder, self.me).decode()
+        return taken
 
     def _ask(self, fn: Any, *args: Any) -> Any:
         """A store call; node 0 gone shows as the store failing."""
@@ -246,10 +254,13 @@ class Agent:
         node_of = {int(r): n for r, n in info["node_of"].items()}
         mine = node_ranks(node_of, node)
         self.node0_ranks = node_ranks(node_of, 0)
+        if self._ask(store.check, [f"maestro/end/{session}"]):
+            return  # over already (node 0 moved on while this node looked): nothing to start
         problem = self._refusal(store, session, info)
         if problem is not None:
             self._ask(store.set, f"maestro/lost/{session}", REFUSED + problem)  # node 0 stops at once
             raise PipelineError(problem)
+        self._ask(store.set, f"maestro/in/{node}", session)  # for an agent that takes this node over
         self.log(f"node {node}: starting ranks {', '.join(map(str, mine))} (coordinator {info['address']})")
         launcher = Launcher(self.entry)
         owner: SlotOwner | None = None

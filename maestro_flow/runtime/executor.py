@@ -160,7 +160,8 @@ class SectionExecutor(StepEnd, Prefetch):
             self._deliver_grads(edge, step, items)
 
     def finalize(self, step: int, denominator: float) -> None:
-        self.finalized[step] = float(denominator)
+        if self.optim is not None:  # a stage without trainable parameters never reads it (step_end)
+            self.finalized[step] = float(denominator)
 
     def clip(self, step: int, coef: float) -> None:
         self.clips[step] = float(coef)

@@ -8,6 +8,8 @@ the executor's argument.
 
 from __future__ import annotations
 
+import re
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,22 +18,30 @@ import torch
 
 from maestro_flow.samples import SampleMeta
 
-# What a collective's failure says when raised inside stage code (FSDP's hooks, a tensor-parallel
-# layer's all-reduce): a peer's death seen from here, not this stage's fault.
-COLLECTIVE_FAILURES = ("Connection closed by peer", "Connection reset by peer", "gloo/", "NCCL", "DistBackendError",
-                       "DistNetworkError")
+# How gloo and NCCL word a failed collective that torch raises as a plain RuntimeError:
+# "[.../gloo/transport/tcp/pair.cc:553] Connection closed by peer ...", "NCCL error ...".
+_COLLECTIVE_FAILURE = re.compile(r"\[[^\]\n]*/gloo/transport/[^\]\n]*\] |NCCL error")
+
+
+def collective_failure(exc: BaseException | None) -> bool:
+    """Whether `exc` is a collective's failure (a peer gone), raised inside stage code by FSDP's
+    hooks or a tensor-parallel layer: torch.distributed's own errors, or a RuntimeError worded
+    as gloo and NCCL word theirs (at its start, so a stage's message that names them is not)."""
+    if isinstance(exc, torch.distributed.DistError):
+        return True
+    return type(exc) is RuntimeError and _COLLECTIVE_FAILURE.match(str(exc)) is not None
 
 
 class StageFault(Exception):
     """User stage code raised; carries the phase and the traceback formatted here. `collateral`:
-    what it raised is a collective's failure (a peer gone), which the worker reports as a system
-    error, so that the coordinator blames the peer's own report, not this stage."""
+    what it raised (the exception being handled where this is made) is a collective's failure,
+    which the worker reports as a system error, so that the coordinator blames the peer's own
+    report, not this stage."""
 
     def __init__(self, phase: str, step: int | None, text: str) -> None:
         super().__init__(text)
         self.phase, self.step, self.text = phase, step, text
-        last = text.strip().splitlines()[-1] if text.strip() else ""
-        self.collateral = any(s in last for s in COLLECTIVE_FAILURES)
+        self.collateral = collective_failure(sys.exc_info()[1])
 
 
 @dataclass

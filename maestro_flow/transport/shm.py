@@ -207,29 +207,30 @@ class SlotReader:
         self._swept = time.monotonic()
         # slot name -> (sender rank, the message's view, its storage's Python object)
         self._out: dict[str, tuple[int, torch.Tensor, torch.UntypedStorage]] = {}
-        self._lock = threading.Lock()  # guards _out
+        self._lock = threading.Lock()  # guards _out and _maps (read on the header thread, sweep on another)
 
     def read(self, src: int, name: str, offsets: Sequence[int], specs: Sequence[Sequence]) -> list[torch.Tensor]:
         """The message's buffers as views of slot `name` (specs: [dtype, numel] per buffer)."""
-        slot = self._maps.get(name)
-        if slot is None:
-            if len(self._maps) >= self.max_mapped:  # senders remove spare slots: forget mappings not in use
-                self._unmap(lambda slot: True)
-            slot = self._open(src, name)
-            with self._lock:  # sweep() walks the mappings from another thread
-                self._maps[name] = slot
         spans = []
         for off, (dtype, numel) in zip(offsets, specs, strict=True):
             dt = p2p.dtype_named(dtype)
             spans.append((off, off + int(numel) * dt.itemsize, dt))
         end = max((e for _, e, _ in spans), default=0)
-        if end > slot.size or any(o < 0 for o, _, _ in spans):
-            raise ValueError(f"slot {name} holds {slot.size} bytes, the header asks for bytes up to {end}")
-        whole = slot.bytes[:max(end, 1)]  # one storage user for the whole message (see reap)
-        out = [whole[start:stop].view(dt) for start, stop, dt in spans]
-        storage = whole.untyped_storage()  # made once per message, not at every reap
-        with self._lock:
+        gone: list[_Slot] = []
+        with self._lock:  # from finding the mapping to holding a view of it: sweep() cannot come between
+            slot = self._maps.get(name)
+            if slot is None:
+                if len(self._maps) >= self.max_mapped:  # senders remove spare slots: forget mappings not in use
+                    gone = self._take_idle(lambda slot: True)
+                slot = self._maps[name] = self._open(src, name)
+            if end > slot.size or any(o < 0 for o, _, _ in spans):
+                raise ValueError(f"slot {name} holds {slot.size} bytes, the header asks for bytes up to {end}")
+            whole = slot.bytes[:max(end, 1)]  # one storage user for the whole message (see reap)
+            out = [whole[start:stop].view(dt) for start, stop, dt in spans]
+            storage = whole.untyped_storage()  # made once per message, not at every reap
             self._out[name] = (src, whole, storage)
+        for old in gone:
+            old.close()
         return out
 
     def _open(self, src: int, name: str) -> _Slot:
@@ -266,14 +267,19 @@ class SlotReader:
             self._unmap(lambda slot: not os.path.exists(slot.path))
 
     def _unmap(self, which) -> None:
-        """Unmap the idle slots `which` picks. The header thread (read) and the compute thread
-        (sweep) both come here: the lock makes each slot go once."""
+        """Unmap the idle slots `which` picks (the compute thread's sweep; read() does the same
+        under the lock it holds)."""
         with self._lock:
-            idle = [(n, s) for n, s in self._maps.items() if n not in self._out and which(s)]
-            for name, _ in idle:
-                del self._maps[name]
-        for _, slot in idle:
+            gone = self._take_idle(which)
+        for slot in gone:
             slot.close()
+
+    def _take_idle(self, which) -> list[_Slot]:
+        """The idle slots `which` picks, taken out of the mappings (the lock held): each goes once."""
+        idle = [(n, s) for n, s in self._maps.items() if n not in self._out and which(s)]
+        for name, _ in idle:
+            del self._maps[name]
+        return [s for _, s in idle]
 
     def close(self) -> None:
         with self._lock:

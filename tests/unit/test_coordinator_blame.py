@@ -74,10 +74,22 @@ def test_a_worker_that_left_normally_is_never_the_cause() -> None:
 def test_a_collectives_failure_inside_stage_code_is_not_the_stages_fault() -> None:
     """FSDP's hooks run collectives inside stage.forward: a peer's death shows there as a gloo
     error, which the worker reports as a system error (collateral), not as the stage's: the
-    coordinator then blames the peer's own report (it named the survivor's stage)."""
+    coordinator then blames the peer's own report (it named the survivor's stage). A stage's own
+    error that merely names gloo or NCCL stays the stage's."""
+    import torch
+
     from maestro_flow.runtime.executor_state import StageFault
 
-    gloo = "Traceback (most recent call last):\n  ...\nRuntimeError: [../gloo/transport/tcp/pair.cc:553] " \
-           "Connection closed by peer [127.0.0.1]:12345"
-    assert StageFault("forward", 3, gloo).collateral
-    assert not StageFault("forward", 3, "Traceback ...\nValueError: shapes (2, 3) and (4,) differ").collateral
+    def fault(exc: BaseException) -> StageFault:
+        try:
+            raise exc
+        except Exception:
+            return StageFault("forward", 3, "Traceback ...")
+
+    assert fault(RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+                              "[127.0.0.1]:12345")).collateral
+    assert fault(RuntimeError("NCCL error in: ProcessGroupNCCL.cpp:1970, remote process exited")).collateral
+    assert fault(torch.distributed.DistBackendError("a peer is gone")).collateral
+    for own in (KeyError("NCCL_SOCKET_IFNAME"), FileNotFoundError("/data/configs/gloo/tokenizer.json"),
+                ValueError("the NCCL-style fused kernel got 4 channels"), RuntimeError("shapes (2, 3) and (4,)")):
+        assert not fault(own).collateral, own

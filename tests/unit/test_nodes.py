@@ -128,3 +128,67 @@ def test_a_node_is_held_by_one_live_agent_for_the_whole_run(monkeypatch):
         store.set("maestro/job", "done")
         running.join(10)
     assert not running.is_alive()
+
+
+@pytest.mark.parametrize("lost", ["running", "ended"])
+def test_an_agent_taking_a_node_over_joins_only_a_later_attempt(monkeypatch, lost):
+    """A killed agent's node taken over: the attempt it ran workers for is lost, still running
+    (node 0 has not noticed yet) or ended; the newcomer starts workers for the next one only
+    (it started them for the lost attempt, beside its ranks' dead ones)."""
+    import threading
+    import time
+
+    import torch.distributed as dist
+
+    from maestro_flow.runtime import agent as agent_mod
+    from maestro_flow.timeouts import Timeouts
+
+    started = []
+
+    class Launcher:
+        def __init__(self, entry):
+            pass
+
+        def start(self, rank, section, replica, boot):
+            started.append(boot["session"])
+
+        def dead(self):
+            return []
+
+        def join(self, timeout):
+            pass
+
+        def shutdown(self, grace, kill):
+            pass
+
+    monkeypatch.setattr(agent_mod, "BEAT_WAIT_S", 0.5)
+    monkeypatch.setattr(agent_mod, "Launcher", Launcher)
+    monkeypatch.setattr(agent_mod, "claim", lambda session: type("Owner", (), {"close": lambda self: None})())
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    info = {"node_of": {"0": 0, "1": 1}, "address": "tcp://127.0.0.1:1", "timeouts": {}, "devices": ["cpu", "cpu"],
+            "workers": {"1": ["s", 0, "s0", "s[0]"]}}
+    store.set("maestro/node/1", "a killed agent")  # nothing beats for it
+    agent_mod.publish_attempt(store, "S1", info)
+    if lost == "running":
+        store.set("maestro/in/1", "S1")  # it had started S1's workers
+    else:
+        store.set("maestro/end/S1", "failed: a worker of node 1 died")
+    nodes = Nodes(nnodes=2, node_rank=1, endpoint=("127.0.0.1", store.port))
+    agent = agent_mod.Agent(nodes, secret=b"s", host="127.0.0.1", interface=None, timeouts=Timeouts(),
+                            worker_log=lambda name: None, log=lambda text: None)
+    running = threading.Thread(target=agent.run, daemon=True)
+    running.start()
+    try:
+        time.sleep(1.5)
+        assert started == [] and store.get("maestro/node/1").decode() == agent.me
+        agent_mod.publish_attempt(store, "S2", info)
+        for _ in range(50):
+            if started:
+                break
+            time.sleep(0.05)
+        assert started == ["S2"]
+    finally:
+        store.set("maestro/end/S2", "done")
+        store.set("maestro/job", "done")
+        running.join(10)
+    assert not running.is_alive()
