@@ -25,20 +25,17 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 PATHS = ("gloo", "shm", "shm-full")
 
 
-def run_world(world: int, plan, delay_s=None, path: str = "gloo", hold: bool = False,
-              pace_s: float = 0.0) -> dict[int, tuple]:
+def spawn(world: int, target, make_args) -> dict[int, tuple]:
+    """`target(*make_args(rank, port, results))` in `world` spawned processes, each putting
+    (rank, *result) on `results` once: {rank: result}."""
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    procs = [ctx.Process(target=peer_main, args=(r, world, store.port, plan, delay_s or {}, results, path, hold, pace_s),
-                         daemon=True) for r in range(world)]
+    procs = [ctx.Process(target=target, args=make_args(r, store.port, results), daemon=True) for r in range(world)]
     for p in procs:
         p.start()
     try:
-        out = {}
-        for _ in range(world):
-            rank, t, received, errors, slots = results.get(timeout=90)
-            out[rank] = (t, received, errors, slots)
+        out = {rank: tuple(rest) for rank, *rest in (results.get(timeout=90) for _ in range(world))}
         for p in procs:
             p.join(30)
             assert p.exitcode == 0
@@ -48,6 +45,13 @@ def run_world(world: int, plan, delay_s=None, path: str = "gloo", hold: bool = F
             if p.is_alive():
                 p.kill()
                 p.join(5)
+
+
+def run_world(world: int, plan, delay_s=None, path: str = "gloo", hold: bool = False,
+              pace_s: float = 0.0) -> dict[int, tuple]:
+    """peer_main on every rank: {rank: (time, received, errors, slots)}."""
+    return spawn(world, peer_main, lambda r, port, results: (r, world, port, plan, delay_s or {}, results, path,
+                                                             hold, pace_s))
 
 
 def expected_from(src: int, dst: int) -> list:
@@ -104,33 +108,12 @@ def test_a_receiver_holding_every_message_never_blocks_its_sender():
     assert not [n for n in os.listdir("/dev/shm") if n.startswith("maestro-transport-test-")]
 
 
-def run_pair(target) -> dict[int, tuple]:
-    """`target(rank, port, results)` in two spawned processes; each puts (rank, *result) once."""
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=target, args=(r, store.port, results), daemon=True) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        out = {rank: rest for rank, *rest in (results.get(timeout=90) for _ in range(2))}
-        for p in procs:
-            p.join(30)
-            assert p.exitcode == 0
-        return out
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(5)
-
-
 def test_a_tensor_parallel_relay_carries_every_dtype_an_edge_does():
     """The relay broadcasts bytes: a typed gloo broadcast refused int16, uint16, uint32 and float8,
     which isend carries (a tp > 1 consumer of such an output failed where tp = 1 worked)."""
     from tests.integration.transport_peers import relay_main
 
-    out = run_pair(relay_main)
+    out = spawn(2, relay_main, lambda r, port, results: (r, port, results))
     assert not isinstance(out[1][0], str), out[1][0]
     assert out[1][0] == out[0][1]  # what the member got is, byte for byte, what the leader sent
 
@@ -142,6 +125,6 @@ def test_a_channel_that_falls_back_on_gloo_gives_its_shared_memory_back():
     through a slot, and the receiver swept only while it held a slot's views)."""
     from tests.integration.transport_peers import fallback_main
 
-    out = run_pair(fallback_main)
-    assert out[0] == [3, 0], out  # three slots made, none left
+    out = spawn(2, fallback_main, lambda r, port, results: (r, port, results))
+    assert out[0] == (3, 0), out  # three slots made, none left
     assert out[1][1] == 0, out  # none still mapped by the receiver
