@@ -3,7 +3,8 @@
 Runs in a worker's compute thread. torch's CPU generator, the CUDA generator of the worker's
 device, Python's `random` and NumPy's global generator: with them a resumed run draws the same
 dropout masks (and whatever else the stages randomise) as the uninterrupted one. Written with
-`torch.save` and read back with `weights_only=True` (tensors and plain Python values only).
+`torch.save` and read back with `weights_only=True` (tensors and plain Python values only),
+with `extra` entries of the same kinds beside them (a lockstep replica's stand-in batch).
 """
 
 from __future__ import annotations
@@ -35,15 +36,18 @@ def restore(state: dict[str, Any], device: torch.device) -> None:
         torch.cuda.set_rng_state(state["cuda"], device)
 
 
-def save(path: str, device: torch.device) -> None:
+def save(path: str, device: torch.device, extra: dict[str, Any] | None = None) -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = path + ".tmp"
     with open(tmp, "wb") as f:
-        torch.save(states(device), f)
+        torch.save({**states(device), **(extra or {})}, f)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
 
 
-def load(path: str, device: torch.device) -> None:
-    restore(torch.load(path, weights_only=True), device)
+def load(path: str, device: torch.device) -> dict[str, Any]:
+    """Restore the RNG states saved at `path`; returns everything saved there (`extra` too)."""
+    state = torch.load(path, weights_only=True)
+    restore(state, device)
+    return state

@@ -52,6 +52,7 @@ class SectionState:
         self.stage, self.optim = stage, optim
         self.section, self.replica, self.group, self.device = section, replica, group, device
         self.tp_index = tp_index
+        self.standin: dict[str, Any] | None = None  # what load() found of save()'s `standin`
 
     def folder(self, checkpoint: str) -> str:
         return os.path.join(checkpoint, self.section)
@@ -68,16 +69,18 @@ class SectionState:
             exc = failures[rank][0] if isinstance(failures[rank], tuple) else failures[rank]
         return f"{type(exc).__name__}: {exc}"
 
-    def save(self, checkpoint: str) -> dict[str, Any]:
+    def save(self, checkpoint: str, standin: dict[str, Any] | None = None) -> dict[str, Any]:
         """Write this replica's part; returns what the manifest records of it (replica 0 of a
-        trainable section: its parameter shapes)."""
+        trainable section: its parameter shapes). `standin`: a lockstep FSDP replica's batch for
+        rounds without samples (runtime/lockstep.pack), kept with its RNG states."""
         info: dict[str, Any] = {}
         if self.optim is not None:
             state = self._state_dict()
             dcp.save(state, storage_writer=_Writer(self.folder(checkpoint)), process_group=self.group)
             if self.replica == 0 and self.tp_index == 0:
                 info["params"] = {k[len("model/"):]: list(v.shape) for k, v in state.items() if k.startswith("model/")}
-        rng.save(rng_file(checkpoint, self.section, self.replica, self.tp_index), self.device)
+        rng.save(rng_file(checkpoint, self.section, self.replica, self.tp_index), self.device,
+                 {"standin": standin} if standin is not None else None)
         return info
 
     def _named(self) -> list[list[tuple[str, torch.Tensor]]]:
@@ -134,7 +137,7 @@ class SectionState:
 
     def _load_rng(self, checkpoint: str, path: str, who: str) -> None:
         try:
-            rng.load(path, self.device)
+            self.standin = rng.load(path, self.device).get("standin")  # another replica's will stand in too
         except Exception as exc:  # truncated or corrupt: torch.load's zip reader says so
             raise CheckpointMismatch(f"--resume {checkpoint}: cannot read the RNG state of {who} ({path}): "
                                      f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from None

@@ -4,8 +4,9 @@ The replicas of such a section gather and reduce-scatter per micro-batch, so eac
 `rounds` forwards (and, training, backwards), the busiest replica's count. A replica with fewer
 micro-batches runs the rest on a batch of its own: its last real micro-batch (inputs detached:
 no gradient flows back to a producer), or, before it has one, the plan's probe sample read from
-the data (a section fed by no other section only). Runs in the executor's thread
-(runtime/executor.py), on its state.
+the data (a section fed by no other section only). The last real micro-batch goes into each
+checkpoint (`pack`, beside the replica's RNG states), so a resumed replica stands in as the
+uninterrupted one does. Runs in the executor's thread (runtime/executor.py), on its state.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import dataclasses
 import traceback
 from typing import Any
 
+import numpy as np
 import torch
 
 from maestro_flow.runtime.executor_state import StageFault
@@ -64,6 +66,52 @@ def kept(batch: MicroBatch) -> MicroBatch:
                      for t in column]
               for name, column in batch.inputs.items()}
     return dataclasses.replace(batch, inputs=inputs)
+
+
+def pack(batch: MicroBatch | None) -> dict[str, Any] | None:
+    """A kept batch as a checkpoint holds it (tensors and plain values, rng.save's kinds), so
+    that a resumed replica stands in as the uninterrupted one would; None where it holds a
+    value of another kind (then the resumed replica needs a sample of its own, as at a start)."""
+    if batch is None:
+        return None
+    try:
+        return {"step": batch.step, "index": batch.index, "sample_ids": list(batch.sample_ids),
+                "modalities": [sorted(m) for m in batch.modalities],
+                "columns": {k: [_pack(v) for v in col] for k, col in batch.columns.items()},
+                "inputs": {k: [_pack(v) for v in col] for k, col in batch.inputs.items()}}
+    except TypeError:
+        return None
+
+
+def unpack(state: dict[str, Any]) -> MicroBatch:
+    """pack's batch back, its inputs leaves as kept() makes them."""
+    return MicroBatch(step=state["step"], index=state["index"], sample_ids=list(state["sample_ids"]),
+                      modalities=[frozenset(m) for m in state["modalities"]],
+                      columns={k: [_unpack(v) for v in col] for k, col in state["columns"].items()},
+                      inputs={k: [_unpack(v) for v in col] for k, col in state["inputs"].items()})
+
+
+def _pack(v: Any) -> Any:
+    if isinstance(v, torch.Tensor):
+        return {"tensor": v.detach().cpu(), "grad": v.requires_grad, "device": str(v.device)}
+    if isinstance(v, np.ndarray):
+        return {"numpy": torch.from_numpy(np.ascontiguousarray(v))}
+    if isinstance(v, (list, tuple)):
+        return {"list": [_pack(x) for x in v], "tuple": isinstance(v, tuple)}
+    if v is None or isinstance(v, (bytes, str, int, float, bool)):
+        return {"value": v}
+    raise TypeError(f"a {type(v).__name__} in a stand-in batch")
+
+
+def _unpack(v: dict[str, Any]) -> Any:
+    if "tensor" in v:
+        return v["tensor"].to(v["device"]).requires_grad_(v["grad"])
+    if "numpy" in v:
+        return v["numpy"].numpy()
+    if "list" in v:
+        out = [_unpack(x) for x in v["list"]]
+        return tuple(out) if v["tuple"] else out
+    return v["value"]
 
 
 def round_batch(executor: Any, st: Any) -> MicroBatch:

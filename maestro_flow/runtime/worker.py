@@ -361,6 +361,10 @@ class _Worker:
             note = self.state.load(init["resume"])
             if note:
                 print(f"resume: {note}", flush=True)
+            if self.state.standin is not None and executor.fsdp is not None and executor.fsdp.per_micro_batch:
+                from maestro_flow.runtime import lockstep
+
+                executor.last_batch = lockstep.unpack(self.state.standin)  # stands in as before the stop
         marks["rest_s"] = time.perf_counter() - t0 - sum(marks.values())
         self.setup_marks = marks
         return executor
@@ -427,10 +431,12 @@ class _Worker:
         coordinator decides: stop cleanly, or go on without this checkpoint)."""
         from torch.distributed.checkpoint.api import CheckpointException
 
+        from maestro_flow.runtime import lockstep
+
         assert executor.idle, "a checkpoint was asked for with work in flight"
         self.phase, self.step = "checkpoint", step
         try:
-            info = self.state.save(path)
+            info = self.state.save(path, standin=lockstep.pack(executor.last_batch))
         except (Exception, CheckpointException) as exc:  # DCP's CheckpointException is a BaseException
             self.detail(f"checkpoint at step {step} failed:\n{traceback.format_exc()}")
             self.send("saved", step=step, info={}, error=self.state.cause(exc))

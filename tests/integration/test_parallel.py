@@ -237,3 +237,44 @@ def test_a_parallelize_that_leaves_trainable_parameters_unsharded_is_refused(dem
     assert "sections.lm.stage: blocks_only:BlocksOnly.parallelize(mesh) shards some modules with fully_shard but " \
            "leaves 5 trainable parameters outside every FSDP unit (e.g. model.tok_emb.weight" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+@pytest.fixture(scope="module")
+def two_then_one_image(tmp_path_factory):
+    """vlm demo rows in steps of 4 (no shuffle): two images in even steps, one in odd ones."""
+    import pyarrow as pa
+
+    from loaders.demo import image_demo_table, write_arrow
+
+    table = image_demo_table(num_samples=64, image_share=0.5, seed=3)
+    has_image = [("image" in m) for m in table.column("modalities").to_pylist()]
+    images = [i for i, h in enumerate(has_image) if h]
+    texts = [i for i, h in enumerate(has_image) if not h]
+    order = []
+    for step in range(6):
+        n = 2 if step % 2 == 0 else 1
+        order += [images.pop(0) for _ in range(n)] + [texts.pop(0) for _ in range(4 - n)]
+    return write_arrow(table.take(pa.array(order)), tmp_path_factory.mktemp("two-then-one") / "vlm.arrow")
+
+
+def test_a_lockstep_replica_fed_by_another_section_resumes_standing_in_as_before(two_then_one_image, tmp_path):
+    """A lockstep FSDP LLM (dp 2, fed by the encoder) stands in for a round it has no sample for
+    with its last real micro-batch. That batch is in the checkpoint, so a run resumed at a step
+    where one replica has no sample goes on as the uninterrupted one (it failed: "it has none
+    yet to stand in for them") and ends with the same parameters."""
+    sets = ["--set", f"data.path={two_then_one_image}", "--set", "data.shuffle=false", "--set", "global_batch=4",
+            "--set", "sections.llm.dp=2", "--set", "sections.llm.fsdp=true", "--set", "sections.llm.activates_on=image",
+            "--set", "sections.llm.micro_batch=1", "--set", "adapt_costs=false"]
+    common = ["run", "pipelines/vlm.py", "--quiet", "--no-run-dir", "--steps", "6", *sets]
+    done = maestro(*common, "--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "3",
+                   "--metrics-out", str(tmp_path / "m.jsonl"), "--save-dir", str(tmp_path / "straight"), timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines() if line]
+    assert rows[3]["sections"]["llm"].get("probe_rounds", 0) > 0  # step 3: a replica stood in
+    resumed = maestro(*common, "--resume", str(tmp_path / "ck" / "step-00000003"),
+                      "--save-dir", str(tmp_path / "resumed"), timeout=240)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    for section in ("vision", "llm"):
+        a = load_file(tmp_path / "straight" / f"{section}.safetensors")
+        b = load_file(tmp_path / "resumed" / f"{section}.safetensors")
+        assert all(torch.equal(a[k], b[k]) for k in a), section
