@@ -9,9 +9,9 @@ segment is a zero-copy view of the map) or the row groups of the Parquet files (
 only the requested columns, the latest up to CACHE_BYTES cached). Construction reads only
 schemas and footers, except that a compressed Arrow IPC file (LZ4 or ZSTD, feather's default) is
 decompressed once, batch by batch, to count its rows: its batches are decompressed again when
-read, only the columns asked for, cached as row groups are, and never all held at once. (An IPC *stream* has no index: its batches are kept, as
-views of the map where uncompressed.) A Parquet folder keeps every file's footer and at most
-MAX_OPEN files open.
+read, only the columns asked for, cached as row groups are, and never all held at once. (An
+IPC *stream* has no index: its batches are kept, as views of the map where uncompressed.) A
+Parquet folder keeps every file's footer and at most MAX_OPEN files open.
 `metadata()` scans the cheap parts of every segment — ids, modalities, list lengths from offsets,
 null bitmaps — without turning any token into a Python object, and checks every row against the
 contract: declared modalities must match the image/audio columns (or the columns

@@ -336,8 +336,8 @@ class TuneModel:
             sim = simulate(plan, graph, dataclasses.replace(costs, costs={**costs.costs, **{
                 n: self.cost_at(n, scale, gathers[n]) for n in self.order}}))
             if overlapped:  # the busiest replica, with its section's end of step, sets the pace
-                step_s = max(max(sim.busy_s[n], default=0.0) + self.section_end_s(n, by_name[n][0], gathers[n] > 0) * scale
-                             for n in self.order)
+                step_s = max(max(sim.busy_s[n], default=0.0)
+                             + self.section_end_s(n, by_name[n][0], gathers[n] > 0) * scale for n in self.order)
             else:
                 step_s = sim.makespan_s + fixed * scale
             spans.append(step_s)

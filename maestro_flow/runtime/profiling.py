@@ -235,12 +235,9 @@ class _Section:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def param_mb(self) -> float:
-        return sum(p.numel() * p.element_size() for p in self.stage.parameters()) / MB
-
-    def trained_mb(self) -> float:
-        """The parameters that get gradients (a trainable stage may hold frozen ones)."""
-        return sum(p.numel() * p.element_size() for p in self.stage.parameters() if p.requires_grad) / MB
+    def param_mb(self, trained: bool = False) -> float:
+        """The stage's parameters; `trained`: those that get gradients (a trainable stage may hold frozen ones)."""
+        return sum(p.numel() * p.element_size() for p in self.stage.parameters() if p.requires_grad or not trained) / MB
 
     def zero_grad(self, keep: bool = False) -> None:
         """`keep`: zero the gradients in place (they stay allocated, as they do in a run)."""
@@ -421,7 +418,7 @@ def _profile(single: Pipeline, graph: SectionGraph, checked: Any, sizes: dict[st
                     rows.append(_measure(sec, mb, outputs, options.repeats))
                 log(f"{n}: micro-batch {m}: forward {statistics.median(r['forward_s'] for r in rows[-len(mbs):]) * 1e3:.1f} ms")
             fitted = fit_section(sec.section.cost, rows, sec.section.trainable, sec.param_mb(),
-                                 sec.section.optimizer, sec.trained_mb())
+                                 sec.section.optimizer, sec.param_mb(trained=True))
             pad = fitted["padding"]
             if pad["detected"] != pad["declared"]:
                 follows = ("the longest sample of each micro-batch (padding)" if pad["detected"]
@@ -431,7 +428,7 @@ def _profile(single: Pipeline, graph: SectionGraph, checked: Any, sizes: dict[st
             if sec.section.trainable:
                 fitted["step_overhead_s"] = _time_optimizer_step(sec, pool[:sec.section.micro_batch], outputs,
                                                                  options.repeats)
-                fitted["grad_mb"] = sec.trained_mb()
+                fitted["grad_mb"] = sec.param_mb(trained=True)
                 log(f"{n}: optimizer step {fitted['step_overhead_s'] * 1e3:.1f} ms ({fitted['grad_mb']:.1f} MB of gradients)")
             else:
                 fitted["step_overhead_s"], fitted["grad_mb"] = 0.0, 0.0

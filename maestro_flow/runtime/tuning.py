@@ -208,7 +208,11 @@ def format_result(result: TuneResult, current: Candidate | None = None) -> str:
     rows: list[list[str]] = [[""] + [h for h, _ in cols]]
     rows.append(["step (simulated)"] + [f"{c.step_s * 1e3:.1f} ms" for _, c in cols])
     best = cols[0][1].step_s
-    rows.append(["vs #1"] + [f"{c.step_s / best:.2f}x" if best > 0 else "-" for _, c in cols])
+
+    def vs_best(step_s: float) -> str | None:
+        return f"{step_s / best:.2f}x" if best > 0 else None
+
+    rows.append(["vs #1"] + [vs_best(c.step_s) or "-" for _, c in cols])
     rows.append(["devices"] + [str(c.devices) for _, c in cols])
     for n in names:
         rows.append([f"{n} dp x mb"] + [f"{c.dp(n)} x {c.micro_batch(n)}" for _, c in cols])
@@ -226,8 +230,8 @@ def format_result(result: TuneResult, current: Candidate | None = None) -> str:
     if mono is not None:
         lines.append(f"monolithic baseline (every section on each of {mono.devices} ranks, micro-batch "
                      f"{mono.micro_batch}): {mono.step_s * 1e3:.1f} ms per step; #1 is "
-                     f"{f'{mono.step_s / best:.2f}x' if best > 0 else 'as fast as'} its throughput (maestro run PIPE --baseline monolithic --devices {mono.devices} "
-                     f"--micro-batch {mono.micro_batch})")
+                     f"{vs_best(mono.step_s) or 'as fast as'} its throughput (maestro run PIPE --baseline "
+                     f"monolithic --devices {mono.devices} --micro-batch {mono.micro_batch})")
     return "\n".join(lines)
 
 

@@ -264,15 +264,10 @@ class SlotReader:
         outstanding (tensor_comm.reap)."""
         if time.monotonic() - self._swept >= self.sweep_s:
             self._swept = time.monotonic()
-            self._unmap(lambda slot: not os.path.exists(slot.path))
-
-    def _unmap(self, which) -> None:
-        """Unmap the idle slots `which` picks (the compute thread's sweep; read() does the same
-        under the lock it holds)."""
-        with self._lock:
-            gone = self._take_idle(which)
-        for slot in gone:
-            slot.close()
+            with self._lock:  # read() takes idle slots under it too
+                gone = self._take_idle(lambda slot: not os.path.exists(slot.path))
+            for slot in gone:
+                slot.close()
 
     def _take_idle(self, which) -> list[_Slot]:
         """The idle slots `which` picks, taken out of the mappings (the lock held): each goes once."""
