@@ -58,6 +58,7 @@ from maestro_flow.transport.host import SlotOwner, claim
 
 POLL_S = 0.2
 BEAT_WAIT_S = 3.0  # how long an agent watches another one's beat before it takes it as gone
+BEAT_JOIN_S = 10.0  # how long an ending agent waits for its beat thread's last store call
 
 
 def publish_attempt(store: Any, session: str, info: dict[str, Any]) -> None:
@@ -173,13 +174,16 @@ class Agent:
                 info = json.loads(self._ask(store.get, f"maestro/attempt/{session}"))
                 self._attempt(store, session, info)
         finally:
+            # Joined, not left to die with the interpreter: a daemon thread inside a TCPStore
+            # call at exit aborts the process ("terminate called without an active exception").
             stop.set()
+            beat.join(BEAT_JOIN_S)
 
     def _beat(self, stop: threading.Event) -> None:
         """Raise this agent's beat every POLL_S until `stop`, over a store connection of its own
         (nothing this agent waits on, a worker's shutdown included, holds it up)."""
         try:
-            store = rendezvous(self.nodes, self.timeouts.startup_s)
+            store = rendezvous(self.nodes, BEAT_JOIN_S)  # bounded: joined at the end
             while not stop.is_set():
                 store.add(f"maestro/beat/{self.me}", 1)
                 stop.wait(POLL_S)
