@@ -24,7 +24,9 @@ and the agents keep, for themselves:
 A second agent started with a node rank that a live agent holds stops with an error before it
 does anything else (the run goes on); one that finds the node held by an agent whose beat stands
 still for BEAT_WAIT_S (killed: node 0 finds its workers gone) takes the node over and joins the
-first attempt after the one the killed agent was in.
+first attempt after the one the killed agent was in. An agent checks its hold at every poll: one
+whose beat stood still while it ran on (cut off from node 0's store for a while) and whose node
+was taken over stops its workers and ends.
 
 Before starting any worker an agent checks that its own pipeline (after --set) is node 0's and
 that its secret is (the attempt carries a MAC under the attempt's key, never the key), so a
@@ -58,7 +60,8 @@ from maestro_flow.transport.host import SlotOwner, claim
 
 POLL_S = 0.2
 BEAT_WAIT_S = 3.0  # how long an agent watches another one's beat before it takes it as gone
-BEAT_JOIN_S = 10.0  # how long an ending agent waits for its beat thread's last store call
+BEAT_STORE_S = 2.0  # the beat's store connection: its connect and each call give up after this
+BEAT_JOIN_S = 2 * BEAT_STORE_S + 1  # how long an ending agent waits for its beat thread's last store call
 
 
 def publish_attempt(store: Any, session: str, info: dict[str, Any]) -> None:
@@ -181,14 +184,17 @@ class Agent:
 
     def _beat(self, stop: threading.Event) -> None:
         """Raise this agent's beat every POLL_S until `stop`, over a store connection of its own
-        (nothing this agent waits on, a worker's shutdown included, holds it up)."""
-        try:
-            store = rendezvous(self.nodes, BEAT_JOIN_S)  # bounded: joined at the end
-            while not stop.is_set():
+        (nothing this agent waits on, a worker's shutdown included, holds it up). A connection
+        that fails is made again: a beat that stood still would let another agent take the node
+        over (which this one then finds out, `_check_hold`); node 0 gone, the main thread says so."""
+        store = None
+        while not stop.is_set():
+            try:
+                store = store or rendezvous(self.nodes, BEAT_STORE_S)
                 store.add(f"maestro/beat/{self.me}", 1)
-                stop.wait(POLL_S)
-        except Exception:  # noqa: BLE001 (node 0 gone: the main thread finds out and says so)
-            pass
+            except Exception:  # noqa: BLE001 (torch raises several types for a lost connection)
+                store = None
+            stop.wait(POLL_S)
 
     def _claim(self, store: Any) -> bool:
         """Hold this node for the run; True where it was taken over. Raises PipelineError where
@@ -211,6 +217,15 @@ class Agent:
             self.log(f"node {node}: the agent that ran this node before ({holder}) is gone; this one takes over")
             holder = self._ask(store.compare_set, key, holder, self.me).decode()
         return taken
+
+    def _check_hold(self, store: Any) -> None:
+        """Raises SystemFailure where another agent took this node over (it found this one's
+        beat standing still: this host lost node 0's store for a while, or stood still itself)."""
+        holder = self._ask(store.get, f"maestro/node/{self.nodes.node_rank}").decode()
+        if holder != self.me:
+            raise SystemFailure(f"node {self.nodes.node_rank} was taken over by another agent ({holder}): this "
+                                f"one's beat did not reach node 0's store for {BEAT_WAIT_S:.0f}s; this one stops "
+                                "its workers and ends, the other runs the node")
 
     def _ask(self, fn: Any, *args: Any) -> Any:
         """A store call; node 0 gone shows as the store failing."""
@@ -240,6 +255,7 @@ class Agent:
         wait_s = self.timeouts.startup_s + self.timeouts.checkpoint_s
         deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline:
+            self._check_hold(store)
             if self._ask(store.check, ["maestro/job"]):
                 outcome = self._ask(store.get, "maestro/job").decode()
                 self._ask(store.set, f"maestro/bye/{self.nodes.node_rank}", "1")
@@ -287,6 +303,7 @@ class Agent:
             reported = False
             gone_since: float | None = None  # when the last of this node's workers ended
             while True:
+                self._check_hold(store)
                 if self._ask(store.check, [f"maestro/end/{session}"]):
                     outcome = self._ask(store.get, f"maestro/end/{session}").decode()
                     launcher.join(self.timeouts.shutdown_grace_s if outcome == "done" else 0.5)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from maestro_flow.errors import PipelineError
+from maestro_flow.errors import PipelineError, SystemFailure
 from maestro_flow.planner.plan import Placement
 from maestro_flow.runtime.nodes import Nodes
 
@@ -90,7 +90,8 @@ def test_a_node_is_held_by_one_live_agent_for_the_whole_run(monkeypatch):
     """An agent holds its node from its start to the run's end, its beat raised by a thread of
     its own (so no teardown between attempts lets a second agent in). A second agent with the
     same node rank stops at its claim, having done nothing; an agent whose holder's beat stands
-    still takes the node over (a killed node that comes back)."""
+    still takes the node over (a killed node that comes back), and an agent that finds its node
+    taken over (its beat stood still while it ran on) ends, saying so."""
     import threading
 
     import torch.distributed as dist
@@ -107,8 +108,15 @@ def test_a_node_is_held_by_one_live_agent_for_the_whole_run(monkeypatch):
         return agent_mod.Agent(nodes, secret=b"s", host="127.0.0.1", interface=None, timeouts=Timeouts(),
                                worker_log=lambda name: None, log=lambda text: None)
 
-    first = agent()
-    running = threading.Thread(target=first.run, daemon=True)
+    first, ended = agent(), []
+
+    def run_first():
+        try:
+            first.run()
+        except Exception as exc:  # noqa: BLE001 (what the agent ends with is the point)
+            ended.append(exc)
+
+    running = threading.Thread(target=run_first, daemon=True)
     running.start()
     try:
         for _ in range(100):  # it claims before anything else
@@ -124,6 +132,10 @@ def test_a_node_is_held_by_one_live_agent_for_the_whole_run(monkeypatch):
         back = agent()
         back._claim(rendezvous(nodes, 10))
         assert store.get("maestro/node/1").decode() == back.me
+        running.join(10)  # before: it ran on beside the agent that took its node over
+        assert not running.is_alive()
+        assert len(ended) == 1 and isinstance(ended[0], SystemFailure), ended
+        assert "node 1 was taken over by another agent (" in str(ended[0])
     finally:
         store.set("maestro/job", "done")
         running.join(10)
