@@ -6,17 +6,21 @@ crash in native code prints every thread's Python stack (faulthandler) to the te
 nothing of sections, plans or the control plane; a log that cannot be written (full disk) is
 dropped with one line on the terminal, and the worker goes on; so is a terminal that cannot be
 written (a closed pipe, a full disk behind a redirect): the log still gets every line, and the
-pipe is still drained, so the stage's prints never block.
+pipe is still drained, so the stage's prints never block. A non-blocking terminal that stays full
+loses only the lines it cannot take, said with the next ones shown.
 """
 
 from __future__ import annotations
 
 import faulthandler
 import os
+import select
 import sys
 import threading
 
 from maestro_flow.runtime.guard import WriteGuard
+
+SHOW_WAIT_S = 0.5  # how long a line waits for room in a full non-blocking terminal
 
 
 class OutputCapture:
@@ -30,6 +34,7 @@ class OutputCapture:
         self.log = open(log_path, "ab") if log_path else None  # noqa: SIM115 (closed in close())
         self.log_guard = WriteGuard(f"the worker log {log_path}", lambda text: self._show(self._lines(text)))
         self.terminal_failed: OSError | None = None
+        self.unshown = 0  # lines a full non-blocking terminal could not take (since the last shown)
         read_end, write_end = os.pipe()
         sys.stdout.flush()
         sys.stderr.flush()
@@ -60,12 +65,28 @@ class OutputCapture:
         self._show(data)
 
     def _show(self, data: bytes) -> None:
-        """To the terminal, until it fails once (then never again: the log has the lines)."""
-        if self.terminal_failed is None:
-            try:
-                os.write(self.terminal, data)
-            except OSError as exc:
-                self.terminal_failed = exc
+        """To the terminal, until it fails once (then never again: the log has the lines). A
+        non-blocking terminal that stays full for SHOW_WAIT_S loses these lines only (counted,
+        and said with the next ones shown), not the terminal."""
+        if self.terminal_failed is not None:
+            return
+        before, note = self.unshown, b""
+        if before:
+            note = self.prefix + f"({before} lines not shown: the terminal was full)\n".encode()
+        view = memoryview(note + data)
+        try:
+            while view:
+                try:
+                    view = view[os.write(self.terminal, view):]
+                except BlockingIOError:
+                    if not select.select([], [self.terminal], [], SHOW_WAIT_S)[1]:
+                        # What was not written; the note, if not written either, for what it stood for.
+                        lost = bytes(view[-len(data):] if len(view) > len(data) else view).count(b"\n")
+                        self.unshown = lost + (before if len(view) > len(data) else 0)
+                        return
+            self.unshown = 0
+        except OSError as exc:
+            self.terminal_failed = exc
 
     def keep_bytes(self, data: bytes) -> None:
         """Into the worker's log; a log that cannot be written (full disk) is dropped, with one

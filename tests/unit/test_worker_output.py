@@ -31,3 +31,36 @@ def test_a_terminal_that_cannot_be_written_neither_blocks_the_prints_nor_loses_t
     assert done.returncode in (0, 1), done.returncode  # 1: the final print to a closed fd 1
     lines = log.read_text().splitlines()
     assert len(lines) == 100 and lines[0].startswith("[head/0] line 0 ") and lines[-1].startswith("[head/0] line 99 ")
+
+
+NONBLOCKING = """
+import fcntl, os, sys, time
+fcntl.fcntl(2, fcntl.F_SETFL, fcntl.fcntl(2, fcntl.F_GETFL) | os.O_NONBLOCK)
+from maestro_flow.runtime.worker_output import OutputCapture
+cap = OutputCapture("head/0", sys.argv[1])
+for i in range(100):
+    print(f"line {i} " + "x" * 2000, flush=True)
+time.sleep(3)
+print("after the terminal had room again", flush=True)
+cap.close()
+"""
+
+
+def test_a_full_nonblocking_terminal_loses_some_lines_not_the_terminal(tmp_path):
+    """stderr a non-blocking pipe nobody reads for a while (EAGAIN once 64 KiB wait in it): the
+    lines it could not take are dropped and counted, and the terminal shows the later ones
+    (before, the first EAGAIN dropped the terminal for good)."""
+    import time
+
+    log = tmp_path / "head-0.log"
+    proc = subprocess.Popen([sys.executable, "-c", NONBLOCKING, str(log)], cwd=ROOT, stderr=subprocess.PIPE)
+    try:
+        time.sleep(2.0)  # the 200 KB of prints fill the pipe; nothing reads it yet
+        shown = proc.stderr.read().decode()  # drains it, to the end
+        proc.wait(timeout=20)
+    finally:
+        proc.kill()
+    assert "[head/0] after the terminal had room again" in shown, shown[-500:]
+    assert "lines not shown: the terminal was full)" in shown
+    lines = log.read_text().splitlines()
+    assert len(lines) == 101 and lines[-1] == "[head/0] after the terminal had room again"
