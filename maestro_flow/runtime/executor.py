@@ -52,6 +52,7 @@ from maestro_flow.runtime import lockstep
 from maestro_flow.runtime.executor_state import PendingBackward, StageFault, StepState, to_torch
 from maestro_flow.runtime.precision import autocast_dtype, compute
 from maestro_flow.runtime.prefetch import Prefetch
+from maestro_flow.runtime.record import Recorder
 from maestro_flow.runtime.step_end import StepEnd
 from maestro_flow.runtime.trace import Tracer
 from maestro_flow.samples import SampleMeta
@@ -65,7 +66,7 @@ class SectionExecutor(StepEnd, Prefetch):
     def __init__(self, *, stage: Stage, graph: SectionGraph, placement: Placement, section: str, replica: int,
                  source: Any, comm: Comm, report: Report, device: torch.device, dtype: torch.dtype,
                  reducer: GradientReducer | None, clock: Callable[[], float] = time.perf_counter,
-                 tracer: Tracer | None = None, record: tuple[str, frozenset[int] | None] | None = None,
+                 tracer: Tracer | None = None, record: Recorder | None = None,
                  layout: Layout | None = None) -> None:
         self.stage, self.graph, self.placement = stage, graph, placement
         self.name, self.replica = section, replica
@@ -111,7 +112,7 @@ class SectionExecutor(StepEnd, Prefetch):
         self.early_grads: list[tuple[int, int, list]] = []
         self.steps_done = 0
         self.tracer = tracer or Tracer(enabled=False)
-        self.record = record  # (directory, steps or None for all): what this replica saves for replay
+        self.record = record if self.layout.leader else None  # what it saves for replay (runtime/record.py)
         # What this replica is doing now, for `maestro top` (read by the heartbeat thread).
         self.status: dict[str, Any] = {"state": "idle", "step": None, "mb": None, "buffered": 0, "in_flight": 0}
         # (step, micro-batch) -> (the batch as read when recording, as prepared): Stage.prepare run ahead.
@@ -231,6 +232,8 @@ class SectionExecutor(StepEnd, Prefetch):
         st.tokens += sum(len(t) for t in batch.columns.get("tokens", ()))
         if self.fsdp is not None and self.fsdp.per_micro_batch:
             self.last_batch = lockstep.kept(batch)
+        # Before the forward: what a replay starts from (the step's weights, the RNG states).
+        recorded = self.record.begin(st.step, index, self.stage, self.device) if self.record else None
         try:
             with torch.set_grad_enabled(self.trainable), compute(self.mixed_precision, self.device):
                 out = self.stage.forward(batch)
@@ -244,8 +247,8 @@ class SectionExecutor(StepEnd, Prefetch):
         elif self.trainable:
             self._keep_for_backward(st, mb, out, leaves, index)
         elapsed = self.clock() - t0
-        if self.record is not None and (self.record[1] is None or st.step in self.record[1]):
-            self._record(st, raw, out)  # as read (forward takes it as it is, Stage.prepare)
+        if recorded is not None:
+            self.record.save(raw, out, recorded)  # as read (forward takes it as it is, Stage.prepare)
         st.busy_s += elapsed
         self._timing(st, "forward+backward" if self.is_loss and self.trainable else "forward", mb, elapsed)
         if self.tracer.enabled:  # `cpu` below the span's length: the thread was kept off its core
@@ -258,16 +261,6 @@ class SectionExecutor(StepEnd, Prefetch):
         for rank in st.notify:
             self.comm.notify(rank, st.step, st.next_mb)
         return True
-
-    def _record(self, st: StepState, batch: MicroBatch, out: dict) -> None:
-        """Save what the stage received and produced (and, once per step, the weights it used),
-        for `maestro stage --replay`. Outside the timed region."""
-        from maestro_flow.runtime import record
-
-        directory = self.record[0]
-        if batch.index == 0:
-            record.save_weights(directory, st.step, self.stage)  # before this step's update
-        record.save_micro_batch(directory, batch, out)
 
     def _wait(self, st: StepState, reason: str) -> bool:
         """Note when the executor started waiting (for the trace); always False (nothing ran)."""

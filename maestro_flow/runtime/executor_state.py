@@ -86,14 +86,15 @@ class StepState:
     probes: int = 0  # such rounds run
 
 
-def recording(spec: dict[str, Any] | None, section: str, replica: int) -> tuple[str, frozenset[int] | None] | None:
-    """The executor's `record` argument from the run's record spec ({"dir", "section", "steps"})."""
+def recording(spec: dict[str, Any] | None, section: str, replica: int, whole: bool = True) -> Any:
+    """The executor's `record` (a record.Recorder, or None) from the run's record spec ({"dir",
+    "section", "steps"}); `whole`: the replica holds whole weights (not fsdp, tp 1) to record."""
     if not spec or spec["section"] != section:
         return None
-    from maestro_flow.runtime.record import record_dir
+    from maestro_flow.runtime.record import Recorder, record_dir
 
     steps = frozenset(spec["steps"]) if spec.get("steps") is not None else None
-    return record_dir(spec["dir"], section, replica), steps
+    return Recorder(record_dir(spec["dir"], section, replica), steps, weights=whole)
 
 
 def to_torch(name: str, value: Any) -> Any:

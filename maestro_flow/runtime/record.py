@@ -12,17 +12,21 @@ per micro-batch. Tensor keys:
   inputs/<name>/<i>    incoming tensor of the i-th sample (absent where it was None)
   outputs/<name>/<i>   per-sample output (a list output; absent where the entry was None)
   outputs/<name>       batched output tensor (a 0-dim loss included)
+  rng/cpu, rng/cuda    the RNG states (torch.get_rng_state(); the CUDA device's, on CUDA) as
+                       they were before the forward, so a replay draws what the run drew
+                       (dropout): `recorded_rng`
 
 The safetensors metadata (str -> str, each value JSON) holds "format", "step", "index",
 "sample_ids", "modalities" (sorted lists) and, under "columns", "inputs" and "outputs", how to
 rebuild every entry: a column or input entry is {"kind": "tensor"} | {"kind": "bytes"} |
 {"kind": "scalar", "value": V} (None is a scalar with value null; V is JSON: a number, a string,
-a list of them) | {"kind": "other", "repr": "..."} (anything else: kept as text for the report
-only, loaded as TextOnly, never compared); an output is {"kind": "list", "entries": [entry, ...]}
+lists and string-keyed dicts of them, nested) | {"kind": "other", "repr": "..."} (anything else:
+kept as text for the report only, loaded as TextOnly, never replayed); an output is {"kind": "list", "entries": [entry, ...]}
 or an entry.
 
 Beside them, `weights-step<STEP:06d>.safetensors` (save_weights): the stage's state_dict as it
-was for that step's forwards, so a replay of step N runs with step N's parameters.
+was for that step's forwards, so a replay of step N runs with step N's parameters (not for a
+sharded section: `Recorder`).
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ FORMAT = "maestro-record/1"
 _FILE = re.compile(r"^step(\d{6,})-mb(\d{4,})\.safetensors$")
 
 __all__ = ["FORMAT", "file_name", "save_micro_batch", "load_micro_batches", "recording_dirs", "record_dir",
-           "save_weights", "recorded_weights"]
+           "save_weights", "recorded_weights", "rng_states", "recorded_rng", "restore_rng", "Recorder"]
 
 
 def file_name(step: int, index: int) -> str:
@@ -84,16 +88,28 @@ class TextOnly(str):
 _PLAIN = (bool, int, float, str)
 
 
-def _scalar_or_text(value: Any) -> dict[str, Any]:
-    """The entry of a non-tensor value: a JSON-able one as is (numpy scalars as Python numbers),
-    anything else as its repr."""
-    if isinstance(value, np.generic):
-        value = value.item()
+def _json(value: Any) -> Any:
+    """A JSON-able copy of a plain value (numbers, strings, None, and lists, tuples and
+    string-keyed dicts of them, nested: a column of boxes), numpy scalars and arrays as Python
+    values; raises TypeError for anything else."""
+    if isinstance(value, (np.generic, np.ndarray)):
+        value = value.tolist()
     if value is None or isinstance(value, _PLAIN):
-        return {"kind": "scalar", "value": value}
-    if isinstance(value, (list, tuple)) and all(v is None or isinstance(v, _PLAIN) for v in value):
-        return {"kind": "scalar", "value": list(value)}
-    return {"kind": "other", "repr": repr(value)[:200]}
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_json(v) for v in value]
+    if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+        return {k: _json(v) for k, v in value.items()}
+    raise TypeError(type(value).__name__)
+
+
+def _scalar_or_text(value: Any) -> dict[str, Any]:
+    """The entry of a non-tensor value: a JSON-able one as JSON (`_json`), anything else as its
+    repr."""
+    try:
+        return {"kind": "scalar", "value": _json(value)}
+    except TypeError:
+        return {"kind": "other", "repr": repr(value)[:200]}
 
 
 def _entry(value: Any, key: str, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
@@ -121,11 +137,21 @@ def _output(value: Any, name: str, tensors: dict[str, torch.Tensor]) -> dict[str
     return _scalar_or_text(value)
 
 
-def save_micro_batch(directory: str, batch: MicroBatch, outputs: dict) -> str:
-    """Write what a section received (`batch`) and produced (`outputs`) to one file; returns its path."""
+def rng_states(device: torch.device | None = None) -> dict[str, torch.Tensor]:
+    """The RNG states a forward on `device` draws from, as `save_micro_batch` takes them."""
+    states = {"rng/cpu": torch.get_rng_state()}
+    if device is not None and device.type == "cuda":
+        states["rng/cuda"] = torch.cuda.get_rng_state(device)
+    return states
+
+
+def save_micro_batch(directory: str, batch: MicroBatch, outputs: dict,
+                     rng: dict[str, torch.Tensor] | None = None) -> str:
+    """Write what a section received (`batch`) and produced (`outputs`), with the RNG states
+    taken before its forward (`rng_states`), to one file; returns its path."""
     from safetensors.torch import save_file
 
-    tensors: dict[str, torch.Tensor] = {}
+    tensors: dict[str, torch.Tensor] = {k: v.clone() for k, v in (rng or {}).items()}
     columns = {name: [_entry(v, f"columns/{name}/{i}", tensors) for i, v in enumerate(values)]
                for name, values in batch.columns.items()}
     inputs = {name: [_entry(v, f"inputs/{name}/{i}", tensors) for i, v in enumerate(values)]
@@ -197,6 +223,22 @@ def load_file(path: str) -> tuple[MicroBatch, dict[str, Any]]:
     return batch, outputs
 
 
+def recorded_rng(path: str) -> dict[str, torch.Tensor]:
+    """The RNG states recorded with a micro-batch ({} for a recording made without them)."""
+    from safetensors import safe_open
+
+    with safe_open(path, framework="pt") as f:
+        return {key: f.get_tensor(key) for key in f.keys() if key.startswith("rng/")}
+
+
+def restore_rng(states: dict[str, torch.Tensor], device: torch.device | None = None) -> None:
+    """Set the RNG states `recorded_rng` gave (the CUDA one only where the replay runs on CUDA)."""
+    if "rng/cpu" in states:
+        torch.set_rng_state(states["rng/cpu"])
+    if "rng/cuda" in states and device is not None and device.type == "cuda":
+        torch.cuda.set_rng_state(states["rng/cuda"], device)
+
+
 def recorded_files(directory: str) -> list[tuple[int, int, str]]:
     """(step, index, path) of every recording file in `directory`, sorted."""
     out = []
@@ -219,8 +261,8 @@ def weights_name(step: int) -> str:
 
 
 def save_weights(directory: str, step: int, stage: Any) -> str | None:
-    """The stage's state at the start of `step` (call before its first forward of the step), once
-    per step: replay loads it so that recorded outputs of later steps can be compared. Returns
+    """The stage's state at the start of `step` (Recorder.begin: before its first forward of the
+    step), once per step: replay loads it so that recorded outputs of later steps can be compared. Returns
     the path, or None when it was already written."""
     from safetensors.torch import save_file
 
@@ -238,3 +280,40 @@ def save_weights(directory: str, step: int, stage: Any) -> str | None:
 def recorded_weights(directory: str, step: int) -> str | None:
     path = os.path.join(directory, weights_name(step))
     return path if os.path.exists(path) else None
+
+
+class Recorder:
+    """What `maestro run --record` saves in one replica's executor: for each micro-batch of the
+    chosen `steps` (None: all), `begin` before its forward (the step's weights at micro-batch 0,
+    so a forward that changes buffers replays from where it started; the RNG states it draws
+    from), `save` after it. A sharded section's replica (fsdp, or tp > 1: recorded by its
+    tensor-parallel leader alone) holds no whole weights: it records no weights, and a replay
+    takes them from --weights (SAVE_DIR/SECTION.safetensors, which --save-dir gathers whole). A
+    recording that fails (a full disk) stops, said once on the worker's output; the run goes on."""
+
+    def __init__(self, directory: str, steps: frozenset[int] | None, weights: bool = True) -> None:
+        self.directory, self.steps, self.weights, self.stopped = directory, steps, weights, False
+
+    def begin(self, step: int, index: int, stage: Any, device: torch.device | None) -> dict[str, torch.Tensor] | None:
+        """The RNG states to save with the micro-batch (after saving the weights at index 0), or
+        None where it is not recorded."""
+        if self.stopped or (self.steps is not None and step not in self.steps):
+            return None
+
+        def start() -> dict[str, torch.Tensor]:
+            if index == 0 and self.weights:
+                save_weights(self.directory, step, stage)
+            return rng_states(device)
+
+        return self._guarded(start)
+
+    def save(self, batch: MicroBatch, outputs: dict, rng: dict[str, torch.Tensor]) -> None:
+        self._guarded(lambda: save_micro_batch(self.directory, batch, outputs, rng))
+
+    def _guarded(self, fn: Any) -> Any:
+        try:
+            return fn()
+        except Exception as exc:  # noqa: BLE001 (a debugging aid: the training goes on whatever it hit)
+            print(f"recording stopped ({self.directory}): {type(exc).__name__}: {exc}; the run goes on", flush=True)
+            self.stopped = True
+            return None

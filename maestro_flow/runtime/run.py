@@ -209,6 +209,11 @@ def run_pipeline(path: str, options: RunOptions) -> list[dict[str, Any]]:
                                 f"(sections: {', '.join(checked.graph.order)})")
         if not options.run_dir:
             raise PipelineError("--record needs a run directory (drop --no-run-dir)")
+        first = resume[1].step if resume else 0
+        never = sorted(s for s in options.record_steps or () if not first <= s < pipeline.steps)
+        if never:
+            raise PipelineError(f"--record-steps: this run never reaches step {', '.join(map(str, never))} (it runs "
+                                f"steps {first} to {pipeline.steps - 1}: --steps sets how many)")
         record = {"dir": os.path.abspath(options.run_dir), "section": options.record,
                   "steps": list(options.record_steps) if options.record_steps is not None else None}
     if options.tensorboard:

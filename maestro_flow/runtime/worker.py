@@ -324,8 +324,7 @@ class _Worker:
         marks["groups_s"] = time.perf_counter() - t0 - sum(marks.values())
         try:
             # A lockstep section (parallel/fsdp.py) gathers per micro-batch, unless it is recorded
-            # for replay, which saves its whole weights at a step's start (the coordinator agrees:
-            # PlanMessages).
+            # for replay (then per step; the coordinator agrees: PlanMessages).
             per_mb = graph.lockstep(self.section) and recording(init["record"], self.section, self.replica) is None
             layout = parallelize_section(stage, section, placement, self.rank, groups, torch.device(device),
                                          per_micro_batch=per_mb)
@@ -354,7 +353,8 @@ class _Worker:
             source=source, comm=comm, report=self.report_step,
             device=torch.device(device), dtype=getattr(torch, pipeline.dtype),
             reducer=GradientReducer(groups.dp) if section.trainable and section.dp > 1 else None, tracer=tracer,
-            record=recording(init["record"], self.section, self.replica), layout=layout)
+            record=recording(init["record"], self.section, self.replica, whole=not section.fsdp and section.tp == 1),
+            layout=layout)
         self.state = SectionState(stage, executor.optim, section=self.section, replica=self.replica,
                                   group=groups.section, device=torch.device(device), tp_index=layout.tp_index)
         if init.get("resume"):

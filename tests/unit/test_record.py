@@ -193,3 +193,16 @@ def test_outputs_kept_as_text_are_not_compared_and_strings_are(tmp_path):
     assert diffs["mixed"].ok and diffs["mixed"].compared and "1 of 2 entries" in diffs["mixed"].problem
     assert not diffs["n"].ok and "a tensor vs recorded 3" in diffs["n"].problem
     assert not compare_outputs({"name": "teacher"}, {"name": "student"}, 0.0, 0.0)[0].ok
+
+
+def test_nested_plain_values_are_recorded_as_values(tmp_path):
+    """A column of boxes (lists of lists) or of dicts comes back as it was (it was kept as text
+    only before, which a replay fed to the stage as a string)."""
+    boxes = [[[0.0, 0.0, 4.0, 4.0]], [[1.0, 1.0, 2.0, 2.0], [3.0, 3.0, 5.0, 5.0]]]
+    meta = [{"source": "a", "tags": ["x", None]}, {"source": "b", "tags": []}]
+    batch = MicroBatch(step=0, index=0, sample_ids=[1, 2], modalities=[frozenset({"text"})] * 2,
+                       columns={"boxes": boxes, "meta": meta, "pair": [(1, 2), (3, 4)]}, inputs={})
+    save_micro_batch(str(tmp_path), batch, {})  # (tuples come back as lists)
+    [(got, _)] = load_micro_batches(str(tmp_path))
+    assert got.columns["boxes"] == boxes and got.columns["meta"] == meta
+    assert got.columns["pair"] == [[1, 2], [3, 4]]
