@@ -7,8 +7,8 @@ BIN := $(VENV)/bin
 
 $(BIN)/maestro: pyproject.toml
 	$(PY) -m venv $(VENV)
-	# torch first, pinned: a CPU build of 2.13.0 is what this machine class has; a bare `torch`
-	# would pull the CUDA wheels.
+	# torch first, pinned to the tested version: here pip finds a local CPU wheel of it (a bare
+	# `torch` would pull the CUDA wheels); one installed beforehand from PyTorch's CPU index is kept.
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[dev]'
 	touch $(BIN)/maestro

@@ -70,14 +70,15 @@ def main(ctx: click.Context, debug: bool) -> None:
 
 @main.command()
 @click.argument("pipeline", type=click.Path(dir_okay=False))
-@click.option("--steps", type=int, help="Number of steps (overrides the pipeline's steps).")
+@click.option("--steps", type=int, help="Number of steps in all [default: the pipeline's steps].")
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help=SET_HELP)
 @click.option("--colocated", is_flag=True, help="Run all sections in one process (the correctness reference).")
-@click.option("--schedule", type=click.Choice(["wavefront", "fifo"]), help="Sample ordering across sections.")
+@click.option("--schedule", type=click.Choice(["wavefront", "fifo"]),
+              help="Sample ordering across sections [default: the pipeline's schedule, wavefront unless it says].")
 @click.option("--metrics-out", type=click.Path(dir_okay=False), help="Write one JSON line of metrics per step.")
 @click.option("--save-dir", type=click.Path(file_okay=False), help="Write <section>.safetensors per trainable section.")
 @click.option("--trace", "trace", type=click.Path(dir_okay=False), default=None, is_flag=False, flag_value="",
-              help="Write a Chrome/Perfetto timeline to FILE (no FILE: RUN_DIR/trace.json, or ./trace.json "
+              metavar="[FILE]", help="Write a Chrome/Perfetto timeline to FILE (no FILE: RUN_DIR/trace.json, or ./trace.json "
                    "with --no-run-dir).")
 @click.option("--run-dir", type=click.Path(file_okay=False),
               help="Where plans, metrics and worker logs go (default runs/NAME-TIMESTAMP).")
@@ -86,15 +87,16 @@ def main(ctx: click.Context, debug: bool) -> None:
               "for `maestro stage SECTION --replay RUN_DIR`.")
 @click.option("--record-steps", metavar="STEPS", help="Steps to record, e.g. 0,5,9 (default: all).")
 @click.option("--costs", type=click.Path(dir_okay=False, exists=True), help=COSTS_HELP)
-@click.option("--checkpoint-dir", type=click.Path(file_okay=False), help="Write checkpoints here (DIR/step-N/).")
+@click.option("--checkpoint-dir", type=click.Path(file_okay=False), help="Write checkpoints here (DIR/step-N/); needs --checkpoint-every.")
 @click.option("--checkpoint-every", type=int, metavar="N", help="Checkpoint after every N steps.")
-@click.option("--keep-last", type=int, metavar="K", help="Keep only the newest K complete checkpoints.")
+@click.option("--keep-last", type=int, metavar="K",
+              help="Keep only the newest K complete checkpoints [default: keep all].")
 @click.option("--checkpoint-errors", type=click.Choice(["stop", "continue"]), default="stop", show_default=True,
               help="When a checkpoint cannot be written: stop the run cleanly, or report it and train on.")
 @click.option("--resume", type=click.Path(file_okay=False), metavar="DIR",
               help="Start from a checkpoint: DIR/step-N, or the newest complete one under DIR (--steps stays the "
                    "total).")
-@click.option("--max-restarts", type=int, default=0, show_default=True,
+@click.option("--max-restarts", type=int, default=0, show_default=True, metavar="N",
               help="When a worker dies or hangs, stop all workers and restart from the newest checkpoint, up to N "
                    "times.")
 @click.option("--tensorboard", "tensorboard", type=click.Path(file_okay=False), metavar="DIR",
@@ -224,14 +226,16 @@ def validate(ctx: click.Context, pipeline: str, sets: tuple[str, ...]) -> None:
 @main.command()
 @click.argument("pipeline", type=click.Path(dir_okay=False))
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help=SET_HELP)
-@click.option("--schedule", type=click.Choice(["wavefront", "fifo"]), help="Sample ordering across sections.")
+@click.option("--schedule", type=click.Choice(["wavefront", "fifo"]),
+              help="Sample ordering across sections [default: the pipeline's schedule].")
 @click.option("--step", type=click.IntRange(min=0), default=0, show_default=True,
               help="Which step's global batch to plan.")
 @click.option("--trace-in", type=click.Path(dir_okay=False, exists=True),
               help="Plan these samples (JSON Lines of {id, modalities, num_tokens, num_patches?, num_frames?}) "
                    "as one global batch instead of the dataset's.")
 @click.option("--costs", type=click.Path(dir_okay=False, exists=True), help=COSTS_HELP)
-@click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON (DESIGN 5.5).")
+@click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON: schedule, step, each section's replicas' micro-batches (sample ids), "
+                   "the simulated seconds, the run-ahead gates.")
 @click.pass_context
 def plan(ctx: click.Context, pipeline: str, sets: tuple[str, ...], schedule: str | None, step: int,
          trace_in: str | None, costs: str | None, as_json: bool) -> None:
@@ -367,7 +371,7 @@ def data_demo(out_dir: str, num_samples: int, vlm_samples: int, image_share: flo
         try:
             click.echo(f"wrote {builders[name]()}")
         except (ValueError, OSError) as exc:  # a builder's own check, or a folder it cannot write
-            raise click.ClickException(f"data demo ({name}): {exc}") from None
+            _fail(PipelineError(f"data demo ({name}): {exc}"), debug=False)
 
 
 def _register_tools() -> None:

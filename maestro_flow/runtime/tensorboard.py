@@ -2,8 +2,9 @@
 
 Runs in the `maestro run` process (section or colocated mode), fed the metrics rows of DESIGN 5.4
 by RunReport, into DIR/NAME-TIMESTAMP (one folder per run, made by runtime/run.py). Writes with
-`torch.utils.tensorboard.SummaryWriter`, which needs the optional `tensorboard` package
-(`pip install 'maestro-flow[tensorboard]'`). Scalars, at global step = the step index:
+`torch.utils.tensorboard.SummaryWriter`, which needs the optional `tensorboard` package (the
+`tensorboard` extra: `pip install -e '.[tensorboard]'` in the checkout). Scalars, at global step
+= the step index:
     loss (or loss/<section> with several loss sections), grad_norm, step_time_s,
     throughput/samples_per_s, throughput/tokens_per_s, lr/<section>, busy/<section> (the share of
     its replicas' step time spent computing), restarts
@@ -20,8 +21,8 @@ def check_available() -> None:
     try:
         import tensorboard  # noqa: F401
     except ImportError:
-        raise PipelineError("--tensorboard needs the tensorboard package: pip install 'maestro-flow[tensorboard]' "
-                            "(or pip install tensorboard)") from None
+        raise PipelineError("--tensorboard needs the tensorboard package: pip install tensorboard (or, in the "
+                            "checkout, pip install -e '.[tensorboard]')") from None
 
 
 def scalars(row: dict[str, Any]) -> dict[str, float]:

@@ -142,7 +142,8 @@ def test_precomputed_counts_are_checked_where_the_modality_is(tmp_path):
 @pytest.mark.parametrize(("args", "said"), [
     (["--only", "text", "--samples", "0"], "Invalid value for '--samples': 0 is not in the range x>=1"),
     (["--only", "vlm", "--image-share", "1.5"], "Invalid value for '--image-share'"),
-    (["--only", "text", "--out", "/proc/no/such/folder"], "Error: data demo (text): "),
+    # The CLI's contract (an error you can fix: "error: ..." and exit 2); it said "Error:", rc 1.
+    (["--only", "text", "--out", "/proc/no/such/folder"], "error: data demo (text): "),
 ])
 def test_maestro_data_demo_refuses_bad_options_in_one_line(args, said):
     from click.testing import CliRunner
@@ -150,5 +151,5 @@ def test_maestro_data_demo_refuses_bad_options_in_one_line(args, said):
     from maestro_flow.cli import main
 
     result = CliRunner().invoke(main, ["data", "demo", *args])
-    assert result.exit_code != 0 and said in result.output and "Traceback" not in result.output, result.output
+    assert result.exit_code == 2 and said in result.output and "Traceback" not in result.output, result.output
     assert not isinstance(result.exception, (ValueError, OSError)), result.exception

@@ -43,20 +43,26 @@ from tools.bench.wavefront_sim import VISION_COST, build, draw_samples, llm_cost
 LAYOUTS = {"v16->l48": (16, 48), "v8->l56": (8, 56), "v16->l64": (16, 64)}  # vision dp -> llm dp
 IMAGE_FRACTION = 0.33
 GOAL_S = 0.100
+GOAL_REPLICAS = 64  # the goal: 4096 samples over 64 replicas
 
 
-def time_plans(planner, batches: list) -> tuple[list[float], list[float], Counter]:
+def time_plans(planners: dict[str, Any], batches: list) -> dict[str, tuple[list[float], list[float], Counter]]:
     """Wall-clock and CPU seconds of each plan (CPU time leaves out the time this process was
-    descheduled, which a busy shared machine adds to the wall-clock), and the plans' variants."""
-    wall, cpu, variants = [], [], Counter()
+    descheduled, which a busy shared machine adds to the wall-clock), and the plans' variants,
+    per planner: the planners take turns on each batch (side by side, so a slow moment of the
+    host falls on both), the first to go alternating from batch to batch."""
+    out: dict[str, tuple[list[float], list[float], Counter]] = {k: ([], [], Counter()) for k in planners}
+    names = list(planners)
     for step, samples in enumerate(batches):
-        gc.collect()  # a collection from the previous repetition's garbage must not land in this one
-        c0, t0 = time.process_time(), time.perf_counter()
-        plan = planner.plan(step, samples)
-        wall.append(time.perf_counter() - t0)
-        cpu.append(time.process_time() - c0)
-        variants[plan.variant or plan.schedule] += 1
-    return wall, cpu, variants
+        for name in names if step % 2 == 0 else names[::-1]:
+            wall, cpu, variants = out[name]
+            gc.collect()  # a collection from the previous repetition's garbage must not land in this one
+            c0, t0 = time.process_time(), time.perf_counter()
+            plan = planners[name].plan(step, samples)
+            wall.append(time.perf_counter() - t0)
+            cpu.append(time.process_time() - c0)
+            variants[plan.variant or plan.schedule] += 1
+    return out
 
 
 def profile_plan(planner, samples, top: int) -> list[dict[str, Any]]:
@@ -103,10 +109,10 @@ def main(argv: list[str] | None = None) -> dict:
                                # The wavefront balances from the critical section (its anchor), which
                                # changes the work of assign(): say which one each batch had.
                                "critical": dict(Counter(critical_section(graph, costs, b) for b in batches))}
-        for schedule in ("wavefront", "fifo"):
-            planner = make_planner(schedule, graph, costs)
+        planners = {schedule: make_planner(schedule, graph, costs) for schedule in ("wavefront", "fifo")}
+        for planner in planners.values():
             planner.plan(0, batches[0])  # warm-up: first-call costs (imports, allocator) are not planning
-            times, cpu, variants = time_plans(planner, batches)
+        for schedule, (times, cpu, variants) in time_plans(planners, batches).items():
             q1, q3 = quartiles(times)
             row[schedule] = {"median_s": median(times), "q1_s": q1, "q3_s": q3, "times_s": times,
                              "cpu_median_s": median(cpu), "variants": dict(variants)}
@@ -125,7 +131,8 @@ def main(argv: list[str] | None = None) -> dict:
                  "wf/FIFO", f"wf <= {GOAL_S * 1e3:.0f} ms", "wf rules (batches)"], rows))
     out: dict[str, Any] = {
         "layouts": results,
-        "goal_met": all(r["wavefront"]["median_s"] <= GOAL_S for r in results),
+        # The goal's layouts: 64 replicas (v16->l64, 80 replicas, is shown, not judged).
+        "goal_met": all(r["wavefront"]["median_s"] <= GOAL_S for r in results if r["replicas"] == GOAL_REPLICAS),
         "config": {"samples": n, "reps": reps, "image_fraction": IMAGE_FRACTION, "goal_s": GOAL_S,
                    "padded": args.padded},
     }

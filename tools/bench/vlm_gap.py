@@ -7,7 +7,7 @@ image share (default 33%).
     times mean the stage does not mind where its positions come from.
 (b) The runtime: the VLM and its twin (vision dp 1 -> llm dp 1, --pin-cpus, --trace),
     alternating rounds. From each run's trace, plans and data: the LLM's time per padded position
-    in its forward spans; its compute thread's CPU time over the spans' wall time, and the wall
+    in its forward and backward spans; its compute thread's CPU time over the spans' wall time, and the wall
     time lost per step (the thread runnable but off its core: other threads of its worker on
     that core); the padding (padded / real positions of its micro-batches) and micro-batches per
     step; and the time it waited for inputs per step. Medians over rounds.

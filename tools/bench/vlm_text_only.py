@@ -4,13 +4,18 @@ same LLM on the same token counts, at image shares 0 / 33 / 66 / 100%.
 For each share, the demo image-text data is built with that share of image samples, and beside
 it a text-only twin: row for row the same samples, each image sample replaced by a text-only
 sample whose token list is as long as the LLM's sequence for the original (its text tokens
-without the placeholder, plus one position per image patch), so the LLM does the same work on
-the same number of positions, only without waiting for an encoder. Both run the same pipeline
+without the placeholder, plus one position per image patch), so the LLM runs on the same number
+of positions, only without waiting for an encoder. Not quite the same work: the twin's LM head
+and cross-entropy run on every position, the VLM's only on its text positions (image positions
+predict nothing), so the twin does a little more (RESULTS 11.2, vlm_gap (a): the stage alone
+0.98x as fast on the twin's micro-batches at 33% images), which flatters the ratio by up to a
+few percent, more at higher shares. Both run the same pipeline
 (vision dp 1 -> llm dp 1, wavefront schedule, `--pin-cpus`: the encoder's worker on one core, the
 LLM's on another; in the twin the encoder's worker idles), alternately, several rounds, the
 same seed and steps. Reported per share: the LLM's positions per second in each (positions per
 step / median step time; both runs have the same positions per step), their ratio, and the
-encoder's and the LLM's busy seconds per replica per step in the VLM run: where the encoder's
+encoder's and the LLM's busy seconds per step in the VLM run (summed over a section's replicas:
+one each at this layout; a --set of dp changes that): where the encoder's
 is below the LLM's, its work can hide behind the LLM's. Goal: ratio >= 0.95 there.
 
 Also per share, what the machine allows: the CPU seconds per step of every process of each run
