@@ -28,6 +28,7 @@ class MemoryModel:
     per_sample_mb: float = 0.0
     param_mb: float = 0.0  # the section's parameters (0: unknown, sharding saves nothing)
     copies: float = 1.0  # a trainable section with frozen parameters has fewer than its optimizer's
+    trained: float = 1.0  # the share of param_mb that trains (has gradients)
     tp_share: float = 0.0  # the share of param_mb the stage's tp_plan shards
     unit_mb: float = 0.0  # the largest FSDP unit (0: unknown)
     lockstep: bool = False  # a frozen section fed only by the data, or a loss section: with fsdp at tp=1, per unit
@@ -35,7 +36,8 @@ class MemoryModel:
     def at(self, kept: int, tp: int = 1, dp: int = 1, fsdp: bool = False) -> float:
         """Peak MB of one rank of a replica of `tp` ranks, one of `dp` replicas, as the runtime
         holds state (parallel/fsdp.py): with fsdp the parameters (and a trainable section's
-        gradients) are gathered for the whole step beside the persistent 1/dp shard, and the
+        gradients, of the parameters that train) are gathered for the whole step beside the
+        persistent 1/dp shard, and the
         optimizer state stays sharded; a lockstep section at tp=1 holds its 1/dp shard and two units
         (the one it runs, FSDP's all-gather buffer of the last), five training (also a prefetched
         unit, a unit's gradients, reduce-scatter buffers: measured 5.1, tools/bench/RESULTS.md
@@ -50,7 +52,7 @@ class MemoryModel:
         elif self.copies == 1:
             state = shard * (1.0 + 1.0 / dp)
         else:
-            state = shard * (2.0 + (self.copies - 1) / dp)
+            state = shard * (1.0 + self.trained + (self.copies - 1) / dp)
         return fixed + state + self.per_sample_mb * kept
 
 

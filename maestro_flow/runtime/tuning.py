@@ -93,6 +93,7 @@ def _inputs(path: str, options: TuneOptions) -> tuple[Any, CostModel, list, dict
         trains = {s.name for s in pipeline.sections if s.trainable}
         memory = {n: MemoryModel(base_mb=p.memory_base_mb, per_sample_mb=p.peak_memory_mb_per_sample,
                                  param_mb=p.param_mb, copies=copies(pipeline.section(n), p), tp_share=p.tp_share,
+                                 trained=trained_share(p),
                                  unit_mb=p.unit_mb,  # graph.lockstep, less what the search varies (fsdp, tp)
                                  lockstep=n not in feeding if n in trains else n not in fed)
                   for n, p in profiles.items() if n in {s.name for s in pipeline.sections}}
@@ -134,14 +135,18 @@ def _inputs(path: str, options: TuneOptions) -> tuple[Any, CostModel, list, dict
     return pipeline, costs, batches, kwargs, notes
 
 
+def trained_share(profile: Any) -> float:
+    """The share of a section's parameter bytes that train (grad_mb of param_mb; 1 where unknown)."""
+    if profile.param_mb <= 0 or profile.grad_mb <= 0:
+        return 1.0
+    return min(1.0, profile.grad_mb / profile.param_mb)
+
+
 def copies(section: Any, profile: Any) -> float:
     """Bytes of training state per parameter byte, as `maestro profile` counts them: the
-    optimizer's copies for the parameters that train (grad_mb of param_mb), one for the rest."""
+    optimizer's copies for the parameters that train (`trained_share`), one for the rest."""
     n = state_copies(section.trainable, section.optimizer)
-    if n == 1 or profile.param_mb <= 0:
-        return float(n)
-    trained = min(1.0, profile.grad_mb / profile.param_mb) if profile.grad_mb > 0 else 1.0
-    return 1.0 + trained * (n - 1)
+    return float(n) if n == 1 else 1.0 + trained_share(profile) * (n - 1)
 
 
 def allowed_tp(pipeline: Any, max_tp: int) -> dict[str, list[int]]:

@@ -267,6 +267,10 @@ def test_memory_model_shards_what_tp_and_fsdp_shard():
     assert m.at(1, tp=2) == pytest.approx(50 + 4 * (200 + 400) + 10)  # the planned 80% halved
     # FSDP over 4 replicas: parameters and gradients gathered for the step, the rest sharded.
     assert m.at(1, dp=4, fsdp=True) == pytest.approx(50 + 1000 * (2 + 3 / 4) + 10)
+    # Half of it frozen (AdamW on the other half: 2.5 copies): gradients are gathered for the
+    # half that trains only (counted for all of it before, as if every parameter trained).
+    half = MemoryModel(base_mb=2500, param_mb=1000, copies=2.5, trained=0.5)
+    assert half.at(0, dp=4, fsdp=True) == pytest.approx(1000 * (1 + 0.5 + 1.5 / 4))
     frozen = MemoryModel(base_mb=1000, param_mb=1000, copies=1, tp_share=1.0)
     assert frozen.at(0, tp=4) == pytest.approx(250)
     assert frozen.at(0, dp=4, fsdp=True) > frozen.at(0, dp=4)  # gathered beside its shard: no saving

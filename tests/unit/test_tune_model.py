@@ -77,7 +77,7 @@ def test_memory_counts_gradients_once_and_frozen_parameters_as_weights_only():
     backward's temporary gradient buffers whatever the gradients held before.)"""
     from maestro_flow.runtime.profile_fit import fit_section
     from maestro_flow.runtime.profiling import _measure
-    from maestro_flow.runtime.tuning import copies
+    from maestro_flow.runtime.tuning import copies, trained_share
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024, bias=False) for _ in range(4)])  # 16 MiB
@@ -118,6 +118,7 @@ def test_memory_counts_gradients_once_and_frozen_parameters_as_weights_only():
                                                                       {})["memory_base_mb"])
     profile = types.SimpleNamespace(param_mb=param_mb, grad_mb=trained_mb)
     assert param_mb * copies(Section(name="s", stage="m:S"), profile) == pytest.approx(state)
+    assert trained_share(profile) == pytest.approx(0.75)  # what MemoryModel.at gathers gradients for
 
 
 def test_tp_share_counts_a_tied_parameter_once_and_leaves_rowwise_biases_replicated():
