@@ -243,8 +243,7 @@ def plan(ctx: click.Context, pipeline: str, sets: tuple[str, ...], schedule: str
 
     It is the plan a run of PIPELINE on this machine makes for that step, searching as the run
     would (not for step 0, which the workers wait for, nor where it would take a worker's core;
-    a run with --checkpoint-every or --resume also plans the first step after each checkpoint
-    without searching, which this command does not know of), with the costs given (the
+    the same with checkpoints or resumed), with the costs given (the
     sections' `cost`, or --costs). A run also refines its costs from its own timings as it goes
     (adapt_costs), so its later steps can differ unless --set adapt_costs=false."""
     from maestro_flow.runtime.planning import plan_one_step

@@ -10,7 +10,10 @@ d*frames (m the fixed cost of a micro-batch; only the terms its `Cost` uses) by 
 with non-negative coefficients, pulled towards the pipeline's `Cost`
 (ridge towards the prior, so a few noisy timings cannot swing the plan), over a sliding window.
 For a loss section the measured task is forward + backward, which is divided by
-1 + backward_factor; for other trainable sections the backward factor is the measured ratio.
+1 + backward_factor; for other trainable sections the backward factor is the backward window's
+measured over modelled seconds (the forward fit's, for the same micro-batches) divided by the
+forward window's: the two hold different micro-batches (one may have no backward, or one of fewer
+samples: those no consumer sends gradients for).
 """
 
 from __future__ import annotations
@@ -126,12 +129,26 @@ class CostFitter:
 
     def _fit(self, prior: Cost, sums: dict[str, _Sums]) -> Cost:
         fwd, combined, bwd = sums.get("forward"), sums.get("forward+backward"), sums.get("backward")
-        factor = prior.backward_factor
+        factor, forward = prior.backward_factor, None
         if fwd and bwd:
-            factor = max(0.0, bwd.y / max(fwd.y, 1e-12))
+            # The two windows hold different micro-batches (a micro-batch may have no backward, or
+            # one of fewer samples), so their seconds are not compared directly: each is divided by
+            # what the fitted forward model gives its own micro-batches (row 0 of the normal
+            # equations holds their count and each feature's sum), which also cancels the fit's bias.
+            forward = self._coef(prior, [(fwd, 1.0)])
+            modelled = [sum(c * v for c, v in zip(forward, s.xx[0], strict=True)) for s in (fwd, bwd)]
+            if min(modelled) > 0 and fwd.y > 0:
+                factor = max(0.0, (bwd.y / modelled[1]) / (fwd.y / modelled[0]))
         parts = [(s, w) for s, w in ((fwd, 1.0), (combined, 1.0 / (1.0 + factor))) if s is not None]
         if not parts:
             return dataclasses.replace(prior, backward_factor=factor)
+        coef = forward if forward is not None and combined is None else self._coef(prior, parts)
+        return dataclasses.replace(prior, backward_factor=factor, per_micro_batch_s=coef[0],
+                                   **dict(zip(FEATURES, coef[1:], strict=True)))
+
+    def _coef(self, prior: Cost, parts: list[tuple[_Sums, float]]) -> tuple[float, ...]:
+        """The fixed cost per micro-batch and FEATURES' coefficients fitted to the windows in
+        `parts`, each one's seconds scaled by its weight."""
         # The forward rows, and a loss section's forward+backward rows divided by 1 + factor.
         xx = [[sum(s.xx[i][j] for s, _ in parts) for j in range(K)] for i in range(K)]
         xy = [sum(s.xy[i] * w for s, w in parts) for i in range(K)]
@@ -142,10 +159,8 @@ class CostFitter:
         used = [True] + [f == "per_sample_s" or getattr(prior, f) > 0 for f in FEATURES]
         xx = [[xx[i][j] if used[i] and used[j] else 0.0 for j in range(K)] for i in range(K)]
         xy = [v if u else 0.0 for v, u in zip(xy, used, strict=True)]
-        coef = fit_from_sums(xx, xy, n, (prior.per_micro_batch_s, *(getattr(prior, f) for f in FEATURES)),
+        return fit_from_sums(xx, xy, n, (prior.per_micro_batch_s, *(getattr(prior, f) for f in FEATURES)),
                              self.prior_weight)
-        return dataclasses.replace(prior, backward_factor=factor, per_micro_batch_s=coef[0],
-                                   **dict(zip(FEATURES, coef[1:], strict=True)))
 
 
 def fit_nonnegative(rows: Sequence[tuple[Sequence[float], float]], prior: Sequence[float],

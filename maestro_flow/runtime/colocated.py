@@ -73,8 +73,9 @@ def _run(pipeline: Pipeline, source: Any, sampler: EpochSampler, report: RunRepo
             tracer=Tracer(enabled=observer.tracing, epoch=observer.tracer.epoch), record=recording(record, name, 0))
     for step in range(pipeline.steps):
         planner.costs = ledger.costs()
+        began = time.perf_counter()  # the step waits for its plan: its time counts from here
         plan = timed_plan(planner, step, sampler.batch(step), observer)
-        ledger.planned(plan, time.perf_counter())
+        ledger.planned(plan, began)
         for rank, ex in executors.items():
             ex.add_plan(plan_message(plan, graph, *placement.who(rank)))
         row = None

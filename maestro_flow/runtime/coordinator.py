@@ -6,9 +6,12 @@ step it asks the planner for a plan, sends each replica its part (up to `lookahe
 ahead, so forward-only sections can run ahead), turns loss reports into the global loss
 denominator for trainable sections upstream of a loss (`finalize`; the loss section sums its own
 with its gradients), norm reports into the global clip coefficient (`clip`, with grad_clip),
-and done reports into metrics. At a checkpoint boundary it holds back the next plans, asks every
-worker to save its part (`checkpoint` -> `saved`) and lets the Checkpointer write the manifest;
-a resumed run starts at the checkpoint's step, with the workers loading their part at setup.
+and done reports into metrics. At a checkpoint boundary it holds back sending the next plans (it
+makes them all the same, as a run without checkpoints would), asks every worker to save its part
+(`checkpoint` -> `saved`) and lets the Checkpointer write the manifest; a resumed run starts at the
+checkpoint's step, with the workers loading their part at setup. Whether the planner's search runs
+for a step depends on the step and the configuration alone (`_train`), never on when its plan is
+made, so checkpoints and resuming do not change the plans (DESIGN 4b).
 Any error report, dead worker, silent worker or timeout ends the run: everything is shut down
 and the error is raised.
 
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -35,7 +39,7 @@ from maestro_flow.config import Pipeline
 from maestro_flow.errors import SystemFailure, TimeoutFailure
 from maestro_flow.graph import SectionGraph
 from maestro_flow.planner import make_planner
-from maestro_flow.planner.plan import Placement
+from maestro_flow.planner.plan import Placement, Plan
 from maestro_flow.protocol.auth import DropLog, Opener, Rejected, Sealer, derive_key, new_nonce, new_secret
 from maestro_flow.protocol.messages import PROTOCOL_VERSION, make
 from maestro_flow.runtime import agent
@@ -280,30 +284,33 @@ class Coordinator(CoordinatorIO):
             if ledger.fitter is not None:
                 ledger.fitter.load(self.resume[1].costs)
         next_plan = first
+        held: deque[Plan] = deque()  # made but not sent yet: past the next checkpoint boundary
 
-        def send_plans(upto: int, completed: int) -> int:
+        def send_plans(upto: int, completed: int) -> None:
+            """Make the plans up to step `upto` and send those that may go out. A plan past the next
+            checkpoint boundary (plan_limit: no sample in flight while the workers save) is made all
+            the same, at the point a run without checkpoints makes it, and held until the checkpoint."""
             nonlocal next_plan
-            limit = self.checkpointer.plan_limit(completed)  # no sample in flight at a checkpoint
-            if limit is not None:
-                upto = min(upto, limit - 1)
+            limit = self.checkpointer.plan_limit(completed)
+            released = time.perf_counter()  # a held plan's workers can start on it from here
+            while held and (limit is None or held[0].step < limit):
+                self._send_plan(held.popleft(), released, ledger)
             while next_plan <= min(upto, p.steps - 1):
                 planner.costs = ledger.costs()  # refined from the timings measured so far
-                if search:  # no search for a plan the workers are waiting for
-                    planner.search = search if next_plan > completed else 0.0  # type: ignore[attr-defined]
+                if search:  # every step but step 0 (which every run's workers wait for, and no run resumes
+                    # at), however it is planned: a resumed run plans as the uninterrupted one (DESIGN 4b)
+                    planner.search = search if next_plan > 0 else 0.0  # type: ignore[attr-defined]
+                began = time.perf_counter()  # the workers wait from here for a plan not made ahead
                 plan = timed_plan(planner, next_plan, sampler.batch(next_plan), self.observer)
-                ledger.planned(plan, time.perf_counter())
-                messages = PlanMessages(plan, self.graph, (self.record or {}).get("section"))
-                for name, leaders in self.placement.ranks.items():
-                    for replica, leader in enumerate(leaders):
-                        msg = messages.of(name, replica)  # a tensor-parallel replica's ranks share it
-                        for rank in self.placement.group(leader):
-                            self._send(rank, msg)
+                if limit is None or plan.step < limit:
+                    self._send_plan(plan, began, ledger)
+                else:
+                    held.append(plan)
                 next_plan += 1
-            return next_plan
 
         send_plans(first + p.lookahead_steps, first)
         self.training = True
-        self.liveness.progress_at = time.monotonic()
+        self.liveness.progress(time.monotonic())
         for step in range(first, p.steps):
             self.awaited_step = step
             deadline = time.monotonic() + self.timeouts.step_s
@@ -322,12 +329,25 @@ class Coordinator(CoordinatorIO):
             try:
                 if self.checkpointer.due(step + 1):
                     t0 = time.perf_counter()
-                    if self._checkpoint(step + 1, ledger):
+                    saved = self._checkpoint(step + 1, ledger)
+                    # No step can finish while the workers save: the hang clock starts after it.
+                    self.liveness.progress(time.monotonic())
+                    if saved:
                         row["checkpoint_s"] = time.perf_counter() - t0
             finally:  # the step is done even when its checkpoint failed
                 self.report.step(row)
                 self.last_row = row
             send_plans(step + 1 + p.lookahead_steps, step + 1)
+
+    def _send_plan(self, plan: Plan, started: float, ledger: StepLedger) -> None:
+        """Each replica its part of `plan`; the step's time counts from `started` (perf_counter)."""
+        ledger.planned(plan, started)
+        messages = PlanMessages(plan, self.graph, (self.record or {}).get("section"))
+        for name, leaders in self.placement.ranks.items():
+            for replica, leader in enumerate(leaders):
+                msg = messages.of(name, replica)  # a tensor-parallel replica's ranks share it
+                for rank in self.placement.group(leader):
+                    self._send(rank, msg)
 
     def _report(self, ledger: StepLedger, rank: int, msg: dict) -> dict | None:
         """A step report into the ledger; the step's metrics row once every replica is done."""
@@ -341,15 +361,17 @@ class Coordinator(CoordinatorIO):
                 for r in clip[0]:
                     self._send(r, make("clip", step=msg["step"], coef=clip[1]))
         elif msg["t"] == "done":
-            row = ledger.on_done(rank, msg["step"], msg["stats"], time.perf_counter())
+            stats = msg["stats"]
+            ledger.check_done(rank, msg["step"])  # a report that does not count reaches no one
+            # The trace events go first: the ledger holds every rank's stats until the step is done.
+            self.observer.done(rank, stats)
+            row = ledger.on_done(rank, msg["step"], stats, time.perf_counter())
             if row is not None:  # this process's CPU (all its threads) since the last step ended
                 cpu = time.process_time()
                 row["coordinator_cpu_s"] = cpu - self._cpu_mark
                 self._cpu_mark = cpu
             self.liveness.done(rank, msg["step"], time.monotonic())
-            stats = msg["stats"]
             self.replica_busy[rank] = stats.get("busy_s", 0.0) / max(stats.get("wall_s", 0.0), 1e-12)
-            self.observer.done(rank, stats)
             return row
         return None
 

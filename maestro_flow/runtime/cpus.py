@@ -39,8 +39,8 @@ def search_share(plan_search: float, lookahead_steps: int, workers: int, cores: 
     planner/refine.py): the pipeline's, or 0 where it would take time from training — plans not
     made ahead of their step (lookahead_steps=0), or `workers` on the coordinator's node (each
     keeps a core busy, a GPU worker too) that fill its `cores` (the coordinator would search on a
-    worker's core). The coordinator also plans with the rules alone whenever the workers wait for
-    that plan (the first step, a step after a checkpoint)."""
+    worker's core). The coordinator also plans step 0, which the workers wait for, with the rules
+    alone."""
     if lookahead_steps == 0 or workers >= cores:
         return 0.0
     return plan_search

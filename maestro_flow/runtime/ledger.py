@@ -152,6 +152,8 @@ class StepLedger:
         self.all_ranks = range(placement.world_size)
 
     def planned(self, plan: Plan, now: float) -> None:
+        """A plan sent; `now`: when its workers began to wait for it (planning began, or a plan made
+        earlier went out), so that the planning they sit idle for counts in the step's time."""
         if self.first_step is None:
             self.first_step = plan.step
         self.tokens[plan.step] = sum(s.num_tokens for s in plan.samples)
@@ -195,6 +197,10 @@ class StepLedger:
             return None
         norm = global_norm(per.values())  # the reports stay until the step is done: a repeat is refused
         return list(self.trainable_ranks), clip_coefficient(self.graph.pipeline.grad_clip, norm)
+
+    def check_done(self, rank: int, step: int) -> None:
+        """Raises Rejected for a done report that would not count (on_done checks the same)."""
+        self._check("done", rank, step, self.all_ranks, self.done.get(step, {}))
 
     def on_done(self, rank: int, step: int, stats: dict[str, Any], now: float) -> dict[str, Any] | None:
         """Record a done report; when every replica is done, return the step's metrics row."""

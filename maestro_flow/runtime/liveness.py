@@ -1,7 +1,8 @@
 """What the coordinator knows of its workers' liveness, and the failures it names from it.
 
 Runs in the coordinator. Fed with every authentic message (`seen`), every heartbeat's status
-(`note_status`), every finished step (`done`); asked whether a worker or a whole node has gone
+(`note_status`), every finished step (`done`), and when training goes on after a pause no step
+could finish in (`progress`: the start, a checkpoint); asked whether a worker or a whole node has gone
 silent (`silent`) and whether the run is hung (`hang`). Each returns the WorkerLost to raise, or
 None: a silent worker names itself, a node whose workers are all silent is named as a lost node
 with its ranks, and a hang names the replica the others wait on, with what its heartbeats say it
@@ -30,7 +31,7 @@ class Liveness:
         self.last_done: dict[int, int] = {}  # rank -> last step it finished
         self.status: dict[int, dict] = {}  # rank -> its last heartbeat's status
         self.since: dict[int, tuple[tuple, float]] = {}  # rank -> (state, step, mb), when it entered it
-        self.progress_at = 0.0  # when a replica last finished a step (or training began)
+        self.progress_at = 0.0  # when a replica last finished a step (or training began, or went on)
         self.slowest_step_s = 0.0
 
     def seen(self, rank: int, now: float) -> None:
@@ -55,6 +56,11 @@ class Liveness:
         key = (status.get("state"), status.get("step"), status.get("mb"))
         if self.since.get(rank, (None, 0.0))[0] != key:
             self.since[rank] = (key, now)
+
+    def progress(self, now: float) -> None:
+        """Training goes on from `now` after time in which no step could finish (training began,
+        or the workers saved a checkpoint): the hang timeout counts from here."""
+        self.progress_at = now
 
     def done(self, rank: int, step: int, now: float) -> None:
         self.last_done[rank] = max(step, self.last_done.get(rank, -1))

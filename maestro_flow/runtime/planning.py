@@ -44,10 +44,9 @@ def read_trace(path: str) -> list[SampleMeta]:
 
 def run_search(pipeline, step: int) -> float:
     """The planner's search share a one-node run on this machine plans `step` with (the
-    coordinator's rule, runtime/coordinator.py): none for the first step, which the workers wait
-    for, and none where the search would take a core from training (cpus.search_share). A run
-    also plans without search the first step after a checkpoint or a resume (the workers wait for
-    it), which is not known here."""
+    coordinator's rule, runtime/coordinator.py, the same with checkpoints or resumed): none for
+    step 0, which the workers of every run wait for, and none where the search would take a core
+    from training (cpus.search_share)."""
     if step == 0:
         return 0.0
     return pipeline_search(pipeline, sum(s.dp * s.tp for s in pipeline.sections), len(os.sched_getaffinity(0)))

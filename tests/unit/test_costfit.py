@@ -175,3 +175,27 @@ def test_a_cost_file_of_another_pipeline_is_refused(tmp_path):
         else:
             with pytest.raises(PipelineError, match="measured on pipeline 'vlm', not 'multimodal'"):
                 file_overrides(pipeline, str(path))
+
+
+def test_micro_batches_without_a_backward_do_not_bias_the_backward_factor():
+    """An encoder whose consumer sends gradients for half of its micro-batches (the others hold
+    samples the consumer does not activate on): before, the factor was the ratio of the two
+    windows' sums, 1.0 here until the forward window filled (64 steps)."""
+    prior = CostModel(costs={"enc": Cost(per_sample_s=1e-3, backward_factor=1.0)})
+    fitter = CostFitter(prior)
+    for step in range(1, 80):
+        fitter.add("enc", [["forward", 4, 0, 0, 0, 0.010]] * 4 + [["backward", 4, 0, 0, 0, 0.020]] * 2)
+        if step in (1, 10, 63, 79):
+            assert fitter.model().costs["enc"].backward_factor == pytest.approx(2.0, rel=1e-9), step
+
+
+def test_the_backward_factor_compares_each_window_with_its_own_modelled_forward():
+    """Backwards only for the long micro-batches (each backward twice its forward): the factor is
+    2, not the ratio of per-micro-batch or per-sample means over windows of different lengths."""
+    prior = CostModel(costs={"enc": Cost(per_sample_s=1.0, per_token_s=1.0, backward_factor=1.0)})
+    fitter = CostFitter(prior, prior_weight=0.01)
+    forward = [Timing(kind="forward", samples=4, tokens=t, patches=0, frames=0, seconds=4e-3 + 1e-5 * t)
+               for t in (100, 1000) * 20]
+    fitter.add("enc", forward + [dataclasses.replace(t, kind="backward", seconds=2 * t.seconds)
+                                 for t in forward if t.tokens == 1000])
+    assert fitter.model().costs["enc"].backward_factor == pytest.approx(2.0, rel=0.01)

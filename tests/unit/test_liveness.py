@@ -102,3 +102,11 @@ def test_a_worker_is_judged_from_its_init_not_its_hello():
     beat = make("heartbeat", rank=0)
     assert io._accept(frame(beat)) == (0, beat)
     assert 0 in live.last_seen
+
+
+def test_the_hang_clock_starts_again_when_training_goes_on_after_a_checkpoint():
+    live = liveness(hang_s=4.0)
+    live.done(0, 1, now=0.0)
+    live.progress(now=25.0)  # the workers saved a checkpoint for 25s: no step could finish meanwhile
+    assert live.hang(2, now=28.0) is None
+    assert "is hung" in str(live.hang(2, now=30.0))  # a worker that hangs after it is still caught
