@@ -342,7 +342,7 @@ class Coordinator(CoordinatorIO):
     def _send_plan(self, plan: Plan, started: float, ledger: StepLedger) -> None:
         """Each replica its part of `plan`; the step's time counts from `started` (perf_counter)."""
         ledger.planned(plan, started)
-        messages = PlanMessages(plan, self.graph, (self.record or {}).get("section"))
+        messages = PlanMessages(plan, self.graph)
         for name, leaders in self.placement.ranks.items():
             for replica, leader in enumerate(leaders):
                 msg = messages.of(name, replica)  # a tensor-parallel replica's ranks share it

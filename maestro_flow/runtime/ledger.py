@@ -37,13 +37,12 @@ class PlanMessages:
     samples (the sample index and who waits on whom are built once per plan: the coordinator
     sends a message to every rank every step)."""
 
-    def __init__(self, plan: Plan, graph: SectionGraph, recorded: str | None = None) -> None:
-        """`recorded`: the section --record saves for replay (it gathers per step: see worker.py)."""
+    def __init__(self, plan: Plan, graph: SectionGraph) -> None:
         self.plan, self.graph = plan, graph
         self.meta = {s.id: s for s in plan.samples}
         # Sections with per-micro-batch FSDP run their replicas in lockstep (parallel/fsdp.py): they
         # get the step's rounds and a probe sample, and their run-ahead credits change (_gates).
-        self.lockstep = {n for n in graph.order if graph.lockstep(n) and n != recorded}
+        self.lockstep = {n for n in graph.order if graph.lockstep(n)}
         # Built once per plan, on first use: a lockstep producer's round of each sample, what a
         # consumer replica can run on rounds before k, whether a consumer may be asked at all, and
         # a lockstep section's rounds and probe (the same in every replica's message).

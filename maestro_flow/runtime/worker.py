@@ -323,11 +323,10 @@ class _Worker:
         groups = process_groups(graph, placement, self.rank, self.timeouts.collective_s, self.timeouts.checkpoint_s)
         marks["groups_s"] = time.perf_counter() - t0 - sum(marks.values())
         try:
-            # A lockstep section (parallel/fsdp.py) gathers per micro-batch, unless it is recorded
-            # for replay (then per step; the coordinator agrees: PlanMessages).
-            per_mb = graph.lockstep(self.section) and recording(init["record"], self.section, self.replica) is None
+            # A lockstep section (parallel/fsdp.py) gathers per micro-batch (the coordinator agrees:
+            # PlanMessages); recorded for replay too (a sharded section records no weights).
             layout = parallelize_section(stage, section, placement, self.rank, groups, torch.device(device),
-                                         per_micro_batch=per_mb)
+                                         per_micro_batch=graph.lockstep(self.section))
             if staged:  # what no plan or unit sharded (norms, buffers): whole, onto the device
                 for module in stage.modules().values():
                     module.to(torch.device(device))

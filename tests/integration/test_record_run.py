@@ -35,19 +35,23 @@ def test_a_recorded_step_replays_to_what_the_run_computed(demo_data, tmp_path, d
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("layout", [("sections.student.fsdp=true",),
-                                    ("sections.student.tp=2", "sections.student.dp=1")])
-def test_a_sharded_section_records_its_micro_batches_without_weights(demo_data, tmp_path, layout):
-    """FSDP and tensor-parallel students: the run records and ends well (it died before: their
-    state_dict is sharded, which the weights file cannot hold). They record no weights (a replay
-    takes --weights); a tensor-parallel replica is recorded by its leader alone."""
+@pytest.mark.parametrize(("section", "layout", "replicas"), [
+    ("student", ("sections.student.fsdp=true",), 2),
+    ("student", ("sections.student.tp=2", "sections.student.dp=1"), 1),
+    ("teacher", ("sections.teacher.fsdp=true", "sections.teacher.dp=2"), 2),  # lockstep: gathers per micro-batch
+])
+def test_a_sharded_section_records_its_micro_batches_without_weights(demo_data, tmp_path, section, layout, replicas):
+    """FSDP (the teacher's in lockstep) and tensor-parallel sections: the run records and ends
+    well (it died before: their state_dict is sharded, which the weights file cannot hold). They
+    record no weights (a replay takes --weights); a tensor-parallel replica is recorded by its
+    leader alone."""
     sets = [a for item in layout for a in ("--set", item)]
-    run = maestro("run", "pipelines/distill.py", "--steps", "2", "--quiet", "--record", "student",
+    run = maestro("run", "pipelines/distill.py", "--steps", "2", "--quiet", "--record", section,
                   "--record-steps", "1", "--run-dir", str(tmp_path), "--set", f"data.path={demo_data}", *sets,
                   timeout=240)
     assert run.returncode == 0, run.stderr
     folders = sorted((tmp_path / "record").iterdir())
-    assert [f.name for f in folders] == ([f"student-{r}" for r in range(2)] if "fsdp" in layout[0] else ["student-0"])
+    assert [f.name for f in folders] == [f"{section}-{r}" for r in range(replicas)]
     for folder in folders:
         files = sorted(p.name for p in folder.iterdir())
         assert files and all(f.startswith("step000001-mb") for f in files), files
