@@ -1,8 +1,9 @@
 """`maestro stage PIPELINE SECTION`: run one section alone on recorded or synthetic inputs.
 
 Thin: parse, call runtime/replay.py, print. Exit codes: 0 success, 1 `--compare` found an output
-out of tolerance, 2 bad input a user can fix (one "error: ..." line), 3 the stage code raised
-(its traceback is printed; `--pdb` opens the debugger on it).
+out of tolerance, 2 bad input a user can fix (one "error: ..." line; a flag that does not apply
+to the chosen mode included), 3 the stage code raised (its traceback is printed; `--pdb` opens
+the debugger on it).
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ SET_HELP = "Override a field: top-level (dtype=float64) or sections.NAME.FIELD=v
               help="Feed the inputs recorded by `maestro run --record SECTION --run-dir RUN_DIR` "
                    "(RUN_DIR/record/SECTION-REPLICA/). Without it: synthetic inputs.")
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help=SET_HELP)
-@click.option("--steps", metavar="0,3-5", help="Recorded steps to replay [default: all recorded].")
-@click.option("--replica", type=int, help="Replay only this replica's recording [default: all].")
+@click.option("--steps", metavar="0,3-5", help="With --replay: recorded steps to replay [default: all recorded].")
+@click.option("--replica", type=int, help="With --replay: replay only this replica's recording [default: all].")
 @click.option("--compare", is_flag=True, help="Check the outputs against the recorded ones; exit 1 on a mismatch "
               "(outputs recorded as text only, not tensors, numbers or strings, are listed as not compared).")
 @click.option("--atol", type=float, default=1e-5, show_default=True, help="--compare: absolute tolerance.")
@@ -49,8 +50,9 @@ def stage(ctx: click.Context, pipeline: str, section: str, run_dir: str | None, 
     """Run SECTION of PIPELINE alone, in this process, and report on it.
 
     The section's stage is built as a run builds it (seed, dtype, device) and fed either the
-    micro-batches it received in a recorded run (--replay RUN_DIR) or synthetic ones: a few real
-    dataset samples, with incoming tensors computed by running the upstream sections here. For
+    micro-batches it received in a recorded run (--replay RUN_DIR; with the run's weights and, before
+    each forward, its RNG states, so dropout replays) or synthetic ones: a few real dataset samples,
+    with incoming tensors computed by running the upstream sections here. For
     each micro-batch it prints the inputs, every output's shapes, dtype, mean/std/min/max and
     NaN/Inf counts, for a trainable section the gradient norms per parameter group and of the
     received tensors (backward of the loss, or of the sum of the outputs' squares / 2), and the

@@ -17,6 +17,9 @@ outputs' squares / 2. Received inputs of gradient-carrying edges are leaves requ
 the executor. The report gives, per micro-batch, each output's shapes, dtype and statistics, the
 gradient norms per parameter group and of the inputs, and forward/backward times (median over
 `repeat` runs); with `compare`, the largest differences from the recorded outputs.
+
+Flags that do not apply to the chosen mode (--steps/--replica without --replay, --samples/
+--input-shape with it, an --input-shape for a tensor the section does not receive) are refused.
 """
 
 from __future__ import annotations
@@ -35,13 +38,33 @@ from maestro_flow.config import Pipeline
 from maestro_flow.errors import MaestroError, PipelineError
 from maestro_flow.graph import SectionGraph
 from maestro_flow.runtime.build import load_pipeline
-from maestro_flow.runtime.record import load_file, recorded_files, recorded_weights, recording_dirs
+from maestro_flow.runtime.record import (
+    TextOnly,
+    load_file,
+    recorded_files,
+    recorded_rng,
+    recorded_weights,
+    recording_dirs,
+)
 from maestro_flow.runtime.replay_report import _column_summary, _ms, compare_outputs, describe_value
 from maestro_flow.runtime.replay_runner import ReplayError, RunResult, SectionRunner, synthetic_batches
 from maestro_flow.stage import MicroBatch
 
 __all__ = ["ReplayOptions", "SectionRunner", "RunResult", "replay", "synthetic_batches", "compare_outputs",
-           "parse_steps", "parse_shapes"]
+           "Steps", "parse_steps", "parse_shapes"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Steps:
+    """The steps `--steps` names, kept as inclusive ranges (never expanded: "0-999999999" is two numbers)."""
+
+    ranges: tuple[tuple[int, int], ...]
+
+    def __contains__(self, step: object) -> bool:
+        return isinstance(step, int) and any(lo <= step <= hi for lo, hi in self.ranges)
+
+    def __str__(self) -> str:
+        return ",".join(str(lo) if lo == hi else f"{lo}-{hi}" for lo, hi in sorted(self.ranges))
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -49,7 +72,7 @@ class ReplayOptions:
     overrides: dict[str, Any] = dataclasses.field(default_factory=dict)
     run_dir: str | None = None  # recorded inputs; None: synthetic
     replica: int | None = None  # which replica's recording (default: all)
-    steps: set[int] | None = None  # recorded steps to replay (default: all)
+    steps: Steps | None = None  # recorded steps to replay (default: all)
     compare: bool = False
     atol: float = 1e-5
     rtol: float = 1e-4
@@ -60,31 +83,55 @@ class ReplayOptions:
     pdb: bool = False
 
 
+@dataclasses.dataclass(kw_only=True, slots=True)
+class _Work:
+    """One micro-batch to run, with what the recording holds about it (nothing when synthetic)."""
+
+    batch: MicroBatch
+    want: dict[str, Any] | None = None  # recorded outputs
+    replica: int | None = None
+    weights: str | None = None  # recorded weights file of its step
+    rng: dict[str, Any] = dataclasses.field(default_factory=dict)  # RNG states before its forward
+
+
 # -- recorded inputs ---------------------------------------------------------------------------
 
-def _recorded(run_dir: str, name: str, options: ReplayOptions) -> list[tuple[str, int, int, str]]:
-    """(folder, step, index, file) of the recorded micro-batches to replay."""
+def _recorded(run_dir: str, name: str, options: ReplayOptions) -> list[tuple[int, int, int, str, str]]:
+    """(step, replica, index, folder, file) of the recorded micro-batches to replay, in that
+    order: a step's micro-batches replica by replica, so each replica's weights load once a step."""
     if not os.path.isdir(run_dir):
         raise ReplayError(f"--replay: no run folder {run_dir}")
     dirs = recording_dirs(run_dir, name)
     if not dirs:
         raise ReplayError(f"--replay: no recording of section {name!r} in {os.path.join(run_dir, 'record')} "
                           f"(record one with: maestro run PIPELINE.py --record {name})")
+    replicas = [(int(os.path.basename(d).rsplit("-", 1)[1]), d) for d in dirs]
     if options.replica is not None:
         want = f"{name}-{options.replica}"
-        dirs = [d for d in dirs if os.path.basename(d) == want]
-        if not dirs:
+        replicas = [(r, d) for r, d in replicas if r == options.replica]
+        if not replicas:
             raise ReplayError(f"--replica {options.replica}: no folder {want} in {os.path.join(run_dir, 'record')}")
-    found = [(d, step, index, path) for d in dirs for step, index, path in recorded_files(d)]
+    found = [(step, replica, index, d, path) for replica, d in replicas for step, index, path in recorded_files(d)]
     if options.steps is not None:
-        have = sorted({f[1] for f in found})
-        found = [f for f in found if f[1] in options.steps]
+        have = sorted({f[0] for f in found})
+        found = [f for f in found if f[0] in options.steps]
         if not found:
-            raise ReplayError(f"--steps: none of {sorted(options.steps)} recorded for {name!r} "
+            raise ReplayError(f"--steps: none of {options.steps} recorded for {name!r} "
                               f"(recorded steps: {', '.join(map(str, have)) or 'none'})")
     if not found:
         raise ReplayError(f"--replay: the recording of {name!r} in {run_dir} holds no micro-batch")
-    return sorted(found, key=lambda f: (f[1], f[2], f[0]))
+    return sorted(found, key=lambda f: f[:3])
+
+
+def _text_only(batch: MicroBatch) -> str | None:
+    """What in `batch` was recorded as text only (a value the stage cannot be given), if anything."""
+    for kind, values in (("column", batch.columns), ("input", batch.inputs)):
+        for col, entries in values.items():
+            for i, v in enumerate(entries):
+                if isinstance(v, TextOnly):
+                    return (f"{kind} {col!r} of sample {batch.sample_ids[i] if i < len(batch.sample_ids) else i} "
+                            f"was recorded as text only ({str(v)[:60]!r}), not as a value the stage can be given")
+    return None
 
 
 def _run_settings_note(run_dir: str, pipeline: Pipeline, name: str) -> str | None:
@@ -100,8 +147,9 @@ def _run_settings_note(run_dir: str, pipeline: Pipeline, name: str) -> str | Non
     ours = next(s for s in pipeline.to_dict()["sections"] if s["name"] == name)
     keys = ("stage", "config", "trainable", "columns", "activates_on")
     differ = [k for k in keys if json.dumps(theirs.get(k), sort_keys=True) != json.dumps(ours.get(k), sort_keys=True)]
-    if recorded.get("dtype", pipeline.dtype) != pipeline.dtype:
-        differ.append("dtype")
+    for key in ("dtype", "mixed_precision"):
+        if recorded.get(key, getattr(pipeline, key)) != getattr(pipeline, key):
+            differ.append(key)
     if differ:
         return (f"note: the run used other settings for {name!r} ({', '.join(differ)} {'differs' if len(differ) == 1 else 'differ'} from {path}); "
                 "pass the run's --set overrides to replay faithfully")
@@ -110,11 +158,11 @@ def _run_settings_note(run_dir: str, pipeline: Pipeline, name: str) -> str | Non
 
 # -- the command ---------------------------------------------------------------------------------
 
-def parse_steps(text: str | None) -> set[int] | None:
-    """"3", "0,2,5", "4-7" or a mix ("0,4-7") -> a set of steps."""
+def parse_steps(text: str | None) -> Steps | None:
+    """"3", "0,2,5", "4-7" or a mix ("0,4-7") -> the Steps they name."""
     if not text:
         return None
-    steps: set[int] = set()
+    ranges = []
     for part in text.split(","):
         part = part.strip()
         try:
@@ -122,12 +170,14 @@ def parse_steps(text: str | None) -> set[int] | None:
                 lo, hi = (int(x) for x in part.split("-", 1))
                 if hi < lo:
                     raise ValueError
-                steps.update(range(lo, hi + 1))
+                ranges.append((lo, hi))
             elif part:
-                steps.add(int(part))
+                ranges.append((int(part), int(part)))
         except ValueError:
             raise ReplayError(f"--steps: {part!r} is not a step, a range A-B or a comma-separated list of them") from None
-    return steps
+    if not ranges:
+        raise ReplayError(f"--steps: {text!r} names no step")
+    return Steps(ranges=tuple(ranges))
 
 
 def parse_shapes(items: tuple[str, ...] | list[str]) -> dict[str, tuple[int, ...]]:
@@ -181,8 +231,30 @@ def replay(path: str, name: str, options: ReplayOptions, echo: Callable[[str], N
         raise ReplayError("--compare needs --replay RUN_DIR (recorded outputs to compare with)")
     if options.repeat < 1:
         raise ReplayError(f"--repeat must be >= 1, got {options.repeat}")
+    _check_mode_flags(pipeline, name, options)
     with post_mortem(options.pdb):
         return _replay(path, pipeline, name, options, echo)
+
+
+def _check_mode_flags(pipeline: Pipeline, name: str, options: ReplayOptions) -> None:
+    """Refuse the flags that do not apply to this mode (recorded or synthetic) rather than ignore them."""
+    mode_only = ((options.steps is not None, "--steps"), (options.replica is not None, "--replica"))
+    if not options.run_dir:
+        given = [flag for is_set, flag in mode_only if is_set]
+        if given:
+            raise ReplayError(f"{' and '.join(given)} {'needs' if len(given) == 1 else 'need'} --replay RUN_DIR "
+                              "(they choose recorded micro-batches; synthetic inputs have none)")
+        names = sorted({t for e in SectionGraph(pipeline).inputs(name) for t in e.edge.tensors})
+        unknown = sorted(set(options.input_shapes) - set(names))
+        if unknown:
+            valid = f"its inputs are {', '.join(names)}" if names else "it receives no tensor"
+            raise ReplayError(f"--input-shape {', '.join(unknown)}: section {name!r} has no such input ({valid})")
+        return
+    given = [flag for is_set, flag in ((options.samples is not None, "--samples"),
+                                       (bool(options.input_shapes), "--input-shape")) if is_set]
+    if given:
+        raise ReplayError(f"{' and '.join(given)} {'applies' if len(given) == 1 else 'apply'} to synthetic inputs "
+                          "only, not with --replay (which feeds the recorded ones)")
 
 
 def _replay(path: str, pipeline: Pipeline, name: str, options: ReplayOptions, echo: Callable[[str], None]) -> int:
@@ -198,27 +270,39 @@ def _replay(path: str, pipeline: Pipeline, name: str, options: ReplayOptions, ec
     if options.weights:
         runner.load_weights(options.weights)
         echo(f"weights: {options.weights}")
-    work: list[tuple[MicroBatch, dict[str, Any] | None, str | None]] = []
+    work: list[_Work] = []
     if recorded is not None:
         note = _run_settings_note(options.run_dir, pipeline, name)
         if note:
             echo(note)
-        steps = sorted({r[1] for r in recorded})
+        steps = sorted({r[0] for r in recorded})
         echo(f"inputs: recorded in {os.path.join(options.run_dir, 'record')} — {len(recorded)} micro-batch(es), "
              f"step(s) {', '.join(map(str, steps))}")
-        for folder, step, _index, file in recorded:
+        for step, replica, _index, folder, file in recorded:
             try:
                 batch, outputs = load_file(file)
+                rng = recorded_rng(file)
             except (ValueError, KeyError, OSError, SafetensorError) as exc:  # a recording we cannot read
                 raise ReplayError(f"--replay {options.run_dir}: cannot read {file}: {exc}") from None
-            work.append((batch, outputs, recorded_weights(folder, step) if not options.weights else None))
+            text = _text_only(batch)
+            if text:
+                raise ReplayError(f"--replay: cannot replay step {step} micro-batch {batch.index} of replica "
+                                  f"{replica} ({file}): its {text}")
+            weights = recorded_weights(folder, step) if not options.weights else None
+            work.append(_Work(batch=batch, want=outputs, replica=replica, weights=weights, rng=rng))
         if options.weights:
             pass
-        elif any(w for _, _, w in work):
+        elif any(w.weights for w in work):
             echo("weights: as recorded at each step (RECORDING/weights-stepNNNNNN.safetensors)")
         else:
             echo("weights: freshly initialised (the recording holds no weights; outputs of steps after 0 "
                  "differ from the run's — pass --weights SAVE_DIR/SECTION.safetensors)")
+        missing = sum(not w.rng for w in work)
+        if not missing:
+            echo("random state: as recorded before each forward (dropout draws the run's masks)")
+        else:
+            echo(f"random state: not recorded{'' if missing == len(work) else f' for {missing} micro-batch(es)'} "
+                 "(a stage drawing random numbers, e.g. dropout, draws other ones than the run did)")
     else:
         lines: list[str] = []
         batches = synthetic_batches(pipeline, name, options.samples, options.input_shapes, lines.append)
@@ -230,24 +314,26 @@ def _replay(path: str, pipeline: Pipeline, name: str, options: ReplayOptions, ec
             echo("  " + line)
         if not options.weights:
             echo("weights: freshly initialised (as at step 0)")
-        work = [(b, None, None) for b in batches]
+        work = [_Work(batch=b) for b in batches]
 
     failed = 0
     uncompared: set[str] = set()
     loaded_weights = None
-    for batch, want, weights in work:
+    for item in work:
+        batch, want, weights = item.batch, item.want, item.weights
         if weights and weights != loaded_weights:
-            runner.load_weights(weights)
+            runner.load_weights(weights, source=f"recorded weights of step {batch.step} ({weights})")
             loaded_weights = weights
         echo("")
         mods = sorted({m for ms in batch.modalities for m in ms})
-        echo(f"step {batch.step} micro-batch {batch.index}: {len(batch)} sample(s) {batch.sample_ids} "
+        where = f" (replica {item.replica})" if item.replica is not None else ""
+        echo(f"step {batch.step} micro-batch {batch.index}{where}: {len(batch)} sample(s) {batch.sample_ids} "
              f"({', '.join(mods) or 'no modality'})" + (f", weights of step {batch.step}" if weights else ""))
         for col, values in batch.columns.items():
             echo(f"  column {col:<16} {_column_summary(values)}")
         for inp, values in batch.inputs.items():
             echo(f"  input  {inp:<16} {describe_value(values)}")
-        result = runner.run(batch, options.repeat)
+        result = runner.run(batch, options.repeat, rng=item.rng)
         for out_name, value in result.outputs.items():
             echo(f"  output {out_name:<16} {describe_value(value)}")
         if section.trainable:

@@ -122,13 +122,29 @@ def _tensor_diff(a: torch.Tensor, b: torch.Tensor, atol: float, rtol: float) -> 
     return float(diff.max()), float(rel.max()), ok, ""
 
 
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _number_diff(value: float, ref: float, atol: float, rtol: float) -> tuple[float, float, bool]:
+    """As `_tensor_diff` for one number: NaN against a recorded NaN (or the same infinity) is equal."""
+    if (math.isnan(value) and math.isnan(ref)) or (math.isinf(ref) and value == ref):
+        return 0.0, 0.0, True
+    diff = abs(value - ref)
+    if math.isnan(diff):
+        return math.inf, math.inf, False
+    rel = diff / max(abs(ref), 1e-12) if diff else 0.0
+    return diff, rel, diff <= atol + rtol * (abs(ref) if math.isfinite(ref) else 0.0)
+
+
 def _kind(value: Any) -> str:
     return "a tensor" if isinstance(value, torch.Tensor) else repr(value)
 
 
 def compare_outputs(got: dict[str, Any], want: dict[str, Any], atol: float, rtol: float) -> list[Diff]:
     """Per output name: the largest absolute/relative difference from the recorded value and
-    whether every element is within atol + rtol * |recorded|."""
+    whether every element is within atol + rtol * |recorded| (tensors, numbers and the numbers
+    of a list alike; NaN where the recording has NaN counts as equal)."""
     diffs = []
     for name, ref in want.items():
         d = Diff(name=name)
@@ -154,6 +170,12 @@ def compare_outputs(got: dict[str, Any], want: dict[str, Any], atol: float, rtol
                     if not ok:
                         d.ok = False
                         d.problem = d.problem or (f"entry {i}: {problem}" if problem else "")
+                elif _is_number(a) and _is_number(b):
+                    ma, mr, ok = _number_diff(float(a), float(b), atol, rtol)
+                    d.max_abs, d.max_rel = max(d.max_abs, ma), max(d.max_rel, mr)
+                    if not ok:
+                        d.ok = False
+                        d.problem = d.problem or f"entry {i}: {a!r} vs recorded {b!r}"
                 elif isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor) or a != b:
                     d.ok, d.problem = False, f"entry {i}: {_kind(a)} vs recorded {_kind(b)}"
                     break
@@ -165,15 +187,13 @@ def compare_outputs(got: dict[str, Any], want: dict[str, Any], atol: float, rtol
                 d.ok, d.problem = False, f"{type(mine).__name__} vs a recorded tensor"
                 continue
             d.max_abs, d.max_rel, d.ok, d.problem = _tensor_diff(mine, ref, atol, rtol)
-        elif isinstance(ref, (int, float)) and not isinstance(ref, bool):
+        elif _is_number(ref):
             value = float(mine) if isinstance(mine, (int, float, torch.Tensor)) and (
                 not isinstance(mine, torch.Tensor) or mine.numel() == 1) else None
             if value is None:
                 d.ok, d.problem = False, f"{type(mine).__name__} vs recorded number {ref}"
                 continue
-            d.max_abs = abs(value - ref)
-            d.max_rel = d.max_abs / max(abs(ref), 1e-12) if d.max_abs else 0.0
-            d.ok = d.max_abs <= atol + rtol * abs(ref)
+            d.max_abs, d.max_rel, d.ok = _number_diff(value, float(ref), atol, rtol)
         elif mine != ref:
             d.ok, d.problem = False, f"{mine!r} vs recorded {ref!r}"
     return diffs

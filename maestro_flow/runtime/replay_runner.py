@@ -1,10 +1,11 @@
 """One section's stage run alone on micro-batches, for `maestro stage` (runtime/replay.py).
 
 `SectionRunner` builds the stage exactly as replica 0 of a run builds it and runs a micro-batch
-forward and, for a trainable section, backward (of the loss, else of the sum of its floating
-outputs' squares / 2), timing both and collecting gradient norms per parameter group and of the
-inputs. `synthetic_batches` makes micro-batches from real samples with inputs computed by the
-upstream sections (run here) or random tensors of given per-sample shapes.
+forward (each repetition from the recorded RNG states, when given) and, for a trainable section,
+backward (of the loss, else of the sum of its floating outputs' squares / 2), timing both and
+collecting gradient norms per parameter group and of the inputs. `synthetic_batches` makes
+micro-batches from real samples with inputs computed by the upstream sections (run here) or
+random tensors of given per-sample shapes.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from maestro_flow.errors import MaestroError
 from maestro_flow.graph import SectionGraph
 from maestro_flow.runtime.build import build_stage, default_dtype, open_source, resolve_device
 from maestro_flow.runtime.precision import autocast_dtype, compute
+from maestro_flow.runtime.record import restore_rng
 from maestro_flow.stage import MicroBatch
 
 
@@ -70,23 +72,26 @@ class SectionRunner:
         self.stage.train(self.trainable)  # as the executor does
         self.grad_names = {t for e in self.graph.inputs(name) if e.carries_grad for t in e.edge.tensors}
 
-    def load_weights(self, path: str) -> None:
+    def load_weights(self, path: str, source: str | None = None) -> None:
+        """Load the stage's parameters from a safetensors file; `source` names it in errors
+        (default "--weights PATH": the user's file; a replay names the recorded weights)."""
         from safetensors import SafetensorError
         from safetensors.torch import load_file as load_tensors
 
+        source = source or f"--weights {path}"
         try:
             state = load_tensors(path)
         except (OSError, SafetensorError) as exc:
-            raise ReplayError(f"--weights {path}: not a readable safetensors file ({exc})") from None
+            raise ReplayError(f"{source}: not a readable safetensors file ({exc})") from None
         own = self.stage.state_dict()
         missing = sorted(set(own) - set(state))
         if missing:
-            raise ReplayError(f"{path}: has no {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''} "
+            raise ReplayError(f"{source}: has no {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''} "
                               f"for section {self.name!r} (a file of another section or pipeline?)")
         shapes = [f"{k} is {list(state[k].shape)} there, {list(own[k].shape)} here" for k in own
                   if tuple(state[k].shape) != tuple(own[k].shape)]
         if shapes:
-            raise ReplayError(f"--weights {path}: does not fit section {self.name!r}: {'; '.join(shapes[:3])}")
+            raise ReplayError(f"{source}: does not fit section {self.name!r}: {'; '.join(shapes[:3])}")
         self.stage.load_state_dict({k: state[k].to(device=own[k].device, dtype=own[k].dtype) for k in own})
 
     def prepare(self, batch: MicroBatch) -> tuple[MicroBatch, dict[tuple[int, str], torch.Tensor]]:
@@ -136,14 +141,18 @@ class SectionRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def run(self, batch: MicroBatch, repeat: int = 1) -> RunResult:
-        """Forward (+ backward when trainable) `repeat` times; outputs and gradients of the first."""
+    def run(self, batch: MicroBatch, repeat: int = 1, rng: dict[str, torch.Tensor] | None = None) -> RunResult:
+        """Forward (+ backward when trainable) `repeat` times; outputs and gradients of the first.
+        With `rng` (record.recorded_rng), every forward starts from those RNG states, as the
+        run's did, so each repetition draws the run's dropout masks."""
         fwd, bwd = [], []
         first: RunResult | None = None
         for _ in range(max(1, repeat)):
             for p in self.stage.parameters():
                 p.grad = None
             prepared, leaves = self.prepare(batch)
+            if rng:
+                restore_rng(rng, self.device)
             self._sync()
             t0 = time.perf_counter()
             out = self.forward(prepared)
@@ -228,20 +237,37 @@ def _ancestors(graph: SectionGraph, name: str, replaced: frozenset[str] | set[st
 
 def _pick_samples(graph: SectionGraph, name: str, metadata: list, n: int) -> list:
     """`n` samples the section activates on, in file order, including at least one that each of
-    its producers activates on when the dataset has one (so every input is exercised)."""
+    its producers activates on when the dataset has one (so every input is exercised) and `n`
+    leaves room: a producer's sample replaces the last one that no other producer still needs."""
     section = graph.sections[name]
     mine = [s for s in metadata if section.activates(s.modalities)]
     if not mine:
         raise ReplayError(f"no sample of the dataset activates section {name!r} "
                           f"(activates_on={section.activates_on!r})")
     chosen = mine[:n]
-    for e in graph.inputs(name):
-        producer = graph.sections[e.edge.src]
-        if not any(producer.activates(s.modalities) for s in chosen):
-            extra = next((s for s in mine if producer.activates(s.modalities)), None)
-            if extra is not None:
-                keep = [s for s in chosen if not producer.activates(s.modalities)]
-                chosen = (keep[:n - 1] + [extra]) if n > 1 else [extra]
+    producers = list({e.edge.src: graph.sections[e.edge.src] for e in graph.inputs(name)}.values())
+
+    def covers(sample: Any, producer: Any) -> bool:
+        return producer.activates(sample.modalities)
+
+    def needed(sample: Any) -> bool:  # the only chosen sample of some producer
+        return any(covers(sample, p) and sum(covers(s, p) for s in chosen) == 1 for p in producers)
+
+    for producer in producers:
+        if any(covers(s, producer) for s in chosen):
+            continue
+        candidates = [s for s in mine if covers(s, producer)]
+        if not candidates:
+            continue
+        # Of its samples, the first that also brings the most producers not yet covered.
+        extra = max(candidates, key=lambda c: sum(covers(c, p) and not any(covers(s, p) for s in chosen)
+                                                  for p in producers))
+        if len(chosen) >= n:
+            spare = next((s for s in reversed(chosen) if not needed(s)), None)
+            if spare is None:
+                continue  # `n` too small to cover every producer
+            chosen.remove(spare)
+        chosen.append(extra)
     return sorted(chosen, key=lambda s: s.id)
 
 

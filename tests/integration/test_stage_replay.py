@@ -203,3 +203,165 @@ def test_runner_inputs_are_grad_leaves(data):
     assert leaves and all(t.requires_grad and t.is_leaf for t in leaves.values())
     assert all(t is None or not t.requires_grad for t in batch.inputs["image_embeds"])
     assert isinstance(prepared.inputs["image_embeds"][0], (torch.Tensor, type(None)))
+
+
+def _replicated_recording(run_dir: Path, data: str, num_replicas: int = 2) -> None:
+    """A recording of the distill student by `num_replicas` replicas, two micro-batches each at
+    steps 0 and 1, with each replica's weights of both steps (as `maestro run --record` writes)."""
+    from maestro_flow.runtime.record import save_weights
+
+    pipeline, _ = load_pipeline(DISTILL, {"data.path": data})
+    runner = SectionRunner(pipeline, "student")
+    batches = synthetic_batches(pipeline, "student", 4)
+    for replica in range(num_replicas):
+        folder = record_dir(str(run_dir), "student", replica)
+        for step in (0, 1):
+            save_weights(folder, step, runner.stage)
+            for index, batch in enumerate(batches[:2]):
+                batch.step, batch.index = step, index
+                prepared, _ = runner.prepare(batch)
+                save_micro_batch(folder, prepared, runner.run(batch).outputs)
+
+
+@pytest.mark.timeout(120)
+def test_replicas_replay_one_after_the_other_and_say_which(data, tmp_path, monkeypatch):
+    """Found in review: micro-batches were ordered (step, index, replica), so with two replicas
+    the weights file was reloaded before every micro-batch, and the headers did not say which
+    replica ("step 0 micro-batch 0" twice)."""
+    _replicated_recording(tmp_path, data["text"])
+    loads = []
+    real = SectionRunner.load_weights
+    monkeypatch.setattr(SectionRunner, "load_weights", lambda self, path, *a, **k: (loads.append(path),
+                                                                                    real(self, path, *a, **k))[1])
+    result = _invoke(DISTILL, "student", "--replay", str(tmp_path), "--compare", "--set", f"data.path={data['text']}")
+    assert result.exit_code == 0, result.output
+    headers = [line.split(":")[0] for line in result.output.splitlines() if line.startswith("step ")]
+    assert headers == [f"step {s} micro-batch {i} (replica {r})" for s in (0, 1) for r in (0, 1) for i in (0, 1)]
+    assert [Path(p).parent.name for p in loads] == ["student-0", "student-1", "student-0", "student-1"]
+
+
+@pytest.mark.timeout(120)
+def test_flags_that_do_not_apply_are_refused(data, tmp_path):
+    """Found in review: --steps/--replica without --replay, and an --input-shape for a tensor the
+    section does not receive (image_embed for image_embeds), were ignored: rc 0."""
+    text, vlm = ["--set", f"data.path={data['text']}"], ["--set", f"data.path={data['vlm']}"]
+    steps = CliRunner().invoke(stage, [DISTILL, "student", "--steps", "1", *text])
+    assert steps.exit_code == 2 and "error: --steps needs --replay RUN_DIR" in steps.output, steps.output
+    replica = CliRunner().invoke(stage, [DISTILL, "student", "--replica", "1", *text])
+    assert replica.exit_code == 2 and "--replica needs --replay" in replica.output, replica.output
+    shape = CliRunner().invoke(stage, [VLM, "llm", "--samples", "4", "--input-shape", "image_embed=36x64", *vlm])
+    assert shape.exit_code == 2, shape.output
+    assert "--input-shape image_embed: section 'llm' has no such input (its inputs are image_embeds)" in shape.output
+    _fake_recording(DISTILL, "student", tmp_path, {"data.path": data["text"]}, samples=2)
+    samples = CliRunner().invoke(stage, [DISTILL, "student", "--replay", str(tmp_path), "--samples", "4", *text])
+    assert samples.exit_code == 2 and "--samples applies to synthetic inputs only" in samples.output
+    assert "Traceback" not in steps.output + replica.output + shape.output + samples.output
+
+
+@pytest.mark.timeout(120)
+def test_huge_step_range_selects_the_recorded_steps(data, tmp_path):
+    """Found in review: `--steps 2-999999999` expanded the range in memory (MemoryError, exit 3
+    blamed on the stage)."""
+    _replicated_recording(tmp_path, data["text"], num_replicas=1)
+    result = _invoke(DISTILL, "student", "--replay", str(tmp_path), "--steps", "1-999999999", "--compare",
+                     "--set", f"data.path={data['text']}")
+    assert result.exit_code == 0, result.output
+    assert "step(s) 1\n" in result.output and "step 0 micro-batch" not in result.output
+    none = CliRunner().invoke(stage, [DISTILL, "student", "--replay", str(tmp_path), "--steps", "5-999999999",
+                                      "--set", f"data.path={data['text']}"])
+    assert none.exit_code == 2 and "--steps: none of 5-999999999 recorded" in none.output, none.output
+
+
+@pytest.mark.timeout(120)
+def test_corrupt_recorded_weights_are_not_blamed_on_weights_flag(data, tmp_path):
+    """Found in review: "error: --weights .../weights-step000000.safetensors: not a readable
+    safetensors file" though no --weights was given."""
+    from maestro_flow.runtime.record import recorded_weights
+
+    _replicated_recording(tmp_path, data["text"], num_replicas=1)
+    path = recorded_weights(record_dir(str(tmp_path), "student", 0), 0)
+    Path(path).write_bytes(b"truncated")
+    result = CliRunner().invoke(stage, [DISTILL, "student", "--replay", str(tmp_path), "--set",
+                                        f"data.path={data['text']}"])
+    assert result.exit_code == 2, result.output
+    assert f"error: recorded weights of step 0 ({path}): not a readable safetensors file" in result.output
+    assert "--weights" not in result.output and "Traceback" not in result.output
+
+
+@pytest.mark.timeout(120)
+def test_a_micro_batch_with_a_column_recorded_as_text_is_refused(data, tmp_path):
+    """Found in review: a column value recorded as text only (not JSON-able) reached the stage as
+    a string, which raised: exit 3, blamed on the stage."""
+    _fake_recording(DISTILL, "student", tmp_path, {"data.path": data["text"]}, samples=2)
+    folder = record_dir(str(tmp_path), "student", 0)
+    [(batch, outputs)] = load_micro_batches(folder)
+    column = "tokens"  # one the stage reads
+    batch.columns[column][1] = {"not": torch.zeros(2)}  # kept as its repr only
+    save_micro_batch(folder, batch, outputs)
+    result = CliRunner().invoke(stage, [DISTILL, "student", "--replay", str(tmp_path), "--set",
+                                        f"data.path={data['text']}"])
+    assert result.exit_code == 2, result.output
+    assert "error: --replay: cannot replay step 0 micro-batch 0 of replica 0" in result.output
+    assert f"column {column!r} of sample {batch.sample_ids[1]} was recorded as text only" in result.output
+    assert "Traceback" not in result.output
+
+
+DRAWING_STAGE = '''
+import torch
+from maestro_flow.stage import Stage
+
+
+class Drawing(Stage):
+    """Returns a random number each forward (as dropout draws masks) and keeps what it drew."""
+
+    @classmethod
+    def outputs(cls, config):
+        return ("loss",)
+
+    def __init__(self, config, ctx):
+        super().__init__(config, ctx)
+        self.lin = torch.nn.Linear(2, 2)
+        self.draws = []
+
+    def forward(self, batch):
+        draw = torch.rand(())
+        self.draws.append(float(draw))
+        return {"loss": self.lin.weight.sum() * 0 + draw}
+'''
+
+
+@pytest.mark.timeout(120)
+def test_every_repetition_starts_from_the_recorded_rng(data, tmp_path, monkeypatch):
+    """`SectionRunner.run(batch, repeat, rng)`: each forward of the `repeat` draws what the run's
+    forward drew from the recorded RNG states."""
+    from maestro_flow.runtime.record import rng_states
+
+    (tmp_path / "replay_drawing_stage.py").write_text(DRAWING_STAGE)
+    (tmp_path / "drawing.py").write_text(FAKE_PIPELINE.format(path=data["text"]).replace(
+        "replay_fake_stage:Exploding", "replay_drawing_stage:Drawing"))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    pipeline, _ = load_pipeline(str(tmp_path / "drawing.py"), {})
+    runner = SectionRunner(pipeline, "boom")
+    [batch] = synthetic_batches(pipeline, "boom", 2)
+    states = rng_states(runner.device)
+    expected = float(torch.rand(()))  # what a forward starting from `states` draws
+    result = runner.run(batch, 3, rng=states)
+    assert runner.stage.draws == [expected] * 3
+    assert float(result.outputs["loss"]) == expected
+
+
+@pytest.mark.timeout(240)
+def test_a_run_with_dropout_replays_to_its_recorded_outputs(demo_data, tmp_path):
+    """Found in review: the replay ran the forward from whatever RNG state it had, so a student
+    with dropout never reproduced the run's loss (--compare: MISMATCH). The recording keeps the
+    RNG states taken before each forward; the replay restores them before every repetition."""
+    from tests.integration.conftest import maestro
+
+    sets = ["--set", f"data.path={demo_data}", "--set", "sections.student.config.student.dropout=0.1"]
+    run = maestro("run", DISTILL, "--colocated", "--quiet", "--steps", "2", "--record", "student",
+                  "--record-steps", "1", "--run-dir", str(tmp_path), *sets, timeout=200)
+    assert run.returncode == 0, run.stderr
+    replay = maestro("stage", DISTILL, "student", "--replay", str(tmp_path), "--compare", "--repeat", "2", *sets)
+    assert replay.returncode == 0, replay.stdout + replay.stderr
+    assert "random state: as recorded before each forward" in replay.stdout
+    assert "MISMATCH" not in replay.stdout and "all outputs match the recording" in replay.stdout
