@@ -85,7 +85,7 @@ def main(ctx: click.Context, debug: bool) -> None:
 @click.option("--no-run-dir", is_flag=True, help="Write no run directory.")
 @click.option("--record", metavar="SECTION", help="Save what SECTION receives and produces (RUN_DIR/record/) "
               "for `maestro stage SECTION --replay RUN_DIR`.")
-@click.option("--record-steps", metavar="STEPS", help="Steps to record, e.g. 0,5,9 (default: all).")
+@click.option("--record-steps", metavar="STEPS", help="Steps to record, e.g. 0,5,9 or 0,3-5 (default: all).")
 @click.option("--costs", type=click.Path(dir_okay=False, exists=True), help=COSTS_HELP)
 @click.option("--checkpoint-dir", type=click.Path(file_okay=False), help="Write checkpoints here (DIR/step-N/); needs --checkpoint-every.")
 @click.option("--checkpoint-every", type=int, metavar="N", help="Checkpoint after every N steps.")
@@ -179,10 +179,12 @@ def run(ctx: click.Context, pipeline: str, steps: int | None, sets: tuple[str, .
         if record_steps and not record:
             raise PipelineError("--record-steps says which steps --record SECTION saves: give --record too")
         if record_steps:
+            from maestro_flow.runtime.replay import ReplayError, parse_steps
+
             try:
-                steps_to_record = tuple(int(x) for x in record_steps.split(","))
-            except ValueError:
-                raise PipelineError(f"--record-steps expects step numbers like 0,5,9, got {record_steps!r}") from None
+                steps_to_record = parse_steps(record_steps, "--record-steps").ranges
+            except ReplayError as exc:
+                raise PipelineError(str(exc)) from None
         checkpoint = CheckpointOptions(dir=checkpoint_dir, every=checkpoint_every, keep_last=keep_last,
                                        on_error=checkpoint_errors, resume=resume, max_restarts=max_restarts)
         options = RunOptions(overrides=overrides, colocated=colocated, metrics_out=metrics_out, save_dir=save_dir,

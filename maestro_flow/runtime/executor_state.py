@@ -93,7 +93,7 @@ def recording(spec: dict[str, Any] | None, section: str, replica: int, whole: bo
         return None
     from maestro_flow.runtime.record import Recorder, record_dir
 
-    steps = frozenset(spec["steps"]) if spec.get("steps") is not None else None
+    steps = tuple((lo, hi) for lo, hi in spec["steps"]) if spec.get("steps") is not None else None
     return Recorder(record_dir(spec["dir"], section, replica), steps, weights=whole)
 
 

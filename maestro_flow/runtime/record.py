@@ -284,20 +284,20 @@ def recorded_weights(directory: str, step: int) -> str | None:
 
 class Recorder:
     """What `maestro run --record` saves in one replica's executor: for each micro-batch of the
-    chosen `steps` (None: all), `begin` before its forward (the step's weights at micro-batch 0,
+    chosen `steps` (inclusive ranges; None: all), `begin` before its forward (the step's weights at micro-batch 0,
     so a forward that changes buffers replays from where it started; the RNG states it draws
     from), `save` after it. A sharded section's replica (fsdp, or tp > 1: recorded by its
     tensor-parallel leader alone) holds no whole weights: it records no weights, and a replay
     takes them from --weights (SAVE_DIR/SECTION.safetensors, which --save-dir gathers whole). A
     recording that fails (a full disk) stops, said once on the worker's output; the run goes on."""
 
-    def __init__(self, directory: str, steps: frozenset[int] | None, weights: bool = True) -> None:
+    def __init__(self, directory: str, steps: tuple[tuple[int, int], ...] | None, weights: bool = True) -> None:
         self.directory, self.steps, self.weights, self.stopped = directory, steps, weights, False
 
     def begin(self, step: int, index: int, stage: Any, device: torch.device | None) -> dict[str, torch.Tensor] | None:
         """The RNG states to save with the micro-batch (after saving the weights at index 0), or
         None where it is not recorded."""
-        if self.stopped or (self.steps is not None and step not in self.steps):
+        if self.stopped or (self.steps is not None and not any(lo <= step <= hi for lo, hi in self.steps)):
             return None
 
         def start() -> dict[str, torch.Tensor]:

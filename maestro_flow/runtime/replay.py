@@ -158,8 +158,8 @@ def _run_settings_note(run_dir: str, pipeline: Pipeline, name: str) -> str | Non
 
 # -- the command ---------------------------------------------------------------------------------
 
-def parse_steps(text: str | None) -> Steps | None:
-    """"3", "0,2,5", "4-7" or a mix ("0,4-7") -> the Steps they name."""
+def parse_steps(text: str | None, flag: str = "--steps") -> Steps | None:
+    """"3", "0,2,5", "4-7" or a mix ("0,4-7") -> the Steps they name (`flag`: for the errors)."""
     if not text:
         return None
     ranges = []
@@ -174,9 +174,9 @@ def parse_steps(text: str | None) -> Steps | None:
             elif part:
                 ranges.append((int(part), int(part)))
         except ValueError:
-            raise ReplayError(f"--steps: {part!r} is not a step, a range A-B or a comma-separated list of them") from None
+            raise ReplayError(f"{flag}: {part!r} is not a step, a range A-B or a comma-separated list of them") from None
     if not ranges:
-        raise ReplayError(f"--steps: {text!r} names no step")
+        raise ReplayError(f"{flag}: {text!r} names no step")
     return Steps(ranges=tuple(ranges))
 
 

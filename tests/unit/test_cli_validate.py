@@ -371,6 +371,10 @@ def test_a_stage_config_its_stage_refuses_is_refused_by_validate(item, fragments
     # A step the run never reaches recorded nothing, silently (found by a review).
     (["run", "pipelines/distill.py", "--steps", "2", "--record", "student", "--record-steps", "1,5", "--run-dir",
       "/tmp/maestro-never-written"], "--record-steps: this run never reaches step 5 (it runs steps 0 to 1"),
+    (["run", "pipelines/distill.py", "--steps", "2", "--record", "student", "--record-steps", "0-9", "--run-dir",
+      "/tmp/maestro-never-written"], "--record-steps: this run never reaches step 0-9"),
+    (["run", "pipelines/distill.py", "--record", "student", "--record-steps", "0,x", "--run-dir",
+      "/tmp/maestro-never-written"], "--record-steps: 'x' is not a step, a range A-B"),
     (["plan", "pipelines/distill.py", "--step", "-1"], "-1 is not in the range x>=0"),
     (["top", "--interval", "-1"], "-1.0 is not in the range x>=0.05"),
 ])

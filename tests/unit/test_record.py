@@ -206,3 +206,12 @@ def test_nested_plain_values_are_recorded_as_values(tmp_path):
     [(got, _)] = load_micro_batches(str(tmp_path))
     assert got.columns["boxes"] == boxes and got.columns["meta"] == meta
     assert got.columns["pair"] == [[1, 2], [3, 4]]
+
+
+def test_a_recorder_records_the_steps_its_ranges_name(tmp_path):
+    """--record-steps takes ranges as `maestro stage --steps` does (0,3-5 was refused before)."""
+    from maestro_flow.runtime.record import Recorder
+
+    stage = torch.nn.Linear(2, 2)
+    rec = Recorder(str(tmp_path), ((0, 0), (3, 5)))
+    assert [s for s in range(8) if rec.begin(s, 1, stage, None) is not None] == [0, 3, 4, 5]
