@@ -6,12 +6,12 @@ step it asks the planner for a plan, sends each replica its part (up to `lookahe
 ahead, so forward-only sections can run ahead), turns loss reports into the global loss
 denominator for trainable sections upstream of a loss (`finalize`; the loss section sums its own
 with its gradients), norm reports into the global clip coefficient (`clip`, with grad_clip),
-and done reports into metrics. At a checkpoint boundary it holds back sending the next plans (it
-makes them all the same, as a run without checkpoints would), asks every worker to save its part
-(`checkpoint` -> `saved`) and lets the Checkpointer write the manifest; a resumed run starts at the
-checkpoint's step, with the workers loading their part at setup. Whether the planner's search runs
-for a step depends on the step and the configuration alone (`_train`), never on when its plan is
-made, so checkpoints and resuming do not change the plans (DESIGN 4b).
+and done reports into metrics. At a checkpoint boundary it holds back the next plans, asks every
+worker to save its part (`checkpoint` -> `saved`) and lets the Checkpointer write the manifest; a
+resumed run starts at the checkpoint's step, with the workers loading their part at setup.
+Whether the planner's search runs for a step depends on the step and the configuration alone
+(`_train`), never on when its plan is made, so with fixed costs (adapt_costs=false) checkpoints
+and resuming do not change the plans (DESIGN 4b).
 Any error report, dead worker, silent worker or timeout ends the run: everything is shut down
 and the error is raised.
 
@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import os
 import time
-from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -284,28 +283,23 @@ class Coordinator(CoordinatorIO):
             if ledger.fitter is not None:
                 ledger.fitter.load(self.resume[1].costs)
         next_plan = first
-        held: deque[Plan] = deque()  # made but not sent yet: past the next checkpoint boundary
 
         def send_plans(upto: int, completed: int) -> None:
-            """Make the plans up to step `upto` and send those that may go out. A plan past the next
-            checkpoint boundary (plan_limit: no sample in flight while the workers save) is made all
-            the same, at the point a run without checkpoints makes it, and held until the checkpoint."""
+            """Make and send the plans up to step `upto`, none past the next checkpoint boundary
+            (plan_limit: no sample in flight while the workers save): those are made after the
+            checkpoint, with the cost model a resumed run loads from it (CostFitter.state)."""
             nonlocal next_plan
             limit = self.checkpointer.plan_limit(completed)
-            released = time.perf_counter()  # a held plan's workers can start on it from here
-            while held and (limit is None or held[0].step < limit):
-                self._send_plan(held.popleft(), released, ledger)
+            if limit is not None:
+                upto = min(upto, limit - 1)
             while next_plan <= min(upto, p.steps - 1):
                 planner.costs = ledger.costs()  # refined from the timings measured so far
                 if search:  # every step but step 0 (which every run's workers wait for, and no run resumes
-                    # at), however it is planned: a resumed run plans as the uninterrupted one (DESIGN 4b)
+                    # at), whenever it is planned: a resumed run plans as the uninterrupted one (DESIGN 4b)
                     planner.search = search if next_plan > 0 else 0.0  # type: ignore[attr-defined]
                 began = time.perf_counter()  # the workers wait from here for a plan not made ahead
-                plan = timed_plan(planner, next_plan, sampler.batch(next_plan), self.observer)
-                if limit is None or plan.step < limit:
-                    self._send_plan(plan, began, ledger)
-                else:
-                    held.append(plan)
+                self._send_plan(timed_plan(planner, next_plan, sampler.batch(next_plan), self.observer), began,
+                                ledger)
                 next_plan += 1
 
         send_plans(first + p.lookahead_steps, first)

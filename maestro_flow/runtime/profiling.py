@@ -480,8 +480,8 @@ def _planning_s(pipeline: Pipeline, graph: SectionGraph, metadata: list[SampleMe
         return 0.0
     batch = metadata[:pipeline.global_batch]
     # The rules alone: a run's search (planner/refine.py) runs only on a core of its own, ahead of
-    # the step (runtime/cpus.search_share; a resumed run's first plan aside), so it is not part
-    # of the step's planning time.
+    # the step (runtime/cpus.search_share; a plan held back at a checkpoint aside), so it is not
+    # part of the step's planning time.
     planner = make_planner(pipeline.schedule, graph, CostModel(costs={s.name: s.cost for s in pipeline.sections}),
                            search=0.0)
     times = []

@@ -157,13 +157,12 @@ def test_plans_are_the_same_with_checkpoints_without_and_resumed(tmp_path):
             assert plan == plain[step], f"{name}: step {step}'s plan differs"
 
 
-def test_plans_past_a_checkpoint_boundary_are_made_ahead_and_held(tmp_path):
-    """With lookahead 2, the plans of the two steps after a boundary are made while the steps
-    before it train, as without checkpoints (before, they were made after the checkpoint, while
-    the workers waited), and none goes out before the checkpoint (no sample in flight)."""
+def test_no_plan_past_a_checkpoint_boundary_is_made_before_the_checkpoint(tmp_path):
+    """With lookahead 2, the plans of the steps after a boundary are made after the checkpoint
+    (with the cost model a resumed run loads from it) and none is out while the workers save."""
     c = StepCoordinator(distill(lookahead_steps=2), every=3, tmp_path=tmp_path)
     run(c)
-    assert c.checkpoints == [(3, 4, set()), (6, 7, set()), (9, 9, set())]
+    assert c.checkpoints == [(3, 2, set()), (6, 5, set()), (9, 8, set())]
     assert sorted(c.observer.plans) == list(range(10))
     assert [r["step"] for r in c.report.rows] == list(range(10))
 
@@ -181,8 +180,8 @@ def test_a_steps_time_counts_the_planning_its_workers_wait_for(tmp_path):
 
 
 def test_a_step_after_a_checkpoint_counts_from_the_checkpoints_end(tmp_path):
-    """A plan made ahead and held at the boundary: its step counts from when it went out (the
-    checkpoint's own time is its row's checkpoint_s), not from when it was made."""
+    """A plan held back at the boundary: its step counts from when it was made, after the
+    checkpoint (the checkpoint's own time is its row's checkpoint_s)."""
     c = StepCoordinator(distill(steps=4), every=2, checkpoint_s=0.3, tmp_path=tmp_path)
     run(c)
     rows = {r["step"]: r for r in c.report.rows}
