@@ -232,8 +232,13 @@ class SectionExecutor(StepEnd, Prefetch):
         st.tokens += sum(len(t) for t in batch.columns.get("tokens", ()))
         if self.fsdp is not None and self.fsdp.per_micro_batch:
             self.last_batch = lockstep.kept(batch)
-        # Before the forward: what a replay starts from (the step's weights, the RNG states).
-        recorded = self.record.begin(st.step, index, self.stage, self.device) if self.record else None
+        # Before the forward: what a replay starts from (the step's weights, the RNG states); not
+        # timed (it would count in the section's busy time and fitted costs, so change the plans).
+        recorded = None
+        if self.record is not None:
+            t_record = self.clock()
+            recorded = self.record.begin(st.step, index, self.stage, self.device)
+            t0 += self.clock() - t_record
         try:
             with torch.set_grad_enabled(self.trainable), compute(self.mixed_precision, self.device):
                 out = self.stage.forward(batch)

@@ -288,7 +288,8 @@ class Recorder:
     so a forward that changes buffers replays from where it started; the RNG states it draws
     from), `save` after it. A sharded section's replica (fsdp, or tp > 1: recorded by its
     tensor-parallel leader alone) holds no whole weights: it records no weights, and a replay
-    takes them from --weights (SAVE_DIR/SECTION.safetensors, which --save-dir gathers whole). A
+    takes them from --weights (a checkpoint taken at the recorded step, exported whole by
+    `maestro export`; --save-dir's file holds the last step's). A
     recording that fails (a full disk) stops, said once on the worker's output; the run goes on."""
 
     def __init__(self, directory: str, steps: tuple[tuple[int, int], ...] | None, weights: bool = True) -> None:

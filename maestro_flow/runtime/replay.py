@@ -296,7 +296,9 @@ def _replay(path: str, pipeline: Pipeline, name: str, options: ReplayOptions, ec
             echo("weights: as recorded at each step (RECORDING/weights-stepNNNNNN.safetensors)")
         else:
             echo("weights: freshly initialised (the recording holds no weights; outputs of steps after 0 "
-                 "differ from the run's — pass --weights SAVE_DIR/SECTION.safetensors)")
+                 "differ from the run's — pass --weights with the section's weights at that step: a checkpoint "
+                 "taken there, exported (maestro export CKPT/step-N --section NAME -o OUT), or "
+                 "SAVE_DIR/NAME.safetensors for the run's last step)")
         missing = sum(not w.rng for w in work)
         if not missing:
             echo("random state: as recorded before each forward (dropout draws the run's masks)")

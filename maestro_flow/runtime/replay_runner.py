@@ -74,7 +74,9 @@ class SectionRunner:
 
     def load_weights(self, path: str, source: str | None = None) -> None:
         """Load the stage's parameters from a safetensors file; `source` names it in errors
-        (default "--weights PATH": the user's file; a replay names the recorded weights)."""
+        (default "--weights PATH": the user's file; a replay names the recorded weights). A file
+        of --save-dir or `maestro export` holds no frozen parameters (a KD student's copy of the
+        teacher's head): those keep the values the stage builds them with, as in the run."""
         from safetensors import SafetensorError
         from safetensors.torch import load_file as load_tensors
 
@@ -84,6 +86,8 @@ class SectionRunner:
         except (OSError, SafetensorError) as exc:
             raise ReplayError(f"{source}: not a readable safetensors file ({exc})") from None
         own = self.stage.state_dict()
+        frozen = {name for name, p in self.stage.named_parameters() if not p.requires_grad}
+        state = {**{k: v for k, v in own.items() if k in frozen}, **state}  # the file's where it has them
         missing = sorted(set(own) - set(state))
         if missing:
             raise ReplayError(f"{source}: has no {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''} "

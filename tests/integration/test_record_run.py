@@ -55,3 +55,22 @@ def test_a_sharded_section_records_its_micro_batches_without_weights(demo_data, 
     for folder in folders:
         files = sorted(p.name for p in folder.iterdir())
         assert files and all(f.startswith("step000001-mb") for f in files), files
+
+
+@pytest.mark.timeout(300)
+def test_a_sharded_sections_recording_replays_with_a_checkpoints_weights(demo_data, tmp_path):
+    """What the replay says to do for a section recorded without weights: a checkpoint taken at
+    the recorded step, exported whole, as --weights, and --compare matches. Before, the exported
+    file lacked the student's frozen teacher head, which --weights required."""
+    sets = ["--set", f"data.path={demo_data}", "--set", "sections.student.fsdp=true"]
+    run = maestro("run", "pipelines/distill.py", "--steps", "2", "--quiet", "--record", "student",
+                  "--record-steps", "1", "--run-dir", str(tmp_path / "run"), "--checkpoint-dir",
+                  str(tmp_path / "ck"), "--checkpoint-every", "1", *sets, timeout=240)
+    assert run.returncode == 0, run.stderr
+    [step1] = [p for p in (tmp_path / "ck").iterdir() if p.name.endswith("1")]
+    export = maestro("export", str(step1), "--section", "student", "-o", str(tmp_path / "ex"))
+    assert export.returncode == 0, export.stderr
+    replay = maestro("stage", "pipelines/distill.py", "student", "--replay", str(tmp_path / "run"), "--weights",
+                     str(tmp_path / "ex" / "student.safetensors"), "--compare", *sets)
+    assert replay.returncode == 0, replay.stdout + replay.stderr
+    assert "MISMATCH" not in replay.stdout

@@ -215,3 +215,69 @@ def test_a_recorder_records_the_steps_its_ranges_name(tmp_path):
     stage = torch.nn.Linear(2, 2)
     rec = Recorder(str(tmp_path), ((0, 0), (3, 5)))
     assert [s for s in range(8) if rec.begin(s, 1, stage, None) is not None] == [0, 3, 4, 5]
+
+
+def _plain_executor(tmp_path, layout=None):
+    """The `embed` section of tests/integration/assets/plain.py, recording every step."""
+    from pathlib import Path
+
+    from loaders.demo import build_text_demo
+    from maestro_flow.graph import SectionGraph
+    from maestro_flow.planner.plan import Placement
+    from maestro_flow.runtime.build import build_stage, load_pipeline, open_source
+    from maestro_flow.runtime.executor import SectionExecutor
+    from maestro_flow.runtime.record import Recorder
+    from maestro_flow.transport.tensor_comm import Stats
+
+    class Comm:
+        stats, in_flight = Stats(), 0
+
+        def send(self, *args):
+            pass
+
+        def notify(self, *args):
+            pass
+
+        def reap(self):
+            pass
+
+    plain = Path(__file__).resolve().parents[1] / "integration" / "assets" / "plain.py"
+    data = build_text_demo(tmp_path / "data", num_samples=64, parquet=False)
+    pipeline, _ = load_pipeline(str(plain), {"data.path": str(data)})
+    graph = SectionGraph(pipeline)
+    placement = Placement.build(graph.order, {n: graph.sections[n].dp for n in graph.order})
+    source = open_source(pipeline)
+    return pipeline, graph, source, SectionExecutor(
+        stage=build_stage(pipeline, graph.sections["embed"], 0, "cpu"), graph=graph, placement=placement,
+        section="embed", replica=0, source=source, comm=Comm(), report=lambda kind, body: None,
+        device=torch.device("cpu"), dtype=torch.float32, reducer=None, layout=layout,
+        record=Recorder(str(tmp_path / "rec"), None))
+
+
+def test_recording_is_not_timed_as_the_sections_work(tmp_path, monkeypatch):
+    """Saving the step's weights (a large model, a slow disk) counted in the forward's time, so
+    in busy time and the fitted costs: --record changed the plans (found by a review)."""
+    import time
+
+    from maestro_flow.planner import make_planner
+    from maestro_flow.runtime import record
+    from maestro_flow.runtime.ledger import plan_message
+    from maestro_flow.runtime.sampler import EpochSampler
+
+    slow = record.save_weights
+    monkeypatch.setattr(record, "save_weights", lambda *a: (time.sleep(0.5), slow(*a))[1])
+    pipeline, graph, source, executor = _plain_executor(tmp_path)
+    plan = make_planner("wavefront", graph, search=0.0).plan(0, EpochSampler(source.metadata(), 8, 0).batch(0))
+    executor.add_plan(plan_message(plan, graph, "embed", 0))
+    executor.poll()
+    assert (tmp_path / "rec" / "weights-step000000.safetensors").exists()
+    assert executor.current.busy_s < 0.25, executor.current.busy_s
+
+
+def test_a_tensor_parallel_follower_records_nothing(tmp_path):
+    """Its leader records the replica (the follower wrote the same files beside it)."""
+    from maestro_flow.parallel.section import Layout
+
+    *_, leader = _plain_executor(tmp_path, Layout(replica=0, tp_index=0, members=(0, 1)))
+    *_, follower = _plain_executor(tmp_path, Layout(replica=0, tp_index=1, members=(0, 1)))
+    assert leader.record is not None and follower.record is None
