@@ -7,7 +7,8 @@ nothing of sections, plans or the control plane; a log that cannot be written (f
 dropped with one line on the terminal, and the worker goes on; so is a terminal that cannot be
 written (a closed pipe, a full disk behind a redirect): the log still gets every line, and the
 pipe is still drained, so the stage's prints never block. A non-blocking terminal that stays full
-loses only the lines it cannot take, said with the next ones shown.
+loses only the lines it cannot take, said with the next ones shown (it is waited for once per
+time it fills, not per line).
 """
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ class OutputCapture:
         self.log_guard = WriteGuard(f"the worker log {log_path}", lambda text: self._show(self._lines(text)))
         self.terminal_failed: OSError | None = None
         self.unshown = 0  # lines a full non-blocking terminal could not take (since the last shown)
+        self.full = False  # it was full at the last write: drop lines without waiting until it takes one
+        self.cut = False  # the last write stopped inside a line
+        self.show_lock = threading.Lock()
         read_end, write_end = os.pipe()
         sys.stdout.flush()
         sys.stderr.flush()
@@ -66,27 +70,38 @@ class OutputCapture:
 
     def _show(self, data: bytes) -> None:
         """To the terminal, until it fails once (then never again: the log has the lines). A
-        non-blocking terminal that stays full for SHOW_WAIT_S loses these lines only (counted,
-        and said with the next ones shown), not the terminal."""
-        if self.terminal_failed is not None:
-            return
-        before, note = self.unshown, b""
-        if before:
-            note = self.prefix + f"({before} lines not shown: the terminal was full)\n".encode()
-        view = memoryview(note + data)
-        try:
-            while view:
-                try:
-                    view = view[os.write(self.terminal, view):]
-                except BlockingIOError:
-                    if not select.select([], [self.terminal], [], SHOW_WAIT_S)[1]:
-                        # What was not written; the note, if not written either, for what it stood for.
-                        lost = bytes(view[-len(data):] if len(view) > len(data) else view).count(b"\n")
-                        self.unshown = lost + (before if len(view) > len(data) else 0)
-                        return
-            self.unshown = 0
-        except OSError as exc:
-            self.terminal_failed = exc
+        non-blocking terminal that is full is waited for SHOW_WAIT_S once; while it stays full,
+        lines are dropped at once (never blocking the pump, so never the stage's prints), counted
+        and said with the next ones shown. A line cut short there is ended first."""
+        with self.show_lock:  # the pump thread, and report/detail from the worker's threads
+            if self.terminal_failed is not None:
+                return
+            head = b"\n" if self.cut else b""
+            if self.unshown:
+                head += self.prefix + f"({self.unshown} lines not shown: the terminal was full)\n".encode()
+            view = memoryview(head + data)
+            try:
+                while view:
+                    try:
+                        view = view[os.write(self.terminal, view):]
+                        self.full = False
+                    except BlockingIOError:
+                        if self.full or not select.select([], [self.terminal], [], SHOW_WAIT_S)[1]:
+                            self._gave_up(head, data, len(head) + len(data) - len(view))
+                            return
+                self.unshown, self.cut = 0, False
+            except OSError as exc:
+                self.terminal_failed = exc
+
+    def _gave_up(self, head: bytes, data: bytes, written: int) -> None:
+        """The terminal stayed full: `written` bytes of head + data went out."""
+        self.full = True
+        if written > len(head):  # the note went out: count the lines of data it did not
+            self.unshown = data[written - len(head):].count(b"\n")
+        else:  # the note did not go out whole: it is owed again, with data's lines added
+            self.unshown += data.count(b"\n")
+        if written:
+            self.cut = (head + data)[written - 1:written] != b"\n"
 
     def keep_bytes(self, data: bytes) -> None:
         """Into the worker's log; a log that cannot be written (full disk) is dropped, with one
