@@ -27,7 +27,7 @@ from tools.bench import (
     vlm_schedules,
     wavefront_sim,
 )
-from tools.bench.common import REPO_ROOT
+from tools.bench.common import REPO_ROOT, turns
 
 pytestmark = pytest.mark.integration
 
@@ -62,6 +62,12 @@ def no_leftover_children(monkeypatch):
 
 
 @pytest.mark.timeout(60)
+def test_alternating_benchmarks_reverse_their_order_every_other_round():
+    """Going first (a cold cache, a host speeding up or slowing down) does not always fall on the
+    same variant: every one of them ran first in every round before."""
+    assert [turns(("a", "b", "c"), r) for r in range(3)] == [["a", "b", "c"], ["c", "b", "a"], ["a", "b", "c"]]
+
+
 def test_p2p_bandwidth_tiny():
     out = p2p_bandwidth.main(["--tiny"])
     cases = out["cases"]

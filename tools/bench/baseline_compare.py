@@ -23,7 +23,7 @@ import os
 import tempfile
 from typing import Any
 
-from tools.bench.common import median, pipeline_bench_args, repo_path, table
+from tools.bench.common import median, pipeline_bench_args, repo_path, table, turns
 
 PIPELINES = ("distill", "vlm")
 # Section-mode candidates beside the shipped layout: as many workers as the 2 cores of the
@@ -68,9 +68,9 @@ def main(argv: list[str] | None = None) -> dict:
         cands = candidates(name, cores, args.tiny)
         times: dict[str, list[float]] = {label: [] for label, _, _ in cands}
         ratios = []
-        for _ in range(rounds):
+        for r in range(rounds):
             this = {}
-            for label, layout, options in cands:
+            for label, layout, options in turns(cands, r):
                 steps_s = [r["step_time_s"] for r in run_one(name, steps, {**sets, **layout}, **options)[warmup:]]
                 times[label] += steps_s
                 this[label] = median(steps_s)

@@ -17,7 +17,7 @@ import os
 import tempfile
 from typing import Any
 
-from tools.bench.common import median, pipeline_bench_args, quartiles, repo_path, table
+from tools.bench.common import median, pipeline_bench_args, quartiles, repo_path, table, turns
 
 
 def run_one(steps: int, every: int | None, sets: dict[str, Any], folder: str | None) -> list[dict[str, Any]]:
@@ -42,13 +42,16 @@ def main(argv: list[str] | None = None) -> dict:
     with_ckpt: list[float] = []
     pauses: list[float] = []
     size = 0
-    for _ in range(rounds):
-        plain += [r["step_time_s"] for r in run_one(steps, None, sets, None)[warmup:]]
-        with tempfile.TemporaryDirectory(prefix="maestro-ckpt-bench-") as folder:
-            rows = run_one(steps, every, sets, folder)
-            size = folder_bytes(folder)  # keep_last=1: one checkpoint
-        with_ckpt += [r["step_time_s"] for r in rows[warmup:]]
-        pauses += [r["checkpoint_s"] for r in rows if "checkpoint_s" in r]
+    for r in range(rounds):
+        for checkpoints in turns((False, True), r):
+            if not checkpoints:
+                plain += [row["step_time_s"] for row in run_one(steps, None, sets, None)[warmup:]]
+                continue
+            with tempfile.TemporaryDirectory(prefix="maestro-ckpt-bench-") as folder:
+                rows = run_one(steps, every, sets, folder)
+                size = folder_bytes(folder)  # keep_last=1: one checkpoint
+            with_ckpt += [row["step_time_s"] for row in rows[warmup:]]
+            pauses += [row["checkpoint_s"] for row in rows if "checkpoint_s" in row]
     step_s = median(plain)
     out = {"median_step_s": step_s, "median_step_s_with_checkpoints": median(with_ckpt),
            "median_checkpoint_s": median(pauses), "checkpoint_s_iqr": quartiles(pauses),

@@ -30,6 +30,13 @@ def repo_path(*parts: str) -> str:
     return os.path.join(REPO_ROOT, *parts)
 
 
+def turns(items: Sequence[Any], round_index: int) -> list[Any]:
+    """The variants of an alternating benchmark in round `round_index`'s order: as given, then
+    reversed, and so on, so that going first (a cold cache, a host that speeds up or slows down
+    over a round) does not always fall on the same variant."""
+    return list(items) if round_index % 2 == 0 else list(items)[::-1]
+
+
 def _child_entry(target: Callable[..., Any], rank: int, args: tuple, results: Any) -> None:
     try:
         out = target(rank, *args)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tools.bench.common import median, pipeline_bench_args, quartiles, repo_path, table
+from tools.bench.common import median, pipeline_bench_args, quartiles, repo_path, table, turns
 
 MODES = {"fp32": None, "bf16": "bf16"}
 
@@ -34,8 +34,8 @@ def main(argv: list[str] | None = None) -> dict:
     times: dict[str, list[float]] = {m: [] for m in MODES}
     curves: dict[str, list[float]] = {}
     sent: dict[str, list[int]] = {m: [] for m in MODES}
-    for _ in range(rounds):
-        for mode in MODES:
+    for r in range(rounds):
+        for mode in turns(MODES, r):
             rows = run_one(mode, steps, sets)
             curves.setdefault(mode, [r["loss"] for r in rows])
             times[mode] += [r["step_time_s"] for r in rows[warmup:]]

@@ -25,7 +25,7 @@ import statistics
 import time
 from typing import Any
 
-from tools.bench.common import median, pipeline_bench_args, repo_path, run_spawned, table
+from tools.bench.common import median, pipeline_bench_args, repo_path, run_spawned, table, turns
 
 SIZES = (2, 8, 16)
 
@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> dict:
             times: dict[bool, list[float]] = {True: [], False: []}
             stats: dict[bool, list[dict]] = {True: [], False: []}
             for r in range(rounds):
-                for padded in (True, False):
+                for padded in turns((True, False), r):
                     run_dir = os.path.join(folder, f"{pipeline}-{padded}-{r}")
                     t, s = run_variant(pipeline, padded, steps, warmup, sets, run_dir)
                     times[padded].extend(t)

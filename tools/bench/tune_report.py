@@ -60,7 +60,7 @@ from maestro_flow.config import ArrowData, Cost, Edge, Pipeline, Section, parse_
 from maestro_flow.planner.cost import CostModel
 from maestro_flow.planner.tune import Tuner, to_overrides
 from maestro_flow.samples import SampleMeta
-from tools.bench.common import median, repo_path, table
+from tools.bench.common import median, repo_path, table, turns
 
 TIE = 0.03  # predicted or measured gains this close to 1 are ties (run-to-run noise here is a few %)
 ACHIEVED_FLOPS = 989e12 * 0.40
@@ -91,7 +91,7 @@ def measured(pipeline: str, devices: int, steps: int, warmup: int, sizes: tuple[
     times: dict[str, list[float]] = {label: [] for label, _ in candidates}
     implied: dict[str, list[float]] = {label: [] for label, _ in candidates}
     for r in range(rounds):  # the two configurations alternately, so both see the same machine
-        for label, cand in candidates:
+        for label, cand in turns(candidates, r):
             overrides = {**sets, **cost_sets, "steps": steps}
             overrides.update(parse_set(to_overrides(cand)))
             run_dir = os.path.join(folder, f"run-{pipeline}-{label}-{r}")

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tools.bench.common import median, pipeline_bench_args, repo_path, table
+from tools.bench.common import median, pipeline_bench_args, repo_path, table, turns
 
 SCHEDULES = ("wavefront", "fifo")
 
@@ -33,8 +33,8 @@ def main(argv: list[str] | None = None) -> dict:
         sets.setdefault("global_batch", 8)
     times: dict[str, list[float]] = {s: [] for s in SCHEDULES}
     idle: dict[str, list[float]] = {s: [] for s in SCHEDULES}
-    for _ in range(rounds):
-        for schedule in SCHEDULES:
+    for r in range(rounds):
+        for schedule in turns(SCHEDULES, r):
             for row in run_one(schedule, steps, sets)[warmup:]:
                 times[schedule].append(row["step_time_s"])
                 llm = row["sections"]["llm"]

@@ -36,7 +36,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from tools.bench.common import median, pipeline_bench_args, repo_path, table
+from tools.bench.common import median, pipeline_bench_args, repo_path, table, turns
 
 SHARES = (0.0, 0.33, 0.66, 1.0)
 GOAL = 0.95
@@ -85,8 +85,8 @@ def main(argv: list[str] | None = None) -> dict:
             times: dict[str, list[float]] = {"vlm": [], "text": []}
             cpu: dict[str, list[float]] = {"vlm": [], "text": []}
             busy: dict[str, list[float]] = {"vision": [], "llm": []}
-            for _ in range(rounds):
-                for mode, data in (("vlm", vlm), ("text", twin)):
+            for r in range(rounds):
+                for mode, data in turns((("vlm", vlm), ("text", twin)), r):
                     for row in run_one(data, steps, sets)[warmup:]:
                         times[mode].append(row["step_time_s"])
                         cpu[mode].append(row["coordinator_cpu_s"] + sum(s["cpu_s"] for s in row["sections"].values()))
