@@ -182,7 +182,7 @@ def run(ctx: click.Context, pipeline: str, steps: int | None, sets: tuple[str, .
             from maestro_flow.runtime.replay import ReplayError, parse_steps
 
             try:
-                steps_to_record = parse_steps(record_steps, "--record-steps").ranges
+                steps_to_record = parse_steps(record_steps, "--record-steps")
             except ReplayError as exc:
                 raise PipelineError(str(exc)) from None
         checkpoint = CheckpointOptions(dir=checkpoint_dir, every=checkpoint_every, keep_last=keep_last,

@@ -91,9 +91,9 @@ def recording(spec: dict[str, Any] | None, section: str, replica: int, whole: bo
     "section", "steps"}); `whole`: the replica holds whole weights (not fsdp, tp 1) to record."""
     if not spec or spec["section"] != section:
         return None
-    from maestro_flow.runtime.record import Recorder, record_dir
+    from maestro_flow.runtime.record import Recorder, Steps, record_dir
 
-    steps = tuple((lo, hi) for lo, hi in spec["steps"]) if spec.get("steps") is not None else None
+    steps = Steps(ranges=tuple((lo, hi) for lo, hi in spec["steps"])) if spec.get("steps") is not None else None
     return Recorder(record_dir(spec["dir"], section, replica), steps, weights=whole)
 
 

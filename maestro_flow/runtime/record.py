@@ -31,6 +31,7 @@ sharded section: `Recorder`).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -45,7 +46,7 @@ FORMAT = "maestro-record/1"
 _FILE = re.compile(r"^step(\d{6,})-mb(\d{4,})\.safetensors$")
 
 __all__ = ["FORMAT", "file_name", "save_micro_batch", "load_micro_batches", "recording_dirs", "record_dir",
-           "save_weights", "recorded_weights", "rng_states", "recorded_rng", "restore_rng", "Recorder"]
+           "save_weights", "recorded_weights", "rng_states", "recorded_rng", "restore_rng", "Recorder", "Steps"]
 
 
 def file_name(step: int, index: int) -> str:
@@ -69,6 +70,20 @@ def recording_dirs(run_dir: str, section: str) -> list[str]:
         if name.startswith(prefix) and rest.isdigit() and os.path.isdir(os.path.join(root, name)):
             found.append((int(rest), os.path.join(root, name)))
     return [path for _, path in sorted(found)]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Steps:
+    """Steps as inclusive ranges (`--record-steps`, `maestro stage --steps`; never expanded:
+    "0-999999999" is two numbers)."""
+
+    ranges: tuple[tuple[int, int], ...]
+
+    def __contains__(self, step: object) -> bool:
+        return isinstance(step, int) and any(lo <= step <= hi for lo, hi in self.ranges)
+
+    def __str__(self) -> str:
+        return ",".join(str(lo) if lo == hi else f"{lo}-{hi}" for lo, hi in sorted(self.ranges))
 
 
 # -- saving -------------------------------------------------------------------------------------
@@ -284,7 +299,7 @@ def recorded_weights(directory: str, step: int) -> str | None:
 
 class Recorder:
     """What `maestro run --record` saves in one replica's executor: for each micro-batch of the
-    chosen `steps` (inclusive ranges; None: all), `begin` before its forward (the step's weights at micro-batch 0,
+    chosen `steps` (None: all), `begin` before its forward (the step's weights at micro-batch 0,
     so a forward that changes buffers replays from where it started; the RNG states it draws
     from), `save` after it. A sharded section's replica (fsdp, or tp > 1: recorded by its
     tensor-parallel leader alone) holds no whole weights: it records no weights, and a replay
@@ -292,13 +307,13 @@ class Recorder:
     `maestro export`; --save-dir's file holds the last step's). A
     recording that fails (a full disk) stops, said once on the worker's output; the run goes on."""
 
-    def __init__(self, directory: str, steps: tuple[tuple[int, int], ...] | None, weights: bool = True) -> None:
+    def __init__(self, directory: str, steps: Steps | None, weights: bool = True) -> None:
         self.directory, self.steps, self.weights, self.stopped = directory, steps, weights, False
 
     def begin(self, step: int, index: int, stage: Any, device: torch.device | None) -> dict[str, torch.Tensor] | None:
         """The RNG states to save with the micro-batch (after saving the weights at index 0), or
         None where it is not recorded."""
-        if self.stopped or (self.steps is not None and not any(lo <= step <= hi for lo, hi in self.steps)):
+        if self.stopped or (self.steps is not None and step not in self.steps):
             return None
 
         def start() -> dict[str, torch.Tensor]:

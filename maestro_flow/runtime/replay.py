@@ -39,6 +39,7 @@ from maestro_flow.errors import MaestroError, PipelineError
 from maestro_flow.graph import SectionGraph
 from maestro_flow.runtime.build import load_pipeline
 from maestro_flow.runtime.record import (
+    Steps,
     TextOnly,
     load_file,
     recorded_files,
@@ -52,19 +53,6 @@ from maestro_flow.stage import MicroBatch
 
 __all__ = ["ReplayOptions", "SectionRunner", "RunResult", "replay", "synthetic_batches", "compare_outputs",
            "Steps", "parse_steps", "parse_shapes"]
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class Steps:
-    """The steps `--steps` names, kept as inclusive ranges (never expanded: "0-999999999" is two numbers)."""
-
-    ranges: tuple[tuple[int, int], ...]
-
-    def __contains__(self, step: object) -> bool:
-        return isinstance(step, int) and any(lo <= step <= hi for lo, hi in self.ranges)
-
-    def __str__(self) -> str:
-        return ",".join(str(lo) if lo == hi else f"{lo}-{hi}" for lo, hi in sorted(self.ranges))
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)

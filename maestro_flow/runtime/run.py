@@ -27,6 +27,7 @@ from maestro_flow.runtime.checks import check_pipeline
 from maestro_flow.runtime.coordinator import placement_for
 from maestro_flow.runtime.nodes import Nodes
 from maestro_flow.runtime.observe import RunObserver
+from maestro_flow.runtime.record import Steps
 from maestro_flow.runtime.report import RunReport
 from maestro_flow.runtime.rundir import RunDir, default_run_dir
 from maestro_flow.runtime.sampler import EpochSampler, data_fingerprint
@@ -44,7 +45,7 @@ class RunOptions:
     run_dir: str | None = None  # where plans, metrics, worker logs (and the trace) go; None: nowhere
     trace: str | None = None  # write the Chrome/Perfetto timeline here ("" = run_dir/trace.json)
     record: str | None = None  # a section whose inputs and outputs are saved (run_dir/record/) for replay
-    record_steps: tuple[tuple[int, int], ...] | None = None  # which steps, as inclusive ranges (None: all)
+    record_steps: Steps | None = None  # which steps (None: all)
     checkpoint: CheckpointOptions = CheckpointOptions()
     tensorboard: str | None = None  # write TensorBoard curves here
     host: str | None = None  # where the control plane, the store and the status endpoint listen (None: loopback,
@@ -210,13 +211,13 @@ def run_pipeline(path: str, options: RunOptions) -> list[dict[str, Any]]:
         if not options.run_dir:
             raise PipelineError("--record needs a run directory (drop --no-run-dir)")
         first = resume[1].step if resume else 0
-        never = sorted(f"{lo}" if lo == hi else f"{lo}-{hi}" for lo, hi in options.record_steps or ()
-                       if lo < first or hi >= pipeline.steps)
-        if never:
-            raise PipelineError(f"--record-steps: this run never reaches step {', '.join(never)} (it runs "
+        wanted = options.record_steps.ranges if options.record_steps is not None else ()
+        never = Steps(ranges=tuple((lo, hi) for lo, hi in wanted if lo < first or hi >= pipeline.steps))
+        if never.ranges:
+            raise PipelineError(f"--record-steps: this run never reaches step {never} (it runs "
                                 f"steps {first} to {pipeline.steps - 1}: --steps sets how many)")
         record = {"dir": os.path.abspath(options.run_dir), "section": options.record,
-                  "steps": [list(r) for r in options.record_steps] if options.record_steps is not None else None}
+                  "steps": [list(r) for r in wanted] if options.record_steps is not None else None}
     if options.tensorboard:
         from maestro_flow.runtime.tensorboard import check_available
 

@@ -138,7 +138,7 @@ import torch
 from maestro_flow.stage import Stage
 
 
-class Exploding(Stage):
+class _Tiny(Stage):
     @classmethod
     def outputs(cls, config):
         return ("loss",)
@@ -146,9 +146,21 @@ class Exploding(Stage):
     def __init__(self, config, ctx):
         super().__init__(config, ctx)
         self.lin = torch.nn.Linear(2, 2)
+        self.draws = []
 
+
+class Exploding(_Tiny):
     def forward(self, batch):
         raise FloatingPointError("boom in forward")
+
+
+class Drawing(_Tiny):
+    """Returns a random number each forward (as dropout draws masks) and keeps what it drew."""
+
+    def forward(self, batch):
+        draw = torch.rand(())
+        self.draws.append(float(draw))
+        return {"loss": self.lin.weight.sum() * 0 + draw}
 '''
 
 FAKE_PIPELINE = '''
@@ -306,39 +318,15 @@ def test_a_micro_batch_with_a_column_recorded_as_text_is_refused(data, tmp_path)
     assert "Traceback" not in result.output
 
 
-DRAWING_STAGE = '''
-import torch
-from maestro_flow.stage import Stage
-
-
-class Drawing(Stage):
-    """Returns a random number each forward (as dropout draws masks) and keeps what it drew."""
-
-    @classmethod
-    def outputs(cls, config):
-        return ("loss",)
-
-    def __init__(self, config, ctx):
-        super().__init__(config, ctx)
-        self.lin = torch.nn.Linear(2, 2)
-        self.draws = []
-
-    def forward(self, batch):
-        draw = torch.rand(())
-        self.draws.append(float(draw))
-        return {"loss": self.lin.weight.sum() * 0 + draw}
-'''
-
-
 @pytest.mark.timeout(120)
 def test_every_repetition_starts_from_the_recorded_rng(data, tmp_path, monkeypatch):
     """`SectionRunner.run(batch, repeat, rng)`: each forward of the `repeat` draws what the run's
     forward drew from the recorded RNG states."""
     from maestro_flow.runtime.record import rng_states
 
-    (tmp_path / "replay_drawing_stage.py").write_text(DRAWING_STAGE)
+    (tmp_path / "replay_fake_stage.py").write_text(FAKE_STAGE)
     (tmp_path / "drawing.py").write_text(FAKE_PIPELINE.format(path=data["text"]).replace(
-        "replay_fake_stage:Exploding", "replay_drawing_stage:Drawing"))
+        "replay_fake_stage:Exploding", "replay_fake_stage:Drawing"))
     monkeypatch.syspath_prepend(str(tmp_path))
     pipeline, _ = load_pipeline(str(tmp_path / "drawing.py"), {})
     runner = SectionRunner(pipeline, "boom")

@@ -210,10 +210,10 @@ def test_nested_plain_values_are_recorded_as_values(tmp_path):
 
 def test_a_recorder_records_the_steps_its_ranges_name(tmp_path):
     """--record-steps takes ranges as `maestro stage --steps` does (0,3-5 was refused before)."""
-    from maestro_flow.runtime.record import Recorder
+    from maestro_flow.runtime.record import Recorder, Steps
 
     stage = torch.nn.Linear(2, 2)
-    rec = Recorder(str(tmp_path), ((0, 0), (3, 5)))
+    rec = Recorder(str(tmp_path), Steps(ranges=((0, 0), (3, 5))))
     assert [s for s in range(8) if rec.begin(s, 1, stage, None) is not None] == [0, 3, 4, 5]
 
 
