@@ -11,9 +11,10 @@ its event's handle (`ipc` in the header). The receiver opens each slot and event
 the event and delivers views of the slot: the bytes are not copied again. It waits on the device
 by default (its default stream waits for the event, no host synchronisation); with
 MAESTRO_CUDA_IPC_WAIT=host its header thread polls the event until the copy is done instead, so
-that no per-message work of the receiver's CUDA context waits on the sender's (whether two
-contexts taking turns on one GPU is what the ~100 µs a message below costs is not established;
-tools/bench/cuda_ipc.py measures both). Either way the views are read on the default stream.
+that no per-message work of the receiver's CUDA context waits on the sender's (faster in the
+one-channel benchmark, but it holds the header thread for each copy; with MPS, one context for
+both ranks, the ~100 µs a message below stayed of the same order, so contexts taking turns are
+not that cost). Either way the views are read on the default stream.
 When no view of a message is left, the receiver records an event on its stream and sends the
 slot back ("release", as for shared memory) once that event has completed, so the sender never
 overwrites bytes a kernel of the receiver may still read.
@@ -23,8 +24,9 @@ tensors: `UntypedStorage._share_cuda_` / `_new_shared_cuda`, `torch.cuda.Event(i
 and `Event.from_ipc_handle`). A header carries them as bytes and integers only; nothing from a
 socket is unpickled. Both ranks must be on the same host and the same device
 (runtime/topology.ipc_channels). tests/gpu/test_cuda_ipc.py checks it where CUDA is (passed on an
-H200, 2026-11-26); tools/bench/cuda_ipc.py measures it (RESULTS 9.1: 0.19x a device copy at
-16 MiB, 0.53-0.56x at 256 MiB; about 100 µs per message beyond the copy at 1 and 16 MiB).
+H200, 2026-11-26, and an H100, 2026-11-27); tools/bench/cuda_ipc.py measures it (RESULTS 9.2, H100:
+0.18x a device copy at 16 MiB and 0.70x at 256 MiB with the host wait, 0.14x and 0.50x with the
+device wait; the sender's own time, about 100 µs a message, is the limit at 16 MiB).
 """
 
 from __future__ import annotations
