@@ -21,6 +21,7 @@ are the full published size, e.g. llama's 4096 x 32 layers) and the resulting pa
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from typing import Any
 
@@ -80,7 +81,27 @@ def build_hf_model(config: dict[str, Any], *, where: str = "", quiet: bool = Fal
         load_hf_checkpoint(model, config["checkpoint"])
     if not on_meta(model):
         _check_causal(model, hf_config.model_type, where)
+    elif _small(model):
+        _probe_copy(config, where, functools.partial(build_hf_model, quiet=True))  # on the CPU: checked there
     return model
+
+
+# On the meta device (`maestro validate`) a model has no values to probe. One of at most this
+# many parameters is built again on the CPU (random weights: what the checks test is the
+# architecture, not the weights), so the build-time checks refuse it before any worker starts;
+# a larger one is checked by its workers as they build it.
+PROBE_MAX_PARAMS = 50_000_000
+
+
+def _small(model: nn.Module) -> bool:
+    return sum(p.numel() for p in model.parameters()) <= PROBE_MAX_PARAMS
+
+
+def _probe_copy(config: dict[str, Any], where: str, build: Any) -> None:
+    """`build` (building a model or its LM head) again on the CPU, seeded, without the checkpoint:
+    its build-time checks run."""
+    with torch.device("cpu"):
+        build({**config, "checkpoint": None, "init_seed": config.get("init_seed") or 0}, where=where)
 
 
 @contextlib.contextmanager
@@ -230,6 +251,8 @@ def build_hf_lm_head(config: dict[str, Any], *, where: str = "") -> nn.Linear:
             head.bias.copy_(out.bias)
     if not on_meta(model):
         _check_head(model, head, where)
+    elif _small(model):
+        _probe_copy(config, where, build_hf_lm_head)
     return head
 
 

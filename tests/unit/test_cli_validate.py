@@ -25,6 +25,9 @@ TEACHER = {"role": "teacher", "vocab_size": VOCAB, "d_model": 16, "n_layers": 1,
            "max_seq_len": 256, "init_seed": 1}
 STUDENT = {"student": {"vocab_size": VOCAB, "d_model": 8, "n_layers": 1, "n_heads": 2, "max_seq_len": 256},
            "teacher": TEACHER, "temperature": 2.0, "alpha": 0.5}
+BIDIRECTIONAL = {"role": "teacher", "init_seed": 0, "model_type": "bert",
+                 "hf_config": {"vocab_size": VOCAB, "hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2,
+                               "intermediate_size": 32, "max_position_embeddings": 256, "is_decoder": False}}
 GPT2_TEACHER = {"role": "teacher", "model_type": "gpt2",
                 "hf_config": {"n_layer": 1, "n_embd": 16, "n_head": 2, "vocab_size": VOCAB, "n_positions": 256}}
 
@@ -145,6 +148,9 @@ BAD = [  # id, sections, edges, what the one error line must contain
     ("fsdp-not-a-bool", [teacher(), student(fsdp="yes")], None, ["sections.student.fsdp must be a bool, got 'yes'"]),
     ("tp-not-dividing-the-heads", [teacher(), student(tp=3)], None,
      ["sections.student.tp=3: sections.student.config.student.n_heads (2) is not divisible by tp=3"]),
+    # Refused by the workers only, before: the stage is built on the meta device (no values to probe).
+    ("bidirectional-hf-model", [teacher(stage="stages.hf:HFCausalLM", config=BIDIRECTIONAL), student()], None,
+     ["sections.teacher.config", "model_type ('bert'): the model's earlier positions see later tokens"]),
     ("tp-on-a-model-without-a-plan", [teacher(stage="stages.hf:HFCausalLM", config=GPT2_TEACHER, tp=2), student()],
      None, ["sections.teacher.tp=2: sections.teacher.config.model_type ('gpt2')", "no tensor-parallel plan"]),
 ]

@@ -188,6 +188,31 @@ def test_a_bidirectional_model_type_is_refused():
                     "hf_config": {"vocab_size": 260, "d_model": 32, "n_layer": 1, "n_head": 2, "d_inner": 64}}, CTX)
 
 
+COHERE = {"model_type": "cohere", "init_seed": 0,
+          "hf_config": {**SMALL, "num_key_value_heads": 2, "logit_scale": 0.5, "eos_token_id": None}}
+BIDIRECTIONAL_BERT = {"role": "teacher", "init_seed": 0, "model_type": "bert",
+                      "hf_config": {**SMALL, "pad_token_id": 0, "is_decoder": False}}
+
+
+def test_the_build_time_checks_run_on_the_meta_device_too(monkeypatch):
+    """`maestro validate` builds stages on the meta device, which has no values to probe: a
+    bidirectional model and a head that does not give the model's logits (cohere scales them)
+    passed it, and were refused only by the workers. A small model is now built again on the CPU
+    for the checks; one over PROBE_MAX_PARAMS is left to its workers."""
+    import stages.hf as hf
+
+    for build, config, refusal in ((hf.build_hf_model, BIDIRECTIONAL_BERT, "earlier positions see later tokens"),
+                                   (hf.build_hf_lm_head, COHERE, "changes its logits after its LM head")):
+        with pytest.raises(ValueError, match=refusal):
+            build(config)
+        with torch.device("meta"), pytest.raises(ValueError, match=refusal):
+            build(config)
+    monkeypatch.setattr(hf, "PROBE_MAX_PARAMS", 0)
+    with torch.device("meta"):
+        assert hf.on_meta(hf.build_hf_model(BIDIRECTIONAL_BERT, quiet=True))
+        assert hf.build_hf_lm_head(COHERE).weight.is_meta
+
+
 def test_a_soft_capping_teachers_head_caps_as_its_model_does():
     """gemma2 caps its logits after lm_head (final_logit_softcapping); the KD student's copy of the
     head did not, so a student equal to its teacher had a KD loss of 69 instead of 0."""
