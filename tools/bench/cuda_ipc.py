@@ -17,7 +17,7 @@ mode back to back, rotating which mode goes first:
   staged  the same TensorComm on a gloo channel (0, 1, "bwd") with CUDA tensors: what ranks
           sharing a GPU used before CUDA IPC (device -> pinned host -> gloo -> host -> device).
 
-A measurement is a burst of back-to-back messages (about --burst-bytes, 4 to 16 messages),
+A measurement is a burst of back-to-back messages (about --burst-bytes, 4 to 16 messages or --max-messages),
 timed from the sender's first send to the receiver's end on the shared monotonic clock. Goal
 (issue 8): ipc >= 0.8x copy from 16 MiB (median of the per-repetition ratios; the better of the
 two waits). Where an IPC burst's time goes (a second table): the sender's own time per message
@@ -47,8 +47,8 @@ MODES = ("copy", "ipc", "ipc-host", "staged")
 GOAL, GOAL_FROM = 0.8, 16 * MiB
 
 
-def _rank_main(rank: int, port: int, sizes: list[int], burst_bytes: int, schedule: list[tuple[int, int, str]],
-               timeout_s: float) -> dict[str, Any]:
+def _rank_main(rank: int, port: int, sizes: list[int], burst_bytes: int, max_msgs: int,
+               schedule: list[tuple[int, int, str]], timeout_s: float) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
@@ -72,7 +72,7 @@ def _rank_main(rank: int, port: int, sizes: list[int], burst_bytes: int, schedul
         comm = TensorComm(zctx=zctx, rank=rank, pull=pull, key=derive_key(b"bench", "cuda-ipc"), peers=peers,
                           groups=groups, device=device, deliver=lambda *a: delivered.put((time.perf_counter(), a[-1])),
                           on_error=on_error, ipc=[(0, 1, "fwd")])
-        n_msgs = {s: max(4, min(16, burst_bytes // s)) for s in sizes}
+        n_msgs = {s: max(4, min(max_msgs, burst_bytes // s)) for s in sizes}
         src = {s: torch.full((s // 4,), float(i + 1), device=device) for i, s in enumerate(sizes)}
         dsts = {s: [torch.empty_like(src[s]) for _ in range(n_msgs[s])] for s in sizes} if rank == 0 else {}
         stamps: list[float] = []
@@ -134,12 +134,13 @@ def schedule_for(n_sizes: int, reps: int, warmup: int) -> list[tuple[int, int, s
     return schedule
 
 
-def measure(sizes: tuple[int, ...], reps: int, warmup: int, burst_bytes: int, timeout_s: float) -> dict[str, Any]:
+def measure(sizes: tuple[int, ...], reps: int, warmup: int, burst_bytes: int, timeout_s: float,
+            max_msgs: int = 16) -> dict[str, Any]:
     import torch.distributed as dist
 
     schedule = schedule_for(len(sizes), reps, warmup)
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
-    sender, receiver = run_spawned(_rank_main, [(store.port, list(sizes), burst_bytes, schedule, timeout_s)] * 2,
+    sender, receiver = run_spawned(_rank_main, [(store.port, list(sizes), burst_bytes, max_msgs, schedule, timeout_s)] * 2,
                                    timeout_s)
     return summarize(sizes, schedule, warmup, sender, receiver)
 
@@ -209,7 +210,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(prog="python -m tools.bench.cuda_ipc", description=__doc__.split("\n")[0])
     ap.add_argument("--tiny", action="store_true", help="smoke size (1 MiB, few repetitions)")
     ap.add_argument("--reps", type=int, help="measured repetitions (default 20, tiny 3)")
-    ap.add_argument("--burst-bytes", type=int, default=256 * MiB, help="bytes per measurement (4 to 16 messages)")
+    ap.add_argument("--burst-bytes", type=int, default=256 * MiB,
+                    help="bytes per measurement (4 to --max-messages messages)")
+    ap.add_argument("--max-messages", type=int, default=16,
+                    help="most messages per measurement (default 16; more measures a longer steady run of sends)")
+    ap.add_argument("--sizes", help="comma-separated message sizes in MiB (default 1,16,64,256)")
     ap.add_argument("--timeout-s", type=float, default=300.0)
     args = ap.parse_args(argv)
     import torch
@@ -218,8 +223,10 @@ def main(argv: list[str] | None = None) -> dict:
         print("cuda_ipc: skipped, no CUDA device here (the CUDA IPC path needs one GPU)")
         return {"skipped": "no CUDA device"}
     sizes = TINY_SIZES if args.tiny else FULL_SIZES
+    if args.sizes:
+        sizes = tuple(int(float(x) * MiB) for x in args.sizes.split(","))
     reps = args.reps or (3 if args.tiny else 20)
-    out = measure(sizes, reps, 1, MiB * 4 if args.tiny else args.burst_bytes, args.timeout_s)
+    out = measure(sizes, reps, 1, MiB * 4 if args.tiny else args.burst_bytes, args.timeout_s, args.max_messages)
     report(out, torch.cuda.get_device_name(0), reps)
     return out
 
