@@ -148,9 +148,6 @@ BAD = [  # id, sections, edges, what the one error line must contain
     ("fsdp-not-a-bool", [teacher(), student(fsdp="yes")], None, ["sections.student.fsdp must be a bool, got 'yes'"]),
     ("tp-not-dividing-the-heads", [teacher(), student(tp=3)], None,
      ["sections.student.tp=3: sections.student.config.student.n_heads (2) is not divisible by tp=3"]),
-    # Refused by the workers only, before: the stage is built on the meta device (no values to probe).
-    ("bidirectional-hf-model", [teacher(stage="stages.hf:HFCausalLM", config=BIDIRECTIONAL), student()], None,
-     ["sections.teacher.config", "model_type ('bert'): the model's earlier positions see later tokens"]),
     ("tp-on-a-model-without-a-plan", [teacher(stage="stages.hf:HFCausalLM", config=GPT2_TEACHER, tp=2), student()],
      None, ["sections.teacher.tp=2: sections.teacher.config.model_type ('gpt2')", "no tensor-parallel plan"]),
 ]
@@ -160,6 +157,17 @@ BAD = [  # id, sections, edges, what the one error line must contain
 def test_bad_pipeline_exits_with_one_line(tmp_path, dataset, sections, edges, fragments):
     result = invoke("validate", write_pipeline(tmp_path, dataset, sections, edges))
     assert_one_error_line(result, *fragments)
+
+
+def test_a_bidirectional_hf_model_is_refused(tmp_path, dataset):
+    """Refused by the workers only, before: validate builds stages on the meta device, which has
+    no values to probe. transformers' own advice (add is_decoder=True) may come first, once."""
+    result = invoke("validate", write_pipeline(tmp_path, dataset, [
+        teacher(stage="stages.hf:HFCausalLM", config=BIDIRECTIONAL), student()]))
+    assert result.exit_code == 2 and "Traceback" not in result.output and result.stdout == ""
+    ours = [line for line in result.stderr.strip().splitlines() if not line.startswith("[transformers]")]
+    assert len(ours) == 1 and ours[0].startswith("error: sections.teacher.config: "), result.stderr
+    assert "model_type ('bert'): the model's earlier positions see later tokens" in ours[0]
 
 
 def test_sharded_sections_count_every_rank(tmp_path, dataset):
