@@ -182,6 +182,15 @@ class Stage:
                     out.append((f"{attr}.{name}", p))
         return out
 
+    def named_buffers(self) -> list[tuple[str, torch.Tensor]]:
+        out, seen = [], set()
+        for attr, module in self.modules().items():
+            for name, b in module.named_buffers():
+                if id(b) not in seen:
+                    seen.add(id(b))
+                    out.append((f"{attr}.{name}", b))
+        return out
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {f"{attr}.{k}": v for attr, m in self.modules().items() for k, v in m.state_dict().items()}
 

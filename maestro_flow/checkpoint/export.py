@@ -37,9 +37,8 @@ class Exported:
 def export_section(source: str, section: str, out: str) -> Exported:
     pipeline, state, where = _read(source, section)
     spec = next((s for s in pipeline["sections"] if s["name"] == section), None)
-    if spec is None:
-        names = ", ".join(s["name"] for s in pipeline["sections"])
-        raise PipelineError(f"--section: {where} has no section {section!r} (sections: {names})")
+    if spec is None:  # a --save-dir whose pipeline file lacks it (not one a run wrote)
+        _check_section(pipeline, section, where, [])
     os.makedirs(out, exist_ok=True)
     path = os.path.join(out, f"{section}.safetensors")
     save_file({k: v.contiguous() for k, v in state.items()}, path, metadata={"section": section, "source": where})
@@ -66,22 +65,38 @@ def _read(source: str, section: str) -> tuple[dict[str, Any], dict[str, torch.Te
             raise PipelineError(f"{source} has {section}.safetensors but no {PIPELINE_FILE} (written by "
                                 "--save-dir since this version): re-save it, or export from a checkpoint") from None
         return pipeline, load_file(saved), saved
+    if os.path.isfile(os.path.join(source, PIPELINE_FILE)):  # a --save-dir without this section
+        with open(os.path.join(source, PIPELINE_FILE)) as f:
+            _check_section(json.load(f), section, source,
+                           sorted(n[:-len(".safetensors")] for n in os.listdir(source) if n.endswith(".safetensors")))
     folder = mf.latest(source)
     if folder is None:
         raise PipelineError(f"{source}: neither a --save-dir with {section}.safetensors nor a complete checkpoint")
     manifest = mf.read(folder)
     if section not in manifest.sections:
-        trainable = ", ".join(manifest.sections) or "none"
-        raise PipelineError(f"--section {section}: not a trainable section of {folder} (trainable: {trainable}); "
-                            "frozen sections are not saved, their weights come from their configuration")
+        _check_section(manifest.pipeline, section, folder, sorted(manifest.sections))
     if not os.path.isdir(os.path.join(folder, section)):
         raise PipelineError(f"--section {section}: {folder} holds no parameters for it (it has no trainable "
                             "parameters)")
     try:
         return manifest.pipeline, _load_dcp(os.path.join(folder, section)), folder
     except (Exception, CheckpointException) as exc:  # DCP's CheckpointException is a BaseException
-        raise PipelineError(f"{folder}: cannot read section {section!r}: {type(exc).__name__}: "
-                            f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}") from None
+        from maestro_flow.checkpoint.section_state import SectionState
+
+        raise PipelineError(f"{folder}: cannot read section {section!r} ({os.path.join(folder, section)}): "
+                            f"{SectionState.cause(exc).strip().splitlines()[0]}") from None
+
+
+def _check_section(pipeline: dict[str, Any], section: str, where: str, trainable: list[str]) -> None:
+    """Refuse a `section` that `where` (a --save-dir or a checkpoint) holds no parameters of:
+    no such section, or a frozen one."""
+    names = [s["name"] for s in pipeline.get("sections", [])]
+    listed = ", ".join(trainable) or "none"
+    if section not in names:
+        raise PipelineError(f"--section: {where} has no section {section!r} (sections: {', '.join(names)}; "
+                            f"saved: {listed})")
+    raise PipelineError(f"--section {section}: not a trainable section of {where} (saved: {listed}); frozen "
+                        "sections are not saved, their weights come from their configuration")
 
 
 def _load_dcp(folder: str) -> dict[str, torch.Tensor]:
@@ -129,7 +144,7 @@ def _hugging_face(pipeline: dict[str, Any], spec: dict[str, Any], state: dict[st
             raise PipelineError(f"section {spec['name']!r}: the saved weights do not fit {spec['stage']} "
                                 f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
     model = getattr(stage, model_attr)
-    before = set(os.listdir(out))
+    before = {name: os.stat(os.path.join(out, name)).st_mtime_ns for name in os.listdir(out)}
     try:
         from transformers.utils import logging as hf_logging
 
@@ -137,7 +152,9 @@ def _hugging_face(pipeline: dict[str, Any], spec: dict[str, Any], state: dict[st
     except ImportError:
         pass
     model.save_pretrained(out)
-    return [os.path.join(out, name) for name in sorted(set(os.listdir(out)) - before)]
+    # What save_pretrained wrote: new files and those it rewrote (a re-export into the same folder).
+    return [os.path.join(out, name) for name in sorted(os.listdir(out))
+            if before.get(name) != os.stat(os.path.join(out, name)).st_mtime_ns]
 
 
 def _is_tied(module: torch.nn.Module, key: str) -> bool:

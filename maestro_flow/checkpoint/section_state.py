@@ -1,5 +1,6 @@
 """A replica's part of a checkpoint: its section's training state through
-`torch.distributed.checkpoint` (DCP) over the section's own process group, and its RNG states.
+`torch.distributed.checkpoint` (DCP) over the section's own process group, and its RNG states
+and buffers.
 
 Runs in a worker's compute thread at a step boundary (no sample in flight). Every replica of a
 trainable section calls `save` / `load` together (DCP is collective over the section's group);
@@ -21,6 +22,14 @@ Every entry is a tensor — the last two hold their JSON text as bytes (DCP woul
 nested Python containers into one entry per leaf).
 
 Frozen parameters are not saved: they are rebuilt from the configuration.
+
+Buffers (a BatchNorm's running statistics, a counter a forward updates) are per replica: nothing
+synchronises them across data-parallel replicas, and each replica's change with the samples it
+ran. DCP would keep one replica's copy of each replicated entry, whichever rank it picked, so
+every replica's persistent buffers go into its RNG file as well (frozen sections' too) and come
+back from there; the `model/` entries hold replica 0's (DCP's copy is taken from the lowest rank),
+as `--save-dir` and `maestro export` do. A replica the checkpoint did not have (dp grew) takes
+replica 0's buffers, as it takes its RNG states.
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -76,12 +86,31 @@ class SectionState:
         info: dict[str, Any] = {}
         if self.optim is not None:
             state = self._state_dict()
-            dcp.save(state, storage_writer=_Writer(self.folder(checkpoint)), process_group=self.group)
+            dcp.save(state, storage_writer=_Writer(self.folder(checkpoint)), process_group=self.group,
+                     planner=DefaultSavePlanner(dedup_save_to_lowest_rank=True))  # replica 0's buffers
             if self.replica == 0 and self.tp_index == 0:
                 info["params"] = {k[len("model/"):]: list(v.shape) for k, v in state.items() if k.startswith("model/")}
-        rng.save(rng_file(checkpoint, self.section, self.replica, self.tp_index), self.device,
-                 {"standin": standin} if standin is not None else None)
+        extra: dict[str, Any] = {"buffers": self._buffers()}
+        if standin is not None:
+            extra["standin"] = standin
+        rng.save(rng_file(checkpoint, self.section, self.replica, self.tp_index), self.device, extra)
         return info
+
+    def _buffers(self) -> dict[str, torch.Tensor]:
+        """This replica's persistent buffers (those in the stage's state_dict), on the CPU; a
+        sharded (DTensor) one is its section's, in DCP, not the replica's."""
+        from torch.distributed.tensor import DTensor
+
+        persistent = set(self.stage.state_dict())
+        return {name: b.detach().cpu() for name, b in self.stage.named_buffers()
+                if name in persistent and not isinstance(b, DTensor)}
+
+    def _restore_buffers(self, saved: dict[str, torch.Tensor]) -> None:
+        own = dict(self.stage.named_buffers())
+        with torch.no_grad():
+            for name, value in saved.items():
+                if name in own and tuple(own[name].shape) == tuple(value.shape):
+                    own[name].copy_(value)
 
     def _named(self) -> list[list[tuple[str, torch.Tensor]]]:
         """Per optimizer, each of its parameters with its name, in its state_dict's order."""
@@ -121,7 +150,7 @@ class SectionState:
                 raise
             except (Exception, CheckpointException) as exc:  # DCP's CheckpointException is a BaseException
                 raise CheckpointMismatch(f"--resume {checkpoint}: cannot read the state of section "
-                                         f"{self.section!r}: {self.cause(exc)}") from None
+                                         f"{self.section!r} ({self.folder(checkpoint)}): {self.cause(exc)}") from None
         own = rng_file(checkpoint, self.section, self.replica, self.tp_index)
         who = f"{self.section} replica {self.replica}" + (f" tp rank {self.tp_index}" if self.tp_index else "")
         if os.path.isfile(own):
@@ -131,16 +160,18 @@ class SectionState:
             other = rng_file(checkpoint, self.section, replica, tp_index)
             if os.path.isfile(other):
                 self._load_rng(checkpoint, other, who)
-                return (f"{who}: no RNG state saved for it (the section's dp or tp changed); using replica "
+                return (f"{who}: no RNG state or buffers saved for it (the section's dp or tp changed); using replica "
                         f"{replica}'s" + (" leader's" if self.tp_index else ""))
         return f"{who}: the checkpoint holds no RNG state for this section"
 
     def _load_rng(self, checkpoint: str, path: str, who: str) -> None:
         try:
-            self.standin = rng.load(path, self.device).get("standin")  # another replica's will stand in too
+            state = rng.load(path, self.device)
+            self.standin = state.get("standin")  # another replica's will stand in too
         except Exception as exc:  # truncated or corrupt: torch.load's zip reader says so
             raise CheckpointMismatch(f"--resume {checkpoint}: cannot read the RNG state of {who} ({path}): "
                                      f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from None
+        self._restore_buffers(state.get("buffers", {}))  # a checkpoint from before buffers were kept has none
 
     def _load_state(self, folder: str, step: int | None) -> None:
         """`step`: the checkpoint's, where a schedule starts that the checkpoint did not have."""

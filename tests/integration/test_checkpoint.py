@@ -299,7 +299,7 @@ def test_an_unreadable_checkpoint_is_a_clear_error(small_data, one_checkpoint, t
     data_file.write_bytes(data_file.read_bytes()[:100])  # truncated
     result = maestro(*args(small_data, "float32", "--resume", str(broken), steps=4), timeout=120)
     assert result.returncode == 2, result.stderr[-2000:]
-    assert "cannot read the state of section 'student'" in result.stderr
+    assert f"cannot read the state of section 'student' ({data_file.parent})" in result.stderr
     assert "Traceback" not in result.stderr.split("error:")[-1]
 
 

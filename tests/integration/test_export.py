@@ -74,6 +74,32 @@ def test_exporting_a_frozen_or_unknown_section_is_a_clear_error(trained, tmp_pat
     result = maestro("export", str(tmp_path), "--section", "student", "-o", str(tmp_path / "t"))
     assert result.returncode == 2
     assert "neither a --save-dir with student.safetensors nor a complete checkpoint" in result.stderr
+    # A typo, or a frozen section, on a --save-dir; a typo on a checkpoint (before: "neither a
+    # --save-dir ... nor a checkpoint", and "frozen sections are not saved" for a typo).
+    for source, section, expected in (("save", "studnet", "has no section 'studnet' (sections: teacher, student"),
+                                      ("save", "teacher", "frozen sections are not saved"),
+                                      ("ck", "studnet", "has no section 'studnet' (sections: teacher, student")):
+        result = maestro("export", str(trained / source), "--section", section, "-o", str(tmp_path / "t"))
+        assert result.returncode == 2 and expected in result.stderr, (source, section, result.stderr)
+
+
+def test_export_names_what_it_wrote_and_why_it_cannot_read(trained, tmp_path):
+    import shutil
+
+    out = tmp_path / "out"
+    for _ in range(2):  # the second time into the same folder: save_pretrained rewrites every file
+        result = maestro("export", str(trained / "save"), "--section", "student", "-o", str(out))
+        assert result.returncode == 0, result.stderr
+        wrote = sorted(line.rsplit("/", 1)[-1] for line in result.stdout.splitlines() if line.startswith("wrote "))
+        assert wrote == ["config.json", "generation_config.json", "model.safetensors", "student.safetensors"], wrote
+    broken = tmp_path / "ck"
+    shutil.copytree(trained / "ck", broken)
+    data_file = next(broken.glob("step-*/student/*.distcp"))
+    data_file.write_bytes(data_file.read_bytes()[:100])  # truncated
+    result = maestro("export", str(broken), "--section", "student", "-o", str(tmp_path / "t"))
+    assert result.returncode == 2
+    line = result.stderr.strip().splitlines()[-1]
+    assert f"cannot read section 'student' ({data_file.parent})" in line and "CheckpointException" not in line, line
 
 
 def test_a_maestro_stage_exports_its_safetensors(demo_data, tmp_path):
