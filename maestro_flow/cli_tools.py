@@ -6,6 +6,8 @@ one line ("error: ...") and exit 2, as in cli.py.
 
 from __future__ import annotations
 
+import math
+import shlex
 import sys
 
 import click
@@ -33,6 +35,12 @@ def _sizes(text: str | None) -> tuple[int, ...] | None:
     if not sizes or sizes[0] < 1:
         raise PipelineError(f"--sizes must list integers >= 1, got {text!r}")
     return sizes
+
+
+def _positive_gb(ctx: click.Context, param: click.Parameter, value: float | None) -> float | None:
+    if value is not None and not (0 < value < math.inf):  # NaN fails this too
+        raise click.BadParameter(f"must be a finite number of GiB > 0, got {value!r}")
+    return value
 
 
 @click.command()
@@ -81,7 +89,7 @@ def profile(ctx: click.Context, pipeline: str, sets: tuple[str, ...], out: str |
 @click.argument("pipeline", type=click.Path(dir_okay=False))
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help=SET_HELP)
 @click.option("--devices", type=int, required=True, help="Device budget: workers (CPU) or GPUs in all.")
-@click.option("--memory-gb", type=float, help="Memory limit per device, in GiB (2**30 bytes; checked with a --costs memory model).")
+@click.option("--memory-gb", type=float, callback=_positive_gb, help="Memory limit per device, in GiB (2**30 bytes; checked with a --costs memory model).")
 @click.option("--costs", type=click.Path(dir_okay=False), help="Cost file from `maestro profile`.")
 @click.option("--top", type=click.IntRange(1, 50), default=3, show_default=True, help="Configurations to show.")
 @click.option("--global-batch", type=click.IntRange(min=1), help="Tune for this global batch instead of the pipeline's.")
@@ -133,14 +141,15 @@ def tune(ctx: click.Context, pipeline: str, sets: tuple[str, ...], devices: int,
     except MaestroError as exc:
         _fail(ctx, exc)
         return
+    for note in notes:
+        click.echo(f"note: {note}", err=True)
     if as_json:
-        click.echo(json.dumps(result.to_json_dict(), indent=1))
+        click.echo(json.dumps({**result.to_json_dict(), "notes": notes}, indent=1))
     else:
-        for note in notes:
-            click.echo(f"note: {note}", err=True)
         click.echo(format_result(result))
     if write_to:
-        click.echo(f"wrote {write_to}; run it with: maestro run {pipeline} $(cat {write_to})", err=True)
+        click.echo(f"wrote {write_to}; run it with: maestro run {shlex.quote(pipeline)} "
+                   f"$(cat {shlex.quote(write_to)})", err=True)
 
 
 @click.command()

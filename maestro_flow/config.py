@@ -31,6 +31,12 @@ def is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def is_name(value: Any) -> bool:
+    """A section or pipeline name: letters, digits, '_' and '-' only, so it is safe as a folder name
+    (the run folder is runs/NAME-TIME) and in a `--set sections.NAME.FIELD` path."""
+    return isinstance(value, str) and value.replace("_", "").replace("-", "").isalnum()
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Cost:
     """The planner's starting cost model for one section: forward seconds per unit of work.
@@ -124,7 +130,7 @@ class Section:
 
     def validate(self) -> None:
         where = f"sections.{self.name}"
-        if not isinstance(self.name, str) or not self.name.replace("_", "").replace("-", "").isalnum():
+        if not is_name(self.name):
             raise PipelineError(f"{where}.name must be a non-empty identifier, got {self.name!r}")
         if not isinstance(self.stage, str) or ":" not in self.stage:
             raise PipelineError(f"{where}.stage must be 'module:Class', got {self.stage!r}")
@@ -226,10 +232,17 @@ class Pipeline:
     def section_names(self) -> list[str]:
         return [s.name for s in self.sections]
 
+    def check_name(self) -> None:
+        """The name alone, which a run uses as a folder name before it checks the rest (cli.py's run)."""
+        if not is_name(self.name):
+            raise PipelineError(f"name must be a non-empty identifier (letters, digits, '_' and '-': it names "
+                                f"the run folder), got {self.name!r}")
+
     def validate(self) -> None:
         """Field checks plus graph checks; never imports user code or touches files."""
         from maestro_flow.graph import SectionGraph
 
+        self.check_name()
         if not isinstance(self.adapt_costs, bool):
             raise PipelineError(f"adapt_costs must be true or false, got {self.adapt_costs!r}")
         if self.run_ahead is not None and (not isinstance(self.run_ahead, int) or self.run_ahead < 1):

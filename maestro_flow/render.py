@@ -1,7 +1,7 @@
 """Drawing the section graph: a text form for the terminal, Graphviz DOT, and SVG/PNG files.
 
 `text_form(graph)` lays the sections out top to bottom in topological order, one ASCII box each
-(stage, trainable/frozen, activates_on, dp, micro-batch, device, inputs), with the edges between
+(stage, trainable/frozen, activates_on, dp, tp where > 1, micro-batch, device, inputs), with the edges between
 the boxes (tensors, fan-out/fan-in factor, whether gradients flow back), then a one-line summary
 of every edge. `to_dot(graph)` is the same graph in DOT: frozen sections dashed and grey,
 conditional sections (`activates_on`) in orange, loss sections bold, gradient-carrying edges
@@ -96,8 +96,9 @@ def _section_rows(graph: SectionGraph, name: str) -> list[tuple[str, str]]:
     s = graph.sections[name]
     inputs = ", ".join(f"{e.edge.src} ({', '.join(e.edge.tensors)})" for e in graph.inputs(name)) or "- (reads the data)"
     rows = [("stage", s.stage), ("mode", mode(graph, name)), ("activates_on", activates(graph, name)),
-            ("dp", f"{s.dp} replica{'s' if s.dp != 1 else ''}"), ("micro_batch", str(s.micro_batch)),
-            ("device", s.device), ("inputs", inputs)]
+            ("dp", f"{s.dp} replica{'s' if s.dp != 1 else ''}"),
+            *([("tp", f"{s.tp} ranks per replica ({s.dp * s.tp} workers)")] if s.tp > 1 else []),
+            ("micro_batch", str(s.micro_batch)), ("device", s.device), ("inputs", inputs)]
     if name in graph.loss_sections():
         rows.append(("loss", "yes (trainable sink)"))
     return rows
@@ -107,7 +108,7 @@ def text_form(graph: SectionGraph) -> str:
     """The graph for a terminal: boxes in topological order joined by labelled arrows, plain ASCII."""
     p = graph.pipeline
     n_sec, n_edge = len(graph.order), len(graph.edges)
-    workers = sum(s.dp for s in graph.sections.values())
+    workers = sum(s.dp * s.tp for s in graph.sections.values())  # a replica is tp ranks, each a worker
     lines = [f"pipeline {p.name}: {n_sec} section{'s' if n_sec != 1 else ''}, {n_edge} edge{'s' if n_edge != 1 else ''}, "
              f"{workers} worker{'s' if workers != 1 else ''} (topological order)", ""]
     rows = {n: _section_rows(graph, n) for n in graph.order}
@@ -176,7 +177,8 @@ def to_dot(graph: SectionGraph) -> str:
         s = graph.sections[n]
         label = _label(n + ("  (loss)" if n in losses else ""), s.stage,
                        f"{mode(graph, n)}, activates_on={s.activates_on or 'all'}",
-                       f"dp={s.dp}  micro_batch={s.micro_batch}  device={s.device}")
+                       f"dp={s.dp}{f'  tp={s.tp}' if s.tp > 1 else ''}  micro_batch={s.micro_batch}  "
+                       f"device={s.device}")
         attrs = [f"label={label}"]
         if s.trainable:
             attrs.append(f'fillcolor="{TRAINABLE_FILL}"')

@@ -31,14 +31,29 @@ class SampleMeta:
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> SampleMeta:
-        """From a JSON object (a trace line): ValueError for modalities that are not a list of known names."""
+        """From a JSON object (a trace line): ValueError naming the field for modalities that are not a
+        list of known names, or for an id, row or count that is not an integer (counts: >= 0)."""
         modalities = d.get("modalities", ("text",))
         if not isinstance(modalities, (list, tuple)) or not modalities \
                 or not all(isinstance(m, str) and m in MODALITIES for m in modalities):
             raise ValueError(f"modalities must be a non-empty list of {', '.join(MODALITIES)}, got {modalities!r}")
-        return SampleMeta(id=int(d["id"]), row=int(d.get("row", -1)), modalities=frozenset(modalities),
-                          num_tokens=int(d.get("num_tokens", 0)), num_patches=int(d.get("num_patches", 0) or 0),
-                          num_frames=int(d.get("num_frames", 0) or 0))
+        return SampleMeta(id=_integer(d, "id"), row=_integer(d, "row", -1), modalities=frozenset(modalities),
+                          num_tokens=_integer(d, "num_tokens", 0, low=0),
+                          num_patches=_integer(d, "num_patches", 0, low=0),
+                          num_frames=_integer(d, "num_frames", 0, low=0))
+
+
+def _integer(d: dict[str, Any], key: str, default: int | None = None, *, low: int | None = None) -> int:
+    """`d[key]` as an int: an integer, or a float with an integral value (JSON writers may write 5.0), at
+    least `low`; `default` where absent or null (no default: KeyError where absent). A ValueError naming
+    `key` otherwise: 1e400 (inf), NaN, 2.5, "5", true."""
+    value = d[key] if default is None else d.get(key)
+    if value is None and default is not None:
+        value = default
+    integral = isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+    if isinstance(value, bool) or not integral or (low is not None and value < low):
+        raise ValueError(f"{key} must be an integer{f' >= {low}' if low is not None else ''}, got {value!r}")
+    return int(value)
 
 
 class SampleSource(Protocol):

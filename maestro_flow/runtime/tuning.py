@@ -13,11 +13,14 @@ processes (default os.cpu_count(); see planner/tune_model.py for the approximati
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from maestro_flow.config import parse_set
+from maestro_flow.errors import PipelineError
 from maestro_flow.graph import SectionGraph
 from maestro_flow.planner.cost import CostModel
 from maestro_flow.planner.tune import Candidate, MemoryModel, TuneResult, representative_batch, to_overrides, tune
@@ -243,11 +246,24 @@ def format_result(result: TuneResult, current: Candidate | None = None) -> str:
 def write_overrides(path: str, candidate: Candidate, global_batch: int | None = None,
                     given: Sequence[str] = ()) -> None:
     """The candidate's `--set`s, after what it was tuned with: the user's own `--set`s (`given`)
-    and the global batch when not the pipeline's (where they overlap, the candidate's win)."""
+    and the global batch when not the pipeline's (where they overlap, the candidate's win).
+
+    One `--set KEY=VALUE` a line, each a single shell word (`one_word`): the file is read back by
+    `maestro run PIPE $(cat FILE)`, which splits it at whitespace."""
     sets = [*given, *([f"global_batch={global_batch}"] if global_batch is not None else []), *to_overrides(candidate)]
     with open(path, "w") as f:
-        f.write("\n".join(f"--set {s}" for s in sets) + "\n")
+        f.write("\n".join(f"--set {one_word(s)}" for s in sets) + "\n")
 
+
+def one_word(item: str) -> str:
+    """A `--set KEY=VALUE` item with no whitespace that parses as the same override: the value as compact
+    JSON, a space inside a string written as the JSON escape \\u0020 (json.dumps escapes every other
+    whitespace character already). A key with whitespace (a config dict key) cannot be written so: refused."""
+    ((key, value),) = parse_set([item]).items()
+    if any(c.isspace() for c in key):
+        raise PipelineError(f"--write: cannot write --set {key!r}: its key holds whitespace, which "
+                            f"`$(cat FILE)` would split; pass that override to maestro run yourself")
+    return f"{key}=" + json.dumps(value, separators=(",", ":")).replace(" ", "\\u0020")
 
 
 def _mb(value: float) -> str:

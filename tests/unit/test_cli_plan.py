@@ -1,4 +1,5 @@
-"""`maestro plan --trace-in SAMPLES.jsonl --json`: the plan of DESIGN 5.5 with its simulation."""
+"""`maestro plan --trace-in SAMPLES.jsonl --json`: the plan of DESIGN 5.5 with its simulation; and
+`maestro tune --trace-in` where it reads the trace or prints its notes and options' errors."""
 
 from __future__ import annotations
 
@@ -72,3 +73,53 @@ def test_a_trace_line_with_bad_modalities_is_refused(tmp_path, modalities):
     assert result.exit_code == 2
     assert "samples.jsonl:2: not a sample metadata line (modalities must be a non-empty list of text, image, audio" \
         in result.output
+
+
+@pytest.mark.parametrize("command", ["plan", "tune"])
+@pytest.mark.parametrize(("field", "fragment"), [
+    # Reproduced before: 1e400 (JSON's way to write a number past a float) crashed int() with an
+    # OverflowError traceback; negative counts were taken and gave a negative lower bound and step.
+    ('"num_tokens": 1e400', "num_tokens must be an integer >= 0, got inf"),
+    ('"num_tokens": -5', "num_tokens must be an integer >= 0, got -5"),
+    ('"num_patches": -1', "num_patches must be an integer >= 0, got -1"),
+    ('"num_frames": -2', "num_frames must be an integer >= 0, got -2"),
+    ('"num_tokens": NaN', "num_tokens must be an integer >= 0, got nan"),
+    ('"num_tokens": 2.5', "num_tokens must be an integer >= 0, got 2.5"),
+    ('"num_tokens": 5, "id": 1e400', "id must be an integer, got inf"),
+])
+def test_a_trace_line_with_a_bad_count_is_refused_naming_the_line(tmp_path, command, field, fragment):
+    trace = tmp_path / "samples.jsonl"
+    trace.write_text('{"id": 1, "modalities": ["text"], "num_tokens": 5}\n'
+                     f'{{"id": 2, "modalities": ["text", "image"], "num_patches": 4, {field}}}\n')
+    args = ["--devices", "3"] if command == "tune" else []
+    result = CliRunner().invoke(main, [command, str(ROOT / "pipelines" / "vlm.py"), "--trace-in", str(trace), *args])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip().splitlines() == [f"error: {trace}:2: not a sample metadata line ({fragment})"]
+
+
+def test_a_trace_may_write_counts_as_integral_floats(tmp_path):
+    trace = tmp_path / "samples.jsonl"
+    trace.write_text('{"id": 1.0, "modalities": ["text"], "num_tokens": 5.0, "num_patches": null}\n')
+    result = CliRunner().invoke(main, ["plan", str(ROOT / "pipelines" / "vlm.py"), "--trace-in", str(trace)])
+    assert result.exit_code == 0, result.output
+
+
+def test_tune_json_keeps_its_notes(tmp_path):
+    # Reproduced before: --json printed no note, on stderr or in the JSON, so an unchecked
+    # --memory-gb went unsaid.
+    trace = tmp_path / "samples.jsonl"
+    write_trace(trace, image_share=0)
+    result = CliRunner().invoke(main, ["tune", str(ROOT / "pipelines" / "distill.py"), "--devices", "3",
+                                       "--memory-gb", "0.001", "--trace-in", str(trace), "--json"])
+    assert result.exit_code == 0, result.output
+    unchecked = "--memory-gb is not checked: no memory model without --costs"
+    assert unchecked in json.loads(result.stdout)["notes"]
+    assert f"note: {unchecked}" in result.stderr.splitlines()
+
+
+@pytest.mark.parametrize("value", ["-1", "0", "nan", "inf"])
+def test_tune_refuses_a_memory_limit_that_is_not_a_positive_number(value):
+    result = CliRunner().invoke(main, ["tune", str(ROOT / "pipelines" / "distill.py"), "--devices", "3",
+                                       "--memory-gb", value])
+    assert result.exit_code == 2, result.output
+    assert "Invalid value for '--memory-gb': must be a finite number of GiB > 0" in result.stderr

@@ -204,6 +204,16 @@ def test_section_name_must_be_an_identifier():
     Section(name="vision_enc-2", stage="m:A").validate()
 
 
+@pytest.mark.parametrize("name", ["a/b", "../../escape", "", "a b", ".", 3])
+def test_pipeline_name_must_be_an_identifier(name):
+    # Reproduced before: the name went unchecked, and `maestro run` made its folder runs/NAME-TIME
+    # from it: "a/b" crashed with FileNotFoundError, "../../escape" wrote outside runs/.
+    p = distill().override(name=name)
+    with pytest.raises(PipelineError, match=r"^name must be a non-empty identifier .*, got "):
+        p.validate()
+    distill().override(name="tiny-distill_2").validate()
+
+
 def test_frozen_section_optimizer_is_not_checked():
     Section(name="t", stage="m:A", trainable=False, optimizer={"name": "whatever"}).validate()
 

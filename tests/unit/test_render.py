@@ -120,6 +120,17 @@ def test_text_form_of_vlm():
     assert "  vision --[image_embeds]--> llm  fan-out 2  (+grad back)" in text
 
 
+def test_a_tensor_parallel_section_counts_every_rank():
+    # Reproduced before: with student tp=2 the header said 3 workers (the sum of dp) where
+    # `maestro validate` said 5 (dp * tp), and no box showed the tp.
+    g = SectionGraph(distill.pipeline().override(**{"sections.student.tp": 2}))
+    text = text_form(g)
+    assert text.splitlines()[0] == "pipeline distill: 2 sections, 1 edge, 5 workers (topological order)"
+    assert box(text, "student")["tp"] == "2 ranks per replica (4 workers)"
+    assert "tp" not in box(text, "teacher")  # tp 1: no row
+    assert "dp=2  tp=2  micro_batch=2  device=cpu" in to_dot(g)
+
+
 def test_text_form_branches_and_fan_in():
     S = lambda name, **kw: Section(name=name, stage=f"m:{name.title()}", **kw)  # noqa: E731
     g = SectionGraph(Pipeline(name="fork", data=ArrowData(path="d"),

@@ -145,6 +145,25 @@ def test_a_written_configuration_keeps_the_global_batch_it_was_tuned_for(tmp_pat
     assert (tmp_path / "g").read_text().splitlines() == [f"--set {s}" for s in to_overrides(best)]
 
 
+def test_a_written_configuration_survives_the_shell_splitting_it_at_whitespace(tmp_path):
+    # Reproduced before: a --set value with spaces (JSON as users type it) was written as given,
+    # so `maestro run PIPE $(cat f)` split it into several words and the run refused them.
+    from maestro_flow.runtime.tuning import write_overrides
+
+    best = tune(distill(), None, samples(64), devices=8, memory_limit_mb=2000, memory=MEMORY,
+                overhead_s=OVERHEAD).best[0]
+    given = ['sections.student.optimizer={"name": "adamw", "lr": 0.001}', "data.path=/my data/a b.arrow",
+             'sections.teacher.config.tags=["a b", "c\td\u00a0e"]', "seed=3"]
+    write_overrides(str(tmp_path / "f"), best, given=given)
+    text = (tmp_path / "f").read_text()
+    assert 'sections.student.optimizer={"name":"adamw","lr":0.001}' in text.splitlines()[0]
+    words = text.split()  # what $(cat f) passes on, with the shell's default IFS
+    assert words[::2] == ["--set"] * (len(given) + len(to_overrides(best)))
+    assert parse_set(words[1::2]) == parse_set([*given, *to_overrides(best)])
+    with pytest.raises(PipelineError, match=r"^--write: cannot write --set 'sections.t.config.a b'"):
+        write_overrides(str(tmp_path / "g"), best, given=["sections.t.config.a b=1"])
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_deterministic(seed):
     batch = samples(48, seed)
