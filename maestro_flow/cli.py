@@ -174,7 +174,9 @@ def run(ctx: click.Context, pipeline: str, steps: int | None, sets: tuple[str, .
     try:
         overrides = _overrides(sets, costs, pipeline, steps=steps, schedule=schedule)
         if not no_run_dir and run_dir is None:
-            run_dir = created = default_run_dir(load_pipeline(pipeline, overrides)[0])
+            loaded = load_pipeline(pipeline, overrides)[0]
+            loaded.check_name()  # the run folder is named after it: a bad name is refused before mkdir
+            run_dir = created = default_run_dir(loaded)
         steps_to_record = None
         if record_steps and not record:
             raise PipelineError("--record-steps says which steps --record SECTION saves: give --record too")
@@ -313,11 +315,13 @@ def top(run_dir: str | None, interval: float, once: bool) -> None:
         while True:
             try:
                 text = render(query(path))
-            except (FileNotFoundError, TimeoutError):
+            except (FileNotFoundError, TimeoutError) as exc:
                 if shown and (done := ended(path)) is not None:  # it finished (or failed) while watched
                     click.echo(done)
                     return
-                raise
+                if once or not shown or not isinstance(exc, TimeoutError):
+                    raise
+                text = f"waiting for the run to answer: {exc}"  # its coordinator lives: keep watching
             if once:
                 click.echo(text)
                 return

@@ -183,7 +183,7 @@ class Coordinator(CoordinatorIO):
 
         self.router, addr = zmq_link.bind(self.zctx, zmq.ROUTER, self.host)
         self.address = addr
-        self.status = StatusServer(self.zctx, self.run_dir, self.host)
+        self.status = StatusServer(self.run_dir)  # on loopback whatever self.host is (runtime/status.py)
         if self.rdzv is None:  # one node: a store of this attempt, for torch.distributed only
             self.store = listening_store(self.host)
             self.store_addr = [self.host, self.store.port, ""]

@@ -10,10 +10,13 @@ Runs in the coordinator process. Layout:
     events.jsonl         what happened to the run besides steps: automatic restarts (with cause);
                          written only once something has
     trace.json           the timeline, when `--trace` is given without a path of its own
+    status.json          while the job runs: where `maestro top` finds it (runtime/status.py); removed
+                         when the job is over, kept across its automatic restarts
     previous-N/          what an earlier run left in a reused --run-dir (moved aside, never lost)
 
 Every run starts with its own empty run directory: a default one is created atomically (two runs
-started in the same second get two), and a reused one has its earlier contents moved aside.
+started in the same second get two), and a reused one has its earlier contents moved aside, unless
+a run still going uses it (its status.json names a live process): that is refused.
 Writes here never take training down (runtime/guard.py).
 """
 
@@ -25,6 +28,8 @@ import time
 from typing import Any
 
 from maestro_flow.config import Pipeline
+from maestro_flow.errors import PipelineError
+from maestro_flow.runtime import status
 from maestro_flow.runtime.guard import WriteGuard
 
 
@@ -61,6 +66,11 @@ def set_aside(path: str) -> str | None:
 class RunDir:
     def __init__(self, path: str, pipeline: Pipeline, overrides: dict[str, Any]) -> None:
         self.path = path
+        running = status.live_pid(path)
+        if running is not None and running != os.getpid():  # moving its files aside would hide it from top
+            raise PipelineError(f"--run-dir {path} is in use by a run still going (pid {running}): give another "
+                                f"--run-dir, or wait for it to end (if pid {running} is no maestro run, delete "
+                                f"{os.path.join(path, 'status.json')})")
         self.set_aside = set_aside(path)  # an earlier run's files, if this folder is reused
         os.makedirs(os.path.join(path, "workers"), exist_ok=True)
         with open(os.path.join(path, "pipeline.json"), "w") as f:
@@ -93,6 +103,8 @@ class RunDir:
         self._plans.flush()
 
     def close(self) -> None:
+        """The job is over (after its last attempt)."""
+        status.release(self.path)
         if self._plans is not None:
             self._plans_guard.close(self._plans)
             self._plans = None

@@ -1,44 +1,55 @@
-"""The read-only status endpoint of a running pipeline, and its client (`maestro top`).
+"""The read-only status endpoint of a running pipeline, its client (`maestro top`), and the run
+dir's status.json that leads one to the other.
 
-`StatusServer` runs in the coordinator: a ROUTER socket that answers every request with the last
-snapshot the coordinator published (step, loss, step time, and per worker what it is doing now,
-its section's busy fraction, inputs it holds and transfers in flight, from the workers'
-heartbeats). It only ever reads: a client cannot change the run. It cannot slow training either:
-its own thread answers at most `rate` requests a second with a snapshot serialised once per
-publish, requests over 256 bytes are refused by ZeroMQ, and at most 64 per client wait queued
-(then TCP pushes back on the flooding client), so a flood costs neither the coordinator's
-memory nor its loop. The endpoint and the coordinator's pid are written to RUN_DIR/status.json
-so `maestro top` can find a run started in another terminal; a file whose pid is gone is stale.
+`StatusServer` runs in the coordinator, served by a thread of its own: a plain TCP socket on
+loopback (whatever --host says: `top` runs on the coordinator's host and finds the run through
+RUN_DIR/status.json) that answers the request line `status` with the last snapshot the
+coordinator published (step, loss, step time, and per worker what it is doing now, its section's
+busy fraction, inputs it holds and transfers in flight, from the workers' heartbeats), then
+closes the connection. It only ever reads: a client cannot change the run. It cannot slow
+training or grow the coordinator's memory either: one connection is served at a time, a request
+is read into at most 256 bytes for at most REQUEST_TIMEOUT_S, the snapshot is serialised once per
+publish, and the thread takes at most `rate` connections a second; the others wait in the
+kernel's accept queue (BACKLOG connections, then the kernel refuses more), so a flood can delay
+`top`, never the run.
+
+status.json holds the endpoint and the coordinator's pid; a file whose pid is gone is stale. It
+belongs to the job, not to one attempt: each attempt of an automatic restart writes its endpoint
+over the last one's (atomically: a reader never sees half a file), and the job's RunDir removes
+it when the job is over (`release`), so `top` never finds the run gone while it restarts.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import selectors
+import socket
 import threading
 import time
 from typing import Any
 
-import zmq
-
-from maestro_flow.transport import zmq_link
-
+LOOPBACK = "127.0.0.1"
+REQUEST = b"status"  # the one request: a line (b"status\n")
 REQUEST_MAX_BYTES = 256
+REQUEST_TIMEOUT_S = 0.25  # for a request to arrive once connected (a client sends it at once), and for its answer
+BACKLOG = 16  # connections waiting to be served; past that the kernel refuses (or delays) new ones
+ANSWER_MAX_BYTES = 64 << 20  # what the client reads at most (a snapshot is a few KB)
 
 
 class StatusServer:
-    def __init__(self, zctx: zmq.Context, run_dir: str | None, host: str = zmq_link.LOOPBACK,
-                 rate: float = 50.0) -> None:
-        self.socket, self.endpoint = zmq_link.bind(zctx, zmq.ROUTER, host, max_bytes=REQUEST_MAX_BYTES, hwm=64)
-        self.socket.setsockopt(zmq.ROUTER_MANDATORY, 0)  # a client gone before its answer is fine
+    def __init__(self, run_dir: str | None, rate: float = 50.0) -> None:
+        self._listener = socket.create_server((LOOPBACK, 0), backlog=BACKLOG)
+        self._listener.setblocking(False)
+        self.endpoint = "tcp://{}:{}".format(*self._listener.getsockname()[:2])
         self.rate = rate
         self.answered = 0
         self._snapshot = json.dumps({"starting": True}).encode()
         self._stop = threading.Event()
+        self._wake, self._waker = socket.socketpair()  # close() writes to _waker: every wait here ends
         self.path = os.path.join(run_dir, "status.json") if run_dir else None
         if self.path:
-            with open(self.path, "w") as f:
-                json.dump({"endpoint": self.endpoint, "pid": os.getpid(), "started": time.time()}, f)
+            _write_atomic(self.path, {"endpoint": self.endpoint, "pid": os.getpid(), "started": time.time()})
         self._thread = threading.Thread(target=self._serve, name="status", daemon=True)
         self._thread.start()
 
@@ -48,21 +59,90 @@ class StatusServer:
 
     def _serve(self) -> None:
         interval = 1.0 / self.rate
-        while not self._stop.is_set():
-            if not self.socket.poll(100):
-                continue
-            frames = self.socket.recv_multipart()
-            if len(frames) >= 2:
-                self.socket.send_multipart([frames[0], b"", self._snapshot])
-                self.answered += 1
-            time.sleep(interval)  # the rate limit: the rest waits queued (bounded by the HWM)
+        with selectors.DefaultSelector() as waits:
+            waits.register(self._listener, selectors.EVENT_READ)
+            waits.register(self._wake, selectors.EVENT_READ)
+            while not self._stop.is_set():
+                waits.select(timeout=None)  # until a client connects or close() wakes us: no work meanwhile
+                try:
+                    conn, _ = self._listener.accept()
+                except OSError:  # woken by close(), or the client gave up first
+                    continue
+                with conn:
+                    if self._request(conn):
+                        self._answer(conn)
+                self._stop.wait(interval)  # the rate limit: the next client waits in the accept queue
+
+    def _request(self, conn: socket.socket) -> bool:
+        """Whether `conn` asked for the status within REQUEST_TIMEOUT_S; never holds more than
+        REQUEST_MAX_BYTES of it."""
+        conn.setblocking(False)
+        deadline = time.monotonic() + REQUEST_TIMEOUT_S
+        data = b""
+        with selectors.DefaultSelector() as waits:
+            waits.register(conn, selectors.EVENT_READ)
+            waits.register(self._wake, selectors.EVENT_READ)
+            while b"\n" not in data:
+                left = deadline - time.monotonic()
+                if left <= 0 or len(data) >= REQUEST_MAX_BYTES or not waits.select(left) or self._stop.is_set():
+                    return False
+                try:
+                    chunk = conn.recv(REQUEST_MAX_BYTES - len(data))
+                except BlockingIOError:
+                    continue
+                except OSError:
+                    return False
+                if not chunk:
+                    return False
+                data += chunk
+        return data.split(b"\n", 1)[0].strip() == REQUEST
+
+    def _answer(self, conn: socket.socket) -> None:
+        conn.settimeout(REQUEST_TIMEOUT_S)  # a client that does not read gets cut off, not waited for
+        try:
+            conn.sendall(self._snapshot)
+            self.answered += 1
+        except OSError:
+            pass
 
     def close(self) -> None:
+        """Stops the thread and closes the port at once (a client being served is cut off).
+        status.json stays: it is the job's (RunDir removes it with `release`)."""
         self._stop.set()
+        try:
+            self._waker.send(b"x")
+        except OSError:  # closed already
+            pass
         self._thread.join(timeout=2.0)
-        self.socket.close(linger=0)
-        if self.path and os.path.exists(self.path):
-            os.remove(self.path)  # the run is over: nothing to attach to
+        for s in (self._listener, self._wake, self._waker):
+            s.close()
+
+
+def _write_atomic(path: str, record: dict[str, Any]) -> None:
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(record, f)
+    os.replace(tmp, path)
+
+
+def release(run_dir: str) -> None:
+    """The job is over: remove run_dir/status.json if this process wrote it (a file of another
+    run is left alone)."""
+    path = os.path.join(run_dir, "status.json")
+    if _read(run_dir).get("pid") == os.getpid():
+        try:
+            os.remove(path)
+        except FileNotFoundError:
+            pass
+
+
+def _read(run_dir: str) -> dict[str, Any]:
+    try:
+        with open(os.path.join(run_dir, "status.json")) as f:
+            record = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
 
 
 def _alive(pid: Any) -> bool:
@@ -77,13 +157,15 @@ def _alive(pid: Any) -> bool:
     return True
 
 
+def live_pid(run_dir: str) -> int | None:
+    """The pid of the coordinator that run_dir/status.json names, while it runs (else None)."""
+    pid = _read(run_dir).get("pid")
+    return pid if _alive(pid) else None
+
+
 def _live(run_dir: str) -> bool:
     """The run dir's status.json names a coordinator that is still running."""
-    try:
-        with open(os.path.join(run_dir, "status.json")) as f:
-            return _alive(json.load(f).get("pid"))
-    except (OSError, ValueError, AttributeError):
-        return False
+    return live_pid(run_dir) is not None
 
 
 def find_run(run_dir: str | None, root: str = "runs") -> str:
@@ -123,20 +205,47 @@ def ended(run_dir: str) -> str | None:
 
 
 def query(run_dir: str, timeout_s: float = 2.0) -> dict[str, Any]:
-    try:
-        with open(os.path.join(run_dir, "status.json")) as f:
-            endpoint = json.load(f)["endpoint"]
-    except (ValueError, KeyError, TypeError):
-        raise FileNotFoundError(f"{run_dir}/status.json is not a maestro status file (no endpoint)") from None
-    ctx = zmq.Context.instance()
-    sock = zmq_link.connect(ctx, zmq.REQ, endpoint)
-    try:
-        sock.send(b"status")
-        if not sock.poll(int(timeout_s * 1000)):
+    """The run's snapshot. A refused connection while the coordinator lives is an automatic
+    restart between two attempts (status.json still names the last one's endpoint): asked again
+    until the next attempt's endpoint answers, for up to `timeout_s` in all."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with open(os.path.join(run_dir, "status.json")) as f:
+                record = json.load(f)
+            endpoint = record["endpoint"]
+            host, _, port = endpoint.removeprefix("tcp://").rpartition(":")
+            address = (host, int(port))
+        except FileNotFoundError:
+            raise FileNotFoundError(f"{run_dir} has no status.json: the run is not running") from None
+        except (ValueError, KeyError, TypeError, AttributeError):
+            raise FileNotFoundError(f"{run_dir}/status.json is not a maestro status file (no endpoint)") from None
+        try:
+            answer = _ask(address, deadline)
+            if answer:  # nothing: the attempt closed its endpoint while answering
+                return json.loads(answer)
+        except ConnectionError:  # refused, or cut off
+            if not _alive(record.get("pid")):
+                raise FileNotFoundError(f"{run_dir}/status.json is stale: the coordinator that wrote it is gone") from None
+        except TimeoutError:
+            pass
+        if time.monotonic() >= deadline:
             raise TimeoutError(f"the run at {endpoint} did not answer within {timeout_s:.1f}s")
-        return json.loads(sock.recv())
-    finally:
-        sock.close(linger=0)
+        time.sleep(0.05)
+
+
+def _ask(address: tuple[str, int], deadline: float) -> bytes:
+    with socket.create_connection(address, timeout=max(deadline - time.monotonic(), 0.01)) as sock:
+        sock.sendall(REQUEST + b"\n")
+        answer = b""
+        while len(answer) <= ANSWER_MAX_BYTES:
+            sock.settimeout(max(deadline - time.monotonic(), 0.01))
+            chunk = sock.recv(1 << 16)
+            if not chunk:
+                return answer
+            answer += chunk
+        raise ValueError(f"{address[0]}:{address[1]} answered more than {ANSWER_MAX_BYTES} bytes: not a maestro "
+                         "status endpoint")
 
 
 def _clean(value: Any, width: int = 40) -> str:

@@ -407,6 +407,21 @@ def test_a_refused_run_leaves_no_empty_default_run_dir(tmp_path, monkeypatch):
     assert not list((tmp_path / "runs").iterdir())
 
 
+@pytest.mark.parametrize("name", ["a/b", "../../escape"])
+def test_a_pipeline_name_that_is_no_folder_name_is_refused_by_validate_and_run(tmp_path, dataset, monkeypatch, name):
+    """Reproduced before: validate said ok, and run made its folder runs/NAME-TIME from the name:
+    "a/b" crashed with a FileNotFoundError traceback, "../../escape" wrote outside runs/."""
+    work = tmp_path / "one" / "two"
+    work.mkdir(parents=True)
+    monkeypatch.chdir(work)
+    path = write_pipeline(tmp_path, dataset)
+    assert_one_error_line(invoke("validate", path, "--set", f"name={json.dumps(name)}"),
+                          "name must be a non-empty identifier", f"got {name!r}")
+    assert_one_error_line(invoke("run", path, "--set", f"name={json.dumps(name)}"), f"got {name!r}")
+    made = [p.relative_to(tmp_path) for p in tmp_path.rglob("*") if p.is_dir() and p.name != "__pycache__"]
+    assert sorted(made) == [Path("one"), Path("one/two")]  # no runs/ folder, nothing beside it
+
+
 def test_colocated_refuses_the_options_of_workers_and_nodes(dataset, tmp_path):
     """--colocated has no workers, control plane or nodes: --pin-cpus, --host, --secret-file and
     --nproc-per-node were accepted and ignored."""

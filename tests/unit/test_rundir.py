@@ -61,3 +61,39 @@ def test_metrics_on_a_full_disk_do_not_stop_the_report(capsys):
     report.close()
     assert len(report.rows) == 2
     assert capsys.readouterr().err.count("cannot write metrics to /dev/full") == 1
+
+
+def test_a_run_dir_that_a_live_run_uses_is_refused(tmp_path):
+    """Reproduced before: a second `maestro run --run-dir R` moved the running first run's
+    status.json and metrics to R/previous-1 (top then said it was not running). Refused now,
+    naming the live run's pid; a run dir whose run is gone is set aside as before."""
+    import pytest
+
+    from maestro_flow.errors import PipelineError
+
+    path = tmp_path / "run"
+    path.mkdir()
+    other = os.getppid()  # a live process that is not this one: the run that uses the folder
+    (path / "status.json").write_text(json.dumps({"endpoint": "tcp://127.0.0.1:1", "pid": other}))
+    (path / "metrics.jsonl").write_text('{"step": 0}\n')
+    with pytest.raises(PipelineError, match=rf"--run-dir {path} is in use by a run still going \(pid {other}\)"):
+        RunDir(str(path), PIPELINE, {})
+    assert sorted(os.listdir(path)) == ["metrics.jsonl", "status.json"]  # nothing moved, nothing written
+    (path / "status.json").write_text(json.dumps({"endpoint": "tcp://127.0.0.1:1", "pid": None}))
+    reused = RunDir(str(path), PIPELINE, {})  # a stale status file: the folder is free
+    reused.close()
+    assert sorted(os.listdir(path / "previous-1")) == ["metrics.jsonl", "status.json"]
+
+
+def test_the_job_removes_its_own_status_file_only(tmp_path):
+    """status.json is the job's: its RunDir removes it when the job is over (an attempt's status
+    server leaves it, runtime/status.py), and never a file another run wrote."""
+    path = tmp_path / "run"
+    mine = RunDir(str(path), PIPELINE, {})
+    (path / "status.json").write_text(json.dumps({"endpoint": "tcp://127.0.0.1:1", "pid": os.getpid()}))
+    mine.close()
+    assert not (path / "status.json").exists()
+    mine = RunDir(str(path), PIPELINE, {})
+    (path / "status.json").write_text(json.dumps({"endpoint": "tcp://127.0.0.1:1", "pid": os.getpid() + 10**7}))
+    mine.close()
+    assert (path / "status.json").exists()
