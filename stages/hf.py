@@ -99,8 +99,8 @@ def _small(model: nn.Module) -> bool:
 
 def _probe_copy(config: dict[str, Any], where: str, build: Any) -> None:
     """`build` (building a model or its LM head) again on the CPU, seeded, without the checkpoint:
-    its build-time checks run."""
-    with torch.device("cpu"):
+    its build-time checks run. The RNG streams are left as they were."""
+    with torch.device("cpu"), torch.random.fork_rng(devices=[]):
         build({**config, "checkpoint": None, "init_seed": config.get("init_seed") or 0}, where=where)
 
 

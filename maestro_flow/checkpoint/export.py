@@ -65,12 +65,14 @@ def _read(source: str, section: str) -> tuple[dict[str, Any], dict[str, torch.Te
             raise PipelineError(f"{source} has {section}.safetensors but no {PIPELINE_FILE} (written by "
                                 "--save-dir since this version): re-save it, or export from a checkpoint") from None
         return pipeline, load_file(saved), saved
-    if os.path.isfile(os.path.join(source, PIPELINE_FILE)):  # a --save-dir without this section
-        with open(os.path.join(source, PIPELINE_FILE)) as f:
-            _check_section(json.load(f), section, source,
-                           sorted(n[:-len(".safetensors")] for n in os.listdir(source) if n.endswith(".safetensors")))
     folder = mf.latest(source)
     if folder is None:
+        if os.path.isfile(os.path.join(source, PIPELINE_FILE)):  # a --save-dir without this section
+            with open(os.path.join(source, PIPELINE_FILE)) as f:
+                pipeline = json.load(f)
+            if isinstance(pipeline, dict) and isinstance(pipeline.get("sections"), list):  # not a run dir's file
+                _check_section(pipeline, section, source, sorted(n[:-len(".safetensors")] for n in os.listdir(source)
+                                                                 if n.endswith(".safetensors")))
         raise PipelineError(f"{source}: neither a --save-dir with {section}.safetensors nor a complete checkpoint")
     manifest = mf.read(folder)
     if section not in manifest.sections:

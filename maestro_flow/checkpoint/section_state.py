@@ -27,7 +27,7 @@ Buffers (a BatchNorm's running statistics, a counter a forward updates) are per 
 synchronises them across data-parallel replicas, and each replica's change with the samples it
 ran. DCP would keep one replica's copy of each replicated entry, whichever rank it picked, so
 every replica's persistent buffers go into its RNG file as well (frozen sections' too) and come
-back from there; the `model/` entries hold replica 0's (DCP's copy is taken from the lowest rank),
+back from there; the `model/` entries hold replica 0's (only replica 0 offers its buffers to DCP),
 as `--save-dir` and `maestro export` do. A replica the checkpoint did not have (dp grew) takes
 replica 0's buffers, as it takes its RNG states.
 """
@@ -40,7 +40,6 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -86,8 +85,7 @@ class SectionState:
         info: dict[str, Any] = {}
         if self.optim is not None:
             state = self._state_dict()
-            dcp.save(state, storage_writer=_Writer(self.folder(checkpoint)), process_group=self.group,
-                     planner=DefaultSavePlanner(dedup_save_to_lowest_rank=True))  # replica 0's buffers
+            dcp.save(state, storage_writer=_Writer(self.folder(checkpoint)), process_group=self.group)
             if self.replica == 0 and self.tp_index == 0:
                 info["params"] = {k[len("model/"):]: list(v.shape) for k, v in state.items() if k.startswith("model/")}
         extra: dict[str, Any] = {"buffers": self._buffers()}
@@ -121,7 +119,11 @@ class SectionState:
         return [[name for name, _ in named] for named in self._named()]
 
     def _state_dict(self) -> dict[str, Any]:
-        state: dict[str, Any] = {f"model/{k}": v.detach() for k, v in trainable_state(self.stage).items()}
+        # Buffers from replica 0 only (each replica's own go to its RNG file): DCP writes a
+        # replicated entry once, from any rank that has it, and the others it balances over ranks.
+        buffers = set() if self.replica == 0 else {name for name, _ in self.stage.named_buffers()}
+        state: dict[str, Any] = {f"model/{k}": v.detach() for k, v in trainable_state(self.stage).items()
+                                 if k not in buffers}
         for i, (names, optimizer, scheduler) in enumerate(zip(self._names(), self.optim.optimizers,
                                                                self.optim.schedulers, strict=True)):
             saved = optimizer.state_dict()

@@ -1,6 +1,6 @@
 """Buffers in checkpoints: each data-parallel replica's own (a buffer a forward changes differs
 between replicas that ran different micro-batches), given back to that replica on resume, and
-replica 0's in `--save-dir` and in `maestro export`, for a trainable and a frozen section.
+replica 0's in `--save-dir` and in `maestro export` (a frozen section's: tests/unit/test_section_state.py).
 
 The stage (assets/stateful_stages.py Counter) counts its forwards in a buffer and scales its loss
 by it, so a replica resumed with another replica's count computes other gradients. At dp 2 with
@@ -51,11 +51,22 @@ def test_each_replica_resumes_with_its_own_buffers(demo_data, tmp_path):
     assert all(torch.equal(e[key], a[key]) for key in a)  # replica 0's, as --save-dir
 
 
+def calls(checkpoint, replica: int) -> float:
+    return torch.load(mf.rng_file(str(checkpoint), "counter", replica, 0), weights_only=True)["buffers"]["emb.calls"].item()
+
+
 def test_a_replica_added_by_a_larger_dp_starts_from_replica_0s_buffers(demo_data, tmp_path):
-    ck = tmp_path / "ck"
+    """Resumed at dp 3 from a dp-2 checkpoint: replicas 0 and 1 go on from their own counts,
+    replica 2 from replica 0's; each then adds the one or two forwards it runs in step 3."""
+    ck, again = tmp_path / "ck", tmp_path / "again"
     run(demo_data, "--steps", "2", "--checkpoint-dir", str(ck), "--checkpoint-every", "2")
+    step2 = ck / "step-00000002"
     result = maestro("run", STATEFUL, "--no-run-dir", "--steps", "3", "--set", f"data.path={demo_data}",
                      "--set", "adapt_costs=false", "--set", "global_batch=5", "--set", "sections.counter.dp=3",
-                     "--set", "sections.counter.micro_batch=1", "--set", "dtype=float64", "--resume", str(ck), "--save-dir", str(tmp_path / "out"), timeout=180)
+                     "--set", "sections.counter.micro_batch=1", "--set", "dtype=float64", "--resume", str(step2),
+                     "--checkpoint-dir", str(again), "--checkpoint-every", "1", timeout=180)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "counter replica 2: no RNG state or buffers saved for it" in result.stdout + result.stderr
+    step3 = again / "step-00000003"
+    for replica, start in ((0, calls(step2, 0)), (1, calls(step2, 1)), (2, calls(step2, 0))):
+        assert calls(step3, replica) - start in (1, 2), (replica, start, calls(step3, replica))

@@ -102,6 +102,21 @@ def test_export_names_what_it_wrote_and_why_it_cannot_read(trained, tmp_path):
     assert f"cannot read section 'student' ({data_file.parent})" in line and "CheckpointException" not in line, line
 
 
+def test_a_checkpoint_folder_that_is_also_the_run_dir_exports(trained, tmp_path):
+    """--run-dir and --checkpoint-dir the same folder: its pipeline.json is the run's (the
+    pipeline under "pipeline"), not a --save-dir's, and the checkpoint is exported."""
+    import shutil
+
+    both = tmp_path / "both"
+    shutil.copytree(trained / "ck", both)
+    (both / "pipeline.json").write_text(json.dumps({"pipeline": {"name": "distill"}, "overrides": {}}))
+    result = maestro("export", str(both), "--section", "student", "-o", str(tmp_path / "out"))
+    assert result.returncode == 0, result.stderr
+    saved = load_file(trained / "save" / "student.safetensors")
+    exported = load_file(tmp_path / "out" / "student.safetensors")
+    assert exported.keys() == saved.keys() and all(torch.equal(exported[k], saved[k]) for k in saved)
+
+
 def test_a_maestro_stage_exports_its_safetensors(demo_data, tmp_path):
     result = maestro("run", "pipelines/chain.py", "--quiet", "--no-run-dir", "--steps", "1",
                      "--set", f"data.path={demo_data}", "--save-dir", str(tmp_path / "save"))

@@ -207,6 +207,12 @@ def test_the_build_time_checks_run_on_the_meta_device_too(monkeypatch):
             build(config)
         with torch.device("meta"), pytest.raises(ValueError, match=refusal):
             build(config)
+    torch.manual_seed(0)
+    expected = torch.rand(1)
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        hf.build_hf_lm_head({**COHERE, "model_type": "gpt2", "hf_config": {"n_layer": 1, "n_embd": 16, "n_head": 2}})
+    assert torch.equal(torch.rand(1), expected)  # the probe's own build left the RNG stream alone
     monkeypatch.setattr(hf, "PROBE_MAX_PARAMS", 0)
     with torch.device("meta"):
         assert hf.on_meta(hf.build_hf_model(BIDIRECTIONAL_BERT, quiet=True))

@@ -111,3 +111,22 @@ def test_a_schedule_added_on_resume_starts_at_the_checkpoint_s_step(tmp_path):
     state(again, decayed).load(str(tmp_path))
     assert decayed.lr == pytest.approx(WarmupDecay(lr=1.0, warmup_steps=0, decay="cosine", min_lr=0.0,
                                                    total_steps=10).lr_at(6))
+
+
+def test_a_frozen_sections_buffers_come_back_per_replica(tmp_path):
+    """A frozen section saves no DCP state, but a buffer its forward changes (BatchNorm's running
+    statistics, in train mode) would restart from its built value: each replica's goes into its
+    RNG file and comes back to that replica."""
+    (tmp_path / "rng").mkdir()
+    torch.manual_seed(0)
+    replicas = [torch.nn.BatchNorm1d(3) for _ in range(2)]
+    for i, bn in enumerate(replicas):
+        bn(torch.randn(8, 3) + i)  # each replica's own statistics
+        SectionState(bn, None, section="t", replica=i, group=None, device=torch.device("cpu")).save(str(tmp_path))
+    for i, bn in enumerate(replicas):
+        fresh = torch.nn.BatchNorm1d(3)
+        assert SectionState(fresh, None, section="t", replica=i, group=None,
+                            device=torch.device("cpu")).load(str(tmp_path)) is None
+        for name, b in bn.named_buffers():
+            assert torch.equal(dict(fresh.named_buffers())[name], b), (i, name)
+    assert not torch.equal(replicas[0].running_mean, replicas[1].running_mean)

@@ -161,7 +161,8 @@ def test_a_written_configuration_survives_the_shell_splitting_it_at_whitespace(t
     assert words[::2] == ["--set"] * (len(given) + len(to_overrides(best)))
     assert parse_set(words[1::2]) == parse_set([*given, *to_overrides(best)])
     with pytest.raises(PipelineError, match=r"^--write: cannot write --set 'sections.t.config.a b'"):
-        write_overrides(str(tmp_path / "g"), best, given=["sections.t.config.a b=1"])
+        write_overrides(str(tmp_path / "f"), best, given=["sections.t.config.a b=1"])
+    assert (tmp_path / "f").read_text() == text  # refused before the file was touched (it was emptied)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

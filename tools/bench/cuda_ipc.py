@@ -212,7 +212,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--reps", type=int, help="measured repetitions (default 20, tiny 3)")
     ap.add_argument("--burst-bytes", type=int, default=256 * MiB,
                     help="bytes per measurement (4 to --max-messages messages)")
-    ap.add_argument("--max-messages", type=int, default=16,
+    ap.add_argument("--max-messages", type=int, default=16, choices=range(4, 1025), metavar="4..1024",
                     help="most messages per measurement (default 16; more measures a longer steady run of sends)")
     ap.add_argument("--sizes", help="comma-separated message sizes in MiB (default 1,16,64,256)")
     ap.add_argument("--timeout-s", type=float, default=300.0)

@@ -82,8 +82,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--micro-batches", help="comma-separated sizes (default 1,2,4,8,16; tiny 1,4)")
     ap.add_argument("--reps", type=int, help="timed forwards per size (default 10, tiny 3)")
     ap.add_argument("--warmup", type=int, default=5,
-                    help="untimed forwards per micro-batch size (default 5: after 2, micro-batch 1 on an H100 still "
-                    "ran at about twice its settled time, RESULTS 9.2)")
+                    help="untimed forwards per micro-batch size (default 5: after 2, micro-batch 1 on an H100 ran "
+                    "slower than micro-batch 2, RESULTS 9.2)")
     args = ap.parse_args(argv)
     import torch
 
