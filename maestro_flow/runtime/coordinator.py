@@ -181,7 +181,7 @@ class Coordinator(CoordinatorIO):
 
     def _start(self) -> None:
 
-        self.router, addr = zmq_link.bind(self.zctx, zmq.ROUTER, self.host)
+        self.router, addr = zmq_link.bind(self.zctx, zmq.ROUTER, self.host, key=self.key)
         self.address = addr
         self.status = StatusServer(self.run_dir)  # on loopback whatever self.host is (runtime/status.py)
         if self.rdzv is None:  # one node: a store of this attempt, for torch.distributed only

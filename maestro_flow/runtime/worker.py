@@ -159,9 +159,9 @@ def worker_main(boot: dict[str, Any]) -> None:
     link = (Sealer(key, f"rank{rank}", "coordinator"), Opener(key, f"rank{rank}", zmq_link.CONTROL_MAX_BYTES))
     drops = DropLog(f"worker {boot.get('label', rank)}")
     zctx = zmq.Context()
-    dealer = zmq_link.connect(zctx, zmq.DEALER, boot["coordinator"])  # the coordinator binds it by its hello
+    dealer = zmq_link.connect(zctx, zmq.DEALER, boot["coordinator"], key=key)  # the coordinator binds it by its hello
     pull, data_addr = zmq_link.bind(zctx, zmq.PULL, boot.get("host", zmq_link.LOOPBACK),
-                                    max_bytes=zmq_link.HEADER_MAX_BYTES)
+                                    max_bytes=zmq_link.HEADER_MAX_BYTES, key=key)
     from maestro_flow.transport.host import host_key
 
     zmq_link.send_msg(dealer, make("hello", version=PROTOCOL_VERSION, rank=rank, pid=os.getpid(), data_addr=data_addr,

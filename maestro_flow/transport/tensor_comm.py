@@ -280,7 +280,8 @@ class TensorComm:
         """A sealed header (or progress note) to `dst`, on this thread's stream to it."""
         link = self._sockets.get(dst)
         if link is None:
-            sock = zmq_link.connect(self._zctx, zmq.PUSH, self._peers[dst], max_bytes=zmq_link.HEADER_MAX_BYTES)
+            sock = zmq_link.connect(self._zctx, zmq.PUSH, self._peers[dst], max_bytes=zmq_link.HEADER_MAX_BYTES,
+                                    key=self._key)
             link = self._sockets[dst] = (sock, Sealer(self._key, f"rank{self.rank}", f"data{dst}"))
         zmq_link.send_msg(link[0], msg, sealer=link[1])
 
@@ -459,7 +460,7 @@ class TensorComm:
                 link = self._release_sockets.get(src)
                 if link is None:
                     sock = zmq_link.connect(self._zctx, zmq.PUSH, self._peers[src],
-                                            max_bytes=zmq_link.HEADER_MAX_BYTES)
+                                            max_bytes=zmq_link.HEADER_MAX_BYTES, key=self._key)
                     link = self._release_sockets[src] = (sock, Sealer(self._key, f"rank{self.rank}/release",
                                                                       f"data{src}"))
                 zmq_link.send_msg(link[0], make("release", src=self.rank, slots=names), sealer=link[1])

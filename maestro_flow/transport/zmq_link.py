@@ -6,11 +6,25 @@ collide. Sockets close with linger 0: an aborting process never blocks on undeli
 A bound socket refuses frames over its size limit (ZeroMQ drops the connection that sent one).
 Runtime frames are sealed (protocol/auth.py): `send_msg(..., sealer=)` and `open_msg` check the
 MAC, the sender, the sequence number and the message's fields; `open_msg` raises `Rejected`.
+
+A socket bound to an address other than loopback (`--host`: a multi-node run) is also a CurveZMQ
+server, and a socket connecting to one a CurveZMQ client, both with keys derived from the run's
+key (`key=`): a peer without the run's secret cannot complete the handshake, so not one byte of
+what it sends reaches the process. Sealing alone cannot give that: libzmq assembles a whole
+multi-part message before anyone can check it (MAXMSGSIZE bounds each part, not their number),
+so one unauthenticated message of a million parts held 580 MB of the receiver's memory. On
+loopback the sockets stay plain (a local user reaches them as before; their frames are dropped
+unsealed).
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+from functools import lru_cache
+
 import zmq
+from zmq.utils import z85
 
 from maestro_flow.protocol.auth import Opener, Rejected, Sealer
 from maestro_flow.protocol.codec import decode, encode
@@ -25,11 +39,31 @@ def is_loopback(host: str) -> bool:
     return host in ("localhost", "::1") or host.startswith("127.")
 
 
+@lru_cache(maxsize=8)
+def curve_keys(key: bytes) -> tuple[bytes, bytes, bytes, bytes]:
+    """(server public, server secret, client public, client secret), Z85, derived from the run's
+    key: every process of the run has them, and only they."""
+    out: list[bytes] = []
+    for role in (b"server", b"client"):
+        secret = z85.encode(hmac.new(key, b"maestro_flow curve " + role, hashlib.sha256).digest())
+        out += [zmq.curve_public(secret), secret]
+    return out[0], out[1], out[2], out[3]
+
+
+def _host(addr: str) -> str:
+    return addr.removeprefix("tcp://").rpartition(":")[0].strip("[]")
+
+
 def bind(ctx: zmq.Context, kind: int, host: str = LOOPBACK, max_bytes: int = CONTROL_MAX_BYTES,
-         hwm: int = 0) -> tuple[zmq.Socket, str]:
+         hwm: int = 0, key: bytes | None = None) -> tuple[zmq.Socket, str]:
     """`hwm`: messages queued per connection (0: unbounded, for peers of the run, whose every
-    message must arrive; a bound for sockets strangers may reach, where TCP then pushes back)."""
+    message must arrive; a bound for sockets strangers may reach, where TCP then pushes back).
+    `key`: the run's key; off loopback the socket then takes only CurveZMQ peers that have it."""
     sock = ctx.socket(kind)
+    if key is not None and not is_loopback(host):
+        public, secret, _, _ = curve_keys(key)
+        sock.curve_server = True
+        sock.curve_secretkey, sock.curve_publickey = secret, public
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)
     if kind in (zmq.PULL, zmq.ROUTER):
@@ -42,8 +76,13 @@ def bind(ctx: zmq.Context, kind: int, host: str = LOOPBACK, max_bytes: int = CON
 
 
 def connect(ctx: zmq.Context, kind: int, addr: str, identity: bytes | None = None,
-            max_bytes: int = CONTROL_MAX_BYTES) -> zmq.Socket:
+            max_bytes: int = CONTROL_MAX_BYTES, key: bytes | None = None) -> zmq.Socket:
+    """`key`: the run's key, for an address off loopback (a CurveZMQ server: see bind)."""
     sock = ctx.socket(kind)
+    if key is not None and not is_loopback(_host(addr)):
+        server, _, public, secret = curve_keys(key)
+        sock.curve_serverkey = server
+        sock.curve_publickey, sock.curve_secretkey = public, secret
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)
     sock.setsockopt(zmq.SNDHWM, 0)
