@@ -18,21 +18,24 @@ import time
 import pytest
 
 from tests.integration.conftest import ASSETS, ROOT, descendants, wait_gone
+from tests.integration.test_curve import routable_ip
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 SECRET = {"MAESTRO_SECRET": "a shared secret for the two test nodes"}
+ROUTABLE = routable_ip()
 
 
-def free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
-def node(rank: int, port: int, pipeline: str, *args: str, env: dict | None = None) -> subprocess.Popen:
+def node(rank: int, port: int, pipeline: str, *args: str, env: dict | None = None,
+         host: str = "127.0.0.1") -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "maestro_flow.cli", "run", pipeline, "--nnodes", "2", "--node-rank", str(rank),
-         "--rdzv-endpoint", f"127.0.0.1:{port}", *args],
+         "--rdzv-endpoint", f"{host}:{port}", *args],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env={**os.environ, **SECRET, **(env or {})})
 
@@ -55,16 +58,19 @@ def tensors(path) -> dict:
     return load_file(str(path))
 
 
-def test_two_nodes_train_bitwise_like_one(demo_data, tmp_path):
+@pytest.mark.parametrize("host", ["127.0.0.1", pytest.param(ROUTABLE, marks=pytest.mark.skipif(
+    ROUTABLE is None, reason="no IPv4 address other than loopback on this host"))], ids=["loopback", "address"])
+def test_two_nodes_train_bitwise_like_one(demo_data, tmp_path, host):
+    """On this host's own address, every socket between the nodes is CurveZMQ (zmq_link)."""
     common = ["--steps", "4", "--set", f"data.path={demo_data}", "--set", "adapt_costs=false", "--quiet"]
     single = subprocess.run([sys.executable, "-m", "maestro_flow.cli", "run", "pipelines/distill.py", *common,
                              "--no-run-dir", "--save-dir", str(tmp_path / "one")], cwd=ROOT, capture_output=True,
                             text=True, timeout=120)
     assert single.returncode == 0, single.stderr
-    port = free_port()
-    n1 = node(1, port, "pipelines/distill.py", *common, "--run-dir", str(tmp_path / "n1"))
+    port = free_port(host)
+    n1 = node(1, port, "pipelines/distill.py", *common, "--run-dir", str(tmp_path / "n1"), host=host)
     n0 = node(0, port, "pipelines/distill.py", *common, "--run-dir", str(tmp_path / "n0"),
-              "--save-dir", str(tmp_path / "two"))
+              "--save-dir", str(tmp_path / "two"), host=host)
     err0, err1 = finish(n0, n1)
     assert n0.returncode == 0, err0
     assert n1.returncode == 0, err1
