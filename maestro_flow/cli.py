@@ -109,9 +109,10 @@ def main(ctx: click.Context, debug: bool) -> None:
 @click.option("--rdzv-endpoint", metavar="HOST:PORT", help="Where the nodes meet: node 0 listens there (a TCPStore).")
 @click.option("--nproc-per-node", type=int, help="Ranks per node (default: the ranks spread evenly; a tensor-parallel "
                                                   "group always stays on one node).")
-@click.option("--host", help="Address the control plane, the rendezvous store and the status endpoint listen on "
-                             "(default 127.0.0.1; with several nodes, the address node 0 is reached at). Anything but "
-                             "loopback needs a shared secret (MAESTRO_SECRET or --secret-file).")
+@click.option("--host", help="Address the control plane and the rendezvous store listen on (default 127.0.0.1; "
+                             "with several nodes, the address node 0 is reached at; the status endpoint stays on "
+                             "loopback). Anything but loopback needs a shared secret (MAESTRO_SECRET or "
+                             "--secret-file), and its ZeroMQ sockets then take only CurveZMQ peers of the run.")
 @click.option("--interface", metavar="IFACE", help="Network interface gloo and NCCL use (default: lo while --host "
                                                     "is loopback).")
 @click.option("--secret-file", type=click.Path(dir_okay=False), metavar="FILE",
@@ -314,7 +315,12 @@ def top(run_dir: str | None, interval: float, once: bool) -> None:
         shown = False
         while True:
             try:
-                text = render(query(path))
+                snapshot = query(path)
+                try:
+                    text = render(snapshot)
+                except (KeyError, TypeError, ValueError, AttributeError) as exc:
+                    raise FileNotFoundError(f"{path}: the run's answer is not a status snapshot top can show "
+                                            f"({type(exc).__name__}: {exc})") from None
             except (FileNotFoundError, TimeoutError) as exc:
                 if shown and (done := ended(path)) is not None:  # it finished (or failed) while watched
                     click.echo(done)

@@ -18,8 +18,9 @@ and the error is raised.
 Nothing from a socket is trusted until authenticated (protocol/auth.py): every frame is sealed
 under this attempt's key, a connection becomes a rank only by that rank's sealed hello, and a
 report counts once per rank and step (runtime/ledger.py). Anything else is dropped and logged,
-never fatal. The control socket, the store and the status endpoint listen on `host` only
-(loopback unless the run says otherwise). Sending, receiving and watching the workers:
+never fatal. The control socket and the store listen on `host` only (loopback unless the run
+says otherwise; off loopback the control socket is a CurveZMQ server, transport/zmq_link.py); the
+status endpoint always on loopback (runtime/status.py). Sending, receiving and watching the workers:
 runtime/coordinator_io.py.
 """
 

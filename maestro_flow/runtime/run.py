@@ -48,7 +48,7 @@ class RunOptions:
     record_steps: Steps | None = None  # which steps (None: all)
     checkpoint: CheckpointOptions = CheckpointOptions()
     tensorboard: str | None = None  # write TensorBoard curves here
-    host: str | None = None  # where the control plane, the store and the status endpoint listen (None: loopback,
+    host: str | None = None  # where the control plane and the store listen (None: loopback,
     # or with several nodes the address node 0 is reached at)
     interface: str | None = None  # gloo's and NCCL's network interface (None: lo on loopback)
     secret_file: str | None = None  # the shared secret (else MAESTRO_SECRET, else generated)

@@ -16,7 +16,8 @@ Runs in the coordinator process. Layout:
 
 Every run starts with its own empty run directory: a default one is created atomically (two runs
 started in the same second get two), and a reused one has its earlier contents moved aside, unless
-a run still going uses it (its status.json names a live process): that is refused.
+a run still going uses it (it holds the folder's .lock, or its status.json names a live process):
+that is refused.
 Writes here never take training down (runtime/guard.py).
 """
 
@@ -48,9 +49,13 @@ def default_run_dir(pipeline: Pipeline, root: str = "runs") -> str:
             n += 1
 
 
+LOCK = ".lock"  # held (flock) by the job that uses the folder, for as long as it runs
+
+
 def set_aside(path: str) -> str | None:
     """Move what an earlier run left in `path` into path/previous-N; the folder it went to."""
-    entries = [e for e in os.listdir(path) if not e.startswith("previous-")] if os.path.isdir(path) else []
+    entries = [e for e in os.listdir(path) if not e.startswith("previous-") and e != LOCK] \
+        if os.path.isdir(path) else []
     if not entries:
         return None
     n = 1
@@ -71,6 +76,7 @@ class RunDir:
             raise PipelineError(f"--run-dir {path} is in use by a run still going (pid {running}): give another "
                                 f"--run-dir, or wait for it to end (if pid {running} is no maestro run, delete "
                                 f"{os.path.join(path, 'status.json')})")
+        self._lock = self._claim(path)  # before anything is moved: of two runs starting together, one
         self.set_aside = set_aside(path)  # an earlier run's files, if this folder is reused
         os.makedirs(os.path.join(path, "workers"), exist_ok=True)
         with open(os.path.join(path, "pipeline.json"), "w") as f:
@@ -78,6 +84,23 @@ class RunDir:
         self._plans = open(os.path.join(path, "plans.jsonl"), "w")  # noqa: SIM115 (closed in close())
         self._plans_guard = WriteGuard(f"plans to {path}/plans.jsonl")
         self._events_guard = WriteGuard(f"events to {path}/events.jsonl")
+
+    @staticmethod
+    def _claim(path: str) -> Any:
+        """The folder's lock, held until close() (or the process ends: the kernel lets go)."""
+        import fcntl
+
+        os.makedirs(path, exist_ok=True)
+        lock = open(os.path.join(path, LOCK), "a")  # noqa: SIM115 (held open until close())
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.close()
+            raise PipelineError(f"--run-dir {path} is in use by a run still going (it holds {LOCK} there): give "
+                                "another --run-dir, or wait for it to end") from None
+        except OSError:  # a filesystem without locks: the status.json check above is all there is
+            pass
+        return lock
 
     @property
     def metrics(self) -> str:
@@ -105,6 +128,9 @@ class RunDir:
     def close(self) -> None:
         """The job is over (after its last attempt)."""
         status.release(self.path)
+        if self._lock is not None:
+            self._lock.close()  # lets go of the flock
+            self._lock = None
         if self._plans is not None:
             self._plans_guard.close(self._plans)
             self._plans = None

@@ -25,6 +25,7 @@ import json
 import os
 import selectors
 import socket
+import sys
 import threading
 import time
 from typing import Any
@@ -49,7 +50,11 @@ class StatusServer:
         self._wake, self._waker = socket.socketpair()  # close() writes to _waker: every wait here ends
         self.path = os.path.join(run_dir, "status.json") if run_dir else None
         if self.path:
-            _write_atomic(self.path, {"endpoint": self.endpoint, "pid": os.getpid(), "started": time.time()})
+            try:
+                _write_atomic(self.path, {"endpoint": self.endpoint, "pid": os.getpid(), "started": time.time()})
+            except OSError as exc:  # output never takes training down: only `maestro top` loses the run
+                print(f"maestro: cannot write {self.path} ({exc.strerror or exc}); `maestro top` will not find "
+                      "this run", file=sys.stderr, flush=True)
         self._thread = threading.Thread(target=self._serve, name="status", daemon=True)
         self._thread.start()
 
@@ -223,12 +228,18 @@ def query(run_dir: str, timeout_s: float = 2.0) -> dict[str, Any]:
         try:
             answer = _ask(address, deadline)
             if answer:  # nothing: the attempt closed its endpoint while answering
-                return json.loads(answer)
+                snapshot = json.loads(answer)
+                if not isinstance(snapshot, dict):
+                    raise ValueError(f"a JSON {type(snapshot).__name__}")
+                return snapshot
         except ConnectionError:  # refused, or cut off
             if not _alive(record.get("pid")):
                 raise FileNotFoundError(f"{run_dir}/status.json is stale: the coordinator that wrote it is gone") from None
         except TimeoutError:
             pass
+        except ValueError as exc:  # not JSON, too long, not an object: whatever listens there is no maestro run
+            raise FileNotFoundError(f"{endpoint} (from {run_dir}/status.json) answered something that is not a "
+                                    f"maestro status snapshot ({str(exc).splitlines()[0][:200]})") from None
         if time.monotonic() >= deadline:
             raise TimeoutError(f"the run at {endpoint} did not answer within {timeout_s:.1f}s")
         time.sleep(0.05)

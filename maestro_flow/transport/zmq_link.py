@@ -9,10 +9,12 @@ MAC, the sender, the sequence number and the message's fields; `open_msg` raises
 
 A socket bound to an address other than loopback (`--host`: a multi-node run) is also a CurveZMQ
 server, and a socket connecting to one a CurveZMQ client, both with keys derived from the run's
-key (`key=`): a peer without the run's secret cannot complete the handshake, so not one byte of
-what it sends reaches the process. Sealing alone cannot give that: libzmq assembles a whole
+key (`key=`). A CurveZMQ client must know the server's long-term public key, which the handshake
+never sends; derived from the run's secret and never written anywhere, it is the credential here
+(the client's own key pair is not checked: no ZAP handler). A peer without the run's secret
+cannot complete the handshake, so not one byte of what it sends reaches the process. Sealing alone cannot give that: libzmq assembles a whole
 multi-part message before anyone can check it (MAXMSGSIZE bounds each part, not their number),
-so one unauthenticated message of a million parts held 580 MB of the receiver's memory. On
+so one unauthenticated message of a million parts held about 560 MB of the receiver's memory. On
 loopback the sockets stay plain (a local user reaches them as before; their frames are dropped
 unsealed).
 """
@@ -33,6 +35,7 @@ from maestro_flow.protocol.messages import ProtocolError
 LOOPBACK = "127.0.0.1"
 CONTROL_MAX_BYTES = 64 << 20  # a control message (the largest: a step's plan for one replica)
 HEADER_MAX_BYTES = 16 << 20  # a tensor header (shapes and dtypes, never tensor bytes)
+CURVE_OVERHEAD = 64  # what CurveZMQ adds to a message part (33 bytes: command name, nonce, MAC), rounded up
 
 
 def is_loopback(host: str) -> bool:
@@ -64,6 +67,7 @@ def bind(ctx: zmq.Context, kind: int, host: str = LOOPBACK, max_bytes: int = CON
         public, secret, _, _ = curve_keys(key)
         sock.curve_server = True
         sock.curve_secretkey, sock.curve_publickey = secret, public
+        max_bytes += CURVE_OVERHEAD  # the limit applies to the encrypted part
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)
     if kind in (zmq.PULL, zmq.ROUTER):
@@ -83,6 +87,7 @@ def connect(ctx: zmq.Context, kind: int, addr: str, identity: bytes | None = Non
         server, _, public, secret = curve_keys(key)
         sock.curve_serverkey = server
         sock.curve_publickey, sock.curve_secretkey = public, secret
+        max_bytes += CURVE_OVERHEAD
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)
     sock.setsockopt(zmq.SNDHWM, 0)

@@ -97,3 +97,23 @@ def test_the_job_removes_its_own_status_file_only(tmp_path):
     (path / "status.json").write_text(json.dumps({"endpoint": "tcp://127.0.0.1:1", "pid": os.getpid() + 10**7}))
     mine.close()
     assert (path / "status.json").exists()
+
+
+def test_of_two_runs_starting_together_in_one_folder_the_second_is_refused(tmp_path):
+    """Reproduced before: the refusal read status.json, which a run writes only once its
+    coordinator starts; a second run in that window moved the first's files aside. The folder's
+    lock is taken before anything moves."""
+    import pytest
+
+    from maestro_flow.errors import PipelineError
+
+    path = tmp_path / "run"
+    first = RunDir(str(path), PIPELINE, {})
+    before = sorted(os.listdir(path))
+    with pytest.raises(PipelineError, match=r"is in use by a run still going \(it holds \.lock there\)"):
+        RunDir(str(path), PIPELINE, {})
+    assert sorted(os.listdir(path)) == before  # nothing moved aside
+    first.close()
+    second = RunDir(str(path), PIPELINE, {})  # free again
+    second.close()
+    assert "pipeline.json" in os.listdir(path / "previous-1") and ".lock" not in os.listdir(path / "previous-1")

@@ -76,3 +76,35 @@ def test_a_status_file_without_an_endpoint_and_a_run_that_ended(tmp_path):
     assert ended(str(tmp_path)) == f"{tmp_path}: the run has ended"
     (tmp_path / "metrics.jsonl").write_text('{"step": 0, "loss": 2.5}\n{"step": 1, "loss": 2.25}\n')
     assert ended(str(tmp_path)) == f"{tmp_path}: the run has ended; its last step was 1, loss 2.2500"
+
+
+@pytest.mark.parametrize("answer", [b"not json", b"[]", b'{"pipeline": "p"}', b"\xff" * 300])
+def test_top_refuses_an_answer_that_is_no_status_snapshot(tmp_path, answer):
+    """Reproduced before: whatever listened at status.json's endpoint (between two attempts of a
+    run, its port is free for anyone) and answered something else made `maestro top` die with a
+    traceback (JSONDecodeError, AttributeError, KeyError). One error line now, exit 2."""
+    import socket
+    import threading
+
+    from click.testing import CliRunner
+
+    from maestro_flow.cli import main
+
+    server = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        conn, _ = server.accept()
+        with conn:
+            conn.recv(256)
+            conn.sendall(answer)
+
+    threading.Thread(target=serve, daemon=True).start()
+    (tmp_path / "status.json").write_text(json.dumps({"endpoint": f"tcp://127.0.0.1:{server.getsockname()[1]}",
+                                                       "pid": os.getpid()}))
+    try:
+        result = CliRunner().invoke(main, ["top", "--once", str(tmp_path)])
+    finally:
+        server.close()
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output and result.stderr.startswith("error: "), result.stderr
+    assert "not a maestro status snapshot" in result.stderr or "not a status snapshot top can show" in result.stderr
