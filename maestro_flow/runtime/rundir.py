@@ -13,6 +13,7 @@ Runs in the coordinator process. Layout:
     status.json          while the job runs: where `maestro top` finds it (runtime/status.py); removed
                          when the job is over, kept across its automatic restarts
     previous-N/          what an earlier run left in a reused --run-dir (moved aside, never lost)
+    .lock                locked (flock) by the job while it runs: a second run is refused the folder
 
 Every run starts with its own empty run directory: a default one is created atomically (two runs
 started in the same second get two), and a reused one has its earlier contents moved aside, unless
