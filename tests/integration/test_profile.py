@@ -120,7 +120,7 @@ def test_profile_distill_then_tune_with_its_costs(tmp_path, demo):
 
     as_json = CliRunner().invoke(cli, args[:-2] + ["--json"])
     assert as_json.exit_code == 0, as_json.output
-    out = json.loads(as_json.output)
+    out = json.loads(as_json.stdout)  # the notes go to stderr
     assert out["best"][0]["devices"] <= 3
     assert out["best"][0]["step_s"] <= out["uniform"]["step_s"] * 1.005
     # The cost file's numbers are what the tuner simulated with: scaling them scales the step.
@@ -134,7 +134,7 @@ def test_profile_distill_then_tune_with_its_costs(tmp_path, demo):
     slow_file.write_text(json.dumps(slow))
     slowed = CliRunner().invoke(cli, args[:-4] + ["--costs", str(slow_file), "--json"])
     assert slowed.exit_code == 0, slowed.output
-    assert json.loads(slowed.output)["best"][0]["step_s"] > 5 * out["best"][0]["step_s"]
+    assert json.loads(slowed.stdout)["best"][0]["step_s"] > 5 * out["best"][0]["step_s"]
 
 
 @pytest.mark.timeout(120)
