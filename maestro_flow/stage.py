@@ -21,7 +21,9 @@ What the runtime guarantees around a stage:
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from operator import methodcaller
 from typing import Any
 
 import torch
@@ -174,21 +176,20 @@ class Stage:
         return params
 
     def named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
-        out, seen = [], set()
-        for attr, module in self.modules().items():
-            for name, p in module.named_parameters():
-                if id(p) not in seen:
-                    seen.add(id(p))
-                    out.append((f"{attr}.{name}", p))
-        return out
+        return self._named(methodcaller("named_parameters"))
 
     def named_buffers(self) -> list[tuple[str, torch.Tensor]]:
+        return self._named(methodcaller("named_buffers"))
+
+    def _named(self, each: Callable[[torch.nn.Module], Iterator[tuple[str, Any]]]) -> list[tuple[str, Any]]:
+        """`each(module)`'s tensors of every module, named `attr.name`, each tensor once (the first
+        name it has: a module shared by two attributes, or tied weights)."""
         out, seen = [], set()
         for attr, module in self.modules().items():
-            for name, b in module.named_buffers():
-                if id(b) not in seen:
-                    seen.add(id(b))
-                    out.append((f"{attr}.{name}", b))
+            for name, t in each(module):
+                if id(t) not in seen:
+                    seen.add(id(t))
+                    out.append((f"{attr}.{name}", t))
         return out
 
     def state_dict(self) -> dict[str, torch.Tensor]:
