@@ -14,7 +14,7 @@ never sends; derived from the run's secret and never written anywhere, it is the
 (the client's own key pair is not checked: no ZAP handler). A peer without the run's secret
 cannot complete the handshake, so not one byte of what it sends reaches the process. Sealing alone cannot give that: libzmq assembles a whole
 multi-part message before anyone can check it (MAXMSGSIZE bounds each part, not their number),
-so one unauthenticated message of a million parts held about 560 MB of the receiver's memory. On
+so one unauthenticated message of many small parts is held whole in the receiver's memory. On
 loopback the sockets stay plain (a local user reaches them as before; their frames are dropped
 unsealed).
 """

@@ -1,6 +1,6 @@
 """Sockets off loopback (`--host`) take only peers that hold the run's secret (CurveZMQ, keys
 derived from the run's key: transport/zmq_link.py). Sealing alone let one unauthenticated
-message of a million 200-byte parts grow the receiver by about 560 MB (libzmq assembles
+message of a million 200-byte parts arrive whole in the receiver's memory (libzmq assembles
 a whole multi-part message before anyone can check it); a peer without the keys now cannot
 complete the handshake, so nothing it sends arrives. And a real run with --host on this host's
 own address trains as on loopback.

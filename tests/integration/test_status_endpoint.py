@@ -46,8 +46,8 @@ def _rss_mb() -> float:
 
 
 def test_a_flood_leaves_the_status_server_small_and_answering(tmp_path):
-    # Reproduced before (ZeroMQ ROUTER): one multi-part request of 2,000,000 frames of 200 bytes
-    # grew the coordinator from 23 MB to 1286 MB (libzmq assembles a whole message first).
+    # Reproduced before (ZeroMQ ROUTER, by a one-off script): one multi-part request of 2,000,000
+    # frames of 200 bytes was held whole in the coordinator (libzmq assembles a whole message first).
     server = StatusServer(str(tmp_path))
     try:
         assert server.endpoint.startswith("tcp://127.0.0.1:")
