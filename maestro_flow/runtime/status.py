@@ -13,7 +13,8 @@ publish, and the thread takes at most `rate` connections a second; the others wa
 kernel's accept queue (BACKLOG connections, then the kernel refuses more), so a flood can delay
 `top`, never the run.
 
-status.json holds the endpoint and the coordinator's pid; a file whose pid is gone is stale. It
+status.json holds the endpoint and the coordinator's pid with its start time (Linux: /proc), so a
+file whose pid is gone, or was taken by another process since, is stale. It
 belongs to the job, not to one attempt: each attempt of an automatic restart writes its endpoint
 over the last one's (atomically: a reader never sees half a file), and the job's RunDir removes
 it when the job is over (`release`), so `top` never finds the run gone while it restarts.
@@ -51,7 +52,8 @@ class StatusServer:
         self.path = os.path.join(run_dir, "status.json") if run_dir else None
         if self.path:
             try:
-                _write_atomic(self.path, {"endpoint": self.endpoint, "pid": os.getpid(), "started": time.time()})
+                _write_atomic(self.path, {"endpoint": self.endpoint, "pid": os.getpid(),
+                                          "pid_start": start_ticks(os.getpid()), "started": time.time()})
             except OSError as exc:  # output never takes training down: only `maestro top` loses the run
                 print(f"maestro: cannot write {self.path} ({exc.strerror or exc}); `maestro top` will not find "
                       "this run", file=sys.stderr, flush=True)
@@ -150,22 +152,41 @@ def _read(run_dir: str) -> dict[str, Any]:
     return record if isinstance(record, dict) else {}
 
 
-def _alive(pid: Any) -> bool:
-    if not isinstance(pid, int):
+def start_ticks(pid: int) -> int | None:
+    """When process `pid` started, in clock ticks since boot (/proc/PID/stat's 22nd field); None
+    where /proc cannot tell (not Linux, or no such process). A pid the kernel gives to a new
+    process after the old one ended has another start time."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        return int(stat[stat.rindex(b")") + 2:].split()[19])  # after the command name, which may hold ") "
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _alive(record: dict[str, Any]) -> bool:
+    """The process status.json `record` names still runs (and is the one that wrote it)."""
+    pid = record.get("pid")
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
         return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
+        pass
+    started = record.get("pid_start")
+    if isinstance(started, int):  # written by a coordinator that could tell its start time
+        now = start_ticks(pid)
+        if now is not None and now != started:
+            return False  # the pid was reused: the coordinator that wrote the file is gone
     return True
 
 
 def live_pid(run_dir: str) -> int | None:
     """The pid of the coordinator that run_dir/status.json names, while it runs (else None)."""
-    pid = _read(run_dir).get("pid")
-    return pid if _alive(pid) else None
+    record = _read(run_dir)
+    return record["pid"] if _alive(record) else None
 
 
 def _live(run_dir: str) -> bool:
@@ -233,7 +254,7 @@ def query(run_dir: str, timeout_s: float = 2.0) -> dict[str, Any]:
                     raise ValueError(f"a JSON {type(snapshot).__name__}")
                 return snapshot
         except ConnectionError:  # refused, or cut off
-            if not _alive(record.get("pid")):
+            if not _alive(record):
                 raise FileNotFoundError(f"{run_dir}/status.json is stale: the coordinator that wrote it is gone") from None
         except TimeoutError:
             pass

@@ -46,6 +46,34 @@ def test_a_status_file_whose_coordinator_is_gone_is_stale(tmp_path):
     assert find_run(None, root=str(tmp_path / "runs")) == str(run)
 
 
+def test_a_status_file_whose_pid_was_reused_is_stale(tmp_path):
+    """Found by review: a coordinator killed outright leaves status.json, and once the kernel gives
+    its pid to another process, `top` took that process for the run and a new run refused the
+    folder. The file also holds the process's start time, which a reused pid does not have."""
+    from maestro_flow.runtime.status import StatusServer, live_pid, start_ticks
+
+    run = tmp_path / "runs" / "distill-1"
+    run.mkdir(parents=True)
+    server = StatusServer(str(run))  # writes status.json as a coordinator does
+    try:
+        record = json.loads((run / "status.json").read_text())
+        assert record["pid"] == os.getpid() and record["pid_start"] == start_ticks(os.getpid())
+        assert find_run(None, root=str(tmp_path / "runs")) == str(run)
+        record["pid_start"] -= 1  # the same pid, started at another time: another process
+        (run / "status.json").write_text(json.dumps(record))
+        assert live_pid(str(run)) is None
+        with pytest.raises(FileNotFoundError, match="stale"):
+            find_run(str(run))
+        del record["pid_start"]  # a file without one (or where /proc cannot tell): the pid alone decides
+        (run / "status.json").write_text(json.dumps(record))
+        assert live_pid(str(run)) == os.getpid()
+        for pid in (0, -1, True):  # os.kill(0 or -1, 0) asks about a group or every process: never a run
+            (run / "status.json").write_text(json.dumps({"endpoint": "tcp://127.0.0.1:1", "pid": pid}))
+            assert live_pid(str(run)) is None
+    finally:
+        server.close()
+
+
 def test_a_network_address_needs_a_secret(tmp_path, monkeypatch):
     monkeypatch.delenv("MAESTRO_SECRET", raising=False)
     with pytest.raises(PipelineError, match="--host 10.0.0.5 is not loopback.*MAESTRO_SECRET"):
