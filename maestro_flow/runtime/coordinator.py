@@ -171,7 +171,7 @@ class Coordinator(CoordinatorIO):
             if self.router is not None:
                 self.router.close(linger=0)
                 self.router = None
-            self.zctx.term()
+            zmq_link.term(self.zctx)
             self.store = None
         finally:
             if self._owner is not None:  # sweeps the slots a killed worker could not remove

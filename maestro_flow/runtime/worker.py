@@ -194,7 +194,7 @@ def worker_main(boot: dict[str, Any]) -> None:
     control.thread.join(timeout=2.0)
     # term() returns once every socket is closed and its last frames sent; bounded, because a
     # channel thread stuck in a transfer that will never complete may still hold its socket.
-    closer = threading.Thread(target=zctx.term, daemon=True)
+    closer = threading.Thread(target=zmq_link.term, args=(zctx,), daemon=True)
     closer.start()
     closer.join(timeout=3.0)
     capture.close()

@@ -9,9 +9,10 @@ MAC, the sender, the sequence number and the message's fields; `open_msg` raises
 
 A socket bound to an address other than loopback (`--host`: a multi-node run) is also a CurveZMQ
 server, and a socket connecting to one a CurveZMQ client, both with keys derived from the run's
-key (`key=`). A CurveZMQ client must know the server's long-term public key, which the handshake
-never sends; derived from the run's secret and never written anywhere, it is the credential here
-(the client's own key pair is not checked: no ZAP handler). A peer without the run's secret
+key (`key=`). Both sides are checked: a CurveZMQ client must know the server's long-term public
+key, which the handshake never sends, and the server's context runs a ZAP handler (pyzmq's
+ThreadAuthenticator) that admits only the client public key derived from the same secret. Close
+such a context with `term()`, which stops the handler first. A peer without the run's secret
 cannot complete the handshake, so not one byte of what it sends reaches the process. Sealing alone cannot give that: libzmq assembles a whole
 multi-part message before anyone can check it (MAXMSGSIZE bounds each part, not their number),
 so one unauthenticated message of many small parts is held whole in the receiver's memory. On
@@ -23,6 +24,8 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import threading
+import weakref
 from functools import lru_cache
 
 import zmq
@@ -53,6 +56,46 @@ def curve_keys(key: bytes) -> tuple[bytes, bytes, bytes, bytes]:
     return out[0], out[1], out[2], out[3]
 
 
+class _ClientKeys:
+    """pyzmq's credentials provider: the client public keys (Z85) of the runs this context serves."""
+
+    def __init__(self) -> None:
+        self.allowed: set[bytes] = set()
+
+    def callback(self, domain: str, client_key: bytes) -> bool:
+        return any(hmac.compare_digest(client_key, k) for k in self.allowed)
+
+
+_zap: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # context -> (ThreadAuthenticator, _ClientKeys)
+_zap_lock = threading.Lock()
+
+
+def _check_clients(ctx: zmq.Context, key: bytes) -> None:
+    """Run a ZAP handler in `ctx` (once) that admits CurveZMQ clients holding the run's client key."""
+    with _zap_lock:
+        if ctx not in _zap:
+            from zmq.auth.thread import ThreadAuthenticator
+
+            auth, keys = ThreadAuthenticator(ctx), _ClientKeys()
+            auth.start()
+            auth.configure_curve_callback("*", credentials_provider=keys)
+            _zap[ctx] = (auth, keys)
+        _zap[ctx][1].allowed.add(curve_keys(key)[2])
+
+
+def term(ctx: zmq.Context, linger: int | None = None) -> None:
+    """Close `ctx`: its ZAP handler first (whose socket would keep term() waiting), then every
+    socket with `linger` ms (None: term(), which waits for sockets closed elsewhere)."""
+    with _zap_lock:
+        auth = _zap.pop(ctx, (None, None))[0]
+    if auth is not None:
+        auth.stop()
+    if linger is None:
+        ctx.term()
+    else:
+        ctx.destroy(linger=linger)
+
+
 def _host(addr: str) -> str:
     return addr.removeprefix("tcp://").rpartition(":")[0].strip("[]")
 
@@ -65,6 +108,7 @@ def bind(ctx: zmq.Context, kind: int, host: str = LOOPBACK, max_bytes: int = CON
     sock = ctx.socket(kind)
     if key is not None and not is_loopback(host):
         public, secret, _, _ = curve_keys(key)
+        _check_clients(ctx, key)  # before the socket can take a connection
         sock.curve_server = True
         sock.curve_secretkey, sock.curve_publickey = secret, public
         max_bytes += CURVE_OVERHEAD  # the limit applies to the encrypted part

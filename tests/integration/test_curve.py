@@ -86,7 +86,33 @@ s.send(b'x' * 200); time.sleep(30)
         flood.wait()
         stop.set()
         reader.join(5)
-        ctx.destroy(linger=0)
+        zmq_link.term(ctx, linger=0)
+
+
+@needs_ip
+def test_a_client_needs_the_runs_client_key_as_well():
+    """Found by review: only the server's public key was a credential; a client that had it
+    got through with any key pair of its own. The server's ZAP handler now admits only the
+    client key derived from the run's secret, and term() stops the handler (or it would hang)."""
+    ctx = zmq.Context()
+    try:
+        pull, addr = zmq_link.bind(ctx, zmq.PULL, HOST, key=KEY)
+        server_public = zmq_link.curve_keys(KEY)[0]
+        stranger = ctx.socket(zmq.PUSH)
+        stranger.curve_serverkey = server_public
+        stranger.curve_publickey, stranger.curve_secretkey = zmq.curve_keypair()
+        stranger.setsockopt(zmq.LINGER, 0)
+        stranger.connect(addr)
+        stranger.send(b"a stranger holding the server's public key")
+        assert not pull.poll(1500)
+        friend = zmq_link.connect(ctx, zmq.PUSH, addr, key=KEY)
+        friend.send(b"hello")
+        assert pull.poll(5000) and pull.recv() == b"hello"
+        assert not pull.poll(200)
+    finally:
+        started = time.monotonic()
+        zmq_link.term(ctx, linger=0)
+        assert time.monotonic() - started < 5
 
 
 @needs_ip
@@ -100,7 +126,7 @@ def test_a_part_of_the_size_limit_arrives_through_curve_too():
         push.send(b"x" * 1000)
         assert pull.poll(5000) and pull.recv() == b"x" * 1000
     finally:
-        ctx.destroy(linger=0)
+        zmq_link.term(ctx, linger=0)
 
 
 @needs_ip
