@@ -29,7 +29,7 @@ from maestro_flow.runtime.nodes import Nodes
 from maestro_flow.runtime.observe import RunObserver
 from maestro_flow.runtime.record import Steps
 from maestro_flow.runtime.report import RunReport
-from maestro_flow.runtime.rundir import RunDir, default_run_dir
+from maestro_flow.runtime.rundir import RunDir, default_run_dir, node_run_dir
 from maestro_flow.runtime.sampler import EpochSampler, data_fingerprint
 from maestro_flow.timeouts import Timeouts
 from maestro_flow.transport import cuda_ipc
@@ -129,7 +129,10 @@ def _run_agent(pipeline: Any, options: RunOptions, nodes: Nodes, host: str, secr
     if node0 and options.show_progress:  # the same command on every node stays valid
         print(f"node {nodes.node_rank}: {', '.join(node0)} take effect as node 0 was given them (it runs the "
               "coordinator), not as given here", file=sys.stderr)
-    run_dir = RunDir(options.run_dir, pipeline, options.overrides) if options.run_dir else None
+    # Its own folder inside the run dir: the same command on every node, with a run dir on a
+    # filesystem they share, gives one tree (node 0's files, and node-I/ for each other node).
+    run_dir = RunDir(node_run_dir(options.run_dir, nodes.node_rank), pipeline, options.overrides) \
+        if options.run_dir else None
     if options.show_progress:
         print(f"{pipeline.name}: node {nodes.node_rank} of {nodes.nnodes}, joining node 0 at "
               f"{nodes.endpoint[0]}:{nodes.endpoint[1]}" + (f"; run directory: {run_dir.path}" if run_dir else ""),

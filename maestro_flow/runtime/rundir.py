@@ -13,6 +13,9 @@ Runs in the coordinator process. Layout:
     status.json          while the job runs: where `maestro top` finds it (runtime/status.py); removed
                          when the job is over, kept across its automatic restarts
     previous-N/          what an earlier run left in a reused --run-dir (moved aside, never lost)
+    node-I/              node I's own run dir in a multi-node run (I > 0: its workers' logs), so
+                         the same --run-dir on a filesystem the nodes share is one tree; node 0
+                         leaves these alone (each node moves aside its own)
     .lock                locked (flock) by the job while it runs: a second run is refused the folder
 
 Every run starts with its own empty run directory: a default one is created atomically (two runs
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from typing import Any
 
@@ -51,11 +55,18 @@ def default_run_dir(pipeline: Pipeline, root: str = "runs") -> str:
 
 
 LOCK = ".lock"  # held (flock) by the job that uses the folder, for as long as it runs
+NODE = re.compile(r"node-[1-9][0-9]*")  # another node's folder (node_run_dir)
+
+
+def node_run_dir(run_dir: str, node_rank: int) -> str:
+    """Where node `node_rank` keeps its files when the run dir is `run_dir` (node 0: there)."""
+    return run_dir if node_rank == 0 else os.path.join(run_dir, f"node-{node_rank}")
 
 
 def set_aside(path: str) -> str | None:
-    """Move what an earlier run left in `path` into path/previous-N; the folder it went to."""
-    entries = [e for e in os.listdir(path) if not e.startswith("previous-") and e != LOCK] \
+    """Move what an earlier run left in `path` into path/previous-N; the folder it went to.
+    Other nodes' folders stay: each node sets aside its own, and may be using it already."""
+    entries = [e for e in os.listdir(path) if not e.startswith("previous-") and e != LOCK and not NODE.fullmatch(e)] \
         if os.path.isdir(path) else []
     if not entries:
         return None

@@ -68,8 +68,14 @@ def test_two_nodes_train_bitwise_like_one(demo_data, tmp_path, host):
                             text=True, timeout=120)
     assert single.returncode == 0, single.stderr
     port = free_port(host)
-    n1 = node(1, port, "pipelines/distill.py", *common, "--run-dir", str(tmp_path / "n1"), host=host)
-    n0 = node(0, port, "pipelines/distill.py", *common, "--run-dir", str(tmp_path / "n0"),
+    # The same --run-dir on both, as on nodes sharing a filesystem (node 0 refused it before: node 1
+    # held its lock), reused from an earlier run.
+    run_dir = tmp_path / "rd"
+    (run_dir / "node-1").mkdir(parents=True)
+    (run_dir / "metrics.jsonl").write_text("{}\n")
+    (run_dir / "node-1" / "old.log").write_text("an earlier run's\n")
+    n1 = node(1, port, "pipelines/distill.py", *common, "--run-dir", str(run_dir), host=host)
+    n0 = node(0, port, "pipelines/distill.py", *common, "--run-dir", str(run_dir),
               "--save-dir", str(tmp_path / "two"), host=host)
     err0, err1 = finish(n0, n1)
     assert n0.returncode == 0, err0
@@ -77,9 +83,14 @@ def test_two_nodes_train_bitwise_like_one(demo_data, tmp_path, host):
     one, two = tensors(tmp_path / "one" / "student.safetensors"), tensors(tmp_path / "two" / "student.safetensors")
     assert one.keys() == two.keys()
     assert all((one[k] == two[k]).all() for k in one), "two nodes trained different parameters"
-    # Node 1 ran rank 2 (student replica 1); its log is on node 1.
-    assert (tmp_path / "n1" / "workers" / "student-1.log").exists()
-    assert not (tmp_path / "n0" / "workers" / "student-1.log").exists()
+    # Node 1 ran rank 2 (student replica 1): its log is in node 1's folder, node 0's in the run dir.
+    assert (run_dir / "node-1" / "workers" / "student-1.log").exists()
+    assert (run_dir / "workers" / "student-0.log").exists()
+    assert not (run_dir / "workers" / "student-1.log").exists()
+    # Each node set aside its own earlier files, and only those.
+    assert (run_dir / "previous-1" / "metrics.jsonl").read_text() == "{}\n"
+    assert (run_dir / "node-1" / "previous-1" / "old.log").exists()
+    assert not (run_dir / "previous-1" / "node-1").exists()
 
 
 def _slow(*extra: str, demo_data) -> list[str]:
