@@ -117,8 +117,9 @@ def _check_placeholders(s: Any, source: Any, reads: list[SampleMeta], placeholde
                         max_positions: int) -> None:
     """A stage that puts each modality's encoder rows in place of its placeholder token
     (token_limits' "max_positions"): a sample that declares the modality holds exactly one
-    placeholder for it, none holds two, and its positions once expanded (one per image patch, one
-    per audio frame, as the built-in encoders give) fit."""
+    placeholder for it, one that does not declare it holds none (its encoder would never run, and
+    the stage would drop the placeholder unnoticed), none holds two, and its positions once
+    expanded (one per image patch, one per audio frame, as the built-in encoders give) fit."""
     if not hasattr(source, "token_counts") or not reads:
         return
     import numpy as np  # a dataset of millions of rows: one pass per array, not per sample
@@ -128,14 +129,20 @@ def _check_placeholders(s: Any, source: Any, reads: list[SampleMeta], placeholde
     for modality, token in sorted(placeholders.items()):
         counts = source.token_counts(token)[rows]
         declared = np.fromiter((modality in m.modalities for m in reads), dtype=bool, count=len(reads))
-        wrong = np.nonzero((counts > 1) | (declared & (counts == 0)))[0]
+        wrong = np.nonzero((counts > 1) | (declared & (counts == 0)) | (~declared & (counts > 0)))[0]
         if len(wrong):
             m, n = reads[int(wrong[0])], int(counts[wrong[0]])
-            raise PipelineError(
-                f"sections.{s.name}: sample id {m.id} (row {m.row}) " + (
-                    f"holds {n} {modality} placeholders (id {token}); {s.stage} takes at most one per sample"
-                    if n > 1 else f"declares {modality!r} but its tokens hold no {modality} placeholder (id "
-                                  f"{token}, data.placeholder_ids): {s.stage} would have nowhere to put it"))
+            if n > 1:
+                why = f"holds {n} {modality} placeholders (id {token}); {s.stage} takes at most one per sample"
+            elif n == 0:
+                why = (f"declares {modality!r} but its tokens hold no {modality} placeholder (id {token}, "
+                       f"data.placeholder_ids): {s.stage} would have nowhere to put it")
+            else:
+                why = (f"holds the {modality} placeholder (id {token}, data.placeholder_ids) but its modalities "
+                       f"{sorted(m.modalities)} do not declare {modality!r}: no {modality} encoder would run for it, "
+                       f"and {s.stage} would drop the placeholder. Tag the row {modality!r} (with its data) or "
+                       "remove the placeholder")
+            raise PipelineError(f"sections.{s.name}: sample id {m.id} (row {m.row}) {why}; samples like it: {len(wrong)}")
         removed += counts
     positions = np.fromiter((m.num_tokens + ("image" in m.modalities) * m.num_patches
                              + ("audio" in m.modalities) * m.num_frames for m in reads),

@@ -339,6 +339,7 @@ def _image_data(tmp_path, rows: list[tuple[list[int], int]]) -> str:
                                           "expanded (71 tokens, 251 image patches", "max_seq_len 320"]),
     (([1, 2, 3], 16), ["sample id 117 (row 17) declares 'image' but its tokens hold no image placeholder (id 259"]),
     (([1, 259, 2, 259], 16), ["sample id 117 (row 17) holds 2 image placeholders (id 259)"]),
+    (([1, 259, 2], 0), ["sample id 117 (row 17) holds the image placeholder (id 259", "do not declare 'image'"]),
     (([1, 2, 300], 0), ["sample id 117 (row 17) has a token id at or above", "vocab_size 261"]),
 ])
 def test_a_vlm_s_samples_are_checked_as_its_llm_expands_them(tmp_path, bad, fragments):
