@@ -23,6 +23,11 @@ The size rule is computed inside the pipeline with integer arithmetic that `targ
 exactly in Python, so the `num_patches` a dataset stores (computed with `num_patches`) always equals
 what the decoder produces.
 
+Images over `max_pixels` (height x width from the header, 8192 x 8192 by default) are refused
+before DALI decodes them, like any image that cannot be decoded: a few-KB file can declare a
+picture of many GB. PNG and JPEG headers are read here; any other format's size comes from a
+small DALI pipeline of `fn.peek_image_shape` alone.
+
 DALI's CPU-only pipeline must be built with `device_id=None`: any other value makes DALI initialise
 CUDA, which fails on a machine without a GPU (and wastes a CUDA context on one that has a GPU).
 """
@@ -30,8 +35,10 @@ CUDA, which fails on a machine without a GPU (and wastes a CUDA context on one t
 from __future__ import annotations
 
 import ctypes
+import importlib.util
 import os
 import re
+import struct
 from collections.abc import Sequence
 from typing import Any
 
@@ -47,6 +54,41 @@ _CODEC_STATUS = {
     "#9": "no decoder implementation for this image",
 }
 _INVALID_PIPELINE = "Current pipeline object is no longer valid."
+MAX_PIXELS = 8192 * 8192  # an image's height x width, from its header, at most (max_pixels=None: no limit)
+_PNG = b"\x89PNG\r\n\x1a\n"
+_JPEG_SOF = {0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF}
+
+
+def header_size(data: bytes | np.ndarray) -> tuple[int, int] | None:
+    """(height, width) a PNG or JPEG declares in its header; None for another format, or a header
+    that does not say (DALI then tells, or fails to decode it)."""
+    data = memoryview(data)  # no copy; a JPEG's frame header may follow 64 KB segments of metadata
+    if data[:8] == _PNG and data[12:16] == b"IHDR" and len(data) >= 24:
+        width, height = struct.unpack(">II", data[16:24])
+        return height, width
+    if data[:2] != b"\xff\xd8":
+        return None
+    i = 2
+    while i + 4 <= len(data):  # JPEG segments: 0xFF, marker, big-endian length (which counts itself)
+        if data[i] != 0xFF:
+            return None
+        marker = data[i + 1]
+        if marker == 0xFF:  # fill byte
+            i += 1
+            continue
+        if marker == 0x01 or 0xD0 <= marker <= 0xD8:  # no length follows
+            i += 2
+            continue
+        (length,) = struct.unpack(">H", data[i + 2:i + 4])
+        if marker in _JPEG_SOF:
+            if i + 9 > len(data):
+                return None
+            height, width = struct.unpack(">HH", data[i + 5:i + 9])
+            return (height, width) if height else None  # 0: the height comes later (DNL)
+        if marker == 0xDA or length < 2:  # image data before any frame header
+            return None
+        i += 2 + length
+    return None
 
 
 def target_size(height: int, width: int, max_side: int, patch: int) -> tuple[int, int]:
@@ -123,8 +165,15 @@ class ImageDecoder:
 
     def __init__(self, max_side: int = 64, patch: int = 8, mean: Sequence[float] = (0.485, 0.456, 0.406),
                  std: Sequence[float] = (0.229, 0.224, 0.225), device: str | torch.device = "cpu", skip_corrupt: bool = False,
-                 batch_size: int = 32, num_threads: int | None = None) -> None:
+                 batch_size: int = 32, num_threads: int | None = None, max_pixels: int | None = MAX_PIXELS) -> None:
+        if importlib.util.find_spec("nvidia.dali") is None:
+            raise ImportError("decoding images needs NVIDIA DALI, which is not installed in this environment: "
+                              "pip install nvidia-dali-cuda120 (its CPU operators need no GPU), or give the "
+                              "vision section precomputed pixels")
         _check_grid(max_side, patch)
+        if max_pixels is not None and (isinstance(max_pixels, bool) or not isinstance(max_pixels, int)
+                                       or max_pixels < 1):
+            raise ValueError(f"max_pixels must be an integer >= 1 (or None: no limit), got {max_pixels!r}")
         if len(mean) != 3 or len(std) != 3:
             raise ValueError(f"mean and std need 3 values (R, G, B), got {len(mean)} and {len(std)}")
         if any(s <= 0 for s in std):
@@ -152,7 +201,9 @@ class ImageDecoder:
         self.skip_corrupt = skip_corrupt
         self.batch_size = batch_size
         self.num_threads = num_threads or _default_threads()
+        self.max_pixels = max_pixels
         self._pipe: Any = None
+        self._peek: Any = None  # the header-size pipeline, for images not PNG/JPEG (built when one comes)
         self._in_flight: tuple[Any, Any] | None = None  # (CUDA event, DALI outputs its copies read)
         self._num_builds = 0
         self._corrupt_ids: list[int] = []
@@ -177,16 +228,75 @@ class ImageDecoder:
         if len(images) != len(sample_ids):
             raise ValueError(f"decode: {len(images)} images but {len(sample_ids)} sample ids")
         encoded = [np.frombuffer(b"" if data is None else data, dtype=np.uint8) for data in images]
-        out: list[torch.Tensor | None] = []
-        for start in range(0, len(encoded), self.batch_size):
-            batch = encoded[start:start + self.batch_size]
+        out: list[torch.Tensor | None] = [None] * len(encoded)
+        todo = self._within_limit(images, encoded, sample_ids)  # indices to decode
+        for start in range(0, len(todo), self.batch_size):
+            picked = todo[start:start + self.batch_size]
+            batch = [encoded[i] for i in picked]
             try:
-                out.extend(self._run(batch))
+                decoded = self._run(batch)
             except RuntimeError:
                 # Some sample of the batch is bad: find it (them) by decoding one at a time.
-                out.extend(self._decode_one(enc, int(sid))
-                           for enc, sid in zip(batch, sample_ids[start:start + self.batch_size], strict=True))
+                decoded = [self._decode_one(encoded[i], int(sample_ids[i])) for i in picked]
+            for i, tensor in zip(picked, decoded, strict=True):
+                out[i] = tensor
         return out
+
+    def _within_limit(self, images: Sequence[bytes], encoded: list[np.ndarray],
+                      sample_ids: Sequence[int]) -> list[int]:
+        """Indices of the images not over max_pixels (the others are corrupt: ValueError, or None)."""
+        if self.max_pixels is None:
+            return list(range(len(encoded)))
+        sizes = [header_size(enc) if len(enc) else None for enc in encoded]
+        unknown = [i for i, size in enumerate(sizes) if size is None and len(encoded[i])]
+        for i, size in zip(unknown, self._peek_sizes([encoded[i] for i in unknown]), strict=True):
+            sizes[i] = size
+        keep = []
+        for i, size in enumerate(sizes):
+            if size is not None and size[0] * size[1] > self.max_pixels:
+                self._corrupt(int(sample_ids[i]), f"it is {size[0]} x {size[1]} pixels, more than max_pixels="
+                                                  f"{self.max_pixels} (the decoder's decode.max_pixels)")
+            else:
+                keep.append(i)
+        return keep
+
+    def _peek_sizes(self, batch: list[np.ndarray]) -> list[tuple[int, int] | None]:
+        """(height, width) of each image by DALI's fn.peek_image_shape; None where it cannot tell
+        (the decoder then says why)."""
+        sizes: list[tuple[int, int] | None] = []
+        for start in range(0, len(batch), self.batch_size):
+            chunk = batch[start:start + self.batch_size]
+            try:
+                sizes.extend(self._peek_run(chunk))
+            except RuntimeError:  # some header is unreadable: one at a time
+                sizes.extend(self._peek_one(one) for one in chunk)
+        return sizes
+
+    def _peek_one(self, encoded: np.ndarray) -> tuple[int, int] | None:
+        try:
+            return self._peek_run([encoded])[0]
+        except RuntimeError:
+            return None
+
+    def _peek_run(self, chunk: list[np.ndarray]) -> list[tuple[int, int]]:
+        if self._peek is None:
+            import nvidia.dali.fn as fn
+            import nvidia.dali.types as types
+            from nvidia.dali import Pipeline
+
+            pipe = Pipeline(batch_size=self.batch_size, num_threads=1, device_id=None, prefetch_queue_depth=1,
+                            exec_dynamic=True)
+            with pipe:
+                encoded = fn.external_source(name="encoded", dtype=types.UINT8, ndim=1, device="cpu")
+                pipe.set_outputs(fn.peek_image_shape(encoded, dtype=types.INT64))
+            pipe.build()
+            self._peek = pipe
+        try:
+            (shapes,) = self._peek.run(encoded=chunk)
+        except RuntimeError:
+            self._peek = None  # DALI declares a pipeline that raised invalid
+            raise
+        return [(int(shape[0]), int(shape[1])) for shape in (np.array(shapes[i]) for i in range(len(chunk)))]
 
     def close(self) -> None:
         """Releases the DALI pipeline (a later `decode()` builds a new one)."""

@@ -172,3 +172,53 @@ def test_bad_arguments():
         ImageDecoder(batch_size=0)
     with pytest.raises(ValueError, match="2 images but 1 sample ids"):
         ImageDecoder().decode([b"a", b"b"], [1])
+
+
+# -- images over max_pixels (found by review: a 730 KB PNG cost its worker 1.7 GB) ---------------
+
+def bmp(height: int, width: int) -> bytes:
+    """A 24-bit BMP (a format whose header the decoder does not read itself: DALI peeks it)."""
+    import struct
+
+    row = (width * 3 + 3) // 4 * 4
+    pixels = b"".join(bytes([10, 200, 30] * width) + b"\0" * (row - width * 3) for _ in range(height))
+    return (b"BM" + struct.pack("<IHHI", 54 + len(pixels), 0, 0, 54)
+            + struct.pack("<IiiHHIIiiII", 40, width, height, 1, 24, 0, len(pixels), 2835, 2835, 0, 0) + pixels)
+
+
+def test_header_size_reads_png_and_jpeg_as_dali_does(samples):
+    from loaders.dali import header_size
+
+    images, sizes = samples
+    assert [header_size(data) for data in images] == sizes
+    assert header_size(np.frombuffer(images[-1], dtype=np.uint8)) == (427, 640)
+    for other in (bmp(3, 5), b"", b"\xff\xd8", b"\xff\xd8\xff\xda\x00\x02", *BAD):
+        assert header_size(other) is None  # DALI tells, or the decoder says why it cannot
+
+
+def test_an_image_over_max_pixels_is_refused_before_decoding():
+    big = encode_png(np.zeros((2000, 3000, 3), np.uint8))  # 18 KB of file, 18 MB of pixels
+    good = solid_png(16, 24)
+    dec = ImageDecoder(max_pixels=1000 * 1000)
+    with pytest.raises(ValueError, match=r"^sample 8: cannot decode image: it is 2000 x 3000 pixels, more than "
+                                         r"max_pixels=1000000 \(the decoder's decode.max_pixels\)$"):
+        dec.decode([good, big], [7, 8])
+    with pytest.raises(ValueError, match="sample 5: .* 30 x 50 pixels, more than max_pixels=1000 "):
+        ImageDecoder(max_pixels=1000).decode([bmp(30, 50)], [5])  # not PNG/JPEG: DALI's peek gives the size
+    skip = ImageDecoder(max_pixels=1000 * 1000, skip_corrupt=True, batch_size=2)
+    out = skip.decode([good, big, bmp(30, 50), BAD[0], good], [1, 2, 3, 4, 5])
+    assert [None if t is None else tuple(t.shape) for t in out] == [(3, 16, 24), None, (3, 32, 48), None, (3, 16, 24)]
+    assert skip.corrupt_ids == (2, 4)
+    assert ImageDecoder(max_pixels=None).decode([big], [1])[0].shape == (3, 40, 64)  # no limit
+
+
+def test_max_pixels_and_a_missing_dali_are_refused_at_construction(monkeypatch):
+    for bad in (0, -5, 1.5, True, "8k"):
+        with pytest.raises(ValueError, match="max_pixels must be an integer >= 1"):
+            ImageDecoder(max_pixels=bad)
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "nvidia.dali" else real(name, *a))
+    with pytest.raises(ImportError, match="needs NVIDIA DALI, which is not installed.*pip install nvidia-dali"):
+        ImageDecoder()
