@@ -1,7 +1,8 @@
 """`maestro profile`, `maestro tune` and `maestro export` (click commands registered by cli.py).
 
 Thin: parse, call runtime/profiling.py, runtime/tuning.py or checkpoint/export.py, print. Errors a user can fix print
-one line ("error: ...") and exit 2, as in cli.py.
+one line ("error: ...") and exit 2, as in cli.py; a profile that failed (ProfilingError) prints one line naming the
+section, phase and exception and exits 1, its traceback (formatted in the profiling worker) shown with --debug.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import click
 
 from maestro_flow.config import parse_set
 from maestro_flow.errors import MaestroError, PipelineError
+from maestro_flow.runtime.calibration import WARMUP_STEPS
 
 SET_HELP = "Override a field: top-level (global_batch=8) or sections.NAME.FIELD=value (JSON values)."
 
@@ -52,8 +54,9 @@ def _positive_gb(ctx: click.Context, param: click.Parameter, value: float | None
 @click.option("--repeats", type=click.IntRange(1, 100), default=3, show_default=True,
               help="Timed calls per micro-batch (the median is kept), after one warm-up call.")
 @click.option("--calibrate-steps", type=click.IntRange(0, 1000), default=14, show_default=True,
-              help="Steps of a real run (every section at dp 1, pinned workers) whose measured busy time "
-                   "scales each section's costs (0: no calibration run).")
+              help=f"Measured steps of a real calibration run (every section at dp 1, pinned workers; it runs "
+                   f"{WARMUP_STEPS} warm-up steps more, not measured) whose busy time scales each section's costs "
+                   f"(0: no calibration run).")
 @click.pass_context
 def profile(ctx: click.Context, pipeline: str, sets: tuple[str, ...], out: str | None, sizes: str | None,
             repeats: int, calibrate_steps: int) -> None:
@@ -72,6 +75,12 @@ def profile(ctx: click.Context, pipeline: str, sets: tuple[str, ...], out: str |
                                                          repeats=repeats, calibrate_steps=calibrate_steps,
                                                          log=lambda msg: click.echo(msg, err=True)))
     except MaestroError as exc:
+        worker_traceback = getattr(exc, "traceback", None)  # ProfilingError: formatted where it was raised
+        if worker_traceback and (ctx.obj or {}).get("debug"):
+            click.echo(worker_traceback.rstrip(), err=True)
+        elif worker_traceback:
+            click.echo(f"error: {exc}\n(the traceback: maestro --debug profile ...)", err=True)
+            sys.exit(1)
         _fail(ctx, exc)
         return
     for name, body in data["sections"].items():

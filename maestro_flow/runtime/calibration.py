@@ -4,9 +4,9 @@ Runs in the CLI process. The profile times each section alone, in one pinned wor
 run differs from that by what only a real run has: its neighbours computing on the other cores
 at the same time (shared caches and memory bandwidth), the executor's own work per micro-batch
 (reading rows, transfers, bookkeeping), the micro-batches the plan actually cuts. So the
-pipeline runs in section mode for a few steps, every section at dp 1 (with as many sections
+pipeline runs in section mode for WARMUP_STEPS + `steps` steps, every section at dp 1 (with as many sections
 as cores, one pinned worker per core: no time sharing, which the tuner models by itself) with
-the profiled costs, and for each section the busy time the run measured (the executor's,
+the profiled costs, and for each section the busy time the last `steps` of them measured (the executor's,
 optimizer step left out) is set against what the profile predicts for the micro-batches the
 plan ran: their ratio scales the section's cost terms and runtime overhead in the cost file
 (`calibration` records the factors and the run). The tuner then predicts from costs a real run
@@ -21,12 +21,15 @@ import statistics
 import tempfile
 from typing import Any
 
-from maestro_flow.runtime.costfile import read_cost_file
+from maestro_flow.runtime.costfile import check_cost_file, read_costs
+
+WARMUP_STEPS = 4  # run before the `steps` that are measured (workers start, caches fill, costs settle)
 
 
-def calibrate(path: str, overrides: dict[str, Any], cost_file: str, *, steps: int = 14, warmup: int = 4,
+def calibrate(path: str, overrides: dict[str, Any], cost_file: str, *, steps: int = 14, warmup: int = WARMUP_STEPS,
               log: Any = None) -> dict[str, float]:
-    """Run the pipeline, rewrite `cost_file` with the calibrated costs; returns section -> factor."""
+    """Run the pipeline `warmup` + `steps` steps, rewrite `cost_file` with the costs calibrated on
+    the last `steps`; returns section -> factor."""
     from maestro_flow.runtime.build import load_pipeline
     from maestro_flow.runtime.checks import check_pipeline
     from maestro_flow.runtime.costfile import cost_overrides
@@ -34,10 +37,12 @@ def calibrate(path: str, overrides: dict[str, Any], cost_file: str, *, steps: in
     from maestro_flow.samples import SampleMeta
 
     log = log or (lambda _msg: None)
-    profiled, profiles = read_cost_file(cost_file)
     pipeline, _ = load_pipeline(path, dict(overrides))
+    written = read_costs(cost_file)
+    check_cost_file(pipeline, written)
+    profiles = written.sections
     layout = {f"sections.{s.name}.{k}": v for s in pipeline.sections for k, v in (("dp", 1), ("tp", 1), ("fsdp", False))}
-    costs = cost_overrides(pipeline, {n: p.cost for n, p in profiles.items()}, f"--costs {cost_file}", profiled)
+    costs = cost_overrides(pipeline, {n: p.cost for n, p in profiles.items()}, f"--costs {cost_file}")
     run_sets = {**overrides, **layout, **costs, "steps": steps + warmup, "adapt_costs": False}
     meta: dict[int, SampleMeta] = {s.id: s for s in check_pipeline(pipeline.override(**run_sets)).metadata}
     with tempfile.TemporaryDirectory(prefix="maestro-calibrate-") as folder:

@@ -1,10 +1,14 @@
 """The cost file `maestro profile` writes and `run`/`plan`/`tune --costs FILE` read.
 
-Runs in the CLI/coordinator process; JSON only (no torch), so reading a cost file is cheap.
-Format (version 1):
+Runs in the CLI/coordinator process; JSON only (no torch), so reading a cost file is cheap. The
+reading is the door (`read_costs`): every field is checked there, with an error naming the file
+and the field; `check_cost_file` then refuses a file that does not describe the pipeline.
+Format (version 2):
 
-    {"version": 1, "pipeline": NAME, "machine": {...}, "created": ISO time,
-     "sections": {NAME: {"cost": {per_sample_s, per_token_s, per_patch_s, per_frame_s, backward_factor},
+    {"version": 2, "pipeline": NAME, "machine": {..., "cores": the machine's cores}, "created": ISO time,
+     "sections": {NAME: {"profiled_with": {...},        # what the measurement depends on (see below)
+                         "cost": {per_sample_s, per_token_s, per_patch_s, per_frame_s, backward_factor,
+                                  per_micro_batch_s, padded},
                          "micro_batch_overhead_s": s,      # fixed time per micro-batch (forward)
                          "memory_base_mb": MB,             # parameters, gradients, optimizer state + fixed
                          "peak_memory_mb_per_sample": MB,  # activations per sample in a micro-batch
@@ -17,11 +21,20 @@ Format (version 1):
                          "device": "cpu" | "cuda:0", "memory_method": "...",
                          "measurements": [{micro_batch, samples, tokens, patches, frames,
                                            forward_s, backward_s, peak_mb}, ...]}},
+     "unmeasured": {NAME: {"reason": why, "profiled_with": {...}}},  # sections no sample activated
      "planning_s": s}                                      # one plan of a global batch (per step)
 
-runtime_overhead_s, step_overhead_s, grad_mb, planning_s, param_mb, tp_share and unit_mb were added
-later (still version 1): a file without them reads as 0 (no runtime costs modelled, no memory saved
-by sharding), as before.
+Every field above but machine, created, device, memory_method, measurements and unmeasured is
+required. `profiled_with` (`profiled_with()`) is a section's stage, config, device setting,
+trainable, optimizer (all but the learning rate and its schedule), activates_on and columns,
+and the pipeline's dtype, mixed_precision and data.modality_columns: a file whose sections were
+profiled with other values is refused, naming the section and the fields (another model's
+parameters, memory and times would be planned and tuned with). dp, micro_batch, tp and fsdp are
+not in it: the profile measures every section at dp 1, tp 1, without FSDP, at several
+micro-batch sizes, and the tuner scales from there.
+
+Version 1 files (written before `profiled_with`, `unmeasured` and the required fields) are
+refused with a request to profile again: nothing in them says which model they measured.
 
 `cost` is what the planner uses (Pipeline sections' `cost`); the overhead and memory figures
 are what `maestro tune` adds on top.
@@ -29,16 +42,23 @@ are what `maestro tune` adds on top.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
-from dataclasses import dataclass
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
-from maestro_flow.config import Cost, Pipeline
+from maestro_flow.config import SCHEDULE_KEYS, Cost, Pipeline, Section, is_number
 from maestro_flow.errors import PipelineError
 
-VERSION = 1
+VERSION = 2
+FIGURES = ("micro_batch_overhead_s", "memory_base_mb", "peak_memory_mb_per_sample", "runtime_overhead_s",
+           "step_overhead_s", "grad_mb", "param_mb", "tp_share", "unit_mb")
+COST_FIELDS = tuple(f.name for f in dataclasses.fields(Cost))
+REPROFILE = "re-run `maestro profile PIPELINE --out FILE` for this pipeline"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -53,10 +73,30 @@ class SectionProfile:
     param_mb: float = 0.0
     tp_share: float = 0.0
     unit_mb: float = 0.0
+    profiled_with: dict[str, Any] = field(default_factory=dict)
 
 
-def read_cost_file(path: str) -> tuple[str, dict[str, SectionProfile]]:
-    """The pipeline name and every section's profile; PipelineError naming the path and field."""
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CostFile:
+    """A checked cost file: the measured sections, those no sample activated (name -> their
+    `reason` and `profiled_with`) and the planning time per step."""
+
+    path: str
+    pipeline: str
+    sections: dict[str, SectionProfile]
+    unmeasured: dict[str, dict[str, Any]]
+    planning_s: float
+
+
+def _number(value: Any, where: str, share: bool = False) -> float:
+    # A bool is not a figure (float(True) is 1.0), and max(0, nan) is 0 downstream: a NaN limit would always fit.
+    if not is_number(value) or not math.isfinite(value) or value < 0 or (share and value > 1):
+        raise PipelineError(f"{where}: {value!r} is not {'a share from 0 to 1' if share else 'a finite number >= 0'}")
+    return float(value)
+
+
+def read_costs(path: str) -> CostFile:
+    """The whole cost file, every field checked; PipelineError naming the path and field."""
     try:
         with open(path) as f:
             data = json.load(f)
@@ -64,44 +104,63 @@ def read_cost_file(path: str) -> tuple[str, dict[str, SectionProfile]]:
         raise PipelineError(f"--costs {path}: file not found (write one with `maestro profile`)") from None
     except (OSError, ValueError) as exc:
         raise PipelineError(f"--costs {path}: not a JSON cost file ({exc})") from None
+    where = f"--costs {path}"
     if not isinstance(data, dict) or not isinstance(data.get("sections"), dict):
-        raise PipelineError(f"--costs {path}: no 'sections' object (is this a `maestro profile` file?)")
-    out: dict[str, SectionProfile] = {}
-    fields = {f.name for f in dataclasses.fields(Cost)}
-    for name, body in data["sections"].items():
-        where = f"--costs {path}: sections.{name}"
-        cost = body.get("cost") if isinstance(body, dict) else None
-        if not isinstance(cost, dict):
-            raise PipelineError(f"{where}.cost is missing")
-        unknown = set(cost) - fields
-        if unknown:
-            raise PipelineError(f"{where}.cost: unknown field(s) {', '.join(sorted(unknown))}")
-        try:
-            values = {k: (v if k == "padded" else float(v)) for k, v in cost.items()}
-            if "per_micro_batch_s" not in values:  # a file from before Cost had the fixed cost
-                values["per_micro_batch_s"] = float(body.get("micro_batch_overhead_s", 0.0))
-            c = Cost(**values)
-            c.validate(where)
-            extra = {k: float(body.get(k, 0.0)) for k in ("micro_batch_overhead_s", "memory_base_mb",
-                                                          "peak_memory_mb_per_sample", "runtime_overhead_s",
-                                                          "step_overhead_s", "grad_mb", "param_mb", "tp_share", "unit_mb")}
-        except (TypeError, ValueError) as exc:
-            raise PipelineError(f"{where}: {exc}") from None
-        for k, v in extra.items():  # max(0, nan) is 0 downstream: a NaN limit would always fit
-            if not math.isfinite(v) or v < 0 or (k == "tp_share" and v > 1):
-                raise PipelineError(f"{where}.{k}: {body.get(k)!r} is not "
-                                    f"{'a share from 0 to 1' if k == 'tp_share' else 'a finite number >= 0'}")
-        out[name] = SectionProfile(cost=c, **extra)
-    return str(data.get("pipeline", "")), out
+        raise PipelineError(f"{where}: no 'sections' object (is this a `maestro profile` file?)")
+    version = data.get("version")
+    if version == 1:
+        raise PipelineError(f"{where}: a version 1 cost file, which does not record what each section was "
+                            f"profiled with (stage, config, device, dtype), so it cannot be checked against "
+                            f"the pipeline; {REPROFILE}")
+    if version != VERSION or isinstance(version, bool):
+        raise PipelineError(f"{where}: version {version!r} is not a cost file version this maestro reads "
+                            f"({VERSION}); {REPROFILE}")
+    if not isinstance(data.get("pipeline"), str) or not data["pipeline"]:
+        raise PipelineError(f"{where}: 'pipeline' (the name of the pipeline profiled) is missing; {REPROFILE}")
+    if not data["sections"]:
+        raise PipelineError(f"{where}: 'sections' is empty: no section was measured; {REPROFILE}")
+    sections = {name: _section(body, f"{where}: sections.{name}") for name, body in data["sections"].items()}
+    unmeasured = data.get("unmeasured", {})
+    if not isinstance(unmeasured, dict) or not all(
+            isinstance(b, dict) and isinstance(b.get("profiled_with"), dict) for b in unmeasured.values()):
+        raise PipelineError(f"{where}: 'unmeasured' must map section names to {{reason, profiled_with}}")
+    if "planning_s" not in data:
+        raise PipelineError(f"{where}: planning_s is missing; {REPROFILE}")
+    planning_s = _number(data["planning_s"], f"{where}: planning_s")
+    return CostFile(path=path, pipeline=data["pipeline"], sections=sections, unmeasured=unmeasured,
+                    planning_s=planning_s)
+
+
+def _section(body: Any, where: str) -> SectionProfile:
+    cost = body.get("cost") if isinstance(body, dict) else None
+    if not isinstance(cost, dict):
+        raise PipelineError(f"{where}.cost is missing")
+    unknown, missing = set(cost) - set(COST_FIELDS), [k for k in COST_FIELDS if k not in cost]
+    if unknown:
+        raise PipelineError(f"{where}.cost: unknown field(s) {', '.join(sorted(unknown))}")
+    if missing:
+        raise PipelineError(f"{where}.cost: missing field(s) {', '.join(missing)}")
+    lacking = [k for k in (*FIGURES, "profiled_with") if k not in body]
+    if lacking:
+        raise PipelineError(f"{where}: missing field(s) {', '.join(lacking)}")
+    if not isinstance(body["profiled_with"], dict):
+        raise PipelineError(f"{where}.profiled_with must be an object, got {body['profiled_with']!r}")
+    values = {k: (v if k == "padded" else _number(v, f"{where}.cost.{k}")) for k, v in cost.items()}
+    c = Cost(**values)
+    c.validate(where)
+    figures = {k: _number(body[k], f"{where}.{k}", share=k == "tp_share") for k in FIGURES}
+    return SectionProfile(cost=c, **figures, profiled_with=body["profiled_with"])
+
+
+def read_cost_file(path: str) -> tuple[str, dict[str, SectionProfile]]:
+    """The pipeline name and every measured section's profile (`read_costs`, in short)."""
+    costs = read_costs(path)
+    return costs.pipeline, costs.sections
 
 
 def read_planning_s(path: str) -> float:
-    """The file's per-step planning time (0 for files written before it was measured)."""
-    try:
-        with open(path) as f:
-            return float(json.load(f).get("planning_s", 0.0))
-    except (OSError, ValueError, TypeError, AttributeError):
-        return 0.0
+    """The file's per-step planning time (checked: a finite number >= 0)."""
+    return read_costs(path).planning_s
 
 
 def load_cost_file(path: str) -> dict[str, Cost]:
@@ -109,22 +168,80 @@ def load_cost_file(path: str) -> dict[str, Cost]:
     return {n: p.cost for n, p in read_cost_file(path)[1].items()}
 
 
+def _plain(value: Any) -> Any:
+    """As JSON holds it (tuples are lists), so a fingerprint compares equal to its own reading."""
+    return json.loads(json.dumps(value, sort_keys=True))
+
+
+def profiled_with(pipeline: Pipeline, section: Section) -> dict[str, Any]:
+    """What a section's measured costs and memory depend on (the cost file's `profiled_with`)."""
+    optimizer = {k: v for k, v in section.optimizer.items() if k != "lr" and k not in SCHEDULE_KEYS}
+    return _plain({"stage": section.stage, "config": section.config, "device": section.device,
+                   "trainable": section.trainable, "optimizer": optimizer if section.trainable else None,
+                   "activates_on": section.activates_on, "columns": section.columns, "dtype": pipeline.dtype,
+                   "mixed_precision": pipeline.mixed_precision,
+                   "modality_columns": pipeline.data.modality_columns})
+
+
+_ABSENT = object()
+
+
+def _changed(was: dict[str, Any], now: dict[str, Any], prefix: str = "", depth: int = 1) -> list[str]:
+    """The fields that differ, `depth` levels into objects ("config.d_model (256, now 1024)")."""
+    out = []
+    for k in sorted(set(was) | set(now)):
+        a, b = was.get(k, _ABSENT), now.get(k, _ABSENT)
+        if a == b:
+            continue
+        if depth and isinstance(a, dict) and isinstance(b, dict):
+            out += _changed(a, b, f"{prefix}{k}.", depth - 1)
+        else:
+            out.append(f"{prefix}{k} ({_show(a)}, now {_show(b)})")
+    return out
+
+
+def _show(value: Any) -> str:
+    text = "unset" if value is _ABSENT else repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def check_cost_file(pipeline: Pipeline, costs: CostFile) -> None:
+    """Refuse a cost file that was not measured on `pipeline` as it is now: another pipeline's,
+    one with sections it lacks or lacks sections it has, or a section profiled with another
+    stage, config, device, dtype, ... (`profiled_with`)."""
+    where = f"--costs {costs.path}"
+    if costs.pipeline != pipeline.name:
+        raise PipelineError(f"{where}: the costs were measured on pipeline {costs.pipeline!r}, not "
+                            f"{pipeline.name!r}; profile this pipeline (maestro profile PIPELINE --out FILE)")
+    recorded = {**{n: b["profiled_with"] for n, b in costs.unmeasured.items()},
+                **{n: p.profiled_with for n, p in costs.sections.items()}}
+    names = pipeline.section_names
+    unknown = sorted(set(recorded) - set(names))
+    if unknown:
+        raise PipelineError(f"{where}: section(s) {', '.join(unknown)} are not in pipeline {pipeline.name!r} "
+                            f"(sections: {', '.join(names)}); {REPROFILE}")
+    missing = [n for n in names if n not in recorded]
+    if missing:
+        raise PipelineError(f"{where}: section(s) {', '.join(missing)} of pipeline {pipeline.name!r} are not in "
+                            f"the file (profiled: {', '.join(recorded)}); {REPROFILE}")
+    for s in pipeline.sections:
+        changed = _changed(recorded[s.name], profiled_with(pipeline, s))
+        if changed:
+            raise PipelineError(f"{where}: sections.{s.name} was profiled with another {', '.join(changed)}: its "
+                                f"costs and memory are another model's; {REPROFILE}")
+
+
 def file_overrides(pipeline: Pipeline, path: str) -> dict[str, Any]:
-    """`Pipeline.override` keys that give each section the cost file's cost for it; a file of
-    another pipeline (by name) is refused: its sections' costs are another model's."""
-    profiled, profiles = read_cost_file(path)
-    return cost_overrides(pipeline, {n: p.cost for n, p in profiles.items()}, f"--costs {path}", profiled)
+    """`Pipeline.override` keys that give each measured section the cost file's cost for it;
+    a file not measured on this pipeline is refused (check_cost_file)."""
+    costs = read_costs(path)
+    check_cost_file(pipeline, costs)
+    return cost_overrides(pipeline, {n: p.cost for n, p in costs.sections.items()}, f"--costs {path}")
 
 
-def cost_overrides(pipeline: Pipeline, costs: dict[str, Cost], where: str = "--costs",
-                   profiled: str = "") -> dict[str, Any]:
-    """`Pipeline.override` keys that replace each profiled section's cost (`profiled`: the name of
-    the pipeline the costs were measured on, when known)."""
-    if profiled and profiled != pipeline.name:
-        raise PipelineError(f"{where}: the costs were measured on pipeline {profiled!r}, not {pipeline.name!r}; "
-                            f"profile this pipeline (maestro profile PIPELINE --out FILE)")
-    names = set(pipeline.section_names)
-    unknown = sorted(set(costs) - names)
+def cost_overrides(pipeline: Pipeline, costs: dict[str, Cost], where: str = "--costs") -> dict[str, Any]:
+    """`Pipeline.override` keys that replace each given section's cost."""
+    unknown = sorted(set(costs) - set(pipeline.section_names))
     if unknown:
         raise PipelineError(f"{where}: section(s) {', '.join(unknown)} are not in pipeline {pipeline.name!r} "
                             f"(sections: {', '.join(pipeline.section_names)}); profile this pipeline again")
@@ -136,12 +253,40 @@ def apply_cost_file(pipeline: Pipeline, path: str) -> Pipeline:
     return pipeline.override(**file_overrides(pipeline, path))
 
 
-def write_cost_file(path: str, data: dict[str, Any]) -> None:
-    import os
+def check_out(path: str) -> None:
+    """Refuse, before any work, a cost file path that cannot be written: a folder, or one whose
+    nearest existing parent is a file or not writable."""
+    if os.path.isdir(path):
+        raise PipelineError(f"--out {path}: is a folder; give a file path")
+    folder = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(folder):
+        folder = os.path.dirname(folder)
+    if not os.path.isdir(folder):
+        raise PipelineError(f"--out {path}: {folder} is a file, not a folder")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise PipelineError(f"--out {path}: cannot write in {folder} (permission denied)")
 
+
+def write_cost_file(path: str, data: dict[str, Any]) -> None:
+    """Write `data` as the cost file at `path` at once (a reader never sees half a file)."""
+    with staged(path) as tmp:
+        with open(tmp, "w") as f:
+            json.dump({"version": VERSION, **data}, f, indent=1, sort_keys=False)
+            f.write("\n")
+
+
+@contextlib.contextmanager
+def staged(path: str) -> Iterator[str]:
+    """A temporary path next to `path` that becomes `path` (a rename) when the block succeeds and
+    is removed when it fails: a failed profile or calibration leaves no file, nor half of one."""
     folder = os.path.dirname(path)
     if folder:
         os.makedirs(folder, exist_ok=True)
-    with open(path, "w") as f:
-        json.dump({"version": VERSION, **data}, f, indent=1, sort_keys=False)
-        f.write("\n")
+    tmp = os.path.join(folder, f".{os.path.basename(path)}.{os.getpid()}.partial")
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise

@@ -7,15 +7,21 @@ times are fitted by planner.costfit.fit_nonnegative as seconds = overhead + a*sa
 stage that pads is charged (every sample at its micro-batch's longest: planner/cost.charged) and
 once without; the by far better fit (PADDING_MARGIN) sets `Cost.padded`. backward_factor = total backward / total
 forward time; memory = parameter state + a fitted line in the micro-batch size.
+
+Also pure: which samples are timed (default_sizes, spread, micro_batches), the rows' source;
+and planning_s, the (pure) planner's time for one global batch, which reads the clock.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import statistics
+import time
 from collections.abc import Mapping
 from typing import Any
 
-from maestro_flow.config import Cost
+from maestro_flow.config import Cost, Pipeline
+from maestro_flow.graph import SectionGraph
 from maestro_flow.planner.cost import charged
 from maestro_flow.planner.costfit import FEATURES, fit_nonnegative
 from maestro_flow.samples import SampleMeta
@@ -48,6 +54,39 @@ def _fit_forward(prior: Cost, rows: list[dict[str, Any]], padded: bool
     coef = fit_nonnegative(data, (0.0, *(getattr(prior, f) for f in FEATURES)), 0.05)
     residual = sum((y - sum(c * v for c, v in zip(coef, x, strict=True))) ** 2 for x, y in data)
     return coef, residual, counted
+
+
+def default_sizes(micro_batch: int) -> tuple[int, ...]:
+    """1, 2, 4, 8, ... up to twice the section's micro-batch (at least 8)."""
+    top, out, m = max(8, 2 * micro_batch), [], 1
+    while m <= top:
+        out.append(m)
+        m *= 2
+    return tuple(out)
+
+
+def _size(s: SampleMeta) -> int:
+    return s.num_tokens + s.num_patches + s.num_frames
+
+
+def spread(samples: list[SampleMeta], n: int) -> list[SampleMeta]:
+    """`n` samples evenly spaced over the size order (all of them when there are fewer)."""
+    ordered = sorted(samples, key=lambda s: (_size(s), s.id))
+    if len(ordered) <= n:
+        return ordered
+    return [ordered[round(i * (len(ordered) - 1) / (n - 1))] for i in range(n)] if n > 1 else ordered[:1]
+
+
+def micro_batches(pool: list[SampleMeta], m: int) -> list[list[SampleMeta]]:
+    """The micro-batches of size `m` (at most the pool's) timed from a size-ordered pool: its
+    smallest, middle and largest samples, and one of mixed lengths spread over it (what padding
+    costs)."""
+    m = min(m, len(pool))
+    starts = sorted({0, (len(pool) - m) // 2, len(pool) - m})
+    mbs = [pool[start:start + m] for start in starts]
+    if m > 1:
+        mbs.append(pool[::max(1, len(pool) // m)][:m])
+    return mbs
 
 
 def state_copies(trainable: bool, optimizer: Mapping[str, Any]) -> int:
@@ -92,3 +131,24 @@ def fit_section(prior: Cost, rows: list[dict[str, Any]], trainable: bool, param_
             "memory_base_mb": state + mem[0], "peak_memory_mb_per_sample": mem[1],
             "padding": {"declared": prior.padded, "detected": padded,
                         "residual_padded": fits[True][1], "residual_summed": fits[False][1]}}
+
+
+def planning_s(pipeline: Pipeline, graph: SectionGraph, metadata: list[SampleMeta], repeats: int) -> float:
+    """Seconds for one plan of a global batch (the coordinator plans every step)."""
+    from maestro_flow.planner import make_planner
+    from maestro_flow.planner.cost import CostModel
+
+    if not metadata:
+        return 0.0
+    batch = metadata[:pipeline.global_batch]
+    # The rules alone: a run's search (planner/refine.py) runs only on a core of its own, ahead of
+    # the step (runtime/cpus.search_share; a plan held back at a checkpoint aside), so it is not
+    # part of the step's planning time.
+    planner = make_planner(pipeline.schedule, graph, CostModel(costs={s.name: s.cost for s in pipeline.sections}),
+                           search=0.0)
+    times = []
+    for step in range(repeats + 1):
+        t0 = time.perf_counter()
+        planner.plan(step, batch)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:])

@@ -6,32 +6,21 @@ dp=1 on its own device, fed real dataset rows (entry sections) or
 the real outputs of its producers (run first on the same samples; detached, and marked
 requires_grad where the edge carries gradients, as the executor does).
 
-What is measured, per section and per micro-batch size (default 1, 2, 4, ... up to twice the
-section's micro_batch): three micro-batches — the smallest, middle and largest samples by
-tokens+patches+frames among a pool spread over the dataset's size range — and one of mixed
-lengths spread over the pool, each timed `repeats` times after one warm-up call, keeping the
-median. Each is counted as the cost model charges it (planner/cost.charged: for a stage that
-pads, `Cost.padded`, every sample at the micro-batch's longest):
+What is measured, per section and per micro-batch size: the micro-batches profile_fit picks
+(default_sizes, spread, micro_batches: smallest, middle, largest and mixed lengths from a pool
+spread over the dataset's size range), each timed `repeats` times after one warm-up call,
+keeping the median, counted as the cost model charges it (planner/cost.charged):
   - forward: building the micro-batch (reading and converting its rows, as the executor's
     timing does) + `stage.forward` (under no_grad for frozen sections);
   - backward (trainable sections): the loss's backward for a loss section, else the backward of
     the sum of the section's outgoing tensors.
-Fit (planner.costfit.fit_nonnegative, non-negative least squares lightly pulled towards the
-pipeline's Cost shape): forward seconds = overhead + a*samples + b*tokens + c*patches +
-d*frames, with the token/patch/frame terms the section's Cost uses (the CostFitter rule);
-backward_factor = total backward / total forward time. The fit is made both with padding
-(tokens, patches, frames counted at each micro-batch's longest sample) and without, and the
-clearly better one sets the cost file's `padded` (runtime/profile_fit.py: padding is measured,
-not only declared).
+The fit (costs, fixed cost, padding detected from the times, memory): runtime/profile_fit.py.
 
 Peak memory per micro-batch: on CUDA, torch.cuda.max_memory_allocated above the allocation
 before the call; on CPU, the process RSS sampled every millisecond by a thread during the call,
 above the RSS before it (after glibc's malloc_trim, so freed memory of earlier calls does not
-hide growth). CPU figures are approximate (allocator caching, page granularity). The memory
-model: memory_base_mb = parameter bytes x (1 frozen; 4 trainable: weights, gradients, two AdamW
-states; 2 for SGD) + the fitted constant; peak_memory_mb_per_sample = the fitted slope of peak
-activation memory against micro-batch size; param_mb and tp_share (the share of it the stage's
-tp_plan shards) let `maestro tune` model tensor parallelism and FSDP.
+hide growth). CPU figures are approximate (allocator caching, page granularity). param_mb and
+tp_share (the share of it the stage's tp_plan shards) let `maestro tune` model tp and FSDP.
 
 Runtime costs (calibration; the stage's compute alone under-predicts a real step):
   - step_overhead_s (trainable sections): the end-of-step work the executor does once per step,
@@ -43,10 +32,14 @@ Runtime costs (calibration; the stage's compute alone under-predicts a real step
     Python loop, waking the compute thread). It cannot be timed in this one process: it starts
     at RUNTIME_OVERHEAD_S (measured on the 2-core CPU VM of tools/bench/RESULTS.md) and the
     calibration run scales it with the compute terms; pass runtime_overhead_s to override;
-  - calibration (calibrate_steps > 0, the default): a short real run of the pipeline, one pinned
-    worker per section, scales each section's costs by its measured busy time over the
-    profile's prediction (runtime/calibration.py);
+  - calibration (calibrate_steps > 0): a short real run scales each section's costs
+    (runtime/calibration.py);
   - planning_s: one wavefront plan of the global batch, which the coordinator computes every step.
+
+Failures: MAESTRO_WORKER_THREADS and --out are checked before the worker starts; an exception in
+the worker comes back as data (ProfilingError: the section, what it was doing, the traceback
+formatted there); the cost file is written (runtime/costfile.staged) only when the profile and
+its calibration both succeeded.
 """
 
 from __future__ import annotations
@@ -65,19 +58,20 @@ from typing import Any
 import torch
 
 from maestro_flow.config import Pipeline
-from maestro_flow.errors import PipelineError
+from maestro_flow.errors import MaestroError, PipelineError, StageError, SystemFailure
 from maestro_flow.graph import SectionGraph
 from maestro_flow.parallel.fsdp import largest_unit_bytes
 from maestro_flow.parallel.tp import tp_share
 from maestro_flow.planner.cost import charged
+from maestro_flow.runtime import cpus
 from maestro_flow.runtime.build import build_stage, default_dtype, load_pipeline, resolve_device
 from maestro_flow.runtime.checks import check_pipeline
-from maestro_flow.runtime.costfile import apply_cost_file, load_cost_file, write_cost_file
-from maestro_flow.runtime.profile_fit import fit_section
+from maestro_flow.runtime.costfile import check_out, profiled_with, staged, write_cost_file
+from maestro_flow.runtime.profile_fit import default_sizes, fit_section, micro_batches, planning_s, spread
 from maestro_flow.samples import SampleMeta
 from maestro_flow.stage import MicroBatch
 
-__all__ = ["ProfileOptions", "profile_pipeline", "load_cost_file", "apply_cost_file", "default_sizes"]
+__all__ = ["ProfileOptions", "ProfilingError", "profile_pipeline"]  # the cost file itself: runtime/costfile.py
 
 MB = 1 << 20
 # The executor's fixed cost per micro-batch beyond the stage's compute, measured on the 2-core CPU
@@ -93,31 +87,32 @@ class ProfileOptions:
     out: str | None = None  # default runs/costs-NAME.json
     sizes: tuple[int, ...] | None = None  # micro-batch sizes; default per section (default_sizes)
     repeats: int = 3
-    threads: int | None = None  # torch CPU threads; default MAESTRO_WORKER_THREADS or 1 (see below)
+    threads: int | None = None  # torch CPU threads; default MAESTRO_WORKER_THREADS or 1 (worker_threads)
     log: Any = None  # callable(str) for progress lines, or None
     runtime_overhead_s: float | None = None  # per micro-batch; default RUNTIME_OVERHEAD_S
-    calibrate_steps: int = 14  # a real run of this many steps calibrates the costs (runtime/calibration.py); 0: none
+    calibrate_steps: int = 14  # measured steps of a real run (after its warm-up) calibrate the costs; 0: none
 
 
-def default_sizes(micro_batch: int) -> tuple[int, ...]:
-    """1, 2, 4, 8, ... up to twice the section's micro-batch (at least 8)."""
-    top, out, m = max(8, 2 * micro_batch), [], 1
-    while m <= top:
-        out.append(m)
-        m *= 2
-    return tuple(out)
+class ProfilingError(MaestroError):
+    """Profiling failed: in `section` (None: outside any section) during `phase` ("forward at
+    micro-batch 4"), with `traceback` formatted as text in the process that raised. Its message
+    is one line: where, and the traceback's last line (the exception itself)."""
+
+    def __init__(self, *, section: str | None, phase: str, traceback: str) -> None:
+        self.section, self.phase, self.traceback = section, phase, traceback
+        lines = [line.strip() for line in traceback.splitlines() if line.strip()]
+        where = f"section {section!r} during {phase}" if section else phase
+        super().__init__(f"profiling failed in {where}: {lines[-1] if lines else 'no traceback'}")
 
 
-def _size(s: SampleMeta) -> int:
-    return s.num_tokens + s.num_patches + s.num_frames
-
-
-def _spread(samples: list[SampleMeta], n: int) -> list[SampleMeta]:
-    """`n` samples evenly spaced over the size order (all of them when there are fewer)."""
-    ordered = sorted(samples, key=lambda s: (_size(s), s.id))
-    if len(ordered) <= n:
-        return ordered
-    return [ordered[round(i * (len(ordered) - 1) / (n - 1))] for i in range(n)] if n > 1 else ordered[:1]
+def worker_threads(threads: int | None) -> int:
+    """The profiling worker's torch threads: `threads`, else MAESTRO_WORKER_THREADS, else 1."""
+    if threads:
+        return threads
+    try:
+        return cpus.env_threads() or 1
+    except ValueError as exc:
+        raise PipelineError(str(exc)) from None
 
 
 class _RssPeak:
@@ -184,6 +179,7 @@ class _Section:
 
     def __init__(self, pipeline: Pipeline, graph: SectionGraph, name: str, source: Any) -> None:
         self.name, self.graph, self.source = name, graph, source
+        self.at: dict[str, Any] = {"section": name, "phase": ""}  # what it is doing (profile_to reports it)
         self.mixed_precision = pipeline.mixed_precision
         self.section = graph.sections[name]
         self.device = torch.device(resolve_device(self.section, 0))
@@ -220,6 +216,7 @@ class _Section:
             return self.stage.forward(batch)
 
     def backward(self, out: dict[str, Any]) -> None:
+        self.at["phase"] = self.at["phase"].replace("forward", "backward")
         if self.is_loss:
             out["loss"].backward()
             return
@@ -268,6 +265,7 @@ def _measure(sec: _Section, mb: list[SampleMeta], outputs: dict, repeats: int) -
     # The first call warms up (allocator, lazy init, the gradients' memory) and is not kept: the
     # peaks kept are what a micro-batch adds to the training state (fit_section counts the state).
     for r in range(repeats + 1):
+        sec.at["phase"] = f"forward at micro-batch {len(mb)}"
         sec.zero_grad(keep=True)
         meter = _CudaPeak(sec.device) if sec.device.type == "cuda" else _RssPeak()
         with meter:
@@ -301,11 +299,13 @@ def profile_pipeline(path: str, options: ProfileOptions) -> dict[str, Any]:
     caller's threads, imports or allocator state), pinned to one core with `threads` torch
     threads, as `maestro run --pin-cpus` runs a worker that has a core of its own. Its progress
     lines and its result come back over a queue; an error in it is raised here (PipelineError
-    for bad input, else RuntimeError with its traceback)."""
+    for bad input, else ProfilingError). The file appears only once all succeeded."""
     import multiprocessing as mp
     import queue as queue_module
 
     log = options.log or (lambda _msg: None)
+    options = dataclasses.replace(options, threads=worker_threads(options.threads))
+    check_out(options.out or os.path.join("runs", "costs.json"))  # before minutes of work, not after
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     child = ctx.Process(target=_profile_worker, args=(path, dataclasses.replace(options, log=None), results),
@@ -317,14 +317,15 @@ def profile_pipeline(path: str, options: ProfileOptions) -> dict[str, Any]:
                 kind, body = results.get(timeout=1.0)
             except queue_module.Empty:
                 if child.exitcode is not None:
-                    raise RuntimeError(f"the profiling worker exited with code {child.exitcode} without a result") from None
+                    raise SystemFailure(f"the profiling worker exited with code {child.exitcode} without a "
+                                        "result") from None
                 continue
             if kind == "log":
                 log(body)
             elif kind == "input":
                 raise PipelineError(body)
             elif kind == "error":
-                raise RuntimeError(f"profiling failed in its worker process:\n{body}")
+                raise ProfilingError(**body)
             else:
                 data = body
                 break
@@ -333,33 +334,46 @@ def profile_pipeline(path: str, options: ProfileOptions) -> dict[str, Any]:
         if child.exitcode is None:
             child.kill()
             child.join(5.0)
-    write_cost_file(data["path"], {k: v for k, v in data.items() if k != "path"})
-    if options.calibrate_steps > 0:
-        from maestro_flow.runtime.calibration import calibrate
+    with staged(data["path"]) as tmp:
+        write_cost_file(tmp, {k: v for k, v in data.items() if k != "path"})
+        if options.calibrate_steps > 0:
+            from maestro_flow.runtime.calibration import calibrate
 
-        data["calibration"] = calibrate(path, options.overrides, data["path"], steps=options.calibrate_steps, log=log)
-        with open(data["path"]) as f:
-            data["sections"] = json.load(f)["sections"]
+            try:
+                data["calibration"] = calibrate(path, options.overrides, tmp, steps=options.calibrate_steps, log=log)
+            except StageError as exc:
+                raise ProfilingError(section=exc.section, phase=f"the calibration run ({exc.phase} at step "
+                                     f"{exc.step})", traceback=exc.traceback) from None
+            with open(tmp) as f:
+                data["sections"] = json.load(f)["sections"]
     return data
 
 
 def _profile_worker(path: str, options: ProfileOptions, results: Any) -> None:
     """The profiling worker process (see profile_pipeline)."""
-    import traceback
-
     cores = sorted(os.sched_getaffinity(0))
     os.sched_setaffinity(0, cores[:1])
+    profile_to(results.put, path, options, cores=len(cores))
+
+
+def profile_to(put: Any, path: str, options: ProfileOptions, *, cores: int) -> None:
+    """Profile in this process and `put` its messages: ("log", line)..., then ("ok", data), or
+    ("input", message) for bad input, or ("error", ProfilingError's fields) for any other
+    exception, with the section and phase it was in (`at`, kept up to date as it goes)."""
+    import traceback
+
+    at: dict[str, Any] = {"section": None, "phase": "loading and checking the pipeline"}
     try:
-        data = _profile_here(path, dataclasses.replace(options, log=lambda msg: results.put(("log", msg))))
-        results.put(("ok", data))
+        put(("ok", _profile_here(path, dataclasses.replace(options, log=lambda msg: put(("log", msg))), at, cores)))
     except PipelineError as exc:
-        results.put(("input", str(exc)))
+        put(("input", str(exc)))
     except Exception:
-        results.put(("error", traceback.format_exc()))
+        put(("error", {**at, "traceback": traceback.format_exc()}))
 
 
-def _profile_here(path: str, options: ProfileOptions) -> dict[str, Any]:
-    """Profile in this process (the worker's body); return the cost file's data and its path."""
+def _profile_here(path: str, options: ProfileOptions, at: dict[str, Any], cores: int) -> dict[str, Any]:
+    """Profile in this process (the worker's body); return the cost file's data and its path.
+    `cores`: the machine's (this process's, before it was pinned)."""
     log = options.log or (lambda _msg: None)
     pipeline, _ = load_pipeline(path, options.overrides)
     single = pipeline.override(**{f"sections.{s.name}.dp": 1 for s in pipeline.sections})
@@ -371,52 +385,57 @@ def _profile_here(path: str, options: ProfileOptions) -> dict[str, Any]:
     pools = {}
     for n in graph.order:
         mine = [s for s in checked.metadata if graph.sections[n].activates(s.modalities)]
-        pools[n] = _spread(mine, 3 * max(sizes[n]))
+        pools[n] = spread(mine, 3 * max(sizes[n]))
     # A CPU worker runs with cpu_count // workers threads (worker.py); one thread measures the
     # cost of one worker on one core, which is what a budget of one core per worker gives.
-    threads = options.threads or int(os.environ.get("MAESTRO_WORKER_THREADS", "0")) or 1
+    threads = worker_threads(options.threads)
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        report = _profile(single, graph, checked, sizes, pools, options, log)
+        report, unmeasured = _profile(single, graph, checked, sizes, pools, options, log, at)
     finally:
         torch.set_num_threads(previous_threads)
-    data = {"pipeline": pipeline.name, "machine": {**machine_info(), "torch_threads": threads,
-                                                   "cores": len(os.sched_getaffinity(0))},
+    at.update(section=None, phase="timing the planner")
+    data = {"pipeline": pipeline.name, "machine": {**machine_info(), "torch_threads": threads, "cores": cores},
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "repeats": options.repeats,
-            "planning_s": _planning_s(pipeline, graph, list(checked.metadata), options.repeats),
-            "sections": report}
+            "planning_s": planning_s(pipeline, graph, list(checked.metadata), options.repeats),
+            "sections": report, "unmeasured": unmeasured}
     data["path"] = options.out or os.path.join("runs", f"costs-{pipeline.name}.json")
     return data
 
 
 def _profile(single: Pipeline, graph: SectionGraph, checked: Any, sizes: dict[str, tuple[int, ...]],
-             pools: dict[str, list[SampleMeta]], options: ProfileOptions, log: Any) -> dict[str, Any]:
+             pools: dict[str, list[SampleMeta]], options: ProfileOptions, log: Any, at: dict[str, Any]
+             ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(section -> its report, section -> why it was not measured); `at` follows the work."""
     needed = {s.id: s for pool in pools.values() for s in pool}
     samples = sorted(needed.values(), key=lambda s: s.id)
     report: dict[str, Any] = {}
+    unmeasured: dict[str, Any] = {}
     outputs: dict[tuple[int, str], torch.Tensor | None] = {}
     with default_dtype(getattr(torch, single.dtype)):
         built = {}
         for n in graph.order:
+            at.update(section=n, phase="building its stage")
             built[n] = sec = _Section(single, graph, n, checked.source)
+            sec.at = at
             if graph.outputs(n):
+                at["phase"] = f"forward, producing its outputs (micro-batch {sec.section.micro_batch})"
                 _produce(sec, samples, outputs)
         for n in graph.order:
             sec, pool = built[n], pools[n]
+            at.update(section=n, phase="measuring")
             if not pool:
                 log(f"{n}: no sample in the dataset activates this section; keeping its cost")
+                unmeasured[n] = {"reason": "no sample in the dataset activates it",
+                                 "profiled_with": profiled_with(single, sec.section)}
                 continue
             rows = []
             for m in sizes[n]:
-                m = min(m, len(pool))
-                starts = sorted({0, (len(pool) - m) // 2, len(pool) - m})
-                mbs = [pool[start:start + m] for start in starts]
-                if m > 1:  # and one of mixed lengths, spread over the pool: what padding costs
-                    mbs.append(pool[::max(1, len(pool) // m)][:m])
+                mbs = micro_batches(pool, m)
                 for mb in mbs:
                     rows.append(_measure(sec, mb, outputs, options.repeats))
-                log(f"{n}: micro-batch {m}: forward {statistics.median(r['forward_s'] for r in rows[-len(mbs):]) * 1e3:.1f} ms")
+                log(f"{n}: micro-batch {len(mbs[0])}: forward {statistics.median(r['forward_s'] for r in rows[-len(mbs):]) * 1e3:.1f} ms")
             fitted = fit_section(sec.section.cost, rows, sec.section.trainable, sec.param_mb(),
                                  sec.section.optimizer, sec.param_mb(trained=True))
             pad = fitted["padding"]
@@ -426,6 +445,7 @@ def _profile(single: Pipeline, graph: SectionGraph, checked: Any, sizes: dict[st
                 log(f"{n}: its time follows {follows}, not what its Cost says (padded={pad['declared']}): "
                     f"the cost file says padded={pad['detected']}")
             if sec.section.trainable:
+                at["phase"] = "the optimizer step"
                 fitted["step_overhead_s"] = _time_optimizer_step(sec, pool[:sec.section.micro_batch], outputs,
                                                                  options.repeats)
                 fitted["grad_mb"] = sec.param_mb(trained=True)
@@ -436,11 +456,11 @@ def _profile(single: Pipeline, graph: SectionGraph, checked: Any, sizes: dict[st
             fitted["unit_mb"] = largest_unit_bytes(sec.stage) / MB
             fitted["runtime_overhead_s"] = (RUNTIME_OVERHEAD_S if options.runtime_overhead_s is None
                                             else options.runtime_overhead_s)
-            report[n] = {**fitted, "device": str(sec.device),
+            report[n] = {"profiled_with": profiled_with(single, sec.section), **fitted, "device": str(sec.device),
                          "memory_method": "cuda max_memory_allocated" if sec.device.type == "cuda"
                          else "process RSS peak (1 ms sampling, after malloc_trim)",
                          "measurements": rows}
-    return report
+    return report, unmeasured
 
 
 def _time_optimizer_step(sec: _Section, mb: list[SampleMeta], outputs: dict, repeats: int) -> float:
@@ -469,27 +489,6 @@ def _time_optimizer_step(sec: _Section, mb: list[SampleMeta], outputs: dict, rep
             times.append(time.perf_counter() - t0)
     sec.zero_grad()
     return statistics.median(times)
-
-
-def _planning_s(pipeline: Pipeline, graph: SectionGraph, metadata: list[SampleMeta], repeats: int) -> float:
-    """Seconds for one plan of a global batch (the coordinator plans every step)."""
-    from maestro_flow.planner import make_planner
-    from maestro_flow.planner.cost import CostModel
-
-    if not metadata:
-        return 0.0
-    batch = metadata[:pipeline.global_batch]
-    # The rules alone: a run's search (planner/refine.py) runs only on a core of its own, ahead of
-    # the step (runtime/cpus.search_share; a plan held back at a checkpoint aside), so it is not
-    # part of the step's planning time.
-    planner = make_planner(pipeline.schedule, graph, CostModel(costs={s.name: s.cost for s in pipeline.sections}),
-                           search=0.0)
-    times = []
-    for step in range(repeats + 1):
-        t0 = time.perf_counter()
-        planner.plan(step, batch)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times[1:])
 
 
 def machine_info() -> dict[str, Any]:

@@ -3,8 +3,10 @@
 The tensor-parallel sizes each section can take come from its stage class (a tp_plan or its own
 parallelize, and check_tp), without building it.
 Runs in the CLI process; starts nothing and builds no stage. Costs come from `--costs FILE`
-(a `maestro profile` file: fitted costs, per-micro-batch overhead and memory model) or else the
-pipeline's own `Cost` records (no memory model: the memory limit cannot be checked then).
+(a `maestro profile` file: fitted costs, per-micro-batch overhead and memory model; refused
+when not measured on this pipeline, runtime/costfile.check_cost_file) or else the pipeline's own
+`Cost` records (no memory model: the memory limit cannot be checked then, nor for a section the
+file did not measure: a note names them).
 Sample metadata come from `--trace-in` (JSON Lines) or the pipeline's dataset.
 A cost file also carries the runtime's own costs (per micro-batch, per step, planning), and when
 every section runs on the CPU the simulation shares `cpu_cores` cores between the worker
@@ -25,7 +27,7 @@ from maestro_flow.graph import SectionGraph
 from maestro_flow.planner.cost import CostModel
 from maestro_flow.planner.tune import Candidate, MemoryModel, TuneResult, representative_batch, to_overrides, tune
 from maestro_flow.runtime.build import load_pipeline
-from maestro_flow.runtime.costfile import cost_overrides, read_cost_file, read_planning_s
+from maestro_flow.runtime.costfile import check_cost_file, cost_overrides, read_costs
 from maestro_flow.runtime.profile_fit import state_copies
 
 
@@ -89,9 +91,11 @@ def _inputs(path: str, options: TuneOptions) -> tuple[Any, CostModel, list, dict
     memory, overhead = None, None
     calibration: dict[str, Any] = {}
     if options.costs:
-        profiled, profiles = read_cost_file(options.costs)
+        cost_file = read_costs(options.costs)
+        check_cost_file(pipeline, cost_file)
+        profiles = cost_file.sections
         pipeline = pipeline.override(**cost_overrides(pipeline, {n: p.cost for n, p in profiles.items()},
-                                                      f"--costs {options.costs}", profiled))
+                                                      f"--costs {options.costs}"))
         fed, feeding = {e.dst for e in pipeline.edges}, {e.src for e in pipeline.edges}
         trains = {s.name for s in pipeline.sections if s.trainable}
         memory = {n: MemoryModel(base_mb=p.memory_base_mb, per_sample_mb=p.peak_memory_mb_per_sample,
@@ -104,7 +108,13 @@ def _inputs(path: str, options: TuneOptions) -> tuple[Any, CostModel, list, dict
         calibration = {"runtime_s": {n: p.runtime_overhead_s for n, p in profiles.items()},
                        "step_s": {n: p.step_overhead_s for n, p in profiles.items()},
                        "grad_mb": {n: p.grad_mb for n, p in profiles.items()},
-                       "planning_s": read_planning_s(options.costs)}
+                       "planning_s": cost_file.planning_s}
+        unmeasured = [f"{n} ({cost_file.unmeasured[n].get('reason', 'not measured')})"
+                      for n in pipeline.section_names if n not in profiles]
+        if unmeasured:
+            notes.append(f"--costs {options.costs} has no measurement of {', '.join(unmeasured)}: the pipeline's "
+                         f"Cost is used" + (", and its memory is not checked against --memory-gb"
+                                            if options.memory_gb is not None else ""))
     else:
         notes.append("costs: the pipeline's Cost records (run `maestro profile` and pass --costs for measured ones)")
     pipeline.validate()

@@ -51,7 +51,7 @@ def _profile(tmp_path, pipeline: str, data: str) -> dict:
 
 
 def _check_structure(data: dict, sections: dict[str, str]) -> None:
-    assert data["version"] == 1 and data["machine"]["cpu_count"] >= 1
+    assert data["version"] == 2 and data["machine"]["cpu_count"] >= 1
     assert set(data["sections"]) == set(sections)
     for name, term in sections.items():
         body = data["sections"][name]
@@ -96,8 +96,9 @@ def test_profile_distill_then_tune_with_its_costs(tmp_path, demo):
         assert m["backward_s"] == 0
     for body in data["sections"].values():  # what FSDP gathers at once in lockstep: part of the whole
         assert 0 < body["unit_mb"] < body["param_mb"]
-    # Measured as a pinned worker measures: another process, on one core, one torch thread.
-    assert data["machine"]["cores"] == 1 and data["machine"]["torch_threads"] == 1
+    # Measured as a pinned worker measures: another process, on one core, one torch thread; the
+    # machine's cores are recorded as they were before the worker pinned itself.
+    assert data["machine"]["cores"] == len(os.sched_getaffinity(0)) and data["machine"]["torch_threads"] == 1
     # Then calibrated against a real run (one pinned worker per section): a factor per section,
     # recorded in the file, and the costs scaled by it.
     factors = data["calibration"]["factors"]
@@ -153,7 +154,11 @@ def test_bad_input_exits_2(tmp_path, demo):
                                   "--costs", str(tmp_path / "nope.json")])
     assert missing.exit_code == 2 and "error: --costs" in missing.output
     bad = tmp_path / "bad.json"
-    bad.write_text(json.dumps({"sections": {"ghost": {"cost": {"per_sample_s": 1.0}}}}))
+    figures = dict.fromkeys(("micro_batch_overhead_s", "memory_base_mb", "peak_memory_mb_per_sample",
+                             "runtime_overhead_s", "step_overhead_s", "grad_mb", "param_mb", "tp_share", "unit_mb"), 0.0)
+    bad.write_text(json.dumps({"version": 2, "pipeline": "distill", "planning_s": 0.0, "sections": {"ghost": {
+        "cost": {"per_sample_s": 1.0, "per_token_s": 0.0, "per_patch_s": 0.0, "per_frame_s": 0.0, "backward_factor": 2.0,
+                 "per_micro_batch_s": 0.0, "padded": False}, "profiled_with": {}, **figures}}}))
     ghost = runner.invoke(cli, ["tune", os.path.join(ROOT, "pipelines/distill.py"), "--devices", "2",
                                 "--set", f"data.path={demo['text']}", "--costs", str(bad)])
     assert ghost.exit_code == 2 and "ghost" in ghost.output
@@ -162,3 +167,29 @@ def test_bad_input_exits_2(tmp_path, demo):
     assert few.exit_code == 2 and "at least 2 devices" in few.output
     sizes = runner.invoke(cli, ["profile", os.path.join(ROOT, "pipelines/distill.py"), "--sizes", "a,b"])
     assert sizes.exit_code == 2 and "--sizes" in sizes.output
+
+
+@pytest.mark.timeout(120)
+def test_a_stage_error_while_profiling_is_one_line_and_writes_nothing(tmp_path, demo):
+    """Every image corrupt: the vision encoder fails on its first micro-batch in the profiling
+    worker. The user sees one error line naming the section, phase and the exception (the
+    worker's traceback with --debug), exit 1, and no cost file."""
+    import pyarrow as pa
+    import pyarrow.ipc as ipc
+
+    table = ipc.open_file(pa.memory_map(demo["vlm"])).read_all()
+    columns = {n: table.column(n) for n in table.column_names}
+    columns["image"] = pa.array([None if x is None else b"junk" for x in table.column("image").to_pylist()],
+                                type=table.schema.field("image").type)
+    corrupt = tmp_path / "corrupt.arrow"
+    with ipc.new_file(str(corrupt), table.schema) as w:
+        w.write_table(pa.table(columns, schema=table.schema))
+    out = tmp_path / "costs.json"
+    result = CliRunner().invoke(cli, ["profile", os.path.join(ROOT, "pipelines/vlm.py"), "--set",
+                                      f"data.path={corrupt}", "--out", str(out), "--sizes", "1", "--repeats", "1"])
+    assert result.exit_code == 1, result.output
+    errors = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in result.output, result.output
+    assert errors[0].startswith("error: profiling failed in section 'vision' during forward")
+    assert "cannot decode image" in errors[0]
+    assert not out.exists() and os.listdir(tmp_path) == ["corrupt.arrow"]

@@ -260,18 +260,6 @@ def test_cpu_contention_scales_busy_workers():
     assert one.step_s == pytest.approx(free.step_s * 4, rel=0.05)
 
 
-def test_old_cost_files_read_without_runtime_fields(tmp_path):
-    from maestro_flow.runtime.costfile import read_cost_file, read_planning_s
-
-    old = tmp_path / "old.json"
-    old.write_text(json.dumps({"version": 1, "sections": {"student": {"cost": {"per_sample_s": 1e-3},
-                                                                      "micro_batch_overhead_s": 2e-3}}}))
-    _, profiles = read_cost_file(str(old))
-    s = profiles["student"]
-    assert (s.micro_batch_overhead_s, s.runtime_overhead_s, s.step_overhead_s, s.grad_mb) == (2e-3, 0.0, 0.0, 0.0)
-    assert read_planning_s(str(old)) == 0.0
-
-
 def _costs(p):
     from maestro_flow.planner.cost import CostModel
 

@@ -6,7 +6,6 @@ test failed on the code before its fix."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import types
 
@@ -88,6 +87,7 @@ def test_memory_counts_gradients_once_and_frozen_parameters_as_weights_only():
     class Stub:  # what _measure uses of profiling._Section
         section = types.SimpleNamespace(trainable=True, cost=Cost(per_sample_s=1e-3))
         device = torch.device("cpu")
+        at = {"section": "s", "phase": ""}
 
         def zero_grad(self, keep=False):
             calls.append(keep)
@@ -183,16 +183,6 @@ def test_nothing_fitting_memory_is_refused_as_such():
     with pytest.raises(PipelineError, match="sections.teacher does not fit the memory limit .1024 MB."):
         tune(p, _costs(p), _text(32), devices=4, memory=mem, memory_limit_mb=1024,
              tp_options={"teacher": [1, 2, 4], "student": [1]})
-
-
-def test_a_cost_file_with_a_bad_memory_figure_is_refused(tmp_path):
-    from maestro_flow.runtime.costfile import read_cost_file
-
-    for field, bad in (("memory_base_mb", "NaN"), ("memory_base_mb", -1e9), ("tp_share", 1.5), ("param_mb", "inf")):
-        path = tmp_path / "costs.json"
-        path.write_text(json.dumps({"sections": {"t": {"cost": {"per_sample_s": 1e-3}, field: bad}}}))
-        with pytest.raises(PipelineError, match=f"sections.t.{field}: "):
-            read_cost_file(str(path))
 
 
 def test_a_zero_step_prints_without_dividing_by_it():
