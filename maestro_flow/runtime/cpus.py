@@ -6,12 +6,24 @@ Pure (standard library only). The cores are those the `maestro run` process may 
 as cores, each worker gets its own contiguous block of cores (blocks differ by at most one core
 in size); with more workers than cores, a core cannot be anyone's own, so every worker may run
 on all of them and the kernel shares them. A pinned worker runs as many torch threads as it has
-cores of its own (`threads`).
+cores of its own (`threads`). `env_threads` reads MAESTRO_WORKER_THREADS, which overrides it.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
+
+THREADS_ENV = "MAESTRO_WORKER_THREADS"  # torch threads of every CPU worker (0 or unset: the default)
+
+
+def env_threads() -> int:
+    """MAESTRO_WORKER_THREADS, checked (ValueError naming it): 0 where unset."""
+    raw = os.environ.get(THREADS_ENV, "").strip()
+    if raw and not raw.isdigit():
+        raise ValueError(f"{THREADS_ENV} must be a whole number of torch threads per worker (0 or unset: the "
+                         f"default), got {raw!r}")
+    return int(raw or 0)
 
 
 def cpu_shares(num_workers: int, cores: Sequence[int]) -> list[tuple[int, ...]]:

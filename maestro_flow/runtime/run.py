@@ -21,6 +21,7 @@ from typing import Any
 from maestro_flow.checkpoint import manifest as mf
 from maestro_flow.checkpoint.checkpointer import Checkpointer, CheckpointOptions, resume_point
 from maestro_flow.errors import PipelineError
+from maestro_flow.runtime import cpus
 from maestro_flow.runtime.agent import end_job
 from maestro_flow.runtime.build import load_pipeline
 from maestro_flow.runtime.checks import check_pipeline
@@ -191,7 +192,8 @@ def run_pipeline(path: str, options: RunOptions) -> list[dict[str, Any]]:
             raise PipelineError(f"--colocated runs in one process, with no workers or control plane: drop "
                                 f"{', '.join(ignored)}")
     try:
-        cuda_ipc.wait_mode()  # read by each worker of this node; a bad value is refused before any starts
+        cuda_ipc.wait_mode()  # read by each worker of this node; bad values are refused before any starts
+        cpus.env_threads()
     except ValueError as exc:
         raise PipelineError(str(exc)) from None
     host = resolve_host(options, nodes)

@@ -31,6 +31,7 @@ import zmq
 from maestro_flow.errors import PipelineError
 from maestro_flow.protocol.auth import DropLog, Opener, Rejected, Sealer, derive_key
 from maestro_flow.protocol.messages import PROTOCOL_VERSION, make
+from maestro_flow.runtime import cpus
 from maestro_flow.runtime.worker_output import OutputCapture
 from maestro_flow.timeouts import Timeouts
 from maestro_flow.transport import zmq_link
@@ -290,7 +291,7 @@ class _Worker:
         # CPU workers share the host's cores; without this each one would start a thread per core.
         # A pinned worker (--pin-cpus) is told its thread count with its cores (runtime/cpus.py).
         cpu_workers = sum(1 for d in placement.devices.values() if d == "cpu") or 1
-        threads = (int(os.environ.get("MAESTRO_WORKER_THREADS", "0")) or self.threads
+        threads = (cpus.env_threads() or self.threads
                    or max(1, (os.cpu_count() or 1) // cpu_workers))
         torch.set_num_threads(threads)
         if device.startswith("cuda"):

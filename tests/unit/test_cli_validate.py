@@ -320,6 +320,13 @@ def test_a_bad_cuda_ipc_wait_is_refused_before_any_worker_starts(tmp_path, datas
     assert_one_error_line(result, "MAESTRO_CUDA_IPC_WAIT='sometimes'", "device, host")
 
 
+def test_bad_worker_threads_are_refused_before_any_worker_starts(tmp_path, dataset, monkeypatch):
+    # Reproduced before (found by review): every worker died of int('two') at setup.
+    monkeypatch.setenv("MAESTRO_WORKER_THREADS", "two")
+    result = invoke("run", write_pipeline(tmp_path, dataset), "--quiet", "--no-run-dir")
+    assert_one_error_line(result, "MAESTRO_WORKER_THREADS must be a whole number", "got 'two'")
+
+
 def _image_data(tmp_path, rows: list[tuple[list[int], int]]) -> str:
     """(tokens, num_patches) per row; a row with patches carries an image (bytes never decoded here)."""
     import pyarrow as pa
