@@ -133,7 +133,13 @@ def _check_grid(max_side: int, patch: int) -> None:
 
 
 def _default_threads() -> int:
-    return max(1, min(4, os.cpu_count() or 1))
+    """DALI threads: up to 4, no more than the cores this process may run on (a worker pinned to
+    one core, --pin-cpus, gets one, not one per core of the machine)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on every platform
+        cores = os.cpu_count() or 1
+    return max(1, min(4, cores))
 
 
 def _dali_reason(exc: BaseException) -> str:

@@ -222,3 +222,19 @@ def test_max_pixels_and_a_missing_dali_are_refused_at_construction(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "nvidia.dali" else real(name, *a))
     with pytest.raises(ImportError, match="needs NVIDIA DALI, which is not installed.*pip install nvidia-dali"):
         ImageDecoder()
+
+
+def test_dali_threads_follow_the_cores_the_worker_may_use():
+    # Found by review: os.cpu_count() is the machine's, so a worker pinned to one core ran a DALI
+    # thread per core of the machine (up to 4), all on its one core.
+    import os
+
+    from loaders.dali import _default_threads
+
+    before = os.sched_getaffinity(0)
+    try:
+        os.sched_setaffinity(0, {min(before)})
+        assert _default_threads() == 1 and ImageDecoder().num_threads == 1
+    finally:
+        os.sched_setaffinity(0, before)
+    assert _default_threads() == max(1, min(4, len(before)))
