@@ -176,9 +176,9 @@ def describe_bad_row(cols: dict[str, pa.Array], j: int, row: int, payload: dict[
     where = f"row {row} (id {rid})"
     mods = cols["modalities"][j].as_py()
     if mods is None:
-        return f"{where} has null modalities"
+        return f"{where} has null modalities (a text-only row is [\"text\"])"
     if not mods:
-        return f"{where} declares no modalities"
+        return f"{where} declares no modalities (a text-only row is [\"text\"])"
     unknown = [m for m in mods if m not in KNOWN_MODALITIES]
     if unknown:
         return f"{where} has unknown modality {unknown[0]!r} (known: {', '.join(KNOWN_MODALITIES)})"

@@ -3,12 +3,15 @@
 Runs in the coordinator process. A progress bar redraws in place on a terminal; elsewhere
 (CI, pipes) a plain line is printed every few steps. Writes to stderr so stdout stays clean.
 Rows also go to any sinks given (e.g. runtime/tensorboard.py). A metrics file that cannot be
-written (full disk) is reported once and dropped; training goes on (runtime/guard.py).
+written (full disk) is reported once and dropped; training goes on (runtime/guard.py). The first
+step whose loss or gradient norm is NaN or inf is warned about at once, with or without progress
+output, and the summary says from which step.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import time
@@ -39,6 +42,7 @@ class RunReport:
             self._metrics.append((open(path, "w"), WriteGuard(f"metrics to {path}")))  # noqa: SIM115 (closed in close())
         self._t0 = time.monotonic()
         self._sinks = list(sinks)  # objects with step(row) and close()
+        self.non_finite: int | None = None  # the first step whose loss or gradient norm was NaN or inf
 
     def step(self, row: dict[str, Any]) -> None:
         self.rows.append(row)
@@ -47,6 +51,15 @@ class RunReport:
             guard(_write_line, f, line)
         for sink in self._sinks:
             sink.step(row)
+        if self.non_finite is None and not _finite(row):
+            # Said once, with or without progress output: the run goes on (the loss may recover, or
+            # the user may want the steps after it), but nobody should learn it from the summary.
+            self.non_finite = row["step"]
+            self._newline()
+            self.stream.write(f"maestro: warning: step {row['step']}: {_what_diverged(row)} is not finite "
+                              "(training diverged, or a stage computes NaN/inf); the run goes on. Its metrics "
+                              "rows say which steps\n")
+            self.stream.flush()
         if not self.show:
             return
         n = row["step"] + 1  # a resumed or restarted run starts (or goes back) to a later step
@@ -74,7 +87,14 @@ class RunReport:
         text = f"{len(self.rows)} steps in {time.monotonic() - self._t0:.1f}s, median {median:.3f} s/step"
         if isinstance(first, float) and isinstance(last, float):
             text += f", loss {first:.4f} -> {last:.4f}"
+        if self.non_finite is not None:
+            text += f" (not finite from step {self.non_finite})"
         return text
+
+    def _newline(self) -> None:
+        """End the progress bar's line (a terminal), so a message does not overwrite it."""
+        if self.tty and self.show and self.rows[:-1]:
+            self.stream.write("\n")
 
     def table(self) -> str:
         """Each section's share of its replicas' time: computing, waiting, transferring.
@@ -99,3 +119,21 @@ class RunReport:
         for sink in self._sinks:
             sink.close()
         self._sinks = []
+
+
+def _losses(row: dict[str, Any]) -> list[Any]:
+    loss = row.get("loss")
+    return list(loss.values()) if isinstance(loss, dict) else [loss]
+
+
+def _finite(row: dict[str, Any]) -> bool:
+    values = [*_losses(row), row.get("grad_norm")]
+    return all(not isinstance(v, float) or math.isfinite(v) for v in values)
+
+
+def _what_diverged(row: dict[str, Any]) -> str:
+    bad = [f"loss {v}" for v in _losses(row) if isinstance(v, float) and not math.isfinite(v)]
+    norm = row.get("grad_norm")
+    if isinstance(norm, float) and not math.isfinite(norm):
+        bad.append(f"gradient norm {norm}")
+    return " and ".join(bad)

@@ -7,6 +7,8 @@ import json
 import os
 import threading
 
+import pytest
+
 from maestro_flow import ArrowData, Pipeline, Section
 from maestro_flow.runtime.guard import WriteGuard
 from maestro_flow.runtime.report import RunReport
@@ -61,6 +63,23 @@ def test_metrics_on_a_full_disk_do_not_stop_the_report(capsys):
     report.close()
     assert len(report.rows) == 2
     assert capsys.readouterr().err.count("cannot write metrics to /dev/full") == 1
+
+
+@pytest.mark.parametrize("show", [True, False])
+def test_a_loss_that_is_not_finite_is_warned_about_once(capsys, show):
+    # Found by review: a NaN loss trained to the end, printed as "loss nan -> nan", exit 0, no word.
+    report = RunReport(total_steps=5, metrics_out=None, show_progress=show)
+    rows = [{"loss": 2.0, "grad_norm": 1.0}, {"loss": 1.5, "grad_norm": float("inf")},
+            {"loss": float("nan"), "grad_norm": float("nan")}, {"loss": {"a": 1.0, "b": float("nan")}, "grad_norm": None}]
+    for step, row in enumerate(rows):
+        report.step({"step": step, "step_time_s": 0.1, "sections": {}, **row})
+    err = capsys.readouterr().err
+    assert err.count("warning") == 1
+    assert "maestro: warning: step 1: gradient norm inf is not finite" in err
+    assert report.summary().endswith("(not finite from step 1)")
+    clean = RunReport(total_steps=1, metrics_out=None, show_progress=show)
+    clean.step({"step": 0, "step_time_s": 0.1, "sections": {}, "loss": {"a": 1.0}, "grad_norm": None})
+    assert "warning" not in capsys.readouterr().err and "not finite" not in clean.summary()
 
 
 def test_a_run_dir_that_a_live_run_uses_is_refused(tmp_path):
