@@ -110,6 +110,7 @@ class CoordinatorIO:
             busy = min(1.0, self.replica_busy[rank]) if rank in self.replica_busy else None
             workers.append({"name": f"{section}[{replica}]", "rank": rank, "busy_fraction": busy,
                             "seen_s": now - self.liveness.last_seen.get(rank, now),
+                            "status_s": now - self.liveness.reported[rank] if rank in self.liveness.reported else None,
                             **self.liveness.status.get(rank, {})})
         return {"pipeline": self.pipeline.name, "step": self.awaited_step, "steps": self.pipeline.steps,
                 "loss": row.get("loss"), "step_time_s": row.get("step_time_s"), "workers": workers}

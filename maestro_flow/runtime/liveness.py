@@ -31,6 +31,7 @@ class Liveness:
         self.last_done: dict[int, int] = {}  # rank -> last step it finished
         self.status: dict[int, dict] = {}  # rank -> its last heartbeat's status
         self.since: dict[int, tuple[tuple, float]] = {}  # rank -> (state, step, mb), when it entered it
+        self.reported: dict[int, float] = {}  # rank -> when its last heartbeat's status came
         self.progress_at = 0.0  # when a replica last finished a step (or training began, or went on)
         self.slowest_step_s = 0.0
 
@@ -42,17 +43,20 @@ class Liveness:
         self.last_seen.pop(rank, None)
         self.status.pop(rank, None)
         self.since.pop(rank, None)
+        self.reported.pop(rank, None)
 
     def away(self, seconds: float) -> None:
         """The coordinator was not listening for `seconds` (paused, swapped out, busy elsewhere):
         that time is not its workers' silence. What they sent meanwhile may still sit in the
         kernel's buffers, out of reach of a non-blocking read, so it is credited to every one."""
-        for rank in self.last_seen:
-            self.last_seen[rank] += seconds
+        for times in (self.last_seen, self.reported):
+            for rank in times:
+                times[rank] += seconds
         self.progress_at += seconds
 
     def note_status(self, rank: int, status: dict, now: float) -> None:
         self.status[rank] = status
+        self.reported[rank] = now
         key = (status.get("state"), status.get("step"), status.get("mb"))
         if self.since.get(rank, (None, 0.0))[0] != key:
             self.since[rank] = (key, now)

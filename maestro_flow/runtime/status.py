@@ -301,13 +301,17 @@ def render(snapshot: dict[str, Any]) -> str:
              if isinstance(step_time, (int, float)) else head,
              "",
              f"{'worker':<16} {'doing now':<22} {'step':>5} {'mb':>4} {'busy':>6} {'inputs held':>11} "
-             f"{'in flight':>9} {'seen':>6}"]
+             f"{'in flight':>9} {'as of':>6}"]
     for w in s["workers"]:
         busy = w.get("busy_fraction")
         busy_s = f"{busy:.0%}" if isinstance(busy, (int, float)) else "-"
+        # The row is the worker's last heartbeat (every 0.5 s): "as of" is its age, so a fast run's
+        # rows may be a few steps behind the header, which counts the steps the coordinator awaits.
+        age = w.get("status_s")
+        age_s = f"{age:>5.1f}s" if isinstance(age, (int, float)) else f"{'-':>6}"
         lines.append(f"{_clean(w['name'], 16):<16} {_clean(w.get('state', '?'), 22):<22} {_dash(w.get('step')):>5} "
                      f"{_dash(w.get('mb')):>4} {busy_s:>6} {_dash(w.get('buffered')):>11} "
-                     f"{_dash(w.get('in_flight')):>9} {w['seen_s']:>5.1f}s")
+                     f"{_dash(w.get('in_flight')):>9} {age_s}")
     return "\n".join(lines)
 
 

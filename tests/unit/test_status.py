@@ -32,6 +32,15 @@ def test_top_survives_odd_values():
     assert render({"starting": True}).startswith("the run is starting")
 
 
+def test_top_shows_how_old_each_workers_row_is():
+    # Found by a new-user review: rows lagged the header by several steps while saying "seen 0.0s"
+    # (any message counted as seen; a row is the worker's last heartbeat, every 0.5 s).
+    text = render(snapshot(state="forward", step=2, seen_s=0.0, status_s=0.4))
+    header, row = text.splitlines()[2:4]
+    assert header.endswith("as of") and row.endswith("0.4s")
+    assert render(snapshot(seen_s=0.0)).splitlines()[3].endswith(" -")  # no heartbeat yet
+
+
 def test_a_status_file_whose_coordinator_is_gone_is_stale(tmp_path):
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
                           text=True).stdout.strip()
