@@ -25,8 +25,8 @@ from __future__ import annotations
 import hashlib
 import hmac
 import threading
-import weakref
 from functools import lru_cache
+from typing import Any
 
 import zmq
 from zmq.utils import z85
@@ -66,7 +66,9 @@ class _ClientKeys:
         return any(hmac.compare_digest(client_key, k) for k in self.allowed)
 
 
-_zap: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # context -> (ThreadAuthenticator, _ClientKeys)
+# context -> (its ThreadAuthenticator, _ClientKeys), until term(context): the handler's thread holds
+# the context, so neither goes before that.
+_zap: dict[zmq.Context, tuple[Any, _ClientKeys]] = {}
 _zap_lock = threading.Lock()
 
 
