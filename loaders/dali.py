@@ -172,7 +172,11 @@ class ImageDecoder:
     def __init__(self, max_side: int = 64, patch: int = 8, mean: Sequence[float] = (0.485, 0.456, 0.406),
                  std: Sequence[float] = (0.229, 0.224, 0.225), device: str | torch.device = "cpu", skip_corrupt: bool = False,
                  batch_size: int = 32, num_threads: int | None = None, max_pixels: int | None = MAX_PIXELS) -> None:
-        if importlib.util.find_spec("nvidia.dali") is None:
+        try:
+            found = importlib.util.find_spec("nvidia.dali") is not None
+        except ModuleNotFoundError:  # no `nvidia` package at all: find_spec imports the parent first
+            found = False
+        if not found:
             raise ImportError("decoding images needs NVIDIA DALI, which is not installed in this environment: "
                               "pip install nvidia-dali-cuda120 (its CPU operators need no GPU), or give the "
                               "vision section precomputed pixels")
@@ -305,11 +309,12 @@ class ImageDecoder:
         return [(int(shape[0]), int(shape[1])) for shape in (np.array(shapes[i]) for i in range(len(chunk)))]
 
     def close(self) -> None:
-        """Releases the DALI pipeline (a later `decode()` builds a new one)."""
+        """Releases the DALI pipelines (a later `decode()` builds new ones)."""
         if self._in_flight is not None:
             self._in_flight[0].synchronize()
             self._in_flight = None
         self._pipe = None
+        self._peek = None
 
     # -- internals ---------------------------------------------------------------------------
 

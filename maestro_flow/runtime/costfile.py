@@ -26,8 +26,9 @@ Format (version 2):
 
 Every field above but machine, created, device, memory_method, measurements and unmeasured is
 required. `profiled_with` (`profiled_with()`) is a section's stage, config, device setting,
-trainable, optimizer (all but the learning rate and its schedule), activates_on and columns,
-and the pipeline's dtype, mixed_precision and data.modality_columns: a file whose sections were
+trainable, optimizer (its name and the options that add state or change its kernels:
+OPTIMIZER_KEYS; not lr, betas, weight decay or the schedule), activates_on and columns, and the
+pipeline's dtype, mixed_precision and data.modality_columns: a file whose sections were
 profiled with other values is refused, naming the section and the fields (another model's
 parameters, memory and times would be planned and tuned with). dp, micro_batch, tp and fsdp are
 not in it: the profile measures every section at dp 1, tp 1, without FSDP, at several
@@ -51,7 +52,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from maestro_flow.config import SCHEDULE_KEYS, Cost, Pipeline, Section, is_number
+from maestro_flow.config import Cost, Pipeline, Section, is_number
 from maestro_flow.errors import PipelineError
 
 VERSION = 2
@@ -59,6 +60,7 @@ FIGURES = ("micro_batch_overhead_s", "memory_base_mb", "peak_memory_mb_per_sampl
            "step_overhead_s", "grad_mb", "param_mb", "tp_share", "unit_mb")
 COST_FIELDS = tuple(f.name for f in dataclasses.fields(Cost))
 REPROFILE = "re-run `maestro profile PIPELINE --out FILE` for this pipeline"
+OPTIMIZER_KEYS = ("name", "amsgrad", "momentum", "nesterov", "fused", "capturable", "maximize")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -175,7 +177,10 @@ def _plain(value: Any) -> Any:
 
 def profiled_with(pipeline: Pipeline, section: Section) -> dict[str, Any]:
     """What a section's measured costs and memory depend on (the cost file's `profiled_with`)."""
-    optimizer = {k: v for k, v in section.optimizer.items() if k != "lr" and k not in SCHEDULE_KEYS}
+    # What sizes or times the optimizer's step: its class, and the options that add state
+    # (AdamW's amsgrad, SGD's momentum buffer) or change its kernels; not lr, betas, weight decay...
+    optimizer = {k: v for k, v in section.optimizer.items() if k in OPTIMIZER_KEYS}
+    optimizer.setdefault("name", "adamw")
     return _plain({"stage": section.stage, "config": section.config, "device": section.device,
                    "trainable": section.trainable, "optimizer": optimizer if section.trainable else None,
                    "activates_on": section.activates_on, "columns": section.columns, "dtype": pipeline.dtype,
@@ -227,8 +232,8 @@ def check_cost_file(pipeline: Pipeline, costs: CostFile) -> None:
     for s in pipeline.sections:
         changed = _changed(recorded[s.name], profiled_with(pipeline, s))
         if changed:
-            raise PipelineError(f"{where}: sections.{s.name} was profiled with another {', '.join(changed)}: its "
-                                f"costs and memory are another model's; {REPROFILE}")
+            raise PipelineError(f"{where}: sections.{s.name} was profiled with another {', '.join(changed)}: the "
+                                f"times and memory measured then need not hold now; {REPROFILE}")
 
 
 def file_overrides(pipeline: Pipeline, path: str) -> dict[str, Any]:

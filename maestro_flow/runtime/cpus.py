@@ -20,7 +20,7 @@ THREADS_ENV = "MAESTRO_WORKER_THREADS"  # torch threads of every CPU worker (0 o
 def env_threads() -> int:
     """MAESTRO_WORKER_THREADS, checked (ValueError naming it): 0 where unset."""
     raw = os.environ.get(THREADS_ENV, "").strip()
-    if raw and not raw.isdigit():
+    if raw and not (raw.isascii() and raw.isdigit()):  # "²" is a digit to str.isdigit, not to int()
         raise ValueError(f"{THREADS_ENV} must be a whole number of torch threads per worker (0 or unset: the "
                          f"default), got {raw!r}")
     return int(raw or 0)

@@ -342,8 +342,9 @@ def profile_pipeline(path: str, options: ProfileOptions) -> dict[str, Any]:
             try:
                 data["calibration"] = calibrate(path, options.overrides, tmp, steps=options.calibrate_steps, log=log)
             except StageError as exc:
-                raise ProfilingError(section=exc.section, phase=f"the calibration run ({exc.phase} at step "
-                                     f"{exc.step})", traceback=exc.traceback) from None
+                at = "" if exc.step is None else f" at step {exc.step}"
+                raise ProfilingError(section=exc.section, phase=f"the calibration run ({exc.phase}{at})",
+                                     traceback=exc.traceback) from None
             with open(tmp) as f:
                 data["sections"] = json.load(f)["sections"]
     return data

@@ -57,8 +57,7 @@ class RunReport:
             self.non_finite = row["step"]
             self._newline()
             self.stream.write(f"maestro: warning: step {row['step']}: {_what_diverged(row)} is not finite "
-                              "(training diverged, or a stage computes NaN/inf); the run goes on. Its metrics "
-                              "rows say which steps\n")
+                              "(training diverged, or a stage computes NaN/inf); the run goes on\n")
             self.stream.flush()
         if not self.show:
             return

@@ -169,7 +169,8 @@ def test_top_attaches_to_a_run_started_elsewhere_and_detaches(demo_data, tmp_pat
             time.sleep(0.3)
         assert snapshot, "maestro top never showed the running workers"
         assert "teacher[0]" in snapshot and "student[0]" in snapshot
-        assert re.search(r"^student\[0\] .* \d+\.\ds$", snapshot, re.M), snapshot  # its heartbeat's age (as of)
+        assert re.search(r" as of$", snapshot, re.M) and re.search(r"^student\[0\] .* \d+\.\ds$", snapshot, re.M), \
+            snapshot  # each row with its heartbeat's age
         # A top that keeps watching says so when the run ends, and exits 0 (it exited 2 with
         # "No such file or directory: .../status.json" before).
         watcher = subprocess.Popen([sys.executable, "-m", "maestro_flow.cli", "top", str(run_dir), "--interval", "0.2"],

@@ -72,6 +72,7 @@ def test_a_cost_file_of_a_differently_sized_model_is_refused(tmp_path):
     ({"sections.vision.stage": "stages.vision:Other"}, "stage ("),
     ({"sections.vision.trainable": False}, "trainable (True, now False)"),
     ({"sections.vision.optimizer.name": "sgd"}, "optimizer.name ('adamw', now 'sgd')"),
+    ({"sections.vision.optimizer.amsgrad": True}, "optimizer.amsgrad (unset, now True)"),  # one more buffer
     ({"sections.vision.config.decode.max_side": 32}, "config.decode ("),
 ])
 def test_what_a_measurement_depends_on_is_checked(tmp_path, change, field):
@@ -82,11 +83,13 @@ def test_what_a_measurement_depends_on_is_checked(tmp_path, change, field):
 
 
 def test_what_the_tuner_varies_does_not_stale_a_cost_file(tmp_path):
-    """dp, micro_batch, tp and fsdp (the profile measures dp 1, tp 1, several sizes) and the
-    learning rate and its schedule change nothing a profile measures."""
+    """dp, micro_batch, tp and fsdp (the profile measures dp 1, tp 1, several sizes), the
+    learning rate and its schedule, and the optimizer's other numbers (weight decay, betas:
+    found by review to force a new profile) change nothing a profile measures."""
     path = _write(tmp_path, _cost_file(_vlm()))
     same = _vlm(**{"sections.llm.dp": 4, "sections.llm.micro_batch": 2, "sections.llm.tp": 2, "sections.llm.fsdp": True,
                    "sections.llm.optimizer.lr": 1e-4, "sections.llm.optimizer.warmup_steps": 3, "steps": 7,
+                   "sections.llm.optimizer.weight_decay": 0.05, "sections.llm.optimizer.betas": [0.8, 0.9],
                    "data.path": "elsewhere.arrow"})
     assert file_overrides(same, path)["sections.llm.cost"]["per_sample_s"] == 1e-3
 

@@ -223,6 +223,23 @@ def test_max_pixels_and_a_missing_dali_are_refused_at_construction(monkeypatch):
     with pytest.raises(ImportError, match="needs NVIDIA DALI, which is not installed.*pip install nvidia-dali"):
         ImageDecoder()
 
+    def no_nvidia(name, *a):  # no `nvidia` package at all: find_spec raises for the parent (found by review)
+        if name.startswith("nvidia"):
+            raise ModuleNotFoundError("No module named 'nvidia'")
+        return real(name, *a)
+
+    monkeypatch.setattr(importlib.util, "find_spec", no_nvidia)
+    with pytest.raises(ImportError, match="needs NVIDIA DALI, which is not installed"):
+        ImageDecoder()
+
+
+def test_close_releases_both_pipelines():
+    dec = ImageDecoder()
+    dec.decode([bmp(8, 8), solid_png(8, 8)], [1, 2])  # a BMP's size comes from the peek pipeline
+    assert dec._pipe is not None and dec._peek is not None
+    dec.close()
+    assert dec._pipe is None and dec._peek is None
+
 
 def test_dali_threads_follow_the_cores_the_worker_may_use():
     # Found by review: os.cpu_count() is the machine's, so a worker pinned to one core ran a DALI

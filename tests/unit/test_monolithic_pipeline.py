@@ -113,3 +113,15 @@ def test_the_planner_searches_only_on_a_spare_core_ahead_of_the_step():
     assert search_share(0.25, 1, workers=2, cores=2) == 0.0
     assert search_share(0.25, 0, workers=0, cores=16) == 0.0  # plans made just in time
     assert search_share(0.0, 1, workers=0, cores=16) == 0.0
+
+
+@pytest.mark.parametrize("raw, expected", [("", 0), (" 3 ", 3), ("0", 0), ("two", None), ("²", None), ("-1", None)])
+def test_worker_threads_from_the_environment(monkeypatch, raw, expected):
+    from maestro_flow.runtime.cpus import env_threads
+
+    monkeypatch.setenv("MAESTRO_WORKER_THREADS", raw)
+    if expected is None:  # "²" passed str.isdigit and then failed int() naming nothing (found by review)
+        with pytest.raises(ValueError, match="MAESTRO_WORKER_THREADS must be a whole number"):
+            env_threads()
+    else:
+        assert env_threads() == expected
