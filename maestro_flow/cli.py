@@ -168,16 +168,19 @@ def run(ctx: click.Context, pipeline: str, steps: int | None, sets: tuple[str, .
         os.environ["MAESTRO_AGENT_QUIETED_TORCH"] = "1"
     from maestro_flow.checkpoint.checkpointer import CheckpointOptions
     from maestro_flow.runtime.build import load_pipeline
+    from maestro_flow.runtime.checks import pipeline_warnings
     from maestro_flow.runtime.run import RunOptions, run_pipeline
     from maestro_flow.runtime.rundir import default_run_dir
 
     created = None  # the default run dir made here: removed again if the run is refused before writing to it
     try:
         overrides = _overrides(sets, costs, pipeline, steps=steps, schedule=schedule)
+        loaded = load_pipeline(pipeline, overrides)[0]
         if not no_run_dir and run_dir is None:
-            loaded = load_pipeline(pipeline, overrides)[0]
             loaded.check_name()  # the run folder is named after it: a bad name is refused before mkdir
             run_dir = created = default_run_dir(loaded)
+        for warning in pipeline_warnings(loaded) if baseline is None else ():  # the baseline sets its own dp
+            click.echo(f"warning: {warning}", err=True)
         steps_to_record = None
         if record_steps and not record:
             raise PipelineError("--record-steps says which steps --record SECTION saves: give --record too")
@@ -220,6 +223,8 @@ def validate(ctx: click.Context, pipeline: str, sets: tuple[str, ...]) -> None:
     try:
         p, _ = load_pipeline(pipeline, _overrides(sets))
         checked = check_pipeline(p, build=True)
+        for warning in checked.warnings:
+            click.echo(f"warning: {warning}", err=True)
         skipped = getattr(checked.source, "num_skipped", 0)
         click.echo(f"ok: {p.name}: {_count(len(checked.graph.order), 'section')}, {_count(len(checked.graph.edges), 'edge')}, "
                    f"{sum(s.dp * s.tp for s in p.sections)} workers, {len(checked.metadata)} samples"

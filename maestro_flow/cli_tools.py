@@ -162,14 +162,14 @@ def tune(ctx: click.Context, pipeline: str, sets: tuple[str, ...], devices: int,
 
 
 @click.command()
-@click.argument("source", type=click.Path(exists=True, file_okay=False))
+@click.argument("source")  # checked by export_section, which names the checkpoints there when it is missing
 @click.option("--section", required=True, help="The trainable section to export.")
 @click.option("-o", "--output", "out", required=True, type=click.Path(file_okay=False),
               help="Folder to write (created if needed).")
 @click.pass_context
 def export(ctx: click.Context, source: str, section: str, out: str) -> None:
-    """Write SECTION's trained parameters from SOURCE — a checkpoint (a step-N folder, or a folder
-    of them: the newest complete one) or a --save-dir — to OUT/SECTION.safetensors.
+    """Write SECTION's trained parameters from SOURCE — a checkpoint (a step-N folder, e.g. ckpt/step-200,
+    or a folder of them: the newest complete one) or a --save-dir — to OUT/SECTION.safetensors.
 
     A section whose stage owns a Hugging Face model (stages.hf:HFCausalLM) is also written as a
     Hugging Face folder: config.json and model.safetensors, which

@@ -9,6 +9,8 @@ graph live in `graph.py`, and checks that need imports or files live in `runtime
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import functools
 import json
 import math
 from dataclasses import dataclass, field
@@ -37,6 +39,59 @@ def is_name(value: Any) -> bool:
     return isinstance(value, str) and value.replace("_", "").replace("-", "").isalnum()
 
 
+_KINDS: dict[type, str] = {}  # record class -> what an error calls it ("section", "data", ...)
+
+
+def check_fields(cls: type, given: Any, at: str = "", prefix: str = "") -> None:
+    """Refuse keys of `given` that are not fields of the record class `cls`, and missing required
+    ones, naming the full dotted path `at` (e.g. sections.student), the valid fields and a close
+    match: a misspelt field is named here, not left to a TypeError from the record's __init__."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kind = _KINDS.get(cls, cls.__name__)
+    if not isinstance(given, dict):
+        raise PipelineError(f"{prefix}{at or kind} must be a mapping of {kind} fields, got {given!r}")
+    for name in given:
+        if name not in fields:
+            raise unknown_field(cls, name, at, prefix)
+    for name, f in fields.items():
+        if name not in given and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise PipelineError(f"{prefix}{at + ': ' if at else ''}missing required {kind} field {name!r}")
+
+
+def unknown_field(cls: type, name: str, at: str = "", prefix: str = "") -> PipelineError:
+    """`name` is no field of `cls` (at the dotted path `at`): the error names it, its path, the
+    closest field (difflib) and all of them."""
+    fields = sorted(f.name for f in dataclasses.fields(cls))
+    path = f"{at}.{name}" if at else str(name)
+    close = difflib.get_close_matches(str(name), fields, n=1)
+    return PipelineError(f"{prefix}unknown {_KINDS.get(cls, cls.__name__)} field {name!r}"
+                         + (f" at {path}" if path != name else "") + (f"; did you mean {close[0]!r}?" if close else "")
+                         + f" (fields: {', '.join(fields)})")
+
+
+def _named_fields(kind: str) -> Any:
+    """Check a record's keyword arguments (check_fields) before its generated __init__ runs, so that
+    `Section(micro_bach=4)` in a pipeline file names the section and the field it meant."""
+
+    def wrap(cls: type) -> type:
+        init = cls.__init__
+
+        @functools.wraps(init)
+        def __init__(self: Any, **kwargs: Any) -> None:
+            name = kwargs.get("name")
+            at = {"pipeline": "", "data": "data",
+                  "section": f"sections.{name}" if isinstance(name, str) else ""}.get(kind, "")
+            check_fields(cls, kwargs, at)
+            init(self, **kwargs)
+
+        cls.__init__ = __init__
+        _KINDS[cls] = kind
+        return cls
+
+    return wrap
+
+
+@_named_fields("cost")
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Cost:
     """The planner's starting cost model for one section: forward seconds per unit of work.
@@ -66,6 +121,7 @@ class Cost:
                 raise PipelineError(f"{where}.cost.{f.name} must be a finite number >= 0, got {value!r}")
 
 
+@_named_fields("data")
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ArrowData:
     """A sample dataset: an Arrow IPC file or a Parquet file/folder (DESIGN 5.1b).
@@ -110,6 +166,7 @@ class ArrowData:
         return self.modality_columns.get(modality, modality)
 
 
+@_named_fields("section")
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Section:
     """A named stage plus its run settings."""
@@ -177,6 +234,7 @@ class Section:
         return self.activates_on is None or self.activates_on in modalities
 
 
+@_named_fields("edge")
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Edge:
     """`src -> dst` carrying named per-sample tensors; gradients flow back when both ends train."""
@@ -190,6 +248,7 @@ class Edge:
         return f"{self.src}->{self.dst}"
 
 
+@_named_fields("pipeline")
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Pipeline:
     """A whole job: data, global batch, sections and edges."""
@@ -284,7 +343,9 @@ class Pipeline:
 
         Keys are top-level fields (`global_batch=8`) or `sections.NAME.FIELD` paths, possibly
         deeper into dict fields (`sections.student.optimizer.lr=1e-3`). Python callers may also
-        use `sections__NAME__FIELD` since dots are not valid keyword names.
+        use `sections__NAME__FIELD` since dots are not valid keyword names. A name that is no
+        field of its record (`sections.student.optimiser`, `data.pth`) is refused naming its path,
+        the closest field and all of them.
         """
         data = self.to_dict()
         for raw_key, value in overrides.items():
@@ -299,13 +360,22 @@ class Pipeline:
     def from_dict(data: dict[str, Any]) -> Pipeline:
         try:
             fields = dict(data)
+            check_fields(Pipeline, fields)
+            check_fields(ArrowData, fields["data"], "data")
             fields["data"] = ArrowData(**fields["data"])
-            fields["sections"] = tuple(
-                Section(**{**s, "cost": Cost(**s.get("cost", {})),
-                           "columns": tuple(s["columns"]) if s.get("columns") is not None else None})
-                for s in fields["sections"]
-            )
-            fields["edges"] = tuple(Edge(**{**e, "tensors": tuple(e["tensors"])}) for e in fields.get("edges", ()))
+            sections = []
+            for i, s in enumerate(fields["sections"]):
+                at = f"sections.{s['name']}" if isinstance(s, dict) and is_name(s.get("name")) else f"sections[{i}]"
+                check_fields(Section, s, at)
+                check_fields(Cost, s.get("cost", {}), f"{at}.cost")
+                sections.append(Section(**{**s, "cost": Cost(**s.get("cost", {})),
+                                           "columns": tuple(s["columns"]) if s.get("columns") is not None else None}))
+            fields["sections"] = tuple(sections)
+            edges = []
+            for i, e in enumerate(fields.get("edges", ())):
+                check_fields(Edge, e, f"edges[{i}]")
+                edges.append(Edge(**{**e, "tensors": tuple(e["tensors"])}))
+            fields["edges"] = tuple(edges)
             return Pipeline(**fields)
         except TypeError as exc:
             raise PipelineError(f"invalid pipeline field: {exc}") from None
@@ -324,29 +394,36 @@ def _plain(obj: Any) -> Any:
     return obj
 
 
+_NESTED = {(Pipeline, "data"): ArrowData, (Section, "cost"): Cost}  # record fields that are records
+
+
 def _set_path(data: dict[str, Any], parts: list[str], value: Any, key: str) -> None:
+    """Set `value` at the dotted path `parts` of the pipeline's plain form, refusing a name that is
+    not a field of the record it falls in (a pipeline, section, data or cost field; the keys of a
+    mapping field such as config or optimizer are free)."""
+    prefix = f"--set {key}: "
+    cls: type | None = Pipeline
+    target, at, rest = data, "", parts
     if parts[0] == "sections" and len(parts) >= 3:
         for sec in data["sections"]:
             if sec["name"] == parts[1]:
-                target, rest = sec, parts[2:]
                 break
         else:
             names = ", ".join(s["name"] for s in data["sections"])
-            raise PipelineError(f"--set {key}: no section named {parts[1]!r} (sections: {names})")
-    else:
-        target, rest = data, parts
-    for i, part in enumerate(rest[:-1]):
+            raise PipelineError(f"{prefix}no section named {parts[1]!r} (sections: {names})")
+        cls, target, at, rest = Section, sec, f"sections.{parts[1]}", parts[2:]
+    for i, part in enumerate(rest):
+        if cls is not None and part not in {f.name for f in dataclasses.fields(cls)}:
+            raise unknown_field(cls, part, at, prefix)
+        if i == len(rest) - 1:
+            target[part] = value
+            return
         if not isinstance(target.get(part), dict):
             if part in target:
-                raise PipelineError(f"--set {key}: {'.'.join(rest[:i + 1])} is not a mapping")
+                raise PipelineError(f"{prefix}{'.'.join(rest[:i + 1])} is not a mapping")
             target[part] = {}
-        target = target[part]
-    last = rest[-1]
-    if target is data and last not in data:
-        raise PipelineError(f"--set {key}: unknown pipeline field {last!r} (fields: {', '.join(sorted(data))})")
-    if target is not data and len(rest) == 1 and last not in target:
-        raise PipelineError(f"--set {key}: unknown section field {last!r} (fields: {', '.join(sorted(target))})")
-    target[last] = value
+        cls = _NESTED.get((cls, part)) if cls is not None else None
+        target, at = target[part], f"{at}.{part}" if at else part
 
 
 def parse_set(items: list[str] | tuple[str, ...]) -> dict[str, Any]:

@@ -54,8 +54,8 @@ class CheckpointOptions:
             raise PipelineError(f"--checkpoint-errors must be one of {', '.join(ON_ERROR)}, got {self.on_error!r}")
         if self.max_restarts < 0:
             raise PipelineError(f"--max-restarts must be >= 0, got {self.max_restarts}")
-        if self.resume is not None and not os.path.isdir(self.resume):
-            raise PipelineError(f"--resume: no such folder: {self.resume}")
+        if self.resume is not None:
+            mf.find_folder(self.resume, "--resume")  # a missing one is refused listing what there is
 
     @property
     def enabled(self) -> bool:
@@ -149,7 +149,9 @@ class Checkpointer:
 
 
 def resume_point(path: str) -> tuple[str, mf.Manifest]:
-    """The checkpoint `--resume PATH` means (PATH itself or its newest complete one) and its manifest."""
+    """The checkpoint `--resume PATH` means (PATH itself or its newest complete one; ckpt/step-2 for
+    ckpt/step-00000002) and its manifest."""
+    path = mf.find_folder(path, "--resume")
     folder = mf.latest(path)
     if folder is None:
         incomplete = [f for _, f, ok in mf.checkpoints(path) if not ok]

@@ -35,7 +35,7 @@ class Exported:
 
 
 def export_section(source: str, section: str, out: str) -> Exported:
-    pipeline, state, where = _read(source, section)
+    pipeline, state, where = _read(mf.find_folder(source, "SOURCE"), section)
     spec = next((s for s in pipeline["sections"] if s["name"] == section), None)
     if spec is None:  # a --save-dir whose pipeline file lacks it (not one a run wrote)
         _check_section(pipeline, section, where, [])

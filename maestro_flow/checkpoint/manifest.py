@@ -113,6 +113,27 @@ def checkpoints(root: str) -> list[tuple[int, str, bool]]:
     return sorted(out)
 
 
+def find_folder(path: str, what: str) -> str:
+    """The folder `path` names, where a user gives one (`what`: the option): itself, or for a
+    step folder written as its number (ckpt/step-2) the folder of that step (ckpt/step-00000002).
+    A missing one is refused listing the checkpoints its parent holds."""
+    if os.path.isdir(path):
+        return path
+    if os.path.exists(path):
+        raise PipelineError(f"{what}: {path} is a file, not a checkpoint folder")
+    parent, name = os.path.split(os.path.normpath(path))
+    found = checkpoints(parent or ".")
+    m = _STEP_DIR.match(name)
+    for step, folder, _ in found:
+        if m and step == int(m.group(1)):
+            return os.path.join(parent, os.path.basename(folder))
+    shown = [os.path.basename(f) + ("" if ok else " (incomplete)") for _, f, ok in found[-8:]]
+    more = f" and {len(found) - len(shown)} older" if len(found) > len(shown) else ""
+    listing = (f" (checkpoints in {parent or '.'}: {', '.join(shown)}{more})" if found
+               else f" ({parent} holds no step-N checkpoint folders)" if os.path.isdir(parent or ".") else "")
+    raise PipelineError(f"{what}: no such folder: {path}{listing}")
+
+
 def latest(path: str) -> str | None:
     """The newest complete checkpoint: `path` itself if it is one, else the newest under it."""
     if os.path.isfile(os.path.join(path, MANIFEST)):

@@ -81,6 +81,7 @@ class Tuner(TuneModel):
 
     def _dp_values(self, name: str) -> list[int]:
         cap = (self.devices - sum(self.rdev[n] for n in self.order if n != name)) // self.rdev[name]
+        cap = min(cap, self.most[name])
         return list(range(1, cap + 1)) if cap <= 64 else _smooth_upto(cap)
 
     def dp_vectors(self, keep: int) -> list[tuple[float, int, dict[str, int], dict[str, int]]]:
@@ -138,7 +139,8 @@ class Tuner(TuneModel):
             for i, (name, dp, mb) in enumerate(best.layout):
                 per_replica = max(1, math.ceil(len(self.active[name]) / dp))
                 for new in (mb * 2, mb // 2):
-                    if new < 1 or new > min(self.max_mb, 2 * per_replica) or len(self.cache) >= self.max_simulations:
+                    if (new < 1 or new > min(self.max_mb, 2 * per_replica, self.most[name])
+                            or len(self.cache) >= self.max_simulations):
                         continue
                     layout = best.layout[:i] + ((name, dp, new),) + best.layout[i + 1:]
                     if not self._feasible(layout):
@@ -152,9 +154,9 @@ class Tuner(TuneModel):
     def uniform(self) -> Candidate | None:
         per = sum(self.rdev.values())
         options = []
-        for d in range(1, self.devices // per + 1):
+        for d in range(1, min(self.devices // per, max(self.most.values())) + 1):
             most = max(math.ceil(len(self.active[n]) / d) for n in self.order)
-            for m in pow2_upto(min(self.max_mb, 2 * most)):
+            for m in pow2_upto(min(self.max_mb, 2 * most, max(self.most.values()))):
                 dps, mbs = {n: d for n in self.order}, {n: m for n in self.order}
                 if self._feasible(self._layout(dps, mbs)):
                     options.append((self.score(dps, mbs), d * per, m, self._layout(dps, mbs)))
@@ -222,7 +224,8 @@ def monolithic_for(pipeline: Pipeline, costs: CostModel, batches: Sequence[Seque
     on each rank; None when none fits."""
     graph = SectionGraph(pipeline)
     memory, limit = options.get("memory") or {}, options.get("memory_limit_mb")
-    fits = [m for m in micro_batches or pow2_upto(options.get("max_micro_batch", 64))
+    largest = min(options.get("max_micro_batch", 64), max(len(b) for b in batches))  # a global batch: no more
+    fits = [m for m in micro_batches or pow2_upto(largest)
             if limit is None or sum(memory.get(n, MemoryModel()).at(m) for n in graph.order) <= limit]
     if not fits:
         return None

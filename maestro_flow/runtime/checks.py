@@ -3,6 +3,11 @@
 `check_pipeline` imports every stage class, checks declared outputs against the edges and the
 losses, and opens the dataset (which checks the file and its required columns). Every failure is
 a `PipelineError` naming the section, edge or field to change.
+
+`pipeline_warnings` (pure) names what is legal but almost surely not meant: nothing trains, a
+frozen section whose outputs no edge reads, more replicas than the global batch has samples.
+They are warnings, not refusals (a forward-only run is a fair benchmark): `maestro validate` and
+`maestro run` print them on stderr.
 """
 
 from __future__ import annotations
@@ -25,6 +30,36 @@ class Checked:
     graph: SectionGraph
     source: Any
     metadata: list[SampleMeta]
+    warnings: tuple[str, ...] = ()  # pipeline_warnings
+
+
+def pipeline_warnings(pipeline: Pipeline) -> list[str]:
+    """What a valid pipeline does that is almost surely not meant, each naming the field to change
+    (empty for an invalid one: its error comes from the checks)."""
+    try:
+        pipeline.validate()
+    except PipelineError:
+        return []
+    graph = SectionGraph(pipeline)
+    out = []
+    if not any(s.trainable for s in pipeline.sections):
+        out.append("no section is trainable (every section has trainable=False): the run computes forwards only, "
+                   "changes no weights and reports no loss; to train one, set sections.NAME.trainable=true")
+    else:
+        for s in pipeline.sections:
+            if not s.trainable and not graph.outputs(s.name):
+                fed = [n for n in graph.order if pipeline.section(n).trainable and not graph.inputs(n)]
+                hint = f" (an edge missing, e.g. Edge(src={s.name!r}, dst={fed[0]!r}, ...)?)" if fed else ""
+                out.append(f"sections.{s.name} is frozen (trainable=False) and no edge reads its outputs: it does work "
+                           f"for nobody{hint}")
+    batch = pipeline.global_batch
+    for s in pipeline.sections:
+        # A lockstep FSDP section fed by others is refused for this (check_pipeline), not warned of.
+        if s.dp > batch and not (graph.lockstep(s.name) and graph.inputs(s.name)):
+            out.append(f"sections.{s.name}.dp={s.dp} is more than global_batch={batch}: a step's {batch} samples "
+                       f"leave {s.dp - batch} of its {s.dp} replicas without work; lower sections.{s.name}.dp or "
+                       "raise global_batch")
+    return out
 
 
 def check_tensor_parallel(pipeline: Pipeline, section: Any, cls: Any) -> None:
@@ -129,9 +164,11 @@ def _check_placeholders(s: Any, source: Any, reads: list[SampleMeta], placeholde
     for modality, token in sorted(placeholders.items()):
         counts = source.token_counts(token)[rows]
         declared = np.fromiter((modality in m.modalities for m in reads), dtype=bool, count=len(reads))
-        wrong = np.nonzero((counts > 1) | (declared & (counts == 0)) | (~declared & (counts > 0)))[0]
+        kinds = (counts > 1, declared & (counts == 0), ~declared & (counts == 1))  # each its own message
+        wrong = np.nonzero(kinds[0] | kinds[1] | kinds[2])[0]
         if len(wrong):
             m, n = reads[int(wrong[0])], int(counts[wrong[0]])
+            like = int(next(k for k in kinds if k[wrong[0]]).sum())  # rows with the same problem
             if n > 1:
                 why = f"holds {n} {modality} placeholders (id {token}); {s.stage} takes at most one per sample"
             elif n == 0:
@@ -142,7 +179,7 @@ def _check_placeholders(s: Any, source: Any, reads: list[SampleMeta], placeholde
                        f"{sorted(m.modalities)} do not declare {modality!r}: no {modality} encoder would run for it, "
                        f"and {s.stage} would drop the placeholder. Tag the row {modality!r} (with its data) or "
                        "remove the placeholder")
-            raise PipelineError(f"sections.{s.name}: sample id {m.id} (row {m.row}) {why}; samples like it: {len(wrong)}")
+            raise PipelineError(f"sections.{s.name}: sample id {m.id} (row {m.row}) {why}; samples like it: {like}")
         removed += counts
     positions = np.fromiter((m.num_tokens + ("image" in m.modalities) * m.num_patches
                              + ("audio" in m.modalities) * m.num_frames for m in reads),
@@ -223,4 +260,4 @@ def check_pipeline(pipeline: Pipeline, build: bool = False) -> Checked:
     if len(metadata) < pipeline.global_batch:
         raise PipelineError(f"global_batch={pipeline.global_batch} is larger than the dataset "
                             f"{pipeline.data.path} ({len(metadata)} usable samples)")
-    return Checked(graph=graph, source=source, metadata=metadata)
+    return Checked(graph=graph, source=source, metadata=metadata, warnings=tuple(pipeline_warnings(pipeline)))

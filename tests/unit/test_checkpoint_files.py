@@ -146,6 +146,41 @@ def test_a_failed_save_is_discarded_and_stops_or_is_skipped(tmp_path):
     assert go_on.begin(6) is None and logged[-1].startswith("warning: checkpoint at step 6: cannot create")
 
 
+def test_a_step_folder_may_be_named_by_its_unpadded_number(tmp_path):
+    """README and --help say ckpt/step-N; the folders are step-00000002 (sorted by name)."""
+    save(tmp_path, 2)
+    newest = save(tmp_path, 4)
+    folder, m = resume_point(str(tmp_path / "step-4"))
+    assert folder == newest and m.step == 4
+    CheckpointOptions(resume=str(tmp_path / "step-2")).validate()
+    assert mf.find_folder(str(tmp_path / "step-00000002"), "--resume") == str(tmp_path / "step-00000002")
+
+
+def test_a_missing_checkpoint_folder_lists_the_checkpoints_beside_it(tmp_path):
+    save(tmp_path, 2)
+    save(tmp_path, 4, complete=False)
+    listed = rf"--resume: no such folder: .*step-3 \(checkpoints in {tmp_path}: step-00000002, step-00000004 \(incomplete\)\)"
+    with pytest.raises(PipelineError, match=listed):
+        CheckpointOptions(resume=str(tmp_path / "step-3")).validate()
+    with pytest.raises(PipelineError, match=listed):
+        resume_point(str(tmp_path / "step-3"))
+
+
+def test_export_takes_a_step_folder_by_number_and_lists_the_checkpoints_when_missing(tmp_path):
+    from click.testing import CliRunner
+
+    from maestro_flow.cli import main
+
+    save(tmp_path, 2)  # a manifest, no parameters: export finds the folder, then says what it lacks
+    found = CliRunner().invoke(main, ["export", str(tmp_path / "step-2"), "--section", "student", "-o",
+                                      str(tmp_path / "out")])
+    assert found.exit_code == 2 and "step-00000002 holds no parameters for it" in found.stderr, found.output
+    missing = CliRunner().invoke(main, ["export", str(tmp_path / "step-9"), "--section", "student", "-o",
+                                        str(tmp_path / "out")])
+    assert missing.exit_code == 2 and missing.stderr.strip() == (
+        f"error: SOURCE: no such folder: {tmp_path / 'step-9'} (checkpoints in {tmp_path}: step-00000002)")
+
+
 @pytest.mark.parametrize("options, message", [
     (CheckpointOptions(every=2), "--checkpoint-every needs --checkpoint-dir"),
     (CheckpointOptions(dir="x", every=2, keep_last=0), "--keep-last must be a count >= 1, got 0"),

@@ -205,7 +205,15 @@ def test_global_batch_larger_than_the_dataset(tmp_path, dataset):
 @pytest.mark.parametrize(("item", "fragments"), [
     ("sections.student.dp=0", ["sections.student.dp must be an integer >= 1, got 0"]),
     ("sections.ghost.dp=1", ["--set sections.ghost.dp", "no section named 'ghost'"]),
-    ("global_bach=8", ["--set global_bach", "unknown pipeline field 'global_bach'"]),
+    ("global_bach=8", ["--set global_bach", "unknown pipeline field 'global_bach'", "did you mean 'global_batch'?"]),
+    # Reproduced before: a bare "Section.__init__() got an unexpected keyword argument 'optimiser'".
+    ("sections.student.optimiser.lr=1e-3", ["--set sections.student.optimiser.lr",
+                                            "unknown section field 'optimiser' at sections.student.optimiser",
+                                            "did you mean 'optimizer'?", "(fields: activates_on,"]),
+    ("data.pth=x", ["--set data.pth", "unknown data field 'pth' at data.pth", "did you mean 'path'?",
+                    "(fields: modality_columns, path,"]),
+    ("sections.teacher.cost.per_sampl_s=1", ["unknown cost field 'per_sampl_s' at sections.teacher.cost.per_sampl_s",
+                                             "did you mean 'per_sample_s'?"]),
     ("global_batch", ["--set expects key.path=value"]),
     # Reproduced before: not JSON, so the string 'False', which counts as true.
     ("data.skip_bad_rows=False", ["data.skip_bad_rows must be true or false, got 'False'"]),
@@ -215,6 +223,34 @@ def test_global_batch_larger_than_the_dataset(tmp_path, dataset):
 def test_bad_set_overrides_are_refused(tmp_path, dataset, item, fragments):
     result = invoke("validate", write_pipeline(tmp_path, dataset), "--set", item)
     assert_one_error_line(result, *fragments)
+
+
+@pytest.mark.parametrize(("sections", "edges", "sets", "warning"), [
+    # Reproduced before: each said only "ok"; a run then trained nothing, failed with KeyError in the
+    # student, or ran replicas that never got a sample.
+    ([teacher(), student(trainable=False)], None, [],
+     "warning: no section is trainable (every section has trainable=False): the run computes forwards only"),
+    (None, [], [], "warning: sections.teacher is frozen (trainable=False) and no edge reads its outputs: it does "
+                   "work for nobody (an edge missing, e.g. Edge(src='teacher', dst='student', ...)?)"),
+    (None, None, ["--set", "sections.student.dp=9"],
+     "warning: sections.student.dp=9 is more than global_batch=8: a step's 8 samples leave 1 of its 9 replicas "
+     "without work; lower sections.student.dp or raise global_batch"),
+])
+def test_pipelines_that_cannot_do_what_they_seem_to_are_warned_of(tmp_path, dataset, sections, edges, sets, warning):
+    path = write_pipeline(tmp_path, dataset, sections, edges)
+    result = invoke("validate", path, *sets)
+    assert result.exit_code == 0, result.output
+    assert result.stdout.startswith("ok: ")
+    assert len(result.stderr.splitlines()) == 1 and result.stderr.startswith(warning), result.stderr
+    # `maestro run` says the same before it starts (here refused just after, for another reason).
+    result = invoke("run", path, *sets, "--no-run-dir", "--record-steps", "1")
+    assert result.exit_code == 2 and result.stderr.startswith(warning), result.output
+    assert result.stderr.splitlines()[1].startswith("error: --record-steps")
+
+
+def test_a_sound_pipeline_has_no_warnings(tmp_path, dataset):
+    result = invoke("validate", write_pipeline(tmp_path, dataset))
+    assert result.exit_code == 0 and result.stderr == "", result.output
 
 
 def test_set_overrides_apply(tmp_path, dataset):
@@ -232,6 +268,17 @@ def test_debug_shows_the_exception(tmp_path, dataset):
 def test_error_inside_pipeline_function_is_one_line(tmp_path, dataset):
     result = invoke("validate", write_pipeline(tmp_path, dataset, [teacher(batch_size=4), student()]))
     assert_one_error_line(result, "batch_size")
+
+
+@pytest.mark.parametrize(("sections", "fragments"), [
+    # Reproduced before: "Section.__init__() got an unexpected keyword argument 'micro_bach'", no section named.
+    ([teacher(), student(micro_bach=4)], ["unknown section field 'micro_bach' at sections.student.micro_bach",
+                                          "did you mean 'micro_batch'?"]),
+    ([teacher(), code("Section", name="student", config=STUDENT)], ["sections.student: missing required section "
+                                                                    "field 'stage'"]),
+])
+def test_misspelt_field_in_the_pipeline_file_names_its_path(tmp_path, dataset, sections, fragments):
+    assert_one_error_line(invoke("validate", write_pipeline(tmp_path, dataset, sections)), *fragments)
 
 
 # -- maestro plan / graph ------------------------------------------------------------------
@@ -356,6 +403,15 @@ def test_a_vlm_s_samples_are_checked_as_its_llm_expands_them(tmp_path, bad, frag
     result = invoke("validate", "pipelines/vlm.py", "--set", f"data.path={_image_data(tmp_path, rows)}")
     assert result.exit_code == 2, result.output
     assert all(f in result.output for f in fragments), result.output
+
+
+def test_samples_like_it_counts_rows_with_the_same_problem(tmp_path):
+    # Found by review: the count took every placeholder problem together under the first's message.
+    rows = [([1, 259, 2], 16), ([1, 2, 3], 0)] * 20
+    rows[3], rows[5], rows[7], rows[9] = ([1, 259, 2, 259], 16), ([1, 2, 3], 16), ([1, 259, 2], 0), ([259, 259], 16)
+    result = invoke("validate", "pipelines/vlm.py", "--set", f"data.path={_image_data(tmp_path, rows)}")
+    assert result.exit_code == 2 and "sample id 103 (row 3) holds 2 image placeholders" in result.output
+    assert "samples like it: 2" in result.output, result.output
 
 
 def test_placeholder_ids_need_no_room_in_the_vocabulary(tmp_path):

@@ -90,6 +90,30 @@ def test_override_unknown_nested_dataclass_field_names_it():
         distill().override(**{"sections.teacher.cost.bogus": 1.0})
 
 
+def test_from_dict_names_the_full_path_of_an_unknown_field():
+    """A pipeline.json (a run dir's, a checkpoint's) with a field this version does not know."""
+    data = distill().to_dict()
+    data["sections"][1]["cost"]["per_sampl_s"] = 1.0
+    with pytest.raises(PipelineError, match=r"unknown cost field 'per_sampl_s' at sections\.student\.cost\.per_sampl_s; "
+                                            r"did you mean 'per_sample_s'\?"):
+        Pipeline.from_dict(data)
+    data = distill().to_dict()
+    data["edges"][0]["tensor"] = data["edges"][0].pop("tensors")
+    with pytest.raises(PipelineError, match=r"unknown edge field 'tensor' at edges\[0\]\.tensor; did you mean 'tensors'"):
+        Pipeline.from_dict(data)
+    data["data"] = "x.arrow"
+    with pytest.raises(PipelineError, match="data must be a mapping of data fields, got 'x.arrow'"):
+        Pipeline.from_dict(data)
+
+
+def test_records_written_in_python_name_a_misspelt_field():
+    with pytest.raises(PipelineError, match=r"unknown data field 'pth' at data\.pth; did you mean 'path'\?"):
+        ArrowData(pth="x.arrow")
+    with pytest.raises(PipelineError, match=r"unknown section field 'optimiser' at sections\.s\.optimiser; "
+                                            r"did you mean 'optimizer'\?"):
+        Section(name="s", stage="m:C", optimiser={})
+
+
 # -- parse_set -----------------------------------------------------------------------------
 
 

@@ -366,3 +366,24 @@ def test_steps_with_a_frozen_producer_overlap_under_lookahead():
     assert tuner.evaluate(layout).step_s == pytest.approx(want)
     assert want < Tuner(p.override(lookahead_steps=0), _costs(p), [batch], devices=4, **calib).evaluate(layout).step_s
     assert not Tuner(vlm(), _costs(vlm()), [batch], devices=4).overlapped()  # its encoder trains
+
+
+
+@pytest.mark.parametrize("global_batch, devices", [(8, 2), (8, 3), (8, 6), (4, 12)])
+def test_no_configuration_goes_beyond_what_the_global_batch_can_use(global_batch, devices):
+    """Reproduced before: `teacher 1 x 16` for a global batch of 8 (a micro-batch that never
+    fills), and dp above the samples a section gets in a step (replicas that never get one)."""
+    from maestro_flow.planner.cost import CostModel
+    from maestro_flow.planner.tune import Tuner
+
+    p = distill(global_batch=global_batch)
+    batch = samples(global_batch)
+    tuner = Tuner(p, CostModel(costs={s.name: s.cost for s in p.sections}), [batch], devices=devices,
+                  max_simulations=200)
+    result = tuner.run(top=50)
+    offered = [*tuner.cache.values(), *result.best, *([result.uniform] if result.uniform else [])]
+    assert offered
+    for c in offered:
+        assert all(mb <= global_batch and dp <= global_batch for _, dp, mb in c.layout), c.layout
+    whole = tune(p, None, batch, devices=devices, top=50)
+    assert whole.monolithic is None or whole.monolithic.micro_batch <= global_batch
