@@ -3,7 +3,8 @@
 Thin: parse, call runtime/replay.py, print. Exit codes: 0 success, 1 `--compare` found an output
 out of tolerance, 2 bad input a user can fix (one "error: ..." line; a flag that does not apply
 to the chosen mode included), 3 the stage code raised (its traceback is printed; `--pdb` opens
-the debugger on it).
+the debugger on it) or returned outputs that break the Stage contract (one "error: ..." line, the
+message `maestro run` gives).
 """
 
 from __future__ import annotations
@@ -65,9 +66,10 @@ def stage(ctx: click.Context, pipeline: str, section: str, run_dir: str | None, 
       maestro stage pipelines/distill.py student --replay runs/kd --steps 5 --set dtype=float64 --pdb
       maestro stage pipelines/vlm.py llm --samples 8 --repeat 5     # synthetic inputs
 
-    Exit codes: 0 ok, 1 --compare mismatch, 2 bad input, 3 the stage raised.
+    Exit codes: 0 ok, 1 --compare mismatch, 2 bad input, 3 the stage raised or broke the output contract.
     """
     from maestro_flow.runtime.replay import ReplayOptions, parse_shapes, parse_steps, replay
+    from maestro_flow.runtime.replay_runner import StageOutputError
 
     debug = bool((ctx.obj or {}).get("debug"))
     try:
@@ -76,6 +78,11 @@ def stage(ctx: click.Context, pipeline: str, section: str, run_dir: str | None, 
                                 samples=samples, input_shapes=parse_shapes(input_shapes), weights=weights,
                                 pdb=use_pdb)
         code = replay(pipeline, section, options, echo=click.echo)
+    except StageOutputError as exc:
+        if debug:
+            raise
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(3)
     except MaestroError as exc:
         if debug:
             raise

@@ -17,12 +17,16 @@ What the runtime guarantees around a stage:
 - Columns: `tokens` entries are 1-D int64 tensors; other numeric list columns (e.g. `audio`) are
   1-D tensors of the column's dtype; binary columns are `bytes`, strings `str`, nested lists and
   scalars plain Python values, and a null is `None`.
+
+What the runtime asks of `forward`'s outputs is `output_problem`: the executor checks every
+micro-batch's outputs with it right after the forward, and `maestro stage` does the same.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+from numbers import Real
 from operator import methodcaller
 from typing import Any
 
@@ -203,3 +207,65 @@ class Stage:
     def train(self, mode: bool = True) -> None:
         for module in self.modules().values():
             module.train(mode)
+
+
+PER_SAMPLE = ("a tensor whose first dimension indexes the micro-batch's samples, or a list of one tensor "
+              "(or None) per sample")
+
+
+def output_problem(out: Any, *, section: str, stage: str, num_samples: int, carried: Mapping[str, str],
+                   loss: bool) -> str | None:
+    """What breaks the output contract in `out`, what `stage` (its "module:Class") returned from
+    `forward` on a micro-batch of `num_samples` samples of `section`, as the error to show; None
+    when nothing does. `carried`: output name -> the edge that carries it, each such output
+    checked to be PER_SAMPLE; `loss`: the section's "loss" is read (a terminal section), so it must
+    be a one-element tensor and "loss_denominator", when returned, a number or a one-element
+    tensor. Other outputs are not looked at. Pure and cheap (a few isinstance checks an output):
+    it runs after every forward."""
+    who = f"section {section!r}: {stage}.forward returned"
+    if not isinstance(out, dict):
+        return f"{who} {type(out).__name__}, not a dict of outputs"
+    for name, edge in carried.items():
+        if name not in out:
+            return f"{who} no {name!r} (returned: {_names(out)}); edge {edge} carries it"
+        value = out[name]
+        if isinstance(value, (list, tuple)) or isinstance(value, torch.Tensor) and value.dim() > 0:
+            if len(value) != num_samples:
+                return (f"{who} {name!r} with {len(value)} entries for a micro-batch of {num_samples} samples; "
+                        f"edge {edge} carries it, so it must be {PER_SAMPLE}")
+            if not isinstance(value, torch.Tensor):
+                bad = next((i for i, t in enumerate(value) if t is not None and not isinstance(t, torch.Tensor)), None)
+                if bad is not None:
+                    return (f"{who} {name!r} as a {type(value).__name__} whose entry {bad} is {_described(value[bad])}; "
+                            f"edge {edge} carries it, so it must be {PER_SAMPLE}")
+        else:
+            return f"{who} {name!r} as {_described(value)}; edge {edge} carries it, so it must be {PER_SAMPLE}"
+    if loss:
+        if "loss" not in out:
+            return (f"{who} no 'loss' (returned: {_names(out)}); a terminal trainable section must return the sum "
+                    "of its losses as 'loss'")
+        value = out["loss"]
+        if not isinstance(value, torch.Tensor) or value.numel() != 1:
+            return (f"{who} 'loss' as {_described(value)}; it must be a scalar tensor, the sum of the "
+                    "micro-batch's losses (the runtime backwards it)")
+        denom = out.get("loss_denominator", 0)
+        if not (isinstance(denom, Real) or isinstance(denom, torch.Tensor) and denom.numel() == 1):
+            return (f"{who} 'loss_denominator' as {_described(denom)}; it must be a number or a scalar tensor "
+                    "(what 'loss' sums over; leave it out for the number of samples)")
+    return None
+
+
+def _names(out: dict) -> str:
+    return ", ".join(map(str, out)) or "nothing"
+
+
+def _described(value: Any) -> str:
+    """`value` in a few words for an error: its type and its shape, length or value."""
+    kind = "a tensor" if isinstance(value, torch.Tensor) else type(value).__name__
+    shape = getattr(value, "shape", None)
+    if isinstance(shape, tuple):  # torch.Size is one; so is a numpy array's
+        return f"{kind} of shape {list(shape)}"
+    if isinstance(value, (list, tuple, dict)):
+        return f"{kind} of {len(value)} entries"
+    text = repr(value)
+    return f"{kind} {text if len(text) <= 40 else text[:37] + '...'}"

@@ -6,6 +6,10 @@ sockets and torch.distributed: the correctness oracle for section mode (paramete
 must match). Sections run one after another in topological order; gradients flow back in
 reverse. (The performance baseline is `--baseline monolithic`, baseline/monolithic.py: several
 data-parallel ranks, as a Megatron-style trainer runs.)
+
+Failures are reported as section mode's coordinator reports them: a stage's exception, or
+outputs that break the Stage contract, as a StageError; anything else an executor raises as a
+SystemFailure naming the section and step, the original exception chained (for `--debug`).
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import torch
 
 from maestro_flow.checkpoint.savedir import save_pipeline, save_stage
 from maestro_flow.config import Pipeline
-from maestro_flow.errors import MaestroError, StageError
+from maestro_flow.errors import MaestroError, StageError, SystemFailure
 from maestro_flow.graph import SectionGraph
 from maestro_flow.planner import make_planner
 from maestro_flow.planner.plan import Placement
@@ -82,11 +86,7 @@ def _run(pipeline: Pipeline, source: Any, sampler: EpochSampler, report: RunRepo
         while row is None:
             progressed = False
             for rank, ex in executors.items():
-                try:
-                    progressed |= ex.poll()
-                except StageFault as fault:
-                    raise StageError(section=ex.name, replica=0, rank=rank, step=fault.step, phase=fault.phase,
-                                     traceback=fault.text) from None
+                progressed |= _poll(ex, rank, step)
             for rank, kind, body in events:
                 if kind == "loss":
                     for ranks, denominator in ledger.on_loss(rank, body["step"], body["loss_sum"], body["denominator"]):
@@ -103,10 +103,25 @@ def _run(pipeline: Pipeline, source: Any, sampler: EpochSampler, report: RunRepo
                 progressed = True
             events.clear()
             if not progressed and row is None:
-                raise RuntimeError(f"colocated run made no progress at step {step} (a plan/runtime bug)")
+                raise SystemFailure(f"colocated run made no progress at step {step} (a plan/runtime bug)")
         report.step(row)
     if save_dir:
         save_pipeline(save_dir, pipeline.to_dict())
         for ex in executors.values():
             if ex.trainable:
                 save_stage(ex.stage, save_dir, ex.name)
+
+
+def _poll(ex: SectionExecutor, rank: int, step: int) -> bool:
+    """`ex.poll()`, its failure turned into the error `maestro run` shows (see the module docstring)."""
+    try:
+        return ex.poll()
+    except StageFault as fault:
+        raise StageError(section=ex.name, replica=0, rank=rank, step=fault.step, phase=fault.phase,
+                         traceback=fault.text) from None
+    except MaestroError:
+        raise
+    except Exception as exc:
+        at = ex.current.step if ex.current is not None else step  # poll() may have begun the next step
+        raise SystemFailure(f"system error in section {ex.name!r} replica 0 (rank {rank}) during step at step "
+                            f"{at}: {type(exc).__name__}: {exc}") from exc

@@ -36,7 +36,7 @@ from __future__ import annotations
 import time
 import traceback
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -56,7 +56,7 @@ from maestro_flow.runtime.record import Recorder
 from maestro_flow.runtime.step_end import StepEnd
 from maestro_flow.runtime.trace import Tracer
 from maestro_flow.samples import SampleMeta
-from maestro_flow.stage import MicroBatch, Stage
+from maestro_flow.stage import MicroBatch, Stage, output_problem
 from maestro_flow.transport.tensor_comm import Comm
 
 Report = Callable[[str, dict[str, Any]], None]
@@ -87,6 +87,7 @@ class SectionExecutor(StepEnd, Prefetch):
         self.last_batch: MicroBatch | None = None  # a lockstep FSDP section's, for rounds without samples
         self.follower = not self.layout.leader  # a tensor-parallel rank that follows its leader
         self.relaying = self.layout.leader and len(self.layout.members) > 1
+        self.carried = {t: e.edge.name for e in self.out_edges for t in e.edge.tensors}  # checked after forward
         self.ops: deque[tuple[str, int, int, list]] = deque()  # a follower's relays, in the leader's order
         params = [p for p in stage.parameters() if p.requires_grad] if self.trainable else []
         pipeline = graph.pipeline
@@ -244,6 +245,11 @@ class SectionExecutor(StepEnd, Prefetch):
                 out = self.stage.forward(batch)
         except Exception:
             raise StageFault("forward", st.step, traceback.format_exc()) from None
+        # Checked here, before anything reads them, so a broken output is the stage's error.
+        problem = output_problem(out, section=self.name, stage=self.section.stage, num_samples=len(mb),
+                                 carried=self.carried, loss=self.is_loss)
+        if problem is not None:
+            raise StageFault("forward", st.step, problem)
         self._send_outputs(st, mb, out)
         t_forward = self.clock()  # a loss section goes on to its backward at once: traced as its own span
         cpu_forward = time.thread_time() if self.tracer.enabled else 0.0
@@ -324,25 +330,12 @@ class SectionExecutor(StepEnd, Prefetch):
         t = t.detach()
         return t.to(self.autocast) if self.autocast is not None and t.is_floating_point() else t
 
-    def _per_sample(self, out: dict, name: str, n: int, step: int, edge: str) -> Sequence[torch.Tensor]:
-        if not isinstance(out, dict):
-            raise StageFault("forward", step, f"section {self.name!r}: {self.section.stage}.forward returned "
-                             f"{type(out).__name__}, not a dict of outputs")
-        if name not in out:
-            raise StageFault("forward", step, f"section {self.name!r}: {self.section.stage}.forward returned no "
-                             f"{name!r} (returned: {', '.join(map(str, out)) or 'nothing'}); edge {edge} carries it")
-        value = out[name]
-        if len(value) != n:
-            raise StageFault("forward", step, f"stage output {name!r} has {len(value)} entries for a "
-                             f"micro-batch of {n} samples (first dimension must index the samples)")
-        return value
-
     def _send_outputs(self, st: StepState, mb: tuple[int, ...], out: dict) -> None:
         if self.follower:
             return  # the replica's outputs are the same on all its ranks: the leader sends them
         for e in self.out_edges:
             consumer = self.graph.sections[e.edge.dst]
-            per_name = {name: self._per_sample(out, name, len(mb), st.step, e.edge.name) for name in e.edge.tensors}
+            per_name = {name: out[name] for name in e.edge.tensors}
             by_rank: dict[int, list] = {}
             for i, sid in enumerate(mb):
                 if not consumer.activates(st.modalities[sid]):
@@ -356,11 +349,6 @@ class SectionExecutor(StepEnd, Prefetch):
     # -- backward --------------------------------------------------------------------------
 
     def _loss_backward(self, st: StepState, mb: tuple[int, ...], out: dict, leaves: dict) -> None:
-        if not isinstance(out, dict) or "loss" not in out:
-            returned = ", ".join(map(str, out)) if isinstance(out, dict) else type(out).__name__
-            raise StageFault("forward", st.step, f"section {self.name!r}: {self.section.stage}.forward returned no "
-                             f"'loss' (returned: {returned or 'nothing'}); a terminal trainable section must "
-                             "return the sum of its losses as 'loss'")
         loss = out["loss"]
         denom = out.get("loss_denominator", len(mb))
         st.loss_sum += float(loss.detach())
@@ -376,7 +364,7 @@ class SectionExecutor(StepEnd, Prefetch):
         pending = PendingBackward(outputs={}, expected=set(), leaves=leaves, sample_ids=mb, index=index)
         for e in self.graph.needs_grad_from(self.name):
             consumer = self.graph.sections[e.edge.dst]
-            per_name = {name: self._per_sample(out, name, len(mb), st.step, e.edge.name) for name in e.edge.tensors}
+            per_name = {name: out[name] for name in e.edge.tensors}
             for i, sid in enumerate(mb):
                 if not consumer.activates(st.modalities[sid]):
                     continue

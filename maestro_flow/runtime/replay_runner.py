@@ -5,7 +5,8 @@ forward (each repetition from the recorded RNG states, when given) and, for a tr
 backward (of the loss, else of the sum of its floating outputs' squares / 2), timing both and
 collecting gradient norms per parameter group and of the inputs. `synthetic_batches` makes
 micro-batches from real samples with inputs computed by the upstream sections (run here) or
-random tensors of given per-sample shapes.
+random tensors of given per-sample shapes. Every forward's outputs are checked as the executor
+checks them (stage.output_problem): one that breaks the contract is a `StageOutputError`.
 """
 
 from __future__ import annotations
@@ -25,11 +26,15 @@ from maestro_flow.graph import SectionGraph
 from maestro_flow.runtime.build import build_stage, default_dtype, open_source, resolve_device
 from maestro_flow.runtime.precision import autocast_dtype, compute
 from maestro_flow.runtime.record import restore_rng
-from maestro_flow.stage import MicroBatch
+from maestro_flow.stage import MicroBatch, output_problem
 
 
 class ReplayError(MaestroError):
     """Something the user can fix about a replay (no recording, bad step, unusable inputs)."""
+
+
+class StageOutputError(MaestroError):
+    """The stage's forward returned outputs that break the Stage contract, which a run refuses too."""
 
 
 # -- running one section -------------------------------------------------------------------------
@@ -71,6 +76,8 @@ class SectionRunner:
         self.trainable = self.section.trainable
         self.stage.train(self.trainable)  # as the executor does
         self.grad_names = {t for e in self.graph.inputs(name) if e.carries_grad for t in e.edge.tensors}
+        self.carried = {t: e.edge.name for e in self.graph.outputs(name) for t in e.edge.tensors}
+        self.is_loss = name in self.graph.loss_sections()
 
     def load_weights(self, path: str, source: str | None = None) -> None:
         """Load the stage's parameters from a safetensors file; `source` names it in errors
@@ -125,9 +132,15 @@ class SectionRunner:
         with default_dtype(self.dtype), torch.set_grad_enabled(self.trainable), \
                 compute(self.pipeline.mixed_precision, self.device):
             out = self.stage.forward(batch)
-        if not isinstance(out, dict):
-            raise TypeError(f"{self.section.stage}.forward returned {type(out).__name__}, not a dict of outputs")
+        self.check(out, len(batch))
         return out
+
+    def check(self, out: Any, num_samples: int) -> None:
+        """Raise StageOutputError when `out` breaks the output contract, as a run would refuse it."""
+        problem = output_problem(out, section=self.name, stage=self.section.stage, num_samples=num_samples,
+                                 carried=self.carried, loss=self.is_loss)
+        if problem is not None:
+            raise StageOutputError(problem)
 
     def _backward_target(self, out: dict[str, Any]) -> tuple[torch.Tensor | None, str]:
         loss = out.get("loss")
@@ -340,6 +353,7 @@ def _run_upstream(pipeline: Pipeline, graph: SectionGraph, name: str, chosen: li
             try:
                 with default_dtype(runner.dtype), torch.no_grad():
                     out = runner.stage.forward(batch)
+                runner.check(out, len(mb))
                 for t in names:
                     for s, x in zip(mb, out[t], strict=True):
                         produced[(s.id, t)] = None if x is None else x.detach()

@@ -32,3 +32,16 @@ def test_a_missing_output_is_named_when_the_stage_first_returns(demo_data, setti
     assert result.returncode == 1
     assert expected in result.stderr
     assert "during forward at step 0" in result.stderr
+
+
+@pytest.mark.parametrize("mode", [[], ["--colocated"]], ids=["sections", "colocated"])
+def test_a_broken_output_is_one_stage_error_in_both_modes(demo_data, mode):
+    """Found in review: numpy arrays as a stage's output failed inside maestro (a system error with
+    maestro's traceback; in colocated mode an uncaught traceback and no `error:` line)."""
+    result = maestro("run", PIPELINE, "--quiet", "--no-run-dir", "--set", f"data.path={demo_data}",
+                     "--set", "sections.embed.config.numpy=true", *mode)
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert ("error: stage error in section 'embed' replica 0 (rank 0) during forward at step 0:\n"
+            "section 'embed': plain_stages:Embedder.forward returned 'feat' as a list whose entry 0 is ndarray "
+            "of shape [") in result.stderr, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr, result.stderr[-2000:]

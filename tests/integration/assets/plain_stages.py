@@ -2,7 +2,7 @@
 modules moved with `module.to(ctx.device, ctx.dtype)`.
 
 `Embedder` sends per-sample "feat" (unless config `forget` names it: then it returns nothing
-under that name), and with config `weights` a float "weight" per sample that needs no gradient;
+under that name; with config `numpy`, numpy arrays instead of tensors), and with config `weights` a float "weight" per sample that needs no gradient;
 `Regressor` receives "feat" (weighted by "weight" where sent) and returns the loss sum (or, with
 config `no_loss`, forgets it). Both report the cores their process may run on and its torch threads
 in `stats()` (a bit mask, so a test can tell which worker had which cores)."""
@@ -30,6 +30,8 @@ class Embedder(_ReportsCores):
         if self.config.get("forget"):
             return {"other": [self.emb(t) for t in batch.columns["tokens"]]}
         out = {"feat": [self.emb(t) for t in batch.columns["tokens"]]}
+        if self.config.get("numpy"):  # breaks the output contract
+            out["feat"] = [f.detach().numpy() for f in out["feat"]]
         if self.config.get("weights"):  # a float from the data beside it, needing no gradient
             out["weight"] = [torch.full((1,), 1.0 + len(t) / 100.0, dtype=self.ctx.dtype) for t in batch.columns["tokens"]]
         return out

@@ -1,0 +1,209 @@
+"""Outputs that break the Stage contract (stage.output_problem) are the stage's error, named the
+same way wherever the stage runs: the section executor (section and colocated mode) and
+`maestro stage`. Colocated mode reports any other failure as section mode does: one line naming
+the section and step, the exception chained for --debug.
+
+Found in review: a teacher returning a numpy array, a student returning a vector or a float
+"loss", failed inside maestro (`_wire`, `_loss_backward`) as a system error with maestro's own
+traceback; in colocated mode as a raw traceback with no `error:` line; and `maestro stage` ran
+them, or a forward with fewer entries than samples, to exit 0.
+"""
+
+from __future__ import annotations
+
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+
+from maestro_flow.errors import StageError, SystemFailure
+from maestro_flow.stage import output_problem
+
+STAGES = '''
+import torch
+from maestro_flow import Stage
+
+
+class Teacher(Stage):
+    """Frozen: one feature vector per sample; config `bug` breaks its output."""
+
+    def __init__(self, config, ctx):
+        super().__init__(config, ctx)
+        self.emb = torch.nn.Embedding(260, 4)
+
+    def forward(self, batch):
+        feat = torch.stack([self.emb(t).mean(0) for t in batch.columns["tokens"]])
+        bug = self.config.get("bug")
+        if bug == "numpy":
+            return {"feat": feat.detach().numpy()}
+        if bug == "short":
+            return {"feat": feat[:-1]}
+        return {"feat": feat}
+
+
+class Student(Stage):
+    """Trainable loss section; config `bug` breaks its loss."""
+
+    def __init__(self, config, ctx):
+        super().__init__(config, ctx)
+        self.head = torch.nn.Linear(4, 1)
+
+    def forward(self, batch):
+        losses = torch.stack([self.head(f).pow(2).sum() for f in batch.inputs["feat"]])
+        bug = self.config.get("bug")
+        if bug == "vector":
+            return {"loss": losses}
+        if bug == "float":
+            return {"loss": losses.sum().item()}
+        return {"loss": losses.sum()}
+'''
+
+PIPELINE = '''
+from maestro_flow import ArrowData, Edge, Pipeline, Section
+
+
+def pipeline(**overrides):
+    return Pipeline(
+        name="contract", data=ArrowData(path="set by the test"), global_batch=4, steps=1, seed=0, schedule="fifo",
+        sections=[
+            Section(name="teacher", stage="contract_stages:Teacher", trainable=False, dp=1, micro_batch=2),
+            Section(name="student", stage="contract_stages:Student", dp=1, micro_batch=2,
+                    optimizer={"name": "sgd", "lr": 0.1}),
+        ],
+        edges=[Edge(src="teacher", dst="student", tensors=("feat",))],
+    ).override(**overrides)
+'''
+
+PER_SAMPLE = ("a tensor whose first dimension indexes the micro-batch's samples, or a list of one tensor "
+              "(or None) per sample")
+NUMPY = ("section 'teacher': contract_stages:Teacher.forward returned 'feat' as ndarray of shape [2, 4]; "
+         f"edge teacher->student carries it, so it must be {PER_SAMPLE}")
+SHORT = ("section 'teacher': contract_stages:Teacher.forward returned 'feat' with 1 entries for a micro-batch "
+         f"of 2 samples; edge teacher->student carries it, so it must be {PER_SAMPLE}")
+VECTOR = ("section 'student': contract_stages:Student.forward returned 'loss' as a tensor of shape [2]; it must "
+          "be a scalar tensor, the sum of the micro-batch's losses (the runtime backwards it)")
+FLOAT = "section 'student': contract_stages:Student.forward returned 'loss' as float "
+
+
+def _problem(out, *, n=2, carried=None, loss=False):
+    return output_problem(out, section="s", stage="m:C", num_samples=n, carried=carried or {}, loss=loss)
+
+
+def test_output_problem_names_the_output_what_came_back_and_what_the_contract_wants():
+    feat = {"feat": "s->t"}
+    ok = [({"feat": torch.zeros(2, 3)}, feat, False), ({"feat": [torch.zeros(3), None]}, feat, False),
+          ({"feat": (torch.zeros(1), torch.zeros(5))}, feat, False),
+          ({"loss": torch.tensor(1.0), "extra": "anything"}, {}, True),
+          ({"loss": torch.ones(1), "loss_denominator": 3}, {}, True),
+          ({"loss": torch.tensor(1.0), "loss_denominator": torch.tensor(2.0)}, {}, True),
+          ({"loss": torch.tensor(1.0), "loss_denominator": np.int64(2)}, {}, True)]
+    for out, carried, loss in ok:
+        assert _problem(out, carried=carried, loss=loss) is None, out
+    who = "section 's': m:C.forward returned"
+    cases = [
+        (torch.zeros(2), feat, False, f"{who} Tensor, not a dict of outputs"),
+        ({"other": 1}, feat, False, f"{who} no 'feat' (returned: other); edge s->t carries it"),
+        ({"feat": np.zeros((2, 3))}, feat, False, f"{who} 'feat' as ndarray of shape [2, 3]; edge s->t carries it, "
+                                                  f"so it must be {PER_SAMPLE}"),
+        ({"feat": torch.zeros(1, 3)}, feat, False, f"{who} 'feat' with 1 entries for a micro-batch of 2 samples"),
+        ({"feat": torch.tensor(1.0)}, feat, False, f"{who} 'feat' as a tensor of shape []"),
+        ({"feat": [torch.zeros(1)]}, feat, False, f"{who} 'feat' with 1 entries for a micro-batch of 2 samples"),
+        ({"feat": [torch.zeros(1), np.zeros(1)]}, feat, False,
+         f"{who} 'feat' as a list whose entry 1 is ndarray of shape [1]"),
+        ({"feat": 3.0}, feat, False, f"{who} 'feat' as float 3.0;"),
+        ({"total": torch.tensor(1.0)}, {}, True, f"{who} no 'loss' (returned: total); a terminal trainable section"),
+        ({"loss": torch.ones(2)}, {}, True, f"{who} 'loss' as a tensor of shape [2]; it must be a scalar tensor"),
+        ({"loss": 1.5}, {}, True, f"{who} 'loss' as float 1.5; it must be a scalar tensor"),
+        ({"loss": torch.tensor(1.0), "loss_denominator": torch.ones(2)}, {}, True,
+         f"{who} 'loss_denominator' as a tensor of shape [2]; it must be a number or a scalar tensor"),
+        ({"loss": torch.tensor(1.0), "loss_denominator": None}, {}, True, f"{who} 'loss_denominator' as NoneType None"),
+    ]
+    for out, carried, loss, expected in cases:
+        problem = _problem(out, carried=carried, loss=loss)
+        assert problem is not None and problem.startswith(expected), (problem, expected)
+
+
+@pytest.fixture(scope="module")
+def contract(tmp_path_factory):
+    """The pipeline file (stages beside it) and its data."""
+    from loaders.demo import build_text_demo
+
+    folder = tmp_path_factory.mktemp("contract")
+    (folder / "contract_stages.py").write_text(textwrap.dedent(STAGES))
+    (folder / "contract.py").write_text(textwrap.dedent(PIPELINE))
+    data = build_text_demo(folder, num_samples=16, min_tokens=4, max_tokens=8, parquet=False)
+    return str(folder / "contract.py"), str(data)
+
+
+def _colocated(contract, overrides, wrap=None):
+    from maestro_flow.runtime.build import load_pipeline, open_source
+    from maestro_flow.runtime.colocated import run_colocated
+    from maestro_flow.runtime.report import RunReport
+    from maestro_flow.runtime.sampler import EpochSampler
+
+    path, data = contract
+    pipeline, _ = load_pipeline(path, {"data.path": data, **overrides})
+    source = open_source(pipeline)
+    sampler = EpochSampler(source.metadata(), pipeline.global_batch, 0)
+    report = RunReport(total_steps=pipeline.steps, metrics_out=None, show_progress=False)
+    run_colocated(pipeline, wrap(source) if wrap else source, sampler, report)
+
+
+@pytest.mark.parametrize("bug, expected", [
+    ({"sections.teacher.config.bug": "numpy"}, NUMPY),
+    ({"sections.teacher.config.bug": "short"}, SHORT),
+    ({"sections.student.config.bug": "vector"}, VECTOR),
+    ({"sections.student.config.bug": "float"}, FLOAT),
+])
+def test_the_executor_reports_a_broken_output_as_the_stages_error(contract, bug, expected):
+    """The executor checks outputs right after forward (colocated mode drives the same executors
+    as the workers, and turns their StageFault into the StageError a worker's report becomes)."""
+    _colocated(contract, {})  # the stages keep the contract
+    with pytest.raises(StageError) as caught:
+        _colocated(contract, bug)
+    err = caught.value
+    section = next(iter(bug)).split(".")[1]
+    assert (err.section, err.replica, err.step, err.phase) == (section, 0, 0, "forward")
+    assert err.traceback.startswith(expected), err.traceback
+    assert "Traceback" not in err.traceback  # maestro's own frames are no help to the stage's author
+
+
+class _FailingSource:
+    """A data source whose reads fail: an error that is no stage's."""
+
+    def __init__(self, source) -> None:
+        self.source = source
+
+    def __getattr__(self, name):
+        return getattr(self.source, name)
+
+    def read(self, rows, columns):
+        raise OSError("disk gone")
+
+
+def test_colocated_reports_a_system_error_in_one_line_naming_section_and_step(contract):
+    with pytest.raises(SystemFailure) as caught:
+        _colocated(contract, {}, wrap=_FailingSource)
+    assert str(caught.value) == ("system error in section 'teacher' replica 0 (rank 0) during step at step 0: "
+                                 "OSError: disk gone")
+    assert isinstance(caught.value.__cause__, OSError)  # what --debug shows
+
+
+@pytest.mark.parametrize("section, bug, expected", [
+    ("teacher", "numpy", NUMPY), ("teacher", "short", SHORT),
+    ("student", "vector", VECTOR), ("student", "float", FLOAT),
+])
+def test_maestro_stage_refuses_what_a_run_refuses(contract, section, bug, expected):
+    from maestro_flow.cli_stage import stage
+
+    path, data = contract
+    sets = ["--set", f"data.path={data}", "--set", "sections.student.micro_batch=2"]
+    fine = CliRunner().invoke(stage, [path, section, *sets], catch_exceptions=False)
+    assert fine.exit_code == 0, fine.output
+    args = [path, section, *sets, "--set", f"sections.{section}.config.bug={bug}"]
+    result = CliRunner().invoke(stage, args, catch_exceptions=False)
+    assert result.exit_code == 3, result.output
+    assert f"error: {expected}" in result.output, result.output
+    assert "Traceback" not in result.output
