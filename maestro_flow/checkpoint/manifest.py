@@ -130,7 +130,7 @@ def find_folder(path: str, what: str) -> str:
     shown = [os.path.basename(f) + ("" if ok else " (incomplete)") for _, f, ok in found[-8:]]
     more = f" and {len(found) - len(shown)} older" if len(found) > len(shown) else ""
     listing = (f" (checkpoints in {parent or '.'}: {', '.join(shown)}{more})" if found
-               else f" ({parent} holds no step-N checkpoint folders)" if os.path.isdir(parent or ".") else "")
+               else f" ({parent or '.'} holds no step-N checkpoint folders)" if os.path.isdir(parent or ".") else "")
     raise PipelineError(f"{what}: no such folder: {path}{listing}")
 
 

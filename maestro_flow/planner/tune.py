@@ -81,7 +81,10 @@ class Tuner(TuneModel):
 
     def _dp_values(self, name: str) -> list[int]:
         cap = (self.devices - sum(self.rdev[n] for n in self.order if n != name)) // self.rdev[name]
-        cap = min(cap, self.most[name])
+        if self.graph.inputs(name) or not self.memory[name].lockstep:
+            # (A section fed by the data that FSDP would run in lockstep may have more replicas
+            # than samples: the spare ones stand in, and each one more shrinks every rank's shard.)
+            cap = min(cap, self.most[name])
         return list(range(1, cap + 1)) if cap <= 64 else _smooth_upto(cap)
 
     def dp_vectors(self, keep: int) -> list[tuple[float, int, dict[str, int], dict[str, int]]]:

@@ -54,8 +54,10 @@ def pipeline_warnings(pipeline: Pipeline) -> list[str]:
                            f"for nobody{hint}")
     batch = pipeline.global_batch
     for s in pipeline.sections:
-        # A lockstep FSDP section fed by others is refused for this (check_pipeline), not warned of.
-        if s.dp > batch and not (graph.lockstep(s.name) and graph.inputs(s.name)):
+        # A lockstep FSDP section is left alone: fed by others, it is refused for this (check_pipeline);
+        # fed by the data, its spare replicas stand in each round and hold their shards, which may
+        # be what makes it fit.
+        if s.dp > batch and not graph.lockstep(s.name):
             out.append(f"sections.{s.name}.dp={s.dp} is more than global_batch={batch}: a step's {batch} samples "
                        f"leave {s.dp - batch} of its {s.dp} replicas without work; lower sections.{s.name}.dp or "
                        "raise global_batch")

@@ -230,7 +230,11 @@ def check_cost_file(pipeline: Pipeline, costs: CostFile) -> None:
         raise PipelineError(f"{where}: section(s) {', '.join(missing)} of pipeline {pipeline.name!r} are not in "
                             f"the file (profiled: {', '.join(recorded)}); {REPROFILE}")
     for s in pipeline.sections:
-        changed = _changed(recorded[s.name], profiled_with(pipeline, s))
+        was = dict(recorded[s.name])
+        if isinstance(was.get("optimizer"), dict):  # as profiled_with reads it now (a file of before 2026-11-27's
+            was["optimizer"] = {"name": "adamw", **{k: v for k, v in was["optimizer"].items()  # last change kept all)
+                                                   if k in OPTIMIZER_KEYS}}
+        changed = _changed(was, profiled_with(pipeline, s))
         if changed:
             raise PipelineError(f"{where}: sections.{s.name} was profiled with another {', '.join(changed)}: the "
                                 f"times and memory measured then need not hold now; {REPROFILE}")

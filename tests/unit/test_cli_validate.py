@@ -251,6 +251,11 @@ def test_pipelines_that_cannot_do_what_they_seem_to_are_warned_of(tmp_path, data
 def test_a_sound_pipeline_has_no_warnings(tmp_path, dataset):
     result = invoke("validate", write_pipeline(tmp_path, dataset))
     assert result.exit_code == 0 and result.stderr == "", result.output
+    # A frozen FSDP teacher fed by the data may run more replicas than samples (its spare ones stand
+    # in each round and hold their shards): no "lower dp" advice (found by review).
+    result = invoke("validate", write_pipeline(tmp_path, dataset), "--set", "sections.teacher.fsdp=true",
+                    "--set", "sections.teacher.dp=10")  # a multiple of the student's 2 (global batch 8)
+    assert result.exit_code == 0 and result.stderr == "", result.output
 
 
 def test_set_overrides_apply(tmp_path, dataset):

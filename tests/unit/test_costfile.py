@@ -94,6 +94,15 @@ def test_what_the_tuner_varies_does_not_stale_a_cost_file(tmp_path):
     assert file_overrides(same, path)["sections.llm.cost"]["per_sample_s"] == 1e-3
 
 
+def test_a_file_written_before_the_optimizer_fingerprint_narrowed_still_reads(tmp_path):
+    # Found by review: a version 2 file whose optimizer fingerprint kept every key (weight decay
+    # included) was refused for the very pipeline it was profiled on ("weight_decay (0.1, now unset)").
+    p = _vlm(**{"sections.llm.optimizer.weight_decay": 0.1})
+    data = _cost_file(p)
+    data["sections"]["llm"]["profiled_with"]["optimizer"] = {"weight_decay": 0.1}  # as written then, no name
+    assert file_overrides(p, _write(tmp_path, data))["sections.llm.cost"]["per_sample_s"] == 1e-3
+
+
 # -- finding 2: planning_s ----------------------------------------------------------------------
 
 

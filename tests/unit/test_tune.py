@@ -387,3 +387,16 @@ def test_no_configuration_goes_beyond_what_the_global_batch_can_use(global_batch
         assert all(mb <= global_batch and dp <= global_batch for _, dp, mb in c.layout), c.layout
     whole = tune(p, None, batch, devices=devices, top=50)
     assert whole.monolithic is None or whole.monolithic.micro_batch <= global_batch
+
+
+def test_a_data_fed_fsdp_section_may_have_more_replicas_than_samples():
+    # Found by review of the cap above: a frozen teacher that fits only sharded over 4 ranks, with
+    # 2 samples a step (its spare replicas stand in each round, runtime/lockstep.py), was no
+    # longer found ("no configuration fits").
+    from maestro_flow.planner.tune import MemoryModel
+
+    teacher = MemoryModel(base_mb=1800, per_sample_mb=1, param_mb=1800, copies=1, unit_mb=100, lockstep=True)
+    result = tune(distill(global_batch=2), None, samples(2), devices=8, memory_limit_mb=700,
+                  memory={"teacher": teacher, "student": MemoryModel(base_mb=100)})
+    layout = dict((name, dp) for name, dp, _ in result.best[0].layout)
+    assert layout["teacher"] >= 3 and result.best[0].fsdp["teacher"] and result.best[0].memory_mb["teacher"] <= 700
