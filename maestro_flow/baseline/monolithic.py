@@ -31,7 +31,7 @@ import torch
 from maestro_flow.config import Cost, Pipeline, Section
 from maestro_flow.errors import PipelineError
 from maestro_flow.graph import SectionGraph
-from maestro_flow.stage import MicroBatch, Stage, StageContext
+from maestro_flow.stage import MicroBatch, Stage, StageContext, output_problem
 
 MODEL = "model"  # the one section of the monolithic pipeline
 STAGE = "maestro_flow.baseline.monolithic:FusedStage"
@@ -154,23 +154,17 @@ class FusedStage(Stage):
                 if hasattr(exc, "add_note"):  # Python 3.11: shown under the traceback
                     exc.add_note(f"(in section {name!r}, {section.stage}, inside the monolithic baseline's model)")
                 raise
-            if not isinstance(out, dict):
-                raise TypeError(f"section {name!r}: {section.stage}.forward returned {type(out).__name__}, "
-                                "not a dict of outputs")
+            problem = output_problem(out, section=name, stage=section.stage, num_samples=len(sids),
+                                     carried={t: e.edge.name for e in self.graph.outputs(name) for t in e.edge.tensors},
+                                     loss=name == self.loss)  # the contract section mode holds stages to
+            if problem is not None:
+                raise ValueError(problem)
             if name == self.loss:
-                if "loss" not in out:
-                    raise KeyError(f"section {name!r}: {section.stage}.forward returned no 'loss'")
                 result = {"loss": out["loss"], "loss_denominator": out.get("loss_denominator", len(sids))}
             per_sample: dict[int, dict[str, torch.Tensor | None]] = {sid: {} for sid in sids}
             for e in self.graph.outputs(name):
                 for tensor in e.edge.tensors:
-                    if tensor not in out:
-                        raise KeyError(f"section {name!r}: {section.stage}.forward returned no {tensor!r} "
-                                       f"(edge {e.edge.name} carries it)")
                     values = out[tensor]
-                    if len(values) != len(sids):
-                        raise ValueError(f"section {name!r}: output {tensor!r} has {len(values)} entries for "
-                                         f"{len(sids)} samples (the first dimension must index the samples)")
                     for sid, value in zip(sids, values, strict=True):
                         per_sample[sid][tensor] = value
             produced[name] = per_sample

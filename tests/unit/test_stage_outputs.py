@@ -207,3 +207,24 @@ def test_maestro_stage_refuses_what_a_run_refuses(contract, section, bug, expect
     assert result.exit_code == 3, result.output
     assert f"error: {expected}" in result.output, result.output
     assert "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("bug, expected", [({"sections.teacher.config.bug": "numpy"}, NUMPY),
+                                           ({"sections.student.config.bug": "float"}, FLOAT)])
+def test_the_monolithic_baseline_holds_its_sections_to_the_same_contract(contract, bug, expected):
+    """The baseline's fused model runs every section's forward itself: its checks were its own
+    (a numpy output failed inside it, a float loss passed through to the backward)."""
+    from maestro_flow.baseline.monolithic import monolithic_pipeline
+    from maestro_flow.runtime.build import load_pipeline, open_source
+    from maestro_flow.runtime.colocated import run_colocated
+    from maestro_flow.runtime.report import RunReport
+    from maestro_flow.runtime.sampler import EpochSampler
+
+    path, data = contract
+    pipeline, _ = load_pipeline(path, {"data.path": data, **bug})
+    fused = monolithic_pipeline(pipeline, devices=1)
+    source = open_source(fused)
+    with pytest.raises(StageError) as caught:
+        run_colocated(fused, source, EpochSampler(source.metadata(), fused.global_batch, 0),
+                      RunReport(total_steps=1, metrics_out=None, show_progress=False))
+    assert f"ValueError: {expected}" in caught.value.traceback, caught.value.traceback
