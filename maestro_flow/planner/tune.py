@@ -81,11 +81,17 @@ class Tuner(TuneModel):
 
     def _dp_values(self, name: str) -> list[int]:
         cap = (self.devices - sum(self.rdev[n] for n in self.order if n != name)) // self.rdev[name]
-        if self.graph.inputs(name) or not self.memory[name].lockstep:
-            # (A section fed by the data that FSDP would run in lockstep may have more replicas
-            # than samples: the spare ones stand in, and each one more shrinks every rank's shard.)
+        if not self._sharded_past_samples(name):
             cap = min(cap, self.most[name])
         return list(range(1, cap + 1)) if cap <= 64 else _smooth_upto(cap)
+
+    def _sharded_past_samples(self, name: str) -> bool:
+        """Whether section `name` may have more replicas than samples a step: fed by the data, it
+        fits only sharded (FSDP, run in lockstep at tp 1), and its spare replicas stand in each
+        round, each one more shrinking every rank's shard (runtime/lockstep.py)."""
+        m = self.memory[name]
+        return (not self.graph.inputs(name) and m.lockstep and self.tp[name] == 1 and self.limit is not None
+                and m.at(1, 1, self.most[name], False) > self.limit)
 
     def dp_vectors(self, keep: int) -> list[tuple[float, int, dict[str, int], dict[str, int]]]:
         """The `keep` best dp vectors by analytic score, each with its default micro-batches."""

@@ -107,8 +107,9 @@ class TuneModel:
         self.sample0 = self.batches[0]
         self.active = {n: [s for s in self.sample0 if self.graph.sections[n].activates(s.modalities)]
                        for n in self.order}
-        # The most samples a section gets in a step: no dp or micro-batch beyond it is ever used
-        # (its extra replicas would get no sample, its micro-batches never fill).
+        # The most samples a section gets in a step: no micro-batch beyond it, and no dp but where
+        # more replicas shard a section that fits no other way (Tuner._sharded_past_samples): its
+        # extra replicas would get no sample, its micro-batches never fill.
         self.most = {n: max(1, *(sum(self.graph.sections[n].activates(s.modalities) for s in b)
                                  for b in self.batches)) for n in self.order}
         self._terms: dict[tuple, float] = {}

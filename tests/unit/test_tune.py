@@ -400,3 +400,8 @@ def test_a_data_fed_fsdp_section_may_have_more_replicas_than_samples():
                   memory={"teacher": teacher, "student": MemoryModel(base_mb=100)})
     layout = dict((name, dp) for name, dp, _ in result.best[0].layout)
     assert layout["teacher"] >= 3 and result.best[0].fsdp["teacher"] and result.best[0].memory_mb["teacher"] <= 700
+    # One that fits whole is not given replicas that would idle (found by review of this exception).
+    small = MemoryModel(base_mb=500, per_sample_mb=1, param_mb=400, copies=1, unit_mb=50, lockstep=True)
+    result = tune(distill(global_batch=2), None, samples(2), devices=8, top=50, memory_limit_mb=2000,
+                  memory={"teacher": small, "student": MemoryModel(base_mb=100)})
+    assert all(dp <= 2 for c in result.best for _, dp, _ in c.layout), [c.layout for c in result.best]
