@@ -106,6 +106,11 @@ class SectionGraph:
     def outputs(self, name: str) -> list[EdgeInfo]:
         return [e for e in self.edges if e.edge.src == name]
 
+    def carried(self, name: str) -> dict[str, str]:
+        """Each tensor section `name`'s outgoing edges carry -> the name of the edge carrying it
+        (what stage.output_problem checks a forward's outputs for)."""
+        return {t: e.edge.name for e in self.outputs(name) for t in e.edge.tensors}
+
     def sinks(self) -> list[str]:
         """Sections with no outgoing edge, in topological order."""
         return [n for n in self.order if not self.outputs(n)]

@@ -155,7 +155,7 @@ class FusedStage(Stage):
                     exc.add_note(f"(in section {name!r}, {section.stage}, inside the monolithic baseline's model)")
                 raise
             problem = output_problem(out, section=name, stage=section.stage, num_samples=len(sids),
-                                     carried={t: e.edge.name for e in self.graph.outputs(name) for t in e.edge.tensors},
+                                     carried=self.graph.carried(name),
                                      loss=name == self.loss)  # the contract section mode holds stages to
             if problem is not None:
                 raise ValueError(problem)

@@ -87,7 +87,7 @@ class SectionExecutor(StepEnd, Prefetch):
         self.last_batch: MicroBatch | None = None  # a lockstep FSDP section's, for rounds without samples
         self.follower = not self.layout.leader  # a tensor-parallel rank that follows its leader
         self.relaying = self.layout.leader and len(self.layout.members) > 1
-        self.carried = {t: e.edge.name for e in self.out_edges for t in e.edge.tensors}  # checked after forward
+        self.carried = graph.carried(section)  # checked after forward
         self.ops: deque[tuple[str, int, int, list]] = deque()  # a follower's relays, in the leader's order
         params = [p for p in stage.parameters() if p.requires_grad] if self.trainable else []
         pipeline = graph.pipeline

@@ -76,7 +76,7 @@ class SectionRunner:
         self.trainable = self.section.trainable
         self.stage.train(self.trainable)  # as the executor does
         self.grad_names = {t for e in self.graph.inputs(name) if e.carries_grad for t in e.edge.tensors}
-        self.carried = {t: e.edge.name for e in self.graph.outputs(name) for t in e.edge.tensors}
+        self.carried = self.graph.carried(name)
         self.is_loss = name in self.graph.loss_sections()
 
     def load_weights(self, path: str, source: str | None = None) -> None:
