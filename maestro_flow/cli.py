@@ -44,7 +44,10 @@ def _overrides(sets: tuple[str, ...], costs: str | None = None, pipeline: str | 
         from maestro_flow.runtime.build import load_pipeline
         from maestro_flow.runtime.costfile import file_overrides
 
-        out.update(file_overrides(load_pipeline(pipeline, out)[0], costs))
+        notes: list[str] = []
+        out.update(file_overrides(load_pipeline(pipeline, out)[0], costs, notes))
+        for note in notes:  # sections the file has no cost for keep the pipeline's: say so
+            click.echo(f"note: {note}", err=True)
     return out
 
 

@@ -240,11 +240,25 @@ def check_cost_file(pipeline: Pipeline, costs: CostFile) -> None:
                                 f"times and memory measured then need not hold now; {REPROFILE}")
 
 
-def file_overrides(pipeline: Pipeline, path: str) -> dict[str, Any]:
+def unmeasured_note(pipeline: Pipeline, costs: CostFile) -> str | None:
+    """What to tell a user whose cost file measured no cost for some sections (no sample of the
+    dataset activated them when it was profiled): those keep the pipeline's own Cost."""
+    names = [f"{n} ({costs.unmeasured[n].get('reason', 'not measured')})" if n in costs.unmeasured else n
+             for n in pipeline.section_names if n not in costs.sections]
+    if not names:
+        return None
+    return f"--costs {costs.path} has no measurement of {', '.join(names)}: the pipeline's Cost is used for it"
+
+
+def file_overrides(pipeline: Pipeline, path: str, notes: list[str] | None = None) -> dict[str, Any]:
     """`Pipeline.override` keys that give each measured section the cost file's cost for it;
-    a file not measured on this pipeline is refused (check_cost_file)."""
+    a file not measured on this pipeline is refused (check_cost_file). The unmeasured sections
+    (unmeasured_note) are appended to `notes` where given."""
     costs = read_costs(path)
     check_cost_file(pipeline, costs)
+    note = unmeasured_note(pipeline, costs)
+    if note and notes is not None:
+        notes.append(note)
     return cost_overrides(pipeline, {n: p.cost for n, p in costs.sections.items()}, f"--costs {path}")
 
 

@@ -27,7 +27,7 @@ from maestro_flow.graph import SectionGraph
 from maestro_flow.planner.cost import CostModel
 from maestro_flow.planner.tune import Candidate, MemoryModel, TuneResult, representative_batch, to_overrides, tune
 from maestro_flow.runtime.build import load_pipeline
-from maestro_flow.runtime.costfile import check_cost_file, cost_overrides, read_costs
+from maestro_flow.runtime.costfile import check_cost_file, cost_overrides, read_costs, unmeasured_note
 from maestro_flow.runtime.profile_fit import state_copies
 
 
@@ -109,12 +109,10 @@ def _inputs(path: str, options: TuneOptions) -> tuple[Any, CostModel, list, dict
                        "step_s": {n: p.step_overhead_s for n, p in profiles.items()},
                        "grad_mb": {n: p.grad_mb for n, p in profiles.items()},
                        "planning_s": cost_file.planning_s}
-        unmeasured = [f"{n} ({cost_file.unmeasured[n].get('reason', 'not measured')})"
-                      for n in pipeline.section_names if n not in profiles]
+        unmeasured = unmeasured_note(pipeline, cost_file)
         if unmeasured:
-            notes.append(f"--costs {options.costs} has no measurement of {', '.join(unmeasured)}: the pipeline's "
-                         f"Cost is used" + (", and its memory is not checked against --memory-gb"
-                                            if options.memory_gb is not None else ""))
+            notes.append(unmeasured + (", and its memory is not checked against --memory-gb"
+                                       if options.memory_gb is not None else ""))
     else:
         notes.append("costs: the pipeline's Cost records (run `maestro profile` and pass --costs for measured ones)")
     pipeline.validate()

@@ -167,7 +167,10 @@ def test_a_section_no_sample_activated_is_noted_where_its_memory_goes_unchecked(
     data["unmeasured"] = {"vision": {"reason": "no sample in the dataset activates it",
                                      "profiled_with": vision["profiled_with"]}}
     path = _write(tmp_path, data)
-    assert set(file_overrides(pipeline, path)) == {"sections.llm.cost"}  # vision keeps the pipeline's Cost
+    notes: list[str] = []
+    assert set(file_overrides(pipeline, path, notes)) == {"sections.llm.cost"}  # vision keeps the pipeline's Cost
+    assert notes == [f"--costs {path} has no measurement of vision (no sample in the dataset activates it): "
+                     "the pipeline's Cost is used for it"]
     trace = tmp_path / "trace.jsonl"
     trace.write_text("".join(json.dumps({"id": i, "modalities": ["text"], "num_tokens": 20 + i}) + "\n"
                              for i in range(24)))
@@ -175,6 +178,22 @@ def test_a_section_no_sample_activated_is_noted_where_its_memory_goes_unchecked(
                                               trace_in=str(trace)))
     assert any("no measurement of vision (no sample in the dataset activates it)" in n
                and "memory is not checked against --memory-gb" in n for n in notes), notes
+
+
+def test_run_and_plan_say_which_sections_keep_the_pipelines_cost(tmp_path):
+    """Found in review: `maestro plan/run --costs` used the pipeline's Cost for a section the file
+    has no measurement of without a word (only `tune` said so)."""
+    from click.testing import CliRunner
+
+    from maestro_flow.cli import main
+
+    pipeline = _vlm()
+    data = _cost_file(pipeline)
+    data["unmeasured"] = {"vision": {"reason": "no sample in the dataset activates it",
+                                     "profiled_with": data["sections"].pop("vision")["profiled_with"]}}
+    result = CliRunner().invoke(main, ["plan", VLM, "--costs", _write(tmp_path, data)])
+    assert result.exit_code == 0, result.output
+    assert "note: --costs" in result.stderr and "no measurement of vision" in result.stderr, result.stderr
 
 
 def test_a_bad_memory_figure_is_refused(tmp_path):
