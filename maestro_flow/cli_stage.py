@@ -68,8 +68,8 @@ def stage(ctx: click.Context, pipeline: str, section: str, run_dir: str | None, 
 
     Exit codes: 0 ok, 1 --compare mismatch, 2 bad input, 3 the stage raised or broke the output contract.
     """
+    from maestro_flow.errors import StageOutputError
     from maestro_flow.runtime.replay import ReplayOptions, parse_shapes, parse_steps, replay
-    from maestro_flow.runtime.replay_runner import StageOutputError
 
     debug = bool((ctx.obj or {}).get("debug"))
     try:

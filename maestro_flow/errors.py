@@ -31,6 +31,11 @@ class StageError(MaestroError):
         super().__init__(f"stage error in {where} during {phase} at {when}:\n{traceback.rstrip()}")
 
 
+class StageOutputError(MaestroError):
+    """A stage's forward returned outputs that break the Stage contract (stage.output_problem),
+    found where no run reports it as a StageError: `maestro stage` and `maestro profile`."""
+
+
 class CheckpointError(MaestroError):
     """A checkpoint could not be written (full disk, unwritable folder); the previous one is intact.
     Not a SystemFailure: restarting would fail the same way."""

@@ -16,10 +16,9 @@ keeping the median, counted as the cost model charges it (planner/cost.charged):
     the sum of the section's outgoing tensors.
 The fit (costs, fixed cost, padding detected from the times, memory): runtime/profile_fit.py.
 
-Peak memory per micro-batch: on CUDA, torch.cuda.max_memory_allocated above the allocation
-before the call; on CPU, the process RSS sampled every millisecond by a thread during the call,
-above the RSS before it (after glibc's malloc_trim, so freed memory of earlier calls does not
-hide growth). CPU figures are approximate (allocator caching, page granularity). param_mb and
+Peak memory per micro-batch (runtime/memory_peak.py): on CUDA, torch.cuda.max_memory_allocated
+above the allocation before the call; on CPU, the process RSS sampled every millisecond during
+the call, above the RSS before it (approximate). param_mb and
 tp_share (the share of it the stage's tp_plan shards) let `maestro tune` model tp and FSDP.
 
 Runtime costs (calibration; the stage's compute alone under-predicts a real step):
@@ -38,19 +37,17 @@ Runtime costs (calibration; the stage's compute alone under-predicts a real step
 
 Failures: MAESTRO_WORKER_THREADS and --out are checked before the worker starts; an exception in
 the worker comes back as data (ProfilingError: the section, what it was doing, the traceback
-formatted there); the cost file is written (runtime/costfile.staged) only when the profile and
+formatted there), a forward whose outputs a run would refuse (stage.output_problem) included; the cost file is written (runtime/costfile.staged) only when the profile and
 its calibration both succeeded.
 """
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import json
 import os
 import platform
 import statistics
-import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -58,7 +55,7 @@ from typing import Any
 import torch
 
 from maestro_flow.config import Pipeline
-from maestro_flow.errors import MaestroError, PipelineError, StageError, SystemFailure
+from maestro_flow.errors import MaestroError, PipelineError, StageError, StageOutputError, SystemFailure
 from maestro_flow.graph import SectionGraph
 from maestro_flow.parallel.fsdp import largest_unit_bytes
 from maestro_flow.parallel.tp import tp_share
@@ -67,13 +64,13 @@ from maestro_flow.runtime import cpus
 from maestro_flow.runtime.build import build_stage, default_dtype, load_pipeline, resolve_device
 from maestro_flow.runtime.checks import check_pipeline
 from maestro_flow.runtime.costfile import check_out, profiled_with, staged, write_cost_file
+from maestro_flow.runtime.memory_peak import MB, peak_meter
 from maestro_flow.runtime.profile_fit import default_sizes, fit_section, micro_batches, planning_s, spread
 from maestro_flow.samples import SampleMeta
-from maestro_flow.stage import MicroBatch
+from maestro_flow.stage import MicroBatch, output_problem
 
 __all__ = ["ProfileOptions", "ProfilingError", "profile_pipeline"]  # the cost file itself: runtime/costfile.py
 
-MB = 1 << 20
 # The executor's fixed cost per micro-batch beyond the stage's compute, measured on the 2-core CPU
 # VM of tools/bench/RESULTS.md (2026-11-22): the median over the busy time of real runs of
 # pipelines/distill.py and vlm.py minus the profiled compute of the micro-batches they ran,
@@ -102,7 +99,8 @@ class ProfilingError(MaestroError):
         self.section, self.phase, self.traceback = section, phase, traceback
         lines = [line.strip() for line in traceback.splitlines() if line.strip()]
         where = f"section {section!r} during {phase}" if section else phase
-        super().__init__(f"profiling failed in {where}: {lines[-1] if lines else 'no traceback'}")
+        last = lines[-1].removeprefix("maestro_flow.errors.") if lines else "no traceback"
+        super().__init__(f"profiling failed in {where}: {last}")
 
 
 def worker_threads(threads: int | None) -> int:
@@ -113,65 +111,6 @@ def worker_threads(threads: int | None) -> int:
         return cpus.env_threads() or 1
     except ValueError as exc:
         raise PipelineError(str(exc)) from None
-
-
-class _RssPeak:
-    """Peak resident memory above the starting point while the block runs (CPU method)."""
-
-    def __init__(self) -> None:
-        self.peak = 0
-        self._stop = threading.Event()
-        self._page = os.sysconf("SC_PAGE_SIZE")
-
-    def _rss(self) -> int:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * self._page
-
-    def __enter__(self) -> _RssPeak:
-        _malloc_trim()
-        self.start = self.peak = self._rss()
-        self._thread = threading.Thread(target=self._watch, daemon=True, name="maestro-rss")
-        self._thread.start()
-        return self
-
-    def _watch(self) -> None:
-        while not self._stop.wait(0.001):
-            self.peak = max(self.peak, self._rss())
-
-    def __exit__(self, *exc: Any) -> None:
-        self._stop.set()
-        self._thread.join(1.0)
-        self.peak = max(self.peak, self._rss())
-
-    @property
-    def grown_mb(self) -> float:
-        return max(0, self.peak - self.start) / MB
-
-
-def _malloc_trim() -> None:
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
-class _CudaPeak:
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-
-    def __enter__(self) -> _CudaPeak:
-        torch.cuda.synchronize(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
-        self.start = torch.cuda.memory_allocated(self.device)
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        torch.cuda.synchronize(self.device)
-        self.peak = torch.cuda.max_memory_allocated(self.device)
-
-    @property
-    def grown_mb(self) -> float:
-        return max(0, self.peak - self.start) / MB
 
 
 class _Section:
@@ -186,7 +125,8 @@ class _Section:
         self.stage = build_stage(pipeline, self.section, 0, str(self.device))
         self.is_loss = name in graph.loss_sections()
         self.grad_names = {t for e in graph.inputs(name) if e.carries_grad for t in e.edge.tensors}
-        self.out_names = [t for e in graph.outputs(name) for t in e.edge.tensors]
+        self.carried = graph.carried(name)  # output name -> its edge (what output_problem checks)
+        self.out_names = list(self.carried)
 
     def batch(self, mb: Sequence[SampleMeta], outputs: dict[tuple[int, str], torch.Tensor | None]) -> MicroBatch:
         from maestro_flow.runtime.executor_state import to_torch as _to_torch
@@ -209,11 +149,19 @@ class _Section:
         return MicroBatch(step=0, index=0, sample_ids=[s.id for s in mb], modalities=[s.modalities for s in mb],
                           columns=columns, inputs=inputs)
 
-    def forward(self, batch: MicroBatch) -> dict[str, Any]:
+    def forward(self, batch: MicroBatch, grad: bool | None = None) -> dict[str, Any]:
+        """The stage's forward as a run calls it (`grad`: default, when the section trains); its
+        outputs are refused as a run refuses them (StageOutputError)."""
         from maestro_flow.runtime.precision import compute
 
-        with torch.set_grad_enabled(self.section.trainable), compute(self.mixed_precision, self.device):
-            return self.stage.forward(batch)
+        with torch.set_grad_enabled(self.section.trainable if grad is None else grad), \
+                compute(self.mixed_precision, self.device):
+            out = self.stage.forward(batch)
+        problem = output_problem(out, section=self.name, stage=self.section.stage,
+                                 num_samples=len(batch.sample_ids), carried=self.carried, loss=self.is_loss)
+        if problem is not None:
+            raise StageOutputError(problem)
+        return out
 
     def backward(self, out: dict[str, Any]) -> None:
         self.at["phase"] = self.at["phase"].replace("forward", "backward")
@@ -248,16 +196,12 @@ class _Section:
 def _produce(sec: _Section, samples: list[SampleMeta], outputs: dict) -> None:
     """Run a producer on `samples` (its micro-batch at a time) and keep its outgoing tensors."""
     mine = [s for s in samples if sec.section.activates(s.modalities)]
-    step = sec.section.micro_batch
-    from maestro_flow.runtime.precision import compute
-
-    with torch.no_grad(), compute(sec.mixed_precision, sec.device):
-        for i in range(0, len(mine), step):
-            mb = mine[i:i + step]
-            out = sec.stage.forward(sec.batch(mb, outputs))
-            for t in sec.out_names:
-                for s, x in zip(mb, out[t], strict=True):
-                    outputs[(s.id, t)] = None if x is None else x.detach()
+    for i in range(0, len(mine), sec.section.micro_batch):
+        mb = mine[i:i + sec.section.micro_batch]
+        out = sec.forward(sec.batch(mb, outputs), grad=False)
+        for t in sec.out_names:
+            for s, x in zip(mb, out[t], strict=True):
+                outputs[(s.id, t)] = None if x is None else x.detach()
 
 
 def _measure(sec: _Section, mb: list[SampleMeta], outputs: dict, repeats: int) -> dict[str, Any]:
@@ -267,7 +211,7 @@ def _measure(sec: _Section, mb: list[SampleMeta], outputs: dict, repeats: int) -
     for r in range(repeats + 1):
         sec.at["phase"] = f"forward at micro-batch {len(mb)}"
         sec.zero_grad(keep=True)
-        meter = _CudaPeak(sec.device) if sec.device.type == "cuda" else _RssPeak()
+        meter = peak_meter(sec.device)
         with meter:
             t0 = time.perf_counter()
             out = sec.forward(sec.batch(mb, outputs))

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from maestro_flow.config import Pipeline
-from maestro_flow.errors import MaestroError
+from maestro_flow.errors import MaestroError, StageOutputError
 from maestro_flow.graph import SectionGraph
 from maestro_flow.runtime.build import build_stage, default_dtype, open_source, resolve_device
 from maestro_flow.runtime.precision import autocast_dtype, compute
@@ -31,10 +31,6 @@ from maestro_flow.stage import MicroBatch, output_problem
 
 class ReplayError(MaestroError):
     """Something the user can fix about a replay (no recording, bad step, unusable inputs)."""
-
-
-class StageOutputError(MaestroError):
-    """The stage's forward returned outputs that break the Stage contract, which a run refuses too."""
 
 
 # -- running one section -------------------------------------------------------------------------

@@ -228,3 +228,30 @@ def test_the_monolithic_baseline_holds_its_sections_to_the_same_contract(contrac
         run_colocated(fused, source, EpochSampler(source.metadata(), fused.global_batch, 0),
                       RunReport(total_steps=1, metrics_out=None, show_progress=False))
     assert f"ValueError: {expected}" in caught.value.traceback, caught.value.traceback
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("bug, expected", [({"sections.teacher.config.bug": "numpy"}, NUMPY),
+                                           ({"sections.teacher.config.bug": "short"}, SHORT),
+                                           ({"sections.student.config.bug": "vector"}, VECTOR)])
+def test_maestro_profile_refuses_what_a_run_refuses(contract, bug, expected):
+    """Found in review: `maestro profile` ran forwards without the output check, so a broken
+    output failed later with Python's or torch's message (a vector loss: "grad can be implicitly
+    created only for scalar outputs", blamed on the optimizer step). profile_to is the profiling
+    worker's body, run here in-process."""
+    from maestro_flow.runtime.profiling import ProfileOptions, ProfilingError, profile_to
+
+    path, data = contract
+
+    def profile(overrides):
+        messages: list = []
+        profile_to(messages.append, path, ProfileOptions(overrides={"data.path": data, **overrides}, sizes=(1,),
+                                                         repeats=1, calibrate_steps=0, threads=1), cores=1)
+        return messages[-1]
+
+    assert profile({})[0] == "ok"
+    kind, body = profile(bug)
+    assert kind == "error" and body["section"] == next(iter(bug)).split(".")[1], (kind, body)
+    message = str(ProfilingError(**body))
+    assert message.startswith(f"profiling failed in section {body['section']!r} during ") and \
+        message.endswith(f": StageOutputError: {expected}"), message
