@@ -66,7 +66,8 @@ def stage(ctx: click.Context, pipeline: str, section: str, run_dir: str | None, 
       maestro stage pipelines/distill.py student --replay runs/kd --steps 5 --set dtype=float64 --pdb
       maestro stage pipelines/vlm.py llm --samples 8 --repeat 5     # synthetic inputs
 
-    Exit codes: 0 ok, 1 --compare mismatch, 2 bad input, 3 the stage raised or broke the output contract.
+    Exit codes: 0 ok, 1 --compare mismatch, 2 bad input (an upstream section that fails to compute the inputs
+    included), 3 the stage raised or broke the output contract.
     """
     from maestro_flow.errors import StageOutputError
     from maestro_flow.runtime.replay import ReplayOptions, parse_shapes, parse_steps, replay

@@ -255,3 +255,17 @@ def test_maestro_profile_refuses_what_a_run_refuses(contract, bug, expected):
     message = str(ProfilingError(**body))
     assert message.startswith(f"profiling failed in section {body['section']!r} during ") and \
         message.endswith(f": StageOutputError: {expected}"), message
+
+
+def test_maestro_stage_says_when_the_upstream_section_broke_the_contract(contract):
+    """`maestro stage` of the student computes its inputs by running the teacher: a teacher that
+    breaks the contract is not the student's failure (exit 3) but its inputs' (exit 2, as the
+    help says), named, with the way round it (random inputs)."""
+    from maestro_flow.cli_stage import stage
+
+    path, data = contract
+    args = [path, "student", "--set", f"data.path={data}", "--set", "sections.teacher.config.bug=numpy"]
+    result = CliRunner().invoke(stage, args, catch_exceptions=False)
+    assert result.exit_code == 2, result.output
+    assert (f"error: running upstream section 'teacher' to compute this section's inputs failed (StageOutputError: "
+            f"{NUMPY}); pass --input-shape NAME=DxD to use random inputs instead") in result.output, result.output
