@@ -91,6 +91,7 @@ class Stage:
     edges and the loss before any worker starts; when it declares nothing (returns None, the
     default), the runtime checks its first return instead (a tensor an edge carries, or "loss" for
     a terminal trainable section, missing is an error naming the section, the class and the name).
+    `inputs(config)`, also optional, declares the names `forward` reads from `batch.inputs`.
     """
 
     def __init__(self, config: dict[str, Any], ctx: StageContext) -> None:
@@ -99,6 +100,15 @@ class Stage:
 
     @classmethod
     def outputs(cls, config: dict[str, Any]) -> tuple[str, ...] | None:
+        return None
+
+    @classmethod
+    def inputs(cls, config: dict[str, Any]) -> tuple[str, ...] | None:
+        """The input tensors `forward` may read from `batch.inputs`, or None (the default): not
+        declared. When declared, `maestro validate` refuses an edge into the section that carries
+        a tensor the stage does not read, naming the edge and what the stage reads (the same
+        tensor spelt one way by the edge and the producer and another by the consumer would
+        otherwise fail in the first forward, or be sent and never read)."""
         return None
 
     @classmethod

@@ -158,6 +158,10 @@ class AudioEncoder(Stage):
     def outputs(cls, config: dict[str, Any]) -> tuple[str, ...]:
         return ("audio_embeds",)
 
+    @classmethod
+    def inputs(cls, config: dict[str, Any]) -> tuple[str, ...]:
+        return ()
+
     def forward(self, batch: MicroBatch) -> Outputs:
         for column in ("audio", "sample_rate"):
             if column not in batch.columns:

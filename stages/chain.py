@@ -51,6 +51,10 @@ class TokenEmbedding(Stage):
     def outputs(cls, config: dict[str, Any]) -> tuple[str, ...]:
         return ("embeddings",)
 
+    @classmethod
+    def inputs(cls, config: dict[str, Any]) -> tuple[str, ...]:
+        return ()
+
     def forward(self, batch: MicroBatch) -> Outputs:
         tokens = batch.columns["tokens"]
         ids = torch.cat(list(tokens)).to(device=module_device(self.tok_emb), dtype=torch.int64)
@@ -70,6 +74,10 @@ class TransformerLM(Stage):
     @classmethod
     def outputs(cls, config: dict[str, Any]) -> tuple[str, ...]:
         return ("loss", "loss_denominator")
+
+    @classmethod
+    def inputs(cls, config: dict[str, Any]) -> tuple[str, ...]:
+        return ("embeddings",)
 
     @classmethod
     def tp_plan(cls, config: dict[str, Any]) -> dict[str, str]:

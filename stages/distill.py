@@ -139,6 +139,10 @@ class KDStudent(Stage):
         return KD_OUTPUTS
 
     @classmethod
+    def inputs(cls, config: dict[str, Any]) -> tuple[str, ...]:
+        return ("hidden",)
+
+    @classmethod
     def token_limits(cls, config: dict[str, Any]) -> dict[str, int]:
         return LMConfig.token_limits(config.get("student", {}))
 

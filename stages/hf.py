@@ -291,6 +291,10 @@ class HFCausalLM(Stage):
         return ROLES[stage_role(config, ROLES)]
 
     @classmethod
+    def inputs(cls, config: dict[str, Any]) -> tuple[str, ...]:
+        return ("hidden",) if stage_role(config, ROLES) == "kd_student" else ()
+
+    @classmethod
     def token_limits(cls, config: dict[str, Any]) -> dict[str, int]:
         hf_config, _ = hf_model_config(config)
         limits = {"vocab_size": hf_config.vocab_size}

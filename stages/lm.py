@@ -84,6 +84,10 @@ class CausalLM(Stage):
         return ROLES[stage_role(config, ROLES)]
 
     @classmethod
+    def inputs(cls, config: dict[str, Any]) -> tuple[str, ...]:
+        return ()
+
+    @classmethod
     def token_limits(cls, config: dict[str, Any]) -> dict[str, int]:
         return LMConfig.token_limits(config)
 

@@ -40,22 +40,31 @@ DEFAULT_INPUTS = {"image": "image_embeds", "audio": "audio_embeds"}
 IGNORE = -100  # label of a position that is not a text token (never a target)
 
 
+def _input_names(config: dict[str, Any]) -> dict[str, str]:
+    """Config `inputs`: modality -> the input tensor that carries its encoder's rows."""
+    inputs = config.get("inputs", DEFAULT_INPUTS)
+    if not isinstance(inputs, dict) or not all(isinstance(k, str) and isinstance(v, str) and v
+                                               for k, v in inputs.items()):
+        raise ValueError(f"inputs must map modality names to input tensor names, got {inputs!r}")
+    return dict(inputs)
+
+
 class MultimodalLM(Stage):
     """Outputs "loss" (sum of next-token CE over text targets) and "loss_denominator"."""
 
     def __init__(self, config: dict[str, Any], ctx: StageContext) -> None:
         super().__init__(config, ctx)
-        inputs = config.get("inputs", DEFAULT_INPUTS)
-        if not isinstance(inputs, dict) or not all(isinstance(k, str) and isinstance(v, str) and v
-                                                   for k, v in inputs.items()):
-            raise ValueError(f"inputs must map modality names to input tensor names, got {inputs!r}")
-        self.inputs = dict(inputs)
+        self.input_names = _input_names(config)
         self.model_config = LMConfig.from_dict({"vocab_size": VOCAB_SIZE, **config}, ignore=("inputs",))
         self.model = build_causal_transformer(self.model_config)
 
     @classmethod
     def outputs(cls, config: dict[str, Any]) -> tuple[str, ...]:
         return ("loss", "loss_denominator")
+
+    @classmethod
+    def inputs(cls, config: dict[str, Any]) -> tuple[str, ...]:
+        return tuple(_input_names(config).values())
 
     @classmethod
     def token_limits(cls, config: dict[str, Any]) -> dict[str, int]:
@@ -117,7 +126,7 @@ class MultimodalLM(Stage):
         cuts = []
         for modality, placeholder in self.ctx.placeholder_ids.items():
             positions = (tokens == placeholder).nonzero().flatten().tolist()
-            name = self.inputs.get(modality)
+            name = self.input_names.get(modality)
             received = batch.inputs.get(name) if name is not None else None
             rows = received[i] if received is not None else None
             if not positions:

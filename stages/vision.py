@@ -133,6 +133,10 @@ class VisionEncoder(Stage):
         return ("image_embeds",)
 
     @classmethod
+    def inputs(cls, config: dict[str, Any]) -> tuple[str, ...]:
+        return ("pixels",)  # decoded upstream, in place of the image column
+
+    @classmethod
     def tp_plan(cls, config: dict[str, Any]) -> dict[str, str]:
         return block_tp_plan("encoder.trunk.blocks")
 
@@ -249,6 +253,10 @@ class Projector(Stage):
     @classmethod
     def outputs(cls, config: dict[str, Any]) -> tuple[str, ...]:
         return (config.get("output", "image_embeds"),)
+
+    @classmethod
+    def inputs(cls, config: dict[str, Any]) -> tuple[str, ...]:
+        return (ProjectorConfig.from_dict(config).input,)
 
     def forward(self, batch: MicroBatch) -> Outputs:
         name = self.projector_config.input

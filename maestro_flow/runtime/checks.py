@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from maestro_flow.config import Pipeline
+from maestro_flow.config import Pipeline, Section
 from maestro_flow.errors import PipelineError
 from maestro_flow.graph import SectionGraph
 from maestro_flow.planner import make_planner
@@ -196,6 +196,19 @@ def _check_placeholders(s: Any, source: Any, reads: list[SampleMeta], placeholde
             f"the samples, use smaller images, or raise max_seq_len")
 
 
+def _declared(cls: type, method: str, section: Section, where: str) -> tuple[str, ...] | None:
+    """What a stage class declares with `outputs(config)` or `inputs(config)` (None: nothing)."""
+    try:
+        names = getattr(cls, method)(dict(section.config))
+    except Exception as exc:
+        raise PipelineError(f"{where}: {section.stage}.{method}(config) failed: {type(exc).__name__}: {exc}") from exc
+    if names is None:
+        return None
+    if isinstance(names, str) or not all(isinstance(n, str) for n in names):
+        raise PipelineError(f"{where}: {section.stage}.{method}(config) returned {names!r}, not a tuple of names")
+    return tuple(names)
+
+
 def check_pipeline(pipeline: Pipeline, build: bool = False) -> Checked:
     """Validate everything checkable without starting workers. `build` (maestro validate):
     also build every stage from its config on the meta device (check_builds; about 2 s for
@@ -210,27 +223,26 @@ def check_pipeline(pipeline: Pipeline, build: bool = False) -> Checked:
 
     pipeline.validate()
     graph = SectionGraph(pipeline)
-    # Stages that declare their outputs are checked here; the others when they first return.
+    # Stages that declare their outputs (inputs) are checked here; the others when they first
+    # return (when they read what no edge carries).
     declared: dict[str, tuple[str, ...] | None] = {}
+    reads: dict[str, tuple[str, ...] | None] = {}
     for s in pipeline.sections:
         where = f"sections.{s.name}.stage"
         cls = resolve(s.stage, where)
         if not (isinstance(cls, type) and issubclass(cls, Stage)):
             raise PipelineError(f"{where}: {s.stage!r} is not a subclass of maestro_flow.Stage")
-        try:
-            names = cls.outputs(dict(s.config))
-        except Exception as exc:
-            raise PipelineError(f"{where}: {s.stage}.outputs(config) failed: {type(exc).__name__}: {exc}") from exc
-        declared[s.name] = None if names is None else tuple(names)
+        declared[s.name] = _declared(cls, "outputs", s, where)
+        reads[s.name] = _declared(cls, "inputs", s, where)
     for e in graph.edges:
-        if declared[e.edge.src] is None:
-            continue
-        missing = [t for t in e.edge.tensors if t not in declared[e.edge.src]]
-        if missing:
-            raise PipelineError(
-                f"edges[{e.index}] ({e.edge.src} -> {e.edge.dst}).tensors: {', '.join(missing)} not among the outputs "
-                f"of {pipeline.section(e.edge.src).stage} ({', '.join(declared[e.edge.src]) or 'it declares none'})"
-            )
+        for end, names, kind in ((e.edge.src, declared, "outputs"), (e.edge.dst, reads, "inputs")):
+            if names[end] is None:
+                continue
+            missing = [t for t in e.edge.tensors if t not in names[end]]
+            if missing:
+                raise PipelineError(
+                    f"edges[{e.index}] ({e.edge.src} -> {e.edge.dst}).tensors: {', '.join(missing)} not among the "
+                    f"{kind} of {pipeline.section(end).stage} ({', '.join(names[end]) or 'it declares none'})")
     for name in graph.loss_sections():
         if declared[name] is not None and "loss" not in declared[name]:
             raise PipelineError(

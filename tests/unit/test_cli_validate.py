@@ -142,6 +142,9 @@ BAD = [  # id, sections, edges, what the one error line must contain
      ["sections.teacher: a terminal trainable section must return 'loss'", "stages.lm:CausalLM declares hidden"]),
     ("undeclared-edge-tensor", None, [edge(tensors=("logits",))],
      ["edges[0] (teacher -> student).tensors: logits not among the outputs of stages.lm:CausalLM"]),
+    ("edge-tensor-the-consumer-does-not-read",  # an LM that takes no inputs, fed the teacher's hidden states
+     [teacher(), student(stage="stages.lm:CausalLM", config={**TEACHER, "role": "lm"})], None,
+     ["edges[0] (teacher -> student).tensors: hidden not among the inputs of stages.lm:CausalLM (it declares none)"]),
     ("unknown-column", [teacher(), student(columns=("tokens", "image"))], None,
      ["sections.student.columns", "no column 'image'"]),
     ("tp-0", [teacher(), student(tp=0)], None, ["sections.student.tp must be an integer >= 1, got 0"]),
@@ -441,6 +444,10 @@ def test_a_lockstep_fsdp_section_with_fewer_samples_than_replicas_is_refused():
     ("sections.llm.config.d_model=66", ["sections.llm.config", "d_model (66) must be divisible by n_heads (4)"]),
     ("sections.vision.config.max_grid=4", ["sections.vision.config", "decode.max_side=64 makes grids of up to 8",
                                            "more than max_grid=4"]),
+    # The LLM told to read its image rows under another name than the edge sends them by (before:
+    # validate said ok, and each image sample failed in the first step).
+    ('sections.llm.config.inputs={"image": "img"}', ["edges[0] (vision -> llm).tensors: image_embeds not among the "
+                                                     "inputs of stages.multimodal:MultimodalLM (img)"]),
 ])
 def test_a_stage_config_its_stage_refuses_is_refused_by_validate(item, fragments):
     # Reproduced before: validate built no stage (unless tp > 1), so it said ok, and the workers
