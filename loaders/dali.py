@@ -23,10 +23,12 @@ The size rule is computed inside the pipeline with integer arithmetic that `targ
 exactly in Python, so the `num_patches` a dataset stores (computed with `num_patches`) always equals
 what the decoder produces.
 
-Images over `max_pixels` (height x width from the header, 8192 x 8192 by default) are refused
-before DALI decodes them, like any image that cannot be decoded: a few-KB file can declare a
-picture of many GB. PNG and JPEG headers are read here; any other format's size comes from a
-small DALI pipeline of `fn.peek_image_shape` alone.
+Before DALI sees them, images are screened (loaders/image_check.py): bytes of no image format, a
+GIF, and a PNG or JPEG cut short or failing its CRCs are refused like any image that cannot be
+decoded, without DALI (whose failing batches cost a rebuild and, now and then, crash the
+process). So are images over `max_pixels` (height x width from the header, 8192 x 8192 by
+default): a few-KB file can declare a picture of many GB. PNG and JPEG headers are read in
+Python; any other format's size comes from a small DALI pipeline of `fn.peek_image_shape` alone.
 
 DALI's CPU-only pipeline must be built with `device_id=None`: any other value makes DALI initialise
 CUDA, which fails on a machine without a GPU (and wastes a CUDA context on one that has a GPU).
@@ -38,12 +40,13 @@ import ctypes
 import importlib.util
 import os
 import re
-import struct
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
+
+from loaders.image_check import framing_problem, header_size
 
 # nvImageCodec reports failures as a bare status number; these are its nvimgcodecStatus_t names.
 _CODEC_STATUS = {
@@ -55,40 +58,6 @@ _CODEC_STATUS = {
 }
 _INVALID_PIPELINE = "Current pipeline object is no longer valid."
 MAX_PIXELS = 8192 * 8192  # an image's height x width, from its header, at most (max_pixels=None: no limit)
-_PNG = b"\x89PNG\r\n\x1a\n"
-_JPEG_SOF = {0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF}
-
-
-def header_size(data: bytes | np.ndarray) -> tuple[int, int] | None:
-    """(height, width) a PNG or JPEG declares in its header; None for another format, or a header
-    that does not say (DALI then tells, or fails to decode it)."""
-    data = memoryview(data)  # no copy; a JPEG's frame header may follow 64 KB segments of metadata
-    if data[:8] == _PNG and data[12:16] == b"IHDR" and len(data) >= 24:
-        width, height = struct.unpack(">II", data[16:24])
-        return height, width
-    if data[:2] != b"\xff\xd8":
-        return None
-    i = 2
-    while i + 4 <= len(data):  # JPEG segments: 0xFF, marker, big-endian length (which counts itself)
-        if data[i] != 0xFF:
-            return None
-        marker = data[i + 1]
-        if marker == 0xFF:  # fill byte
-            i += 1
-            continue
-        if marker == 0x01 or 0xD0 <= marker <= 0xD8:  # no length follows
-            i += 2
-            continue
-        (length,) = struct.unpack(">H", data[i + 2:i + 4])
-        if marker in _JPEG_SOF:
-            if i + 9 > len(data):
-                return None
-            height, width = struct.unpack(">HH", data[i + 5:i + 9])
-            return (height, width) if height else None  # 0: the height comes later (DNL)
-        if marker == 0xDA or length < 2:  # image data before any frame header
-            return None
-        i += 2 + length
-    return None
 
 
 def target_size(height: int, width: int, max_side: int, patch: int) -> tuple[int, int]:
@@ -239,7 +208,7 @@ class ImageDecoder:
             raise ValueError(f"decode: {len(images)} images but {len(sample_ids)} sample ids")
         encoded = [np.frombuffer(b"" if data is None else data, dtype=np.uint8) for data in images]
         out: list[torch.Tensor | None] = [None] * len(encoded)
-        todo = self._within_limit(images, encoded, sample_ids)  # indices to decode
+        todo = self._screen(encoded, sample_ids)  # indices to decode
         for start in range(0, len(todo), self.batch_size):
             picked = todo[start:start + self.batch_size]
             batch = [encoded[i] for i in picked]
@@ -252,23 +221,23 @@ class ImageDecoder:
                 out[i] = tensor
         return out
 
-    def _within_limit(self, images: Sequence[bytes], encoded: list[np.ndarray],
-                      sample_ids: Sequence[int]) -> list[int]:
-        """Indices of the images not over max_pixels (the others are corrupt: ValueError, or None)."""
-        if self.max_pixels is None:
-            return list(range(len(encoded)))
-        sizes = [header_size(enc) if len(enc) else None for enc in encoded]
-        unknown = [i for i, size in enumerate(sizes) if size is None and len(encoded[i])]
-        for i, size in zip(unknown, self._peek_sizes([encoded[i] for i in unknown]), strict=True):
-            sizes[i] = size
-        keep = []
-        for i, size in enumerate(sizes):
-            if size is not None and size[0] * size[1] > self.max_pixels:
-                self._corrupt(int(sample_ids[i]), f"it is {size[0]} x {size[1]} pixels, more than max_pixels="
-                                                  f"{self.max_pixels} (the decoder's decode.max_pixels)")
-            else:
-                keep.append(i)
-        return keep
+    def _screen(self, encoded: list[np.ndarray], sample_ids: Sequence[int]) -> list[int]:
+        """The indices of the images to decode: not refused by image_check, nor over max_pixels.
+        The others are corrupt (ValueError, or None and counted), in sample order."""
+        problems = {i: framing_problem(enc) for i, enc in enumerate(encoded)}
+        if self.max_pixels is not None:
+            sizes = {i: header_size(encoded[i]) for i, p in problems.items() if p is None}
+            unknown = [i for i, size in sizes.items() if size is None]
+            for i, size in zip(unknown, self._peek_sizes([encoded[i] for i in unknown]), strict=True):
+                sizes[i] = size
+            for i, size in sizes.items():
+                if size is not None and size[0] * size[1] > self.max_pixels:
+                    problems[i] = (f"it is {size[0]} x {size[1]} pixels, more than max_pixels={self.max_pixels} "
+                                   "(the decoder's decode.max_pixels)")
+        for i, problem in problems.items():
+            if problem is not None:
+                self._corrupt(int(sample_ids[i]), problem)
+        return [i for i, problem in problems.items() if problem is None]
 
     def _peek_sizes(self, batch: list[np.ndarray]) -> list[tuple[int, int] | None]:
         """(height, width) of each image by DALI's fn.peek_image_shape; None where it cannot tell
@@ -324,9 +293,6 @@ class ImageDecoder:
         self._corrupt_ids.append(sample_id)
 
     def _decode_one(self, encoded: np.ndarray, sample_id: int) -> torch.Tensor | None:
-        if len(encoded) == 0:
-            self._corrupt(sample_id, "no image data (0 bytes)")
-            return None
         try:
             return self._run([encoded])[0]
         except RuntimeError as exc:

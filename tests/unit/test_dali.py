@@ -143,9 +143,30 @@ def test_a_truncated_image_says_why_it_failed(decoder):
     # Reproduced before: "Failed to decode sample #0 :" (DALI's position in a one-image batch) and
     # "nvImageCodec failure: '#17'" with no word on what went wrong.
     good = solid_png(16, 24)
-    for cut in (good[:len(good) // 2], good[:-12]):
-        with pytest.raises(ValueError, match=r"^sample 7: cannot decode image: .*corrupt or truncated data"):
+    for cut, why in ((good[:len(good) // 2], "a PNG cut short inside chunk IDAT"),
+                     (good[:-12], r"a PNG cut short \(no IEND chunk\)")):
+        with pytest.raises(ValueError, match=rf"^sample 7: cannot decode image: {why}$"):
             decoder.decode([cut], [7])
+
+
+def bad_deflate_png(height: int, width: int) -> bytes:
+    """A PNG whose chunks are whole and pass their CRCs but whose image data is not a deflate
+    stream: only the decoder can tell (image_check cannot)."""
+    import struct
+    import zlib
+
+    good = solid_png(height, width)
+    i = good.index(b"IDAT") - 4
+    (length,) = struct.unpack(">I", good[i:i + 4])
+    junk = b"IDAT" + bytes(range(7, 7 + length))
+    return good[:i + 4] + junk + struct.pack(">I", zlib.crc32(junk)) + good[i + 12 + length:]
+
+
+def test_an_image_only_the_decoder_can_refuse_says_why(decoder):
+    good = solid_png(16, 24)
+    with pytest.raises(ValueError, match=r"^sample 7: cannot decode image: .*corrupt or truncated data"):
+        decoder.decode([good, bad_deflate_png(16, 24)], [6, 7])
+    assert decoder.decode([good], [1])[0].shape == (3, 16, 24)  # DALI's failed pipeline was rebuilt
 
 
 def test_skip_corrupt_returns_none_and_counts():
@@ -187,7 +208,7 @@ def bmp(height: int, width: int) -> bytes:
 
 
 def test_header_size_reads_png_and_jpeg_as_dali_does(samples):
-    from loaders.dali import header_size
+    from loaders.image_check import header_size
 
     images, sizes = samples
     assert [header_size(data) for data in images] == sizes
