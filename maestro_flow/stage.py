@@ -88,10 +88,11 @@ class Stage:
 
     Subclasses build their modules in `__init__` and implement `forward`. `outputs(config)` is
     optional: when a stage declares the names `forward` returns, `maestro validate` checks the
-    edges and the loss before any worker starts; when it declares nothing (returns None, the
-    default), the runtime checks its first return instead (a tensor an edge carries, or "loss" for
-    a terminal trainable section, missing is an error naming the section, the class and the name).
-    `inputs(config)`, also optional, declares the names `forward` reads from `batch.inputs`.
+    edges and the loss against them before any worker starts. Declared or not, every forward's
+    outputs are checked as they come back (`output_problem`: a tensor an edge carries, or "loss"
+    for a terminal trainable section, missing or malformed is an error naming the section, the
+    class and the name). `inputs(config)`, also optional, declares the names `forward` reads
+    from `batch.inputs`.
     """
 
     def __init__(self, config: dict[str, Any], ctx: StageContext) -> None:

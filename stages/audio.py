@@ -17,7 +17,7 @@ i.e. every full frame starting at 0, hop, 2*hop, ...; a clip shorter than one fr
 to one frame; trailing samples that do not fill a frame are dropped.
 
 Config keys: frame_s (0.025), hop_s (0.01), n_mels (40), d_model (64), n_layers (2), n_heads (4),
-d_ff (4*d_model), max_frames (1024), project_to (None), init_seed (None). Reads the "audio" column
+d_ff (4*d_model), max_frames (1024), project_to (None), feature_layer (-1), init_seed (None). Reads the "audio" column
 (1-D float waveforms) and the "sample_rate" column (ints). Output: "audio_embeds", per sample
 [num_frames_i, project_to or d_model], or None for a sample without audio. Knows nothing of how
 the waveform was stored or of other sections.

@@ -21,7 +21,7 @@ sample without pixels (no image, or an image the decoder skipped and returned No
 as its "image_embeds" entry. `decoder: None` builds no decoder (the "pixels" input is then needed).
 
 VisionEncoder config keys: patch (8), d_model (64), n_layers (2), n_heads (4), d_ff (4*d_model),
-max_grid (16), project_to (None), init_seed (None), decode ({}), decoder ("loaders.dali:ImageDecoder").
+max_grid (16), project_to (None), feature_layer (-1), init_seed (None), decode ({}), decoder ("loaders.dali:ImageDecoder").
 Output: "image_embeds", per sample [num_patches_i, project_to or d_model] or None.
 
 Projector config keys: input ("image_embeds"), output ("image_embeds"), d_in (64), d_out (64),

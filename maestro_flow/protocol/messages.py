@@ -7,7 +7,7 @@ is refused before anything reads it (receivers drop it and log why; see protocol
 
 Worker -> coordinator (DEALER -> ROUTER):
   hello      on connect: protocol version, rank, pid, the worker's tensor-header address and
-             host key (which workers share memory: transport/shm.host_key). The
+             host key (which workers share memory: transport/host.host_key). The
              coordinator binds the connection to that rank; it accepts nothing else from a
              connection before its hello, and a rank's hello only once
   ready      stage built, process groups formed; the worker waits for plans (`setup`: seconds

@@ -10,7 +10,8 @@ file did not measure: a note names them).
 Sample metadata come from `--trace-in` (JSON Lines) or the pipeline's dataset.
 A cost file also carries the runtime's own costs (per micro-batch, per step, planning), and when
 every section runs on the CPU the simulation shares `cpu_cores` cores between the worker
-processes (default os.cpu_count(); see planner/tune_model.py for the approximation).
+processes (default the cores this process may run on, len(os.sched_getaffinity(0)); see
+planner/tune_model.py for the approximation).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ class TuneOptions:
     trace_in: str | None = None
     top: int = 5
     batches: int | None = None  # global batches to average the simulated step over (None: auto_batches)
-    cpu_cores: int | None = None  # CPU contention; default os.cpu_count() when every section is on the CPU
+    cpu_cores: int | None = None  # CPU contention; default len(os.sched_getaffinity(0)) when every section is on the CPU
     max_tp: int = 8  # the largest tensor-parallel size searched (1: none)
     tp_efficiency: float = 0.8
 
