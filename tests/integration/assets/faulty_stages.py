@@ -1,19 +1,25 @@
 """A trainable LM stage that fails on purpose, for the failure-matrix tests.
 
-Config keys besides CausalLM's: `fail` ("setup", "forward", "kill", "segfault", "hang" or None), `at_step`
-and `on_replica` (which step and replica fail), `sleep_s` (slow every forward down).
+Config keys besides CausalLM's: `fail` ("setup", "setup_hang", "forward", "kill", "segfault", "hang",
+"exit0", "sys_exit" or None), `at_step`
+and `on_replica` (which step and replica fail), `sleep_s` (slow every forward down), `helper_s` (start
+`sleep helper_s` as a helper process, left running), `atexit_file` (an atexit handler appends the
+replica's number to it).
 """
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import os
 import signal
+import subprocess
+import sys
 import time
 
 from stages.lm import CausalLM
 
-FAULT_KEYS = ("fail", "at_step", "on_replica", "sleep_s")
+FAULT_KEYS = ("fail", "at_step", "on_replica", "sleep_s", "helper_s", "atexit_file")
 
 
 class Faulty(CausalLM):
@@ -22,12 +28,22 @@ class Faulty(CausalLM):
         lm_config = {k: v for k, v in config.items() if k not in FAULT_KEYS}
         if self.fault["fail"] == "setup" and ctx.replica == (self.fault["on_replica"] or 0):
             raise RuntimeError("deliberate failure while building the stage")
+        if self.fault["fail"] == "setup_hang" and ctx.replica == (self.fault["on_replica"] or 0):
+            time.sleep(3600)
         super().__init__(lm_config, ctx)
+        if self.fault["helper_s"]:
+            self.helper = subprocess.Popen(["sleep", str(self.fault["helper_s"])])
+        if self.fault["atexit_file"]:
+            atexit.register(lambda: open(self.fault["atexit_file"], "a").write(f"{ctx.replica}\n"))
         print(f"faulty stage built on replica {ctx.replica}", flush=True)  # the run dir's worker log shows it
 
     @classmethod
     def outputs(cls, config):
         return CausalLM.outputs({k: v for k, v in config.items() if k not in FAULT_KEYS})
+
+    @classmethod
+    def inputs(cls, config):
+        return ("hidden",)  # the teacher's edge makes it a consumer; its forward does not read it
 
     def forward(self, batch):
         f = self.fault
@@ -42,4 +58,8 @@ class Faulty(CausalLM):
                 ctypes.string_at(0)
             if f["fail"] == "hang":
                 time.sleep(3600)
+            if f["fail"] == "exit0":  # leaves as if it were done, in the middle of a step
+                os._exit(0)
+            if f["fail"] == "sys_exit":
+                sys.exit(3)
         return super().forward(batch)
