@@ -15,10 +15,11 @@ from typing import Any
 
 import click
 
+from maestro_flow.cli_sets import set_options
 from maestro_flow.config import parse_set
 from maestro_flow.errors import MaestroError, PipelineError, StageError
 
-SET_HELP = "Override a field: top-level (global_batch=8, dtype=float64) or sections.NAME.FIELD=value (JSON values)."
+SETS = set_options("global_batch=8, dtype=float64")
 
 
 def _fail(exc: BaseException, debug: bool) -> None:
@@ -74,7 +75,7 @@ def main(ctx: click.Context, debug: bool) -> None:
 @main.command()
 @click.argument("pipeline", type=click.Path(dir_okay=False))
 @click.option("--steps", type=int, help="Number of steps in all [default: the pipeline's steps].")
-@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help=SET_HELP)
+@SETS
 @click.option("--colocated", is_flag=True, help="Run all sections in one process (the correctness reference).")
 @click.option("--schedule", type=click.Choice(["wavefront", "fifo"]),
               help="Sample ordering across sections [default: the pipeline's schedule, wavefront unless it says].")
@@ -216,7 +217,7 @@ def run(ctx: click.Context, pipeline: str, steps: int | None, sets: tuple[str, .
 
 @main.command()
 @click.argument("pipeline", type=click.Path(dir_okay=False))
-@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help=SET_HELP)
+@SETS
 @click.pass_context
 def validate(ctx: click.Context, pipeline: str, sets: tuple[str, ...]) -> None:
     """Check PIPELINE (fields, graph, stages built from their configs, dataset) without starting workers."""
@@ -238,7 +239,7 @@ def validate(ctx: click.Context, pipeline: str, sets: tuple[str, ...]) -> None:
 
 @main.command()
 @click.argument("pipeline", type=click.Path(dir_okay=False))
-@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help=SET_HELP)
+@SETS
 @click.option("--schedule", type=click.Choice(["wavefront", "fifo"]),
               help="Sample ordering across sections [default: the pipeline's schedule].")
 @click.option("--step", type=click.IntRange(min=0), default=0, show_default=True,
@@ -277,7 +278,7 @@ def plan(ctx: click.Context, pipeline: str, sets: tuple[str, ...], schedule: str
 
 @main.command()
 @click.argument("pipeline", type=click.Path(dir_okay=False))
-@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help=SET_HELP)
+@SETS
 @click.option("-o", "--output", type=click.Path(dir_okay=False),
               help="Also draw the graph to this file: .dot/.gv (DOT), or .svg/.png (needs Graphviz's `dot`; "
                    "without it the DOT is written next to FILE instead).")

@@ -14,10 +14,11 @@ import traceback
 
 import click
 
+from maestro_flow.cli_sets import set_options
 from maestro_flow.config import parse_set
 from maestro_flow.errors import MaestroError
 
-SET_HELP = "Override a field: top-level (dtype=float64) or sections.NAME.FIELD=value (JSON values)."
+SETS = set_options("dtype=float64")
 
 
 @click.command(context_settings={"max_content_width": 100})
@@ -26,7 +27,7 @@ SET_HELP = "Override a field: top-level (dtype=float64) or sections.NAME.FIELD=v
 @click.option("--replay", "run_dir", metavar="RUN_DIR", type=click.Path(file_okay=False),
               help="Feed the inputs recorded by `maestro run --record SECTION --run-dir RUN_DIR` "
                    "(RUN_DIR/record/SECTION-REPLICA/). Without it: synthetic inputs.")
-@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help=SET_HELP)
+@SETS
 @click.option("--steps", metavar="0,3-5", help="With --replay: recorded steps to replay [default: all recorded].")
 @click.option("--replica", type=int, help="With --replay: replay only this replica's recording [default: all].")
 @click.option("--compare", is_flag=True, help="Check the outputs against the recorded ones; exit 1 on a mismatch "

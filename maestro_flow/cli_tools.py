@@ -13,11 +13,12 @@ import sys
 
 import click
 
+from maestro_flow.cli_sets import set_options
 from maestro_flow.config import parse_set
 from maestro_flow.errors import MaestroError, PipelineError
 from maestro_flow.runtime.calibration import WARMUP_STEPS
 
-SET_HELP = "Override a field: top-level (global_batch=8) or sections.NAME.FIELD=value (JSON values)."
+SETS = set_options("global_batch=8")
 
 
 def _fail(ctx: click.Context, exc: MaestroError) -> None:
@@ -47,7 +48,7 @@ def _positive_gb(ctx: click.Context, param: click.Parameter, value: float | None
 
 @click.command()
 @click.argument("pipeline", type=click.Path(dir_okay=False))
-@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help=SET_HELP)
+@SETS
 @click.option("--out", type=click.Path(dir_okay=False), help="Cost file to write [default: runs/costs-NAME.json].")
 @click.option("--sizes", metavar="1,2,4", help="Micro-batch sizes to time [default: 1, 2, 4, ... up to twice "
                                                "each section's micro_batch, at least 8].")
@@ -96,7 +97,7 @@ def profile(ctx: click.Context, pipeline: str, sets: tuple[str, ...], out: str |
 
 @click.command()
 @click.argument("pipeline", type=click.Path(dir_okay=False))
-@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help=SET_HELP)
+@SETS
 @click.option("--devices", type=int, required=True, help="Device budget: workers (CPU) or GPUs in all.")
 @click.option("--memory-gb", type=float, callback=_positive_gb, help="Memory limit per device, in GiB (2**30 bytes; checked with a --costs memory model).")
 @click.option("--costs", type=click.Path(dir_okay=False), help="Cost file from `maestro profile`.")
@@ -133,7 +134,7 @@ def tune(ctx: click.Context, pipeline: str, sets: tuple[str, ...], devices: int,
 
     \b
       maestro tune pipelines/vlm.py --devices 4 --costs runs/costs-vlm.json --write best.txt
-      maestro run pipelines/vlm.py $(cat best.txt)
+      maestro run pipelines/vlm.py --set-file best.txt
     """
     import json
 
@@ -158,7 +159,7 @@ def tune(ctx: click.Context, pipeline: str, sets: tuple[str, ...], devices: int,
         click.echo(format_result(result))
     if write_to:
         click.echo(f"wrote {write_to}; run it with: maestro run {shlex.quote(pipeline)} "
-                   f"$(cat {shlex.quote(write_to)})", err=True)
+                   f"--set-file {shlex.quote(write_to)}", err=True)
 
 
 @click.command()

@@ -258,7 +258,7 @@ def write_overrides(path: str, candidate: Candidate, global_batch: int | None = 
     and the global batch when not the pipeline's (where they overlap, the candidate's win).
 
     One `--set KEY=VALUE` a line, each a single shell word (`one_word`): the file is read back by
-    `maestro run PIPE $(cat FILE)`, which splits it at whitespace."""
+    `maestro run PIPE --set-file FILE` (cli_sets), or by `$(cat FILE)`, which splits it at whitespace."""
     sets = [*given, *([f"global_batch={global_batch}"] if global_batch is not None else []), *to_overrides(candidate)]
     text = "\n".join(f"--set {one_word(s)}" for s in sets) + "\n"  # refused before the file is touched
     with open(path, "w") as f:

@@ -165,6 +165,20 @@ def test_a_written_configuration_survives_the_shell_splitting_it_at_whitespace(t
     assert (tmp_path / "f").read_text() == text  # refused before the file was touched (it was emptied)
 
 
+def test_a_written_configuration_reads_back_with_set_file(tmp_path):
+    """`maestro run PIPE --set-file f` reads what --write wrote, as written: no shell between
+    (`$(cat f)` also globs each word: a JSON list value such as ["tokens"] is a bracket pattern,
+    which matches a file of that name or, with `shopt -s failglob`, fails the command)."""
+    from maestro_flow.cli_sets import read_set_file
+    from maestro_flow.runtime.tuning import write_overrides
+
+    best = tune(distill(), None, samples(64), devices=8, memory_limit_mb=2000, memory=MEMORY,
+                overhead_s=OVERHEAD).best[0]
+    given = ['sections.student.columns=["tokens"]', 'sections.student.optimizer={"name": "adamw", "lr": 0.001}']
+    write_overrides(str(tmp_path / "f"), best, given=given)
+    assert parse_set(read_set_file(str(tmp_path / "f"))) == parse_set([*given, *to_overrides(best)])
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_deterministic(seed):
     batch = samples(48, seed)
