@@ -140,10 +140,12 @@ class SectionState:
 
     # -- load ------------------------------------------------------------------------------
 
-    def load(self, checkpoint: str) -> str | None:
+    def load(self, checkpoint: str, layout: tuple[int, int] | None = None) -> str | None:
         """Restore this replica's part; returns a note when its RNG states came from another
-        replica (the section's dp changed), else None. A checkpoint that does not fit, or cannot
-        be read, is a CheckpointMismatch naming the section and the cause."""
+        replica (the section's dp or tp, `layout` here, changed), else None. A checkpoint that
+        does not fit, or cannot be read, or lacks this replica's RNG states though the section
+        has the layout it was saved with, is a CheckpointMismatch naming the section and the
+        cause."""
         if self.optim is not None:
             try:
                 manifest = os.path.join(checkpoint, mf.MANIFEST)
@@ -158,6 +160,11 @@ class SectionState:
         if os.path.isfile(own):
             self._load_rng(checkpoint, own, who)
             return None
+        saved = _saved_layout(checkpoint, self.section)
+        if layout is not None and saved == layout:
+            raise CheckpointMismatch(f"--resume {checkpoint}: {own} is missing: the RNG states and buffers of {who}, "
+                                     f"which a checkpoint of this section at dp {layout[0]}, tp {layout[1]} holds; "
+                                     "the checkpoint is incomplete (resume from another one)")
         for replica, tp_index in ((self.replica, 0), (0, 0)):
             other = rng_file(checkpoint, self.section, replica, tp_index)
             if os.path.isfile(other):
@@ -277,3 +284,13 @@ class _Writer(dcp.FileSystemWriter):
                 seen.add(id(inner))
                 inner = inner.__cause__ or inner.__context__
             raise
+
+
+def _saved_layout(checkpoint: str, section: str) -> tuple[int, int] | None:
+    """(dp, tp) of `section` in the pipeline the checkpoint was saved from; None when unknown."""
+    try:
+        saved = mf.read(checkpoint).pipeline
+        spec = next(s for s in saved["sections"] if s["name"] == section)
+        return int(spec.get("dp", 1)), int(spec.get("tp", 1))
+    except Exception:  # no manifest or an old one: the layout is not known, so nothing is refused
+        return None

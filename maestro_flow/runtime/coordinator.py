@@ -112,6 +112,7 @@ class Coordinator(CoordinatorIO):
         self.router: zmq.Socket | None = None
         self.store: Any = None
         self.training = False
+        self.said_bye: set[int] = set()  # ranks that left normally (at the end): never a failure's cause
         self.awaited_step = 0
         self.status: StatusServer | None = None
         self.run_dir = run_dir
@@ -209,11 +210,12 @@ class Coordinator(CoordinatorIO):
                 "devices": list(self.placement.devices), "pin_cpus": self.pin_cpus,
                 "pipeline": agent.canonical(self.pipeline.to_dict()), "verifier": agent.verifier(self.key)})
         self.observer.start(self.placement)
-        deadline = time.monotonic() + self.timeouts.startup_s
+        began = time.monotonic()
+        deadline = began + self.timeouts.startup_s
         hellos: dict[int, dict] = {}
         while len(hellos) < self.placement.world_size:
             rank, msg = self._recv(deadline, f"every worker's hello (missing {self._missing(hellos)})",
-                                   "MAESTRO_STARTUP_S")
+                                   "MAESTRO_STARTUP_S", since=began)
             if msg["t"] == "hello":
                 if msg["version"] != PROTOCOL_VERSION:
                     raise SystemFailure(f"worker rank {rank} speaks protocol version {msg['version']}, "
@@ -240,13 +242,14 @@ class Coordinator(CoordinatorIO):
             # for another node's workers to say hello, and that is the startup deadline's to judge).
             self.liveness.seen(rank, time.monotonic())
         ready: set[int] = set()
-        what = "every worker to be ready (stage built, process groups formed)"
+        what = "every worker to be ready (stage built, process groups formed"
         if self.resume is not None:  # loading the checkpoint is part of getting ready
             deadline += self.timeouts.checkpoint_s
-            what = f"every worker to be ready (stage built, process groups formed, {self.resume[0]} loaded)"
+            what += f", {self.resume[0]} loaded"
         while len(ready) < self.placement.world_size:
-            rank, msg = self._recv(deadline, what, "MAESTRO_STARTUP_S and MAESTRO_CHECKPOINT_S"
-                                   if self.resume is not None else "MAESTRO_STARTUP_S")
+            rank, msg = self._recv(deadline, f"{what}; not ready: {self._missing(ready)})",
+                                   "MAESTRO_STARTUP_S and MAESTRO_CHECKPOINT_S" if self.resume is not None
+                                   else "MAESTRO_STARTUP_S", since=began)
             if msg["t"] == "ready":
                 ready.add(rank)
                 for part, seconds in msg.get("setup", {}).items():  # the slowest worker's, per part
@@ -441,7 +444,7 @@ class Coordinator(CoordinatorIO):
         for rank in range(self.placement.world_size):
             self._send(rank, make("stop", save_dir=os.path.abspath(self.save_dir) if self.save_dir else None))
         deadline = time.monotonic() + self.timeouts.shutdown_grace_s + (60.0 if self.save_dir else 0.0)
-        bye: set[int] = set()
+        bye = self.said_bye
         while len(bye) < self.placement.world_size:
             rank, msg = self._recv(deadline, "workers to save and exit", "MAESTRO_SHUTDOWN_GRACE_S",
                                    allow_exit=bye)

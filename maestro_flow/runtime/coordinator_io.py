@@ -135,8 +135,9 @@ class CoordinatorIO:
         reported = {exclude}
         while time.monotonic() < deadline:
             self._note_reports(reported, 0.05)
-            # A worker that exited with code 0 left normally (it said bye): never the cause.
-            dead = [w for w in self.launcher.dead() if w.rank not in reported and w.process.exitcode != 0]
+            # A worker that said bye left normally: never the cause. One that exited with code 0
+            # without it (os._exit(0) or sys.exit() in the middle of a step) is as dead as any.
+            dead = [w for w in self.launcher.dead() if w.rank not in reported and w.rank not in self.said_bye]
             if dead:
                 self._note_reports(reported, 0.2)  # a report it sent before exiting may still be on its way
                 dead = [w for w in dead if w.rank not in reported]
@@ -180,16 +181,22 @@ class CoordinatorIO:
     def _missing(self, have: dict | set) -> str:
         """The ranks not heard from yet, by node (for startup timeouts)."""
         missing = [r for r in range(self.placement.world_size) if r not in have]
+
+        def ranks(rs: list[int]) -> str:  # "ranks 2 (student-1), 3 (student-2)"
+            return ("rank " if len(rs) == 1 else "ranks ") + ", ".join(f"{r} ({self.placement.worker_name(r)})"
+                                                                   for r in rs)
+
         if not self.nodes.multi:
-            return f"ranks {', '.join(map(str, missing))}"
+            return ranks(missing)
         nodes = sorted({self.node_of[r] for r in missing})
-        return "; ".join(f"node {n}: ranks {', '.join(str(r) for r in missing if self.node_of[r] == n)}"
+        return "; ".join(f"node {n}: {ranks([r for r in missing if self.node_of[r] == n])}"
                          + (f" (is `maestro run ... --node-rank {n}` running there?)" if n else "") for n in nodes)
 
     def _recv(self, deadline: float, what: str, setting: str, allow_exit: set[int] | None = None,
-              hang: bool = False) -> tuple[int, dict]:
-        """Next message other than a heartbeat; raises on error reports, dead or silent workers."""
-        started = time.monotonic()
+              hang: bool = False, since: float | None = None) -> tuple[int, dict]:
+        """Next message other than a heartbeat; raises on error reports, dead or silent workers.
+        A timeout says how long was waited since `since` (monotonic; default: this call)."""
+        started = time.monotonic() if since is None else since
         while True:
             now = time.monotonic()
             if now - self._listened_at > AWAY_S:  # the coordinator itself stalled: not the workers' silence

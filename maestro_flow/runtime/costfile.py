@@ -54,6 +54,7 @@ from typing import Any
 
 from maestro_flow.config import Cost, Pipeline, Section, is_number
 from maestro_flow.errors import PipelineError
+from maestro_flow.runtime.outputs import check_writable
 
 VERSION = 2
 FIGURES = ("micro_batch_overhead_s", "memory_base_mb", "peak_memory_mb_per_sample", "runtime_overhead_s",
@@ -277,17 +278,8 @@ def apply_cost_file(pipeline: Pipeline, path: str) -> Pipeline:
 
 
 def check_out(path: str) -> None:
-    """Refuse, before any work, a cost file path that cannot be written: a folder, or one whose
-    nearest existing parent is a file or not writable."""
-    if os.path.isdir(path):
-        raise PipelineError(f"--out {path}: is a folder; give a file path")
-    folder = os.path.dirname(os.path.abspath(path))
-    while not os.path.exists(folder):
-        folder = os.path.dirname(folder)
-    if not os.path.isdir(folder):
-        raise PipelineError(f"--out {path}: {folder} is a file, not a folder")
-    if not os.access(folder, os.W_OK | os.X_OK):
-        raise PipelineError(f"--out {path}: cannot write in {folder} (permission denied)")
+    """Refuse, before any work, a cost file path that cannot be written (runtime/outputs)."""
+    check_writable(path, "--out", folder=False)
 
 
 def write_cost_file(path: str, data: dict[str, Any]) -> None:

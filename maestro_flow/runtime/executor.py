@@ -49,7 +49,7 @@ from maestro_flow.planner.cost import charged
 from maestro_flow.planner.costfit import Timing
 from maestro_flow.planner.plan import Placement
 from maestro_flow.runtime import lockstep
-from maestro_flow.runtime.executor_state import PendingBackward, StageFault, StepState, to_torch
+from maestro_flow.runtime.executor_state import STAGE_RAISES, PendingBackward, StageFault, StepState, to_torch
 from maestro_flow.runtime.precision import autocast_dtype, compute
 from maestro_flow.runtime.prefetch import Prefetch
 from maestro_flow.runtime.record import Recorder
@@ -243,7 +243,7 @@ class SectionExecutor(StepEnd, Prefetch):
         try:
             with torch.set_grad_enabled(self.trainable), compute(self.mixed_precision, self.device):
                 out = self.stage.forward(batch)
-        except Exception:
+        except STAGE_RAISES:
             raise StageFault("forward", st.step, traceback.format_exc()) from None
         # Checked here, before anything reads them, so a broken output is the stage's error.
         problem = output_problem(out, section=self.name, stage=self.section.stage, num_samples=len(mb),
@@ -356,7 +356,7 @@ class SectionExecutor(StepEnd, Prefetch):
         if self.trainable:
             try:
                 loss.backward()  # unscaled: gradients are divided by the global denominator at step end
-            except Exception:
+            except STAGE_RAISES:
                 raise StageFault("backward", st.step, traceback.format_exc()) from None
             self._send_input_grads(st, leaves)
 
@@ -445,7 +445,7 @@ class SectionExecutor(StepEnd, Prefetch):
         if keys:
             try:
                 torch.autograd.backward([pending.outputs[k] for k in keys], [pending.grads[k] for k in keys])
-            except Exception:
+            except STAGE_RAISES:
                 raise StageFault("backward", st.step, traceback.format_exc()) from None
         self._send_input_grads(st, pending.leaves)
         elapsed = self.clock() - t0

@@ -32,6 +32,12 @@ def collective_failure(exc: BaseException | None) -> bool:
     return type(exc) is RuntimeError and _COLLECTIVE_FAILURE.match(str(exc)) is not None
 
 
+# What stage code may raise that is its own failure: any Exception, and SystemExit (sys.exit) or
+# KeyboardInterrupt raised by it (a worker ignores SIGINT: Ctrl-C goes to the coordinator), which
+# would otherwise leave the worker with no report, or abort it in a native frame.
+STAGE_RAISES = (Exception, SystemExit, KeyboardInterrupt)
+
+
 class StageFault(Exception):
     """User stage code raised; carries the phase and the traceback formatted here. `collateral`:
     what it raised (the exception being handled where this is made) is a collective's failure,

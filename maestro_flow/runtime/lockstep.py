@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from maestro_flow.runtime.executor_state import StageFault
+from maestro_flow.runtime.executor_state import STAGE_RAISES, StageFault
 from maestro_flow.runtime.precision import compute
 from maestro_flow.stage import MicroBatch
 
@@ -45,7 +45,7 @@ def run_round(executor: Any, st: Any) -> None:
                 if not torch.isfinite(loss.detach()).all():  # 0 x inf would add NaN to every peer's gradients
                     raise FloatingPointError(f"the stand-in round's loss is {float(loss.detach())}")
                 (loss * 0.0).backward()
-    except Exception:
+    except STAGE_RAISES:
         raise StageFault("forward", st.step, traceback.format_exc()) from None
     finally:
         ex.fsdp.counting = True

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import traceback
 
-from maestro_flow.runtime.executor_state import StageFault, StepState
+from maestro_flow.runtime.executor_state import STAGE_RAISES, StageFault, StepState
 from maestro_flow.stage import MicroBatch
 
 PREFETCH = 2  # micro-batches a section that reads only the data prepares ahead
@@ -20,7 +20,7 @@ class Prefetch:
     def _prepare(self, st: StepState, batch: MicroBatch) -> MicroBatch:
         try:
             return self.stage.prepare(batch)
-        except Exception:
+        except STAGE_RAISES:
             raise StageFault("forward", st.step, traceback.format_exc()) from None
 
     def prefetch(self) -> bool:
@@ -42,7 +42,7 @@ class Prefetch:
                 try:
                     raw, _ = self._make_batch(st, index, mb, {sid: {} for sid in mb})
                     self.prepared[key] = (raw if self.record is not None else None, self.stage.prepare(raw))
-                except Exception:
+                except STAGE_RAISES:
                     self.unprepared.add(key)
                 t1 = self.clock()
                 st.busy_s += t1 - t0  # the step's work, done ahead

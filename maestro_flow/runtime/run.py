@@ -28,6 +28,7 @@ from maestro_flow.runtime.checks import check_pipeline
 from maestro_flow.runtime.coordinator import placement_for
 from maestro_flow.runtime.nodes import Nodes
 from maestro_flow.runtime.observe import RunObserver
+from maestro_flow.runtime.outputs import check_writable
 from maestro_flow.runtime.record import Steps
 from maestro_flow.runtime.report import RunReport
 from maestro_flow.runtime.rundir import RunDir, default_run_dir, node_run_dir
@@ -101,6 +102,21 @@ def _sigterm_as_interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
 
 
+def _catch_stops() -> dict[int, Any]:
+    """SIGTERM (kill, a scheduler) and SIGHUP (the terminal or ssh session closed) stop the run as
+    Ctrl-C does: workers stopped, files closed. A SIGHUP already ignored (nohup) stays ignored.
+    Returns the handlers to put back (_release)."""
+    previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, _sigterm_as_interrupt)}
+    if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
+        previous[signal.SIGHUP] = signal.signal(signal.SIGHUP, _sigterm_as_interrupt)
+    return previous
+
+
+def _release(previous: dict[int, Any]) -> None:
+    for signum, handler in previous.items():
+        signal.signal(signum, handler)
+
+
 def _resume_from(options: RunOptions, pipeline: Any, metadata: Any) -> tuple[str, mf.Manifest] | None:
     """The checkpoint to start from, checked against the pipeline before any worker starts."""
     if options.checkpoint.resume is None:
@@ -138,14 +154,14 @@ def _run_agent(pipeline: Any, options: RunOptions, nodes: Nodes, host: str, secr
         print(f"{pipeline.name}: node {nodes.node_rank} of {nodes.nnodes}, joining node 0 at "
               f"{nodes.endpoint[0]}:{nodes.endpoint[1]}" + (f"; run directory: {run_dir.path}" if run_dir else ""),
               file=sys.stderr)
-    previous = signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
+    previous = _catch_stops()
     try:
         Agent(nodes, secret=secret, host=host, interface=options.interface, timeouts=Timeouts.from_env(),
               pipeline=pipeline.to_dict(), worker_log=run_dir.worker_log if run_dir else (lambda name: None),
               log=(lambda text: print(text, file=sys.stderr, flush=True)) if options.show_progress else
               (lambda text: None)).run()
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        _release(previous)
         if run_dir is not None:
             run_dir.close()
     if options.show_progress:
@@ -172,6 +188,16 @@ def _as_baseline(pipeline: Any, checked: Any, options: RunOptions) -> tuple[Any,
     fused = monolithic_pipeline(pipeline, devices, options.micro_batch)
     fused.validate()
     return fused, dataclasses.replace(checked, graph=SectionGraph(fused))
+
+
+def _check_outputs(options: RunOptions) -> None:
+    """Every path the run will write, checked before any worker starts (runtime/outputs)."""
+    trace = options.trace or (None if options.trace is None or options.run_dir else "trace.json")
+    for flag, path, folder in (("--save-dir", options.save_dir, True), ("--checkpoint-dir", options.checkpoint.dir, True),
+                               ("--metrics-out", options.metrics_out, False), ("--trace", trace, False),
+                               ("--tensorboard", options.tensorboard, True), ("--run-dir", options.run_dir, True)):
+        if path:
+            check_writable(path, flag, folder=folder)
 
 
 def run_pipeline(path: str, options: RunOptions) -> list[dict[str, Any]]:
@@ -203,6 +229,7 @@ def run_pipeline(path: str, options: RunOptions) -> list[dict[str, Any]]:
     nodes.assign(placement_for(checked.graph))  # refused here when the ranks cannot be placed on the nodes
     ckpt = options.checkpoint
     ckpt.validate()
+    _check_outputs(options)
     if options.colocated and (ckpt.dir or ckpt.resume or ckpt.max_restarts):
         raise PipelineError("checkpoints, --resume and --max-restarts are for section mode; drop --colocated")
     resume = _resume_from(options, pipeline, checked.metadata)
@@ -261,7 +288,7 @@ def run_pipeline(path: str, options: RunOptions) -> list[dict[str, Any]]:
             print(f"tensorboard: {sinks[-1].log_dir}", file=sys.stderr)
     report = RunReport(total_steps=pipeline.steps, metrics_out=metrics, show_progress=options.show_progress,
                        sinks=sinks)
-    previous = signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
+    previous = _catch_stops()
     try:
         if options.colocated:
             from maestro_flow.runtime.colocated import run_colocated
@@ -300,7 +327,7 @@ def run_pipeline(path: str, options: RunOptions) -> list[dict[str, Any]]:
 
                 save_pipeline(options.save_dir, original.to_dict())
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        _release(previous)
         report.close()
         observer.close()
         if options.show_progress:

@@ -14,6 +14,7 @@ kind "stage" when user code raised, kind "system" for anything else.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import os
 import queue
@@ -149,6 +150,7 @@ def _await_init(dealer: zmq.Socket, opener: Opener, drops: DropLog, deadline: fl
 
 def worker_main(boot: dict[str, Any]) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the coordinator, which stops us
+    os.setpgid(0, 0)  # a group of its own: what the stage starts is stopped with it (runtime/launcher.py)
     if boot.get("cpus"):
         os.sched_setaffinity(0, boot["cpus"])  # before any library starts its threads
     capture = OutputCapture(boot.get("label", f"rank {boot['rank']}"), boot.get("log"))
@@ -198,6 +200,11 @@ def worker_main(boot: dict[str, Any]) -> None:
     closer = threading.Thread(target=zmq_link.term, args=(zctx,), daemon=True)
     closer.start()
     closer.join(timeout=3.0)
+    # What the stage registered with atexit (stopping a helper it started, flushing a file) runs
+    # as at a normal exit, which os._exit skips; bounded, as a handler may wait on anything.
+    handlers = threading.Thread(target=atexit._run_exitfuncs, name="atexit", daemon=True)
+    handlers.start()
+    handlers.join(timeout=timeouts.shutdown_grace_s)
     capture.close()
     os._exit(code)  # channel threads may sit in a receive that will never complete
 
@@ -275,7 +282,7 @@ class _Worker:
         from maestro_flow.planner.plan import Placement
         from maestro_flow.runtime.build import add_paths, build_stage, open_source
         from maestro_flow.runtime.executor import SectionExecutor
-        from maestro_flow.runtime.executor_state import recording
+        from maestro_flow.runtime.executor_state import STAGE_RAISES, recording
         from maestro_flow.runtime.topology import process_groups
         from maestro_flow.runtime.trace import Tracer
         from maestro_flow.transport.tensor_comm import TensorComm
@@ -302,7 +309,7 @@ class _Worker:
         staged = device.startswith("cuda") and (section.fsdp or section.tp > 1)
         try:
             stage = build_stage(pipeline, section, self.replica, device, keep_on_cpu=staged)
-        except Exception:
+        except STAGE_RAISES:
             self.report_error("stage", traceback.format_exc())
             return None
         marks["stage_s"] = time.perf_counter() - t0 - sum(marks.values())
@@ -334,7 +341,7 @@ class _Worker:
         except PipelineError as exc:  # a layout that cannot train right (parallel/section.py says why)
             self.report_error("input", str(exc))
             return None
-        except Exception:
+        except STAGE_RAISES:
             self.report_error("stage", traceback.format_exc())  # the stage's plan or parallelize failed
             return None
         tracer = Tracer(enabled=init["trace"], offset_s=self.clock_offset_s, epoch=init["epoch"])
@@ -358,7 +365,7 @@ class _Worker:
         self.state = SectionState(stage, executor.optim, section=self.section, replica=self.replica,
                                   group=groups.section, device=torch.device(device), tp_index=layout.tp_index)
         if init.get("resume"):
-            note = self.state.load(init["resume"])
+            note = self.state.load(init["resume"], layout=(section.dp, section.tp))
             if note:
                 print(f"resume: {note}", flush=True)
             if self.state.standin is not None and executor.fsdp is not None and executor.fsdp.per_micro_batch:

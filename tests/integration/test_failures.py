@@ -65,6 +65,66 @@ def test_worker_killed_mid_step(demo_data):
     assert elapsed < 60
 
 
+def test_a_worker_hung_in_setup_is_named_with_the_whole_wait(demo_data):
+    """Found in review: the startup timeout named no worker and reported the time since the last
+    message (12.6 s of a 20 s limit), not the wait."""
+    import re
+
+    result, elapsed = run_faulty(demo_data, "sections.student.config.fail=setup_hang",
+                                 "sections.student.config.on_replica=1", env={"MAESTRO_STARTUP_S": "15"})
+    assert result.returncode == 1
+    err = result.stderr
+    assert "waiting for every worker to be ready" in err and "rank 2 (student-1)" in err, err
+    waited = float(re.search(r"timed out after ([0-9.]+)s", err).group(1))
+    assert 15.0 <= waited < 20.0, err
+    assert elapsed < 60
+
+
+def test_a_worker_that_exits_with_code_0_mid_step_is_the_one_named(demo_data):
+    """Found in review: a worker gone with exit code 0 counted as one that had said bye, so the
+    replica whose all-reduce it broke ("Connection reset by peer") was blamed instead."""
+    result, elapsed = run_faulty(demo_data, "sections.student.config.fail=exit0", "sections.student.config.at_step=1",
+                                 "sections.student.config.on_replica=1")
+    assert result.returncode == 1
+    err = result.stderr
+    (line,) = [line for line in err.splitlines() if line.startswith("error:")]
+    assert "section 'student' replica 1 (rank 2, pid" in line and "exited with code 0" in line, err
+    assert elapsed < 60
+
+
+def test_sys_exit_in_a_stage_is_the_stages_error(demo_data):
+    """Found in review: SystemExit escaped the stage guard (an Exception handler), so the worker
+    died with no traceback, or of SIGABRT in a native frame."""
+    result, elapsed = run_faulty(demo_data, "sections.student.config.fail=sys_exit",
+                                 "sections.student.config.at_step=1", "sections.student.config.on_replica=1")
+    assert result.returncode == 1
+    err = result.stderr
+    assert "stage error in section 'student' replica 1 (rank 2) during forward at step 1" in err, err
+    assert "SystemExit: 3" in err and "faulty_stages.py" in err, err
+    assert elapsed < 60
+
+
+def _sleeping(seconds: str) -> list[int]:
+    out = subprocess.run(["pgrep", "-f", f"^sleep {seconds}$"], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+def test_what_a_stage_started_is_stopped_with_it_and_its_atexit_handlers_run(demo_data, tmp_path):
+    """Found in review: a worker ends with os._exit, so the stage's atexit handlers never ran,
+    and a helper process the stage started outlived the run, failed or not (orphaned to init).
+    Each worker now leads its own process group, which is killed once the worker is gone."""
+    marks = tmp_path / "atexit.txt"
+    result, _ = run_faulty(demo_data, "sections.student.config.helper_s=3001.25",
+                           f"sections.student.config.atexit_file={marks}")
+    assert result.returncode == 0, result.stderr
+    assert sorted(marks.read_text().split()) == ["0", "1"]  # both student replicas ran theirs
+    assert _sleeping("3001.25") == []
+    result, _ = run_faulty(demo_data, "sections.student.config.helper_s=3002.5", "sections.student.config.fail=forward",
+                           "sections.student.config.at_step=1")
+    assert result.returncode == 1 and "deliberate failure in forward at step 1" in result.stderr
+    assert _sleeping("3002.5") == []
+
+
 def test_a_crash_in_native_code_shows_the_python_stack(demo_data):
     """SIGSEGV: the run names the worker and the signal, and the worker's Python stack (every
     thread's, from faulthandler) reaches the terminal, down to the stage's line."""
@@ -145,10 +205,13 @@ def test_killing_the_coordinator_leaves_no_worker(demo_data):
         assert not [n for n in os.listdir(SHM_DIR) if n.startswith(f"maestro-{session}")]
 
 
-def test_ctrl_c_shuts_down_cleanly(demo_data):
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGHUP], ids=["ctrl-c", "hangup"])
+def test_ctrl_c_shuts_down_cleanly(demo_data, signum):
+    """A closed terminal or ssh session (SIGHUP) stops the run as Ctrl-C does (found in review:
+    it killed the coordinator outright, leaving its status file and shared-memory owner file)."""
     proc, workers = _start_slow_run(demo_data)
     everything = descendants(proc.pid)
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(signum)
     _, err = proc.communicate(timeout=30)
     assert proc.returncode == 130
     assert "interrupted" in err and "Traceback" not in err

@@ -234,3 +234,27 @@ def test_files_another_node_wrote_to_its_own_disk_keep_the_checkpoint_incomplete
     (folder / "rng" / "student-1.pt").write_bytes(b"x")
     assert Coordinator._not_written(coordinator, str(folder), infos) == []
     assert Coordinator._not_written(coordinator, str(folder), {**infos, 1: {}}) == []  # no training state: no DCP
+
+
+def test_a_missing_rng_file_is_refused_unless_the_layout_changed(tmp_path):
+    """Found in review: with one replica's RNG file deleted, a resume at the same dp took
+    replica 0's states and buffers with a note saying the dp had changed (it had not): the resume
+    was no longer bitwise and said otherwise. Now refused; at another dp, the note stands."""
+    from maestro_flow.checkpoint.section_state import CheckpointMismatch, SectionState
+
+    two = PIPELINE.override(**{"sections.teacher.dp": 2, "sections.student.dp": 2})
+    folder = mf.step_dir(str(tmp_path), 4)
+    os.makedirs(folder)
+    mf.write(folder, manifest(4, two))
+    rng.save(mf.rng_file(folder, "teacher", 0), torch.device("cpu"))  # replica 1's is gone
+
+    def load(layout):
+        state = SectionState(torch.nn.Linear(2, 2), None, section="teacher", replica=1, group=None,
+                             device=torch.device("cpu"))
+        return state.load(folder, layout=layout)
+
+    with pytest.raises(CheckpointMismatch, match=r"teacher-1\.pt is missing: the RNG states and buffers of teacher "
+                                                 r"replica 1, which a checkpoint of this section at dp 2, tp 1 holds"):
+        load((2, 1))
+    assert load((3, 1)) == ("teacher replica 1: no RNG state or buffers saved for it (the section's dp or tp "
+                            "changed); using replica 0's")

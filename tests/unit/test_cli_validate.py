@@ -507,3 +507,56 @@ def test_colocated_refuses_the_options_of_workers_and_nodes(dataset, tmp_path):
     assert result.exit_code == 2
     assert "--colocated runs in one process, with no workers or control plane: drop --pin-cpus, --host" \
         in result.output
+
+
+def test_set_file_gives_overrides_and_a_set_wins_over_it(tmp_path):
+    """--set-file FILE: the lines `maestro tune --write` writes (or plain KEY=VALUE, comments);
+    a --set on the command line wins over the file's; a bad line is refused naming the file and
+    line before anything loads."""
+    sets = tmp_path / "best.txt"
+    sets.write_text("# from maestro tune\n--set sections.llm.dp=1\n\nsections.vision.micro_batch=4\n")
+    result = invoke("graph", "pipelines/vlm.py", "--set-file", str(sets), "--set", "sections.vision.micro_batch=2")
+    assert result.exit_code == 0, result.output
+    vision, llm = result.stdout.split("+-- llm ")
+    assert "| micro_batch   2 " in vision and "| dp            1 replica " in llm, result.stdout
+    sets.write_text("--set sections.llm.dp=1\ndp 2\n")
+    result = invoke("graph", "pipelines/vlm.py", "--set-file", str(sets))
+    assert result.exit_code == 2 and f"{sets} line 2: expected KEY=VALUE or --set KEY=VALUE, got 'dp 2'" in \
+        result.stderr, result.output
+
+
+@pytest.mark.parametrize("flag, target", [
+    ("--save-dir", "afile/sub"), ("--checkpoint-dir", "afile/ck"), ("--metrics-out", "afile/m.jsonl"),
+    ("--trace", "afile/t.json"), ("--run-dir", "afile/rd"), ("--tensorboard", "afile/tb"),
+])
+def test_an_output_path_that_cannot_be_written_is_refused_before_training(tmp_path, dataset, flag, target):
+    """Found in review: an unwritable --save-dir trained every step, then failed with a traceback
+    and the weights were lost; --checkpoint-dir failed at the first checkpoint; the others failed
+    with a traceback (exit 1). All are refused now in one line (exit 2) before any worker starts."""
+    (tmp_path / "afile").write_text("a file where a folder would go")
+    extra = ["--checkpoint-every", "1"] if flag == "--checkpoint-dir" else []
+    no_run_dir = [] if flag == "--run-dir" else ["--no-run-dir"]
+    path = tmp_path / target
+    result = invoke("run", write_pipeline(tmp_path, dataset), "--steps", "1", "--quiet", *no_run_dir,
+                    flag, str(path), *extra)
+    line = assert_one_error_line(result, f"{flag} {path}: ")
+    assert ("is a file, not a folder" in line or "is a folder; give a file path" in line), line
+
+
+def test_an_output_folder_this_process_may_not_write_is_refused_naming_why(tmp_path, monkeypatch):
+    """What access(2) refuses (permission, or EROFS on a read-only filesystem): the suite runs as
+    root, who may write anywhere but on a read-only mount, so access is answered here."""
+    import os
+
+    from maestro_flow.errors import PipelineError
+    from maestro_flow.runtime import outputs
+
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    monkeypatch.setattr(outputs.os, "access", lambda path, mode: os.path.abspath(path) != str(folder))
+    with pytest.raises(PipelineError, match=rf"^--save-dir {folder}/w: cannot create it in {folder} "
+                                            r"\(permission denied\)$"):
+        outputs.check_writable(str(folder / "w"), "--save-dir", folder=True)
+    with pytest.raises(PipelineError, match=r"cannot write in this folder \(permission denied\)$"):
+        outputs.check_writable(str(folder), "--checkpoint-dir", folder=True)
+    outputs.check_writable(str(tmp_path / "new" / "deeper"), "--save-dir", folder=True)  # created later: fine

@@ -35,7 +35,9 @@ class FakeWorker:
 
 
 class Coordinator(CoordinatorIO):
-    def __init__(self, dead: list[FakeWorker], reports: list[tuple[int, dict]]) -> None:
+    def __init__(self, dead: list[FakeWorker], reports: list[tuple[int, dict]], said_bye: set[int] = frozenset()
+                 ) -> None:
+        self.said_bye = set(said_bye)
         self.timeouts = types.SimpleNamespace(heartbeat_timeout_s=5.0)
         self.nodes = types.SimpleNamespace(multi=False)
         self.launcher = types.SimpleNamespace(dead=lambda: dead)
@@ -68,7 +70,14 @@ def test_a_stage_error_reported_meanwhile_is_the_cause() -> None:
 
 
 def test_a_worker_that_left_normally_is_never_the_cause() -> None:
-    Coordinator([FakeWorker(2, 0)], [])._raise_dead_peer(exclude=1)
+    Coordinator([FakeWorker(2, 0)], [], said_bye={2})._raise_dead_peer(exclude=1)
+
+
+def test_a_worker_that_exited_with_code_0_without_saying_bye_is_the_cause() -> None:
+    # Found in review: exit code 0 was taken for a normal exit, so os._exit(0) mid-step left the
+    # peer whose all-reduce it broke to be blamed.
+    with pytest.raises(WorkerLost, match="rank 2 exited with code 0"):
+        Coordinator([FakeWorker(2, 0)], [])._raise_dead_peer(exclude=1)
 
 
 def test_a_collectives_failure_inside_stage_code_is_not_the_stages_fault() -> None:
