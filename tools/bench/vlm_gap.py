@@ -45,7 +45,7 @@ def _stage_times(_rank: int, draws: int, seed: int) -> dict[str, float]:
 
     torch.set_num_threads(1)
     stage = MultimodalLM(dict(LLM), StageContext(section="llm", trainable=True, placeholder_ids={"image": 259}))
-    name = stage.inputs["image"]
+    name = stage.input_names["image"]
     rng = random.Random(seed)
 
     def pair(n: int = 4, patches: int = 64) -> tuple[MicroBatch, MicroBatch]:
