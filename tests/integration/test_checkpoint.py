@@ -159,7 +159,7 @@ def one_checkpoint(small_data, tmp_path_factory) -> Path:
 @pytest.mark.parametrize("change, expected", [
     (("pipelines/chain.py",), ["the checkpoint has trainable section 'student', the pipeline does not",
                                "sections.embed: trainable here, but not in the checkpoint"]),
-    (("--set", "sections.student.stage=stages.hf:HFCausalLM"),
+    (("--set", "sections.student.stage=stages.hf:HFCausalLM", "--set", "sections.student.config.role=kd_student"),
      ["sections.student.stage: 'stages.hf:HFCausalLM' here, 'stages.distill:KDStudent' in the checkpoint"]),
     (("--set", "sections.student.config.student.d_model=32"),
      ["section 'student' (stages.distill:KDStudent) does not fit the checkpoint",
