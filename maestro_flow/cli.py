@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 from typing import Any
@@ -170,14 +171,23 @@ def run(ctx: click.Context, pipeline: str, steps: int | None, sets: tuple[str, .
         # default level: runtime/agent.py).
         os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"
         os.environ["MAESTRO_AGENT_QUIETED_TORCH"] = "1"
-    from maestro_flow.checkpoint.checkpointer import CheckpointOptions
-    from maestro_flow.runtime.build import load_pipeline
-    from maestro_flow.runtime.checks import pipeline_warnings
-    from maestro_flow.runtime.run import RunOptions, run_pipeline
-    from maestro_flow.runtime.rundir import default_run_dir
-
     created = None  # the default run dir made here: removed again if the run is refused before writing to it
     try:
+        # Ctrl-C while torch imports (the first second) is held until the import is done: raised
+        # inside it, it gave click's "Aborted!" (exit 1), or aborted the process (SIGABRT) when it
+        # reached a pybind11 callback.
+        held: list[int] = []
+        previous = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
+        try:
+            from maestro_flow.checkpoint.checkpointer import CheckpointOptions
+            from maestro_flow.runtime.build import load_pipeline
+            from maestro_flow.runtime.checks import pipeline_warnings
+            from maestro_flow.runtime.run import RunOptions, run_pipeline
+            from maestro_flow.runtime.rundir import default_run_dir
+        finally:
+            signal.signal(signal.SIGINT, previous)
+        if held:
+            raise KeyboardInterrupt
         overrides = _overrides(sets, costs, pipeline, steps=steps, schedule=schedule)
         loaded = load_pipeline(pipeline, overrides)[0]
         if not no_run_dir and run_dir is None:

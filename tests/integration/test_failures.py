@@ -216,3 +216,20 @@ def test_ctrl_c_shuts_down_cleanly(demo_data, signum):
     assert proc.returncode == 130
     assert "interrupted" in err and "Traceback" not in err
     assert not wait_gone(everything, 10.0)
+
+
+def test_ctrl_c_in_the_first_second_is_an_interrupt(demo_data):
+    """Found in review: Ctrl-C while torch was being imported gave click's "Aborted!" (exit 1), or
+    aborted the process (SIGABRT, a KeyboardInterrupt inside a pybind11 callback), whichever
+    import it reached."""
+    for delay in (0.3, 0.6, 0.9):
+        proc = subprocess.Popen([sys.executable, "-m", "maestro_flow.cli", "run", PIPELINE, "--quiet", "--no-run-dir",
+                                 "--set", f"data.path={demo_data}"], cwd=ROOT, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+        time.sleep(delay)
+        everything = descendants(proc.pid)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 130, (delay, err[-2000:])
+        assert "interrupted" in err and "Aborted!" not in err, err
+        assert not wait_gone(everything, 10.0)
