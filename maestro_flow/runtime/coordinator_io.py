@@ -119,7 +119,8 @@ class CoordinatorIO:
         if not self.training:
             return WorkerLost(f"worker {w.label} {w.exit_description()} during startup")
         last = self.liveness.last_done.get(w.rank)
-        reported = "before finishing any step" if last is None else f"after finishing step {last}"
+        # What it reported: a step it finished may have been on its way (lost with the process).
+        reported = "before reporting any step done" if last is None else f"after reporting step {last} done"
         return WorkerLost(f"worker {w.label} {w.exit_description()} {reported}, "
                              f"while the run was at step {self.awaited_step}")
 
