@@ -2,9 +2,10 @@
 bytes), the size a PNG or JPEG header declares, and whether a PNG or JPEG is whole.
 
 The image decoder (loaders/dali.py) asks these before DALI sees an image. A file that is not an
-image, or a PNG or JPEG that is cut short or fails its checksums, is refused here: DALI would
-fail on it too, but a batch that fails inside DALI costs a rebuild of its pipeline, and DALI 2.4's
-CPU decoder crashes the process (SIGSEGV) now and then while failing such a batch (seen here: one
+image, or a PNG or JPEG that is cut short or whose image data fails its checksums (a PNG's
+critical chunks: libpng only warns about the others), is refused here: DALI would fail on it
+too, but a batch that fails inside DALI costs a rebuild of its pipeline, and DALI 2.4's CPU
+decoder crashes the process (SIGSEGV) now and then while failing such a batch (seen here: one
 junk image among 32 PNGs crashed 1 to 4 runs in 5). Pure Python and cheap: a PNG's chunk CRCs
 (zlib.crc32, GB/s) and a walk over a JPEG's segment headers.
 
@@ -17,16 +18,18 @@ from __future__ import annotations
 
 import struct
 import zlib
+from collections.abc import Iterator
 
 import numpy as np
 
 PNG = b"\x89PNG\r\n\x1a\n"
+_PNG_CRITICAL = {b"IHDR", b"PLTE", b"IDAT"}
 JPEG_SOF = {0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF}
 # The first bytes of each format DALI's image decoder reads (nvImageCodec: PNG, JPEG, JPEG 2000,
 # TIFF, BMP, PNM, WebP), and of GIF, which it does not read, to say so.
 _MAGIC = ((PNG, "PNG"), (b"\xff\xd8", "JPEG"), (b"\x00\x00\x00\x0cjP  \r\n\x87\n", "JPEG 2000"),
-          (b"\xff\x4f\xff\x51", "JPEG 2000"), (b"II*\x00", "TIFF"), (b"MM\x00*", "TIFF"), (b"BM", "BMP"),
-          (b"GIF87a", "GIF"), (b"GIF89a", "GIF"))
+          (b"\xff\x4f\xff\x51", "JPEG 2000"), (b"II*\x00", "TIFF"), (b"MM\x00*", "TIFF"),
+          (b"II+\x00", "TIFF"), (b"MM\x00+", "TIFF"), (b"BM", "BMP"), (b"GIF87a", "GIF"), (b"GIF89a", "GIF"))
 _PNM = {b"P1", b"P2", b"P3", b"P4", b"P5", b"P6"}
 
 
@@ -75,7 +78,9 @@ def _png_problem(data: memoryview) -> str | None:
         if i + 12 + length > len(data):
             return f"a PNG cut short inside chunk {name}"
         (crc,) = struct.unpack(">I", data[i + 8 + length:i + 12 + length])
-        if zlib.crc32(data[i + 4:i + 8 + length]) != crc:
+        # libpng refuses a critical chunk that fails its CRC, and only warns for the others
+        # (ancillary chunks, and IEND, which holds nothing): so does this check.
+        if kind in _PNG_CRITICAL and zlib.crc32(data[i + 4:i + 8 + length]) != crc:
             return f"a PNG whose chunk {name} fails its CRC (corrupt data)"
         seen_data |= kind == b"IDAT"
         if kind == b"IEND":
@@ -83,13 +88,20 @@ def _png_problem(data: memoryview) -> str | None:
         first, i = False, i + 12 + length
 
 
-def _jpeg_problem(data: memoryview) -> str | None:
+class _Bad(Exception):
+    """A JPEG's headers are corrupt or cut short (the message says which)."""
+
+
+def _jpeg_segments(data: memoryview) -> Iterator[tuple[int, int, int]]:
+    """(marker, offset, length) of each JPEG segment that has a length, after SOI, up to and
+    including the start of scan (0xDA), whose entropy-coded data follows; _Bad when the headers
+    end or break first. Segments are 0xFF, the marker and a big-endian length counting itself."""
     i = 2
-    while True:  # segments: 0xFF, marker, big-endian length (which counts itself)
+    while True:
         if i + 2 > len(data):
-            return "a JPEG cut short in its headers"
+            raise _Bad("a JPEG cut short in its headers")
         if data[i] != 0xFF:
-            return "a JPEG whose headers are corrupt (no marker where one must be)"
+            raise _Bad("a JPEG whose headers are corrupt (no marker where one must be)")
         marker = data[i + 1]
         if marker == 0xFF:  # fill byte
             i += 1
@@ -97,16 +109,29 @@ def _jpeg_problem(data: memoryview) -> str | None:
         if marker == 0x01 or 0xD0 <= marker <= 0xD7:  # no length follows
             i += 2
             continue
-        if marker == 0xD9:
-            return "a JPEG that ends before its image data"
+        if marker in (0xD8, 0xD9):
+            raise _Bad("a JPEG that ends before its image data" if marker == 0xD9
+                       else "a JPEG whose headers are corrupt (a second start-of-image marker)")
         if i + 4 > len(data):
-            return "a JPEG cut short in its headers"
+            raise _Bad("a JPEG cut short in its headers")
         (length,) = struct.unpack(">H", data[i + 2:i + 4])
         if length < 2 or i + 2 + length > len(data):
-            return "a JPEG cut short in its headers"
-        if marker == 0xDA:  # start of scan: entropy-coded data, in which 0xFF is always escaped
-            break
+            raise _Bad("a JPEG cut short in its headers")
+        yield marker, i, length
+        if marker == 0xDA:
+            return
         i += 2 + length
+
+
+def _jpeg_problem(data: memoryview) -> str | None:
+    try:
+        *_, (_, i, length) = _jpeg_segments(data)
+    except _Bad as exc:
+        return str(exc)
+    except ValueError:  # no segment at all: SOI then the end
+        return "a JPEG cut short in its headers"
+    # Entropy-coded data, in which 0xFF is always escaped: an end-of-image marker after it means
+    # the scan data is whole (trailing bytes after it are fine, as for the decoder).
     if bytes(data[i + 2 + length:]).rfind(b"\xff\xd9") < 0:
         return "a JPEG cut short (no end-of-image marker after its image data)"
     return None
@@ -121,24 +146,13 @@ def header_size(data: bytes | np.ndarray) -> tuple[int, int] | None:
         return height, width
     if data[:2] != b"\xff\xd8":
         return None
-    i = 2
-    while i + 4 <= len(data):
-        if data[i] != 0xFF:
-            return None
-        marker = data[i + 1]
-        if marker == 0xFF:  # fill byte
-            i += 1
-            continue
-        if marker == 0x01 or 0xD0 <= marker <= 0xD8:  # no length follows
-            i += 2
-            continue
-        (length,) = struct.unpack(">H", data[i + 2:i + 4])
-        if marker in JPEG_SOF:
-            if i + 9 > len(data):
-                return None
-            height, width = struct.unpack(">HH", data[i + 5:i + 9])
-            return (height, width) if height else None  # 0: the height comes later (DNL)
-        if marker == 0xDA or length < 2:  # image data before any frame header
-            return None
-        i += 2 + length
-    return None
+    try:
+        for marker, i, _ in _jpeg_segments(data):
+            if marker in JPEG_SOF:
+                if i + 9 > len(data):
+                    return None
+                height, width = struct.unpack(">HH", data[i + 5:i + 9])
+                return (height, width) if height else None  # 0: the height comes later (DNL)
+    except _Bad:
+        pass
+    return None  # image data before any frame header, or headers cut short

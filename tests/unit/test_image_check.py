@@ -90,3 +90,31 @@ def test_a_batch_with_corrupt_images_decodes_without_a_rebuild(images):
     out = decoder.decode(batch, list(range(100, 132)))
     assert [i for i, t in enumerate(out) if t is None] == [3, 9, 20]
     assert decoder.corrupt_ids == (103, 109, 120) and decoder.num_builds == 1
+
+
+def test_only_the_critical_chunks_crcs_refuse_a_png(png):
+    """Found in review: every chunk's CRC was checked, so a PNG whose text chunk (or IEND) fails
+    its CRC was refused, though libpng only warns and DALI decodes it."""
+    def chunk(kind: bytes, body: bytes, crc_ok: bool) -> bytes:
+        crc = zlib.crc32(kind + body) ^ (0 if crc_ok else 1)
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", crc)
+
+    end = 8 + 25  # signature + IHDR chunk
+    with_text = png[:end] + chunk(b"tEXt", b"Comment\x00hello", False) + png[end:]
+    bad_iend = png[:-4] + bytes(b ^ 0xFF for b in png[-4:])
+    decoder = ImageDecoder(num_threads=1)
+    for data in (with_text, bad_iend):
+        assert framing_problem(data) is None
+        assert decoder.decode([data], [1])[0] is not None  # DALI decodes it
+    assert framing_problem(png[:end] + chunk(b"PLTE", bytes(6), False) + png[end:]).startswith(
+        "a PNG whose chunk PLTE fails its CRC")
+
+
+def test_bigtiff_and_a_doubled_jpeg_start_are_told_alike_everywhere(images):
+    from loaders.image_check import header_size
+
+    assert image_format(b"II+\x00\x08\x00\x00\x00") == "TIFF" and image_format(b"MM\x00+\x00\x08") == "TIFF"
+    jpeg = next(d for d in images if d[:2] == b"\xff\xd8")
+    doubled = b"\xff\xd8" + jpeg  # DALI refuses it too
+    assert framing_problem(doubled) == "a JPEG whose headers are corrupt (a second start-of-image marker)"
+    assert header_size(doubled) is None and header_size(jpeg) is not None
