@@ -7,6 +7,8 @@ it each attempt of the run (its first, and one per automatic restart):
     maestro/attempt            the current attempt's session (a fresh nonce, not a secret)
     maestro/attempt/<session>  where the coordinator listens, the timeouts, which node runs which
                                rank, each rank's section, replica and worker names
+    maestro/stopping/<session> set when the coordinator asks the workers to stop at the end: from
+                               then on a worker that exits with code 0 has left normally
     maestro/end/<session>      "done" or "failed", when the attempt ends
     maestro/lost/<session>     set by an agent: one of its workers died, or the agent was
                                interrupted (the coordinator stops the attempt, naming it), or
@@ -69,6 +71,11 @@ def publish_attempt(store: Any, session: str, info: dict[str, Any]) -> None:
         store.delete_key(f"maestro/bye/{node}")
     store.set(f"maestro/attempt/{session}", json.dumps(info))
     store.set("maestro/attempt", session)
+
+
+def stopping(store: Any, session: str) -> None:
+    """The workers are asked to stop: their exits with code 0 from here on are normal."""
+    store.set(f"maestro/stopping/{session}", "1")
 
 
 def end_attempt(store: Any, session: str, outcome: str) -> None:
@@ -311,7 +318,11 @@ class Agent:
                 if self._ask(store.check, ["maestro/attempt"]) and \
                         self._ask(store.get, "maestro/attempt").decode() != session:
                     return  # node 0 moved on to another attempt
+                # Exit code 0 is a normal exit only once the workers were asked to stop; before,
+                # it is a stage's os._exit(0) or sys.exit() in the middle of a step.
                 dead = [w for w in launcher.dead() if w.process.exitcode != 0]
+                if len(dead) < len(launcher.dead()) and not self._ask(store.check, [f"maestro/stopping/{session}"]):
+                    dead = launcher.dead()
                 if dead and not reported:
                     w = dead[0]
                     self._ask(store.set, f"maestro/lost/{session}",

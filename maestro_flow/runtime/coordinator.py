@@ -441,6 +441,8 @@ class Coordinator(CoordinatorIO):
             from maestro_flow.checkpoint.savedir import save_pipeline
 
             save_pipeline(self.save_dir, self.pipeline.to_dict())
+        if self.rdzv is not None:
+            agent.stopping(self.rdzv, self.session)  # other nodes' agents: exits with code 0 are normal now
         for rank in range(self.placement.world_size):
             self._send(rank, make("stop", save_dir=os.path.abspath(self.save_dir) if self.save_dir else None))
         deadline = time.monotonic() + self.timeouts.shutdown_grace_s + (60.0 if self.save_dir else 0.0)

@@ -32,10 +32,11 @@ def collective_failure(exc: BaseException | None) -> bool:
     return type(exc) is RuntimeError and _COLLECTIVE_FAILURE.match(str(exc)) is not None
 
 
-# What stage code may raise that is its own failure: any Exception, and SystemExit (sys.exit) or
-# KeyboardInterrupt raised by it (a worker ignores SIGINT: Ctrl-C goes to the coordinator), which
-# would otherwise leave the worker with no report, or abort it in a native frame.
-STAGE_RAISES = (Exception, SystemExit, KeyboardInterrupt)
+# What stage code may raise that is its own failure: any Exception, and SystemExit (sys.exit),
+# which would otherwise leave the worker with no report, or abort it in a native frame. Not
+# KeyboardInterrupt: in colocated mode the stages run in the main process, where it is Ctrl-C
+# (or SIGTERM, SIGHUP: runtime/run.py), an interrupt of the run.
+STAGE_RAISES = (Exception, SystemExit)
 
 
 class StageFault(Exception):

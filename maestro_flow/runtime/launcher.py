@@ -3,16 +3,14 @@
 Runs in the coordinator process. Workers start with multiprocessing's spawn (no inherited
 locks or CUDA state); shutdown is idempotent and bounded: ask (done by the coordinator), wait a
 grace period, terminate, join, kill. A worker that outlives its parent exits by itself
-(see worker._die_with_parent), so nothing is left running when the coordinator dies. Each worker
-leads its own process group (worker.worker_main), so what its stage started (a helper process,
-a data loader's workers) is stopped with it: once the workers are gone, shutdown kills what is
-left in their groups.
+(see worker._die_with_parent), so nothing is left running when the coordinator dies. What a
+stage started (a helper process, a data loader's workers) is stopped by its worker as it exits
+(worker.stop_children).
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
-import os
 import signal
 import time
 from collections.abc import Callable
@@ -78,17 +76,8 @@ class Launcher:
                 self.join(kill_grace_s)
         for w in self.workers:
             if w.process.exitcode is not None:
-                _kill_group(w.process.pid)
                 w.process.close()
         self.workers = [w for w in self.workers if _alive(w)]
-
-
-def _kill_group(pid: int) -> None:
-    """What is left of a finished worker's process group (its pid: the worker led it)."""
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):  # nothing left, or the worker never led a group
-        pass
 
 
 def _alive(w: WorkerHandle) -> bool:

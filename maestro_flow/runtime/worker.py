@@ -148,9 +148,33 @@ def _await_init(dealer: zmq.Socket, opener: Opener, drops: DropLog, deadline: fl
     return None
 
 
+def stop_children() -> None:
+    """SIGKILL every process this one started, and theirs, still running: what a stage started
+    and did not stop (a helper process, a pool) ends with its worker. Linux's /proc only."""
+    def children(pid: int) -> list[int]:
+        found = []
+        try:
+            for task in os.listdir(f"/proc/{pid}/task"):
+                with open(f"/proc/{pid}/task/{task}/children") as f:
+                    found += [int(c) for c in f.read().split()]
+        except OSError:  # gone meanwhile, or no /proc
+            pass
+        return found
+
+    todo, seen = children(os.getpid()), []
+    while todo:  # parents before their children: stopped top-down, none is left to start another
+        pid = todo.pop()
+        seen.append(pid)
+        todo += children(pid)
+    for pid in seen:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+
+
 def worker_main(boot: dict[str, Any]) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the coordinator, which stops us
-    os.setpgid(0, 0)  # a group of its own: what the stage starts is stopped with it (runtime/launcher.py)
     if boot.get("cpus"):
         os.sched_setaffinity(0, boot["cpus"])  # before any library starts its threads
     capture = OutputCapture(boot.get("label", f"rank {boot['rank']}"), boot.get("log"))
@@ -205,6 +229,7 @@ def worker_main(boot: dict[str, Any]) -> None:
     handlers = threading.Thread(target=atexit._run_exitfuncs, name="atexit", daemon=True)
     handlers.start()
     handlers.join(timeout=timeouts.shutdown_grace_s)
+    stop_children()
     capture.close()
     os._exit(code)  # channel threads may sit in a receive that will never complete
 

@@ -112,7 +112,7 @@ def _sleeping(seconds: str) -> list[int]:
 def test_what_a_stage_started_is_stopped_with_it_and_its_atexit_handlers_run(demo_data, tmp_path):
     """Found in review: a worker ends with os._exit, so the stage's atexit handlers never ran,
     and a helper process the stage started outlived the run, failed or not (orphaned to init).
-    Each worker now leads its own process group, which is killed once the worker is gone."""
+    A worker now runs them, then stops what is left of its children, as it exits."""
     marks = tmp_path / "atexit.txt"
     result, _ = run_faulty(demo_data, "sections.student.config.helper_s=3001.25",
                            f"sections.student.config.atexit_file={marks}")
@@ -233,3 +233,19 @@ def test_ctrl_c_in_the_first_second_is_an_interrupt(demo_data):
         assert proc.returncode == 130, (delay, err[-2000:])
         assert "interrupted" in err and "Aborted!" not in err, err
         assert not wait_gone(everything, 10.0)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_an_interrupted_colocated_run_is_an_interrupt_not_a_stage_error(demo_data, signum):
+    """Found in review of the SystemExit fix: with KeyboardInterrupt counted as the stage's
+    error, Ctrl-C (or SIGTERM) during a --colocated run, whose stages run in the main process,
+    was reported as a stage error in backward (exit 1)."""
+    proc = subprocess.Popen([sys.executable, "-m", "maestro_flow.cli", "run", PIPELINE, "--colocated", "--quiet",
+                             "--no-run-dir", "--steps", "1000", "--set", f"data.path={demo_data}",
+                             "--set", "sections.student.config.sleep_s=0.05"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(6.0)
+    proc.send_signal(signum)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err[-2000:]
+    assert "interrupted" in err and "stage error" not in err, err

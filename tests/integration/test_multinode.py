@@ -132,6 +132,24 @@ def test_killing_a_node_ends_the_other_naming_it(demo_data, killed):
     assert not wait_gone(everything, 10.0), "processes left running"
 
 
+def test_a_worker_on_node_1_that_exits_with_code_0_mid_step_is_named(demo_data):
+    """Found in review: node 1's agent took exit code 0 for a normal exit, so node 0 waited out
+    the heartbeat timeout and blamed the whole node as lost. Exits with code 0 are normal only
+    once node 0 asked the workers to stop (maestro/stopping/<session>)."""
+    port = free_port()
+    args = ["--quiet", "--no-run-dir", "--set", f"data.path={demo_data}", "--set", "sections.student.config.fail=exit0",
+            "--set", "sections.student.config.at_step=1", "--set", "sections.student.config.on_replica=1"]
+    pipeline = str(ASSETS / "faulty.py")
+    n1 = node(1, port, pipeline, *args)
+    n0 = node(0, port, pipeline, *args)
+    t0 = time.monotonic()
+    err0, err1 = finish(n0, n1, timeout=90)
+    assert n0.returncode == 1 and n1.returncode == 1
+    assert "section 'student' replica 1 (rank 2, pid" in err0 and "on node 1 exited with code 0" in err0, err0
+    assert "is lost" not in err0, err0
+    assert time.monotonic() - t0 < 60
+
+
 def test_a_lost_node_rejoins_with_max_restarts(demo_data, tmp_path):
     port = free_port()
     env = {"MAESTRO_HEARTBEAT_TIMEOUT_S": "3"}
