@@ -17,8 +17,8 @@ import click
 from maestro_flow.config import parse_set
 from maestro_flow.errors import PipelineError
 
-SET_FILE_HELP = ("Overrides from FILE, one 'KEY=VALUE' or '--set KEY=VALUE' a line ('#' starts a comment), as "
-                 "`maestro tune --write` writes them; a --set given here wins over the file's.")
+SET_FILE_HELP = ("Overrides from FILE, one 'KEY=VALUE' or '--set KEY=VALUE' a line (lines starting with '#' are "
+                 "comments), as `maestro tune --write` writes them; a --set given here wins over the file's.")
 
 
 def set_options(example: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
@@ -45,10 +45,13 @@ def read_set_file(path: str) -> list[str]:
     """The KEY=VALUE items of a --set-file, each checked as --set checks it; a bad line is a
     click.BadParameter naming the file and line."""
     try:
-        with open(path) as f:
+        with open(path, encoding="utf-8-sig") as f:  # a byte-order mark is not part of the first key
             lines = f.read().splitlines()
     except OSError as exc:
         raise click.BadParameter(f"cannot read {path}: {exc.strerror or exc}", param_hint="--set-file") from None
+    except UnicodeDecodeError as exc:
+        raise click.BadParameter(f"{path} is not UTF-8 text (byte {exc.start}: {exc.reason})",
+                                 param_hint="--set-file") from None
     items = []
     for number, line in enumerate(lines, 1):
         text = line.strip()

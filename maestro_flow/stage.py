@@ -109,7 +109,9 @@ class Stage:
         declared. When declared, `maestro validate` refuses an edge into the section that carries
         a tensor the stage does not read, naming the edge and what the stage reads (the same
         tensor spelt one way by the edge and the producer and another by the consumer would
-        otherwise fail in the first forward, or be sent and never read)."""
+        otherwise fail in the first forward, or be sent and never read). A subclass that
+        overrides `forward` without declaring `inputs` again is not checked: its base's
+        declaration need not hold for it."""
         return None
 
     @classmethod

@@ -197,7 +197,12 @@ def _check_placeholders(s: Any, source: Any, reads: list[SampleMeta], placeholde
 
 
 def _declared(cls: type, method: str, section: Section, where: str) -> tuple[str, ...] | None:
-    """What a stage class declares with `outputs(config)` or `inputs(config)` (None: nothing)."""
+    """What a stage class declares with `outputs(config)` or `inputs(config)` (None: nothing).
+    Inputs declared by a base class whose `forward` the class overrides are not its own (a
+    subclass of a bundled stage that reads one more input): taken as undeclared."""
+    if method == "inputs" and _owner(cls, "forward") is not _owner(cls, "inputs") and \
+            issubclass(_owner(cls, "forward"), _owner(cls, "inputs")):
+        return None
     try:
         names = getattr(cls, method)(dict(section.config))
     except Exception as exc:
@@ -207,6 +212,11 @@ def _declared(cls: type, method: str, section: Section, where: str) -> tuple[str
     if isinstance(names, str) or not all(isinstance(n, str) for n in names):
         raise PipelineError(f"{where}: {section.stage}.{method}(config) returned {names!r}, not a tuple of names")
     return tuple(names)
+
+
+def _owner(cls: type, name: str) -> type:
+    """The class in `cls`'s MRO that defines attribute `name`."""
+    return next(k for k in cls.__mro__ if name in vars(k))
 
 
 def check_pipeline(pipeline: Pipeline, build: bool = False) -> Checked:

@@ -560,3 +560,36 @@ def test_an_output_folder_this_process_may_not_write_is_refused_naming_why(tmp_p
     with pytest.raises(PipelineError, match=r"cannot write in this folder \(permission denied\)$"):
         outputs.check_writable(str(folder), "--checkpoint-dir", folder=True)
     outputs.check_writable(str(tmp_path / "new" / "deeper"), "--save-dir", folder=True)  # created later: fine
+
+
+def test_a_subclass_that_overrides_forward_is_not_held_to_its_bases_inputs(tmp_path, dataset):
+    """Found in review: Stage.inputs declared by a bundled stage held for its subclasses, so a
+    CausalLM subclass fed the teacher's hidden states (as this suite's own failure asset was) was
+    refused. A subclass that keeps the base's forward is still checked."""
+    (tmp_path / "my_stages.py").write_text(
+        "from stages.lm import CausalLM\n\n\n"
+        "class Reads(CausalLM):\n"
+        "    def forward(self, batch):\n"
+        "        assert 'hidden' in batch.inputs\n"
+        "        return super().forward(batch)\n\n\n"
+        "class Same(CausalLM):\n"
+        "    pass\n")
+    lm = {**TEACHER, "role": "lm"}
+    result = invoke("validate", write_pipeline(tmp_path, dataset, [teacher(), student(stage="my_stages:Reads", config=lm)]))
+    assert result.exit_code == 0, result.output
+    result = invoke("validate", write_pipeline(tmp_path, dataset, [teacher(), student(stage="my_stages:Same", config=lm)]))
+    assert_one_error_line(result, "hidden not among the inputs of my_stages:Same (it declares none)")
+
+
+def test_a_set_file_with_a_byte_order_mark_reads_and_one_not_utf8_is_refused(tmp_path):
+    """Found in review: a non-UTF-8 file gave a UnicodeDecodeError traceback; a BOM stayed in
+    the first key."""
+    from maestro_flow.cli_sets import read_set_file
+
+    sets = tmp_path / "bom.txt"
+    sets.write_bytes(b"\xef\xbb\xbf--set global_batch=8\r\nseed=3\r\n")
+    assert read_set_file(str(sets)) == ["global_batch=8", "seed=3"]
+    sets.write_bytes(b"name=caf\xe9\n")
+    result = invoke("validate", "pipelines/vlm.py", "--set-file", str(sets))
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert f"{sets} is not UTF-8 text" in result.stderr, result.output
