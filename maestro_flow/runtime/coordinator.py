@@ -214,7 +214,7 @@ class Coordinator(CoordinatorIO):
         deadline = began + self.timeouts.startup_s
         hellos: dict[int, dict] = {}
         while len(hellos) < self.placement.world_size:
-            rank, msg = self._recv(deadline, f"every worker's hello (missing {self._missing(hellos)})",
+            rank, msg = self._recv(deadline, lambda: f"every worker's hello (missing {self._missing(hellos)})",
                                    "MAESTRO_STARTUP_S", since=began)
             if msg["t"] == "hello":
                 if msg["version"] != PROTOCOL_VERSION:
@@ -247,7 +247,7 @@ class Coordinator(CoordinatorIO):
             deadline += self.timeouts.checkpoint_s
             what += f", {self.resume[0]} loaded"
         while len(ready) < self.placement.world_size:
-            rank, msg = self._recv(deadline, f"{what}; not ready: {self._missing(ready)})",
+            rank, msg = self._recv(deadline, lambda: f"{what}; not ready: {self._missing(ready)})",
                                    "MAESTRO_STARTUP_S and MAESTRO_CHECKPOINT_S" if self.resume is not None
                                    else "MAESTRO_STARTUP_S", since=began)
             if msg["t"] == "ready":

@@ -10,6 +10,7 @@ coordinator's thread.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import zmq
 
@@ -193,10 +194,12 @@ class CoordinatorIO:
         return "; ".join(f"node {n}: {ranks([r for r in missing if self.node_of[r] == n])}"
                          + (f" (is `maestro run ... --node-rank {n}` running there?)" if n else "") for n in nodes)
 
-    def _recv(self, deadline: float, what: str, setting: str, allow_exit: set[int] | None = None,
-              hang: bool = False, since: float | None = None) -> tuple[int, dict]:
+    def _recv(self, deadline: float, what: str | Callable[[], str], setting: str,
+              allow_exit: set[int] | None = None, hang: bool = False, since: float | None = None) -> tuple[int, dict]:
         """Next message other than a heartbeat; raises on error reports, dead or silent workers.
-        A timeout says how long was waited since `since` (monotonic; default: this call)."""
+        A timeout says what was awaited (`what`, or what it returns: made only then, as naming
+        the missing ranks costs a pass over them) and how long since `since` (monotonic;
+        default: this call)."""
         started = time.monotonic() if since is None else since
         while True:
             now = time.monotonic()
@@ -204,7 +207,7 @@ class CoordinatorIO:
                 self.liveness.away(now - self._listened_at)
             self._listened_at = now
             if now > deadline:
-                raise TimeoutFailure(what, now - started, setting)
+                raise TimeoutFailure(what if isinstance(what, str) else what(), now - started, setting)
             self._tick(now)
             # Liveness is judged only once every queued message is read: a coordinator that was
             # paused or busy finds its workers' heartbeats waiting, not missing. A queued message

@@ -18,8 +18,8 @@ The fit (costs, fixed cost, padding detected from the times, memory): runtime/pr
 
 Peak memory per micro-batch (runtime/memory_peak.py): on CUDA, torch.cuda.max_memory_allocated
 above the allocation before the call; on CPU, the process RSS sampled every millisecond during
-the call, above the RSS before it (approximate). param_mb and
-tp_share (the share of it the stage's tp_plan shards) let `maestro tune` model tp and FSDP.
+the call, above the RSS before it (approximate). param_mb and tp_share (the share of it the
+stage's tp_plan shards) let `maestro tune` model tp and FSDP.
 
 Runtime costs (calibration; the stage's compute alone under-predicts a real step):
   - step_overhead_s (trainable sections): the end-of-step work the executor does once per step,
@@ -37,8 +37,9 @@ Runtime costs (calibration; the stage's compute alone under-predicts a real step
 
 Failures: MAESTRO_WORKER_THREADS and --out are checked before the worker starts; an exception in
 the worker comes back as data (ProfilingError: the section, what it was doing, the traceback
-formatted there), a forward whose outputs a run would refuse (stage.output_problem) included; the cost file is written (runtime/costfile.staged) only when the profile and
-its calibration both succeeded.
+formatted there), a forward whose outputs a run would refuse (stage.output_problem) included;
+the cost file is written (runtime/costfile.staged) only when the profile and its calibration
+both succeeded.
 """
 
 from __future__ import annotations

@@ -190,11 +190,17 @@ def _as_baseline(pipeline: Any, checked: Any, options: RunOptions) -> tuple[Any,
     return fused, dataclasses.replace(checked, graph=SectionGraph(fused))
 
 
+def _trace_path(options: RunOptions) -> str | None:
+    """Where the trace goes: --trace's file; "" (the flag alone): the run dir's trace.json."""
+    if options.trace == "":
+        return os.path.join(options.run_dir, "trace.json") if options.run_dir else "trace.json"
+    return options.trace
+
+
 def _check_outputs(options: RunOptions) -> None:
     """Every path the run will write, checked before any worker starts (runtime/outputs)."""
-    trace = options.trace or (None if options.trace is None or options.run_dir else "trace.json")
     for flag, path, folder in (("--save-dir", options.save_dir, True), ("--checkpoint-dir", options.checkpoint.dir, True),
-                               ("--metrics-out", options.metrics_out, False), ("--trace", trace, False),
+                               ("--metrics-out", options.metrics_out, False), ("--trace", _trace_path(options), False),
                                ("--tensorboard", options.tensorboard, True), ("--run-dir", options.run_dir, True)):
         if path:
             check_writable(path, flag, folder=folder)
@@ -266,9 +272,7 @@ def run_pipeline(path: str, options: RunOptions) -> list[dict[str, Any]]:
               f"{f' ({skipped} bad rows skipped)' if skipped else ''}, {pipeline.steps} steps of "
               f"{pipeline.global_batch}, {mode}", file=sys.stderr)
     run_dir = RunDir(options.run_dir, pipeline, options.overrides) if options.run_dir else None
-    trace = options.trace
-    if trace == "":
-        trace = os.path.join(options.run_dir, "trace.json") if options.run_dir else "trace.json"
+    trace = _trace_path(options)
     if run_dir is not None and options.show_progress:
         print(f"run directory: {run_dir.path}"
               + (f" (an earlier run's files moved to {run_dir.set_aside})" if run_dir.set_aside else ""),
