@@ -215,6 +215,9 @@ def run(ctx: click.Context, pipeline: str, steps: int | None, sets: tuple[str, .
                              nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint,
                              nproc_per_node=nproc_per_node, baseline=baseline, devices=devices,
                              micro_batch=micro_batch, pin_cpus=pin_cpus)
+        from maestro_flow.runtime.reaper import become_subreaper
+
+        become_subreaper()  # what a worker killed by a signal leaves running is stopped with the run
         run_pipeline(pipeline, options)
     except KeyboardInterrupt:
         click.echo("interrupted: workers stopped", err=True)

@@ -4,8 +4,8 @@ Runs in the coordinator process. Workers start with multiprocessing's spawn (no 
 locks or CUDA state); shutdown is idempotent and bounded: ask (done by the coordinator), wait a
 grace period, terminate, join, kill. A worker that outlives its parent exits by itself
 (see worker._die_with_parent), so nothing is left running when the coordinator dies. What a
-stage started (a helper process, a data loader's workers) is stopped by its worker as it exits
-(worker.stop_children).
+stage started (a helper process, a data loader's workers) is stopped by its worker as it exits,
+and, when a worker was killed by a signal, by `shutdown` here (runtime/reaper.py).
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+from maestro_flow.runtime.reaper import stop_adopted
 
 
 @dataclass
@@ -74,6 +76,7 @@ class Launcher:
                     if w.process.exitcode is None:
                         w.process.kill()
                 self.join(kill_grace_s)
+        stop_adopted(keep=[w.process.pid for w in self.workers if w.process.exitcode is None])
         for w in self.workers:
             if w.process.exitcode is not None:
                 w.process.close()

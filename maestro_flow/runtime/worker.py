@@ -33,6 +33,7 @@ from maestro_flow.errors import PipelineError
 from maestro_flow.protocol.auth import DropLog, Opener, Rejected, Sealer, derive_key
 from maestro_flow.protocol.messages import PROTOCOL_VERSION, make
 from maestro_flow.runtime import cpus
+from maestro_flow.runtime.reaper import stop_children
 from maestro_flow.runtime.worker_output import OutputCapture
 from maestro_flow.timeouts import Timeouts
 from maestro_flow.transport import zmq_link
@@ -146,31 +147,6 @@ def _await_init(dealer: zmq.Socket, opener: Opener, drops: DropLog, deadline: fl
         if sender == "coordinator" and msg["t"] == "init":
             return msg
     return None
-
-
-def stop_children() -> None:
-    """SIGKILL every process this one started, and theirs, still running: what a stage started
-    and did not stop (a helper process, a pool) ends with its worker. Linux's /proc only."""
-    def children(pid: int) -> list[int]:
-        found = []
-        try:
-            for task in os.listdir(f"/proc/{pid}/task"):
-                with open(f"/proc/{pid}/task/{task}/children") as f:
-                    found += [int(c) for c in f.read().split()]
-        except OSError:  # gone meanwhile, or no /proc
-            pass
-        return found
-
-    todo, seen = children(os.getpid()), []
-    while todo:  # parents before their children: stopped top-down, none is left to start another
-        pid = todo.pop()
-        seen.append(pid)
-        todo += children(pid)
-    for pid in seen:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except OSError:
-            pass
 
 
 def worker_main(boot: dict[str, Any]) -> None:

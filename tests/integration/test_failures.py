@@ -125,6 +125,16 @@ def test_what_a_stage_started_is_stopped_with_it_and_its_atexit_handlers_run(dem
     assert _sleeping("3002.5") == []
 
 
+def test_what_a_stage_started_is_stopped_when_its_worker_is_killed(demo_data):
+    """A worker killed by a signal runs no code: the helper its stage started was orphaned to
+    init and outlived the run. `maestro run` adopts such orphans (a child subreaper) and stops
+    them with the run (runtime/reaper.py)."""
+    result, _ = run_faulty(demo_data, "sections.student.config.helper_s=3003.75", "sections.student.config.fail=kill",
+                           "sections.student.config.at_step=1")
+    assert result.returncode == 1 and "was killed by SIGKILL" in result.stderr, result.stderr
+    assert _sleeping("3003.75") == []
+
+
 def test_a_crash_in_native_code_shows_the_python_stack(demo_data):
     """SIGSEGV: the run names the worker and the signal, and the worker's Python stack (every
     thread's, from faulthandler) reaches the terminal, down to the stage's line."""
