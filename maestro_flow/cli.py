@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import sys
 import time
 from typing import Any
@@ -17,6 +16,7 @@ from typing import Any
 import click
 
 from maestro_flow.cli_sets import set_options
+from maestro_flow.cli_signals import interrupts_after_imports
 from maestro_flow.config import parse_set
 from maestro_flow.errors import MaestroError, PipelineError, StageError
 
@@ -56,7 +56,20 @@ def _overrides(sets: tuple[str, ...], costs: str | None = None, pipeline: str | 
 COSTS_HELP = "Section costs measured by `maestro profile` (a cost file) instead of the pipeline's."
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+class _Main(click.Group):
+    """Every command runs with Ctrl-C held during native imports, and an interrupt it does not
+    catch itself ends it with one line and exit 130 (cli_signals.py)."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            with interrupts_after_imports():
+                return super().invoke(ctx)
+        except KeyboardInterrupt:
+            click.echo("interrupted", err=True)
+            sys.exit(130)
+
+
+@click.group(cls=_Main, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.option("--debug", is_flag=True, help="Show Python tracebacks for errors.")
 @click.pass_context
 def main(ctx: click.Context, debug: bool) -> None:
@@ -174,21 +187,12 @@ def run(ctx: click.Context, pipeline: str, steps: int | None, sets: tuple[str, .
         os.environ["MAESTRO_AGENT_QUIETED_TORCH"] = "1"
     created = None  # the default run dir made here: removed again if the run is refused before writing to it
     try:
-        # Ctrl-C while torch imports (the first second) is held until the import is done: raised
-        # inside it, it gave click's "Aborted!" (exit 1), or aborted the process (SIGABRT) when it
-        # reached a pybind11 callback.
-        held: list[int] = []
-        previous = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
-        try:
-            from maestro_flow.checkpoint.checkpointer import CheckpointOptions
-            from maestro_flow.runtime.build import load_pipeline
-            from maestro_flow.runtime.checks import pipeline_warnings
-            from maestro_flow.runtime.run import RunOptions, run_pipeline
-            from maestro_flow.runtime.rundir import default_run_dir
-        finally:
-            signal.signal(signal.SIGINT, previous)
-        if held:
-            raise KeyboardInterrupt
+        from maestro_flow.checkpoint.checkpointer import CheckpointOptions
+        from maestro_flow.runtime.build import load_pipeline
+        from maestro_flow.runtime.checks import pipeline_warnings
+        from maestro_flow.runtime.run import RunOptions, run_pipeline
+        from maestro_flow.runtime.rundir import default_run_dir
+
         overrides = _overrides(sets, costs, pipeline, steps=steps, schedule=schedule)
         loaded = load_pipeline(pipeline, overrides)[0]
         if not no_run_dir and run_dir is None:

@@ -245,6 +245,23 @@ def test_ctrl_c_in_the_first_second_is_an_interrupt(demo_data):
         assert not wait_gone(everything, 10.0)
 
 
+@pytest.mark.parametrize("command", ["validate", "plan"])
+def test_ctrl_c_in_any_command_is_an_interrupt(demo_data, command):
+    """Found in review: commands other than `run` ended a Ctrl-C with click's "Aborted!" (exit 1),
+    at any time; during torch's import it may abort the process (cli_signals.py)."""
+    for delay in (0.3, 0.9, 1.6):
+        proc = subprocess.Popen([sys.executable, "-m", "maestro_flow.cli", command, PIPELINE,
+                                 "--set", f"data.path={demo_data}"], cwd=ROOT, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+        time.sleep(delay)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+        if proc.returncode in (0, -signal.SIGINT) and out:  # done before the signal came, or exiting (a fast hour)
+            continue
+        assert proc.returncode == 130, (delay, err[-2000:])
+        assert err.strip().splitlines()[-1] == "interrupted" and "Traceback" not in err, err
+
+
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
 def test_an_interrupted_colocated_run_is_an_interrupt_not_a_stage_error(demo_data, signum):
     """Found in review of the SystemExit fix: with KeyboardInterrupt counted as the stage's

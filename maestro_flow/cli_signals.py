@@ -1,0 +1,56 @@
+"""Ctrl-C for every `maestro` command: one line and exit 130, also in the first second.
+
+A KeyboardInterrupt raised while torch (or another native library) was being imported reached
+click as "Aborted!" (exit 1), or aborted the process (SIGABRT) when it surfaced inside a pybind11
+callback. Every command therefore runs under `interrupts_after_imports`: while such a library's
+module is being imported, Ctrl-C is only noted, and sent again to the main thread once the import
+is over, where it is raised as usual. A second Ctrl-C while one is held is raised at once (an
+import that hangs can still be interrupted). Commands that catch KeyboardInterrupt themselves
+(`maestro run` stops its workers first) keep their own message.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import sys
+import threading
+import time
+from collections.abc import Iterator
+
+NATIVE = ("torch", "numpy", "pyarrow", "zmq", "nvidia", "transformers", "safetensors")
+
+
+def importing_native() -> bool:
+    """Whether one of NATIVE's modules (or their submodules) is being imported right now."""
+    for name, module in list(sys.modules.items()):
+        if name.split(".", 1)[0] in NATIVE and getattr(getattr(module, "__spec__", None), "_initializing", False):
+            return True
+    return False
+
+
+@contextlib.contextmanager
+def interrupts_after_imports() -> Iterator[None]:
+    held = threading.Event()
+    main = threading.main_thread().ident
+
+    def resend() -> None:
+        while importing_native():
+            time.sleep(0.02)
+        if held.is_set():
+            signal.pthread_kill(main, signal.SIGINT)
+
+    def on_interrupt(signum: int, frame: object) -> None:
+        if importing_native() and not held.is_set():
+            held.set()
+            threading.Thread(target=resend, name="held-interrupt", daemon=True).start()
+            return
+        held.clear()
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGINT, on_interrupt)
+    try:
+        yield
+    finally:
+        held.clear()  # a resend still pending finds nothing to raise
+        signal.signal(signal.SIGINT, previous)
