@@ -56,19 +56,20 @@ from typing import Any
 import torch
 
 from maestro_flow.config import Pipeline
-from maestro_flow.errors import MaestroError, PipelineError, StageError, StageOutputError, SystemFailure
+from maestro_flow.errors import MaestroError, PipelineError, StageError, SystemFailure
 from maestro_flow.graph import SectionGraph
 from maestro_flow.parallel.fsdp import largest_unit_bytes
 from maestro_flow.parallel.tp import tp_share
 from maestro_flow.planner.cost import charged
 from maestro_flow.runtime import cpus
-from maestro_flow.runtime.build import build_stage, default_dtype, load_pipeline, resolve_device
+from maestro_flow.runtime.build import default_dtype, load_pipeline
 from maestro_flow.runtime.checks import check_pipeline
 from maestro_flow.runtime.costfile import check_out, profiled_with, staged, write_cost_file
 from maestro_flow.runtime.memory_peak import MB, peak_meter
 from maestro_flow.runtime.profile_fit import default_sizes, fit_section, micro_batches, planning_s, spread
+from maestro_flow.runtime.replay_runner import SectionRunner
 from maestro_flow.samples import SampleMeta
-from maestro_flow.stage import MicroBatch, output_problem
+from maestro_flow.stage import MicroBatch
 
 __all__ = ["ProfileOptions", "ProfilingError", "profile_pipeline"]  # the cost file itself: runtime/costfile.py
 
@@ -114,19 +115,14 @@ def worker_threads(threads: int | None) -> int:
         raise PipelineError(str(exc)) from None
 
 
-class _Section:
-    """One section's stage plus how to feed it (columns from the dataset, inputs from producers)."""
+class _Section(SectionRunner):
+    """One section's stage, built and run as replay's runner builds and runs it, plus how to feed
+    it (columns from the dataset, inputs from producers) and what profiling measures of it."""
 
     def __init__(self, pipeline: Pipeline, graph: SectionGraph, name: str, source: Any) -> None:
-        self.name, self.graph, self.source = name, graph, source
+        super().__init__(pipeline, name, graph)
+        self.source = source
         self.at: dict[str, Any] = {"section": name, "phase": ""}  # what it is doing (profile_to reports it)
-        self.mixed_precision = pipeline.mixed_precision
-        self.section = graph.sections[name]
-        self.device = torch.device(resolve_device(self.section, 0))
-        self.stage = build_stage(pipeline, self.section, 0, str(self.device))
-        self.is_loss = name in graph.loss_sections()
-        self.grad_names = {t for e in graph.inputs(name) if e.carries_grad for t in e.edge.tensors}
-        self.carried = graph.carried(name)  # output name -> its edge (what output_problem checks)
         self.out_names = list(self.carried)
 
     def batch(self, mb: Sequence[SampleMeta], outputs: dict[tuple[int, str], torch.Tensor | None]) -> MicroBatch:
@@ -150,20 +146,6 @@ class _Section:
         return MicroBatch(step=0, index=0, sample_ids=[s.id for s in mb], modalities=[s.modalities for s in mb],
                           columns=columns, inputs=inputs)
 
-    def forward(self, batch: MicroBatch, grad: bool | None = None) -> dict[str, Any]:
-        """The stage's forward as a run calls it (`grad`: default, when the section trains); its
-        outputs are refused as a run refuses them (StageOutputError)."""
-        from maestro_flow.runtime.precision import compute
-
-        with torch.set_grad_enabled(self.section.trainable if grad is None else grad), \
-                compute(self.mixed_precision, self.device):
-            out = self.stage.forward(batch)
-        problem = output_problem(out, section=self.name, stage=self.section.stage,
-                                 num_samples=len(batch.sample_ids), carried=self.carried, loss=self.is_loss)
-        if problem is not None:
-            raise StageOutputError(problem)
-        return out
-
     def backward(self, out: dict[str, Any]) -> None:
         self.at["phase"] = self.at["phase"].replace("forward", "backward")
         if self.is_loss:
@@ -176,10 +158,6 @@ class _Section:
                     total = x.sum() if total is None else total + x.sum()
         if total is not None:
             total.backward()
-
-    def sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
 
     def param_mb(self, trained: bool = False) -> float:
         """The stage's parameters; `trained`: those that get gradients (a trainable stage may hold frozen ones)."""

@@ -1,4 +1,5 @@
-"""One section's stage run alone on micro-batches, for `maestro stage` (runtime/replay.py).
+"""One section's stage run alone on micro-batches, for `maestro stage` (runtime/replay.py) and
+`maestro profile` (runtime/profiling.py, whose section runner extends this one).
 
 `SectionRunner` builds the stage exactly as replica 0 of a run builds it and runs a micro-batch
 forward (each repetition from the recorded RNG states, when given) and, for a trainable section,
@@ -57,10 +58,10 @@ def _group(name: str) -> str:
 class SectionRunner:
     """One section's stage, built as replica 0 of a run builds it, plus how to run a micro-batch."""
 
-    def __init__(self, pipeline: Pipeline, name: str) -> None:
+    def __init__(self, pipeline: Pipeline, name: str, graph: SectionGraph | None = None) -> None:
         self.pipeline = pipeline
-        self.graph = SectionGraph(pipeline)
-        self.section = pipeline.section(name)
+        self.graph = graph or SectionGraph(pipeline)
+        self.section = self.graph.sections[name]
         self.name = name
         self.device = torch.device(resolve_device(self.section, 0))
         self.dtype = getattr(torch, pipeline.dtype)
@@ -124,8 +125,10 @@ class SectionRunner:
         return (MicroBatch(step=batch.step, index=batch.index, sample_ids=list(batch.sample_ids),
                            modalities=list(batch.modalities), columns=columns, inputs=inputs), leaves)
 
-    def forward(self, batch: MicroBatch) -> dict[str, Any]:
-        with default_dtype(self.dtype), torch.set_grad_enabled(self.trainable), \
+    def forward(self, batch: MicroBatch, grad: bool | None = None) -> dict[str, Any]:
+        """The stage's forward as a run calls it (`grad`: default, when the section trains); its
+        outputs are refused as a run refuses them (StageOutputError)."""
+        with default_dtype(self.dtype), torch.set_grad_enabled(self.trainable if grad is None else grad), \
                 compute(self.pipeline.mixed_precision, self.device):
             out = self.stage.forward(batch)
         self.check(out, len(batch))
@@ -150,7 +153,7 @@ class SectionRunner:
                     total = term if total is None else total + term
         return total, "sum of outputs' squares / 2"
 
-    def _sync(self) -> None:
+    def sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
@@ -166,10 +169,10 @@ class SectionRunner:
             prepared, leaves = self.prepare(batch)
             if rng:
                 restore_rng(rng, self.device)
-            self._sync()
+            self.sync()
             t0 = time.perf_counter()
             out = self.forward(prepared)
-            self._sync()
+            self.sync()
             t1 = time.perf_counter()
             what = ""
             if self.trainable:
@@ -179,7 +182,7 @@ class SectionRunner:
                         target.backward()
                 else:
                     what = ""
-            self._sync()
+            self.sync()
             t2 = time.perf_counter()
             fwd.append(t1 - t0)
             bwd.append(t2 - t1)
