@@ -36,21 +36,32 @@ def search_paths(pipeline_file: str | None) -> list[str]:
     return paths
 
 
+# Pipeline files imported by this process, by (path, mtime, size): a command that loads its
+# pipeline more than once (with --costs, then to check it, then to run it) imports the file once.
+_imported: dict[tuple[str, int, int], Any] = {}
+
+
 def load_pipeline(path: str, overrides: dict[str, Any] | None = None) -> tuple[Pipeline, list[str]]:
-    """Import a pipeline file and call its `pipeline(**overrides)`; returns it and the search paths."""
+    """Import a pipeline file (once per process while it is unchanged) and call its
+    `pipeline(**overrides)`; returns it and the search paths."""
     file = Path(path)
     if not file.is_file():
         raise PipelineError(f"pipeline file not found: {path}")
     paths = search_paths(str(file))
     add_paths(paths)
-    spec = importlib.util.spec_from_file_location(f"maestro_pipeline_{file.stem}", file)
-    module = importlib.util.module_from_spec(spec)
-    try:
-        spec.loader.exec_module(module)
-    except PipelineError:
-        raise
-    except Exception as exc:
-        raise PipelineError(f"{path}: importing the pipeline file failed: {type(exc).__name__}: {exc}") from exc
+    stat = file.stat()
+    key = (str(file.resolve()), stat.st_mtime_ns, stat.st_size)
+    module = _imported.get(key)
+    if module is None:
+        spec = importlib.util.spec_from_file_location(f"maestro_pipeline_{file.stem}", file)
+        module = importlib.util.module_from_spec(spec)
+        try:
+            spec.loader.exec_module(module)
+        except PipelineError:
+            raise
+        except Exception as exc:
+            raise PipelineError(f"{path}: importing the pipeline file failed: {type(exc).__name__}: {exc}") from exc
+        _imported[key] = module
     factory = getattr(module, "pipeline", None)
     if not callable(factory):
         raise PipelineError(f"{path}: defines no function pipeline(**overrides) -> maestro_flow.Pipeline")
