@@ -14,19 +14,25 @@ coordinator calls it, it does not contain it:
     checkpointer.committed              the newest checkpoint this job wrote: where a restart
                                         resumes (never a folder another run left in the directory)
 
+Before any of these, `claim` takes the directory for the job (its lock, held until `close`) and
+refuses one that holds another training's checkpoints, or this training's past its start.
+
 One Checkpointer serves a whole job, across automatic restarts.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import sys
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from maestro_flow.checkpoint import manifest as mf
 from maestro_flow.errors import CheckpointError, PipelineError
+from maestro_flow.runtime.outputs import LOCK, hold_folder
 
 ON_ERROR = ("stop", "continue")
 
@@ -67,17 +73,54 @@ class Checkpointer:
         self.options = options
         self.log = log or (lambda text: print(text, file=sys.stderr, flush=True))
         self.committed: str | None = None
+        self.lineage: str | None = None  # this job's training (Manifest.lineage): set by claim()
+        self._legacy = False
+        self._lock = None
 
-    def check_fresh(self, start: int) -> None:
-        """Refuse a checkpoint directory holding complete checkpoints past the step this job
-        starts at: they belong to another run, and a restart or --keep-last would mix them in."""
+    def claim(self, resume: mf.Manifest | None) -> None:
+        """Take the checkpoint directory for this job, before any worker starts: hold its lock
+        (a second run given the same directory is refused: the two would replace and delete each
+        other's checkpoints), and refuse it when it holds checkpoints this job must not touch:
+        another training's (another lineage: --keep-last or a restart would delete or resume
+        them), or this training's own past the step it resumes at (they would be overwritten)."""
         if not self.options.enabled:
             return
-        later = [folder for step, folder, ok in mf.checkpoints(self.options.dir) if ok and step > start]
-        if later:
-            raise PipelineError(f"--checkpoint-dir {self.options.dir} holds checkpoints past step {start} from "
-                                f"another run (newest: {later[-1]}): resume from it with --resume "
-                                f"{self.options.dir}, or choose another --checkpoint-dir")
+        root = self.options.dir
+        self.lineage = (resume.lineage if resume is not None and resume.lineage else None) or uuid.uuid4().hex
+        self._legacy = resume is not None and resume.lineage is None  # its own checkpoints carry no lineage
+        self._lock = hold_folder(root, f"--checkpoint-dir {root} is in use by a run still going (it holds {LOCK} "
+                                       "there): give another --checkpoint-dir, or wait for it to end")
+        start = resume.step if resume is not None else 0
+        for step, folder, ok in mf.checkpoints(root):
+            if not ok:
+                continue
+            if not self._ours(folder):
+                self.close()
+                how = f"resume from it with --resume {root}, or " if resume is None else ""
+                raise PipelineError(f"--checkpoint-dir {root} holds another training's checkpoints ({folder}): "
+                                    f"{how}choose another --checkpoint-dir")
+            if step > start:
+                self.close()
+                newest = [f for _, f, done in mf.checkpoints(root) if done][-1]
+                raise PipelineError(f"--checkpoint-dir {root} holds this training's checkpoints past step {start} "
+                                    f"(newest: {newest}), which this run would overwrite: resume from the newest "
+                                    f"with --resume {root}, or to go back to step {start}, move the later ones "
+                                    "away or choose another --checkpoint-dir")
+
+    def _ours(self, folder: str) -> bool:
+        """Whether a complete checkpoint belongs to this job's training (an unreadable manifest
+        does not: it is left alone)."""
+        try:
+            lineage = mf.read(folder).lineage
+        except PipelineError:
+            return False
+        return lineage == self.lineage or (lineage is None and self._legacy)
+
+    def close(self) -> None:
+        """Let go of the checkpoint directory's lock (the end of the job; the process's exit does too)."""
+        if self._lock is not None:
+            self._lock.close()
+            self._lock = None
 
     def due(self, completed: int) -> bool:
         return self.options.enabled and completed > 0 and completed % self.options.every == 0
@@ -104,7 +147,7 @@ class Checkpointer:
     def commit(self, step: int, manifest: mf.Manifest) -> bool:
         folder = mf.step_dir(self.options.dir, step)
         try:
-            mf.write(folder, manifest)
+            mf.write(folder, dataclasses.replace(manifest, lineage=self.lineage))
         except OSError as exc:
             self._discard(folder)
             self._fail(step, f"writing the manifest failed: {exc}")
@@ -137,10 +180,10 @@ class Checkpointer:
         shutil.rmtree(folder, ignore_errors=True)
 
     def _purge(self, step: int) -> None:
-        """Incomplete folders older than this checkpoint, and complete ones beyond keep_last (among
-        those up to this one: a folder of a later step is never touched)."""
+        """Incomplete folders older than this checkpoint, and complete ones of this training beyond
+        keep_last (among those up to this one: a folder of a later step is never touched)."""
         found = [c for c in mf.checkpoints(self.options.dir) if c[0] <= step]
-        complete = [folder for s, folder, ok in found if ok]
+        complete = [folder for s, folder, ok in found if ok and self._ours(folder)]
         stale = [folder for s, folder, ok in found if not ok and s < step]
         if self.options.keep_last is not None:
             stale += complete[:-self.options.keep_last]

@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from maestro_flow.checkpoint import manifest as mf
 from maestro_flow.checkpoint.savedir import PIPELINE_FILE
 from maestro_flow.errors import PipelineError
+from maestro_flow.runtime.outputs import check_writable
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +36,7 @@ class Exported:
 
 
 def export_section(source: str, section: str, out: str) -> Exported:
+    check_writable(out, "-o", folder=True)  # a traceback before (found in review), as run's --save-dir was
     pipeline, state, where = _read(mf.find_folder(source, "SOURCE"), section)
     spec = next((s for s in pipeline["sections"] if s["name"] == section), None)
     if spec is None:  # a --save-dir whose pipeline file lacks it (not one a run wrote)

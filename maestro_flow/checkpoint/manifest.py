@@ -49,6 +49,10 @@ class Manifest:
     sampler: dict[str, Any]  # EpochSampler.position(step)
     costs: list = field(default_factory=list)  # CostFitter.state(): the planner's cost model
     restarts: int = 0  # automatic restarts so far in this job
+    # The training this checkpoint continues: an id drawn by its first run and kept by every run
+    # that resumes from it (None: written before lineages were recorded). A checkpoint directory
+    # holds one lineage (Checkpointer.claim).
+    lineage: str | None = None
     format: int = FORMAT
 
     def to_json(self) -> str:
@@ -59,7 +63,7 @@ class Manifest:
         if data.get("format") != FORMAT:
             raise PipelineError(f"checkpoint format {data.get('format')!r} is not this version's ({FORMAT})")
         return Manifest(**{k: data[k] for k in ("step", "pipeline", "sections", "sampler", "costs", "restarts",
-                                                "format") if k in data})
+                                                "lineage", "format") if k in data})
 
 
 def write(folder: str, manifest: Manifest) -> str:
@@ -161,6 +165,10 @@ def incompatibilities(manifest: Manifest, pipeline: dict[str, Any]) -> list[str]
         if now[name]["optimizer"].get("name") != saved[name]["optimizer"].get("name"):
             problems.append(f"sections.{name}.optimizer.name: {now[name]['optimizer'].get('name')!r} here, "
                             f"{saved[name]['optimizer'].get('name')!r} in the checkpoint")
+        elif now[name]["optimizer"].get("amsgrad") and not saved[name]["optimizer"].get("amsgrad"):
+            # Found in review: the first step then failed in a worker (KeyError 'max_exp_avg_sq').
+            problems.append(f"sections.{name}.optimizer.amsgrad: on here, off in the checkpoint (its optimizer "
+                            "state has no maximum of the second moments to go on from)")
     sampler = manifest.sampler
     for key, here in (("global_batch", pipeline["global_batch"]), ("seed", pipeline["seed"]),
                       ("shuffle", pipeline["data"].get("shuffle", True))):

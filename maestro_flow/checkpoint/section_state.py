@@ -55,6 +55,13 @@ class CheckpointMismatch(PipelineError):
     """The checkpoint does not fit the section as built now (names or shapes differ)."""
 
 
+def _earlier(checkpoint: str) -> str:
+    """Where to go back to when `checkpoint` cannot be read: the newest complete one before it."""
+    here = os.path.abspath(checkpoint)
+    before = [folder for _, folder, ok in mf.checkpoints(os.path.dirname(here)) if ok and folder < here]
+    return f"; the complete checkpoint before it: {before[-1]} (--resume {before[-1]})" if before else ""
+
+
 class SectionState:
     def __init__(self, stage: Any, optim: SectionOptimizer | None, *, section: str, replica: int, group: Any,
                  device: torch.device, tp_index: int = 0) -> None:
@@ -76,7 +83,9 @@ class SectionState:
         if isinstance(failures, dict) and failures:
             rank = sorted(failures)[0]
             exc = failures[rank][0] if isinstance(failures[rank], tuple) else failures[rank]
-        return f"{type(exc).__name__}: {exc}"
+        if not str(exc) and isinstance(exc, EOFError):  # found in review: "EOFError: " said nothing
+            return "EOFError: a file ended early (truncated or damaged)"
+        return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
     def save(self, checkpoint: str, standin: dict[str, Any] | None = None) -> dict[str, Any]:
         """Write this replica's part; returns what the manifest records of it (replica 0 of a
@@ -154,7 +163,8 @@ class SectionState:
                 raise
             except (Exception, CheckpointException) as exc:  # DCP's CheckpointException is a BaseException
                 raise CheckpointMismatch(f"--resume {checkpoint}: cannot read the state of section "
-                                         f"{self.section!r} ({self.folder(checkpoint)}): {self.cause(exc)}") from None
+                                         f"{self.section!r} ({self.folder(checkpoint)}): {self.cause(exc)}"
+                                         f"{_earlier(checkpoint)}") from None
         own = rng_file(checkpoint, self.section, self.replica, self.tp_index)
         who = f"{self.section} replica {self.replica}" + (f" tp rank {self.tp_index}" if self.tp_index else "")
         if os.path.isfile(own):

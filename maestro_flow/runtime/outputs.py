@@ -7,11 +7,16 @@ Python traceback. What is checked: the path is not the wrong kind (a folder for 
 a folder), and its nearest existing folder is one this process may create entries in (a read-only
 filesystem counts: access(2) answers EROFS). A disk that fills up later is not foreseen here; the
 writers report that themselves.
+
+`hold_folder` locks a folder a job writes for as long as it runs (the run directory, the
+checkpoint directory): a second job given the same folder is refused rather than mixing its
+files with the first's.
 """
 
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from maestro_flow.errors import PipelineError
 
@@ -48,3 +53,25 @@ def _why(path: str) -> str:
     except OSError:
         pass
     return "permission denied"
+
+
+LOCK = ".lock"  # held (flock) by the job that uses the folder, for as long as it runs
+
+
+def hold_folder(path: str, refusal: str) -> Any:
+    """Create `path` if need be and hold its lock until the returned file is closed (or the
+    process ends: the kernel lets go). Raises PipelineError(`refusal`) when another process holds
+    it; on a filesystem without locks, returns None and nothing is held."""
+    import fcntl
+
+    os.makedirs(path, exist_ok=True)
+    lock = open(os.path.join(path, LOCK), "a")  # noqa: SIM115 (held open by the caller)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.close()
+        raise PipelineError(refusal) from None
+    except OSError:
+        lock.close()
+        return None
+    return lock

@@ -5,7 +5,8 @@ Runs in the coordinator process. A progress bar redraws in place on a terminal; 
 Rows also go to any sinks given (e.g. runtime/tensorboard.py). A metrics file that cannot be
 written (full disk) is reported once and dropped; training goes on (runtime/guard.py). The first
 step whose loss or gradient norm is NaN or inf is warned about at once, with or without progress
-output, and the summary says from which step.
+output, and the summary says from which step. A resumed run goes on with its metrics files (the
+rows of the steps before the checkpoint kept) instead of starting them again.
 """
 
 from __future__ import annotations
@@ -26,9 +27,37 @@ def _write_line(f: Any, line: str) -> None:
     f.flush()
 
 
+def _keep_rows_before(path: str, step: int) -> None:
+    """Drop the rows of `step` and later from a metrics file (lines that are not a row are kept);
+    a path that is not a regular file (/dev/stdout, a pipe) is left alone."""
+    if not os.path.isfile(path):
+        return
+    try:
+        with open(path) as f:
+            lines = f.readlines()
+    except (OSError, UnicodeDecodeError):  # not a metrics file this can read: appended to as it is
+        return
+    kept = []
+    for line in lines:
+        try:
+            row_step = json.loads(line).get("step")
+        except (ValueError, AttributeError):
+            row_step = None
+        if not isinstance(row_step, int) or row_step < step:
+            kept.append(line if line.endswith("\n") else line + "\n")
+    if len(kept) != len(lines):
+        tmp = f"{path}.tmp"
+        with open(tmp, "w") as f:
+            f.writelines(kept)
+        os.replace(tmp, path)
+
+
 class RunReport:
     def __init__(self, *, total_steps: int, metrics_out: str | Sequence[str] | None, stream: TextIO | None = None,
-                 show_progress: bool = True, sinks: Sequence[Any] = ()) -> None:
+                 show_progress: bool = True, sinks: Sequence[Any] = (), resume_at: int | None = None) -> None:
+        """`resume_at`: the step a resumed run starts at. Its metrics files then go on where the
+        checkpoint left them: the rows of earlier steps are kept, those of this step and later
+        (steps run after the checkpoint, before the run stopped) are replaced by the new ones."""
         self.total = total_steps
         self.stream = stream or sys.stderr
         self.tty = self.stream.isatty()
@@ -39,7 +68,10 @@ class RunReport:
         for path in paths:
             if os.path.dirname(path):
                 os.makedirs(os.path.dirname(path), exist_ok=True)
-            self._metrics.append((open(path, "w"), WriteGuard(f"metrics to {path}")))  # noqa: SIM115 (closed in close())
+            if resume_at is not None:
+                _keep_rows_before(path, resume_at)
+            mode = "a" if resume_at is not None else "w"
+            self._metrics.append((open(path, mode), WriteGuard(f"metrics to {path}")))  # noqa: SIM115 (closed in close())
         self._t0 = time.monotonic()
         self._sinks = list(sinks)  # objects with step(row) and close()
         self.non_finite: int | None = None  # the first step whose loss or gradient norm was NaN or inf

@@ -240,7 +240,7 @@ def run_pipeline(path: str, options: RunOptions) -> list[dict[str, Any]]:
         raise PipelineError("checkpoints, --resume and --max-restarts are for section mode; drop --colocated")
     resume = _resume_from(options, pipeline, checked.metadata)
     checkpointer = Checkpointer(ckpt)  # one for the whole job, across restarts
-    checkpointer.check_fresh(resume[1].step if resume else 0)
+    checkpointer.claim(resume[1] if resume else None)  # held until the job ends (closed below)
     record = None  # checked before anything is written (the run dir, the trace, TensorBoard's folder)
     if options.record:
         if options.record not in checked.graph.sections:
@@ -291,7 +291,7 @@ def run_pipeline(path: str, options: RunOptions) -> list[dict[str, Any]]:
         if options.show_progress:
             print(f"tensorboard: {sinks[-1].log_dir}", file=sys.stderr)
     report = RunReport(total_steps=pipeline.steps, metrics_out=metrics, show_progress=options.show_progress,
-                       sinks=sinks)
+                       sinks=sinks, resume_at=resume[1].step if resume else None)
     previous = _catch_stops()
     try:
         if options.colocated:
@@ -332,6 +332,7 @@ def run_pipeline(path: str, options: RunOptions) -> list[dict[str, Any]]:
                 save_pipeline(options.save_dir, original.to_dict())
     finally:
         _release(previous)
+        checkpointer.close()
         report.close()
         observer.close()
         if options.show_progress:

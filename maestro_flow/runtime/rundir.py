@@ -37,6 +37,7 @@ from maestro_flow.config import Pipeline
 from maestro_flow.errors import PipelineError
 from maestro_flow.runtime import status
 from maestro_flow.runtime.guard import WriteGuard
+from maestro_flow.runtime.outputs import LOCK, hold_folder
 
 
 def default_run_dir(pipeline: Pipeline, root: str = "runs") -> str:
@@ -54,7 +55,6 @@ def default_run_dir(pipeline: Pipeline, root: str = "runs") -> str:
             n += 1
 
 
-LOCK = ".lock"  # held (flock) by the job that uses the folder, for as long as it runs
 NODE = re.compile(r"node-[1-9][0-9]*")  # another node's folder (node_run_dir)
 
 
@@ -88,7 +88,8 @@ class RunDir:
             raise PipelineError(f"--run-dir {path} is in use by a run still going (pid {running}): give another "
                                 f"--run-dir, or wait for it to end (if pid {running} is no maestro run, delete "
                                 f"{os.path.join(path, 'status.json')})")
-        self._lock = self._claim(path)  # before anything is moved: of two runs starting together, one
+        self._lock = hold_folder(path, f"--run-dir {path} is in use by a run still going (it holds {LOCK} there): "
+                                 "give another --run-dir, or wait for it to end")  # before anything is moved: of two runs starting together, one
         self.set_aside = set_aside(path)  # an earlier run's files, if this folder is reused
         os.makedirs(os.path.join(path, "workers"), exist_ok=True)
         with open(os.path.join(path, "pipeline.json"), "w") as f:
@@ -96,23 +97,6 @@ class RunDir:
         self._plans = open(os.path.join(path, "plans.jsonl"), "w")  # noqa: SIM115 (closed in close())
         self._plans_guard = WriteGuard(f"plans to {path}/plans.jsonl")
         self._events_guard = WriteGuard(f"events to {path}/events.jsonl")
-
-    @staticmethod
-    def _claim(path: str) -> Any:
-        """The folder's lock, held until close() (or the process ends: the kernel lets go)."""
-        import fcntl
-
-        os.makedirs(path, exist_ok=True)
-        lock = open(os.path.join(path, LOCK), "a")  # noqa: SIM115 (held open until close())
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            lock.close()
-            raise PipelineError(f"--run-dir {path} is in use by a run still going (it holds {LOCK} there): give "
-                                "another --run-dir, or wait for it to end") from None
-        except OSError:  # a filesystem without locks: the status.json check above is all there is
-            pass
-        return lock
 
     @property
     def metrics(self) -> str:

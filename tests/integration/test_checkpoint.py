@@ -297,9 +297,13 @@ def test_an_unreadable_checkpoint_is_a_clear_error(small_data, one_checkpoint, t
     shutil.copytree(one_checkpoint, broken)
     data_file = next((broken / "step-00000002" / "student").glob("*.distcp"))
     data_file.write_bytes(data_file.read_bytes()[:100])  # truncated
+    shutil.copytree(one_checkpoint / "step-00000002", broken / "step-00000001")  # an intact one before it
     result = maestro(*args(small_data, "float32", "--resume", str(broken), steps=4), timeout=120)
     assert result.returncode == 2, result.stderr[-2000:]
-    assert f"cannot read the state of section 'student' ({data_file.parent})" in result.stderr
+    assert f"cannot read the state of section 'student' ({data_file.parent}): " in result.stderr
+    # Found in review: the detail was "EOFError: ", and nothing said where to go back to.
+    assert "EOFError: a file ended early (truncated or damaged)" in result.stderr, result.stderr[-2000:]
+    assert f"the complete checkpoint before it: {broken / 'step-00000001'}" in result.stderr
     assert "Traceback" not in result.stderr.split("error:")[-1]
 
 
@@ -307,4 +311,4 @@ def test_a_directory_of_another_run_is_refused(small_data, one_checkpoint):
     result = maestro(*args(small_data, "float32", "--checkpoint-dir", str(one_checkpoint), "--checkpoint-every", "2",
                            steps=4), timeout=60)
     assert result.returncode == 2
-    assert "holds checkpoints past step 0 from another run" in result.stderr
+    assert f"holds another training's checkpoints ({one_checkpoint / 'step-00000002'}): resume from it" in result.stderr

@@ -74,6 +74,11 @@ def test_what_keeps_a_checkpoint_from_resuming_a_pipeline():
         "the checkpoint has trainable section 'student', the pipeline does not",
         "sections.teacher: trainable here, but not in the checkpoint",
     ]
+    amsgrad = PIPELINE.override(**{"sections.student.optimizer.amsgrad": True})
+    assert mf.incompatibilities(m, amsgrad.to_dict()) == [
+        "sections.student.optimizer.amsgrad: on here, off in the checkpoint (its optimizer state has no maximum of "
+        "the second moments to go on from)"]
+    assert mf.incompatibilities(manifest(4, amsgrad), PIPELINE.to_dict()) == []  # turned off: a hyperparameter
     with pytest.raises(PipelineError, match="the dataset has 10 usable samples, the checkpoint was trained on 12"):
         mf.check_samples(m, 10, "x")
     mf.check_samples(m, 12, "anything")  # a checkpoint from before fingerprints: the count alone
@@ -113,16 +118,82 @@ def test_commit_writes_the_manifest_and_keeps_the_newest_k(tmp_path):
     assert [(s, ok) for s, _, ok in mf.checkpoints(str(tmp_path))] == [(4, True), (6, True)]
 
 
-def test_checkpoints_of_another_run_are_never_mixed_in(tmp_path):
-    save(tmp_path, 10)
-    save(tmp_path, 20)
+def test_checkpoints_of_another_training_are_never_mixed_in(tmp_path):
+    """Found in review: a run resuming another directory's checkpoint into this one, with
+    --keep-last 1, deleted the complete checkpoints another run had left here at lower steps."""
+    import dataclasses
+
+    theirs = dataclasses.replace(manifest(0), lineage="theirs")
+    for step in (10, 20):
+        os.makedirs(mf.step_dir(str(tmp_path), step))
+        mf.write(mf.step_dir(str(tmp_path), step), dataclasses.replace(theirs, step=step))
+    fresh = Checkpointer(CheckpointOptions(dir=str(tmp_path), every=5, keep_last=1))
+    with pytest.raises(PipelineError, match=r"holds another training's checkpoints \(.*step-00000010\): resume from "
+                                            r"it with --resume"):
+        fresh.claim(None)
+    elsewhere = Checkpointer(CheckpointOptions(dir=str(tmp_path), every=5, keep_last=1))
+    with pytest.raises(PipelineError, match=r"another training's checkpoints .*: choose another --checkpoint-dir"):
+        elsewhere.claim(dataclasses.replace(manifest(4), lineage="mine"))  # resumed from another directory
+    own = Checkpointer(CheckpointOptions(dir=str(tmp_path), every=5, keep_last=1))
+    own.claim(dataclasses.replace(manifest(20), lineage="theirs"))  # resuming this directory's newest: its own
+    own.begin(25)
+    own.commit(25, manifest(25))
+    assert mf.read(own.committed).lineage == "theirs"
+    assert [s for s, _, _ in mf.checkpoints(str(tmp_path))] == [25]  # keep-last 1 among its own
+    own.close()
+
+
+def test_a_purge_only_removes_its_own_trainings_checkpoints(tmp_path):
+    import dataclasses
+
+    os.makedirs(mf.step_dir(str(tmp_path), 3))
+    mf.write(mf.step_dir(str(tmp_path), 3), dataclasses.replace(manifest(3), lineage="theirs"))
     c = Checkpointer(CheckpointOptions(dir=str(tmp_path), every=5, keep_last=1))
-    with pytest.raises(PipelineError, match=r"holds checkpoints past step 0 from another run \(newest: .*step-00000020\)"):
-        c.check_fresh(0)
-    c.check_fresh(20)  # resuming from the newest: nothing of another run lies ahead
-    c.begin(5)
-    c.commit(5, manifest(5))  # --keep-last only looks at checkpoints up to this one
-    assert [s for s, _, _ in mf.checkpoints(str(tmp_path))] == [5, 10, 20] and c.committed.endswith("step-00000005")
+    c.lineage = "mine"  # as claim() sets it (which would have refused this directory)
+    for step in (5, 10):
+        c.begin(step)
+        c.commit(step, manifest(step))
+    assert [s for s, _, _ in mf.checkpoints(str(tmp_path))] == [3, 10]
+
+
+def test_going_back_to_an_earlier_checkpoint_in_the_same_directory_is_refused_with_the_way_out(tmp_path):
+    """Found in review: this was refused as "checkpoints ... from another run"."""
+    import dataclasses
+
+    for step in (2, 4):
+        os.makedirs(mf.step_dir(str(tmp_path), step))
+        mf.write(mf.step_dir(str(tmp_path), step), dataclasses.replace(manifest(step), lineage="L"))
+    c = Checkpointer(CheckpointOptions(dir=str(tmp_path), every=2))
+    with pytest.raises(PipelineError, match=r"holds this training's checkpoints past step 2 \(newest: .*step-00000004\)"
+                                            r", which this run would overwrite: resume from the newest with --resume "
+                                            r".*, or to go back to step 2, move the later ones away"):
+        c.claim(dataclasses.replace(manifest(2), lineage="L"))
+    c.claim(dataclasses.replace(manifest(4), lineage="L"))
+    c.close()
+
+
+def test_checkpoints_from_before_lineages_resume_in_their_directory(tmp_path):
+    save(tmp_path, 2)
+    save(tmp_path, 4)  # lineage None
+    c = Checkpointer(CheckpointOptions(dir=str(tmp_path), every=2, keep_last=1))
+    c.claim(mf.read(mf.step_dir(str(tmp_path), 4)))
+    c.begin(6)
+    c.commit(6, manifest(6))
+    assert [s for s, _, _ in mf.checkpoints(str(tmp_path))] == [6] and mf.read(c.committed).lineage == c.lineage
+    c.close()
+
+
+def test_two_runs_cannot_share_a_checkpoint_directory(tmp_path):
+    """Found in review: two runs given one --checkpoint-dir replaced and deleted each other's
+    checkpoints, and the one that lost them exited 0."""
+    first = Checkpointer(CheckpointOptions(dir=str(tmp_path / "ck"), every=1))
+    first.claim(None)
+    second = Checkpointer(CheckpointOptions(dir=str(tmp_path / "ck"), every=1))
+    with pytest.raises(PipelineError, match=r"--checkpoint-dir .*ck is in use by a run still going"):
+        second.claim(None)
+    first.close()
+    second.claim(None)
+    second.close()
 
 
 def test_a_failed_save_is_discarded_and_stops_or_is_skipped(tmp_path):
@@ -258,3 +329,17 @@ def test_a_missing_rng_file_is_refused_unless_the_layout_changed(tmp_path):
         load((2, 1))
     assert load((3, 1)) == ("teacher replica 1: no RNG state or buffers saved for it (the section's dp or tp "
                             "changed); using replica 0's")
+
+
+def test_export_refuses_an_output_folder_it_cannot_make_in_one_line(tmp_path):
+    """Found in review: -o under a file gave a Python traceback (exit 1)."""
+    from click.testing import CliRunner
+
+    from maestro_flow.cli import main
+
+    save(tmp_path, 2)
+    (tmp_path / "f").write_text("a file")
+    result = CliRunner().invoke(main, ["export", str(tmp_path / "step-2"), "--section", "student", "-o",
+                                       str(tmp_path / "f" / "sub")])
+    assert result.exit_code == 2
+    assert result.output.strip() == f"error: -o {tmp_path / 'f' / 'sub'}: {tmp_path / 'f'} is a file, not a folder"

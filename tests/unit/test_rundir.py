@@ -136,3 +136,28 @@ def test_of_two_runs_starting_together_in_one_folder_the_second_is_refused(tmp_p
     second = RunDir(str(path), PIPELINE, {})  # free again
     second.close()
     assert "pipeline.json" in os.listdir(path / "previous-1") and ".lock" not in os.listdir(path / "previous-1")
+
+
+def test_a_resumed_run_goes_on_with_its_metrics_file(tmp_path):
+    """Found in review: the same command with --resume started --metrics-out again, erasing the
+    rows of every step before the checkpoint (a multi-day job's loss curve up to the crash)."""
+    import io
+    import json
+
+    from maestro_flow.runtime.report import RunReport
+
+    path = tmp_path / "m.jsonl"
+    first = RunReport(total_steps=6, metrics_out=str(path), stream=io.StringIO(), show_progress=False)
+    for step in range(5):  # the run got to step 4; its checkpoint is at step 3
+        first.step({"step": step, "loss": 1.0})
+    first.close()
+    with open(path, "a") as f:
+        f.write("not a row\n")
+    resumed = RunReport(total_steps=6, metrics_out=str(path), stream=io.StringIO(), show_progress=False, resume_at=3)
+    for step in (3, 4, 5):
+        resumed.step({"step": step, "loss": 0.5})
+    resumed.close()
+    lines = path.read_text().splitlines()
+    assert lines[3] == "not a row"
+    rows = [json.loads(line) for line in lines if line != "not a row"]
+    assert [(r["step"], r["loss"]) for r in rows] == [(0, 1.0), (1, 1.0), (2, 1.0), (3, 0.5), (4, 0.5), (5, 0.5)]
