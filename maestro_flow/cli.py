@@ -107,7 +107,7 @@ def main(ctx: click.Context, debug: bool) -> None:
 @click.option("--record-steps", metavar="STEPS", help="Steps to record, e.g. 0,5,9 or 0,3-5 (default: all).")
 @click.option("--costs", type=click.Path(dir_okay=False, exists=True), help=COSTS_HELP)
 @click.option("--checkpoint-dir", type=click.Path(file_okay=False), help="Write checkpoints here (DIR/step-N/); needs --checkpoint-every.")
-@click.option("--checkpoint-every", type=int, metavar="N", help="Checkpoint after every N steps.")
+@click.option("--checkpoint-every", type=int, metavar="N", help="Checkpoint after every N steps, and after the last.")
 @click.option("--keep-last", type=int, metavar="K",
               help="Keep only the newest K complete checkpoints [default: keep all].")
 @click.option("--checkpoint-errors", type=click.Choice(["stop", "continue"]), default="stop", show_default=True,

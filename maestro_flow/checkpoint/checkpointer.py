@@ -5,7 +5,7 @@ coordinator calls it, it does not contain it:
 
     checkpointer.plan_limit(completed)  plans may go out only for steps below this, so that at a
                                         checkpoint boundary no sample is in flight
-    checkpointer.due(completed)         a checkpoint is owed after `completed` steps
+    checkpointer.due(completed, total)  a checkpoint is owed after `completed` steps (every N, and the last)
     checkpointer.begin(step)            create step-<N>/ (an unwritable folder fails here)
     checkpointer.commit(step, manifest) every worker saved: write the manifest last, drop old ones
     checkpointer.failed(step, errors)   a worker could not save: delete the partial folder, then
@@ -122,8 +122,10 @@ class Checkpointer:
             self._lock.close()
             self._lock = None
 
-    def due(self, completed: int) -> bool:
-        return self.options.enabled and completed > 0 and completed % self.options.every == 0
+    def due(self, completed: int, total: int | None = None) -> bool:
+        """After every `every` steps, and after the last step (`total`), so that the state a run
+        ends with can be resumed from, whatever its step count."""
+        return self.options.enabled and completed > 0 and (completed % self.options.every == 0 or completed == total)
 
     def plan_limit(self, completed: int) -> int | None:
         """The first step whose plan must wait for the next checkpoint (None: no limit)."""
@@ -177,6 +179,12 @@ class Checkpointer:
         return f"; the newest complete checkpoint is {newest}" if newest else "; no complete checkpoint exists yet"
 
     def _discard(self, folder: str) -> None:
+        # The manifest first: a process stopped while the rest goes leaves an incomplete folder
+        # (never resumed from), not a "complete" one missing its data.
+        try:
+            os.remove(os.path.join(folder, mf.MANIFEST))
+        except OSError:
+            pass
         shutil.rmtree(folder, ignore_errors=True)
 
     def _purge(self, step: int) -> None:

@@ -102,3 +102,16 @@ def save_pipeline(save_dir: str, pipeline_dict: dict[str, Any]) -> str:
         json.dump(pipeline_dict, f, indent=1)
     os.replace(path + ".tmp", path)
     return path
+
+
+def begin_save(save_dir: str, pipeline_dict: dict[str, Any]) -> str:
+    """Before the workers write their sections: drop the files an earlier run left for this
+    pipeline's trainable sections, then write pipeline.json. A run stopped in between leaves a
+    pipeline.json with no section file (export says so), never one beside an earlier run's weights."""
+    for section in pipeline_dict["sections"]:
+        if section.get("trainable", True):
+            try:
+                os.remove(os.path.join(save_dir, f"{section['name']}.safetensors"))
+            except FileNotFoundError:
+                pass
+    return save_pipeline(save_dir, pipeline_dict)

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from maestro_flow.checkpoint.savedir import save_pipeline, save_stage
+from maestro_flow.checkpoint.savedir import begin_save, save_stage
 from maestro_flow.config import Pipeline
 from maestro_flow.errors import MaestroError, StageError, SystemFailure
 from maestro_flow.graph import SectionGraph
@@ -106,7 +106,7 @@ def _run(pipeline: Pipeline, source: Any, sampler: EpochSampler, report: RunRepo
                 raise SystemFailure(f"colocated run made no progress at step {step} (a plan/runtime bug)")
         report.step(row)
     if save_dir:
-        save_pipeline(save_dir, pipeline.to_dict())
+        begin_save(save_dir, pipeline.to_dict())
         for ex in executors.values():
             if ex.trainable:
                 save_stage(ex.stage, save_dir, ex.name)

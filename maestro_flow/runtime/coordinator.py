@@ -325,7 +325,7 @@ class Coordinator(CoordinatorIO):
                 row["startup"] = dict(self.startup_parts)
             self.liveness.step_time(row["step_time_s"])
             try:
-                if self.checkpointer.due(step + 1):
+                if self.checkpointer.due(step + 1, p.steps):
                     t0 = time.perf_counter()
                     saved = self._checkpoint(step + 1, ledger)
                     # No step can finish while the workers save: the hang clock starts after it.
@@ -438,9 +438,9 @@ class Coordinator(CoordinatorIO):
 
     def _stop(self) -> None:
         if self.save_dir:
-            from maestro_flow.checkpoint.savedir import save_pipeline
+            from maestro_flow.checkpoint.savedir import begin_save
 
-            save_pipeline(self.save_dir, self.pipeline.to_dict())
+            begin_save(self.save_dir, self.pipeline.to_dict())
         if self.rdzv is not None:
             agent.stopping(self.rdzv, self.session)  # other nodes' agents: exits with code 0 are normal now
         for rank in range(self.placement.world_size):

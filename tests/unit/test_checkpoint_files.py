@@ -102,6 +102,7 @@ def test_a_rebuilt_dataset_of_the_same_size_is_refused_on_resume():
 def test_plans_stop_at_each_checkpoint_boundary():
     c = Checkpointer(CheckpointOptions(dir="x", every=3))
     assert [c.due(n) for n in range(7)] == [False, False, False, True, False, False, True]
+    assert [c.due(n, total=5) for n in range(6)] == [False, False, False, True, False, True]  # and the last
     assert [c.plan_limit(n) for n in (0, 2, 3, 5, 6)] == [3, 3, 6, 6, 9]
     off = Checkpointer(CheckpointOptions())
     assert not off.due(3) and off.plan_limit(3) is None
@@ -343,3 +344,25 @@ def test_export_refuses_an_output_folder_it_cannot_make_in_one_line(tmp_path):
                                        str(tmp_path / "f" / "sub")])
     assert result.exit_code == 2
     assert result.output.strip() == f"error: -o {tmp_path / 'f' / 'sub'}: {tmp_path / 'f'} is a file, not a folder"
+
+
+def test_a_save_dir_never_pairs_a_new_pipeline_with_an_earlier_runs_weights(tmp_path):
+    from maestro_flow.checkpoint.savedir import PIPELINE_FILE, begin_save
+
+    (tmp_path / "student.safetensors").write_bytes(b"an earlier run's")
+    (tmp_path / "notes.txt").write_text("the user's")
+    begin_save(str(tmp_path), PIPELINE.to_dict())
+    assert sorted(os.listdir(tmp_path)) == ["notes.txt", PIPELINE_FILE]  # the workers write student's next
+
+
+def test_a_discarded_checkpoint_loses_its_manifest_first(tmp_path, monkeypatch):
+    """A process stopped while a checkpoint is purged leaves an incomplete folder, not one with a
+    manifest and part of its data."""
+    import shutil
+
+    folder = save(tmp_path, 2)
+    (tmp_path / "step-00000002" / "data.distcp").write_bytes(b"x")
+    seen = []
+    monkeypatch.setattr(shutil, "rmtree", lambda path, **kw: seen.append(os.listdir(path)))
+    Checkpointer(CheckpointOptions(dir=str(tmp_path), every=2))._discard(folder)
+    assert seen == [["data.distcp"]]

@@ -162,7 +162,7 @@ def test_no_plan_past_a_checkpoint_boundary_is_made_before_the_checkpoint(tmp_pa
     (with the cost model a resumed run loads from it) and none is out while the workers save."""
     c = StepCoordinator(distill(lookahead_steps=2), every=3, tmp_path=tmp_path)
     run(c)
-    assert c.checkpoints == [(3, 2, set()), (6, 5, set()), (9, 8, set())]
+    assert c.checkpoints == [(3, 2, set()), (6, 5, set()), (9, 8, set()), (10, 9, set())]  # and after the last
     assert sorted(c.observer.plans) == list(range(10))
     assert [r["step"] for r in c.report.rows] == list(range(10))
 
