@@ -9,6 +9,7 @@ message `maestro run` gives).
 
 from __future__ import annotations
 
+import math
 import sys
 import traceback
 
@@ -19,6 +20,13 @@ from maestro_flow.config import parse_set
 from maestro_flow.errors import MaestroError
 
 SETS = set_options("dtype=float64")
+
+
+def _tolerance(ctx: click.Context, param: click.Parameter, value: float) -> float:
+    """A tolerance is a finite number >= 0 (found in review: -1 and nan made equal outputs mismatch)."""
+    if not value >= 0 or math.isinf(value):  # NaN fails the comparison
+        raise click.BadParameter(f"must be a finite number >= 0, got {value}")
+    return value
 
 
 @click.command(context_settings={"max_content_width": 100})
@@ -32,8 +40,10 @@ SETS = set_options("dtype=float64")
 @click.option("--replica", type=int, help="With --replay: replay only this replica's recording [default: all].")
 @click.option("--compare", is_flag=True, help="Check the outputs against the recorded ones; exit 1 on a mismatch "
               "(outputs recorded as text only, not tensors, numbers or strings, are listed as not compared).")
-@click.option("--atol", type=float, default=1e-5, show_default=True, help="--compare: absolute tolerance.")
-@click.option("--rtol", type=float, default=1e-4, show_default=True, help="--compare: relative tolerance.")
+@click.option("--atol", type=float, default=1e-5, show_default=True, callback=_tolerance,
+              help="--compare: absolute tolerance (>= 0).")
+@click.option("--rtol", type=float, default=1e-4, show_default=True, callback=_tolerance,
+              help="--compare: relative tolerance (>= 0).")
 @click.option("--repeat", type=click.IntRange(1, 1000), default=1, show_default=True,
               help="Run each micro-batch N times; timings are the median.")
 @click.option("--samples", type=click.IntRange(1, 4096),
@@ -74,6 +84,10 @@ def stage(ctx: click.Context, pipeline: str, section: str, run_dir: str | None, 
     from maestro_flow.runtime.replay import ReplayOptions, parse_shapes, parse_steps, replay
 
     debug = bool((ctx.obj or {}).get("debug"))
+    given = [f"--{name}" for name in ("atol", "rtol")
+             if ctx.get_parameter_source(name) is click.core.ParameterSource.COMMANDLINE]
+    if given and not compare:
+        raise click.UsageError(f"{' and '.join(given)} set --compare's tolerance: add --compare")
     try:
         options = ReplayOptions(overrides=parse_set(sets), run_dir=run_dir, replica=replica,
                                 steps=parse_steps(steps), compare=compare, atol=atol, rtol=rtol, repeat=repeat,

@@ -54,6 +54,9 @@ def load_pipeline(path: str, overrides: dict[str, Any] | None = None) -> tuple[P
     module = _imported.get(key)
     if module is None:
         spec = importlib.util.spec_from_file_location(f"maestro_pipeline_{file.stem}", file)
+        if spec is None:  # not a .py file (found in review: a run folder's pipeline.json gave a traceback)
+            raise PipelineError(f"{path}: not a Python pipeline file (give a .py file that defines "
+                                "pipeline(**overrides))")
         module = importlib.util.module_from_spec(spec)
         try:
             spec.loader.exec_module(module)

@@ -46,6 +46,7 @@ from maestro_flow.runtime.record import (
     recorded_rng,
     recorded_weights,
     recording_dirs,
+    weights_name,
 )
 from maestro_flow.runtime.replay_report import _column_summary, _ms, compare_outputs, describe_value
 from maestro_flow.runtime.replay_runner import ReplayError, RunResult, SectionRunner, synthetic_batches
@@ -278,8 +279,14 @@ def _replay(path: str, pipeline: Pipeline, name: str, options: ReplayOptions, ec
                                   f"{replica} ({file}): its {text}")
             weights = recorded_weights(folder, step) if not options.weights else None
             work.append(_Work(batch=batch, want=outputs, replica=replica, weights=weights, rng=rng))
+        lacking = sorted({w.batch.step for w in work if not w.weights}) if any(w.weights for w in work) else []
         if options.weights:
             pass
+        elif lacking:  # found in review: such a step ran with an earlier step's weights, and --compare blamed the stage
+            raise ReplayError(f"--replay {options.run_dir}: the recording holds no weights for step(s) "
+                              f"{', '.join(map(str, lacking))} ({weights_name(lacking[0])} missing), and those of "
+                              "other steps would give other outputs: replay the other steps (--steps), or pass "
+                              "--weights with the section's weights at that step")
         elif any(w.weights for w in work):
             echo("weights: as recorded at each step (RECORDING/weights-stepNNNNNN.safetensors)")
         else:

@@ -353,3 +353,32 @@ def test_a_run_with_dropout_replays_to_its_recorded_outputs(demo_data, tmp_path)
     assert replay.returncode == 0, replay.stdout + replay.stderr
     assert "random state: as recorded before each forward" in replay.stdout
     assert "MISMATCH" not in replay.stdout and "all outputs match the recording" in replay.stdout
+
+
+@pytest.mark.timeout(120)
+def test_a_step_without_its_recorded_weights_is_refused(data, tmp_path):
+    """Found in review: step 1 replayed with step 0's weights (nothing said so), and --compare
+    then blamed the stage for the difference."""
+    from maestro_flow.runtime.record import recorded_weights
+
+    _replicated_recording(tmp_path, data["text"], num_replicas=1)
+    Path(recorded_weights(record_dir(str(tmp_path), "student", 0), 1)).unlink()
+    sets = ["--set", f"data.path={data['text']}"]
+    result = CliRunner().invoke(stage, [DISTILL, "student", "--replay", str(tmp_path), "--compare", *sets])
+    assert result.exit_code == 2, result.output
+    assert "the recording holds no weights for step(s) 1 (weights-step000001.safetensors missing)" in result.output
+    only = _invoke(DISTILL, "student", "--replay", str(tmp_path), "--steps", "0", "--compare", *sets)
+    assert only.exit_code == 0, only.output
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--compare", "--atol", "-1"], "Invalid value for '--atol': must be a finite number >= 0, got -1.0"),
+    (["--compare", "--rtol", "nan"], "Invalid value for '--rtol': must be a finite number >= 0, got nan"),
+    (["--atol", "0.1"], "--atol set --compare's tolerance: add --compare"),
+])
+def test_tolerances_are_checked(data, tmp_path, flags, message):
+    """Found in review: a negative or NaN tolerance made identical outputs a mismatch (exit 1),
+    and one given without --compare was ignored."""
+    result = CliRunner().invoke(stage, [DISTILL, "student", "--replay", str(tmp_path), *flags,
+                                        "--set", f"data.path={data['text']}"])
+    assert result.exit_code == 2 and message in result.output, result.output

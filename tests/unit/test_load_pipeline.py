@@ -47,3 +47,21 @@ def test_a_file_that_failed_to_import_is_tried_again(tmp_path, monkeypatch):
         load_pipeline(str(path))
     with pytest.raises(PipelineError, match="not yet"):
         load_pipeline(str(path))
+
+
+def test_a_file_that_is_not_python_is_refused_in_one_line(tmp_path):
+    """Found in review: a run folder's pipeline.json gave every command a traceback, and
+    `maestro stage` blamed the section for it."""
+    from click.testing import CliRunner
+
+    from maestro_flow.cli import main
+
+    path = tmp_path / "pipeline.json"
+    path.write_text("{}")
+    with pytest.raises(PipelineError, match=r"pipeline.json: not a Python pipeline file \(give a \.py file"):
+        load_pipeline(str(path))
+    for args in (["validate", str(path)], ["stage", str(path), "student"]):
+        result = CliRunner().invoke(main, args)
+        assert result.exit_code == 2, (args, result.output)
+        assert result.output.strip().endswith("not a Python pipeline file (give a .py file that defines "
+                                              "pipeline(**overrides))"), result.output
