@@ -116,7 +116,7 @@ def profile(ctx: click.Context, pipeline: str, sets: tuple[str, ...], out: str |
               help="Largest tensor parallelism searched for sections whose stage has a tp_plan (1: none).")
 @click.option("--tp-efficiency", type=click.FloatRange(0.05, 1.0), default=0.8, show_default=True,
               help="Speed of a tp-rank replica relative to tp single ranks (its all-reduces cost the rest).")
-@click.option("--batches", type=click.IntRange(min=1),
+@click.option("--batches", type=click.IntRange(1, 1000),
               help="Representative global batches each configuration is simulated on (their mean is its "
                    "step) [default: enough for 256 samples, at most 16].")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
@@ -141,13 +141,20 @@ def tune(ctx: click.Context, pipeline: str, sets: tuple[str, ...], devices: int,
     from maestro_flow.runtime.tuning import TuneOptions, format_result, tune_pipeline, write_overrides
 
     try:
+        if write_to:  # before the search, not after (found in review: a traceback once it was done)
+            from maestro_flow.runtime.outputs import check_writable
+
+            check_writable(write_to, "--write", folder=False)
         result, notes = tune_pipeline(pipeline, TuneOptions(overrides=parse_set(sets), devices=devices,
                                                             memory_gb=memory_gb, costs=costs,
                                                             global_batch=global_batch, trace_in=trace_in, top=top,
                                                             cpu_cores=cpu_cores, max_tp=max_tp,
                                                             tp_efficiency=tp_efficiency, batches=batches))
         if write_to:
-            write_overrides(write_to, result.best[0], global_batch, sets)
+            try:
+                write_overrides(write_to, result.best[0], global_batch, sets)
+            except OSError as exc:  # the disk filled, or the folder went away, meanwhile
+                raise PipelineError(f"--write {write_to}: {exc.strerror or exc}") from None
     except MaestroError as exc:
         _fail(ctx, exc)
         return

@@ -12,7 +12,6 @@ import dataclasses
 import difflib
 import functools
 import json
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -117,8 +116,14 @@ class Cost:
             raise PipelineError(f"{where}.cost.padded must be true or false, got {self.padded!r}")
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if f.name != "padded" and (not is_number(value) or not 0 <= value < math.inf):  # NaN fails this too
-                raise PipelineError(f"{where}.cost.{f.name} must be a finite number >= 0, got {value!r}")
+            if f.name != "padded" and (not is_number(value) or not 0 <= value <= MAX_COST):  # NaN fails this too
+                raise PipelineError(f"{where}.cost.{f.name} must be a number from 0 to {MAX_COST:g}, got {value!r}")
+
+
+# No cost figure (seconds per sample, token, patch, frame or micro-batch, or the backward factor)
+# is anywhere near this; larger ones are mistakes, and overflowed the planner's sums to inf
+# (found in review: 1.7e308 passed validate and crashed plan, tune and run).
+MAX_COST = 1e6
 
 
 @_named_fields("data")

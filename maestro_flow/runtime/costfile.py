@@ -283,11 +283,11 @@ def check_out(path: str) -> None:
 
 
 def write_cost_file(path: str, data: dict[str, Any]) -> None:
-    """Write `data` as the cost file at `path` at once (a reader never sees half a file)."""
-    with staged(path) as tmp:
-        with open(tmp, "w") as f:
-            json.dump({"version": VERSION, **data}, f, indent=1, sort_keys=False)
-            f.write("\n")
+    """Write `data` as the cost file at `path` (a `staged` path: the caller makes it the file at
+    once, so that a reader never sees half of one)."""
+    with open(path, "w") as f:
+        json.dump({"version": VERSION, **data}, f, indent=1, sort_keys=False)
+        f.write("\n")
 
 
 @contextlib.contextmanager

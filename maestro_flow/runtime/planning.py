@@ -23,20 +23,28 @@ from maestro_flow.samples import SampleMeta
 
 
 def read_trace(path: str) -> list[SampleMeta]:
+    """`--trace-in`: sample metadata as JSON Lines, one sample a line."""
+    try:
+        with open(path) as f:
+            lines = f.readlines()
+    except UnicodeDecodeError:  # found in review: the dataset's .arrow file gave a traceback
+        raise PipelineError(f"{path}: not UTF-8 text: give JSON Lines of sample metadata (one "
+                            '{"id": ..., "num_tokens": ..., "modalities": [...]} a line)') from None
+    except OSError as exc:
+        raise PipelineError(f"{path}: cannot read it ({exc.strerror or exc})") from None
     samples, seen = [], set()
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                d: dict[str, Any] = json.loads(line)
-                sample = SampleMeta.from_dict({**d, "row": d.get("row", -1)})
-            except (ValueError, KeyError, TypeError) as exc:
-                raise PipelineError(f"{path}:{n}: not a sample metadata line ({exc})") from None
-            if sample.id in seen:
-                raise PipelineError(f"{path}:{n}: duplicate sample id {sample.id}")
-            seen.add(sample.id)
-            samples.append(sample)
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            d: dict[str, Any] = json.loads(line)
+            sample = SampleMeta.from_dict({**d, "row": d.get("row", -1)})
+        except (ValueError, KeyError, TypeError) as exc:
+            raise PipelineError(f"{path}:{n}: not a sample metadata line ({exc})") from None
+        if sample.id in seen:
+            raise PipelineError(f"{path}:{n}: duplicate sample id {sample.id}")
+        seen.add(sample.id)
+        samples.append(sample)
     if not samples:
         raise PipelineError(f"{path}: no samples")
     return samples

@@ -257,6 +257,18 @@ def profile_pipeline(path: str, options: ProfileOptions) -> dict[str, Any]:
         if child.exitcode is None:
             child.kill()
             child.join(5.0)
+    try:
+        return _write(path, data, options, log)
+    except OSError as exc:
+        if exc.filename is None or os.path.basename(data["path"]) not in os.path.basename(str(exc.filename)):
+            raise
+        # Found in review: after all the profiling, a traceback (the up-front check cannot foresee
+        # every refusal, e.g. /sys for root).
+        raise PipelineError(f"--out {data['path']}: cannot write it ({exc.strerror or exc})") from None
+
+
+def _write(path: str, data: dict[str, Any], options: ProfileOptions, log: Any) -> dict[str, Any]:
+    """Write the cost file, calibrated (calibrate_steps > 0), at once; return its data."""
     with staged(data["path"]) as tmp:
         write_cost_file(tmp, {k: v for k, v in data.items() if k != "path"})
         if options.calibrate_steps > 0:
@@ -310,6 +322,7 @@ def _profile_here(path: str, options: ProfileOptions, at: dict[str, Any], cores:
     for n in graph.order:
         mine = [s for s in checked.metadata if graph.sections[n].activates(s.modalities)]
         pools[n] = spread(mine, 3 * max(sizes[n]))
+        _note_sizes(n, sizes[n], len(pools[n]), log)
     # A CPU worker runs with cpu_count // workers threads (worker.py); one thread measures the
     # cost of one worker on one core, which is what a budget of one core per worker gives.
     threads = worker_threads(options.threads)
@@ -326,6 +339,18 @@ def _profile_here(path: str, options: ProfileOptions, at: dict[str, Any], cores:
             "sections": report, "unmeasured": unmeasured}
     data["path"] = options.out or os.path.join("runs", f"costs-{pipeline.name}.json")
     return data
+
+
+def _note_sizes(name: str, sizes: tuple[int, ...], available: int, log: Any) -> None:
+    """Say when the sizes asked for are not what gets measured (found in review: silently)."""
+    if not available:
+        return  # said where the section is skipped
+    if max(sizes) > available:
+        log(f"note: {name}: {available} samples activate it, so micro-batch sizes above {available} are measured "
+            f"at {available}")
+    if len({min(m, available) for m in sizes}) < 2:
+        log(f"note: {name}: one micro-batch size measured, so its fixed cost per micro-batch cannot be told from "
+            "its cost per sample and is fitted as 0 (give --sizes two or more sizes)")
 
 
 def _profile(single: Pipeline, graph: SectionGraph, checked: Any, sizes: dict[str, tuple[int, ...]],

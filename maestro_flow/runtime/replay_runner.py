@@ -320,8 +320,13 @@ def synthetic_batches(pipeline: Pipeline, name: str, samples: int | None = None,
         gen = torch.Generator().manual_seed(pipeline.seed)
         dtype = getattr(torch, pipeline.dtype)
         for t in sorted(random_names):
-            for s in chosen:
-                produced[(s.id, t)] = torch.randn(input_shapes[t], generator=gen, dtype=torch.float32).to(dtype)
+            try:
+                for s in chosen:
+                    produced[(s.id, t)] = torch.randn(input_shapes[t], generator=gen, dtype=torch.float32).to(dtype)
+            except (RuntimeError, MemoryError) as exc:  # found in review: blamed on the stage (exit 3)
+                shape = "x".join(map(str, input_shapes[t]))
+                raise ReplayError(f"--input-shape {t}={shape}: cannot make {len(chosen)} such tensor(s) "
+                                  f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None
         log(f"inputs {', '.join(sorted(random_names))}: random normal, per-sample shape "
             + ", ".join(f"{t}={list(input_shapes[t])}" for t in sorted(random_names)))
     batches = []

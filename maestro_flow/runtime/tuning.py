@@ -137,7 +137,8 @@ def _inputs(path: str, options: TuneOptions) -> tuple[Any, CostModel, list, dict
     if cores is None and all(on_cpu(s.device) for s in pipeline.sections):
         cores = len(os.sched_getaffinity(0))  # the cores this process (and its workers) may run on
     if cores:
-        notes.append(f"CPU workers share {cores} cores (contention modelled; --cpu-cores to change)")
+        notes.append(f"CPU workers share {cores} core{'' if cores == 1 else 's'} (contention modelled; --cpu-cores "
+                     "to change)")
     tp_options = allowed_tp(pipeline, options.max_tp)
     searched = [f"{n} {'/'.join(map(str, v))}" for n, v in tp_options.items() if len(v) > 1]
     if searched:
@@ -261,6 +262,8 @@ def write_overrides(path: str, candidate: Candidate, global_batch: int | None = 
     `maestro run PIPE --set-file FILE` (cli_sets), or by `$(cat FILE)`, which splits it at whitespace."""
     sets = [*given, *([f"global_batch={global_batch}"] if global_batch is not None else []), *to_overrides(candidate)]
     text = "\n".join(f"--set {one_word(s)}" for s in sets) + "\n"  # refused before the file is touched
+    if os.path.dirname(path):
+        os.makedirs(os.path.dirname(path), exist_ok=True)  # as profile --out does
     with open(path, "w") as f:
         f.write(text)
 

@@ -193,3 +193,25 @@ def test_a_stage_error_while_profiling_is_one_line_and_writes_nothing(tmp_path, 
     assert errors[0].startswith("error: profiling failed in section 'vision' during forward")
     assert "cannot decode image" in errors[0]
     assert not out.exists() and os.listdir(tmp_path) == ["corrupt.arrow"]
+
+
+@pytest.mark.timeout(120)
+def test_what_profiling_cannot_measure_or_write_is_said(tmp_path, demo, monkeypatch):
+    """Found in review: sizes above the samples there are were measured smaller, and a single
+    size fitted no fixed cost per micro-batch, silently; a cost file refused at the end (which
+    the up-front check cannot foresee, e.g. /sys for root) gave a traceback."""
+    import maestro_flow.runtime.profiling as profiling
+
+    def refuse(path, data):
+        raise PermissionError(13, "Permission denied", path)
+
+    monkeypatch.setattr(profiling, "write_cost_file", refuse)
+    out = tmp_path / "costs.json"
+    result = CliRunner().invoke(cli, ["profile", os.path.join(ROOT, "pipelines/distill.py"), "--set",
+                                      f"data.path={demo['text']}", "--out", str(out), "--sizes", "100",
+                                      "--repeats", "1", "--calibrate-steps", "0"])
+    assert "note: teacher: 64 samples activate it, so micro-batch sizes above 64 are measured at 64" in result.output
+    assert "note: student: one micro-batch size measured" in result.output
+    assert result.exit_code == 2, result.output
+    assert result.output.splitlines()[-1] == f"error: --out {out}: cannot write it (Permission denied)"
+    assert not out.exists()

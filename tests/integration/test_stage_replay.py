@@ -382,3 +382,23 @@ def test_tolerances_are_checked(data, tmp_path, flags, message):
     result = CliRunner().invoke(stage, [DISTILL, "student", "--replay", str(tmp_path), *flags,
                                         "--set", f"data.path={data['text']}"])
     assert result.exit_code == 2 and message in result.output, result.output
+
+
+def test_synthetic_inputs_too_large_to_make_are_bad_input_not_the_stages(data):
+    """Found in review: the allocation failed before the stage ran, and was reported as the stage
+    raising (exit 3, "rerun with --pdb")."""
+    result = CliRunner().invoke(stage, [DISTILL, "student", "--input-shape", "hidden=99999999x99999",
+                                        "--set", f"data.path={data['text']}"])
+    assert result.exit_code == 2, result.output
+    assert "error: --input-shape hidden=99999999x99999: cannot make 2 such tensor(s) (RuntimeError" in result.output
+    assert "--pdb" not in result.output
+
+
+def test_a_recording_folder_given_to_replay_points_to_the_run_folder(data, tmp_path):
+    """Found in review: --replay RUN_DIR/record failed with "no recording ... in RUN_DIR/record/record"."""
+    _replicated_recording(tmp_path, data["text"], num_replicas=1)
+    for given in (tmp_path / "record", tmp_path / "record" / "student-0"):
+        result = CliRunner().invoke(stage, [DISTILL, "student", "--replay", str(given),
+                                            "--set", f"data.path={data['text']}"])
+        assert result.exit_code == 2, result.output
+        assert f"error: --replay takes the run folder, not its recording: --replay {tmp_path}" in result.output

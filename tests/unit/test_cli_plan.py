@@ -123,3 +123,25 @@ def test_tune_refuses_a_memory_limit_that_is_not_a_positive_number(value):
                                        "--memory-gb", value])
     assert result.exit_code == 2, result.output
     assert "Invalid value for '--memory-gb': must be a finite number of GiB > 0" in result.stderr
+
+
+@pytest.mark.parametrize("command", [["plan"], ["tune", "--devices", "2"]])
+def test_a_binary_trace_is_one_clear_error(tmp_path, command):
+    """Found in review: the dataset's .arrow file given to --trace-in gave a traceback."""
+    trace = tmp_path / "text.arrow"
+    trace.write_bytes(b"ARROW1\x00\x00\xff\xfe\x80")
+    result = CliRunner().invoke(main, [*command, str(ROOT / "pipelines" / "vlm.py"), "--trace-in", str(trace)])
+    assert result.exit_code == 2, result.output
+    assert "text.arrow: not UTF-8 text: give JSON Lines of sample metadata" in result.output
+
+
+def test_tune_checks_write_before_it_searches(tmp_path, monkeypatch):
+    """Found in review: an unwritable --write failed with a traceback once the search was done."""
+    import maestro_flow.runtime.tuning as tuning
+
+    (tmp_path / "f").write_text("a file")
+    monkeypatch.setattr(tuning, "tune_pipeline", lambda *a, **k: pytest.fail("searched before --write was checked"))
+    result = CliRunner().invoke(main, ["tune", str(ROOT / "pipelines" / "distill.py"), "--devices", "2",
+                                       "--write", str(tmp_path / "f" / "best.txt")])
+    assert result.exit_code == 2, result.output
+    assert f"--write {tmp_path / 'f' / 'best.txt'}: {tmp_path / 'f'} is a file, not a folder" in result.output

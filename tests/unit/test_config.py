@@ -209,6 +209,7 @@ def test_the_distill_shape_validates():
     ("sections.teacher.cost.per_sample_s", -1.0, "sections.teacher.cost.per_sample_s"),
     ("sections.teacher.cost.per_token_s", float("nan"), "sections.teacher.cost.per_token_s"),  # crashed the planner
     ("sections.teacher.cost.per_sample_s", float("inf"), "sections.teacher.cost.per_sample_s"),
+    ("sections.teacher.cost.per_token_s", 1.7e308, "sections.teacher.cost.per_token_s"),  # summed to inf (review)
     ("sections.teacher.cost.backward_factor", "2", "sections.teacher.cost.backward_factor"),
     ("global_batch", 0, "global_batch"),
     ("steps", 0, "steps"),
