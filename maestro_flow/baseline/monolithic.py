@@ -116,9 +116,18 @@ class FusedStage(Stage):
             part.train(mode and self.graph.sections[n].trainable)
 
     def optimizer_groups(self, spec: dict[str, Any]) -> list[tuple[dict[str, Any], list[torch.nn.Parameter]]]:
-        """Each trainable section's parameters with that section's optimizer and schedule."""
-        return [(dict(self.graph.sections[n].optimizer), [p for p in part.parameters() if p.requires_grad])
-                for n, part in self.parts.items() if self.graph.sections[n].trainable]
+        """Each trainable section's parameters with that section's optimizer and schedule, in the
+        groups its stage asks for (Stage.optimizer_groups), as section mode's executor builds them
+        (found in review: the baseline trained a stage's groups with the section's one spec)."""
+        groups = []
+        for n, part in self.parts.items():
+            if not self.graph.sections[n].trainable:
+                continue
+            own = dict(self.graph.sections[n].optimizer)
+            params = [p for p in part.parameters() if p.requires_grad]
+            chosen = part.optimizer_groups(own) if params else None
+            groups += chosen if chosen is not None else [(own, params)]
+        return groups
 
     def saved_sections(self) -> dict[str, Stage]:
         """What `--save-dir` writes: each trainable section as section mode writes it."""

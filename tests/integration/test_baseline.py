@@ -82,3 +82,19 @@ def test_pinned_workers_get_their_own_cores(demo_data):
     assert as_set(rows[0]["sections"]["embed"]["stage"]["cpu_mask"]) == mine
     assert rows[0]["sections"]["embed"]["stage"]["threads"] == 1
 
+
+
+def test_the_baseline_trains_a_stages_own_optimizer_groups(demo_data, tmp_path):
+    """Found in review: the baseline trained every parameter of a stage that asks for optimizer
+    groups (Stage.optimizer_groups) with the section's one spec: 4e-2 from section mode."""
+    import torch
+    from safetensors.torch import load_file
+
+    saved = {}
+    for mode, extra in (("colocated", {"colocated": True}), ("monolithic", {"baseline": "monolithic", "devices": 2})):
+        run_pipeline(str(ASSETS / "grouped.py"), RunOptions(overrides={"data.path": str(demo_data)},
+                                                            save_dir=str(tmp_path / mode), show_progress=False,
+                                                            **extra))
+        saved[mode] = load_file(tmp_path / mode / "lm.safetensors")
+    for key, value in saved["colocated"].items():
+        assert torch.allclose(value, saved["monolithic"][key], rtol=0, atol=1e-10), key
