@@ -23,6 +23,9 @@ KNOWN_MODALITIES = MODALITIES
 # (stages.audio.num_frames), repeated here so that loaders/ does not import stages/.
 AUDIO_WINDOW_S = 0.025
 AUDIO_HOP_S = 0.01
+# No audio is sampled faster (studio audio is 384 kHz at most); a larger rate is a mistake, and
+# framed a clip into windows of millions of samples (found in review: the OOM killer ended it).
+MAX_SAMPLE_RATE = 768_000
 
 MODALITY_BIT = {name: 1 << i for i, name in enumerate(KNOWN_MODALITIES)}
 
@@ -82,6 +85,19 @@ def rows_with_null_values(arr: pa.Array) -> np.ndarray:
     values = pc.list_flatten(arr)
     if values.null_count:
         out[parents(arr)[~valid_mask(values)]] = True
+    return out
+
+
+def rows_with_non_finite(arr: pa.Array) -> np.ndarray:
+    """Per row of a (nested) list column of floats: whether it holds a NaN or an infinity (found
+    in review: one NaN audio sample made the loss of every step after it NaN)."""
+    out = np.zeros(len(arr), dtype=bool)
+    rows, values = parents(arr), pc.list_flatten(arr)
+    while is_list(values.type):
+        rows, values = rows[parents(values)], pc.list_flatten(values)
+    if pa.types.is_floating(values.type) and len(values):
+        finite = pc.fill_null(pc.is_finite(values), True).to_numpy(zero_copy_only=False)
+        out[rows[~finite]] = True
     return out
 
 
@@ -146,6 +162,7 @@ def scan_segment(cols: dict[str, pa.Array], n: int, payload: dict[str, str]) -> 
         bad |= declared != present
         if column in cols and is_list(cols[column].type):
             bad |= rows_with_null_values(cols[column])  # a null audio sample would be read as NaN
+            bad |= rows_with_non_finite(cols[column])
     zeros = np.zeros(n, dtype=np.int64)
     has = {m: (mask & MODALITY_BIT[m]) != 0 for m in ("image", "audio")}
     # Precomputed counts: given (not null, not negative) on every row with the modality, and 0 on
@@ -160,7 +177,7 @@ def scan_segment(cols: dict[str, pa.Array], n: int, payload: dict[str, str]) -> 
     if payload["audio"] in cols and "sample_rate" in cols:
         rate_valid = valid_mask(cols["sample_rate"])
         rate = as_ints(cols["sample_rate"], "sample_rate")
-        bad |= has["audio"] & (~rate_valid | (rate <= 0))
+        bad |= has["audio"] & (~rate_valid | (rate <= 0) | (rate > MAX_SAMPLE_RATE))
         if "num_frames" not in cols and is_list(cols[payload["audio"]].type):
             frames = audio_frames(list_lengths(cols[payload["audio"]]), np.maximum(rate, 1))
             num_frames = np.where(has["audio"], frames, 0)
@@ -202,13 +219,17 @@ def describe_bad_row(cols: dict[str, pa.Array], j: int, row: int, payload: dict[
             return f"{where} has a value in column {column!r} but {modality!r} is not in its modalities"
         if present and is_list(cols[column].type) and cols[column][j].values.null_count:
             return f"{where} has a null element in column {column!r}"
+        if present and is_list(cols[column].type) and rows_with_non_finite(cols[column].slice(j, 1))[0]:
+            return f"{where} has a NaN or infinite value in column {column!r}"
     for column, modality in (("num_patches", "image"), ("num_frames", "audio")):
         if column in cols and modality in mods:
             value = cols[column][j].as_py()
             if value is None or value < 0:
                 return f"{where} has {modality} but {column} {value} (a count: 0 or more)"
     if "audio" in mods:
-        return f"{where} has audio but no positive sample_rate"
+        rate = cols["sample_rate"][j].as_py() if "sample_rate" in cols else None
+        return (f"{where} has audio but no positive sample_rate" if rate is None or rate <= 0 else
+                f"{where} has sample_rate {rate}, above {MAX_SAMPLE_RATE} Hz (a sample count, not a rate?)")
     return f"{where} is inconsistent"
 
 

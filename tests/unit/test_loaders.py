@@ -255,6 +255,13 @@ def test_audio_needs_sample_rate_column(tmp_path):
     ({"tokens": [[257, 1, 2], [257, None, 3], [257, 4, 5, 6], [259, 7]]},
      r"row 1 \(id 11\) has a null token id \(at position 1\)"),
     ({"audio": [None, None, [0.5, None] * 800, [0.25] * 800]}, r"row 2 \(id 12\) has a null element in column 'audio'"),
+    # Found in review: one NaN (or inf) sample made the loss of every later step NaN, exit 0.
+    ({"audio": [None, None, [0.5] * 800, [0.25] * 799 + [float("nan")]]},
+     r"row 3 \(id 13\) has a NaN or infinite value in column 'audio'"),
+    ({"audio": [None, None, [float("-inf")] + [0.5] * 799, [0.25] * 800]},
+     r"row 2 \(id 12\) has a NaN or infinite value in column 'audio'"),
+    # Found in review: a sample count given as the rate framed the clip into windows of millions of samples (OOM).
+    ({"sample_rate": [None, None, 2**31 - 1, 8000]}, r"row 2 \(id 12\) has sample_rate 2147483647, above 768000 Hz"),
 ])
 def test_rows_whose_modalities_do_not_match_their_columns(tmp_path, replace, expected):
     path = write_arrow(multimodal_table(**replace), tmp_path / "bad.arrow")
@@ -383,3 +390,16 @@ def test_token_ids_past_int64_are_a_bad_row_not_a_crash(tmp_path):
                                                                  pa.list_(pa.uint64())))
     with pytest.raises(PipelineError, match=r"row 1 \(id 11\) has token id 9223372036854775813, outside"):
         source(write_arrow(table, tmp_path / "big.arrow")).metadata()
+
+
+def test_non_finite_values_are_found_in_nested_lists():
+    """Precomputed pixel_values are lists of lists: a NaN deep inside names its row."""
+    import pyarrow as pa
+
+    from loaders.arrow_rows import rows_with_non_finite
+
+    pixels = pa.array([[[1.0, 2.0], [3.0]], None, [[4.0], [float("nan")]], [[float("inf")]], []],
+                      type=pa.list_(pa.list_(pa.float32())))
+    assert rows_with_non_finite(pixels).tolist() == [False, False, True, True, False]
+    assert rows_with_non_finite(pixels.slice(2, 2)).tolist() == [True, True]
+    assert rows_with_non_finite(pa.array([[1, 2], [3]], type=pa.list_(pa.int32()))).tolist() == [False, False]
