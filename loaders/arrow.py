@@ -130,6 +130,9 @@ def _as_array(col: pa.Array | pa.ChunkedArray) -> pa.Array:
     return col
 
 
+PARQUET_SUFFIXES = (".parquet", ".pq", ".parq")
+
+
 class ArrowSource:
     """Reads samples from an Arrow IPC file (`.arrow`) or a Parquet file or folder of `.parquet` files.
 
@@ -153,6 +156,9 @@ class ArrowSource:
         self._ipc_readers: dict[tuple[int, ...], Any] = {}  # a compressed file's readers, by the columns they decode
         if os.path.isdir(self._path):
             schema, segments = self._open_parquet_folder()
+        elif not os.path.isfile(self._path):  # found in review: a FIFO with no writer hung validate
+            raise PipelineError(f"data.path: {self._path} is not a regular file or a folder (a pipe or a device?): "
+                                "give an Arrow IPC or Parquet file, or a folder of Parquet files")
         else:
             schema, segments = self._open_file()
         self._schema: pa.Schema = schema
@@ -203,9 +209,19 @@ class ArrowSource:
         return schema, segments
 
     def _open_parquet_folder(self) -> tuple[pa.Schema, list[_Segment]]:
-        names = sorted(n for n in os.listdir(self._path) if n.endswith(".parquet") and not n.startswith("."))
+        """Its Parquet files in name order. Hidden and `_` files (Spark's _SUCCESS) are not data; any
+        other file or subfolder is refused, not left out (found in review: an .arrow file was)."""
+        entries = [n for n in sorted(os.listdir(self._path)) if not n.startswith((".", "_"))]
+        folders = [n for n in entries if os.path.isdir(os.path.join(self._path, n))]
+        names = [n for n in entries if n not in folders and n.lower().endswith(PARQUET_SUFFIXES)]
+        others = [n for n in entries if n not in folders and n not in names]
+        if others or folders:
+            what = f"file {others[0]!r}" if others else f"subfolder {folders[0]!r} (partitions are not read)"
+            raise PipelineError(f"data.path: folder {self._path} holds {what} beside its Parquet files: a data "
+                                "folder holds Parquet files only (.parquet, .pq, .parq); move the rest out, or "
+                                "give one file")
         if not names:
-            raise PipelineError(f"data.path: no .parquet files in folder {self._path}")
+            raise PipelineError(f"data.path: no Parquet files (.parquet, .pq, .parq) in folder {self._path}")
         return self._open_parquet([os.path.join(self._path, n) for n in names])
 
     def _open_parquet(self, paths: list[str]) -> tuple[pa.Schema, list[_Segment]]:

@@ -211,8 +211,42 @@ def test_unreadable_file(tmp_path):
     with pytest.raises(PipelineError, match="not a readable Arrow IPC or Parquet file: .*junk.arrow"):
         source(tmp_path / "junk.arrow")
     (tmp_path / "empty").mkdir()
-    with pytest.raises(PipelineError, match="no .parquet files in folder"):
+    with pytest.raises(PipelineError, match=r"no Parquet files \(.parquet, .pq, .parq\) in folder"):
         source(tmp_path / "empty")
+
+
+def test_a_parquet_folder_refuses_what_it_would_leave_out(tmp_path):
+    """Found in review: a folder's .arrow file (half the data) was skipped without a word, and
+    .pq files were not read."""
+    import os
+
+    import pyarrow.parquet as pq
+
+    from loaders.demo import text_demo_table
+
+    folder = tmp_path / "data"
+    folder.mkdir()
+    table = text_demo_table(num_samples=20)
+    pq.write_table(table.slice(0, 10), folder / "a.parquet")
+    pq.write_table(table.slice(10, 10), folder / "b.PQ")
+    (folder / "_SUCCESS").write_text("")  # what Spark leaves: not data
+    assert len(source(folder).metadata()) == 20
+    (folder / "c.arrow").write_bytes(b"x")
+    with pytest.raises(PipelineError, match=r"holds file 'c.arrow' beside its Parquet files"):
+        source(folder)
+    os.remove(folder / "c.arrow")
+    (folder / "part=1").mkdir()
+    with pytest.raises(PipelineError, match=r"holds subfolder 'part=1' \(partitions are not read\)"):
+        source(folder)
+
+
+def test_a_path_that_is_neither_file_nor_folder_is_refused_not_waited_on(tmp_path):
+    """Found in review: a FIFO with no writer hung `maestro validate`."""
+    import os
+
+    os.mkfifo(tmp_path / "fifo")
+    with pytest.raises(PipelineError, match=r"is not a regular file or a folder \(a pipe or a device\?\)"):
+        source(tmp_path / "fifo")
 
 
 @pytest.mark.parametrize("fmt", ["arrow", "parquet"])
