@@ -121,8 +121,9 @@ class Stage:
         modality's encoder rows in place of its placeholder token (data.placeholder_ids, as
         stages.multimodal does), {"max_positions": L}: at most L positions once expanded (one per
         image patch, one per audio frame: num_patches, num_frames), placeholder ids exempt from
-        vocab_size, and exactly one placeholder in a sample that declares its modality.
-        `maestro validate` and `maestro run`
+        vocab_size, and exactly one placeholder in a sample that declares its modality; an
+        encoder may give {"max_frames": F} (at most F audio frames: num_frames) or
+        {"max_patches": P} (num_patches). `maestro validate` and `maestro run`
         check every sample the section reads against them before any worker starts, naming the
         first sample id that breaks one. None (the default): no limits beyond the loader's (ids
         in int32, no empty token list)."""

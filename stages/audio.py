@@ -146,6 +146,12 @@ class AudioEncoder(Stage):
         self.projector = optional_projector(cfg)
 
     @classmethod
+    def token_limits(cls, config: dict[str, Any]) -> dict[str, int]:
+        """Frames its positions cover: a longer clip is refused before any worker starts (found in
+        review: only mid-run, by this stage's forward)."""
+        return {"max_frames": AudioConfig.from_dict(config).max_frames}
+
+    @classmethod
     def tp_plan(cls, config: dict[str, Any]) -> dict[str, str]:
         return block_tp_plan("encoder.trunk.blocks")
 

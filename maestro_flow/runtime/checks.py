@@ -116,8 +116,6 @@ def check_token_limits(pipeline: Pipeline, source: Any, metadata: list[SampleMet
     run is refused naming the section, the limit and the first sample id that breaks it."""
     rows_over: dict[tuple, list[int]] = {}  # (vocabulary size, ids exempt) -> rows with an id at or above it
     for s in pipeline.sections:
-        if s.columns is not None and "tokens" not in s.columns:
-            continue
         cls = resolve(s.stage, f"sections.{s.name}.stage")
         try:
             limits = cls.token_limits(dict(s.config)) or {}
@@ -125,6 +123,15 @@ def check_token_limits(pipeline: Pipeline, source: Any, metadata: list[SampleMet
             raise PipelineError(f"sections.{s.name}.stage: {s.stage}.token_limits(config) failed: "
                                 f"{type(exc).__name__}: {exc}") from exc
         reads = [m for m in metadata if s.activates_on is None or s.activates_on in m.modalities]
+        for key, count in (("max_frames", "num_frames"), ("max_patches", "num_patches")):
+            over = [m for m in reads if key in limits and getattr(m, count) > limits[key]]
+            if over:
+                raise PipelineError(
+                    f"sections.{s.name}: sample id {over[0].id} (row {over[0].row}) has {getattr(over[0], count)} "
+                    f"{count[4:]}, more than {s.stage} takes ({key} {limits[key]}, from its config); samples "
+                    f"like it: {len(over)}. Cut the samples or raise {key}")
+        if s.columns is not None and "tokens" not in s.columns:
+            continue
         max_tokens = limits.get("max_tokens")
         if max_tokens is not None:
             over = [m for m in reads if m.num_tokens > max_tokens]

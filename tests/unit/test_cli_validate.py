@@ -593,3 +593,17 @@ def test_a_set_file_with_a_byte_order_mark_reads_and_one_not_utf8_is_refused(tmp
     result = invoke("validate", "pipelines/vlm.py", "--set-file", str(sets))
     assert result.exit_code == 2 and "Traceback" not in result.output
     assert f"{sets} is not UTF-8 text" in result.stderr, result.output
+
+
+def test_audio_longer_than_the_encoder_takes_is_refused_before_any_worker_starts(tmp_path):
+    """Found in review: validate said ok, and the audio section failed mid-run on the clip."""
+    from loaders.demo import build_multimodal_demo
+
+    data = build_multimodal_demo(tmp_path, num_samples=48)
+    result = invoke("validate", "pipelines/multimodal.py", "--set", f"data.path={data}",
+                    "--set", "sections.audio.config.max_frames=8")
+    assert result.exit_code == 2, result.output
+    assert "sections.audio: sample id" in result.output and "frames, more than stages.audio:AudioEncoder takes " \
+                                                              "(max_frames 8, from its config)" in result.output
+    ok = invoke("validate", "pipelines/multimodal.py", "--set", f"data.path={data}")
+    assert ok.exit_code == 0, ok.output
