@@ -211,7 +211,11 @@ def _as_pixels(data: Any, sample_id: int) -> Tensor:
     """A precomputed pixel array ([3, H, W] tensor, numpy array or nested lists) as a float tensor."""
     if isinstance(data, (bytes, bytearray, memoryview)):
         raise ValueError(f"sample {sample_id}: the image column mixes encoded bytes and pixel arrays")
-    pixels = data if isinstance(data, Tensor) else torch.as_tensor(data)
+    try:
+        pixels = data if isinstance(data, Tensor) else torch.as_tensor(data)
+    except (ValueError, TypeError, RuntimeError) as exc:  # found in review: ragged lists or text, no sample named
+        raise ValueError(f"sample {sample_id}: the image column's value is not a [3, H, W] array of numbers "
+                         f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None
     if not pixels.is_floating_point():
         pixels = pixels.float()
     return pixels

@@ -361,6 +361,16 @@ def test_vision_takes_precomputed_pixels_from_the_modality_column():
     assert torch.equal(out[0], expected[0]) and torch.equal(out[2], expected[2])
 
 
+@pytest.mark.parametrize("value", [[[[0.5, 0.5], [0.5]]], "pixels"], ids=["ragged", "text"])
+def test_precomputed_pixels_that_are_no_array_name_their_sample(value):
+    """Found in review: a ragged list or a string failed with torch's own message, naming no sample."""
+    ctx = StageContext(section="vision", dtype="float64", modality_columns={"image": "pixel_values"})
+    stage = VisionEncoder({**VISION, "decoder": None}, ctx)
+    with pytest.raises(ValueError, match=r"^sample 4: the image column's value is not a \[3, H, W\] array"):
+        stage.forward(MicroBatch(step=0, index=0, sample_ids=[4], modalities=[frozenset({"text", "image"})],
+                                 columns={"pixel_values": [value]}))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_audio_in_a_half_precision_pipeline(dtype):
     """A bf16 or fp16 pipeline's audio encoder computes its log-mel features in float32 (torch.fft
