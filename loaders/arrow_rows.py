@@ -167,6 +167,12 @@ def scan_segment(cols: dict[str, pa.Array], n: int, payload: dict[str, str]) -> 
     has = {m: (mask & MODALITY_BIT[m]) != 0 for m in ("image", "audio")}
     # Precomputed counts: given (not null, not negative) on every row with the modality, and 0 on
     # the others, whatever the column holds there.
+    imaged = has["image"] & ~bad  # a bad row is named for what makes it bad first
+    if "num_patches" not in cols and imaged.any():  # found in review: taken as 0 patches, silently
+        first = int(np.argmax(imaged))  # local to this segment: the id names it
+        raise PipelineError(f"data.path: sample id {int(ids[first])} has an image, and the data has no "
+                            "'num_patches' column: rows with an image need their patch count there (int32, "
+                            "loaders.dali.num_patches) for the planner's costs and the length checks")
     counts = {}
     for column, modality in (("num_patches", "image"), ("num_frames", "audio")):
         if column in cols:

@@ -397,9 +397,9 @@ def pixel_table(**replace) -> pa.Table:
     """Image samples given as precomputed pixel arrays ([3, H, W] nested lists), no encoded bytes."""
     pixels = [np.full((3, 8, 16), 0.5, dtype=np.float32).tolist(), None, np.zeros((3, 16, 8), np.float32).tolist()]
     cols = {"id": [1, 2, 3], "modalities": [["text", "image"], ["text"], ["image"]],
-            "tokens": [[257, 259, 5], [257, 6], [259]], "pixel_values": pixels, **replace}
+            "tokens": [[257, 259, 5], [257, 6], [259]], "pixel_values": pixels, "num_patches": [2, 0, 2], **replace}
     types = {"id": pa.int64(), "modalities": pa.list_(pa.string()), "tokens": pa.list_(pa.int32()),
-             "pixel_values": pa.list_(pa.list_(pa.list_(pa.float32())))}
+             "pixel_values": pa.list_(pa.list_(pa.list_(pa.float32()))), "num_patches": pa.int32()}
     return pa.table({k: pa.array(v, type=types[k]) for k, v in cols.items()})
 
 
@@ -416,6 +416,10 @@ def test_a_modality_column_carries_precomputed_pixels(tmp_path):
         source(bad, modality_columns={"image": "pixel_values"}).metadata()
     with pytest.raises(PipelineError, match=r"data.modality_columns.image: no column 'pixels'"):
         source(path, modality_columns={"image": "pixels"})
+    # Found in review: without a num_patches column every image counted 0 patches, silently.
+    counted = write_arrow(pixel_table().drop_columns(["num_patches"]), tmp_path / "uncounted.arrow")
+    with pytest.raises(PipelineError, match=r"sample id 1 has an image, and the data has no 'num_patches' column"):
+        source(counted, modality_columns={"image": "pixel_values"}).metadata()
 
 
 def test_token_ids_past_int64_are_a_bad_row_not_a_crash(tmp_path):
