@@ -120,6 +120,7 @@ class VisionEncoder(Stage):
         self.encoder = seeded(ViT(cfg), seed=cfg.init_seed, n_layers=cfg.n_layers, prefix="encoder.")
         self.projector = optional_projector(cfg)
         self.decoder = None
+        self._skipped = 0  # image samples trained without their image (corrupt, skipped): stats()
         if cfg.decoder is not None:
             kwargs = {"max_side": DEFAULT_MAX_SIDE, "patch": cfg.patch, "device": str(ctx.device), **cfg.decode}
             side = kwargs["max_side"]
@@ -146,8 +147,10 @@ class VisionEncoder(Stage):
         check_block_tp(cfg.n_heads, cfg.block_config().ff_dim, tp)
 
     def stats(self) -> dict[str, float]:
-        """Corrupt images the decoder skipped (with decode.skip_corrupt=True), so far."""
-        return {"corrupt_images": getattr(self.decoder, "num_corrupt", 0)} if self.decoder is not None else {}
+        """Corrupt images the decoder skipped (with decode.skip_corrupt=True), so far: counted in
+        forward, as the samples are trained (found in review: the decoder's own count ran ahead
+        in section mode, where `prepare` decodes the next micro-batches early)."""
+        return {"corrupt_images": self._skipped} if self.decoder is not None else {}
 
     def prepare(self, batch: MicroBatch) -> MicroBatch:
         """Decodes the micro-batch's encoded images (the runtime may do it ahead, Stage.prepare):
@@ -162,6 +165,8 @@ class VisionEncoder(Stage):
     def forward(self, batch: MicroBatch) -> Outputs:
         pixels = self._pixels(batch)
         present = [i for i, p in enumerate(pixels) if p is not None]
+        if self.decoder is not None:  # an image sample without pixels: its image was skipped as corrupt
+            self._skipped += sum(1 for p, m in zip(pixels, batch.modalities, strict=True) if p is None and "image" in m)
         if not present:
             return {"image_embeds": [None] * len(batch)}
         like = param_like(self.encoder)

@@ -140,6 +140,19 @@ def test_vision_prepare_decodes_ahead_and_forward_takes_its_batch():
     assert stage.prepare(ready) is ready  # nothing left to decode
 
 
+def test_skipped_images_are_counted_as_trained_not_as_decoded_ahead():
+    """Found in review: section mode's count ran a step ahead of colocated mode's, as `prepare`
+    decodes the next micro-batches early."""
+    stage = make(VisionEncoder, {**VISION, "decoder": f"{__name__}:FakeDecoder", "decode": {"max_side": 32}})
+    image, text = frozenset({"text", "image"}), frozenset({"text"})
+    raw = batch([10, 11, 12, 13], columns={"image": [b"16x8", None, b"bad", b"8x8"]},
+                modalities=[image, text, image, image])
+    ready = stage.prepare(raw)
+    assert stage.stats() == {"corrupt_images": 0}
+    stage.forward(ready)
+    assert stage.stats() == {"corrupt_images": 1}
+
+
 def test_vision_config_and_input_errors():
     with pytest.raises(ValueError, match="unknown config key 'patch_size'"):
         VisionEncoder({"patch_size": 4}, CTX)
