@@ -12,6 +12,7 @@ import dataclasses
 import difflib
 import functools
 import json
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -146,6 +147,11 @@ class ArrowData:
     modality_columns: dict[str, str] = field(default_factory=dict)
 
     def validate(self) -> None:
+        if not isinstance(self.path, str) or not self.path.strip():  # found in review: "" read the current folder
+            raise PipelineError(f"data.path must name a file or folder, got {self.path!r}")
+        if any(c in self.path for c in "*?[") and not os.path.exists(self.path):
+            raise PipelineError(f"data.path: {self.path} is a pattern, which is not expanded: give a file, or a "
+                                "folder of Parquet files")
         for key in ("shuffle", "skip_bad_rows"):  # `--set data.skip_bad_rows=False` is the string 'False'
             if not isinstance(getattr(self, key), bool):
                 raise PipelineError(f"data.{key} must be true or false, got {getattr(self, key)!r}")

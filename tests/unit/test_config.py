@@ -212,6 +212,8 @@ def test_the_distill_shape_validates():
     ("sections.teacher.cost.per_token_s", 1.7e308, "sections.teacher.cost.per_token_s"),  # summed to inf (review)
     ("sections.teacher.cost.backward_factor", "2", "sections.teacher.cost.backward_factor"),
     ("global_batch", 0, "global_batch"),
+    ("data.path", "", "data.path"),  # found in review: read the current folder
+    ("data.path", "data/*.parquet", "data.path:"),  # a glob is not expanded
     ("steps", 0, "steps"),
     ("lookahead_steps", -1, "lookahead_steps"),
     ("dtype", "float8", "dtype"),
