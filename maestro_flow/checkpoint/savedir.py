@@ -112,6 +112,6 @@ def begin_save(save_dir: str, pipeline_dict: dict[str, Any]) -> str:
         if section.get("trainable", True):
             try:
                 os.remove(os.path.join(save_dir, f"{section['name']}.safetensors"))
-            except FileNotFoundError:
+            except OSError:  # none there; or what is there cannot go, and the section's own write says why
                 pass
     return save_pipeline(save_dir, pipeline_dict)
