@@ -61,8 +61,10 @@ class _Main(click.Group):
     catch itself ends it with one line and exit 130 (cli_signals.py)."""
 
     def invoke(self, ctx: click.Context) -> Any:
+        from maestro_flow.runtime.build import imports_once
+
         try:
-            with interrupts_after_imports():
+            with interrupts_after_imports(), imports_once():
                 return super().invoke(ctx)
         except KeyboardInterrupt:
             click.echo("interrupted", err=True)
@@ -220,10 +222,10 @@ def run(ctx: click.Context, pipeline: str, steps: int | None, sets: tuple[str, .
                              nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint,
                              nproc_per_node=nproc_per_node, baseline=baseline, devices=devices,
                              micro_batch=micro_batch, pin_cpus=pin_cpus)
-        from maestro_flow.runtime.reaper import become_subreaper
+        from maestro_flow.runtime.reaper import subreaper
 
-        become_subreaper()  # what a worker killed by a signal leaves running is stopped with the run
-        run_pipeline(pipeline, options)
+        with subreaper():  # what a worker killed by a signal leaves running is stopped with the run
+            run_pipeline(pipeline, options)
     except KeyboardInterrupt:
         click.echo("interrupted: workers stopped", err=True)
         sys.exit(130)

@@ -48,6 +48,9 @@ def interrupts_after_imports() -> Iterator[None]:
         held.clear()
         raise KeyboardInterrupt
 
+    if threading.current_thread() is not threading.main_thread():  # signal handlers are the main thread's
+        yield
+        return
     previous = signal.signal(signal.SIGINT, on_interrupt)
     try:
         yield

@@ -32,9 +32,20 @@ from dataclasses import dataclass
 
 from maestro_flow.checkpoint import manifest as mf
 from maestro_flow.errors import CheckpointError, PipelineError
-from maestro_flow.runtime.outputs import LOCK, hold_folder
+from maestro_flow.runtime.outputs import hold_folder
 
 ON_ERROR = ("stop", "continue")
+LEGACY = "legacy"
+# Its own lock file, not the run directory's: one folder may serve as both (found in review).
+CKPT_LOCK = ".checkpoints.lock"  # the lineage of a training whose first checkpoints were written without one
+
+
+def _readable(folder: str) -> bool:
+    try:
+        mf.read(folder)
+    except PipelineError:
+        return False
+    return True
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -86,13 +97,16 @@ class Checkpointer:
         if not self.options.enabled:
             return
         root = self.options.dir
-        self.lineage = (resume.lineage if resume is not None and resume.lineage else None) or uuid.uuid4().hex
-        self._legacy = resume is not None and resume.lineage is None  # its own checkpoints carry no lineage
-        self._lock = hold_folder(root, f"--checkpoint-dir {root} is in use by a run still going (it holds {LOCK} "
-                                       "there): give another --checkpoint-dir, or wait for it to end")
+        # A training resumed from a checkpoint written before lineages keeps the lineage LEGACY, so
+        # that its checkpoints without one stay its own at every later resume (found in review:
+        # the second resume refused them).
+        self.lineage = resume.lineage or LEGACY if resume is not None else uuid.uuid4().hex
+        self._legacy = self.lineage == LEGACY
+        self._lock = hold_folder(root, f"--checkpoint-dir {root} is in use by a run still going (it holds {CKPT_LOCK} "
+                                       "there): give another --checkpoint-dir, or wait for it to end", CKPT_LOCK)
         start = resume.step if resume is not None else 0
         for step, folder, ok in mf.checkpoints(root):
-            if not ok:
+            if not ok or not _readable(folder):  # never resumed from, never purged: not in the way
                 continue
             if not self._ours(folder):
                 self.close()

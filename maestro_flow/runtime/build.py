@@ -36,13 +36,26 @@ def search_paths(pipeline_file: str | None) -> list[str]:
     return paths
 
 
-# Pipeline files imported by this process, by (path, mtime, size): a command that loads its
+# Pipeline files imported within `imports_once`, by (path, mtime, size): a command that loads its
 # pipeline more than once (with --costs, then to check it, then to run it) imports the file once.
-_imported: dict[tuple[str, int, int], Any] = {}
+# None outside: every load imports the file again (a program that loads a pipeline in a loop sees
+# its module-level code run each time, as it expects).
+_imported: dict[tuple[str, int, int], Any] | None = None
+
+
+@contextlib.contextmanager
+def imports_once() -> Iterator[None]:
+    """Within the block (one `maestro` command), each pipeline file is imported once."""
+    global _imported
+    outer, _imported = _imported, {} if _imported is None else _imported
+    try:
+        yield
+    finally:
+        _imported = outer
 
 
 def load_pipeline(path: str, overrides: dict[str, Any] | None = None) -> tuple[Pipeline, list[str]]:
-    """Import a pipeline file (once per process while it is unchanged) and call its
+    """Import a pipeline file (once per `imports_once` block while it is unchanged) and call its
     `pipeline(**overrides)`; returns it and the search paths."""
     file = Path(path)
     if not file.is_file():
@@ -51,7 +64,7 @@ def load_pipeline(path: str, overrides: dict[str, Any] | None = None) -> tuple[P
     add_paths(paths)
     stat = file.stat()
     key = (str(file.resolve()), stat.st_mtime_ns, stat.st_size)
-    module = _imported.get(key)
+    module = _imported.get(key) if _imported is not None else None
     if module is None:
         spec = importlib.util.spec_from_file_location(f"maestro_pipeline_{file.stem}", file)
         if spec is None:  # not a .py file (found in review: a run folder's pipeline.json gave a traceback)
@@ -64,7 +77,8 @@ def load_pipeline(path: str, overrides: dict[str, Any] | None = None) -> tuple[P
             raise
         except Exception as exc:
             raise PipelineError(f"{path}: importing the pipeline file failed: {type(exc).__name__}: {exc}") from exc
-        _imported[key] = module
+        if _imported is not None:
+            _imported[key] = module
     factory = getattr(module, "pipeline", None)
     if not callable(factory):
         raise PipelineError(f"{path}: defines no function pipeline(**overrides) -> maestro_flow.Pipeline")

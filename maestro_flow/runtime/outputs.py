@@ -58,14 +58,14 @@ def _why(path: str) -> str:
 LOCK = ".lock"  # held (flock) by the job that uses the folder, for as long as it runs
 
 
-def hold_folder(path: str, refusal: str) -> Any:
-    """Create `path` if need be and hold its lock until the returned file is closed (or the
+def hold_folder(path: str, refusal: str, name: str = LOCK) -> Any:
+    """Create `path` if need be and hold its lock (the file `name` there) until the returned file is closed (or the
     process ends: the kernel lets go). Raises PipelineError(`refusal`) when another process holds
     it; on a filesystem without locks, returns None and nothing is held."""
     import fcntl
 
     os.makedirs(path, exist_ok=True)
-    lock = open(os.path.join(path, LOCK), "a")  # noqa: SIM115 (held open by the caller)
+    lock = open(os.path.join(path, name), "a")  # noqa: SIM115 (held open by the caller)
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

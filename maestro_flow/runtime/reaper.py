@@ -4,7 +4,7 @@ A worker that exits stops what is left of its children itself (`stop_children`, 
 worker.worker_main). A worker killed by a signal (SIGKILL, SIGSEGV, the OOM killer) runs no code:
 its children used to be orphaned to init and outlive the run, holding a port, a file or a GPU's
 memory. The `maestro run` process is therefore a child subreaper (Linux's
-PR_SET_CHILD_SUBREAPER, `become_subreaper`): such orphans, and a helper that detached itself with
+PR_SET_CHILD_SUBREAPER, `subreaper`, for the run): such orphans, and a helper that detached itself with
 a double fork, become its children, and the launcher stops them once its workers are gone
 (`stop_adopted`). Only a process that asked to be a subreaper stops anything it did not start:
 a program that runs pipelines through the Python API keeps its own children. Linux's /proc and
@@ -13,12 +13,13 @@ prctl only; elsewhere these do nothing.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import multiprocessing
 import os
 import signal
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 PR_SET_CHILD_SUBREAPER = 36
 _known: set[int] | None = None  # this process's children when it became a subreaper; None: it is not one
@@ -56,18 +57,29 @@ def stop_children() -> None:
     _kill_trees(children(os.getpid()))
 
 
-def become_subreaper() -> bool:
-    """Make orphaned descendants of this process its children (see the module docstring).
-    False where the system does not offer it."""
-    global _known
+def _prctl(on: bool) -> bool:
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
-            return False
+        return ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, int(on), 0, 0, 0) == 0
     except (OSError, AttributeError):
         return False
-    _known = set(children(os.getpid()))
-    return True
+
+
+@contextlib.contextmanager
+def subreaper() -> Iterator[bool]:
+    """While in the block, orphaned descendants of this process become its children (see the
+    module docstring); yields False where the system does not offer it. On leaving, the process
+    is as it was (found in review: a process that ran `maestro run` through click's test runner
+    stayed a subreaper, and a later run stopped children it had not started)."""
+    global _known
+    on = _prctl(True)
+    if on:
+        _known = set(children(os.getpid()))
+    try:
+        yield on
+    finally:
+        if on:
+            _known = None
+            _prctl(False)
 
 
 def stop_adopted(keep: Iterable[int] = (), timeout_s: float = 2.0) -> list[int]:

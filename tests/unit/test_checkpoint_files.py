@@ -182,6 +182,28 @@ def test_checkpoints_from_before_lineages_resume_in_their_directory(tmp_path):
     c.commit(6, manifest(6))
     assert [s for s, _, _ in mf.checkpoints(str(tmp_path))] == [6] and mf.read(c.committed).lineage == c.lineage
     c.close()
+    # Found in review: the next resume (from step 6, now with a lineage) refused the checkpoints
+    # written before lineages as another training's.
+    save(tmp_path, 2)
+    again = Checkpointer(CheckpointOptions(dir=str(tmp_path), every=2))
+    again.claim(mf.read(mf.step_dir(str(tmp_path), 6)))
+    again.close()
+    (tmp_path / "step-00000003").mkdir()
+    (tmp_path / "step-00000003" / mf.MANIFEST).write_text("{not json")  # unreadable: in no one's way
+    fresh = Checkpointer(CheckpointOptions(dir=str(tmp_path), every=2))
+    fresh.claim(mf.read(mf.step_dir(str(tmp_path), 6)))
+    fresh.close()
+
+
+def test_the_checkpoint_lock_is_not_the_run_directorys(tmp_path):
+    """Found in review: one folder as --run-dir and --checkpoint-dir was refused as in use."""
+    from maestro_flow.runtime.outputs import hold_folder
+
+    run_lock = hold_folder(str(tmp_path), "in use")
+    c = Checkpointer(CheckpointOptions(dir=str(tmp_path), every=2))
+    c.claim(None)
+    c.close()
+    run_lock.close()
 
 
 def test_two_runs_cannot_share_a_checkpoint_directory(tmp_path):

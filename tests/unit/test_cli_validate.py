@@ -607,3 +607,14 @@ def test_audio_longer_than_the_encoder_takes_is_refused_before_any_worker_starts
                                                               "(max_frames 8, from its config)" in result.output
     ok = invoke("validate", "pipelines/multimodal.py", "--set", f"data.path={data}")
     assert ok.exit_code == 0, ok.output
+
+
+def test_a_command_runs_from_a_thread_other_than_the_main_one(tmp_path):
+    """Found in review: every command failed there (signal handlers are the main thread's)."""
+    import threading
+
+    got = []
+    thread = threading.Thread(target=lambda: got.append(invoke("validate", str(tmp_path / "none.py"))))
+    thread.start()
+    thread.join(60)
+    assert got and got[0].exit_code == 2 and "pipeline file not found" in got[0].output, got

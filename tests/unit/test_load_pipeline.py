@@ -7,7 +7,7 @@ import os
 import pytest
 
 from maestro_flow.errors import PipelineError
-from maestro_flow.runtime.build import load_pipeline
+from maestro_flow.runtime.build import imports_once, load_pipeline
 
 BODY = """
 import os
@@ -29,14 +29,20 @@ def test_a_pipeline_file_is_imported_once_until_it_changes(tmp_path, monkeypatch
     monkeypatch.setenv("IMPORT_LOG", str(log))
     path = tmp_path / "once.py"
     path.write_text(BODY.format(steps=3))
-    first, _ = load_pipeline(str(path))
-    again, _ = load_pipeline(str(path), {"steps": 5})  # the factory runs each time, with its overrides
-    assert (first.steps, again.steps) == (3, 5)
-    assert log.read_text() == "x"
-    path.write_text(BODY.format(steps=4))
-    os.utime(path, ns=(1, 1))  # a changed file is imported again, even at the same size and in the same tick
-    assert load_pipeline(str(path))[0].steps == 4
-    assert log.read_text() == "xx"
+    with imports_once():  # one maestro command
+        first, _ = load_pipeline(str(path))
+        again, _ = load_pipeline(str(path), {"steps": 5})  # the factory runs each time, with its overrides
+        assert (first.steps, again.steps) == (3, 5)
+        assert log.read_text() == "x"
+        path.write_text(BODY.format(steps=4))
+        os.utime(path, ns=(1, 1))  # a changed file is imported again, even at the same size and in the same tick
+        assert load_pipeline(str(path))[0].steps == 4
+        assert log.read_text() == "xx"
+    # Outside a command (a program loading pipelines in a loop): imported every time, as before
+    # (found in review: a pipeline reading os.environ at import kept its first value).
+    load_pipeline(str(path))
+    load_pipeline(str(path))
+    assert log.read_text() == "xxxx"
 
 
 def test_a_file_that_failed_to_import_is_tried_again(tmp_path, monkeypatch):
