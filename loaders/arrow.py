@@ -1,8 +1,7 @@
 """ArrowSource: the SampleSource for Arrow IPC files and Parquet files/folders (DESIGN 5.1b).
 
-Built as `ArrowSource(data: ArrowData)` in the coordinator (which calls `metadata()` once) and in
-every entry-section worker (which calls `read(rows)` per micro-batch). It knows nothing about
-sections, plans or tensors: it maps row indices to column values.
+Built in the coordinator (which calls `metadata()` once) and in every entry-section worker (which
+calls `read(rows)` per micro-batch); it maps row indices to column values, nothing more.
 
 The file is cut into *segments*: the record batches of an Arrow IPC file (memory-mapped, so a
 segment is a zero-copy view of the map) or the row groups of the Parquet files (read on demand,
@@ -131,6 +130,7 @@ def _as_array(col: pa.Array | pa.ChunkedArray) -> pa.Array:
 
 
 PARQUET_SUFFIXES = (".parquet", ".pq", ".parq")
+OTHER_DATA = (".arrow", ".arrows", ".feather", ".ipc", ".orc", ".csv", ".tsv", ".jsonl", ".avro")
 
 
 class ArrowSource:
@@ -157,8 +157,7 @@ class ArrowSource:
         if os.path.isdir(self._path):
             schema, segments = self._open_parquet_folder()
         elif not os.path.isfile(self._path):  # found in review: a FIFO with no writer hung validate
-            raise PipelineError(f"data.path: {self._path} is not a regular file or a folder (a pipe or a device?): "
-                                "give an Arrow IPC or Parquet file, or a folder of Parquet files")
+            raise PipelineError(f"data.path: {self._path} is not a regular file or a folder (a pipe or a device?)")
         else:
             schema, segments = self._open_file()
         self._schema: pa.Schema = schema
@@ -209,12 +208,13 @@ class ArrowSource:
         return schema, segments
 
     def _open_parquet_folder(self) -> tuple[pa.Schema, list[_Segment]]:
-        """Its Parquet files in name order. Hidden and `_` files (Spark's _SUCCESS) are not data; any
-        other file or subfolder is refused, not left out (found in review: an .arrow file was)."""
+        """Its Parquet files in name order. Other data files and subfolders of Parquet files (hive
+        partitions) are refused, not left out (an .arrow file was); a README or _SUCCESS is no data."""
         entries = [n for n in sorted(os.listdir(self._path)) if not n.startswith((".", "_"))]
-        folders = [n for n in entries if os.path.isdir(os.path.join(self._path, n))]
-        names = [n for n in entries if n not in folders and n.lower().endswith(PARQUET_SUFFIXES)]
-        others = [n for n in entries if n not in folders and n not in names]
+        folders = [n for n in entries if os.path.isdir(os.path.join(self._path, n))
+                   and any(f.lower().endswith(PARQUET_SUFFIXES) for f in os.listdir(os.path.join(self._path, n)))]
+        names = [n for n in entries if n.lower().endswith(PARQUET_SUFFIXES) and n not in folders]
+        others = [n for n in entries if n.lower().endswith(OTHER_DATA) and n not in folders]
         if others or folders:
             what = f"file {others[0]!r}" if others else f"subfolder {folders[0]!r} (partitions are not read)"
             raise PipelineError(f"data.path: folder {self._path} holds {what} beside its Parquet files: a data "

@@ -147,10 +147,11 @@ class ArrowData:
     modality_columns: dict[str, str] = field(default_factory=dict)
 
     def validate(self) -> None:
-        if not isinstance(self.path, str) or not self.path.strip():  # found in review: "" read the current folder
+        path = os.fspath(self.path) if isinstance(self.path, os.PathLike) else self.path  # a pathlib.Path too
+        if not isinstance(path, str) or not path.strip():  # found in review: "" read the current folder
             raise PipelineError(f"data.path must name a file or folder, got {self.path!r}")
-        if any(c in self.path for c in "*?[") and not os.path.exists(self.path):
-            raise PipelineError(f"data.path: {self.path} is a pattern, which is not expanded: give a file, or a "
+        if any(c in path for c in "*?[") and not os.path.exists(os.path.expanduser(path)):
+            raise PipelineError(f"data.path: {path} is a pattern, which is not expanded: give a file, or a "
                                 "folder of Parquet files")
         for key in ("shuffle", "skip_bad_rows"):  # `--set data.skip_bad_rows=False` is the string 'False'
             if not isinstance(getattr(self, key), bool):

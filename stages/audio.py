@@ -148,8 +148,11 @@ class AudioEncoder(Stage):
     @classmethod
     def token_limits(cls, config: dict[str, Any]) -> dict[str, int]:
         """Frames its positions cover: a longer clip is refused before any worker starts (found in
-        review: only mid-run, by this stage's forward)."""
-        return {"max_frames": AudioConfig.from_dict(config).max_frames}
+        review: only mid-run, by this stage's forward). Only with the loader's framing (FRAME_S,
+        HOP_S), which the data's derived num_frames counts in; with another, nothing is declared
+        (the forward still refuses a clip too long)."""
+        cfg = AudioConfig.from_dict(config)
+        return {"max_frames": cfg.max_frames} if (cfg.frame_s, cfg.hop_s) == (FRAME_S, HOP_S) else {}
 
     @classmethod
     def tp_plan(cls, config: dict[str, Any]) -> dict[str, str]:

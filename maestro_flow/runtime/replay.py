@@ -92,9 +92,10 @@ def _recorded(run_dir: str, name: str, options: ReplayOptions) -> list[tuple[int
         raise ReplayError(f"--replay: no run folder {run_dir}")
     dirs = recording_dirs(run_dir, name)
     parts = os.path.normpath(run_dir).split(os.sep)
-    if not dirs and ("record" in parts[-2:]):  # RUN_DIR/record or RUN_DIR/record/SECTION-R given
+    if not dirs and ("record" in parts[-2:]):  # RUN_DIR/record or RUN_DIR/record/SECTION-R given?
         above = os.sep.join(parts[:len(parts) - parts[::-1].index("record") - 1]) or "."
-        raise ReplayError(f"--replay takes the run folder, not its recording: --replay {above}")
+        if recording_dirs(above, name):  # only then (found in review: a run folder named "record")
+            raise ReplayError(f"--replay takes the run folder, not its recording: --replay {above}")
     if not dirs:
         raise ReplayError(f"--replay: no recording of section {name!r} in {os.path.join(run_dir, 'record')} "
                           f"(record one with: maestro run PIPELINE.py --record {name})")

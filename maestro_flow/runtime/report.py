@@ -46,6 +46,7 @@ def _keep_rows_before(path: str, step: int) -> None:
         if not isinstance(row_step, int) or row_step < step:
             kept.append(line if line.endswith("\n") else line + "\n")
     if len(kept) != len(lines):
+        path = os.path.realpath(path)  # a symlinked metrics file stays one
         tmp = f"{path}.tmp"
         with open(tmp, "w") as f:
             f.writelines(kept)

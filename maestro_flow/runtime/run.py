@@ -241,57 +241,61 @@ def run_pipeline(path: str, options: RunOptions) -> list[dict[str, Any]]:
     resume = _resume_from(options, pipeline, checked.metadata)
     checkpointer = Checkpointer(ckpt)  # one for the whole job, across restarts
     checkpointer.claim(resume[1] if resume else None)  # held until the job ends (closed below)
-    record = None  # checked before anything is written (the run dir, the trace, TensorBoard's folder)
-    if options.record:
-        if options.record not in checked.graph.sections:
-            raise PipelineError(f"--record: no section named {options.record!r} "
-                                f"(sections: {', '.join(checked.graph.order)})")
-        if not options.run_dir:
-            raise PipelineError("--record needs a run directory (drop --no-run-dir)")
-        first = resume[1].step if resume else 0
-        wanted = options.record_steps.ranges if options.record_steps is not None else ()
-        never = Steps(ranges=tuple((lo, hi) for lo, hi in wanted if lo < first or hi >= pipeline.steps))
-        if never.ranges:
-            raise PipelineError(f"--record-steps: this run never reaches step {never} (it runs "
-                                f"steps {first} to {pipeline.steps - 1}: --steps sets how many)")
-        record = {"dir": os.path.abspath(options.run_dir), "section": options.record,
-                  "steps": [list(r) for r in wanted] if options.record_steps is not None else None}
-    if options.tensorboard:
-        from maestro_flow.runtime.tensorboard import check_available
+    try:  # refused from here on: the directory's lock goes with the refusal (found in review: it was held)
+        record = None  # checked before anything is written (the run dir, the trace, TensorBoard's folder)
+        if options.record:
+            if options.record not in checked.graph.sections:
+                raise PipelineError(f"--record: no section named {options.record!r} "
+                                    f"(sections: {', '.join(checked.graph.order)})")
+            if not options.run_dir:
+                raise PipelineError("--record needs a run directory (drop --no-run-dir)")
+            first = resume[1].step if resume else 0
+            wanted = options.record_steps.ranges if options.record_steps is not None else ()
+            never = Steps(ranges=tuple((lo, hi) for lo, hi in wanted if lo < first or hi >= pipeline.steps))
+            if never.ranges:
+                raise PipelineError(f"--record-steps: this run never reaches step {never} (it runs "
+                                    f"steps {first} to {pipeline.steps - 1}: --steps sets how many)")
+            record = {"dir": os.path.abspath(options.run_dir), "section": options.record,
+                      "steps": [list(r) for r in wanted] if options.record_steps is not None else None}
+        if options.tensorboard:
+            from maestro_flow.runtime.tensorboard import check_available
 
-        check_available()  # before anything is written
-    sampler = EpochSampler(checked.metadata, pipeline.global_batch, pipeline.seed, shuffle=pipeline.data.shuffle)
-    skipped = getattr(checked.source, "num_skipped", 0)
-    if options.show_progress:
-        mode = "colocated" if options.colocated else f"{sum(s.dp * s.tp for s in pipeline.sections)} workers"
-        if options.baseline:
-            fused = pipeline.sections[0]
-            mode = (f"monolithic baseline: {fused.dp} data-parallel ranks, each running every section on "
-                    f"micro-batches of {fused.micro_batch}")
-        print(f"{pipeline.name}: {len(checked.metadata)} samples from {pipeline.data.path}"
-              f"{f' ({skipped} bad rows skipped)' if skipped else ''}, {pipeline.steps} steps of "
-              f"{pipeline.global_batch}, {mode}", file=sys.stderr)
-    run_dir = RunDir(options.run_dir, pipeline, options.overrides) if options.run_dir else None
-    trace = _trace_path(options)
-    if run_dir is not None and options.show_progress:
-        print(f"run directory: {run_dir.path}"
-              + (f" (an earlier run's files moved to {run_dir.set_aside})" if run_dir.set_aside else ""),
-              file=sys.stderr)
-    if resume is not None and options.show_progress:
-        print(f"resuming from {resume[0]} at step {resume[1].step}", file=sys.stderr)
-    metrics = [p for p in (options.metrics_out, run_dir.metrics if run_dir else None) if p]
-    observer = RunObserver(run_dir=run_dir, trace_path=trace)
-    sinks = []
-    if options.tensorboard:
-        from maestro_flow.runtime.tensorboard import TensorBoardSink
-
-        # One folder per run under DIR, as TensorBoard expects: `tensorboard --logdir DIR` shows
-        # the runs side by side (two runs in one folder drew one curve, two points a step).
-        sinks.append(TensorBoardSink(default_run_dir(pipeline, root=options.tensorboard)))
+            check_available()  # before anything is written
+        sampler = EpochSampler(checked.metadata, pipeline.global_batch, pipeline.seed, shuffle=pipeline.data.shuffle)
+        skipped = getattr(checked.source, "num_skipped", 0)
         if options.show_progress:
-            print(f"tensorboard: {sinks[-1].log_dir}", file=sys.stderr)
-    report = RunReport(total_steps=pipeline.steps, metrics_out=metrics, show_progress=options.show_progress,
-                       sinks=sinks, resume_at=resume[1].step if resume else None)
+            mode = "colocated" if options.colocated else f"{sum(s.dp * s.tp for s in pipeline.sections)} workers"
+            if options.baseline:
+                fused = pipeline.sections[0]
+                mode = (f"monolithic baseline: {fused.dp} data-parallel ranks, each running every section on "
+                        f"micro-batches of {fused.micro_batch}")
+            print(f"{pipeline.name}: {len(checked.metadata)} samples from {pipeline.data.path}"
+                  f"{f' ({skipped} bad rows skipped)' if skipped else ''}, {pipeline.steps} steps of "
+                  f"{pipeline.global_batch}, {mode}", file=sys.stderr)
+        run_dir = RunDir(options.run_dir, pipeline, options.overrides) if options.run_dir else None
+        trace = _trace_path(options)
+        if run_dir is not None and options.show_progress:
+            print(f"run directory: {run_dir.path}"
+                  + (f" (an earlier run's files moved to {run_dir.set_aside})" if run_dir.set_aside else ""),
+                  file=sys.stderr)
+        if resume is not None and options.show_progress:
+            print(f"resuming from {resume[0]} at step {resume[1].step}", file=sys.stderr)
+        metrics = [p for p in (options.metrics_out, run_dir.metrics if run_dir else None) if p]
+        observer = RunObserver(run_dir=run_dir, trace_path=trace)
+        sinks = []
+        if options.tensorboard:
+            from maestro_flow.runtime.tensorboard import TensorBoardSink
+
+            # One folder per run under DIR, as TensorBoard expects: `tensorboard --logdir DIR` shows
+            # the runs side by side (two runs in one folder drew one curve, two points a step).
+            sinks.append(TensorBoardSink(default_run_dir(pipeline, root=options.tensorboard)))
+            if options.show_progress:
+                print(f"tensorboard: {sinks[-1].log_dir}", file=sys.stderr)
+        report = RunReport(total_steps=pipeline.steps, metrics_out=metrics, show_progress=options.show_progress,
+                           sinks=sinks, resume_at=resume[1].step if resume else None)
+    except BaseException:
+        checkpointer.close()
+        raise
     previous = _catch_stops()
     try:
         if options.colocated:

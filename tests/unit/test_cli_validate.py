@@ -607,6 +607,11 @@ def test_audio_longer_than_the_encoder_takes_is_refused_before_any_worker_starts
                                                               "(max_frames 8, from its config)" in result.output
     ok = invoke("validate", "pipelines/multimodal.py", "--set", f"data.path={data}")
     assert ok.exit_code == 0, ok.output
+    # With framing of its own the data's derived counts are not the encoder's: nothing declared
+    # (found in review: valid audio was refused).
+    own = invoke("validate", "pipelines/multimodal.py", "--set", f"data.path={data}", "--set",
+                 "sections.audio.config.max_frames=8", "--set", "sections.audio.config.hop_s=0.5")
+    assert own.exit_code == 0, own.output
 
 
 def test_a_command_runs_from_a_thread_other_than_the_main_one(tmp_path):
@@ -618,3 +623,21 @@ def test_a_command_runs_from_a_thread_other_than_the_main_one(tmp_path):
     thread.start()
     thread.join(60)
     assert got and got[0].exit_code == 2 and "pipeline file not found" in got[0].output, got
+
+
+def test_a_run_refused_after_taking_the_checkpoint_directory_lets_go_of_it(tmp_path, dataset):
+    """Found in review: the lock stayed held while the refusal's traceback lived (a kept
+    exception), so the corrected run was refused as "in use by a run still going"."""
+    from maestro_flow.checkpoint.checkpointer import CheckpointOptions
+    from maestro_flow.errors import PipelineError
+    from maestro_flow.runtime.run import RunOptions, run_pipeline
+
+    path = write_pipeline(tmp_path, dataset)
+    options = RunOptions(overrides={}, record="nosuch", show_progress=False, run_dir=str(tmp_path / "run"),
+                         checkpoint=CheckpointOptions(dir=str(tmp_path / "ck"), every=1))
+    kept = []
+    for _ in range(2):
+        with pytest.raises(PipelineError) as refused:
+            run_pipeline(str(path), options)
+        kept.append(refused.value)  # its traceback holds the frame, and so the Checkpointer
+        assert "--record: no section named 'nosuch'" in str(refused.value), refused.value

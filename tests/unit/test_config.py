@@ -318,3 +318,16 @@ def test_float16_cannot_train():
     p = Pipeline(name="p", data=ArrowData(path="d"), dtype="float16", sections=[Section(name="s", stage="m:S")])
     with pytest.raises(PipelineError, match="dtype=float16 cannot train.*mixed_precision='bf16'"):
         p.validate()
+
+
+def test_data_path_may_be_a_path_object_or_a_file_whose_name_looks_like_a_pattern(tmp_path, monkeypatch):
+    """Found in review of the glob check: a pathlib.Path was refused, and so was an existing
+    ~/name[v2].arrow (the check did not expand the home folder)."""
+    from pathlib import Path
+
+    from maestro_flow import ArrowData
+
+    ArrowData(path=Path(tmp_path / "x.arrow")).validate()
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "text[v2].arrow").write_bytes(b"")
+    ArrowData(path="~/text[v2].arrow").validate()

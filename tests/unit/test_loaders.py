@@ -230,12 +230,16 @@ def test_a_parquet_folder_refuses_what_it_would_leave_out(tmp_path):
     pq.write_table(table.slice(0, 10), folder / "a.parquet")
     pq.write_table(table.slice(10, 10), folder / "b.PQ")
     (folder / "_SUCCESS").write_text("")  # what Spark leaves: not data
+    (folder / "README.md").write_text("a dataset card")  # nor this (found in review: refused)
+    (folder / "part-0.parquet.crc").write_bytes(b"x")
+    (folder / "images").mkdir()
     assert len(source(folder).metadata()) == 20
     (folder / "c.arrow").write_bytes(b"x")
     with pytest.raises(PipelineError, match=r"holds file 'c.arrow' beside its Parquet files"):
         source(folder)
     os.remove(folder / "c.arrow")
     (folder / "part=1").mkdir()
+    pq.write_table(table.slice(0, 1), folder / "part=1" / "x.parquet")
     with pytest.raises(PipelineError, match=r"holds subfolder 'part=1' \(partitions are not read\)"):
         source(folder)
 
