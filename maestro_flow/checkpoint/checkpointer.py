@@ -35,17 +35,18 @@ from maestro_flow.errors import CheckpointError, PipelineError
 from maestro_flow.runtime.outputs import hold_folder
 
 ON_ERROR = ("stop", "continue")
-LEGACY = "legacy"
+LEGACY = "legacy"  # the lineage of a training whose first checkpoints were written without one
 # Its own lock file, not the run directory's: one folder may serve as both (found in review).
-CKPT_LOCK = ".checkpoints.lock"  # the lineage of a training whose first checkpoints were written without one
+CKPT_LOCK = ".checkpoints.lock"
+_UNREADABLE = object()  # a complete checkpoint whose manifest cannot be read: never resumed from
 
 
-def _readable(folder: str) -> bool:
+def _lineage(folder: str) -> object:
+    """A complete checkpoint's Manifest.lineage, or _UNREADABLE."""
     try:
-        mf.read(folder)
+        return mf.read(folder).lineage
     except PipelineError:
-        return False
-    return True
+        return _UNREADABLE
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -106,9 +107,10 @@ class Checkpointer:
                                        "there): give another --checkpoint-dir, or wait for it to end", CKPT_LOCK)
         start = resume.step if resume is not None else 0
         for step, folder, ok in mf.checkpoints(root):
-            if not ok or not _readable(folder):  # never resumed from, never purged: not in the way
+            lineage = _lineage(folder) if ok else _UNREADABLE
+            if lineage is _UNREADABLE:  # never resumed from, never purged: not in the way
                 continue
-            if not self._ours(folder):
+            if not self._ours(lineage):
                 self.close()
                 how = f"resume from it with --resume {root}, or " if resume is None else ""
                 raise PipelineError(f"--checkpoint-dir {root} holds another training's checkpoints ({folder}): "
@@ -121,14 +123,10 @@ class Checkpointer:
                                     f"with --resume {root}, or to go back to step {start}, move the later ones "
                                     "away or choose another --checkpoint-dir")
 
-    def _ours(self, folder: str) -> bool:
-        """Whether a complete checkpoint belongs to this job's training (an unreadable manifest
-        does not: it is left alone)."""
-        try:
-            lineage = mf.read(folder).lineage
-        except PipelineError:
-            return False
-        return lineage == self.lineage or (lineage is None and self._legacy)
+    def _ours(self, lineage: object) -> bool:
+        """Whether a checkpoint of this lineage (_lineage) belongs to this job's training (an
+        unreadable one does not: it is left alone)."""
+        return lineage is not _UNREADABLE and (lineage == self.lineage or (lineage is None and self._legacy))
 
     def close(self) -> None:
         """Let go of the checkpoint directory's lock (the end of the job; the process's exit does too)."""
@@ -205,7 +203,7 @@ class Checkpointer:
         """Incomplete folders older than this checkpoint, and complete ones of this training beyond
         keep_last (among those up to this one: a folder of a later step is never touched)."""
         found = [c for c in mf.checkpoints(self.options.dir) if c[0] <= step]
-        complete = [folder for s, folder, ok in found if ok and self._ours(folder)]
+        complete = [folder for s, folder, ok in found if ok and self._ours(_lineage(folder))]
         stale = [folder for s, folder, ok in found if not ok and s < step]
         if self.options.keep_last is not None:
             stale += complete[:-self.options.keep_last]

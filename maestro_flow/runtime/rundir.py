@@ -88,8 +88,10 @@ class RunDir:
             raise PipelineError(f"--run-dir {path} is in use by a run still going (pid {running}): give another "
                                 f"--run-dir, or wait for it to end (if pid {running} is no maestro run, delete "
                                 f"{os.path.join(path, 'status.json')})")
+        # Before anything is moved: of two runs starting together, one is refused. (On a filesystem
+        # without locks, the status.json check above is all there is.)
         self._lock = hold_folder(path, f"--run-dir {path} is in use by a run still going (it holds {LOCK} there): "
-                                 "give another --run-dir, or wait for it to end")  # before anything is moved: of two runs starting together, one
+                                 "give another --run-dir, or wait for it to end")
         self.set_aside = set_aside(path)  # an earlier run's files, if this folder is reused
         os.makedirs(os.path.join(path, "workers"), exist_ok=True)
         with open(os.path.join(path, "pipeline.json"), "w") as f:
