@@ -106,6 +106,16 @@ def list_lengths(arr: pa.Array) -> np.ndarray:
     return as_ints(pc.list_value_length(arr))
 
 
+def payload_lengths(arr: pa.Array) -> np.ndarray:
+    """Per row of a payload column: elements of a list, bytes of a binary value (nulls as 0), -1
+    for a type without a length (never counted as empty); from the offsets alone."""
+    if is_list(arr.type):
+        return list_lengths(arr)
+    if pa.types.is_binary(arr.type) or pa.types.is_large_binary(arr.type) or is_string(arr.type):
+        return as_ints(pc.binary_length(arr))
+    return np.full(len(arr), -1, dtype=np.int64)
+
+
 def token_rows_outside(arr: pa.Array, low: int, end: int, allowed: tuple[int, ...] = ()) -> np.ndarray:
     """Per row of a list<int> column: whether any of its values lies outside [low, end) and is
     not one of `allowed` (null elements are rows_with_null_values' to find)."""
@@ -160,6 +170,9 @@ def scan_segment(cols: dict[str, pa.Array], n: int, payload: dict[str, str]) -> 
         column = payload[modality]
         present = valid_mask(cols[column]) if column in cols else np.zeros(n, dtype=bool)
         bad |= declared != present
+        if column in cols:
+            # An empty clip trained as one silent frame, an empty image failed at run time (review)
+            bad |= present & (payload_lengths(cols[column]) == 0)
         if column in cols and is_list(cols[column].type):
             bad |= rows_with_null_values(cols[column])  # a null audio sample would be read as NaN
             bad |= rows_with_non_finite(cols[column])
@@ -223,6 +236,8 @@ def describe_bad_row(cols: dict[str, pa.Array], j: int, row: int, payload: dict[
             return f"{where} declares modality {modality!r} but {what}"
         if present and modality not in mods:
             return f"{where} has a value in column {column!r} but {modality!r} is not in its modalities"
+        if present and payload_lengths(cols[column].slice(j, 1))[0] == 0:
+            return f"{where} has an empty {modality} in column {column!r} (no bytes or values)"
         if present and is_list(cols[column].type) and cols[column][j].values.null_count:
             return f"{where} has a null element in column {column!r}"
         if present and is_list(cols[column].type) and rows_with_non_finite(cols[column].slice(j, 1))[0]:
@@ -257,8 +272,11 @@ def extract(arr: pa.Array, local: np.ndarray, *, as_int32: bool = False) -> list
     A row of integers holding a null element comes back as a list (None for the null): numpy's
     own conversion would turn every row of the segment into float64 (a float row: NaN there)."""
     t = arr.type
-    if is_list(t) and (pa.types.is_integer(t.value_type) or pa.types.is_floating(t.value_type)):
-        offsets = arr.offsets.to_numpy(zero_copy_only=False)  # absolute positions into arr.values
+    fixed = pa.types.is_fixed_size_list(t)  # found in review: reached the stage as a Python list
+    if (is_list(t) or fixed) and (pa.types.is_integer(t.value_type) or pa.types.is_floating(t.value_type)):
+        # Absolute positions into arr.values (a fixed-size list's child starts at the array's own offset 0).
+        offsets = ((np.arange(len(arr) + 1) + arr.offset) * t.list_size if fixed
+                   else arr.offsets.to_numpy(zero_copy_only=False))
         values = arr.values
         holes = values.null_count and pa.types.is_integer(t.value_type)
         flat = (pc.fill_null(values, 0) if holes else values).to_numpy(zero_copy_only=values.null_count == 0)

@@ -215,6 +215,10 @@ class Section:
                 f"{where}.activates_on must be one of {', '.join(MODALITIES)} or None, "
                 f"got {self.activates_on!r}"
             )
+        if self.columns is not None and (not isinstance(self.columns, (list, tuple)) or not all(
+                isinstance(c, str) and c for c in self.columns) or len(set(self.columns)) != len(self.columns)):
+            raise PipelineError(f"{where}.columns must be None (every column) or a list of distinct column names, "
+                                f"got {self.columns!r}")
         if self.device not in DEVICES and not self.device.startswith("cuda:"):
             raise PipelineError(f"{where}.device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         if self.trainable:
@@ -381,12 +385,12 @@ class Pipeline:
                 check_fields(Section, s, at)
                 check_fields(Cost, s.get("cost", {}), f"{at}.cost")
                 sections.append(Section(**{**s, "cost": Cost(**s.get("cost", {})),
-                                           "columns": tuple(s["columns"]) if s.get("columns") is not None else None}))
+                                           "columns": _tuple(s.get("columns"))}))
             fields["sections"] = tuple(sections)
             edges = []
             for i, e in enumerate(fields.get("edges", ())):
                 check_fields(Edge, e, f"edges[{i}]")
-                edges.append(Edge(**{**e, "tensors": tuple(e["tensors"])}))
+                edges.append(Edge(**{**e, "tensors": _tuple(e["tensors"])}))
             fields["edges"] = tuple(edges)
             return Pipeline(**fields)
         except TypeError as exc:
@@ -450,6 +454,12 @@ def parse_set(items: list[str] | tuple[str, ...]) -> dict[str, Any]:
         except json.JSONDecodeError:
             out[key.strip()] = raw
     return out
+
+
+def _tuple(value: Any) -> Any:
+    """A JSON list as the tuple a field holds; anything else as it is, for validate to judge (a
+    string made a tuple would be read as its letters)."""
+    return tuple(value) if isinstance(value, list) else value
 
 
 def _check_plain(value: Any, where: str) -> None:

@@ -77,9 +77,11 @@ class Candidate:
         return next(m for n, _, m in self.layout if n == section)
 
     def to_json_dict(self) -> dict:
+        """memory_mb is null for a section without a memory model (0 MB predicted: no --costs
+        memory figures), as the table leaves its memory row out."""
         return {"step_s": self.step_s, "lower_bound_s": self.lower_bound_s, "devices": self.devices,
                 "sections": {n: {"dp": d, "micro_batch": m, "tp": self.tp.get(n, 1), "fsdp": self.fsdp.get(n, False),
-                                 "utilisation": self.utilisation[n], "memory_mb": self.memory_mb[n]}
+                                 "utilisation": self.utilisation[n], "memory_mb": self.memory_mb[n] or None}
                              for n, d, m in self.layout}}
 
 

@@ -124,7 +124,9 @@ def check_token_limits(pipeline: Pipeline, source: Any, metadata: list[SampleMet
                                 f"{type(exc).__name__}: {exc}") from exc
         reads = [m for m in metadata if s.activates_on is None or s.activates_on in m.modalities]
         for key, count in (("max_frames", "num_frames"), ("max_patches", "num_patches")):
-            over = [m for m in reads if key in limits and getattr(m, count) > limits[key]]
+            if key not in limits:
+                continue
+            over = [m for m in reads if getattr(m, count) > limits[key]]
             if over:
                 raise PipelineError(
                     f"sections.{s.name}: sample id {over[0].id} (row {over[0].row}) has {getattr(over[0], count)} "

@@ -21,9 +21,11 @@ from maestro_flow.runtime.cpus import pipeline_search
 from maestro_flow.runtime.sampler import EpochSampler
 from maestro_flow.samples import SampleMeta
 
+TRACE_REQUIRED = ("id", "modalities", "num_tokens")  # num_patches and num_frames default to 0
+
 
 def read_trace(path: str) -> list[SampleMeta]:
-    """`--trace-in`: sample metadata as JSON Lines, one sample a line."""
+    """`--trace-in`: sample metadata as JSON Lines, one sample a line (TRACE_REQUIRED keys)."""
     try:
         with open(path) as f:
             lines = f.readlines()
@@ -38,7 +40,12 @@ def read_trace(path: str) -> list[SampleMeta]:
             continue
         try:
             d: dict[str, Any] = json.loads(line)
+            if not isinstance(d, dict):
+                raise ValueError(f"a JSON object a line, got {type(d).__name__}")
             sample = SampleMeta.from_dict({**d, "row": d.get("row", -1)})
+            missing = [key for key in TRACE_REQUIRED if key not in d]  # a default would plan 0 tokens (review)
+            if missing:
+                raise ValueError(f"no {' and no '.join(missing)}")
         except (ValueError, KeyError, TypeError) as exc:
             raise PipelineError(f"{path}:{n}: not a sample metadata line ({exc})") from None
         if sample.id in seen:

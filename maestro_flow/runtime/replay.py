@@ -284,7 +284,8 @@ def _replay(path: str, pipeline: Pipeline, name: str, options: ReplayOptions, ec
                                   f"{replica} ({file}): its {text}")
             weights = recorded_weights(folder, step) if not options.weights else None
             work.append(_Work(batch=batch, want=outputs, replica=replica, weights=weights, rng=rng))
-        lacking = sorted({w.batch.step for w in work if not w.weights}) if any(w.weights for w in work) else []
+        recorded = any(w.weights for w in work)
+        lacking = sorted({w.batch.step for w in work if not w.weights}) if recorded else []
         if options.weights:
             pass
         elif lacking:  # found in review: such a step ran with an earlier step's weights, and --compare blamed the stage
@@ -292,7 +293,7 @@ def _replay(path: str, pipeline: Pipeline, name: str, options: ReplayOptions, ec
                               f"{', '.join(map(str, lacking))} ({weights_name(lacking[0])} missing), and those of "
                               "other steps would give other outputs: replay the other steps (--steps), or pass "
                               "--weights with the section's weights at that step")
-        elif any(w.weights for w in work):
+        elif recorded:
             echo("weights: as recorded at each step (RECORDING/weights-stepNNNNNN.safetensors)")
         else:
             echo("weights: freshly initialised (the recording holds no weights; outputs of steps after 0 "

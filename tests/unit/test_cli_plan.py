@@ -76,6 +76,21 @@ def test_a_trace_line_with_bad_modalities_is_refused(tmp_path, modalities):
 
 
 @pytest.mark.parametrize("command", ["plan", "tune"])
+@pytest.mark.parametrize(("line", "fragment"), [
+    ('{"id": 2, "modalities": ["text"]}', "no num_tokens"),  # planned as 0 tokens before (review)
+    ('{"id": 2, "num_tokens": 5}', "no modalities"),
+    ('[1, 2]', "a JSON object a line, got list"),
+])
+def test_a_trace_line_without_what_it_must_have_is_refused(tmp_path, command, line, fragment):
+    trace = tmp_path / "samples.jsonl"
+    trace.write_text('{"id": 1, "modalities": ["text"], "num_tokens": 5}\n' + line + "\n")
+    args = ["--devices", "3"] if command == "tune" else []
+    result = CliRunner().invoke(main, [command, str(ROOT / "pipelines" / "vlm.py"), "--trace-in", str(trace), *args])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip().splitlines() == [f"error: {trace}:2: not a sample metadata line ({fragment})"]
+
+
+@pytest.mark.parametrize("command", ["plan", "tune"])
 @pytest.mark.parametrize(("field", "fragment"), [
     # Reproduced before: 1e400 (JSON's way to write a number past a float) crashed int() with an
     # OverflowError traceback; negative counts were taken and gave a negative lower bound and step.
@@ -90,7 +105,7 @@ def test_a_trace_line_with_bad_modalities_is_refused(tmp_path, modalities):
 def test_a_trace_line_with_a_bad_count_is_refused_naming_the_line(tmp_path, command, field, fragment):
     trace = tmp_path / "samples.jsonl"
     trace.write_text('{"id": 1, "modalities": ["text"], "num_tokens": 5}\n'
-                     f'{{"id": 2, "modalities": ["text", "image"], "num_patches": 4, {field}}}\n')
+                     f'{{"id": 2, "modalities": ["text", "image"], "num_tokens": 5, "num_patches": 4, {field}}}\n')
     args = ["--devices", "3"] if command == "tune" else []
     result = CliRunner().invoke(main, [command, str(ROOT / "pipelines" / "vlm.py"), "--trace-in", str(trace), *args])
     assert result.exit_code == 2, result.output

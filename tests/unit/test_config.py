@@ -218,6 +218,10 @@ def test_the_distill_shape_validates():
     ("lookahead_steps", -1, "lookahead_steps"),
     ("dtype", "float8", "dtype"),
     ("schedule", "lifo", "schedule"),
+    ("sections.student.columns", "tokens", "sections.student.columns"),  # read as its letters (review)
+    ("sections.student.columns", ["tokens", "tokens"], "sections.student.columns"),
+    ("sections.student.columns", [1], "sections.student.columns"),
+    ("sections.student.columns", [["tokens"]], "sections.student.columns"),
 ])
 def test_validate_names_the_field(key, value, field):
     p = distill().override(**{key: value})

@@ -122,6 +122,19 @@ def test_int64_tokens_are_read_as_int32(tmp_path):
     assert tokens.dtype == np.int32 and tokens.tolist() == [257, 65, 258]
 
 
+@pytest.mark.parametrize("fmt", ["arrow", "parquet"])
+def test_a_fixed_size_list_column_is_read_as_arrays(tmp_path, fmt):
+    """Found in review: a fixed_size_list column (an embedding, precomputed pixels) reached the
+    stage as a Python list, where a list column gives an array (a tensor to the stage)."""
+    embedding = pa.FixedSizeListArray.from_arrays(pa.array(np.arange(12, dtype=np.float32)), 3)
+    table = pa.table({"id": pa.array([1, 2, 3, 4], pa.int64()), "modalities": [["text"]] * 4,
+                      "tokens": pa.array([[257, 65]] * 4, pa.list_(pa.int32())), "embedding": embedding})
+    path = (write_arrow if fmt == "arrow" else write_parquet)(table, tmp_path / f"t.{fmt}")
+    rows = source(path).read([3, 1], ["embedding"])["embedding"]
+    assert all(isinstance(r, np.ndarray) and r.dtype == np.float32 for r in rows)
+    assert [r.tolist() for r in rows] == [[9.0, 10.0, 11.0], [3.0, 4.0, 5.0]]
+
+
 def test_int64_tokens_that_do_not_fit_int32_are_refused_not_truncated(tmp_path):
     # Reproduced before: 2**32 + 65 came back as 65.
     path = write_arrow(pa.table({"id": pa.array([1, 2], pa.int64()), "modalities": [["text"], ["text"]],
@@ -298,6 +311,9 @@ def test_audio_needs_sample_rate_column(tmp_path):
      r"row 3 \(id 13\) has a NaN or infinite value in column 'audio'"),
     ({"audio": [None, None, [float("-inf")] + [0.5] * 799, [0.25] * 800]},
      r"row 2 \(id 12\) has a NaN or infinite value in column 'audio'"),
+    # Found in review: an empty clip trained as one silent frame; an empty image failed only at run time.
+    ({"audio": [None, None, [], [0.25] * 800]}, r"row 2 \(id 12\) has an empty audio in column 'audio'"),
+    ({"image": [None, b"", None, b"x"]}, r"row 1 \(id 11\) has an empty image in column 'image'"),
     # Found in review: a sample count given as the rate framed the clip into windows of millions of samples (OOM).
     ({"sample_rate": [None, None, 2**31 - 1, 8000]}, r"row 2 \(id 12\) has sample_rate 2147483647, above 768000 Hz"),
 ])

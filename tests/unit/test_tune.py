@@ -114,6 +114,9 @@ def test_trainable_producer_keeps_activations_until_gradients_return():
             kept = min(per_replica, kept + fan * 4 * c.micro_batch("llm"))
         assert c.memory_mb["vision"] == pytest.approx(100 + 40 * kept)
         assert c.memory_mb["vision"] <= 600
+        sections = c.to_json_dict()["sections"]
+        # No memory model for llm: unknown (null) in --json, not 0 MB (review)
+        assert sections["vision"]["memory_mb"] == c.memory_mb["vision"] and sections["llm"]["memory_mb"] is None
 
 
 def test_too_few_devices_is_a_clear_error():
