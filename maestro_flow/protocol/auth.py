@@ -1,12 +1,16 @@
 """Authenticated control frames: every frame carries an HMAC-SHA256 under the run's key.
 
 Pure (standard library only). A run has one secret (MAESTRO_SECRET, --secret-file, or 32 random
-bytes generated for a one-node run and handed to its workers); each attempt of a run derives its
+bytes generated for a one-node run and handed to its workers). A secret a user gives is stretched
+first (`load_secret`: scrypt), so that whatever is published under keys derived from it (the
+rendezvous store's sealed values, runtime/agent.py) costs a guesser a slow KDF per guess; the
+raw secret goes no further than the process that read it. Each attempt of a run derives its
 own key from the secret and a fresh session nonce, so frames of another run or of an earlier
 attempt never verify.
 
 A sealed frame is `mac (32) | seq (8, big-endian) | len(sender) (1) | sender | payload`. The MAC
-covers the recipient's name, the sequence number, the sender's name and the payload, so a frame
+covers the recipient's name (its length first: "data1" + "0..." is not "data10" + "..."), the
+sequence number, the sender's name and the payload, so a frame
 cannot be redirected to another recipient, attributed to another sender, or altered. A sender
 numbers the frames of each (sender, recipient) stream 1, 2, 3...; ZeroMQ keeps a stream's order,
 so a recipient refuses any frame whose number is not above the last it accepted (a replay).
@@ -30,6 +34,7 @@ MAC_BYTES = 32
 _SEQ = struct.Struct("!Q")
 SECRET_ENV = "MAESTRO_SECRET"
 MIN_SECRET_BYTES = 16
+SCRYPT_N = 1 << 15
 
 
 class Rejected(Exception):
@@ -51,6 +56,7 @@ def load_secret(secret_file: str | None = None, environ: dict[str, str] | None =
     if secret_file:
         try:
             with open(secret_file, "rb") as f:
+                _check_mode(secret_file, f.fileno())
                 raw = f.read().strip()
         except OSError as exc:
             raise ValueError(f"--secret-file {secret_file}: cannot read it ({exc.strerror})") from None
@@ -62,11 +68,38 @@ def load_secret(secret_file: str | None = None, environ: dict[str, str] | None =
     if len(raw) < MIN_SECRET_BYTES:
         raise ValueError(f"{origin}: the secret has {len(raw)} bytes, at least {MIN_SECRET_BYTES} are needed "
                          f"(e.g. `openssl rand -hex 32`)")
-    return raw
+    return stretch(raw)
+
+
+def _check_mode(path: str, fd: int) -> None:
+    """Refuse a secret file that others can change (found in review: one any user could read
+    and write was taken silently); warn where others can read it (ssh's rule for keys)."""
+    st = os.fstat(fd)
+    if st.st_mode & 0o022 or st.st_uid != os.geteuid():
+        who = "its owner is another user" if st.st_uid != os.geteuid() else "others can write it"
+        raise ValueError(f"--secret-file {path}: {who} (mode {st.st_mode & 0o777:o}); make it yours and "
+                         f"`chmod 600 {path}`")
+    if st.st_mode & 0o044:
+        print(f"maestro: warning: --secret-file {path} is readable by others (mode {st.st_mode & 0o777:o}): "
+              f"`chmod 600 {path}`", file=sys.stderr, flush=True)
+
+
+def stretch(raw: bytes) -> bytes:
+    """The key material a user's secret gives (scrypt, ~0.1 s and 32 MiB once per process that
+    reads it): a passphrase costs a guesser as much per guess."""
+    return hashlib.scrypt(raw, salt=b"maestro_flow secret v1", n=SCRYPT_N, r=8, p=1, maxmem=64 << 20, dklen=32)
 
 
 def derive_key(secret: bytes, nonce: str) -> bytes:
     return hmac.new(secret, b"maestro_flow control plane\x00" + nonce.encode(), hashlib.sha256).digest()
+
+
+def _named(recipient: str) -> bytes:
+    """The recipient as the MAC covers it: its length, then its name."""
+    name = recipient.encode()
+    if len(name) > 255:
+        raise ValueError("recipient name longer than 255 bytes")
+    return bytes([len(name)]) + name
 
 
 class Sealer:
@@ -74,7 +107,7 @@ class Sealer:
     stream is written by one thread, in the order its frames go on the wire."""
 
     def __init__(self, key: bytes, sender: str, recipient: str) -> None:
-        self._key, self._recipient = key, recipient.encode()
+        self._key, self._recipient = key, _named(recipient)
         self._sender = sender.encode()
         if len(self._sender) > 255:
             raise ValueError("sender name longer than 255 bytes")
@@ -90,7 +123,7 @@ class Opener:
     """Opens the frames sent to one recipient, from any number of senders. Not thread-safe."""
 
     def __init__(self, key: bytes, recipient: str, max_bytes: int) -> None:
-        self._key, self._recipient, self.max_bytes = key, recipient.encode(), max_bytes
+        self._key, self._recipient, self.max_bytes = key, _named(recipient), max_bytes
         self._last: dict[str, int] = {}
 
     def open(self, frame: bytes) -> tuple[str, bytes]:

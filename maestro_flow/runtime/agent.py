@@ -17,6 +17,17 @@ it each attempt of the run (its first, and one per automatic restart):
     maestro/job                "done" or "failed: <why>", when the whole run is over
     maestro/bye/<node>         set by an agent once it read maestro/job (node 0 waits for it)
 
+Node 0's values (the attempt, its record, stopping, end, job) and the agents' lost notes are
+sealed: an HMAC under a key derived from the run's secret (`store_key`), over the key's name and
+the value (`sealed`). The store itself is not authenticated (a torch TCPStore): anyone who can
+reach it may write any key, so a value that does not open (`unsealed`) is not acted on. Found in
+review: a store client made an agent start workers that connected to the client's address and
+wrote logs outside the run directory, and a forged `maestro/attempt` made it stop the workers of
+a running attempt. Such a value is ignored (said once); a node whose secret differs from node
+0's finds node 0's attempt unsealed, refuses it, and its refusal (which node 0 cannot open
+either) is shown by node 0 as such. Deleting or overwriting keys can still stop a run: the store
+is as available as the network it is on.
+
 and the agents keep, for themselves:
 
     maestro/node/<node>    the agent that runs that node (the first to claim it, for the whole run)
@@ -31,7 +42,7 @@ whose beat stood still while it ran on (cut off from node 0's store for a while)
 was taken over stops its workers and ends.
 
 Before starting any worker an agent checks that its own pipeline (after --set) is node 0's and
-that its secret is (the attempt carries a MAC under the attempt's key, never the key), so a
+that its secret is (the attempt's record is sealed under the secret's store key), so a
 mismatch fails at once, naming what differs, instead of as a missing node after the startup
 timeout. An agent starts its node's workers of each attempt (the same worker processes node 0
 starts, with the secret from its own MAESTRO_SECRET / --secret-file: the store carries nothing that
@@ -46,6 +57,7 @@ import hashlib
 import hmac
 import json
 import os
+import re
 import secrets
 import socket
 import sys
@@ -66,30 +78,56 @@ BEAT_STORE_S = 2.0  # the beat's store connection: its connect and each call giv
 BEAT_JOIN_S = 2 * BEAT_STORE_S + 1  # how long an ending agent waits for its beat thread's last store call
 
 
-def publish_attempt(store: Any, session: str, info: dict[str, Any]) -> None:
+def store_key(secret: bytes) -> bytes:
+    """The key that seals the run's values in the rendezvous store (from the run's stretched secret)."""
+    return derive_key(secret, "rendezvous store")
+
+
+def sealed(key: bytes, name: str, text: str) -> str:
+    """`text` as stored under `name`: its MAC (over the name and the text), then the text."""
+    return f"{_mac(key, name, text)}:{text}"
+
+
+def unsealed(key: bytes, name: str, raw: bytes) -> str | None:
+    """The text of a value `sealed` stored under `name`; None where it was not sealed with `key`."""
+    mac, sep, text = raw.decode("utf-8", "replace").partition(":")
+    return text if sep and hmac.compare_digest(mac, _mac(key, name, text)) else None
+
+
+def _mac(key: bytes, name: str, text: str) -> str:
+    return hmac.new(key, name.encode() + b"\x00" + text.encode(), hashlib.sha256).hexdigest()
+
+
+def printable(text: str, limit: int = 2000) -> str:
+    """Text from the store as it may be shown: control characters escaped, bounded."""
+    text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text[:limit])
+    return text + ("..." if len(text) >= limit else "")
+
+
+def publish_attempt(store: Any, key: bytes, session: str, info: dict[str, Any]) -> None:
     for node in sorted(set(info["node_of"].values()) - {0}):  # a goodbye said in an earlier attempt is stale
         store.delete_key(f"maestro/bye/{node}")
-    store.set(f"maestro/attempt/{session}", json.dumps(info))
-    store.set("maestro/attempt", session)
+    store.set(f"maestro/attempt/{session}", sealed(key, f"maestro/attempt/{session}", json.dumps(info)))
+    store.set("maestro/attempt", sealed(key, "maestro/attempt", session))
 
 
-def stopping(store: Any, session: str) -> None:
+def stopping(store: Any, key: bytes, session: str) -> None:
     """The workers are asked to stop: their exits with code 0 from here on are normal."""
-    store.set(f"maestro/stopping/{session}", "1")
+    store.set(f"maestro/stopping/{session}", sealed(key, f"maestro/stopping/{session}", "1"))
 
 
-def end_attempt(store: Any, session: str, outcome: str) -> None:
+def end_attempt(store: Any, key: bytes, session: str, outcome: str) -> None:
     try:
-        store.set(f"maestro/end/{session}", outcome)
+        store.set(f"maestro/end/{session}", sealed(key, f"maestro/end/{session}", outcome))
     except Exception:  # noqa: BLE001 (the store is ours: it fails only when this process is going down)
         pass
 
 
-def end_job(store: Any, outcome: str, nnodes: int, wait_s: float, lost: set[int] = frozenset()) -> None:
+def end_job(store: Any, key: bytes, outcome: str, nnodes: int, wait_s: float, lost: set[int] = frozenset()) -> None:
     """The run is over: tell the agents, and keep the store up (bounded) until each has read it
     (not those of the `lost` nodes: nothing there will answer)."""
     try:
-        store.set("maestro/job", outcome)
+        store.set("maestro/job", sealed(key, "maestro/job", outcome))
         deadline = time.monotonic() + wait_s
         keys = [f"maestro/bye/{n}" for n in range(1, nnodes) if n not in lost]
         while time.monotonic() < deadline and not store.check(keys):
@@ -99,26 +137,38 @@ def end_job(store: Any, outcome: str, nnodes: int, wait_s: float, lost: set[int]
 
 
 REFUSED = "refused: "
+NONCE = re.compile(r"[0-9a-f]{1,64}")  # a session (auth.new_nonce)
 
 
-def lost_error(store: Any, session: str) -> MaestroError | None:
+def file_name(name: Any) -> bool:
+    """A worker's name as its log file's (workers/NAME.log): one path component, printable."""
+    return isinstance(name, str) and 0 < len(name) <= 200 and name.isprintable() and not name.startswith(".") \
+        and not any(c in name for c in "/\\")
+
+
+def lost_error(store: Any, key: bytes, session: str) -> MaestroError | None:
     """What an agent reported for this attempt, as the error node 0 stops with: a node that
-    cannot join is bad input (no restart helps), anything else a lost worker."""
-    key = f"maestro/lost/{session}"
-    if not store.check([key]):
+    cannot join is bad input (no restart helps), anything else a lost worker. A note that does
+    not open is a refusal of a node whose secret differs (shown as such), or ignored."""
+    name = f"maestro/lost/{session}"
+    if not store.check([name]):
         return None
-    text = store.get(key).decode()
+    raw = store.get(name)
+    text = unsealed(key, name, raw)
+    if text is None:
+        body = raw.decode("utf-8", "replace").partition(":")[2]
+        if not body.startswith(REFUSED):
+            return None  # not an agent of this run's: a worker it names is not taken as lost
+        return PipelineError(f"{printable(body.removeprefix(REFUSED))} (a note in the rendezvous store not sealed "
+                             "with this node's secret: that node's secret differs from this one's, or another "
+                             "client of the store wrote it)")
+    text = printable(text)
     return PipelineError(text.removeprefix(REFUSED)) if text.startswith(REFUSED) else WorkerLost(text)
 
 
 def canonical(pipeline: dict[str, Any]) -> str:
     """A pipeline's dict as text that two nodes can compare."""
     return json.dumps(pipeline, sort_keys=True, default=str)
-
-
-def verifier(key: bytes) -> str:
-    """Proof that a node holds the attempt's key (derived from the secret), which reveals neither."""
-    return hmac.new(key, b"maestro_flow attempt verifier", hashlib.sha256).hexdigest()
 
 
 NODE0_ONLY = ("adapt_costs", "plan_search", "lookahead_steps")  # planning: node 0's alone (with sections' cost)
@@ -164,6 +214,8 @@ class Agent:
         self.where = f"{nodes.endpoint[0]}:{nodes.endpoint[1]}" if nodes.endpoint else "?"
         self.node0_ranks: list[int] = []  # known once an attempt is published
         self.me = f"{socket.gethostname()} pid {os.getpid()} ({secrets.token_hex(4)})"  # this agent, in the store
+        self.skey = store_key(secret)
+        self._ignored: set[str] = set()  # store keys whose unsealed value was said once
 
     def run(self) -> None:
         """Until the run is over. Raises SystemFailure when it failed or node 0 is gone."""
@@ -181,8 +233,7 @@ class Agent:
                 session = self._next_attempt(store, session)
                 if session is None:
                     return  # the run is done
-                info = json.loads(self._ask(store.get, f"maestro/attempt/{session}"))
-                self._attempt(store, session, info)
+                self._attempt(store, session, self._record(store, session))
         finally:
             # Joined, not left to die with the interpreter: a daemon thread inside a TCPStore
             # call at exit aborts the process ("terminate called without an active exception").
@@ -244,12 +295,43 @@ class Agent:
                                 f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}; this node's "
                                 f"workers are stopped") from None
 
+    def _read(self, store: Any, name: str) -> str | None:
+        """A sealed value of node 0's; None where absent or not sealed with this node's secret
+        (said once per key: ignored, see the module docstring)."""
+        if not self._ask(store.check, [name]):
+            return None
+        text = unsealed(self.skey, name, self._ask(store.get, name))
+        if text is None and name not in self._ignored:
+            self._ignored.add(name)
+            self.log(f"node {self.nodes.node_rank}: ignored {name} in the rendezvous store: not sealed with this "
+                     "node's secret (node 0's secret differs, or another client of the store wrote it)")
+        return text
+
+    def _refuse(self, store: Any, session: str, problem: str) -> None:
+        """Tell node 0 that this node cannot join (it stops at once), and stop here."""
+        name = f"maestro/lost/{session}"
+        self._ask(store.set, name, sealed(self.skey, name, REFUSED + problem))
+        raise PipelineError(problem)
+
+    def _record(self, store: Any, session: str) -> dict[str, Any]:
+        """The attempt's record, sealed by node 0, its worker names checked; refused otherwise."""
+        name = f"maestro/attempt/{session}"
+        text = unsealed(self.skey, name, self._ask(store.get, name))
+        node = self.nodes.node_rank
+        if text is None:
+            self._refuse(store, session, f"node {node}'s control-plane secret differs from node 0's (the run's "
+                                         "attempt in the rendezvous store is not sealed with it): give every node the "
+                                         "same MAESTRO_SECRET (or --secret-file)")
+        info = json.loads(text)
+        for section, _, name, label in info["workers"].values():  # node 0's own: checked all the same
+            if not (file_name(name) and str(label).isprintable() and str(section).isprintable()):
+                self._refuse(store, session, f"node 0's attempt names a worker {printable(str(name))!r}, which is "
+                                             "not a file name")
+        return info
+
     def _refusal(self, store: Any, session: str, info: dict[str, Any]) -> str | None:
         """Why this node cannot join the attempt (None: it can)."""
         node = self.nodes.node_rank
-        if "verifier" in info and info["verifier"] != verifier(derive_key(self.secret, session)):
-            return (f"node {node}'s control-plane secret differs from node 0's: give every node the same "
-                    "MAESTRO_SECRET (or --secret-file)")
         if self.pipeline is not None and "pipeline" in info:
             differ = differences(self.pipeline, comparable(json.loads(info["pipeline"])))
             if differ:
@@ -263,30 +345,45 @@ class Agent:
         deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline:
             self._check_hold(store)
-            if self._ask(store.check, ["maestro/job"]):
-                outcome = self._ask(store.get, "maestro/job").decode()
+            outcome = self._read(store, "maestro/job")
+            if outcome is not None:
                 self._ask(store.set, f"maestro/bye/{self.nodes.node_rank}", "1")
                 if outcome == "done":
                     return None
-                raise SystemFailure(f"the run failed (node 0 says: {outcome.removeprefix('failed: ')})")
-            if self._ask(store.check, ["maestro/attempt"]):
-                session = self._ask(store.get, "maestro/attempt").decode()
-                if session != previous:
-                    return session
+                raise SystemFailure(f"the run failed (node 0 says: {printable(outcome.removeprefix('failed: '))})")
+            session = self._pointer(store)
+            if session is not None and session != previous:
+                return session
             time.sleep(POLL_S)
         raise SystemFailure(f"node 0 started no attempt of the run within {wait_s:.0f}s (rendezvous {self.where})")
+
+    def _pointer(self, store: Any) -> str | None:
+        """The current attempt's session. One whose pointer does not open is taken only where its
+        record is there too: a node whose secret differs then refuses it (`_record`) rather than
+        waiting for the startup timeout; a pointer to nothing is ignored."""
+        if not self._ask(store.check, ["maestro/attempt"]):
+            return None
+        raw = self._ask(store.get, "maestro/attempt")
+        session = unsealed(self.skey, "maestro/attempt", raw)
+        if session is not None:
+            return session
+        text = raw.decode("utf-8", "replace")
+        session = text.partition(":")[2] if ":" in text else text
+        if NONCE.fullmatch(session) and self._ask(store.check, [f"maestro/attempt/{session}"]):
+            return session
+        self._read(store, "maestro/attempt")  # says it is ignored, once
+        return None
 
     def _attempt(self, store: Any, session: str, info: dict[str, Any]) -> None:
         node = self.nodes.node_rank
         node_of = {int(r): n for r, n in info["node_of"].items()}
         mine = node_ranks(node_of, node)
         self.node0_ranks = node_ranks(node_of, 0)
-        if self._ask(store.check, [f"maestro/end/{session}"]):
+        if self._read(store, f"maestro/end/{session}") is not None:
             return  # over already (node 0 moved on while this node looked): nothing to start
         problem = self._refusal(store, session, info)
         if problem is not None:
-            self._ask(store.set, f"maestro/lost/{session}", REFUSED + problem)  # node 0 stops at once
-            raise PipelineError(problem)
+            self._refuse(store, session, problem)
         self._ask(store.set, f"maestro/in/{node}", session)  # for an agent that takes this node over
         self.log(f"node {node}: starting ranks {', '.join(map(str, mine))} (coordinator {info['address']})")
         launcher = Launcher(self.entry)
@@ -311,22 +408,22 @@ class Agent:
             gone_since: float | None = None  # when the last of this node's workers ended
             while True:
                 self._check_hold(store)
-                if self._ask(store.check, [f"maestro/end/{session}"]):
-                    outcome = self._ask(store.get, f"maestro/end/{session}").decode()
+                outcome = self._read(store, f"maestro/end/{session}")
+                if outcome is not None:
                     launcher.join(self.timeouts.shutdown_grace_s if outcome == "done" else 0.5)
                     return
-                if self._ask(store.check, ["maestro/attempt"]) and \
-                        self._ask(store.get, "maestro/attempt").decode() != session:
+                current = self._read(store, "maestro/attempt")
+                if current is not None and current != session:
                     return  # node 0 moved on to another attempt
                 # Exit code 0 is a normal exit only once the workers were asked to stop; before,
                 # it is a stage's os._exit(0) or sys.exit() in the middle of a step.
                 dead = [w for w in launcher.dead() if w.process.exitcode != 0]
-                if len(dead) < len(launcher.dead()) and not self._ask(store.check, [f"maestro/stopping/{session}"]):
+                if len(dead) < len(launcher.dead()) and self._read(store, f"maestro/stopping/{session}") is None:
                     dead = launcher.dead()
                 if dead and not reported:
                     w = dead[0]
-                    self._ask(store.set, f"maestro/lost/{session}",
-                              f"worker {w.label} on node {node} {w.exit_description()}")
+                    self._ask(store.set, f"maestro/lost/{session}", sealed(
+                        self.skey, f"maestro/lost/{session}", f"worker {w.label} on node {node} {w.exit_description()}"))
                     reported = True
                 if len(launcher.dead()) == len(mine):
                     gone_since = gone_since or time.monotonic()
@@ -338,8 +435,9 @@ class Agent:
                 time.sleep(POLL_S)
         except KeyboardInterrupt:  # Ctrl-C or SIGTERM here: node 0 learns why at once
             try:
-                store.set(f"maestro/lost/{session}", f"node {node} was interrupted (Ctrl-C or SIGTERM there); "
-                                                     "its workers are stopped")
+                store.set(f"maestro/lost/{session}", sealed(self.skey, f"maestro/lost/{session}",
+                                                            f"node {node} was interrupted (Ctrl-C or SIGTERM there); "
+                                                            "its workers are stopped"))
                 store.set(f"maestro/bye/{node}", "1")  # node 0 need not wait for this node to read the end
             except Exception:  # noqa: BLE001 (node 0 may be gone too)
                 pass

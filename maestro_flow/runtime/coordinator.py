@@ -129,6 +129,7 @@ class Coordinator(CoordinatorIO):
         self.session = new_nonce()
         self._owner: shm_host.SlotOwner | None = None  # marks this attempt's slots on this host as alive
         self.key = derive_key(self.secret, self.session)
+        self.store_key = agent.store_key(self.secret)  # seals this node's values in a rendezvous store
         self.opener = Opener(self.key, "coordinator", zmq_link.CONTROL_MAX_BYTES)
         self.sealers: dict[int, Sealer] = {}
         self.identity_rank: dict[bytes, int] = {}  # bound by each rank's authenticated hello
@@ -157,7 +158,7 @@ class Coordinator(CoordinatorIO):
             outcome = "done"
         finally:
             if self.rdzv is not None:
-                agent.end_attempt(self.rdzv, self.session, outcome)  # other nodes stop this attempt's workers
+                agent.end_attempt(self.rdzv, self.store_key, self.session, outcome)  # other nodes stop this attempt's workers
             self.close()
 
     def close(self) -> None:
@@ -203,12 +204,12 @@ class Coordinator(CoordinatorIO):
                 **boot, "rank": rank, "label": self.placement.worker_name(rank, "/"),
                 "log": self.observer.worker_log(self.placement.worker_name(rank)), **pinned.get(rank, {})})
         if self.rdzv is not None:
-            agent.publish_attempt(self.rdzv, self.session, {
+            agent.publish_attempt(self.rdzv, self.store_key, self.session, {
                 "address": addr, "timeouts": self.timeouts.to_dict(), "node_of": self.node_of,
                 "workers": {r: [*self.placement.who(r), self.placement.worker_name(r), self.placement.worker_name(r, "/")]
                             for r in range(self.placement.world_size)},
                 "devices": list(self.placement.devices), "pin_cpus": self.pin_cpus,
-                "pipeline": agent.canonical(self.pipeline.to_dict()), "verifier": agent.verifier(self.key)})
+                "pipeline": agent.canonical(self.pipeline.to_dict())})
         self.observer.start(self.placement)
         began = time.monotonic()
         deadline = began + self.timeouts.startup_s
@@ -442,7 +443,7 @@ class Coordinator(CoordinatorIO):
 
             begin_save(self.save_dir, self.pipeline.to_dict())
         if self.rdzv is not None:
-            agent.stopping(self.rdzv, self.session)  # other nodes' agents: exits with code 0 are normal now
+            agent.stopping(self.rdzv, self.store_key, self.session)  # other nodes' agents: exits with code 0 are normal now
         for rank in range(self.placement.world_size):
             self._send(rank, make("stop", save_dir=os.path.abspath(self.save_dir) if self.save_dir else None))
         deadline = time.monotonic() + self.timeouts.shutdown_grace_s + (60.0 if self.save_dir else 0.0)

@@ -97,7 +97,7 @@ class CoordinatorIO:
         if self.status is not None:
             self.status.publish(self._snapshot())
         if self.rdzv is not None:
-            lost = agent.lost_error(self.rdzv, self.session)
+            lost = agent.lost_error(self.rdzv, self.store_key, self.session)
             if lost is not None:
                 raise lost
 
@@ -147,7 +147,7 @@ class CoordinatorIO:
                     raise self._death(dead[0])
             if not self.nodes.multi:
                 continue
-            lost = agent.lost_error(self.rdzv, self.session)
+            lost = agent.lost_error(self.rdzv, self.store_key, self.session)
             if lost is not None:
                 raise lost
             lost = self.liveness.lost_node(time.monotonic())

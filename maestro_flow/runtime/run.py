@@ -22,7 +22,7 @@ from maestro_flow.checkpoint import manifest as mf
 from maestro_flow.checkpoint.checkpointer import Checkpointer, CheckpointOptions, resume_point
 from maestro_flow.errors import PipelineError
 from maestro_flow.runtime import cpus
-from maestro_flow.runtime.agent import end_job
+from maestro_flow.runtime.agent import end_job, store_key
 from maestro_flow.runtime.build import load_pipeline
 from maestro_flow.runtime.checks import check_pipeline
 from maestro_flow.runtime.coordinator import placement_for
@@ -325,11 +325,11 @@ def run_pipeline(path: str, options: RunOptions) -> list[dict[str, Any]]:
                           on_restart=run_dir.event if run_dir is not None else lambda event: None)
             except BaseException as exc:
                 if rdzv is not None:
-                    end_job(rdzv, f"failed: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}",
+                    end_job(rdzv, store_key(secret), f"failed: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}",
                             nodes.nnodes, Timeouts.from_env().shutdown_grace_s + 5, getattr(exc, "lost_nodes", set()))
                 raise
             if rdzv is not None:
-                end_job(rdzv, "done", nodes.nnodes, Timeouts.from_env().shutdown_grace_s + 5)
+                end_job(rdzv, store_key(secret), "done", nodes.nnodes, Timeouts.from_env().shutdown_grace_s + 5)
             if options.save_dir and pipeline is not original:  # the baseline saves the sections as section mode
                 from maestro_flow.checkpoint.savedir import save_pipeline
 

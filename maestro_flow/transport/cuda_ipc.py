@@ -159,7 +159,7 @@ class IpcReader(SlotReader):
     max_mapped = sweep_s = float("inf")  # a slot's handles come once: a mapping forgotten could not be opened again
 
     def __init__(self, device: torch.device, wait: str = "device", timeout_s: float = 600.0) -> None:
-        super().__init__()
+        super().__init__(PREFIX.removesuffix("-"))  # names ipc-<sender rank>-<count>, checked by read()
         self.device = device
         self.wait = wait  # "device": the default stream waits for the sender's copy; "host": this thread does
         self.timeout_s = timeout_s  # the longest a host wait for one copy may take

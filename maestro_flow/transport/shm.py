@@ -202,7 +202,8 @@ class SlotReader:
     max_mapped: float = MAX_MAPPED  # a device slot's handles come once: cuda_ipc never forgets one
     sweep_s: float = SWEEP_S  # cuda_ipc: never (its sender keeps every slot)
 
-    def __init__(self) -> None:
+    def __init__(self, prefix: str = "maestro") -> None:
+        self.prefix = prefix  # maestro-<session>: a slot of rank r is named maestro-<session>-<r>-<n>
         self._maps: dict[str, _Slot] = {}
         self._swept = time.monotonic()
         # slot name -> (sender rank, the message's view, its storage's Python object)
@@ -211,6 +212,10 @@ class SlotReader:
 
     def read(self, src: int, name: str, offsets: Sequence[int], specs: Sequence[Sequence]) -> list[torch.Tensor]:
         """The message's buffers as views of slot `name` (specs: [dtype, numel] per buffer)."""
+        # Found in review: any maestro-* file was mapped (read-write), another rank's or another
+        # run's; checked at every message, a slot mapped already included.
+        if "/" in name or not name.startswith(f"{self.prefix}-{src}-"):
+            raise ValueError(f"not a slot of rank {src} of this run: {name!r}")
         spans = []
         for off, (dtype, numel) in zip(offsets, specs, strict=True):
             dt = p2p.dtype_named(dtype)
@@ -235,8 +240,6 @@ class SlotReader:
 
     def _open(self, src: int, name: str) -> _Slot:
         """Map a slot the first time a message names it (transport/cuda_ipc.py opens device slots)."""
-        if "/" in name or not name.startswith("maestro-"):
-            raise ValueError(f"not a slot name: {name!r}")
         path = os.path.join(SHM_DIR, name)
         return _Slot(path, os.stat(path).st_size, create=False)
 

@@ -108,7 +108,8 @@ class TensorComm:
         thread for room in a receiving channel or (MAESTRO_CUDA_IPC_WAIT=host) for a CUDA IPC copy
         (Timeouts.collective_s, MAESTRO_COLLECTIVE_S).
         `shm`: the channels (src, dst, kind) through shared memory; `shm_prefix` names this
-        worker's slots (maestro-<session>-<rank>). `ipc`: the channels through CUDA IPC (both
+        worker's slots (maestro-<session>-<rank>; a peer's slots are taken only with its own rank
+        there). `ipc`: the channels through CUDA IPC (both
         ranks on this host and this device: transport/cuda_ipc.py)."""
         self._timeout_s = timeout_s
         self.rank = rank
@@ -128,7 +129,7 @@ class TensorComm:
         self._shm_out = {(dst, kind) for src, dst, kind in shm if src == rank}
         self._shm_in = {(src, kind) for src, dst, kind in shm if dst == rank}
         self._slots = shm_module.SlotWriter(shm_prefix) if self._shm_out else None
-        self._mapped = shm_module.SlotReader() if self._shm_in else None
+        self._mapped = shm_module.SlotReader(shm_prefix.removesuffix(f"-{rank}")) if self._shm_in else None
         self._ipc_out = {(dst, kind) for src, dst, kind in ipc if src == rank}
         self._ipc_in = {(src, kind) for src, dst, kind in ipc if dst == rank}
         self._ipc_slots = cuda_ipc.IpcWriter(rank, device) if self._ipc_out else None

@@ -275,3 +275,24 @@ def test_everything_listens_on_loopback_only(demo_data, tmp_path):
         proc.communicate(timeout=30)
     assert len(addresses) >= 3 + 3, addresses  # control, status, store; each worker's header socket (and gloo)
     assert all(a.startswith("127.0.0.1:") for a in addresses), addresses
+
+
+def _report_environment(boot: dict) -> None:
+    with open(boot["out"], "w") as f:
+        f.write(os.environ.get("MAESTRO_SECRET", "<none>"))
+
+
+def test_workers_do_not_inherit_the_users_secret(tmp_path, monkeypatch):
+    """Found in review: every worker, and whatever its stage started, had MAESTRO_SECRET in its
+    environment (a worker gets the key it needs in its boot record)."""
+    from maestro_flow.runtime.launcher import Launcher
+
+    monkeypatch.setenv("MAESTRO_SECRET", "victim-secret-0123456789abcdef")
+    launcher = Launcher(_report_environment)
+    launcher.start(0, "s", 0, {"out": str(tmp_path / "env")})
+    try:
+        assert launcher.join(60)
+    finally:
+        launcher.shutdown(0.5, 2.0)
+    assert (tmp_path / "env").read_text() == "<none>"
+    assert os.environ["MAESTRO_SECRET"] == "victim-secret-0123456789abcdef"  # this process keeps it

@@ -184,7 +184,8 @@ def fallback_main(rank: int, port: int, results) -> None:
         got.put(step)
 
     comm = TensorComm(zctx=zctx, rank=rank, pull=pull, key=KEY, peers=peers, groups=groups,
-                      device=torch.device("cpu"), deliver=deliver, on_error=print, shm=plan, shm_prefix=prefix)
+                      device=torch.device("cpu"), deliver=deliver, on_error=print, shm=plan,
+                      shm_prefix=f"maestro-transport-fallback-{port}-{rank}")  # rank 0's slots: `prefix`
     files = lambda: [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]  # noqa: E731
     if rank == 0:
         for i in range(3):

@@ -8,7 +8,18 @@ from __future__ import annotations
 
 import pytest
 
-from maestro_flow.protocol.auth import DropLog, Opener, Rejected, Sealer, derive_key, load_secret, new_nonce, new_secret
+from maestro_flow.protocol.auth import (
+    MAC_BYTES,
+    DropLog,
+    Opener,
+    Rejected,
+    Sealer,
+    derive_key,
+    load_secret,
+    new_nonce,
+    new_secret,
+    stretch,
+)
 from maestro_flow.protocol.codec import encode
 from maestro_flow.protocol.messages import make
 from maestro_flow.transport.zmq_link import open_msg
@@ -75,17 +86,51 @@ def test_authentic_but_malformed_messages_are_rejected():
         open_msg(opener, sealer.seal(b"\xc1"))
 
 
-def test_secret_from_file_or_environment(tmp_path):
+def test_secret_from_file_or_environment(tmp_path, capsys):
     path = tmp_path / "secret"
     path.write_text("0123456789abcdef0123\n")
-    assert load_secret(str(path), environ={}) == b"0123456789abcdef0123"
-    assert load_secret(None, environ={"MAESTRO_SECRET": "x" * 20}) == b"x" * 20
+    path.chmod(0o600)
+    assert load_secret(str(path), environ={}) == stretch(b"0123456789abcdef0123")
+    assert load_secret(None, environ={"MAESTRO_SECRET": "x" * 20}) == stretch(b"x" * 20)
     assert load_secret(None, environ={}) is None
+    assert capsys.readouterr().err == ""
     with pytest.raises(ValueError, match="at least 16 are needed"):
         load_secret(None, environ={"MAESTRO_SECRET": "short"})
     with pytest.raises(ValueError, match="cannot read it"):
         load_secret(str(tmp_path / "missing"), environ={})
     assert len(new_secret()) == 32 and new_nonce() != new_nonce()
+
+
+def test_a_secret_is_stretched_so_a_guess_costs_a_slow_kdf():
+    """Found in review: the store carried a MAC under a key one HMAC away from the secret, which
+    tested a guessed passphrase in microseconds."""
+    import time
+
+    start = time.perf_counter()
+    key = stretch(b"Summer2024Summer2024")
+    assert time.perf_counter() - start > 0.01 and len(key) == 32 and key != stretch(b"Summer2024Summer2025")
+
+
+def test_a_secret_file_others_can_change_is_refused_and_one_they_can_read_is_warned_of(tmp_path, capsys):
+    """Found in review: a file every user could read and write was taken silently."""
+    path = tmp_path / "secret"
+    path.write_text("0123456789abcdef0123")
+    path.chmod(0o666)
+    with pytest.raises(ValueError, match=r"others can write it \(mode 666\); make it yours and `chmod 600"):
+        load_secret(str(path), environ={})
+    path.chmod(0o644)
+    assert load_secret(str(path), environ={}) == stretch(b"0123456789abcdef0123")
+    assert "is readable by others (mode 644): `chmod 600" in capsys.readouterr().err
+
+
+def test_a_frame_for_one_recipient_does_not_open_at_another_whose_name_it_begins():
+    """Found in review: the MAC covered recipient + body, so "data10" + body was "data1" + "0" +
+    body: a frame sealed for rank 10 opened at rank 1 with one byte moved."""
+    frame = Sealer(KEY, "rank3", "data10").seal(b"payload")
+    moved = frame[:MAC_BYTES] + b"0" + frame[MAC_BYTES:]
+    with pytest.raises(Rejected, match="bad MAC"):
+        Opener(KEY, "data1", 1 << 20).open(moved)
+    assert Opener(KEY, "data10", 1 << 20).open(frame) == ("rank3", b"payload")
 
 
 def test_drop_log_is_bounded():

@@ -3,6 +3,8 @@ that keeps a tensor-parallel group on one node."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from maestro_flow.errors import PipelineError, SystemFailure
@@ -51,17 +53,19 @@ def test_layouts_that_do_not_fit_are_refused():
 def test_what_an_agent_compares_with_node_0():
     """A node whose pipeline or secret differs from node 0's is refused before its workers start,
     naming the keys that differ (runtime/agent.py)."""
-    from maestro_flow.protocol.auth import derive_key
-    from maestro_flow.runtime.agent import canonical, differences, verifier
+    from maestro_flow.runtime.agent import canonical, differences, sealed, store_key, unsealed
 
     node0 = {"steps": 2, "seed": 0, "sections": [{"name": "teacher", "dp": 1}, {"name": "student", "dp": 2}]}
     here = {"steps": 4, "seed": 0, "sections": [{"name": "teacher", "dp": 1}, {"name": "student", "dp": 1}]}
     assert differences(here, node0) == ["sections.student.dp (1 here, 2 on node 0)", "steps (4 here, 2 on node 0)"]
     assert differences(node0, node0) == [] and canonical(node0) == canonical(dict(reversed(node0.items())))
-    key = derive_key(b"s" * 32, "session")
-    assert verifier(key) == verifier(derive_key(b"s" * 32, "session"))
-    assert verifier(key) != verifier(derive_key(b"t" * 32, "session"))
-    assert verifier(key) != verifier(derive_key(b"s" * 32, "another session"))
+    key = store_key(b"s" * 32)
+    value = sealed(key, "maestro/attempt/S", canonical(node0)).encode()
+    assert unsealed(key, "maestro/attempt/S", value) == canonical(node0)
+    assert unsealed(store_key(b"t" * 32), "maestro/attempt/S", value) is None  # another secret
+    assert unsealed(key, "maestro/attempt/T", value) is None  # moved to another key
+    assert unsealed(key, "maestro/attempt/S", value.replace(b'"steps": 2', b'"steps": 3')) is None
+    assert unsealed(key, "maestro/attempt/S", canonical(node0).encode()) is None  # not sealed at all
 
 
 def test_pinned_cores_per_node():
@@ -137,7 +141,7 @@ def test_a_node_is_held_by_one_live_agent_for_the_whole_run(monkeypatch):
         assert len(ended) == 1 and isinstance(ended[0], SystemFailure), ended
         assert "node 1 was taken over by another agent (" in str(ended[0])
     finally:
-        store.set("maestro/job", "done")
+        store.set("maestro/job", agent_mod.sealed(agent_mod.store_key(b"s"), "maestro/job", "done"))
         running.join(10)
     assert not running.is_alive()
 
@@ -180,11 +184,12 @@ def test_an_agent_taking_a_node_over_joins_only_a_later_attempt(monkeypatch, los
     info = {"node_of": {"0": 0, "1": 1}, "address": "tcp://127.0.0.1:1", "timeouts": {}, "devices": ["cpu", "cpu"],
             "workers": {"1": ["s", 0, "s0", "s[0]"]}}
     store.set("maestro/node/1", "a killed agent")  # nothing beats for it
-    agent_mod.publish_attempt(store, "S1", info)
+    key = agent_mod.store_key(b"s")
+    agent_mod.publish_attempt(store, key, "S1", info)
     if lost == "running":
         store.set("maestro/in/1", "S1")  # it had started S1's workers
     else:
-        store.set("maestro/end/S1", "failed: a worker of node 1 died")
+        agent_mod.end_attempt(store, key, "S1", "failed: a worker of node 1 died")
     nodes = Nodes(nnodes=2, node_rank=1, endpoint=("127.0.0.1", store.port))
     agent = agent_mod.Agent(nodes, secret=b"s", host="127.0.0.1", interface=None, timeouts=Timeouts(),
                             worker_log=lambda name: None, log=lambda text: None)
@@ -193,14 +198,116 @@ def test_an_agent_taking_a_node_over_joins_only_a_later_attempt(monkeypatch, los
     try:
         time.sleep(1.5)
         assert started == [] and store.get("maestro/node/1").decode() == agent.me
-        agent_mod.publish_attempt(store, "S2", info)
+        agent_mod.publish_attempt(store, key, "S2", info)
         for _ in range(50):
             if started:
                 break
             time.sleep(0.05)
         assert started == ["S2"]
     finally:
-        store.set("maestro/end/S2", "done")
-        store.set("maestro/job", "done")
+        agent_mod.end_attempt(store, key, "S2", "done")
+        store.set("maestro/job", agent_mod.sealed(key, "maestro/job", "done"))
         running.join(10)
     assert not running.is_alive()
+
+
+class _Started:
+    """A Launcher that records the workers an agent would start (no processes)."""
+
+    boots: list = []
+
+    def __init__(self, entry):
+        pass
+
+    def start(self, rank, section, replica, boot):
+        _Started.boots.append(boot)
+
+    def dead(self):
+        return []
+
+    def join(self, timeout):
+        pass
+
+    def shutdown(self, grace, kill):
+        pass
+
+
+def _agent_on_a_store(monkeypatch, secret=b"s" * 20):
+    import torch.distributed as dist
+
+    from maestro_flow.runtime import agent as agent_mod
+    from maestro_flow.timeouts import Timeouts
+
+    _Started.boots = []
+    monkeypatch.setattr(agent_mod, "Launcher", _Started)
+    monkeypatch.setattr(agent_mod, "claim", lambda session: type("Owner", (), {"close": lambda self: None})())
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    nodes = Nodes(nnodes=2, node_rank=1, endpoint=("127.0.0.1", store.port))
+    logged: list[str] = []
+    agent = agent_mod.Agent(nodes, secret=secret, host="127.0.0.1", interface=None, timeouts=Timeouts(startup_s=20),
+                            worker_log=lambda name: name, log=logged.append)
+    return agent_mod, store, agent, logged
+
+
+INFO = {"node_of": {"0": 0, "1": 1}, "address": "tcp://127.0.0.1:1", "timeouts": {}, "devices": ["cpu", "cpu"],
+        "workers": {"1": ["s", 0, "s-0", "s[0]"]}}
+
+
+def test_an_attempt_the_store_holds_unsealed_starts_nothing(monkeypatch):
+    """Found in review: any client of the rendezvous store could publish an attempt (no verifier
+    needed) whose workers connected to the client's address and logged to workers/../../FILE."""
+    agent_mod, store, agent, _ = _agent_on_a_store(monkeypatch)
+    forged = {**INFO, "workers": {"1": ["s", 0, "../../../escaped", "x\nINJECTED"]}}
+    store.set("maestro/attempt/abc123", json.dumps(forged))
+    store.set("maestro/attempt", "abc123")
+    with pytest.raises(PipelineError, match=r"node 1's control-plane secret differs from node 0's \(the run's attempt"):
+        agent.run()
+    assert _Started.boots == []
+    # Node 0 (the run's secret) shows the refusal; a note no one of this run sealed is not a lost worker.
+    key = agent_mod.store_key(b"t" * 20)  # node 0's secret differs here: it cannot open the note
+    lost = agent_mod.lost_error(store, key, "abc123")
+    assert isinstance(lost, PipelineError) and "not sealed with this node's secret" in str(lost)
+    store.set("maestro/lost/S9", "worker s[0] on node 1 was killed by SIGKILL")
+    assert agent_mod.lost_error(store, key, "S9") is None
+    store.set("maestro/lost/S9", agent_mod.sealed(key, "maestro/lost/S9", "worker x\x1b[2J died"))
+    assert str(agent_mod.lost_error(store, key, "S9")) == "worker x\\x1b[2J died"
+
+
+def test_a_sealed_attempt_with_a_worker_name_that_is_not_a_file_name_is_refused(monkeypatch):
+    agent_mod, store, agent, _ = _agent_on_a_store(monkeypatch)
+    agent_mod.publish_attempt(store, agent.skey, "S1", {**INFO, "workers": {"1": ["s", 0, "../escaped", "s[0]"]}})
+    with pytest.raises(PipelineError, match="names a worker '../escaped', which is not a file name"):
+        agent.run()
+    assert _Started.boots == []
+
+
+def test_unsealed_values_do_not_stop_a_running_attempt(monkeypatch):
+    """Found in review: setting maestro/attempt to anything made node 1's agent stop the workers of
+    the running attempt and wait for an attempt that never came; a forged end or job too."""
+    import threading
+    import time
+
+    agent_mod, store, agent, logged = _agent_on_a_store(monkeypatch)
+    agent_mod.publish_attempt(store, agent.skey, "S1", INFO)
+    running = threading.Thread(target=agent.run, daemon=True)
+    running.start()
+    try:
+        for _ in range(100):
+            if _Started.boots:
+                break
+            time.sleep(0.05)
+        assert [b["session"] for b in _Started.boots] == ["S1"] and _Started.boots[0]["log"] == "s-0"
+        store.set("maestro/attempt", "bogus")
+        store.set("maestro/end/S1", "failed: forged")
+        store.set("maestro/job", "failed: forged")
+        time.sleep(1.0)
+        assert running.is_alive()  # still in S1
+        assert any("ignored maestro/attempt in the rendezvous store" in line for line in logged), logged
+        agent_mod.end_attempt(store, agent.skey, "S1", "done")
+        store.set("maestro/job", agent_mod.sealed(agent.skey, "maestro/job", "done"))
+        running.join(10)
+        assert not running.is_alive()
+    finally:
+        agent_mod.end_attempt(store, agent.skey, "S1", "done")
+        store.set("maestro/job", agent_mod.sealed(agent.skey, "maestro/job", "done"))
+        running.join(10)

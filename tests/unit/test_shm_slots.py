@@ -16,11 +16,11 @@ pytestmark = pytest.mark.skipif(not os.access(shm.SHM_DIR, os.W_OK), reason="no 
 
 @pytest.fixture
 def pair():
-    writer, reader = shm.SlotWriter(f"maestro-unit-{os.getpid()}"), shm.SlotReader()
+    writer, reader = shm.SlotWriter(f"maestro-unit{os.getpid()}-0"), shm.SlotReader(f"maestro-unit{os.getpid()}")
     yield writer, reader
     reader.close()
     writer.close()
-    assert not [n for n in os.listdir(shm.SHM_DIR) if n.startswith(f"maestro-unit-{os.getpid()}-")]
+    assert not [n for n in os.listdir(shm.SHM_DIR) if n.startswith(f"maestro-unit{os.getpid()}-")]
 
 
 def _send(writer, reader, tensors):
@@ -28,6 +28,24 @@ def _send(writer, reader, tensors):
     entries, specs, buffers = p2p.pack_each(items)
     name, offsets = writer.write((1, "fwd"), buffers)
     return name, p2p.unpack(entries, reader.read(0, name, offsets, specs))
+
+
+def test_only_the_senders_own_slots_of_this_run_are_mapped(pair, tmp_path):
+    """Found in review: any maestro-* file in /dev/shm was mapped read-write on a header's word,
+    another rank's slot or another run's."""
+    writer, reader = pair
+    entries, specs, buffers = p2p.pack_each([(0, "x", torch.ones(4))])
+    name, offsets = writer.write((1, "fwd"), buffers)
+    with pytest.raises(ValueError, match="not a slot of rank 3 of this run"):
+        reader.read(3, name, offsets, specs)  # rank 0's slot, named by rank 3
+    other = shm.SlotWriter(f"maestro-otherrun{os.getpid()}-0")
+    try:
+        theirs, offsets = other.write((1, "fwd"), buffers)
+        with pytest.raises(ValueError, match="not a slot of rank 0 of this run"):
+            reader.read(0, theirs, offsets, specs)
+    finally:
+        other.close()
+    assert reader.read(0, name, offsets, specs)[0].tolist() == [1.0] * 4
 
 
 def test_views_hold_what_was_written(pair):

@@ -84,13 +84,16 @@ def test_a_status_file_whose_pid_was_reused_is_stale(tmp_path):
 
 
 def test_a_network_address_needs_a_secret(tmp_path, monkeypatch):
+    from maestro_flow.protocol.auth import stretch
+
     monkeypatch.delenv("MAESTRO_SECRET", raising=False)
     with pytest.raises(PipelineError, match="--host 10.0.0.5 is not loopback.*MAESTRO_SECRET"):
         control_secret(RunOptions(overrides={}), host="10.0.0.5")
     assert control_secret(RunOptions(overrides={})) is None  # loopback: a generated one will do
     secret = tmp_path / "secret"
     secret.write_text("s" * 32)
-    assert control_secret(RunOptions(overrides={}, secret_file=str(secret)), host="10.0.0.5") == b"s" * 32
+    secret.chmod(0o600)
+    assert control_secret(RunOptions(overrides={}, secret_file=str(secret)), host="10.0.0.5") == stretch(b"s" * 32)
     from maestro_flow.runtime.nodes import Nodes
 
     with pytest.raises(PipelineError, match="--nnodes > 1: every node needs the run's shared secret"):
