@@ -31,6 +31,9 @@ def _fail(exc: BaseException, debug: bool) -> None:
         sys.exit(1)
     code = 2 if isinstance(exc, PipelineError) else 1
     click.echo(f"error: {exc}", err=True)
+    from maestro_flow.runtime.nodes import exit_code
+
+    exit_code(code)  # at once where a store call was given up (a node 0 that stopped answering)
     sys.exit(code)
 
 
@@ -228,12 +231,18 @@ def run(ctx: click.Context, pipeline: str, steps: int | None, sets: tuple[str, .
             run_pipeline(pipeline, options)
     except KeyboardInterrupt:
         click.echo("interrupted: workers stopped", err=True)
+        from maestro_flow.runtime.nodes import exit_code
+
+        exit_code(130)
         sys.exit(130)
     except MaestroError as exc:
         _fail(exc, ctx.obj["debug"])
     finally:
         if created and os.path.isdir(created) and not os.listdir(created):
             os.rmdir(created)
+    from maestro_flow.runtime.nodes import exit_code
+
+    exit_code(0)  # a node whose agent gave up a store call at the end (nodes.bounded)
 
 
 @main.command()

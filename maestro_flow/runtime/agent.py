@@ -68,7 +68,7 @@ from typing import Any
 from maestro_flow.errors import MaestroError, PipelineError, SystemFailure, WorkerLost
 from maestro_flow.protocol.auth import derive_key
 from maestro_flow.runtime.launcher import Launcher
-from maestro_flow.runtime.nodes import Nodes, node_ranks, rendezvous
+from maestro_flow.runtime.nodes import ABANDONED, NoAnswer, Nodes, bounded, node_ranks, rendezvous
 from maestro_flow.timeouts import Timeouts
 from maestro_flow.transport.host import SlotOwner, claim
 
@@ -239,6 +239,8 @@ class Agent:
             # call at exit aborts the process ("terminate called without an active exception").
             stop.set()
             beat.join(BEAT_JOIN_S)
+            if beat.is_alive():  # inside a store call to a node 0 that does not answer: see nodes.bounded
+                ABANDONED.set()
 
     def _beat(self, stop: threading.Event) -> None:
         """Raise this agent's beat every POLL_S until `stop`, over a store connection of its own
@@ -286,14 +288,16 @@ class Agent:
                                 "its workers and ends, the other runs the node")
 
     def _ask(self, fn: Any, *args: Any) -> Any:
-        """A store call; node 0 gone shows as the store failing."""
+        """A store call; node 0 gone shows as the store failing, or not answering within
+        MAESTRO_COORDINATOR_TIMEOUT_S (frozen, or cut off without its connections closing)."""
         try:
-            return fn(*args)
+            return bounded(fn, *args, timeout_s=self.timeouts.coordinator_timeout_s)
         except Exception as exc:  # noqa: BLE001 (torch raises several types for a lost connection)
             ranks = f", ranks {', '.join(map(str, self.node0_ranks))}" if self.node0_ranks else ""
-            raise SystemFailure(f"lost node 0 (the coordinator{ranks}; rendezvous {self.where}): "
-                                f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}; this node's "
-                                f"workers are stopped") from None
+            why = (f"its rendezvous store did not answer for {self.timeouts.coordinator_timeout_s:.0f}s"
+                   if isinstance(exc, NoAnswer) else str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+            raise SystemFailure(f"lost node 0 (the coordinator{ranks}; rendezvous {self.where}): {why}; this "
+                                f"node's workers are stopped") from None
 
     def _read(self, store: Any, name: str) -> str | None:
         """A sealed value of node 0's; None where absent or not sealed with this node's secret
@@ -332,6 +336,9 @@ class Agent:
     def _refusal(self, store: Any, session: str, info: dict[str, Any]) -> str | None:
         """Why this node cannot join the attempt (None: it can)."""
         node = self.nodes.node_rank
+        if info.get("nnodes", self.nodes.nnodes) != self.nodes.nnodes:  # found in review: never compared
+            return (f"node {node} was started with --nnodes {self.nodes.nnodes}, node 0 with --nnodes {info['nnodes']}: "
+                    "give every node the same --nnodes")
         if self.pipeline is not None and "pipeline" in info:
             differ = differences(self.pipeline, comparable(json.loads(info["pipeline"])))
             if differ:

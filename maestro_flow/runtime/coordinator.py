@@ -208,7 +208,7 @@ class Coordinator(CoordinatorIO):
                 "address": addr, "timeouts": self.timeouts.to_dict(), "node_of": self.node_of,
                 "workers": {r: [*self.placement.who(r), self.placement.worker_name(r), self.placement.worker_name(r, "/")]
                             for r in range(self.placement.world_size)},
-                "devices": list(self.placement.devices), "pin_cpus": self.pin_cpus,
+                "devices": list(self.placement.devices), "pin_cpus": self.pin_cpus, "nnodes": self.nodes.nnodes,
                 "pipeline": agent.canonical(self.pipeline.to_dict())})
         self.observer.start(self.placement)
         began = time.monotonic()

@@ -14,6 +14,8 @@ from __future__ import annotations
 import math
 import os
 import socket
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -90,6 +92,50 @@ def node_ranks(node_of: dict[int, int], node: int) -> list[int]:
     return sorted(r for r, n in node_of.items() if n == node)
 
 
+ABANDONED = threading.Event()  # set once a store call was given up while still running (see `bounded`)
+
+
+class NoAnswer(Exception):
+    """A call `bounded` gave up on."""
+
+
+def bounded(fn: Callable[..., Any], *args: Any, timeout_s: float) -> Any:
+    """fn(*args) on a thread of its own, given up after timeout_s (NoAnswer). Found in review: a
+    TCPStore client call to a node 0 that stops answering without closing its connections
+    (frozen, or cut off by the network), or a connect to something else listening on the
+    endpoint, blocked for good, whatever the store's timeout. The given-up thread stays blocked in
+    torch's C++ code: a process that had to give one up ends with os._exit (`exit_code`), since
+    a normal interpreter exit with it there can abort."""
+    out: list[tuple[bool, Any]] = []
+
+    def call() -> None:
+        try:
+            out.append((True, fn(*args)))
+        except BaseException as exc:  # noqa: BLE001 (handed to the caller as it is)
+            out.append((False, exc))
+
+    thread = threading.Thread(target=call, daemon=True, name="maestro-store-call")
+    thread.start()
+    thread.join(timeout_s)
+    if not out:
+        ABANDONED.set()
+        raise NoAnswer(f"no answer within {timeout_s:.0f}s")
+    ok, value = out[0]
+    if ok:
+        return value
+    raise value
+
+
+def exit_code(code: int) -> None:
+    """End the process with `code` at once where a store call was given up (see `bounded`)."""
+    if ABANDONED.is_set():
+        import sys
+
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
 def rendezvous(nodes: Nodes, timeout_s: float) -> Any:
     """The job's TCPStore at the rendezvous endpoint: node 0 hosts it (listening on that address
     only), the others connect to it."""
@@ -99,8 +145,8 @@ def rendezvous(nodes: Nodes, timeout_s: float) -> Any:
     host, port = nodes.endpoint
     timeout = timedelta(seconds=timeout_s)
     if nodes.node_rank != 0:
-        try:
-            return dist.TCPStore(host, port, is_master=False, timeout=timeout)
+        try:  # bounded: c10d retries its connect past the timeout, and a silent listener holds it for good
+            return bounded(lambda: dist.TCPStore(host, port, is_master=False, timeout=timeout), timeout_s=timeout_s)
         except Exception as exc:  # noqa: BLE001 (torch raises several types for an unreachable store)
             raise PipelineError(f"--rdzv-endpoint {host}:{port}: node 0 did not answer within {timeout_s:.0f}s "
                                 f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None

@@ -136,13 +136,14 @@ def _run_agent(pipeline: Any, options: RunOptions, nodes: Nodes, host: str, secr
     """Node I > 0: start and watch this node's workers for node 0's coordinator (runtime/agent.py)."""
     from maestro_flow.runtime.agent import Agent
 
-    if options.checkpoint.resume or options.record or options.save_dir:
-        raise PipelineError("--resume, --record and --save-dir are node 0's to give (it runs the coordinator); "
-                            f"drop them on node {nodes.node_rank}")
     ckpt = options.checkpoint
+    # Found in review: --resume, --record and --save-dir here were refused before this node reached
+    # the store, so node 0 waited out its startup timeout and blamed a missing node; node 0's to give.
     node0 = [flag for flag, given in (("--metrics-out", options.metrics_out), ("--trace", options.trace is not None),
                                       ("--tensorboard", options.tensorboard), ("--checkpoint-dir", ckpt.dir),
-                                      ("--max-restarts", ckpt.max_restarts), ("--pin-cpus", options.pin_cpus)) if given]
+                                      ("--max-restarts", ckpt.max_restarts), ("--pin-cpus", options.pin_cpus),
+                                      ("--resume", ckpt.resume), ("--record", options.record),
+                                      ("--save-dir", options.save_dir)) if given]
     if node0 and options.show_progress:  # the same command on every node stays valid
         print(f"node {nodes.node_rank}: {', '.join(node0)} take effect as node 0 was given them (it runs the "
               "coordinator), not as given here", file=sys.stderr)

@@ -311,3 +311,58 @@ def test_unsealed_values_do_not_stop_a_running_attempt(monkeypatch):
         agent_mod.end_attempt(store, agent.skey, "S1", "done")
         store.set("maestro/job", agent_mod.sealed(agent.skey, "maestro/job", "done"))
         running.join(10)
+
+
+@pytest.fixture
+def abandoning():
+    """Tests that make nodes.bounded give a call up: the flag it sets would make the CLI's error
+    paths end the test process (nodes.exit_code), so it is cleared after."""
+    from maestro_flow.runtime import nodes as nodes_mod
+
+    yield nodes_mod
+    nodes_mod.ABANDONED.clear()
+
+
+def test_an_agent_gives_up_on_a_store_that_stops_answering(abandoning):
+    """Found in review: with node 0 frozen (SIGSTOP) or cut off without a reset, an agent's store
+    call blocked for good: node 1 ran on after its workers had left."""
+    import threading
+    import time
+
+    from maestro_flow.runtime.agent import Agent
+    from maestro_flow.timeouts import Timeouts
+
+    agent = Agent(Nodes(nnodes=2, node_rank=1, endpoint=("127.0.0.1", 1)), secret=b"s" * 20, host="127.0.0.1",
+                  interface=None, timeouts=Timeouts(coordinator_timeout_s=1.0), worker_log=lambda name: None)
+    frozen = threading.Event()
+    start = time.monotonic()
+    with pytest.raises(SystemFailure, match=r"lost node 0 .*its rendezvous store did not answer for 1s"):
+        agent._ask(lambda keys: frozen.wait(), ["maestro/job"])
+    assert time.monotonic() - start < 5 and abandoning.ABANDONED.is_set()
+    frozen.set()
+
+
+def test_joining_an_endpoint_where_something_else_listens_is_bounded(abandoning):
+    """Found in review: a listener that accepts and never answers (not node 0's store) held node 1's
+    connect for good; node 0 alone was reported only after twice its startup timeout."""
+    import socket
+    import time
+
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    try:
+        start = time.monotonic()
+        with pytest.raises(PipelineError, match=r"node 0 did not answer within 2s"):
+            abandoning.rendezvous(Nodes(nnodes=2, node_rank=1, endpoint=("127.0.0.1", silent.getsockname()[1])), 2.0)
+        assert time.monotonic() - start < 10
+    finally:
+        silent.close()
+
+
+def test_a_node_started_with_another_nnodes_is_refused(monkeypatch):
+    agent_mod, store, agent, _ = _agent_on_a_store(monkeypatch)
+    agent_mod.publish_attempt(store, agent.skey, "S1", {**INFO, "nnodes": 3})
+    with pytest.raises(PipelineError, match="node 1 was started with --nnodes 2, node 0 with --nnodes 3"):
+        agent.run()
+    assert _Started.boots == []
