@@ -129,7 +129,9 @@ def end_job(store: Any, key: bytes, outcome: str, nnodes: int, wait_s: float, lo
     try:
         store.set("maestro/job", sealed(key, "maestro/job", outcome))
         deadline = time.monotonic() + wait_s
-        keys = [f"maestro/bye/{n}" for n in range(1, nnodes) if n not in lost]
+        # Not the nodes that never joined (no agent claimed them): found in review, node 0 lingered
+        # there 10 s after a node refused or never came.
+        keys = [f"maestro/bye/{n}" for n in range(1, nnodes) if n not in lost and store.check([f"maestro/node/{n}"])]
         while time.monotonic() < deadline and not store.check(keys):
             time.sleep(POLL_S)
     except Exception:  # noqa: BLE001 (the store is ours: it fails only when this process is going down)
@@ -315,6 +317,7 @@ class Agent:
         """Tell node 0 that this node cannot join (it stops at once), and stop here."""
         name = f"maestro/lost/{session}"
         self._ask(store.set, name, sealed(self.skey, name, REFUSED + problem))
+        self._ask(store.set, f"maestro/bye/{self.nodes.node_rank}", "1")  # node 0 need not wait for this node
         raise PipelineError(problem)
 
     def _record(self, store: Any, session: str) -> dict[str, Any]:
