@@ -98,6 +98,9 @@ class SlotOwner:
             pass
         os.close(self._fd)
         self._fd = None
+        # Found in review: the owner file of another process of this attempt on this host that was
+        # killed outright (node 0's coordinator beside a node's agent) stayed until a later run.
+        sweep_orphans()
 
 
 def claim(session: str) -> SlotOwner:

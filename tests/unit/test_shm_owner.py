@@ -63,6 +63,24 @@ def test_a_killed_owners_slots_are_swept_a_live_ones_are_not():
     assert _files(alive) == []  # swept once its holder died too
 
 
+def test_an_owner_that_ends_removes_the_owner_file_a_killed_one_of_its_session_left():
+    """Found in review: node 0's coordinator killed outright beside a node agent of the same
+    attempt on its host: the agent swept the slots, but the coordinator's owner file stayed."""
+    session = uuid.uuid4().hex
+    killed = _holder(session)  # alive while this one claims: its file is locked, left alone
+    try:
+        owner = host.claim(session)
+        killed.send_signal(signal.SIGKILL)
+        killed.wait(10)
+        assert len([n for n in _files(session) if n.endswith(host.OWNER_SUFFIX)]) == 2
+        owner.close()
+        assert _files(session) == []
+    finally:
+        killed.kill()
+        killed.wait(10)
+        host.sweep_orphans()
+
+
 def test_an_owner_sweeps_its_slots_and_removes_its_file_on_close():
     session = uuid.uuid4().hex
     owner = host.claim(session)
