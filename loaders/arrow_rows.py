@@ -173,7 +173,7 @@ def scan_segment(cols: dict[str, pa.Array], n: int, payload: dict[str, str]) -> 
         if column in cols:
             # An empty clip trained as one silent frame, an empty image failed at run time (review)
             bad |= present & (payload_lengths(cols[column]) == 0)
-        if column in cols and is_list(cols[column].type):
+        if column in cols and (is_list(cols[column].type) or pa.types.is_fixed_size_list(cols[column].type)):
             bad |= rows_with_null_values(cols[column])  # a null audio sample would be read as NaN
             bad |= rows_with_non_finite(cols[column])
     zeros = np.zeros(n, dtype=np.int64)
@@ -238,9 +238,10 @@ def describe_bad_row(cols: dict[str, pa.Array], j: int, row: int, payload: dict[
             return f"{where} has a value in column {column!r} but {modality!r} is not in its modalities"
         if present and payload_lengths(cols[column].slice(j, 1))[0] == 0:
             return f"{where} has an empty {modality} in column {column!r} (no bytes or values)"
-        if present and is_list(cols[column].type) and cols[column][j].values.null_count:
+        listed = is_list(cols[column].type) or pa.types.is_fixed_size_list(cols[column].type) if present else False
+        if listed and rows_with_null_values(cols[column].slice(j, 1))[0]:
             return f"{where} has a null element in column {column!r}"
-        if present and is_list(cols[column].type) and rows_with_non_finite(cols[column].slice(j, 1))[0]:
+        if listed and rows_with_non_finite(cols[column].slice(j, 1))[0]:
             return f"{where} has a NaN or infinite value in column {column!r}"
     for column, modality in (("num_patches", "image"), ("num_frames", "audio")):
         if column in cols and modality in mods:

@@ -73,10 +73,12 @@ def load_secret(secret_file: str | None = None, environ: dict[str, str] | None =
 
 def _check_mode(path: str, fd: int) -> None:
     """Refuse a secret file that others can change (found in review: one any user could read
-    and write was taken silently); warn where others can read it (ssh's rule for keys)."""
+    and write was taken silently); warn where others can read it (ssh's rule for keys). Owned by
+    this user or root (a container's mounted secret); root may read anyone's."""
     st = os.fstat(fd)
-    if st.st_mode & 0o022 or st.st_uid != os.geteuid():
-        who = "its owner is another user" if st.st_uid != os.geteuid() else "others can write it"
+    foreign = st.st_uid not in (os.geteuid(), 0) and os.geteuid() != 0
+    if st.st_mode & 0o022 or foreign:
+        who = "its owner is another user" if foreign else "others can write it"
         raise ValueError(f"--secret-file {path}: {who} (mode {st.st_mode & 0o777:o}); make it yours and "
                          f"`chmod 600 {path}`")
     if st.st_mode & 0o044:

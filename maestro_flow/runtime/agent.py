@@ -100,8 +100,8 @@ def _mac(key: bytes, name: str, text: str) -> str:
 
 def printable(text: str, limit: int = 2000) -> str:
     """Text from the store as it may be shown: control characters escaped, bounded."""
-    text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text[:limit])
-    return text + ("..." if len(text) >= limit else "")
+    escaped = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text[:limit])
+    return escaped[:limit] + ("..." if len(text) > limit or len(escaped) > limit else "")
 
 
 def publish_attempt(store: Any, key: bytes, session: str, info: dict[str, Any]) -> None:
@@ -129,9 +129,7 @@ def end_job(store: Any, key: bytes, outcome: str, nnodes: int, wait_s: float, lo
     try:
         store.set("maestro/job", sealed(key, "maestro/job", outcome))
         deadline = time.monotonic() + wait_s
-        # Not the nodes that never joined (no agent claimed them): found in review, node 0 lingered
-        # there 10 s after a node refused or never came.
-        keys = [f"maestro/bye/{n}" for n in range(1, nnodes) if n not in lost and store.check([f"maestro/node/{n}"])]
+        keys = [f"maestro/bye/{n}" for n in range(1, nnodes) if n not in lost]  # a refusing node says bye at once
         while time.monotonic() < deadline and not store.check(keys):
             time.sleep(POLL_S)
     except Exception:  # noqa: BLE001 (the store is ours: it fails only when this process is going down)

@@ -5,40 +5,31 @@ locks or CUDA state); shutdown is idempotent and bounded: ask (done by the coord
 grace period, terminate, join, kill. A worker that outlives its parent exits by itself
 (see worker._die_with_parent), so nothing is left running when the coordinator dies. What a
 stage started (a helper process, a data loader's workers) is stopped by its worker as it exits,
-and, when a worker was killed by a signal, by `shutdown` here (runtime/reaper.py). A worker's
-environment lacks MAESTRO_SECRET (found in review: every worker, and whatever its stage started,
-inherited the user's secret; a worker has the key it needs from its boot record).
+and, when a worker was killed by a signal, by `shutdown` here (runtime/reaper.py). A worker
+takes MAESTRO_SECRET out of its environment first thing (found in review: every worker, and
+whatever its stage started, inherited the user's secret; a worker gets the run's stretched
+secret in its boot record). It does so itself: taking it out of this process's environment
+while spawning would hide it from this process's other threads.
 """
 
 from __future__ import annotations
 
-import contextlib
 import multiprocessing as mp
 import os
 import signal
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from maestro_flow.protocol.auth import SECRET_ENV
 from maestro_flow.runtime.reaper import stop_adopted
 
-_ENV_LOCK = threading.Lock()
 
-
-@contextlib.contextmanager
-def _without_secret() -> Iterator[None]:
-    """MAESTRO_SECRET out of this process's environment while a worker is spawned (it inherits
-    the environment as it is then), back after."""
-    with _ENV_LOCK:
-        held = os.environ.pop(SECRET_ENV, None)
-        try:
-            yield
-        finally:
-            if held is not None:
-                os.environ[SECRET_ENV] = held
+def _spawned(entry: Callable[[dict[str, Any]], None], boot: dict[str, Any]) -> None:
+    """A worker process's first code: the user's secret out of its environment, then `entry`."""
+    os.environ.pop(SECRET_ENV, None)
+    entry(boot)
 
 
 @dataclass
@@ -71,9 +62,9 @@ class Launcher:
         self._ctx = mp.get_context("spawn")
 
     def start(self, rank: int, section: str, replica: int, boot: dict[str, Any]) -> WorkerHandle:
-        proc = self._ctx.Process(target=self.entry, args=(boot,), name=f"maestro-{section}-{replica}", daemon=True)
-        with _without_secret():
-            proc.start()
+        proc = self._ctx.Process(target=_spawned, args=(self.entry, boot), name=f"maestro-{section}-{replica}",
+                                 daemon=True)
+        proc.start()
         handle = WorkerHandle(rank=rank, section=section, replica=replica, process=proc)
         self.workers.append(handle)
         return handle

@@ -42,10 +42,10 @@ def read_trace(path: str) -> list[SampleMeta]:
             d: dict[str, Any] = json.loads(line)
             if not isinstance(d, dict):
                 raise ValueError(f"a JSON object a line, got {type(d).__name__}")
-            sample = SampleMeta.from_dict({**d, "row": d.get("row", -1)})
             missing = [key for key in TRACE_REQUIRED if key not in d]  # a default would plan 0 tokens (review)
             if missing:
                 raise ValueError(f"no {' and no '.join(missing)}")
+            sample = SampleMeta.from_dict({**d, "row": d.get("row", -1)})
         except (ValueError, KeyError, TypeError) as exc:
             raise PipelineError(f"{path}:{n}: not a sample metadata line ({exc})") from None
         if sample.id in seen:

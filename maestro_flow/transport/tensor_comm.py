@@ -101,7 +101,7 @@ class TensorComm:
                  groups: dict[tuple[int, int, str], Any], device: torch.device,
                  deliver: Deliver, on_error: Callable[[str], None], tracer: Any = None,
                  relay: tuple[tuple[int, ...], Any] | None = None, timeout_s: float = 300.0,
-                 shm: Sequence[tuple[int, int, str]] = (), shm_prefix: str = "maestro",
+                 shm: Sequence[tuple[int, int, str]] = (), shm_prefix: str | None = None,
                  ipc: Sequence[tuple[int, int, str]] = ()) -> None:
         """`relay`: (the replica's ranks, leader first; its relay group) for tensor-parallel ranks.
         `timeout_s`: how long a send may wait for room in its channel's window, and the header
@@ -126,6 +126,7 @@ class TensorComm:
         self._received: dict[Channel, queue.Queue] = {}
         self._pools: dict[Channel, p2p.BufferPool] = {}
         self.stats = Stats()
+        shm_prefix = shm_prefix or f"maestro-{rank}"
         self._shm_out = {(dst, kind) for src, dst, kind in shm if src == rank}
         self._shm_in = {(src, kind) for src, dst, kind in shm if dst == rank}
         self._slots = shm_module.SlotWriter(shm_prefix) if self._shm_out else None

@@ -6,6 +6,8 @@ once; the secret comes from --secret-file or MAESTRO_SECRET and a short one is r
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from maestro_flow.protocol.auth import (
@@ -121,6 +123,23 @@ def test_a_secret_file_others_can_change_is_refused_and_one_they_can_read_is_war
     path.chmod(0o644)
     assert load_secret(str(path), environ={}) == stretch(b"0123456789abcdef0123")
     assert "is readable by others (mode 644): `chmod 600" in capsys.readouterr().err
+
+
+def test_a_secret_file_of_root_is_taken_one_of_another_user_is_not(tmp_path, monkeypatch):
+    """A container's mounted secret is root's (Docker /run/secrets, Kubernetes volumes): found in
+    review, the first version refused it to a non-root user."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to give the file to other owners")
+    path = tmp_path / "secret"
+    path.write_text("0123456789abcdef0123")
+    path.chmod(0o400)
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)  # this process as a user, the file root's
+    assert load_secret(str(path), environ={}) == stretch(b"0123456789abcdef0123")
+    os.chown(path, 2000, 2000)
+    with pytest.raises(ValueError, match="its owner is another user"):
+        load_secret(str(path), environ={})
+    monkeypatch.undo()  # root may read anyone's
+    assert load_secret(str(path), environ={}) == stretch(b"0123456789abcdef0123")
 
 
 def test_a_frame_for_one_recipient_does_not_open_at_another_whose_name_it_begins():

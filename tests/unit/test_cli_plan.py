@@ -79,6 +79,7 @@ def test_a_trace_line_with_bad_modalities_is_refused(tmp_path, modalities):
 @pytest.mark.parametrize(("line", "fragment"), [
     ('{"id": 2, "modalities": ["text"]}', "no num_tokens"),  # planned as 0 tokens before (review)
     ('{"id": 2, "num_tokens": 5}', "no modalities"),
+    ('{"modalities": ["text"], "num_tokens": 5}', "no id"),
     ('[1, 2]', "a JSON object a line, got list"),
 ])
 def test_a_trace_line_without_what_it_must_have_is_refused(tmp_path, command, line, fragment):

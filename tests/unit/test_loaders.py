@@ -135,6 +135,19 @@ def test_a_fixed_size_list_column_is_read_as_arrays(tmp_path, fmt):
     assert [r.tolist() for r in rows] == [[9.0, 10.0, 11.0], [3.0, 4.0, 5.0]]
 
 
+@pytest.mark.parametrize(("value", "expected"), [(None, "a null element"), (float("nan"), "a NaN or infinite value")])
+def test_a_fixed_size_list_payload_is_checked_as_a_list_is(tmp_path, value, expected):
+    """Found in review: with fixed_size_list columns read as arrays, a null in precomputed pixels
+    trained as NaN (the row checks looked at list columns only)."""
+    pixels = pa.FixedSizeListArray.from_arrays(pa.array([0.1, 0.2, 0.3, 0.4, value, 0.6], pa.float32()), 3)
+    table = pa.table({"id": pa.array([1, 2], pa.int64()), "modalities": [["image"], ["image"]],
+                      "tokens": pa.array([[259, 65]] * 2, pa.list_(pa.int32())),
+                      "num_patches": pa.array([1, 1], pa.int32()), "pixel_values": pixels})
+    src = source(write_arrow(table, tmp_path / "t.arrow"), modality_columns={"image": "pixel_values"})
+    with pytest.raises(PipelineError, match=rf"row 1 \(id 2\) has {expected} in column 'pixel_values'"):
+        src.metadata()
+
+
 def test_int64_tokens_that_do_not_fit_int32_are_refused_not_truncated(tmp_path):
     # Reproduced before: 2**32 + 65 came back as 65.
     path = write_arrow(pa.table({"id": pa.array([1, 2], pa.int64()), "modalities": [["text"], ["text"]],
