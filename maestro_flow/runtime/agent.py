@@ -325,8 +325,9 @@ class Agent:
         node = self.nodes.node_rank
         if text is None:
             self._refuse(store, session, f"node {node}'s control-plane secret differs from node 0's (the run's "
-                                         "attempt in the rendezvous store is not sealed with it): give every node the "
-                                         "same MAESTRO_SECRET (or --secret-file)")
+                                         "attempt in the rendezvous store is not sealed with it, or something other "
+                                         "than node 0 wrote it): give every node the same MAESTRO_SECRET (or "
+                                         "--secret-file)")
         info = json.loads(text)
         for section, _, name, label in info["workers"].values():  # node 0's own: checked all the same
             if not (file_name(name) and str(label).isprintable() and str(section).isprintable()):
