@@ -13,19 +13,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.gpu.conftest import DEVICES
 from tests.integration.conftest import maestro
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(400),
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
-DEVICES = ("--set", "sections.teacher.device=cuda", "--set", "sections.student.device=cuda")
-
-
-@pytest.fixture(scope="module")
-def demo_data(tmp_path_factory):
-    from loaders.demo import build_text_demo
-
-    return build_text_demo(tmp_path_factory.mktemp("demo"), num_samples=64, parquet=False)
 
 
 def equal(a: dict, b: dict) -> None:

@@ -159,26 +159,9 @@ def test_an_agent_taking_a_node_over_joins_only_a_later_attempt(monkeypatch, los
     from maestro_flow.runtime import agent as agent_mod
     from maestro_flow.timeouts import Timeouts
 
-    started = []
-
-    class Launcher:
-        def __init__(self, entry):
-            pass
-
-        def start(self, rank, section, replica, boot):
-            started.append(boot["session"])
-
-        def dead(self):
-            return []
-
-        def join(self, timeout):
-            pass
-
-        def shutdown(self, grace, kill):
-            pass
-
+    _Started.boots = []
     monkeypatch.setattr(agent_mod, "BEAT_WAIT_S", 0.5)
-    monkeypatch.setattr(agent_mod, "Launcher", Launcher)
+    monkeypatch.setattr(agent_mod, "Launcher", _Started)
     monkeypatch.setattr(agent_mod, "claim", lambda session: type("Owner", (), {"close": lambda self: None})())
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     info = {"node_of": {"0": 0, "1": 1}, "address": "tcp://127.0.0.1:1", "timeouts": {}, "devices": ["cpu", "cpu"],
@@ -197,13 +180,13 @@ def test_an_agent_taking_a_node_over_joins_only_a_later_attempt(monkeypatch, los
     running.start()
     try:
         time.sleep(1.5)
-        assert started == [] and store.get("maestro/node/1").decode() == agent.me
+        assert _Started.boots == [] and store.get("maestro/node/1").decode() == agent.me
         agent_mod.publish_attempt(store, key, "S2", info)
         for _ in range(50):
-            if started:
+            if _Started.boots:
                 break
             time.sleep(0.05)
-        assert started == ["S2"]
+        assert [b["session"] for b in _Started.boots] == ["S2"]
     finally:
         agent_mod.end_attempt(store, key, "S2", "done")
         store.set("maestro/job", agent_mod.sealed(key, "maestro/job", "done"))
