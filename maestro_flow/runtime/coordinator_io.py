@@ -174,6 +174,8 @@ class CoordinatorIO:
             if got is not None and got[1]["t"] == "error":
                 self._raise_root_cause(*got)
                 reported.add(got[0])
+            elif got is not None and got[1]["t"] == "bye":  # found by CI: a bye read here was dropped,
+                self.said_bye.add(got[0])  # and a worker that left normally was blamed for the failure
 
     def _label(self, rank: int) -> str:
         section, replica = self.placement.who(rank)
