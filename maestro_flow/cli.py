@@ -31,9 +31,15 @@ def _fail(exc: BaseException, debug: bool) -> None:
         sys.exit(1)
     code = 2 if isinstance(exc, PipelineError) else 1
     click.echo(f"error: {exc}", err=True)
+    _exit(code)
+
+
+def _exit(code: int) -> None:
+    """sys.exit, or os._exit at once where a store call was given up (a node 0 that stopped
+    answering: runtime/nodes.bounded)."""
     from maestro_flow.runtime.nodes import exit_code
 
-    exit_code(code)  # at once where a store call was given up (a node 0 that stopped answering)
+    exit_code(code)
     sys.exit(code)
 
 
@@ -231,10 +237,7 @@ def run(ctx: click.Context, pipeline: str, steps: int | None, sets: tuple[str, .
             run_pipeline(pipeline, options)
     except KeyboardInterrupt:
         click.echo("interrupted: workers stopped", err=True)
-        from maestro_flow.runtime.nodes import exit_code
-
-        exit_code(130)
-        sys.exit(130)
+        _exit(130)
     except MaestroError as exc:
         _fail(exc, ctx.obj["debug"])
     finally:

@@ -94,6 +94,12 @@ def unsealed(key: bytes, name: str, raw: bytes) -> str | None:
     return text if sep and hmac.compare_digest(mac, _mac(key, name, text)) else None
 
 
+def _body(raw: bytes) -> str:
+    """What a value that does not open says: the text after its MAC, or all of it where it has none."""
+    text = raw.decode("utf-8", "replace")
+    return text.partition(":")[2] if ":" in text else text
+
+
 def _mac(key: bytes, name: str, text: str) -> str:
     return hmac.new(key, name.encode() + b"\x00" + text.encode(), hashlib.sha256).hexdigest()
 
@@ -156,7 +162,7 @@ def lost_error(store: Any, key: bytes, session: str) -> MaestroError | None:
     raw = store.get(name)
     text = unsealed(key, name, raw)
     if text is None:
-        body = raw.decode("utf-8", "replace").partition(":")[2]
+        body = _body(raw)
         if not body.startswith(REFUSED):
             return None  # not an agent of this run's: a worker it names is not taken as lost
         return PipelineError(f"{printable(body.removeprefix(REFUSED))} (a note in the rendezvous store not sealed "
@@ -305,11 +311,16 @@ class Agent:
         if not self._ask(store.check, [name]):
             return None
         text = unsealed(self.skey, name, self._ask(store.get, name))
-        if text is None and name not in self._ignored:
+        if text is None:
+            self._ignore(name)
+        return text
+
+    def _ignore(self, name: str) -> None:
+        """Say, once per key, that its value in the store is not acted on."""
+        if name not in self._ignored:
             self._ignored.add(name)
             self.log(f"node {self.nodes.node_rank}: ignored {name} in the rendezvous store: not sealed with this "
                      "node's secret (node 0's secret differs, or another client of the store wrote it)")
-        return text
 
     def _refuse(self, store: Any, session: str, problem: str) -> None:
         """Tell node 0 that this node cannot join (it stops at once), and stop here."""
@@ -329,10 +340,10 @@ class Agent:
                                          "than node 0 wrote it): give every node the same MAESTRO_SECRET (or "
                                          "--secret-file)")
         info = json.loads(text)
-        for section, _, name, label in info["workers"].values():  # node 0's own: checked all the same
-            if not (file_name(name) and str(label).isprintable() and str(section).isprintable()):
-                self._refuse(store, session, f"node 0's attempt names a worker {printable(str(name))!r}, which is "
-                                             "not a file name")
+        for section, _, worker, label in info["workers"].values():  # node 0's own: checked all the same
+            if not (file_name(worker) and str(label).isprintable() and str(section).isprintable()):
+                self._refuse(store, session, f"node 0's attempt names a worker {printable(str(worker))!r}, which "
+                                             "is not a file name")
         return info
 
     def _refusal(self, store: Any, session: str, info: dict[str, Any]) -> str | None:
@@ -376,11 +387,10 @@ class Agent:
         session = unsealed(self.skey, "maestro/attempt", raw)
         if session is not None:
             return session
-        text = raw.decode("utf-8", "replace")
-        session = text.partition(":")[2] if ":" in text else text
+        session = _body(raw)
         if NONCE.fullmatch(session) and self._ask(store.check, [f"maestro/attempt/{session}"]):
             return session
-        self._read(store, "maestro/attempt")  # says it is ignored, once
+        self._ignore("maestro/attempt")
         return None
 
     def _attempt(self, store: Any, session: str, info: dict[str, Any]) -> None:

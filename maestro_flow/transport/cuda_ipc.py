@@ -159,7 +159,7 @@ class IpcReader(SlotReader):
     max_mapped = sweep_s = float("inf")  # a slot's handles come once: a mapping forgotten could not be opened again
 
     def __init__(self, device: torch.device, wait: str = "device", timeout_s: float = 600.0) -> None:
-        super().__init__(PREFIX.removesuffix("-"))  # names ipc-<sender rank>-<count>, checked by read()
+        super().__init__(PREFIX.removesuffix("-"))  # names ipc-<sender rank>-<count>: check_name
         self.device = device
         self.wait = wait  # "device": the default stream waits for the sender's copy; "host": this thread does
         self.timeout_s = timeout_s  # the longest a host wait for one copy may take
@@ -169,8 +169,7 @@ class IpcReader(SlotReader):
 
     def read_ipc(self, src: int, name: str, offsets: Sequence[int], specs: Sequence[Sequence],
                  export: Sequence[Any] | None) -> list[torch.Tensor]:
-        if not name.startswith(f"{PREFIX}{src}-") or "/" in name:
-            raise ValueError(f"not a CUDA IPC slot of rank {src}: {name!r}")
+        self.check_name(src, name)  # before its handles are kept
         if export is not None:
             self._exports[name] = export
         out = self.read(src, name, offsets, specs)

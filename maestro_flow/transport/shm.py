@@ -212,10 +212,7 @@ class SlotReader:
 
     def read(self, src: int, name: str, offsets: Sequence[int], specs: Sequence[Sequence]) -> list[torch.Tensor]:
         """The message's buffers as views of slot `name` (specs: [dtype, numel] per buffer)."""
-        # Found in review: any maestro-* file was mapped (read-write), another rank's or another
-        # run's; checked at every message, a slot mapped already included.
-        if "/" in name or not name.startswith(f"{self.prefix}-{src}-"):
-            raise ValueError(f"not a slot of rank {src} of this run: {name!r}")
+        self.check_name(src, name)  # at every message, a slot mapped already included
         spans = []
         for off, (dtype, numel) in zip(offsets, specs, strict=True):
             dt = p2p.dtype_named(dtype)
@@ -237,6 +234,12 @@ class SlotReader:
         for old in gone:
             old.close()
         return out
+
+    def check_name(self, src: int, name: str) -> None:
+        """ValueError unless `name` is one of rank `src`'s slots of this run (found in review: any
+        maestro-* file was mapped read-write on a header's word, another rank's or another run's)."""
+        if "/" in name or not name.startswith(f"{self.prefix}-{src}-"):
+            raise ValueError(f"not a slot of rank {src} of this run: {name!r}")
 
     def _open(self, src: int, name: str) -> _Slot:
         """Map a slot the first time a message names it (transport/cuda_ipc.py opens device slots)."""
