@@ -18,13 +18,12 @@ it each attempt of the run (its first, and one per automatic restart):
     maestro/bye/<node>         set by an agent once it read maestro/job (node 0 waits for it)
 
 Node 0's values (the attempt, its record, stopping, end, job) and the agents' lost notes are
-sealed: an HMAC under a key derived from the run's secret (`store_key`), over the key's name and
-the value (`sealed`). The store itself is not authenticated (a torch TCPStore): anyone who can
-reach it may write any key, so a value that does not open (`unsealed`) is not acted on. Found in
-review: a store client made an agent start workers that connected to the client's address and
+sealed under a key of this run and its secret (runtime/sealing.py: a value that does not open is
+not acted on, nor is one of an earlier run), which an agent learns by asking node 0 first. Found
+in review: a store client made an agent start workers that connected to the client's address and
 wrote logs outside the run directory, and a forged `maestro/attempt` made it stop the workers of
 a running attempt. Such a value is ignored (said once); a node whose secret differs from node
-0's finds node 0's attempt unsealed, refuses it, and its refusal (which node 0 cannot open
+0's cannot open node 0's answer, refuses the attempt, and its refusal (which node 0 cannot open
 either) is shown by node 0 as such. Deleting or overwriting keys can still stop a run: the store
 is as available as the network it is on.
 
@@ -53,11 +52,8 @@ longer answers), stopping its workers first.
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import json
 import os
-import re
 import secrets
 import socket
 import sys
@@ -66,48 +62,18 @@ import time
 from typing import Any
 
 from maestro_flow.errors import MaestroError, PipelineError, SystemFailure, WorkerLost
-from maestro_flow.protocol.auth import derive_key
+from maestro_flow.runtime import sealing
 from maestro_flow.runtime.launcher import Launcher
 from maestro_flow.runtime.nodes import ABANDONED, NoAnswer, Nodes, bounded, node_ranks, rendezvous
+from maestro_flow.runtime.sealing import DIFFERS, NONCE, printable, read_answer, run_key, sealed, store_key, unsealed
 from maestro_flow.timeouts import Timeouts
 from maestro_flow.transport.host import SlotOwner, claim
 
 POLL_S = 0.2
 BEAT_WAIT_S = 3.0  # how long an agent watches another one's beat before it takes it as gone
 BEAT_STORE_S = 2.0  # the beat's store connection: its connect and each call give up after this
-BEAT_JOIN_S = 2 * BEAT_STORE_S + 1  # how long an ending agent waits for its beat thread's last store call
-
-
-def store_key(secret: bytes) -> bytes:
-    """The key that seals the run's values in the rendezvous store (from the run's stretched secret)."""
-    return derive_key(secret, "rendezvous store")
-
-
-def sealed(key: bytes, name: str, text: str) -> str:
-    """`text` as stored under `name`: its MAC (over the name and the text), then the text."""
-    return f"{_mac(key, name, text)}:{text}"
-
-
-def unsealed(key: bytes, name: str, raw: bytes) -> str | None:
-    """The text of a value `sealed` stored under `name`; None where it was not sealed with `key`."""
-    mac, sep, text = raw.decode("utf-8", "replace").partition(":")
-    return text if sep and hmac.compare_digest(mac, _mac(key, name, text)) else None
-
-
-def _body(raw: bytes) -> str:
-    """What a value that does not open says: the text after its MAC, or all of it where it has none."""
-    text = raw.decode("utf-8", "replace")
-    return text.partition(":")[2] if ":" in text else text
-
-
-def _mac(key: bytes, name: str, text: str) -> str:
-    return hmac.new(key, name.encode() + b"\x00" + text.encode(), hashlib.sha256).hexdigest()
-
-
-def printable(text: str, limit: int = 2000) -> str:
-    """Text from the store as it may be shown: control characters escaped, bounded."""
-    escaped = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text[:limit])
-    return escaped[:limit] + ("..." if len(text) > limit or len(escaped) > limit else "")
+BEAT_JOIN_S = 2 * BEAT_STORE_S + 1
+INTERRUPT_STORE_S = 2.0  # how long an interrupted agent tries to tell node 0 (each of two store calls)  # how long an ending agent waits for its beat thread's last store call
 
 
 def publish_attempt(store: Any, key: bytes, session: str, info: dict[str, Any]) -> None:
@@ -143,7 +109,6 @@ def end_job(store: Any, key: bytes, outcome: str, nnodes: int, wait_s: float, lo
 
 
 REFUSED = "refused: "
-NONCE = re.compile(r"[0-9a-f]{1,64}")  # a session (auth.new_nonce)
 
 
 def file_name(name: Any) -> bool:
@@ -162,10 +127,10 @@ def lost_error(store: Any, key: bytes, session: str) -> MaestroError | None:
     raw = store.get(name)
     text = unsealed(key, name, raw)
     if text is None:
-        body = _body(raw)
-        if not body.startswith(REFUSED):
+        said = sealing.body(raw)
+        if not said.startswith(REFUSED):
             return None  # not an agent of this run's: a worker it names is not taken as lost
-        return PipelineError(f"{printable(body.removeprefix(REFUSED))} (a note in the rendezvous store not sealed "
+        return PipelineError(f"{printable(said.removeprefix(REFUSED))} (a note in the rendezvous store not sealed "
                              "with this node's secret: that node's secret differs from this one's, or another "
                              "client of the store wrote it)")
     text = printable(text)
@@ -220,7 +185,10 @@ class Agent:
         self.where = f"{nodes.endpoint[0]}:{nodes.endpoint[1]}" if nodes.endpoint else "?"
         self.node0_ranks: list[int] = []  # known once an attempt is published
         self.me = f"{socket.gethostname()} pid {os.getpid()} ({secrets.token_hex(4)})"  # this agent, in the store
-        self.skey = store_key(secret)
+        self.skey = store_key(secret)  # opens node 0's answer to this agent's challenge
+        self.rkey: bytes | None = None  # this run's values: known once node 0 answered (_learn_run)
+        self.differs = False  # node 0's answer does not open: its secret differs
+        self.challenge = secrets.token_hex(16)
         self._ignored: set[str] = set()  # store keys whose unsealed value was said once
 
     def run(self) -> None:
@@ -235,6 +203,8 @@ class Agent:
                 # Taken over from a killed agent: the attempt it ran workers for is lost (node 0
                 # ends it when it finds them gone); this node joins any later one.
                 session = self._ask(store.get, joined).decode()
+            self._ask(store.set, sealing.ask_name(self.nodes.node_rank), self.challenge)  # which run is this?
+            self._ask(store.add, sealing.ASKED, 1)
             while True:
                 session = self._next_attempt(store, session)
                 if session is None:
@@ -305,12 +275,25 @@ class Agent:
             raise SystemFailure(f"lost node 0 (the coordinator{ranks}; rendezvous {self.where}): {why}; this "
                                 f"node's workers are stopped") from None
 
+    def _learn_run(self, store: Any) -> bool:
+        """Whether node 0 answered this agent's challenge (runtime/sealing.py): this run's key is
+        known then, or that node 0's secret differs (`differs`)."""
+        answer = sealing.answer_name(self.nodes.node_rank)
+        if self.rkey is None and not self.differs and self._ask(store.check, [answer]):
+            raw = self._ask(store.get, answer)
+            run = read_answer(self.skey, self.nodes.node_rank, self.challenge, raw)
+            if run == DIFFERS:
+                self.differs = True
+            elif run is not None:
+                self.rkey = run_key(self.skey, run)
+        return self.rkey is not None or self.differs
+
     def _read(self, store: Any, name: str) -> str | None:
-        """A sealed value of node 0's; None where absent or not sealed with this node's secret
-        (said once per key: ignored, see the module docstring)."""
+        """A sealed value of node 0's in this run; None where absent or not sealed with this
+        node's secret for this run (said once per key: ignored, see the module docstring)."""
         if not self._ask(store.check, [name]):
             return None
-        text = unsealed(self.skey, name, self._ask(store.get, name))
+        text = unsealed(self.rkey, name, self._ask(store.get, name))
         if text is None:
             self._ignore(name)
         return text
@@ -325,14 +308,14 @@ class Agent:
     def _refuse(self, store: Any, session: str, problem: str) -> None:
         """Tell node 0 that this node cannot join (it stops at once), and stop here."""
         name = f"maestro/lost/{session}"
-        self._ask(store.set, name, sealed(self.skey, name, REFUSED + problem))
+        self._ask(store.set, name, sealed(self.rkey or self.skey, name, REFUSED + problem))
         self._ask(store.set, f"maestro/bye/{self.nodes.node_rank}", "1")  # node 0 need not wait for this node
         raise PipelineError(problem)
 
     def _record(self, store: Any, session: str) -> dict[str, Any]:
         """The attempt's record, sealed by node 0, its worker names checked; refused otherwise."""
         name = f"maestro/attempt/{session}"
-        text = unsealed(self.skey, name, self._ask(store.get, name))
+        text = unsealed(self.rkey, name, self._ask(store.get, name))
         node = self.nodes.node_rank
         if text is None:
             self._refuse(store, session, f"node {node}'s control-plane secret differs from node 0's (the run's "
@@ -365,30 +348,33 @@ class Agent:
         deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline:
             self._check_hold(store)
-            outcome = self._read(store, "maestro/job")
-            if outcome is not None:
-                self._ask(store.set, f"maestro/bye/{self.nodes.node_rank}", "1")
-                if outcome == "done":
-                    return None
-                raise SystemFailure(f"the run failed (node 0 says: {printable(outcome.removeprefix('failed: '))})")
-            session = self._pointer(store)
-            if session is not None and session != previous:
-                return session
+            if self._learn_run(store):
+                outcome = self._read(store, "maestro/job")
+                if outcome is not None:
+                    self._ask(store.set, f"maestro/bye/{self.nodes.node_rank}", "1")
+                    if outcome == "done":
+                        return None
+                    raise SystemFailure(f"the run failed (node 0 says: {printable(outcome.removeprefix('failed: '))})")
+                session = self._pointer(store)
+                if session is not None and session != previous:
+                    return session
             time.sleep(POLL_S)
-        raise SystemFailure(f"node 0 started no attempt of the run within {wait_s:.0f}s (rendezvous {self.where})")
+        what = "started no attempt of the run" if self.rkey or self.differs else "did not answer this node's challenge"
+        raise SystemFailure(f"node 0 {what} within {wait_s:.0f}s (rendezvous {self.where})")
 
     def _pointer(self, store: Any) -> str | None:
-        """The current attempt's session. One whose pointer does not open is taken only where its
-        record is there too: a node whose secret differs then refuses it (`_record`) rather than
-        waiting for the startup timeout; a pointer to nothing is ignored."""
+        """The current attempt's session. Where node 0's secret differs (its answer did not open),
+        a pointer to a record that is there is taken all the same: this node then refuses it
+        (`_record`) and node 0 shows why, rather than waiting for the startup timeout. Any other
+        pointer that does not open (forged, or an earlier run's) is ignored."""
         if not self._ask(store.check, ["maestro/attempt"]):
             return None
         raw = self._ask(store.get, "maestro/attempt")
-        session = unsealed(self.skey, "maestro/attempt", raw)
+        session = unsealed(self.rkey, "maestro/attempt", raw)
         if session is not None:
             return session
-        session = _body(raw)
-        if NONCE.fullmatch(session) and self._ask(store.check, [f"maestro/attempt/{session}"]):
+        session = sealing.body(raw)
+        if self.differs and NONCE.fullmatch(session) and self._ask(store.check, [f"maestro/attempt/{session}"]):
             return session
         self._ignore("maestro/attempt")
         return None
@@ -442,7 +428,7 @@ class Agent:
                 if dead and not reported:
                     w = dead[0]
                     self._ask(store.set, f"maestro/lost/{session}", sealed(
-                        self.skey, f"maestro/lost/{session}", f"worker {w.label} on node {node} {w.exit_description()}"))
+                        self.rkey, f"maestro/lost/{session}", f"worker {w.label} on node {node} {w.exit_description()}"))
                     reported = True
                 if len(launcher.dead()) == len(mine):
                     gone_since = gone_since or time.monotonic()
@@ -453,11 +439,11 @@ class Agent:
                                             f"MAESTRO_COORDINATOR_TIMEOUT_S if node 0 can be that slow)")
                 time.sleep(POLL_S)
         except KeyboardInterrupt:  # Ctrl-C or SIGTERM here: node 0 learns why at once
-            try:
-                store.set(f"maestro/lost/{session}", sealed(self.skey, f"maestro/lost/{session}",
-                                                            f"node {node} was interrupted (Ctrl-C or SIGTERM there); "
-                                                            "its workers are stopped"))
-                store.set(f"maestro/bye/{node}", "1")  # node 0 need not wait for this node to read the end
+            try:  # bounded: a node 0 that does not answer must not hold Ctrl-C up
+                bounded(store.set, f"maestro/lost/{session}", sealed(
+                    self.rkey, f"maestro/lost/{session}", f"node {node} was interrupted (Ctrl-C or SIGTERM there); its "
+                    "workers are stopped"), timeout_s=INTERRUPT_STORE_S)
+                bounded(store.set, f"maestro/bye/{node}", "1", timeout_s=INTERRUPT_STORE_S)  # node 0 need not wait
             except Exception:  # noqa: BLE001 (node 0 may be gone too)
                 pass
             raise

@@ -96,7 +96,7 @@ class Coordinator(CoordinatorIO):
                  checkpointer: Checkpointer | None = None, resume: tuple[str, Manifest] | None = None,
                  restarts: int = 0, secret: bytes | None = None, host: str = zmq_link.LOOPBACK,
                  interface: str | None = None, nodes: Nodes | None = None, rdzv: Any = None,
-                 pin_cpus: bool = False) -> None:
+                 rdzv_key: bytes | None = None, pin_cpus: bool = False) -> None:
         self.pipeline, self.graph, self.sampler, self.report = pipeline, graph, sampler, report
         self.paths, self.save_dir = paths, save_dir
         self.timeouts = timeouts or Timeouts.from_env()
@@ -129,7 +129,7 @@ class Coordinator(CoordinatorIO):
         self.session = new_nonce()
         self._owner: shm_host.SlotOwner | None = None  # marks this attempt's slots on this host as alive
         self.key = derive_key(self.secret, self.session)
-        self.store_key = agent.store_key(self.secret)  # seals this node's values in a rendezvous store
+        self.store_key = rdzv_key  # seals this node's values in the rendezvous store (runtime/sealing.py)
         self.opener = Opener(self.key, "coordinator", zmq_link.CONTROL_MAX_BYTES)
         self.sealers: dict[int, Sealer] = {}
         self.identity_rank: dict[bytes, int] = {}  # bound by each rank's authenticated hello

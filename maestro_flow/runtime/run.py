@@ -22,7 +22,7 @@ from maestro_flow.checkpoint import manifest as mf
 from maestro_flow.checkpoint.checkpointer import Checkpointer, CheckpointOptions, resume_point
 from maestro_flow.errors import PipelineError
 from maestro_flow.runtime import cpus
-from maestro_flow.runtime.agent import end_job, store_key
+from maestro_flow.runtime.agent import end_job
 from maestro_flow.runtime.build import load_pipeline
 from maestro_flow.runtime.checks import check_pipeline
 from maestro_flow.runtime.coordinator import placement_for
@@ -312,25 +312,37 @@ def run_pipeline(path: str, options: RunOptions) -> list[dict[str, Any]]:
                 Coordinator(pipeline, checked.graph, sampler, report, paths=paths, save_dir=options.save_dir,
                             observer=observer, run_dir=options.run_dir, record=record, checkpointer=checkpointer,
                             resume=resume_at, restarts=restarts, secret=secret, host=host,
-                            interface=options.interface, nodes=nodes, rdzv=rdzv, pin_cpus=options.pin_cpus).run()
+                            interface=options.interface, nodes=nodes, rdzv=rdzv, rdzv_key=rkey,
+                            pin_cpus=options.pin_cpus).run()
 
-            rdzv = None
-            if nodes.multi:
+            rdzv, rkey, answers = None, None, None
+            if nodes.multi:  # the rendezvous store, and this run's key for its values (runtime/sealing.py)
+                from maestro_flow.protocol.auth import new_nonce
                 from maestro_flow.runtime.nodes import rendezvous
+                from maestro_flow.runtime.sealing import Answers, run_key, store_key
 
-                rdzv = rendezvous(nodes, Timeouts.from_env().startup_s)
+                startup_s = Timeouts.from_env().startup_s
+                rdzv = rendezvous(nodes, startup_s)
+                run_id = new_nonce()
+                rkey = run_key(store_key(secret), run_id)
+                answers = Answers(nodes.endpoint, nodes.nnodes, store_key(secret), run_id, startup_s)
             try:
-                supervise(attempt, max_restarts=ckpt.max_restarts, committed=lambda: checkpointer.committed,
-                          resume=resume, restarts=resume[1].restarts if resume else 0,
-                          log=lambda text: print(text, file=sys.stderr, flush=True),
-                          on_restart=run_dir.event if run_dir is not None else lambda event: None)
-            except BaseException as exc:
+                try:
+                    supervise(attempt, max_restarts=ckpt.max_restarts, committed=lambda: checkpointer.committed,
+                              resume=resume, restarts=resume[1].restarts if resume else 0,
+                              log=lambda text: print(text, file=sys.stderr, flush=True),
+                              on_restart=run_dir.event if run_dir is not None else lambda event: None)
+                except BaseException as exc:
+                    if rdzv is not None:
+                        end_job(rdzv, rkey, f"failed: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}",
+                                nodes.nnodes, Timeouts.from_env().shutdown_grace_s + 5,
+                                getattr(exc, "lost_nodes", set()))
+                    raise
                 if rdzv is not None:
-                    end_job(rdzv, store_key(secret), f"failed: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}",
-                            nodes.nnodes, Timeouts.from_env().shutdown_grace_s + 5, getattr(exc, "lost_nodes", set()))
-                raise
-            if rdzv is not None:
-                end_job(rdzv, store_key(secret), "done", nodes.nnodes, Timeouts.from_env().shutdown_grace_s + 5)
+                    end_job(rdzv, rkey, "done", nodes.nnodes, Timeouts.from_env().shutdown_grace_s + 5)
+            finally:
+                if answers is not None:  # every agent has said goodbye, or will not
+                    answers.close()
             if options.save_dir and pipeline is not original:  # the baseline saves the sections as section mode
                 from maestro_flow.checkpoint.savedir import save_pipeline
 

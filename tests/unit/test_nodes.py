@@ -53,7 +53,8 @@ def test_layouts_that_do_not_fit_are_refused():
 def test_what_an_agent_compares_with_node_0():
     """A node whose pipeline or secret differs from node 0's is refused before its workers start,
     naming the keys that differ (runtime/agent.py)."""
-    from maestro_flow.runtime.agent import canonical, differences, sealed, store_key, unsealed
+    from maestro_flow.runtime.agent import canonical, differences
+    from maestro_flow.runtime.sealing import sealed, store_key, unsealed
 
     node0 = {"steps": 2, "seed": 0, "sections": [{"name": "teacher", "dp": 1}, {"name": "student", "dp": 2}]}
     here = {"steps": 4, "seed": 0, "sections": [{"name": "teacher", "dp": 1}, {"name": "student", "dp": 1}]}
@@ -107,6 +108,7 @@ def test_a_node_is_held_by_one_live_agent_for_the_whole_run(monkeypatch):
     monkeypatch.setattr(agent_mod, "BEAT_WAIT_S", 1.0)
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     nodes = Nodes(nnodes=2, node_rank=1, endpoint=("127.0.0.1", store.port))
+    answers, rkey = _node0(store, b"s")
 
     def agent():
         return agent_mod.Agent(nodes, secret=b"s", host="127.0.0.1", interface=None, timeouts=Timeouts(),
@@ -123,10 +125,7 @@ def test_a_node_is_held_by_one_live_agent_for_the_whole_run(monkeypatch):
     running = threading.Thread(target=run_first, daemon=True)
     running.start()
     try:
-        for _ in range(100):  # it claims before anything else
-            if store.check(["maestro/node/1"]):
-                break
-            threading.Event().wait(0.05)
+        _until(lambda: store.check(["maestro/node/1"]))
         assert store.get("maestro/node/1").decode() == first.me
         second = agent()
         with pytest.raises(PipelineError, match=r"node 1 of this run already has an agent \(.*\): give each node"):
@@ -141,8 +140,9 @@ def test_a_node_is_held_by_one_live_agent_for_the_whole_run(monkeypatch):
         assert len(ended) == 1 and isinstance(ended[0], SystemFailure), ended
         assert "node 1 was taken over by another agent (" in str(ended[0])
     finally:
-        store.set("maestro/job", agent_mod.sealed(agent_mod.store_key(b"s"), "maestro/job", "done"))
+        store.set("maestro/job", agent_mod.sealed(rkey, "maestro/job", "done"))
         running.join(10)
+        answers.close()
     assert not running.is_alive()
 
 
@@ -167,7 +167,7 @@ def test_an_agent_taking_a_node_over_joins_only_a_later_attempt(monkeypatch, los
     info = {"node_of": {"0": 0, "1": 1}, "address": "tcp://127.0.0.1:1", "timeouts": {}, "devices": ["cpu", "cpu"],
             "workers": {"1": ["s", 0, "s0", "s[0]"]}}
     store.set("maestro/node/1", "a killed agent")  # nothing beats for it
-    key = agent_mod.store_key(b"s")
+    answers, key = _node0(store, b"s")
     agent_mod.publish_attempt(store, key, "S1", info)
     if lost == "running":
         store.set("maestro/in/1", "S1")  # it had started S1's workers
@@ -182,15 +182,13 @@ def test_an_agent_taking_a_node_over_joins_only_a_later_attempt(monkeypatch, los
         time.sleep(1.5)
         assert _Started.boots == [] and store.get("maestro/node/1").decode() == agent.me
         agent_mod.publish_attempt(store, key, "S2", info)
-        for _ in range(50):
-            if _Started.boots:
-                break
-            time.sleep(0.05)
+        _until(lambda: _Started.boots)
         assert [b["session"] for b in _Started.boots] == ["S2"]
     finally:
         agent_mod.end_attempt(store, key, "S2", "done")
         store.set("maestro/job", agent_mod.sealed(key, "maestro/job", "done"))
         running.join(10)
+        answers.close()
     assert not running.is_alive()
 
 
@@ -215,6 +213,37 @@ class _Started:
         pass
 
 
+def _until(condition, timeout_s=5.0):
+    """Wait (bounded) until `condition()` holds; the assertion after it says what was awaited."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def _node0(store, secret, run="a1"):
+    """Node 0's side of the rendezvous: answers agents' challenges with the run id `run`. Returns
+    (the answering thread, to close; this run's key, which seals node 0's values)."""
+    from maestro_flow.runtime.sealing import Answers, run_key, store_key
+
+    return Answers(("127.0.0.1", store.port), 2, store_key(secret), run, 10), run_key(store_key(secret), run)
+
+
+@pytest.fixture
+def node0():
+    """_node0, closed after the test."""
+    made = []
+
+    def make(store, secret=b"s" * 20, run="a1"):
+        made.append(_node0(store, secret, run))
+        return made[-1][1]
+
+    yield make
+    for answers, _ in made:
+        answers.close()
+
+
 def _agent_on_a_store(monkeypatch, secret=b"s" * 20):
     import torch.distributed as dist
 
@@ -236,49 +265,113 @@ INFO = {"node_of": {"0": 0, "1": 1}, "address": "tcp://127.0.0.1:1", "timeouts":
         "workers": {"1": ["s", 0, "s-0", "s[0]"]}}
 
 
-def test_an_attempt_the_store_holds_unsealed_starts_nothing(monkeypatch):
+def test_an_attempt_the_store_holds_unsealed_starts_nothing(monkeypatch, node0):
     """Found in review: any client of the rendezvous store could publish an attempt (no verifier
     needed) whose workers connected to the client's address and logged to workers/../../FILE."""
-    agent_mod, store, agent, _ = _agent_on_a_store(monkeypatch)
+    import threading
+    import time
+
+    agent_mod, store, agent, logged = _agent_on_a_store(monkeypatch)
+    key = node0(store)
     forged = {**INFO, "workers": {"1": ["s", 0, "../../../escaped", "x\nINJECTED"]}}
     store.set("maestro/attempt/abc123", json.dumps(forged))
     store.set("maestro/attempt", "abc123")
-    with pytest.raises(PipelineError, match=r"node 1's control-plane secret differs from node 0's \(the run's attempt"):
-        agent.run()
-    assert _Started.boots == []
-    # Node 0 (the run's secret) shows the refusal; a note no one of this run sealed is not a lost worker.
-    key = agent_mod.store_key(b"t" * 20)  # node 0's secret differs here: it cannot open the note
-    lost = agent_mod.lost_error(store, key, "abc123")
-    assert isinstance(lost, PipelineError) and "not sealed with this node's secret" in str(lost)
+    running = threading.Thread(target=agent.run, daemon=True)
+    running.start()
+    time.sleep(1.0)
+    assert running.is_alive() and _Started.boots == []  # ignored, said once
+    assert sum("ignored maestro/attempt in the rendezvous store" in line for line in logged) == 1, logged
+    store.set("maestro/job", agent_mod.sealed(key, "maestro/job", "done"))
+    running.join(10)
+    assert not running.is_alive() and _Started.boots == []
+    # A note no one of this run sealed is not a lost worker; one that is sealed is shown escaped.
     store.set("maestro/lost/S9", "worker s[0] on node 1 was killed by SIGKILL")
     assert agent_mod.lost_error(store, key, "S9") is None
     store.set("maestro/lost/S9", agent_mod.sealed(key, "maestro/lost/S9", "worker x\x1b[2J died"))
     assert str(agent_mod.lost_error(store, key, "S9")) == "worker x\\x1b[2J died"
 
 
-def test_a_sealed_attempt_with_a_worker_name_that_is_not_a_file_name_is_refused(monkeypatch):
+def test_a_node_whose_secret_differs_refuses_node_0s_attempt_and_node_0_says_so(monkeypatch, node0):
+    """Node 0's answer to the agent's challenge does not open with this node's secret: the agent
+    refuses node 0's attempt at once, and node 0 shows the refusal (which it cannot open either)."""
     agent_mod, store, agent, _ = _agent_on_a_store(monkeypatch)
-    agent_mod.publish_attempt(store, agent.skey, "S1", {**INFO, "workers": {"1": ["s", 0, "../escaped", "s[0]"]}})
+    key = node0(store, secret=b"t" * 20)  # node 0's secret differs
+    agent_mod.publish_attempt(store, key, "abc123", INFO)
+    with pytest.raises(PipelineError, match=r"node 1's control-plane secret differs from node 0's \(the run's attempt"):
+        agent.run()
+    assert _Started.boots == []
+    lost = agent_mod.lost_error(store, key, "abc123")
+    assert isinstance(lost, PipelineError) and "not sealed with this node's secret" in str(lost)
+
+
+def test_values_of_an_earlier_run_with_the_same_secret_are_not_acted_on(monkeypatch, node0):
+    """Found in review: sealed store values were not bound to one run, so an earlier run's
+    "done" (or attempt) with the same secret, written into a later run's store, ended (or
+    redirected) its agents. Each run's values are sealed under a key of that run, which an agent
+    learns only from node 0's answer to its own challenge; a replayed answer is not taken."""
+    import threading
+    import time
+
+    from maestro_flow.runtime.sealing import answer_name, run_key, sealed, store_key
+
+    agent_mod, store, agent, logged = _agent_on_a_store(monkeypatch)
+    old = run_key(store_key(b"s" * 20), "0ld")  # the earlier run's key: same secret, another run id
+    store.set(answer_name(1), sealed(store_key(b"s" * 20), answer_name(1), "c0ffee 0ld"))  # its answer, replayed
+    store.set("maestro/job", sealed(old, "maestro/job", "done"))
+    agent_mod.publish_attempt(store, old, "S0", INFO)
+    running = threading.Thread(target=agent.run, daemon=True)
+    running.start()
+    time.sleep(1.0)
+    assert running.is_alive() and _Started.boots == [] and agent.rkey is None  # the old answer named another challenge
+    key = node0(store, run="a2")
+    _until(lambda: agent.rkey is not None)
+    assert agent.rkey == key
+    time.sleep(0.5)
+    assert running.is_alive() and _Started.boots == []  # the old run's job and attempt do not open
+    assert any("ignored maestro/job" in line for line in logged) and any("ignored maestro/attempt" in line
+                                                                          for line in logged), logged
+    agent_mod.publish_attempt(store, key, "S1", INFO)
+    _until(lambda: _Started.boots)
+    assert [b["session"] for b in _Started.boots] == ["S1"]
+    agent_mod.end_attempt(store, key, "S1", "done")
+    store.set("maestro/job", sealed(key, "maestro/job", "done"))
+    running.join(10)
+    assert not running.is_alive()
+
+
+def test_node_0s_answer_is_bound_to_the_agents_challenge():
+    from maestro_flow.runtime.sealing import DIFFERS, answer_name, read_answer, sealed, store_key
+
+    skey = store_key(b"s" * 20)
+    good = sealed(skey, answer_name(1), "c0ffee a1").encode()
+    assert read_answer(skey, 1, "c0ffee", good) == "a1"
+    assert read_answer(skey, 1, "beef", good) is None  # another agent's (or a replayed) answer: wait
+    assert read_answer(store_key(b"t" * 20), 1, "c0ffee", good) == DIFFERS  # this node's secret differs
+    assert read_answer(skey, 2, "c0ffee", good) == DIFFERS  # moved to node 2's key: does not open either
+    assert read_answer(skey, 1, "c0ffee", sealed(skey, answer_name(1), "c0ffee ../x").encode()) is None
+
+
+def test_a_sealed_attempt_with_a_worker_name_that_is_not_a_file_name_is_refused(monkeypatch, node0):
+    agent_mod, store, agent, _ = _agent_on_a_store(monkeypatch)
+    agent_mod.publish_attempt(store, node0(store), "S1", {**INFO, "workers": {"1": ["s", 0, "../escaped", "s[0]"]}})
     with pytest.raises(PipelineError, match="names a worker '../escaped', which is not a file name"):
         agent.run()
     assert _Started.boots == []
 
 
-def test_unsealed_values_do_not_stop_a_running_attempt(monkeypatch):
+def test_unsealed_values_do_not_stop_a_running_attempt(monkeypatch, node0):
     """Found in review: setting maestro/attempt to anything made node 1's agent stop the workers of
     the running attempt and wait for an attempt that never came; a forged end or job too."""
     import threading
     import time
 
     agent_mod, store, agent, logged = _agent_on_a_store(monkeypatch)
-    agent_mod.publish_attempt(store, agent.skey, "S1", INFO)
+    key = node0(store)
+    agent_mod.publish_attempt(store, key, "S1", INFO)
     running = threading.Thread(target=agent.run, daemon=True)
     running.start()
     try:
-        for _ in range(100):
-            if _Started.boots:
-                break
-            time.sleep(0.05)
+        _until(lambda: _Started.boots)
         assert [b["session"] for b in _Started.boots] == ["S1"] and _Started.boots[0]["log"] == "s-0"
         store.set("maestro/attempt", "bogus")
         store.set("maestro/end/S1", "failed: forged")
@@ -286,13 +379,13 @@ def test_unsealed_values_do_not_stop_a_running_attempt(monkeypatch):
         time.sleep(1.0)
         assert running.is_alive()  # still in S1
         assert any("ignored maestro/attempt in the rendezvous store" in line for line in logged), logged
-        agent_mod.end_attempt(store, agent.skey, "S1", "done")
-        store.set("maestro/job", agent_mod.sealed(agent.skey, "maestro/job", "done"))
+        agent_mod.end_attempt(store, key, "S1", "done")
+        store.set("maestro/job", agent_mod.sealed(key, "maestro/job", "done"))
         running.join(10)
         assert not running.is_alive()
     finally:
-        agent_mod.end_attempt(store, agent.skey, "S1", "done")
-        store.set("maestro/job", agent_mod.sealed(agent.skey, "maestro/job", "done"))
+        agent_mod.end_attempt(store, key, "S1", "done")
+        store.set("maestro/job", agent_mod.sealed(key, "maestro/job", "done"))
         running.join(10)
 
 
@@ -343,9 +436,43 @@ def test_joining_an_endpoint_where_something_else_listens_is_bounded(abandoning)
         silent.close()
 
 
-def test_a_node_started_with_another_nnodes_is_refused(monkeypatch):
+def test_a_node_started_with_another_nnodes_is_refused(monkeypatch, node0):
     agent_mod, store, agent, _ = _agent_on_a_store(monkeypatch)
-    agent_mod.publish_attempt(store, agent.skey, "S1", {**INFO, "nnodes": 3})
+    agent_mod.publish_attempt(store, node0(store), "S1", {**INFO, "nnodes": 3})
     with pytest.raises(PipelineError, match="node 1 was started with --nnodes 2, node 0 with --nnodes 3"):
         agent.run()
     assert _Started.boots == []
+
+
+def test_an_interrupted_agent_tells_node_0_within_a_bound(monkeypatch, abandoning):
+    """Ctrl-C on node I > 0 while node 0 does not answer: the agent's note to node 0 is given up
+    after a bound (it waited for good), and the interrupt goes on."""
+    import threading
+    import time
+    import types
+
+    agent_mod, _, agent, _ = _agent_on_a_store(monkeypatch)
+    frozen = threading.Event()
+
+    class Store:  # node 0's store, answering until the interrupt, then frozen
+        def check(self, keys):
+            return False
+
+        def get(self, name):
+            return agent.me.encode()
+
+        def set(self, name, value):
+            if name.startswith(("maestro/lost/", "maestro/bye/")):
+                frozen.wait()
+
+    def interrupted(seconds):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(agent_mod, "time", types.SimpleNamespace(monotonic=time.monotonic, sleep=interrupted))
+    monkeypatch.setattr(agent_mod, "INTERRUPT_STORE_S", 0.5)
+    agent.rkey = b"k" * 32
+    start = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        agent._attempt(Store(), "S1", INFO)
+    assert time.monotonic() - start < 5 and [b["session"] for b in _Started.boots] == ["S1"]
+    frozen.set()
