@@ -74,7 +74,9 @@ def test_two_nodes_train_bitwise_like_one(demo_data, tmp_path, host):
     (run_dir / "node-1").mkdir(parents=True)
     (run_dir / "metrics.jsonl").write_text("{}\n")
     (run_dir / "node-1" / "old.log").write_text("an earlier run's\n")
-    n1 = node(1, port, "pipelines/distill.py", *common, "--run-dir", str(run_dir), host=host)
+    # Node 0's flags given to node 1 too (a checkpoint only node 0 has): taken as node 0 gave them.
+    n1 = node(1, port, "pipelines/distill.py", *common, "--run-dir", str(run_dir), "--save-dir", str(tmp_path / "two"),
+              "--record", "student", "--resume", str(tmp_path / "on-node-0-only"), host=host)
     n0 = node(0, port, "pipelines/distill.py", *common, "--run-dir", str(run_dir),
               "--save-dir", str(tmp_path / "two"), host=host)
     err0, err1 = finish(n0, n1)
@@ -91,6 +93,7 @@ def test_two_nodes_train_bitwise_like_one(demo_data, tmp_path, host):
     assert (run_dir / "previous-1" / "metrics.jsonl").read_text() == "{}\n"
     assert (run_dir / "node-1" / "previous-1" / "old.log").exists()
     assert not (run_dir / "previous-1" / "node-1").exists()
+    assert not (run_dir / "record").exists() and not (run_dir / "node-1" / "record").exists()
 
 
 def _slow(*extra: str, demo_data) -> list[str]:
@@ -129,6 +132,36 @@ def test_killing_a_node_ends_the_other_naming_it(demo_data, killed):
     else:
         assert "lost node 0 (the coordinator, ranks 0, 1;" in err, err
     assert elapsed < 20, f"the other node took {elapsed:.1f}s to stop"
+    assert not wait_gone(everything, 10.0), "processes left running"
+
+
+def test_freezing_node_0_ends_node_1_naming_it(demo_data):
+    """Node 0 frozen (SIGSTOP: its store neither answers nor closes its connections): node 1 gives
+    its store calls up after MAESTRO_COORDINATOR_TIMEOUT_S, stops its workers and exits 1 naming
+    node 0. This is the path where the CLI ends with os._exit (nodes.exit_code); here a normal exit
+    gave 1 as well (checked once), so the test shows the path works, not that os._exit is needed."""
+    import signal
+
+    port = free_port()
+    env = {"MAESTRO_COORDINATOR_TIMEOUT_S": "3", "MAESTRO_HEARTBEAT_TIMEOUT_S": "60"}
+    pipeline = str(ASSETS / "faulty.py")
+    n1 = node(1, port, pipeline, *_slow(demo_data=demo_data), env=env)
+    n0 = node(0, port, pipeline, *_slow(demo_data=demo_data), env=env)
+    everything = _training(n0, 2) + _training(n1, 1)
+    workers1 = descendants(n1.pid)
+    n0.send_signal(signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        [err] = finish(n1, timeout=60)
+        elapsed = time.monotonic() - t0
+        assert n1.returncode == 1, (n1.returncode, err)  # not an abort (-6) at the interpreter's exit
+        assert "lost node 0 (the coordinator, ranks 0, 1;" in err and "did not answer for 3s" in err, err
+        assert elapsed < 20, f"node 1 took {elapsed:.1f}s to stop"
+        assert not wait_gone(workers1, 10.0), "node 1's workers left running"
+    finally:
+        n0.send_signal(signal.SIGCONT)
+        n0.kill()
+        finish(n0)
     assert not wait_gone(everything, 10.0), "processes left running"
 
 
