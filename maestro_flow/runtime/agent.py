@@ -62,7 +62,7 @@ import time
 from typing import Any
 
 from maestro_flow.errors import MaestroError, PipelineError, SystemFailure, WorkerLost
-from maestro_flow.runtime import sealing
+from maestro_flow.runtime import fingerprint, sealing
 from maestro_flow.runtime.launcher import Launcher
 from maestro_flow.runtime.nodes import ABANDONED, NoAnswer, Nodes, bounded, node_ranks, rendezvous
 from maestro_flow.runtime.sealing import DIFFERS, NONCE, printable, read_answer, run_key, sealed, store_key, unsealed
@@ -173,12 +173,14 @@ def differences(mine: Any, theirs: Any, where: str = "") -> list[str]:
 
 class Agent:
     def __init__(self, nodes: Nodes, *, secret: bytes, host: str, interface: str | None, timeouts: Timeouts,
-                 worker_log: Any, log: Any = None, entry: Any = None, pipeline: dict[str, Any] | None = None) -> None:
+                 worker_log: Any, log: Any = None, entry: Any = None, pipeline: dict[str, Any] | None = None,
+                 files: dict[str, Any] | None = None) -> None:
         from maestro_flow.runtime.worker import worker_main
 
         self.nodes, self.secret, self.host, self.interface = nodes, secret, host, interface
         # What node 0's pipeline must match (None: not checked), through the JSON node 0's travels in.
         self.pipeline = comparable(json.loads(canonical(pipeline))) if pipeline is not None else None
+        self.files = files  # this node's code, data and versions (runtime/fingerprint.py; None: not compared)
         self.timeouts, self.worker_log = timeouts, worker_log
         self.log = log or (lambda text: print(text, file=sys.stderr, flush=True))
         self.entry = entry or worker_main
@@ -341,6 +343,11 @@ class Agent:
                 return (f"node {node}'s pipeline differs from node 0's (give every node the same pipeline file "
                         f"and --set/--steps options): {'; '.join(differ[:5])}"
                         + (f"; {len(differ)} differences in all" if len(differ) > 5 else ""))
+        if self.files is not None and isinstance(info.get("files"), dict):
+            differ = fingerprint.differences(self.files, info["files"])
+            if differ:
+                return (f"node {node}'s files differ from node 0's (install the same code and copy the same data to "
+                        f"every node): {'; '.join(printable(d) for d in differ)}")
         return None
 
     def _next_attempt(self, store: Any, previous: str | None) -> str | None:

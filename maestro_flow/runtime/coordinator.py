@@ -96,7 +96,7 @@ class Coordinator(CoordinatorIO):
                  checkpointer: Checkpointer | None = None, resume: tuple[str, Manifest] | None = None,
                  restarts: int = 0, secret: bytes | None = None, host: str = zmq_link.LOOPBACK,
                  interface: str | None = None, nodes: Nodes | None = None, rdzv: Any = None,
-                 rdzv_key: bytes | None = None, pin_cpus: bool = False) -> None:
+                 rdzv_key: bytes | None = None, files: dict | None = None, pin_cpus: bool = False) -> None:
         self.pipeline, self.graph, self.sampler, self.report = pipeline, graph, sampler, report
         self.paths, self.save_dir = paths, save_dir
         self.timeouts = timeouts or Timeouts.from_env()
@@ -104,6 +104,7 @@ class Coordinator(CoordinatorIO):
         self.placement = placement_for(graph)
         self.node_of = self.nodes.assign(self.placement)  # rank -> node (node 0 runs this coordinator)
         self.rdzv = rdzv  # the job's rendezvous store (several nodes), hosted by this node
+        self.files = files  # this node's code, data and versions, for the others to compare (runtime/fingerprint.py)
         self.store_addr: list = []
         self.launcher = Launcher(worker_entry)
         self.pin_cpus = pin_cpus  # each CPU worker on its own cores (runtime/cpus.py)
@@ -209,7 +210,7 @@ class Coordinator(CoordinatorIO):
                 "workers": {r: [*self.placement.who(r), self.placement.worker_name(r), self.placement.worker_name(r, "/")]
                             for r in range(self.placement.world_size)},
                 "devices": list(self.placement.devices), "pin_cpus": self.pin_cpus, "nnodes": self.nodes.nnodes,
-                "pipeline": agent.canonical(self.pipeline.to_dict())})
+                "pipeline": agent.canonical(self.pipeline.to_dict()), "files": self.files})
         self.observer.start(self.placement)
         began = time.monotonic()
         deadline = began + self.timeouts.startup_s

@@ -132,7 +132,8 @@ def _resume_from(options: RunOptions, pipeline: Any, metadata: Any) -> tuple[str
     return folder, manifest
 
 
-def _run_agent(pipeline: Any, options: RunOptions, nodes: Nodes, host: str, secret: bytes) -> list[dict[str, Any]]:
+def _run_agent(pipeline: Any, options: RunOptions, nodes: Nodes, host: str, secret: bytes,
+               files: dict[str, Any]) -> list[dict[str, Any]]:
     """Node I > 0: start and watch this node's workers for node 0's coordinator (runtime/agent.py)."""
     from maestro_flow.runtime.agent import Agent
 
@@ -158,7 +159,7 @@ def _run_agent(pipeline: Any, options: RunOptions, nodes: Nodes, host: str, secr
     previous = _catch_stops()
     try:
         Agent(nodes, secret=secret, host=host, interface=options.interface, timeouts=Timeouts.from_env(),
-              pipeline=pipeline.to_dict(), worker_log=run_dir.worker_log if run_dir else (lambda name: None),
+              pipeline=pipeline.to_dict(), files=files, worker_log=run_dir.worker_log if run_dir else (lambda name: None),
               log=(lambda text: print(text, file=sys.stderr, flush=True)) if options.show_progress else
               (lambda text: None)).run()
     finally:
@@ -231,8 +232,13 @@ def run_pipeline(path: str, options: RunOptions) -> list[dict[str, Any]]:
         raise PipelineError(str(exc)) from None
     host = resolve_host(options, nodes)
     secret = None if options.colocated else control_secret(options, host, nodes)
+    files = None  # what node 0 and the others compare beyond the settings (runtime/fingerprint.py)
+    if nodes.multi:
+        from maestro_flow.runtime.fingerprint import fingerprint
+
+        files = fingerprint(pipeline, path)
     if nodes.node_rank != 0:
-        return _run_agent(pipeline, options, nodes, host, secret)
+        return _run_agent(pipeline, options, nodes, host, secret, files)
     nodes.assign(placement_for(checked.graph))  # refused here when the ranks cannot be placed on the nodes
     ckpt = options.checkpoint
     ckpt.validate()
@@ -312,7 +318,7 @@ def run_pipeline(path: str, options: RunOptions) -> list[dict[str, Any]]:
                 Coordinator(pipeline, checked.graph, sampler, report, paths=paths, save_dir=options.save_dir,
                             observer=observer, run_dir=options.run_dir, record=record, checkpointer=checkpointer,
                             resume=resume_at, restarts=restarts, secret=secret, host=host,
-                            interface=options.interface, nodes=nodes, rdzv=rdzv, rdzv_key=rkey,
+                            interface=options.interface, nodes=nodes, rdzv=rdzv, rdzv_key=rkey, files=files,
                             pin_cpus=options.pin_cpus).run()
 
             rdzv, rkey, answers = None, None, None
@@ -323,9 +329,9 @@ def run_pipeline(path: str, options: RunOptions) -> list[dict[str, Any]]:
 
                 startup_s = Timeouts.from_env().startup_s
                 rdzv = rendezvous(nodes, startup_s)
-                run_id = new_nonce()
-                rkey = run_key(store_key(secret), run_id)
-                answers = Answers(nodes.endpoint, nodes.nnodes, store_key(secret), run_id, startup_s)
+                run_id, skey = new_nonce(), store_key(secret)
+                rkey = run_key(skey, run_id)
+                answers = Answers(nodes.endpoint, nodes.nnodes, skey, run_id, startup_s)
             try:
                 try:
                     supervise(attempt, max_restarts=ckpt.max_restarts, committed=lambda: checkpointer.committed,

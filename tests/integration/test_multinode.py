@@ -231,16 +231,22 @@ def test_a_second_agent_with_the_same_node_rank_stops_alone(demo_data, tmp_path)
     assert not wait_gone(everything, 10.0), "processes left running"
 
 
-def test_a_node_that_differs_from_node_0_is_refused_at_once(demo_data):
-    """Node 1 with another --set, then with another secret: both nodes stop within seconds,
-    naming what differs. Before, node 1's pipeline was silently replaced by node 0's, and a
-    wrong secret showed after the startup timeout as node 1 missing (2 min by default)."""
+def test_a_node_that_differs_from_node_0_is_refused_at_once(demo_data, tmp_path):
+    """Node 1 with another --set, then with another secret, then with a pipeline file whose code
+    differs where the settings do not: both nodes stop within seconds, naming what differs.
+    Before, node 1's pipeline was silently replaced by node 0's, a wrong secret showed after the
+    startup timeout as node 1 missing (2 min by default), and other code joined unnoticed."""
     args = ["--steps", "2", "--set", f"data.path={demo_data}", "--quiet", "--no-run-dir"]
-    for extra, env, said in ((("--set", "seed=7"), None, "node 1's pipeline differs from node 0's"),
-                             ((), {"MAESTRO_SECRET": "another secret, held by node 1 alone"},
-                              "node 1's control-plane secret differs from node 0's")):
+    edited = tmp_path / "distill.py"  # the same settings, other code (a stage defined there would differ alike)
+    edited.write_text((ROOT / "pipelines" / "distill.py").read_text() + "\nEDITED_ON_NODE_1 = True\n")
+    for file, extra, env, said in (
+            ("pipelines/distill.py", ("--set", "seed=7"), None, "node 1's pipeline differs from node 0's"),
+            ("pipelines/distill.py", (), {"MAESTRO_SECRET": "another secret, held by node 1 alone"},
+             "node 1's control-plane secret differs from node 0's"),
+            (str(edited), (), None, "node 1's files differ from node 0's (install the same code and copy the same "
+                                    "data to every node): code: pipeline file (differs)")):
         port = free_port()
-        n1 = node(1, port, "pipelines/distill.py", *args, *extra, env=env)
+        n1 = node(1, port, file, *args, *extra, env=env)
         n0 = node(0, port, "pipelines/distill.py", *args)
         t0 = time.monotonic()
         err0, err1 = finish(n0, n1, timeout=90)

@@ -476,3 +476,21 @@ def test_an_interrupted_agent_tells_node_0_within_a_bound(monkeypatch, abandonin
         agent._attempt(Store(), "S1", INFO)
     assert time.monotonic() - start < 5 and [b["session"] for b in _Started.boots] == ["S1"]
     frozen.set()
+
+
+def test_a_node_whose_code_or_data_differs_from_node_0s_is_refused(monkeypatch, node0):
+    """The settings agree, the files do not (runtime/fingerprint.py): refused before any worker
+    starts, naming them; node 0 shows why."""
+    agent_mod, store, agent, _ = _agent_on_a_store(monkeypatch)
+    key = node0(store)
+    agent.files = {"code": {"stages/vision.py": "1", "pipeline file": "2"}, "data": {"vlm.arrow": "size 9 sha256 a"},
+                   "versions": {"torch": "2.13.0"}}
+    theirs = {"code": {"stages/vision.py": "X", "pipeline file": "2"}, "data": {"vlm.arrow": "size 9 sha256 a"},
+              "versions": {"torch": "2.11.0"}}
+    agent_mod.publish_attempt(store, key, "S1", {**INFO, "files": theirs})
+    with pytest.raises(PipelineError, match=r"node 1's files differ from node 0's \(install the same code and copy "
+                                            r"the same data to every node\): code: stages/vision.py \(differs\); "
+                                            r"versions: torch 2.13.0 here, 2.11.0 on node 0"):
+        agent.run()
+    assert _Started.boots == []
+    assert "node 1's files differ from node 0's" in str(agent_mod.lost_error(store, key, "S1"))
