@@ -494,3 +494,34 @@ def test_a_node_whose_code_or_data_differs_from_node_0s_is_refused(monkeypatch, 
         agent.run()
     assert _Started.boots == []
     assert "node 1's files differ from node 0's" in str(agent_mod.lost_error(store, key, "S1"))
+
+
+def test_a_bug_after_a_given_up_store_call_ends_with_os_exit(monkeypatch, abandoning):
+    """After nodes.bounded gave a store call up, any error ends `maestro run` with os._exit (its
+    traceback shown first), not only a MaestroError: a normal exit with the given-up call still
+    inside torch's C++ code can abort."""
+    import os
+
+    from click.testing import CliRunner
+
+    from maestro_flow import cli
+    from maestro_flow.runtime import run as run_mod
+
+    given_up = [False, True]  # the first run gives a store call up, the second does not
+
+    def run_pipeline(path, options):
+        if given_up.pop():
+            abandoning.ABANDONED.set()
+        raise RuntimeError("a bug in the run")
+
+    def os_exit(code):
+        raise SystemExit(f"os._exit({code})")
+
+    monkeypatch.setattr(run_mod, "run_pipeline", run_pipeline)
+    monkeypatch.setattr(os, "_exit", os_exit)
+    result = CliRunner().invoke(cli.main, ["run", "pipelines/distill.py", "--no-run-dir", "--quiet"])
+    assert result.exit_code == 1 and "os._exit(1)" in str(result.exception), (result.output, result.exception)
+    assert "RuntimeError: a bug in the run" in result.output
+    abandoning.ABANDONED.clear()
+    result = CliRunner().invoke(cli.main, ["run", "pipelines/distill.py", "--no-run-dir", "--quiet"])
+    assert isinstance(result.exception, RuntimeError)  # no call given up: raised as before
