@@ -49,10 +49,23 @@ from maestro_flow.checkpoint.manifest import rng_file
 from maestro_flow.checkpoint.savedir import trainable_state
 from maestro_flow.errors import PipelineError
 from maestro_flow.optim.stepper import SectionOptimizer
+from maestro_flow.runtime.executor_state import collective_failure
 
 
 class CheckpointMismatch(PipelineError):
     """The checkpoint does not fit the section as built now (names or shapes differ)."""
+
+
+class LostPeer(RuntimeError):
+    """A collective of the load failed: a peer is gone (not the checkpoint's fault)."""
+
+
+def _failures(exc: BaseException) -> list[BaseException]:
+    """`exc`, or the ranks' exceptions a DCP CheckpointException gathered (the lowest rank's first)."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        return [failures[r][0] if isinstance(failures[r], tuple) else failures[r] for r in sorted(failures)]
+    return [exc]
 
 
 def _earlier(checkpoint: str) -> str:
@@ -79,10 +92,7 @@ class SectionState:
     def cause(exc: BaseException) -> str:
         """One line on why a save or load failed: DCP gathers every rank's exception into one
         CheckpointException; the first rank's own error is the cause."""
-        failures = getattr(exc, "failures", None)
-        if isinstance(failures, dict) and failures:
-            rank = sorted(failures)[0]
-            exc = failures[rank][0] if isinstance(failures[rank], tuple) else failures[rank]
+        exc = _failures(exc)[0]
         if not str(exc) and isinstance(exc, EOFError):  # found in review: "EOFError: " said nothing
             return "EOFError: a file ended early (truncated or damaged)"
         return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
@@ -162,7 +172,13 @@ class SectionState:
             except CheckpointMismatch:
                 raise
             except (Exception, CheckpointException) as exc:  # DCP's CheckpointException is a BaseException
-                raise CheckpointMismatch(f"--resume {checkpoint}: cannot read the state of section "
+                if any(collective_failure(e) for e in _failures(exc)):
+                    # A peer lost while DCP loads collectively (found in review: reported as bad
+                    # input, so a lost node ended a run that --max-restarts would have restarted):
+                    # a system error, whose cause the coordinator looks for (a dead peer or node).
+                    raise LostPeer(f"section {self.section!r}: a peer was lost while loading the checkpoint "
+                                   f"{checkpoint}: {self.cause(exc)}") from None
+                raise CheckpointMismatch(f"the checkpoint {checkpoint}: cannot read the state of section "
                                          f"{self.section!r} ({self.folder(checkpoint)}): {self.cause(exc)}"
                                          f"{_earlier(checkpoint)}") from None
         own = rng_file(checkpoint, self.section, self.replica, self.tp_index)

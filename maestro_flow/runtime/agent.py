@@ -109,6 +109,7 @@ def end_job(store: Any, key: bytes, outcome: str, nnodes: int, wait_s: float, lo
 
 
 REFUSED = "refused: "
+STOPPED = "stopped: "  # a node stopped on purpose (Ctrl-C, SIGTERM): the run stops, no restart
 
 
 def file_name(name: Any) -> bool:
@@ -119,7 +120,8 @@ def file_name(name: Any) -> bool:
 
 def lost_error(store: Any, key: bytes, session: str) -> MaestroError | None:
     """What an agent reported for this attempt, as the error node 0 stops with: a node that
-    cannot join is bad input (no restart helps), anything else a lost worker. A note that does
+    cannot join is bad input (no restart helps), a node stopped on purpose a failure no restart
+    follows either, anything else a lost worker (restarted with --max-restarts). A note that does
     not open is a refusal of a node whose secret differs (shown as such), or ignored."""
     name = f"maestro/lost/{session}"
     if not store.check([name]):
@@ -134,6 +136,8 @@ def lost_error(store: Any, key: bytes, session: str) -> MaestroError | None:
                              "with this node's secret: that node's secret differs from this one's, or another "
                              "client of the store wrote it)")
     text = printable(text)
+    if text.startswith(STOPPED):  # found in review: restarted, then waited out the startup for the node
+        return SystemFailure(text.removeprefix(STOPPED))
     return PipelineError(text.removeprefix(REFUSED)) if text.startswith(REFUSED) else WorkerLost(text)
 
 
@@ -448,8 +452,8 @@ class Agent:
         except KeyboardInterrupt:  # Ctrl-C or SIGTERM here: node 0 learns why at once
             try:  # bounded: a node 0 that does not answer must not hold Ctrl-C up
                 bounded(store.set, f"maestro/lost/{session}", sealed(
-                    self.rkey, f"maestro/lost/{session}", f"node {node} was interrupted (Ctrl-C or SIGTERM there); its "
-                    "workers are stopped"), timeout_s=INTERRUPT_STORE_S)
+                    self.rkey, f"maestro/lost/{session}", f"{STOPPED}node {node} was interrupted (Ctrl-C or SIGTERM "
+                    "there); its workers are stopped"), timeout_s=INTERRUPT_STORE_S)
                 bounded(store.set, f"maestro/bye/{node}", "1", timeout_s=INTERRUPT_STORE_S)  # node 0 need not wait
             except Exception:  # noqa: BLE001 (node 0 may be gone too)
                 pass

@@ -238,7 +238,11 @@ class Coordinator(CoordinatorIO):
                                   peers=peers, timeouts=self.timeouts.to_dict(), paths=self.paths,
                                   epoch=self.observer.tracer.epoch, now=None if same_clock else time.time(),
                                   trace=self.observer.tracing,
-                                  record=self.record, resume=self.resume[0] if self.resume else None, shm=shm,
+                                  record=self.record, shm=shm,
+                                  # absolute here: another node's workers would read a relative path in
+                                  # their own folder (found in review: a restart failed, or loaded a
+                                  # stale checkpoint that sat at the same relative path there)
+                                  resume=os.path.abspath(self.resume[0]) if self.resume else None,
                                   ipc=ipc))
             # Silence counts from here: before its init a worker sends nothing (it may wait long
             # for another node's workers to say hello, and that is the startup deadline's to judge).

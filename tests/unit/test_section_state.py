@@ -130,3 +130,31 @@ def test_a_frozen_sections_buffers_come_back_per_replica(tmp_path):
         for name, b in bn.named_buffers():
             assert torch.equal(dict(fresh.named_buffers())[name], b), (i, name)
     assert not torch.equal(replicas[0].running_mean, replicas[1].running_mean)
+
+
+@pytest.mark.parametrize("raised", ["gloo", "gathered", "file"])
+def test_a_peer_lost_while_loading_is_not_blamed_on_the_checkpoint(tmp_path, monkeypatch, raised):
+    """Found in review: a node lost while DCP loaded (gloo: "Connection closed by peer") was
+    reported as a checkpoint that cannot be read, bad input, so --max-restarts did not restart;
+    it is a system error now (the coordinator then finds the lost node). A file's own failure
+    still names the checkpoint."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from maestro_flow.checkpoint import section_state
+
+    gloo = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer [1.2.3.4]:5")
+    error = {"gloo": gloo, "gathered": CheckpointException("load failed", {1: (OSError("x"), None), 0: (gloo, None)}),
+             "file": CheckpointException("load failed", {0: (OSError("disk error"), None)})}[raised]
+
+    def fail(self, folder, step):
+        raise error
+
+    monkeypatch.setattr(section_state.SectionState, "_load_state", fail)
+    if raised == "file":
+        with pytest.raises(CheckpointMismatch, match=rf"the checkpoint {tmp_path}: cannot read the state of section "
+                                                    r"'x' .*: OSError: disk error"):
+            state(*build()).load(str(tmp_path))
+    else:
+        with pytest.raises(section_state.LostPeer, match=r"section 'x': a peer was lost while loading the checkpoint "
+                                                         r".*Connection closed by peer"):
+            state(*build()).load(str(tmp_path))
