@@ -9,12 +9,13 @@ coordinator's thread.
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable
 
 import zmq
 
-from maestro_flow.errors import PipelineError, StageError, SystemFailure, TimeoutFailure, WorkerLost
+from maestro_flow.errors import MaestroError, PipelineError, StageError, SystemFailure, TimeoutFailure, WorkerLost
 from maestro_flow.protocol.auth import Rejected, Sealer
 from maestro_flow.protocol.messages import make
 from maestro_flow.runtime import agent
@@ -97,7 +98,7 @@ class CoordinatorIO:
         if self.status is not None:
             self.status.publish(self._snapshot())
         if self.rdzv is not None:
-            lost = agent.lost_error(self.rdzv, self.store_key, self.session)
+            lost = self._lost()
             if lost is not None:
                 raise lost
 
@@ -119,11 +120,22 @@ class CoordinatorIO:
     def _death(self, w) -> WorkerLost:
         if not self.training:
             return WorkerLost(f"worker {w.label} {w.exit_description()} during startup")
-        last = self.liveness.last_done.get(w.rank)
+        return WorkerLost(f"worker {w.label} {w.exit_description()} {self._progress(w.rank)}")
+
+    def _progress(self, rank: int) -> str:
+        last = self.liveness.last_done.get(rank)
         # What it reported: a step it finished may have been on its way (lost with the process).
         reported = "before reporting any step done" if last is None else f"after reporting step {last} done"
-        return WorkerLost(f"worker {w.label} {w.exit_description()} {reported}, "
-                             f"while the run was at step {self.awaited_step}")
+        return f"{reported}, while the run was at step {self.awaited_step}"
+
+    def _lost(self) -> MaestroError | None:
+        """What another node's agent reported (runtime/agent.py), a dead worker's with how far it
+        got, as a worker of this node is named (found in review: without)."""
+        lost = agent.lost_error(self.rdzv, self.store_key, self.session)
+        rank = re.match(r"worker section .*? \(rank (\d+), pid \d+\) on node ", str(lost)) if lost else None
+        if isinstance(lost, WorkerLost) and rank and self.training and int(rank.group(1)) < self.placement.world_size:
+            return WorkerLost(f"{lost} {self._progress(int(rank.group(1)))}")
+        return lost
 
     def _raise_dead_peer(self, exclude: int) -> None:
         """A system error is often a peer's death seen from the other end (a closed connection):
@@ -147,7 +159,7 @@ class CoordinatorIO:
                     raise self._death(dead[0])
             if not self.nodes.multi:
                 continue
-            lost = agent.lost_error(self.rdzv, self.store_key, self.session)
+            lost = self._lost()
             if lost is not None:
                 raise lost
             lost = self.liveness.lost_node(time.monotonic())
