@@ -149,8 +149,7 @@ class ArrowSource:
         self._parquet_meta: list[pq.FileMetaData] = []  # every file's footer
         self._parquet_paths: list[str] = []
         self._parquet_open: OrderedDict[int, pq.ParquetFile] = OrderedDict()  # the last MAX_OPEN files read
-        # Decoded segments (Parquet row groups, compressed IPC batches): seg -> (columns, table),
-        # the least recently read first out past CACHE_BYTES.
+        # Decoded segments (Parquet row groups, compressed IPC batches): seg -> (columns, table), LRU past CACHE_BYTES.
         self._cache: OrderedDict[int, tuple[frozenset[str], Any]] = OrderedDict()
         self._cached_bytes = 0
         self._ipc_readers: dict[tuple[int, ...], Any] = {}  # a compressed file's readers, by the columns they decode
@@ -161,6 +160,7 @@ class ArrowSource:
         else:
             schema, segments = self._open_file()
         self._schema: pa.Schema = schema
+        self.files = list(self._parquet_paths) or [self._path]  # read here: nodes compare them (runtime/fingerprint)
         self._segments: list[_Segment] = [s for s in segments if s.num_rows > 0]
         self._starts = np.array([s.start for s in self._segments], dtype=np.int64)
         self._num_rows = sum(s.num_rows for s in segments)

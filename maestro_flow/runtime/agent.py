@@ -40,9 +40,9 @@ first attempt after the one the killed agent was in. An agent checks its hold at
 whose beat stood still while it ran on (cut off from node 0's store for a while) and whose node
 was taken over stops its workers and ends.
 
-Before starting any worker an agent checks that its own pipeline (after --set) is node 0's and
-that its secret is (the attempt's record is sealed under the secret's store key), so a
-mismatch fails at once, naming what differs, instead of as a missing node after the startup
+Before starting any worker an agent checks that its own pipeline (after --set), code and data
+(runtime/fingerprint.py) are node 0's and that its secret is (node 0's answer opens with it), so
+a mismatch fails at once, naming what differs, instead of as a missing node after the startup
 timeout. An agent starts its node's workers of each attempt (the same worker processes node 0
 starts, with the secret from its own MAESTRO_SECRET / --secret-file: the store carries nothing that
 lets anyone into the control plane), reports a dead worker, stops its workers when the attempt
@@ -72,15 +72,17 @@ from maestro_flow.transport.host import SlotOwner, claim
 POLL_S = 0.2
 BEAT_WAIT_S = 3.0  # how long an agent watches another one's beat before it takes it as gone
 BEAT_STORE_S = 2.0  # the beat's store connection: its connect and each call give up after this
-BEAT_JOIN_S = 2 * BEAT_STORE_S + 1
-INTERRUPT_STORE_S = 2.0  # how long an interrupted agent tries to tell node 0 (each of two store calls)  # how long an ending agent waits for its beat thread's last store call
+BEAT_JOIN_S = 2 * BEAT_STORE_S + 1  # how long an ending agent waits for its beat thread's last store call
+INTERRUPT_STORE_S = 2.0  # how long an interrupted agent tries to tell node 0 (each of two store calls)
 
 
 def publish_attempt(store: Any, key: bytes, session: str, info: dict[str, Any]) -> None:
     for node in sorted(set(info["node_of"].values()) - {0}):  # a goodbye said in an earlier attempt is stale
         store.delete_key(f"maestro/bye/{node}")
     store.set(f"maestro/attempt/{session}", sealed(key, f"maestro/attempt/{session}", json.dumps(info)))
-    store.set("maestro/attempt", sealed(key, "maestro/attempt", session))
+    # The attempt's number too: an earlier attempt's pointer written back is then told apart
+    # (found in review: it opened, and stopped the current attempt's workers).
+    store.set("maestro/attempt", sealed(key, "maestro/attempt", f"{session} {int(info.get('attempt', 0))}"))
 
 
 def stopping(store: Any, key: bytes, session: str) -> None:
@@ -195,6 +197,7 @@ class Agent:
         self.rkey: bytes | None = None  # this run's values: known once node 0 answered (_learn_run)
         self.differs = False  # node 0's answer does not open: its secret differs
         self.challenge = secrets.token_hex(16)
+        self.attempt = -1  # the number of the newest attempt this agent joined (publish_attempt)
         self._ignored: set[str] = set()  # store keys whose unsealed value was said once
 
     def run(self) -> None:
@@ -210,7 +213,6 @@ class Agent:
                 # ends it when it finds them gone); this node joins any later one.
                 session = self._ask(store.get, joined).decode()
             self._ask(store.set, sealing.ask_name(self.nodes.node_rank), self.challenge)  # which run is this?
-            self._ask(store.add, sealing.ASKED, 1)
             while True:
                 session = self._next_attempt(store, session)
                 if session is None:
@@ -284,14 +286,19 @@ class Agent:
     def _learn_run(self, store: Any) -> bool:
         """Whether node 0 answered this agent's challenge (runtime/sealing.py): this run's key is
         known then, or that node 0's secret differs (`differs`)."""
-        answer = sealing.answer_name(self.nodes.node_rank)
+        answer, node, port = sealing.answer_name(self.nodes.node_rank), self.nodes.node_rank, self.nodes.endpoint[1]
         if self.rkey is None and not self.differs and self._ask(store.check, [answer]):
-            raw = self._ask(store.get, answer)
-            run = read_answer(self.skey, self.nodes.node_rank, self.challenge, raw)
+            run = read_answer(self.skey, node, self.challenge, port, self._ask(store.get, answer))
             if run == DIFFERS:
                 self.differs = True
             elif run is not None:
-                self.rkey = run_key(self.skey, run)
+                self.rkey = run_key(self.skey, run, port)
+        if self.rkey is None and not self.differs and self._ask(store.check, [sealing.NNODES]):
+            nnodes = self._ask(store.get, sealing.NNODES).decode("utf-8", "replace")
+            if nnodes.isdigit() and node >= int(nnodes):  # never answered (found in review: waited it out)
+                raise PipelineError(f"node {node} was started with --nnodes {self.nodes.nnodes}, node 0 with "
+                                    f"--nnodes {int(nnodes)} (so the rendezvous store says): give every node the "
+                                    "same --nnodes")
         return self.rkey is not None or self.differs
 
     def _read(self, store: Any, name: str) -> str | None:
@@ -381,10 +388,17 @@ class Agent:
         if not self._ask(store.check, ["maestro/attempt"]):
             return None
         raw = self._ask(store.get, "maestro/attempt")
-        session = unsealed(self.rkey, "maestro/attempt", raw)
-        if session is not None:
-            return session
-        session = sealing.body(raw)
+        text = unsealed(self.rkey, "maestro/attempt", raw)
+        if text is not None:
+            session, _, number = text.partition(" ")
+            if (int(number) if number.isdigit() else 0) >= self.attempt:
+                return session
+            if "stale pointer" not in self._ignored:
+                self._ignored.add("stale pointer")
+                self.log(f"node {self.nodes.node_rank}: ignored maestro/attempt in the rendezvous store: an earlier "
+                         f"attempt's ({number}), written back; this node is in attempt {self.attempt}")
+            return None
+        session = sealing.body(raw).split(" ")[0]
         if self.differs and NONCE.fullmatch(session) and self._ask(store.check, [f"maestro/attempt/{session}"]):
             return session
         self._ignore("maestro/attempt")
@@ -395,6 +409,7 @@ class Agent:
         node_of = {int(r): n for r, n in info["node_of"].items()}
         mine = node_ranks(node_of, node)
         self.node0_ranks = node_ranks(node_of, 0)
+        self.attempt = max(self.attempt, int(info.get("attempt", 0)))
         if self._read(store, f"maestro/end/{session}") is not None:
             return  # over already (node 0 moved on while this node looked): nothing to start
         problem = self._refusal(store, session, info)
@@ -428,7 +443,7 @@ class Agent:
                 if outcome is not None:
                     launcher.join(self.timeouts.shutdown_grace_s if outcome == "done" else 0.5)
                     return
-                current = self._read(store, "maestro/attempt")
+                current = self._pointer(store)
                 if current is not None and current != session:
                     return  # node 0 moved on to another attempt
                 # Exit code 0 is a normal exit only once the workers were asked to stop; before,

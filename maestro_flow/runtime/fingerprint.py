@@ -7,11 +7,15 @@ code or another copy of the data would give other maths without a word.
 
 - Code: every Python file of maestro_flow, of the packages (or single modules) the pipeline's
   stages, data source and "module:Attr" config values come from, and the pipeline file itself,
-  each by its SHA-256. A package installed in site-packages counts by its version instead (a
-  model library's thousands of files are not read).
-- Data: every file under `data.path` (a file or a folder), by its size and a SHA-256 of sampled
-  bytes: the first and last MiB and 16 blocks of 64 KiB spread between them (no node reads a
-  large dataset whole). Two copies that differ only elsewhere are not told apart.
+  each by its SHA-256, wherever it is installed (editable or not: the same files give the same
+  fingerprint). A package of more than MAX_PACKAGE_FILES Python files (a model library) counts
+  by its distribution's version instead.
+- Data: the files the data source reads (its `files`, else data.path's regular files), each by
+  its size and a SHA-256 of sampled bytes: its start, its end and 16 blocks between, within
+  DATA_BUDGET bytes for all files together (no node reads a large dataset whole). At most
+  MAX_DATA_FILES files are sampled, evenly spread; the others count by size. Two copies that
+  differ only elsewhere are not told apart. Past DETAIL_FILES files the record carries one digest
+  of them all (a store value is at most 8 MiB), and a difference is named as that digest's.
 - Versions: Python's and torch's.
 """
 
@@ -21,22 +25,29 @@ import hashlib
 import importlib.util
 import os
 import re
+import stat
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-HEAD = TAIL = 1 << 20  # bytes of each data file hashed at its start and end
-BLOCKS, BLOCK = 16, 64 << 10  # and blocks spread between
-MAX_DATA_FILES = 4096  # files under data.path sampled; the rest count by size only
+DATA_BUDGET = 48 << 20  # bytes sampled from all data files together
+FILE_BUDGET = 3 << 20  # and from one file at most
+BLOCKS = 16  # blocks sampled between a file's start and end
+MAX_DATA_FILES = 256
+DETAIL_FILES = 256
+MAX_PACKAGE_FILES = 1000
 _ATTR_PATH = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
 
 
-def fingerprint(pipeline: Any, pipeline_file: str) -> dict[str, dict[str, str]]:
-    """{"code": {file: hash}, "data": {file: hash}, "versions": {name: version}} as seen on this node."""
+def fingerprint(pipeline: Any, pipeline_file: str, source: Any = None) -> dict[str, dict[str, str]]:
+    """{"code": {file: hash}, "data": {file: hash}, "versions": {name: version}} as seen on this node
+    (`source`: the opened data source, whose `files` are the data files when it has them)."""
     import torch
 
-    return {"code": code(pipeline, pipeline_file), "data": data(pipeline.data.path),
+    files = getattr(source, "files", None)
+    return {"code": code(pipeline, pipeline_file),
+            "data": data(files if isinstance(files, (list, tuple)) else _data_files(pipeline.data.path)),
             "versions": {"python": sys.version.split()[0], "torch": torch.__version__}}
 
 
@@ -66,14 +77,33 @@ def code(pipeline: Any, pipeline_file: str) -> dict[str, str]:
     return out
 
 
-def data(path: str) -> dict[str, str]:
-    root = Path(os.path.expanduser(path))
-    if root.is_file():
-        return {root.name: _sampled_hash(root)}
-    files = sorted(p for p in _files(root))
+def data(paths: Sequence[str]) -> dict[str, str]:
+    """{name: size and sampled hash} of each data file, named relative to their common folder; one
+    "<N files>" digest in place of them past DETAIL_FILES."""
+    files = sorted(os.path.abspath(p) for p in paths)
+    if not files:
+        return {}
+    base = os.path.dirname(files[0]) if len(files) == 1 else os.path.commonpath(files)
     step = max(1, -(-len(files) // MAX_DATA_FILES))  # every step-th file sampled, the others by size
-    return {str(p.relative_to(root)): _sampled_hash(p) if i % step == 0 else f"size {p.stat().st_size}"
-            for i, p in enumerate(files)}
+    budget = min(FILE_BUDGET, DATA_BUDGET // min(len(files), MAX_DATA_FILES))
+    out = {os.path.relpath(p, base): _sampled_hash(p, budget if i % step == 0 else 0) for i, p in enumerate(files)}
+    if len(out) <= DETAIL_FILES:
+        return out
+    digest = hashlib.sha256("\n".join(f"{k}\0{v}" for k, v in sorted(out.items())).encode()).hexdigest()[:16]
+    return {f"<{len(out)} files>": digest}
+
+
+def _data_files(path: str) -> list[str]:
+    """A data.path's files where the source does not say: the path itself, or a folder's regular
+    files (symlinks followed), those starting with "." or "_" left out (README-like files count)."""
+    root = os.path.expanduser(path)
+    if not os.path.isdir(root):
+        return [root]
+    out = []
+    for folder, dirs, names in os.walk(root, followlinks=True):
+        dirs[:] = sorted(d for d in dirs if not d.startswith((".", "_")))
+        out += [os.path.join(folder, n) for n in names if not n.startswith((".", "_"))]
+    return out
 
 
 def _strings(value: Any) -> Iterator[str]:
@@ -87,57 +117,63 @@ def _strings(value: Any) -> Iterator[str]:
             yield from _strings(v)
 
 
-def _files(root: Path) -> Iterator[Path]:
-    if not root.is_dir():
-        return
-    for folder, dirs, names in os.walk(root):
-        dirs[:] = [d for d in dirs if not d.startswith(".") and d != "__pycache__"]
-        for name in names:
-            if not name.startswith("."):
-                yield Path(folder) / name
-
-
 def _module_hashes(top: str) -> dict[str, str]:
-    """{relative file: hash} of a top-level module or package found on sys.path (not imported);
-    {name: "version X"} where it is installed in site-packages; {} where it is not found."""
+    """{top/relative file: hash} of a top-level module or package found on sys.path (not imported),
+    wherever it is installed; {top: "version X"} for a package too large to read; {} where it is
+    not found."""
     try:
         spec = importlib.util.find_spec(top)
     except (ImportError, ValueError):
         spec = None
     if spec is None or spec.origin in (None, "built-in", "frozen"):
         return {}
-    origin = Path(spec.origin)
-    if any(part in ("site-packages", "dist-packages") for part in origin.parts):
-        from importlib import metadata
-
-        try:
-            return {top: f"version {metadata.version(top)}"}
-        except metadata.PackageNotFoundError:
-            return {top: "installed, no version"}
     if not spec.submodule_search_locations:
-        return {origin.name: _file_hash(origin)}
-    out = {}
+        return {f"{top}.py": _file_hash(Path(spec.origin))}
+    files = []
     for location in spec.submodule_search_locations:
-        base = Path(location)
-        for p in sorted(_files(base)):
-            if p.suffix == ".py":
-                out[f"{top}/{p.relative_to(base)}"] = _file_hash(p)
-    return out
+        for folder, dirs, names in os.walk(location):
+            dirs[:] = sorted(d for d in dirs if d != "__pycache__" and not d.startswith("."))
+            files += [(location, os.path.join(folder, n)) for n in names if n.endswith(".py")]
+            if len(files) > MAX_PACKAGE_FILES:
+                return {top: f"version {_version(top)}"}
+    return {f"{top}/{os.path.relpath(p, base)}": _file_hash(Path(p)) for base, p in sorted(files)}
+
+
+def _version(top: str) -> str:
+    from importlib import metadata
+
+    dists = metadata.packages_distributions().get(top, [])
+    try:
+        return metadata.version(dists[0] if dists else top)
+    except metadata.PackageNotFoundError:
+        return "unknown"
 
 
 def _file_hash(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
 
 
-def _sampled_hash(path: Path) -> str:
-    size = path.stat().st_size
-    h = hashlib.sha256(str(size).encode())
-    with open(path, "rb") as f:
-        if size <= HEAD + TAIL + BLOCKS * BLOCK:
-            h.update(f.read())
-        else:
-            spots = [0] + [HEAD + (size - HEAD - TAIL - BLOCK) * (i + 1) // (BLOCKS + 1) for i in range(BLOCKS)]
-            for at, n in [(s, HEAD if s == 0 else BLOCK) for s in spots] + [(size - TAIL, TAIL)]:
-                f.seek(at)
-                h.update(f.read(n))
-    return f"size {size} sha256 {h.hexdigest()[:16]}"
+def _sampled_hash(path: str, budget: int) -> str:
+    """Its size, and a hash of up to `budget` bytes of it (0: the size alone); what cannot be read
+    says so (it then differs from a node that can)."""
+    try:
+        st = os.stat(path)
+        if not stat.S_ISREG(st.st_mode):  # a pipe would block the read (found in review)
+            return "not a regular file"
+        size = st.st_size
+        if not budget:
+            return f"size {size}"
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            if size <= budget:
+                h.update(f.read())
+            else:
+                end, block = budget // 3, budget // 3 // BLOCKS
+                spots = [(0, end)] + [(end + (size - 2 * end - block) * (i + 1) // (BLOCKS + 1), block)
+                                      for i in range(BLOCKS)] + [(size - end, end)]
+                for at, n in spots:
+                    f.seek(at)
+                    h.update(f.read(n))
+        return f"size {size} sha256 {h.hexdigest()[:16]}"
+    except OSError as exc:
+        return f"unreadable ({exc.strerror or type(exc).__name__})"

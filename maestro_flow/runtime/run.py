@@ -236,7 +236,7 @@ def run_pipeline(path: str, options: RunOptions) -> list[dict[str, Any]]:
     if nodes.multi:
         from maestro_flow.runtime.fingerprint import fingerprint
 
-        files = fingerprint(pipeline, path)
+        files = fingerprint(pipeline, path, checked.source)
     if nodes.node_rank != 0:
         return _run_agent(pipeline, options, nodes, host, secret, files)
     nodes.assign(placement_for(checked.graph))  # refused here when the ranks cannot be placed on the nodes
@@ -327,11 +327,10 @@ def run_pipeline(path: str, options: RunOptions) -> list[dict[str, Any]]:
                 from maestro_flow.runtime.nodes import rendezvous
                 from maestro_flow.runtime.sealing import Answers, run_key, store_key
 
-                startup_s = Timeouts.from_env().startup_s
-                rdzv = rendezvous(nodes, startup_s)
+                rdzv = rendezvous(nodes, Timeouts.from_env().startup_s)
                 run_id, skey = new_nonce(), store_key(secret)
-                rkey = run_key(skey, run_id)
-                answers = Answers(nodes.endpoint, nodes.nnodes, skey, run_id, startup_s)
+                rkey = run_key(skey, run_id, nodes.endpoint[1])
+                answers = Answers(nodes.endpoint, nodes.nnodes, skey, run_id)
             try:
                 try:
                     supervise(attempt, max_restarts=ckpt.max_restarts, committed=lambda: checkpointer.committed,

@@ -10,12 +10,18 @@ secret (found in review: an old `maestro/job` "done" ended a new run's agents; a
 pointer and record made them start workers for an attempt long gone). So every value is sealed
 under a key of this run (`run_key`): node 0 draws a fresh run id at its start, and an agent
 learns it only by asking, with a fresh challenge of its own, which node 0 answers sealed under
-the secret's store key together with that challenge (`Answers`, `read_answer`). A replayed answer
-carries another challenge, and a value of another run does not open under this run's key.
+the secret's store key together with that challenge and the store's port (`Answers`,
+`read_answer`). A replayed answer carries another challenge, and a value of another run does not
+open under this run's key. Another run with the same secret, live at the same time, answers a
+challenge copied into its store too; its answer names its own port, and its values are sealed
+for it (found in review: such a relay made an agent take the other run's "done"). Two runs on
+one port of two hosts with one secret remain relayable: give each job its own secret.
 
-    maestro/ask/<node>     the challenge of that node's agent (a fresh nonce); then it raises
-    maestro/asked          a counter, so node 0 looks at the asks only when one changed
-    maestro/answer/<node>  node 0's answer: "<challenge> <run id>", sealed under the store key
+    maestro/nnodes         node 0's --nnodes, in clear (a node ranked past it is never answered)
+    maestro/ask/<node>     the challenge of that node's agent (a fresh nonce); node 0 looks for an
+                           unanswered node's every POLL_S, for a new one (an agent that took the
+                           node over) every REASK_S
+    maestro/answer/<node>  node 0's answer: "<challenge> <run id> <port>", sealed under the store key
 """
 
 from __future__ import annotations
@@ -24,13 +30,17 @@ import hashlib
 import hmac
 import re
 import threading
+import time
 from datetime import timedelta
+from typing import Any
 
 from maestro_flow.protocol.auth import derive_key
 
 NONCE = re.compile(r"[0-9a-f]{1,64}")  # a session, run id or challenge (auth.new_nonce)
-ASKED = "maestro/asked"
+NNODES = "maestro/nnodes"
 POLL_S = 0.2
+REASK_S = 2.0
+STORE_S = 5.0  # the answering thread's store calls give up after this (a key deleted under it)
 
 
 def store_key(secret: bytes) -> bytes:
@@ -38,9 +48,10 @@ def store_key(secret: bytes) -> bytes:
     return derive_key(secret, "rendezvous store")
 
 
-def run_key(skey: bytes, run: str) -> bytes:
-    """The key that seals this run's values in the store (from the store key and the run id)."""
-    return derive_key(skey, f"run {run}")
+def run_key(skey: bytes, run: str, port: int) -> bytes:
+    """The key that seals this run's values in the store (from the store key, the run id and the
+    store's port)."""
+    return derive_key(skey, f"run {run} port {port}")
 
 
 def sealed(key: bytes, name: str, text: str) -> str:
@@ -82,49 +93,58 @@ def answer_name(node: int) -> str:
 DIFFERS = "differs"  # read_answer: an answer to this challenge that does not open (another secret)
 
 
-def read_answer(skey: bytes, node: int, challenge: str, raw: bytes) -> str | None:
+def read_answer(skey: bytes, node: int, challenge: str, port: int, raw: bytes) -> str | None:
     """The run id in node 0's answer to `challenge`; None where it answered another challenge
-    (an earlier agent's, or a replay: wait for this one's), DIFFERS where the answer names this
-    challenge but does not open (node 0's secret differs, or another client of the store wrote it)."""
+    or is another store's (an earlier agent's, a replay, a relay: wait for this one's), DIFFERS
+    where the answer names this challenge but does not open (node 0's secret differs, or another
+    client of the store wrote it: the node then refuses to join, which any store client could
+    always make it do)."""
     text = unsealed(skey, answer_name(node), raw)
     if text is None:
         return DIFFERS if body(raw).split(" ")[0] == challenge else None
-    said, _, run = text.partition(" ")
-    return run if said == challenge and NONCE.fullmatch(run) else None
+    said, run, at = (text.split(" ") + ["", ""])[:3]
+    return run if said == challenge and at == str(port) and NONCE.fullmatch(run) else None
 
 
 class Answers:
     """Node 0: answers each agent's challenge with the run id, until `close`. A thread with a store
-    connection of its own; it reads the asks only when the counter moved, one key per node."""
+    connection of its own, one key per node (no counter: a store client could make it unreadable,
+    and the store drops the connection of whoever then adds to it)."""
 
-    def __init__(self, endpoint: tuple[str, int], nnodes: int, skey: bytes, run: str, timeout_s: float) -> None:
+    def __init__(self, endpoint: tuple[str, int], nnodes: int, skey: bytes, run: str) -> None:
         self.endpoint, self.nnodes, self.skey, self.run = endpoint, nnodes, skey, run
-        self.timeout_s = timeout_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True, name="maestro-answers")
         self._thread.start()
 
     def _loop(self) -> None:
+        """Never ends before `close` (found in review: one unexpected value ended it, and no agent
+        was answered after): a failed call is tried again at the next poll."""
         import torch.distributed as dist
 
-        try:
-            store = dist.TCPStore(*self.endpoint, is_master=False, timeout=timedelta(seconds=self.timeout_s))
-            seen, answered = None, {}
-            while not self._stop.is_set():
-                asked = store.add(ASKED, 0)
-                if asked != seen:
-                    seen = asked
-                    for node in range(1, self.nnodes):
-                        if not store.check([ask_name(node)]):
-                            continue
-                        challenge = store.get(ask_name(node)).decode("utf-8", "replace")
-                        if NONCE.fullmatch(challenge) and answered.get(node) != challenge:
-                            store.set(answer_name(node), sealed(self.skey, answer_name(node),
-                                                                f"{challenge} {self.run}"))
-                            answered[node] = challenge
-                self._stop.wait(POLL_S)
-        except Exception:  # noqa: BLE001 (the store is this process's own: it fails only as the run ends)
+        store, answered, looked = None, {}, 0.0
+        while not self._stop.is_set():
+            try:
+                if store is None:
+                    store = dist.TCPStore(*self.endpoint, is_master=False, timeout=timedelta(seconds=STORE_S))
+                    store.set(NNODES, str(self.nnodes))
+                every = time.monotonic() - looked >= REASK_S
+                looked = time.monotonic() if every else looked
+                for node in range(1, self.nnodes):
+                    if every or node not in answered:
+                        self._answer(store, node, answered)
+            except Exception:  # noqa: BLE001 (torch raises several types; the next poll tries again)
+                store = None
+            self._stop.wait(POLL_S)
+
+    def _answer(self, store: Any, node: int, answered: dict[int, str]) -> None:
+        if not store.check([ask_name(node)]):
             return
+        challenge = store.get(ask_name(node)).decode("utf-8", "replace")
+        if NONCE.fullmatch(challenge) and answered.get(node) != challenge:
+            store.set(answer_name(node), sealed(self.skey, answer_name(node),
+                                                f"{challenge} {self.run} {self.endpoint[1]}"))
+            answered[node] = challenge
 
     def close(self) -> None:
         self._stop.set()

@@ -227,7 +227,7 @@ def _node0(store, secret, run="a1"):
     (the answering thread, to close; this run's key, which seals node 0's values)."""
     from maestro_flow.runtime.sealing import Answers, run_key, store_key
 
-    return Answers(("127.0.0.1", store.port), 2, store_key(secret), run, 10), run_key(store_key(secret), run)
+    return Answers(("127.0.0.1", store.port), 2, store_key(secret), run), run_key(store_key(secret), run, store.port)
 
 
 @pytest.fixture
@@ -315,8 +315,8 @@ def test_values_of_an_earlier_run_with_the_same_secret_are_not_acted_on(monkeypa
     from maestro_flow.runtime.sealing import answer_name, run_key, sealed, store_key
 
     agent_mod, store, agent, logged = _agent_on_a_store(monkeypatch)
-    old = run_key(store_key(b"s" * 20), "0ld")  # the earlier run's key: same secret, another run id
-    store.set(answer_name(1), sealed(store_key(b"s" * 20), answer_name(1), "c0ffee 0ld"))  # its answer, replayed
+    old = run_key(store_key(b"s" * 20), "0ld", store.port)  # the earlier run's key: same secret, another run id
+    store.set(answer_name(1), sealed(store_key(b"s" * 20), answer_name(1), f"c0ffee 0ld {store.port}"))  # replayed
     store.set("maestro/job", sealed(old, "maestro/job", "done"))
     agent_mod.publish_attempt(store, old, "S0", INFO)
     running = threading.Thread(target=agent.run, daemon=True)
@@ -343,12 +343,13 @@ def test_node_0s_answer_is_bound_to_the_agents_challenge():
     from maestro_flow.runtime.sealing import DIFFERS, answer_name, read_answer, sealed, store_key
 
     skey = store_key(b"s" * 20)
-    good = sealed(skey, answer_name(1), "c0ffee a1").encode()
-    assert read_answer(skey, 1, "c0ffee", good) == "a1"
-    assert read_answer(skey, 1, "beef", good) is None  # another agent's (or a replayed) answer: wait
-    assert read_answer(store_key(b"t" * 20), 1, "c0ffee", good) == DIFFERS  # this node's secret differs
-    assert read_answer(skey, 2, "c0ffee", good) == DIFFERS  # moved to node 2's key: does not open either
-    assert read_answer(skey, 1, "c0ffee", sealed(skey, answer_name(1), "c0ffee ../x").encode()) is None
+    good = sealed(skey, answer_name(1), "c0ffee a1 29400").encode()
+    assert read_answer(skey, 1, "c0ffee", 29400, good) == "a1"
+    assert read_answer(skey, 1, "beef", 29400, good) is None  # another agent's (or a replayed) answer: wait
+    assert read_answer(skey, 1, "c0ffee", 29401, good) is None  # another store's, relayed (review): wait
+    assert read_answer(store_key(b"t" * 20), 1, "c0ffee", 29400, good) == DIFFERS  # this node's secret differs
+    assert read_answer(skey, 2, "c0ffee", 29400, good) == DIFFERS  # moved to node 2's key: does not open either
+    assert read_answer(skey, 1, "c0ffee", 29400, sealed(skey, answer_name(1), "c0ffee ../x 29400").encode()) is None
 
 
 def test_a_sealed_attempt_with_a_worker_name_that_is_not_a_file_name_is_refused(monkeypatch, node0):
@@ -525,3 +526,97 @@ def test_a_bug_after_a_given_up_store_call_ends_with_os_exit(monkeypatch, abando
     abandoning.ABANDONED.clear()
     result = CliRunner().invoke(cli.main, ["run", "pipelines/distill.py", "--no-run-dir", "--quiet"])
     assert isinstance(result.exception, RuntimeError)  # no call given up: raised as before
+
+
+def test_another_live_run_with_the_same_secret_cannot_answer_for_this_one(monkeypatch, node0):
+    """Found in review: a store client copied the agent's challenge into another live run's store
+    (same secret), and that run's answer and "done" back: the agent took the other run's key and
+    ended. The answer names its store's port, and the run key is bound to it."""
+    import threading
+    import time
+
+    import torch.distributed as dist
+
+    from maestro_flow.runtime.sealing import answer_name, ask_name, sealed
+
+    agent_mod, store, agent, _ = _agent_on_a_store(monkeypatch)
+    other = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # run A, live
+    key_a = node0(other, run="a9")
+    other.set("maestro/job", sealed(key_a, "maestro/job", "done"))
+    running = threading.Thread(target=agent.run, daemon=True)
+    running.start()
+    _until(lambda: store.check([ask_name(1)]))
+    other.set(ask_name(1), store.get(ask_name(1)))  # the relay
+    _until(lambda: other.check([answer_name(1)]))
+    store.set(answer_name(1), other.get(answer_name(1)))
+    store.set("maestro/job", other.get("maestro/job"))
+    time.sleep(1.0)
+    assert running.is_alive() and agent.rkey is None  # before: ended on run A's "done"
+    key = node0(store, run="b2")  # this run's node 0 answers
+    _until(lambda: agent.rkey is not None)
+    assert agent.rkey == key and running.is_alive()
+    store.set("maestro/job", sealed(key, "maestro/job", "done"))
+    running.join(10)
+    assert not running.is_alive()
+
+
+def test_a_node_ranked_past_node_0s_nnodes_is_refused_at_once(monkeypatch, node0):
+    """Found in review: node 0 answers nodes 1..nnodes-1 only, so a node started with a larger
+    --nnodes and a rank past node 0's count waited out startup and checkpoint timeouts."""
+    import time
+
+    from maestro_flow.runtime import agent as agent_mod
+    from maestro_flow.timeouts import Timeouts
+
+    _, store, _, _ = _agent_on_a_store(monkeypatch)
+    node0(store)  # nnodes 2
+    agent = agent_mod.Agent(Nodes(nnodes=3, node_rank=2, endpoint=("127.0.0.1", store.port)), secret=b"s" * 20,
+                            host="127.0.0.1", interface=None, timeouts=Timeouts(startup_s=60),
+                            worker_log=lambda name: name, log=lambda text: None)
+    start = time.monotonic()
+    with pytest.raises(PipelineError, match=r"node 2 was started with --nnodes 3, node 0 with --nnodes 2 \(so the "
+                                            r"rendezvous store says\): give every node the same --nnodes"):
+        agent.run()
+    assert time.monotonic() - start < 10 and _Started.boots == []
+
+
+def test_node_0_answers_after_a_store_client_wrote_garbage(monkeypatch, node0):
+    """Found in review: a counter of asks set to something not a number ended node 0's answering
+    thread for good (there is no counter now); nor does garbage in another node's ask stop it."""
+    agent_mod, store, agent, _ = _agent_on_a_store(monkeypatch)
+    store.set("maestro/asked", "not a number")
+    store.set("maestro/ask/0", "../x")
+    key = node0(store)
+    agent_mod.publish_attempt(store, key, "S1", INFO)
+    agent_mod.end_attempt(store, key, "S1", "done")
+    store.set("maestro/job", agent_mod.sealed(key, "maestro/job", "done"))
+    agent.run()  # answered, read the end: returns
+    assert agent.rkey == key
+
+
+def test_an_earlier_attempts_pointer_written_back_is_ignored(monkeypatch, node0):
+    """Found in review: within one run, a copy of attempt 1's pointer written back opened and
+    stopped attempt 2's workers. The pointer carries the attempt's number."""
+    import threading
+    import time
+
+    agent_mod, store, agent, logged = _agent_on_a_store(monkeypatch)
+    key = node0(store)
+    agent_mod.publish_attempt(store, key, "S1", {**INFO, "attempt": 0})
+    running = threading.Thread(target=agent.run, daemon=True)
+    running.start()
+    try:
+        _until(lambda: len(_Started.boots) == 1)
+        first = store.get("maestro/attempt")
+        agent_mod.end_attempt(store, key, "S1", "failed: a worker died")
+        agent_mod.publish_attempt(store, key, "S2", {**INFO, "attempt": 1})
+        _until(lambda: len(_Started.boots) == 2)
+        store.set("maestro/attempt", first)  # the replay
+        time.sleep(1.0)
+        assert [b["session"] for b in _Started.boots] == ["S1", "S2"] and agent.attempt == 1
+        assert running.is_alive() and any("an earlier attempt's (0), written back" in line for line in logged), logged
+    finally:
+        agent_mod.end_attempt(store, key, "S2", "done")
+        store.set("maestro/job", agent_mod.sealed(key, "maestro/job", "done"))
+        running.join(10)
+    assert not running.is_alive()
