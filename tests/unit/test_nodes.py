@@ -3,13 +3,12 @@ that keeps a tensor-parallel group on one node."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from maestro_flow.errors import PipelineError, SystemFailure
 from maestro_flow.planner.plan import Placement
 from maestro_flow.runtime.nodes import Nodes
+from tests.unit.agent_fakes import INFO, Started, agent_on_a_store, node0_on, until
 
 
 def test_flags_and_slurm():
@@ -108,7 +107,7 @@ def test_a_node_is_held_by_one_live_agent_for_the_whole_run(monkeypatch):
     monkeypatch.setattr(agent_mod, "BEAT_WAIT_S", 1.0)
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     nodes = Nodes(nnodes=2, node_rank=1, endpoint=("127.0.0.1", store.port))
-    answers, rkey = _node0(store, b"s")
+    answers, rkey = node0_on(store, b"s")
 
     def agent():
         return agent_mod.Agent(nodes, secret=b"s", host="127.0.0.1", interface=None, timeouts=Timeouts(),
@@ -125,7 +124,7 @@ def test_a_node_is_held_by_one_live_agent_for_the_whole_run(monkeypatch):
     running = threading.Thread(target=run_first, daemon=True)
     running.start()
     try:
-        _until(lambda: store.check(["maestro/node/1"]))
+        until(lambda: store.check(["maestro/node/1"]))
         assert store.get("maestro/node/1").decode() == first.me
         second = agent()
         with pytest.raises(PipelineError, match=r"node 1 of this run already has an agent \(.*\): give each node"):
@@ -159,15 +158,15 @@ def test_an_agent_taking_a_node_over_joins_only_a_later_attempt(monkeypatch, los
     from maestro_flow.runtime import agent as agent_mod
     from maestro_flow.timeouts import Timeouts
 
-    _Started.boots = []
+    Started.boots = []
     monkeypatch.setattr(agent_mod, "BEAT_WAIT_S", 0.5)
-    monkeypatch.setattr(agent_mod, "Launcher", _Started)
+    monkeypatch.setattr(agent_mod, "Launcher", Started)
     monkeypatch.setattr(agent_mod, "claim", lambda session: type("Owner", (), {"close": lambda self: None})())
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     info = {"node_of": {"0": 0, "1": 1}, "address": "tcp://127.0.0.1:1", "timeouts": {}, "devices": ["cpu", "cpu"],
             "workers": {"1": ["s", 0, "s0", "s[0]"]}}
     store.set("maestro/node/1", "a killed agent")  # nothing beats for it
-    answers, key = _node0(store, b"s")
+    answers, key = node0_on(store, b"s")
     agent_mod.publish_attempt(store, key, "S1", info)
     if lost == "running":
         store.set("maestro/in/1", "S1")  # it had started S1's workers
@@ -180,224 +179,16 @@ def test_an_agent_taking_a_node_over_joins_only_a_later_attempt(monkeypatch, los
     running.start()
     try:
         time.sleep(1.5)
-        assert _Started.boots == [] and store.get("maestro/node/1").decode() == agent.me
+        assert Started.boots == [] and store.get("maestro/node/1").decode() == agent.me
         agent_mod.publish_attempt(store, key, "S2", info)
-        _until(lambda: _Started.boots)
-        assert [b["session"] for b in _Started.boots] == ["S2"]
+        until(lambda: Started.boots)
+        assert [b["session"] for b in Started.boots] == ["S2"]
     finally:
         agent_mod.end_attempt(store, key, "S2", "done")
         store.set("maestro/job", agent_mod.sealed(key, "maestro/job", "done"))
         running.join(10)
         answers.close()
     assert not running.is_alive()
-
-
-class _Started:
-    """A Launcher that records the workers an agent would start (no processes)."""
-
-    boots: list = []
-
-    def __init__(self, entry):
-        pass
-
-    def start(self, rank, section, replica, boot):
-        _Started.boots.append(boot)
-
-    def dead(self):
-        return []
-
-    def join(self, timeout):
-        pass
-
-    def shutdown(self, grace, kill):
-        pass
-
-
-def _until(condition, timeout_s=5.0):
-    """Wait (bounded) until `condition()` holds; the assertion after it says what was awaited."""
-    import time
-
-    deadline = time.monotonic() + timeout_s
-    while not condition() and time.monotonic() < deadline:
-        time.sleep(0.05)
-
-
-def _node0(store, secret, run="a1"):
-    """Node 0's side of the rendezvous: answers agents' challenges with the run id `run`. Returns
-    (the answering thread, to close; this run's key, which seals node 0's values)."""
-    from maestro_flow.runtime.sealing import Answers, run_key, store_key
-
-    return Answers(("127.0.0.1", store.port), 2, store_key(secret), run), run_key(store_key(secret), run, store.port)
-
-
-@pytest.fixture
-def node0():
-    """_node0, closed after the test."""
-    made = []
-
-    def make(store, secret=b"s" * 20, run="a1"):
-        made.append(_node0(store, secret, run))
-        return made[-1][1]
-
-    yield make
-    for answers, _ in made:
-        answers.close()
-
-
-def _agent_on_a_store(monkeypatch, secret=b"s" * 20):
-    import torch.distributed as dist
-
-    from maestro_flow.runtime import agent as agent_mod
-    from maestro_flow.timeouts import Timeouts
-
-    _Started.boots = []
-    monkeypatch.setattr(agent_mod, "Launcher", _Started)
-    monkeypatch.setattr(agent_mod, "claim", lambda session: type("Owner", (), {"close": lambda self: None})())
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    nodes = Nodes(nnodes=2, node_rank=1, endpoint=("127.0.0.1", store.port))
-    logged: list[str] = []
-    agent = agent_mod.Agent(nodes, secret=secret, host="127.0.0.1", interface=None, timeouts=Timeouts(startup_s=20),
-                            worker_log=lambda name: name, log=logged.append)
-    return agent_mod, store, agent, logged
-
-
-INFO = {"node_of": {"0": 0, "1": 1}, "address": "tcp://127.0.0.1:1", "timeouts": {}, "devices": ["cpu", "cpu"],
-        "workers": {"1": ["s", 0, "s-0", "s[0]"]}}
-
-
-def test_an_attempt_the_store_holds_unsealed_starts_nothing(monkeypatch, node0):
-    """Found in review: any client of the rendezvous store could publish an attempt (no verifier
-    needed) whose workers connected to the client's address and logged to workers/../../FILE."""
-    import threading
-    import time
-
-    agent_mod, store, agent, logged = _agent_on_a_store(monkeypatch)
-    key = node0(store)
-    forged = {**INFO, "workers": {"1": ["s", 0, "../../../escaped", "x\nINJECTED"]}}
-    store.set("maestro/attempt/abc123", json.dumps(forged))
-    store.set("maestro/attempt", "abc123")
-    running = threading.Thread(target=agent.run, daemon=True)
-    running.start()
-    time.sleep(1.0)
-    assert running.is_alive() and _Started.boots == []  # ignored, said once
-    assert sum("ignored maestro/attempt in the rendezvous store" in line for line in logged) == 1, logged
-    store.set("maestro/job", agent_mod.sealed(key, "maestro/job", "done"))
-    running.join(10)
-    assert not running.is_alive() and _Started.boots == []
-    # A note no one of this run sealed is not a lost worker; one that is sealed is shown escaped.
-    store.set("maestro/lost/S9", "worker s[0] on node 1 was killed by SIGKILL")
-    assert agent_mod.lost_error(store, key, "S9") is None
-    store.set("maestro/lost/S9", agent_mod.sealed(key, "maestro/lost/S9", "worker x\x1b[2J died"))
-    assert str(agent_mod.lost_error(store, key, "S9")) == "worker x\\x1b[2J died"
-
-
-def test_a_node_whose_secret_differs_refuses_node_0s_attempt_and_node_0_says_so(monkeypatch, node0):
-    """Node 0's answer to the agent's challenge does not open with this node's secret: the agent
-    refuses node 0's attempt at once, and node 0 shows the refusal (which it cannot open either)."""
-    agent_mod, store, agent, _ = _agent_on_a_store(monkeypatch)
-    key = node0(store, secret=b"t" * 20)  # node 0's secret differs
-    agent_mod.publish_attempt(store, key, "abc123", INFO)
-    with pytest.raises(PipelineError, match=r"node 1's control-plane secret differs from node 0's \(the run's attempt"):
-        agent.run()
-    assert _Started.boots == []
-    lost = agent_mod.lost_error(store, key, "abc123")
-    assert isinstance(lost, PipelineError) and "not sealed with this node's secret" in str(lost)
-
-
-def test_values_of_an_earlier_run_with_the_same_secret_are_not_acted_on(monkeypatch, node0):
-    """Found in review: sealed store values were not bound to one run, so an earlier run's
-    "done" (or attempt) with the same secret, written into a later run's store, ended (or
-    redirected) its agents. Each run's values are sealed under a key of that run, which an agent
-    learns only from node 0's answer to its own challenge; a replayed answer is not taken."""
-    import threading
-    import time
-
-    from maestro_flow.runtime.sealing import answer_name, run_key, sealed, store_key
-
-    agent_mod, store, agent, logged = _agent_on_a_store(monkeypatch)
-    old = run_key(store_key(b"s" * 20), "0ld", store.port)  # the earlier run's key: same secret, another run id
-    store.set(answer_name(1), sealed(store_key(b"s" * 20), answer_name(1), f"c0ffee 0ld {store.port}"))  # replayed
-    store.set("maestro/job", sealed(old, "maestro/job", "done"))
-    agent_mod.publish_attempt(store, old, "S0", INFO)
-    running = threading.Thread(target=agent.run, daemon=True)
-    running.start()
-    time.sleep(1.0)
-    assert running.is_alive() and _Started.boots == [] and agent.rkey is None  # the old answer named another challenge
-    key = node0(store, run="a2")
-    _until(lambda: agent.rkey is not None)
-    assert agent.rkey == key
-    time.sleep(0.5)
-    assert running.is_alive() and _Started.boots == []  # the old run's job and attempt do not open
-    assert any("ignored maestro/job" in line for line in logged) and any("ignored maestro/attempt" in line
-                                                                          for line in logged), logged
-    agent_mod.publish_attempt(store, key, "S1", INFO)
-    _until(lambda: _Started.boots)
-    assert [b["session"] for b in _Started.boots] == ["S1"]
-    agent_mod.end_attempt(store, key, "S1", "done")
-    store.set("maestro/job", sealed(key, "maestro/job", "done"))
-    running.join(10)
-    assert not running.is_alive()
-
-
-def test_node_0s_answer_is_bound_to_the_agents_challenge():
-    from maestro_flow.runtime.sealing import DIFFERS, answer_name, read_answer, sealed, store_key
-
-    skey = store_key(b"s" * 20)
-    good = sealed(skey, answer_name(1), "c0ffee a1 29400").encode()
-    assert read_answer(skey, 1, "c0ffee", 29400, good) == "a1"
-    assert read_answer(skey, 1, "beef", 29400, good) is None  # another agent's (or a replayed) answer: wait
-    assert read_answer(skey, 1, "c0ffee", 29401, good) is None  # another store's, relayed (review): wait
-    assert read_answer(store_key(b"t" * 20), 1, "c0ffee", 29400, good) == DIFFERS  # this node's secret differs
-    assert read_answer(skey, 2, "c0ffee", 29400, good) == DIFFERS  # moved to node 2's key: does not open either
-    assert read_answer(skey, 1, "c0ffee", 29400, sealed(skey, answer_name(1), "c0ffee ../x 29400").encode()) is None
-
-
-def test_a_sealed_attempt_with_a_worker_name_that_is_not_a_file_name_is_refused(monkeypatch, node0):
-    agent_mod, store, agent, _ = _agent_on_a_store(monkeypatch)
-    agent_mod.publish_attempt(store, node0(store), "S1", {**INFO, "workers": {"1": ["s", 0, "../escaped", "s[0]"]}})
-    with pytest.raises(PipelineError, match="names a worker '../escaped', which is not a file name"):
-        agent.run()
-    assert _Started.boots == []
-
-
-def test_unsealed_values_do_not_stop_a_running_attempt(monkeypatch, node0):
-    """Found in review: setting maestro/attempt to anything made node 1's agent stop the workers of
-    the running attempt and wait for an attempt that never came; a forged end or job too."""
-    import threading
-    import time
-
-    agent_mod, store, agent, logged = _agent_on_a_store(monkeypatch)
-    key = node0(store)
-    agent_mod.publish_attempt(store, key, "S1", INFO)
-    running = threading.Thread(target=agent.run, daemon=True)
-    running.start()
-    try:
-        _until(lambda: _Started.boots)
-        assert [b["session"] for b in _Started.boots] == ["S1"] and _Started.boots[0]["log"] == "s-0"
-        store.set("maestro/attempt", "bogus")
-        store.set("maestro/end/S1", "failed: forged")
-        store.set("maestro/job", "failed: forged")
-        time.sleep(1.0)
-        assert running.is_alive()  # still in S1
-        assert any("ignored maestro/attempt in the rendezvous store" in line for line in logged), logged
-        agent_mod.end_attempt(store, key, "S1", "done")
-        store.set("maestro/job", agent_mod.sealed(key, "maestro/job", "done"))
-        running.join(10)
-        assert not running.is_alive()
-    finally:
-        agent_mod.end_attempt(store, key, "S1", "done")
-        store.set("maestro/job", agent_mod.sealed(key, "maestro/job", "done"))
-        running.join(10)
-
-
-@pytest.fixture
-def abandoning():
-    """Tests that make nodes.bounded give a call up: the flag it sets would make the CLI's error
-    paths end the test process (nodes.exit_code), so it is cleared after."""
-    from maestro_flow.runtime import nodes as nodes_mod
-
-    yield nodes_mod
-    nodes_mod.ABANDONED.clear()
 
 
 def test_an_agent_gives_up_on_a_store_that_stops_answering(abandoning):
@@ -437,14 +228,6 @@ def test_joining_an_endpoint_where_something_else_listens_is_bounded(abandoning)
         silent.close()
 
 
-def test_a_node_started_with_another_nnodes_is_refused(monkeypatch, node0):
-    agent_mod, store, agent, _ = _agent_on_a_store(monkeypatch)
-    agent_mod.publish_attempt(store, node0(store), "S1", {**INFO, "nnodes": 3})
-    with pytest.raises(PipelineError, match="node 1 was started with --nnodes 2, node 0 with --nnodes 3"):
-        agent.run()
-    assert _Started.boots == []
-
-
 def test_an_interrupted_agent_tells_node_0_within_a_bound(monkeypatch, abandoning):
     """Ctrl-C on node I > 0 while node 0 does not answer: the agent's note to node 0 is given up
     after a bound (it waited for good), and the interrupt goes on."""
@@ -452,7 +235,7 @@ def test_an_interrupted_agent_tells_node_0_within_a_bound(monkeypatch, abandonin
     import time
     import types
 
-    agent_mod, _, agent, _ = _agent_on_a_store(monkeypatch)
+    agent_mod, _, agent, _ = agent_on_a_store(monkeypatch)
     frozen = threading.Event()
 
     class Store:  # node 0's store, answering until the interrupt, then frozen
@@ -475,26 +258,8 @@ def test_an_interrupted_agent_tells_node_0_within_a_bound(monkeypatch, abandonin
     start = time.monotonic()
     with pytest.raises(KeyboardInterrupt):
         agent._attempt(Store(), "S1", INFO)
-    assert time.monotonic() - start < 5 and [b["session"] for b in _Started.boots] == ["S1"]
+    assert time.monotonic() - start < 5 and [b["session"] for b in Started.boots] == ["S1"]
     frozen.set()
-
-
-def test_a_node_whose_code_or_data_differs_from_node_0s_is_refused(monkeypatch, node0):
-    """The settings agree, the files do not (runtime/fingerprint.py): refused before any worker
-    starts, naming them; node 0 shows why."""
-    agent_mod, store, agent, _ = _agent_on_a_store(monkeypatch)
-    key = node0(store)
-    agent.files = {"code": {"stages/vision.py": "1", "pipeline file": "2"}, "data": {"vlm.arrow": "size 9 sha256 a"},
-                   "versions": {"torch": "2.13.0"}}
-    theirs = {"code": {"stages/vision.py": "X", "pipeline file": "2"}, "data": {"vlm.arrow": "size 9 sha256 a"},
-              "versions": {"torch": "2.11.0"}}
-    agent_mod.publish_attempt(store, key, "S1", {**INFO, "files": theirs})
-    with pytest.raises(PipelineError, match=r"node 1's files differ from node 0's \(install the same code and copy "
-                                            r"the same data to every node\): code: stages/vision.py \(differs\); "
-                                            r"versions: torch 2.13.0 here, 2.11.0 on node 0"):
-        agent.run()
-    assert _Started.boots == []
-    assert "node 1's files differ from node 0's" in str(agent_mod.lost_error(store, key, "S1"))
 
 
 def test_a_bug_after_a_given_up_store_call_ends_with_os_exit(monkeypatch, abandoning):
@@ -526,97 +291,3 @@ def test_a_bug_after_a_given_up_store_call_ends_with_os_exit(monkeypatch, abando
     abandoning.ABANDONED.clear()
     result = CliRunner().invoke(cli.main, ["run", "pipelines/distill.py", "--no-run-dir", "--quiet"])
     assert isinstance(result.exception, RuntimeError)  # no call given up: raised as before
-
-
-def test_another_live_run_with_the_same_secret_cannot_answer_for_this_one(monkeypatch, node0):
-    """Found in review: a store client copied the agent's challenge into another live run's store
-    (same secret), and that run's answer and "done" back: the agent took the other run's key and
-    ended. The answer names its store's port, and the run key is bound to it."""
-    import threading
-    import time
-
-    import torch.distributed as dist
-
-    from maestro_flow.runtime.sealing import answer_name, ask_name, sealed
-
-    agent_mod, store, agent, _ = _agent_on_a_store(monkeypatch)
-    other = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # run A, live
-    key_a = node0(other, run="a9")
-    other.set("maestro/job", sealed(key_a, "maestro/job", "done"))
-    running = threading.Thread(target=agent.run, daemon=True)
-    running.start()
-    _until(lambda: store.check([ask_name(1)]))
-    other.set(ask_name(1), store.get(ask_name(1)))  # the relay
-    _until(lambda: other.check([answer_name(1)]))
-    store.set(answer_name(1), other.get(answer_name(1)))
-    store.set("maestro/job", other.get("maestro/job"))
-    time.sleep(1.0)
-    assert running.is_alive() and agent.rkey is None  # before: ended on run A's "done"
-    key = node0(store, run="b2")  # this run's node 0 answers
-    _until(lambda: agent.rkey is not None)
-    assert agent.rkey == key and running.is_alive()
-    store.set("maestro/job", sealed(key, "maestro/job", "done"))
-    running.join(10)
-    assert not running.is_alive()
-
-
-def test_a_node_ranked_past_node_0s_nnodes_is_refused_at_once(monkeypatch, node0):
-    """Found in review: node 0 answers nodes 1..nnodes-1 only, so a node started with a larger
-    --nnodes and a rank past node 0's count waited out startup and checkpoint timeouts."""
-    import time
-
-    from maestro_flow.runtime import agent as agent_mod
-    from maestro_flow.timeouts import Timeouts
-
-    _, store, _, _ = _agent_on_a_store(monkeypatch)
-    node0(store)  # nnodes 2
-    agent = agent_mod.Agent(Nodes(nnodes=3, node_rank=2, endpoint=("127.0.0.1", store.port)), secret=b"s" * 20,
-                            host="127.0.0.1", interface=None, timeouts=Timeouts(startup_s=60),
-                            worker_log=lambda name: name, log=lambda text: None)
-    start = time.monotonic()
-    with pytest.raises(PipelineError, match=r"node 2 was started with --nnodes 3, node 0 with --nnodes 2 \(so the "
-                                            r"rendezvous store says\): give every node the same --nnodes"):
-        agent.run()
-    assert time.monotonic() - start < 10 and _Started.boots == []
-
-
-def test_node_0_answers_after_a_store_client_wrote_garbage(monkeypatch, node0):
-    """Found in review: a counter of asks set to something not a number ended node 0's answering
-    thread for good (there is no counter now); nor does garbage in another node's ask stop it."""
-    agent_mod, store, agent, _ = _agent_on_a_store(monkeypatch)
-    store.set("maestro/asked", "not a number")
-    store.set("maestro/ask/0", "../x")
-    key = node0(store)
-    agent_mod.publish_attempt(store, key, "S1", INFO)
-    agent_mod.end_attempt(store, key, "S1", "done")
-    store.set("maestro/job", agent_mod.sealed(key, "maestro/job", "done"))
-    agent.run()  # answered, read the end: returns
-    assert agent.rkey == key
-
-
-def test_an_earlier_attempts_pointer_written_back_is_ignored(monkeypatch, node0):
-    """Found in review: within one run, a copy of attempt 1's pointer written back opened and
-    stopped attempt 2's workers. The pointer carries the attempt's number."""
-    import threading
-    import time
-
-    agent_mod, store, agent, logged = _agent_on_a_store(monkeypatch)
-    key = node0(store)
-    agent_mod.publish_attempt(store, key, "S1", {**INFO, "attempt": 0})
-    running = threading.Thread(target=agent.run, daemon=True)
-    running.start()
-    try:
-        _until(lambda: len(_Started.boots) == 1)
-        first = store.get("maestro/attempt")
-        agent_mod.end_attempt(store, key, "S1", "failed: a worker died")
-        agent_mod.publish_attempt(store, key, "S2", {**INFO, "attempt": 1})
-        _until(lambda: len(_Started.boots) == 2)
-        store.set("maestro/attempt", first)  # the replay
-        time.sleep(1.0)
-        assert [b["session"] for b in _Started.boots] == ["S1", "S2"] and agent.attempt == 1
-        assert running.is_alive() and any("an earlier attempt's (0), written back" in line for line in logged), logged
-    finally:
-        agent_mod.end_attempt(store, key, "S2", "done")
-        store.set("maestro/job", agent_mod.sealed(key, "maestro/job", "done"))
-        running.join(10)
-    assert not running.is_alive()
