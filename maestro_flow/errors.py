@@ -45,6 +45,11 @@ class SystemFailure(MaestroError):
     """The runtime failed (dead worker, timeout, protocol mismatch); the pipeline is dead."""
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM or SIGHUP taken as an interrupt (a scheduler's preemption or eviction, a closed
+    terminal), told apart from Ctrl-C where it matters (runtime/agent.py)."""
+
+
 class WorkerLost(SystemFailure):
     """A worker died or went silent: what `--max-restarts` recovers from (with TimeoutFailure)."""
 

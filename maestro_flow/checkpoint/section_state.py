@@ -91,8 +91,10 @@ class SectionState:
     @staticmethod
     def cause(exc: BaseException) -> str:
         """One line on why a save or load failed: DCP gathers every rank's exception into one
-        CheckpointException; the first rank's own error is the cause."""
-        exc = _failures(exc)[0]
+        CheckpointException; the first rank's own error is the cause (not a collective's failure
+        another rank's error caused, where there is one)."""
+        failures = _failures(exc)
+        exc = next((e for e in failures if not collective_failure(e)), failures[0])
         if not str(exc) and isinstance(exc, EOFError):  # found in review: "EOFError: " said nothing
             return "EOFError: a file ended early (truncated or damaged)"
         return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
@@ -172,7 +174,7 @@ class SectionState:
             except CheckpointMismatch:
                 raise
             except (Exception, CheckpointException) as exc:  # DCP's CheckpointException is a BaseException
-                if any(collective_failure(e) for e in _failures(exc)):
+                if all(collective_failure(e) for e in _failures(exc)):  # a rank's own file error is the cause
                     # A peer lost while DCP loads collectively (found in review: reported as bad
                     # input, so a lost node ended a run that --max-restarts would have restarted):
                     # a system error, whose cause the coordinator looks for (a dead peer or node).

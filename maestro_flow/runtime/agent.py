@@ -4,7 +4,7 @@ Runs as `maestro run PIPE --nnodes N --node-rank I --rdzv-endpoint HOST:PORT` on
 Node 0's coordinator hosts the rendezvous store (a torch.distributed TCPStore) and publishes in
 it each attempt of the run (its first, and one per automatic restart):
 
-    maestro/attempt            the current attempt's session (a fresh nonce, not a secret)
+    maestro/attempt            the current attempt's session (a fresh nonce, not a secret) and number
     maestro/attempt/<session>  where the coordinator listens, the timeouts, which node runs which
                                rank, each rank's section, replica and worker names
     maestro/stopping/<session> set when the coordinator asks the workers to stop at the end: from
@@ -61,7 +61,7 @@ import threading
 import time
 from typing import Any
 
-from maestro_flow.errors import MaestroError, PipelineError, SystemFailure, WorkerLost
+from maestro_flow.errors import MaestroError, PipelineError, SystemFailure, Terminated, WorkerLost
 from maestro_flow.runtime import fingerprint, sealing
 from maestro_flow.runtime.launcher import Launcher
 from maestro_flow.runtime.nodes import ABANDONED, NoAnswer, Nodes, bounded, node_ranks, rendezvous
@@ -111,7 +111,7 @@ def end_job(store: Any, key: bytes, outcome: str, nnodes: int, wait_s: float, lo
 
 
 REFUSED = "refused: "
-STOPPED = "stopped: "  # a node stopped on purpose (Ctrl-C, SIGTERM): the run stops, no restart
+STOPPED = "stopped: "  # a node stopped by Ctrl-C: the run stops, no restart
 
 
 def file_name(name: Any) -> bool:
@@ -464,11 +464,16 @@ class Agent:
                                             f"{waited:.0f}s after this node's workers ended (raise "
                                             f"MAESTRO_COORDINATOR_TIMEOUT_S if node 0 can be that slow)")
                 time.sleep(POLL_S)
-        except KeyboardInterrupt:  # Ctrl-C or SIGTERM here: node 0 learns why at once
+        except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM here: node 0 learns why at once
+            # Ctrl-C is a person stopping the run: no restart (found in review: node 0 restarted and
+            # waited out its startup for the node). SIGTERM is as likely a preemption or an eviction:
+            # a lost node, which --max-restarts restarts once it is back.
+            note = (f"node {node} was terminated (SIGTERM or SIGHUP there: preempted, evicted or stopped); its "
+                    "workers are stopped" if isinstance(exc, Terminated) else
+                    f"{STOPPED}node {node} was interrupted (Ctrl-C there); its workers are stopped")
             try:  # bounded: a node 0 that does not answer must not hold Ctrl-C up
-                bounded(store.set, f"maestro/lost/{session}", sealed(
-                    self.rkey, f"maestro/lost/{session}", f"{STOPPED}node {node} was interrupted (Ctrl-C or SIGTERM "
-                    "there); its workers are stopped"), timeout_s=INTERRUPT_STORE_S)
+                bounded(store.set, f"maestro/lost/{session}", sealed(self.rkey, f"maestro/lost/{session}", note),
+                        timeout_s=INTERRUPT_STORE_S)
                 bounded(store.set, f"maestro/bye/{node}", "1", timeout_s=INTERRUPT_STORE_S)  # node 0 need not wait
             except Exception:  # noqa: BLE001 (node 0 may be gone too)
                 pass

@@ -16,7 +16,7 @@ code or another copy of the data would give other maths without a word.
   MAX_DATA_FILES files are sampled, evenly spread; the others count by size. Two copies that
   differ only elsewhere are not told apart. Past DETAIL_FILES files the record carries one digest
   of them all (a store value is at most 8 MiB), and a difference is named as that digest's.
-- Versions: Python's and torch's.
+- Versions: Python's (major.minor) and torch's (in full: builds for other CUDA versions differ).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def fingerprint(pipeline: Any, pipeline_file: str, source: Any = None) -> dict[s
     files = getattr(source, "files", None)
     return {"code": code(pipeline, pipeline_file),
             "data": data(files if isinstance(files, (list, tuple)) else _data_files(pipeline.data.path)),
-            "versions": {"python": sys.version.split()[0], "torch": torch.__version__}}
+            "versions": {"python": "{}.{}".format(*sys.version_info), "torch": torch.__version__}}
 
 
 def differences(mine: dict[str, dict[str, str]], node0: dict[str, dict[str, str]]) -> list[str]:
@@ -84,9 +84,10 @@ def data(paths: Sequence[str]) -> dict[str, str]:
     if not files:
         return {}
     base = os.path.dirname(files[0]) if len(files) == 1 else os.path.commonpath(files)
+    cut = len(base.rstrip(os.sep)) + 1  # names relative to base (os.path.relpath: most of the time, found in review)
     step = max(1, -(-len(files) // MAX_DATA_FILES))  # every step-th file sampled, the others by size
     budget = min(FILE_BUDGET, DATA_BUDGET // min(len(files), MAX_DATA_FILES))
-    out = {os.path.relpath(p, base): _sampled_hash(p, budget if i % step == 0 else 0) for i, p in enumerate(files)}
+    out = {p[cut:]: _sampled_hash(p, budget if i % step == 0 else 0) for i, p in enumerate(files)}
     if len(out) <= DETAIL_FILES:
         return out
     digest = hashlib.sha256("\n".join(f"{k}\0{v}" for k, v in sorted(out.items())).encode()).hexdigest()[:16]
@@ -133,7 +134,9 @@ def _module_hashes(top: str) -> dict[str, str]:
     for location in spec.submodule_search_locations:
         for folder, dirs, names in os.walk(location):
             dirs[:] = sorted(d for d in dirs if d != "__pycache__" and not d.startswith("."))
-            files += [(location, os.path.join(folder, n)) for n in names if n.endswith(".py")]
+            # Not an editor's hidden files (found in review: Emacs' lock link .#lm.py, dangling, raised)
+            files += [(location, os.path.join(folder, n)) for n in names if n.endswith(".py")
+                      and not n.startswith((".", "#"))]
             if len(files) > MAX_PACKAGE_FILES:
                 return {top: f"version {_version(top)}"}
     return {f"{top}/{os.path.relpath(p, base)}": _file_hash(Path(p)) for base, p in sorted(files)}
@@ -150,7 +153,10 @@ def _version(top: str) -> str:
 
 
 def _file_hash(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+    try:
+        return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+    except OSError as exc:  # it then differs from a node that can read it
+        return f"unreadable ({exc.strerror or type(exc).__name__})"
 
 
 def _sampled_hash(path: str, budget: int) -> str:

@@ -20,7 +20,7 @@ from typing import Any
 
 from maestro_flow.checkpoint import manifest as mf
 from maestro_flow.checkpoint.checkpointer import Checkpointer, CheckpointOptions, resume_point
-from maestro_flow.errors import PipelineError
+from maestro_flow.errors import PipelineError, Terminated
 from maestro_flow.runtime import cpus
 from maestro_flow.runtime.agent import end_job
 from maestro_flow.runtime.build import load_pipeline
@@ -99,7 +99,7 @@ def control_secret(options: RunOptions, host: str = "127.0.0.1", nodes: Nodes | 
 
 
 def _sigterm_as_interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt
+    raise Terminated
 
 
 def _catch_stops() -> dict[int, Any]:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import re
+import sys
 import threading
 import time
 from datetime import timedelta
@@ -122,29 +123,42 @@ class Answers:
         was answered after): a failed call is tried again at the next poll."""
         import torch.distributed as dist
 
-        store, answered, looked = None, {}, 0.0
+        store, answered, looked, said = None, {}, 0.0, False
         while not self._stop.is_set():
             try:
                 if store is None:
                     store = dist.TCPStore(*self.endpoint, is_master=False, timeout=timedelta(seconds=STORE_S))
-                    store.set(NNODES, str(self.nnodes))
                 every = time.monotonic() - looked >= REASK_S
-                looked = time.monotonic() if every else looked
+                if every:  # what a store client may have overwritten meanwhile is written again
+                    looked = time.monotonic()
+                    store.set(NNODES, str(self.nnodes))
                 for node in range(1, self.nnodes):
                     if every or node not in answered:
                         self._answer(store, node, answered)
-            except Exception:  # noqa: BLE001 (torch raises several types; the next poll tries again)
+            except Exception as exc:  # noqa: BLE001 (torch raises several types; the next poll tries again)
                 store = None
+                if not said and not self._stop.is_set():  # once: agents would only say node 0 did not answer
+                    said = True
+                    print(f"maestro: node 0 cannot use its rendezvous store at {self.endpoint[0]}:{self.endpoint[1]} "
+                          f"to answer the other nodes ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                          "); trying again", file=sys.stderr, flush=True)
             self._stop.wait(POLL_S)
 
-    def _answer(self, store: Any, node: int, answered: dict[int, str]) -> None:
+    def _answer(self, store: Any, node: int, answered: dict[int, tuple[str, str]]) -> None:
+        """Answer node `node`'s challenge, a new one, or again where the answer in the store is no
+        longer this one's (found in review: overwritten, the agent waited out its timeout)."""
         if not store.check([ask_name(node)]):
             return
         challenge = store.get(ask_name(node)).decode("utf-8", "replace")
-        if NONCE.fullmatch(challenge) and answered.get(node) != challenge:
-            store.set(answer_name(node), sealed(self.skey, answer_name(node),
-                                                f"{challenge} {self.run} {self.endpoint[1]}"))
-            answered[node] = challenge
+        if not NONCE.fullmatch(challenge):
+            return
+        said = answered.get(node)
+        value = said[1] if said and said[0] == challenge else sealed(
+            self.skey, answer_name(node), f"{challenge} {self.run} {self.endpoint[1]}")
+        if said is None or said[0] != challenge or not store.check([answer_name(node)]) or \
+                store.get(answer_name(node)).decode("utf-8", "replace") != value:
+            store.set(answer_name(node), value)
+            answered[node] = (challenge, value)
 
     def close(self) -> None:
         self._stop.set()

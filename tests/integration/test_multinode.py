@@ -266,10 +266,11 @@ def test_a_node_that_differs_from_node_0_is_refused_at_once(demo_data, tmp_path)
 
 
 def test_stopping_node_1_is_named_at_once(demo_data, tmp_path):
-    """SIGTERM to node 1: node 0 stops naming it within a few seconds (it waited for the heartbeat
-    timeout, then reported node 1 silent, and then waited for a goodbye from it), and does not
-    restart with --max-restarts (found in review: it restarted, then waited out its startup
-    timeout for the stopped node, and ended naming that timeout)."""
+    """Ctrl-C (SIGINT) on node 1: node 0 stops naming it within a few seconds (it waited for the
+    heartbeat timeout, then reported node 1 silent, and then waited for a goodbye from it), and
+    does not restart with --max-restarts (found in review: it restarted, then waited out its
+    startup timeout for the stopped node, and ended naming that timeout). SIGTERM is as likely a
+    preemption: that restarts, as a lost node does (test_rendezvous_seals)."""
     import signal
 
     port = free_port()
@@ -278,7 +279,7 @@ def test_stopping_node_1_is_named_at_once(demo_data, tmp_path):
     n0 = node(0, port, pipeline, *_slow(demo_data=demo_data), "--max-restarts", "2", "--checkpoint-dir",
               str(tmp_path / "ck"), "--checkpoint-every", "100")
     everything = _training(n0, 2) + _training(n1, 1)
-    n1.send_signal(signal.SIGTERM)
+    n1.send_signal(signal.SIGINT)
     t0 = time.monotonic()
     [err] = finish(n0, timeout=60)
     elapsed = time.monotonic() - t0

@@ -28,6 +28,7 @@ def project(tmp_path, monkeypatch):
     (pkg / "__init__.py").write_text("")
     (pkg / "model.py").write_text("class Model: pass\n")
     (pkg / "sub" / "blocks.py").write_text("WIDTH = 4\n")
+    os.symlink("someone@host.123:1700000000", pkg / ".#model.py")  # Emacs' lock link beside an edited file
     (tmp_path / "pipe.py").write_text("def pipeline(**o): pass\n")
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "part-0.arrow").write_bytes(b"a" * 1000)
@@ -43,6 +44,8 @@ def test_a_changed_helper_module_or_pipeline_file_is_named(project):
     assert {"mystages/model.py", "mystages/sub/blocks.py", "pipeline file", "maestro_flow/runtime/agent.py",
             "loaders/arrow.py"} <= set(before["code"])
     assert set(before["data"]) == {"part-0.arrow", "part-1.arrow"} and set(before["versions"]) == {"python", "torch"}
+    assert not any(".#" in k for k in before["code"])  # an editor's files are no code (found in review: it raised)
+    assert before["versions"]["python"] == "{}.{}".format(*sys.version_info)  # not the patch level
     assert fp.differences(before, before) == []
     (project / "mystages" / "sub" / "blocks.py").write_text("WIDTH = 8\n")  # not the stage's own module
     (project / "pipe.py").write_text("def pipeline(**o): return None\n")
@@ -128,7 +131,7 @@ def test_code_installed_or_editable_is_the_same_code(project, tmp_path):
     pipeline = _pipeline("mystages.model:Model", str(project / "data"))
     here = fp.code(pipeline, str(project / "pipe.py"))
     copy = tmp_path / "site-packages"
-    shutil.copytree(project / "mystages", copy / "mystages")
+    shutil.copytree(project / "mystages", copy / "mystages", symlinks=True)
     sys.modules.pop("mystages", None)
     sys.path.insert(0, str(copy))
     try:

@@ -257,3 +257,48 @@ def test_a_node_started_with_another_nnodes_is_refused(monkeypatch, node0):
     with pytest.raises(PipelineError, match="node 1 was started with --nnodes 2, node 0 with --nnodes 3"):
         agent.run()
     assert Started.boots == []
+
+
+def test_an_answer_overwritten_in_the_store_is_given_again(monkeypatch, node0):
+    """Found in review: node 0 answered each challenge once, so an answer a store client overwrote
+    (a relay) left the agent waiting out its timeout, blaming node 0."""
+    from maestro_flow.runtime import sealing
+
+    monkeypatch.setattr(sealing, "REASK_S", 0.3)
+    agent_mod, store, agent, _ = agent_on_a_store(monkeypatch)
+    store.set(sealing.ask_name(1), agent.challenge)
+    key = node0(store)
+    until(lambda: store.check([sealing.answer_name(1)]))
+    store.set(sealing.answer_name(1), "0" * 64 + ":" + agent.challenge[:4])  # overwritten before the agent read it
+    agent_mod.publish_attempt(store, key, "S1", INFO)
+    agent_mod.end_attempt(store, key, "S1", "done")
+    store.set("maestro/job", agent_mod.sealed(key, "maestro/job", "done"))
+    agent.run()  # answered again: it learns the run and reads its end
+    assert agent.rkey == key
+
+
+@pytest.mark.parametrize("signal", ["ctrl-c", "sigterm"])
+def test_ctrl_c_on_a_node_stops_the_run_and_sigterm_restarts_it(monkeypatch, signal):
+    """Found in review: a node stopped with Ctrl-C was restarted, and node 0 waited out its startup
+    for it. Ctrl-C is a person's: the run stops. SIGTERM is as likely a preemption or an eviction:
+    a lost node, which --max-restarts restarts once it is back."""
+    import time
+    import types
+
+    from maestro_flow.errors import SystemFailure, Terminated, WorkerLost
+
+    agent_mod, store, agent, _ = agent_on_a_store(monkeypatch)
+
+    def interrupted(seconds):
+        raise Terminated if signal == "sigterm" else KeyboardInterrupt
+
+    monkeypatch.setattr(agent_mod, "time", types.SimpleNamespace(monotonic=time.monotonic, sleep=interrupted))
+    agent.rkey = b"k" * 32
+    store.set("maestro/node/1", agent.me)
+    with pytest.raises(KeyboardInterrupt):
+        agent._attempt(store, "S1", INFO)
+    lost = agent_mod.lost_error(store, agent.rkey, "S1")
+    if signal == "sigterm":
+        assert type(lost) is WorkerLost and "node 1 was terminated (SIGTERM or SIGHUP there" in str(lost)
+    else:
+        assert type(lost) is SystemFailure and str(lost).startswith("node 1 was interrupted (Ctrl-C there)")

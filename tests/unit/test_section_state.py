@@ -132,7 +132,7 @@ def test_a_frozen_sections_buffers_come_back_per_replica(tmp_path):
     assert not torch.equal(replicas[0].running_mean, replicas[1].running_mean)
 
 
-@pytest.mark.parametrize("raised", ["gloo", "gathered", "file"])
+@pytest.mark.parametrize("raised", ["gloo", "gathered", "file", "mixed"])
 def test_a_peer_lost_while_loading_is_not_blamed_on_the_checkpoint(tmp_path, monkeypatch, raised):
     """Found in review: a node lost while DCP loaded (gloo: "Connection closed by peer") was
     reported as a checkpoint that cannot be read, bad input, so --max-restarts did not restart;
@@ -143,14 +143,16 @@ def test_a_peer_lost_while_loading_is_not_blamed_on_the_checkpoint(tmp_path, mon
     from maestro_flow.checkpoint import section_state
 
     gloo = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer [1.2.3.4]:5")
-    error = {"gloo": gloo, "gathered": CheckpointException("load failed", {1: (OSError("x"), None), 0: (gloo, None)}),
-             "file": CheckpointException("load failed", {0: (OSError("disk error"), None)})}[raised]
+    error = {"gloo": gloo, "gathered": CheckpointException("load failed", {1: (gloo, None), 0: (gloo, None)}),
+             "file": CheckpointException("load failed", {0: (OSError("disk error"), None)}),
+             # a rank's own file error, and the collective failure it caused on another: the file's
+             "mixed": CheckpointException("load failed", {0: (gloo, None), 1: (OSError("disk error"), None)})}[raised]
 
     def fail(self, folder, step):
         raise error
 
     monkeypatch.setattr(section_state.SectionState, "_load_state", fail)
-    if raised == "file":
+    if raised in ("file", "mixed"):
         with pytest.raises(CheckpointMismatch, match=rf"the checkpoint {tmp_path}: cannot read the state of section "
                                                     r"'x' .*: OSError: disk error"):
             state(*build()).load(str(tmp_path))
