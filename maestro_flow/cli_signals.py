@@ -32,18 +32,28 @@ def importing_native() -> bool:
 @contextlib.contextmanager
 def interrupts_after_imports() -> Iterator[None]:
     held = threading.Event()
+    resent = threading.Event()  # the SIGINT on its way is resend()'s, not a second Ctrl-C
     main = threading.main_thread().ident
+
+    def hold() -> None:
+        threading.Thread(target=resend, name="held-interrupt", daemon=True).start()
 
     def resend() -> None:
         while importing_native():
             time.sleep(0.02)
         if held.is_set():
+            resent.set()
             signal.pthread_kill(main, signal.SIGINT)
 
     def on_interrupt(signum: int, frame: object) -> None:
-        if importing_native() and not held.is_set():
+        if resent.is_set():
+            resent.clear()
+            if importing_native():  # another native import began since resend() looked: hold it again
+                hold()
+                return
+        elif importing_native() and not held.is_set():
             held.set()
-            threading.Thread(target=resend, name="held-interrupt", daemon=True).start()
+            hold()
             return
         held.clear()
         raise KeyboardInterrupt

@@ -1,0 +1,44 @@
+"""Ctrl-C held while a native library is imported (maestro_flow/cli_signals.py), driven by calling
+the installed handler directly: no real signal is sent."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+
+from maestro_flow import cli_signals
+
+
+def test_a_held_interrupt_resent_into_another_import_is_held_again(monkeypatch):
+    """The held Ctrl-C is sent again once the import is over; where another native import began
+    in between, it arrived there and was raised inside it (a second Ctrl-C's treatment): the
+    "Aborted!" or SIGABRT the module exists to prevent. It is held again now."""
+    importing = [True]
+    sent = []
+    monkeypatch.setattr(cli_signals, "importing_native", lambda: importing[0])
+    monkeypatch.setattr(cli_signals.signal, "pthread_kill", lambda thread, signum: sent.append(signum))
+
+    def resent(n: int) -> None:
+        deadline = time.monotonic() + 5
+        while len(sent) < n and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(sent) == n
+
+    with cli_signals.interrupts_after_imports():
+        handler = signal.getsignal(signal.SIGINT)
+        handler(signal.SIGINT, None)  # Ctrl-C during an import: held
+        importing[0] = False
+        resent(1)
+        importing[0] = True  # another import began before the resent signal came
+        handler(signal.SIGINT, None)  # held again, not raised
+        importing[0] = False
+        resent(2)
+        with pytest.raises(KeyboardInterrupt):
+            handler(signal.SIGINT, None)  # no import now: raised
+        importing[0] = True
+        handler(signal.SIGINT, None)  # a new Ctrl-C during an import: held
+        with pytest.raises(KeyboardInterrupt):
+            handler(signal.SIGINT, None)  # a second one while held: raised at once
+        importing[0] = False
