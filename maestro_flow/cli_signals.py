@@ -33,6 +33,7 @@ def importing_native() -> bool:
 def interrupts_after_imports() -> Iterator[None]:
     held = threading.Event()
     resent = threading.Event()  # the SIGINT on its way is resend()'s, not a second Ctrl-C
+    closed = threading.Event()  # the command is over: a late resend is dropped
     main = threading.main_thread().ident
 
     def hold() -> None:
@@ -41,11 +42,13 @@ def interrupts_after_imports() -> Iterator[None]:
     def resend() -> None:
         while importing_native():
             time.sleep(0.02)
-        if held.is_set():
+        if held.is_set() and not closed.is_set():  # not into the handler the command ends with
             resent.set()
             signal.pthread_kill(main, signal.SIGINT)
 
     def on_interrupt(signum: int, frame: object) -> None:
+        if closed.is_set() and resent.is_set():
+            return  # the command ended while the interrupt was resent: it was raised already
         if resent.is_set():
             resent.clear()
             if importing_native():  # another native import began since resend() looked: hold it again
@@ -65,5 +68,6 @@ def interrupts_after_imports() -> Iterator[None]:
     try:
         yield
     finally:
+        closed.set()
         held.clear()  # a resend still pending finds nothing to raise
         signal.signal(signal.SIGINT, previous)
