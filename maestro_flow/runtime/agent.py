@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import socket
 import sys
@@ -111,6 +112,8 @@ def end_job(store: Any, key: bytes, outcome: str, nnodes: int, wait_s: float, lo
 
 
 REFUSED = "refused: "
+# The note an agent writes for a dead worker (launcher.WorkerHandle.label names its rank), read back by lost_error.
+_DEAD_WORKER = re.compile(r"worker section .*? \(rank (\d+), pid \d+\) on node ")
 STOPPED = "stopped: "  # a node stopped by Ctrl-C: the run stops, no restart
 
 
@@ -140,7 +143,12 @@ def lost_error(store: Any, key: bytes, session: str) -> MaestroError | None:
     text = printable(text)
     if text.startswith(STOPPED):  # found in review: restarted, then waited out the startup for the node
         return SystemFailure(text.removeprefix(STOPPED))
-    return PipelineError(text.removeprefix(REFUSED)) if text.startswith(REFUSED) else WorkerLost(text)
+    if text.startswith(REFUSED):
+        return PipelineError(text.removeprefix(REFUSED))
+    lost = WorkerLost(text)
+    named = _DEAD_WORKER.match(text)  # the rank of a dead worker's note (below): the coordinator says how far it got
+    lost.rank = int(named.group(1)) if named else None
+    return lost
 
 
 def canonical(pipeline: dict[str, Any]) -> str:

@@ -9,7 +9,6 @@ coordinator's thread.
 
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Callable
 
@@ -132,9 +131,9 @@ class CoordinatorIO:
         """What another node's agent reported (runtime/agent.py), a dead worker's with how far it
         got, as a worker of this node is named (found in review: without)."""
         lost = agent.lost_error(self.rdzv, self.store_key, self.session)
-        rank = re.match(r"worker section .*? \(rank (\d+), pid \d+\) on node ", str(lost)) if lost else None
-        if isinstance(lost, WorkerLost) and rank and self.training and int(rank.group(1)) < self.placement.world_size:
-            return WorkerLost(f"{lost} {self._progress(int(rank.group(1)))}")
+        rank = getattr(lost, "rank", None)
+        if rank is not None and self.training and rank < self.placement.world_size:
+            return WorkerLost(f"{lost} {self._progress(rank)}")
         return lost
 
     def _raise_dead_peer(self, exclude: int) -> None:

@@ -66,11 +66,9 @@ def differences(mine: dict[str, dict[str, str]], node0: dict[str, dict[str, str]
 
 
 def code(pipeline: Any, pipeline_file: str) -> dict[str, str]:
-    tops = {"maestro_flow"}
-    tops.update(s.stage.partition(":")[0].split(".")[0] for s in pipeline.sections)
-    tops.add(pipeline.data.source.partition(":")[0].split(".")[0])
-    for section in pipeline.sections:
-        tops.update(v.partition(":")[0].split(".")[0] for v in _strings(section.config) if _ATTR_PATH.fullmatch(v))
+    paths = [s.stage for s in pipeline.sections] + [pipeline.data.source]
+    paths += [v for s in pipeline.sections for v in _strings(s.config) if _ATTR_PATH.fullmatch(v)]
+    tops = {"maestro_flow"} | {p.partition(":")[0].split(".")[0] for p in paths}  # "module:Attr" -> its top package
     out = {"pipeline file": _file_hash(Path(pipeline_file))}
     for top in sorted(tops):
         out.update(_module_hashes(top))
