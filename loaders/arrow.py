@@ -45,6 +45,7 @@ from loaders.arrow_rows import (
     token_rows_outside,
 )
 from maestro_flow import ArrowData, PipelineError
+from maestro_flow.errors import brief
 from maestro_flow.samples import SampleMeta
 
 _REQUIRED = ("id int64, modalities list<string>, tokens list<int32>")
@@ -85,11 +86,6 @@ def _row_group_offset(rg: Any) -> int:
     """Where a Parquet row group's first page starts in its file."""
     col = rg.column(0)
     return min(o for o in (col.dictionary_page_offset, col.data_page_offset) if o is not None and o > 0)
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}"
 
 
 def _columns(schema: pa.Schema) -> list[tuple[str, pa.DataType]]:
@@ -174,7 +170,7 @@ class ArrowSource:
             with open(self._path, "rb") as f:
                 magic = f.read(6)
         except OSError as exc:
-            raise PipelineError(f"data.path: cannot read {self._path} ({_first_line(exc)})") from None
+            raise PipelineError(f"data.path: cannot read {self._path} ({brief(exc)})") from None
         if magic.startswith(_PARQUET_MAGIC):
             return self._open_parquet([self._path])
         segments, start = [], 0
@@ -203,7 +199,7 @@ class ArrowSource:
             schema = reader.schema
         except (pa.ArrowException, OSError, ValueError) as exc:
             raise PipelineError(
-                f"data.path: not a readable Arrow IPC or Parquet file: {self._path} ({_first_line(exc)})"
+                f"data.path: not a readable Arrow IPC or Parquet file: {self._path} ({brief(exc)})"
             ) from None
         return schema, segments
 
@@ -233,7 +229,7 @@ class ArrowSource:
                 file_schema = pf.schema_arrow
             except (pa.ArrowException, OSError, ValueError) as exc:
                 raise PipelineError(
-                    f"data.path: not a readable Arrow IPC or Parquet file: {path} ({_first_line(exc)})"
+                    f"data.path: not a readable Arrow IPC or Parquet file: {path} ({brief(exc)})"
                 ) from None
             if schema is None:
                 schema = file_schema
@@ -375,7 +371,7 @@ class ArrowSource:
                 table = self._parquet_file(seg.file).read_row_group(seg.row_group, columns=names)
         except (pa.ArrowException, OSError, ValueError) as exc:
             path, where = self._where(seg)
-            raise PipelineError(f"data.path: {path} is corrupt: {where} cannot be read ({_first_line(exc)})") from None
+            raise PipelineError(f"data.path: {path} is corrupt: {where} cannot be read ({brief(exc)})") from None
         if cache:
             self._keep(seg_i, key, table)
         return table
@@ -424,7 +420,7 @@ class ArrowSource:
             table.validate(full=True)
         except (pa.ArrowException, ValueError) as exc:
             path, where = self._where(self._segments[seg_i])
-            raise PipelineError(f"data.path: {path} is corrupt: {where} fails validation ({_first_line(exc)})") from None
+            raise PipelineError(f"data.path: {path} is corrupt: {where} fails validation ({brief(exc)})") from None
 
     def _where(self, seg: _Segment) -> tuple[str, str]:
         """The file of a segment, and where in it the segment is (for an error)."""

@@ -13,6 +13,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from maestro_flow import PipelineError
+from maestro_flow.errors import first_line
 from maestro_flow.samples import MODALITIES
 
 KNOWN_MODALITIES = MODALITIES
@@ -58,7 +59,7 @@ def as_ints(arr: pa.Array, column: str | None = None) -> np.ndarray:
         return arr.cast(pa.int64()).to_numpy(zero_copy_only=False)
     except pa.ArrowInvalid as exc:  # an unsigned 64-bit value past int64
         what = f"column {column!r}" if column else "an integer column"
-        raise PipelineError(f"data.path: {what} holds a value beyond int64 ({_first_line(exc)})") from None
+        raise PipelineError(f"data.path: {what} holds a value beyond int64 ({first_line(exc)})") from None
 
 
 def audio_frames(num_samples: np.ndarray, sample_rate: np.ndarray) -> np.ndarray:
@@ -73,10 +74,6 @@ def parents(arr: pa.Array) -> np.ndarray:
     lengths, as the flatten is: a null row's offsets may still span values, which the flatten
     leaves out and pc.list_parent_indices would count."""
     return np.repeat(np.arange(len(arr), dtype=np.int64), list_lengths(arr))
-
-
-def _first_line(exc: BaseException) -> str:
-    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
 
 
 def rows_with_null_values(arr: pa.Array) -> np.ndarray:

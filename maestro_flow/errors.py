@@ -1,4 +1,4 @@
-"""The error types users see. Pure (standard library only).
+"""The error types users see, and the one-line forms of an exception they quote. Pure (standard library only).
 
 Two kinds of runtime failure are never mixed: a `StageError` is user code that raised (it carries
 the section, replica, step and the traceback formatted as text in the process that raised it); a
@@ -62,3 +62,15 @@ class TimeoutFailure(SystemFailure):
             f"timed out after {waited_s:.1f}s waiting for {what} "
             f"(raise it with the environment variable {setting})"
         )
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of an exception's message, or its type's name where the message is blank: the
+    one-line cause a wrapping error quotes."""
+    text = str(exc).strip()
+    return text.splitlines()[0].rstrip() if text else type(exc).__name__
+
+
+def brief(exc: BaseException) -> str:
+    """'Type: first line of the message' (the type alone where the message is blank)."""
+    return f"{type(exc).__name__}: {first_line(exc)}" if str(exc).strip() else type(exc).__name__

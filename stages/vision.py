@@ -42,6 +42,7 @@ import torch
 from torch import Tensor, nn
 
 from maestro_flow import MicroBatch, Stage, StageContext
+from maestro_flow.errors import brief
 from stages.common import Outputs, check_keys, lengths_of
 from stages.encoder import (
     EncoderConfig,
@@ -220,7 +221,7 @@ def _as_pixels(data: Any, sample_id: int) -> Tensor:
         pixels = data if isinstance(data, Tensor) else torch.as_tensor(data)
     except (ValueError, TypeError, RuntimeError) as exc:  # found in review: ragged lists or text, no sample named
         raise ValueError(f"sample {sample_id}: the image column's value is not a [3, H, W] array of numbers "
-                         f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None
+                         f"({brief(exc)})") from None
     if not pixels.is_floating_point():
         pixels = pixels.float()
     return pixels

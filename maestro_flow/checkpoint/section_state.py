@@ -47,7 +47,7 @@ from maestro_flow.checkpoint import manifest as mf
 from maestro_flow.checkpoint import rng
 from maestro_flow.checkpoint.manifest import rng_file
 from maestro_flow.checkpoint.savedir import trainable_state
-from maestro_flow.errors import PipelineError
+from maestro_flow.errors import PipelineError, brief
 from maestro_flow.optim.stepper import SectionOptimizer
 from maestro_flow.runtime.executor_state import collective_failure
 
@@ -207,7 +207,7 @@ class SectionState:
             self.standin = state.get("standin")  # another replica's will stand in too
         except Exception as exc:  # truncated or corrupt: torch.load's zip reader says so
             raise CheckpointMismatch(f"--resume {checkpoint}: cannot read the RNG state of {who} ({path}): "
-                                     f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from None
+                                     f"{brief(exc)}") from None
         self._restore_buffers(state.get("buffers", {}))  # a checkpoint from before buffers were kept has none
 
     def _load_state(self, folder: str, step: int | None) -> None:

@@ -62,7 +62,7 @@ import threading
 import time
 from typing import Any
 
-from maestro_flow.errors import MaestroError, PipelineError, SystemFailure, Terminated, WorkerLost
+from maestro_flow.errors import MaestroError, PipelineError, SystemFailure, Terminated, WorkerLost, first_line
 from maestro_flow.runtime import fingerprint, sealing
 from maestro_flow.runtime.launcher import Launcher
 from maestro_flow.runtime.nodes import ABANDONED, NoAnswer, Nodes, bounded, node_ranks, rendezvous
@@ -287,7 +287,7 @@ class Agent:
         except Exception as exc:  # noqa: BLE001 (torch raises several types for a lost connection)
             ranks = f", ranks {', '.join(map(str, self.node0_ranks))}" if self.node0_ranks else ""
             why = (f"its rendezvous store did not answer for {self.timeouts.coordinator_timeout_s:.0f}s"
-                   if isinstance(exc, NoAnswer) else str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+                   if isinstance(exc, NoAnswer) else first_line(exc))
             raise SystemFailure(f"lost node 0 (the coordinator{ranks}; rendezvous {self.where}): {why}; this "
                                 f"node's workers are stopped") from None
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from maestro_flow.config import Pipeline, Section
-from maestro_flow.errors import PipelineError
+from maestro_flow.errors import PipelineError, brief
 from maestro_flow.graph import SectionGraph
 from maestro_flow.planner import make_planner
 from maestro_flow.runtime.build import build_stage, open_source, resolve
@@ -106,9 +106,8 @@ def check_builds(pipeline: Pipeline, section: Any) -> None:
     except (NotImplementedError, RuntimeError):
         return  # what the meta device cannot do (a stage moving its modules with .to(ctx.device)): unchecked
     except Exception as exc:
-        text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         raise PipelineError(f"sections.{section.name}.config: building {section.stage} from it failed: "
-                            f"{type(exc).__name__}: {text}") from exc
+                            f"{brief(exc)}") from exc
 
 
 def check_token_limits(pipeline: Pipeline, source: Any, metadata: list[SampleMeta]) -> None:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from maestro_flow.errors import PipelineError
+from maestro_flow.errors import PipelineError, brief
 from maestro_flow.planner.plan import Placement
 
 
@@ -149,7 +149,7 @@ def rendezvous(nodes: Nodes, timeout_s: float) -> Any:
             return bounded(lambda: dist.TCPStore(host, port, is_master=False, timeout=timeout), timeout_s=timeout_s)
         except Exception as exc:  # noqa: BLE001 (torch raises several types for an unreachable store)
             raise PipelineError(f"--rdzv-endpoint {host}:{port}: node 0 did not answer within {timeout_s:.0f}s "
-                                f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None
+                                f"({brief(exc)})") from None
     try:
         return listening_store(host, port, timeout)
     except OSError as exc:

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from maestro_flow.config import Pipeline
-from maestro_flow.errors import MaestroError, StageOutputError
+from maestro_flow.errors import MaestroError, StageOutputError, brief
 from maestro_flow.graph import SectionGraph
 from maestro_flow.runtime.build import build_stage, default_dtype, open_source, resolve_device
 from maestro_flow.runtime.precision import autocast_dtype, compute
@@ -326,7 +326,7 @@ def synthetic_batches(pipeline: Pipeline, name: str, samples: int | None = None,
             except (RuntimeError, MemoryError) as exc:  # found in review: blamed on the stage (exit 3)
                 shape = "x".join(map(str, input_shapes[t]))
                 raise ReplayError(f"--input-shape {t}={shape}: cannot make {len(chosen)} such tensor(s) "
-                                  f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None
+                                  f"({brief(exc)})") from None
         log(f"inputs {', '.join(sorted(random_names))}: random normal, per-sample shape "
             + ", ".join(f"{t}={list(input_shapes[t])}" for t in sorted(random_names)))
     batches = []

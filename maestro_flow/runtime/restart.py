@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from maestro_flow.checkpoint import manifest as mf
-from maestro_flow.errors import TimeoutFailure, WorkerLost
+from maestro_flow.errors import TimeoutFailure, WorkerLost, first_line
 
 Resume = tuple[str, mf.Manifest] | None
 Attempt = Callable[[Resume, int], None]  # (where to resume, restarts so far)
@@ -25,8 +25,8 @@ Attempt = Callable[[Resume, int], None]  # (where to resume, restarts so far)
 def supervise(attempt: Attempt, *, max_restarts: int, committed: Callable[[], str | None], resume: Resume,
               restarts: int, log: Callable[[str], None],
               on_restart: Callable[[dict[str, Any]], None] = lambda event: None) -> int:
-    """`committed()`: the newest checkpoint this job has written (None: none yet)."""
-    """Run `attempt` until it succeeds or fails for good; returns the restarts it took."""
+    """Run `attempt` until it succeeds or fails for good; returns the restarts it took.
+    `committed()`: the newest checkpoint this job has written (None: none yet)."""
     used = 0
     while True:
         try:
@@ -37,7 +37,7 @@ def supervise(attempt: Attempt, *, max_restarts: int, committed: Callable[[], st
                 raise
             used += 1
             restarts += 1
-            cause = str(exc).strip().splitlines()[0]
+            cause = first_line(exc)
             newest = committed()
             if newest is not None:
                 resume = (newest, mf.read(newest))

@@ -20,7 +20,7 @@ from typing import Any
 
 from maestro_flow.checkpoint import manifest as mf
 from maestro_flow.checkpoint.checkpointer import Checkpointer, CheckpointOptions, resume_point
-from maestro_flow.errors import PipelineError, Terminated
+from maestro_flow.errors import PipelineError, Terminated, first_line
 from maestro_flow.runtime import cpus
 from maestro_flow.runtime.agent import end_job
 from maestro_flow.runtime.build import load_pipeline
@@ -339,7 +339,7 @@ def run_pipeline(path: str, options: RunOptions) -> list[dict[str, Any]]:
                               on_restart=run_dir.event if run_dir is not None else lambda event: None)
                 except BaseException as exc:
                     if rdzv is not None:
-                        end_job(rdzv, rkey, f"failed: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}",
+                        end_job(rdzv, rkey, f"failed: {first_line(exc)}",
                                 nodes.nnodes, Timeouts.from_env().shutdown_grace_s + 5,
                                 getattr(exc, "lost_nodes", set()))
                     raise

@@ -35,6 +35,7 @@ import time
 from datetime import timedelta
 from typing import Any
 
+from maestro_flow.errors import brief
 from maestro_flow.protocol.auth import derive_key
 
 NONCE = re.compile(r"[0-9a-f]{1,64}")  # a session, run id or challenge (auth.new_nonce)
@@ -140,7 +141,7 @@ class Answers:
                 if not said and not self._stop.is_set():  # once: agents would only say node 0 did not answer
                     said = True
                     print(f"maestro: node 0 cannot use its rendezvous store at {self.endpoint[0]}:{self.endpoint[1]} "
-                          f"to answer the other nodes ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                          f"to answer the other nodes ({brief(exc)}"
                           "); trying again", file=sys.stderr, flush=True)
             self._stop.wait(POLL_S)
 

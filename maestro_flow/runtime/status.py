@@ -31,6 +31,8 @@ import threading
 import time
 from typing import Any
 
+from maestro_flow.errors import first_line
+
 LOOPBACK = "127.0.0.1"
 REQUEST = b"status"  # the one request: a line (b"status\n")
 REQUEST_MAX_BYTES = 256
@@ -260,7 +262,7 @@ def query(run_dir: str, timeout_s: float = 2.0) -> dict[str, Any]:
             pass
         except ValueError as exc:  # not JSON, too long, not an object: whatever listens there is no maestro run
             raise FileNotFoundError(f"{endpoint} (from {run_dir}/status.json) answered something that is not a "
-                                    f"maestro status snapshot ({str(exc).splitlines()[0][:200]})") from None
+                                    f"maestro status snapshot ({first_line(exc)[:200]})") from None
         if time.monotonic() >= deadline:
             raise TimeoutError(f"the run at {endpoint} did not answer within {timeout_s:.1f}s")
         time.sleep(0.05)

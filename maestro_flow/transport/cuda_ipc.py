@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from maestro_flow.errors import first_line
 from maestro_flow.transport.shm import SlotReader, SlotWriter
 
 PREFIX = "ipc-"  # slot names: ipc-<sender rank>-<count>; releases are routed by it
@@ -78,7 +79,7 @@ class _DeviceSlot:
                                       int(ref_offset), bytes(event_handle), bool(event_sync),
                                       bytes(self.event.ipc_handle())]
         except RuntimeError as exc:
-            raise IpcRefused(str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from exc
+            raise IpcRefused(first_line(exc)) from exc
         self.announced = False
 
     def close(self) -> None:
