@@ -37,9 +37,11 @@ from loaders.arrow_rows import (
     check_unique,
     describe_bad_row,
     extract,
+    has_dictionary,
     is_binary,
     is_list,
     is_string,
+    plain_type,
     scan_segment,
     token_counts,
     token_rows_outside,
@@ -89,22 +91,9 @@ def _row_group_offset(rg: Any) -> int:
 
 
 def _columns(schema: pa.Schema) -> list[tuple[str, pa.DataType]]:
-    """Names and types, nullability left out at every depth (Parquet writers vary it)."""
-    return [(f.name, _nullable(f.type)) for f in schema]
-
-
-def _nullable(t: pa.DataType) -> pa.DataType:
-    if pa.types.is_large_list(t):
-        return pa.large_list(_nullable(t.value_type))
-    if pa.types.is_fixed_size_list(t):
-        return pa.list_(_nullable(t.value_type), t.list_size)
-    if pa.types.is_list(t):
-        return pa.list_(_nullable(t.value_type))
-    if pa.types.is_map(t):
-        return pa.map_(_nullable(t.key_type), _nullable(t.item_type))
-    if pa.types.is_struct(t):
-        return pa.struct([pa.field(t.field(i).name, _nullable(t.field(i).type)) for i in range(t.num_fields)])
-    return t
+    """Names and types, nullability and dictionary encoding left out at every depth (Parquet writers
+    vary them; a dictionary-encoded column is read decoded)."""
+    return [(f.name, plain_type(f.type)) for f in schema]
 
 
 def _schema_difference(first: pa.Schema, other: pa.Schema) -> str:
@@ -118,11 +107,14 @@ def _schema_difference(first: pa.Schema, other: pa.Schema) -> str:
 
 
 def _as_array(col: pa.Array | pa.ChunkedArray) -> pa.Array:
+    """One array, dictionary-encoded values decoded (what pandas' categoricals and polars' List(Categorical)
+    write): every reader below sees plain values."""
     if isinstance(col, pa.ChunkedArray):
         if col.num_chunks == 1:
-            return col.chunk(0)
-        return col.combine_chunks() if col.num_chunks else pa.array([], type=col.type)
-    return col
+            col = col.chunk(0)
+        else:
+            col = col.combine_chunks() if col.num_chunks else pa.array([], type=col.type)
+    return col.cast(plain_type(col.type)) if has_dictionary(col.type) else col
 
 
 PARQUET_SUFFIXES = (".parquet", ".pq", ".parq")
@@ -266,7 +258,7 @@ class ArrowSource:
         for name, (ok, expected) in _TYPE_RULES.items():
             if name in ("image", "audio") and self._data.column_of(name) != name:
                 continue  # the modality's payload is in another column; this one is just data
-            if name in names and not ok(self._schema.field(name).type):
+            if name in names and not ok(plain_type(self._schema.field(name).type)):
                 raise PipelineError(
                     f"data.path: column {name!r} must be {expected}, got {self._schema.field(name).type} "
                     f"in {self._path}"
@@ -342,7 +334,10 @@ class ArrowSource:
             local = idx[positions] - seg.start
             table = self._segment_columns(int(seg_i), names)
             for name in names:
-                values = extract(_as_array(table.column(name)), local, as_int32=(name == "tokens"))
+                col, at = table.column(name), local
+                if has_dictionary(col.type):  # decode only the rows asked for
+                    col, at = col.take(pa.array(local)), np.arange(len(local))
+                values = extract(_as_array(col), at, as_int32=(name == "tokens"))
                 col = out[name]
                 for p, v in zip(positions.tolist(), values, strict=False):
                     col[p] = v

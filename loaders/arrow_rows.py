@@ -45,6 +45,36 @@ def is_binary(t: pa.DataType) -> bool:
     return pa.types.is_binary(t) or pa.types.is_large_binary(t)
 
 
+def plain_type(t: pa.DataType) -> pa.DataType:
+    """The type with nullability and dictionary encoding left out at every depth."""
+    if pa.types.is_dictionary(t):
+        return plain_type(t.value_type)
+    if pa.types.is_large_list(t):
+        return pa.large_list(plain_type(t.value_type))
+    if pa.types.is_fixed_size_list(t):
+        return pa.list_(plain_type(t.value_type), t.list_size)
+    if pa.types.is_list(t):
+        return pa.list_(plain_type(t.value_type))
+    if pa.types.is_map(t):
+        return pa.map_(plain_type(t.key_type), plain_type(t.item_type))
+    if pa.types.is_struct(t):
+        return pa.struct([pa.field(t.field(i).name, plain_type(t.field(i).type)) for i in range(t.num_fields)])
+    return t
+
+
+def has_dictionary(t: pa.DataType) -> bool:
+    """Whether a dictionary-encoded type is in `t`, at any depth."""
+    if pa.types.is_dictionary(t):
+        return True
+    if is_list(t) or pa.types.is_fixed_size_list(t):
+        return has_dictionary(t.value_type)
+    if pa.types.is_map(t):
+        return has_dictionary(t.key_type) or has_dictionary(t.item_type)
+    if pa.types.is_struct(t):
+        return any(has_dictionary(t.field(i).type) for i in range(t.num_fields))
+    return False
+
+
 def valid_mask(arr: pa.Array) -> np.ndarray:
     if arr.null_count == 0:
         return np.ones(len(arr), dtype=bool)

@@ -89,6 +89,45 @@ def test_parquet_files_that_differ_only_in_nullability_form_one_folder(tmp_path)
         source(folder)
 
 
+def _dictionary_encoded(table: pa.Table) -> pa.Table:
+    """What pandas' categoricals and polars' List(Categorical) write: id, caption and the
+    modalities' strings dictionary-encoded (a null modality name and a null caption included)."""
+    mods = table["modalities"].combine_chunks()
+    table = table.set_column(1, "modalities", pa.ListArray.from_arrays(mods.offsets, mods.values.dictionary_encode(),
+                                                                       mask=mods.is_null()))
+    table = table.set_column(0, "id", table["id"].dictionary_encode())
+    return table.set_column(7, "caption", table["caption"].dictionary_encode())
+
+
+@pytest.mark.parametrize("kind", ["arrow", "parquet", "folder"])
+def test_dictionary_encoded_columns_read_as_plain_ones(tmp_path, kind):
+    """Refused before ('column 'modalities' must be list<string>, got list<dictionary<...>>'):
+    they read as the plain file does, rows in any order, across segments; a Parquet folder may mix
+    encoded and plain files; a bad row in an encoded column is still named."""
+    table = multimodal_table(modalities=[["text"], ["text", "image"], ["audio", "text"], ["image", None]])
+    encoded = _dictionary_encoded(table)
+    assert pa.types.is_dictionary(encoded.schema.field("modalities").type.value_type)
+    plain_path = _write_ipc(table, tmp_path / "plain.arrow")
+    if kind == "arrow":
+        path = _write_ipc(encoded, tmp_path / "enc.arrow", batch_rows=3)
+    elif kind == "parquet":
+        pq.write_table(encoded, path := str(tmp_path / "enc.parquet"), row_group_size=3)
+    else:
+        (path := tmp_path / "parts").mkdir()
+        pq.write_table(encoded.slice(0, 2), path / "a.parquet")
+        pq.write_table(table.slice(2, 2), path / "b.parquet")
+    with pytest.raises(PipelineError, match=r"bad row .*\(id 13\) has unknown modality None"):
+        source(path).metadata()
+    ours, plain = source(path, skip_bad_rows=True), source(plain_path, skip_bad_rows=True)
+    assert ours.metadata() == plain.metadata() and [m.id for m in ours.metadata()] == [10, 11, 12]
+    rows = [3, 0, 2, 1, 2]
+    got, want = ours.read(rows), plain.read(rows)
+    assert got.keys() == want.keys()
+    for name in want:
+        for a, b in zip(got[name], want[name], strict=True):
+            assert np.array_equal(a, b) if isinstance(b, np.ndarray) else a == b, (name, a, b)
+
+
 @pytest.mark.parametrize("column", ["modalities", "tokens"])
 def test_a_null_row_whose_offsets_span_values_is_a_bad_row(tmp_path, column):
     """Arrow lets a null list row keep offsets over values; the flatten leaves them out, so the
