@@ -153,7 +153,7 @@ def main(ctx: click.Context, debug: bool) -> None:
                    "each running every section in graph order on its share of each global batch, one micro-batch "
                    "size for all, one gradient reduction per step (same maths as --colocated).")
 @click.option("--devices", type=int, help="--baseline monolithic: data-parallel ranks (default: as many as section "
-                                          "mode's workers).")
+                                          "mode's workers; at most global_batch).")
 @click.option("--micro-batch", "micro_batch", type=int,
               help="--baseline monolithic: the micro-batch every section runs (default: the loss section's).")
 @click.option("--pin-cpus", is_flag=True, help="Pin each CPU worker to its own cores (shared by all when there are "

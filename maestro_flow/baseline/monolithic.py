@@ -38,12 +38,17 @@ STAGE = "maestro_flow.baseline.monolithic:FusedStage"
 
 
 def monolithic_pipeline(pipeline: Pipeline, devices: int, micro_batch: int | None = None) -> Pipeline:
-    """The pipeline as one section of `devices` data-parallel ranks, every section inside, each
-    micro-batch `micro_batch` samples (default: the loss section's micro-batch)."""
+    """The pipeline as one section of `devices` data-parallel ranks (at most global_batch), every
+    section inside, each micro-batch `micro_batch` samples (default: the loss section's micro-batch)."""
     graph = SectionGraph(pipeline)
     losses = graph.loss_sections()
     if not isinstance(devices, int) or isinstance(devices, bool) or devices < 1:
         raise PipelineError(f"--devices must be an integer >= 1, got {devices!r}")
+    if devices > pipeline.global_batch:  # found in review: 100 ranks for 16 samples started, then timed out
+        raise PipelineError(f"--devices {devices} is more than global_batch={pipeline.global_batch}: each rank of the "
+                            "monolithic baseline takes its share of every global batch, so "
+                            f"{devices - pipeline.global_batch} would idle; pass --devices {pipeline.global_batch} "
+                            "or fewer, or raise global_batch")
     if not losses:
         raise PipelineError("--baseline monolithic: the pipeline trains nothing (no trainable section)")
     if len(losses) > 1:

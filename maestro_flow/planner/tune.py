@@ -228,11 +228,13 @@ def tune(pipeline: Pipeline, costs: CostModel | None, samples: Sequence[SampleMe
 
 def monolithic_for(pipeline: Pipeline, costs: CostModel, batches: Sequence[Sequence[SampleMeta]], devices: int,
                    options: Mapping, micro_batches: Sequence[int] | None = None) -> MonolithicStep | None:
-    """The monolithic baseline on the same devices at its best micro-batch (of `micro_batches`,
-    default powers of two up to max_micro_batch) that fits the memory limit with every section
-    on each rank; None when none fits."""
+    """The monolithic baseline on the same devices (at most one per sample of a global batch: a rank
+    takes a share of each) at its best micro-batch (of `micro_batches`, default powers of two up
+    to max_micro_batch) that fits the memory limit with every section on each rank; None when
+    none fits."""
     graph = SectionGraph(pipeline)
     memory, limit = options.get("memory") or {}, options.get("memory_limit_mb")
+    devices = min(devices, min(len(b) for b in batches))
     largest = min(options.get("max_micro_batch", 64), max(len(b) for b in batches))  # a global batch: no more
     fits = [m for m in micro_batches or pow2_upto(largest)
             if limit is None or sum(memory.get(n, MemoryModel()).at(m) for n in graph.order) <= limit]

@@ -187,6 +187,10 @@ def _as_baseline(pipeline: Any, checked: Any, options: RunOptions) -> tuple[Any,
     if refused:
         raise PipelineError(f"--baseline monolithic is a one-node comparison run: drop {', '.join(refused)}")
     devices = options.devices if options.devices is not None else sum(s.dp * s.tp for s in pipeline.sections)
+    if options.devices is None and devices > pipeline.global_batch:
+        raise PipelineError(f"--devices defaults to the {devices} ranks of the pipeline's sections, more than "
+                            f"global_batch={pipeline.global_batch} (a rank of the baseline takes a share of every "
+                            f"global batch): pass --devices {pipeline.global_batch} or fewer")
     fused = monolithic_pipeline(pipeline, devices, options.micro_batch)
     fused.validate()
     return fused, dataclasses.replace(checked, graph=SectionGraph(fused))

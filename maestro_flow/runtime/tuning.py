@@ -246,7 +246,8 @@ def format_result(result: TuneResult, current: Candidate | None = None) -> str:
                  f"{result.devices} devices)")
     mono = result.monolithic
     if mono is not None:
-        lines.append(f"monolithic baseline (every section on each of {mono.devices} ranks, micro-batch "
+        fewer = f" of the {result.devices} devices: one per sample of a global batch" if mono.devices < result.devices else ""
+        lines.append(f"monolithic baseline (every section on each of {mono.devices} ranks{fewer}, micro-batch "
                      f"{mono.micro_batch}): {mono.step_s * 1e3:.1f} ms per step; #1 is "
                      f"{vs_best(mono.step_s) or 'as fast as'} its throughput (maestro run PIPE --baseline "
                      f"monolithic --devices {mono.devices} --micro-batch {mono.micro_batch})")

@@ -49,6 +49,18 @@ def test_what_it_refuses():
         monolithic_pipeline(vlm(device="cuda"), devices=2)
     with pytest.raises(PipelineError, match="--devices"):
         monolithic_pipeline(vlm(), devices=0)
+    # found in review: 100 ranks for 16 samples a step started, then timed out on this machine
+    assert monolithic_pipeline(vlm(), devices=12).sections[0].dp == 12
+    with pytest.raises(PipelineError, match="--devices 13 is more than global_batch=12: .* pass --devices 12 or fewer"):
+        monolithic_pipeline(vlm(), devices=13)
+
+
+def test_the_default_devices_beyond_the_global_batch_are_refused_before_any_process_starts(tmp_path):
+    from maestro_flow.runtime.run import RunOptions, run_pipeline
+
+    with pytest.raises(PipelineError, match="--devices defaults to the 3 ranks .* global_batch=2 .* --devices 2 or"):
+        run_pipeline("pipelines/distill.py", RunOptions(baseline="monolithic", overrides={"global_batch": 2, "steps": 1},
+                                                        run_dir=str(tmp_path)))
 
 
 @pytest.mark.parametrize(("workers", "cores", "expected"), [

@@ -404,6 +404,8 @@ def test_no_configuration_goes_beyond_what_the_global_batch_can_use(global_batch
         assert all(mb <= global_batch and dp <= global_batch for _, dp, mb in c.layout), c.layout
     whole = tune(p, None, batch, devices=devices, top=50)
     assert whole.monolithic is None or whole.monolithic.micro_batch <= global_batch
+    # the baseline's line names a command that runs: no more ranks than a global batch has samples
+    assert whole.monolithic is None or whole.monolithic.devices == min(devices, global_batch)
 
 
 def test_a_data_fed_fsdp_section_may_have_more_replicas_than_samples():
