@@ -334,10 +334,10 @@ class ArrowSource:
             local = idx[positions] - seg.start
             table = self._segment_columns(int(seg_i), names)
             for name in names:
-                col, at = table.column(name), local
-                if has_dictionary(col.type):  # decode only the rows asked for
-                    col, at = col.take(pa.array(local)), np.arange(len(local))
-                values = extract(_as_array(col), at, as_int32=(name == "tokens"))
+                column, at = table.column(name), local
+                if has_dictionary(column.type):  # decode only the rows asked for
+                    column, at = column.take(pa.array(local)), np.arange(len(local))
+                values = extract(_as_array(column), at, as_int32=(name == "tokens"))
                 col = out[name]
                 for p, v in zip(positions.tolist(), values, strict=False):
                     col[p] = v

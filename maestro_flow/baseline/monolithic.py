@@ -44,7 +44,7 @@ def monolithic_pipeline(pipeline: Pipeline, devices: int, micro_batch: int | Non
     losses = graph.loss_sections()
     if not isinstance(devices, int) or isinstance(devices, bool) or devices < 1:
         raise PipelineError(f"--devices must be an integer >= 1, got {devices!r}")
-    if devices > pipeline.global_batch:  # found in review: 100 ranks for 16 samples started, then timed out
+    if devices > pipeline.global_batch:  # 100 ranks for 16 samples started, then timed out
         raise PipelineError(f"--devices {devices} is more than global_batch={pipeline.global_batch}: each rank of the "
                             "monolithic baseline takes its share of every global batch, so "
                             f"{devices - pipeline.global_batch} would idle; pass --devices {pipeline.global_batch} "

@@ -49,7 +49,7 @@ def test_what_it_refuses():
         monolithic_pipeline(vlm(device="cuda"), devices=2)
     with pytest.raises(PipelineError, match="--devices"):
         monolithic_pipeline(vlm(), devices=0)
-    # found in review: 100 ranks for 16 samples a step started, then timed out on this machine
+    # 100 ranks for 16 samples a step started, then timed out on this machine
     assert monolithic_pipeline(vlm(), devices=12).sections[0].dp == 12
     with pytest.raises(PipelineError, match="--devices 13 is more than global_batch=12: .* pass --devices 12 or fewer"):
         monolithic_pipeline(vlm(), devices=13)
