@@ -94,12 +94,21 @@ def data(paths: Sequence[str]) -> dict[str, str]:
 
 def _data_files(path: str) -> list[str]:
     """A data.path's files where the source does not say: the path itself, or a folder's regular
-    files (symlinks followed), those starting with "." or "_" left out (README-like files count)."""
+    files (symlinks followed, each folder once), those starting with "." or "_" left out
+    (README-like files count)."""
     root = os.path.expanduser(path)
     if not os.path.isdir(root):
         return [root]
-    out = []
+    out, seen = [], set()
     for folder, dirs, names in os.walk(root, followlinks=True):
+        try:
+            st = os.stat(folder)
+        except OSError:
+            st = None
+        if st is None or (st.st_dev, st.st_ino) in seen:  # a link back up the tree (found: two never ended)
+            dirs[:] = []
+            continue
+        seen.add((st.st_dev, st.st_ino))
         dirs[:] = sorted(d for d in dirs if not d.startswith((".", "_")))
         out += [os.path.join(folder, n) for n in names if not n.startswith((".", "_"))]
     return out

@@ -123,6 +123,19 @@ def test_what_the_loader_does_not_read_is_left_out_and_nothing_blocks(tmp_path):
     assert fp._sampled_hash(str(tmp_path / "dangling"), 100).startswith("unreadable (")
 
 
+def test_a_data_folder_with_links_back_up_its_tree_is_walked_once(tmp_path):
+    """Found in review (the last notes' leftover, proven this session): two links to a folder above
+    them (a source that names no files of its own) made the walk branch without end."""
+    (tmp_path / "d" / "sub").mkdir(parents=True)
+    (tmp_path / "d" / "a.bin").write_bytes(b"x")
+    (tmp_path / "d" / "sub" / "b.bin").write_bytes(b"y")
+    os.symlink("..", tmp_path / "d" / "sub" / "up")
+    os.symlink(".", tmp_path / "d" / "self")
+    os.symlink(tmp_path / "d" / "sub", tmp_path / "d" / "again")  # a second way to the same folder
+    files = fp._data_files(str(tmp_path / "d"))
+    assert sorted(os.path.relpath(f, tmp_path / "d") for f in files) == ["a.bin", "again/b.bin"]
+
+
 def test_code_installed_or_editable_is_the_same_code(project, tmp_path):
     """Found in review: a package installed (not editable) counted by its version, so the same code
     installed two ways was refused and installed copies with other code passed."""
