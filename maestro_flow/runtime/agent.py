@@ -15,7 +15,8 @@ it each attempt of the run (its first, and one per automatic restart):
                                "refused: ..." when this node cannot join (a pipeline or secret
                                that differs from node 0's: the run fails, no restart)
     maestro/job                "done" or "failed: <why>", when the whole run is over
-    maestro/bye/<node>         set by an agent once it read maestro/job (node 0 waits for it)
+    maestro/bye/<node>         set by an agent once it read maestro/job (node 0 waits for it where
+                               an agent claimed the node, bounded)
 
 Node 0's values (the attempt, its record, stopping, end, job) and the agents' lost notes are
 sealed under a key of this run and its secret (runtime/sealing.py: a value that does not open is
@@ -100,11 +101,12 @@ def end_attempt(store: Any, key: bytes, session: str, outcome: str) -> None:
 
 def end_job(store: Any, key: bytes, outcome: str, nnodes: int, wait_s: float, lost: set[int] = frozenset()) -> None:
     """The run is over: tell the agents, and keep the store up (bounded) until each has read it
-    (not those of the `lost` nodes: nothing there will answer)."""
+    (not those of the `lost` nodes, nor of nodes no agent ever claimed: nothing there will answer)."""
     try:
         store.set("maestro/job", sealed(key, "maestro/job", outcome))
         deadline = time.monotonic() + wait_s
-        keys = [f"maestro/bye/{n}" for n in range(1, nnodes) if n not in lost]  # a refusing node says bye at once
+        # A refusing node says bye at once; a node never started (a startup timeout) waited out wait_s.
+        keys = [f"maestro/bye/{n}" for n in range(1, nnodes) if n not in lost and store.check([f"maestro/node/{n}"])]
         while time.monotonic() < deadline and not store.check(keys):
             time.sleep(POLL_S)
     except Exception:  # noqa: BLE001 (the store is ours: it fails only when this process is going down)
