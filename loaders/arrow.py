@@ -106,14 +106,18 @@ def _schema_difference(first: pa.Schema, other: pa.Schema) -> str:
     return "the columns are in another order"
 
 
-def _as_array(col: pa.Array | pa.ChunkedArray) -> pa.Array:
+def _as_array(col: pa.Array | pa.ChunkedArray, *, encoded_binary: bool = False) -> pa.Array:
     """One array, dictionary-encoded values decoded (what pandas' categoricals and polars' List(Categorical)
-    write): every reader below sees plain values."""
+    write): every reader below sees plain values. `encoded_binary`: a dictionary of binary values
+    (images) stays encoded, for the scan, which reads only validity and lengths (found in review:
+    decoding 4 distinct images over 2000 rows took 400 MB)."""
     if isinstance(col, pa.ChunkedArray):
         if col.num_chunks == 1:
             col = col.chunk(0)
         else:
             col = col.combine_chunks() if col.num_chunks else pa.array([], type=col.type)
+    if encoded_binary and pa.types.is_dictionary(col.type) and is_binary(col.type.value_type):
+        return col
     return col.cast(plain_type(col.type)) if has_dictionary(col.type) else col
 
 
@@ -458,7 +462,7 @@ class ArrowSource:
                 checked = self._segment_columns(seg_i, names, cache=False)
                 table = checked.select(wanted)
             self._validate(seg_i, checked)
-            cols = {c: _as_array(table.column(c)) for c in wanted}
+            cols = {c: _as_array(table.column(c), encoded_binary=c in payload.values()) for c in wanted}
             n = seg.num_rows
             scan = scan_segment(cols, n, payload)
             bad = scan["bad"]

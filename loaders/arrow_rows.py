@@ -76,7 +76,7 @@ def has_dictionary(t: pa.DataType) -> bool:
 
 
 def valid_mask(arr: pa.Array) -> np.ndarray:
-    if arr.null_count == 0:
+    if arr.null_count == 0 and not pa.types.is_dictionary(arr.type):  # a null may be in the dictionary
         return np.ones(len(arr), dtype=bool)
     return arr.is_valid().to_numpy(zero_copy_only=False)
 
@@ -135,7 +135,13 @@ def list_lengths(arr: pa.Array) -> np.ndarray:
 
 def payload_lengths(arr: pa.Array) -> np.ndarray:
     """Per row of a payload column: elements of a list, bytes of a binary value (nulls as 0), -1
-    for a type without a length (never counted as empty); from the offsets alone."""
+    for a type without a length (never counted as empty); from the offsets alone (a dictionary-
+    encoded column's, from its dictionary's: nothing decoded)."""
+    if pa.types.is_dictionary(arr.type):
+        per_value = payload_lengths(arr.dictionary)
+        if not len(per_value):
+            return np.zeros(len(arr), dtype=np.int64)
+        return np.where(valid_mask(arr), per_value[as_ints(pc.fill_null(arr.indices, 0))], 0)
     if is_list(arr.type):
         return list_lengths(arr)
     if pa.types.is_binary(arr.type) or pa.types.is_large_binary(arr.type) or is_string(arr.type):
@@ -257,7 +263,7 @@ def describe_bad_row(cols: dict[str, pa.Array], j: int, row: int, payload: dict[
         return f"{where} has token id {outside[0]}, outside 0..{INT32_END - 1} (token ids are read as int32)"
     for modality in ("image", "audio"):
         column = payload[modality]
-        present = column in cols and cols[column][j].is_valid
+        present = column in cols and bool(valid_mask(cols[column].slice(j, 1))[0])  # an encoded null too
         if modality in mods and not present:
             what = f"column {column!r} is null" if column in cols else f"there is no {column!r} column"
             return f"{where} declares modality {modality!r} but {what}"

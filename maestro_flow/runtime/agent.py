@@ -75,6 +75,7 @@ POLL_S = 0.2
 BEAT_WAIT_S = 3.0  # how long an agent watches another one's beat before it takes it as gone
 BEAT_STORE_S = 2.0  # the beat's store connection: its connect and each call give up after this
 BEAT_JOIN_S = 2 * BEAT_STORE_S + 1  # how long an ending agent waits for its beat thread's last store call
+CLAIM_GRACE_S = 2.0  # how long the run's end waits for an agent to claim a node none has claimed
 INTERRUPT_STORE_S = 2.0  # how long an interrupted agent tries to tell node 0 (each of two store calls)
 
 
@@ -100,15 +101,17 @@ def end_attempt(store: Any, key: bytes, session: str, outcome: str) -> None:
 
 
 def end_job(store: Any, key: bytes, outcome: str, nnodes: int, wait_s: float, lost: set[int] = frozenset()) -> None:
-    """The run is over: tell the agents, and keep the store up (bounded) until each has read it
-    (not those of the `lost` nodes, nor of nodes no agent ever claimed: nothing there will answer)."""
+    """The run is over: tell the agents, and keep the store up (bounded) until each has read it: not
+    those of the `lost` nodes, nor, after CLAIM_GRACE_S, of nodes no agent claimed (none answers)."""
     try:
         store.set("maestro/job", sealed(key, "maestro/job", outcome))
-        deadline = time.monotonic() + wait_s
-        # A refusing node says bye at once; a node never started (a startup timeout) waited out wait_s.
-        keys = [f"maestro/bye/{n}" for n in range(1, nnodes) if n not in lost and store.check([f"maestro/node/{n}"])]
-        while time.monotonic() < deadline and not store.check(keys):
-            time.sleep(POLL_S)
+        began = time.monotonic()
+        waiting = [n for n in range(1, nnodes) if n not in lost]
+        while waiting and time.monotonic() < began + wait_s:
+            waiting = [n for n in waiting if not store.check([f"maestro/bye/{n}"]) and (  # a refusing node's: at once
+                time.monotonic() < began + CLAIM_GRACE_S or store.check([f"maestro/node/{n}"]))]
+            if waiting:
+                time.sleep(POLL_S)
     except Exception:  # noqa: BLE001 (the store is ours: it fails only when this process is going down)
         pass
 

@@ -94,23 +94,36 @@ def data(paths: Sequence[str]) -> dict[str, str]:
 
 def _data_files(path: str) -> list[str]:
     """A data.path's files where the source does not say: the path itself, or a folder's regular
-    files (symlinks followed, each folder once), those starting with "." or "_" left out
-    (README-like files count)."""
+    files (symlinks followed), those starting with "." or "_" left out (README-like files count).
+    A link to a folder above it is not followed (found: two such links made the walk branch
+    without end); a folder reached by two paths without a loop is listed under both, as a copy
+    of the tree made with `cp -rL` or `rsync -L` would be (found in review)."""
     root = os.path.expanduser(path)
     if not os.path.isdir(root):
         return [root]
-    out, seen = [], set()
-    for folder, dirs, names in os.walk(root, followlinks=True):
+    out: list[str] = []
+    todo: list[tuple[str, frozenset]] = [(root, frozenset())]
+    while todo:
+        folder, above = todo.pop()
         try:
             st = os.stat(folder)
+            entries = sorted(os.scandir(folder), key=lambda e: e.name)
         except OSError:
-            st = None
-        if st is None or (st.st_dev, st.st_ino) in seen:  # a link back up the tree (found: two never ended)
-            dirs[:] = []
             continue
-        seen.add((st.st_dev, st.st_ino))
-        dirs[:] = sorted(d for d in dirs if not d.startswith((".", "_")))
-        out += [os.path.join(folder, n) for n in names if not n.startswith((".", "_"))]
+        if (st.st_dev, st.st_ino) in above:
+            continue
+        above = above | {(st.st_dev, st.st_ino)}
+        for entry in entries:
+            if entry.name.startswith((".", "_")):
+                continue
+            try:
+                is_dir = entry.is_dir()  # through a link
+            except OSError:
+                is_dir = False
+            if is_dir:
+                todo.append((entry.path, above))
+            else:
+                out.append(entry.path)
     return out
 
 

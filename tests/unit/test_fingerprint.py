@@ -123,17 +123,24 @@ def test_what_the_loader_does_not_read_is_left_out_and_nothing_blocks(tmp_path):
     assert fp._sampled_hash(str(tmp_path / "dangling"), 100).startswith("unreadable (")
 
 
-def test_a_data_folder_with_links_back_up_its_tree_is_walked_once(tmp_path):
-    """Found in review (the last notes' leftover, proven this session): two links to a folder above
-    them (a source that names no files of its own) made the walk branch without end."""
+def test_a_data_folder_with_links_back_up_its_tree_ends_and_names_what_a_copy_would(tmp_path):
+    """Found (the last notes' leftover, proven this session): two links to a folder above them (a
+    source that names no files of its own) made the walk branch without end. A folder reached by
+    two paths without a loop is listed under both (found in review of the first fix, which
+    listed it once: a node whose copy of the tree turned the link into a folder was refused)."""
+    import shutil
+
     (tmp_path / "d" / "sub").mkdir(parents=True)
     (tmp_path / "d" / "a.bin").write_bytes(b"x")
     (tmp_path / "d" / "sub" / "b.bin").write_bytes(b"y")
+    os.symlink(tmp_path / "d" / "sub", tmp_path / "d" / "again")  # a second way to the same folder
+    shutil.copytree(tmp_path / "d", tmp_path / "copy")  # the link as a folder (cp -rL)
     os.symlink("..", tmp_path / "d" / "sub" / "up")
     os.symlink(".", tmp_path / "d" / "self")
-    os.symlink(tmp_path / "d" / "sub", tmp_path / "d" / "again")  # a second way to the same folder
     files = fp._data_files(str(tmp_path / "d"))
-    assert sorted(os.path.relpath(f, tmp_path / "d") for f in files) == ["a.bin", "again/b.bin"]
+    assert sorted(os.path.relpath(f, tmp_path / "d") for f in files) == ["a.bin", "again/b.bin", "sub/b.bin"]
+    copied = fp._data_files(str(tmp_path / "copy"))
+    assert sorted(os.path.relpath(f, tmp_path / "copy") for f in copied) == ["a.bin", "again/b.bin", "sub/b.bin"]
 
 
 def test_code_installed_or_editable_is_the_same_code(project, tmp_path):

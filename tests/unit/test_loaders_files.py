@@ -14,6 +14,7 @@ import pytest
 from pyarrow import ipc
 
 from loaders import arrow as arrow_mod
+from loaders import arrow_rows
 from loaders.demo import text_demo_table, write_arrow
 from maestro_flow import PipelineError
 from tests.unit.test_loaders import multimodal_table, source
@@ -126,6 +127,37 @@ def test_dictionary_encoded_columns_read_as_plain_ones(tmp_path, kind):
     for name in want:
         for a, b in zip(got[name], want[name], strict=True):
             assert np.array_equal(a, b) if isinstance(b, np.ndarray) else a == b, (name, a, b)
+
+
+@pytest.mark.parametrize("kind", ["arrow", "parquet"])
+def test_a_dictionary_encoded_image_column_is_scanned_without_decoding(tmp_path, kind, monkeypatch):
+    """Found in review: the scan decoded a whole encoded image column per segment (4 distinct
+    images over 2000 rows: 400 MB) for its validity and lengths, which the dictionary gives. A
+    null or empty image is still a bad row, named as the plain file's is."""
+    images = [None, b"\x89PNG-a", b"", b"\x89PNG-a", None, b"\x89PNG-b"]
+    n = len(images)
+    table = pa.table({"id": pa.array(range(n), pa.int64()),
+                      "modalities": [["text"], ["text", "image"], ["text", "image"], ["text", "image"], ["text", "image"],
+                                     ["image"]],
+                      "tokens": pa.array([[1, 2]] * n, pa.list_(pa.int32())),
+                      "image": pa.array(images, pa.binary()), "num_patches": pa.array([0, 4, 4, 4, 4, 4], pa.int32())})
+    encoded = table.set_column(3, "image", table["image"].dictionary_encode())
+    if kind == "arrow":
+        path = _write_ipc(encoded, tmp_path / "enc.arrow", batch_rows=4)
+    else:
+        pq.write_table(encoded, path := str(tmp_path / "enc.parquet"), row_group_size=4)
+    plain_path = _write_ipc(table, tmp_path / "plain.arrow")
+    with pytest.raises(PipelineError) as plain_error:
+        source(plain_path).metadata()
+    with pytest.raises(PipelineError) as error:
+        source(path).metadata()
+    assert str(error.value).replace(str(path), "X") == str(plain_error.value).replace(plain_path, "X")
+    ours, plain = source(path, skip_bad_rows=True), source(plain_path, skip_bad_rows=True)
+    decoded = []  # what _as_array casts to plain values (built: only the scan below runs)
+    monkeypatch.setattr(arrow_mod, "plain_type", lambda t: decoded.append(t) or arrow_rows.plain_type(t))
+    assert ours.metadata() == plain.metadata() and [m.id for m in ours.metadata()] == [0, 1, 3, 5]
+    assert decoded == []  # the scan decoded nothing
+    assert ours.read([5, 1])["image"] == [b"\x89PNG-b", b"\x89PNG-a"]
 
 
 @pytest.mark.parametrize("column", ["modalities", "tokens"])
