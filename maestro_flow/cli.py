@@ -9,16 +9,33 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 from typing import Any
 
-import click
 
-from maestro_flow.cli_sets import set_options
-from maestro_flow.cli_signals import interrupts_after_imports
-from maestro_flow.config import parse_set
-from maestro_flow.errors import MaestroError, PipelineError, StageError
+def _interrupted_early(signum: int, frame: object) -> None:
+    """Ctrl-C before a command runs (the imports below, click's parsing): nothing started, nothing
+    to stop. Found by the clean-clone CI: on a loaded host a Ctrl-C at 0.3 s fell here and ended
+    with Python's traceback and SIGINT (-2) instead of one line and 130."""
+    os.write(2, b"interrupted\n")
+    os._exit(130)
+
+
+# Only as the command itself (`maestro`, `python -m maestro_flow.cli`), not where it is imported
+# (tests, a spawned worker: its command line is python -c ...).
+# An ignored SIGINT (a background job of a script) stays ignored, as Python leaves it.
+if (__name__ == "__main__" or os.path.basename((getattr(sys, "orig_argv", []) + ["", ""])[1]) == "maestro") \
+        and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+    signal.signal(signal.SIGINT, _interrupted_early)
+
+import click  # noqa: E402 (after the handler: importing it takes a while)
+
+from maestro_flow.cli_sets import set_options  # noqa: E402
+from maestro_flow.cli_signals import interrupts_after_imports  # noqa: E402
+from maestro_flow.config import parse_set  # noqa: E402
+from maestro_flow.errors import MaestroError, PipelineError, StageError  # noqa: E402
 
 SETS = set_options("global_batch=8, dtype=float64")
 
@@ -72,6 +89,8 @@ class _Main(click.Group):
     def invoke(self, ctx: click.Context) -> Any:
         from maestro_flow.runtime.build import imports_once
 
+        if signal.getsignal(signal.SIGINT) is _interrupted_early:  # the command's own handling from here
+            signal.signal(signal.SIGINT, signal.default_int_handler)
         try:
             with interrupts_after_imports(), imports_once():
                 return super().invoke(ctx)

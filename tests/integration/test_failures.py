@@ -258,6 +258,8 @@ def test_ctrl_c_in_any_command_is_an_interrupt(demo_data, command):
         out, err = proc.communicate(timeout=60)
         if proc.returncode in (0, -signal.SIGINT) and out:  # done before the signal came, or exiting (a fast hour)
             continue
+        if proc.returncode == -signal.SIGINT and "maestro_flow/cli.py" not in err:
+            continue  # a loaded host: the interpreter was still starting, before any of the command's code ran
         assert proc.returncode == 130, (delay, err[-2000:])
         assert err.strip().splitlines()[-1] == "interrupted" and "Traceback" not in err, err
 
