@@ -279,9 +279,17 @@ def run(ctx: click.Context, pipeline: str, steps: int | None, sets: tuple[str, .
 @main.command()
 @click.argument("pipeline", type=click.Path(dir_okay=False))
 @SETS
+@click.option("--payloads", is_flag=True,
+              help="Also read every payload a section will read and check it as its stage would take it: for the "
+                   "built-in VisionEncoder, each image's format (not a GIF, not cut short), its size against "
+                   "decode.max_pixels, and the data's num_patches against the patches it decodes to. Reads every "
+                   "image: minutes for a large dataset.")
 @click.pass_context
-def validate(ctx: click.Context, pipeline: str, sets: tuple[str, ...]) -> None:
-    """Check PIPELINE (fields, graph, stages built from their configs, dataset) without starting workers."""
+def validate(ctx: click.Context, pipeline: str, sets: tuple[str, ...], payloads: bool) -> None:
+    """Check PIPELINE (fields, graph, stages built from their configs, dataset) without starting workers.
+
+    The dataset check reads the metadata columns of every row; --payloads also reads the payloads
+    (images) and lists what is wrong with them, naming the sample id and row (exit code 2)."""
     from maestro_flow.runtime.build import load_pipeline
     from maestro_flow.runtime.checks import check_pipeline
 
@@ -290,12 +298,29 @@ def validate(ctx: click.Context, pipeline: str, sets: tuple[str, ...]) -> None:
         checked = check_pipeline(p, build=True)
         for warning in checked.warnings:
             click.echo(f"warning: {warning}", err=True)
+        if payloads:
+            _check_payloads(p, checked)
         skipped = getattr(checked.source, "num_skipped", 0)
         click.echo(f"ok: {p.name}: {_count(len(checked.graph.order), 'section')}, {_count(len(checked.graph.edges), 'edge')}, "
                    f"{sum(s.dp * s.tp for s in p.sections)} workers, {len(checked.metadata)} samples"
                    + (f" ({skipped} bad rows skipped)" if skipped else ""))
     except MaestroError as exc:
         _fail(exc, ctx.obj["debug"])
+
+
+def _check_payloads(p: Any, checked: Any) -> None:
+    """validate --payloads: the problems on stderr, then a PipelineError counting them."""
+    from maestro_flow.runtime.payloads import check_payloads
+
+    report = check_payloads(p, checked.source, checked.metadata, log=lambda line: click.echo(line, err=True))
+    for line in report.problems:
+        click.echo(line, err=True)
+    if report.found:
+        more = f" (the first {len(report.problems)} above)" if report.found > len(report.problems) else " (above)"
+        raise PipelineError(f"{_count(report.found, 'payload')} of {report.checked} checked would fail in the run or "
+                            f"mislead its plans{more}")
+    checks = ", ".join(f"{n}: {k}" for n, k in report.by_section.items()) or "no section checks its payloads"
+    click.echo(f"payloads: {report.checked} checked ({checks}), none with a problem", err=True)
 
 
 @main.command()

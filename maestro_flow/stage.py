@@ -32,6 +32,8 @@ from typing import Any
 
 import torch
 
+from maestro_flow.samples import SampleMeta
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class StageContext:
@@ -128,6 +130,15 @@ class Stage:
         first sample id that breaks one. None (the default): no limits beyond the loader's (ids
         in int32, no empty token list)."""
         return None
+
+    @classmethod
+    def payload_checks(cls, config: dict[str, Any]) -> dict[str, Callable[[Any, SampleMeta], str | None]]:
+        """Checks of the payloads this stage will read, for `maestro validate --payloads`:
+        modality -> a function of one sample's payload (as `SampleSource.read` gives it) and its
+        metadata, returning what is wrong with it for this configuration (one line) or None.
+        They read whole payloads, so only that option runs them, over every sample carrying the
+        modality. Empty (the default): nothing to check."""
+        return {}
 
     @classmethod
     def tp_plan(cls, config: dict[str, Any]) -> dict[str, str] | None:

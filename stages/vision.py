@@ -22,7 +22,9 @@ as its "image_embeds" entry. `decoder: None` builds no decoder (the "pixels" inp
 
 VisionEncoder config keys: patch (8), d_model (64), n_layers (2), n_heads (4), d_ff (4*d_model),
 max_grid (16), project_to (None), feature_layer (-1), init_seed (None), decode ({}), decoder ("loaders.dali:ImageDecoder").
-Output: "image_embeds", per sample [num_patches_i, project_to or d_model] or None.
+Output: "image_embeds", per sample [num_patches_i, project_to or d_model] or None. Its
+`payload_checks` (`maestro validate --payloads`) check each image as this configuration takes it
+(`image_problem`), the data's num_patches included.
 
 Projector config keys: input ("image_embeds"), output ("image_embeds"), d_in (64), d_out (64),
 d_hidden (d_out), init_seed (None). Reading and writing the same name lets it sit as its own
@@ -35,6 +37,8 @@ equal those of the projector built into a VisionEncoder with `project_to` (both 
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +47,7 @@ from torch import Tensor, nn
 
 from maestro_flow import MicroBatch, Stage, StageContext
 from maestro_flow.errors import brief
+from maestro_flow.samples import SampleMeta
 from stages.common import Outputs, check_keys, lengths_of
 from stages.encoder import (
     EncoderConfig,
@@ -201,16 +206,72 @@ class VisionEncoder(Stage):
         return scatter(decoded, todo, len(batch))
 
     def _checked(self, image: Tensor, sample_id: int) -> Tensor:
-        patch, max_grid = self.vision_config.patch, self.vision_config.max_grid
-        shape = tuple(image.shape)
-        if image.dim() != 3 or shape[0] != 3 or shape[1] < 1 or shape[2] < 1 or shape[1] % patch or shape[2] % patch:
-            raise ValueError(f"sample {sample_id}: image must be [3, H, W] with H, W positive multiples of "
-                             f"patch={patch}, got {list(shape)}")
-        if shape[1] // patch > max_grid or shape[2] // patch > max_grid:
-            raise ValueError(f"sample {sample_id}: image {shape[1]}x{shape[2]} is a {shape[1] // patch}x"
-                             f"{shape[2] // patch} patch grid, larger than max_grid={max_grid} "
-                             "(raise max_grid or decode to a smaller max_side)")
+        problem = grid_problem(tuple(image.shape), self.vision_config.patch, self.vision_config.max_grid)
+        if problem is not None:
+            raise ValueError(f"sample {sample_id}: {problem}")
         return image
+
+    @classmethod
+    def payload_checks(cls, config: dict[str, Any]) -> dict[str, Callable[[Any, SampleMeta], str | None]]:
+        """The image column, as this configuration will read it (`image_problem`)."""
+        cfg = VisionConfig.from_dict(config)
+        return {"image": functools.partial(image_problem, cfg)}
+
+
+def grid_problem(shape: tuple[int, ...], patch: int, max_grid: int) -> str | None:
+    """Why pixels of `shape` cannot go through the ViT (not [3, H, W] on the patch grid, or a grid
+    over max_grid), or None."""
+    if len(shape) != 3 or shape[0] != 3 or shape[1] < 1 or shape[2] < 1 or shape[1] % patch or shape[2] % patch:
+        return f"image must be [3, H, W] with H, W positive multiples of patch={patch}, got {list(shape)}"
+    if shape[1] // patch > max_grid or shape[2] // patch > max_grid:
+        return (f"image {shape[1]}x{shape[2]} is a {shape[1] // patch}x{shape[2] // patch} patch grid, larger than "
+                f"max_grid={max_grid} (raise max_grid or decode to a smaller max_side)")
+    return None
+
+
+def image_problem(cfg: VisionConfig, data: Any, meta: SampleMeta) -> str | None:
+    """What `maestro validate --payloads` finds wrong with one sample's image for this encoder:
+    - a pixel array: not [3, H, W] on the patch grid, or its patches not the data's num_patches;
+    - encoded bytes, with the built-in decoder (loaders.dali): what it would refuse before
+      decoding (not an image, a GIF, a PNG or JPEG cut short or failing its checksums, a header
+      over decode.max_pixels), and, where the PNG or JPEG header gives the size, a data
+      num_patches other than the patches it decodes to (the planner's costs and the length
+      checks count the column's figure). Other decoders' size rules are their own: only
+      the bytes' format is checked for them."""
+    if data is None:
+        return "it carries the image modality but its image is null"
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        try:
+            shape = tuple(_as_pixels(data, meta.id).shape)
+        except ValueError as exc:
+            return str(exc).split(": ", 1)[-1]
+        return grid_problem(shape, cfg.patch, cfg.max_grid) or _patches_differ(meta, num_patches(*shape[1:], cfg.patch),
+                                                                              f"{shape[1]}x{shape[2]} pixels")
+    from loaders import dali, image_check
+
+    problem = image_check.framing_problem(data)
+    if problem is not None or cfg.decoder != DEFAULT_DECODER:
+        return problem
+    size = image_check.header_size(data)
+    if size is None:  # a format whose header is not read here (DALI reads it at run time)
+        return None
+    decode = {"max_side": DEFAULT_MAX_SIDE, "patch": cfg.patch, "max_pixels": dali.MAX_PIXELS, **cfg.decode}
+    if decode["max_pixels"] is not None and size[0] * size[1] > decode["max_pixels"]:
+        return f"it is {size[0]} x {size[1]} pixels, more than max_pixels={decode['max_pixels']} (decode.max_pixels)"
+    try:
+        h, w = dali.target_size(*size, decode["max_side"], decode["patch"])
+    except ValueError as exc:
+        return str(exc)
+    return (grid_problem((3, h, w), cfg.patch, cfg.max_grid)
+            or _patches_differ(meta, num_patches(h, w, cfg.patch), f"{size[0]}x{size[1]} pixels, decoded to {h}x{w}"))
+
+
+def _patches_differ(meta: SampleMeta, patches: int, what: str) -> str | None:
+    if meta.num_patches == patches:
+        return None
+    return (f"num_patches is {meta.num_patches} but its image ({what}) gives {patches} patches: the planner and "
+            "the max_seq_len checks count the column; recompute it for this section's patch and decode settings "
+            "(loaders.dali.num_patches)")
 
 
 def _as_pixels(data: Any, sample_id: int) -> Tensor:

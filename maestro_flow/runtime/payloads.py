@@ -1,0 +1,73 @@
+"""`maestro validate --payloads`: every payload a section will read, checked before any worker starts.
+
+A stage says what it checks (`Stage.payload_checks`: modality -> a check of one sample's payload
+and metadata; the built-in VisionEncoder checks each image as its decoder would take it, and the
+data's num_patches against the patches the image decodes to). `check_payloads` reads the
+modality's column for every sample the section reads that carries the modality, CHUNK rows at a
+time, and runs the check. Unlike the rest of validate it reads whole payloads (every image's
+bytes), so it runs only when asked: minutes for a large dataset, with progress every few seconds.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from maestro_flow.config import Pipeline
+from maestro_flow.errors import PipelineError, brief
+from maestro_flow.runtime.build import resolve
+from maestro_flow.samples import MODALITIES, SampleMeta
+
+CHUNK = 256  # rows read at a time
+PROGRESS_S = 5.0  # at most one progress line this often
+
+
+@dataclass
+class PayloadReport:
+    checked: int = 0  # payloads checked (a sample read by two sections with checks counts twice)
+    found: int = 0  # problems found
+    problems: list[str] = field(default_factory=list)  # the first `limit`, in data order per section
+    by_section: dict[str, int] = field(default_factory=dict)  # section -> payloads it checks
+
+
+def check_payloads(pipeline: Pipeline, source: Any, metadata: list[SampleMeta],
+                   log: Callable[[str], None] = lambda line: None, limit: int = 20) -> PayloadReport:
+    """Run every section's payload checks over the samples it reads; see the module docstring."""
+    jobs = []
+    for s in pipeline.sections:
+        where = f"sections.{s.name}.stage"
+        cls = resolve(s.stage, where)
+        try:
+            checks = cls.payload_checks(dict(s.config)) or {}
+        except Exception as exc:
+            raise PipelineError(f"{where}: {s.stage}.payload_checks(config) failed: {brief(exc)}") from exc
+        for modality, check in checks.items():
+            if modality not in MODALITIES or modality == "text":
+                raise PipelineError(f"{where}: {s.stage}.payload_checks names {modality!r}, not a payload modality "
+                                    f"({', '.join(m for m in MODALITIES if m != 'text')})")
+            reads = [m for m in metadata if modality in m.modalities
+                     and (s.activates_on is None or s.activates_on in m.modalities)]
+            jobs.append((s.name, pipeline.data.column_of(modality), check, reads))
+    report = PayloadReport()
+    total, last = sum(len(j[3]) for j in jobs), time.monotonic()
+    for name, column, check, reads in jobs:
+        report.by_section[name] = report.by_section.get(name, 0) + len(reads)
+        for start in range(0, len(reads), CHUNK):
+            chunk = reads[start:start + CHUNK]
+            values = source.read([m.row for m in chunk], [column])[column]
+            for meta, value in zip(chunk, values, strict=True):
+                try:
+                    problem = check(value, meta)
+                except Exception as exc:  # a stage's own check that breaks: said, not a traceback
+                    problem = f"its check failed: {brief(exc)}"
+                if problem:
+                    report.found += 1
+                    if len(report.problems) < limit:
+                        report.problems.append(f"sections.{name}: sample {meta.id} (row {meta.row}): {problem}")
+            report.checked += len(chunk)
+            if time.monotonic() - last >= PROGRESS_S and report.checked < total:
+                last = time.monotonic()
+                log(f"payloads: {report.checked}/{total} checked, {report.found} with problems")
+    return report

@@ -1,0 +1,98 @@
+"""`maestro validate --payloads`: each image checked as the vision section will take it
+(stages.vision.image_problem), run over the dataset by runtime/payloads.py, before any worker
+starts; without the option nothing reads the images."""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pyarrow as pa
+import pytest
+from click.testing import CliRunner
+from pyarrow import ipc
+
+from loaders.dali import num_patches
+from loaders.demo import image_demo_table
+from loaders.images import encode_png, photo_jpegs
+from maestro_flow.cli import main
+from maestro_flow.samples import SampleMeta
+from stages.vision import VisionEncoder
+
+VLM = "pipelines/vlm.py"  # the demo's vision config: patch 8, max_grid 8, decode.max_side 64
+CONFIG = {"patch": 8, "d_model": 16, "n_layers": 1, "n_heads": 2, "max_grid": 8, "decode": {"max_side": 64}}
+
+
+def check(data, patches: int, config: dict | None = None) -> str | None:
+    return VisionEncoder.payload_checks(config or CONFIG)["image"](data, SampleMeta(id=7, num_patches=patches))
+
+
+def png(height: int, width: int) -> bytes:
+    return encode_png(np.zeros((height, width, 3), dtype=np.uint8))
+
+
+def test_an_image_and_its_num_patches_as_the_decoder_takes_them():
+    assert check(png(20, 30), num_patches(20, 30, 64, 8)) is None  # 24 x 32: 12 patches
+    problem = check(png(20, 30), 1)
+    assert problem.startswith("num_patches is 1 but its image (20x30 pixels, decoded to 24x32) gives 12 patches")
+    jpeg = photo_jpegs()["china"]  # 427 x 640, shrunk to 40 x 64
+    assert check(jpeg, 40) is None and "gives 40 patches" in check(jpeg, 39)
+    # The decode settings are the section's: a smaller max_side makes fewer patches.
+    assert check(jpeg, 12, {**CONFIG, "decode": {"max_side": 32}}) is None  # 24 x 32
+
+
+def test_what_the_decoder_would_refuse_is_named():
+    assert "GIF" in check(b"GIF89a" + bytes(64), 1)
+    assert "not an image" in check(b"hello world, not an image", 1)
+    assert "cut short" in check(png(20, 30)[:60], 12)
+    assert check(png(20, 30), 12, {**CONFIG, "decode": {"max_side": 64, "max_pixels": 100}}) == (
+        "it is 20 x 30 pixels, more than max_pixels=100 (decode.max_pixels)")
+    assert "null" in check(None, 1)
+
+
+def test_pixel_arrays_and_other_decoders():
+    pixels = np.zeros((3, 16, 24), dtype=np.float32)
+    assert check(pixels, 6) is None and "gives 6 patches" in check(pixels, 5)
+    assert "multiples of patch=8" in check(np.zeros((3, 15, 24)), 6)
+    assert "max_grid=8" in check(np.zeros((3, 16, 80)), 20)
+    # Another decoder's size rule is its own: only the bytes' format is checked.
+    other = {**CONFIG, "decoder": "my.decoders:Other"}
+    assert check(png(20, 30), 1, other) is None and "GIF" in check(b"GIF87a" + bytes(64), 1, other)
+
+
+@pytest.fixture(autouse=True)
+def restore_sys_path(monkeypatch):
+    monkeypatch.setattr(sys, "path", list(sys.path))
+
+
+def write(table: pa.Table, path) -> str:
+    with pa.OSFile(str(path), "wb") as sink, ipc.new_file(sink, table.schema) as writer:
+        writer.write_table(table)
+    return str(path)
+
+
+def test_validate_payloads_names_each_bad_sample_and_fails(tmp_path):
+    table = image_demo_table(num_samples=48, image_share=0.5, seed=3)
+    good = write(table, tmp_path / "good.arrow")
+    rows = table.to_pylist()
+    imaged = [i for i, r in enumerate(rows) if r["image"] is not None]
+    rows[imaged[1]]["num_patches"] += 1
+    rows[imaged[4]]["image"] = b"GIF89a" + bytes(64)
+    bad = write(pa.Table.from_pylist(rows, schema=table.schema), tmp_path / "bad.arrow")
+    runner = CliRunner()
+
+    result = runner.invoke(main, ["validate", VLM, "--payloads", "--set", f"data.path={good}"])
+    assert result.exit_code == 0, result.output
+    assert f"payloads: {len(imaged)} checked (vision: {len(imaged)}), none with a problem" in result.stderr
+    # Without the option the images are not read: the bad file validates.
+    assert runner.invoke(main, ["validate", VLM, "--set", f"data.path={bad}"]).exit_code == 0
+
+    result = runner.invoke(main, ["validate", VLM, "--payloads", "--set", f"data.path={bad}"])
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output
+    lines = result.stderr.strip().splitlines()
+    first, second = (rows[imaged[k]] for k in (1, 4))
+    assert lines[0].startswith(f"sections.vision: sample {first['id']} (row {imaged[1]}): num_patches is "
+                               f"{first['num_patches']} but its image")
+    assert lines[1].startswith(f"sections.vision: sample {second['id']} (row {imaged[4]}): a GIF")
+    assert lines[2] == f"error: 2 payloads of {len(imaged)} checked would fail in the run or mislead its plans (above)"
