@@ -12,6 +12,7 @@ import dataclasses
 import difflib
 import functools
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -228,8 +229,8 @@ class Section:
                     f"{where}.optimizer.name must be one of {', '.join(OPTIMIZERS)}, got {name!r}"
                 )
             lr = self.optimizer.get("lr")
-            if not isinstance(lr, (int, float)) or lr < 0:
-                raise PipelineError(f"{where}.optimizer.lr must be a number >= 0, got {lr!r}")
+            if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr < 0:
+                raise PipelineError(f"{where}.optimizer.lr must be a finite number >= 0, got {lr!r}")
             self._validate_schedule(where, lr)
         self.cost.validate(where)
         _check_plain(self.config, f"{where}.config")

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from maestro_flow.config import SCHEDULE_KEYS
-from maestro_flow.errors import PipelineError
+from maestro_flow.errors import PipelineError, first_line
 
 OPTIMIZER_CLASSES = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}
 # Keyword arguments the runtime sets itself: `foreach=False` keeps the per-parameter update (a
@@ -48,10 +48,17 @@ def check_optimizer_spec(spec: dict[str, Any], where: str) -> None:
     if cls is None:
         return  # config.Section.validate names the bad optimizer
     accepted = set(inspect.signature(cls.__init__).parameters) - {"self", *RESERVED}
-    for key in optimizer_kwargs(spec):
+    kwargs = optimizer_kwargs(spec)
+    for key in kwargs:
         if key not in accepted:
             raise PipelineError(f"{where}.optimizer.{key}: not an argument of {cls.__module__}.{cls.__name__} "
                                 f"(accepted: {', '.join(sorted(accepted | set(SCHEDULE_KEYS)))})")
+    # Values the optimizer refuses (betas=[2, 3], a negative weight_decay, eps of the wrong type):
+    # built once on a stand-in parameter, so that they are refused here, not in every worker's setup.
+    try:
+        cls([torch.nn.Parameter(torch.zeros(1))], foreach=False, **kwargs)
+    except (ValueError, TypeError) as exc:
+        raise PipelineError(f"{where}.optimizer: {cls.__module__}.{cls.__name__} refuses it: {first_line(exc)}") from None
 
 
 def build_optimizer(spec: dict[str, Any], params: Sequence[torch.nn.Parameter]) -> torch.optim.Optimizer:

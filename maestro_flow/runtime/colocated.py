@@ -22,7 +22,7 @@ import torch
 
 from maestro_flow.checkpoint.savedir import begin_save, save_stage
 from maestro_flow.config import Pipeline
-from maestro_flow.errors import MaestroError, StageError, SystemFailure
+from maestro_flow.errors import MaestroError, StageError, SystemFailure, brief
 from maestro_flow.graph import SectionGraph
 from maestro_flow.planner import make_planner
 from maestro_flow.planner.plan import Placement
@@ -69,12 +69,18 @@ def _run(pipeline: Pipeline, source: Any, sampler: EpochSampler, report: RunRepo
         except Exception:
             raise StageError(section=name, replica=0, rank=rank, step=None, phase="setup",
                              traceback=traceback.format_exc()) from None
-        executors[rank] = SectionExecutor(
-            stage=stage, graph=graph, placement=placement, section=name, replica=0, source=source,
-            comm=LocalComm(rank, lambda dst: executors[dst].deliver),
-            report=lambda kind, body, rank=rank: events.append((rank, kind, body)),
-            device=torch.device(device), dtype=getattr(torch, single.dtype), reducer=None,
-            tracer=Tracer(enabled=observer.tracing, epoch=observer.tracer.epoch), record=recording(record, name, 0))
+        try:  # found in review: an error here (the optimizer's, say) escaped as a bare traceback
+            executors[rank] = SectionExecutor(
+                stage=stage, graph=graph, placement=placement, section=name, replica=0, source=source,
+                comm=LocalComm(rank, lambda dst: executors[dst].deliver),
+                report=lambda kind, body, rank=rank: events.append((rank, kind, body)),
+                device=torch.device(device), dtype=getattr(torch, single.dtype), reducer=None,
+                tracer=Tracer(enabled=observer.tracing, epoch=observer.tracer.epoch), record=recording(record, name, 0))
+        except MaestroError:
+            raise
+        except Exception as exc:
+            raise SystemFailure(f"system error in section {name!r} replica 0 (rank {rank}) during setup: "
+                                f"{brief(exc)}") from exc
     for step in range(pipeline.steps):
         planner.costs = ledger.costs()
         began = time.perf_counter()  # the step waits for its plan: its time counts from here

@@ -191,6 +191,21 @@ def test_colocated_reports_a_system_error_in_one_line_naming_section_and_step(co
     assert isinstance(caught.value.__cause__, OSError)  # what --debug shows
 
 
+def test_colocated_reports_a_setup_error_in_one_line_naming_the_section(contract, monkeypatch):
+    """Found in review: an error while a section's executor was set up (its optimizer, say)
+    escaped colocated mode as a bare traceback, with no `error:` line."""
+    import maestro_flow.runtime.executor as executor
+
+    def refuse(*args, **kwargs):
+        raise ValueError("no optimizer today")
+
+    monkeypatch.setattr(executor, "SectionOptimizer", refuse)
+    with pytest.raises(SystemFailure) as caught:
+        _colocated(contract, {})
+    assert str(caught.value) == ("system error in section 'student' replica 0 (rank 1) during setup: "
+                                 "ValueError: no optimizer today")
+
+
 @pytest.mark.parametrize("section, bug, expected", [
     ("teacher", "numpy", NUMPY), ("teacher", "short", SHORT),
     ("student", "vector", VECTOR), ("student", "float", FLOAT),
