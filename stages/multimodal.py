@@ -123,6 +123,11 @@ class MultimodalLM(Stage):
     def _cuts(self, batch: MicroBatch, i: int, tokens: Tensor) -> list[tuple[int, Tensor | None]]:
         """(placeholder position, rows that replace it or None) of sample i, by position."""
         sample_id, d_model = batch.sample_ids[i], self.model_config.d_model
+        for modality, name in self.input_names.items():  # rows with no placeholder would be dropped unseen
+            received = batch.inputs.get(name)
+            if modality not in self.ctx.placeholder_ids and received is not None and received[i] is not None:
+                raise ValueError(f"sample {sample_id}: received {name!r} ({modality} rows) but data.placeholder_ids "
+                                 f"gives no {modality!r} placeholder id to put them in place of")
         cuts = []
         for modality, placeholder in self.ctx.placeholder_ids.items():
             positions = (tokens == placeholder).nonzero().flatten().tolist()

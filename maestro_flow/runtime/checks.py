@@ -5,7 +5,8 @@ losses, and opens the dataset (which checks the file and its required columns). 
 a `PipelineError` naming the section, edge or field to change.
 
 `pipeline_warnings` (pure) names what is legal but almost surely not meant: nothing trains, a
-frozen section whose outputs no edge reads, more replicas than the global batch has samples.
+frozen section whose outputs no edge reads, more replicas than the global batch has samples;
+`data_warnings`, what the dataset makes of it (a section activating on a modality no sample has).
 They are warnings, not refusals (a forward-only run is a fair benchmark): `maestro validate` and
 `maestro run` print them on stderr.
 """
@@ -31,6 +32,7 @@ class Checked:
     source: Any
     metadata: list[SampleMeta]
     warnings: tuple[str, ...] = ()  # pipeline_warnings
+    data_warnings: tuple[str, ...] = ()  # data_warnings (maestro run prints these; the CLI, the others)
 
 
 def pipeline_warnings(pipeline: Pipeline) -> list[str]:
@@ -142,6 +144,8 @@ def check_token_limits(pipeline: Pipeline, source: Any, metadata: list[SampleMet
                     f"more than {s.stage} takes (max_tokens {max_tokens}, from its config); samples that "
                     f"long: {len(over)}. Cut the samples or raise the model's maximum length")
         placeholders = pipeline.data.placeholder_ids if "max_positions" in limits else {}
+        if "max_positions" in limits:
+            _check_placeholder_edges(pipeline, s)
         if placeholders:
             _check_placeholders(s, source, reads, placeholders, int(limits["max_positions"]))
         vocab = limits.get("vocab_size")
@@ -156,6 +160,20 @@ def check_token_limits(pipeline: Pipeline, source: Any, metadata: list[SampleMet
                     f"sections.{s.name}: sample id {bad[0].id} (row {bad[0].row}) has a token id at or above "
                     f"{s.stage}'s vocab_size {vocab}; samples like it: {len(bad)}. Fix the tokenization or the "
                     f"model's vocab_size")
+
+
+def _check_placeholder_edges(pipeline: Pipeline, s: Section) -> None:
+    """An encoder's rows (its section activates on a modality) reach a stage that puts them in
+    place of that modality's placeholder token: data.placeholder_ids must name one (found in
+    review: without it the rows were received and dropped, and the encoder trained on nothing)."""
+    for e in pipeline.edges:
+        src = pipeline.section(e.src)
+        if e.dst == s.name and src.activates_on is not None and src.activates_on not in pipeline.data.placeholder_ids:
+            m = src.activates_on
+            raise PipelineError(
+                f"data.placeholder_ids: edge {e.src} -> {s.name} brings {m} rows (sections.{e.src}.activates_on="
+                f"{m!r}) to {s.stage}, which puts a sample's {m} rows in place of its {m} placeholder token, but "
+                f"data.placeholder_ids gives no {m!r} id: the rows would be dropped. Add data.placeholder_ids.{m}")
 
 
 def _check_placeholders(s: Any, source: Any, reads: list[SampleMeta], placeholders: dict[str, int],
@@ -292,4 +310,15 @@ def check_pipeline(pipeline: Pipeline, build: bool = False) -> Checked:
     if len(metadata) < pipeline.global_batch:
         raise PipelineError(f"global_batch={pipeline.global_batch} is larger than the dataset "
                             f"{pipeline.data.path} ({len(metadata)} usable samples)")
-    return Checked(graph=graph, source=source, metadata=metadata, warnings=tuple(pipeline_warnings(pipeline)))
+    return Checked(graph=graph, source=source, metadata=metadata, warnings=tuple(pipeline_warnings(pipeline)),
+                   data_warnings=tuple(data_warnings(pipeline, metadata)))
+
+
+def data_warnings(pipeline: Pipeline, metadata: list[SampleMeta]) -> list[str]:
+    """What the data makes of a valid pipeline that is almost surely not meant: a section that
+    activates on a modality no sample carries never runs (found in review: an encoder routed to
+    "audio" on image data trained nothing, and its consumer dropped every image, silently)."""
+    carried = {m for meta in metadata for m in meta.modalities}
+    return [f"sections.{s.name}.activates_on={s.activates_on!r}: no sample of {pipeline.data.path} carries "
+            f"{s.activates_on!r} (they carry {', '.join(sorted(carried))}), so the section never runs"
+            for s in pipeline.sections if s.activates_on is not None and s.activates_on not in carried]

@@ -125,7 +125,7 @@ def _resume_from(options: RunOptions, pipeline: Any, metadata: Any) -> tuple[str
     problems = mf.incompatibilities(manifest, pipeline.to_dict())
     if problems:
         raise PipelineError(f"--resume {folder}: the checkpoint does not fit this pipeline: " + "; ".join(problems))
-    mf.check_samples(manifest, len(metadata), data_fingerprint(metadata))
+    mf.check_samples(manifest, len(metadata), data_fingerprint(metadata), data_fingerprint(metadata, sizes=True))
     if manifest.step >= pipeline.steps:
         raise PipelineError(f"--resume {folder}: the checkpoint is at step {manifest.step}, and the run has "
                             f"steps={pipeline.steps} in all (--steps is the total; raise it to train further)")
@@ -215,6 +215,8 @@ def _check_outputs(options: RunOptions) -> None:
 def run_pipeline(path: str, options: RunOptions) -> list[dict[str, Any]]:
     pipeline, paths = load_pipeline(path, options.overrides)
     checked = check_pipeline(pipeline)  # bad input is refused here, before any worker starts
+    for warning in checked.data_warnings if options.show_progress else ():  # the CLI printed the others
+        print(f"warning: {warning}", file=sys.stderr, flush=True)
     original = pipeline
     if options.baseline is not None:
         pipeline, checked = _as_baseline(pipeline, checked, options)

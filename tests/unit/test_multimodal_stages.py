@@ -342,6 +342,11 @@ def test_llm_errors_name_the_sample():
         stage.forward(batch(tokens=[[BOS, IMAGE, 1]]))
     with pytest.raises(ValueError, match="unknown config key"):
         MultimodalLM({"vocab": 3}, CTX)
+    # Found in review: with no image placeholder id the received rows were dropped unseen.
+    text_only = make(MultimodalLM, LLM, StageContext(section="x", dtype="float64", placeholder_ids={"audio": AUDIO}))
+    with pytest.raises(ValueError, match="sample 0: received 'image_embeds' .* gives no 'image' placeholder id"):
+        llm_run(text_only, [([BOS, IMAGE - 200, 1], leaf(1, 1), None)])
+    llm_run(text_only, [([BOS, 1, 2], None, None)])  # nothing received: nothing to drop
     assert MultimodalLM.outputs({}) == ("loss", "loss_denominator")
 
 

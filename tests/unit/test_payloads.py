@@ -1,6 +1,7 @@
 """`maestro validate --payloads`: each image checked as the vision section will take it
 (stages.vision.image_problem), run over the dataset by runtime/payloads.py, before any worker
-starts; without the option nothing reads the images."""
+starts; without the option nothing reads the images. And what validate says of a VLM whose
+images have nowhere to go (runtime/checks.py)."""
 
 from __future__ import annotations
 
@@ -96,3 +97,20 @@ def test_validate_payloads_names_each_bad_sample_and_fails(tmp_path):
                                f"{first['num_patches']} but its image")
     assert lines[1].startswith(f"sections.vision: sample {second['id']} (row {imaged[4]}): a GIF")
     assert lines[2] == f"error: 2 payloads of {len(imaged)} checked would fail in the run or mislead its plans (above)"
+
+
+def test_a_vlm_whose_image_rows_would_be_dropped_is_refused_or_warned_of(tmp_path):
+    """Found in review: both trained with rc 0 and no word, the LLM as text-only."""
+    data = write(image_demo_table(num_samples=48, image_share=0.5, seed=3), tmp_path / "vlm.arrow")
+    runner = CliRunner()
+    result = runner.invoke(main, ["validate", VLM, "--set", f"data.path={data}", "--set", "data.placeholder_ids={}"])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.startswith("error: data.placeholder_ids: edge vision -> llm brings image rows "
+                                    "(sections.vision.activates_on='image') to stages.multimodal:MultimodalLM")
+    assert result.stderr.endswith("the rows would be dropped. Add data.placeholder_ids.image\n")
+    result = runner.invoke(main, ["validate", VLM, "--set", f"data.path={data}", "--set",
+                                  "sections.vision.activates_on=audio", "--set",
+                                  'data.placeholder_ids={"image": 259, "audio": 260}'])
+    assert result.exit_code == 0, result.output
+    assert result.stderr == (f"warning: sections.vision.activates_on='audio': no sample of {data} carries 'audio' "
+                             "(they carry image, text), so the section never runs\n")
