@@ -178,9 +178,10 @@ def incompatibilities(manifest: Manifest, pipeline: dict[str, Any]) -> list[str]
     return problems
 
 
-def check_samples(manifest: Manifest, num_samples: int, fingerprint: str) -> None:
+def check_samples(manifest: Manifest, num_samples: int, fingerprint: str, sizes: str | None = None) -> None:
     """The dataset is the one the checkpoint was trained on: as many usable samples, the same ids
-    in the same rows (sampler.data_fingerprint; a checkpoint from before it records none)."""
+    in the same rows, with the same modalities and sizes (sampler.data_fingerprint, without and
+    with sizes; a checkpoint from before either records it not)."""
     if manifest.sampler.get("num_samples") != num_samples:
         raise PipelineError(f"data.path: the dataset has {num_samples} usable samples, the checkpoint was trained on "
                             f"{manifest.sampler.get('num_samples')} (the sampler position would mean other samples)")
@@ -189,3 +190,9 @@ def check_samples(manifest: Manifest, num_samples: int, fingerprint: str) -> Non
         raise PipelineError(f"data.path: the dataset is not the one the checkpoint was trained on (as many samples, "
                             f"but other ids or rows: fingerprint {fingerprint}, the checkpoint's {saved}); the "
                             f"sampler position would mean other samples")
+    saved = manifest.sampler.get("data_sizes")
+    if saved is not None and sizes is not None and saved != sizes:
+        raise PipelineError(f"data.path: the dataset is not the one the checkpoint was trained on (the same ids in "
+                            f"the same rows, but other samples: their modalities or token, patch or frame counts "
+                            f"differ; fingerprint {sizes}, the checkpoint's {saved}); the sampler position would "
+                            f"mean other samples")

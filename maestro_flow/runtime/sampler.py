@@ -18,12 +18,15 @@ from maestro_flow.errors import PipelineError
 from maestro_flow.samples import SampleMeta
 
 
-def data_fingerprint(metadata: Sequence[SampleMeta]) -> str:
+def data_fingerprint(metadata: Sequence[SampleMeta], *, sizes: bool = False) -> str:
     """Which samples, in which rows: a resumed run's sampler position means the same samples only
-    on a dataset with this fingerprint (the same count is not enough: a rebuilt dataset)."""
+    on a dataset with this fingerprint (the same count is not enough: a rebuilt dataset). With
+    `sizes`, also each sample's modalities and token, patch and frame counts: a dataset rebuilt
+    with the same ids (ids 0..n-1, as most builders write them) and other samples differs there."""
     h = hashlib.sha256()
     for m in metadata:
-        h.update(f"{m.id}:{m.row};".encode())
+        h.update((f"{m.id}:{m.row}:{','.join(sorted(m.modalities))}:{m.num_tokens}:{m.num_patches}:{m.num_frames};"
+                  if sizes else f"{m.id}:{m.row};").encode())
     return h.hexdigest()[:16]
 
 
@@ -38,6 +41,7 @@ class EpochSampler:
         self.per_epoch = len(self.metadata) // global_batch
         self._epoch, self._order = -1, []
         self._fingerprint: str | None = None
+        self._sizes: str | None = None
 
     def batch(self, step: int) -> list[SampleMeta]:
         epoch, index = divmod(step, self.per_epoch)
@@ -55,10 +59,17 @@ class EpochSampler:
         epoch, index = divmod(step, self.per_epoch)
         return {"step": step, "epoch": epoch, "batch_in_epoch": index, "batches_per_epoch": self.per_epoch,
                 "num_samples": len(self.metadata), "global_batch": self.global_batch, "seed": self.seed,
-                "shuffle": self.shuffle, "data_fingerprint": self.fingerprint}
+                "shuffle": self.shuffle, "data_fingerprint": self.fingerprint,
+                "data_sizes": self.sizes_fingerprint}
 
     @property
     def fingerprint(self) -> str:
         if self._fingerprint is None:
             self._fingerprint = data_fingerprint(self.metadata)
         return self._fingerprint
+
+    @property
+    def sizes_fingerprint(self) -> str:
+        if self._sizes is None:
+            self._sizes = data_fingerprint(self.metadata, sizes=True)
+        return self._sizes

@@ -122,8 +122,9 @@ def test_a_checkpoint_holds_the_promised_state(uninterrupted):
     folder = mf.latest(str(root))
     manifest = mf.read(folder)
     assert manifest.step == 10
-    fingerprint = manifest.sampler.pop("data_fingerprint")  # which samples: checked on resume
-    assert isinstance(fingerprint, str) and len(fingerprint) == 16
+    for key in ("data_fingerprint", "data_sizes"):  # which samples: checked on resume
+        fingerprint = manifest.sampler.pop(key)
+        assert isinstance(fingerprint, str) and len(fingerprint) == 16
     assert manifest.sampler == {"step": 10, "epoch": 3, "batch_in_epoch": 1, "batches_per_epoch": 3,
                                 "num_samples": 48, "global_batch": 16, "seed": 0, "shuffle": True}
     assert manifest.pipeline["name"] == "distill" and manifest.sections["student"]["dp"] == 2

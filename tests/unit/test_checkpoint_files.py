@@ -97,6 +97,17 @@ def test_a_rebuilt_dataset_of_the_same_size_is_refused_on_resume():
     rebuilt = [SampleMeta(id=i + 100, row=i, num_tokens=3) for i in range(12)]
     with pytest.raises(PipelineError, match="the dataset is not the one the checkpoint was trained on"):
         mf.check_samples(m, 12, data_fingerprint(rebuilt))
+    # Found in review: rebuilt with the same ids (0..n-1, as `maestro data demo --seed` writes them)
+    # and other samples, it was taken as the same. Their sizes differ.
+    same_ids = [SampleMeta(id=i, row=i, num_tokens=3 + (i == 5)) for i in range(12)]
+    mf.check_samples(m, 12, data_fingerprint(data), data_fingerprint(data, sizes=True))
+    with pytest.raises(PipelineError, match="the same ids in the same rows, but other samples"):
+        mf.check_samples(m, 12, data_fingerprint(same_ids), data_fingerprint(same_ids, sizes=True))
+    images = [SampleMeta(id=i, row=i, num_tokens=3, modalities=frozenset({"text", "image"})) for i in range(12)]
+    with pytest.raises(PipelineError, match="but other samples"):
+        mf.check_samples(m, 12, data_fingerprint(images), data_fingerprint(images, sizes=True))
+    del m.sampler["data_sizes"]  # a checkpoint from before sizes were recorded: ids by row alone
+    mf.check_samples(m, 12, data_fingerprint(same_ids), data_fingerprint(same_ids, sizes=True))
 
 
 def test_plans_stop_at_each_checkpoint_boundary():

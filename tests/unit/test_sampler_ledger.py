@@ -342,7 +342,8 @@ def test_the_position_says_where_a_resumed_run_starts():
     sampler = EpochSampler(metadata(10), 4, seed=3)
     assert sampler.position(5) == {"step": 5, "epoch": 2, "batch_in_epoch": 1, "batches_per_epoch": 2,
                                    "num_samples": 10, "global_batch": 4, "seed": 3, "shuffle": True,
-                                   "data_fingerprint": data_fingerprint(metadata(10))}
+                                   "data_fingerprint": data_fingerprint(metadata(10)),
+                                   "data_sizes": data_fingerprint(metadata(10), sizes=True)}
     # A fresh sampler (a resumed run) draws the same batches from that step on.
     assert [ids(EpochSampler(metadata(10), 4, seed=3).batch(s)) for s in (5, 6)] == \
         [ids(sampler.batch(s)) for s in (5, 6)]
