@@ -12,6 +12,7 @@ import os
 import signal
 import sys
 import time
+import traceback
 from typing import Any
 
 
@@ -41,8 +42,8 @@ SETS = set_options("global_batch=8, dtype=float64")
 
 
 def _fail(exc: BaseException, debug: bool) -> None:
-    if debug:
-        raise exc
+    if debug:  # the traceback, then the same line and exit code (found in review: --debug exited 1 on bad input)
+        traceback.print_exception(exc, file=sys.stderr)
     if isinstance(exc, StageError):
         click.echo(f"error: {exc}", err=True)
         sys.exit(1)
@@ -224,6 +225,8 @@ def run(ctx: click.Context, pipeline: str, steps: int | None, sets: tuple[str, .
         from maestro_flow.runtime.run import RunOptions, run_pipeline
         from maestro_flow.runtime.rundir import default_run_dir
 
+        if no_run_dir and run_dir is not None:  # found in review: --run-dir was dropped without a word
+            raise PipelineError("--run-dir names the run directory and --no-run-dir asks for none: give one of them")
         overrides = _overrides(sets, costs, pipeline, steps=steps, schedule=schedule)
         loaded = load_pipeline(pipeline, overrides)[0]
         if not no_run_dir and run_dir is None:
@@ -296,7 +299,7 @@ def validate(ctx: click.Context, pipeline: str, sets: tuple[str, ...], payloads:
     try:
         p, _ = load_pipeline(pipeline, _overrides(sets))
         checked = check_pipeline(p, build=True)
-        for warning in checked.warnings:
+        for warning in (*checked.warnings, *checked.data_warnings):
             click.echo(f"warning: {warning}", err=True)
         if payloads:
             _check_payloads(p, checked)
@@ -377,8 +380,11 @@ def graph(ctx: click.Context, pipeline: str, sets: tuple[str, ...], output: str 
     from maestro_flow.runtime.build import load_pipeline
 
     try:
-        if output:
-            check_suffix(output)  # a bad suffix fails before anything is loaded or written
+        if output:  # a bad suffix or path fails before anything is loaded or printed
+            from maestro_flow.runtime.outputs import check_writable
+
+            check_suffix(output)
+            check_writable(output, "--output", folder=False)
         p, _ = load_pipeline(pipeline, _overrides(sets))
         p.validate()
         g = SectionGraph(p)

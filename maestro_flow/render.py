@@ -225,6 +225,7 @@ def check_suffix(path: str | os.PathLike[str]) -> str:
 
 def _write(path: Path, text: str) -> None:
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)  # as export -o does (found in review: refused)
         path.write_text(text)
     except OSError as exc:
         raise PipelineError(f"cannot write {path}: {exc.strerror or exc}") from exc
@@ -250,6 +251,7 @@ def render(dot_text: str, path: str | os.PathLike[str], *, timeout_s: float = DO
             f"Graphviz is not installed (no `dot` on PATH), so {out} was not drawn; the DOT was written to "
             f"{fallback} instead (install graphviz, then: dot -T{fmt} {fallback} -o {out})"))
     try:
+        out.parent.mkdir(parents=True, exist_ok=True)
         proc = subprocess.run([exe, f"-T{fmt}", "-o", str(out)], input=dot_text.encode(), capture_output=True,
                               timeout=timeout_s, check=False)
     except subprocess.TimeoutExpired as exc:

@@ -402,3 +402,22 @@ def test_a_recording_folder_given_to_replay_points_to_the_run_folder(data, tmp_p
                                             "--set", f"data.path={data['text']}"])
         assert result.exit_code == 2, result.output
         assert f"error: --replay takes the run folder, not its recording: --replay {tmp_path}" in result.output
+
+
+@pytest.mark.timeout(120)
+def test_a_reader_that_stops_early_is_not_the_stages_error(data):
+    """Found in review: `maestro stage ... | head -2` exited 3, 'section raised BrokenPipeError'."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "maestro_flow.cli", "stage", DISTILL, "student", "--samples", "2",
+                             "--set", f"data.path={data['text']}"], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    try:
+        assert proc.stdout.readline().startswith(b"section student")
+        proc.stdout.close()  # as head does once it has its lines
+        _, err = proc.communicate(timeout=100)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err.decode()
+    assert b"BrokenPipeError" not in err and b"error:" not in err

@@ -269,8 +269,20 @@ def test_set_overrides_apply(tmp_path, dataset):
 
 
 def test_debug_shows_the_exception(tmp_path, dataset):
+    """The traceback, then the line and the exit code without --debug (found in review: it exited
+    1, so a script checking for 2 behaved otherwise under --debug)."""
     result = invoke("--debug", "validate", write_pipeline(tmp_path, dataset, [teacher(), student(dp=0)]))
-    assert result.exit_code != 0 and "sections.student.dp" in str(result.exception)
+    assert result.exit_code == 2, result.output
+    assert result.stderr.startswith("Traceback (most recent call last):")
+    assert result.stderr.splitlines()[-1].startswith("error: sections.student.dp")
+
+
+def test_run_dir_and_no_run_dir_together_are_refused(tmp_path, dataset):
+    """Found in review: --no-run-dir won, and --run-dir was dropped without a word."""
+    result = invoke("run", write_pipeline(tmp_path, dataset), "--run-dir", str(tmp_path / "r"), "--no-run-dir")
+    assert result.exit_code == 2, result.output
+    assert result.stderr == "error: --run-dir names the run directory and --no-run-dir asks for none: give one of them\n"
+    assert not (tmp_path / "r").exists()
 
 
 def test_error_inside_pipeline_function_is_one_line(tmp_path, dataset):
@@ -641,3 +653,20 @@ def test_a_run_refused_after_taking_the_checkpoint_directory_lets_go_of_it(tmp_p
             run_pipeline(str(path), options)
         kept.append(refused.value)  # its traceback holds the frame, and so the Checkpointer
         assert "--record: no section named 'nosuch'" in str(refused.value), refused.value
+
+
+@pytest.mark.parametrize("value, expected", [
+    ("sections.student.optimizer.betas=[2,3]",
+     "sections.student.optimizer: torch.optim.adamw.AdamW refuses it: Invalid beta parameter at index 0: 2"),
+    ("sections.student.optimizer.weight_decay=-5",
+     "sections.student.optimizer: torch.optim.adamw.AdamW refuses it: Invalid weight_decay value: -5"),
+    ("sections.student.optimizer.lr=NaN", "sections.student.optimizer.lr must be a finite number >= 0, got nan"),
+    ("sections.student.optimizer.lr=Infinity", "sections.student.optimizer.lr must be a finite number >= 0, got inf"),
+    ("sections.student.optimizer.lr=true", "sections.student.optimizer.lr must be a finite number >= 0, got True"),
+])
+def test_optimizer_values_the_optimizer_refuses_are_refused_by_validate(dataset, tmp_path, value, expected):
+    """Found in review: these passed validate, then failed every worker's setup as a 'system
+    error' (or, with lr=inf, trained to NaN; lr=NaN blamed min_lr)."""
+    result = invoke("validate", write_pipeline(tmp_path, dataset), "--set", value)
+    assert result.exit_code == 2, result.output
+    assert result.stderr == f"error: {expected}\n"

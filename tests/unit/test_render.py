@@ -216,8 +216,10 @@ def test_render_dot(tmp_path):
     done = render("digraph g {}\n", tmp_path / "g.dot")
     assert (done.path, done.format, done.note) == (tmp_path / "g.dot", "dot", None)
     assert done.path.read_text() == "digraph g {}\n"
+    assert render("digraph g {}\n", tmp_path / "missing" / "g.dot").path.is_file()  # its folder made
+    (tmp_path / "file").write_text("")
     with pytest.raises(PipelineError, match="cannot write"):
-        render("digraph g {}\n", tmp_path / "missing" / "g.dot")
+        render("digraph g {}\n", tmp_path / "file" / "g.dot")
 
 
 @pytest.mark.parametrize("suffix", [".svg", ".png"])
@@ -304,6 +306,18 @@ def test_cli_graph_refuses_an_unknown_suffix(tmp_path):
     assert result.stderr.strip().splitlines() == [
         f"error: --output {out}: unsupported file type '.pdf'; use one of .dot, .gv, .svg, .png"]
     assert not out.exists()
+
+
+def test_cli_graph_makes_the_folders_of_its_output_and_refuses_a_path_it_cannot_write(tmp_path):
+    """Found in review: a missing folder was an error after the whole graph was printed."""
+    out = tmp_path / "new" / "deeper" / "x.dot"
+    result = invoke("graph", ROOT / "pipelines" / "vlm.py", "-o", out)
+    assert result.exit_code == 0, result.output
+    assert out.read_text() == to_dot(graph_of(vlm))
+    (tmp_path / "file").write_text("")
+    result = invoke("graph", ROOT / "pipelines" / "vlm.py", "-o", tmp_path / "file" / "x.dot")
+    assert result.exit_code == 2 and result.stdout == ""  # refused before the graph is printed
+    assert result.stderr == f"error: --output {tmp_path / 'file' / 'x.dot'}: {tmp_path / 'file'} is a file, not a folder\n"
 
 
 def test_cli_graph_reports_a_failing_dot(tmp_path, monkeypatch):
