@@ -481,7 +481,9 @@ def data_demo(out_dir: str, num_samples: int, vlm_samples: int, image_share: flo
     }
     for name in only or tuple(builders):
         try:
-            click.echo(f"wrote {builders[name]()}")
+            path = builders[name]()
+            parquet = path.with_suffix(".parquet") if name == "text" else None  # found in review: unsaid
+            click.echo(f"wrote {path}" + (f" and {parquet}" if parquet is not None and parquet.is_file() else ""))
         except (ValueError, OSError) as exc:  # a builder's own check, or a folder it cannot write
             _fail(PipelineError(f"data demo ({name}): {exc}"), debug=False)
 

@@ -51,7 +51,8 @@ def _tolerance(ctx: click.Context, param: click.Parameter, value: float) -> floa
               help="Synthetic mode: number of dataset samples [default: the section's micro_batch].")
 @click.option("--input-shape", "input_shapes", multiple=True, metavar="NAME=DxD",
               help="Synthetic mode: random normal per-sample inputs of this shape for incoming tensor NAME "
-                   "instead of running the upstream sections.")
+                   "instead of running the upstream sections; a dimension is a number, or T, P or F for each "
+                   "sample's token, patch or frame count (e.g. hidden=Tx128).")
 @click.option("--weights", type=click.Path(dir_okay=False, exists=True),
               help="Load the section's parameters from a saved file (maestro run --save-dir DIR writes "
                    "DIR/SECTION.safetensors) instead of the recorded or initial ones.")

@@ -447,9 +447,9 @@ def parse_set(items: list[str] | tuple[str, ...]) -> dict[str, Any]:
     """Parse `key.path=value` strings; values parse as JSON when they can, else stay strings."""
     out: dict[str, Any] = {}
     for item in items:
-        if "=" not in item:
+        key, eq, raw = item.partition("=")
+        if not eq or not key.strip():  # found in review: "=3" said "unknown pipeline field ''"
             raise PipelineError(f"--set expects key.path=value, got {item!r}")
-        key, raw = item.split("=", 1)
         try:
             out[key.strip()] = json.loads(raw)
         except json.JSONDecodeError:

@@ -9,7 +9,8 @@ seed, dtype and device) and fed micro-batches that are either
   - synthetic: a few real samples of the dataset for the section's columns, and, for each
     incoming edge, the tensors its producers compute on those samples, obtained by running the
     upstream sections' stages here (freshly initialised, as at step 0), or random normal tensors
-    of a given per-sample shape (`--input-shape NAME=DxD`) when an upstream section cannot run.
+    of a given per-sample shape (`--input-shape NAME=DxD`, D a number or T/P/F: each sample's
+    tokens, patches or frames) when an upstream section cannot run.
 
 Each micro-batch runs forward (under no_grad for a frozen section) and, for a trainable section,
 backward: of the loss (summed) for a section returning "loss", else of the sum of its floating
@@ -49,7 +50,7 @@ from maestro_flow.runtime.record import (
     weights_name,
 )
 from maestro_flow.runtime.replay_report import _column_summary, _ms, compare_outputs, describe_value
-from maestro_flow.runtime.replay_runner import ReplayError, RunResult, SectionRunner, synthetic_batches
+from maestro_flow.runtime.replay_runner import SIZES, ReplayError, RunResult, SectionRunner, synthetic_batches
 from maestro_flow.stage import MicroBatch
 
 __all__ = ["ReplayOptions", "SectionRunner", "RunResult", "replay", "synthetic_batches", "compare_outputs",
@@ -67,7 +68,7 @@ class ReplayOptions:
     rtol: float = 1e-4
     repeat: int = 1
     samples: int | None = None  # synthetic: number of samples (default: the section's micro_batch)
-    input_shapes: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+    input_shapes: dict[str, tuple[int | str, ...]] = dataclasses.field(default_factory=dict)
     weights: str | None = None  # a saved stage file (<save_dir>/<section>.safetensors) to load
     pdb: bool = False
 
@@ -174,18 +175,21 @@ def parse_steps(text: str | None, flag: str = "--steps") -> Steps | None:
     return Steps(ranges=tuple(ranges))
 
 
-def parse_shapes(items: tuple[str, ...] | list[str]) -> dict[str, tuple[int, ...]]:
-    """("image_embeds=16x64", ...) -> {"image_embeds": (16, 64)}."""
+def parse_shapes(items: tuple[str, ...] | list[str]) -> dict[str, tuple[int | str, ...]]:
+    """("image_embeds=16x64", "hidden=Tx128") -> {"image_embeds": (16, 64), "hidden": ("T", 128)}: a
+    dimension is a number, or T, P or F, each sample's own token, patch or frame count (found in
+    review: a teacher's hidden states are [tokens, d], which no fixed shape fits)."""
     out = {}
     for item in items:
         name, sep, dims = item.partition("=")
         try:
-            shape = tuple(int(d) for d in dims.lower().replace(",", "x").split("x") if d.strip())
-            if not sep or not name or not shape or min(shape) < 0:
+            shape = tuple(d.strip().upper() if d.strip().upper() in SIZES else int(d)
+                          for d in dims.lower().replace(",", "x").split("x") if d.strip())
+            if not sep or not name or not shape or min((d for d in shape if isinstance(d, int)), default=0) < 0:
                 raise ValueError
         except ValueError:
-            raise ReplayError(f"--input-shape: expected NAME=DxD (per-sample shape, e.g. hidden=32x128), got {item!r}") \
-                from None
+            raise ReplayError("--input-shape: expected NAME=DxD (per-sample shape; D a number, or T, P or F for each "
+                              f"sample's tokens, patches or frames, e.g. hidden=Tx128), got {item!r}") from None
         out[name.strip()] = shape
     return out
 

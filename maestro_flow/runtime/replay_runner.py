@@ -29,6 +29,8 @@ from maestro_flow.runtime.precision import autocast_dtype, compute
 from maestro_flow.runtime.record import restore_rng
 from maestro_flow.stage import MicroBatch, output_problem
 
+SIZES = {"T": "num_tokens", "P": "num_patches", "F": "num_frames"}  # --input-shape's per-sample dimensions
+
 
 class ReplayError(MaestroError):
     """Something the user can fix about a replay (no recording, bad step, unusable inputs)."""
@@ -322,13 +324,14 @@ def synthetic_batches(pipeline: Pipeline, name: str, samples: int | None = None,
         for t in sorted(random_names):
             try:
                 for s in chosen:
-                    produced[(s.id, t)] = torch.randn(input_shapes[t], generator=gen, dtype=torch.float32).to(dtype)
+                    shape = [getattr(s, SIZES[d]) if isinstance(d, str) else d for d in input_shapes[t]]
+                    produced[(s.id, t)] = torch.randn(shape, generator=gen, dtype=torch.float32).to(dtype)
             except (RuntimeError, MemoryError) as exc:  # found in review: blamed on the stage (exit 3)
                 shape = "x".join(map(str, input_shapes[t]))
                 raise ReplayError(f"--input-shape {t}={shape}: cannot make {len(chosen)} such tensor(s) "
                                   f"({brief(exc)})") from None
         log(f"inputs {', '.join(sorted(random_names))}: random normal, per-sample shape "
-            + ", ".join(f"{t}={list(input_shapes[t])}" for t in sorted(random_names)))
+            + ", ".join(f"{t}={'x'.join(map(str, input_shapes[t]))}" for t in sorted(random_names)))
     batches = []
     step = section.micro_batch
     for i in range(0, len(chosen), step):

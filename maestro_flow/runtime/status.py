@@ -199,6 +199,8 @@ def _live(run_dir: str) -> bool:
 def find_run(run_dir: str | None, root: str = "runs") -> str:
     """The given run directory, or the most recent one under `root` that is running."""
     if run_dir:
+        if not os.path.isdir(run_dir):  # found in review: said "has no status.json" of a folder not there
+            raise FileNotFoundError(f"{run_dir}: no such run directory")
         if not os.path.exists(os.path.join(run_dir, "status.json")):
             raise FileNotFoundError(f"{run_dir} has no status.json: the run is not running (or wrote no run dir)")
         if not _live(run_dir):
@@ -213,7 +215,7 @@ def find_run(run_dir: str | None, root: str = "runs") -> str:
 
 def ended(run_dir: str) -> str | None:
     """What `top` says once the run it watched is over (None while its coordinator runs): the
-    last step the run dir's metrics.jsonl recorded."""
+    last step the run dir's metrics.jsonl recorded, counted from 1."""
     if _live(run_dir):
         return None
     last = None
@@ -228,7 +230,10 @@ def ended(run_dir: str) -> str | None:
     if not isinstance(row, dict) or "step" not in row:
         return f"{run_dir}: the run has ended"
     loss = row.get("loss")
-    return (f"{run_dir}: the run has ended; its last step was {row['step']}"
+    # Counted from 1, as the progress lines and top's header count (metrics rows from 0; found in
+    # review: a 60-step run "ended; its last step was 59" under "step 60/60").
+    step = row["step"] + 1 if isinstance(row["step"], int) else row["step"]
+    return (f"{run_dir}: the run has ended after step {step}"
             + (f", loss {loss:.4f}" if isinstance(loss, (int, float)) else ""))
 
 

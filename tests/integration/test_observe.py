@@ -181,7 +181,7 @@ def test_top_attaches_to_a_run_started_elsewhere_and_detaches(demo_data, tmp_pat
         assert proc.returncode == 0, err  # attaching did not disturb the run
         out, err = watcher.communicate(timeout=30)
         assert watcher.returncode == 0, err
-        assert re.search(r"the run has ended; its last step was 39, loss \d+\.\d{4}$", out.rstrip()), out[-300:]
+        assert re.search(r"the run has ended after step 40, loss \d+\.\d{4}$", out.rstrip()), out[-300:]
     finally:
         for p in (proc, locals().get("watcher")):
             if p is not None and p.poll() is None:

@@ -131,6 +131,14 @@ def test_synthetic_vision_and_random_inputs(data):
     rand = _invoke(VLM, "llm", "--set", f"data.path={data['vlm']}", "--input-shape", "image_embeds=36x64")
     assert rand.exit_code == 0, rand.output
     assert "random normal" in rand.output and "computed by section" not in rand.output
+    # Found in review: a teacher's hidden states are [tokens, d] per sample, which no fixed shape fits
+    # (the help's own example, hidden=32x128, failed): T is each sample's token count.
+    hidden = _invoke(DISTILL, "student", "--set", f"data.path={data['text']}", "--samples", "2",
+                     "--input-shape", "hidden=Tx128")
+    assert hidden.exit_code == 0, hidden.output
+    assert "random normal, per-sample shape hidden=Tx128" in hidden.output
+    bad = CliRunner().invoke(stage, [DISTILL, "student", "--input-shape", "hidden=Qx128"])
+    assert bad.exit_code == 2 and "e.g. hidden=Tx128), got 'hidden=Qx128'" in bad.output
 
 
 FAKE_STAGE = '''

@@ -155,7 +155,7 @@ def test_top_follows_a_run_through_an_automatic_restart(demo_data, tmp_path):
         assert len(endpoints) == 2, endpoints  # each attempt's, the second written over the first
         out, werr = watcher.communicate(timeout=30)
         assert watcher.returncode == 0, werr
-        assert re.search(r"the run has ended; its last step was 19, loss \d+\.\d{4}$", out.rstrip()), out[-300:]
+        assert re.search(r"the run has ended after step 20, loss \d+\.\d{4}$", out.rstrip()), out[-300:]
     finally:
         for p in (proc, watcher):
             if p is not None and p.poll() is None:

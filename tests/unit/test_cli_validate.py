@@ -218,6 +218,7 @@ def test_global_batch_larger_than_the_dataset(tmp_path, dataset):
     ("sections.teacher.cost.per_sampl_s=1", ["unknown cost field 'per_sampl_s' at sections.teacher.cost.per_sampl_s",
                                              "did you mean 'per_sample_s'?"]),
     ("global_batch", ["--set expects key.path=value"]),
+    ("=3", ["--set expects key.path=value, got '=3'"]),  # found in review: "unknown pipeline field ''"
     # Reproduced before: not JSON, so the string 'False', which counts as true.
     ("data.skip_bad_rows=False", ["data.skip_bad_rows must be true or false, got 'False'"]),
     ("adapt_costs=False", ["adapt_costs must be true or false, got 'False'"]),

@@ -224,3 +224,15 @@ def test_maestro_data_demo_refuses_bad_options_in_one_line(args, said):
     result = CliRunner().invoke(main, ["data", "demo", *args])
     assert result.exit_code == 2 and said in result.output and "Traceback" not in result.output, result.output
     assert not isinstance(result.exception, (ValueError, OSError)), result.exception
+
+
+def test_maestro_data_demo_names_every_file_it_writes(tmp_path):
+    """Found in review: it said only 'wrote .../text.arrow' while writing text.parquet too."""
+    from click.testing import CliRunner
+
+    from maestro_flow.cli import main
+
+    result = CliRunner().invoke(main, ["data", "demo", "--out", str(tmp_path), "--only", "text", "--samples", "16"])
+    assert result.exit_code == 0, result.output
+    assert result.stdout == f"wrote {tmp_path / 'text.arrow'} and {tmp_path / 'text.parquet'}\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["text.arrow", "text.parquet"]

@@ -53,6 +53,8 @@ def test_a_status_file_whose_coordinator_is_gone_is_stale(tmp_path):
         find_run(None, root=str(tmp_path / "runs"))
     (run / "status.json").write_text(json.dumps({"endpoint": "tcp://127.0.0.1:1", "pid": os.getpid()}))
     assert find_run(None, root=str(tmp_path / "runs")) == str(run)
+    with pytest.raises(FileNotFoundError, match=f"^{tmp_path}/nope: no such run directory$"):
+        find_run(str(tmp_path / "nope"))  # found in review: "has no status.json: the run is not running"
 
 
 def test_a_status_file_whose_pid_was_reused_is_stale(tmp_path):
@@ -115,7 +117,7 @@ def test_a_status_file_without_an_endpoint_and_a_run_that_ended(tmp_path):
     os.remove(tmp_path / "status.json")
     assert ended(str(tmp_path)) == f"{tmp_path}: the run has ended"
     (tmp_path / "metrics.jsonl").write_text('{"step": 0, "loss": 2.5}\n{"step": 1, "loss": 2.25}\n')
-    assert ended(str(tmp_path)) == f"{tmp_path}: the run has ended; its last step was 1, loss 2.2500"
+    assert ended(str(tmp_path)) == f"{tmp_path}: the run has ended after step 2, loss 2.2500"
 
 
 @pytest.mark.parametrize("answer", [b"not json", b"[]", b'{"pipeline": "p"}', b"\xff" * 300])
