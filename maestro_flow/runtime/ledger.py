@@ -239,8 +239,9 @@ class StepLedger:
                 sections[name]["stage"] = counters
             if any("probe_rounds" in s for s in reps):  # lockstep FSDP forwards without samples
                 sections[name]["probe_rounds"] = sum(s.get("probe_rounds", 0) for s in reps)
-            if "lr" in reps[0]:
+            if "lr" in reps[0]:  # a section with an optimizer: its lr, and its own pre-clip gradient norm
                 sections[name]["lr"] = reps[0]["lr"]
+                sections[name]["grad_norm"] = global_norm([s["grad_sq"] for s in reps if "grad_sq" in s])
             sections[name].update(memory_row(reps))
         self.losses.pop(step, None)
         self.norms.pop(step, None)

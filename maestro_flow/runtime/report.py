@@ -76,6 +76,7 @@ class RunReport:
         self._t0 = time.monotonic()
         self._sinks = list(sinks)  # objects with step(row) and close()
         self.non_finite: int | None = None  # the first step whose loss or gradient norm was NaN or inf
+        self.gradless: set[str] = set()  # trainable sections warned of: samples but an all-zero gradient
 
     def step(self, row: dict[str, Any]) -> None:
         self.rows.append(row)
@@ -92,6 +93,7 @@ class RunReport:
             self.stream.write(f"maestro: warning: step {row['step']}: {_what_diverged(row)} is not finite "
                               "(training diverged, or a stage computes NaN/inf); the run goes on\n")
             self.stream.flush()
+        self._warn_frozen_in_fact(row)
         if not self.show:
             return
         n = row["step"] + 1  # a resumed or restarted run starts (or goes back) to a later step
@@ -109,6 +111,20 @@ class RunReport:
         elif len(self.rows) == 1 or n == self.total or n % max(1, self.total // 10) == 0:
             self.stream.write(f"step {n}/{self.total}  loss {loss_s}  {row['step_time_s']:.3f} s/step\n")
             self.stream.flush()
+
+    def _warn_frozen_in_fact(self, row: dict[str, Any]) -> None:
+        """Said once per section, with or without progress output (found in review: a distill
+        teacher set trainable, whose student reads its outputs under no_grad, trained nothing,
+        saved its unchanged weights, and nothing said so)."""
+        for name in _gradless(row):
+            if name not in self.gradless:
+                self.gradless.add(name)
+                self._newline()
+                self.stream.write(f"maestro: warning: step {row['step']}: section {name!r} is trainable but its "
+                                  "gradient is all zero (the loss does not reach its parameters: does a consumer "
+                                  "detach its outputs, or read them under torch.no_grad?); its parameters do not "
+                                  "change while it stays so\n")
+                self.stream.flush()
 
     def summary(self) -> str:
         if not self.rows:
@@ -156,6 +172,12 @@ class RunReport:
 def _losses(row: dict[str, Any]) -> list[Any]:
     loss = row.get("loss")
     return list(loss.values()) if isinstance(loss, dict) else [loss]
+
+
+def _gradless(row: dict[str, Any]) -> list[str]:
+    """Sections with an optimizer that ran samples in this step and got an all-zero gradient."""
+    return [name for name, sec in (row.get("sections") or {}).items()
+            if sec.get("grad_norm") == 0.0 and sec.get("samples", 0) > 0]
 
 
 def _finite(row: dict[str, Any]) -> bool:

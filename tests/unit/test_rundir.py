@@ -82,6 +82,22 @@ def test_a_loss_that_is_not_finite_is_warned_about_once(capsys, show):
     assert "warning" not in capsys.readouterr().err and "not finite" not in clean.summary()
 
 
+@pytest.mark.parametrize("show", [True, False])
+def test_a_trainable_section_whose_gradient_is_all_zero_is_warned_about_once(capsys, show):
+    """Found in review: a distill teacher set trainable (its student reads its outputs under
+    no_grad) trained nothing, saved its weights unchanged, and nothing said so."""
+    report = RunReport(total_steps=4, metrics_out=None, show_progress=show)
+    sections = [{"teacher": {"samples": 8, "grad_norm": 0.0}, "student": {"samples": 8, "grad_norm": 1.5}},
+                {"teacher": {"samples": 8, "grad_norm": 0.0}, "student": {"samples": 8, "grad_norm": 1.2}},
+                {"vision": {"samples": 0, "grad_norm": 0.0}, "llm": {"samples": 8, "grad_norm": 0.7}}]
+    for step, secs in enumerate(sections):
+        report.step({"step": step, "loss": 1.0, "grad_norm": 1.0, "step_time_s": 0.1, "sections": secs})
+    err = capsys.readouterr().err
+    assert err.count("warning") == 1, err  # once; a section with no samples in a step is not judged
+    assert ("maestro: warning: step 0: section 'teacher' is trainable but its gradient is all zero (the loss does "
+            "not reach its parameters") in err
+
+
 def test_a_run_dir_that_a_live_run_uses_is_refused(tmp_path):
     """Reproduced before: a second `maestro run --run-dir R` moved the running first run's
     status.json and metrics to R/previous-1 (top then said it was not running). Refused now,

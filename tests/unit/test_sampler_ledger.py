@@ -369,7 +369,7 @@ def test_norm_shares_of_every_trainable_replica_give_one_clip_coefficient():
     assert set(ledger.norms[0]) == {1, 2, 3, 4}  # kept until the step is done (on_done drops them)
 
 
-def test_the_row_has_the_global_grad_norm_and_each_section_s_lr():
+def test_the_row_has_the_global_grad_norm_and_each_section_s_lr_and_grad_norm():
     graph = distill()
     ledger = StepLedger(graph, placement_of(graph))
     ledger.planned(make_planner("fifo", graph).plan(0, [SampleMeta(id=i, row=i) for i in range(4)]), now=0.0)
@@ -379,3 +379,5 @@ def test_the_row_has_the_global_grad_norm_and_each_section_s_lr():
                          now=1.0)
     assert row["grad_norm"] == 3.0
     assert row["sections"]["student"]["lr"] == 0.5 and "lr" not in row["sections"]["teacher"]
+    # Each trainable section's own share of the norm (report.py warns of an all-zero one).
+    assert row["sections"]["student"]["grad_norm"] == 3.0 and "grad_norm" not in row["sections"]["teacher"]
