@@ -35,6 +35,12 @@ import torch
 from maestro_flow.samples import SampleMeta
 
 
+class PayloadNote(str):
+    """What a payload check (Stage.payload_checks) finds that the run tolerates, e.g. an image
+    that decode.skip_corrupt makes the run skip: `maestro validate --payloads` lists it without
+    failing."""
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class StageContext:
     """Where and how a stage instance runs: `module.to(ctx.device, ctx.dtype)` just works.
@@ -132,12 +138,23 @@ class Stage:
         return None
 
     @classmethod
+    def placeholder_inputs(cls, config: dict[str, Any]) -> dict[str, str]:
+        """For a stage that puts encoder rows in place of placeholder tokens (token_limits'
+        "max_positions"): modality -> the input tensor whose rows replace that modality's
+        placeholder. `maestro validate` refuses an edge that carries such a tensor when
+        data.placeholder_ids gives no id for its modality (the rows would be dropped). Empty (the
+        default): not declared, not checked."""
+        return {}
+
+    @classmethod
     def payload_checks(cls, config: dict[str, Any]) -> dict[str, Callable[[Any, SampleMeta], str | None]]:
         """Checks of the payloads this stage will read, for `maestro validate --payloads`:
         modality -> a function of one sample's payload (as `SampleSource.read` gives it) and its
-        metadata, returning what is wrong with it for this configuration (one line) or None.
-        They read whole payloads, so only that option runs them, over every sample carrying the
-        modality. Empty (the default): nothing to check."""
+        metadata, returning what is wrong with it for this configuration (one line), a
+        PayloadNote for what the run tolerates, or None. They read whole payloads, so only that
+        option runs them, over every sample carrying the modality whose section reads the
+        modality's column (its `columns` include it, or are not given). Empty (the default):
+        nothing to check."""
         return {}
 
     @classmethod

@@ -74,6 +74,10 @@ class MultimodalLM(Stage):
         return {"vocab_size": limits["vocab_size"], "max_positions": limits["max_tokens"]}
 
     @classmethod
+    def placeholder_inputs(cls, config: dict[str, Any]) -> dict[str, str]:
+        return _input_names(config)
+
+    @classmethod
     def tp_plan(cls, config: dict[str, Any]) -> dict[str, str]:
         return block_tp_plan("model.decoder.blocks")
 

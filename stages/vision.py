@@ -48,6 +48,7 @@ from torch import Tensor, nn
 from maestro_flow import MicroBatch, Stage, StageContext
 from maestro_flow.errors import brief
 from maestro_flow.samples import SampleMeta
+from maestro_flow.stage import PayloadNote
 from stages.common import Outputs, check_keys, lengths_of
 from stages.encoder import (
     EncoderConfig,
@@ -234,10 +235,10 @@ def image_problem(cfg: VisionConfig, data: Any, meta: SampleMeta) -> str | None:
     - a pixel array: not [3, H, W] on the patch grid, or its patches not the data's num_patches;
     - encoded bytes, with the built-in decoder (loaders.dali): what it would refuse before
       decoding (not an image, a GIF, a PNG or JPEG cut short or failing its checksums, a header
-      over decode.max_pixels), and, where the PNG or JPEG header gives the size, a data
-      num_patches other than the patches it decodes to (the planner's costs and the length
-      checks count the column's figure). Other decoders' size rules are their own: only
-      the bytes' format is checked for them."""
+      over decode.max_pixels; a PayloadNote with decode.skip_corrupt, the run skipping it), and,
+      where the PNG or JPEG header gives the size, a data num_patches other than the patches it
+      decodes to (the planner's costs and the length checks count the column's figure). Another
+      decoder (or none) reads what it reads: only empty bytes are refused for it."""
     if data is None:
         return "it carries the image modality but its image is null"
     if not isinstance(data, (bytes, bytearray, memoryview)):
@@ -247,17 +248,22 @@ def image_problem(cfg: VisionConfig, data: Any, meta: SampleMeta) -> str | None:
             return str(exc).split(": ", 1)[-1]
         return grid_problem(shape, cfg.patch, cfg.max_grid) or _patches_differ(meta, num_patches(*shape[1:], cfg.patch),
                                                                               f"{shape[1]}x{shape[2]} pixels")
+    if len(data) == 0:
+        return "its image is empty (0 bytes)"
+    if cfg.decoder != DEFAULT_DECODER:
+        return None  # another decoder (or none: pixels by an edge) reads what it reads (found in review)
     from loaders import dali, image_check
 
+    decode = {"max_side": DEFAULT_MAX_SIDE, "patch": cfg.patch, "max_pixels": dali.MAX_PIXELS, **cfg.decode}
     problem = image_check.framing_problem(data)
-    if problem is not None or cfg.decoder != DEFAULT_DECODER:
-        return problem
-    size = image_check.header_size(data)
+    size = image_check.header_size(data) if problem is None else None
+    if size is not None and decode["max_pixels"] is not None and size[0] * size[1] > decode["max_pixels"]:
+        problem = f"it is {size[0]} x {size[1]} pixels, more than max_pixels={decode['max_pixels']} (decode.max_pixels)"
+    if problem is not None:  # the decoder refuses it: an error in the run, or skipped and counted
+        return PayloadNote(f"{problem} (the run skips it: decode.skip_corrupt)") if decode.get("skip_corrupt") \
+            else problem
     if size is None:  # a format whose header is not read here (DALI reads it at run time)
         return None
-    decode = {"max_side": DEFAULT_MAX_SIDE, "patch": cfg.patch, "max_pixels": dali.MAX_PIXELS, **cfg.decode}
-    if decode["max_pixels"] is not None and size[0] * size[1] > decode["max_pixels"]:
-        return f"it is {size[0]} x {size[1]} pixels, more than max_pixels={decode['max_pixels']} (decode.max_pixels)"
     try:
         h, w = dali.target_size(*size, decode["max_side"], decode["patch"])
     except ValueError as exc:

@@ -48,7 +48,10 @@ def check_optimizer_spec(spec: dict[str, Any], where: str) -> None:
     if cls is None:
         return  # config.Section.validate names the bad optimizer
     accepted = set(inspect.signature(cls.__init__).parameters) - {"self", *RESERVED}
-    kwargs = optimizer_kwargs(spec)
+    try:
+        kwargs = optimizer_kwargs(spec)
+    except TypeError:  # found in review: betas=0.9 (not a list) was a traceback
+        raise PipelineError(f"{where}.optimizer.betas must be a list of two numbers, got {spec.get('betas')!r}") from None
     for key in kwargs:
         if key not in accepted:
             raise PipelineError(f"{where}.optimizer.{key}: not an argument of {cls.__module__}.{cls.__name__} "

@@ -145,7 +145,7 @@ def check_token_limits(pipeline: Pipeline, source: Any, metadata: list[SampleMet
                     f"long: {len(over)}. Cut the samples or raise the model's maximum length")
         placeholders = pipeline.data.placeholder_ids if "max_positions" in limits else {}
         if "max_positions" in limits:
-            _check_placeholder_edges(pipeline, s)
+            _check_placeholder_edges(pipeline, s, cls)
         if placeholders:
             _check_placeholders(s, source, reads, placeholders, int(limits["max_positions"]))
         vocab = limits.get("vocab_size")
@@ -162,18 +162,24 @@ def check_token_limits(pipeline: Pipeline, source: Any, metadata: list[SampleMet
                     f"model's vocab_size")
 
 
-def _check_placeholder_edges(pipeline: Pipeline, s: Section) -> None:
-    """An encoder's rows (its section activates on a modality) reach a stage that puts them in
-    place of that modality's placeholder token: data.placeholder_ids must name one (found in
-    review: without it the rows were received and dropped, and the encoder trained on nothing)."""
+def _check_placeholder_edges(pipeline: Pipeline, s: Section, cls: Any) -> None:
+    """Tensors whose rows a stage puts in place of a modality's placeholder token
+    (Stage.placeholder_inputs) reach it by an edge: data.placeholder_ids must name that modality's
+    id (found in review: without it the rows were received and dropped, and the encoder trained on
+    nothing)."""
+    try:
+        wanted = {t: m for m, t in (cls.placeholder_inputs(dict(s.config)) or {}).items()}
+    except Exception as exc:
+        raise PipelineError(f"sections.{s.name}.stage: {s.stage}.placeholder_inputs(config) failed: "
+                            f"{brief(exc)}") from exc
     for e in pipeline.edges:
-        src = pipeline.section(e.src)
-        if e.dst == s.name and src.activates_on is not None and src.activates_on not in pipeline.data.placeholder_ids:
-            m = src.activates_on
-            raise PipelineError(
-                f"data.placeholder_ids: edge {e.src} -> {s.name} brings {m} rows (sections.{e.src}.activates_on="
-                f"{m!r}) to {s.stage}, which puts a sample's {m} rows in place of its {m} placeholder token, but "
-                f"data.placeholder_ids gives no {m!r} id: the rows would be dropped. Add data.placeholder_ids.{m}")
+        for t in e.tensors if e.dst == s.name else ():
+            m = wanted.get(t)
+            if m is not None and m not in pipeline.data.placeholder_ids:
+                raise PipelineError(
+                    f"data.placeholder_ids: edge {e.src} -> {s.name} carries {t!r}, whose rows {s.stage} puts in "
+                    f"place of the {m} placeholder token, but data.placeholder_ids gives no {m!r} id: the rows "
+                    f"would be dropped. Add data.placeholder_ids.{m}")
 
 
 def _check_placeholders(s: Any, source: Any, reads: list[SampleMeta], placeholders: dict[str, int],

@@ -3,8 +3,9 @@
 A stage says what it checks (`Stage.payload_checks`: modality -> a check of one sample's payload
 and metadata; the built-in VisionEncoder checks each image as its decoder would take it, and the
 data's num_patches against the patches the image decodes to). `check_payloads` reads the
-modality's column for every sample the section reads that carries the modality, CHUNK rows at a
-time, and runs the check. Unlike the rest of validate it reads whole payloads (every image's
+modality's column for every sample the section reads that carries the modality (unless the
+section's `columns` leave that column out), CHUNK rows at a time, and runs the check; what the
+run tolerates (a PayloadNote, e.g. an image decode.skip_corrupt skips) is listed, not failed. Unlike the rest of validate it reads whole payloads (every image's
 bytes), so it runs only when asked: minutes for a large dataset, with progress every few seconds.
 """
 
@@ -19,6 +20,7 @@ from maestro_flow.config import Pipeline
 from maestro_flow.errors import PipelineError, brief
 from maestro_flow.runtime.build import resolve
 from maestro_flow.samples import MODALITIES, SampleMeta
+from maestro_flow.stage import PayloadNote
 
 CHUNK = 256  # rows read at a time
 PROGRESS_S = 5.0  # at most one progress line this often
@@ -28,7 +30,8 @@ PROGRESS_S = 5.0  # at most one progress line this often
 class PayloadReport:
     checked: int = 0  # payloads checked (a sample read by two sections with checks counts twice)
     found: int = 0  # problems found
-    problems: list[str] = field(default_factory=list)  # the first `limit`, in data order per section
+    notes: int = 0  # what the run tolerates (PayloadNote: e.g. images it will skip)
+    problems: list[str] = field(default_factory=list)  # the first `limit` of both, in data order per section
     by_section: dict[str, int] = field(default_factory=dict)  # section -> payloads it checks
 
 
@@ -47,9 +50,12 @@ def check_payloads(pipeline: Pipeline, source: Any, metadata: list[SampleMeta],
             if modality not in MODALITIES or modality == "text":
                 raise PipelineError(f"{where}: {s.stage}.payload_checks names {modality!r}, not a payload modality "
                                     f"({', '.join(m for m in MODALITIES if m != 'text')})")
+            column = pipeline.data.column_of(modality)
+            if s.columns is not None and column not in s.columns:
+                continue  # the section never reads it (its payloads come by an edge, decoded upstream)
             reads = [m for m in metadata if modality in m.modalities
                      and (s.activates_on is None or s.activates_on in m.modalities)]
-            jobs.append((s.name, pipeline.data.column_of(modality), check, reads))
+            jobs.append((s.name, column, check, reads))
     report = PayloadReport()
     total, last = sum(len(j[3]) for j in jobs), time.monotonic()
     for name, column, check, reads in jobs:
@@ -63,7 +69,9 @@ def check_payloads(pipeline: Pipeline, source: Any, metadata: list[SampleMeta],
                 except Exception as exc:  # a stage's own check that breaks: said, not a traceback
                     problem = f"its check failed: {brief(exc)}"
                 if problem:
-                    report.found += 1
+                    tolerated = isinstance(problem, PayloadNote)
+                    report.found += not tolerated
+                    report.notes += tolerated
                     if len(report.problems) < limit:
                         report.problems.append(f"sections.{name}: sample {meta.id} (row {meta.row}): {problem}")
             report.checked += len(chunk)

@@ -21,6 +21,8 @@ from typing import Any, TextIO
 
 from maestro_flow.runtime.guard import WriteGuard
 
+GRADLESS_STEPS = 2  # steps running with samples and an all-zero gradient before a trainable section is warned of
+
 
 def _write_line(f: Any, line: str) -> None:
     f.write(line)
@@ -76,7 +78,7 @@ class RunReport:
         self._t0 = time.monotonic()
         self._sinks = list(sinks)  # objects with step(row) and close()
         self.non_finite: int | None = None  # the first step whose loss or gradient norm was NaN or inf
-        self.gradless: set[str] = set()  # trainable sections warned of: samples but an all-zero gradient
+        self.gradless: dict[str, int] = {}  # trainable section -> steps running with samples and an all-zero gradient
 
     def step(self, row: dict[str, Any]) -> None:
         self.rows.append(row)
@@ -113,17 +115,22 @@ class RunReport:
             self.stream.flush()
 
     def _warn_frozen_in_fact(self, row: dict[str, Any]) -> None:
-        """Said once per section, with or without progress output (found in review: a distill
+        """Said once per section, with or without progress output, after GRADLESS_STEPS steps
+        running in which it ran samples and its gradient was all zero (found in review: a distill
         teacher set trainable, whose student reads its outputs under no_grad, trained nothing,
-        saved its unchanged weights, and nothing said so)."""
-        for name in _gradless(row):
-            if name not in self.gradless:
-                self.gradless.add(name)
+        saved its unchanged weights, and nothing said so; one step alone can be all zero for a
+        reason of its own, e.g. its only images skipped as corrupt)."""
+        for name, sec in (row.get("sections") or {}).items():
+            if "grad_norm" not in sec or not sec.get("samples") or self.gradless.get(name, 0) < 0:
+                continue  # not trainable, nothing run this step, or warned of already
+            self.gradless[name] = self.gradless.get(name, 0) + 1 if sec["grad_norm"] == 0.0 else 0
+            if self.gradless[name] == GRADLESS_STEPS:
+                self.gradless[name] = -1
                 self._newline()
                 self.stream.write(f"maestro: warning: step {row['step']}: section {name!r} is trainable but its "
-                                  "gradient is all zero (the loss does not reach its parameters: does a consumer "
-                                  "detach its outputs, or read them under torch.no_grad?); its parameters do not "
-                                  "change while it stays so\n")
+                                  f"gradient has been all zero for {GRADLESS_STEPS} steps (the loss does not reach "
+                                  "its parameters: does a consumer detach its outputs, or read them under "
+                                  "torch.no_grad?); its parameters do not change while it stays so\n")
                 self.stream.flush()
 
     def summary(self) -> str:
@@ -172,12 +179,6 @@ class RunReport:
 def _losses(row: dict[str, Any]) -> list[Any]:
     loss = row.get("loss")
     return list(loss.values()) if isinstance(loss, dict) else [loss]
-
-
-def _gradless(row: dict[str, Any]) -> list[str]:
-    """Sections with an optimizer that ran samples in this step and got an all-zero gradient."""
-    return [name for name, sec in (row.get("sections") or {}).items()
-            if sec.get("grad_norm") == 0.0 and sec.get("samples", 0) > 0]
 
 
 def _finite(row: dict[str, Any]) -> bool:

@@ -215,7 +215,7 @@ def _check_outputs(options: RunOptions) -> None:
 def run_pipeline(path: str, options: RunOptions) -> list[dict[str, Any]]:
     pipeline, paths = load_pipeline(path, options.overrides)
     checked = check_pipeline(pipeline)  # bad input is refused here, before any worker starts
-    for warning in checked.data_warnings if options.show_progress else ():  # the CLI printed the others
+    for warning in checked.data_warnings:  # the CLI printed the others; like them, even with --quiet
         print(f"warning: {warning}", file=sys.stderr, flush=True)
     original = pipeline
     if options.baseline is not None:

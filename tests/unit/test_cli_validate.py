@@ -664,6 +664,7 @@ def test_a_run_refused_after_taking_the_checkpoint_directory_lets_go_of_it(tmp_p
     ("sections.student.optimizer.lr=NaN", "sections.student.optimizer.lr must be a finite number >= 0, got nan"),
     ("sections.student.optimizer.lr=Infinity", "sections.student.optimizer.lr must be a finite number >= 0, got inf"),
     ("sections.student.optimizer.lr=true", "sections.student.optimizer.lr must be a finite number >= 0, got True"),
+    ("sections.student.optimizer.betas=0.9", "sections.student.optimizer.betas must be a list of two numbers, got 0.9"),
 ])
 def test_optimizer_values_the_optimizer_refuses_are_refused_by_validate(dataset, tmp_path, value, expected):
     """Found in review: these passed validate, then failed every worker's setup as a 'system

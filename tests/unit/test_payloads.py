@@ -18,6 +18,7 @@ from loaders.demo import image_demo_table
 from loaders.images import encode_png, photo_jpegs
 from maestro_flow.cli import main
 from maestro_flow.samples import SampleMeta
+from maestro_flow.stage import PayloadNote
 from stages.vision import VisionEncoder
 
 VLM = "pipelines/vlm.py"  # the demo's vision config: patch 8, max_grid 8, decode.max_side 64
@@ -56,9 +57,15 @@ def test_pixel_arrays_and_other_decoders():
     assert check(pixels, 6) is None and "gives 6 patches" in check(pixels, 5)
     assert "multiples of patch=8" in check(np.zeros((3, 15, 24)), 6)
     assert "max_grid=8" in check(np.zeros((3, 16, 80)), 20)
-    # Another decoder's size rule is its own: only the bytes' format is checked.
+    # Another decoder (found in review: one that reads GIFs) reads what it reads: only empty bytes.
     other = {**CONFIG, "decoder": "my.decoders:Other"}
-    assert check(png(20, 30), 1, other) is None and "GIF" in check(b"GIF87a" + bytes(64), 1, other)
+    assert check(png(20, 30), 1, other) is None and check(b"GIF87a" + bytes(64), 1, other) is None
+    assert check(b"", 1, other) == "its image is empty (0 bytes)"
+    # With skip_corrupt the run skips what the decoder refuses: a note, not a failure.
+    skip = {**CONFIG, "decode": {"max_side": 64, "skip_corrupt": True}}
+    note = check(b"GIF89a" + bytes(64), 1, skip)
+    assert isinstance(note, PayloadNote) and note.endswith("(the run skips it: decode.skip_corrupt)")
+    assert not isinstance(check(png(20, 30), 1, skip), PayloadNote)  # a wrong num_patches is still wrong
 
 
 @pytest.fixture(autouse=True)
@@ -84,7 +91,7 @@ def test_validate_payloads_names_each_bad_sample_and_fails(tmp_path):
 
     result = runner.invoke(main, ["validate", VLM, "--payloads", "--set", f"data.path={good}"])
     assert result.exit_code == 0, result.output
-    assert f"payloads: {len(imaged)} checked (vision: {len(imaged)}), none with a problem" in result.stderr
+    assert f"payloads: {len(imaged)} checked (vision: {len(imaged)}), none failing" in result.stderr
     # Without the option the images are not read: the bad file validates.
     assert runner.invoke(main, ["validate", VLM, "--set", f"data.path={bad}"]).exit_code == 0
 
@@ -98,6 +105,40 @@ def test_validate_payloads_names_each_bad_sample_and_fails(tmp_path):
     assert lines[1].startswith(f"sections.vision: sample {second['id']} (row {imaged[4]}): a GIF")
     assert lines[2] == f"error: 2 payloads of {len(imaged)} checked would fail in the run or mislead its plans (above)"
 
+    # With skip_corrupt the GIF is one the run skips; a section that reads no image column is not checked.
+    skip = ["--set", f"data.path={bad}", "--set", "sections.vision.config.decode.skip_corrupt=true"]
+    result = runner.invoke(main, ["validate", VLM, "--payloads", *skip, "--set", "data.placeholder_ids.image=259"])
+    assert result.exit_code == 2 and "(the run skips it: decode.skip_corrupt)" in result.stderr
+    assert "error: 1 payload of" in result.stderr  # the num_patches row still fails
+    rows[imaged[1]]["num_patches"] -= 1
+    only_gif = write(pa.Table.from_pylist(rows, schema=table.schema), tmp_path / "gif.arrow")
+    result = runner.invoke(main, ["validate", VLM, "--payloads", "--set", f"data.path={only_gif}",
+                                  "--set", "sections.vision.config.decode.skip_corrupt=true"])
+    assert result.exit_code == 0, result.output
+    assert f"payloads: {len(imaged)} checked (vision: {len(imaged)}), 1 the run tolerates (above), none failing" \
+        in result.stderr
+    result = runner.invoke(main, ["validate", VLM, "--payloads", "--set", f"data.path={only_gif}",
+                                  "--set", "sections.vision.columns=[]", "--set", "sections.vision.config.decoder=null"])
+    assert "payloads: 0 checked" in result.stderr
+
+
+PROJECTED = """
+import dataclasses
+
+from maestro_flow import Edge
+from pipelines.vlm import pipeline as vlm
+
+
+def pipeline(**overrides):
+    p = vlm()
+    vision = dataclasses.replace(p.section("vision"), config={**p.section("vision").config, "project_to": None})
+    proj = dataclasses.replace(p.section("vision"), name="proj", stage="stages.vision:Projector",
+                               config={"d_in": 48, "d_out": 64}, columns=(), cost=p.section("llm").cost)
+    return dataclasses.replace(p, sections=[vision, proj, p.section("llm")],
+                               edges=[Edge(src="vision", dst="proj", tensors=("image_embeds",)),
+                                      Edge(src="proj", dst="llm", tensors=("image_embeds",))]).override(**overrides)
+"""
+
 
 def test_a_vlm_whose_image_rows_would_be_dropped_is_refused_or_warned_of(tmp_path):
     """Found in review: both trained with rc 0 and no word, the LLM as text-only."""
@@ -105,8 +146,8 @@ def test_a_vlm_whose_image_rows_would_be_dropped_is_refused_or_warned_of(tmp_pat
     runner = CliRunner()
     result = runner.invoke(main, ["validate", VLM, "--set", f"data.path={data}", "--set", "data.placeholder_ids={}"])
     assert result.exit_code == 2, result.output
-    assert result.stderr.startswith("error: data.placeholder_ids: edge vision -> llm brings image rows "
-                                    "(sections.vision.activates_on='image') to stages.multimodal:MultimodalLM")
+    assert result.stderr.startswith("error: data.placeholder_ids: edge vision -> llm carries 'image_embeds', whose "
+                                    "rows stages.multimodal:MultimodalLM puts in place of the image placeholder")
     assert result.stderr.endswith("the rows would be dropped. Add data.placeholder_ids.image\n")
     result = runner.invoke(main, ["validate", VLM, "--set", f"data.path={data}", "--set",
                                   "sections.vision.activates_on=audio", "--set",
@@ -114,3 +155,13 @@ def test_a_vlm_whose_image_rows_would_be_dropped_is_refused_or_warned_of(tmp_pat
     assert result.exit_code == 0, result.output
     assert result.stderr == (f"warning: sections.vision.activates_on='audio': no sample of {data} carries 'audio' "
                              "(they carry image, text), so the section never runs\n")
+    # Found in review: with a projector section between, the encoder's rows reached the LLM by
+    # an edge from a section that activates on nothing, and validate said ok. The LLM's own
+    # mapping of tensors to modalities decides now, whatever the producer.
+    (tmp_path / "projected.py").write_text(PROJECTED)
+    result = runner.invoke(main, ["validate", str(tmp_path / "projected.py"), "--set", f"data.path={data}"])
+    assert result.exit_code == 0, result.output
+    result = runner.invoke(main, ["validate", str(tmp_path / "projected.py"), "--set", f"data.path={data}",
+                                  "--set", "data.placeholder_ids={}"])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.startswith("error: data.placeholder_ids: edge proj -> llm carries 'image_embeds'")
