@@ -302,29 +302,15 @@ def validate(ctx: click.Context, pipeline: str, sets: tuple[str, ...], payloads:
         for warning in (*checked.warnings, *checked.data_warnings):
             click.echo(f"warning: {warning}", err=True)
         if payloads:
-            _check_payloads(p, checked)
+            from maestro_flow.runtime.payloads import check_and_report
+
+            check_and_report(p, checked, echo=lambda line: click.echo(line, err=True))
         skipped = getattr(checked.source, "num_skipped", 0)
         click.echo(f"ok: {p.name}: {_count(len(checked.graph.order), 'section')}, {_count(len(checked.graph.edges), 'edge')}, "
                    f"{sum(s.dp * s.tp for s in p.sections)} workers, {len(checked.metadata)} samples"
                    + (f" ({skipped} bad rows skipped)" if skipped else ""))
     except MaestroError as exc:
         _fail(exc, ctx.obj["debug"])
-
-
-def _check_payloads(p: Any, checked: Any) -> None:
-    """validate --payloads: the problems on stderr, then a PipelineError counting them."""
-    from maestro_flow.runtime.payloads import check_payloads
-
-    report = check_payloads(p, checked.source, checked.metadata, log=lambda line: click.echo(line, err=True))
-    for line in report.problems:
-        click.echo(line, err=True)
-    if report.found:
-        more = f" (the first {len(report.problems)} above)" if report.found > len(report.problems) else " (above)"
-        raise PipelineError(f"{_count(report.found, 'payload')} of {report.checked} checked would fail in the run or "
-                            f"mislead its plans{more}")
-    checks = ", ".join(f"{n}: {k}" for n, k in report.by_section.items()) or "no section checks its payloads"
-    tolerated = f", {report.notes} the run tolerates (above)" if report.notes else ""
-    click.echo(f"payloads: {report.checked} checked ({checks}){tolerated}, none failing", err=True)
 
 
 @main.command()

@@ -5,8 +5,10 @@ and metadata; the built-in VisionEncoder checks each image as its decoder would 
 data's num_patches against the patches the image decodes to). `check_payloads` reads the
 modality's column for every sample the section reads that carries the modality (unless the
 section's `columns` leave that column out), CHUNK rows at a time, and runs the check; what the
-run tolerates (a PayloadNote, e.g. an image decode.skip_corrupt skips) is listed, not failed. Unlike the rest of validate it reads whole payloads (every image's
-bytes), so it runs only when asked: minutes for a large dataset, with progress every few seconds.
+run tolerates (a PayloadNote, e.g. an image decode.skip_corrupt skips) is listed, not failed.
+`check_and_report` is the command's side: the lines to show, then the error counting them.
+Unlike the rest of validate it reads whole payloads (every image's bytes), so it runs only when
+asked: minutes for a large dataset, with progress every few seconds.
 """
 
 from __future__ import annotations
@@ -79,3 +81,18 @@ def check_payloads(pipeline: Pipeline, source: Any, metadata: list[SampleMeta],
                 last = time.monotonic()
                 log(f"payloads: {report.checked}/{total} checked, {report.found} with problems")
     return report
+
+
+def check_and_report(pipeline: Pipeline, checked: Any, echo: Callable[[str], None]) -> None:
+    """`maestro validate --payloads`: progress and every problem listed through `echo`, then a
+    PipelineError counting the failing ones, or a line saying none fails."""
+    report = check_payloads(pipeline, checked.source, checked.metadata, log=echo)
+    for line in report.problems:
+        echo(line)
+    if report.found:
+        more = f" (the first {len(report.problems)} above)" if report.found > len(report.problems) else " (above)"
+        raise PipelineError(f"{report.found} payload{'' if report.found == 1 else 's'} of {report.checked} checked "
+                            f"would fail in the run or mislead its plans{more}")
+    checks = ", ".join(f"{n}: {k}" for n, k in report.by_section.items()) or "no section checks its payloads"
+    tolerated = f", {report.notes} the run tolerates (above)" if report.notes else ""
+    echo(f"payloads: {report.checked} checked ({checks}){tolerated}, none failing")
