@@ -41,6 +41,16 @@ class PayloadNote(str):
     failing."""
 
 
+@dataclass(frozen=True, slots=True)
+class PayloadCheck:
+    """A payload check (Stage.payload_checks) that needs more of the sample's row than its
+    payload: called as `check(payload, meta, row)`, `row` mapping each of `columns` to the
+    sample's value there (the audio encoder's needs "sample_rate")."""
+
+    check: Callable[[Any, SampleMeta, dict[str, Any]], str | None]
+    columns: tuple[str, ...]
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class StageContext:
     """Where and how a stage instance runs: `module.to(ctx.device, ctx.dtype)` just works.
@@ -147,11 +157,13 @@ class Stage:
         return {}
 
     @classmethod
-    def payload_checks(cls, config: dict[str, Any]) -> dict[str, Callable[[Any, SampleMeta], str | None]]:
+    def payload_checks(cls, config: dict[str, Any]) -> dict[str, Callable[[Any, SampleMeta], str | None]
+                                                             | PayloadCheck]:
         """Checks of the payloads this stage will read, for `maestro validate --payloads`:
         modality -> a function of one sample's payload (as `SampleSource.read` gives it) and its
         metadata, returning what is wrong with it for this configuration (one line), a
-        PayloadNote for what the run tolerates, or None. They read whole payloads, so only that
+        PayloadNote for what the run tolerates, or None; a PayloadCheck where the check needs
+        other columns of the row too. They read whole payloads, so only that
         option runs them, over every sample carrying the modality whose section reads the
         modality's column (its `columns` include it, or are not given). Empty (the default):
         nothing to check."""

@@ -20,11 +20,14 @@ Config keys: frame_s (0.025), hop_s (0.01), n_mels (40), d_model (64), n_layers 
 d_ff (4*d_model), max_frames (1024), project_to (None), feature_layer (-1), init_seed (None). Reads the "audio" column
 (1-D float waveforms) and the "sample_rate" column (ints). Output: "audio_embeds", per sample
 [num_frames_i, project_to or d_model], or None for a sample without audio. Knows nothing of how
-the waveform was stored or of other sections.
+the waveform was stored or of other sections. `payload_checks` (`maestro validate --payloads`)
+check each clip's frames at this framing against max_frames and the data's num_frames
+(`audio_problem`).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
 from dataclasses import dataclass
@@ -34,6 +37,8 @@ import torch
 from torch import Tensor, nn
 
 from maestro_flow import MicroBatch, Stage, StageContext
+from maestro_flow.samples import SampleMeta
+from maestro_flow.stage import PayloadCheck
 from stages.common import Outputs, lengths_of
 from stages.encoder import EncoderConfig, EncoderTrunk, check_int, optional_projector, param_like, scatter, seeded
 from stages.transformer import block_tp_plan, check_block_tp
@@ -155,6 +160,12 @@ class AudioEncoder(Stage):
         return {"max_frames": cfg.max_frames} if (cfg.frame_s, cfg.hop_s) == (FRAME_S, HOP_S) else {}
 
     @classmethod
+    def payload_checks(cls, config: dict[str, Any]) -> dict[str, PayloadCheck]:
+        """Each clip with its sample rate, at this configuration's framing (`audio_problem`)."""
+        return {"audio": PayloadCheck(functools.partial(audio_problem, AudioConfig.from_dict(config)),
+                                      ("sample_rate",))}
+
+    @classmethod
     def tp_plan(cls, config: dict[str, Any]) -> dict[str, str]:
         return block_tp_plan("encoder.trunk.blocks")
 
@@ -197,6 +208,30 @@ class AudioEncoder(Stage):
         if self.projector is not None:
             embeds = self.projector.per_sample(embeds)
         return {"audio_embeds": scatter(embeds, present, len(batch))}
+
+
+def audio_problem(cfg: AudioConfig, wave: Any, meta: SampleMeta, row: dict[str, Any]) -> str | None:
+    """What `maestro validate --payloads` finds wrong with one sample's clip for this encoder: a
+    null clip or sample rate, more frames at this framing (frame_s, hop_s) than max_frames (which
+    validate checks from the data's num_frames only at the loader's framing; the forward refuses
+    it mid-run), or a data num_frames other than the frames the clip makes (a column computed for
+    another framing: the planner's costs and the length checks count the column's figure). The
+    loader has checked the rest (a 1-D float list, no NaN, a positive rate)."""
+    if wave is None:
+        return "it carries the audio modality but its audio is null"
+    rate = _sample_rate(row["sample_rate"])
+    if rate is None:
+        return f"sample_rate must be a positive integer, got {row['sample_rate']!r}"
+    n = len(wave)
+    frames = num_frames(n, rate, cfg.frame_s, cfg.hop_s)
+    framing = f"frame_s={cfg.frame_s:g}, hop_s={cfg.hop_s:g}"
+    if frames > cfg.max_frames:
+        return f"its clip ({n} samples at {rate} Hz) makes {frames} frames at {framing}, more than " \
+               f"max_frames={cfg.max_frames}"
+    if meta.num_frames != frames:
+        return f"num_frames is {meta.num_frames} but its clip ({n} samples at {rate} Hz) makes {frames} frames at " \
+               f"{framing} (the planner's costs and length checks would count {meta.num_frames})"
+    return None
 
 
 def _sample_rate(value: Any) -> int | None:

@@ -2,9 +2,11 @@
 
 A stage says what it checks (`Stage.payload_checks`: modality -> a check of one sample's payload
 and metadata; the built-in VisionEncoder checks each image as its decoder would take it, and the
-data's num_patches against the patches the image decodes to). `check_payloads` reads the
-modality's column for every sample the section reads that carries the modality (unless the
-section's `columns` leave that column out), CHUNK rows at a time, and runs the check; what the
+data's num_patches against the patches the image decodes to; the AudioEncoder, a PayloadCheck
+that also reads "sample_rate", each clip's frames at its framing against max_frames and the
+data's num_frames). `check_payloads` reads the modality's column (and a PayloadCheck's columns)
+for every sample the section reads that carries the modality (unless the section's `columns`
+leave that column out), CHUNK rows at a time, and runs the check; what the
 run tolerates (a PayloadNote, e.g. an image decode.skip_corrupt skips) is listed, not failed.
 `check_and_report` is the command's side: the lines to show, then the error counting them.
 Unlike the rest of validate it reads whole payloads (every image's bytes), so it runs only when
@@ -22,7 +24,7 @@ from maestro_flow.config import Pipeline
 from maestro_flow.errors import PipelineError, brief
 from maestro_flow.runtime.build import resolve
 from maestro_flow.samples import MODALITIES, SampleMeta
-from maestro_flow.stage import PayloadNote
+from maestro_flow.stage import PayloadCheck, PayloadNote
 
 CHUNK = 256  # rows read at a time
 PROGRESS_S = 5.0  # at most one progress line this often
@@ -48,7 +50,7 @@ def check_payloads(pipeline: Pipeline, source: Any, metadata: list[SampleMeta],
             checks = cls.payload_checks(dict(s.config)) or {}
         except Exception as exc:
             raise PipelineError(f"{where}: {s.stage}.payload_checks(config) failed: {brief(exc)}") from exc
-        for modality, check in checks.items():
+        for modality, found in checks.items():
             if modality not in MODALITIES or modality == "text":
                 raise PipelineError(f"{where}: {s.stage}.payload_checks names {modality!r}, not a payload modality "
                                     f"({', '.join(m for m in MODALITIES if m != 'text')})")
@@ -57,17 +59,19 @@ def check_payloads(pipeline: Pipeline, source: Any, metadata: list[SampleMeta],
                 continue  # the section never reads it (its payloads come by an edge, decoded upstream)
             reads = [m for m in metadata if modality in m.modalities
                      and (s.activates_on is None or s.activates_on in m.modalities)]
-            jobs.append((s.name, column, check, reads))
+            if not isinstance(found, PayloadCheck):
+                found = PayloadCheck(lambda value, meta, row, check=found: check(value, meta), ())
+            jobs.append((s.name, column, found, reads))
     report = PayloadReport()
     total, last = sum(len(j[3]) for j in jobs), time.monotonic()
     for name, column, check, reads in jobs:
         report.by_section[name] = report.by_section.get(name, 0) + len(reads)
         for start in range(0, len(reads), CHUNK):
             chunk = reads[start:start + CHUNK]
-            values = source.read([m.row for m in chunk], [column])[column]
-            for meta, value in zip(chunk, values, strict=True):
+            columns = source.read([m.row for m in chunk], [column, *check.columns])
+            for i, (meta, value) in enumerate(zip(chunk, columns[column], strict=True)):
                 try:
-                    problem = check(value, meta)
+                    problem = check.check(value, meta, {c: columns[c][i] for c in check.columns})
                 except Exception as exc:  # a stage's own check that breaks: said, not a traceback
                     problem = f"its check failed: {brief(exc)}"
                 if problem:

@@ -1,7 +1,8 @@
 """`maestro validate --payloads`: each image checked as the vision section will take it
 (stages.vision.image_problem), run over the dataset by runtime/payloads.py, before any worker
-starts; without the option nothing reads the images. And what validate says of a VLM whose
-images have nowhere to go (runtime/checks.py)."""
+starts; without the option nothing reads the images. Each audio clip with its sample rate
+(stages.audio.audio_problem, a PayloadCheck reading two columns). And what validate says of a VLM
+whose images have nowhere to go (runtime/checks.py)."""
 
 from __future__ import annotations
 
@@ -14,13 +15,15 @@ from click.testing import CliRunner
 from pyarrow import ipc
 
 from loaders.dali import num_patches
-from loaders.demo import image_demo_table
+from loaders.demo import image_demo_table, multimodal_demo_table
 from loaders.images import encode_png, photo_jpegs
 from maestro_flow.cli import main
 from maestro_flow.samples import SampleMeta
-from maestro_flow.stage import PayloadNote
+from maestro_flow.stage import PayloadCheck, PayloadNote
+from stages.audio import AudioEncoder, num_frames
 from stages.vision import VisionEncoder
 
+MM = "pipelines/multimodal.py"  # audio: max_frames 512, the default framing (25 ms every 10 ms)
 VLM = "pipelines/vlm.py"  # the demo's vision config: patch 8, max_grid 8, decode.max_side 64
 CONFIG = {"patch": 8, "d_model": 16, "n_layers": 1, "n_heads": 2, "max_grid": 8, "decode": {"max_side": 64}}
 
@@ -66,6 +69,27 @@ def test_pixel_arrays_and_other_decoders():
     note = check(b"GIF89a" + bytes(64), 1, skip)
     assert isinstance(note, PayloadNote) and note.endswith("(the run skips it: decode.skip_corrupt)")
     assert not isinstance(check(png(20, 30), 1, skip), PayloadNote)  # a wrong num_patches is still wrong
+
+
+def audio(wave, rate, frames: int, config: dict | None = None) -> str | None:
+    found = AudioEncoder.payload_checks(config or {"max_frames": 512})["audio"]
+    assert isinstance(found, PayloadCheck) and found.columns == ("sample_rate",)
+    return found.check(wave, SampleMeta(id=7, num_frames=frames), {"sample_rate": rate})
+
+
+def test_an_audio_clip_and_its_num_frames_at_the_sections_framing():
+    wave = np.zeros(8880, dtype=np.float32)  # at 8 kHz: 200-sample frames every 80 samples
+    assert num_frames(8880, 8000) == 109 and audio(wave, 8000, 109) is None
+    assert audio(wave, 8000, 108) == ("num_frames is 108 but its clip (8880 samples at 8000 Hz) makes 109 frames at "
+                                      "frame_s=0.025, hop_s=0.01 (the planner's costs and length checks would "
+                                      "count 108)")
+    # Another framing than the loader's: the data's figure is wrong, and max_frames counts the clip's.
+    assert "makes 55 frames at frame_s=0.025, hop_s=0.02" in audio(wave, 8000, 109, {"hop_s": 0.02})
+    assert audio(wave, 8000, 55, {"hop_s": 0.02}) is None
+    assert audio(wave, 8000, 109, {"hop_s": 0.002, "max_frames": 512}) == (
+        "its clip (8880 samples at 8000 Hz) makes 543 frames at frame_s=0.025, hop_s=0.002, more than max_frames=512")
+    assert "null" in audio(None, 8000, 109)
+    assert audio(wave, None, 109) == "sample_rate must be a positive integer, got None"
 
 
 @pytest.fixture(autouse=True)
@@ -165,3 +189,30 @@ def test_a_vlm_whose_image_rows_would_be_dropped_is_refused_or_warned_of(tmp_pat
                                   "--set", "data.placeholder_ids={}"])
     assert result.exit_code == 2, result.output
     assert result.stderr.startswith("error: data.placeholder_ids: edge proj -> llm carries 'image_embeds'")
+
+
+def test_validate_payloads_checks_audio_at_the_sections_framing(tmp_path):
+    """Found in review: with hop_s=0.002 validate said ok and the run failed at its first long
+    clip (more than max_frames); with hop_s=0.02 it ran with every num_frames twice the clip's."""
+    table = multimodal_demo_table(num_samples=48, seed=3)
+    data = write(table, tmp_path / "mm.arrow")
+    clips = sum(r["audio"] is not None for r in table.to_pylist())
+    images = sum(r["image"] is not None for r in table.to_pylist())
+    runner = CliRunner()
+    result = runner.invoke(main, ["validate", MM, "--payloads", "--set", f"data.path={data}"])
+    assert result.exit_code == 0, result.output
+    assert (f"payloads: {images + clips} checked (vision: {images}, audio: {clips}), none failing"
+            in result.stderr)
+    for setting, problem in (("hop_s=0.002", "more than max_frames=512"), ("hop_s=0.02", "num_frames is ")):
+        args = ["validate", MM, "--set", f"data.path={data}", "--set", f"sections.audio.config.{setting}"]
+        assert runner.invoke(main, args).exit_code == 0  # without --payloads: the metadata only
+        result = runner.invoke(main, [*args, "--payloads"])
+        assert result.exit_code == 2, result.output
+        lines = result.stderr.strip().splitlines()
+        assert all(line.startswith("sections.audio: sample ") for line in lines[:-1])
+        assert any(problem in line for line in lines[:-1])
+        assert lines[-1].startswith(f"error: {clips} payloads of {images + clips} checked would fail")
+    # A section whose columns leave the audio column out is not checked.
+    result = runner.invoke(main, ["validate", MM, "--payloads", "--set", f"data.path={data}",
+                                  "--set", "sections.audio.config.hop_s=0.02", "--set", "sections.audio.columns=[]"])
+    assert f"payloads: {images} checked (vision: {images}), none failing" in result.stderr, result.output
