@@ -22,7 +22,7 @@ demo: setup data/demo/text.arrow
 	$(BIN)/maestro run pipelines/distill.py --metrics-out runs/distill-metrics.jsonl
 
 test: setup
-	$(BIN)/python -m pytest tests -q
+	$(BIN)/python -m pytest tests -q --durations=25
 
 test-unit: setup
 	$(BIN)/python -m pytest tests/unit -q
