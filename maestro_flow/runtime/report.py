@@ -79,6 +79,7 @@ class RunReport:
         self._sinks = list(sinks)  # objects with step(row) and close()
         self.non_finite: int | None = None  # the first step whose loss or gradient norm was NaN or inf
         self.gradless: dict[str, int] = {}  # trainable section -> steps running with samples and an all-zero gradient
+        self.gradless_said: set[str] = set()  # sections warned of (once each)
 
     def step(self, row: dict[str, Any]) -> None:
         self.rows.append(row)
@@ -121,11 +122,11 @@ class RunReport:
         saved its unchanged weights, and nothing said so; one step alone can be all zero for a
         reason of its own, e.g. its only images skipped as corrupt)."""
         for name, sec in (row.get("sections") or {}).items():
-            if "grad_norm" not in sec or not sec.get("samples") or self.gradless.get(name, 0) < 0:
+            if "grad_norm" not in sec or not sec.get("samples") or name in self.gradless_said:
                 continue  # not trainable, nothing run this step, or warned of already
             self.gradless[name] = self.gradless.get(name, 0) + 1 if sec["grad_norm"] == 0.0 else 0
             if self.gradless[name] == GRADLESS_STEPS:
-                self.gradless[name] = -1
+                self.gradless_said.add(name)
                 self._newline()
                 self.stream.write(f"maestro: warning: step {row['step']}: section {name!r} is trainable but its "
                                   f"gradient has been all zero for {GRADLESS_STEPS} steps (the loss does not reach "
