@@ -17,12 +17,13 @@ i.e. every full frame starting at 0, hop, 2*hop, ...; a clip shorter than one fr
 to one frame; trailing samples that do not fill a frame are dropped.
 
 Config keys: frame_s (0.025), hop_s (0.01), n_mels (40), d_model (64), n_layers (2), n_heads (4),
-d_ff (4*d_model), max_frames (1024), project_to (None), feature_layer (-1), init_seed (None). Reads the "audio" column
+d_ff (4*d_model), max_frames (1024), project_to (None), feature_layer (-1), init_seed (None). Reads the audio column
 (1-D float waveforms) and the "sample_rate" column (ints). Output: "audio_embeds", per sample
 [num_frames_i, project_to or d_model], or None for a sample without audio. Knows nothing of how
 the waveform was stored or of other sections. `payload_checks` (`maestro validate --payloads`)
 check each clip's frames at this framing against max_frames and the data's num_frames
-(`audio_problem`).
+(`audio_problem`). The waveforms are in the column that carries audio (`ctx.modality_columns`,
+i.e. `data.modality_columns["audio"]`, default "audio").
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import operator
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -183,10 +185,11 @@ class AudioEncoder(Stage):
         return ()
 
     def forward(self, batch: MicroBatch) -> Outputs:
-        for column in ("audio", "sample_rate"):
+        wave_column = self.ctx.modality_columns.get("audio", "audio")
+        for column in (wave_column, "sample_rate"):
             if column not in batch.columns:
-                raise ValueError(f"AudioEncoder needs the {column!r} column")
-        audio, rates = batch.columns["audio"], batch.columns["sample_rate"]
+                raise ValueError(f"AudioEncoder needs the {column!r} column (check the section's columns=)")
+        audio, rates = batch.columns[wave_column], batch.columns["sample_rate"]
         present = [i for i, wave in enumerate(audio) if wave is not None]
         if not present:
             return {"audio_embeds": [None] * len(batch)}
@@ -212,25 +215,38 @@ class AudioEncoder(Stage):
 
 def audio_problem(cfg: AudioConfig, wave: Any, meta: SampleMeta, row: dict[str, Any]) -> str | None:
     """What `maestro validate --payloads` finds wrong with one sample's clip for this encoder: a
-    null clip or sample rate, more frames at this framing (frame_s, hop_s) than max_frames (which
-    validate checks from the data's num_frames only at the loader's framing; the forward refuses
-    it mid-run), or a data num_frames other than the frames the clip makes (a column computed for
-    another framing: the planner's costs and the length checks count the column's figure). The
-    loader has checked the rest (a 1-D float list, no NaN, a positive rate)."""
+    null clip or sample rate, a clip that is not a 1-D waveform of finite numbers (the loader
+    checks that in a column named "audio", not in one data.modality_columns names), more frames at
+    this framing (frame_s, hop_s) than max_frames (plain validate checks the data's num_frames
+    against it only at the loader's framing; the forward refuses it mid-run), or a data num_frames
+    other than the frames the clip makes (a column computed for another framing, or none at a
+    framing other than the loader's: the planner's costs and the length checks count that
+    figure)."""
     if wave is None:
         return "it carries the audio modality but its audio is null"
+    try:
+        array = np.asarray(wave, dtype=np.float64)
+    except (TypeError, ValueError):
+        return "its audio is not a 1-D list of numbers"
+    if array.ndim != 1:
+        return f"its audio must be a 1-D waveform, got shape {list(array.shape)}"
+    if not np.isfinite(array).all():
+        return "its audio holds a null, NaN or infinite value (the loss would not be finite)"
     rate = _sample_rate(row["sample_rate"])
     if rate is None:
         return f"sample_rate must be a positive integer, got {row['sample_rate']!r}"
-    n = len(wave)
+    n = len(array)
     frames = num_frames(n, rate, cfg.frame_s, cfg.hop_s)
     framing = f"frame_s={cfg.frame_s:g}, hop_s={cfg.hop_s:g}"
     if frames > cfg.max_frames:
         return f"its clip ({n} samples at {rate} Hz) makes {frames} frames at {framing}, more than " \
                f"max_frames={cfg.max_frames}"
     if meta.num_frames != frames:
-        return f"num_frames is {meta.num_frames} but its clip ({n} samples at {rate} Hz) makes {frames} frames at " \
-               f"{framing} (the planner's costs and length checks would count {meta.num_frames})"
+        return (f"num_frames is {meta.num_frames} but its clip ({n} samples at {rate} Hz) makes {frames} frames at "
+                f"{framing} (the planner's costs and length checks would count {meta.num_frames}, the data's "
+                f"num_frames column or, where it has none, the loader's count at frame_s={FRAME_S:g}, "
+                f"hop_s={HOP_S:g}; give the column as stages.audio.num_frames(n, sample_rate, frame_s, hop_s) "
+                "counts)")
     return None
 
 

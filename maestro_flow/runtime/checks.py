@@ -1,7 +1,8 @@
 """Pre-flight checks that need imports or files: run in the coordinator before any worker starts.
 
 `check_pipeline` imports every stage class, checks declared outputs against the edges and the
-losses, and opens the dataset (which checks the file and its required columns). Every failure is
+losses, and opens the dataset (which checks the file and its required columns, and the columns
+a stage's payload checks read with the payload, runtime/payloads.declared_checks). Every failure is
 a `PipelineError` naming the section, edge or field to change.
 
 `pipeline_warnings` (pure) names what is legal but almost surely not meant: nothing trains, a
@@ -261,6 +262,7 @@ def check_pipeline(pipeline: Pipeline, build: bool = False) -> Checked:
     bad rows are refused here too.
     """
     from maestro_flow.optim.build import check_optimizer_spec
+    from maestro_flow.runtime.payloads import declared_checks
     from maestro_flow.stage import Stage
 
     pipeline.validate()
@@ -311,6 +313,7 @@ def check_pipeline(pipeline: Pipeline, build: bool = False) -> Checked:
         for c in s.columns or ():
             if c not in source.column_names:
                 raise PipelineError(f"sections.{s.name}.columns: dataset {pipeline.data.path} has no column {c!r}")
+    declared_checks(pipeline, source, strict=False)  # the columns a stage reads with its payloads
     metadata = source.metadata()
     check_token_limits(pipeline, source, metadata)
     if len(metadata) < pipeline.global_batch:

@@ -389,6 +389,18 @@ def test_precomputed_pixels_that_are_no_array_name_their_sample(value):
                                  columns={"pixel_values": [value]}))
 
 
+def test_audio_comes_from_the_modality_column():
+    """Found in review: data.modality_columns={"audio": "wave"} was ignored (the encoder read the
+    "audio" column, which validate --payloads did not check, or failed without one)."""
+    stage = make(AudioEncoder, AUDIO_CFG, StageContext(section="x", dtype="float64", modality_columns={"audio": "wave"}))
+    columns = {"wave": [c for c, _ in CLIPS[:2]], "sample_rate": [r for _, r in CLIPS[:2]]}
+    got = stage.forward(batch(columns=columns))["audio_embeds"]
+    want = encode_audio(make(AudioEncoder, AUDIO_CFG), CLIPS[:2])
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    with pytest.raises(ValueError, match="AudioEncoder needs the 'wave' column"):
+        stage.forward(batch(columns={"audio": columns["wave"], "sample_rate": columns["sample_rate"]}))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_audio_in_a_half_precision_pipeline(dtype):
     """A bf16 or fp16 pipeline's audio encoder computes its log-mel features in float32 (torch.fft

@@ -82,7 +82,9 @@ def test_an_audio_clip_and_its_num_frames_at_the_sections_framing():
     assert num_frames(8880, 8000) == 109 and audio(wave, 8000, 109) is None
     assert audio(wave, 8000, 108) == ("num_frames is 108 but its clip (8880 samples at 8000 Hz) makes 109 frames at "
                                       "frame_s=0.025, hop_s=0.01 (the planner's costs and length checks would "
-                                      "count 108)")
+                                      "count 108, the data's num_frames column or, where it has none, the loader's "
+                                      "count at frame_s=0.025, hop_s=0.01; give the column as "
+                                      "stages.audio.num_frames(n, sample_rate, frame_s, hop_s) counts)")
     # Another framing than the loader's: the data's figure is wrong, and max_frames counts the clip's.
     assert "makes 55 frames at frame_s=0.025, hop_s=0.02" in audio(wave, 8000, 109, {"hop_s": 0.02})
     assert audio(wave, 8000, 55, {"hop_s": 0.02}) is None
@@ -90,6 +92,12 @@ def test_an_audio_clip_and_its_num_frames_at_the_sections_framing():
         "its clip (8880 samples at 8000 Hz) makes 543 frames at frame_s=0.025, hop_s=0.002, more than max_frames=512")
     assert "null" in audio(None, 8000, 109)
     assert audio(wave, None, 109) == "sample_rate must be a positive integer, got None"
+    # What the loader checks only in a column named "audio" (found in review: a data.modality_columns
+    # column is not type-checked), the check does itself.
+    assert audio(np.zeros((2, 4000)), 8000, 109) == "its audio must be a 1-D waveform, got shape [2, 4000]"
+    assert "NaN or infinite" in audio(np.array([0.0, np.nan] * 4440), 8000, 109)
+    assert "NaN or infinite" in audio([0.5, None] * 4440, 8000, 109)
+    assert audio([[0.5, 0.5], [0.5]], 8000, 109) == "its audio is not a 1-D list of numbers"
 
 
 @pytest.fixture(autouse=True)
@@ -216,3 +224,72 @@ def test_validate_payloads_checks_audio_at_the_sections_framing(tmp_path):
     result = runner.invoke(main, ["validate", MM, "--payloads", "--set", f"data.path={data}",
                                   "--set", "sections.audio.config.hop_s=0.02", "--set", "sections.audio.columns=[]"])
     assert f"payloads: {images} checked (vision: {images}), none failing" in result.stderr, result.output
+
+
+STAGES = """
+from stages.audio import AudioEncoder
+from maestro_flow.stage import PayloadCheck
+
+
+class Loud(AudioEncoder):
+    @classmethod
+    def payload_checks(cls, config):
+        return {"audio": PayloadCheck(lambda wave, meta, row: None, ("loudness",))}
+
+
+class Spelt(AudioEncoder):
+    @classmethod
+    def payload_checks(cls, config):
+        return {"audio": PayloadCheck(lambda wave, meta, row: None, "sample_rate")}
+"""
+
+
+def test_the_columns_a_payload_check_reads_are_checked_with_the_pipeline(tmp_path):
+    """Found in review: with sections.audio.columns=["audio"] validate --payloads read sample_rate
+    anyway and said ok, and the run failed (the stage needs it); a check naming a column the data
+    lacks was blamed on the data, and a bare string was split into letters."""
+    data = write(multimodal_demo_table(num_samples=48, seed=3), tmp_path / "mm.arrow")
+    runner = CliRunner()
+    for command in (["validate", MM], ["validate", MM, "--payloads"], ["run", MM, "--no-run-dir"]):
+        result = runner.invoke(main, [*command, "--set", f"data.path={data}", "--set",
+                                      'sections.audio.columns=["audio"]'])
+        assert result.exit_code == 2, result.output
+        assert result.stderr.endswith("error: sections.audio.columns: stages.audio:AudioEncoder reads 'sample_rate' "
+                                      "with the audio column 'audio', and columns= leaves it out (add "
+                                      "'sample_rate')\n"), result.stderr
+    (tmp_path / "mystages.py").write_text(STAGES)
+    (tmp_path / "mm.py").write_text("from pipelines.multimodal import pipeline\n")
+    pipe = str(tmp_path / "mm.py")
+    result = runner.invoke(main, ["validate", pipe, "--set", f"data.path={data}", "--set",
+                                  "sections.audio.stage=mystages:Loud", "--set", "sections.audio.columns=null"])
+    assert result.exit_code == 2, result.output
+    assert result.stderr == (f"error: sections.audio.stage: mystages:Loud reads column 'loudness' with its audio "
+                             f"payload, and {data} has no such column\n")
+    result = runner.invoke(main, ["validate", pipe, "--set", f"data.path={data}", "--set",
+                                  "sections.audio.stage=mystages:Spelt"])
+    assert result.exit_code == 2, result.output
+    assert result.stderr == ("error: sections.audio.stage: mystages:Spelt.payload_checks: the audio check's columns "
+                             "must be a tuple of column names, got 'sample_rate'\n")
+
+
+def test_payloads_are_read_a_few_megabytes_at_a_time(monkeypatch):
+    """Long audio clips are megabytes each: rows are read as CHUNK_BYTES of them make, not CHUNK."""
+    from maestro_flow.config import Pipeline
+    from maestro_flow.runtime import payloads
+    from pipelines.multimodal import pipeline
+
+    class Source:
+        column_names = ("id", "modalities", "tokens", "audio", "sample_rate")
+        reads: list[int] = []
+
+        def read(self, rows, columns):
+            self.reads.append(len(rows))
+            return {"audio": [np.zeros(65536, dtype=np.float32)] * len(rows), "sample_rate": [8000] * len(rows)}
+
+    monkeypatch.setattr(payloads, "CHUNK_BYTES", 1 << 20)  # 256 KiB clips: 4 to a read
+    frames = num_frames(65536, 8000)
+    metadata = [SampleMeta(id=i, row=i, modalities=frozenset({"text", "audio"}), num_frames=frames) for i in range(40)]
+    p: Pipeline = pipeline().override(sections__audio__config__max_frames=1024)
+    report = payloads.check_payloads(p, Source(), metadata)
+    assert report.checked == 40 and report.found == 0, report.problems
+    assert Source.reads == [16, 4, 4, 4, 4, 4, 4]
