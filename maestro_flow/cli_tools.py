@@ -190,6 +190,9 @@ def export(ctx: click.Context, source: str, section: str, out: str) -> None:
     except MaestroError as exc:
         _fail(ctx, exc)
         return
+    except OSError as exc:  # a full disk (a traceback before)
+        _fail(ctx, MaestroError(f"-o {out}: cannot write the export: {exc.strerror or exc}"))
+        return
     click.echo(f"from {done.source}:")
     for path in done.files:
         click.echo(f"wrote {path}")

@@ -13,6 +13,8 @@ coordinator calls it, it does not contain it:
                                         `on_error="continue"` (begin and commit fail the same way)
     checkpointer.committed              the newest checkpoint this job wrote: where a restart
                                         resumes (never a folder another run left in the directory)
+    checkpointer.unsaved                the step of the newest checkpoint when it failed (and the
+                                        run went on): after the last step, its state is in none
 
 Before any of these, `claim` takes the directory for the job (its lock, held until `close`) and
 refuses one that holds another training's checkpoints, or this training's past its start.
@@ -29,6 +31,7 @@ import sys
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from maestro_flow.checkpoint import manifest as mf
 from maestro_flow.errors import CheckpointError, PipelineError
@@ -59,8 +62,10 @@ class CheckpointOptions:
     max_restarts: int = 0  # restarts from the newest checkpoint after a worker dies or hangs
 
     def validate(self) -> None:
-        if self.every is not None and (self.every < 1 or not self.dir):
-            raise PipelineError("--checkpoint-every needs --checkpoint-dir and a number of steps >= 1")
+        if self.every is not None and self.every < 1:
+            raise PipelineError(f"--checkpoint-every must be a number of steps >= 1, got {self.every}")
+        if self.every is not None and not self.dir:
+            raise PipelineError("--checkpoint-every needs --checkpoint-dir (where the checkpoints go)")
         if self.dir is not None and self.every is None:
             raise PipelineError("--checkpoint-dir needs --checkpoint-every N (how often to save)")
         if self.keep_last is not None and not self.dir:
@@ -85,16 +90,20 @@ class Checkpointer:
         self.options = options
         self.log = log or (lambda text: print(text, file=sys.stderr, flush=True))
         self.committed: str | None = None
+        self.unsaved: int | None = None  # the step of the newest checkpoint, if it failed (on_error "continue")
+        self.on_event: Callable[[dict[str, Any]], None] = lambda event: None  # the run dir's events.jsonl
         self.lineage: str | None = None  # this job's training (Manifest.lineage): set by claim()
         self._legacy = False
         self._lock = None
 
-    def claim(self, resume: mf.Manifest | None) -> None:
+    def claim(self, resume: mf.Manifest | None, pipeline: dict[str, Any] | None = None) -> None:
         """Take the checkpoint directory for this job, before any worker starts: hold its lock
         (a second run given the same directory is refused: the two would replace and delete each
         other's checkpoints), and refuse it when it holds checkpoints this job must not touch:
         another training's (another lineage: --keep-last or a restart would delete or resume
-        them), or this training's own past the step it resumes at (they would be overwritten)."""
+        them), or this training's own past the step it resumes at (they would be overwritten).
+        `pipeline` (to_dict()): another training's checkpoints are offered for --resume only
+        where they fit it."""
         if not self.options.enabled:
             return
         root = self.options.dir
@@ -104,7 +113,8 @@ class Checkpointer:
         self.lineage = resume.lineage or LEGACY if resume is not None else uuid.uuid4().hex
         self._legacy = self.lineage == LEGACY
         self._lock = hold_folder(root, f"--checkpoint-dir {root} is in use by a run still going (it holds {CKPT_LOCK} "
-                                       "there): give another --checkpoint-dir, or wait for it to end", CKPT_LOCK)
+                                       "there): give another --checkpoint-dir, or wait for it to end", CKPT_LOCK,
+                                 flag="--checkpoint-dir")
         start = resume.step if resume is not None else 0
         for step, folder, ok in mf.checkpoints(root):
             lineage = _lineage(folder) if ok else _UNREADABLE
@@ -112,7 +122,10 @@ class Checkpointer:
                 continue
             if not self._ours(lineage):
                 self.close()
-                how = f"resume from it with --resume {root}, or " if resume is None else ""
+                fits = pipeline is None or not mf.incompatibilities(mf.read(folder), pipeline)
+                how = f"resume from it with --resume {root}, or " if resume is None and fits else ""
+                if not fits:  # found in review: --resume was offered, and then refused
+                    folder = f"{folder}, of another pipeline"
                 raise PipelineError(f"--checkpoint-dir {root} holds another training's checkpoints ({folder}): "
                                     f"{how}choose another --checkpoint-dir")
             if step > start:
@@ -167,6 +180,8 @@ class Checkpointer:
             self._fail(step, f"writing the manifest failed: {exc}")
             return False
         self.committed = folder
+        self.unsaved = None
+        self.on_event({"checkpoint": folder, "step": step})
         self._purge(step)
         return True
 
@@ -180,13 +195,16 @@ class Checkpointer:
         self._fail(step, detail)
 
     def _fail(self, step: int, detail: str, prefix: str | None = None) -> None:
-        text = f"{prefix or f'checkpoint at step {step} failed: '}{detail}{self._previous()}"
+        text = f"{prefix or f'checkpoint at step {step} failed: '}{detail}{self.previous()}"
+        self.on_event({"checkpoint_failed": text, "step": step})
         if self.options.on_error == "continue":
             self.log(f"warning: {text}; training goes on (--checkpoint-errors continue)")
+            self.unsaved = step
             return
         raise CheckpointError(text + "; the run stopped (--checkpoint-errors continue would train on without it)")
 
-    def _previous(self) -> str:
+    def previous(self) -> str:
+        """'; the newest complete checkpoint is ...' (or that none exists yet), for a message."""
         newest = mf.latest(self.options.dir) if self.options.dir else None
         return f"; the newest complete checkpoint is {newest}" if newest else "; no complete checkpoint exists yet"
 

@@ -19,11 +19,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch.distributed.checkpoint.api import CheckpointException
 
 from maestro_flow.checkpoint import manifest as mf
-from maestro_flow.checkpoint.savedir import PIPELINE_FILE
+from maestro_flow.checkpoint.savedir import PIPELINE_FILE, readable, write_safetensors
 from maestro_flow.errors import PipelineError
 from maestro_flow.runtime.outputs import check_writable
 
@@ -43,7 +43,7 @@ def export_section(source: str, section: str, out: str) -> Exported:
         _check_section(pipeline, section, where, [])
     os.makedirs(out, exist_ok=True)
     path = os.path.join(out, f"{section}.safetensors")
-    save_file({k: v.contiguous() for k, v in state.items()}, path, metadata={"section": section, "source": where})
+    write_safetensors({k: v.contiguous() for k, v in state.items()}, path, {"section": section, "source": where})
     try:
         files = _hugging_face(pipeline, spec, state, out)
     except _NotImportable as exc:
@@ -85,8 +85,10 @@ def _read(source: str, section: str) -> tuple[dict[str, Any], dict[str, torch.Te
     try:
         return manifest.pipeline, _load_dcp(os.path.join(folder, section)), folder
     except (Exception, CheckpointException) as exc:  # DCP's CheckpointException is a BaseException
-        from maestro_flow.checkpoint.section_state import SectionState
+        from maestro_flow.checkpoint.section_state import SectionState, interrupted
 
+        if interrupted(exc):  # Ctrl-C while reading: not a damaged checkpoint
+            raise KeyboardInterrupt from None
         raise PipelineError(f"{folder}: cannot read section {section!r} ({os.path.join(folder, section)}): "
                             f"{SectionState.cause(exc).strip().splitlines()[0]}") from None
 
@@ -156,9 +158,13 @@ def _hugging_face(pipeline: dict[str, Any], spec: dict[str, Any], state: dict[st
     except ImportError:
         pass
     model.save_pretrained(out)
-    # What save_pretrained wrote: new files and those it rewrote (a re-export into the same folder).
-    return [os.path.join(out, name) for name in sorted(os.listdir(out))
-            if before.get(name) != os.stat(os.path.join(out, name)).st_mtime_ns]
+    # What save_pretrained wrote: new files and those it rewrote (a re-export into the same folder),
+    # readable as the umask says (its model.safetensors is 0600, as safetensors makes files).
+    written = [os.path.join(out, name) for name in sorted(os.listdir(out))
+               if before.get(name) != os.stat(os.path.join(out, name)).st_mtime_ns]
+    for path in written:
+        readable(path)
+    return written
 
 
 def _is_tied(module: torch.nn.Module, key: str) -> bool:

@@ -16,6 +16,7 @@ import os
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 PIPELINE_FILE = "pipeline.json"
@@ -89,10 +90,45 @@ def save_stage(stage: Any, save_dir: str, section: str, *, write: bool = True) -
     os.makedirs(save_dir, exist_ok=True)
     # clone: tied weights share storage, which safetensors refuses to write twice.
     state = {k: v.cpu().clone().contiguous() for k, v in gathered.items()}
-    tmp = path + ".tmp"
-    save_file(state, tmp, metadata={"section": section})
-    os.replace(tmp, path)
+    write_safetensors(state, path, {"section": section})
     return path
+
+
+def write_safetensors(state: dict[str, torch.Tensor], path: str, metadata: dict[str, str]) -> None:
+    """`state` to `path` whole or not at all (a temporary file, then a rename), readable as the
+    process's umask says like every other file written (safetensors creates files 0600: found in
+    review, teammates could not read an export), and a failed write (a full disk) an OSError, as
+    for any other file (safetensors raises its own error type: a traceback before)."""
+    tmp = path + ".tmp"
+    try:
+        save_file(state, tmp, metadata=metadata)
+        readable(tmp)
+    except (OSError, SafetensorError) as exc:
+        try:
+            os.remove(tmp)
+        except OSError:
+            pass
+        if isinstance(exc, OSError):
+            raise
+        raise OSError(f"{path}: {exc}") from exc
+    os.replace(tmp, path)
+
+
+def readable(path: str) -> None:
+    """Give a file the mode the process's umask gives new files (0644 under the usual 022)."""
+    os.chmod(path, 0o666 & ~_umask())
+
+
+def _umask() -> int:
+    """This process's umask, read without changing it (os.umask would, for every thread at once)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    return 0o022
 
 
 def save_pipeline(save_dir: str, pipeline_dict: dict[str, Any]) -> str:

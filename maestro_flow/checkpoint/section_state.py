@@ -68,6 +68,12 @@ def _failures(exc: BaseException) -> list[BaseException]:
     return [exc]
 
 
+def interrupted(exc: BaseException) -> bool:
+    """Whether a DCP CheckpointException gathered a KeyboardInterrupt (Ctrl-C while it read or
+    wrote): to be raised as one, not reported as a damaged checkpoint (found in review)."""
+    return any(isinstance(e, KeyboardInterrupt) for e in _failures(exc))
+
+
 def _earlier(checkpoint: str) -> str:
     """Where to go back to when `checkpoint` cannot be read: the newest complete one before it."""
     here = os.path.abspath(checkpoint)
@@ -174,6 +180,8 @@ class SectionState:
             except CheckpointMismatch:
                 raise
             except (Exception, CheckpointException) as exc:  # DCP's CheckpointException is a BaseException
+                if interrupted(exc):
+                    raise KeyboardInterrupt from None
                 if all(collective_failure(e) for e in _failures(exc)):  # a rank's own file error is the cause
                     # A peer lost while DCP loads collectively (found in review: reported as bad
                     # input, so a lost node ended a run that --max-restarts would have restarted):

@@ -124,8 +124,10 @@ class CoordinatorIO:
     def _progress(self, rank: int) -> str:
         last = self.liveness.last_done.get(rank)
         # What it reported: a step it finished may have been on its way (lost with the process).
-        reported = "before reporting any step done" if last is None else f"after reporting step {last} done"
-        return f"{reported}, while the run was at step {self.awaited_step}"
+        # Counted from 1, as the progress line and the checkpoint folders count (found in review:
+        # "step 74 done" beside a checkpoint step-00000075 read as a resume ahead of the run).
+        reported = "before reporting any step done" if last is None else f"after reporting step {last + 1} done"
+        return f"{reported}, while the run was at step {self.awaited_step + 1} of {self.pipeline.steps}"
 
     def _lost(self) -> MaestroError | None:
         """What another node's agent reported (runtime/agent.py), a dead worker's with how far it

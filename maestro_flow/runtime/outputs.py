@@ -4,9 +4,10 @@ folder, metrics file, trace, TensorBoard folder and run directory, `maestro prof
 A path that cannot be written is refused at once naming the flag, rather than after hours of
 training (an unwritable `--save-dir` failed once every step had run, losing the weights) or with a
 Python traceback. What is checked: the path is not the wrong kind (a folder for a file, a file for
-a folder), and its nearest existing folder is one this process may create entries in (a read-only
-filesystem counts: access(2) answers EROFS). A disk that fills up later is not foreseen here; the
-writers report that themselves.
+a folder), it is not a link to nothing (nor is a folder on the way to it), and its nearest
+existing folder is one this process may create entries in (a read-only filesystem counts:
+access(2) answers EROFS; and an entry is made there and removed, since access(2) lets root
+everywhere). A disk that fills up later is not foreseen here; the writers report that themselves.
 
 `hold_folder` locks a folder a job writes for as long as it runs (the run directory, the
 checkpoint directory): a second job given the same folder is refused rather than mixing its
@@ -16,6 +17,7 @@ files with the first's.
 from __future__ import annotations
 
 import os
+import tempfile
 from typing import Any
 
 from maestro_flow.errors import PipelineError
@@ -25,11 +27,13 @@ def check_writable(path: str, flag: str, *, folder: bool) -> None:
     """Refuse (PipelineError naming `flag`) a `path` this process cannot write: a file (`folder`
     False) or a folder to create files in (`folder` True)."""
     where = f"{flag} {path}"
+    _not_dangling(path, where)
     if os.path.isdir(path):
         if not folder:
             raise PipelineError(f"{where}: is a folder; give a file path")
         if not os.access(path, os.W_OK | os.X_OK):
             raise PipelineError(f"{where}: cannot write in this folder ({_why(path)})")
+        _probe(path, f"{where}: cannot write in this folder")
         return
     if os.path.exists(path):
         if folder:
@@ -39,11 +43,32 @@ def check_writable(path: str, flag: str, *, folder: bool) -> None:
         return
     parent = os.path.dirname(os.path.abspath(path))
     while not os.path.exists(parent):
+        _not_dangling(parent, where)
         parent = os.path.dirname(parent)
     if not os.path.isdir(parent):
         raise PipelineError(f"{where}: {parent} is a file, not a folder")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise PipelineError(f"{where}: cannot create it in {parent} ({_why(parent)})")
+    _probe(parent, f"{where}: cannot create it in {parent}")
+
+
+def _not_dangling(path: str, where: str) -> None:
+    """A link whose target does not exist (a scratch disk not mounted, a link to itself): the
+    writers would fail on it after the work (found in review: --save-dir lost the trained weights
+    with a FileExistsError traceback)."""
+    if os.path.islink(path) and not os.path.exists(path):
+        raise PipelineError(f"{where}: {path} is a link that leads nowhere ({os.readlink(path)}: a disk not "
+                            "mounted, or a loop of links?)")
+
+
+def _probe(folder: str, refusal: str) -> None:
+    """Create and remove an entry in `folder`: access(2) says yes to root everywhere, also where
+    nothing can be created (/proc, /sys, an NFS export that squashes root; found in review: a
+    traceback then)."""
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".maestro-probe-", dir=folder))
+    except OSError as exc:
+        raise PipelineError(f"{refusal} ({exc.strerror or exc})") from None
 
 
 def _why(path: str) -> str:
@@ -58,14 +83,19 @@ def _why(path: str) -> str:
 LOCK = ".lock"  # held (flock) by the job that uses the folder, for as long as it runs
 
 
-def hold_folder(path: str, refusal: str, name: str = LOCK) -> Any:
+def hold_folder(path: str, refusal: str, name: str = LOCK, flag: str = "") -> Any:
     """Create `path` if need be and hold its lock (the file `name` there) until the returned file is closed (or the
     process ends: the kernel lets go). Raises PipelineError(`refusal`) when another process holds
-    it; on a filesystem without locks, returns None and nothing is held."""
+    it, and one naming `flag` when the folder or its lock cannot be made; on a filesystem without
+    locks, returns None and nothing is held."""
     import fcntl
 
-    os.makedirs(path, exist_ok=True)
-    lock = open(os.path.join(path, name), "a")  # noqa: SIM115 (held open by the caller)
+    try:
+        os.makedirs(path, exist_ok=True)
+        lock = open(os.path.join(path, name), "a")  # noqa: SIM115 (held open by the caller)
+    except OSError as exc:
+        raise PipelineError(f"{flag + ' ' if flag else ''}{path}: cannot create it or its lock file {name} "
+                            f"({exc.strerror or exc})") from None
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

@@ -41,7 +41,8 @@ def supervise(attempt: Attempt, *, max_restarts: int, committed: Callable[[], st
             newest = committed()
             if newest is not None:
                 resume = (newest, mf.read(newest))
-            where = f"the checkpoint {resume[0]} (step {resume[1].step})" if resume else "step 0 (no checkpoint yet)"
+            where = (f"the checkpoint {resume[0]} (after step {resume[1].step})" if resume
+                     else "the start (no checkpoint yet)")
             log(f"restart {used}/{max_restarts}: {cause}; every worker was stopped; resuming from {where}")
             on_restart({"restart": used, "cause": cause, "resume": resume[0] if resume else None,
                         "step": resume[1].step if resume else 0})

@@ -20,7 +20,7 @@ from typing import Any
 
 from maestro_flow.checkpoint import manifest as mf
 from maestro_flow.checkpoint.checkpointer import Checkpointer, CheckpointOptions, resume_point
-from maestro_flow.errors import PipelineError, Terminated, first_line
+from maestro_flow.errors import CheckpointError, PipelineError, Terminated, first_line
 from maestro_flow.runtime import cpus
 from maestro_flow.runtime.agent import end_job
 from maestro_flow.runtime.build import load_pipeline
@@ -253,7 +253,7 @@ def run_pipeline(path: str, options: RunOptions) -> list[dict[str, Any]]:
         raise PipelineError("checkpoints, --resume and --max-restarts are for section mode; drop --colocated")
     resume = _resume_from(options, pipeline, checked.metadata)
     checkpointer = Checkpointer(ckpt)  # one for the whole job, across restarts
-    checkpointer.claim(resume[1] if resume else None)  # held until the job ends (closed below)
+    checkpointer.claim(resume[1] if resume else None, pipeline.to_dict())  # held until the job ends (closed below)
     try:  # refused from here on: the directory's lock goes with the refusal (found in review: it was held)
         record = None  # checked before anything is written (the run dir, the trace, TensorBoard's folder)
         if options.record:
@@ -286,6 +286,8 @@ def run_pipeline(path: str, options: RunOptions) -> list[dict[str, Any]]:
                   f"{f' ({skipped} bad rows skipped)' if skipped else ''}, {pipeline.steps} steps of "
                   f"{pipeline.global_batch}, {mode}", file=sys.stderr)
         run_dir = RunDir(options.run_dir, pipeline, options.overrides) if options.run_dir else None
+        if run_dir is not None:
+            checkpointer.on_event = run_dir.event
         trace = _trace_path(options)
         if run_dir is not None and options.show_progress:
             print(f"run directory: {run_dir.path}"
@@ -372,4 +374,11 @@ def run_pipeline(path: str, options: RunOptions) -> list[dict[str, Any]]:
                 print(f"run directory: {run_dir.path}", file=sys.stderr)
     if options.show_progress:
         print(report.summary(), file=sys.stderr)
+    if checkpointer.unsaved is not None:  # found in review: exit 0 with the final state in no checkpoint
+        text = (f"the checkpoint after the last step (step {checkpointer.unsaved}) failed, so the run's final state is in "
+                f"no checkpoint{checkpointer.previous()}")
+        if not options.save_dir:
+            raise CheckpointError(f"{text}, and without --save-dir nothing holds the trained weights "
+                                  "(--checkpoint-errors continue trained on)")
+        print(f"warning: {text}; the trained weights are in --save-dir {options.save_dir}", file=sys.stderr)
     return report.rows

@@ -7,8 +7,8 @@ Runs in the coordinator process. Layout:
                          simulate its plans; `maestro plan --step N` shows one with its simulation)
     workers/S-R.log      worker stdout/stderr, every line prefixed with [section/replica]
                          (S-R.T.log and [section/replica.T] for tensor-parallel rank T)
-    events.jsonl         what happened to the run besides steps: automatic restarts (with cause);
-                         written only once something has
+    events.jsonl         what happened to the run besides steps: automatic restarts (with cause),
+                         checkpoints written or failed; written only once something has
     trace.json           the timeline, when `--trace` is given without a path of its own
     status.json          while the job runs: where `maestro top` finds it (runtime/status.py); removed
                          when the job is over, kept across its automatic restarts
@@ -91,7 +91,7 @@ class RunDir:
         # Before anything is moved: of two runs starting together, one is refused. (On a filesystem
         # without locks, the status.json check above is all there is.)
         self._lock = hold_folder(path, f"--run-dir {path} is in use by a run still going (it holds {LOCK} there): "
-                                 "give another --run-dir, or wait for it to end")
+                                 "give another --run-dir, or wait for it to end", flag="--run-dir")
         self.set_aside = set_aside(path)  # an earlier run's files, if this folder is reused
         os.makedirs(os.path.join(path, "workers"), exist_ok=True)
         with open(os.path.join(path, "pipeline.json"), "w") as f:

@@ -143,6 +143,13 @@ def test_checkpoints_of_another_training_are_never_mixed_in(tmp_path):
     with pytest.raises(PipelineError, match=r"holds another training's checkpoints \(.*step-00000010\): resume from "
                                             r"it with --resume"):
         fresh.claim(None)
+    # Found in review: --resume was offered for another pipeline's checkpoints, then refused.
+    other = Pipeline(name="q", data=ArrowData(path="d"), global_batch=8, sections=[Section(name="lm", stage="m:L")])
+    with pytest.raises(PipelineError, match=r"holds another training's checkpoints \(.*step-00000010, of another "
+                                            r"pipeline\): choose another --checkpoint-dir$"):
+        Checkpointer(CheckpointOptions(dir=str(tmp_path), every=5)).claim(None, other.to_dict())
+    with pytest.raises(PipelineError, match=r"step-00000010\): resume from it with --resume"):
+        Checkpointer(CheckpointOptions(dir=str(tmp_path), every=5)).claim(None, PIPELINE.to_dict())
     elsewhere = Checkpointer(CheckpointOptions(dir=str(tmp_path), every=5, keep_last=1))
     with pytest.raises(PipelineError, match=r"another training's checkpoints .*: choose another --checkpoint-dir"):
         elsewhere.claim(dataclasses.replace(manifest(4), lineage="mine"))  # resumed from another directory
@@ -288,6 +295,7 @@ def test_export_takes_a_step_folder_by_number_and_lists_the_checkpoints_when_mis
 
 @pytest.mark.parametrize("options, message", [
     (CheckpointOptions(every=2), "--checkpoint-every needs --checkpoint-dir"),
+    (CheckpointOptions(dir="x", every=0), r"--checkpoint-every must be a number of steps >= 1, got 0$"),
     (CheckpointOptions(dir="x", every=2, keep_last=0), "--keep-last must be a count >= 1, got 0"),
     (CheckpointOptions(keep_last=2), "--keep-last says how many of --checkpoint-dir's checkpoints to keep: give "
                                      "--checkpoint-dir too"),
@@ -399,3 +407,38 @@ def test_a_discarded_checkpoint_loses_its_manifest_first(tmp_path, monkeypatch):
     monkeypatch.setattr(shutil, "rmtree", lambda path, **kw: seen.append(os.listdir(path)))
     Checkpointer(CheckpointOptions(dir=str(tmp_path), every=2))._discard(folder)
     assert seen == [["data.distcp"]]
+
+
+def test_saved_weights_are_readable_as_the_umask_says_and_a_failed_write_is_an_oserror(tmp_path, monkeypatch):
+    """Found in review: --save-dir and export files were 0600 (safetensors' own mode), and a full
+    disk raised safetensors' own error type, a traceback where an OSError is one line."""
+    import safetensors.torch
+    import torch
+    from safetensors import SafetensorError
+
+    from maestro_flow.checkpoint import savedir
+
+    path = str(tmp_path / "student.safetensors")
+    savedir.write_safetensors({"w": torch.zeros(3)}, path, {"section": "student"})
+    assert os.stat(path).st_mode & 0o777 == 0o666 & ~savedir._umask() and savedir._umask() == os.umask(savedir._umask())
+
+    def full(state, filename, metadata=None):
+        open(filename, "wb").close()
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(savedir, "save_file", full)
+    with pytest.raises(OSError, match="No space left on device"):
+        savedir.write_safetensors({"w": torch.ones(3)}, path, {"section": "student"})
+    assert os.listdir(tmp_path) == ["student.safetensors"]  # the earlier file stays, the partial one went
+    assert torch.equal(safetensors.torch.load_file(path)["w"], torch.zeros(3))
+
+
+def test_ctrl_c_while_dcp_reads_is_an_interrupt_not_a_damaged_checkpoint():
+    """Found in review: `maestro export` stopped by Ctrl-C said it cannot read the section (exit 2)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from maestro_flow.checkpoint.section_state import interrupted
+
+    assert interrupted(CheckpointException("load", {0: KeyboardInterrupt()}))
+    assert not interrupted(CheckpointException("load", {0: EOFError()}))
+    assert interrupted(KeyboardInterrupt()) and not interrupted(ValueError())

@@ -9,6 +9,7 @@ traceback.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -573,6 +574,34 @@ def test_an_output_folder_this_process_may_not_write_is_refused_naming_why(tmp_p
     with pytest.raises(PipelineError, match=r"cannot write in this folder \(permission denied\)$"):
         outputs.check_writable(str(folder), "--checkpoint-dir", folder=True)
     outputs.check_writable(str(tmp_path / "new" / "deeper"), "--save-dir", folder=True)  # created later: fine
+
+
+def test_an_output_path_through_a_link_to_nothing_or_where_nothing_can_be_made_is_refused(tmp_path, dataset):
+    """Found in review: a --save-dir that is a link to a disk not mounted passed, and the trained
+    weights were lost after the last step (FileExistsError traceback); /proc and /sys, where
+    access(2) lets root create anything, gave tracebacks too."""
+    from click.testing import CliRunner
+
+    from maestro_flow.cli import main
+    from maestro_flow.errors import PipelineError
+    from maestro_flow.runtime import outputs
+
+    (tmp_path / "scratch").symlink_to("/mnt/not-mounted/ck")
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    for path, folder in ((tmp_path / "scratch", True), (tmp_path / "scratch" / "run1", True),
+                         (tmp_path / "scratch", False), (tmp_path / "loop", True)):
+        link = tmp_path / path.relative_to(tmp_path).parts[0]
+        with pytest.raises(PipelineError, match=rf"^--save-dir {path}: {link} is a link that leads nowhere "):
+            outputs.check_writable(str(path), "--save-dir", folder=folder)
+    with pytest.raises(PipelineError, match=r"^--checkpoint-dir /proc/ck: cannot create it in /proc \(No such file"):
+        outputs.check_writable("/proc/ck", "--checkpoint-dir", folder=True)
+    outputs.check_writable(str(tmp_path / "new"), "--save-dir", folder=True)
+    assert sorted(os.listdir(tmp_path)) == ["loop", "scratch"]  # the probe left nothing
+    result = CliRunner().invoke(main, ["run", "pipelines/distill.py", "--steps", "1", "--no-run-dir", "--set",
+                                       f"data.path={dataset}", "--save-dir", str(tmp_path / "scratch")])
+    assert result.exit_code == 2 and "is a link that leads nowhere" in result.stderr, result.output
+    with pytest.raises(PipelineError, match=r"^--run-dir /proc/rd: cannot create it or its lock file \.lock"):
+        outputs.hold_folder("/proc/rd", "in use", flag="--run-dir")
 
 
 def test_a_subclass_that_overrides_forward_is_not_held_to_its_bases_inputs(tmp_path, dataset):

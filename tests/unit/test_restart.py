@@ -35,8 +35,8 @@ def test_system_failures_are_retried_and_logged_with_their_cause():
                      log=logs.append, on_restart=events.append)
     assert used == 2 and [c[1] for c in calls] == [0, 1, 2]
     # a blank message (it raised IndexError before) is named by its type
-    assert logs == ["restart 1/2: worker 3 died; every worker was stopped; resuming from step 0 (no checkpoint yet)",
-                    "restart 2/2: WorkerLost; every worker was stopped; resuming from step 0 (no checkpoint yet)"]
+    assert logs == ["restart 1/2: worker 3 died; every worker was stopped; resuming from the start (no checkpoint yet)",
+                    "restart 2/2: WorkerLost; every worker was stopped; resuming from the start (no checkpoint yet)"]
     assert [e["cause"] for e in events] == ["worker 3 died", "WorkerLost"]
 
 
