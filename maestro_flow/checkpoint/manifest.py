@@ -178,6 +178,28 @@ def incompatibilities(manifest: Manifest, pipeline: dict[str, Any]) -> list[str]
     return problems
 
 
+def resume_warnings(manifest: Manifest, pipeline: dict[str, Any]) -> list[str]:
+    """What a resume takes as it is but may not be meant: a frozen section is not in the
+    checkpoint (its weights are built from its config, or its load_weights), so one whose stage
+    or config differ from the run that wrote the checkpoint changes what the trained sections
+    learn from (found in review: a teacher's init_seed changed on resume, without a word)."""
+    saved = {s["name"]: s for s in manifest.pipeline.get("sections", []) if isinstance(s, dict) and "name" in s}
+    out = []
+    for s in pipeline["sections"]:
+        before = saved.get(s["name"])
+        if s["trainable"] or before is None or before.get("trainable", True):
+            continue
+        changed = ["stage"] if before.get("stage") != s["stage"] else []
+        config, old = s.get("config") or {}, before.get("config") or {}
+        changed += [f"config.{k}" for k in sorted(set(config) | set(old), key=str) if config.get(k) != old.get(k)]
+        if changed:
+            out.append(f"sections.{s['name']} is frozen, so its weights are not in the checkpoint but built from its "
+                       f"config, and {', '.join(changed)} {'differs' if len(changed) == 1 else 'differ'} from the "
+                       "run that wrote it: what the trained "
+                       "sections learn from has changed")
+    return out
+
+
 def check_samples(manifest: Manifest, num_samples: int, fingerprint: str, sizes: str | None = None) -> None:
     """The dataset is the one the checkpoint was trained on: as many usable samples, the same ids
     in the same rows, with the same modalities and sizes (sampler.data_fingerprint, without and

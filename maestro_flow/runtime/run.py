@@ -126,6 +126,8 @@ def _resume_from(options: RunOptions, pipeline: Any, metadata: Any) -> tuple[str
     if problems:
         raise PipelineError(f"--resume {folder}: the checkpoint does not fit this pipeline: " + "; ".join(problems))
     mf.check_samples(manifest, len(metadata), data_fingerprint(metadata), data_fingerprint(metadata, sizes=True))
+    for warning in mf.resume_warnings(manifest, pipeline.to_dict()):
+        print(f"warning: {warning}", file=sys.stderr, flush=True)
     if manifest.step >= pipeline.steps:
         raise PipelineError(f"--resume {folder}: the checkpoint is at step {manifest.step}, and the run has "
                             f"steps={pipeline.steps} in all (--steps is the total; raise it to train further)")

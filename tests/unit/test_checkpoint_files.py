@@ -442,3 +442,20 @@ def test_ctrl_c_while_dcp_reads_is_an_interrupt_not_a_damaged_checkpoint():
     assert interrupted(CheckpointException("load", {0: KeyboardInterrupt()}))
     assert not interrupted(CheckpointException("load", {0: EOFError()}))
     assert interrupted(KeyboardInterrupt()) and not interrupted(ValueError())
+
+
+def test_a_frozen_section_whose_config_changed_is_warned_of_on_resume():
+    """Found in review: a distill teacher's init_seed changed on resume without a word (frozen
+    sections are rebuilt from their config, not read from the checkpoint)."""
+    import dataclasses
+
+    saved = manifest(4)
+    assert mf.resume_warnings(saved, PIPELINE.to_dict()) == []
+    teacher = dataclasses.replace(PIPELINE.sections[0], config={"init_seed": 7})
+    student = dataclasses.replace(PIPELINE.sections[1], config={"lr_note": 1})  # trainable: its state is read
+    changed = dataclasses.replace(PIPELINE, sections=[teacher, student])
+    assert mf.resume_warnings(saved, changed.to_dict()) == [
+        "sections.teacher is frozen, so its weights are not in the checkpoint but built from its config, and "
+        "config.init_seed differs from the run that wrote it: what the trained sections learn from has changed"]
+    other = dataclasses.replace(PIPELINE, sections=[dataclasses.replace(PIPELINE.sections[0], stage="m:U"), student])
+    assert "and stage differs from" in mf.resume_warnings(saved, other.to_dict())[0]
