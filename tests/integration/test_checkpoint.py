@@ -142,9 +142,11 @@ def test_resume_with_another_dp_reshards(small_data, tmp_path, student_dp):
                  "--checkpoint-every", "3", "--save-dir", str(straight / "out"),
                  "--set", "sections.student.config.student.dropout=0.0"))
     resumed = tmp_path / "resumed"
-    run_ok(*args(small_data, "float64", "--steps", "6", "--resume", str(straight / "ck" / "step-00000003"),
-                 "--save-dir", str(resumed), "--set", f"sections.student.dp={student_dp}",
-                 "--set", "sections.student.config.student.dropout=0.0"))
+    result = run_ok(*args(small_data, "float64", "--steps", "6", "--resume", str(straight / "ck" / "step-00000003"),
+                          "--save-dir", str(resumed), "--set", f"sections.student.dp={student_dp}",
+                          "--set", "sections.student.config.student.dropout=0.0"))
+    assert (f"warning: --resume without --checkpoint-dir: this run writes no checkpoints (to go on saving: "
+            f"--checkpoint-dir {straight / 'ck'} --checkpoint-every N)") in result.stderr
     a, b = params(straight / "out"), params(resumed)
     for key in a:
         assert (a[key] - b[key]).abs().max().item() <= 1e-8, key
