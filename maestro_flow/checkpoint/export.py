@@ -90,7 +90,7 @@ def _read(source: str, section: str) -> tuple[dict[str, Any], dict[str, torch.Te
         if interrupted(exc):  # Ctrl-C while reading: not a damaged checkpoint
             raise KeyboardInterrupt from None
         raise PipelineError(f"{folder}: cannot read section {section!r} ({os.path.join(folder, section)}): "
-                            f"{SectionState.cause(exc).strip().splitlines()[0]}") from None
+                            f"{SectionState.cause(exc).strip().splitlines()[0]}{mf.earlier(folder)}") from None
 
 
 def _check_section(pipeline: dict[str, Any], section: str, where: str, trainable: list[str]) -> None:

@@ -100,8 +100,16 @@ def read(folder: str) -> Manifest:
             return Manifest.from_dict(json.load(f))
     except FileNotFoundError:
         raise PipelineError(f"{folder} is not a complete checkpoint (no {MANIFEST})") from None
-    except (json.JSONDecodeError, TypeError, KeyError) as exc:
-        raise PipelineError(f"{path}: unreadable checkpoint manifest ({exc})") from None
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:  # ValueError: bad JSON, or not text at all
+        raise PipelineError(f"{path}: unreadable checkpoint manifest ({exc}){earlier(folder)}") from None
+
+
+def earlier(checkpoint: str) -> str:
+    """Where to go back to when `checkpoint` cannot be read: the newest complete one before it
+    (found in QA: a damaged manifest named none)."""
+    here = os.path.abspath(checkpoint)
+    before = [folder for _, folder, ok in checkpoints(os.path.dirname(here)) if ok and folder < here]
+    return f"; the complete checkpoint before it: {before[-1]} (--resume {before[-1]})" if before else ""
 
 
 def checkpoints(root: str) -> list[tuple[int, str, bool]]:

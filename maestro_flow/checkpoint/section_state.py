@@ -74,13 +74,6 @@ def interrupted(exc: BaseException) -> bool:
     return any(isinstance(e, KeyboardInterrupt) for e in _failures(exc))
 
 
-def _earlier(checkpoint: str) -> str:
-    """Where to go back to when `checkpoint` cannot be read: the newest complete one before it."""
-    here = os.path.abspath(checkpoint)
-    before = [folder for _, folder, ok in mf.checkpoints(os.path.dirname(here)) if ok and folder < here]
-    return f"; the complete checkpoint before it: {before[-1]} (--resume {before[-1]})" if before else ""
-
-
 class SectionState:
     def __init__(self, stage: Any, optim: SectionOptimizer | None, *, section: str, replica: int, group: Any,
                  device: torch.device, tp_index: int = 0) -> None:
@@ -190,7 +183,7 @@ class SectionState:
                                    f"{checkpoint}: {self.cause(exc)}") from None
                 raise CheckpointMismatch(f"the checkpoint {checkpoint}: cannot read the state of section "
                                          f"{self.section!r} ({self.folder(checkpoint)}): {self.cause(exc)}"
-                                         f"{_earlier(checkpoint)}") from None
+                                         f"{mf.earlier(checkpoint)}") from None
         own = rng_file(checkpoint, self.section, self.replica, self.tp_index)
         who = f"{self.section} replica {self.replica}" + (f" tp rank {self.tp_index}" if self.tp_index else "")
         if os.path.isfile(own):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -459,3 +460,16 @@ def test_a_frozen_section_whose_config_changed_is_warned_of_on_resume():
         "config.init_seed differs from the run that wrote it: what the trained sections learn from has changed"]
     other = dataclasses.replace(PIPELINE, sections=[dataclasses.replace(PIPELINE.sections[0], stage="m:U"), student])
     assert "and stage differs from" in mf.resume_warnings(saved, other.to_dict())[0]
+
+
+@pytest.mark.parametrize("content", [b"{not json", b"\xff\xfe\x00garbage", b"[1, 2]"], ids=["json", "binary", "list"])
+def test_a_damaged_manifest_names_the_checkpoint_before_it(tmp_path, content):
+    """Found in QA: a damaged manifest.json in the newest checkpoint named no checkpoint to go back
+    to (and bytes that are not text gave a traceback: UnicodeDecodeError was not caught)."""
+    from maestro_flow.checkpoint.checkpointer import resume_point
+
+    before = save(tmp_path, 2)
+    (Path(save(tmp_path, 4)) / mf.MANIFEST).write_bytes(content)
+    with pytest.raises(PipelineError, match=rf"step-00000004/manifest.json: unreadable checkpoint manifest \(.*\); "
+                                            rf"the complete checkpoint before it: {before} \(--resume {before}\)$"):
+        resume_point(str(tmp_path))
