@@ -122,10 +122,10 @@ class Checkpointer:
                 continue
             if not self._ours(lineage):
                 self.close()
-                fits = pipeline is None or not mf.incompatibilities(mf.read(folder), pipeline)
+                fits = pipeline is None or _fits(mf.latest(root), pipeline)  # --resume ROOT takes the newest
                 how = f"resume from it with --resume {root}, or " if resume is None and fits else ""
                 if not fits:  # found in review: --resume was offered, and then refused
-                    folder = f"{folder}, of another pipeline"
+                    folder = f"{folder}; this pipeline cannot resume from them"
                 raise PipelineError(f"--checkpoint-dir {root} holds another training's checkpoints ({folder}): "
                                     f"{how}choose another --checkpoint-dir")
             if step > start:
@@ -227,6 +227,14 @@ class Checkpointer:
             stale += complete[:-self.options.keep_last]
         for folder in stale:
             self._discard(folder)
+
+
+def _fits(folder: str | None, pipeline: dict[str, Any]) -> bool:
+    """Whether `folder`'s checkpoint can resume `pipeline` (a damaged one cannot)."""
+    try:
+        return folder is not None and not mf.incompatibilities(mf.read(folder), pipeline)
+    except PipelineError:
+        return False
 
 
 def resume_point(path: str) -> tuple[str, mf.Manifest]:

@@ -104,6 +104,10 @@ def read(folder: str) -> Manifest:
         raise PipelineError(f"{path}: unreadable checkpoint manifest ({exc}){earlier(folder)}") from None
 
 
+def _canonical(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, default=str)
+
+
 def earlier(checkpoint: str) -> str:
     """Where to go back to when `checkpoint` cannot be read: the newest complete one before it
     (found in QA: a damaged manifest named none)."""
@@ -199,7 +203,8 @@ def resume_warnings(manifest: Manifest, pipeline: dict[str, Any]) -> list[str]:
             continue
         changed = ["stage"] if before.get("stage") != s["stage"] else []
         config, old = s.get("config") or {}, before.get("config") or {}
-        changed += [f"config.{k}" for k in sorted(set(config) | set(old), key=str) if config.get(k) != old.get(k)]
+        changed += [f"config.{k}" for k in sorted(set(config) | set(old), key=str)
+                    if _canonical(config.get(k)) != _canonical(old.get(k))]  # NaN != NaN (found in review)
         if changed:
             out.append(f"sections.{s['name']} is frozen, so its weights are not in the checkpoint but built from its "
                        f"config, and {', '.join(changed)} {'differs' if len(changed) == 1 else 'differ'} from the "

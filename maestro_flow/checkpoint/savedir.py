@@ -115,8 +115,12 @@ def write_safetensors(state: dict[str, torch.Tensor], path: str, metadata: dict[
 
 
 def readable(path: str) -> None:
-    """Give a file the mode the process's umask gives new files (0644 under the usual 022)."""
-    os.chmod(path, 0o666 & ~_umask())
+    """Give a file the mode the process's umask gives new files (0644 under the usual 022), where
+    the filesystem keeps modes (one that does not, say vfat, refuses chmod: the file stays as it is)."""
+    try:
+        os.chmod(path, 0o666 & ~_umask())
+    except OSError:
+        pass
 
 
 def _umask() -> int:

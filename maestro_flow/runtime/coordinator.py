@@ -321,7 +321,7 @@ class Coordinator(CoordinatorIO):
             deadline = time.monotonic() + self.timeouts.step_s
             row = None
             while row is None:
-                rank, msg = self._recv(deadline, f"step {step} to finish", "MAESTRO_STEP_S", hang=True)
+                rank, msg = self._recv(deadline, f"step {step + 1} to finish", "MAESTRO_STEP_S", hang=True)
                 try:
                     row = self._report(ledger, rank, msg)
                 except Rejected as exc:  # a repeated or misplaced report never changes training

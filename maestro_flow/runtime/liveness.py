@@ -93,12 +93,12 @@ class Liveness:
 
         stuck = min(busy or pending or world, key=since)
         status = self.status.get(stuck, {})
-        where = "" if status.get("step") is None else f" of step {status['step']}"
+        where = "" if status.get("step") is None else f" of step {status['step'] + 1}"  # from 1, as the progress line
         where += "" if status.get("mb") is None else f", micro-batch {status['mb']}"
         others = [self.label(r) for r in pending if r != stuck]
         return WorkerLost(
             f"{self.label(stuck)} is hung: in {status.get('state', 'no status yet')}{where} for "
-            f"{now - since(stuck):.0f}s, and no replica finished step {step} for {now - self.progress_at:.0f}s "
+            f"{now - since(stuck):.0f}s, and no replica finished step {step + 1} for {now - self.progress_at:.0f}s "
             f"(hang timeout {limit:.0f}s: MAESTRO_HANG_S, or {HANG_FACTOR:g}x the slowest step seen)"
             + (f"; waiting on it: {', '.join(others)}" if others else ""))
 

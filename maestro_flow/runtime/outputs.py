@@ -27,7 +27,8 @@ def check_writable(path: str, flag: str, *, folder: bool) -> None:
     """Refuse (PipelineError naming `flag`) a `path` this process cannot write: a file (`folder`
     False) or a folder to create files in (`folder` True)."""
     where = f"{flag} {path}"
-    _not_dangling(path, where)
+    path = path.rstrip(os.sep) or os.sep  # "link/" would follow the link (found in review: a broken one passed)
+    path = _not_dangling(path, where, folder)
     if os.path.isdir(path):
         if not folder:
             raise PipelineError(f"{where}: is a folder; give a file path")
@@ -43,7 +44,7 @@ def check_writable(path: str, flag: str, *, folder: bool) -> None:
         return
     parent = os.path.dirname(os.path.abspath(path))
     while not os.path.exists(parent):
-        _not_dangling(parent, where)
+        _not_dangling(parent, where, True)
         parent = os.path.dirname(parent)
     if not os.path.isdir(parent):
         raise PipelineError(f"{where}: {parent} is a file, not a folder")
@@ -52,13 +53,18 @@ def check_writable(path: str, flag: str, *, folder: bool) -> None:
     _probe(parent, f"{where}: cannot create it in {parent}")
 
 
-def _not_dangling(path: str, where: str) -> None:
-    """A link whose target does not exist (a scratch disk not mounted, a link to itself): the
-    writers would fail on it after the work (found in review: --save-dir lost the trained weights
-    with a FileExistsError traceback)."""
-    if os.path.islink(path) and not os.path.exists(path):
-        raise PipelineError(f"{where}: {path} is a link that leads nowhere ({os.readlink(path)}: a disk not "
-                            "mounted, or a loop of links?)")
+def _not_dangling(path: str, where: str, folder: bool) -> str:
+    """`path`, or where a link to a file not yet made leads (a writer creates it through the link,
+    whose folder exists); refused: a link to nothing else (a scratch disk not mounted, a loop of
+    links), which the writers would fail on after the work (found in review: --save-dir lost the
+    trained weights with a FileExistsError traceback)."""
+    if not os.path.islink(path) or os.path.exists(path):
+        return path
+    target = os.path.realpath(path)
+    if not folder and not os.path.islink(target) and os.path.isdir(os.path.dirname(target)):
+        return target
+    raise PipelineError(f"{where}: {path} is a link that leads nowhere ({os.readlink(path)}: a disk not "
+                        "mounted, or a loop of links?)")
 
 
 def _probe(folder: str, refusal: str) -> None:

@@ -255,8 +255,12 @@ def run_pipeline(path: str, options: RunOptions) -> list[dict[str, Any]]:
         raise PipelineError("checkpoints, --resume and --max-restarts are for section mode; drop --colocated")
     resume = _resume_from(options, pipeline, checked.metadata)
     if resume is not None and not ckpt.dir:  # found in QA: a resumed long job went on saving nothing, silently
+        parent = os.path.dirname(os.path.abspath(resume[0]))
+        # Its own folder takes the checkpoints that follow only where none is past the one resumed.
+        there = f"--checkpoint-dir {parent}" if mf.latest(parent) == os.path.abspath(resume[0]) else \
+            "--checkpoint-dir DIR (a folder without later checkpoints)"
         print(f"warning: --resume without --checkpoint-dir: this run writes no checkpoints (to go on saving: "
-              f"--checkpoint-dir {os.path.dirname(resume[0])} --checkpoint-every N)", file=sys.stderr, flush=True)
+              f"{there} --checkpoint-every N)", file=sys.stderr, flush=True)
     checkpointer = Checkpointer(ckpt)  # one for the whole job, across restarts
     checkpointer.claim(resume[1] if resume else None, pipeline.to_dict())  # held until the job ends (closed below)
     try:  # refused from here on: the directory's lock goes with the refusal (found in review: it was held)

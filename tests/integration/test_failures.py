@@ -151,7 +151,7 @@ def test_hung_worker_hits_the_step_timeout(demo_data):
     result, _ = run_faulty(demo_data, "sections.student.config.fail=hang", "sections.student.config.at_step=1",
                            env={"MAESTRO_STEP_S": "5"})
     assert result.returncode == 1
-    assert "timed out after" in result.stderr and "step 1 to finish" in result.stderr
+    assert "timed out after" in result.stderr and "step 2 to finish" in result.stderr  # at_step 1: the second
     assert "MAESTRO_STEP_S" in result.stderr
 
 
@@ -163,7 +163,7 @@ def test_a_hung_replica_is_named_with_what_it_is_stuck_in(demo_data):
     assert result.returncode == 1
     err = result.stderr
     assert "section 'student' replica 1 (rank 2) is hung" in err, err
-    assert "in forward of step 2" in err and "MAESTRO_HANG_S" in err
+    assert "in forward of step 3" in err and "MAESTRO_HANG_S" in err  # at_step 2, counted from 1
     assert "replica 0 (rank 1) is hung" not in err
     assert elapsed < 45
 

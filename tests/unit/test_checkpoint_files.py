@@ -146,11 +146,19 @@ def test_checkpoints_of_another_training_are_never_mixed_in(tmp_path):
         fresh.claim(None)
     # Found in review: --resume was offered for another pipeline's checkpoints, then refused.
     other = Pipeline(name="q", data=ArrowData(path="d"), global_batch=8, sections=[Section(name="lm", stage="m:L")])
-    with pytest.raises(PipelineError, match=r"holds another training's checkpoints \(.*step-00000010, of another "
-                                            r"pipeline\): choose another --checkpoint-dir$"):
+    cannot = (r"holds another training's checkpoints \(.*step-00000010; this pipeline cannot resume from them\): "
+              r"choose another --checkpoint-dir$")
+    with pytest.raises(PipelineError, match=cannot):
         Checkpointer(CheckpointOptions(dir=str(tmp_path), every=5)).claim(None, other.to_dict())
     with pytest.raises(PipelineError, match=r"step-00000010\): resume from it with --resume"):
         Checkpointer(CheckpointOptions(dir=str(tmp_path), every=5)).claim(None, PIPELINE.to_dict())
+    # Found in review: --resume ROOT takes the newest, which is what must fit (here: damaged).
+    newest = os.path.join(mf.step_dir(str(tmp_path), 20), mf.MANIFEST)
+    kept = open(newest, "rb").read()
+    open(newest, "wb").write(b"\xff\xfe not a manifest")
+    with pytest.raises(PipelineError, match=r"step-00000010; this pipeline cannot resume from them\)"):
+        Checkpointer(CheckpointOptions(dir=str(tmp_path), every=5)).claim(None, PIPELINE.to_dict())
+    open(newest, "wb").write(kept)
     elsewhere = Checkpointer(CheckpointOptions(dir=str(tmp_path), every=5, keep_last=1))
     with pytest.raises(PipelineError, match=r"another training's checkpoints .*: choose another --checkpoint-dir"):
         elsewhere.claim(dataclasses.replace(manifest(4), lineage="mine"))  # resumed from another directory
@@ -460,6 +468,10 @@ def test_a_frozen_section_whose_config_changed_is_warned_of_on_resume():
         "config.init_seed differs from the run that wrote it: what the trained sections learn from has changed"]
     other = dataclasses.replace(PIPELINE, sections=[dataclasses.replace(PIPELINE.sections[0], stage="m:U"), student])
     assert "and stage differs from" in mf.resume_warnings(saved, other.to_dict())[0]
+    # Found in review: a NaN in a config (NaN != NaN) was warned of at every resume.
+    nan = dataclasses.replace(PIPELINE, sections=[dataclasses.replace(PIPELINE.sections[0], config={"x": float("nan")}),
+                                                  PIPELINE.sections[1]])
+    assert mf.resume_warnings(manifest(4, nan), nan.to_dict()) == []
 
 
 @pytest.mark.parametrize("content", [b"{not json", b"\xff\xfe\x00garbage", b"[1, 2]"], ids=["json", "binary", "list"])

@@ -593,10 +593,17 @@ def test_an_output_path_through_a_link_to_nothing_or_where_nothing_can_be_made_i
         link = tmp_path / path.relative_to(tmp_path).parts[0]
         with pytest.raises(PipelineError, match=rf"^--save-dir {path}: {link} is a link that leads nowhere "):
             outputs.check_writable(str(path), "--save-dir", folder=folder)
+    with pytest.raises(PipelineError, match=rf"^--save-dir {tmp_path}/scratch/: {tmp_path}/scratch is a link that leads "):
+        outputs.check_writable(f"{tmp_path}/scratch/", "--save-dir", folder=True)  # the slash follows the link
+    # A file through a link to one not made yet, in a folder that exists: the writer makes it.
+    (tmp_path / "latest.jsonl").symlink_to(tmp_path / "run42.jsonl")
+    outputs.check_writable(str(tmp_path / "latest.jsonl"), "--metrics-out", folder=False)
+    with pytest.raises(PipelineError, match="is a link that leads nowhere"):
+        outputs.check_writable(str(tmp_path / "latest.jsonl"), "--save-dir", folder=True)
     with pytest.raises(PipelineError, match=r"^--checkpoint-dir /proc/ck: cannot create it in /proc \(No such file"):
         outputs.check_writable("/proc/ck", "--checkpoint-dir", folder=True)
     outputs.check_writable(str(tmp_path / "new"), "--save-dir", folder=True)
-    assert sorted(os.listdir(tmp_path)) == ["loop", "scratch"]  # the probe left nothing
+    assert sorted(os.listdir(tmp_path)) == ["latest.jsonl", "loop", "scratch"]  # the probe left nothing
     result = CliRunner().invoke(main, ["run", "pipelines/distill.py", "--steps", "1", "--no-run-dir", "--set",
                                        f"data.path={dataset}", "--save-dir", str(tmp_path / "scratch")])
     assert result.exit_code == 2 and "is a link that leads nowhere" in result.stderr, result.output

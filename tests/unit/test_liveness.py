@@ -23,7 +23,8 @@ def test_the_stuck_replica_is_named_not_the_ones_waiting_on_it():
     live.done(0, 2, now=0.5)
     assert live.hang(2, now=10.0) is None
     err = str(live.hang(2, now=12.0))
-    assert err.startswith("rank 2 is hung: in forward of step 2, micro-batch 0 for 11s")
+    assert err.startswith("rank 2 is hung: in forward of step 3, micro-batch 0 for 11s")  # counted from 1
+    assert "no replica finished step 3 for" in err
     assert "waiting on it: rank 1" in err and "MAESTRO_HANG_S" in err
 
 
