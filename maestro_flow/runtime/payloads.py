@@ -58,18 +58,16 @@ def declared_checks(pipeline: Pipeline, source: Any, strict: bool = True
         cls = resolve(s.stage, where)
         try:
             checks = cls.payload_checks(dict(s.config)) or {}
-            for modality in checks:
-                if modality not in MODALITIES or modality == "text":
-                    raise PipelineError(f"{where}: {s.stage}.payload_checks names {modality!r}, not a payload "
-                                        f"modality ({', '.join(m for m in MODALITIES if m != 'text')})")
-        except PipelineError:
-            if strict:
-                raise
-            continue
         except Exception as exc:
-            if strict:
-                raise PipelineError(f"{where}: {s.stage}.payload_checks(config) failed: {brief(exc)}") from exc
-            continue
+            if not strict:
+                continue
+            raise PipelineError(f"{where}: {s.stage}.payload_checks(config) failed: {brief(exc)}") from exc
+        wrong = next((m for m in checks if m not in MODALITIES or m == "text"), None)
+        if wrong is not None:
+            if not strict:
+                continue
+            raise PipelineError(f"{where}: {s.stage}.payload_checks names {wrong!r}, not a payload modality "
+                                f"({', '.join(m for m in MODALITIES if m != 'text')})")
         for modality, check in checks.items():
             column = pipeline.data.column_of(modality)
             if (s.columns is not None and column not in s.columns) or column not in source.column_names:
