@@ -18,10 +18,25 @@ import os
 import select
 import sys
 import threading
+from collections.abc import Iterator
 
 from maestro_flow.runtime.guard import WriteGuard
 
 SHOW_WAIT_S = 0.5  # how long a line waits for room in a full non-blocking terminal
+
+
+def _pieces(data: bytes, size: int = select.PIPE_BUF) -> Iterator[bytes]:
+    """`data` in pieces of at most `size` bytes that end at a line's end wherever the lines fit: a
+    full pipe takes such a write whole or not at all (POSIX, PIPE_BUF), so it never cuts a line or
+    its prefix; only a line longer than `size` can be cut, after its first piece."""
+    start = 0
+    while start < len(data):
+        end = start + size
+        if end < len(data):
+            last = data.rfind(b"\n", start, end)
+            end = last + 1 if last >= 0 else end
+        yield data[start:end]
+        start = end
 
 
 class OutputCapture:
@@ -36,7 +51,7 @@ class OutputCapture:
         self.log_guard = WriteGuard(f"the worker log {log_path}", lambda text: self._show(self._lines(text)))
         self.terminal_failed: OSError | None = None
         self.unshown = 0  # lines a full non-blocking terminal could not take (since the last shown)
-        self.full = False  # it was full at the last write: drop lines without waiting until it takes one
+        self.full = False  # it stayed full: drop lines without waiting until select says it has room
         self.cut = False  # the last write stopped inside a line
         self.show_lock = threading.Lock()
         read_end, write_end = os.pipe()
@@ -72,23 +87,30 @@ class OutputCapture:
         """To the terminal, until it fails once (then never again: the log has the lines). A
         non-blocking terminal that is full is waited for SHOW_WAIT_S once; while it stays full,
         lines are dropped at once (never blocking the pump, so never the stage's prints), counted
-        and said with the next ones shown. A line cut short there is ended first."""
+        and said with the next ones shown. Written in pieces of whole lines (`_pieces`), so a full
+        pipe never cuts one; a line cut short elsewhere (a long one, a terminal that is not a pipe)
+        is ended first."""
         with self.show_lock:  # the pump thread, and report/detail from the worker's threads
             if self.terminal_failed is not None:
                 return
+            if self.full and select.select([], [self.terminal], [], 0)[1]:
+                self.full = False  # a reader made room: the next time it fills is waited for again
             head = b"\n" if self.cut else b""
             if self.unshown:
                 head += self.prefix + f"({self.unshown} lines not shown: the terminal was full)\n".encode()
-            view = memoryview(head + data)
+            written = 0
             try:
-                while view:
-                    try:
-                        view = view[os.write(self.terminal, view):]
-                        self.full = False
-                    except BlockingIOError:
-                        if self.full or not select.select([], [self.terminal], [], SHOW_WAIT_S)[1]:
-                            self._gave_up(head, data, len(head) + len(data) - len(view))
-                            return
+                for piece in _pieces(head + data):
+                    view = memoryview(piece)
+                    while view:
+                        try:
+                            sent = os.write(self.terminal, view)
+                        except BlockingIOError:
+                            if self.full or not select.select([], [self.terminal], [], SHOW_WAIT_S)[1]:
+                                self._gave_up(head, data, written)
+                                return
+                            continue
+                        view, written = view[sent:], written + sent
                 self.unshown, self.cut = 0, False
             except OSError as exc:
                 self.terminal_failed = exc

@@ -99,3 +99,31 @@ def test_a_terminal_that_stays_full_does_not_slow_the_prints(tmp_path):
     assert float(took.read_text()) < 5.0
     assert len(log.read_text().splitlines()) == 20000
     assert all(line.startswith("[head/0] ") for line in shown.splitlines()), shown[:300]
+
+
+ONE_PAGE_LEFT = """
+import fcntl, os, sys
+fcntl.fcntl(2, fcntl.F_SETPIPE_SZ, 8192)  # two pages: one filled here, one left for the lines
+os.write(2, b"x" * 4095 + b"\\n")
+fcntl.fcntl(2, fcntl.F_SETFL, fcntl.fcntl(2, fcntl.F_GETFL) | os.O_NONBLOCK)
+from maestro_flow.runtime.worker_output import OutputCapture
+cap = OutputCapture("head/0", sys.argv[1])
+cap.report("a" * 4083 + "\\nb")  # the second line's prefix starts 3 bytes before the page ends
+cap.close()
+"""
+
+
+def test_a_full_pipe_never_cuts_a_line_or_its_prefix(tmp_path):
+    """A pipe with room for one page, and 4104 bytes of lines to show at once: the first line
+    (4093 bytes with its prefix) is shown whole and the second is left out whole (before, a
+    write of all of it filled the page and cut the second line after "[he": the flaky test above
+    failed that way about once in ten runs)."""
+    log = tmp_path / "head-0.log"
+    proc = subprocess.Popen([sys.executable, "-c", ONE_PAGE_LEFT, str(log)], cwd=ROOT, stderr=subprocess.PIPE)
+    try:
+        proc.wait(timeout=20)  # nothing reads the pipe until the process has ended
+        shown = proc.stderr.read().decode().splitlines()
+    finally:
+        proc.kill()
+    assert shown == ["x" * 4095, "[head/0] " + "a" * 4083], [line[:20] for line in shown]
+    assert log.read_text().splitlines() == ["[head/0] " + "a" * 4083, "[head/0] b"]
