@@ -321,8 +321,8 @@ def validate(ctx: click.Context, pipeline: str, sets: tuple[str, ...], payloads:
 @click.option("--step", type=click.IntRange(min=0), default=0, show_default=True,
               help="Which step's global batch to plan.")
 @click.option("--trace-in", type=click.Path(dir_okay=False, exists=True),
-              help="Plan these samples (JSON Lines of {id, modalities, num_tokens, num_patches?, num_frames?}) "
-                   "as one global batch instead of the dataset's.")
+              help="Plan these samples (JSON Lines of {id, modalities, num_tokens, and num_patches / num_frames "
+                   "for a sample with an image / audio}) as one global batch instead of the dataset's.")
 @click.option("--costs", type=click.Path(dir_okay=False, exists=True), help=COSTS_HELP)
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON: schedule, step, each section's replicas' micro-batches (sample ids), "
                    "the simulated seconds, the run-ahead gates.")

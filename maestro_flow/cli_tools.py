@@ -104,16 +104,18 @@ def profile(ctx: click.Context, pipeline: str, sets: tuple[str, ...], out: str |
 @click.option("--top", type=click.IntRange(1, 50), default=3, show_default=True, help="Configurations to show.")
 @click.option("--global-batch", type=click.IntRange(min=1), help="Tune for this global batch instead of the pipeline's.")
 @click.option("--trace-in", type=click.Path(dir_okay=False, exists=True),
-              help="Sample metadata (JSON Lines of {id, modalities, num_tokens, num_patches?, num_frames?}) "
-                   "instead of the dataset's; resampled to the global batch.")
+              help="Sample metadata (JSON Lines of {id, modalities, num_tokens, and num_patches / num_frames "
+                   "for a sample with an image / audio}) instead of the dataset's; resampled to the global batch.")
 @click.option("--write", "write_to", type=click.Path(dir_okay=False),
               help="Write the best configuration's overrides here, one '--set KEY=VALUE' per line.")
 @click.option("--cpu-cores", type=click.IntRange(min=1),
               help="Cores the CPU workers share (contention is modelled when workers exceed them) "
                    "[default: the cores this process may use when every section is on the CPU, else not "
                    "modelled].")
-@click.option("--max-tp", type=click.IntRange(min=1), default=8, show_default=True,
-              help="Largest tensor parallelism searched for sections whose stage has a tp_plan (1: none).")
+@click.option("--max-tp", type=click.IntRange(min=1),
+              help="Largest tensor parallelism searched for sections whose stage has a tp_plan (1: none) "
+                   "[default: 8 for sections on GPUs, 1 for sections on the CPU, where gloo's all-reduces "
+                   "cost more than tp saves].")
 @click.option("--tp-efficiency", type=click.FloatRange(0.05, 1.0), default=0.8, show_default=True,
               help="Speed of a tp-rank replica relative to tp single ranks (its all-reduces cost the rest).")
 @click.option("--batches", type=click.IntRange(1, 1000),
@@ -123,7 +125,7 @@ def profile(ctx: click.Context, pipeline: str, sets: tuple[str, ...], out: str |
 @click.pass_context
 def tune(ctx: click.Context, pipeline: str, sets: tuple[str, ...], devices: int, memory_gb: float | None,
          costs: str | None, top: int, global_batch: int | None, trace_in: str | None, write_to: str | None,
-         cpu_cores: int | None, max_tp: int, tp_efficiency: float, batches: int | None, as_json: bool) -> None:
+         cpu_cores: int | None, max_tp: int | None, tp_efficiency: float, batches: int | None, as_json: bool) -> None:
     """Search each section's dp, micro-batch size, tp and fsdp for PIPELINE within a device budget.
 
     Every configuration that fits the budget, the memory limit and integral fan-out/fan-in across

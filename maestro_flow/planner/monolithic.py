@@ -67,16 +67,21 @@ def monolithic_step(graph: SectionGraph, costs: CostModel, batch: Sequence[Sampl
 
 
 def best_monolithic(graph: SectionGraph, costs: CostModel, batches: Sequence[Sequence[SampleMeta]], *,
-                    devices: int, micro_batches: Sequence[int], **options) -> MonolithicStep:
+                    devices: int, micro_batches: Sequence[int], fewer: bool = False, **options) -> MonolithicStep:
     """The baseline at its best micro-batch among `micro_batches` (mean over `batches`), as a
-    Megatron user would tune it; ties go to the smaller micro-batch (less activation memory)."""
+    Megatron user would tune it; ties go to the smaller micro-batch (less activation memory).
+    With `fewer`, also at its best number of ranks up to `devices` (powers of two and `devices`;
+    ties go to more ranks): CPU ranks sharing fewer cores can be slower than fewer ranks."""
     best: MonolithicStep | None = None
-    for mb in sorted(set(micro_batches)):
-        steps = [monolithic_step(graph, costs, b, devices=devices, micro_batch=mb, **options) for b in batches]
-        k = len(steps)
-        mean = MonolithicStep(step_s=sum(s.step_s for s in steps) / k, devices=devices, micro_batch=mb,
-                              compute_s=sum(s.compute_s for s in steps) / k, end_s=sum(s.end_s for s in steps) / k)
-        if best is None or mean.step_s < best.step_s * (1 - 1e-9):
-            best = mean
+    counts = sorted({d for d in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024) if d < devices} | {devices},
+                    reverse=True) if fewer else [devices]
+    for d in counts:
+        for mb in sorted(set(micro_batches)):
+            steps = [monolithic_step(graph, costs, b, devices=d, micro_batch=mb, **options) for b in batches]
+            k = len(steps)
+            mean = MonolithicStep(step_s=sum(s.step_s for s in steps) / k, devices=d, micro_batch=mb,
+                                  compute_s=sum(s.compute_s for s in steps) / k, end_s=sum(s.end_s for s in steps) / k)
+            if best is None or mean.step_s < best.step_s * (1 - 1e-9):
+                best = mean
     assert best is not None, "no micro-batch size to try"
     return best

@@ -223,15 +223,16 @@ def tune(pipeline: Pipeline, costs: CostModel | None, samples: Sequence[SampleMe
     if not results:
         raise refusals[0]
     return dataclasses.replace(merge(results, top), monolithic=monolithic_for(pipeline, costs, batches, devices,
-                                                                               options))
+                                                                               options, fewer=True))
 
 
 def monolithic_for(pipeline: Pipeline, costs: CostModel, batches: Sequence[Sequence[SampleMeta]], devices: int,
-                   options: Mapping, micro_batches: Sequence[int] | None = None) -> MonolithicStep | None:
+                   options: Mapping, micro_batches: Sequence[int] | None = None,
+                   fewer: bool = False) -> MonolithicStep | None:
     """The monolithic baseline on the same devices (at most one per sample of a global batch: a rank
-    takes a share of each) at its best micro-batch (of `micro_batches`, default powers of two up
-    to max_micro_batch) that fits the memory limit with every section on each rank; None when
-    none fits."""
+    takes a share of each; with `fewer`, at its fastest number of them: best_monolithic) at its
+    best micro-batch (of `micro_batches`, default powers of two up to max_micro_batch) that fits
+    the memory limit with every section on each rank; None when none fits."""
     graph = SectionGraph(pipeline)
     memory, limit = options.get("memory") or {}, options.get("memory_limit_mb")
     devices = min(devices, min(len(b) for b in batches))
@@ -240,7 +241,7 @@ def monolithic_for(pipeline: Pipeline, costs: CostModel, batches: Sequence[Seque
             if limit is None or sum(memory.get(n, MemoryModel()).at(m) for n in graph.order) <= limit]
     if not fits:
         return None
-    return best_monolithic(graph, costs, batches, devices=devices, micro_batches=fits,
+    return best_monolithic(graph, costs, batches, devices=devices, micro_batches=fits, fewer=fewer,
                            overhead_s=options.get("overhead_s"), runtime_s=options.get("runtime_s"),
                            step_s=options.get("step_s"), grad_mb=options.get("grad_mb"),
                            planning_s=options.get("planning_s", 0.0), cpu_cores=options.get("cpu_cores"))

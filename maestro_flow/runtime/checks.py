@@ -115,7 +115,9 @@ def check_builds(pipeline: Pipeline, section: Any) -> None:
 
 def check_token_limits(pipeline: Pipeline, source: Any, metadata: list[SampleMeta]) -> None:
     """Every sample a section reads fits its stage's token_limits (vocabulary, length), or the
-    run is refused naming the section, the limit and the first sample id that breaks it."""
+    run is refused naming the section, the limit and the first sample id that breaks it. With
+    `source` None (metadata alone, --trace-in), what needs the tokens is left out: the vocabulary,
+    and the placeholders, each declared modality counted as holding its one."""
     rows_over: dict[tuple, list[int]] = {}  # (vocabulary size, ids exempt) -> rows with an id at or above it
     for s in pipeline.sections:
         cls = resolve(s.stage, f"sections.{s.name}.stage")
@@ -190,13 +192,16 @@ def _check_placeholders(s: Any, source: Any, reads: list[SampleMeta], placeholde
     placeholder for it, one that does not declare it holds none (its encoder would never run, and
     the stage would drop the placeholder unnoticed), none holds two, and its positions once
     expanded (one per image patch, one per audio frame, as the built-in encoders give) fit."""
-    if not hasattr(source, "token_counts") or not reads:
+    if not reads:
         return
     import numpy as np  # a dataset of millions of rows: one pass per array, not per sample
 
-    rows = np.fromiter((m.row for m in reads), dtype=np.int64, count=len(reads))
     removed = np.zeros(len(reads), dtype=np.int64)
-    for modality, token in sorted(placeholders.items()):
+    if not hasattr(source, "token_counts"):  # metadata without tokens (--trace-in): one placeholder a modality
+        for modality in placeholders:
+            removed += np.fromiter((modality in m.modalities for m in reads), dtype=np.int64, count=len(reads))
+    rows = np.fromiter((m.row for m in reads), dtype=np.int64, count=len(reads))
+    for modality, token in sorted(placeholders.items()) if hasattr(source, "token_counts") else ():
         counts = source.token_counts(token)[rows]
         declared = np.fromiter((modality in m.modalities for m in reads), dtype=bool, count=len(reads))
         kinds = (counts > 1, declared & (counts == 0), ~declared & (counts == 1))  # each its own message

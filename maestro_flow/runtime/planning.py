@@ -21,11 +21,15 @@ from maestro_flow.runtime.cpus import pipeline_search
 from maestro_flow.runtime.sampler import EpochSampler
 from maestro_flow.samples import SampleMeta
 
-TRACE_REQUIRED = ("id", "modalities", "num_tokens")  # num_patches and num_frames default to 0
+TRACE_REQUIRED = ("id", "modalities", "num_tokens")  # and num_patches / num_frames with an image / audio
+SIZE_OF = {"image": "num_patches", "audio": "num_frames"}  # a modality's size, required where declared
 
 
-def read_trace(path: str) -> list[SampleMeta]:
-    """`--trace-in`: sample metadata as JSON Lines, one sample a line (TRACE_REQUIRED keys)."""
+def read_trace(path: str, pipeline: Any = None) -> list[SampleMeta]:
+    """`--trace-in`: sample metadata as JSON Lines, one sample a line (TRACE_REQUIRED keys, and
+    SIZE_OF's for the modalities it declares). With `pipeline`, the samples must fit its stages'
+    token_limits as a run's data must (checks.check_token_limits; before, a trace of samples no
+    run would take was planned, found in QA)."""
     try:
         with open(path) as f:
             lines = f.readlines()
@@ -43,6 +47,8 @@ def read_trace(path: str) -> list[SampleMeta]:
             if not isinstance(d, dict):
                 raise ValueError(f"a JSON object a line, got {type(d).__name__}")
             missing = [key for key in TRACE_REQUIRED if key not in d]  # a default would plan 0 tokens (review)
+            if not missing and isinstance(d["modalities"], list):  # an image of 0 patches, too (QA)
+                missing = [SIZE_OF[m] for m in SIZE_OF if m in d["modalities"] and SIZE_OF[m] not in d]
             if missing:
                 raise ValueError(f"no {' and no '.join(missing)}")
             sample = SampleMeta.from_dict({**d, "row": d.get("row", -1)})
@@ -54,6 +60,13 @@ def read_trace(path: str) -> list[SampleMeta]:
         samples.append(sample)
     if not samples:
         raise PipelineError(f"{path}: no samples")
+    if pipeline is not None:
+        from maestro_flow.runtime.checks import check_token_limits
+
+        try:
+            check_token_limits(pipeline, None, samples)
+        except PipelineError as exc:
+            raise PipelineError(f"--trace-in {path}: {str(exc).replace(' (row -1)', '')}") from None  # no rows
     return samples
 
 
@@ -72,7 +85,7 @@ def plan_one_step(path: str, overrides: dict[str, Any], *, step: int = 0, trace_
     if trace_in:
         pipeline.validate()
         graph = SectionGraph(pipeline)
-        samples = read_trace(trace_in)
+        samples = read_trace(trace_in, pipeline)
     else:
         checked = check_pipeline(pipeline)
         graph = checked.graph

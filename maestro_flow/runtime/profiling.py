@@ -286,10 +286,15 @@ def _write(path: str, data: dict[str, Any], options: ProfileOptions, log: Any) -
 
 
 def _profile_worker(path: str, options: ProfileOptions, results: Any) -> None:
-    """The profiling worker process (see profile_pipeline)."""
+    """The profiling worker process (see profile_pipeline). Ctrl-C reaches it with its parent (one
+    process group): it ends quietly, and the parent says "interrupted" (before, multiprocessing
+    printed the worker's KeyboardInterrupt traceback; found in QA)."""
     cores = sorted(os.sched_getaffinity(0))
     os.sched_setaffinity(0, cores[:1])
-    profile_to(results.put, path, options, cores=len(cores))
+    try:
+        profile_to(results.put, path, options, cores=len(cores))
+    except KeyboardInterrupt:
+        pass
 
 
 def profile_to(put: Any, path: str, options: ProfileOptions, *, cores: int) -> None:

@@ -230,8 +230,21 @@ def replay(path: str, name: str, options: ReplayOptions, echo: Callable[[str], N
     if options.repeat < 1:
         raise ReplayError(f"--repeat must be >= 1, got {options.repeat}")
     _check_mode_flags(pipeline, name, options)
+    _check_inputs(pipeline, name, options)
     with post_mortem(options.pdb):
         return _replay(path, pipeline, name, options, echo)
+
+
+def _check_inputs(pipeline: Pipeline, name: str, options: ReplayOptions) -> None:
+    """Bad input is refused in one line (exit 2), as `maestro validate` refuses it, not raised from
+    the stage as its own error (exit 3, a traceback; found in QA): the section's config builds
+    (on the meta device) and, for synthetic inputs read from the dataset, the data passes
+    check_pipeline's checks (token limits, modalities, sizes)."""
+    from maestro_flow.runtime.checks import check_builds, check_pipeline
+
+    check_builds(pipeline, SectionGraph(pipeline).sections[name])
+    if not options.run_dir:
+        check_pipeline(pipeline)
 
 
 def _check_mode_flags(pipeline: Pipeline, name: str, options: ReplayOptions) -> None:
@@ -356,7 +369,8 @@ def _replay(path: str, pipeline: Pipeline, name: str, options: ReplayOptions, ec
         timing = f"  time: forward {_ms(result.forward_s)}"
         if result.backward_s:
             timing += f", backward {_ms(result.backward_s)}"
-        echo(timing + f" (median of {len(result.forward_s)})")
+        echo(timing + (f" (median of {len(result.forward_s)})" if len(result.forward_s) > 1 else
+                       " (one run: the first call, with its one-time setup; --repeat 3 or more for steady timings)"))
         if options.compare and want is not None:
             diffs = compare_outputs(result.outputs, want, options.atol, options.rtol)
             for d in diffs:

@@ -43,7 +43,7 @@ class TuneOptions:
     top: int = 5
     batches: int | None = None  # global batches to average the simulated step over (None: auto_batches)
     cpu_cores: int | None = None  # CPU contention; default len(os.sched_getaffinity(0)) when every section is on the CPU
-    max_tp: int = 8  # the largest tensor-parallel size searched (1: none)
+    max_tp: int | None = None  # the largest tensor-parallel size searched (1: none; None: allowed_tp's default)
     tp_efficiency: float = 0.8
 
 
@@ -51,7 +51,7 @@ def tune_pipeline(path: str, options: TuneOptions) -> tuple[TuneResult, list[str
     """The tuning result and notes worth telling the user (e.g. the memory limit went unchecked)."""
     pipeline, costs, batches, kwargs, notes = _inputs(path, options)
     result = tune(pipeline, costs, batches, devices=options.devices, top=options.top,
-                  tp_options=allowed_tp(pipeline, options.max_tp), **kwargs)
+                  tp_options=kwargs.pop("tp_options"), **kwargs)
     return result, notes
 
 
@@ -62,6 +62,7 @@ def predict(path: str, options: TuneOptions, micro_batch: int | None = None) -> 
     from maestro_flow.planner.tune import Tuner, monolithic_for
 
     pipeline, costs, batches, kwargs, _ = _inputs(path, options)
+    kwargs.pop("tp_options")
     tp = {s.name: s.tp for s in pipeline.sections}
     tuner = Tuner(pipeline, costs, batches, devices=max(options.devices, sum(s.dp * s.tp for s in pipeline.sections)),
                   tp=tp, **kwargs)
@@ -115,7 +116,7 @@ def _inputs(path: str, options: TuneOptions) -> tuple[Any, CostModel, list, dict
             notes.append(unmeasured + (", and its memory is not checked against --memory-gb"
                                        if options.memory_gb is not None else ""))
     else:
-        notes.append("costs: the pipeline's Cost records (run `maestro profile` and pass --costs for measured ones)")
+        notes.append(costs_note(pipeline))
     pipeline.validate()
     SectionGraph(pipeline)
     limit = options.memory_gb * 1024 if options.memory_gb is not None else None
@@ -125,7 +126,7 @@ def _inputs(path: str, options: TuneOptions) -> tuple[Any, CostModel, list, dict
     if options.trace_in:
         from maestro_flow.runtime.planning import read_trace
 
-        pool = read_trace(options.trace_in)
+        pool = read_trace(options.trace_in, pipeline)
     else:
         from maestro_flow.runtime.checks import check_pipeline
 
@@ -139,12 +140,18 @@ def _inputs(path: str, options: TuneOptions) -> tuple[Any, CostModel, list, dict
     if cores:
         notes.append(f"CPU workers share {cores} core{'' if cores == 1 else 's'} (contention modelled; --cpu-cores "
                      "to change)")
-    tp_options = allowed_tp(pipeline, options.max_tp)
+    tp_options = allowed_tp(pipeline, options.max_tp, options.devices)
     searched = [f"{n} {'/'.join(map(str, v))}" for n, v in tp_options.items() if len(v) > 1]
     if searched:
         notes.append(f"tensor parallelism searched: {', '.join(searched)} (--max-tp to change)")
+    if options.max_tp is None:
+        skipped = [n for n, v in allowed_tp(pipeline, MAX_TP, options.devices).items()
+                   if len(v) > len(tp_options[n])]
+        if skipped:
+            notes.append(f"tensor parallelism not searched for {', '.join(skipped)}: on the CPU its all-reduces "
+                         f"over gloo cost more than it saves (--max-tp N to search it anyway)")
     kwargs = {"memory_limit_mb": limit, "memory": memory, "overhead_s": overhead, "cpu_cores": cores or None,
-              "tp_efficiency": options.tp_efficiency, **calibration}
+              "tp_efficiency": options.tp_efficiency, "tp_options": tp_options, **calibration}
     return pipeline, costs, batches, kwargs, notes
 
 
@@ -162,8 +169,25 @@ def copies(section: Any, profile: Any) -> float:
     return float(n) if n == 1 else 1.0 + trained_share(profile) * (n - 1)
 
 
-def allowed_tp(pipeline: Any, max_tp: int) -> dict[str, list[int]]:
-    """Each section's tensor-parallel sizes up to max_tp that `maestro run` accepts
+def costs_note(pipeline: Any) -> str:
+    """Where the costs come from without --costs: the sections' Cost records, and which sections
+    declare none (they are costed at Cost()'s defaults: a guess, not a measurement)."""
+    from maestro_flow.config import Cost
+
+    default = [s.name for s in pipeline.sections if s.cost == Cost()]
+    if not default:
+        return "costs: the pipeline's Cost records (run `maestro profile` and pass --costs for measured ones)"
+    which = "no section declares" if len(default) == len(pipeline.sections) else f"{', '.join(default)} declare{'s' if len(default) == 1 else ''} no"
+    return (f"costs: {which} a Cost, so the defaults are used there ({Cost().per_sample_s * 1e3:g} ms a sample, "
+            f"nothing per micro-batch or token): a guess; run `maestro profile` and pass --costs")
+
+
+MAX_TP = 8  # the largest tensor parallelism searched on GPUs unless --max-tp says otherwise
+
+
+def allowed_tp(pipeline: Any, max_tp: int | None, devices: int | None = None) -> dict[str, list[int]]:
+    """Each section's tensor-parallel sizes up to max_tp (None: MAX_TP on GPUs, 1 on the CPU,
+    where gloo's all-reduces cost more than tp saves) and `devices` that `maestro run` accepts
     (checks.check_tensor_parallel): a tp_plan (or its own parallelize), a configuration its
     check_tp accepts, and every dimension the plan shards dividing by tp (the stage built once
     on the meta device); the pipeline's own tp always."""
@@ -174,6 +198,8 @@ def allowed_tp(pipeline: Any, max_tp: int) -> dict[str, list[int]]:
     out = {}
     for s in pipeline.sections:
         values = {s.tp}
+        largest = max_tp if max_tp is not None else 1 if on_cpu(s.device) else MAX_TP
+        largest = min(largest, devices) if devices is not None else largest
         try:
             cls = resolve(s.stage, f"sections.{s.name}.stage")
             own = cls.parallelize is not Stage.parallelize
@@ -182,7 +208,7 @@ def allowed_tp(pipeline: Any, max_tp: int) -> dict[str, list[int]]:
             own, plan = False, {}
         stage = None
         for t in (2, 4, 8, 16):
-            if not (own or plan) or t > max_tp:
+            if not (own or plan) or t > largest:
                 continue
             try:
                 cls.check_tp(dict(s.config), t)
@@ -246,7 +272,7 @@ def format_result(result: TuneResult, current: Candidate | None = None) -> str:
                  f"{result.devices} devices)")
     mono = result.monolithic
     if mono is not None:
-        fewer = f" of the {result.devices} devices: one per sample of a global batch" if mono.devices < result.devices else ""
+        fewer = f", its fastest count of at most {result.devices}" if mono.devices < result.devices else ""
         lines.append(f"monolithic baseline (every section on each of {mono.devices} ranks{fewer}, micro-batch "
                      f"{mono.micro_batch}): {mono.step_s * 1e3:.1f} ms per step; #1 is "
                      f"{vs_best(mono.step_s) or 'as fast as'} its throughput (maestro run PIPE --baseline "

@@ -21,7 +21,7 @@ def write_trace(path: Path, n: int = 48, image_share: float = 0.33) -> None:
         for i in range(n):
             image = rnd.random() < image_share
             f.write(json.dumps({"id": i, "modalities": ["text", "image"] if image else ["text"],
-                                "num_tokens": rnd.randint(20, 300), "num_patches": rnd.randint(16, 64) if image else 0})
+                                "num_tokens": rnd.randint(20, 250), "num_patches": rnd.randint(16, 64) if image else 0})
                     + "\n")
 
 
