@@ -335,7 +335,9 @@ def plan(ctx: click.Context, pipeline: str, sets: tuple[str, ...], schedule: str
     would (not for step 0, which the workers wait for, nor where it would take a worker's core;
     the same with checkpoints or resumed), with the costs given (the
     sections' `cost`, or --costs). A run also refines its costs from its own timings as it goes
-    (adapt_costs), so its later steps can differ unless --set adapt_costs=false."""
+    (adapt_costs), so its later steps can differ unless --set adapt_costs=false. The timing is
+    one step alone, each worker on a device of its own: `maestro tune` predicts a run's steady
+    step (steps overlapping, CPU workers sharing cores, per-step overheads), so it differs."""
     from maestro_flow.runtime.planning import plan_one_step
 
     try:

@@ -61,7 +61,10 @@ def read_set_file(path: str) -> list[str]:
             text = text[len("--set "):].strip()
         elif text.startswith("--set="):
             text = text[len("--set="):]
+        key = text.split("=", 1)[0].strip()
         try:
+            if key.startswith("-") or len(key.split()) > 1:  # found in QA: '--sett a.b=1' was read as key '--sett a.b'
+                raise PipelineError(key)
             parse_set([text])
         except PipelineError:
             raise click.BadParameter(f"{os.fspath(path)} line {number}: expected KEY=VALUE or --set KEY=VALUE, "

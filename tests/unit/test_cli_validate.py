@@ -537,6 +537,13 @@ def test_set_file_gives_overrides_and_a_set_wins_over_it(tmp_path):
     result = invoke("graph", "pipelines/vlm.py", "--set-file", str(sets))
     assert result.exit_code == 2 and f"{sets} line 2: expected KEY=VALUE or --set KEY=VALUE, got 'dp 2'" in \
         result.stderr, result.output
+    # Found in QA: a misspelt flag was read as the key '--sett sections.llm.dp' ("unknown pipeline field
+    # '--sett sections'"), naming neither the file nor the line.
+    for line in ("--sett sections.llm.dp=1", "sections.llm dp=1"):
+        sets.write_text(line + "\n")
+        result = invoke("graph", "pipelines/vlm.py", "--set-file", str(sets))
+        assert result.exit_code == 2 and f"{sets} line 1: expected KEY=VALUE or --set KEY=VALUE, got {line!r}" in \
+            result.stderr, result.output
 
 
 @pytest.mark.parametrize("flag, target", [
