@@ -34,7 +34,7 @@ if (__name__ == "__main__" or os.path.basename((getattr(sys, "orig_argv", []) + 
 import click  # noqa: E402 (after the handler: importing it takes a while)
 
 from maestro_flow.cli_sets import set_options  # noqa: E402
-from maestro_flow.cli_signals import interrupts_after_imports  # noqa: E402
+from maestro_flow.cli_signals import interrupts_after_imports, reader_gone  # noqa: E402
 from maestro_flow.config import parse_set  # noqa: E402
 from maestro_flow.errors import MaestroError, PipelineError, StageError  # noqa: E402
 
@@ -98,6 +98,10 @@ class _Main(click.Group):
         except KeyboardInterrupt:
             click.echo("interrupted", err=True)
             sys.exit(130)
+        except BrokenPipeError:  # `| head` has read enough: a success, as for stage (QA: exit 1 at random)
+            if not reader_gone():
+                raise
+            sys.exit(0)
 
 
 @click.group(cls=_Main, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})

@@ -6,7 +6,8 @@ callback. Every command therefore runs under `interrupts_after_imports`: while s
 module is being imported, Ctrl-C is only noted, and sent again to the main thread once the import
 is over, where it is raised as usual. A second Ctrl-C while one is held is raised at once (an
 import that hangs can still be interrupted). Commands that catch KeyboardInterrupt themselves
-(`maestro run` stops its workers first) keep their own message.
+(`maestro run` stops its workers first) keep their own message. And a closed pipe on stdout
+(`maestro plan ... | head`) ends a command with exit 0 (`reader_gone`), not click's exit 1.
 """
 
 from __future__ import annotations
@@ -71,3 +72,20 @@ def interrupts_after_imports() -> Iterator[None]:
         closed.set()
         held.clear()  # a resend still pending finds nothing to raise
         signal.signal(signal.SIGINT, previous)
+
+
+def reader_gone() -> bool:
+    """Whether stdout is a pipe whose reader has gone (`maestro plan ... | head` that has read its
+    lines); if so stdout is pointed at the null device, so the exit flushes nothing more into it."""
+    import os
+    import select
+
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLERR)
+        gone = any(event & select.POLLERR for _, event in poller.poll(0))
+    except (OSError, ValueError, AttributeError):  # no stdout, or no poll
+        return False
+    if gone:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return gone

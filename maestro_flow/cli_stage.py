@@ -10,13 +10,13 @@ message `maestro run` gives).
 from __future__ import annotations
 
 import math
-import os
 import sys
 import traceback
 
 import click
 
 from maestro_flow.cli_sets import set_options
+from maestro_flow.cli_signals import reader_gone
 from maestro_flow.config import parse_set
 from maestro_flow.errors import MaestroError
 
@@ -107,24 +107,10 @@ def stage(ctx: click.Context, pipeline: str, section: str, run_dir: str | None, 
         click.echo(f"error: {exc}", err=True)
         sys.exit(2)
     except Exception as exc:
-        if isinstance(exc, BrokenPipeError) and _stdout_closed():
-            # Found in review: `maestro stage ... | head` was reported as the stage raising (exit 3).
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing more to flush at exit
-            sys.exit(0)
+        if isinstance(exc, BrokenPipeError) and reader_gone():
+            sys.exit(0)  # found in review: `maestro stage ... | head` was reported as the stage raising (exit 3)
         click.echo("".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).rstrip(), err=True)
         click.echo(f"error: section {section!r} raised {type(exc).__name__}: {exc} "
                    "(rerun with --pdb to debug it)", err=True)
         sys.exit(3)
     sys.exit(code)
-
-
-def _stdout_closed() -> bool:
-    """Whether stdout is a pipe whose reader has gone (`| head` that has read its lines)."""
-    import select
-
-    try:
-        poller = select.poll()
-        poller.register(sys.stdout.fileno(), select.POLLERR)
-        return any(event & select.POLLERR for _, event in poller.poll(0))
-    except (OSError, ValueError, AttributeError):  # no stdout, or no poll
-        return False

@@ -113,3 +113,21 @@ def test_ctrl_c_ends_the_profiling_worker_quietly(monkeypatch):
         assert profiling._profile_worker("unused.py", None, types.SimpleNamespace(put=None)) is None
     finally:
         os.sched_setaffinity(0, cores)  # the worker pins itself to one core
+
+
+def test_a_reader_that_has_read_enough_is_a_success(tmp_path):
+    """`maestro plan ... | head`: the reader leaves before the output ends. Before, click's EPIPE
+    handling exited 1 (at random, as the output's end raced the reader); now 0, as stage does."""
+    import subprocess
+    import sys
+
+    trace = _trace(tmp_path / "t.jsonl", [{"modalities": ["text"], "num_tokens": 20 + i % 200} for i in range(2000)])
+    proc = subprocess.Popen([sys.executable, "-m", "maestro_flow.cli", "plan", str(ROOT / "pipelines" / "vlm.py"),
+                             "--trace-in", str(trace)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert proc.stdout.readline()  # the plan of 2000 samples goes on for long after (6 of 6 exited 1 before)
+        proc.stdout.close()
+        err = proc.stderr.read().decode()
+        assert proc.wait(timeout=60) == 0 and not err, err
+    finally:
+        proc.kill()
