@@ -346,7 +346,7 @@ def plan(ctx: click.Context, pipeline: str, sets: tuple[str, ...], schedule: str
 
     try:
         result = plan_one_step(pipeline, _overrides(sets, costs, pipeline, schedule=schedule), step=step,
-                               trace_in=trace_in)
+                               trace_in=trace_in, warn=lambda text: click.echo(f"warning: {text}", err=True))
         if as_json:
             click.echo(json.dumps(result.to_json_dict(), indent=1))
         else:

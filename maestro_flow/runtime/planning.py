@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from collections.abc import Callable
 from typing import Any
 
 from maestro_flow.errors import PipelineError
@@ -16,7 +17,7 @@ from maestro_flow.graph import SectionGraph
 from maestro_flow.planner import CostModel, Plan, make_planner
 from maestro_flow.planner.simulate import simulate
 from maestro_flow.runtime.build import load_pipeline
-from maestro_flow.runtime.checks import check_pipeline
+from maestro_flow.runtime.checks import check_pipeline, pipeline_warnings
 from maestro_flow.runtime.cpus import pipeline_search
 from maestro_flow.runtime.sampler import EpochSampler
 from maestro_flow.samples import SampleMeta
@@ -80,17 +81,24 @@ def run_search(pipeline, step: int) -> float:
     return pipeline_search(pipeline, sum(s.dp * s.tp for s in pipeline.sections), len(os.sched_getaffinity(0)))
 
 
-def plan_one_step(path: str, overrides: dict[str, Any], *, step: int = 0, trace_in: str | None = None) -> Plan:
+def plan_one_step(path: str, overrides: dict[str, Any], *, step: int = 0, trace_in: str | None = None,
+                  warn: Callable[[str], None] = lambda _text: None) -> Plan:
+    """The plan a run makes for `step`; `warn` gets what validate and run warn of (found in QA:
+    a dp above the global batch planned idle replicas without a word)."""
     pipeline, _ = load_pipeline(path, overrides)
     if trace_in:
         pipeline.validate()
         graph = SectionGraph(pipeline)
         samples = read_trace(trace_in, pipeline)
+        warnings = pipeline_warnings(pipeline)
     else:
         checked = check_pipeline(pipeline)
         graph = checked.graph
         samples = EpochSampler(checked.metadata, pipeline.global_batch, pipeline.seed,
-                                shuffle=pipeline.data.shuffle).batch(step)
+                               shuffle=pipeline.data.shuffle).batch(step)
+        warnings = [*checked.warnings, *checked.data_warnings]
+    for text in warnings:
+        warn(text)
     costs = CostModel(costs={n: s.cost for n, s in graph.sections.items()})
     result = make_planner(pipeline.schedule, graph, costs, search=run_search(pipeline, step)).plan(step, samples)
     return dataclasses.replace(result, simulated=simulate(result, graph, costs).to_json_dict())

@@ -131,3 +131,12 @@ def test_a_reader_that_has_read_enough_is_a_success(tmp_path):
         assert proc.wait(timeout=60) == 0 and not err, err
     finally:
         proc.kill()
+
+
+def test_plan_warns_as_validate_and_run_do(tmp_path):
+    """Before: `plan --set sections.llm.dp=64` (global batch 24) printed 40 empty replicas
+    without the warning validate and run give."""
+    trace = _trace(tmp_path / "t.jsonl", [{"modalities": ["text"], "num_tokens": 20 + i} for i in range(24)])
+    result = invoke("plan", ROOT / "pipelines" / "vlm.py", "--trace-in", trace, "--set", "sections.llm.dp=64")
+    assert result.exit_code == 0, result.output
+    assert "warning: sections.llm.dp=64 is more than global_batch=24" in result.stderr
