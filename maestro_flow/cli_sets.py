@@ -64,10 +64,11 @@ def read_set_file(path: str) -> list[str]:
         key = text.split("=", 1)[0].strip()
         try:
             if key.startswith("-") or len(key.split()) > 1:  # found in QA: '--sett a.b=1' was read as key '--sett a.b'
-                raise PipelineError(key)
+                raise PipelineError("its key starts like a flag other than --set" if key.startswith("-") else "its key holds a space")
             parse_set([text])
-        except PipelineError:
+        except PipelineError as exc:
+            why = f" ({exc})" if str(exc).startswith("its key") else ""
             raise click.BadParameter(f"{os.fspath(path)} line {number}: expected KEY=VALUE or --set KEY=VALUE, "
-                                     f"got {line.strip()!r}", param_hint="--set-file") from None
+                                     f"got {line.strip()!r}{why}", param_hint="--set-file") from None
         items.append(text)
     return items

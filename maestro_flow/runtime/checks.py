@@ -14,6 +14,7 @@ They are warnings, not refusals (a forward-only run is a fair benchmark): `maest
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -113,13 +114,17 @@ def check_builds(pipeline: Pipeline, section: Any) -> None:
                             f"{brief(exc)}") from exc
 
 
-def check_token_limits(pipeline: Pipeline, source: Any, metadata: list[SampleMeta]) -> None:
+def check_token_limits(pipeline: Pipeline, source: Any, metadata: list[SampleMeta],
+                       only: Collection[str] | None = None) -> None:
     """Every sample a section reads fits its stage's token_limits (vocabulary, length), or the
     run is refused naming the section, the limit and the first sample id that breaks it. With
     `source` None (metadata alone, --trace-in), what needs the tokens is left out: the vocabulary,
-    and the placeholders, each declared modality counted as holding its one."""
+    and the placeholders, each declared modality counted as holding its one. `only`: the sections
+    to check (default every one)."""
     rows_over: dict[tuple, list[int]] = {}  # (vocabulary size, ids exempt) -> rows with an id at or above it
     for s in pipeline.sections:
+        if only is not None and s.name not in only:
+            continue
         cls = resolve(s.stage, f"sections.{s.name}.stage")
         try:
             limits = cls.token_limits(dict(s.config)) or {}

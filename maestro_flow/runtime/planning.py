@@ -49,7 +49,7 @@ def read_trace(path: str, pipeline: Any = None) -> list[SampleMeta]:
                 raise ValueError(f"a JSON object a line, got {type(d).__name__}")
             missing = [key for key in TRACE_REQUIRED if key not in d]  # a default would plan 0 tokens (review)
             if not missing and isinstance(d["modalities"], list):  # an image of 0 patches, too (QA)
-                missing = [SIZE_OF[m] for m in SIZE_OF if m in d["modalities"] and SIZE_OF[m] not in d]
+                missing = [SIZE_OF[m] for m in SIZE_OF if m in d["modalities"] and d.get(SIZE_OF[m]) is None]
             if missing:
                 raise ValueError(f"no {' and no '.join(missing)}")
             sample = SampleMeta.from_dict({**d, "row": d.get("row", -1)})

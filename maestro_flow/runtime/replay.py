@@ -36,7 +36,7 @@ from typing import Any
 from safetensors import SafetensorError
 
 from maestro_flow.config import Pipeline
-from maestro_flow.errors import MaestroError, PipelineError
+from maestro_flow.errors import MaestroError, PipelineError, brief
 from maestro_flow.graph import SectionGraph
 from maestro_flow.runtime.build import load_pipeline
 from maestro_flow.runtime.record import (
@@ -230,21 +230,8 @@ def replay(path: str, name: str, options: ReplayOptions, echo: Callable[[str], N
     if options.repeat < 1:
         raise ReplayError(f"--repeat must be >= 1, got {options.repeat}")
     _check_mode_flags(pipeline, name, options)
-    _check_inputs(pipeline, name, options)
     with post_mortem(options.pdb):
         return _replay(path, pipeline, name, options, echo)
-
-
-def _check_inputs(pipeline: Pipeline, name: str, options: ReplayOptions) -> None:
-    """Bad input is refused in one line (exit 2), as `maestro validate` refuses it, not raised from
-    the stage as its own error (exit 3, a traceback; found in QA): the section's config builds
-    (on the meta device) and, for synthetic inputs read from the dataset, the data passes
-    check_pipeline's checks (token limits, modalities, sizes)."""
-    from maestro_flow.runtime.checks import check_builds, check_pipeline
-
-    check_builds(pipeline, SectionGraph(pipeline).sections[name])
-    if not options.run_dir:
-        check_pipeline(pipeline)
 
 
 def _check_mode_flags(pipeline: Pipeline, name: str, options: ReplayOptions) -> None:
@@ -274,7 +261,13 @@ def _replay(path: str, pipeline: Pipeline, name: str, options: ReplayOptions, ec
     is_loss = name in graph.loss_sections()
     kind = "trainable" if section.trainable else "frozen"
     recorded = _recorded(options.run_dir, name, options) if options.run_dir else None
-    runner = SectionRunner(pipeline, name)
+    try:
+        runner = SectionRunner(pipeline, name)
+    except MaestroError:
+        raise
+    except Exception as exc:  # a config the stage refuses: one line, exit 2, as validate says it (found in QA)
+        raise PipelineError(f"sections.{name}.config: building {section.stage} from it failed: {brief(exc)} "
+                            "(--pdb to debug it)") from exc  # post_mortem debugs the cause
     params = sum(p.numel() for p in runner.stage.parameters())
     echo(f"section {name} ({section.stage}): {kind}{', loss section' if is_loss else ''}, "
          f"{params:,} parameters, device {runner.device}, dtype {pipeline.dtype}")
@@ -339,7 +332,7 @@ def _replay(path: str, pipeline: Pipeline, name: str, options: ReplayOptions, ec
     failed = 0
     uncompared: set[str] = set()
     loaded_weights = None
-    for item in work:
+    for number, item in enumerate(work):
         batch, want, weights = item.batch, item.want, item.weights
         if weights and weights != loaded_weights:
             runner.load_weights(weights, source=f"recorded weights of step {batch.step} ({weights})")
@@ -369,8 +362,9 @@ def _replay(path: str, pipeline: Pipeline, name: str, options: ReplayOptions, ec
         timing = f"  time: forward {_ms(result.forward_s)}"
         if result.backward_s:
             timing += f", backward {_ms(result.backward_s)}"
-        echo(timing + (f" (median of {len(result.forward_s)})" if len(result.forward_s) > 1 else
-                       " (one run: the first call, with its one-time setup; --repeat 3 or more for steady timings)"))
+        once = " (one run; --repeat 3 or more for steady timings)" if number else \
+            " (one run: the first call, with its one-time setup; --repeat 3 or more for steady timings)"
+        echo(timing + (f" (median of {len(result.forward_s)})" if len(result.forward_s) > 1 else once))
         if options.compare and want is not None:
             diffs = compare_outputs(result.outputs, want, options.atol, options.rtol)
             for d in diffs:

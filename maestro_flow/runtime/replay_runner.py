@@ -25,6 +25,7 @@ from maestro_flow.config import Pipeline
 from maestro_flow.errors import MaestroError, StageOutputError, brief
 from maestro_flow.graph import SectionGraph
 from maestro_flow.runtime.build import build_stage, default_dtype, open_source, resolve_device
+from maestro_flow.runtime.checks import check_token_limits
 from maestro_flow.runtime.precision import autocast_dtype, compute
 from maestro_flow.runtime.record import restore_rng
 from maestro_flow.stage import MicroBatch, output_problem
@@ -313,6 +314,10 @@ def synthetic_batches(pipeline: Pipeline, name: str, samples: int | None = None,
     section = graph.sections[name]
     source = open_source(pipeline)
     chosen = _pick_samples(graph, name, source.metadata(), samples or section.micro_batch)
+    # Samples this section (or one run upstream of it) would refuse in a run: one line, exit 2, as
+    # validate says it, not the stage's own error (found in QA: max_seq_len). The others' limits
+    # are not this command's business.
+    check_token_limits(pipeline, source, chosen, only={name, *_ancestors(graph, name, set(input_shapes))})
     produced: dict[tuple[int, str], torch.Tensor | None] = {}
     wanted = {t for e in graph.inputs(name) for t in e.edge.tensors}
     random_names = wanted & set(input_shapes)

@@ -118,7 +118,7 @@ class OutputCapture:
     def _gave_up(self, head: bytes, data: bytes, written: int) -> None:
         """The terminal stayed full: `written` bytes of head + data went out."""
         self.full = True
-        if written > len(head):  # the note went out: count the lines of data it did not
+        if written >= len(head):  # the note went out (alone, at ==): count the lines of data it did not
             self.unshown = data[written - len(head):].count(b"\n")
         else:  # the note did not go out whole: it is owed again, with data's lines added
             self.unshown += data.count(b"\n")

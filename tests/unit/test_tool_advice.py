@@ -81,7 +81,23 @@ def test_stage_refuses_a_bad_config_in_one_line_as_validate_does():
     assert result.exit_code == 2, result.output
     assert "Traceback" not in result.output
     assert "error: sections.student.config: building stages.distill:KDStudent from it failed: ValueError: " \
-           "student.d_model (63) must be divisible by student.n_heads (4)" in result.output
+           "student.d_model (63) must be divisible by student.n_heads (4) (--pdb to debug it)" in result.output
+
+
+def test_stage_holds_its_samples_to_its_own_limits_only(tmp_path):
+    """The section's (and its upstream's) token limits on the samples it runs: one line, exit 2
+    (before: the stage's own error, a traceback and exit 3). Not other sections' limits, nor the
+    global batch (found in review of the first fix, which ran all of validate's checks)."""
+    from loaders.demo import build_text_demo
+
+    data = build_text_demo(tmp_path, num_samples=16, parquet=False)
+    distill, short = ROOT / "pipelines" / "distill.py", "sections.student.config.student.max_seq_len=4"
+    result = invoke("stage", distill, "student", "--set", f"data.path={data}", "--set", short, "--samples", 2)
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    assert "error: sections.student: sample id" in result.output and "(max_tokens 4, from its config)" in result.output
+    for other in (short, "global_batch=100000", "sections.student.tp=3"):
+        result = invoke("stage", distill, "teacher", "--set", f"data.path={data}", "--set", other, "--samples", 2)
+        assert result.exit_code == 0, (other, result.output)
 
 
 def test_a_trace_is_held_to_what_a_run_takes(tmp_path):
@@ -91,6 +107,9 @@ def test_a_trace_is_held_to_what_a_run_takes(tmp_path):
     no_size = _trace(tmp_path / "a.jsonl", [{"modalities": ["text", "image"], "num_tokens": 30}])
     result = invoke("plan", vlm, "--trace-in", no_size)
     assert result.exit_code == 2 and "a.jsonl:1: not a sample metadata line (no num_patches)" in result.output
+    null_size = _trace(tmp_path / "n.jsonl", [{"modalities": ["text", "image"], "num_tokens": 30, "num_patches": None}])
+    result = invoke("plan", vlm, "--trace-in", null_size)  # found in review: null was read as 0
+    assert result.exit_code == 2 and "n.jsonl:1: not a sample metadata line (no num_patches)" in result.output
     long = _trace(tmp_path / "b.jsonl", [{"modalities": ["text"], "num_tokens": 10_000_000}])
     for command in (["plan", vlm], ["tune", vlm, "--devices", 3]):
         result = invoke(*command, "--trace-in", long)

@@ -127,3 +127,19 @@ def test_a_full_pipe_never_cuts_a_line_or_its_prefix(tmp_path):
         proc.kill()
     assert shown == ["x" * 4095, "[head/0] " + "a" * 4083], [line[:20] for line in shown]
     assert log.read_text().splitlines() == ["[head/0] " + "a" * 4083, "[head/0] b"]
+
+
+def test_a_note_that_went_out_alone_is_not_counted_again():
+    """The note of dropped lines went out whole, as a piece of its own, and none of the lines
+    after it: only those lines are owed (found in review: `written == len(head)` took the
+    note-not-sent branch and added the lines already reported again)."""
+    from maestro_flow.runtime.worker_output import OutputCapture
+
+    cap = OutputCapture.__new__(OutputCapture)  # the bookkeeping alone: no fds taken over
+    cap.unshown, cap.cut, cap.full = 3, False, False
+    head, data = b"[head/0] (3 lines not shown: the terminal was full)\n", b"[head/0] " + b"x" * 5000 + b"\n"
+    cap._gave_up(head, data, written=len(head))
+    assert (cap.unshown, cap.cut, cap.full) == (1, False, True)
+    cap.unshown = 3
+    cap._gave_up(head, data, written=0)  # nothing went out: the note is owed again, with data's line
+    assert cap.unshown == 4
