@@ -27,6 +27,9 @@ AUDIO_HOP_S = 0.01
 # No audio is sampled faster (studio audio is 384 kHz at most); a larger rate is a mistake, and
 # framed a clip into windows of millions of samples (found in review: the OOM killer ended it).
 MAX_SAMPLE_RATE = 768_000
+# Nor slower than 1 kHz (telephone audio is 8 kHz): a rate of 16 is kHz given as Hz, and framed each
+# 25 ms window as one sample (found in QA: it trained, on meaningless features).
+MIN_SAMPLE_RATE = 1_000
 
 MODALITY_BIT = {name: 1 << i for i, name in enumerate(KNOWN_MODALITIES)}
 
@@ -229,7 +232,7 @@ def scan_segment(cols: dict[str, pa.Array], n: int, payload: dict[str, str]) -> 
     if payload["audio"] in cols and "sample_rate" in cols:
         rate_valid = valid_mask(cols["sample_rate"])
         rate = as_ints(cols["sample_rate"], "sample_rate")
-        bad |= has["audio"] & (~rate_valid | (rate <= 0) | (rate > MAX_SAMPLE_RATE))
+        bad |= has["audio"] & (~rate_valid | (rate <= 0) | (rate < MIN_SAMPLE_RATE) | (rate > MAX_SAMPLE_RATE))
         if "num_frames" not in cols and is_list(cols[payload["audio"]].type):
             frames = audio_frames(list_lengths(cols[payload["audio"]]), np.maximum(rate, 1))
             num_frames = np.where(has["audio"], frames, 0)
@@ -283,8 +286,11 @@ def describe_bad_row(cols: dict[str, pa.Array], j: int, row: int, payload: dict[
                 return f"{where} has {modality} but {column} {value} (a count: 0 or more)"
     if "audio" in mods:
         rate = cols["sample_rate"][j].as_py() if "sample_rate" in cols else None
-        return (f"{where} has audio but no positive sample_rate" if rate is None or rate <= 0 else
-                f"{where} has sample_rate {rate}, above {MAX_SAMPLE_RATE} Hz (a sample count, not a rate?)")
+        if rate is None or rate <= 0:
+            return f"{where} has audio but no positive sample_rate"
+        if rate < MIN_SAMPLE_RATE:
+            return f"{where} has sample_rate {rate}, below {MIN_SAMPLE_RATE} Hz (kHz given as Hz?)"
+        return f"{where} has sample_rate {rate}, above {MAX_SAMPLE_RATE} Hz (a sample count, not a rate?)"
     return f"{where} is inconsistent"
 
 

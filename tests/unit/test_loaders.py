@@ -329,6 +329,8 @@ def test_audio_needs_sample_rate_column(tmp_path):
     ({"image": [None, b"", None, b"x"]}, r"row 1 \(id 11\) has an empty image in column 'image'"),
     # Found in review: a sample count given as the rate framed the clip into windows of millions of samples (OOM).
     ({"sample_rate": [None, None, 2**31 - 1, 8000]}, r"row 2 \(id 12\) has sample_rate 2147483647, above 768000 Hz"),
+    # Found in QA: kHz given as Hz framed each 25 ms window as one sample, and trained.
+    ({"sample_rate": [None, None, 16000, 16]}, r"row 3 \(id 13\) has sample_rate 16, below 1000 Hz \(kHz given as Hz\?\)"),
 ])
 def test_rows_whose_modalities_do_not_match_their_columns(tmp_path, replace, expected):
     path = write_arrow(multimodal_table(**replace), tmp_path / "bad.arrow")

@@ -185,8 +185,13 @@ def test_a_vlm_whose_image_rows_would_be_dropped_is_refused_or_warned_of(tmp_pat
                                   "sections.vision.activates_on=audio", "--set",
                                   'data.placeholder_ids={"image": 259, "audio": 260}'])
     assert result.exit_code == 0, result.output
+    images = sum("image" in m for m in image_demo_table(num_samples=48, image_share=0.5, seed=3)["modalities"].to_pylist())
     assert result.stderr == (f"warning: sections.vision.activates_on='audio': no sample of {data} carries 'audio' "
-                             "(they carry image, text), so the section never runs\n")
+                             "(they carry image, text), so the section never runs\n"
+                             # Found in QA: the mirror case said nothing (audio rows trained on a VLM).
+                             f"warning: {images} samples of {data} carry 'image' but no section has "
+                             "activates_on='image': their image is ignored (a placeholder token for it is read as "
+                             "text); add an encoder section for it, or leave those samples out\n")
     # Found in review: with a projector section between, the encoder's rows reached the LLM by
     # an edge from a section that activates on nothing, and validate said ok. The LLM's own
     # mapping of tensors to modalities decides now, whatever the producer.
