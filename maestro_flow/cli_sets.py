@@ -61,13 +61,14 @@ def read_set_file(path: str) -> list[str]:
             text = text[len("--set "):].strip()
         elif text.startswith("--set="):
             text = text[len("--set="):]
-        key = text.split("=", 1)[0].strip()
+        key = text.split("=", 1)[0].strip()  # found in QA: '--sett a.b=1' was read as the key '--sett a.b'
+        why = (" (its key starts like a flag other than --set)" if key.startswith("-") else
+               " (its key holds a space)" if len(key.split()) > 1 else "")
         try:
-            if key.startswith("-") or len(key.split()) > 1:  # found in QA: '--sett a.b=1' was read as key '--sett a.b'
-                raise PipelineError("its key starts like a flag other than --set" if key.startswith("-") else "its key holds a space")
+            if why:
+                raise PipelineError(why)
             parse_set([text])
-        except PipelineError as exc:
-            why = f" ({exc})" if str(exc).startswith("its key") else ""
+        except PipelineError:
             raise click.BadParameter(f"{os.fspath(path)} line {number}: expected KEY=VALUE or --set KEY=VALUE, "
                                      f"got {line.strip()!r}{why}", param_hint="--set-file") from None
         items.append(text)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from maestro_flow.graph import SectionGraph
 from maestro_flow.planner.cost import CostModel
 from maestro_flow.planner.simulate import micro_batch_task_s
-from maestro_flow.planner.tune_model import REDUCE_MB_PER_S
+from maestro_flow.planner.tune_model import REDUCE_MB_PER_S, pow2_upto
 from maestro_flow.samples import SampleMeta
 
 
@@ -73,8 +73,7 @@ def best_monolithic(graph: SectionGraph, costs: CostModel, batches: Sequence[Seq
     With `fewer`, also at its best number of ranks up to `devices` (powers of two and `devices`;
     ties go to more ranks): CPU ranks sharing fewer cores can be slower than fewer ranks."""
     best: MonolithicStep | None = None
-    counts = sorted({d for d in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024) if d < devices} | {devices},
-                    reverse=True) if fewer else [devices]
+    counts = sorted({*pow2_upto(devices), devices}, reverse=True) if fewer else [devices]
     for d in counts:
         for mb in sorted(set(micro_batches)):
             steps = [monolithic_step(graph, costs, b, devices=d, micro_batch=mb, **options) for b in batches]

@@ -202,13 +202,13 @@ def _check_placeholders(s: Any, source: Any, reads: list[SampleMeta], placeholde
     import numpy as np  # a dataset of millions of rows: one pass per array, not per sample
 
     removed = np.zeros(len(reads), dtype=np.int64)
-    if not hasattr(source, "token_counts"):  # metadata without tokens (--trace-in): one placeholder a modality
-        for modality in placeholders:
-            removed += np.fromiter((modality in m.modalities for m in reads), dtype=np.int64, count=len(reads))
     rows = np.fromiter((m.row for m in reads), dtype=np.int64, count=len(reads))
-    for modality, token in sorted(placeholders.items()) if hasattr(source, "token_counts") else ():
-        counts = source.token_counts(token)[rows]
+    for modality, token in sorted(placeholders.items()):
         declared = np.fromiter((modality in m.modalities for m in reads), dtype=bool, count=len(reads))
+        if not hasattr(source, "token_counts"):  # metadata without tokens (--trace-in): one where declared
+            removed += declared
+            continue
+        counts = source.token_counts(token)[rows]
         kinds = (counts > 1, declared & (counts == 0), ~declared & (counts == 1))  # each its own message
         wrong = np.nonzero(kinds[0] | kinds[1] | kinds[2])[0]
         if len(wrong):

@@ -43,7 +43,7 @@ class TuneOptions:
     top: int = 5
     batches: int | None = None  # global batches to average the simulated step over (None: auto_batches)
     cpu_cores: int | None = None  # CPU contention; default len(os.sched_getaffinity(0)) when every section is on the CPU
-    max_tp: int | None = None  # the largest tensor-parallel size searched (1: none; None: allowed_tp's default)
+    max_tp: int | None = None  # the largest tensor-parallel size searched (1: none; None: MAX_TP, none on the CPU)
     tp_efficiency: float = 0.8
 
 
@@ -140,16 +140,16 @@ def _inputs(path: str, options: TuneOptions) -> tuple[Any, CostModel, list, dict
     if cores:
         notes.append(f"CPU workers share {cores} core{'' if cores == 1 else 's'} (contention modelled; --cpu-cores "
                      "to change)")
-    tp_options = allowed_tp(pipeline, options.max_tp, options.devices)
+    tp_options = allowed_tp(pipeline, MAX_TP if options.max_tp is None else options.max_tp, options.devices)
+    if options.max_tp is None:  # by default none on the CPU, where gloo's all-reduces cost more than tp saves
+        skipped = [s for s in pipeline.sections if on_cpu(s.device) and len(tp_options[s.name]) > len({1, s.tp})]
+        tp_options.update({s.name: sorted({1, s.tp}) for s in skipped})
+        if skipped:
+            notes.append(f"tensor parallelism not searched for {', '.join(s.name for s in skipped)}: on the CPU its "
+                         f"all-reduces over gloo cost more than it saves (--max-tp N to search it anyway)")
     searched = [f"{n} {'/'.join(map(str, v))}" for n, v in tp_options.items() if len(v) > 1]
     if searched:
         notes.append(f"tensor parallelism searched: {', '.join(searched)} (--max-tp to change)")
-    if options.max_tp is None:
-        skipped = [n for n, v in allowed_tp(pipeline, MAX_TP, options.devices).items()
-                   if len(v) > len(tp_options[n])]
-        if skipped:
-            notes.append(f"tensor parallelism not searched for {', '.join(skipped)}: on the CPU its all-reduces "
-                         f"over gloo cost more than it saves (--max-tp N to search it anyway)")
     kwargs = {"memory_limit_mb": limit, "memory": memory, "overhead_s": overhead, "cpu_cores": cores or None,
               "tp_efficiency": options.tp_efficiency, "tp_options": tp_options, **calibration}
     return pipeline, costs, batches, kwargs, notes
@@ -185,9 +185,8 @@ def costs_note(pipeline: Any) -> str:
 MAX_TP = 8  # the largest tensor parallelism searched on GPUs unless --max-tp says otherwise
 
 
-def allowed_tp(pipeline: Any, max_tp: int | None, devices: int | None = None) -> dict[str, list[int]]:
-    """Each section's tensor-parallel sizes up to max_tp (None: MAX_TP on GPUs, 1 on the CPU,
-    where gloo's all-reduces cost more than tp saves) and `devices` that `maestro run` accepts
+def allowed_tp(pipeline: Any, max_tp: int, devices: int | None = None) -> dict[str, list[int]]:
+    """Each section's tensor-parallel sizes up to max_tp and `devices` that `maestro run` accepts
     (checks.check_tensor_parallel): a tp_plan (or its own parallelize), a configuration its
     check_tp accepts, and every dimension the plan shards dividing by tp (the stage built once
     on the meta device); the pipeline's own tp always."""
@@ -198,8 +197,7 @@ def allowed_tp(pipeline: Any, max_tp: int | None, devices: int | None = None) ->
     out = {}
     for s in pipeline.sections:
         values = {s.tp}
-        largest = max_tp if max_tp is not None else 1 if on_cpu(s.device) else MAX_TP
-        largest = min(largest, devices) if devices is not None else largest
+        largest = min(max_tp, devices) if devices is not None else max_tp
         try:
             cls = resolve(s.stage, f"sections.{s.name}.stage")
             own = cls.parallelize is not Stage.parallelize
