@@ -14,7 +14,7 @@ from typing import Any
 
 import click
 
-from maestro_flow.config import parse_set
+from maestro_flow.config import parse_set, set_key_problem
 from maestro_flow.errors import PipelineError
 
 SET_FILE_HELP = ("Overrides from FILE, one 'KEY=VALUE' or '--set KEY=VALUE' a line (lines starting with '#' are "
@@ -61,12 +61,9 @@ def read_set_file(path: str) -> list[str]:
             text = text[len("--set "):].strip()
         elif text.startswith("--set="):
             text = text[len("--set="):]
-        key = text.split("=", 1)[0].strip()  # found in QA: '--sett a.b=1' was read as the key '--sett a.b'
-        why = (" (its key starts like a flag other than --set)" if key.startswith("-") else
-               " (its key holds a space)" if len(key.split()) > 1 else "")
+        why = set_key_problem(text.split("=", 1)[0].strip())  # found in QA: '--sett a.b=1' was read as the key '--sett a.b'
+        why = f" ({why})" if why else ""
         try:
-            if why:
-                raise PipelineError(why)
             parse_set([text])
         except PipelineError:
             raise click.BadParameter(f"{os.fspath(path)} line {number}: expected KEY=VALUE or --set KEY=VALUE, "

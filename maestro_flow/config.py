@@ -443,13 +443,22 @@ def _set_path(data: dict[str, Any], parts: list[str], value: Any, key: str) -> N
         target, at = target[part], f"{at}.{part}" if at else part
 
 
+def set_key_problem(key: str) -> str:
+    """Why `key` (stripped) cannot be a --set key, or "": one starting like a flag, or holding a
+    space, would otherwise be reported as an unknown field or "sections is not a mapping"."""
+    if key.startswith("-"):
+        return "its key starts like a flag other than --set"
+    return "its key holds a space" if len(key.split()) > 1 else ""
+
+
 def parse_set(items: list[str] | tuple[str, ...]) -> dict[str, Any]:
     """Parse `key.path=value` strings; values parse as JSON when they can, else stay strings."""
     out: dict[str, Any] = {}
     for item in items:
         key, eq, raw = item.partition("=")
-        if not eq or not key.strip():  # found in review: "=3" said "unknown pipeline field ''"
-            raise PipelineError(f"--set expects key.path=value, got {item!r}")
+        why = set_key_problem(key.strip())
+        if not eq or not key.strip() or why:  # found in review: "=3" said "unknown pipeline field ''"
+            raise PipelineError(f"--set expects key.path=value, got {item!r}{f' ({why})' if why else ''}")
         try:
             out[key.strip()] = json.loads(raw)
         except json.JSONDecodeError:

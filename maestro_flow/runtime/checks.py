@@ -138,7 +138,7 @@ def check_token_limits(pipeline: Pipeline, source: Any, metadata: list[SampleMet
             over = [m for m in reads if getattr(m, count) > limits[key]]
             if over:
                 raise PipelineError(
-                    f"sections.{s.name}: sample id {over[0].id} (row {over[0].row}) has {getattr(over[0], count)} "
+                    f"sections.{s.name}: {_sample(over[0])} has {getattr(over[0], count)} "
                     f"{count[4:]}, more than {s.stage} takes ({key} {limits[key]}, from its config); samples "
                     f"like it: {len(over)}. Cut the samples or raise {key}")
         if s.columns is not None and "tokens" not in s.columns:
@@ -148,7 +148,7 @@ def check_token_limits(pipeline: Pipeline, source: Any, metadata: list[SampleMet
             over = [m for m in reads if m.num_tokens > max_tokens]
             if over:
                 raise PipelineError(
-                    f"sections.{s.name}: sample id {over[0].id} (row {over[0].row}) has {over[0].num_tokens} tokens, "
+                    f"sections.{s.name}: {_sample(over[0])} has {over[0].num_tokens} tokens, "
                     f"more than {s.stage} takes (max_tokens {max_tokens}, from its config); samples that "
                     f"long: {len(over)}. Cut the samples or raise the model's maximum length")
         placeholders = pipeline.data.placeholder_ids if "max_positions" in limits else {}
@@ -165,9 +165,15 @@ def check_token_limits(pipeline: Pipeline, source: Any, metadata: list[SampleMet
             bad = [m for m in reads if m.row in rows]
             if bad:
                 raise PipelineError(
-                    f"sections.{s.name}: sample id {bad[0].id} (row {bad[0].row}) has a token id at or above "
+                    f"sections.{s.name}: {_sample(bad[0])} has a token id at or above "
                     f"{s.stage}'s vocab_size {vocab}; samples like it: {len(bad)}. Fix the tokenization or the "
                     f"model's vocab_size")
+
+
+def _sample(m: SampleMeta) -> str:
+    """A sample as the messages name it: its id, and its row where it has one (a --trace-in
+    sample has none)."""
+    return f"sample id {m.id}" + (f" (row {m.row})" if m.row >= 0 else "")
 
 
 def _check_placeholder_edges(pipeline: Pipeline, s: Section, cls: Any) -> None:
@@ -224,7 +230,7 @@ def _check_placeholders(s: Any, source: Any, reads: list[SampleMeta], placeholde
                        f"{sorted(m.modalities)} do not declare {modality!r}: no {modality} encoder would run for it, "
                        f"and {s.stage} would drop the placeholder. Tag the row {modality!r} (with its data) or "
                        "remove the placeholder")
-            raise PipelineError(f"sections.{s.name}: sample id {m.id} (row {m.row}) {why}; samples like it: {like}")
+            raise PipelineError(f"sections.{s.name}: {_sample(m)} {why}; samples like it: {like}")
         removed += counts
     positions = np.fromiter((m.num_tokens + ("image" in m.modalities) * m.num_patches
                              + ("audio" in m.modalities) * m.num_frames for m in reads),
@@ -233,7 +239,7 @@ def _check_placeholders(s: Any, source: Any, reads: list[SampleMeta], placeholde
     if len(over):
         m = reads[int(over[0])]
         raise PipelineError(
-            f"sections.{s.name}: sample id {m.id} (row {m.row}) has {int(positions[over[0]])} positions once its "
+            f"sections.{s.name}: {_sample(m)} has {int(positions[over[0]])} positions once its "
             f"placeholders are expanded ({m.num_tokens} tokens, {m.num_patches} image patches, {m.num_frames} "
             f"audio frames), more than {s.stage} takes (max_seq_len {max_positions}, from its config). Cut "
             f"the samples, use smaller images, or raise max_seq_len")

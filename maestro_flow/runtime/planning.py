@@ -67,7 +67,7 @@ def read_trace(path: str, pipeline: Any = None) -> list[SampleMeta]:
         try:
             check_token_limits(pipeline, None, samples)
         except PipelineError as exc:
-            raise PipelineError(f"--trace-in {path}: {str(exc).replace(' (row -1)', '')}") from None  # no rows
+            raise PipelineError(f"--trace-in {path}: {exc}") from None
     return samples
 
 

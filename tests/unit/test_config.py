@@ -144,6 +144,15 @@ def test_parse_set_without_equals_is_refused_naming_the_item():
         parse_set(["global_batch"])
 
 
+@pytest.mark.parametrize(("item", "why"), [("sections.student dp=1", "its key holds a space"),
+                                          ("--sett steps=1", "its key starts like a flag")])
+def test_parse_set_refuses_a_key_with_a_space_or_like_a_flag_saying_why(item, why):
+    """Found in QA: `--set "sections.student dp=1"` said "sections is not a mapping"; a --set-file
+    line refused it, so --set and --set-file now share one check."""
+    with pytest.raises(PipelineError, match=f"key.path=value, got {item!r} \\({why}"):
+        parse_set([item])
+
+
 def test_parse_set_feeds_override():
     p = distill().override(**parse_set(["sections.student.dp=4", "dtype=float64"]))
     assert (p.section("student").dp, p.dtype) == (4, "float64")
