@@ -444,11 +444,12 @@ def _set_path(data: dict[str, Any], parts: list[str], value: Any, key: str) -> N
 
 
 def set_key_problem(key: str) -> str:
-    """Why `key` (stripped) cannot be a --set key, or "": one starting like a flag, or holding a
-    space, would otherwise be reported as an unknown field or "sections is not a mapping"."""
+    """Why `key` (stripped) cannot be a --set key, or "": one starting like a flag, or with a space
+    in its field names, would otherwise be reported as an unknown field or "sections is not a
+    mapping". A stage's config is the user's own dict: a key of it may hold a space."""
     if key.startswith("-"):
         return "its key starts like a flag other than --set"
-    return "its key holds a space" if len(key.split()) > 1 else ""
+    return "its key holds a space" if len(key.split(".config.", 1)[0].split()) > 1 else ""
 
 
 def parse_set(items: list[str] | tuple[str, ...]) -> dict[str, Any]:

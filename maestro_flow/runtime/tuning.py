@@ -51,7 +51,7 @@ def tune_pipeline(path: str, options: TuneOptions) -> tuple[TuneResult, list[str
     """The tuning result and notes worth telling the user (e.g. the memory limit went unchecked)."""
     pipeline, costs, batches, kwargs, notes = _inputs(path, options)
     result = tune(pipeline, costs, batches, devices=options.devices, top=options.top,
-                  tp_options=kwargs.pop("tp_options"), **kwargs)
+                  tp_options=_tp_options(pipeline, options, notes), **kwargs)
     return result, notes
 
 
@@ -62,7 +62,6 @@ def predict(path: str, options: TuneOptions, micro_batch: int | None = None) -> 
     from maestro_flow.planner.tune import Tuner, monolithic_for
 
     pipeline, costs, batches, kwargs, _ = _inputs(path, options)
-    kwargs.pop("tp_options")
     tp = {s.name: s.tp for s in pipeline.sections}
     tuner = Tuner(pipeline, costs, batches, devices=max(options.devices, sum(s.dp * s.tp for s in pipeline.sections)),
                   tp=tp, **kwargs)
@@ -140,6 +139,14 @@ def _inputs(path: str, options: TuneOptions) -> tuple[Any, CostModel, list, dict
     if cores:
         notes.append(f"CPU workers share {cores} core{'' if cores == 1 else 's'} (contention modelled; --cpu-cores "
                      "to change)")
+    kwargs = {"memory_limit_mb": limit, "memory": memory, "overhead_s": overhead, "cpu_cores": cores or None,
+              "tp_efficiency": options.tp_efficiency, **calibration}
+    return pipeline, costs, batches, kwargs, notes
+
+
+def _tp_options(pipeline: Any, options: TuneOptions, notes: list[str]) -> dict[str, list[int]]:
+    """Section -> the tensor-parallel sizes tune searches (its stage's, up to --max-tp and
+    --devices; by default none but its own on the CPU), with notes saying which."""
     tp_options = allowed_tp(pipeline, MAX_TP if options.max_tp is None else options.max_tp, options.devices)
     if options.max_tp is None:  # by default none on the CPU, where gloo's all-reduces cost more than tp saves
         skipped = [s for s in pipeline.sections if on_cpu(s.device) and len(tp_options[s.name]) > len({1, s.tp})]
@@ -150,9 +157,7 @@ def _inputs(path: str, options: TuneOptions) -> tuple[Any, CostModel, list, dict
     searched = [f"{n} {'/'.join(map(str, v))}" for n, v in tp_options.items() if len(v) > 1]
     if searched:
         notes.append(f"tensor parallelism searched: {', '.join(searched)} (--max-tp to change)")
-    kwargs = {"memory_limit_mb": limit, "memory": memory, "overhead_s": overhead, "cpu_cores": cores or None,
-              "tp_efficiency": options.tp_efficiency, "tp_options": tp_options, **calibration}
-    return pipeline, costs, batches, kwargs, notes
+    return tp_options
 
 
 def trained_share(profile: Any) -> float:

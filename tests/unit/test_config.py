@@ -151,6 +151,7 @@ def test_parse_set_refuses_a_key_with_a_space_or_like_a_flag_saying_why(item, wh
     line refused it, so --set and --set-file now share one check."""
     with pytest.raises(PipelineError, match=f"key.path=value, got {item!r} \\({why}"):
         parse_set([item])
+    assert parse_set(["sections.t.config.a b=1"]) == {"sections.t.config.a b": 1}  # the stage's own dict
 
 
 def test_parse_set_feeds_override():

@@ -29,12 +29,11 @@ def test_tune_searches_no_tensor_parallelism_on_the_cpu_unless_asked(tmp_path):
     faster; it ran about 4x slower than the shipped layout (gloo all-reduces on 2 cores). And its
     note listed tp 4 for a 2-device budget."""
     from maestro_flow.runtime.build import load_pipeline
-    from maestro_flow.runtime.tuning import TuneOptions, _inputs, allowed_tp
+    from maestro_flow.runtime.tuning import TuneOptions, _tp_options, allowed_tp
 
     pipeline, _ = load_pipeline(str(ROOT / "pipelines" / "multimodal.py"), {})
     trace = _trace(tmp_path / "t.jsonl", [{"modalities": ["text"], "num_tokens": 20 + i} for i in range(32)])
-    searched = _inputs(str(ROOT / "pipelines" / "multimodal.py"), TuneOptions(overrides={}, devices=4,
-                                                                           trace_in=str(trace)))[3]["tp_options"]
+    searched = _tp_options(pipeline, TuneOptions(overrides={}, devices=4), [])
     assert searched["llm"] == [1]  # sections on the CPU
     assert allowed_tp(pipeline, 8)["llm"][:2] == [1, 2]  # asked for with --max-tp
     assert allowed_tp(pipeline, 8, devices=2)["llm"] == [1, 2]
