@@ -128,10 +128,15 @@ class RunReport:
             if self.gradless[name] == GRADLESS_STEPS:
                 self.gradless_said.add(name)
                 self._newline()
+                loss = row.get("loss")
+                losses = list(loss.values()) if isinstance(loss, dict) else [loss]
+                why = ("the loss is exactly 0: do the samples hold anything to predict? A causal LM needs two tokens "
+                       "or more a sample" if losses and all(v == 0.0 for v in losses)  # found in QA: rows of one token
+                       else "the loss does not reach its parameters: does a consumer detach its outputs, or read "
+                            "them under torch.no_grad?")
                 self.stream.write(f"maestro: warning: step {row['step']}: section {name!r} is trainable but its "
-                                  f"gradient has been all zero for {GRADLESS_STEPS} steps (the loss does not reach "
-                                  "its parameters: does a consumer detach its outputs, or read them under "
-                                  "torch.no_grad?); its parameters do not change while it stays so\n")
+                                  f"gradient has been all zero for {GRADLESS_STEPS} steps ({why}); its parameters "
+                                  "do not change while it stays so\n")
                 self.stream.flush()
 
     def summary(self) -> str:

@@ -101,6 +101,12 @@ def test_a_trainable_section_whose_gradient_is_all_zero_is_warned_about_once(cap
     assert err.count("warning") == 1, err
     assert ("maestro: warning: step 2: section 'teacher' is trainable but its gradient has been all zero for 2 steps "
             "(the loss does not reach its parameters") in err
+    zero = RunReport(total_steps=3, metrics_out=None, show_progress=show)  # found in QA: rows of one token
+    for step in range(2):
+        zero.step({"step": step, "loss": {"student": 0.0}, "grad_norm": 0.0, "step_time_s": 0.1,
+                   "sections": {"student": {"samples": 8, "grad_norm": 0.0}}})
+    err = capsys.readouterr().err
+    assert "gradient has been all zero for 2 steps (the loss is exactly 0: do the samples hold anything" in err, err
 
 
 def test_a_run_dir_that_a_live_run_uses_is_refused(tmp_path):
