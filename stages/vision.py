@@ -201,7 +201,15 @@ class VisionEncoder(Stage):
         if self.decoder is None:
             raise ValueError("VisionEncoder: config 'decoder' is None, so images must arrive decoded "
                              "through a 'pixels' input")
-        decoded = self.decoder.decode([bytes(images[i]) for i in todo], [batch.sample_ids[i] for i in todo])
+        try:
+            decoded = self.decoder.decode([bytes(images[i]) for i in todo], [batch.sample_ids[i] for i in todo])
+        except ValueError as exc:  # found in QA: the run's error named neither way out
+            if self.vision_config.decoder != DEFAULT_DECODER:  # another decoder may take no skip_corrupt
+                raise
+            exc.add_note(f"`maestro validate PIPELINE --payloads` lists every image the run cannot decode; "
+                         f"--set sections.{self.ctx.section}.config.decode.skip_corrupt=true trains such samples "
+                         "without their image, counted as corrupt_images")
+            raise
         if len(decoded) != len(todo):
             raise ValueError(f"image decoder returned {len(decoded)} images for {len(todo)} inputs")
         return scatter(decoded, todo, len(batch))

@@ -150,6 +150,10 @@ class RunReport:
             text += f", loss {first:.4f} -> {last:.4f}"
         if self.non_finite is not None:
             text += f" (not finite from step {self.non_finite})"
+        counters = [f"{name} {key} {value:g}" for name, sec in (self.rows[-1].get("sections") or {}).items()
+                    for key, value in (sec.get("stage") or {}).items() if value]  # Stage.stats: over the run
+        if counters:  # found in QA: the corrupt images a run skipped were in its metrics only
+            text += "\nstage counters: " + ", ".join(counters)
         return text
 
     def _newline(self) -> None:

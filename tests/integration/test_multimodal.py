@@ -105,6 +105,8 @@ def test_a_corrupt_image_names_its_sample(corrupt_data):
     assert result.returncode == 1
     assert f"sample {bad_id}: cannot decode image" in result.stderr
     assert "section 'vision'" in result.stderr
+    assert ("`maestro validate PIPELINE --payloads` lists every image the run cannot decode; --set "
+            "sections.vision.config.decode.skip_corrupt=true trains") in result.stderr  # found in QA: neither named
     # It names the step that holds the sample, though the encoder may prepare that micro-batch
     # during the step before (Stage.prepare ahead).
     from maestro_flow.runtime.build import load_pipeline

@@ -65,6 +65,16 @@ def test_metrics_on_a_full_disk_do_not_stop_the_report(capsys):
     assert capsys.readouterr().err.count("cannot write metrics to /dev/full") == 1
 
 
+def test_the_summary_gives_the_stage_counters_of_the_run():
+    """Found in QA: the corrupt images a run skipped (decode.skip_corrupt) were in its metrics
+    only. Stage.stats are running totals: the last step's are the run's; zero ones are left out."""
+    report = RunReport(total_steps=2, metrics_out=None, show_progress=False)
+    for step, skipped in enumerate((2, 5)):
+        report.step({"step": step, "loss": 1.0, "step_time_s": 0.1,
+                     "sections": {"vision": {"stage": {"corrupt_images": skipped, "other": 0}}, "llm": {}}})
+    assert report.summary().endswith("\nstage counters: vision corrupt_images 5")
+
+
 @pytest.mark.parametrize("show", [True, False])
 def test_a_loss_that_is_not_finite_is_warned_about_once(capsys, show):
     # Found by review: a NaN loss trained to the end, printed as "loss nan -> nan", exit 0, no word.
