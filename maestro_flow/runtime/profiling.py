@@ -95,13 +95,16 @@ class ProfileOptions:
 class ProfilingError(MaestroError):
     """Profiling failed: in `section` (None: outside any section) during `phase` ("forward at
     micro-batch 4"), with `traceback` formatted as text in the process that raised. Its message
-    is one line: where, and the traceback's last line (the exception itself)."""
+    is one line: where, and the exception itself, its notes after it (the lines after the last
+    frame's: a note such as the vision stage's ways out of a corrupt image is a line of its own)."""
 
     def __init__(self, *, section: str | None, phase: str, traceback: str) -> None:
         self.section, self.phase, self.traceback = section, phase, traceback
-        lines = [line.strip() for line in traceback.splitlines() if line.strip()]
+        lines = [line.rstrip() for line in traceback.splitlines() if line.strip()]
+        frames = [i for i, line in enumerate(lines) if line.startswith(" ")]  # a frame's lines are indented
+        tail = lines[frames[-1] + 1 if frames else 0:] or lines[-1:]
         where = f"section {section!r} during {phase}" if section else phase
-        last = lines[-1].removeprefix("maestro_flow.errors.") if lines else "no traceback"
+        last = "; ".join(tail).removeprefix("maestro_flow.errors.") if tail else "no traceback"
         super().__init__(f"profiling failed in {where}: {last}")
 
 

@@ -269,6 +269,8 @@ def test_a_profiling_error_is_one_line_naming_section_phase_and_cause():
     assert str(exc) == ("profiling failed in section 'vision' during forward at micro-batch 4: "
                         "ValueError: sample 3: cannot decode image: not a PNG/JPEG")
     assert exc.traceback == tb
+    noted = ProfilingError(section="vision", phase="forward", traceback=tb + "a note\n")  # Exception.add_note
+    assert str(noted).endswith("ValueError: sample 3: cannot decode image: not a PNG/JPEG; a note")
 
 
 @pytest.fixture(scope="module")
