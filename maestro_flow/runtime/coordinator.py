@@ -114,6 +114,7 @@ class Coordinator(CoordinatorIO):
         self.store: Any = None
         self.training = False
         self.said_bye: set[int] = set()  # ranks that left normally (at the end): never a failure's cause
+        self.system_errors: dict[int, dict] = {}  # rank -> the first system error it reported (_note_reports)
         self.awaited_step = 0
         self.status: StatusServer | None = None
         self.run_dir = run_dir

@@ -99,7 +99,19 @@ class CoordinatorIO:
         if self.rdzv is not None:
             lost = self._lost()
             if lost is not None:
+                self._raise_own_report(lost)
                 raise lost
+
+    def _raise_own_report(self, lost: MaestroError) -> None:
+        """A worker of another node that its agent reports dead may have reported its error
+        before it exited (by ZeroMQ; the agent's note comes by the store): that report, with its
+        traceback, is the cause (found in QA: node 0 said only "exited with code 1", the
+        traceback was in node 1's worker log alone)."""
+        rank = getattr(lost, "rank", None)
+        if rank is not None:
+            self._note_reports(set(), 0.5)
+            if rank in self.system_errors:
+                raise self._system_failure(rank, self.system_errors[rank])
 
     def _snapshot(self) -> dict:
         """What `maestro top` shows (read-only: built from what the coordinator already knows)."""
@@ -135,7 +147,8 @@ class CoordinatorIO:
         lost = agent.lost_error(self.rdzv, self.store_key, self.session)
         rank = getattr(lost, "rank", None)
         if rank is not None and self.training and rank < self.placement.world_size:
-            return WorkerLost(f"{lost} {self._progress(rank)}")
+            lost = WorkerLost(f"{lost} {self._progress(rank)}")
+            lost.rank = rank
         return lost
 
     def _raise_dead_peer(self, exclude: int) -> None:
@@ -161,6 +174,8 @@ class CoordinatorIO:
             if not self.nodes.multi:
                 continue
             lost = self._lost()
+            if lost is not None and getattr(lost, "rank", None) in reported:
+                return  # a rank that reported an error, dead since: its report stands (found in QA)
             if lost is not None:
                 raise lost
             lost = self.liveness.lost_node(time.monotonic())
@@ -187,6 +202,7 @@ class CoordinatorIO:
             if got is not None and got[1]["t"] == "error":
                 self._raise_root_cause(*got)
                 reported.add(got[0])
+                self.system_errors.setdefault(got[0], got[1])
             elif got is not None and got[1]["t"] == "bye":  # found by CI: a bye read here was dropped,
                 self.said_bye.add(got[0])  # and a worker that left normally was blamed for the failure
 
@@ -250,10 +266,13 @@ class CoordinatorIO:
             if msg["t"] == "error":
                 self._raise_root_cause(rank, msg)
                 self._raise_dead_peer(exclude=rank)  # a peer's death is the cause, not the symptom
-                raise SystemFailure(f"system error in {self._label(rank)} during {msg['phase']}"
-                                    f"{'' if msg['step'] is None else ' at step ' + str(msg['step'])}:\n"
-                                    f"{msg['traceback'].rstrip()}")
+                raise self._system_failure(rank, msg)
             return rank, msg
+
+    def _system_failure(self, rank: int, msg: dict) -> SystemFailure:
+        return SystemFailure(f"system error in {self._label(rank)} during {msg['phase']}"
+                             f"{'' if msg['step'] is None else ' at step ' + str(msg['step'])}:\n"
+                             f"{msg['traceback'].rstrip()}")
 
     def _check_workers(self, now: float, allow_exit: set[int]) -> None:
         for w in self.launcher.dead():

@@ -41,9 +41,12 @@ class Nodes:
         environ = os.environ if environ is None else environ
         if nnodes < 1:
             raise PipelineError(f"--nnodes must be at least 1, got {nnodes}")
-        if nnodes == 1:
-            if node_rank not in (None, 0):  # it would train the whole job alone
+        if nnodes == 1:  # each would train the whole job alone (found in QA: --nnodes forgotten under srun)
+            if node_rank not in (None, 0):
                 raise PipelineError(f"--node-rank {node_rank} is for a run over several nodes: add --nnodes N")
+            if rdzv_endpoint:
+                raise PipelineError(f"--rdzv-endpoint {rdzv_endpoint} is for a run over several nodes: add "
+                                    "--nnodes N (N > 1), or leave --rdzv-endpoint out to train on this node alone")
             return cls()
         if node_rank is None:
             raw = environ.get("SLURM_NODEID") or environ.get("SLURM_PROCID")
@@ -58,6 +61,8 @@ class Nodes:
         host, sep, port = rdzv_endpoint.rpartition(":")
         if not sep or not host or not port.isdigit():
             raise PipelineError(f"--rdzv-endpoint must be HOST:PORT, got {rdzv_endpoint!r}")
+        if not 1 <= int(port) <= 65535:  # found in QA: 99999 gave a traceback, 0 a minutes-long wait
+            raise PipelineError(f"--rdzv-endpoint {rdzv_endpoint}: the port must be 1-65535 (node 0 listens on it)")
         if nproc_per_node is not None and nproc_per_node < 1:
             raise PipelineError(f"--nproc-per-node must be at least 1, got {nproc_per_node}")
         return cls(nnodes=nnodes, node_rank=node_rank, endpoint=(host.strip("[]"), int(port)),

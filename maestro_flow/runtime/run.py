@@ -75,9 +75,25 @@ def resolve_host(options: RunOptions, nodes: Nodes) -> str:
         return LOOPBACK
     if nodes.node_rank == 0:
         return nodes.endpoint[0]
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:  # no packet is sent
-        probe.connect(nodes.endpoint)
-        return probe.getsockname()[0]
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:  # no packet is sent
+            probe.connect(nodes.endpoint)
+            return probe.getsockname()[0]
+    except OSError as exc:  # found in QA: a mistyped host gave node 1 a traceback (node 0 a line)
+        raise PipelineError(f"--rdzv-endpoint {nodes.endpoint[0]}:{nodes.endpoint[1]}: node {nodes.node_rank} "
+                            f"cannot reach it ({exc.strerror or exc})") from None
+
+
+def check_interface(interface: str | None) -> None:
+    """--interface names network interfaces of this node (gloo takes exact names, comma-separated;
+    found in QA: a wrong one failed each worker's setup, with the cause in its log alone)."""
+    if not interface:
+        return
+    names = sorted(name for _, name in socket.if_nameindex())
+    wrong = [name for name in interface.split(",") if name.strip() not in names]
+    if wrong:
+        raise PipelineError(f"--interface {interface}: this node has no network interface {wrong[0]!r} (it has "
+                            f"{', '.join(names)})")
 
 
 def control_secret(options: RunOptions, host: str = "127.0.0.1", nodes: Nodes | None = None) -> bytes | None:
@@ -96,6 +112,17 @@ def control_secret(options: RunOptions, host: str = "127.0.0.1", nodes: Nodes | 
         raise PipelineError(f"--host {host} is not loopback: a control plane on a network needs a shared "
                             f"secret (set MAESTRO_SECRET or pass --secret-file), or keep --host 127.0.0.1")
     return secret
+
+
+def _outcome(exc: BaseException) -> str:
+    """Why the run failed, in one line, as the other nodes show it (found in QA: they said "node 0
+    says: KeyboardInterrupt", and of a worker's traceback only its first line)."""
+    if isinstance(exc, Terminated):
+        return "node 0 was terminated (SIGTERM or SIGHUP there)"
+    if isinstance(exc, KeyboardInterrupt):
+        return "node 0 was interrupted (Ctrl-C there)"
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return first_line(exc) if len(lines) < 2 else f"{lines[0]} ... {lines[-1]}"
 
 
 def _sigterm_as_interrupt(signum: int, frame: Any) -> None:
@@ -239,6 +266,7 @@ def run_pipeline(path: str, options: RunOptions) -> list[dict[str, Any]]:
     except ValueError as exc:
         raise PipelineError(str(exc)) from None
     host = resolve_host(options, nodes)
+    check_interface(options.interface)
     secret = None if options.colocated else control_secret(options, host, nodes)
     files = None  # what node 0 and the others compare beyond the settings (runtime/fingerprint.py)
     if nodes.multi:
@@ -356,7 +384,7 @@ def run_pipeline(path: str, options: RunOptions) -> list[dict[str, Any]]:
                               on_restart=run_dir.event if run_dir is not None else lambda event: None)
                 except BaseException as exc:
                     if rdzv is not None:
-                        end_job(rdzv, rkey, f"failed: {first_line(exc)}",
+                        end_job(rdzv, rkey, f"failed: {_outcome(exc)}",
                                 nodes.nnodes, Timeouts.from_env().shutdown_grace_s + 5,
                                 getattr(exc, "lost_nodes", set()))
                     raise

@@ -186,6 +186,23 @@ def test_a_worker_on_node_1_that_exits_with_code_0_mid_step_is_named(demo_data):
     assert time.monotonic() - t0 < 60
 
 
+def test_a_worker_error_on_node_1_is_shown_with_its_traceback_on_both_nodes(demo_data):
+    """Found in QA: node 1's worker reported its error, then exited; node 0 took its agent's note
+    of the exit ("exited with code 1") for the cause, and node 1 showed only that: the traceback
+    was in node 1's worker log alone. Gloo's interface set wrong on node 1 alone (as a wrong
+    --interface was, before it was checked up front) fails the worker's setup there."""
+    port = free_port()
+    args = ["--quiet", "--no-run-dir", "--steps", "2", "--set", f"data.path={demo_data}"]
+    n0 = node(0, port, "pipelines/distill.py", *args)
+    n1 = node(1, port, "pipelines/distill.py", *args, env={"GLOO_SOCKET_IFNAME": "bogus0"})
+    err0, err1 = finish(n0, n1, timeout=90)
+    assert n0.returncode == 1 and n1.returncode == 1
+    assert "system error in section 'student' replica 1 (rank 2, node 1) during setup:" in err0, err0
+    assert "Unable to find address for: bogus0" in err0 and "exited with code" not in err0, err0
+    assert re.search(r"node 0 says: system error in section 'student' replica 1 \(rank 2, node 1\) during setup: "
+                     r"\.\.\. RuntimeError: .*bogus0", err1), err1
+
+
 def test_a_lost_node_rejoins_with_max_restarts(demo_data, tmp_path):
     """Each node in a folder of its own, node 0's --checkpoint-dir relative to its own (found in
     review: node 1's workers looked for the restart's checkpoint in node 1's folder)."""

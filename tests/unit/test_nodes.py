@@ -26,6 +26,11 @@ def test_flags_and_slurm():
     ((2, 0, "h:1", 0), "--nproc-per-node must be at least 1"),
     ((1, 1, "h:1", None), "--node-rank 1 is for a run over several nodes: add --nnodes"),  # it trained alone
     ((0, 0, "h:1", None), "--nnodes must be at least 1"),
+    # found in QA: without --nnodes each node trained the whole job alone; a port out of range
+    # gave a traceback (99999) or a wait of MAESTRO_STARTUP_S (0)
+    ((1, None, "h:29400", None), "--rdzv-endpoint h:29400 is for a run over several nodes: add --nnodes N"),
+    ((2, 0, "h:99999", None), "--rdzv-endpoint h:99999: the port must be 1-65535"),
+    ((2, 0, "h:0", None), "--rdzv-endpoint h:0: the port must be 1-65535"),
 ])
 def test_bad_flags_are_refused(args, message):
     with pytest.raises(PipelineError, match=message):
@@ -319,3 +324,40 @@ def test_the_run_ends_without_waiting_for_nodes_no_agent_came_for():
     began = time.monotonic()
     agent_mod.end_job(store, key, "done", nnodes=3, wait_s=8.0, lost={1, 2})
     assert time.monotonic() - began < 1.0
+
+
+def test_a_rendezvous_host_that_does_not_resolve_is_one_line_on_every_node():
+    """Found in QA: a mistyped host gave node 1 a socket.gaierror traceback (node 0 said one line)."""
+    from maestro_flow.runtime.run import RunOptions, resolve_host
+
+    nodes = Nodes.from_options(2, 1, "nosuchhost.invalid:29411", None, environ={})
+    with pytest.raises(PipelineError, match=r"^--rdzv-endpoint nosuchhost.invalid:29411: node 1 cannot reach it \("):
+        resolve_host(RunOptions(overrides={}), nodes)
+
+
+def test_an_interface_this_node_lacks_is_refused_naming_what_it_has():
+    """Found in QA: a wrong --interface failed each worker's gloo setup, the cause in its log alone."""
+    import socket
+
+    from maestro_flow.runtime.run import check_interface
+
+    name = socket.if_nameindex()[0][1]
+    check_interface(name)
+    check_interface(None)
+    with pytest.raises(PipelineError, match=rf"^--interface {name},bogus0: this node has no network interface "
+                                            rf"'bogus0' \(it has .*{name}"):
+        check_interface(f"{name},bogus0")
+
+
+def test_the_other_nodes_are_told_why_the_run_failed_in_one_line():
+    """Found in QA: node 1 said "node 0 says: KeyboardInterrupt", and of a worker's traceback only
+    its first line ("... during setup:")."""
+    from maestro_flow.errors import SystemFailure, Terminated
+    from maestro_flow.runtime.run import _outcome
+
+    assert _outcome(KeyboardInterrupt()) == "node 0 was interrupted (Ctrl-C there)"
+    assert _outcome(Terminated()) == "node 0 was terminated (SIGTERM or SIGHUP there)"
+    failure = SystemFailure("system error in section 's' during setup:\nTraceback (most recent call last):\n"
+                            "  File \"w.py\", line 1\nRuntimeError: no such interface\n")
+    assert _outcome(failure) == "system error in section 's' during setup: ... RuntimeError: no such interface"
+    assert _outcome(SystemFailure("one line")) == "one line"
