@@ -114,13 +114,14 @@ def control_secret(options: RunOptions, host: str = "127.0.0.1", nodes: Nodes | 
     return secret
 
 
-def _outcome(exc: BaseException) -> str:
-    """Why the run failed, in one line, as the other nodes show it (found in QA: they said "node 0
-    says: KeyboardInterrupt", and of a worker's traceback only its first line)."""
+def _outcome(exc: BaseException, who: str = "node 0") -> str:
+    """Why the run failed, in one line, as the other nodes and `maestro top` show it (found in QA:
+    the nodes said "node 0 says: KeyboardInterrupt", and of a worker's traceback only its first line)."""
+    there = " there" if who == "node 0" else ""
     if isinstance(exc, Terminated):
-        return "node 0 was terminated (SIGTERM or SIGHUP there)"
+        return f"{who} was terminated (SIGTERM or SIGHUP{there})"
     if isinstance(exc, KeyboardInterrupt):
-        return "node 0 was interrupted (Ctrl-C there)"
+        return f"{who} was interrupted (Ctrl-C{there})"
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
     return first_line(exc) if len(lines) < 2 else f"{lines[0]} ... {lines[-1]}"
 
@@ -397,6 +398,14 @@ def run_pipeline(path: str, options: RunOptions) -> list[dict[str, Any]]:
                 from maestro_flow.checkpoint.savedir import save_pipeline
 
                 save_pipeline(options.save_dir, original.to_dict())
+    except BaseException as exc:  # what `maestro top` says of a run it watched end (found in QA: "ended" of a failure)
+        if run_dir is not None:
+            run_dir.event({"ended": "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed",
+                           "why": _outcome(exc, "the run")})
+        raise
+    else:
+        if run_dir is not None:
+            run_dir.event({"ended": "done"})
     finally:
         _release(previous)
         checkpointer.close()

@@ -8,7 +8,8 @@ Runs in the coordinator process. Layout:
     workers/S-R.log      worker stdout/stderr, every line prefixed with [section/replica]
                          (S-R.T.log and [section/replica.T] for tensor-parallel rank T)
     events.jsonl         what happened to the run besides steps: automatic restarts (with cause),
-                         checkpoints written or failed; written only once something has
+                         checkpoints written or failed, and last {"ended": "done" | "failed" |
+                         "interrupted", "why": ...} (none: its process was killed; `maestro top`)
     trace.json           the timeline, when `--trace` is given without a path of its own
     status.json          while the job runs: where `maestro top` finds it (runtime/status.py); removed
                          when the job is over, kept across its automatic restarts

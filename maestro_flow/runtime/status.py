@@ -213,28 +213,45 @@ def find_run(run_dir: str | None, root: str = "runs") -> str:
     return max(live, key=os.path.getmtime)
 
 
-def ended(run_dir: str) -> str | None:
-    """What `top` says once the run it watched is over (None while its coordinator runs): the
-    last step the run dir's metrics.jsonl recorded, counted from 1."""
-    if _live(run_dir):
-        return None
+def _last_row(path: str, keep: Any = lambda row: True) -> dict | None:
+    """The last JSON object of a JSON Lines file that `keep` accepts (None: none, or no file)."""
     last = None
     try:
-        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        with open(path) as f:
             for line in f:
-                if line.strip():
-                    last = line
-        row = json.loads(last) if last else None
-    except (OSError, ValueError):
-        row = None
-    if not isinstance(row, dict) or "step" not in row:
-        return f"{run_dir}: the run has ended"
-    loss = row.get("loss")
+                try:
+                    row = json.loads(line) if line.strip() else None
+                except ValueError:
+                    continue  # a line cut short by a kill
+                if isinstance(row, dict) and keep(row):
+                    last = row
+    except OSError:
+        return None
+    return last
+
+
+def ended(run_dir: str) -> str | None:
+    """What `top` says once the run it watched is over (None while its coordinator runs): how it
+    ended (the run dir's events.jsonl: done, failed and why, interrupted; nothing there when its
+    process was killed), and the last step its metrics.jsonl recorded, counted from 1."""
+    if _live(run_dir):
+        return None
+    end = _last_row(os.path.join(run_dir, "events.jsonl"), lambda row: "ended" in row) or {}
+    row = _last_row(os.path.join(run_dir, "metrics.jsonl"), lambda row: "step" in row)
     # Counted from 1, as the progress lines and top's header count (metrics rows from 0; found in
     # review: a 60-step run "ended; its last step was 59" under "step 60/60").
-    step = row["step"] + 1 if isinstance(row["step"], int) else row["step"]
-    return (f"{run_dir}: the run has ended after step {step}"
-            + (f", loss {loss:.4f}" if isinstance(loss, (int, float)) else ""))
+    step = None if row is None else row["step"] + 1 if isinstance(row["step"], int) else row["step"]
+    loss = None if row is None else row.get("loss")
+    after = (f" after step {step}" + (f", loss {loss:.4f}" if isinstance(loss, (int, float)) else "")
+             if step is not None else " before any step was recorded")
+    if end.get("ended") == "interrupted":
+        return f"{run_dir}: {end.get('why', 'the run was interrupted')}{after}"
+    if end.get("ended") == "failed":  # found in QA: a failed run "has ended" as a finished one
+        return f"{run_dir}: the run failed{after}: {end.get('why', '?')}"
+    if end.get("ended") != "done":
+        last = f"; its last step was {step}" if step is not None else ", before any step was recorded"
+        return f"{run_dir}: the run's process is gone without recording how the run ended (killed?){last}"
+    return f"{run_dir}: the run has ended{after}"
 
 
 def query(run_dir: str, timeout_s: float = 2.0) -> dict[str, Any]:

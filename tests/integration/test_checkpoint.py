@@ -226,7 +226,8 @@ def test_a_failing_write_stops_cleanly_or_is_skipped_with_the_flag(small_data, t
     assert "Traceback" not in result.stderr
     assert mf.checkpoints(str(ck)) == []
     events = [json.loads(line) for line in (tmp_path / "run" / "events.jsonl").read_text().splitlines()]
-    assert [e["step"] for e in events] == [2] and "File too large" in events[0]["checkpoint_failed"]
+    assert [e.get("step") for e in events] == [2, None] and "File too large" in events[0]["checkpoint_failed"]
+    assert events[1]["ended"] == "failed" and "File too large" in events[1]["why"]  # what `maestro top` says
     result = subprocess.run(argv + ["--checkpoint-errors", "continue"], cwd=ROOT, capture_output=True, text=True,
                             timeout=120, preexec_fn=_limit_file_size(200_000))
     assert result.stderr.count("warning: checkpoint at step") == 2  # steps 2 and 4, training went on

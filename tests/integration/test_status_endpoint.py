@@ -112,9 +112,10 @@ def test_top_sees_the_next_attempt_across_a_restart(tmp_path):
     assert answers == [{"attempt": 2}] or answers == [{"starting": True}]
     assert query(run) == {"attempt": 2}
     second.close()
+    (tmp_path / "events.jsonl").write_text('{"ended": "done"}\n')  # what the job writes last (run.py)
     release(run)  # the job is over (RunDir.close)
     assert not os.path.exists(os.path.join(run, "status.json"))
-    assert ended(run) == f"{run}: the run has ended"
+    assert ended(run) == f"{run}: the run has ended before any step was recorded"
 
 
 def test_top_follows_a_run_through_an_automatic_restart(demo_data, tmp_path):

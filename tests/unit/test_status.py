@@ -115,8 +115,18 @@ def test_a_status_file_without_an_endpoint_and_a_run_that_ended(tmp_path):
         query(str(tmp_path))
     assert ended(str(tmp_path)) is None  # its pid runs: the run is not over
     os.remove(tmp_path / "status.json")
-    assert ended(str(tmp_path)) == f"{tmp_path}: the run has ended"
-    (tmp_path / "metrics.jsonl").write_text('{"step": 0, "loss": 2.5}\n{"step": 1, "loss": 2.25}\n')
+    # Found in QA: a failed or killed run "has ended after step N" as a finished one did. How it
+    # ended is the run dir's events.jsonl's; nothing there: its process was killed.
+    gone = f"{tmp_path}: the run's process is gone without recording how the run ended (killed?)"
+    assert ended(str(tmp_path)) == f"{gone}, before any step was recorded"
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0, "loss": 2.5}\n{"step": 1, "loss": 2.25}\n{"st')
+    assert ended(str(tmp_path)) == f"{gone}; its last step was 2"
+    events = tmp_path / "events.jsonl"
+    events.write_text('{"checkpoint": "c", "step": 1}\n{"ended": "failed", "why": "system error in x ... Boom"}\n')
+    assert ended(str(tmp_path)) == f"{tmp_path}: the run failed after step 2, loss 2.2500: system error in x ... Boom"
+    events.write_text('{"ended": "interrupted", "why": "the run was interrupted (Ctrl-C)"}\n')
+    assert ended(str(tmp_path)) == f"{tmp_path}: the run was interrupted (Ctrl-C) after step 2, loss 2.2500"
+    events.write_text('{"ended": "done"}\n')
     assert ended(str(tmp_path)) == f"{tmp_path}: the run has ended after step 2, loss 2.2500"
 
 
