@@ -151,13 +151,14 @@ def main(ctx: click.Context, debug: bool) -> None:
               help="Start from a checkpoint: DIR/step-N, or the newest complete one under DIR (--steps stays the "
                    "total).")
 @click.option("--max-restarts", type=int, default=0, show_default=True, metavar="N",
-              help="When a worker dies or hangs, stop all workers and restart from the newest checkpoint, up to N "
-                   "times.")
+              help="When a worker dies or hangs, or a node is lost, stop all workers and restart from the newest "
+                   "checkpoint, up to N times (each restart waits up to MAESTRO_STARTUP_S for a lost node).")
 @click.option("--tensorboard", "tensorboard", type=click.Path(file_okay=False), metavar="DIR",
               help="Log loss, lr, grad norm, throughput and each section's busy share per step for TensorBoard, "
                    "in DIR/NAME-TIMESTAMP (one folder per run: `tensorboard --logdir DIR` compares them; needs the "
                    "tensorboard package).")
-@click.option("--nnodes", type=int, default=1, show_default=True, help="Nodes the run spans (torchrun's convention).")
+@click.option("--nnodes", type=int, default=1, show_default=True, help="Nodes the run spans (torchrun's convention; "
+              "every node needs the same secret, and node 0 waits MAESTRO_STARTUP_S, 120 s, for the others).")
 @click.option("--node-rank", type=int, help="This node's index, 0 to NNODES-1 (node 0 runs the coordinator; default: "
                                              "SLURM_NODEID under Slurm).")
 @click.option("--rdzv-endpoint", metavar="HOST:PORT", help="Where the nodes meet: node 0 listens there (a TCPStore).")

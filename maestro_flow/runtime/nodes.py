@@ -90,6 +90,9 @@ class Nodes:
         if node >= self.nnodes:
             raise PipelineError(f"the pipeline has {world} ranks, more than {self.nnodes} nodes of {per_node} hold "
                                 f"(raise --nproc-per-node or --nnodes)")
+        if node < self.nnodes - 1:  # found in QA: such a node started an empty list of ranks, and waited
+            raise PipelineError(f"the pipeline's {world} ranks, {per_node} a node, leave node {node + 1} of --nnodes "
+                                f"{self.nnodes} nothing to run (lower --nnodes or --nproc-per-node)")
         return node_of
 
 

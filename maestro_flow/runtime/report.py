@@ -145,7 +145,9 @@ class RunReport:
         first, last = self.rows[0]["loss"], self.rows[-1]["loss"]
         times = sorted(r["step_time_s"] for r in self.rows)
         median = times[len(times) // 2]
-        text = f"{len(self.rows)} steps in {time.monotonic() - self._t0:.1f}s, median {median:.3f} s/step"
+        steps = len({r["step"] for r in self.rows})  # a step replayed after a restart counts once (found in QA)
+        replayed = f" ({len(self.rows) - steps} replayed after restarts)" if len(self.rows) > steps else ""
+        text = f"{steps} steps{replayed} in {time.monotonic() - self._t0:.1f}s, median {median:.3f} s/step"
         if isinstance(first, float) and isinstance(last, float):
             text += f", loss {first:.4f} -> {last:.4f}"
         if self.non_finite is not None:

@@ -48,6 +48,11 @@ def test_a_tensor_parallel_group_stays_on_one_node():
 
 def test_layouts_that_do_not_fit_are_refused():
     placement = Placement.build(["teacher", "student"], {"teacher": 1, "student": 2}, tp={"student": 2})
+    with pytest.raises(PipelineError, match=r"the pipeline's 5 ranks, 3 a node, leave node 2 of --nnodes 3 nothing"):
+        Nodes(nnodes=3, node_rank=0, endpoint=("h", 1), nproc_per_node=3).assign(placement)  # found in QA
+    plain = Placement.build(["teacher", "student"], {"teacher": 1, "student": 2})
+    with pytest.raises(PipelineError, match=r"3 ranks, 1 a node, leave node 3 of --nnodes 4 nothing to run \(lower"):
+        Nodes(nnodes=4, node_rank=0, endpoint=("h", 1)).assign(plain)
     with pytest.raises(PipelineError, match="sections.student.tp=2 does not fit on one node of 1 ranks"):
         Nodes(nnodes=5, node_rank=0, endpoint=("h", 1), nproc_per_node=1).assign(placement)
     with pytest.raises(PipelineError, match="more than 2 nodes of 2 hold"):
