@@ -157,7 +157,7 @@ def rendezvous(nodes: Nodes, timeout_s: float) -> Any:
             return bounded(lambda: dist.TCPStore(host, port, is_master=False, timeout=timeout), timeout_s=timeout_s)
         except Exception as exc:  # noqa: BLE001 (torch raises several types for an unreachable store)
             raise PipelineError(f"--rdzv-endpoint {host}:{port}: node 0 did not answer within {timeout_s:.0f}s "
-                                f"({brief(exc)})") from None
+                                f"({brief(exc)}; is node 0 started? MAESTRO_STARTUP_S sets the wait)") from None
     try:
         return listening_store(host, port, timeout)
     except OSError as exc:
