@@ -38,6 +38,7 @@ class Coordinator(CoordinatorIO):
     def __init__(self, dead: list[FakeWorker], reports: list[tuple[int, dict]], said_bye: set[int] = frozenset()
                  ) -> None:
         self.said_bye = set(said_bye)
+        self.system_errors: dict[int, dict] = {}
         self.timeouts = types.SimpleNamespace(heartbeat_timeout_s=5.0)
         self.nodes = types.SimpleNamespace(multi=False)
         self.launcher = types.SimpleNamespace(dead=lambda: dead)
@@ -64,6 +65,37 @@ def test_a_peer_that_died_silently_is_the_cause() -> None:
 def test_a_peer_that_reported_its_own_error_is_not_blamed() -> None:
     # Before: rank 2, which failed because rank 1 did, was named as the cause (WorkerLost).
     Coordinator([FakeWorker(1, 1), FakeWorker(2, 1)], [(2, _error("system"))])._raise_dead_peer(exclude=1)
+
+
+def _on_two_nodes(coordinator: Coordinator, lost_rank: int) -> WorkerLost:
+    """`coordinator` with node 1's agent reporting its worker `lost_rank` dead (by the store)."""
+    lost = WorkerLost(f"worker rank {lost_rank} on node 1 exited with code 1")
+    lost.rank = lost_rank
+    coordinator.nodes = types.SimpleNamespace(multi=True)
+    coordinator.node_of = {1: 0, 2: 1}
+    coordinator._lost = lambda: lost
+    coordinator.liveness = types.SimpleNamespace(last_done={}, lost_node=lambda now: None)
+    return lost
+
+
+def test_a_worker_of_another_node_is_named_by_its_own_report_not_its_exit() -> None:
+    """Found in QA: node 1's worker reported a system error and exited; node 0 named its agent's
+    note of the exit ("exited with code 1") and the traceback was in node 1's log alone. Its
+    report stands, whether it was read before the note (_raise_dead_peer) or after (_tick)."""
+    from maestro_flow.errors import SystemFailure
+
+    first = Coordinator([], [])
+    lost = _on_two_nodes(first, 2)
+    first.system_errors[2] = _error("system")
+    first._raise_dead_peer(exclude=2)  # returns: the caller raises rank 2's own report
+    late = Coordinator([], [(2, _error("system"))])
+    _on_two_nodes(late, 2)
+    with pytest.raises(SystemFailure, match=r"system error in section 'student' replica 1 \(rank 2, node 1\) during "
+                                            r"forward at step 3:\na system error$"):
+        late._raise_own_report(lost)
+    silent = Coordinator([], [])  # no report of its own: the agent's note is the cause
+    _on_two_nodes(silent, 2)
+    silent._raise_own_report(lost)
 
 
 def test_a_stage_error_reported_meanwhile_is_the_cause() -> None:
