@@ -157,8 +157,8 @@ def main(ctx: click.Context, debug: bool) -> None:
               help="Log loss, lr, grad norm, throughput and each section's busy share per step for TensorBoard, "
                    "in DIR/NAME-TIMESTAMP (one folder per run: `tensorboard --logdir DIR` compares them; needs the "
                    "tensorboard package).")
-@click.option("--nnodes", type=int, default=1, show_default=True, help="Nodes the run spans (torchrun's convention; "
-              "every node needs the same secret, and node 0 waits MAESTRO_STARTUP_S, 120 s, for the others).")
+@click.option("--nnodes", type=int, help="Nodes the run spans (default 1; torchrun's convention; every node needs the "
+              "same secret, and node 0 waits MAESTRO_STARTUP_S, 120 s, for the others).")
 @click.option("--node-rank", type=int, help="This node's index, 0 to NNODES-1 (node 0 runs the coordinator; default: "
                                              "SLURM_NODEID under Slurm).")
 @click.option("--rdzv-endpoint", metavar="HOST:PORT", help="Where the nodes meet: node 0 listens there (a TCPStore).")
@@ -190,7 +190,7 @@ def run(ctx: click.Context, pipeline: str, steps: int | None, sets: tuple[str, .
         schedule: str | None, metrics_out: str | None, save_dir: str | None, trace: str | None,
         run_dir: str | None, no_run_dir: bool, record: str | None, record_steps: str | None, costs: str | None,
         checkpoint_dir: str | None, checkpoint_every: int | None, keep_last: int | None, checkpoint_errors: str,
-        resume: str | None, max_restarts: int, tensorboard: str | None, nnodes: int, node_rank: int | None,
+        resume: str | None, max_restarts: int, tensorboard: str | None, nnodes: int | None, node_rank: int | None,
         rdzv_endpoint: str | None, nproc_per_node: int | None, host: str | None, interface: str | None,
         secret_file: str | None, baseline: str | None, devices: int | None, micro_batch: int | None,
         pin_cpus: bool, quiet: bool) -> None:
@@ -216,7 +216,7 @@ def run(ctx: click.Context, pipeline: str, steps: int | None, sets: tuple[str, .
       maestro run PIPE --nnodes 2 --node-rank 0 --rdzv-endpoint node0:29400
       maestro run PIPE --nnodes 2 --node-rank 1 --rdzv-endpoint node0:29400
     """
-    if nnodes > 1 and node_rank != 0 and "TORCH_CPP_LOG_LEVEL" not in os.environ:
+    if (nnodes or 1) > 1 and node_rank != 0 and "TORCH_CPP_LOG_LEVEL" not in os.environ:
         # An agent notices a lost node 0 by its store failing; c10d would log each failed call
         # with a C++ stack first. The agent's own message says what happened (workers keep the
         # default level: runtime/agent.py).

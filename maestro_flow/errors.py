@@ -74,3 +74,18 @@ def first_line(exc: BaseException) -> str:
 def brief(exc: BaseException) -> str:
     """'Type: first line of the message' (the type alone where the message is blank)."""
     return f"{type(exc).__name__}: {first_line(exc)}" if str(exc).strip() else type(exc).__name__
+
+
+def traceback_tail(text: str) -> str:
+    """A formatted traceback's exception in one line: the lines after its last frame (the
+    exception's type and message, the message's further lines, its notes), joined with "; ".
+    A frame is its '  File "..."' line and the indented source and caret lines under it; an
+    indented line of the message itself is kept. Text that holds no frame: its last line."""
+    lines = [line.rstrip() for line in text.splitlines() if line.strip()]
+    frames = [i for i, line in enumerate(lines) if line.startswith('  File "')]
+    if not frames:
+        return lines[-1].strip() if lines else ""
+    rest = lines[frames[-1] + 1:]
+    while rest and rest[0].startswith(" "):  # the frame's source line and its carets
+        rest = rest[1:]
+    return "; ".join(line.strip() for line in rest).removeprefix("maestro_flow.errors.")

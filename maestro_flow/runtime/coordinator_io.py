@@ -106,11 +106,13 @@ class CoordinatorIO:
         """A worker of another node that its agent reports dead may have reported its error
         before it exited (by ZeroMQ; the agent's note comes by the store): that report, with its
         traceback, is the cause (found in QA: node 0 said only "exited with code 1", the
-        traceback was in node 1's worker log alone)."""
+        traceback was in node 1's worker log alone), unless a peer died without a word (as for a
+        report read first: _recv)."""
         rank = getattr(lost, "rank", None)
         if rank is not None:
             self._note_reports(set(), 0.5)
             if rank in self.system_errors:
+                self._raise_dead_peer(exclude=rank)  # a peer dead without a word is the cause (found in review)
                 raise self._system_failure(rank, self.system_errors[rank])
 
     def _snapshot(self) -> dict:

@@ -56,7 +56,7 @@ from typing import Any
 import torch
 
 from maestro_flow.config import Pipeline
-from maestro_flow.errors import MaestroError, PipelineError, StageError, SystemFailure
+from maestro_flow.errors import MaestroError, PipelineError, StageError, SystemFailure, traceback_tail
 from maestro_flow.graph import SectionGraph
 from maestro_flow.parallel.fsdp import largest_unit_bytes
 from maestro_flow.parallel.tp import tp_share
@@ -95,17 +95,13 @@ class ProfileOptions:
 class ProfilingError(MaestroError):
     """Profiling failed: in `section` (None: outside any section) during `phase` ("forward at
     micro-batch 4"), with `traceback` formatted as text in the process that raised. Its message
-    is one line: where, and the exception itself, its notes after it (the lines after the last
-    frame's: a note such as the vision stage's ways out of a corrupt image is a line of its own)."""
+    is one line: where, and the exception with its notes (errors.traceback_tail: a note such as
+    the vision stage's ways out of a corrupt image is a line of its own)."""
 
     def __init__(self, *, section: str | None, phase: str, traceback: str) -> None:
         self.section, self.phase, self.traceback = section, phase, traceback
-        lines = [line.rstrip() for line in traceback.splitlines() if line.strip()]
-        frames = [i for i, line in enumerate(lines) if line.startswith(" ")]  # a frame's lines are indented
-        tail = lines[frames[-1] + 1 if frames else 0:] or lines[-1:]
         where = f"section {section!r} during {phase}" if section else phase
-        last = "; ".join(tail).removeprefix("maestro_flow.errors.") if tail else "no traceback"
-        super().__init__(f"profiling failed in {where}: {last}")
+        super().__init__(f"profiling failed in {where}: {traceback_tail(traceback) or 'no traceback'}")
 
 
 def worker_threads(threads: int | None) -> int:

@@ -76,6 +76,7 @@ class RunReport:
             mode = "a" if resume_at is not None else "w"
             self._metrics.append((open(path, mode), WriteGuard(f"metrics to {path}")))  # noqa: SIM115 (closed in close())
         self._t0 = time.monotonic()
+        self.resumed = resume_at is not None
         self._sinks = list(sinks)  # objects with step(row) and close()
         self.non_finite: int | None = None  # the first step whose loss or gradient norm was NaN or inf
         self.gradless: dict[str, int] = {}  # trainable section -> steps running with samples and an all-zero gradient
@@ -155,7 +156,9 @@ class RunReport:
         counters = [f"{name} {key} {value:g}" for name, sec in (self.rows[-1].get("sections") or {}).items()
                     for key, value in (sec.get("stage") or {}).items() if value]  # Stage.stats: over the run
         if counters:  # found in QA: the corrupt images a run skipped were in its metrics only
-            text += "\nstage counters: " + ", ".join(counters)
+            # A stage's counters live in its workers: a restart or a resume starts them again (review).
+            since = " since the last restart or resume" if self.resumed or self.rows[-1].get("restarts") else ""
+            text += f"\nstage counters{since}: " + ", ".join(counters)
         return text
 
     def _newline(self) -> None:

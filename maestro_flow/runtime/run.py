@@ -20,7 +20,7 @@ from typing import Any
 
 from maestro_flow.checkpoint import manifest as mf
 from maestro_flow.checkpoint.checkpointer import Checkpointer, CheckpointOptions, resume_point
-from maestro_flow.errors import CheckpointError, PipelineError, Terminated, first_line
+from maestro_flow.errors import CheckpointError, PipelineError, Terminated, first_line, traceback_tail
 from maestro_flow.runtime import cpus
 from maestro_flow.runtime.agent import end_job
 from maestro_flow.runtime.build import load_pipeline
@@ -54,7 +54,7 @@ class RunOptions:
     # or with several nodes the address node 0 is reached at)
     interface: str | None = None  # gloo's and NCCL's network interface (None: lo on loopback)
     secret_file: str | None = None  # the shared secret (else MAESTRO_SECRET, else generated)
-    nnodes: int = 1  # torchrun's conventions (runtime/nodes.py)
+    nnodes: int | None = None  # torchrun's conventions (runtime/nodes.py; None: not given, one node)
     node_rank: int | None = None
     rdzv_endpoint: str | None = None
     nproc_per_node: int | None = None
@@ -69,13 +69,15 @@ def resolve_host(options: RunOptions, nodes: Nodes) -> str:
     node 0's rendezvous address on node 0 and the address other nodes reach node 0 from."""
     from maestro_flow.transport.zmq_link import LOOPBACK, is_loopback
 
-    if options.host:
-        return options.host
-    if not nodes.multi or is_loopback(nodes.endpoint[0]):
-        return LOOPBACK
-    if nodes.node_rank == 0:
-        return nodes.endpoint[0]
     try:
+        if nodes.multi and nodes.node_rank != 0:  # node 0 finds out when it listens there
+            socket.getaddrinfo(*nodes.endpoint)
+        if options.host:
+            return options.host
+        if not nodes.multi or is_loopback(nodes.endpoint[0]):
+            return LOOPBACK
+        if nodes.node_rank == 0:
+            return nodes.endpoint[0]
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:  # no packet is sent
             probe.connect(nodes.endpoint)
             return probe.getsockname()[0]
@@ -90,7 +92,7 @@ def check_interface(interface: str | None) -> None:
     if not interface:
         return
     names = sorted(name for _, name in socket.if_nameindex())
-    wrong = [name for name in interface.split(",") if name.strip() not in names]
+    wrong = [name for name in interface.split(",") if name not in names]  # as gloo reads it: no spaces
     if wrong:
         raise PipelineError(f"--interface {interface}: this node has no network interface {wrong[0]!r} (it has "
                             f"{', '.join(names)})")
@@ -123,7 +125,7 @@ def _outcome(exc: BaseException, who: str = "node 0") -> str:
     if isinstance(exc, KeyboardInterrupt):
         return f"{who} was interrupted (Ctrl-C{there})"
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    return first_line(exc) if len(lines) < 2 else f"{lines[0]} ... {lines[-1]}"
+    return first_line(exc) if len(lines) < 2 else f"{lines[0]} ... {traceback_tail(str(exc))}"
 
 
 def _sigterm_as_interrupt(signum: int, frame: Any) -> None:
@@ -210,7 +212,7 @@ def _as_baseline(pipeline: Any, checked: Any, options: RunOptions) -> tuple[Any,
 
     if options.baseline != "monolithic":
         raise PipelineError(f"--baseline must be 'monolithic', got {options.baseline!r}")
-    refused = [flag for flag, given in (("--colocated", options.colocated), ("--nnodes", options.nnodes > 1),
+    refused = [flag for flag, given in (("--colocated", options.colocated), ("--nnodes", (options.nnodes or 1) > 1),
                                         ("--record", options.record), ("--checkpoint-dir", options.checkpoint.dir),
                                         ("--resume", options.checkpoint.resume),
                                         ("--max-restarts", options.checkpoint.max_restarts)) if given]
@@ -405,7 +407,8 @@ def run_pipeline(path: str, options: RunOptions) -> list[dict[str, Any]]:
         raise
     else:
         if run_dir is not None:
-            run_dir.event({"ended": "done"})
+            fatal = _final_state_lost(checkpointer, options)  # found in review: "done", then exit 1
+            run_dir.event({"ended": "failed", "why": fatal} if fatal else {"ended": "done"})
     finally:
         _release(previous)
         checkpointer.close()
@@ -420,11 +423,24 @@ def run_pipeline(path: str, options: RunOptions) -> list[dict[str, Any]]:
                 print(f"run directory: {run_dir.path}", file=sys.stderr)
     if options.show_progress:
         print(report.summary(), file=sys.stderr)
-    if checkpointer.unsaved is not None:  # found in review: exit 0 with the final state in no checkpoint
-        text = (f"the checkpoint after the last step (step {checkpointer.unsaved}) failed, so the run's final state is in "
-                f"no checkpoint{checkpointer.previous()}")
-        if not options.save_dir:
-            raise CheckpointError(f"{text}, and without --save-dir nothing holds the trained weights "
-                                  "(--checkpoint-errors continue trained on)")
-        print(f"warning: {text}; the trained weights are in --save-dir {options.save_dir}", file=sys.stderr)
+    fatal = _final_state_lost(checkpointer, options)
+    if fatal:
+        raise CheckpointError(fatal)
+    if checkpointer.unsaved is not None:
+        print(f"warning: {_unsaved(checkpointer)}; the trained weights are in --save-dir {options.save_dir}",
+              file=sys.stderr)
     return report.rows
+
+
+def _unsaved(checkpointer: Checkpointer) -> str:
+    return (f"the checkpoint after the last step (step {checkpointer.unsaved}) failed, so the run's final state is in "
+            f"no checkpoint{checkpointer.previous()}")
+
+
+def _final_state_lost(checkpointer: Checkpointer, options: RunOptions) -> str | None:
+    """Why the run fails though it trained every step: the checkpoint after its last step failed
+    (--checkpoint-errors continue) and no --save-dir holds the weights (found in review: exit 0)."""
+    if checkpointer.unsaved is None or options.save_dir:
+        return None
+    return (f"{_unsaved(checkpointer)}, and without --save-dir nothing holds the trained weights "
+            "(--checkpoint-errors continue trained on)")

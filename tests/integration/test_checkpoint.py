@@ -236,6 +236,8 @@ def test_a_failing_write_stops_cleanly_or_is_skipped_with_the_flag(small_data, t
     assert result.stderr.endswith("error: the checkpoint after the last step (step 4) failed, so the run's final state "
                                   "is in no checkpoint; no complete checkpoint exists yet, and without --save-dir "
                                   "nothing holds the trained weights (--checkpoint-errors continue trained on)\n")
+    last = json.loads((tmp_path / "run" / "events.jsonl").read_text().splitlines()[-1])  # found in review: "done"
+    assert last["ended"] == "failed" and last["why"].startswith("the checkpoint after the last step (step 4) failed")
     # The weights saved (no file size limit: the checkpoints fail by their time limit instead): a warning.
     result = subprocess.run(argv + ["--checkpoint-errors", "continue", "--save-dir", str(tmp_path / "save")], cwd=ROOT,
                             capture_output=True, text=True, timeout=120,

@@ -86,7 +86,6 @@ def test_a_worker_of_another_node_is_named_by_its_own_report_not_its_exit() -> N
 
     first = Coordinator([], [])
     lost = _on_two_nodes(first, 2)
-    first.system_errors[2] = _error("system")
     first._raise_dead_peer(exclude=2)  # returns: the caller raises rank 2's own report
     late = Coordinator([], [(2, _error("system"))])
     _on_two_nodes(late, 2)
@@ -96,6 +95,12 @@ def test_a_worker_of_another_node_is_named_by_its_own_report_not_its_exit() -> N
     silent = Coordinator([], [])  # no report of its own: the agent's note is the cause
     _on_two_nodes(silent, 2)
     silent._raise_own_report(lost)
+    # Found in review: a peer of node 0 killed without a word is the cause there too, as it is
+    # for a report read first (a WorkerLost, which --max-restarts restarts; a report is not).
+    collateral = Coordinator([FakeWorker(1, -9)], [(2, _error("system"))])
+    _on_two_nodes(collateral, 2)
+    with pytest.raises(WorkerLost, match="rank 1 exited with code -9"):
+        collateral._raise_own_report(lost)
 
 
 def test_a_stage_error_reported_meanwhile_is_the_cause() -> None:

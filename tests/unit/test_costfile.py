@@ -271,6 +271,11 @@ def test_a_profiling_error_is_one_line_naming_section_phase_and_cause():
     assert exc.traceback == tb
     noted = ProfilingError(section="vision", phase="forward", traceback=tb + "a note\n")  # Exception.add_note
     assert str(noted).endswith("ValueError: sample 3: cannot decode image: not a PNG/JPEG; a note")
+    # found in review: a message's own indented lines were taken for a frame's
+    tb = ('Traceback (most recent call last):\n  File "s.py", line 3, in forward\n    check(x)\n    ^^^^^^^^\n'
+          "ValueError: shape mismatch:\n  expected [4, 8]\n  got [4, 9]\n")
+    assert str(ProfilingError(section="llm", phase="forward", traceback=tb)).endswith(
+        "forward: ValueError: shape mismatch:; expected [4, 8]; got [4, 9]")
 
 
 @pytest.fixture(scope="module")

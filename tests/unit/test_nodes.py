@@ -16,6 +16,8 @@ def test_flags_and_slurm():
     assert (n.nnodes, n.node_rank, n.endpoint, n.multi) == (2, 1, ("10.0.0.1", 29400), True)
     assert Nodes.from_options(4, None, "h:1", 2, environ={"SLURM_NODEID": "3"}).node_rank == 3
     assert Nodes.from_options(1, None, None, None, environ={}) == Nodes()
+    # --nnodes 1 given, as torchrun takes it (a launch script's --nnodes $SLURM_NNODES on one node)
+    assert Nodes.from_options(1, None, "h:29400", None, environ={}) == Nodes()
 
 
 @pytest.mark.parametrize(("args", "message"), [
@@ -28,7 +30,8 @@ def test_flags_and_slurm():
     ((0, 0, "h:1", None), "--nnodes must be at least 1"),
     # found in QA: without --nnodes each node trained the whole job alone; a port out of range
     # gave a traceback (99999) or a wait of MAESTRO_STARTUP_S (0)
-    ((1, None, "h:29400", None), "--rdzv-endpoint h:29400 is for a run over several nodes: add --nnodes N"),
+    ((None, None, "h:29400", None), "--rdzv-endpoint h:29400 is for a run over several nodes: add --nnodes N"),
+    ((2, 0, "h:\u00b2", None), "must be HOST:PORT"),  # found in review: a digit int() refuses
     ((2, 0, "h:99999", None), "--rdzv-endpoint h:99999: the port must be 1-65535"),
     ((2, 0, "h:0", None), "--rdzv-endpoint h:0: the port must be 1-65535"),
 ])
@@ -48,11 +51,15 @@ def test_a_tensor_parallel_group_stays_on_one_node():
 
 def test_layouts_that_do_not_fit_are_refused():
     placement = Placement.build(["teacher", "student"], {"teacher": 1, "student": 2}, tp={"student": 2})
-    with pytest.raises(PipelineError, match=r"the pipeline's 5 ranks, 3 a node, leave node 2 of --nnodes 3 nothing"):
-        Nodes(nnodes=3, node_rank=0, endpoint=("h", 1), nproc_per_node=3).assign(placement)  # found in QA
     plain = Placement.build(["teacher", "student"], {"teacher": 1, "student": 2})
-    with pytest.raises(PipelineError, match=r"3 ranks, 1 a node, leave node 3 of --nnodes 4 nothing to run \(lower"):
+    with pytest.raises(PipelineError, match=r"3 ranks fill 3 nodes .*, leaving node 3 of --nnodes 4 nothing to run: "
+                                            r"lower --nnodes to 3$"):  # found in QA: node 3 started no ranks
         Nodes(nnodes=4, node_rank=0, endpoint=("h", 1)).assign(plain)
+    # Found in review: packed 2, 2, 1 (and refused); every node gets ranks when they can
+    assert Nodes(nnodes=3, node_rank=0, endpoint=("h", 1), nproc_per_node=3).assign(placement) == \
+        {0: 0, 1: 1, 2: 1, 3: 2, 4: 2}
+    five = Placement.build(["teacher", "student"], {"teacher": 1, "student": 4})
+    assert list(Nodes(nnodes=4, node_rank=0, endpoint=("h", 1)).assign(five).values()) == [0, 0, 1, 2, 3]
     with pytest.raises(PipelineError, match="sections.student.tp=2 does not fit on one node of 1 ranks"):
         Nodes(nnodes=5, node_rank=0, endpoint=("h", 1), nproc_per_node=1).assign(placement)
     with pytest.raises(PipelineError, match="more than 2 nodes of 2 hold"):
@@ -338,6 +345,8 @@ def test_a_rendezvous_host_that_does_not_resolve_is_one_line_on_every_node():
     nodes = Nodes.from_options(2, 1, "nosuchhost.invalid:29411", None, environ={})
     with pytest.raises(PipelineError, match=r"^--rdzv-endpoint nosuchhost.invalid:29411: node 1 cannot reach it \("):
         resolve_host(RunOptions(overrides={}), nodes)
+    with pytest.raises(PipelineError, match=r"node 1 cannot reach it"):  # found in review: not with --host
+        resolve_host(RunOptions(overrides={}, host="127.0.0.1"), nodes)
 
 
 def test_an_interface_this_node_lacks_is_refused_naming_what_it_has():
@@ -366,3 +375,7 @@ def test_the_other_nodes_are_told_why_the_run_failed_in_one_line():
                             "  File \"w.py\", line 1\nRuntimeError: no such interface\n")
     assert _outcome(failure) == "system error in section 's' during setup: ... RuntimeError: no such interface"
     assert _outcome(SystemFailure("one line")) == "one line"
+    noted = SystemFailure("stage error in section 'v':\nTraceback (most recent call last):\n  File \"v.py\", line 9\n"
+                          "    decode()\nValueError: sample 5: cannot decode image\n`maestro validate` lists them\n")
+    assert _outcome(noted) == ("stage error in section 'v': ... ValueError: sample 5: cannot decode image; "
+                               "`maestro validate` lists them")  # found in review: the note alone
