@@ -253,10 +253,13 @@ class Stage:
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {f"{attr}.{k}": v for attr, m in self.modules().items() for k, v in m.state_dict().items()}
 
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+    def load_state_dict(self, state: dict[str, torch.Tensor], strict: bool = True) -> None:
+        """As torch's, by module attribute. `strict=False` loads what `state` holds: an export or a
+        --save-dir file leaves frozen parameters out (found in QA: a KD student's export did not
+        load back into the stage strictly)."""
         for attr, module in self.modules().items():
             prefix = attr + "."
-            module.load_state_dict({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
+            module.load_state_dict({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}, strict=strict)
 
     def train(self, mode: bool = True) -> None:
         for module in self.modules().values():

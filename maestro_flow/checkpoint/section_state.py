@@ -207,8 +207,11 @@ class SectionState:
             state = rng.load(path, self.device)
             self.standin = state.get("standin")  # another replica's will stand in too
         except Exception as exc:  # truncated or corrupt: torch.load's zip reader says so
+            # Not torch's advice to load with weights_only=False (found in QA): the file is damaged.
+            why = ("UnpicklingError: not a torch file of RNG state (damaged or replaced)"
+                   if type(exc).__name__ == "UnpicklingError" else brief(exc))
             raise CheckpointMismatch(f"--resume {checkpoint}: cannot read the RNG state of {who} ({path}): "
-                                     f"{brief(exc)}") from None
+                                     f"{why}") from None
         self._restore_buffers(state.get("buffers", {}))  # a checkpoint from before buffers were kept has none
 
     def _load_state(self, folder: str, step: int | None) -> None:

@@ -413,7 +413,8 @@ class _Worker:
             elif body["t"] == "stop":
                 sharded = executor.layout.mesh is not None  # then every rank takes part in gathering
                 if body["save_dir"] and executor.trainable and (sharded or self.replica == 0):
-                    self.phase = "saving to --save-dir"
+                    # after the last step (found in QA: a sharded rank, whose loop had not moved its step, said 0)
+                    self.phase, self.step = "saving to --save-dir", self.init["pipeline"]["steps"] - 1
                     try:
                         save_stage(executor.stage, body["save_dir"], self.section,
                                    write=self.replica == 0 and executor.layout.leader)

@@ -208,6 +208,19 @@ def _limit_file_size(limit: int):
     return lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
 
 
+@pytest.mark.parametrize("layout", [(), ("--set", "sections.student.tp=2")], ids=["replicated", "tp2"])
+def test_a_failing_save_dir_write_names_the_last_step(small_data, tmp_path, layout):
+    """Found in QA: a --save-dir that cannot be written said "at step 0" for a tensor-parallel
+    (or FSDP) student, whose ranks had not moved their step on; the save follows the last step."""
+    argv = [sys.executable, "-m", "maestro_flow.cli", *args(small_data, "float32", *layout, "--save-dir",
+                                                           str(tmp_path / "save"), steps=3)]
+    result = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=120,
+                            preexec_fn=_limit_file_size(20_000))
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert "during saving to --save-dir at step 2:" in result.stderr, result.stderr[-2000:]
+    assert "File too large" in result.stderr
+
+
 def test_a_failing_write_stops_cleanly_or_is_skipped_with_the_flag(small_data, tmp_path):
     """The OS refuses the write (RLIMIT_FSIZE: 'File too large', as a full disk refuses with
     ENOSPC): the error names the worker and the cause; the partial folder is removed."""

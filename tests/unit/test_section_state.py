@@ -82,6 +82,11 @@ def test_a_truncated_rng_file_is_a_clear_error(tmp_path):
         f.truncate(200)
     with pytest.raises(CheckpointMismatch, match=r"cannot read the RNG state of x replica 0 \(.*x-0.*\): RuntimeError"):
         state(*build()).load(str(tmp_path))
+    with open(path, "wb") as f:  # found in QA: torch's advice to load it with weights_only=False came along
+        f.write(b"garbage\n")
+    with pytest.raises(CheckpointMismatch, match=r"\): UnpicklingError: not a torch file of RNG state \(damaged or "
+                                                 r"replaced\)$"):
+        state(*build()).load(str(tmp_path))
 
 
 def test_a_schedule_added_on_resume_starts_at_the_checkpoint_s_step(tmp_path):

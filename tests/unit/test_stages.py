@@ -153,6 +153,21 @@ def test_kd_teacher_head_is_frozen_and_equals_the_teachers():
     assert all(p.grad is not None for p in trainable)
 
 
+def test_a_saved_kd_student_loads_back_into_the_stage_with_strict_false():
+    """Found in QA: --save-dir and export leave the frozen teacher head out, and the stage's strict
+    load_state_dict refused such a file ("Missing key(s) ... weight")."""
+    from maestro_flow.checkpoint.savedir import trainable_state
+
+    config = {"teacher": TEACHER, "student": STUDENT}
+    saved = trainable_state(make(KDStudent, {**config, "student": {**STUDENT, "init_seed": 11}}))
+    assert not any(k.startswith("teacher_head.") for k in saved)
+    student = make(KDStudent, config)
+    with pytest.raises(RuntimeError, match="Missing key"):
+        student.load_state_dict(saved)
+    student.load_state_dict(saved, strict=False)
+    assert all(torch.equal(student.state_dict()[k], v) for k, v in saved.items())
+
+
 def test_lm_and_head_load_from_checkpoint(tmp_path):
     source = make(CausalLM, {**TEACHER, "init_seed": 99})
     saved_stage = tmp_path / "teacher.safetensors"  # as `maestro run --save-dir` writes it
