@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import selectors
 import socket
 import sys
@@ -202,6 +203,9 @@ def find_run(run_dir: str | None, root: str = "runs") -> str:
         if not os.path.isdir(run_dir):  # found in review: said "has no status.json" of a folder not there
             raise FileNotFoundError(f"{run_dir}: no such run directory")
         if not os.path.exists(os.path.join(run_dir, "status.json")):
+            if re.fullmatch(r"node-[1-9]\d*", os.path.basename(os.path.normpath(run_dir))):  # found in QA
+                raise FileNotFoundError(f"{run_dir} is another node's folder of a run over several nodes (its workers' "
+                                        f"logs): watch the run on node 0, `maestro top` of node 0's run dir")
             raise FileNotFoundError(f"{run_dir} has no status.json: the run is not running (or wrote no run dir)")
         if not _live(run_dir):
             raise FileNotFoundError(f"{run_dir}/status.json is stale: the coordinator that wrote it is gone")

@@ -160,3 +160,13 @@ def test_top_refuses_an_answer_that_is_no_status_snapshot(tmp_path, answer):
     assert result.exit_code == 2, result.output
     assert "Traceback" not in result.output and result.stderr.startswith("error: "), result.stderr
     assert "not a maestro status snapshot" in result.stderr or "not a status snapshot top can show" in result.stderr
+
+
+def test_top_of_another_nodes_folder_says_to_watch_node_0(tmp_path):
+    """Found in QA: `maestro top RUN_DIR/node-1` during a live run said the run was not running."""
+    from maestro_flow.runtime.status import find_run
+
+    (tmp_path / "node-1").mkdir()
+    with pytest.raises(FileNotFoundError, match=r"node-1 is another node's folder of a run over several nodes .*"
+                                                r"`maestro top` of node 0's run dir"):
+        find_run(str(tmp_path / "node-1"))
