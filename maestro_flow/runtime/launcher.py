@@ -14,11 +14,13 @@ while spawning would hide it from this process's other threads.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import signal
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +32,25 @@ def _spawned(entry: Callable[[dict[str, Any]], None], boot: dict[str, Any]) -> N
     """A worker process's first code: the user's secret out of its environment, then `entry`."""
     os.environ.pop(SECRET_ENV, None)
     entry(boot)
+
+
+@contextlib.contextmanager
+def _ctrl_c_ignored_by_children() -> Iterator[None]:
+    """A process started inside inherits Ctrl-C ignored (a worker ignores it anyway: the
+    coordinator stops the workers), so the terminal's Ctrl-C during its imports, a second or more,
+    is not a KeyboardInterrupt traceback (found in QA: 50-90 lines of them). This thread keeps
+    Ctrl-C meanwhile, blocked (Linux queues a blocked signal) and let through after; one that
+    another thread of this process takes during the start (milliseconds) is lost."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is None:
+        yield  # signal.signal works in the main thread only, and a handler set outside Python cannot be put back
+        return
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    handler = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, handler)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
 
 @dataclass
@@ -64,7 +85,8 @@ class Launcher:
     def start(self, rank: int, section: str, replica: int, boot: dict[str, Any]) -> WorkerHandle:
         proc = self._ctx.Process(target=_spawned, args=(self.entry, boot), name=f"maestro-{section}-{replica}",
                                  daemon=True)
-        proc.start()
+        with _ctrl_c_ignored_by_children():
+            proc.start()
         handle = WorkerHandle(rank=rank, section=section, replica=replica, process=proc)
         self.workers.append(handle)
         return handle
