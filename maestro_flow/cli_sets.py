@@ -61,11 +61,11 @@ def read_set_file(path: str) -> list[str]:
             text = text[len("--set "):].strip()
         elif text.startswith("--set="):
             text = text[len("--set="):]
-        why = set_key_problem(text.split("=", 1)[0].strip())  # found in QA: '--sett a.b=1' was read as the key '--sett a.b'
-        why = f" ({why})" if why else ""
         try:
             parse_set([text])
         except PipelineError:
+            why = set_key_problem(text.split("=", 1)[0].strip())  # found in QA: '--sett a.b=1' was read as the key '--sett a.b'
+            why = f" ({why})" if why else ""
             raise click.BadParameter(f"{os.fspath(path)} line {number}: expected KEY=VALUE or --set KEY=VALUE, "
                                      f"got {line.strip()!r}{why}", param_hint="--set-file") from None
         items.append(text)

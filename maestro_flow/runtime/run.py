@@ -124,8 +124,8 @@ def _outcome(exc: BaseException, who: str = "node 0") -> str:
         return f"{who} was terminated (SIGTERM or SIGHUP{there})"
     if isinstance(exc, KeyboardInterrupt):
         return f"{who} was interrupted (Ctrl-C{there})"
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    return first_line(exc) if len(lines) < 2 else f"{lines[0]} ... {traceback_tail(str(exc))}"
+    text = str(exc).strip()
+    return f"{first_line(exc)} ... {traceback_tail(text)}" if "\n" in text else first_line(exc)
 
 
 def _sigterm_as_interrupt(signum: int, frame: Any) -> None:
@@ -406,8 +406,8 @@ def run_pipeline(path: str, options: RunOptions) -> list[dict[str, Any]]:
                            "why": _outcome(exc, "the run")})
         raise
     else:
-        if run_dir is not None:
-            fatal = _final_state_lost(checkpointer, options)  # found in review: "done", then exit 1
+        fatal = _final_state_lost(checkpointer, options)  # raised below, once the run dir is closed
+        if run_dir is not None:  # found in review: "done", then exit 1
             run_dir.event({"ended": "failed", "why": fatal} if fatal else {"ended": "done"})
     finally:
         _release(previous)
@@ -423,7 +423,6 @@ def run_pipeline(path: str, options: RunOptions) -> list[dict[str, Any]]:
                 print(f"run directory: {run_dir.path}", file=sys.stderr)
     if options.show_progress:
         print(report.summary(), file=sys.stderr)
-    fatal = _final_state_lost(checkpointer, options)
     if fatal:
         raise CheckpointError(fatal)
     if checkpointer.unsaved is not None:

@@ -200,9 +200,9 @@ def allowed_tp(pipeline: Any, max_tp: int, devices: int | None = None) -> dict[s
     from maestro_flow.stage import Stage
 
     out = {}
+    largest = min(max_tp, devices) if devices is not None else max_tp
     for s in pipeline.sections:
         values = {s.tp}
-        largest = min(max_tp, devices) if devices is not None else max_tp
         try:
             cls = resolve(s.stage, f"sections.{s.name}.stage")
             own = cls.parallelize is not Stage.parallelize
