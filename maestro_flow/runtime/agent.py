@@ -75,7 +75,6 @@ POLL_S = 0.2
 BEAT_WAIT_S = 3.0  # how long an agent watches another one's beat before it takes it as gone
 BEAT_STORE_S = 2.0  # the beat's store connection: its connect and each call give up after this
 BEAT_JOIN_S = 2 * BEAT_STORE_S + 1  # how long an ending agent waits for its beat thread's last store call
-CLAIM_GRACE_S = 2.0  # how long the run's end waits for an agent to claim a node none has claimed
 INTERRUPT_STORE_S = 2.0  # how long an interrupted agent tries to tell node 0 (each of two store calls)
 
 
@@ -96,22 +95,6 @@ def stopping(store: Any, key: bytes, session: str) -> None:
 def end_attempt(store: Any, key: bytes, session: str, outcome: str) -> None:
     try:
         store.set(f"maestro/end/{session}", sealed(key, f"maestro/end/{session}", outcome))
-    except Exception:  # noqa: BLE001 (the store is ours: it fails only when this process is going down)
-        pass
-
-
-def end_job(store: Any, key: bytes, outcome: str, nnodes: int, wait_s: float, lost: set[int] = frozenset()) -> None:
-    """The run is over: tell the agents, and keep the store up (bounded) until each has read it: not
-    those of the `lost` nodes, nor, after CLAIM_GRACE_S, of nodes no agent claimed (none answers)."""
-    try:
-        store.set("maestro/job", sealed(key, "maestro/job", outcome))
-        began = time.monotonic()
-        waiting = [n for n in range(1, nnodes) if n not in lost]
-        while waiting and time.monotonic() < began + wait_s:
-            waiting = [n for n in waiting if not store.check([f"maestro/bye/{n}"]) and (  # a refusing node's: at once
-                time.monotonic() < began + CLAIM_GRACE_S or store.check([f"maestro/node/{n}"]))]
-            if waiting:
-                time.sleep(POLL_S)
     except Exception:  # noqa: BLE001 (the store is ours: it fails only when this process is going down)
         pass
 
@@ -142,9 +125,8 @@ def lost_error(store: Any, key: bytes, session: str) -> MaestroError | None:
         said = sealing.body(raw)
         if not said.startswith(REFUSED):
             return None  # not an agent of this run's: a worker it names is not taken as lost
-        return PipelineError(f"{printable(said.removeprefix(REFUSED))} (a note in the rendezvous store not sealed "
-                             "with this node's secret: that node's secret differs from this one's, or another "
-                             "client of the store wrote it)")
+        return PipelineError(f"{printable(said.removeprefix(REFUSED))} (a note not sealed with this node's secret, "
+                             "as such a node writes it; another client of the rendezvous store could have, too)")
     text = printable(text)
     if text.startswith(STOPPED):  # found in review: restarted, then waited out the startup for the node
         return SystemFailure(text.removeprefix(STOPPED))
@@ -184,10 +166,19 @@ def differences(mine: Any, theirs: Any, where: str = "") -> list[str]:
         for k in sorted(set(mine) | set(theirs), key=str):
             out += differences(mine.get(k), theirs.get(k), f"{where}.{k}" if where else str(k))
         return out
-    if isinstance(mine, list) and isinstance(theirs, list) and len(mine) == len(theirs) and all(
+    if isinstance(mine, list) and isinstance(theirs, list) and all(
             isinstance(x, dict) and "name" in x for x in mine + theirs):  # sections, by name
         return differences({x["name"]: x for x in mine}, {x["name"]: x for x in theirs}, where)
-    return [] if mine == theirs else [f"{where} ({mine!r} here, {theirs!r} on node 0)"]
+    if mine == theirs:
+        return []
+    if isinstance(mine, dict) != isinstance(theirs, dict) and None in (mine, theirs):  # found in QA: a whole section
+        return [f"{where} ({'here only' if theirs is None else 'on node 0 only'})"]
+    return [f"{where} ({_short(mine)} here, {_short(theirs)} on node 0)"]
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 class Agent:

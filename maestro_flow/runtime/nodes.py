@@ -23,6 +23,8 @@ from typing import Any
 from maestro_flow.errors import PipelineError, brief
 from maestro_flow.planner.plan import Placement
 
+POLL_S = 0.2  # how often a node other than node 0 tries to reach the store while it waits
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Nodes:
@@ -163,6 +165,7 @@ def rendezvous(nodes: Nodes, timeout_s: float) -> Any:
     timeout = timedelta(seconds=timeout_s)
     if nodes.node_rank != 0:
         try:  # bounded: c10d retries its connect past the timeout, and a silent listener holds it for good
+            _listening(host, port, timeout_s)
             return bounded(lambda: dist.TCPStore(host, port, is_master=False, timeout=timeout), timeout_s=timeout_s)
         except Exception as exc:  # noqa: BLE001 (torch raises several types for an unreachable store)
             raise PipelineError(f"--rdzv-endpoint {host}:{port}: node 0 did not answer within {timeout_s:.0f}s "
@@ -171,6 +174,23 @@ def rendezvous(nodes: Nodes, timeout_s: float) -> Any:
         return listening_store(host, port, timeout)
     except OSError as exc:
         raise PipelineError(f"--rdzv-endpoint {host}:{port}: node 0 cannot listen there ({exc.strerror})") from None
+
+
+def _listening(host: str, port: int, timeout_s: float) -> None:
+    """Wait until something listens at host:port, by connecting (and closing) every POLL_S: c10d's
+    own connect logs an ERROR line of its own when it times out (found in QA: printed before
+    maestro's message when node 0 was not started)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection((host, port), timeout=max(0.1, min(1.0, deadline - time.monotonic()))).close()
+            return
+        except OSError:
+            if time.monotonic() + POLL_S >= deadline:
+                raise
+            time.sleep(POLL_S)
 
 
 def listening_store(host: str, port: int = 0, timeout: timedelta = timedelta(seconds=300)) -> Any:

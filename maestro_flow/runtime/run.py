@@ -22,10 +22,10 @@ from maestro_flow.checkpoint import manifest as mf
 from maestro_flow.checkpoint.checkpointer import Checkpointer, CheckpointOptions, resume_point
 from maestro_flow.errors import CheckpointError, PipelineError, Terminated, first_line, traceback_tail
 from maestro_flow.runtime import cpus
-from maestro_flow.runtime.agent import end_job
 from maestro_flow.runtime.build import load_pipeline
 from maestro_flow.runtime.checks import check_pipeline
 from maestro_flow.runtime.coordinator import placement_for
+from maestro_flow.runtime.meeting import Meeting
 from maestro_flow.runtime.nodes import Nodes
 from maestro_flow.runtime.observe import RunObserver
 from maestro_flow.runtime.outputs import check_writable
@@ -278,6 +278,28 @@ def run_pipeline(path: str, options: RunOptions) -> list[dict[str, Any]]:
         files = fingerprint(pipeline, path, checked.source)
     if nodes.node_rank != 0:
         return _run_agent(pipeline, options, nodes, host, secret, files)
+    # Hosted from here: a refusal below reaches the other nodes, as the job's outcome (runtime/meeting.py).
+    meeting = Meeting(nodes, secret, Timeouts.from_env().startup_s) if nodes.multi else None
+    try:
+        return _lead(pipeline, original, checked, paths, options, nodes, host, secret, files, meeting)
+    except BaseException as exc:
+        if meeting is not None and not meeting.ended:
+            wait_s = Timeouts.from_env().shutdown_grace_s + 5
+            if isinstance(exc, KeyboardInterrupt):  # Terminated too: stopping, not waiting for nodes to join
+                meeting.end(f"failed: {_outcome(exc)}", wait_s)
+            else:
+                refused = isinstance(exc, (PipelineError, CheckpointError))
+                meeting.refuse(f"the run was refused: {_outcome(exc)}" if refused else _outcome(exc), wait_s,
+                               options.show_progress)
+        raise
+    finally:
+        if meeting is not None:  # every agent has said goodbye, or will not
+            meeting.close()
+
+
+def _lead(pipeline: Any, original: Any, checked: Any, paths: Any, options: RunOptions, nodes: Nodes, host: str,
+          secret: bytes | None, files: dict[str, Any] | None, meeting: Meeting | None) -> list[dict[str, Any]]:
+    """Node 0 (or the only node): the coordinator's run, from the checks of what only it is given."""
     nodes.assign(placement_for(checked.graph))  # refused here when the ranks cannot be placed on the nodes
     ckpt = options.checkpoint
     ckpt.validate()
@@ -369,33 +391,19 @@ def run_pipeline(path: str, options: RunOptions) -> list[dict[str, Any]]:
                             interface=options.interface, nodes=nodes, rdzv=rdzv, rdzv_key=rkey, files=files,
                             pin_cpus=options.pin_cpus).run()
 
-            rdzv, rkey, answers = None, None, None
-            if nodes.multi:  # the rendezvous store, and this run's key for its values (runtime/sealing.py)
-                from maestro_flow.protocol.auth import new_nonce
-                from maestro_flow.runtime.nodes import rendezvous
-                from maestro_flow.runtime.sealing import Answers, run_key, store_key
-
-                rdzv = rendezvous(nodes, Timeouts.from_env().startup_s)
-                run_id, skey = new_nonce(), store_key(secret)
-                rkey = run_key(skey, run_id, nodes.endpoint[1])
-                answers = Answers(nodes.endpoint, nodes.nnodes, skey, run_id)
+            rdzv, rkey = (meeting.store, meeting.key) if meeting is not None else (None, None)
             try:
-                try:
-                    supervise(attempt, max_restarts=ckpt.max_restarts, committed=lambda: checkpointer.committed,
-                              resume=resume, restarts=resume[1].restarts if resume else 0,
-                              log=lambda text: print(text, file=sys.stderr, flush=True),
-                              on_restart=run_dir.event if run_dir is not None else lambda event: None)
-                except BaseException as exc:
-                    if rdzv is not None:
-                        end_job(rdzv, rkey, f"failed: {_outcome(exc)}",
-                                nodes.nnodes, Timeouts.from_env().shutdown_grace_s + 5,
+                supervise(attempt, max_restarts=ckpt.max_restarts, committed=lambda: checkpointer.committed,
+                          resume=resume, restarts=resume[1].restarts if resume else 0,
+                          log=lambda text: print(text, file=sys.stderr, flush=True),
+                          on_restart=run_dir.event if run_dir is not None else lambda event: None)
+            except BaseException as exc:
+                if meeting is not None:
+                    meeting.end(f"failed: {_outcome(exc)}", Timeouts.from_env().shutdown_grace_s + 5,
                                 getattr(exc, "lost_nodes", set()))
-                    raise
-                if rdzv is not None:
-                    end_job(rdzv, rkey, "done", nodes.nnodes, Timeouts.from_env().shutdown_grace_s + 5)
-            finally:
-                if answers is not None:  # every agent has said goodbye, or will not
-                    answers.close()
+                raise
+            if meeting is not None:
+                meeting.end("done", Timeouts.from_env().shutdown_grace_s + 5)
             if options.save_dir and pipeline is not original:  # the baseline saves the sections as section mode
                 from maestro_flow.checkpoint.savedir import save_pipeline
 

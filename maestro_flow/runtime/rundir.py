@@ -14,7 +14,8 @@ Runs in the coordinator process. Layout:
     status.json          while the job runs: where `maestro top` finds it (runtime/status.py); removed
                          when the job is over, kept across its automatic restarts
     previous-N/          what an earlier run left in a reused --run-dir (moved aside, never lost)
-    node-I/              node I's own run dir in a multi-node run (I > 0: its workers' logs), so
+    node-I/              node I's own run dir in a multi-node run (I > 0: its workers' logs and
+                         its pipeline.json; the plans, metrics and events are node 0's), so
                          the same --run-dir on a filesystem the nodes share is one tree; node 0
                          leaves these alone (each node moves aside its own)
     .lock                locked (flock) by the job while it runs: a second run is refused the folder
@@ -97,7 +98,8 @@ class RunDir:
         os.makedirs(os.path.join(path, "workers"), exist_ok=True)
         with open(os.path.join(path, "pipeline.json"), "w") as f:
             json.dump({"pipeline": pipeline.to_dict(), "overrides": overrides}, f, indent=1, default=str)
-        self._plans = open(os.path.join(path, "plans.jsonl"), "w")  # noqa: SIM115 (closed in close())
+        self._plans: Any = None  # opened at the first plan (found in QA: other nodes' folders held an empty one)
+        self._closed = False
         self._plans_guard = WriteGuard(f"plans to {path}/plans.jsonl")
         self._events_guard = WriteGuard(f"events to {path}/events.jsonl")
 
@@ -117,10 +119,12 @@ class RunDir:
             f.write(line)
 
     def plan(self, plan_json: dict[str, Any]) -> None:
-        if self._plans is not None:
+        if not self._closed:
             self._plans_guard(self._write_plan, json.dumps(plan_json) + "\n")
 
     def _write_plan(self, line: str) -> None:
+        if self._plans is None:
+            self._plans = open(os.path.join(self.path, "plans.jsonl"), "w")  # noqa: SIM115 (closed in close())
         self._plans.write(line)
         self._plans.flush()
 
@@ -130,6 +134,7 @@ class RunDir:
         if self._lock is not None:
             self._lock.close()  # lets go of the flock
             self._lock = None
+        self._closed = True
         if self._plans is not None:
             self._plans_guard.close(self._plans)
             self._plans = None

@@ -304,3 +304,25 @@ def test_stopping_node_1_is_named_at_once(demo_data, tmp_path):
     assert n0.returncode == 1 and "node 1 was interrupted" in err and "restart" not in err, err
     assert elapsed < 9, f"node 0 took {elapsed:.1f}s to stop"  # under the 10 s heartbeat timeout
     assert not wait_gone(everything, 10.0), "processes left running"
+
+
+@pytest.mark.parametrize("first", [0, 1], ids=["node-0-first", "node-1-first"])
+def test_a_run_node_0_refuses_at_its_start_ends_node_1_with_the_reason(demo_data, tmp_path, first):
+    """--resume (node 0's to check) names no checkpoint: node 1 stops within seconds, giving node
+    0's reason, whether it joined before node 0 refused or a few seconds after. Found in QA: node 0
+    refused before it hosted the rendezvous, and node 1 waited out MAESTRO_STARTUP_S (2 min by
+    default), then said node 0 did not answer."""
+    args = ["--steps", "2", "--set", f"data.path={demo_data}", "--no-run-dir"]
+    port = free_port()
+    missing = str(tmp_path / "no-such-checkpoint")
+    start = {0: lambda: node(0, port, "pipelines/distill.py", *args, "--resume", missing),
+             1: lambda: node(1, port, "pipelines/distill.py", *args, "--quiet")}
+    t0 = time.monotonic()
+    a = start[first]()
+    time.sleep(3.0)  # node 0 has refused by now when it started first: node 1 joins in its grace
+    b = start[1 - first]()
+    n0, n1 = (a, b) if first == 0 else (b, a)
+    err0, err1 = finish(n0, n1, timeout=90)
+    assert time.monotonic() - t0 < 40
+    assert n0.returncode == 2 and missing in err0 and "telling the other nodes" in err0, err0
+    assert n1.returncode == 1 and "node 0 says: the run was refused: --resume" in err1 and missing in err1, err1

@@ -76,6 +76,12 @@ def test_what_an_agent_compares_with_node_0():
     here = {"steps": 4, "seed": 0, "sections": [{"name": "teacher", "dp": 1}, {"name": "student", "dp": 1}]}
     assert differences(here, node0) == ["sections.student.dp (1 here, 2 on node 0)", "steps (4 here, 2 on node 0)"]
     assert differences(node0, node0) == [] and canonical(node0) == canonical(dict(reversed(node0.items())))
+    # found in QA: a section on one node only, or a long value, was printed whole (every section's config)
+    extra = {**node0, "sections": [*node0["sections"], {"name": "critic", "config": {"width": 4096} | {
+        f"option_{i}": i for i in range(20)}}], "note": "x" * 200}
+    assert differences(extra, node0) == ["note ('" + "x" * 76 + "... here, None on node 0)",
+                                         "sections.critic (here only)"]
+    assert differences(node0, extra)[1] == "sections.critic (on node 0 only)"
     key = store_key(b"s" * 32)
     value = sealed(key, "maestro/attempt/S", canonical(node0)).encode()
     assert unsealed(key, "maestro/attempt/S", value) == canonical(node0)
@@ -245,6 +251,20 @@ def test_joining_an_endpoint_where_something_else_listens_is_bounded(abandoning)
         silent.close()
 
 
+def test_joining_before_node_0_listens_says_so_alone(capfd, abandoning):
+    """Found in QA: node 1 started alone printed c10d's own ERROR line ("[c10d] The client socket
+    has timed out ...") before maestro's message; its connect is now tried by maestro first."""
+    import socket
+
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    capfd.readouterr()  # what earlier tests' store threads printed
+    with pytest.raises(PipelineError, match=r"node 0 did not answer within 1s \(ConnectionRefusedError"):
+        abandoning.rendezvous(Nodes(nnodes=2, node_rank=1, endpoint=("127.0.0.1", port)), 1.0)
+    assert "client socket has timed out" not in capfd.readouterr().err
+
+
 def test_an_interrupted_agent_tells_node_0_within_a_bound(monkeypatch, abandoning):
     """Ctrl-C on node I > 0 while node 0 does not answer: the agent's note to node 0 is given up
     after a bound (it waited for good), and the interrupt goes on."""
@@ -320,21 +340,21 @@ def test_the_run_ends_without_waiting_for_nodes_no_agent_came_for():
 
     import torch.distributed as dist
 
-    from maestro_flow.runtime import agent as agent_mod
+    from maestro_flow.runtime import meeting
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     key = b"k" * 32
     began = time.monotonic()
-    agent_mod.end_job(store, key, "failed: startup", nnodes=3, wait_s=8.0)  # no agent ever claimed node 1 or 2
-    assert agent_mod.CLAIM_GRACE_S - 0.1 < time.monotonic() - began < agent_mod.CLAIM_GRACE_S + 1.5
+    meeting.end_job(store, key, "failed: startup", nnodes=3, wait_s=8.0)  # no agent ever claimed node 1 or 2
+    assert meeting.CLAIM_GRACE_S - 0.1 < time.monotonic() - began < meeting.CLAIM_GRACE_S + 1.5
     # node 2 claimed late, inside the grace: its goodbye is awaited; node 1's is not
     threading.Timer(0.3, lambda: store.set("maestro/node/2", "an agent")).start()
-    threading.Timer(agent_mod.CLAIM_GRACE_S + 1.0, lambda: store.set("maestro/bye/2", "1")).start()
+    threading.Timer(meeting.CLAIM_GRACE_S + 1.0, lambda: store.set("maestro/bye/2", "1")).start()
     began = time.monotonic()
-    agent_mod.end_job(store, key, "failed: startup", nnodes=3, wait_s=8.0)
-    assert agent_mod.CLAIM_GRACE_S + 0.9 < time.monotonic() - began < agent_mod.CLAIM_GRACE_S + 3.0
+    meeting.end_job(store, key, "failed: startup", nnodes=3, wait_s=8.0)
+    assert meeting.CLAIM_GRACE_S + 0.9 < time.monotonic() - began < meeting.CLAIM_GRACE_S + 3.0
     began = time.monotonic()
-    agent_mod.end_job(store, key, "done", nnodes=3, wait_s=8.0, lost={1, 2})
+    meeting.end_job(store, key, "done", nnodes=3, wait_s=8.0, lost={1, 2})
     assert time.monotonic() - began < 1.0
 
 

@@ -46,6 +46,18 @@ def test_a_reused_run_dir_sets_the_earlier_run_aside(tmp_path):
     assert RunDir(path, PIPELINE, {}).set_aside == os.path.join(path, "previous-2")
 
 
+def test_plans_jsonl_is_written_only_by_a_run_that_plans(tmp_path):
+    """Found in QA: another node's folder (an agent's, which plans nothing) held an empty plans.jsonl."""
+    agent = RunDir(str(tmp_path / "node-1"), PIPELINE, {})
+    agent.close()
+    assert sorted(os.listdir(tmp_path / "node-1")) == [".lock", "pipeline.json", "workers"]
+    coordinator = RunDir(str(tmp_path / "run"), PIPELINE, {})
+    coordinator.plan({"step": 0})
+    coordinator.close()
+    coordinator.plan({"step": 1})  # after the job: dropped
+    assert [json.loads(line) for line in open(tmp_path / "run" / "plans.jsonl")] == [{"step": 0}]
+
+
 def test_a_full_disk_drops_the_output_and_says_so_once():
     said: list[str] = []
     guard = WriteGuard("metrics to /dev/full", said.append)
