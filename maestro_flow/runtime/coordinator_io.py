@@ -130,10 +130,19 @@ class CoordinatorIO:
         return {"pipeline": self.pipeline.name, "step": self.awaited_step, "steps": self.pipeline.steps,
                 "loss": row.get("loss"), "step_time_s": row.get("step_time_s"), "workers": workers}
 
+    stood_still_s = 0.0  # the longest gap between two of _recv's looks at the socket (_stood_still)
+
     def _death(self, w) -> WorkerLost:
-        if not self.training:
-            return WorkerLost(f"worker {w.label} {w.exit_description()} during startup")
-        return WorkerLost(f"worker {w.label} {w.exit_description()} {self._progress(w.rank)}")
+        when = "during startup" if not self.training else self._progress(w.rank)
+        return WorkerLost(f"worker {w.label} {w.exit_description()} {when}{self._stood_still()}")
+
+    def _stood_still(self) -> str:
+        """Why workers and other nodes took this coordinator as gone, when it stood still that long
+        (found in QA: node 0 stopped by SIGSTOP and continued blamed its worker's exit, code 5)."""
+        if self.stood_still_s < AWAY_S or self.stood_still_s < 0.8 * self.timeouts.coordinator_timeout_s:
+            return ""
+        return (f"; this coordinator (the `maestro run` process) had stood still for {self.stood_still_s:.0f}s "
+                "(stopped by SIGSTOP or Ctrl-Z, or starved of CPU), longer than its workers wait for it")
 
     def _progress(self, rank: int) -> str:
         last = self.liveness.last_done.get(rank)
@@ -238,6 +247,7 @@ class CoordinatorIO:
             now = time.monotonic()
             if now - self._listened_at > AWAY_S:  # the coordinator itself stalled: not the workers' silence
                 self.liveness.away(now - self._listened_at)
+                self.stood_still_s = max(self.stood_still_s, now - self._listened_at)
             self._listened_at = now
             if now > deadline:
                 raise TimeoutFailure(what if isinstance(what, str) else what(), now - started, setting)

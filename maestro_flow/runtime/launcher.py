@@ -53,6 +53,11 @@ def _ctrl_c_ignored_by_children() -> Iterator[None]:
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
 
+# A worker's own exit codes (runtime/worker.py), as exit_description names them.
+NO_INIT_EXIT = 4  # the coordinator never sent its init (it reports the missing worker itself)
+GAVE_UP_EXIT = 5  # nothing from the coordinator for MAESTRO_COORDINATOR_TIMEOUT_S: the worker took it as gone
+
+
 @dataclass
 class WorkerHandle:
     rank: int
@@ -73,6 +78,10 @@ class WorkerHandle:
                 return f"was killed by {signal.Signals(-code).name}"
             except ValueError:
                 return f"was killed by signal {-code}"
+        if code == GAVE_UP_EXIT:
+            return f"exited with code {code} (it heard nothing from the coordinator for MAESTRO_COORDINATOR_TIMEOUT_S)"
+        if code == NO_INIT_EXIT:
+            return f"exited with code {code} (the coordinator sent it no init within MAESTRO_STARTUP_S)"
         return f"exited with code {code}"
 
 

@@ -33,6 +33,7 @@ from maestro_flow.errors import PipelineError
 from maestro_flow.protocol.auth import DropLog, Opener, Rejected, Sealer, derive_key
 from maestro_flow.protocol.messages import PROTOCOL_VERSION, make
 from maestro_flow.runtime import cpus
+from maestro_flow.runtime.launcher import GAVE_UP_EXIT, NO_INIT_EXIT
 from maestro_flow.runtime.reaper import stop_children
 from maestro_flow.runtime.worker_output import OutputCapture
 from maestro_flow.timeouts import Timeouts
@@ -171,12 +172,12 @@ def worker_main(boot: dict[str, Any]) -> None:
                                    host_key=host_key()), sealer=link[0])
     init = _await_init(dealer, link[1], drops, time.monotonic() + timeouts.startup_s)
     if init is None:
-        os._exit(4)  # the coordinator never answered; it reports the missing worker itself
+        os._exit(NO_INIT_EXIT)  # the coordinator never answered; it reports the missing worker itself
     received = time.time()
     inbox: queue.Queue = queue.Queue()
     def lost(text: str) -> None:
         capture.report(text)
-        os._exit(5)
+        os._exit(GAVE_UP_EXIT)
 
     control = _Control(zctx, dealer, rank, inbox, timeouts, link, drops, lost)
     control.thread.start()

@@ -5,6 +5,7 @@ reported meanwhile is the cause."""
 
 from __future__ import annotations
 
+import re
 import types
 from collections import deque
 
@@ -60,6 +61,25 @@ def test_a_peer_that_died_silently_is_the_cause() -> None:
     with pytest.raises(WorkerLost, match="rank 2 exited with code 1 before reporting any step done, while the run was "
                                          "at step 4 of 10$"):  # counted from 1, as the progress line counts
         Coordinator([FakeWorker(2, 1)], [(2, {"t": "heartbeat"})])._raise_dead_peer(exclude=1)
+
+
+def test_workers_that_gave_a_stopped_coordinator_up_say_so() -> None:
+    """Found in QA: node 0's process stopped (SIGSTOP) and continued said only that a worker
+    "exited with code 5"; the worker had given its silent coordinator up, as it should."""
+    from maestro_flow.runtime.launcher import GAVE_UP_EXIT, WorkerHandle
+
+    worker = WorkerHandle(rank=2, section="student", replica=1,
+                          process=types.SimpleNamespace(exitcode=GAVE_UP_EXIT, pid=77))
+    coordinator = Coordinator([worker], [])
+    coordinator.timeouts = types.SimpleNamespace(heartbeat_timeout_s=5.0, coordinator_timeout_s=60.0)
+    said = "exited with code 5 (it heard nothing from the coordinator for MAESTRO_COORDINATOR_TIMEOUT_S)"
+    with pytest.raises(WorkerLost, match=re.escape(said) + " before reporting any step done, while the run was at "
+                                         "step 4 of 10$"):
+        coordinator._raise_dead_peer(exclude=1)
+    coordinator.stood_still_s = 58.4  # its own loop found it had not looked at its socket for that long
+    with pytest.raises(WorkerLost, match=re.escape(said) + ".*; this coordinator .* had stood still for 58s "
+                                         r"\(stopped by SIGSTOP or Ctrl-Z, or starved of CPU\)"):
+        coordinator._raise_dead_peer(exclude=1)
 
 
 def test_a_peer_that_reported_its_own_error_is_not_blamed() -> None:
