@@ -217,6 +217,7 @@ class Coordinator(CoordinatorIO):
         began = time.monotonic()
         deadline = began + self.timeouts.startup_s
         hellos: dict[int, dict] = {}
+        self.awaiting = ("said hello", hellos)
         while len(hellos) < self.placement.world_size:
             rank, msg = self._recv(deadline, lambda: f"every worker's hello (missing {self._missing(hellos)})",
                                    "MAESTRO_STARTUP_S", since=began)
@@ -250,6 +251,7 @@ class Coordinator(CoordinatorIO):
             # for another node's workers to say hello, and that is the startup deadline's to judge).
             self.liveness.seen(rank, time.monotonic())
         ready: set[int] = set()
+        self.awaiting = ("ready", ready)
         what = "every worker to be ready (stage built, process groups formed"
         if self.resume is not None:  # loading the checkpoint is part of getting ready
             deadline += self.timeouts.checkpoint_s
@@ -263,6 +265,7 @@ class Coordinator(CoordinatorIO):
                 for part, seconds in msg.get("setup", {}).items():  # the slowest worker's, per part
                     if isinstance(seconds, (int, float)) and isinstance(part, str):
                         self.startup_parts[part] = max(self.startup_parts.get(part, 0.0), float(seconds))
+        self.awaiting = None
 
     def _plan_search(self) -> float:
         """Pipeline.plan_search where the planner's search costs training nothing (cpus.search_share)."""

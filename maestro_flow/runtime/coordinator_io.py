@@ -128,7 +128,23 @@ class CoordinatorIO:
                             "status_s": now - self.liveness.reported[rank] if rank in self.liveness.reported else None,
                             **self.liveness.status.get(rank, {})})
         return {"pipeline": self.pipeline.name, "step": self.awaited_step, "steps": self.pipeline.steps,
-                "loss": row.get("loss"), "step_time_s": row.get("step_time_s"), "workers": workers}
+                "loss": row.get("loss"), "step_time_s": row.get("step_time_s"), "workers": workers,
+                **({"phase": self._startup_phase()} if self.awaiting is not None else {})}
+
+    awaiting: tuple[str, dict | set] | None = None  # during startup: what the workers are awaited for, who has
+
+    def _startup_phase(self) -> str:
+        """What `maestro top` says while the workers start (found in QA: only "?" per worker, no
+        hint that node 0 waited for node 1)."""
+        word, have = self.awaiting
+        world = self.placement.world_size
+        text = f"starting: {len(have)} of {world} workers {word}"
+        if self.nodes.multi:
+            silent = sorted({self.node_of[r] for r in range(world)} - {self.node_of[r] for r in have} - {0})
+            if silent and word == "said hello":
+                text += "; waiting for " + ", ".join(f"node {n}" for n in silent) + " (is `maestro run ... " \
+                        "--node-rank N` running there?)"
+        return text
 
     stood_still_s = 0.0  # the longest gap between two of _recv's looks at the socket (_stood_still)
 

@@ -327,6 +327,7 @@ def render(snapshot: dict[str, Any]) -> str:
     head = f"{_clean(s['pipeline'])}  step {_clean(s['step'])}/{_clean(s['steps'])}"
     lines = [f"{head}  loss {_clean(loss_s, 80)}  step time {step_time:.3f}s"
              if isinstance(step_time, (int, float)) else head,
+             *([_clean(s["phase"], 160)] if s.get("phase") else []),
              "",
              f"{'worker':<16} {'doing now':<22} {'step':>5} {'mb':>4} {'busy':>6} {'inputs held':>11} "
              f"{'in flight':>9} {'as of':>6}"]
@@ -337,7 +338,8 @@ def render(snapshot: dict[str, Any]) -> str:
         # rows may be a few steps behind the header, which counts the steps the coordinator awaits.
         age = w.get("status_s")
         age_s = f"{age:>5.1f}s" if isinstance(age, (int, float)) else f"{'-':>6}"
-        lines.append(f"{_clean(w['name'], 16):<16} {_clean(w.get('state', '?'), 22):<22} {_dash(w.get('step')):>5} "
+        state = w.get("state", "starting" if s.get("phase") else "?")
+        lines.append(f"{_clean(w['name'], 16):<16} {_clean(state, 22):<22} {_dash(w.get('step')):>5} "
                      f"{_dash(w.get('mb')):>4} {busy_s:>6} {_dash(w.get('buffered')):>11} "
                      f"{_dash(w.get('in_flight')):>9} {age_s}")
     return "\n".join(lines)

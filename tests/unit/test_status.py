@@ -41,6 +41,28 @@ def test_top_shows_how_old_each_workers_row_is():
     assert render(snapshot(seen_s=0.0)).splitlines()[3].endswith(" -")  # no heartbeat yet
 
 
+def test_top_says_what_a_starting_run_waits_for():
+    """Found in QA: while node 0 waited for node 1's workers, top showed "?" for every worker and
+    nothing else."""
+    from types import SimpleNamespace
+
+    from maestro_flow.planner.plan import Placement
+    from maestro_flow.runtime.coordinator_io import CoordinatorIO
+
+    io = CoordinatorIO()
+    io.placement = Placement.build(["teacher", "student"], {"teacher": 1, "student": 2})
+    io.node_of, io.nodes = {0: 0, 1: 1, 2: 1}, SimpleNamespace(multi=True)
+    io.awaiting = ("said hello", {0: {}})
+    assert io._startup_phase() == ("starting: 1 of 3 workers said hello; waiting for node 1 (is `maestro run ... "
+                                   "--node-rank N` running there?)")
+    io.awaiting = ("said hello", {0: {}, 1: {}})  # node 1 has joined: its other worker is on its way
+    assert io._startup_phase() == "starting: 2 of 3 workers said hello"
+    io.awaiting = ("ready", {2})
+    text = render({**snapshot(), "phase": io._startup_phase(), "loss": None, "step_time_s": None})
+    assert text.splitlines()[1] == "starting: 1 of 3 workers ready"
+    assert text.splitlines()[-1].split()[1] == "starting"  # the row, not "?"
+
+
 def test_a_status_file_whose_coordinator_is_gone_is_stale(tmp_path):
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
                           text=True).stdout.strip()
