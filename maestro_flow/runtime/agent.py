@@ -65,7 +65,7 @@ from typing import Any
 
 from maestro_flow.errors import MaestroError, PipelineError, SystemFailure, Terminated, WorkerLost, first_line
 from maestro_flow.runtime import fingerprint, sealing
-from maestro_flow.runtime.launcher import Launcher
+from maestro_flow.runtime.launcher import Launcher, cause
 from maestro_flow.runtime.nodes import ABANDONED, NoAnswer, Nodes, bounded, node_ranks, rendezvous
 from maestro_flow.runtime.sealing import DIFFERS, NONCE, printable, read_answer, run_key, sealed, store_key, unsealed
 from maestro_flow.timeouts import Timeouts
@@ -456,7 +456,7 @@ class Agent:
                 if len(dead) < len(launcher.dead()) and self._read(store, f"maestro/stopping/{session}") is None:
                     dead = launcher.dead()
                 if dead and not reported:
-                    w = dead[0]
+                    w = cause(dead)
                     self._ask(store.set, f"maestro/lost/{session}", sealed(
                         self.rkey, f"maestro/lost/{session}", f"worker {w.label} on node {node} {w.exit_description()}"))
                     reported = True

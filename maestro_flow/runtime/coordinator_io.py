@@ -18,6 +18,7 @@ from maestro_flow.errors import MaestroError, PipelineError, StageError, SystemF
 from maestro_flow.protocol.auth import Rejected, Sealer
 from maestro_flow.protocol.messages import make
 from maestro_flow.runtime import agent
+from maestro_flow.runtime.launcher import blame_order, cause
 from maestro_flow.transport import zmq_link
 
 AWAY_S = 1.0  # a gap this long between two looks at the socket means the coordinator stalled
@@ -197,7 +198,7 @@ class CoordinatorIO:
                 self._note_reports(reported, 0.2)  # a report it sent before exiting may still be on its way
                 dead = [w for w in dead if w.rank not in reported]
                 if dead:
-                    raise self._death(dead[0])
+                    raise self._death(cause(dead))
             if not self.nodes.multi:
                 continue
             lost = self._lost()
@@ -303,7 +304,7 @@ class CoordinatorIO:
                              f"{msg['traceback'].rstrip()}")
 
     def _check_workers(self, now: float, allow_exit: set[int]) -> None:
-        for w in self.launcher.dead():
+        for w in sorted(self.launcher.dead(), key=blame_order):
             if w.rank in allow_exit:
                 continue
             # A worker that reported an error exits right after; prefer its report if it is queued.

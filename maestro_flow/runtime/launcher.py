@@ -85,6 +85,17 @@ class WorkerHandle:
         return f"exited with code {code}"
 
 
+def cause(dead: list[Any]) -> Any:
+    """Of workers found dead together, the one to name (an agent's note, node 0's blame): one killed by a signal
+    (the OOM killer, a kill) cannot have reported an error, and is no one's collateral, where one
+    that exited with an error may have followed a peer's death (and node 0 takes its report)."""
+    return min(dead, key=blame_order)
+
+
+def blame_order(w: WorkerHandle) -> tuple[bool, int]:
+    return w.process.exitcode >= 0, w.rank
+
+
 class Launcher:
     def __init__(self, entry: Callable[[dict[str, Any]], None]) -> None:
         self.entry = entry  # worker.worker_main; tests pass an impostor to exercise the handshake

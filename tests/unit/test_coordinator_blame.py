@@ -161,3 +161,16 @@ def test_a_collectives_failure_inside_stage_code_is_not_the_stages_fault() -> No
     for own in (KeyError("NCCL_SOCKET_IFNAME"), FileNotFoundError("/data/configs/gloo/tokenizer.json"),
                 ValueError("the NCCL-style fused kernel got 4 channels"), RuntimeError("shapes (2, 3) and (4,)")):
         assert not fault(own).collateral, own
+
+
+def test_an_agent_names_a_worker_killed_by_a_signal_before_one_that_exited_with_an_error() -> None:
+    """An agent writes one note for its node's dead workers: with one killed (the OOM killer) and
+    one that exited after reporting an error (collateral, as likely), it named the lower rank, and
+    node 0 took that one's report for the cause (not restarted) over the kill (restarted)."""
+    from maestro_flow.runtime.agent import cause
+
+    errored, killed, other = FakeWorker(1, 1), FakeWorker(2, -9), FakeWorker(3, 1)
+    assert cause([errored, killed, other]) is killed
+    assert cause([other, errored]) is errored
+    with pytest.raises(WorkerLost, match="rank 2 exited with code -9"):  # node 0's own workers alike
+        Coordinator([errored, killed], [])._raise_dead_peer(exclude=3)
