@@ -128,13 +128,17 @@ def _dali_reason(exc: BaseException) -> str:
     return reason
 
 
+class CorruptImage(ValueError):
+    """A sample's image that cannot be decoded (or is over max_pixels), without skip_corrupt."""
+
+
 class ImageDecoder:
     """Decodes encoded images to normalised float32 tensors [3, H, W] with DALI (see the module doc).
 
     `device="cpu"` runs everything on the CPU and returns CPU tensors; `device="cuda:N"` (or a
     torch.device; plain "cuda" is torch's current device) decodes with DALI's mixed decoder on
     GPU N and returns tensors on that GPU.
-    A sample that cannot be decoded raises ValueError naming its id, or, with `skip_corrupt`,
+    A sample that cannot be decoded raises CorruptImage (a ValueError) naming its id, or, with `skip_corrupt`,
     comes back as None and is counted in `num_corrupt` / `corrupt_ids`.
     """
 
@@ -289,7 +293,7 @@ class ImageDecoder:
 
     def _corrupt(self, sample_id: int, reason: str) -> None:
         if not self.skip_corrupt:
-            raise ValueError(f"sample {sample_id}: cannot decode image: {reason}")
+            raise CorruptImage(f"sample {sample_id}: cannot decode image: {reason}")
         self._corrupt_ids.append(sample_id)
 
     def _decode_one(self, encoded: np.ndarray, sample_id: int) -> torch.Tensor | None:

@@ -204,7 +204,10 @@ class VisionEncoder(Stage):
         try:
             decoded = self.decoder.decode([bytes(images[i]) for i in todo], [batch.sample_ids[i] for i in todo])
         except ValueError as exc:  # found in QA: the run's error named neither way out
-            if self.vision_config.decoder != DEFAULT_DECODER:  # another decoder may take no skip_corrupt
+            from loaders.dali import CorruptImage
+
+            # Another decoder may take no skip_corrupt; the built-in one's other errors are no image's.
+            if self.vision_config.decoder != DEFAULT_DECODER or not isinstance(exc, CorruptImage):
                 raise
             exc.add_note(f"`maestro validate PIPELINE --payloads` lists every image the run cannot decode; "
                          f"--set sections.{self.ctx.section}.config.decode.skip_corrupt=true trains such samples "

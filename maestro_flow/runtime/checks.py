@@ -14,6 +14,7 @@ They are warnings, not refusals (a forward-only run is a fair benchmark): `maest
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
@@ -344,7 +345,8 @@ def data_warnings(pipeline: Pipeline, metadata: list[SampleMeta]) -> list[str]:
     activates on a modality no sample carries never runs (found in review: an encoder routed to
     "audio" on image data trained nothing, and its consumer dropped every image, silently), and
     a modality samples carry that no section activates on is ignored."""
-    carried = {m for meta in metadata for m in meta.modalities}
+    counts = Counter(m for meta in metadata for m in meta.modalities)
+    carried = set(counts)
     out = [f"sections.{s.name}.activates_on={s.activates_on!r}: no sample of {pipeline.data.path} carries "
            f"{s.activates_on!r} (they carry {', '.join(sorted(carried))}), so the section never runs"
            for s in pipeline.sections if s.activates_on is not None and s.activates_on not in carried]
@@ -352,8 +354,7 @@ def data_warnings(pipeline: Pipeline, metadata: list[SampleMeta]) -> list[str]:
     # ignored and its placeholder token learnt as text).
     read = {s.activates_on for s in pipeline.sections if s.activates_on is not None}
     for modality in sorted(carried - read - {"text"}):
-        count = sum(modality in meta.modalities for meta in metadata)
-        out.append(f"{count} samples of {pipeline.data.path} carry {modality!r} but no section has "
+        out.append(f"{counts[modality]} samples of {pipeline.data.path} carry {modality!r} but no section has "
                    f"activates_on={modality!r}: their {modality} is ignored (a placeholder token for it is read "
                    f"as text); add an encoder section for it, or leave those samples out")
     return out

@@ -246,14 +246,15 @@ def ended(run_dir: str) -> str | None:
     # review: a 60-step run "ended; its last step was 59" under "step 60/60").
     step = None if row is None else row["step"] + 1 if isinstance(row["step"], int) else row["step"]
     loss = None if row is None else row.get("loss")
+    before = " before any step was recorded"
     after = (f" after step {step}" + (f", loss {loss:.4f}" if isinstance(loss, (int, float)) else "")
-             if step is not None else " before any step was recorded")
+             if step is not None else before)
     if end.get("ended") == "interrupted":
         return f"{run_dir}: {end.get('why', 'the run was interrupted')}{after}"
     if end.get("ended") == "failed":  # found in QA: a failed run "has ended" as a finished one
         return f"{run_dir}: the run failed{after}: {end.get('why', '?')}"
     if end.get("ended") != "done":
-        last = f"; its last step was {step}" if step is not None else ", before any step was recorded"
+        last = f"; its last step was {step}" if step is not None else f",{before}"
         return f"{run_dir}: the run's process is gone without recording how the run ended (killed?){last}"
     return f"{run_dir}: the run has ended{after}"
 

@@ -121,6 +121,26 @@ def test_vision_decodes_bytes_with_the_configured_decoder():
     close(out[0], encode_images(stage, [randn(3, 16, 8, seed=10).float().double()])[0])
 
 
+def test_only_an_image_the_built_in_decoder_cannot_decode_gets_the_ways_out_note():
+    """The note naming `--payloads` and skip_corrupt went on any ValueError of the decoder (found in
+    review); it goes on the built-in decoder's CorruptImage alone."""
+    import dataclasses
+
+    from loaders.dali import CorruptImage
+    from stages.vision import DEFAULT_DECODER
+
+    stage = make(VisionEncoder, {**VISION, "decoder": f"{__name__}:FakeDecoder"})
+    stage.vision_config = dataclasses.replace(stage.vision_config, decoder=DEFAULT_DECODER)
+    for raised, noted in ((CorruptImage("sample 10: cannot decode image: bad"), True), (ValueError("other"), False)):
+        def decode(images, ids, exc=raised):
+            raise exc
+
+        stage.decoder.decode = decode
+        with pytest.raises(ValueError) as info:
+            stage.forward(batch([10], columns={"image": [b"16x8"]}))
+        assert any("skip_corrupt=true" in note for note in getattr(info.value, "__notes__", [])) == noted
+
+
 def test_vision_prepare_decodes_ahead_and_forward_takes_its_batch():
     """Stage.prepare: the images decoded once, ahead; forward on the prepared batch gives what
     forward on the encoded one gives, and decodes nothing more."""
