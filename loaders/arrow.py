@@ -59,14 +59,14 @@ CACHE_BYTES = 256 << 20  # decoded segments a source keeps for the reads that fo
 
 # Column name -> (type check, expected type in words). Required columns first.
 _TYPE_RULES: dict[str, tuple[Any, str]] = {
-    "id": (pa.types.is_integer, "int64"),
+    "id": (pa.types.is_integer, "an integer type (int64)"),
     "modalities": (lambda t: is_list(t) and is_string(t.value_type), "list<string>"),
-    "tokens": (lambda t: is_list(t) and pa.types.is_integer(t.value_type), "list<int32>"),
+    "tokens": (lambda t: is_list(t) and pa.types.is_integer(t.value_type), "a list of integers (list<int32>)"),
     "image": (is_binary, "binary"),
-    "audio": (lambda t: is_list(t) and pa.types.is_floating(t.value_type), "list<float32>"),
-    "sample_rate": (pa.types.is_integer, "int32"),
-    "num_patches": (pa.types.is_integer, "int32"),
-    "num_frames": (pa.types.is_integer, "int32"),
+    "audio": (lambda t: is_list(t) and pa.types.is_floating(t.value_type), "a list of floats (list<float32>)"),
+    "sample_rate": (pa.types.is_integer, "an integer type (int32)"),
+    "num_patches": (pa.types.is_integer, "an integer type (int32)"),
+    "num_frames": (pa.types.is_integer, "an integer type (int32)"),
 }
 _REQUIRED_COLUMNS = ("id", "modalities", "tokens")
 

@@ -292,7 +292,7 @@ def test_missing_required_column(tmp_path, fmt):
 def test_wrong_column_type(tmp_path):
     table = multimodal_table().set_column(2, "tokens", pa.array([["a"], ["b"], ["c"], ["d"]]))
     path = write_arrow(table, tmp_path / "x.arrow")
-    with pytest.raises(PipelineError, match=r"column 'tokens' must be list<int32>, got list<item: string>"):
+    with pytest.raises(PipelineError, match=r"column 'tokens' must be a list of integers \(list<int32>\), got list<item: string>"):
         source(path)
 
 
