@@ -167,7 +167,8 @@ def differences(mine: Any, theirs: Any, where: str = "") -> list[str]:
             out += differences(mine.get(k), theirs.get(k), f"{where}.{k}" if where else str(k))
         return out
     if isinstance(mine, list) and isinstance(theirs, list) and all(
-            isinstance(x, dict) and "name" in x for x in mine + theirs):  # sections, by name
+            isinstance(x, dict) and "name" in x for x in mine + theirs) and all(
+            len({x["name"] for x in xs}) == len(xs) for xs in (mine, theirs)):  # sections, by their (unique) names
         return differences({x["name"]: x for x in mine}, {x["name"]: x for x in theirs}, where)
     if mine == theirs:
         return []
@@ -371,6 +372,11 @@ class Agent:
         while time.monotonic() < deadline:
             self._check_hold(store)
             if self._learn_run(store):
+                if self.differs and self._ask(store.check, ["maestro/job"]):  # found in review: "lost node 0"
+                    self._ask(store.set, f"maestro/bye/{self.nodes.node_rank}", "1")  # node 0 need not wait
+                    raise PipelineError(f"node {self.nodes.node_rank}'s control-plane secret differs from node 0's, "
+                                        "which ended the run before any attempt (why is sealed with its secret: see "
+                                        "node 0's output): give every node the same MAESTRO_SECRET (or --secret-file)")
                 outcome = self._read(store, "maestro/job")
                 if outcome is not None:
                     self._ask(store.set, f"maestro/bye/{self.nodes.node_rank}", "1")

@@ -22,6 +22,8 @@ from maestro_flow.runtime.launcher import blame_order, cause
 from maestro_flow.transport import zmq_link
 
 AWAY_S = 1.0  # a gap this long between two looks at the socket means the coordinator stalled
+STOOD_STILL = 0.8  # a stall this share of the workers' coordinator timeout may have made them give up
+STOOD_STILL_SHOWN_S = 10.0  # a worker's death found this soon after such a stall is put down to it
 
 
 class CoordinatorIO:
@@ -147,7 +149,7 @@ class CoordinatorIO:
                         "--node-rank N` running there?)"
         return text
 
-    stood_still_s = 0.0  # the longest gap between two of _recv's looks at the socket (_stood_still)
+    stood_still: tuple[float, float] | None = None  # the last long gap in _recv's looks: (seconds, its end)
 
     def _death(self, w) -> WorkerLost:
         when = "during startup" if not self.training else self._progress(w.rank)
@@ -156,10 +158,11 @@ class CoordinatorIO:
     def _stood_still(self) -> str:
         """Why workers and other nodes took this coordinator as gone, when it stood still that long
         (found in QA: node 0 stopped by SIGSTOP and continued blamed its worker's exit, code 5)."""
-        if self.stood_still_s < AWAY_S or self.stood_still_s < 0.8 * self.timeouts.coordinator_timeout_s:
-            return ""
-        return (f"; this coordinator (the `maestro run` process) had stood still for {self.stood_still_s:.0f}s "
-                "(stopped by SIGSTOP or Ctrl-Z, or starved of CPU), longer than its workers wait for it")
+        if self.stood_still is None or time.monotonic() - self.stood_still[1] > STOOD_STILL_SHOWN_S:
+            return ""  # none, or long before (found in review: an old stall was blamed for a later death)
+        return (f"; this coordinator (the `maestro run` process) had just stood still for {self.stood_still[0]:.0f}s "
+                f"(stopped by SIGSTOP or Ctrl-Z, or starved of CPU), about as long as or longer than the "
+                f"{self.timeouts.coordinator_timeout_s:.0f}s its workers wait for it (MAESTRO_COORDINATOR_TIMEOUT_S)")
 
     def _progress(self, rank: int) -> str:
         last = self.liveness.last_done.get(rank)
@@ -264,7 +267,8 @@ class CoordinatorIO:
             now = time.monotonic()
             if now - self._listened_at > AWAY_S:  # the coordinator itself stalled: not the workers' silence
                 self.liveness.away(now - self._listened_at)
-                self.stood_still_s = max(self.stood_still_s, now - self._listened_at)
+                if now - self._listened_at >= STOOD_STILL * self.timeouts.coordinator_timeout_s:
+                    self.stood_still = (now - self._listened_at, now)
             self._listened_at = now
             if now > deadline:
                 raise TimeoutFailure(what if isinstance(what, str) else what(), now - started, setting)

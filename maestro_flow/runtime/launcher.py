@@ -93,7 +93,8 @@ def cause(dead: list[Any]) -> Any:
 
 
 def blame_order(w: WorkerHandle) -> tuple[bool, int]:
-    return w.process.exitcode >= 0, w.rank
+    # Not SIGABRT: what a collective's watchdog raises after a peer's death (found in review).
+    return w.process.exitcode >= 0 or w.process.exitcode == -signal.SIGABRT, w.rank
 
 
 class Launcher:

@@ -59,12 +59,12 @@ class Meeting:
         self.ended = True
         end_job(self.store, self.key, outcome, self.nnodes, wait_s, lost, claim_grace_s)
 
-    def refuse(self, why: str, wait_s: float, show_progress: bool) -> None:
+    def refuse(self, why: str, wait_s: float) -> None:
         """The run ends before its first attempt: the nodes that join within REFUSAL_GRACE_S are told
-        why (Ctrl-C stops waiting for them)."""
-        if show_progress:
-            print(f"node 0: telling the other nodes why the run stopped (waiting up to {REFUSAL_GRACE_S:.0f}s for "
-                  "those not yet joined; Ctrl-C skips)", file=sys.stderr, flush=True)
+        why (Ctrl-C, or SIGTERM where the caller takes it as an interrupt, stops waiting for them).
+        Said first, even with --quiet (found in review: the reason came only after the wait)."""
+        print(f"node 0: {why}; telling the other nodes (waiting up to {REFUSAL_GRACE_S:.0f}s for those not yet "
+              "joined; Ctrl-C skips)", file=sys.stderr, flush=True)
         try:
             self.end(f"failed: {why}", wait_s, claim_grace_s=REFUSAL_GRACE_S)
         except KeyboardInterrupt:

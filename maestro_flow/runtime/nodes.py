@@ -15,6 +15,7 @@ import math
 import os
 import socket
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -165,8 +166,11 @@ def rendezvous(nodes: Nodes, timeout_s: float) -> Any:
     timeout = timedelta(seconds=timeout_s)
     if nodes.node_rank != 0:
         try:  # bounded: c10d retries its connect past the timeout, and a silent listener holds it for good
+            deadline = time.monotonic() + timeout_s  # one bound for both (found in review: twice the timeout)
             _listening(host, port, timeout_s)
-            return bounded(lambda: dist.TCPStore(host, port, is_master=False, timeout=timeout), timeout_s=timeout_s)
+            left = max(0.1, deadline - time.monotonic())
+            return bounded(lambda: dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=left)),
+                           timeout_s=left)
         except Exception as exc:  # noqa: BLE001 (torch raises several types for an unreachable store)
             raise PipelineError(f"--rdzv-endpoint {host}:{port}: node 0 did not answer within {timeout_s:.0f}s "
                                 f"({brief(exc)}; is node 0 started? MAESTRO_STARTUP_S sets the wait)") from None
@@ -180,8 +184,6 @@ def _listening(host: str, port: int, timeout_s: float) -> None:
     """Wait until something listens at host:port, by connecting (and closing) every POLL_S: c10d's
     own connect logs an ERROR line of its own when it times out (found in QA: printed before
     maestro's message when node 0 was not started)."""
-    import time
-
     deadline = time.monotonic() + timeout_s
     while True:
         try:

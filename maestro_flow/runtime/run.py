@@ -285,12 +285,15 @@ def run_pipeline(path: str, options: RunOptions) -> list[dict[str, Any]]:
     except BaseException as exc:
         if meeting is not None and not meeting.ended:
             wait_s = Timeouts.from_env().shutdown_grace_s + 5
-            if isinstance(exc, KeyboardInterrupt):  # Terminated too: stopping, not waiting for nodes to join
+            if isinstance(exc, KeyboardInterrupt):  # (and Terminated, once caught): not waiting for nodes to join
                 meeting.end(f"failed: {_outcome(exc)}", wait_s)
             else:
                 refused = isinstance(exc, (PipelineError, CheckpointError))
-                meeting.refuse(f"the run was refused: {_outcome(exc)}" if refused else _outcome(exc), wait_s,
-                               options.show_progress)
+                previous = _catch_stops()  # found in review: SIGTERM while waiting lost the reason (default action)
+                try:
+                    meeting.refuse(f"the run was refused: {_outcome(exc)}" if refused else _outcome(exc), wait_s)
+                finally:
+                    _release(previous)
         raise
     finally:
         if meeting is not None:  # every agent has said goodbye, or will not
@@ -316,6 +319,7 @@ def _lead(pipeline: Any, original: Any, checked: Any, paths: Any, options: RunOp
               f"{there} --checkpoint-every N)", file=sys.stderr, flush=True)
     checkpointer = Checkpointer(ckpt)  # one for the whole job, across restarts
     checkpointer.claim(resume[1] if resume else None, pipeline.to_dict())  # held until the job ends (closed below)
+    run_dir = None
     try:  # refused from here on: the directory's lock goes with the refusal (found in review: it was held)
         record = None  # checked before anything is written (the run dir, the trace, TensorBoard's folder)
         if options.record:
@@ -372,6 +376,8 @@ def _lead(pipeline: Any, original: Any, checked: Any, paths: Any, options: RunOp
                            sinks=sinks, resume_at=resume[1].step if resume else None)
     except BaseException:
         checkpointer.close()
+        if run_dir is not None:  # and the run dir's (found in review: held while node 0 told the other nodes)
+            run_dir.close()
         raise
     previous = _catch_stops()
     try:

@@ -76,9 +76,15 @@ def test_workers_that_gave_a_stopped_coordinator_up_say_so() -> None:
     with pytest.raises(WorkerLost, match=re.escape(said) + " before reporting any step done, while the run was at "
                                          "step 4 of 10$"):
         coordinator._raise_dead_peer(exclude=1)
-    coordinator.stood_still_s = 58.4  # its own loop found it had not looked at its socket for that long
-    with pytest.raises(WorkerLost, match=re.escape(said) + ".*; this coordinator .* had stood still for 58s "
-                                         r"\(stopped by SIGSTOP or Ctrl-Z, or starved of CPU\)"):
+    import time
+
+    coordinator.stood_still = (58.4, time.monotonic() - 1.0)  # its own loop had not looked at its socket that long
+    with pytest.raises(WorkerLost, match=re.escape(said) + ".*; this coordinator .* had just stood still for 58s "
+                                         r"\(stopped by SIGSTOP or Ctrl-Z, or starved of CPU\).* the 60s its"):
+        coordinator._raise_dead_peer(exclude=1)
+    coordinator.stood_still = (58.4, time.monotonic() - 600.0)  # long before: not this death's cause
+    with pytest.raises(WorkerLost, match=re.escape(said) + " before reporting any step done, while the run was at "
+                                         "step 4 of 10$"):
         coordinator._raise_dead_peer(exclude=1)
 
 
@@ -172,5 +178,6 @@ def test_an_agent_names_a_worker_killed_by_a_signal_before_one_that_exited_with_
     errored, killed, other = FakeWorker(1, 1), FakeWorker(2, -9), FakeWorker(3, 1)
     assert cause([errored, killed, other]) is killed
     assert cause([other, errored]) is errored
+    assert cause([FakeWorker(4, -6), errored]) is errored  # SIGABRT: a watchdog's, as likely collateral
     with pytest.raises(WorkerLost, match="rank 2 exited with code -9"):  # node 0's own workers alike
         Coordinator([errored, killed], [])._raise_dead_peer(exclude=3)

@@ -82,6 +82,9 @@ def test_what_an_agent_compares_with_node_0():
     assert differences(extra, node0) == ["note ('" + "x" * 76 + "... here, None on node 0)",
                                          "sections.critic (here only)"]
     assert differences(node0, extra)[1] == "sections.critic (on node 0 only)"
+    # found in review: named dicts whose names repeat (blocks of a config) collapsed into one
+    blocks = {"config": {"layers": [{"name": "blk", "width": 8}] * 3}}
+    assert differences(blocks, {"config": {"layers": [{"name": "blk", "width": 8}] * 2}}) != []
     key = store_key(b"s" * 32)
     value = sealed(key, "maestro/attempt/S", canonical(node0)).encode()
     assert unsealed(key, "maestro/attempt/S", value) == canonical(node0)
@@ -247,6 +250,29 @@ def test_joining_an_endpoint_where_something_else_listens_is_bounded(abandoning)
         with pytest.raises(PipelineError, match=r"node 0 did not answer within 2s"):
             abandoning.rendezvous(Nodes(nnodes=2, node_rank=1, endpoint=("127.0.0.1", silent.getsockname()[1])), 2.0)
         assert time.monotonic() - start < 10
+    finally:
+        silent.close()
+
+
+def test_joining_is_bounded_by_one_timeout_when_a_listener_comes_late(abandoning):
+    """Found in review: waiting for the endpoint to listen and the store's connect each took the
+    whole timeout (5.4 s for 3 s, with a silent listener appearing at 2.4 s)."""
+    import socket
+    import threading
+    import time
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    silent = socket.socket()
+    silent.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    silent.bind(("127.0.0.1", port))
+    threading.Timer(2.4, lambda: silent.listen(8)).start()
+    try:
+        start = time.monotonic()
+        with pytest.raises(PipelineError, match=r"node 0 did not answer within 3s"):
+            abandoning.rendezvous(Nodes(nnodes=2, node_rank=1, endpoint=("127.0.0.1", port)), 3.0)
+        assert time.monotonic() - start < 4.2
     finally:
         silent.close()
 
