@@ -63,6 +63,9 @@ def apply_plan(stage: Any, plan: dict[str, str], tp_mesh: Any) -> None:
 
     chosen = sharded(plan, stage_modules(stage))
     for attr, top in stage.modules().items():
+        if attr in chosen:  # the attribute itself (found in QA: {"up": "colwise"} for self.up was dropped)
+            parallelize_module(top, tp_mesh, _style(chosen[attr]), src_data_rank=None)
+            continue  # an nn.Linear or nn.Embedding (check_plan): nothing inside it to shard
         prefix = attr + "."
         local = {name[len(prefix):]: _style(style) for name, style in chosen.items() if name.startswith(prefix)}
         if local:

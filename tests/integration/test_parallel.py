@@ -108,6 +108,18 @@ def test_save_dir_gathers_dtensors_in_host_memory(tmp_path):
         assert out[rank]["hosts"] == 3
 
 
+def test_a_tp_plan_entry_naming_a_stage_attribute_itself_shards_it(tmp_path):
+    """Found in QA: {"up": "colwise", "down": "rowwise"} for a stage's own `self.up` / `self.down`
+    passed validate and ran unsharded on both ranks (only names inside an attribute were applied)."""
+    from tests.integration import tp_peers as peers
+    from tools.bench.common import run_spawned
+
+    out = run_spawned(peers.peer, [(str(tmp_path / "store"),)] * 2, timeout_s=120)
+    for rank in range(2):
+        assert out[rank]["sharded"] == [True, True] and out[rank]["local_rows"] == 3, out[rank]
+        assert out[rank]["diff"] < 1e-12, out[rank]
+
+
 @pytest.mark.parametrize("legacy", [False, True], ids=["torch-switch", "own-zeros"])
 def test_lockstep_fsdp_sums_gradients_and_keeps_the_presence_rule(tmp_path, legacy):
     """FSDPSection in lockstep on two ranks, against the same model unsharded: gradients are the
