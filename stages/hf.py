@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 from collections.abc import Iterator
 from typing import Any
 
@@ -278,6 +279,10 @@ class HFCausalLM(Stage):
         kd_keys = ("teacher", *KD_KEYS) if self.role == "kd_student" else ()
         check_keys(config, ("role", *MODEL_KEYS, *kd_keys))
         self.model = build_hf_model(config, quiet=ctx.replica != 0)
+        if self.role == "teacher":  # the base model's last hidden state, kept by a hook (forward)
+            self._hidden: Any = None
+            self.model.base_model.register_forward_hook(self._keep_hidden)
+            self._one_logit = "logits_to_keep" in inspect.signature(type(self.model).forward).parameters
         if self.role == "kd_student":
             if "teacher" not in config:
                 raise ValueError("teacher must be set to the teacher section's model config (init_seed or checkpoint)")
@@ -285,6 +290,9 @@ class HFCausalLM(Stage):
             self.teacher_head = build_teacher_head(config["teacher"])
             vocab = self.model.get_output_embeddings().out_features
             check_same_vocab(self.teacher_head, vocab, "hf_config.vocab_size")
+
+    def _keep_hidden(self, module: Any, args: Any, out: Any) -> None:
+        self._hidden = out[0]  # last_hidden_state, whether a ModelOutput or a tuple
 
     @classmethod
     def outputs(cls, config: dict[str, Any]) -> tuple[str, ...]:
@@ -337,9 +345,12 @@ class HFCausalLM(Stage):
         # into NaN, which then reaches real positions through 0 * NaN in the backward.
         ids, lengths = pad_tokens(tokens, device)
         if self.role == "teacher":
-            # The base model's last hidden state is what the LM head reads (gpt2: after ln_f);
-            # running it alone avoids computing vocab-sized logits nobody uses.
-            hidden = self.model.base_model(input_ids=ids).last_hidden_state
+            # The base model's last hidden state is what the LM head reads (gpt2: after ln_f). The
+            # whole model runs, with logits for one position only: found in QA, the base model
+            # alone did not run the model's own forward, which is what gathers an FSDP unit holding
+            # tied embeddings (the model itself: gpt2's wte is its lm_head) on a sharded teacher.
+            self.model(input_ids=ids, **({"logits_to_keep": 1} if self._one_logit else {}))
+            hidden, self._hidden = self._hidden, None
             return {"hidden": unpad(hidden, lengths)}
         # The full model (not base model + head) so that model-specific logit processing applies.
         logits = select_predicted(self.model(input_ids=ids).logits, lengths)
