@@ -116,8 +116,9 @@ def profile(ctx: click.Context, pipeline: str, sets: tuple[str, ...], out: str |
               help="Largest tensor parallelism searched for sections whose stage has a tp_plan (1: none) "
                    "[default: 8 for sections on GPUs, 1 for sections on the CPU, where gloo's all-reduces "
                    "cost more than tp saves].")
-@click.option("--tp-efficiency", type=click.FloatRange(0.05, 1.0), default=0.8, show_default=True,
-              help="Speed of a tp-rank replica relative to tp single ranks (its all-reduces cost the rest).")
+@click.option("--tp-efficiency", type=click.FloatRange(0.05, 1.0),
+              help="Speed of a tp-rank replica relative to tp single ranks (its all-reduces cost the rest) "
+                   "[default: 0.8 for sections on GPUs; on the CPU a replica counts as no faster than one rank].")
 @click.option("--batches", type=click.IntRange(1, 1000),
               help="Representative global batches each configuration is simulated on (their mean is its "
                    "step) [default: enough for 256 samples, at most 16].")
@@ -125,7 +126,8 @@ def profile(ctx: click.Context, pipeline: str, sets: tuple[str, ...], out: str |
 @click.pass_context
 def tune(ctx: click.Context, pipeline: str, sets: tuple[str, ...], devices: int, memory_gb: float | None,
          costs: str | None, top: int, global_batch: int | None, trace_in: str | None, write_to: str | None,
-         cpu_cores: int | None, max_tp: int | None, tp_efficiency: float, batches: int | None, as_json: bool) -> None:
+         cpu_cores: int | None, max_tp: int | None, tp_efficiency: float | None, batches: int | None,
+         as_json: bool) -> None:
     """Search each section's dp, micro-batch size, tp and fsdp for PIPELINE within a device budget.
 
     Every configuration that fits the budget, the memory limit and integral fan-out/fan-in across
@@ -165,7 +167,7 @@ def tune(ctx: click.Context, pipeline: str, sets: tuple[str, ...], devices: int,
     if as_json:
         click.echo(json.dumps({**result.to_json_dict(), "notes": notes}, indent=1))
     else:
-        click.echo(format_result(result))
+        click.echo(format_result(result, path=pipeline))
     if write_to:
         click.echo(f"wrote {write_to}; run it with: maestro run {shlex.quote(pipeline)} "
                    f"--set-file {shlex.quote(write_to)}", err=True)

@@ -43,7 +43,7 @@ from maestro_flow.errors import PipelineError
 from maestro_flow.graph import SectionGraph
 from maestro_flow.planner.cost import CostModel
 from maestro_flow.planner.monolithic import MonolithicStep, best_monolithic
-from maestro_flow.planner.tune_model import TuneModel, pow2_upto
+from maestro_flow.planner.tune_model import TuneModel, apart, pow2_upto
 from maestro_flow.planner.tune_space import (
     Candidate,
     Layout,
@@ -259,10 +259,11 @@ def tp_assignments(pipeline: Pipeline, tp_options: Mapping[str, Sequence[int]] |
         least = {t: min(m.at(1, t, max(1, devices // t), f) for f in (False, True)) for t in allowed}
         fits = [t for t in allowed if limit is None or least[t] <= limit]
         if not fits:  # no layout fits: say so (the largest tp's search would refuse it for other reasons)
+            limit_mb, least_mb = apart(limit, min(least.values()))
             raise PipelineError(
-                f"tune: sections.{s.name} does not fit the memory limit ({limit:.0f} MB) at micro_batch 1 with any "
+                f"tune: sections.{s.name} does not fit the memory limit ({limit_mb} MB) at micro_batch 1 with any "
                 f"tensor parallelism it allows ({', '.join(map(str, allowed))}) and FSDP over the most replicas "
-                f"{devices} devices give (predicted {min(least.values()):.0f} MB at least); raise --memory-gb, "
+                f"{devices} devices give (predicted {least_mb} MB at least); raise --memory-gb, "
                 f"--max-tp or --devices")
         start = allowed.index(fits[0])
         per[s.name] = allowed[start:start + 2]

@@ -65,6 +65,16 @@ def pow2_upto(n: int) -> list[int]:
     return out
 
 
+def apart(limit: float, over: float) -> tuple[str, str]:
+    """A limit and a figure over it, with the decimals it takes to tell them apart (found in QA:
+    "does not fit the memory limit (2 MB) ... (predicted 2 MB at least)")."""
+    for digits in range(4):
+        a, b = f"{limit:.{digits}f}", f"{over:.{digits}f}"
+        if a != b:
+            return a, b
+    return a, b
+
+
 class TuneModel:
     """A pipeline's sections, costs, memory models and representative batches, and what any
     (dp, micro_batch) layout of them predicts (`evaluate`)."""
@@ -77,7 +87,7 @@ class TuneModel:
                  dp_candidates: int = 6, max_simulations: int = 40, runtime_s: Mapping[str, float] | None = None,
                  step_s: Mapping[str, float] | None = None, grad_mb: Mapping[str, float] | None = None,
                  planning_s: float = 0.0, cpu_cores: int | None = None, tp: Mapping[str, int] | None = None,
-                 tp_efficiency: float = TP_EFFICIENCY) -> None:
+                 tp_efficiency: float | Mapping[str, float | None] = TP_EFFICIENCY) -> None:
         if devices < 1:
             raise PipelineError(f"tune: --devices must be >= 1, got {devices}")
         self.pipeline = pipeline
@@ -92,7 +102,9 @@ class TuneModel:
         self.memory = {n: (memory or {}).get(n, MemoryModel()) for n in self.order}
         self.overhead = {n: float((overhead_s or {}).get(n, 0.0)) for n in self.order}
         self.tp = {n: int((tp or {}).get(n, 1)) for n in self.order}
-        self.tp_efficiency = tp_efficiency
+        # section -> a tp replica's speed over tp single ranks; None: no faster than one rank (the CPU)
+        self.tp_efficiency = {n: tp_efficiency.get(n, TP_EFFICIENCY) if isinstance(tp_efficiency, Mapping)
+                              else tp_efficiency for n in self.order}
         self.rdev = {n: int((replica_devices or {}).get(n, 1)) * self.tp[n] for n in self.order}
         self.runtime = {n: float((runtime_s or {}).get(n, 0.0)) for n in self.order}
         self.step_cost = {n: float((step_s or {}).get(n, 0.0)) for n in self.order}
@@ -121,9 +133,10 @@ class TuneModel:
             most = max(1, (devices - need + self.rdev[n]) // self.rdev[n])  # the most replicas it could get
             least = min(self.memory[n].at(1, self.tp[n], most, fsdp) for fsdp in (False, True))
             if self.limit is not None and least > self.limit:
+                limit_mb, least_mb = apart(self.limit, least)
                 raise PipelineError(
-                    f"tune: sections.{n} does not fit the memory limit ({self.limit:.0f} MB) even at micro_batch 1 "
-                    f"(predicted {least:.0f} MB at tp={self.tp[n]}); raise --memory-gb or allow a larger tp")
+                    f"tune: sections.{n} does not fit the memory limit ({limit_mb} MB) even at micro_batch 1 "
+                    f"(predicted {least_mb} MB at tp={self.tp[n]}); raise --memory-gb or allow a larger tp")
 
     # -- cost and memory at a micro-batch size -------------------------------------------------
 
@@ -133,8 +146,8 @@ class TuneModel:
         `lockstep_s`), and every term is multiplied by `scale` (and divided by a
         tensor-parallel replica's speed-up)."""
         c = self.costs.costs[name]
-        if self.tp[name] > 1:  # the replica's ranks share its compute, at an efficiency
-            scale /= self.tp[name] * self.tp_efficiency
+        if self.tp[name] > 1 and self.tp_efficiency[name] is not None:  # its ranks share its compute, at an efficiency
+            scale /= self.tp[name] * self.tp_efficiency[name]
         fixed = c.per_micro_batch_s + self.overhead[name] + self.runtime[name] + gathers_s
         return dataclasses.replace(c, per_sample_s=c.per_sample_s * scale, per_token_s=c.per_token_s * scale,
                                    per_patch_s=c.per_patch_s * scale, per_frame_s=c.per_frame_s * scale,

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +28,7 @@ from maestro_flow.errors import PipelineError
 from maestro_flow.graph import SectionGraph
 from maestro_flow.planner.cost import CostModel
 from maestro_flow.planner.tune import Candidate, MemoryModel, TuneResult, representative_batch, to_overrides, tune
+from maestro_flow.planner.tune_model import TP_EFFICIENCY
 from maestro_flow.runtime.build import load_pipeline
 from maestro_flow.runtime.costfile import check_cost_file, cost_overrides, read_costs, unmeasured_note
 from maestro_flow.runtime.profile_fit import state_copies
@@ -44,7 +46,7 @@ class TuneOptions:
     batches: int | None = None  # global batches to average the simulated step over (None: auto_batches)
     cpu_cores: int | None = None  # CPU contention; default len(os.sched_getaffinity(0)) when every section is on the CPU
     max_tp: int | None = None  # the largest tensor-parallel size searched (1: none; None: MAX_TP, none on the CPU)
-    tp_efficiency: float = 0.8
+    tp_efficiency: float | None = None  # None: 0.8 on GPUs, none on the CPU (no faster than one rank)
 
 
 def tune_pipeline(path: str, options: TuneOptions) -> tuple[TuneResult, list[str]]:
@@ -139,8 +141,11 @@ def _inputs(path: str, options: TuneOptions) -> tuple[Any, CostModel, list, dict
     if cores:
         notes.append(f"CPU workers share {cores} core{'' if cores == 1 else 's'} (contention modelled; --cpu-cores "
                      "to change)")
+    # Found in QA: on the CPU a tp=2 replica charged as 1.6x one rank ranked first, and ran 5-7x slower.
+    efficiency = {s.name: options.tp_efficiency if options.tp_efficiency is not None else
+                  None if on_cpu(s.device) else TP_EFFICIENCY for s in pipeline.sections}
     kwargs = {"memory_limit_mb": limit, "memory": memory, "overhead_s": overhead, "cpu_cores": cores or None,
-              "tp_efficiency": options.tp_efficiency, **calibration}
+              "tp_efficiency": efficiency, **calibration}
     return pipeline, costs, batches, kwargs, notes
 
 
@@ -157,6 +162,11 @@ def _tp_options(pipeline: Any, options: TuneOptions, notes: list[str]) -> dict[s
     searched = [f"{n} {'/'.join(map(str, v))}" for n, v in tp_options.items() if len(v) > 1]
     if searched:
         notes.append(f"tensor parallelism searched: {', '.join(searched)} (--max-tp to change)")
+    on_the_cpu = [s.name for s in pipeline.sections if on_cpu(s.device) and len(tp_options[s.name]) > 1]
+    if on_the_cpu and options.tp_efficiency is None:
+        notes.append(f"tensor parallelism of {', '.join(on_the_cpu)} on the CPU is counted no faster than one rank "
+                     "(gloo's all-reduces cost about what it saves, or more), its memory saving in full "
+                     "(--tp-efficiency E: count a tp replica as tp x E as fast)")
     return tp_options
 
 
@@ -244,7 +254,7 @@ def on_cpu(device: str) -> bool:
     return False
 
 
-def format_result(result: TuneResult, current: Candidate | None = None) -> str:
+def format_result(result: TuneResult, current: Candidate | None = None, path: str = "PIPE") -> str:
     """The best configurations side by side (one column each), then the uniform baseline."""
     cols: list[tuple[str, Candidate]] = [(f"#{i + 1}", c) for i, c in enumerate(result.best)]
     if result.uniform is not None:
@@ -278,7 +288,7 @@ def format_result(result: TuneResult, current: Candidate | None = None) -> str:
         fewer = f", its fastest count of at most {result.devices}" if mono.devices < result.devices else ""
         lines.append(f"monolithic baseline (every section on each of {mono.devices} ranks{fewer}, micro-batch "
                      f"{mono.micro_batch}): {mono.step_s * 1e3:.1f} ms per step; #1 is "
-                     f"{vs_best(mono.step_s) or 'as fast as'} its throughput (maestro run PIPE --baseline "
+                     f"{vs_best(mono.step_s) or 'as fast as'} its throughput (maestro run {shlex.quote(path)} --baseline "
                      f"monolithic --devices {mono.devices} --micro-batch {mono.micro_batch})")
     return "\n".join(lines)
 

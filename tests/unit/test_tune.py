@@ -316,6 +316,22 @@ def test_a_section_too_large_for_one_device_gets_tensor_parallelism():
     assert applied.section("teacher").tp == result.best[0].tp["teacher"]
 
 
+def test_tensor_parallelism_on_the_cpu_is_counted_no_faster_than_one_rank():
+    """Found in QA: tune ranked a CPU student at tp=2 first (charged as 1.6x one rank) where it ran
+    5-7x slower over gloo. `maestro tune` gives CPU sections no tp speed-up unless --tp-efficiency."""
+    from maestro_flow.planner.cost import CostModel
+    from maestro_flow.planner.tune import Tuner
+
+    p = distill()
+    both = {"teacher": (1,), "student": (1, 2)}
+    cpu = tune(p, None, samples(64), devices=3, tp_options=both, tp_efficiency={"teacher": None, "student": None})
+    assert cpu.best[0].tp["student"] == 1
+    costs = CostModel(costs={s.name: s.cost for s in p.sections})
+    one, none = (Tuner(p, costs, [samples(64)], devices=3, tp={"student": 2}, tp_efficiency=e)
+                 for e in (0.8, {"student": None}))
+    assert none.cost_at("student").per_token_s == pytest.approx(one.cost_at("student").per_token_s * 1.6)
+
+
 def test_fsdp_is_chosen_only_where_a_section_does_not_fit_without_it():
     p = distill()
     student = MemoryModel(base_mb=4 * 300, per_sample_mb=1, param_mb=300, copies=4)  # 1200 MB unsharded

@@ -185,6 +185,14 @@ def test_nothing_fitting_memory_is_refused_as_such():
              tp_options={"teacher": [1, 2, 4], "student": [1]})
 
 
+def test_a_limit_and_a_figure_over_it_print_apart():
+    from maestro_flow.planner.tune_model import apart
+
+    assert apart(1536.0, 1600.4) == ("1536", "1600")
+    assert apart(1.536, 1.5401) == ("1.536", "1.540")  # found in QA: "(2 MB) ... (predicted 2 MB at least)"
+    assert apart(0.1, 0.3) == ("0.1", "0.3")
+
+
 def test_a_zero_step_prints_without_dividing_by_it():
     from maestro_flow.runtime.tuning import format_result
 
@@ -193,6 +201,7 @@ def test_a_zero_step_prints_without_dividing_by_it():
     assert result.monolithic is not None
     zero = dataclasses.replace(result, best=[dataclasses.replace(result.best[0], step_s=0.0)])
     assert "as fast as its throughput" in format_result(zero)
+    assert "(maestro run pipelines/distill.py --baseline monolithic" in format_result(result, path="pipelines/distill.py")
 
 
 def test_a_timing_that_is_not_finite_does_not_poison_the_fit():
