@@ -136,6 +136,14 @@ def _check_causal(model: nn.Module, model_type: str, where: str) -> None:
                          "causal model type, or the config field that makes this one causal")
 
 
+# transformers' tp-plan styles maestro_flow applies, as its own (parallel/tp.py). Not the others:
+# e.g. "replicated_with_grad_allreduce" (qwen3's q_norm) needs its gradients summed over the tp
+# ranks, which each see different heads, and the MoE styles shard experts.
+HF_STYLES = {"colwise": "colwise", "rowwise": "rowwise", "colwise_rep": "colwise_rep",
+             "colwise_gather_output": "colwise_rep", "rowwise_split_input": "rowwise_split",
+             "embedding_rowwise": "rowwise"}
+
+
 def hf_model_config(config: dict[str, Any], *, where: str = "") -> tuple[Any, str | None]:
     """The transformers config a stage config describes, and the attention implementation asked for."""
     from transformers import AutoConfig
@@ -151,6 +159,11 @@ def hf_model_config(config: dict[str, Any], *, where: str = "") -> tuple[Any, st
         hf_config = AutoConfig.for_model(model_type, **kwargs)
     except (ValueError, TypeError) as exc:
         raise ValueError(f"{where}model_type/{where}hf_config: {exc}") from exc
+    pad, vocab = getattr(hf_config, "pad_token_id", None), getattr(hf_config, "vocab_size", None)
+    if isinstance(pad, int) and isinstance(vocab, int) and not 0 <= pad < vocab:  # found in QA: an assertion deep down
+        given = "as given" if "pad_token_id" in user else f"transformers' default for {model_type}"
+        raise ValueError(f"{where}hf_config.pad_token_id ({pad}, {given}) is outside the vocabulary (vocab_size "
+                         f"{vocab}): set {where}hf_config.pad_token_id to a token id below {vocab}, or None")
     if hasattr(hf_config, "is_decoder") and "is_decoder" not in user:
         # An encoder family (bert, roberta, ...) is a causal LM only as a decoder: else its
         # attention is bidirectional and the next-token loss sees the tokens it predicts
@@ -323,14 +336,21 @@ class HFCausalLM(Stage):
             return None
         with torch.device("meta"):
             base = AutoModelForCausalLM.from_config(hf_config).base_model_prefix
-        return {f"model.{base}.{name}": style for name, style in plan.items()}
+        return {f"model.{base}.{name}": HF_STYLES.get(style, style) for name, style in plan.items()}
 
     @classmethod
     def check_tp(cls, config: dict[str, Any], tp: int) -> None:
         hf_config, _ = hf_model_config(config)
-        if not getattr(hf_config, "base_model_tp_plan", None):
+        plan = getattr(hf_config, "base_model_tp_plan", None)
+        if not plan:
             raise ValueError(f"model_type ({hf_config.model_type!r}): transformers ships no tensor-parallel plan "
                              f"(base_model_tp_plan) for {type(hf_config).__name__}; use tp=1 or another model type")
+        other = sorted({style for style in plan.values() if style not in HF_STYLES})
+        if other:  # found in QA: every module of those styles was listed as a problem of the plan
+            raise ValueError(f"model_type ({hf_config.model_type!r}): transformers' tensor-parallel plan for "
+                             f"{type(hf_config).__name__} uses {', '.join(other)}, which maestro_flow does not apply "
+                             f"(it applies {', '.join(HF_STYLES)}); use tp=1, or a model type whose plan it applies "
+                             "(e.g. llama, mistral, qwen2, gemma2, starcoder2, phi3, olmo2, gpt_neox)")
         for key in ("num_attention_heads", "num_key_value_heads"):
             value = getattr(hf_config, key, None)
             if value is not None and value % tp:

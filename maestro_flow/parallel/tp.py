@@ -4,7 +4,7 @@ A plan maps module names as they appear in the stage's `state_dict` (the stage a
 `*` for any one name part such as a layer index) to a style, in Hugging Face's tp-plan
 vocabulary: "colwise" (output features sharded; input replicated), "rowwise" (input features
 sharded, output all-reduced), "colwise_rep" (colwise, output gathered back to replicated),
-"replicate" (left alone). Every rank builds the same full weights (the same seeds), so sharding
+"rowwise_split" (rowwise on a replicated input, which each rank slices), "replicate" (left alone). Every rank builds the same full weights (the same seeds), so sharding
 is a local slice (`src_data_rank=None`: no broadcast at setup).
 
 `check_plan` runs in `maestro validate` on a stage built on the meta device: every entry must
@@ -20,7 +20,7 @@ from typing import Any
 
 from torch import nn
 
-STYLES = ("colwise", "rowwise", "colwise_rep", "replicate")
+STYLES = ("colwise", "rowwise", "colwise_rep", "rowwise_split", "replicate")
 
 
 def matches(plan: dict[str, str], modules: dict[str, nn.Module]) -> dict[str, str]:
@@ -49,6 +49,8 @@ def _style(style: str) -> Any:
         return RowwiseParallel()
     if style == "colwise_rep":
         return ColwiseParallel(output_layouts=Replicate())
+    if style == "rowwise_split":
+        return RowwiseParallel(input_layouts=Replicate())
     raise ValueError(f"tensor-parallel style {style!r} is not supported (supported: {', '.join(STYLES)})")
 
 
@@ -84,7 +86,7 @@ def check_plan(stage: Any, plan: dict[str, str], tp: int) -> list[str]:
             problems.append(f"tp_plan entry {pattern!r} names no module of the stage")
     for name, style in matches(plan, modules).items():
         m = modules[name]
-        if style == "replicate":
+        if style == "replicate" or style not in STYLES:  # an unknown style is said once, above
             continue
         if isinstance(m, nn.Linear):
             size, what = (m.out_features, "output features") if style.startswith("colwise") else \
@@ -115,7 +117,8 @@ def tp_share(stage: Any, section: Any) -> float:
     for name, m in modules.items():
         style = chosen.get(name)
         for pname, p in m.named_parameters(recurse=False):
-            split = style is not None and not (style == "rowwise" and isinstance(m, nn.Linear) and pname == "bias")
+            split = style is not None and not (style.startswith("rowwise") and isinstance(m, nn.Linear)
+                                               and pname == "bias")
             params[id(p)] = (p.numel() * p.element_size(), split or params.get(id(p), (0, False))[1])
     total = sum(b for b, _ in params.values())
     return sum(b for b, split in params.values() if split) / total if total else 0.0

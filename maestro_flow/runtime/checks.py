@@ -83,6 +83,7 @@ def check_tensor_parallel(pipeline: Pipeline, section: Any, cls: Any) -> None:
     try:
         plan = cls.tp_plan(dict(section.config))
     except Exception as exc:
+        check_builds(pipeline, section)  # found in QA: a config the stage cannot build from was blamed on the plan
         raise PipelineError(f"{where}.stage: {section.stage}.tp_plan(config) failed: {type(exc).__name__}: {exc}") from exc
     try:
         cls.check_tp(dict(section.config), section.tp)

@@ -121,6 +121,23 @@ def test_config_errors():
         HFCausalLM({"role": "lm", "alpha": 0.5}, CTX)
 
 
+def test_what_transformers_tp_plans_maestro_applies_and_what_it_refuses_saying_so():
+    """Found in QA: Phi-3's and OLMo-2's plans (colwise_gather_output, rowwise_split_input) were
+    refused as unknown styles, and Qwen3's (replicated_with_grad_allreduce) listed every module of
+    the plan as a problem; a pad_token_id past a small vocabulary failed in an assertion."""
+    small = {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "intermediate_size": 64, "vocab_size": 260, "pad_token_id": 0}
+    plan = HFCausalLM.tp_plan({"role": "lm", "model_type": "phi3", "hf_config": small})
+    assert set(plan.values()) == {"colwise_rep", "rowwise_split"}
+    HFCausalLM.check_tp({"role": "lm", "model_type": "phi3", "hf_config": small}, 2)
+    with pytest.raises(ValueError, match="uses replicated_with_grad_allreduce, which maestro_flow does not apply"):
+        HFCausalLM.check_tp({"role": "lm", "model_type": "qwen3", "hf_config": small}, 2)
+    with pytest.raises(ValueError, match=re.escape("hf_config.pad_token_id (32000, transformers' default for phi3) "
+                                                   "is outside the vocabulary (vocab_size 260)")):
+        default_pad = {k: v for k, v in small.items() if k != "pad_token_id"}
+        HFCausalLM({"role": "lm", "model_type": "phi3", "hf_config": default_pad}, CTX)
+
+
 @pytest.mark.parametrize("where", ["top", "hf_config"])
 def test_attn_implementation_is_the_user_s(where):
     config = {**STUDENT, "role": "lm"}
