@@ -76,14 +76,19 @@ def apply_plan(stage: Any, plan: dict[str, str], tp_mesh: Any) -> None:
 
 def check_plan(stage: Any, plan: dict[str, str], tp: int) -> list[str]:
     """What keeps `plan` from sharding `stage` (built on the meta device) over tp ranks."""
-    problems = []
+    problems, unmatched = [], []
     modules = stage_modules(stage)
     for pattern, style in plan.items():
         if style not in STYLES:
             problems.append(f"tp_plan entry {pattern!r}: style {style!r} is not supported "
                             f"(supported: {', '.join(STYLES)})")
         elif not matches({pattern: style}, modules):
-            problems.append(f"tp_plan entry {pattern!r} names no module of the stage")
+            unmatched.append(repr(pattern))
+    if unmatched:  # found in QA: no hint what the names are
+        names = list(dict.fromkeys(re.sub(r"(?<=\.)\d+(?=\.|$)", "*", n) for n in modules))  # layers as `*`
+        problems.append(f"tp_plan {'entries' if len(unmatched) > 1 else 'entry'} {', '.join(unmatched)} "
+                        f"name{'' if len(unmatched) > 1 else 's'} no module of the stage (its modules: "
+                        f"{', '.join(names[:12])}{', ...' if len(names) > 12 else ''})")
     for name, style in matches(plan, modules).items():
         m = modules[name]
         if style == "replicate" or style not in STYLES:  # an unknown style is said once, above

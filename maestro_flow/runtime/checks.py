@@ -14,6 +14,7 @@ They are warnings, not refusals (a forward-only run is a fair benchmark): `maest
 
 from __future__ import annotations
 
+import inspect
 from collections import Counter
 from collections.abc import Collection
 from dataclasses import dataclass
@@ -80,6 +81,10 @@ def check_tensor_parallel(pipeline: Pipeline, section: Any, cls: Any) -> None:
     where = f"sections.{section.name}"
     if cls.parallelize is not Stage.parallelize:
         return  # the stage takes full control of its layout
+    for name in ("tp_plan", "check_tp"):  # found in QA: a forgotten @classmethod said "missing 'config'"
+        if not isinstance(inspect.getattr_static(cls, name, None), (classmethod, staticmethod)):
+            raise PipelineError(f"{where}.stage: {section.stage}.{name} must be a @classmethod ({name}(cls, config"
+                                f"{', tp' if name == 'check_tp' else ''})): it is read before any stage is built")
     try:
         plan = cls.tp_plan(dict(section.config))
     except Exception as exc:

@@ -39,6 +39,19 @@ def collective_failure(exc: BaseException | None) -> bool:
 STAGE_RAISES = (Exception, SystemExit)
 
 
+_SHAPES = re.compile(r"shapes cannot be multiplied|size of tensor a|mixed torch\.Tensor and DTensor|shape '\[")
+
+
+def tp_hint(text: str, tp: int, section: str) -> str:
+    """A line to add to a tensor-parallel section's stage error about shapes (found in QA: a plan
+    sharding a layer whose consumer it left whole failed with a bare "mat1 and mat2 shapes")."""
+    if tp < 2 or not _SHAPES.search(text):
+        return ""
+    return (f"(sections.{section} runs at tp={tp} with its stage's tp_plan: a plan that shards a layer whose "
+            "consumer it leaves whole gives such shapes: pair each colwise layer with the rowwise one that reads "
+            f"it, or make it colwise_rep; --set sections.{section}.tp=1 tells whether the plan is the cause)\n")
+
+
 class StageFault(Exception):
     """User stage code raised; carries the phase and the traceback formatted here. `collateral`:
     what it raised (the exception being handled where this is made) is a collective's failure,

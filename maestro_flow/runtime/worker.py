@@ -220,7 +220,7 @@ class _Worker:
         self.comm = None
         self.control: _Control | None = None
         self.clock_offset_s = 0.0
-        self.section, self.replica, self.step = "?", -1, None
+        self.section, self.replica, self.step, self.tp = "?", -1, None, 1
         self.phase = "setup"
         self.state = None  # checkpoint.section_state.SectionState, once set up
         self.detail = print  # where tracebacks behind a one-line report go (the worker's log)
@@ -248,7 +248,7 @@ class _Worker:
                   phase=self.phase, traceback=text)
 
     def run(self) -> int:
-        from maestro_flow.runtime.executor_state import StageFault
+        from maestro_flow.runtime.executor_state import StageFault, tp_hint
 
         executor = None
         try:
@@ -262,7 +262,8 @@ class _Worker:
             return self._loop(executor)
         except StageFault as fault:
             self.step, self.phase = fault.step, fault.phase
-            self.report_error("system" if fault.collateral else "stage", fault.text)
+            self.report_error("system" if fault.collateral else "stage", fault.text + tp_hint(fault.text, self.tp,
+                                                                                             self.section))
         except PipelineError as exc:  # bad input found here, e.g. a checkpoint that does not fit
             self.report_error("input", str(exc))
         except Exception:
@@ -296,6 +297,7 @@ class _Worker:
         graph = SectionGraph(pipeline)
         self.section, self.replica = placement.who(self.rank)
         section = graph.sections[self.section]
+        self.tp = section.tp
         device = placement.devices[self.rank]
         # CPU workers share the host's cores; without this each one would start a thread per core.
         # A pinned worker (--pin-cpus) is told its thread count with its cores (runtime/cpus.py).

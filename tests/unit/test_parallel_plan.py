@@ -62,7 +62,10 @@ def test_a_good_plan_has_no_problems():
 
 @pytest.mark.parametrize(("plan", "tp", "problem"), [
     ({"body.layers.*.up": "sideways"}, 2, "tp_plan entry 'body.layers.*.up': style 'sideways' is not supported"),
-    ({"body.layers.*.gate": "colwise"}, 2, "tp_plan entry 'body.layers.*.gate' names no module of the stage"),
+    ({"body.layers.*.gate": "colwise"}, 2, "tp_plan entry 'body.layers.*.gate' names no module of the stage (its "
+                                           "modules: body, body.layers, body.layers.*, body.layers.*.up, "
+                                           "body.layers.*.down, body.layers.*.norm, body.emb)"),
+    ({"0": "colwise", "2": "rowwise"}, 2, "tp_plan entries '0', '2' name no module of the stage (its modules: body,"),
     ({"body.layers.*.up": "colwise"}, 5, "body.layers.0.up (colwise): its 12 output features do not divide by tp=5"),
     ({"body.layers.*.down": "rowwise"}, 5, "body.layers.0.down (rowwise): its 12 input features do not divide by tp=5"),
     ({"body.emb": "rowwise"}, 3, "body.emb (rowwise): its 10 embeddings do not divide by tp=3"),
@@ -71,6 +74,29 @@ def test_a_good_plan_has_no_problems():
 def test_check_plan_names_what_cannot_be_sharded(plan, tp, problem):
     problems = check_plan(Toy(), plan, tp)
     assert any(problem in p for p in problems), problems
+
+
+def test_a_tp_plan_that_is_no_classmethod_and_a_plan_that_breaks_shapes_say_so():
+    """Found in QA: a tp_plan without @classmethod failed with "missing 1 required positional
+    argument: 'config'"; a plan sharding a layer whose consumer it leaves whole failed at run time
+    with a bare "mat1 and mat2 shapes cannot be multiplied"."""
+    from maestro_flow.config import ArrowData, Pipeline, Section
+    from maestro_flow.errors import PipelineError
+    from maestro_flow.runtime.checks import check_tensor_parallel
+    from maestro_flow.runtime.executor_state import tp_hint
+    from maestro_flow.stage import Stage
+
+    class Forgot(Stage):
+        def tp_plan(self, config):
+            return {"mlp.0": "colwise"}
+
+    section = Section(name="lm", stage="mine:Forgot", tp=2)
+    with pytest.raises(PipelineError, match=r"sections.lm.stage: mine:Forgot.tp_plan must be a @classmethod"):
+        check_tensor_parallel(Pipeline(name="p", data=ArrowData(path="unused.arrow"), sections=[section]), section,
+                              Forgot)
+    error = "RuntimeError: mat1 and mat2 shapes cannot be multiplied (384x32 and 64x32)\n"
+    assert "pair each colwise layer with the rowwise one that reads it" in tp_hint(error, 2, "lm")
+    assert tp_hint(error, 1, "lm") == "" and tp_hint("ValueError: bad token\n", 2, "lm") == ""
 
 
 STAGES = [  # stage, config, tp the config allows
