@@ -305,6 +305,8 @@ def _replay(path: str, pipeline: Pipeline, name: str, options: ReplayOptions, ec
                               "--weights with the section's weights at that step")
         elif recorded:
             echo("weights: as recorded at each step (RECORDING/weights-stepNNNNNN.safetensors)")
+        elif not section.trainable:  # found in QA: told to export a frozen section's weights, which export refuses
+            echo("weights: as built from the section's config (it is frozen: the run's weights at every step)")
         else:
             echo("weights: freshly initialised (the recording holds no weights; outputs of steps after 0 "
                  "differ from the run's — pass --weights with the section's weights at that step: a checkpoint "

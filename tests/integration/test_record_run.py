@@ -55,6 +55,11 @@ def test_a_sharded_section_records_its_micro_batches_without_weights(demo_data, 
     for folder in folders:
         files = sorted(p.name for p in folder.iterdir())
         assert files and all(f.startswith("step000001-mb") for f in files), files
+    if section == "teacher":  # frozen: the weights it is built with are the run's (found in QA: told to export them)
+        replay = maestro("stage", "pipelines/distill.py", "teacher", "--replay", str(tmp_path), "--compare",
+                         "--set", f"data.path={demo_data}", *sets)
+        assert replay.returncode == 0 and "MISMATCH" not in replay.stdout, replay.stdout + replay.stderr
+        assert "weights: as built from the section's config (it is frozen" in replay.stdout + replay.stderr
 
 
 @pytest.mark.timeout(300)
