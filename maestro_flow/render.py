@@ -1,7 +1,8 @@
 """Drawing the section graph: a text form for the terminal, Graphviz DOT, and SVG/PNG files.
 
 `text_form(graph)` lays the sections out top to bottom in topological order, one ASCII box each
-(stage, trainable/frozen, activates_on, dp, tp where > 1, micro-batch, device, inputs), with the edges between
+(stage, trainable/frozen, activates_on, dp, tp where > 1, fsdp where set, micro-batch, device,
+inputs), with the edges between
 the boxes (tensors, fan-out/fan-in factor, whether gradients flow back), then a one-line summary
 of every edge. `to_dot(graph)` is the same graph in DOT: frozen sections dashed and grey,
 conditional sections (`activates_on`) in orange, loss sections bold, gradient-carrying edges
@@ -38,6 +39,14 @@ class GraphvizError(MaestroError):
 
 def mode(graph: SectionGraph, name: str) -> str:
     return "trainable" if graph.sections[name].trainable else "frozen"
+
+
+def fsdp(graph: SectionGraph, name: str) -> str:
+    """How an FSDP section shards (found in QA: the graph did not show fsdp at all)."""
+    s = graph.sections[name]
+    what = "params, grads, optimizer state" if s.trainable else "params"
+    how = "per unit and micro-batch" if graph.lockstep(name) and s.tp == 1 else "for the step"
+    return f"{s.dp}-way ({what}), gathered {how}"
 
 
 def activates(graph: SectionGraph, name: str) -> str:
@@ -98,6 +107,7 @@ def _section_rows(graph: SectionGraph, name: str) -> list[tuple[str, str]]:
     rows = [("stage", s.stage), ("mode", mode(graph, name)), ("activates_on", activates(graph, name)),
             ("dp", f"{s.dp} replica{'s' if s.dp != 1 else ''}"),
             *([("tp", f"{s.tp} ranks per replica ({s.dp * s.tp} workers)")] if s.tp > 1 else []),
+            *([("fsdp", fsdp(graph, name))] if s.fsdp else []),
             ("micro_batch", str(s.micro_batch)), ("device", s.device), ("inputs", inputs)]
     if name in graph.loss_sections():
         rows.append(("loss", "yes (trainable sink)"))
@@ -177,7 +187,8 @@ def to_dot(graph: SectionGraph) -> str:
         s = graph.sections[n]
         label = _label(n + ("  (loss)" if n in losses else ""), s.stage,
                        f"{mode(graph, n)}, activates_on={s.activates_on or 'all'}",
-                       f"dp={s.dp}{f'  tp={s.tp}' if s.tp > 1 else ''}  micro_batch={s.micro_batch}  "
+                       f"dp={s.dp}{f'  tp={s.tp}' if s.tp > 1 else ''}{'  fsdp' if s.fsdp else ''}  "
+                       f"micro_batch={s.micro_batch}  "
                        f"device={s.device}")
         attrs = [f"label={label}"]
         if s.trainable:

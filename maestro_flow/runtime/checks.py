@@ -63,6 +63,9 @@ def pipeline_warnings(pipeline: Pipeline) -> list[str]:
         # A lockstep FSDP section is left alone: fed by others, it is refused for this (check_pipeline);
         # fed by the data, its spare replicas stand in each round and hold their shards, which may
         # be what makes it fit.
+        if s.fsdp and s.dp == 1:  # found in QA: accepted in silence
+            out.append(f"sections.{s.name}.fsdp=true at dp=1 shards over one replica, so it saves no memory; raise "
+                       f"sections.{s.name}.dp (FSDP shards over the dp replicas) or set sections.{s.name}.fsdp=false")
         if s.dp > batch and not graph.lockstep(s.name):
             out.append(f"sections.{s.name}.dp={s.dp} is more than global_batch={batch}: a step's {batch} samples "
                        f"leave {s.dp - batch} of its {s.dp} replicas without work; lower sections.{s.name}.dp or "

@@ -240,6 +240,8 @@ def test_bad_set_overrides_are_refused(tmp_path, dataset, item, fragments):
     (None, None, ["--set", "sections.student.dp=9"],
      "warning: sections.student.dp=9 is more than global_batch=8: a step's 8 samples leave 1 of its 9 replicas "
      "without work; lower sections.student.dp or raise global_batch"),
+    (None, None, ["--set", "sections.student.dp=1", "--set", "sections.student.fsdp=true"],  # found in QA
+     "warning: sections.student.fsdp=true at dp=1 shards over one replica, so it saves no memory"),
 ])
 def test_pipelines_that_cannot_do_what_they_seem_to_are_warned_of(tmp_path, dataset, sections, edges, sets, warning):
     path = write_pipeline(tmp_path, dataset, sections, edges)

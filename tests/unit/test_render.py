@@ -131,6 +131,17 @@ def test_a_tensor_parallel_section_counts_every_rank():
     assert "dp=2  tp=2  micro_batch=2  device=cpu" in to_dot(g)
 
 
+def test_fsdp_sections_say_how_they_shard():
+    """Found in QA: `maestro graph` never showed fsdp."""
+    g = SectionGraph(distill.pipeline().override(**{"sections.student.tp": 2, "sections.student.fsdp": True,
+                                                     "sections.teacher.dp": 2, "sections.teacher.fsdp": True}))
+    text = text_form(g)
+    assert box(text, "teacher")["fsdp"] == "2-way (params), gathered per unit and micro-batch"
+    assert box(text, "student")["fsdp"] == "2-way (params, grads, optimizer state), gathered for the step"
+    assert "dp=2  tp=2  fsdp  micro_batch=2" in to_dot(g)
+    assert "fsdp" not in box(text_form(SectionGraph(distill.pipeline())), "student")
+
+
 def test_text_form_branches_and_fan_in():
     S = lambda name, **kw: Section(name=name, stage=f"m:{name.title()}", **kw)  # noqa: E731
     g = SectionGraph(Pipeline(name="fork", data=ArrowData(path="d"),
