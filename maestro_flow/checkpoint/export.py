@@ -42,6 +42,7 @@ def export_section(source: str, section: str, out: str) -> Exported:
     if spec is None:  # a --save-dir whose pipeline file lacks it (not one a run wrote)
         _check_section(pipeline, section, where, [])
     os.makedirs(out, exist_ok=True)
+    _one_model_folder(out, section)
     path = os.path.join(out, f"{section}.safetensors")
     write_safetensors({k: v.contiguous() for k, v in state.items()}, path, {"section": section, "source": where})
     try:
@@ -49,6 +50,27 @@ def export_section(source: str, section: str, out: str) -> Exported:
     except _NotImportable as exc:
         return Exported(files=[path], source=where, note=str(exc))
     return Exported(files=[path, *files], source=where)
+
+
+def _one_model_folder(out: str, section: str) -> None:
+    """A folder holding another section's Hugging Face export (its config.json beside that
+    section's file) takes no other section: its config.json and model.safetensors would be
+    overwritten, or left beside this section's file (found in QA)."""
+    if not os.path.exists(os.path.join(out, "config.json")):
+        return
+    from safetensors import safe_open
+
+    for name in sorted(os.listdir(out)):
+        if not name.endswith(".safetensors") or name in ("model.safetensors", f"{section}.safetensors"):
+            continue
+        try:
+            with safe_open(os.path.join(out, name), framework="pt") as f:
+                other = (f.metadata() or {}).get("section")
+        except Exception:  # noqa: BLE001 (not an export of ours)
+            continue
+        if other and other != section:
+            raise PipelineError(f"-o {out} holds section {other!r}'s Hugging Face export ({name}, config.json): "
+                                f"export section {section!r} into a folder of its own")
 
 
 class _NotImportable(Exception):

@@ -225,6 +225,10 @@ def _as_baseline(pipeline: Any, checked: Any, options: RunOptions) -> tuple[Any,
                             f"global batch): pass --devices {pipeline.global_batch} or fewer")
     fused = monolithic_pipeline(pipeline, devices, options.micro_batch)
     fused.validate()
+    sharded = [f"sections.{s.name}" for s in pipeline.sections if s.tp > 1 or s.fsdp]
+    if sharded and options.show_progress:  # found in QA: dropped in silence (the README says so)
+        print(f"note: --baseline monolithic holds every section whole on each rank: the tp and fsdp of "
+              f"{', '.join(sharded)} are not used", file=sys.stderr)
     return fused, dataclasses.replace(checked, graph=SectionGraph(fused))
 
 

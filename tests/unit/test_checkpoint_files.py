@@ -485,3 +485,21 @@ def test_a_damaged_manifest_names_the_checkpoint_before_it(tmp_path, content):
     with pytest.raises(PipelineError, match=rf"step-00000004/manifest.json: unreadable checkpoint manifest \(.*\); "
                                             rf"the complete checkpoint before it: {before} \(--resume {before}\)$"):
         resume_point(str(tmp_path))
+
+
+def test_a_hugging_face_export_folder_takes_no_other_section(tmp_path):
+    """Found in QA: exporting a second section into the folder of another's Hugging Face export
+    overwrote its config.json and model.safetensors, or left them beside the new file."""
+    from safetensors.torch import save_file
+
+    from maestro_flow.checkpoint.export import _one_model_folder
+
+    out = tmp_path / "out"
+    out.mkdir()
+    save_file({"w": torch.zeros(1)}, str(out / "student.safetensors"), metadata={"section": "student"})
+    _one_model_folder(str(out), "teacher")  # another section's raw file alone: no model to overwrite
+    (out / "config.json").write_text("{}")
+    _one_model_folder(str(out), "student")  # the same section again: a re-export
+    with pytest.raises(PipelineError, match=r"holds section 'student''s Hugging Face export .* export section "
+                                            r"'teacher' into a folder of its own"):
+        _one_model_folder(str(out), "teacher")

@@ -137,3 +137,15 @@ def test_worker_threads_from_the_environment(monkeypatch, raw, expected):
             env_threads()
     else:
         assert env_threads() == expected
+
+
+def test_the_baseline_says_it_drops_tp_and_fsdp(capsys):
+    """Found in QA: a pipeline's tp and fsdp were dropped in silence (the README says so)."""
+    from maestro_flow.graph import SectionGraph
+    from maestro_flow.runtime.checks import Checked
+    from maestro_flow.runtime.run import RunOptions, _as_baseline
+
+    checked = Checked(graph=SectionGraph(vlm()), source=None, metadata=[])
+    fused, _ = _as_baseline(vlm(), checked, RunOptions(overrides={}, baseline="monolithic", devices=2))
+    assert fused.sections[0].tp == 1
+    assert "the tp and fsdp of sections.llm are not used" in capsys.readouterr().err
