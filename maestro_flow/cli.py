@@ -371,7 +371,7 @@ def graph(ctx: click.Context, pipeline: str, sets: tuple[str, ...], output: str 
     device) and each edge (tensors, fan-out/fan-in, gradients), as text; -o FILE also draws it."""
     from maestro_flow.graph import SectionGraph
     from maestro_flow.render import check_suffix, render, text_form, to_dot
-    from maestro_flow.runtime.build import load_pipeline
+    from maestro_flow.runtime.build import load_pipeline, unresolved
 
     try:
         if output:  # a bad suffix or path fails before anything is loaded or printed
@@ -383,6 +383,8 @@ def graph(ctx: click.Context, pipeline: str, sets: tuple[str, ...], output: str 
         p.validate()
         g = SectionGraph(p)
         click.echo(text_form(g))
+        for problem in unresolved(p):  # found in QA: a stage that does not exist was drawn in silence
+            click.echo(f"warning: {problem} (drawn as written; `maestro validate` checks the pipeline)", err=True)
         if output:
             done = render(to_dot(g), output)
             if done.note:

@@ -175,3 +175,14 @@ def default_dtype(dtype: Any) -> Iterator[None]:
 def open_source(pipeline: Pipeline) -> Any:
     cls = resolve(pipeline.data.source, "data.source")
     return cls(pipeline.data)
+
+
+def unresolved(pipeline: Pipeline) -> list[str]:
+    """Why each section's stage cannot be imported (none: all can)."""
+    out = []
+    for s in pipeline.sections:
+        try:
+            resolve(s.stage, f"sections.{s.name}.stage")
+        except PipelineError as exc:
+            out.append(str(exc))
+    return out

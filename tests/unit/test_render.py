@@ -280,6 +280,15 @@ def test_cli_graph_prints_the_text_form():
     assert result.stdout.rstrip("\n") == text_form(graph_of(vlm))
 
 
+def test_cli_graph_warns_of_a_stage_it_cannot_import():
+    """Found in QA: drawn in silence, exit 0; it is still drawn (graph shows what is written)."""
+    result = invoke("graph", ROOT / "pipelines" / "distill.py", "--set", "sections.student.stage=nowhere:Missing")
+    assert result.exit_code == 0, result.output
+    assert "+-- student" in result.stdout
+    assert result.stderr.startswith("warning: sections.student.stage: cannot import 'nowhere:Missing'")
+    assert invoke("graph", ROOT / "pipelines" / "distill.py").stderr == ""
+
+
 def test_cli_graph_writes_dot(tmp_path):
     out = tmp_path / "x.dot"
     result = invoke("graph", ROOT / "pipelines" / "distill.py", "--set", "sections.student.dp=4", "-o", out)
