@@ -292,9 +292,12 @@ class HFCausalLM(Stage):
         kd_keys = ("teacher", *KD_KEYS) if self.role == "kd_student" else ()
         check_keys(config, ("role", *MODEL_KEYS, *kd_keys))
         self.model = build_hf_model(config, quiet=ctx.replica != 0)
-        if self.role == "teacher":  # the base model's last hidden state, kept by a hook (forward)
+        if self.role == "teacher":  # see forward
+            head, embedding = self.model.get_output_embeddings(), self.model.get_input_embeddings()
+            self._whole = head is not None and embedding is not None and head.weight is embedding.weight
             self._hidden: Any = None
-            self.model.base_model.register_forward_hook(self._keep_hidden)
+            if self._whole:
+                self.model.base_model.register_forward_hook(self._keep_hidden)
             self._one_logit = "logits_to_keep" in inspect.signature(type(self.model).forward).parameters
         if self.role == "kd_student":
             if "teacher" not in config:
@@ -365,12 +368,21 @@ class HFCausalLM(Stage):
         # into NaN, which then reaches real positions through 0 * NaN in the backward.
         ids, lengths = pad_tokens(tokens, device)
         if self.role == "teacher":
-            # The base model's last hidden state is what the LM head reads (gpt2: after ln_f). The
-            # whole model runs, with logits for one position only: found in QA, the base model
-            # alone did not run the model's own forward, which is what gathers an FSDP unit holding
-            # tied embeddings (the model itself: gpt2's wte is its lm_head) on a sharded teacher.
-            self.model(input_ids=ids, **({"logits_to_keep": 1} if self._one_logit else {}))
-            hidden, self._hidden = self._hidden, None
+            # The base model's last hidden state is what the LM head reads (gpt2: after ln_f). With
+            # the LM head tied to the input embedding, the whole model runs (logits for one
+            # position only) and a hook keeps that state: found in QA, the base model alone did
+            # not run the model's own forward, which is what gathers the FSDP unit holding a tied
+            # weight (the model itself) on a sharded teacher. Untied, the base model alone runs
+            # (the head would be one more unit to gather per micro-batch: found in review).
+            hidden = None
+            if self._whole:
+                self.model(input_ids=ids, **({"logits_to_keep": 1} if self._one_logit else {}))
+                hidden, self._hidden = self._hidden, None
+                # A model whose forward skips its base model's (OPT's calls the decoder inside
+                # it: found in review) leaves none: the base model alone from then on.
+                self._whole = hidden is not None
+            if hidden is None:
+                hidden = self.model.base_model(input_ids=ids).last_hidden_state
             return {"hidden": unpad(hidden, lengths)}
         # The full model (not base model + head) so that model-specific logit processing applies.
         logits = select_predicted(self.model(input_ids=ids).logits, lengths)

@@ -3,7 +3,7 @@
 A plan maps module names as they appear in the stage's `state_dict` (the stage attribute first,
 `*` for any one name part such as a layer index) to a style, in Hugging Face's tp-plan
 vocabulary: "colwise" (output features sharded; input replicated), "rowwise" (input features
-sharded, output all-reduced), "colwise_rep" (colwise, output gathered back to replicated),
+sharded, output all-reduced; on an nn.Embedding, its rows, the token ids whole on every rank), "colwise_rep" (colwise, output gathered back to replicated),
 "rowwise_split" (rowwise on a replicated input, which each rank slices), "replicate" (left alone). Every rank builds the same full weights (the same seeds), so sharding
 is a local slice (`src_data_rank=None`: no broadcast at setup).
 
@@ -39,14 +39,16 @@ def sharded(plan: dict[str, str], modules: dict[str, nn.Module]) -> dict[str, st
     return {name: style for name, style in matches(plan, modules).items() if style != "replicate"}
 
 
-def _style(style: str) -> Any:
+def _style(style: str, module: nn.Module) -> Any:
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     if style == "colwise":
         return ColwiseParallel()
     if style == "rowwise":
-        return RowwiseParallel()
+        # An embedding's input (token ids) is whole on every rank: as sharded (torch's default for
+        # rowwise), it was gathered into tp times the sequence (found in review).
+        return RowwiseParallel(input_layouts=Replicate()) if isinstance(module, nn.Embedding) else RowwiseParallel()
     if style == "colwise_rep":
         return ColwiseParallel(output_layouts=Replicate())
     if style == "rowwise_split":
@@ -63,13 +65,15 @@ def stage_modules(stage: Any) -> dict[str, nn.Module]:
 def apply_plan(stage: Any, plan: dict[str, str], tp_mesh: Any) -> None:
     from torch.distributed.tensor.parallel import parallelize_module
 
-    chosen = sharded(plan, stage_modules(stage))
+    modules = stage_modules(stage)
+    chosen = sharded(plan, modules)
     for attr, top in stage.modules().items():
         if attr in chosen:  # the attribute itself (found in QA: {"up": "colwise"} for self.up was dropped)
-            parallelize_module(top, tp_mesh, _style(chosen[attr]), src_data_rank=None)
+            parallelize_module(top, tp_mesh, _style(chosen[attr], top), src_data_rank=None)
             continue  # an nn.Linear or nn.Embedding (check_plan): nothing inside it to shard
         prefix = attr + "."
-        local = {name[len(prefix):]: _style(style) for name, style in chosen.items() if name.startswith(prefix)}
+        local = {name[len(prefix):]: _style(style, modules[name]) for name, style in chosen.items()
+                 if name.startswith(prefix)}
         if local:
             parallelize_module(top, tp_mesh, local, src_data_rank=None)
 

@@ -68,7 +68,7 @@ def pow2_upto(n: int) -> list[int]:
 def apart(limit: float, over: float) -> tuple[str, str]:
     """A limit and a figure over it, with the decimals it takes to tell them apart (found in QA:
     "does not fit the memory limit (2 MB) ... (predicted 2 MB at least)")."""
-    for digits in range(4):
+    for digits in range(7):
         a, b = f"{limit:.{digits}f}", f"{over:.{digits}f}"
         if a != b:
             return a, b

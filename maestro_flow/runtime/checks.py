@@ -73,6 +73,15 @@ def pipeline_warnings(pipeline: Pipeline) -> list[str]:
     return out
 
 
+def _instance_method(attr: Any) -> bool:
+    """A plain function whose first parameter is `self` or `cls`: called on the class, it lacks one
+    (a plain `def tp_plan(config)` works, found in review)."""
+    if isinstance(attr, (classmethod, staticmethod)) or not inspect.isfunction(attr):
+        return False
+    first = next(iter(inspect.signature(attr).parameters), None)
+    return first in ("self", "cls")
+
+
 def check_tensor_parallel(pipeline: Pipeline, section: Any, cls: Any) -> None:
     """A section with tp > 1: the stage has a plan (or its own parallelize), the configuration
     can be split tp ways (the stage's check_tp), and every sharded dimension divides by tp
@@ -85,9 +94,10 @@ def check_tensor_parallel(pipeline: Pipeline, section: Any, cls: Any) -> None:
     if cls.parallelize is not Stage.parallelize:
         return  # the stage takes full control of its layout
     for name in ("tp_plan", "check_tp"):  # found in QA: a forgotten @classmethod said "missing 'config'"
-        if not isinstance(inspect.getattr_static(cls, name, None), (classmethod, staticmethod)):
+        if _instance_method(inspect.getattr_static(cls, name, None)):
             raise PipelineError(f"{where}.stage: {section.stage}.{name} must be a @classmethod ({name}(cls, config"
-                                f"{', tp' if name == 'check_tp' else ''})): it is read before any stage is built")
+                                f"{', tp' if name == 'check_tp' else ''})) or a @staticmethod: it is read before "
+                                "any stage is built")
     try:
         plan = cls.tp_plan(dict(section.config))
     except Exception as exc:

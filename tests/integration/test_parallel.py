@@ -118,7 +118,8 @@ def test_a_tp_plan_entry_naming_a_stage_attribute_itself_shards_it(tmp_path):
 
     out = run_spawned(peers.peer, [(str(tmp_path / "store"),)] * 2, timeout_s=120)
     for rank in range(2):
-        assert out[rank]["sharded"] == [True, True] and out[rank]["local_rows"] == 3, out[rank]
+        assert out[rank]["sharded"] == [True, True, True] and out[rank]["local_rows"] == 3, out[rank]
+        assert out[rank]["emb_rows"] == 5 and out[rank]["shape"] == [2, 3, 4], out[rank]
         assert out[rank]["diff"] < 1e-12, out[rank]
 
 

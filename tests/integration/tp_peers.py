@@ -1,5 +1,5 @@
-"""Two gloo ranks applying a tp plan whose entries name a stage's attributes themselves (a
-top-level nn.Linear), spawned by test_parallel.py."""
+"""Two gloo ranks applying a tp plan whose entries name a stage's attributes themselves (top-level
+nn.Linear and nn.Embedding modules), spawned by test_parallel.py."""
 
 from __future__ import annotations
 
@@ -13,13 +13,14 @@ class TopLevel:
 
     def __init__(self) -> None:
         torch.manual_seed(0)
+        self.emb = nn.Embedding(10, 4, dtype=torch.float64)
         self.up, self.down = nn.Linear(4, 6, dtype=torch.float64), nn.Linear(6, 4, dtype=torch.float64)
 
     def modules(self) -> dict[str, nn.Module]:
-        return {"up": self.up, "down": self.down}
+        return {"emb": self.emb, "up": self.up, "down": self.down}
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(torch.relu(self.up(x)))
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.relu(self.up(self.emb(ids))))
 
 
 def peer(rank: int, store: str) -> dict:
@@ -30,13 +31,17 @@ def peer(rank: int, store: str) -> dict:
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     try:
-        x = torch.arange(12, dtype=torch.float64).reshape(3, 4) / 10
+        ids = torch.tensor([[1, 2, 3], [9, 0, 4]])
         whole = TopLevel()
-        expected = whole(x)
+        expected = whole(ids)
         stage = TopLevel()
-        apply_plan(stage, {"up": "colwise", "down": "rowwise"}, DeviceMesh.from_group(dist.group.WORLD, "cpu"))
-        got = stage(x)
-        return {"sharded": [isinstance(m.weight, DTensor) for m in (stage.up, stage.down)],
+        apply_plan(stage, {"emb": "rowwise", "up": "colwise", "down": "rowwise"},
+                   DeviceMesh.from_group(dist.group.WORLD, "cpu"))
+        got = stage(ids)
+        # An embedding rowwise: its rows sharded, the ids whole (found in review: gathered into tp x
+        # the sequence, (2, 6, 4) here, which a causal model's first positions hid)
+        return {"sharded": [isinstance(m.weight, DTensor) for m in (stage.emb, stage.up, stage.down)],
+                "emb_rows": stage.emb.weight.to_local().shape[0], "shape": list(got.shape),
                 "local_rows": stage.up.weight.to_local().shape[0],
                 "diff": (got.full_tensor() if isinstance(got, DTensor) else got).sub(expected).abs().max().item()}
     finally:

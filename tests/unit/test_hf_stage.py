@@ -55,6 +55,25 @@ def test_teacher_outputs_the_hidden_states_its_lm_head_reads(teacher, hidden):
         torch.testing.assert_close(teacher.model.lm_head(h_alone), full.logits[0], atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize(("model_type", "hf_config", "whole"), [
+    ("gpt2", {"n_layer": 1, "n_embd": 32, "n_head": 2}, True),  # tied: the whole model runs (FSDP gathers it)
+    ("llama", {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 64,
+               "vocab_size": 260, "tie_word_embeddings": False}, False),  # untied: the base model alone
+    ("opt", {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "ffn_dim": 64, "vocab_size": 260,
+             "word_embed_proj_dim": 32, "max_position_embeddings": 64, "pad_token_id": 0, "dropout": 0.0}, False),
+])
+def test_a_teachers_hidden_states_are_its_base_models(model_type, hf_config, whole):
+    """Found in review: OPT's forward calls its decoder, not its base model, so the hook that
+    keeps a tied teacher's hidden state never ran (the base model alone runs then, from that
+    micro-batch on); an untied teacher runs its base model alone (no LM head to gather)."""
+    stage = make(HFCausalLM, {"role": "teacher", "model_type": model_type, "init_seed": 1, "hf_config": hf_config})
+    out = stage.forward(micro_batch([[1, 2, 3], [4, 5]]))["hidden"]
+    for got, sample in zip(out, ([1, 2, 3], [4, 5]), strict=True):
+        want = stage.model.base_model(input_ids=torch.tensor([sample])).last_hidden_state[0]
+        torch.testing.assert_close(got, want, rtol=0, atol=ATOL)
+    assert stage._whole is whole
+
+
 @pytest.mark.parametrize("config", [
     {"role": "lm", **STUDENT},
     {"role": "kd_student", "teacher": TEACHER, **STUDENT},

@@ -91,9 +91,16 @@ def test_a_tp_plan_that_is_no_classmethod_and_a_plan_that_breaks_shapes_say_so()
             return {"mlp.0": "colwise"}
 
     section = Section(name="lm", stage="mine:Forgot", tp=2)
+    pipeline = Pipeline(name="p", data=ArrowData(path="unused.arrow"), sections=[section])
     with pytest.raises(PipelineError, match=r"sections.lm.stage: mine:Forgot.tp_plan must be a @classmethod"):
-        check_tensor_parallel(Pipeline(name="p", data=ArrowData(path="unused.arrow"), sections=[section]), section,
-                              Forgot)
+        check_tensor_parallel(pipeline, section, Forgot)
+
+    class Plain(Stage):  # no decorator and no self: called on the class, it works (found in review)
+        def tp_plan(config):
+            return {"nothing": "colwise"}
+
+    with pytest.raises(PipelineError, match=r"building mine:Forgot to check its tp_plan failed"):  # past that check
+        check_tensor_parallel(pipeline, section, Plain)
     error = "RuntimeError: mat1 and mat2 shapes cannot be multiplied (384x32 and 64x32)\n"
     assert "pair each colwise layer with the rowwise one that reads it" in tp_hint(error, 2, "lm")
     assert tp_hint(error, 1, "lm") == "" and tp_hint("ValueError: bad token\n", 2, "lm") == ""
