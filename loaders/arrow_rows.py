@@ -289,7 +289,8 @@ def describe_bad_row(cols: dict[str, pa.Array], j: int, row: int, payload: dict[
         if rate is None or rate <= 0:
             return f"{where} has audio but no positive sample_rate"
         if rate < MIN_SAMPLE_RATE:
-            return f"{where} has sample_rate {rate}, below {MIN_SAMPLE_RATE} Hz (kHz given as Hz?)"
+            hint = " (kHz given as Hz?)" if rate < 200 else ""  # found in QA: a hint that misled for 500
+            return f"{where} has sample_rate {rate}, below {MIN_SAMPLE_RATE} Hz{hint}"
         return f"{where} has sample_rate {rate}, above {MAX_SAMPLE_RATE} Hz (a sample count, not a rate?)"
     return f"{where} is inconsistent"
 

@@ -313,7 +313,7 @@ def validate(ctx: click.Context, pipeline: str, sets: tuple[str, ...], payloads:
         skipped = getattr(checked.source, "num_skipped", 0)
         click.echo(f"ok: {p.name}: {_count(len(checked.graph.order), 'section')}, {_count(len(checked.graph.edges), 'edge')}, "
                    f"{sum(s.dp * s.tp for s in p.sections)} workers, {len(checked.metadata)} samples"
-                   + (f" ({skipped} bad rows skipped)" if skipped else ""))
+                   + (f" ({skipped} bad row{'s' if skipped > 1 else ''} skipped)" if skipped else ""))
     except MaestroError as exc:
         _fail(exc, ctx.obj["debug"])
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import shlex
 import sys
+from collections.abc import Sequence
 
 import click
 
@@ -44,6 +45,12 @@ def _positive_gb(ctx: click.Context, param: click.Parameter, value: float | None
     if value is not None and not (0 < value < math.inf):  # NaN fails this too
         raise click.BadParameter(f"must be a finite number of GiB > 0, got {value!r}")
     return value
+
+
+def _with_sets(pipeline: str, sets: Sequence[str], global_batch: int | None = None) -> str:
+    """PIPELINE and the overrides it was given, as a command line's words (for the commands printed)."""
+    items = [*sets, *([f"global_batch={global_batch}"] if global_batch is not None else [])]
+    return " ".join([shlex.quote(pipeline), *(f"--set {shlex.quote(s)}" for s in items)])
 
 
 @click.command()
@@ -92,7 +99,8 @@ def profile(ctx: click.Context, pipeline: str, sets: tuple[str, ...], out: str |
                    f"+ runtime {body['runtime_overhead_s'] * 1e3:.2f} ms{step}; "
                    f"memory {body['memory_base_mb']:.0f} MB + {body['peak_memory_mb_per_sample']:.1f} MB/sample")
     click.echo(f"planning: {data['planning_s'] * 1e3:.2f} ms per step")
-    click.echo(f"wrote {data['path']}  (use: maestro tune {pipeline} --devices N --costs {data['path']})")
+    click.echo(f"wrote {data['path']}  (use: maestro tune {_with_sets(pipeline, sets)} --devices N --costs "
+               f"{shlex.quote(data['path'])})")  # with the --sets (found in QA: a data.path given was dropped)
 
 
 @click.command()
@@ -167,7 +175,7 @@ def tune(ctx: click.Context, pipeline: str, sets: tuple[str, ...], devices: int,
     if as_json:
         click.echo(json.dumps({**result.to_json_dict(), "notes": notes}, indent=1))
     else:
-        click.echo(format_result(result, path=pipeline))
+        click.echo(format_result(result, path=_with_sets(pipeline, sets, global_batch)))
     if write_to:
         click.echo(f"wrote {write_to}; run it with: maestro run {shlex.quote(pipeline)} "
                    f"--set-file {shlex.quote(write_to)}", err=True)

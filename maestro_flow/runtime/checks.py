@@ -185,9 +185,20 @@ def check_token_limits(pipeline: Pipeline, source: Any, metadata: list[SampleMet
             bad = [m for m in reads if m.row in rows]
             if bad:
                 raise PipelineError(
-                    f"sections.{s.name}: {_sample(bad[0])} has a token id at or above "
-                    f"{s.stage}'s vocab_size {vocab}; samples like it: {len(bad)}. Fix the tokenization or the "
-                    f"model's vocab_size")
+                    f"sections.{s.name}: {_sample(bad[0])} has a token id{_over(source, bad[0], vocab, allowed)} at "
+                    f"or above {s.stage}'s vocab_size {vocab}; {len(bad)} sample{'s' if len(bad) > 1 else ''} in "
+                    "all. Fix the tokenization or the model's vocab_size")
+
+
+def _over(source: Any, m: SampleMeta, vocab: int, allowed: tuple[int, ...]) -> str:
+    """" (ID)": the sample's largest token id past the vocabulary (found in QA: not named), or ""
+    where the source cannot tell."""
+    try:
+        tokens = source.read([m.row], ["tokens"])["tokens"][0]
+        ids = [int(t) for t in tokens if int(t) >= vocab and int(t) not in allowed]
+        return f" ({max(ids)})" if ids else ""
+    except Exception:  # noqa: BLE001 (the id is a courtesy: the message stands without it)
+        return ""
 
 
 def _sample(m: SampleMeta) -> str:

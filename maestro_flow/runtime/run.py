@@ -309,10 +309,10 @@ def _lead(pipeline: Any, original: Any, checked: Any, paths: Any, options: RunOp
     """Node 0 (or the only node): the coordinator's run, from the checks of what only it is given."""
     nodes.assign(placement_for(checked.graph))  # refused here when the ranks cannot be placed on the nodes
     ckpt = options.checkpoint
+    if options.colocated and (ckpt.dir or ckpt.resume or ckpt.max_restarts):  # before what else they need (QA)
+        raise PipelineError("checkpoints, --resume and --max-restarts are for section mode; drop --colocated")
     ckpt.validate()
     _check_outputs(options)
-    if options.colocated and (ckpt.dir or ckpt.resume or ckpt.max_restarts):
-        raise PipelineError("checkpoints, --resume and --max-restarts are for section mode; drop --colocated")
     resume = _resume_from(options, pipeline, checked.metadata)
     if resume is not None and not ckpt.dir:  # found in QA: a resumed long job went on saving nothing, silently
         parent = os.path.dirname(os.path.abspath(resume[0]))
@@ -352,8 +352,9 @@ def _lead(pipeline: Any, original: Any, checked: Any, paths: Any, options: RunOp
                 fused = pipeline.sections[0]
                 mode = (f"monolithic baseline: {fused.dp} data-parallel ranks, each running every section on "
                         f"micro-batches of {fused.micro_batch}")
+            bad = f" ({skipped} bad row{'s' if skipped > 1 else ''} skipped)" if skipped else ""
             print(f"{pipeline.name}: {len(checked.metadata)} samples from {pipeline.data.path}"
-                  f"{f' ({skipped} bad rows skipped)' if skipped else ''}, {pipeline.steps} steps of "
+                  f"{bad}, {pipeline.steps} steps of "
                   f"{pipeline.global_batch}, {mode}", file=sys.stderr)
         run_dir = RunDir(options.run_dir, pipeline, options.overrides) if options.run_dir else None
         if run_dir is not None:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import shlex
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -255,7 +254,8 @@ def on_cpu(device: str) -> bool:
 
 
 def format_result(result: TuneResult, current: Candidate | None = None, path: str = "PIPE") -> str:
-    """The best configurations side by side (one column each), then the uniform baseline."""
+    """The best configurations side by side (one column each), then the uniform baseline (`path`:
+    the pipeline and its overrides as command-line words, for the command printed)."""
     cols: list[tuple[str, Candidate]] = [(f"#{i + 1}", c) for i, c in enumerate(result.best)]
     if result.uniform is not None:
         cols.append(("uniform", result.uniform))
@@ -288,7 +288,7 @@ def format_result(result: TuneResult, current: Candidate | None = None, path: st
         fewer = f", its fastest count of at most {result.devices}" if mono.devices < result.devices else ""
         lines.append(f"monolithic baseline (every section on each of {mono.devices} ranks{fewer}, micro-batch "
                      f"{mono.micro_batch}): {mono.step_s * 1e3:.1f} ms per step; #1 is "
-                     f"{vs_best(mono.step_s) or 'as fast as'} its throughput (maestro run {shlex.quote(path)} --baseline "
+                     f"{vs_best(mono.step_s) or 'as fast as'} its throughput (maestro run {path} --baseline "
                      f"monolithic --devices {mono.devices} --micro-batch {mono.micro_batch})")
     return "\n".join(lines)
 

@@ -133,6 +133,18 @@ def test_tune_json_keeps_its_notes(tmp_path):
     assert f"note: {unchecked}" in result.stderr.splitlines()
 
 
+def test_the_baseline_command_tune_prints_runs_what_it_compared(tmp_path):
+    """Found in QA: it dropped the --set overrides and --global-batch the comparison used (run as
+    printed, it failed on a data.path, or ran another global batch)."""
+    trace = tmp_path / "samples.jsonl"
+    write_trace(trace, image_share=0)
+    result = CliRunner().invoke(main, ["tune", str(ROOT / "pipelines" / "distill.py"), "--devices", "3",
+                                       "--trace-in", str(trace), "--set", "seed=3", "--global-batch", "32"])
+    assert result.exit_code == 0, result.output
+    assert f"(maestro run {ROOT / 'pipelines' / 'distill.py'} --set seed=3 --set global_batch=32 --baseline " \
+           "monolithic --devices" in result.stdout, result.stdout
+
+
 @pytest.mark.parametrize("value", ["-1", "0", "nan", "inf"])
 def test_tune_refuses_a_memory_limit_that_is_not_a_positive_number(value):
     result = CliRunner().invoke(main, ["tune", str(ROOT / "pipelines" / "distill.py"), "--devices", "3",

@@ -371,10 +371,12 @@ def _token_data(tmp_path, tokens: list[list[int]]) -> str:
 def test_token_ids_outside_the_vocabulary_are_refused_naming_the_sample(tmp_path):
     tokens = [[1, 2, 3]] * 40
     tokens[17] = [1, 259, 4000]
+    tokens[30] = [300]
     result = invoke("validate", "pipelines/distill.py", "--set", f"data.path={_token_data(tmp_path, tokens)}")
     assert result.exit_code == 2
-    assert "sample id 117 (row 17) has a token id at or above" in result.output
-    assert "vocab_size 260" in result.output
+    # found in QA: the id went unnamed, and "samples like it: 2" read as two others
+    assert "sample id 117 (row 17) has a token id (4000) at or above" in result.output
+    assert "vocab_size 260; 2 samples in all" in result.output
 
 
 def test_samples_longer_than_the_model_are_refused_naming_the_sample(tmp_path):
@@ -418,7 +420,7 @@ def _image_data(tmp_path, rows: list[tuple[list[int], int]]) -> str:
     (([1, 2, 3], 16), ["sample id 117 (row 17) declares 'image' but its tokens hold no image placeholder (id 259"]),
     (([1, 259, 2, 259], 16), ["sample id 117 (row 17) holds 2 image placeholders (id 259)"]),
     (([1, 259, 2], 0), ["sample id 117 (row 17) holds the image placeholder (id 259", "do not declare 'image'"]),
-    (([1, 2, 300], 0), ["sample id 117 (row 17) has a token id at or above", "vocab_size 261"]),
+    (([1, 2, 300], 0), ["sample id 117 (row 17) has a token id (300) at or above", "vocab_size 261"]),
 ])
 def test_a_vlm_s_samples_are_checked_as_its_llm_expands_them(tmp_path, bad, fragments):
     # Reproduced before: validate said ok, and the workers then failed on these samples.
@@ -717,3 +719,12 @@ def test_optimizer_values_the_optimizer_refuses_are_refused_by_validate(dataset,
     result = invoke("validate", write_pipeline(tmp_path, dataset), "--set", value)
     assert result.exit_code == 2, result.output
     assert result.stderr == f"error: {expected}\n"
+
+
+def test_checkpoints_with_colocated_are_refused_before_what_else_they_need(tmp_path, dataset):
+    """Found in QA: `--colocated --checkpoint-dir D` first asked for --checkpoint-every; only then
+    did the user learn that colocated mode takes no checkpoints."""
+    result = invoke("run", write_pipeline(tmp_path, dataset), "--colocated", "--checkpoint-dir", tmp_path / "ck",
+                    "--no-run-dir", "--quiet")
+    assert result.exit_code == 2
+    assert "checkpoints, --resume and --max-restarts are for section mode; drop --colocated" in result.output

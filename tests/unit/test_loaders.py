@@ -331,6 +331,7 @@ def test_audio_needs_sample_rate_column(tmp_path):
     ({"sample_rate": [None, None, 2**31 - 1, 8000]}, r"row 2 \(id 12\) has sample_rate 2147483647, above 768000 Hz"),
     # Found in QA: kHz given as Hz framed each 25 ms window as one sample, and trained.
     ({"sample_rate": [None, None, 16000, 16]}, r"row 3 \(id 13\) has sample_rate 16, below 1000 Hz \(kHz given as Hz\?\)"),
+    ({"sample_rate": [None, None, 16000, 500]}, r"row 3 \(id 13\) has sample_rate 500, below 1000 Hz;"),  # no kHz hint
 ])
 def test_rows_whose_modalities_do_not_match_their_columns(tmp_path, replace, expected):
     path = write_arrow(multimodal_table(**replace), tmp_path / "bad.arrow")
