@@ -138,8 +138,8 @@ class ImageDecoder:
     `device="cpu"` runs everything on the CPU and returns CPU tensors; `device="cuda:N"` (or a
     torch.device; plain "cuda" is torch's current device) decodes with DALI's mixed decoder on
     GPU N and returns tensors on that GPU.
-    A sample that cannot be decoded raises CorruptImage (a ValueError) naming its id, or, with `skip_corrupt`,
-    comes back as None and is counted in `num_corrupt` / `corrupt_ids`.
+    A sample that cannot be decoded raises CorruptImage (a ValueError) naming its id, or, with
+    `skip_corrupt`, comes back as None and is counted in `num_corrupt` / `corrupt_ids`.
     """
 
     def __init__(self, max_side: int = 64, patch: int = 8, mean: Sequence[float] = (0.485, 0.456, 0.406),

@@ -2,13 +2,13 @@
 
 `text_form(graph)` lays the sections out top to bottom in topological order, one ASCII box each
 (stage, trainable/frozen, activates_on, dp, tp where > 1, fsdp where set, micro-batch, device,
-inputs), with the edges between
-the boxes (tensors, fan-out/fan-in factor, whether gradients flow back), then a one-line summary
-of every edge. `to_dot(graph)` is the same graph in DOT: frozen sections dashed and grey,
-conditional sections (`activates_on`) in orange, loss sections bold, gradient-carrying edges
-double-headed. `render(dot_text, path)` writes a file whose format follows the suffix: `.dot`/
-`.gv` is the DOT itself, `.svg`/`.png` run Graphviz's `dot`; without Graphviz it writes the DOT
-next to the requested file and says so in the result's `note` instead of failing.
+inputs), with the edges between the boxes (tensors, fan-out/fan-in factor, whether gradients
+flow back), then a one-line summary of every edge. `to_dot(graph)` is the same graph in DOT:
+frozen sections dashed and grey, conditional sections (`activates_on`) in orange, loss sections
+bold, gradient-carrying edges double-headed. `render(dot_text, path)` writes a file whose format
+follows the suffix: `.dot`/`.gv` is the DOT itself, `.svg`/`.png` run Graphviz's `dot`; without
+Graphviz it writes the DOT next to the requested file and says so in the result's `note` instead
+of failing.
 
 Standard library only (Graphviz is an optional external program, found on PATH).
 """

@@ -1,11 +1,13 @@
 """Tensor parallelism from a stage's plan: names -> styles -> torch's `parallelize_module`.
 
 A plan maps module names as they appear in the stage's `state_dict` (the stage attribute first,
-`*` for any one name part such as a layer index) to a style, in Hugging Face's tp-plan
-vocabulary: "colwise" (output features sharded; input replicated), "rowwise" (input features
-sharded, output all-reduced; on an nn.Embedding, its rows, the token ids whole on every rank), "colwise_rep" (colwise, output gathered back to replicated),
-"rowwise_split" (rowwise on a replicated input, which each rank slices), "replicate" (left alone). Every rank builds the same full weights (the same seeds), so sharding
-is a local slice (`src_data_rank=None`: no broadcast at setup).
+or the attribute itself; `*` for any one name part such as a layer index) to a style, in Hugging
+Face's tp-plan vocabulary: "colwise" (output features sharded; input replicated), "rowwise"
+(input features sharded, output all-reduced; on an nn.Embedding its rows, the token ids whole on
+every rank), "colwise_rep" (colwise, output gathered back to replicated), "rowwise_split"
+(rowwise on a replicated input, which each rank slices), "replicate" (left alone). Every rank
+builds the same full weights (the same seeds), so sharding is a local slice
+(`src_data_rank=None`: no broadcast at setup).
 
 `check_plan` runs in `maestro validate` on a stage built on the meta device: every entry must
 name at least one module, its style must be known, and the sharded dimension of every matched

@@ -191,8 +191,8 @@ def check_token_limits(pipeline: Pipeline, source: Any, metadata: list[SampleMet
 
 
 def _over(source: Any, m: SampleMeta, vocab: int, allowed: tuple[int, ...]) -> str:
-    """" (ID)": the sample's largest token id past the vocabulary (found in QA: not named), or ""
-    where the source cannot tell."""
+    """The sample's largest token id past the vocabulary, as ' (ID)' (found in QA: not named), or
+    '' where the source cannot tell."""
     try:
         tokens = source.read([m.row], ["tokens"])["tokens"][0]
         ids = [int(t) for t in tokens if int(t) >= vocab and int(t) not in allowed]

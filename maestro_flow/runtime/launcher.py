@@ -86,9 +86,10 @@ class WorkerHandle:
 
 
 def cause(dead: list[Any]) -> Any:
-    """Of workers found dead together, the one to name (an agent's note, node 0's blame): one killed by a signal
-    (the OOM killer, a kill) cannot have reported an error, and is no one's collateral, where one
-    that exited with an error may have followed a peer's death (and node 0 takes its report)."""
+    """Of workers found dead together, the one to name (an agent's note, node 0's blame): one
+    killed by a signal (the OOM killer, a kill) cannot have reported an error, and is no one's
+    collateral, where one that exited with an error may have followed a peer's death (and node 0
+    takes its report)."""
     return min(dead, key=blame_order)
 
 
