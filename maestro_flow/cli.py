@@ -37,6 +37,7 @@ from maestro_flow.cli_sets import set_options  # noqa: E402
 from maestro_flow.cli_signals import interrupts_after_imports, reader_gone  # noqa: E402
 from maestro_flow.config import parse_set  # noqa: E402
 from maestro_flow.errors import MaestroError, PipelineError, StageError  # noqa: E402
+from maestro_flow.wording import count, skipped_note  # noqa: E402
 
 SETS = set_options("global_batch=8, dtype=float64")
 
@@ -59,10 +60,6 @@ def _exit(code: int) -> None:
 
     exit_code(code)
     sys.exit(code)
-
-
-def _count(n: int, noun: str) -> str:
-    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 def _overrides(sets: tuple[str, ...], costs: str | None = None, pipeline: str | None = None,
@@ -311,9 +308,9 @@ def validate(ctx: click.Context, pipeline: str, sets: tuple[str, ...], payloads:
 
             check_and_report(p, checked, echo=lambda line: click.echo(line, err=True))
         skipped = getattr(checked.source, "num_skipped", 0)
-        click.echo(f"ok: {p.name}: {_count(len(checked.graph.order), 'section')}, {_count(len(checked.graph.edges), 'edge')}, "
+        click.echo(f"ok: {p.name}: {count(len(checked.graph.order), 'section')}, {count(len(checked.graph.edges), 'edge')}, "
                    f"{sum(s.dp * s.tp for s in p.sections)} workers, {len(checked.metadata)} samples"
-                   + (f" ({skipped} bad row{'s' if skipped > 1 else ''} skipped)" if skipped else ""))
+                   + skipped_note(skipped))
     except MaestroError as exc:
         _fail(exc, ctx.obj["debug"])
 

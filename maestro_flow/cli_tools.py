@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import click
 
-from maestro_flow.cli_sets import set_options
+from maestro_flow.cli_sets import set_options, with_global_batch
 from maestro_flow.config import parse_set
 from maestro_flow.errors import MaestroError, PipelineError
 from maestro_flow.runtime.calibration import WARMUP_STEPS
@@ -49,8 +49,7 @@ def _positive_gb(ctx: click.Context, param: click.Parameter, value: float | None
 
 def _with_sets(pipeline: str, sets: Sequence[str], global_batch: int | None = None) -> str:
     """PIPELINE and the overrides it was given, as a command line's words (for the commands printed)."""
-    items = [*sets, *([f"global_batch={global_batch}"] if global_batch is not None else [])]
-    return " ".join([shlex.quote(pipeline), *(f"--set {shlex.quote(s)}" for s in items)])
+    return " ".join([shlex.quote(pipeline), *(f"--set {shlex.quote(s)}" for s in with_global_batch(sets, global_batch))])
 
 
 @click.command()

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from maestro_flow.errors import MaestroError, PipelineError
 from maestro_flow.graph import EdgeInfo, SectionGraph
+from maestro_flow.wording import count
 
 DOT_SUFFIXES = (".dot", ".gv")
 GRAPHVIZ_SUFFIXES = (".svg", ".png")
@@ -105,7 +106,7 @@ def _section_rows(graph: SectionGraph, name: str) -> list[tuple[str, str]]:
     s = graph.sections[name]
     inputs = ", ".join(f"{e.edge.src} ({', '.join(e.edge.tensors)})" for e in graph.inputs(name)) or "- (reads the data)"
     rows = [("stage", s.stage), ("mode", mode(graph, name)), ("activates_on", activates(graph, name)),
-            ("dp", f"{s.dp} replica{'s' if s.dp != 1 else ''}"),
+            ("dp", count(s.dp, "replica")),
             *([("tp", f"{s.tp} ranks per replica ({s.dp * s.tp} workers)")] if s.tp > 1 else []),
             *([("fsdp", fsdp(graph, name))] if s.fsdp else []),
             ("micro_batch", str(s.micro_batch)), ("device", s.device), ("inputs", inputs)]
@@ -119,8 +120,8 @@ def text_form(graph: SectionGraph) -> str:
     p = graph.pipeline
     n_sec, n_edge = len(graph.order), len(graph.edges)
     workers = sum(s.dp * s.tp for s in graph.sections.values())  # a replica is tp ranks, each a worker
-    lines = [f"pipeline {p.name}: {n_sec} section{'s' if n_sec != 1 else ''}, {n_edge} edge{'s' if n_edge != 1 else ''}, "
-             f"{workers} worker{'s' if workers != 1 else ''} (topological order)", ""]
+    lines = [f"pipeline {p.name}: {count(n_sec, 'section')}, {count(n_edge, 'edge')}, "
+             f"{count(workers, 'worker')} (topological order)", ""]
     rows = {n: _section_rows(graph, n) for n in graph.order}
     content = max(max(len(k) for k, _ in r) + 2 + max(len(v) for _, v in r) for r in rows.values())
     width = max(content + 4, max(len(n) for n in graph.order) + 8, 40)

@@ -31,7 +31,7 @@ is as available as the network it is on.
 and the agents keep, for themselves:
 
     maestro/node/<node>    the agent that runs that node (the first to claim it, for the whole run)
-    maestro/beat/<agent>   a counter each agent's beat thread raises every POLL_S while it lives
+    maestro/beat/<agent>   a counter each agent's beat thread raises every sealing.POLL_S while it lives
     maestro/in/<node>      the last attempt that node's agent started workers for
 
 A second agent started with a node rank that a live agent holds stops with an error before it
@@ -70,8 +70,8 @@ from maestro_flow.runtime.nodes import ABANDONED, NoAnswer, Nodes, bounded, node
 from maestro_flow.runtime.sealing import DIFFERS, NONCE, printable, read_answer, run_key, sealed, store_key, unsealed
 from maestro_flow.timeouts import Timeouts
 from maestro_flow.transport.host import SlotOwner, claim
+from maestro_flow.wording import cut
 
-POLL_S = 0.2
 BEAT_WAIT_S = 3.0  # how long an agent watches another one's beat before it takes it as gone
 BEAT_STORE_S = 2.0  # the beat's store connection: its connect and each call give up after this
 BEAT_JOIN_S = 2 * BEAT_STORE_S + 1  # how long an ending agent waits for its beat thread's last store call
@@ -177,9 +177,8 @@ def differences(mine: Any, theirs: Any, where: str = "") -> list[str]:
     return [f"{where} ({_short(mine)} here, {_short(theirs)} on node 0)"]
 
 
-def _short(value: Any, limit: int = 80) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit - 3] + "..."
+def _short(value: Any) -> str:
+    return cut(repr(value), 80)
 
 
 class Agent:
@@ -232,7 +231,7 @@ class Agent:
                 ABANDONED.set()
 
     def _beat(self, stop: threading.Event) -> None:
-        """Raise this agent's beat every POLL_S until `stop`, over a store connection of its own
+        """Raise this agent's beat every sealing.POLL_S until `stop`, over a store connection of its own
         (nothing this agent waits on, a worker's shutdown included, holds it up). A connection
         that fails is made again: a beat that stood still would let another agent take the node
         over (which this one then finds out, `_check_hold`); node 0 gone, the main thread says so."""
@@ -243,7 +242,7 @@ class Agent:
                 store.add(f"maestro/beat/{self.me}", 1)
             except Exception:  # noqa: BLE001 (torch raises several types for a lost connection)
                 store = None
-            stop.wait(POLL_S)
+            stop.wait(sealing.POLL_S)
 
     def _claim(self, store: Any) -> bool:
         """Hold this node for the run; True where it was taken over. Raises PipelineError where
@@ -258,7 +257,7 @@ class Agent:
             first = self._ask(store.add, beat, 0)
             deadline = time.monotonic() + BEAT_WAIT_S
             while time.monotonic() < deadline:
-                time.sleep(POLL_S)
+                time.sleep(sealing.POLL_S)
                 if self._ask(store.add, beat, 0) != first:
                     raise PipelineError(f"node {node} of this run already has an agent ({holder}): give each node "
                                         f"its own --node-rank (0 to {self.nodes.nnodes - 1}); this one stops, the "
@@ -386,7 +385,7 @@ class Agent:
                 session = self._pointer(store)
                 if session is not None and session != previous:
                     return session
-            time.sleep(POLL_S)
+            time.sleep(sealing.POLL_S)
         what = "started no attempt of the run" if self.rkey or self.differs else "did not answer this node's challenge"
         raise SystemFailure(f"node 0 {what} within {wait_s:.0f}s (rendezvous {self.where})")
 
@@ -473,7 +472,7 @@ class Agent:
                         raise SystemFailure(f"node 0 neither ended attempt {session[:8]} nor started another "
                                             f"{waited:.0f}s after this node's workers ended (raise "
                                             f"MAESTRO_COORDINATOR_TIMEOUT_S if node 0 can be that slow)")
-                time.sleep(POLL_S)
+                time.sleep(sealing.POLL_S)
         except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM here: node 0 learns why at once
             # Ctrl-C is a person stopping the run: no restart (found in review: node 0 restarted and
             # waited out its startup for the node). SIGTERM is as likely a preemption or an eviction:

@@ -26,6 +26,7 @@ from maestro_flow.graph import SectionGraph
 from maestro_flow.planner import make_planner
 from maestro_flow.runtime.build import build_stage, open_source, resolve
 from maestro_flow.samples import SampleMeta
+from maestro_flow.wording import count as count_of
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -186,7 +187,7 @@ def check_token_limits(pipeline: Pipeline, source: Any, metadata: list[SampleMet
             if bad:
                 raise PipelineError(
                     f"sections.{s.name}: {_sample(bad[0])} has a token id{_over(source, bad[0], vocab, allowed)} at "
-                    f"or above {s.stage}'s vocab_size {vocab}; {len(bad)} sample{'s' if len(bad) > 1 else ''} in "
+                    f"or above {s.stage}'s vocab_size {vocab}; {count_of(len(bad), 'sample')} in "
                     "all. Fix the tokenization or the model's vocab_size")
 
 

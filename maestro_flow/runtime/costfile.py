@@ -55,6 +55,7 @@ from typing import Any
 from maestro_flow.config import Cost, Pipeline, Section, is_number
 from maestro_flow.errors import PipelineError
 from maestro_flow.runtime.outputs import check_writable
+from maestro_flow.wording import cut
 
 VERSION = 2
 FIGURES = ("micro_batch_overhead_s", "memory_base_mb", "peak_memory_mb_per_sample", "runtime_overhead_s",
@@ -207,8 +208,7 @@ def _changed(was: dict[str, Any], now: dict[str, Any], prefix: str = "", depth: 
 
 
 def _show(value: Any) -> str:
-    text = "unset" if value is _ABSENT else repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
+    return cut("unset" if value is _ABSENT else repr(value), 60)
 
 
 def check_cost_file(pipeline: Pipeline, costs: CostFile) -> None:

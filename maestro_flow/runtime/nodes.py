@@ -23,8 +23,7 @@ from typing import Any
 
 from maestro_flow.errors import PipelineError, brief
 from maestro_flow.planner.plan import Placement
-
-POLL_S = 0.2  # how often a node other than node 0 tries to reach the store while it waits
+from maestro_flow.runtime.sealing import POLL_S
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -167,7 +166,7 @@ def rendezvous(nodes: Nodes, timeout_s: float) -> Any:
     if nodes.node_rank != 0:
         try:  # bounded: c10d retries its connect past the timeout, and a silent listener holds it for good
             deadline = time.monotonic() + timeout_s  # one bound for both (found in review: twice the timeout)
-            _listening(host, port, timeout_s)
+            _listening(host, port, deadline)
             left = max(0.1, deadline - time.monotonic())
             return bounded(lambda: dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=left)),
                            timeout_s=left)
@@ -180,11 +179,10 @@ def rendezvous(nodes: Nodes, timeout_s: float) -> Any:
         raise PipelineError(f"--rdzv-endpoint {host}:{port}: node 0 cannot listen there ({exc.strerror})") from None
 
 
-def _listening(host: str, port: int, timeout_s: float) -> None:
-    """Wait until something listens at host:port, by connecting (and closing) every POLL_S: c10d's
-    own connect logs an ERROR line of its own when it times out (found in QA: printed before
-    maestro's message when node 0 was not started)."""
-    deadline = time.monotonic() + timeout_s
+def _listening(host: str, port: int, deadline: float) -> None:
+    """Wait until something listens at host:port, by connecting (and closing) every POLL_S until
+    time.monotonic() reaches `deadline`: c10d's own connect logs an ERROR line of its own when it
+    times out (found in QA: printed before maestro's message when node 0 was not started)."""
     while True:
         try:
             socket.create_connection((host, port), timeout=max(0.1, min(1.0, deadline - time.monotonic()))).close()

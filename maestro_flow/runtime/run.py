@@ -35,6 +35,7 @@ from maestro_flow.runtime.rundir import RunDir, default_run_dir, node_run_dir
 from maestro_flow.runtime.sampler import EpochSampler, data_fingerprint
 from maestro_flow.timeouts import Timeouts
 from maestro_flow.transport import cuda_ipc
+from maestro_flow.wording import skipped_note
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -114,6 +115,11 @@ def control_secret(options: RunOptions, host: str = "127.0.0.1", nodes: Nodes | 
         raise PipelineError(f"--host {host} is not loopback: a control plane on a network needs a shared "
                             f"secret (set MAESTRO_SECRET or pass --secret-file), or keep --host 127.0.0.1")
     return secret
+
+
+def _end_wait_s() -> float:
+    """How long node 0 waits, once the job has ended, for the other nodes to read its outcome."""
+    return Timeouts.from_env().shutdown_grace_s + 5
 
 
 def _outcome(exc: BaseException, who: str = "node 0") -> str:
@@ -288,7 +294,7 @@ def run_pipeline(path: str, options: RunOptions) -> list[dict[str, Any]]:
         return _lead(pipeline, original, checked, paths, options, nodes, host, secret, files, meeting)
     except BaseException as exc:
         if meeting is not None and not meeting.ended:
-            wait_s = Timeouts.from_env().shutdown_grace_s + 5
+            wait_s = _end_wait_s()
             if isinstance(exc, KeyboardInterrupt):  # (and Terminated, once caught): not waiting for nodes to join
                 meeting.end(f"failed: {_outcome(exc)}", wait_s)
             else:
@@ -352,9 +358,8 @@ def _lead(pipeline: Any, original: Any, checked: Any, paths: Any, options: RunOp
                 fused = pipeline.sections[0]
                 mode = (f"monolithic baseline: {fused.dp} data-parallel ranks, each running every section on "
                         f"micro-batches of {fused.micro_batch}")
-            bad = f" ({skipped} bad row{'s' if skipped > 1 else ''} skipped)" if skipped else ""
             print(f"{pipeline.name}: {len(checked.metadata)} samples from {pipeline.data.path}"
-                  f"{bad}, {pipeline.steps} steps of "
+                  f"{skipped_note(skipped)}, {pipeline.steps} steps of "
                   f"{pipeline.global_batch}, {mode}", file=sys.stderr)
         run_dir = RunDir(options.run_dir, pipeline, options.overrides) if options.run_dir else None
         if run_dir is not None:
@@ -410,11 +415,11 @@ def _lead(pipeline: Any, original: Any, checked: Any, paths: Any, options: RunOp
                           on_restart=run_dir.event if run_dir is not None else lambda event: None)
             except BaseException as exc:
                 if meeting is not None:
-                    meeting.end(f"failed: {_outcome(exc)}", Timeouts.from_env().shutdown_grace_s + 5,
+                    meeting.end(f"failed: {_outcome(exc)}", _end_wait_s(),
                                 getattr(exc, "lost_nodes", set()))
                 raise
             if meeting is not None:
-                meeting.end("done", Timeouts.from_env().shutdown_grace_s + 5)
+                meeting.end("done", _end_wait_s())
             if options.save_dir and pipeline is not original:  # the baseline saves the sections as section mode
                 from maestro_flow.checkpoint.savedir import save_pipeline
 

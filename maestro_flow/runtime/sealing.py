@@ -40,7 +40,7 @@ from maestro_flow.protocol.auth import derive_key
 
 NONCE = re.compile(r"[0-9a-f]{1,64}")  # a session, run id or challenge (auth.new_nonce)
 NNODES = "maestro/nnodes"
-POLL_S = 0.2
+POLL_S = 0.2  # how often the job's store is polled: answers here, beats and waits in agent.py and nodes.py
 REASK_S = 2.0
 STORE_S = 5.0  # the answering thread's store calls give up after this (a key deleted under it)
 

@@ -33,6 +33,7 @@ import time
 from typing import Any
 
 from maestro_flow.errors import first_line
+from maestro_flow.wording import cut
 
 LOOPBACK = "127.0.0.1"
 REQUEST = b"status"  # the one request: a line (b"status\n")
@@ -311,8 +312,7 @@ def _ask(address: tuple[str, int], deadline: float) -> bytes:
 
 def _clean(value: Any, width: int = 40) -> str:
     """Printable text only: control characters (terminal escapes) shown escaped, long text cut."""
-    text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(value))
-    return text if len(text) <= width else text[:width - 3] + "..."
+    return cut("".join(c if c.isprintable() else repr(c)[1:-1] for c in str(value)), width)
 
 
 def render(snapshot: dict[str, Any]) -> str:

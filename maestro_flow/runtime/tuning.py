@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from maestro_flow.cli_sets import with_global_batch
 from maestro_flow.config import parse_set
 from maestro_flow.errors import PipelineError
 from maestro_flow.graph import SectionGraph
@@ -300,7 +301,7 @@ def write_overrides(path: str, candidate: Candidate, global_batch: int | None = 
 
     One `--set KEY=VALUE` a line, each a single shell word (`one_word`): the file is read back by
     `maestro run PIPE --set-file FILE` (cli_sets), or by `$(cat FILE)`, which splits it at whitespace."""
-    sets = [*given, *([f"global_batch={global_batch}"] if global_batch is not None else []), *to_overrides(candidate)]
+    sets = [*with_global_batch(given, global_batch), *to_overrides(candidate)]
     text = "\n".join(f"--set {one_word(s)}" for s in sets) + "\n"  # refused before the file is touched
     if os.path.dirname(path):
         os.makedirs(os.path.dirname(path), exist_ok=True)  # as profile --out does
