@@ -298,7 +298,7 @@ class HFCausalLM(Stage):
             self._hidden: Any = None
             if self._whole:
                 self.model.base_model.register_forward_hook(self._keep_hidden)
-            self._one_logit = "logits_to_keep" in inspect.signature(type(self.model).forward).parameters
+                self._one_logit = "logits_to_keep" in inspect.signature(type(self.model).forward).parameters
         if self.role == "kd_student":
             if "teacher" not in config:
                 raise ValueError("teacher must be set to the teacher section's model config (init_seed or checkpoint)")
@@ -376,16 +376,16 @@ class HFCausalLM(Stage):
             # (the head would be one more unit to gather per micro-batch: found in review).
             hidden = None
             if self._whole:
-                self.model(input_ids=ids, **({"logits_to_keep": 1} if self._one_logit else {}))
+                self.model(input_ids=ids, use_cache=False, **({"logits_to_keep": 1} if self._one_logit else {}))
                 hidden, self._hidden = self._hidden, None
                 # A model whose forward skips its base model's (OPT's calls the decoder inside
                 # it: found in review) leaves none: the base model alone from then on.
                 self._whole = hidden is not None
             if hidden is None:
-                hidden = self.model.base_model(input_ids=ids).last_hidden_state
+                hidden = self.model.base_model(input_ids=ids, use_cache=False).last_hidden_state
             return {"hidden": unpad(hidden, lengths)}
         # The full model (not base model + head) so that model-specific logit processing applies.
-        logits = select_predicted(self.model(input_ids=ids).logits, lengths)
+        logits = select_predicted(self.model(input_ids=ids, use_cache=False).logits, lengths)
         if self.role == "kd_student":
             return distillation_outputs(logits, batch, self.teacher_head, self.kd)
         targets = next_token_targets(tokens, device)

@@ -67,7 +67,11 @@ def test_a_teachers_hidden_states_are_its_base_models(model_type, hf_config, who
     keeps a tied teacher's hidden state never ran (the base model alone runs then, from that
     micro-batch on); an untied teacher runs its base model alone (no LM head to gather)."""
     stage = make(HFCausalLM, {"role": "teacher", "model_type": model_type, "init_seed": 1, "hf_config": hf_config})
+    caches = []
+    hook = stage.model.base_model.register_forward_hook(lambda m, a, out: caches.append(sorted(out.keys())))
     out = stage.forward(micro_batch([[1, 2, 3], [4, 5]]))["hidden"]
+    hook.remove()
+    assert caches and all(keys == ["last_hidden_state"] for keys in caches)  # found not fixed: it kept every layer's keys and values
     for got, sample in zip(out, ([1, 2, 3], [4, 5]), strict=True):
         want = stage.model.base_model(input_ids=torch.tensor([sample])).last_hidden_state[0]
         torch.testing.assert_close(got, want, rtol=0, atol=ATOL)
@@ -81,7 +85,10 @@ def test_a_teachers_hidden_states_are_its_base_models(model_type, hf_config, who
 def test_loss_is_a_sum_over_predicted_tokens(config, hidden):
     stage = make(HFCausalLM, config)
     assert HFCausalLM.outputs(config) == ("loss", "loss_denominator")
+    caches = []
+    stage.model.base_model.register_forward_hook(lambda m, a, out: caches.append(sorted(out.keys())))
     total = stage.forward(micro_batch(SAMPLES, hidden=hidden))
+    assert caches == [["last_hidden_state"]]  # no key/value cache kept for a generation that never comes
     parts = [stage.forward(micro_batch([s], hidden=[h])) for s, h in zip(SAMPLES, hidden, strict=True)]
     assert total["loss"].dim() == 0 and total["loss"].requires_grad
     torch.testing.assert_close(total["loss"], sum(p["loss"] for p in parts), atol=ATOL, rtol=0)
