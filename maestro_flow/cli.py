@@ -125,8 +125,8 @@ def main(ctx: click.Context, debug: bool) -> None:
 @click.option("--colocated", is_flag=True, help="Run all sections in one process (the correctness reference).")
 @click.option("--schedule", type=click.Choice(["wavefront", "fifo"]),
               help="Sample ordering across sections [default: the pipeline's schedule, wavefront unless it says].")
-@click.option("--metrics-out", type=click.Path(dir_okay=False), help="Write one JSON line of metrics per step (with --resume: go on with the file, "
-              "keeping the rows of the steps before the checkpoint).")
+@click.option("--metrics-out", type=click.Path(dir_okay=False), help="Write one JSON line of metrics per step, replacing the file (with --resume: go on "
+              "with it, keeping the rows of the steps before the checkpoint).")
 @click.option("--save-dir", type=click.Path(file_okay=False), help="Write <section>.safetensors per trainable section.")
 @click.option("--trace", "trace", type=click.Path(dir_okay=False), default=None, is_flag=False, flag_value="",
               metavar="[FILE]", help="Write a Chrome/Perfetto timeline to FILE (no FILE: RUN_DIR/trace.json, or ./trace.json "
