@@ -159,12 +159,15 @@ def comparable(pipeline: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+_ABSENT = object()  # a key one side's dict lacks (not the same as None there)
+
+
 def differences(mine: Any, theirs: Any, where: str = "") -> list[str]:
     """The keys (dotted, as --set names them) where two pipeline dicts differ, with both values."""
     if isinstance(mine, dict) and isinstance(theirs, dict):
         out = []
         for k in sorted(set(mine) | set(theirs), key=str):
-            out += differences(mine.get(k), theirs.get(k), f"{where}.{k}" if where else str(k))
+            out += differences(mine.get(k, _ABSENT), theirs.get(k, _ABSENT), f"{where}.{k}" if where else str(k))
         return out
     if isinstance(mine, list) and isinstance(theirs, list) and all(
             isinstance(x, dict) and "name" in x for x in mine + theirs) and all(
@@ -172,8 +175,9 @@ def differences(mine: Any, theirs: Any, where: str = "") -> list[str]:
         return differences({x["name"]: x for x in mine}, {x["name"]: x for x in theirs}, where)
     if mine == theirs:
         return []
-    if isinstance(mine, dict) != isinstance(theirs, dict) and None in (mine, theirs):  # found in QA: a whole section
-        return [f"{where} ({'here only' if theirs is None else 'on node 0 only'})"]
+    if _ABSENT in (mine, theirs):  # found in QA: a whole section was printed; found in review: None == absent
+        value, side = (mine, "here only") if theirs is _ABSENT else (theirs, "on node 0 only")
+        return [f"{where} ({side})" if isinstance(value, dict) else f"{where} ({_short(value)} {side})"]
     return [f"{where} ({_short(mine)} here, {_short(theirs)} on node 0)"]
 
 

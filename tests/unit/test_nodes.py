@@ -79,9 +79,13 @@ def test_what_an_agent_compares_with_node_0():
     # found in QA: a section on one node only, or a long value, was printed whole (every section's config)
     extra = {**node0, "sections": [*node0["sections"], {"name": "critic", "config": {"width": 4096} | {
         f"option_{i}": i for i in range(20)}}], "note": "x" * 200}
-    assert differences(extra, node0) == ["note ('" + "x" * 76 + "... here, None on node 0)",
+    assert differences(extra, node0) == ["note ('" + "x" * 76 + "... here only)",
                                          "sections.critic (here only)"]
     assert differences(node0, extra)[1] == "sections.critic (on node 0 only)"
+    # found in review: a key absent on one side and None on the other compared equal
+    assert differences({"a": None}, {}) == ["a (None here only)"]
+    assert differences({}, {"a": None}) == ["a (None on node 0 only)"]
+    assert differences({"a": {"b": 1}}, {"a": None}) == ["a ({'b': 1} here, None on node 0)"]
     # found in review: named dicts whose names repeat (blocks of a config) collapsed into one
     blocks = {"config": {"layers": [{"name": "blk", "width": 8}] * 3}}
     assert differences(blocks, {"config": {"layers": [{"name": "blk", "width": 8}] * 2}}) != []
