@@ -199,13 +199,16 @@ def test_hugging_face_models_with_tp_equal_themselves_without(demo_data, tmp_pat
 @pytest.mark.parametrize("layout", [
     {"sections.student.tp": 2, "sections.student.fsdp": True},
     {"sections.student.dp": 4, "sections.student.fsdp": True, "sections.teacher.dp": 2, "sections.teacher.fsdp": True},
-], ids=["2d", "lockstep-fsdp"])
+    CASES["d-hugging-face-tp"][2],
+], ids=["2d", "lockstep-fsdp", "hugging-face-tp"])
 def test_sharded_students_equal_a_plain_loop_with_clipping(demo_data, tmp_path, layout):
     """Sharded gradients count once each in the global norm: clipping equals clip_grad_norm_; a
-    lockstep FSDP student (and teacher) equals the plain loop too."""
+    lockstep FSDP student (and teacher) equals the plain loop too, and so does a Hugging Face
+    student with transformers' own tp plan (tp 2) under a GPT-2 teacher."""
     from tests.integration.test_oracle import DISTILL, run_modes
 
-    overrides = {**DISTILL, "data.path": str(demo_data), **layout}
+    ours = {k: v for k, v in DISTILL.items() if not ("sections.student.stage" in layout and ".config." in k)}
+    overrides = {**ours, "data.path": str(demo_data), **layout}
     pipeline, _ = load_pipeline(str(ROOT / "pipelines/distill.py"), overrides)
     expected = oracle.train(pipeline, pipeline.steps)
     rows, save = run_modes("pipelines/distill.py", overrides, tmp_path, modes=("section",))["section"]
