@@ -182,3 +182,24 @@ def test_a_float_sent_beside_a_trained_output_needs_no_gradient(demo_data, tmp_p
                                           modes=("section", "colocated")).items():
         assert_matches_oracle(expected, save, ["embed", "head"])
         assert_metrics_match(rows, expected, ["embed", "head"])
+
+
+def test_image_and_audio_encoders_feeding_one_llm_equal_a_plain_loop(tmp_path):
+    """Both encoders trainable, each running only for its modality's samples (a sample with both
+    waits for both): section mode and the monolithic baseline equal the plain loop, clipping over
+    the three sections' gradients together."""
+    from loaders.demo import build_multimodal_demo
+
+    data = build_multimodal_demo(tmp_path / "mm", num_samples=32)
+    overrides = {"dtype": "float64", "steps": 3, "global_batch": 8, "data.path": str(data), "data.shuffle": False,
+                 "grad_clip": 0.2, "sections.vision.trainable": True, "sections.audio.trainable": True,
+                 "sections.vision.optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9},
+                 "sections.audio.optimizer": {"name": "adamw", "lr": 1e-3, "weight_decay": 0.1, "warmup_steps": 1}}
+    pipeline, _ = load_pipeline(str(ROOT / "pipelines/multimodal.py"), overrides)
+    expected = oracle.train(pipeline, pipeline.steps)
+    modalities = pa.ipc.open_file(pa.memory_map(str(data))).read_all().slice(0, 24)
+    assert modalities.column("audio").null_count < 24 and modalities.column("image").null_count < 24
+    for _mode, (rows, save) in run_modes("pipelines/multimodal.py", overrides, tmp_path,
+                                          modes=("section", "monolithic")).items():
+        assert_matches_oracle(expected, save, ["vision", "audio", "llm"])
+        assert_metrics_match(rows, expected, ["vision", "audio", "llm"])
