@@ -136,7 +136,8 @@ def main(ctx: click.Context, debug: bool) -> None:
 @click.option("--no-run-dir", is_flag=True, help="Write no run directory.")
 @click.option("--record", metavar="SECTION", help="Save what SECTION receives and produces (RUN_DIR/record/) "
               "for `maestro stage SECTION --replay RUN_DIR`.")
-@click.option("--record-steps", metavar="STEPS", help="Steps to record, e.g. 0,5,9 or 0,3-5 (default: all).")
+@click.option("--record-steps", metavar="STEPS", help="Steps to record, by index from 0 (the progress line's step N is index "
+              "N-1), e.g. 0,5,9 or 0,3-5 (default: all).")
 @click.option("--costs", type=click.Path(dir_okay=False, exists=True), help=COSTS_HELP)
 @click.option("--checkpoint-dir", type=click.Path(file_okay=False), help="Write checkpoints here (DIR/step-N/); needs --checkpoint-every.")
 @click.option("--checkpoint-every", type=int, metavar="N", help="Checkpoint after every N steps, and after the last.")
@@ -321,7 +322,7 @@ def validate(ctx: click.Context, pipeline: str, sets: tuple[str, ...], payloads:
 @click.option("--schedule", type=click.Choice(["wavefront", "fifo"]),
               help="Sample ordering across sections [default: the pipeline's schedule].")
 @click.option("--step", type=click.IntRange(min=0), default=0, show_default=True,
-              help="Which step's global batch to plan.")
+              help="Which step's global batch to plan, by index from 0 (the run's step N is index N-1).")
 @click.option("--trace-in", type=click.Path(dir_okay=False, exists=True),
               help="Plan these samples (JSON Lines of {id, modalities, num_tokens, and num_patches / num_frames "
                    "for a sample with an image / audio}) as one global batch instead of the dataset's.")

@@ -37,7 +37,8 @@ def _tolerance(ctx: click.Context, param: click.Parameter, value: float) -> floa
               help="Feed the inputs recorded by `maestro run --record SECTION --run-dir RUN_DIR` "
                    "(RUN_DIR/record/SECTION-REPLICA/). Without it: synthetic inputs.")
 @SETS
-@click.option("--steps", metavar="0,3-5", help="With --replay: recorded steps to replay [default: all recorded].")
+@click.option("--steps", metavar="0,3-5", help="With --replay: recorded steps to replay, by index from 0 (the run's step N "
+              "is index N-1) [default: all recorded].")
 @click.option("--replica", type=int, help="With --replay: replay only this replica's recording [default: all].")
 @click.option("--compare", is_flag=True, help="Check the outputs against the recorded ones; exit 1 on a mismatch "
               "(outputs recorded as text only, not tensors, numbers or strings, are listed as not compared).")

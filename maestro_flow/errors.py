@@ -27,8 +27,10 @@ class StageError(MaestroError):
         self.section, self.replica, self.rank = section, replica, rank
         self.step, self.phase, self.traceback = step, phase, traceback
         where = f"section {section!r} replica {replica} (rank {rank})"
-        when = f"step {step}" if step is not None else "setup"
-        super().__init__(f"stage error in {where} during {phase} at {when}:\n{traceback.rstrip()}")
+        # Counted from 1, as the progress line and every other message of a run count (found in QA:
+        # "the run failed after step 4 ... at step 4" for the fifth step); `step` stays the index.
+        when = f" at step {step + 1}" if step is not None else "" if phase == "setup" else " at setup"
+        super().__init__(f"stage error in {where} during {phase}{when}:\n{traceback.rstrip()}")
 
 
 class StageOutputError(MaestroError):

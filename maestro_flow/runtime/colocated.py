@@ -109,7 +109,7 @@ def _run(pipeline: Pipeline, source: Any, sampler: EpochSampler, report: RunRepo
                 progressed = True
             events.clear()
             if not progressed and row is None:
-                raise SystemFailure(f"colocated run made no progress at step {step} (a plan/runtime bug)")
+                raise SystemFailure(f"colocated run made no progress at step {step + 1} (a plan/runtime bug)")
         report.step(row)
     if save_dir:
         begin_save(save_dir, pipeline.to_dict())
@@ -129,5 +129,5 @@ def _poll(ex: SectionExecutor, rank: int, step: int) -> bool:
         raise
     except Exception as exc:
         at = ex.current.step if ex.current is not None else step  # poll() may have begun the next step
-        raise SystemFailure(f"system error in section {ex.name!r} replica 0 (rank {rank}) during step at step "
-                            f"{at}: {type(exc).__name__}: {exc}") from exc
+        raise SystemFailure(f"system error in section {ex.name!r} replica 0 (rank {rank}) during step "
+                            f"{at + 1}: {type(exc).__name__}: {exc}") from exc

@@ -304,7 +304,7 @@ class CoordinatorIO:
 
     def _system_failure(self, rank: int, msg: dict) -> SystemFailure:
         return SystemFailure(f"system error in {self._label(rank)} during {msg['phase']}"
-                             f"{'' if msg['step'] is None else ' at step ' + str(msg['step'])}:\n"
+                             f"{'' if msg['step'] is None else ' at step ' + str(msg['step'] + 1)}:\n"
                              f"{msg['traceback'].rstrip()}")
 
     def _check_workers(self, now: float, allow_exit: set[int]) -> None:

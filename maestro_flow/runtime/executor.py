@@ -422,7 +422,7 @@ class SectionExecutor(StepEnd, Prefetch):
         if kind == "tpf":
             if index != st.next_mb or not self._run_next_forward(st):
                 raise RuntimeError(f"tensor-parallel follower out of step with its leader: relayed forward "
-                                   f"{index} of step {st.step}, expected {st.next_mb}")
+                                   f"{index} of step {st.step + 1}, expected {st.next_mb}")
             return True
         pending = next((p for p in st.pending if p.index == index), None)
         if pending is None:

@@ -122,6 +122,6 @@ def round_batch(executor: Any, st: Any) -> MicroBatch:
         batch, _ = executor._make_batch(st, -1, (st.probe,), {st.probe: {}})
         return executor._prepare(st, batch)
     raise RuntimeError(
-        f"section {executor.name!r} replica {executor.replica} step {st.step}: its FSDP peers run {st.rounds} "
+        f"section {executor.name!r} replica {executor.replica} step {st.step + 1}: its FSDP peers run {st.rounds} "
         f"micro-batches and it has none yet to stand in for them (a section fed by other sections needs a "
         f"sample of its own in its first step: raise global_batch or lower sections.{executor.name}.dp)")

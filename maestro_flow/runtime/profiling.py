@@ -276,7 +276,7 @@ def _write(path: str, data: dict[str, Any], options: ProfileOptions, log: Any) -
             try:
                 data["calibration"] = calibrate(path, options.overrides, tmp, steps=options.calibrate_steps, log=log)
             except StageError as exc:
-                at = "" if exc.step is None else f" at step {exc.step}"
+                at = "" if exc.step is None else f" at step {exc.step + 1}"
                 raise ProfilingError(section=exc.section, phase=f"the calibration run ({exc.phase}{at})",
                                      traceback=exc.traceback) from None
             with open(tmp) as f:

@@ -78,7 +78,7 @@ class RunReport:
         self._t0 = time.monotonic()
         self.resumed = resume_at is not None
         self._sinks = list(sinks)  # objects with step(row) and close()
-        self.non_finite: int | None = None  # the first step whose loss or gradient norm was NaN or inf
+        self.non_finite: int | None = None  # the first step (its index) whose loss or gradient norm was NaN or inf
         self.gradless: dict[str, int] = {}  # trainable section -> steps running with samples and an all-zero gradient
         self.gradless_said: set[str] = set()  # sections warned of (once each)
 
@@ -94,7 +94,7 @@ class RunReport:
             # the user may want the steps after it), but nobody should learn it from the summary.
             self.non_finite = row["step"]
             self._newline()
-            self.stream.write(f"maestro: warning: step {row['step']}: {_what_diverged(row)} is not finite "
+            self.stream.write(f"maestro: warning: step {row['step'] + 1}: {_what_diverged(row)} is not finite "
                               "(training diverged, or a stage computes NaN/inf); the run goes on\n")
             self.stream.flush()
         self._warn_frozen_in_fact(row)
@@ -135,7 +135,7 @@ class RunReport:
                        "or more a sample" if losses and all(v == 0.0 for v in losses)  # found in QA: rows of one token
                        else "the loss does not reach its parameters: does a consumer detach its outputs, or read "
                             "them under torch.no_grad?")
-                self.stream.write(f"maestro: warning: step {row['step']}: section {name!r} is trainable but its "
+                self.stream.write(f"maestro: warning: step {row['step'] + 1}: section {name!r} is trainable but its "
                                   f"gradient has been all zero for {GRADLESS_STEPS} steps ({why}); its parameters "
                                   "do not change while it stays so\n")
                 self.stream.flush()
@@ -152,7 +152,7 @@ class RunReport:
         if isinstance(first, float) and isinstance(last, float):
             text += f", loss {first:.4f} -> {last:.4f}"
         if self.non_finite is not None:
-            text += f" (not finite from step {self.non_finite})"
+            text += f" (not finite from step {self.non_finite + 1})"
         counters = [f"{name} {key} {value:g}" for name, sec in (self.rows[-1].get("sections") or {}).items()
                     for key, value in (sec.get("stage") or {}).items() if value]  # Stage.stats: over the run
         if counters:  # found in QA: the corrupt images a run skipped were in its metrics only

@@ -370,7 +370,7 @@ def _lead(pipeline: Any, original: Any, checked: Any, paths: Any, options: RunOp
                   + (f" (an earlier run's files moved to {run_dir.set_aside})" if run_dir.set_aside else ""),
                   file=sys.stderr)
         if resume is not None and options.show_progress:
-            print(f"resuming from {resume[0]} at step {resume[1].step}", file=sys.stderr)
+            print(f"resuming from {resume[0]} (after step {resume[1].step})", file=sys.stderr)
         metrics = [p for p in (options.metrics_out, run_dir.metrics if run_dir else None) if p]
         observer = RunObserver(run_dir=run_dir, trace_path=trace)
         sinks = []

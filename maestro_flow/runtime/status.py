@@ -340,10 +340,15 @@ def render(snapshot: dict[str, Any]) -> str:
         age = w.get("status_s")
         age_s = f"{age:>5.1f}s" if isinstance(age, (int, float)) else f"{'-':>6}"
         state = w.get("state", "starting" if s.get("phase") else "?")
-        lines.append(f"{_clean(w['name'], 16):<16} {_clean(state, 22):<22} {_dash(w.get('step')):>5} "
+        lines.append(f"{_clean(w['name'], 16):<16} {_clean(state, 22):<22} {_dash(_from_1(w.get('step'))):>5} "
                      f"{_dash(w.get('mb')):>4} {busy_s:>6} {_dash(w.get('buffered')):>11} "
                      f"{_dash(w.get('in_flight')):>9} {age_s}")
     return "\n".join(lines)
+
+
+def _from_1(step: Any) -> Any:
+    """A worker's step index counted from 1, as the header and the run's messages count."""
+    return step + 1 if isinstance(step, int) else step
 
 
 def _dash(v: Any) -> str:

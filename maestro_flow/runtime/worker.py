@@ -457,7 +457,7 @@ class _Worker:
         from maestro_flow.runtime import lockstep
 
         assert executor.idle, "a checkpoint was asked for with work in flight"
-        self.phase, self.step = "checkpoint", step
+        self.phase, self.step = "checkpoint", step - 1  # the index of the step it follows (`step` steps are done)
         try:
             info = self.state.save(path, standin=lockstep.pack(executor.last_batch))
         except (Exception, CheckpointException) as exc:  # DCP's CheckpointException is a BaseException

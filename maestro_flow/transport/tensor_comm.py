@@ -342,7 +342,7 @@ class TensorComm:
             if job is None:
                 return
             works, buffers, t0, dst, kind, step = job
-            self._complete(works, f"the bytes of {kind} tensors of step {step} to reach "
+            self._complete(works, f"the bytes of {kind} tensors of step {step + 1} to reach "
                                   + (f"rank {dst}" if dst >= 0 else "its tensor-parallel group"))
             if self._tracer is not None:
                 self._tracer.transfer(f"send {kind}", t0, time.perf_counter(), peer=dst, step=step,
@@ -487,7 +487,7 @@ class TensorComm:
             if job is None:
                 return
             works, buffers, msg, t0 = job
-            self._complete(works, f"the bytes of {msg['kind']} tensors of step {msg['step']} from rank {src}")
+            self._complete(works, f"the bytes of {msg['kind']} tensors of step {msg['step'] + 1} from rank {src}")
             if self._tracer is not None:
                 self._tracer.transfer(f"recv {kind}", t0, time.perf_counter(), peer=src, step=msg["step"],
                                       bytes=sum(b.numel() * b.element_size() for b in buffers))

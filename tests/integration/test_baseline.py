@@ -57,7 +57,7 @@ def test_a_stage_error_names_the_section_inside_the_model(demo_data):
                      "--devices", "2", "--set", f"data.path={demo_data}", "--set", "sections.student.config.fail=forward",
                      "--set", "sections.student.config.at_step=1", timeout=90)
     assert result.returncode == 1, result.stderr
-    assert "section 'model'" in result.stderr and "at step 1" in result.stderr
+    assert "section 'model'" in result.stderr and "during forward at step 2" in result.stderr
     assert "in section 'student'" in result.stderr
 
 

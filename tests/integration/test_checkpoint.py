@@ -217,7 +217,7 @@ def test_a_failing_save_dir_write_names_the_last_step(small_data, tmp_path, layo
     result = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=120,
                             preexec_fn=_limit_file_size(20_000))
     assert result.returncode == 1, result.stderr[-2000:]
-    assert "during saving to --save-dir at step 2:" in result.stderr, result.stderr[-2000:]
+    assert "during saving to --save-dir at step 3:" in result.stderr, result.stderr[-2000:]  # the last, from 1
     assert "File too large" in result.stderr
 
 

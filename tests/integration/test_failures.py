@@ -49,7 +49,7 @@ def test_exception_in_forward_at_step_k(demo_data, sharding):
                                  "sections.student.config.at_step=2", "sections.student.config.on_replica=1", *sharding)
     assert result.returncode == 1
     err = result.stderr
-    assert "section 'student' replica 1" in err and "during forward at step 2" in err
+    assert "section 'student' replica 1" in err and "during forward at step 3" in err  # at_step 2, counted from 1
     assert "ValueError: deliberate failure in forward at step 2" in err
     assert "Traceback" in err and "faulty_stages.py" in err
     assert elapsed < 60
@@ -99,7 +99,7 @@ def test_sys_exit_in_a_stage_is_the_stages_error(demo_data):
                                  "sections.student.config.at_step=1", "sections.student.config.on_replica=1")
     assert result.returncode == 1
     err = result.stderr
-    assert "stage error in section 'student' replica 1 (rank 2) during forward at step 1" in err, err
+    assert "stage error in section 'student' replica 1 (rank 2) during forward at step 2" in err, err
     assert "SystemExit: 3" in err and "faulty_stages.py" in err, err
     assert elapsed < 60
 

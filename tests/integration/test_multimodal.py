@@ -117,7 +117,7 @@ def test_a_corrupt_image_names_its_sample(corrupt_data):
     checked = check_pipeline(pipeline)
     sampler = EpochSampler(checked.metadata, 24, pipeline.seed, shuffle=pipeline.data.shuffle)
     step = next(s for s in range(4) if any(m.id == bad_id for m in sampler.batch(s)))
-    assert f"during forward at step {step}:" in result.stderr
+    assert f"during forward at step {step + 1}:" in result.stderr
 
 
 def test_corrupt_images_can_be_skipped_and_counted(corrupt_data, tmp_path):

@@ -31,7 +31,7 @@ def test_a_missing_output_is_named_when_the_stage_first_returns(demo_data, setti
     result = maestro("run", PIPELINE, "--quiet", "--no-run-dir", "--set", f"data.path={demo_data}", "--set", setting)
     assert result.returncode == 1
     assert expected in result.stderr
-    assert "during forward at step 0" in result.stderr
+    assert "during forward at step 1" in result.stderr
 
 
 @pytest.mark.parametrize("mode", [[], ["--colocated"]], ids=["sections", "colocated"])
@@ -41,7 +41,7 @@ def test_a_broken_output_is_one_stage_error_in_both_modes(demo_data, mode):
     result = maestro("run", PIPELINE, "--quiet", "--no-run-dir", "--set", f"data.path={demo_data}",
                      "--set", "sections.embed.config.numpy=true", *mode)
     assert result.returncode == 1, result.stderr[-2000:]
-    assert ("error: stage error in section 'embed' replica 0 (rank 0) during forward at step 0:\n"
+    assert ("error: stage error in section 'embed' replica 0 (rank 0) during forward at step 1:\n"
             "section 'embed': plain_stages:Embedder.forward returned 'feat' as a list whose entry 0 is ndarray "
             "of shape [") in result.stderr, result.stderr[-2000:]
     assert "Traceback" not in result.stderr, result.stderr[-2000:]

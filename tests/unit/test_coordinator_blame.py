@@ -116,7 +116,7 @@ def test_a_worker_of_another_node_is_named_by_its_own_report_not_its_exit() -> N
     late = Coordinator([], [(2, _error("system"))])
     _on_two_nodes(late, 2)
     with pytest.raises(SystemFailure, match=r"system error in section 'student' replica 1 \(rank 2, node 1\) during "
-                                            r"forward at step 3:\na system error$"):
+                                            r"forward at step 4:\na system error$"):
         late._raise_own_report(lost)
     silent = Coordinator([], [])  # no report of its own: the agent's note is the cause
     _on_two_nodes(silent, 2)

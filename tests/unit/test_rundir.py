@@ -102,8 +102,9 @@ def test_a_loss_that_is_not_finite_is_warned_about_once(capsys, show):
         report.step({"step": step, "step_time_s": 0.1, "sections": {}, **row})
     err = capsys.readouterr().err
     assert err.count("warning") == 1
-    assert "maestro: warning: step 1: gradient norm inf is not finite" in err
-    assert report.summary().endswith("(not finite from step 1)")
+    # Counted from 1, as the progress line counts (found in QA: "step 1: loss nan" under "step 2/4 loss nan")
+    assert "maestro: warning: step 2: gradient norm inf is not finite" in err
+    assert report.summary().endswith("(not finite from step 2)")
     clean = RunReport(total_steps=1, metrics_out=None, show_progress=show)
     clean.step({"step": 0, "step_time_s": 0.1, "sections": {}, "loss": {"a": 1.0}, "grad_norm": None})
     assert "warning" not in capsys.readouterr().err and "not finite" not in clean.summary()
@@ -126,7 +127,7 @@ def test_a_trainable_section_whose_gradient_is_all_zero_is_warned_about_once(cap
     # (its only image skipped as corrupt in step 0, say) had a gradient in between: not judged
     # on one step alone.
     assert err.count("warning") == 1, err
-    assert ("maestro: warning: step 2: section 'teacher' is trainable but its gradient has been all zero for 2 steps "
+    assert ("maestro: warning: step 3: section 'teacher' is trainable but its gradient has been all zero for 2 steps "
             "(the loss does not reach its parameters") in err
     zero = RunReport(total_steps=3, metrics_out=None, show_progress=show)  # found in QA: rows of one token
     for step in range(2):

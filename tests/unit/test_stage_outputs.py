@@ -186,7 +186,7 @@ class _FailingSource:
 def test_colocated_reports_a_system_error_in_one_line_naming_section_and_step(contract):
     with pytest.raises(SystemFailure) as caught:
         _colocated(contract, {}, wrap=_FailingSource)
-    assert str(caught.value) == ("system error in section 'teacher' replica 0 (rank 0) during step at step 0: "
+    assert str(caught.value) == ("system error in section 'teacher' replica 0 (rank 0) during step 1: "
                                  "OSError: disk gone")
     assert isinstance(caught.value.__cause__, OSError)  # what --debug shows
 

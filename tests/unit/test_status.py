@@ -41,6 +41,14 @@ def test_top_shows_how_old_each_workers_row_is():
     assert render(snapshot(seen_s=0.0)).splitlines()[3].endswith(" -")  # no heartbeat yet
 
 
+def test_top_counts_a_workers_step_from_1():
+    """Found in QA: rows showed the step index (from 0) under a header that counts steps done
+    (`step 3/10`: three done), so the worker in the fourth step showed 3."""
+    text = render(snapshot(state="forward", step=3, mb=0))
+    assert text.splitlines()[0].startswith("distill  step 3/10")
+    assert text.splitlines()[3].split()[1:4] == ["forward", "4", "0"]
+
+
 def test_top_says_what_a_starting_run_waits_for():
     """Found in QA: while node 0 waited for node 1's workers, top showed "?" for every worker and
     nothing else."""
