@@ -240,23 +240,30 @@ class SectionExecutor(StepEnd, Prefetch):
             t_record = self.clock()
             recorded = self.record.begin(st.step, index, self.stage, self.device)
             t0 += self.clock() - t_record
+        out: dict = {}
         try:
-            with torch.set_grad_enabled(self.trainable), compute(self.mixed_precision, self.device):
-                out = self.stage.forward(batch)
-        except STAGE_RAISES:
-            raise StageFault("forward", st.step, traceback.format_exc()) from None
-        # Checked here, before anything reads them, so a broken output is the stage's error.
-        problem = output_problem(out, section=self.name, stage=self.section.stage, num_samples=len(mb),
-                                 carried=self.carried, loss=self.is_loss)
-        if problem is not None:
-            raise StageFault("forward", st.step, problem)
-        self._send_outputs(st, mb, out)
-        t_forward = self.clock()  # a loss section goes on to its backward at once: traced as its own span
-        cpu_forward = time.thread_time() if self.tracer.enabled else 0.0
-        if self.is_loss:
-            self._loss_backward(st, mb, out, leaves)
-        elif self.trainable:
-            self._keep_for_backward(st, mb, out, leaves, index)
+            try:
+                with torch.set_grad_enabled(self.trainable), compute(self.mixed_precision, self.device):
+                    out = self.stage.forward(batch)
+            except STAGE_RAISES:
+                raise StageFault("forward", st.step, traceback.format_exc()) from None
+            # Checked here, before anything reads them, so a broken output is the stage's error.
+            problem = output_problem(out, section=self.name, stage=self.section.stage, num_samples=len(mb),
+                                     carried=self.carried, loss=self.is_loss)
+            if problem is not None:
+                out = {}  # (not recorded: it may not be recordable)
+                raise StageFault("forward", st.step, problem)
+            self._send_outputs(st, mb, out)
+            t_forward = self.clock()  # a loss section goes on to its backward at once: traced as its own span
+            cpu_forward = time.thread_time() if self.tracer.enabled else 0.0
+            if self.is_loss:
+                self._loss_backward(st, mb, out, leaves)
+            elif self.trainable:
+                self._keep_for_backward(st, mb, out, leaves, index)
+        except StageFault as fault:  # found in QA: the micro-batch a stage failed on was the one not recorded
+            if recorded is not None:
+                self.record.save(raw, out, recorded, failed=fault.phase)
+            raise
         elapsed = self.clock() - t0
         if recorded is not None:
             self.record.save(raw, out, recorded)  # as read (forward takes it as it is, Stage.prepare)

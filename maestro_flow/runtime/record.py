@@ -17,7 +17,8 @@ per micro-batch. Tensor keys:
                        (dropout): `recorded_rng`
 
 The safetensors metadata (str -> str, each value JSON) holds "format", "step", "index",
-"sample_ids", "modalities" (sorted lists) and, under "columns", "inputs" and "outputs", how to
+"sample_ids", "modalities" (sorted lists), "failed" where the stage raised on the micro-batch
+(the phase: "forward" or "backward"; the run stopped there) and, under "columns", "inputs" and "outputs", how to
 rebuild every entry: a column or input entry is {"kind": "tensor"} | {"kind": "bytes"} |
 {"kind": "scalar", "value": V} (None is a scalar with value null; V is JSON: a number, a string,
 lists and string-keyed dicts of them, nested) | {"kind": "other", "repr": "..."} (anything else:
@@ -46,7 +47,8 @@ FORMAT = "maestro-record/1"
 _FILE = re.compile(r"^step(\d{6,})-mb(\d{4,})\.safetensors$")
 
 __all__ = ["FORMAT", "file_name", "save_micro_batch", "load_micro_batches", "recording_dirs", "record_dir",
-           "save_weights", "recorded_weights", "rng_states", "recorded_rng", "restore_rng", "Recorder", "Steps"]
+           "save_weights", "recorded_weights", "rng_states", "recorded_rng", "recorded_failure", "restore_rng",
+           "Recorder", "Steps"]
 
 
 def file_name(step: int, index: int) -> str:
@@ -161,9 +163,10 @@ def rng_states(device: torch.device | None = None) -> dict[str, torch.Tensor]:
 
 
 def save_micro_batch(directory: str, batch: MicroBatch, outputs: dict,
-                     rng: dict[str, torch.Tensor] | None = None) -> str:
+                     rng: dict[str, torch.Tensor] | None = None, failed: str | None = None) -> str:
     """Write what a section received (`batch`) and produced (`outputs`), with the RNG states
-    taken before its forward (`rng_states`), to one file; returns its path."""
+    taken before its forward (`rng_states`), to one file; returns its path. `failed`: the phase
+    (forward, backward) in which the stage raised on this micro-batch, the run's last."""
     from safetensors.torch import save_file
 
     tensors: dict[str, torch.Tensor] = {k: v.clone() for k, v in (rng or {}).items()}
@@ -181,6 +184,7 @@ def save_micro_batch(directory: str, batch: MicroBatch, outputs: dict,
         "columns": json.dumps(columns),
         "inputs": json.dumps(inputs),
         "outputs": json.dumps(outs),
+        **({"failed": json.dumps(failed)} if failed else {}),
     }
     os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, file_name(batch.step, batch.index))
@@ -236,6 +240,15 @@ def load_file(path: str) -> tuple[MicroBatch, dict[str, Any]]:
     batch = MicroBatch(step=meta["step"], index=meta["index"], sample_ids=list(meta["sample_ids"]),
                        modalities=[frozenset(m) for m in meta["modalities"]], columns=columns, inputs=inputs)
     return batch, outputs
+
+
+def recorded_failure(path: str) -> str | None:
+    """The phase in which the run's stage raised on a recorded micro-batch (None: it did not)."""
+    from safetensors import safe_open
+
+    with safe_open(path, framework="pt") as f:
+        failed = (f.metadata() or {}).get("failed")
+    return None if failed is None else json.loads(failed)
 
 
 def recorded_rng(path: str) -> dict[str, torch.Tensor]:
@@ -301,7 +314,8 @@ class Recorder:
     """What `maestro run --record` saves in one replica's executor: for each micro-batch of the
     chosen `steps` (None: all), `begin` before its forward (the step's weights at micro-batch 0,
     so a forward that changes buffers replays from where it started; the RNG states it draws
-    from), `save` after it. A sharded section's replica (fsdp, or tp > 1: recorded by its
+    from), `save` after it, or after the stage raised on it (marked `failed`, the outputs it
+    returned if any: a replay then raises as the run did). A sharded section's replica (fsdp, or tp > 1: recorded by its
     tensor-parallel leader alone) holds no whole weights: it records no weights, and a replay
     takes them from --weights (a checkpoint taken at the recorded step, exported whole by
     `maestro export`; --save-dir's file holds the last step's). A
@@ -323,8 +337,8 @@ class Recorder:
 
         return self._guarded(start)
 
-    def save(self, batch: MicroBatch, outputs: dict, rng: dict[str, torch.Tensor]) -> None:
-        self._guarded(lambda: save_micro_batch(self.directory, batch, outputs, rng))
+    def save(self, batch: MicroBatch, outputs: dict, rng: dict[str, torch.Tensor], failed: str | None = None) -> None:
+        self._guarded(lambda: save_micro_batch(self.directory, batch, outputs, rng, failed))
 
     def _guarded(self, fn: Any) -> Any:
         try:

@@ -43,6 +43,7 @@ from maestro_flow.runtime.record import (
     Steps,
     TextOnly,
     load_file,
+    recorded_failure,
     recorded_files,
     recorded_rng,
     recorded_weights,
@@ -82,6 +83,7 @@ class _Work:
     replica: int | None = None
     weights: str | None = None  # recorded weights file of its step
     rng: dict[str, Any] = dataclasses.field(default_factory=dict)  # RNG states before its forward
+    failed: str | None = None  # the phase in which the run's stage raised on it (the run's last micro-batch)
 
 
 # -- recorded inputs ---------------------------------------------------------------------------
@@ -285,7 +287,7 @@ def _replay(path: str, pipeline: Pipeline, name: str, options: ReplayOptions, ec
         for step, replica, _index, folder, file in recorded:
             try:
                 batch, outputs = load_file(file)
-                rng = recorded_rng(file)
+                rng, failed = recorded_rng(file), recorded_failure(file)
             except (ValueError, KeyError, OSError, SafetensorError) as exc:  # a recording we cannot read
                 raise ReplayError(f"--replay {options.run_dir}: cannot read {file}: {exc}") from None
             text = _text_only(batch)
@@ -293,7 +295,7 @@ def _replay(path: str, pipeline: Pipeline, name: str, options: ReplayOptions, ec
                 raise ReplayError(f"--replay: cannot replay step {step} micro-batch {batch.index} of replica "
                                   f"{replica} ({file}): its {text}")
             weights = recorded_weights(folder, step) if not options.weights else None
-            work.append(_Work(batch=batch, want=outputs, replica=replica, weights=weights, rng=rng))
+            work.append(_Work(batch=batch, want=outputs, replica=replica, weights=weights, rng=rng, failed=failed))
         recorded = any(w.weights for w in work)
         lacking = sorted({w.batch.step for w in work if not w.weights}) if recorded else []
         if options.weights:
@@ -331,7 +333,7 @@ def _replay(path: str, pipeline: Pipeline, name: str, options: ReplayOptions, ec
             echo("weights: freshly initialised (as at step 0)")
         work = [_Work(batch=b) for b in batches]
 
-    failed = 0
+    failed = unraised = 0
     uncompared: set[str] = set()
     loaded_weights = None
     for number, item in enumerate(work):
@@ -348,7 +350,13 @@ def _replay(path: str, pipeline: Pipeline, name: str, options: ReplayOptions, ec
             echo(f"  column {col:<16} {_column_summary(values)}")
         for inp, values in batch.inputs.items():
             echo(f"  input  {inp:<16} {describe_value(values)}")
+        if item.failed:
+            echo(f"  the run's {item.failed} raised on this micro-batch (the run stopped here); replaying it:")
         result = runner.run(batch, options.repeat, rng=item.rng)
+        if item.failed:  # found in QA: "all outputs match" for a run that failed on this very micro-batch
+            echo(f"  the replay's {item.failed} did not raise, the run's did: what made it fail is not in the "
+                 "recording (another rank's state, the device, memory, a random draw the seed does not fix)")
+            unraised += 1
         for out_name, value in result.outputs.items():
             echo(f"  output {out_name:<16} {describe_value(value)}")
         if section.trainable:
@@ -379,7 +387,12 @@ def _replay(path: str, pipeline: Pipeline, name: str, options: ReplayOptions, ec
             failed += sum(not d.ok for d in diffs)
             uncompared |= {d.name for d in diffs if not d.compared}
     echo("")
+    if unraised:
+        echo(f"replay: {unraised} micro-batch(es) the run failed on ran without error here"
+             + ("" if options.compare else " (with --compare: exit code 1)"))
     if options.compare:
+        if unraised and not failed:
+            return 1
         if failed:
             echo(f"compare: {failed} output(s) differ from the recording beyond atol={options.atol:g} "
                  f"rtol={options.rtol:g}")

@@ -79,3 +79,33 @@ def test_a_sharded_sections_recording_replays_with_a_checkpoints_weights(demo_da
                      str(tmp_path / "ex" / "student.safetensors"), "--compare", *sets)
     assert replay.returncode == 0, replay.stdout + replay.stderr
     assert "MISMATCH" not in replay.stdout
+
+
+@pytest.mark.timeout(240)
+def test_the_micro_batch_a_stage_fails_on_is_recorded_and_replays_to_its_error(demo_data, tmp_path):
+    """Found in QA: the recording lacked the very micro-batch the run died on (saved after the
+    forward), and `stage --replay --compare` then said all outputs match. Replica 0 fails (a
+    replay builds the stage as replica 0 does, so it raises again: exit 3); replica 1 fails too,
+    for a reason of its own replica, which a replay does not reproduce: --compare exits 1."""
+    faulty = str(ROOT / "tests" / "integration" / "assets" / "faulty.py")
+    sets = ["--set", f"data.path={demo_data}", "--set", "sections.student.config.fail=forward",
+            "--set", "sections.student.config.at_step=1"]
+    for replica in (0, 1):
+        run_dir = tmp_path / f"r{replica}"
+        more = ["--set", f"sections.student.config.on_replica={replica}"]
+        run = maestro("run", faulty, "--quiet", "--record", "student", "--run-dir", str(run_dir), *sets, *more,
+                      timeout=180)
+        assert run.returncode == 1 and "during forward at step 2" in run.stderr, run.stderr[-2000:]
+        failing = run_dir / "record" / f"student-{replica}" / "step000001-mb0000.safetensors"
+        with safe_open(str(failing), framework="pt") as f:
+            assert f.metadata()["failed"] == '"forward"'
+        replay = maestro("stage", faulty, "student", "--replay", str(run_dir), "--replica", str(replica),
+                         "--steps", "1", "--compare", *sets, *more)
+        out = replay.stdout + replay.stderr
+        assert "the run's forward raised on this micro-batch (the run stopped here)" in out, out
+        if replica == 0:
+            assert replay.returncode == 3 and "deliberate failure in forward at step 1" in out, out
+        else:
+            assert replay.returncode == 1, out
+            assert "the replay's forward did not raise, the run's did" in out
+            assert "replay: 1 micro-batch(es) the run failed on ran without error here" in out
