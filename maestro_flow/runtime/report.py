@@ -2,8 +2,10 @@
 
 Runs in the coordinator process. A progress bar redraws in place on a terminal; elsewhere
 (CI, pipes) a plain line is printed every few steps. Writes to stderr so stdout stays clean.
-Rows also go to any sinks given (e.g. runtime/tensorboard.py). A metrics file that cannot be
-written (full disk) is reported once and dropped; training goes on (runtime/guard.py). The first
+Rows also go to any sinks given (e.g. runtime/tensorboard.py). A metrics file is strict JSON Lines
+(NaN and inf written null), written whole lines at a time, and locked while the run writes it
+(another run given it is refused). One that cannot be written (full disk) is reported once and
+dropped, training goes on (runtime/guard.py), and the summary says from which step. The first
 step whose loss or gradient norm is NaN or inf is warned about at once, with or without progress
 output, and the summary says from which step. A resumed run goes on with its metrics files (the
 rows of the steps before the checkpoint kept) instead of starting them again.
@@ -11,34 +13,86 @@ rows of the steps before the checkpoint kept) instead of starting them again.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import math
 import os
+import stat
 import sys
 import time
 from collections.abc import Sequence
 from typing import Any, TextIO
 
+from maestro_flow.errors import PipelineError
 from maestro_flow.runtime.guard import WriteGuard
 
 GRADLESS_STEPS = 2  # steps running with samples and an all-zero gradient before a trainable section is warned of
 
 
-def _write_line(f: Any, line: str) -> None:
-    f.write(line)
-    f.flush()
+def json_line(row: dict[str, Any]) -> bytes:
+    """A metrics row as one line of strict JSON: a NaN or inf (a diverged loss) is written null
+    (found in QA: json.dumps wrote NaN, which JSON parsers other than Python's refuse)."""
+    def finite(v: Any) -> Any:
+        if isinstance(v, float):
+            return v if math.isfinite(v) else None
+        if isinstance(v, dict):
+            return {k: finite(x) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [finite(x) for x in v]
+        return v
+
+    return (json.dumps(finite(row), allow_nan=False) + "\n").encode()
 
 
-def _keep_rows_before(path: str, step: int) -> None:
-    """Drop the rows of `step` and later from a metrics file (lines that are not a row are kept);
-    a path that is not a regular file (/dev/stdout, a pipe) is left alone."""
-    if not os.path.isfile(path):
-        return
+def _write_line(f: Any, line: bytes) -> None:
+    """Append one whole line, or nothing (found in QA: a full disk left half a row, which the next
+    row then followed on the same line): what a failed write left of it is cut off again."""
+    regular = stat.S_ISREG(os.fstat(f.fileno()).st_mode)
+    end = os.fstat(f.fileno()).st_size if regular else None
     try:
-        with open(path) as f:
-            lines = f.readlines()
+        view = memoryview(line)
+        while view:
+            view = view[f.write(view):]
+    except OSError:
+        if end is not None:
+            with contextlib.suppress(OSError):
+                os.ftruncate(f.fileno(), end)
+        raise
+
+
+def open_metrics(path: str, resume_at: int | None) -> Any:
+    """The metrics file, unbuffered, for appending whole lines, held with an exclusive lock while
+    the run writes it: another run given the same file is refused (found in QA: two runs wrote
+    one file, each row of either cut into the other's). A fresh run empties it; a resumed one
+    keeps the rows of the steps before `resume_at`. Not a regular file (/dev/stdout, a pipe):
+    written to as it is."""
+    if os.path.dirname(path):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+    f = open(path, "ab", buffering=0)  # noqa: SIM115 (the caller closes it); not "w": the lock comes first
+    if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+        return f
+    try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.close()
+        raise PipelineError(f"--metrics-out {path}: another run is writing this file (give each run its own)") from None
+    kept = b"" if resume_at is None else _rows_before(path, resume_at)
+    if kept is not None:
+        os.ftruncate(f.fileno(), 0)
+        if kept:
+            _write_line(f, kept)
+    return f
+
+
+def _rows_before(path: str, step: int) -> bytes | None:
+    """The lines of a metrics file without the rows of `step` and later (lines that are not a
+    row are kept), or None to leave it as it is (nothing to drop, or not a file this can read)."""
+    try:
+        with open(path, "rb") as f:
+            lines = f.read().decode().splitlines(keepends=True)
     except (OSError, UnicodeDecodeError):  # not a metrics file this can read: appended to as it is
-        return
+        return None
     kept = []
     for line in lines:
         try:
@@ -47,12 +101,7 @@ def _keep_rows_before(path: str, step: int) -> None:
             row_step = None
         if not isinstance(row_step, int) or row_step < step:
             kept.append(line if line.endswith("\n") else line + "\n")
-    if len(kept) != len(lines):
-        path = os.path.realpath(path)  # a symlinked metrics file stays one
-        tmp = f"{path}.tmp"
-        with open(tmp, "w") as f:
-            f.writelines(kept)
-        os.replace(tmp, path)
+    return "".join(kept).encode() if len(kept) != len(lines) else None
 
 
 class RunReport:
@@ -67,26 +116,28 @@ class RunReport:
         self.show = show_progress
         self.rows: list[dict[str, Any]] = []
         paths = [metrics_out] if isinstance(metrics_out, str) else list(metrics_out or ())
+        paths = list({os.path.realpath(p): p for p in paths}.values())  # --metrics-out RUN_DIR/metrics.jsonl: once
         self._metrics: list[tuple[Any, WriteGuard]] = []
-        for path in paths:
-            if os.path.dirname(path):
-                os.makedirs(os.path.dirname(path), exist_ok=True)
-            if resume_at is not None:
-                _keep_rows_before(path, resume_at)
-            mode = "a" if resume_at is not None else "w"
-            self._metrics.append((open(path, mode), WriteGuard(f"metrics to {path}")))  # noqa: SIM115 (closed in close())
+        self._sinks = list(sinks)  # objects with step(row) and close()
+        self.lost: dict[str, tuple[int, str]] = {}  # "metrics to FILE" -> (first step not written, why)
+        try:
+            for path in paths:
+                self._metrics.append((open_metrics(path, resume_at), WriteGuard(f"metrics to {path}")))
+        except BaseException:
+            self.close()
+            raise
         self._t0 = time.monotonic()
         self.resumed = resume_at is not None
-        self._sinks = list(sinks)  # objects with step(row) and close()
         self.non_finite: int | None = None  # the first step (its index) whose loss or gradient norm was NaN or inf
         self.gradless: dict[str, int] = {}  # trainable section -> steps running with samples and an all-zero gradient
         self.gradless_said: set[str] = set()  # sections warned of (once each)
 
     def step(self, row: dict[str, Any]) -> None:
         self.rows.append(row)
-        line = json.dumps(row) + "\n"
+        line = json_line(row)
         for f, guard in self._metrics:
-            guard(_write_line, f, line)
+            if not guard(_write_line, f, line) and guard.what not in self.lost:
+                self.lost[guard.what] = (row["step"], guard.failed or "?")
         for sink in self._sinks:
             sink.step(row)
         if self.non_finite is None and not _finite(row):
@@ -159,6 +210,8 @@ class RunReport:
             # A stage's counters live in its workers: a restart or a resume starts them again (review).
             since = " since the last restart or resume" if self.resumed or self.rows[-1].get("restarts") else ""
             text += f"\nstage counters{since}: " + ", ".join(counters)
+        for what, (step, why) in self.lost.items():  # found in QA: said once mid-run, then exit 0 as if whole
+            text += f"\n{what}: stopped at step {step + 1} ({why}); the file lacks that step and the later ones"
         return text
 
     def _newline(self) -> None:

@@ -75,6 +75,57 @@ def test_metrics_on_a_full_disk_do_not_stop_the_report(capsys):
     report.close()
     assert len(report.rows) == 2
     assert capsys.readouterr().err.count("cannot write metrics to /dev/full") == 1
+    # found in QA: said once mid-run, then nothing: the summary says it too
+    assert report.summary().endswith("\nmetrics to /dev/full: stopped at step 1 (No space left on device); the file "
+                                      "lacks that step and the later ones")
+
+
+def test_a_metrics_row_is_strict_json_and_written_whole_or_not_at_all(tmp_path):
+    """Found in QA: a NaN loss was written as NaN (not JSON outside Python), and a full disk left
+    half a row, which the next row then followed on the same line."""
+    import errno
+
+    from maestro_flow.runtime.report import _write_line, json_line
+
+    assert json_line({"step": 1, "loss": float("nan"), "sections": {"a": {"grad_norm": float("inf")}},
+                      "l": [float("-inf"), 1.5]}) == b'{"step": 1, "loss": null, "sections": {"a": {"grad_norm": null}}, "l": [null, 1.5]}\n'
+    path = tmp_path / "m.jsonl"
+    path.write_bytes(b'{"step": 0}\n')
+
+    class HalfThenFull:  # what a disk filling up mid-write does: part of the bytes, then ENOSPC
+        def __init__(self, f):
+            self.f, self.calls = f, 0
+
+        def fileno(self):
+            return self.f.fileno()
+
+        def write(self, data):
+            self.calls += 1
+            if self.calls > 1:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return self.f.write(bytes(data[:7]))
+
+    with open(path, "ab", buffering=0) as f, pytest.raises(OSError, match="No space"):
+        _write_line(HalfThenFull(f), b'{"step": 1, "loss": 2.0}\n')
+    assert path.read_bytes() == b'{"step": 0}\n'
+
+
+def test_two_runs_given_one_metrics_file_the_second_is_refused(tmp_path):
+    """Found in QA: two runs given the same --metrics-out cut each other's rows into one file."""
+    from maestro_flow.errors import PipelineError
+
+    path = tmp_path / "m.jsonl"
+    path.write_text('{"step": 0, "loss": 9.0}\n')  # an earlier run's: a fresh run starts the file again
+    first = RunReport(total_steps=2, metrics_out=str(path), show_progress=False)
+    with pytest.raises(PipelineError, match=f"--metrics-out {path}: another run is writing this file"):
+        RunReport(total_steps=2, metrics_out=str(path), show_progress=False)
+    first.step({"step": 0, "loss": 1.0, "step_time_s": 0.1, "sections": {}})
+    first.close()
+    assert [json.loads(line)["loss"] for line in path.read_text().splitlines()] == [1.0]
+    again = RunReport(total_steps=1, metrics_out=[str(path), str(tmp_path / "." / "m.jsonl")], show_progress=False)
+    again.step({"step": 0, "loss": 3.0, "step_time_s": 0.1, "sections": {}})  # one file, given twice: written once
+    again.close()
+    assert [json.loads(line)["loss"] for line in path.read_text().splitlines()] == [3.0]
 
 
 def test_the_summary_gives_the_stage_counters_of_the_run():
