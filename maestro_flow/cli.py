@@ -40,6 +40,7 @@ from maestro_flow.errors import MaestroError, PipelineError, StageError  # noqa:
 from maestro_flow.wording import count, skipped_note  # noqa: E402
 
 SETS = set_options("global_batch=8, dtype=float64")
+TOP_WAIT_S = 60.0  # how long `maestro top RUN_DIR` waits for a run to start there (not with --once)
 
 
 def _fail(exc: BaseException, debug: bool) -> None:
@@ -400,13 +401,14 @@ def graph(ctx: click.Context, pipeline: str, sets: tuple[str, ...], output: str 
 def top(run_dir: str | None, interval: float, once: bool) -> None:
     """Watch a running pipeline: step, loss, step time, and what each worker is doing now.
 
-    RUN_DIR is the run's directory (printed by maestro run); by default the most recent running
-    one under runs/. Read-only: attaching and detaching (Ctrl-C) never disturbs the run.
+    RUN_DIR is the run's directory (printed by maestro run), waited for up to a minute if no run
+    is there yet; by default the most recent running one under runs/. Of a run that has ended,
+    says how. Read-only: attaching and detaching (Ctrl-C) never disturbs the run.
     """
     from maestro_flow.runtime.status import ended, find_run, query, render
 
     try:
-        path = find_run(run_dir)
+        path = find_run(run_dir, wait_s=0 if once else TOP_WAIT_S, say=lambda text: click.echo(text, err=True))
         shown = False
         while True:
             try:

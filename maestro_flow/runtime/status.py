@@ -198,16 +198,38 @@ def _live(run_dir: str) -> bool:
     return live_pid(run_dir) is not None
 
 
-def find_run(run_dir: str | None, root: str = "runs") -> str:
-    """The given run directory, or the most recent one under `root` that is running."""
+class NotYet(FileNotFoundError):
+    """No run in the run directory given, and none that ended there: one may be starting."""
+
+
+def find_run(run_dir: str | None, root: str = "runs", wait_s: float = 0.0, say: Any = None) -> str:
+    """The given run directory, or the most recent one under `root` that is running. `wait_s`: how
+    long to wait for a run to start in the given directory (found in QA: `top` started beside
+    `maestro run --run-dir DIR` said there was no such directory), said once through `say`."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return _find_run(run_dir, root)
+        except NotYet:
+            if time.monotonic() >= deadline:
+                raise
+            if say is not None:
+                say(f"waiting up to {wait_s:.0f}s for a run to start in {run_dir} (Ctrl-C stops)")
+                say = None
+            time.sleep(0.2)
+
+
+def _find_run(run_dir: str | None, root: str) -> str:
     if run_dir:
         if not os.path.isdir(run_dir):  # found in review: said "has no status.json" of a folder not there
-            raise FileNotFoundError(f"{run_dir}: no such run directory")
+            raise NotYet(f"{run_dir}: no such run directory")
         if not os.path.exists(os.path.join(run_dir, "status.json")):
             if re.fullmatch(r"node-[1-9]\d*", os.path.basename(os.path.normpath(run_dir))):  # found in QA
                 raise FileNotFoundError(f"{run_dir} is another node's folder of a run over several nodes (its workers' "
                                         f"logs): watch the run on node 0, `maestro top` of node 0's run dir")
-            raise FileNotFoundError(f"{run_dir} has no status.json: the run is not running (or wrote no run dir)")
+            if _last_row(os.path.join(run_dir, "events.jsonl"), lambda row: "ended" in row) is not None:
+                raise FileNotFoundError(f"the run is not running; {ended(run_dir)}")  # found in QA: how, not just "not"
+            raise NotYet(f"{run_dir} has no status.json: the run is not running (or wrote no run dir)")
         if not _live(run_dir):
             raise FileNotFoundError(f"{run_dir}/status.json is stale: the coordinator that wrote it is gone")
         return run_dir
@@ -326,6 +348,8 @@ def render(snapshot: dict[str, Any]) -> str:
         " ".join(f"{k}={v:.4f}" for k, v in loss.items()) if isinstance(loss, dict) else "-")
     step_time = s.get("step_time_s")
     head = f"{_clean(s['pipeline'])}  step {_clean(s['step'])}/{_clean(s['steps'])}"
+    if s.get("restarts"):  # found in QA: after an automatic restart, top looked like a fresh run
+        head += f"  (after {_clean(s['restarts'], 6)} automatic restart{'s' if s['restarts'] != 1 else ''})"
     lines = [f"{head}  loss {_clean(loss_s, 80)}  step time {step_time:.3f}s"
              if isinstance(step_time, (int, float)) else head,
              *([_clean(s["phase"], 160)] if s.get("phase") else []),

@@ -47,6 +47,8 @@ def test_top_counts_a_workers_step_from_1():
     text = render(snapshot(state="forward", step=3, mb=0))
     assert text.splitlines()[0].startswith("distill  step 3/10")
     assert text.splitlines()[3].split()[1:4] == ["forward", "4", "0"]
+    # found in QA: during an automatic restart top looked like a fresh run
+    assert render({**snapshot(), "restarts": 1}).splitlines()[0].startswith("distill  step 3/10  (after 1 automatic restart)")
 
 
 def test_top_says_what_a_starting_run_waits_for():
@@ -85,6 +87,35 @@ def test_a_status_file_whose_coordinator_is_gone_is_stale(tmp_path):
     assert find_run(None, root=str(tmp_path / "runs")) == str(run)
     with pytest.raises(FileNotFoundError, match=f"^{tmp_path}/nope: no such run directory$"):
         find_run(str(tmp_path / "nope"))  # found in review: "has no status.json: the run is not running"
+
+
+def test_top_waits_for_a_run_to_start_and_says_how_one_ended(tmp_path):
+    """Found in QA: `top DIR` started beside `maestro run --run-dir DIR` said "no such run
+    directory", and of a run that had failed only "the run is not running"."""
+    import threading
+
+    from maestro_flow.runtime.status import NotYet
+
+    run = tmp_path / "rd"
+    said = []
+    with pytest.raises(NotYet, match="no such run directory"):
+        find_run(str(run), wait_s=0.3, say=said.append)
+    assert said == [f"waiting up to 0s for a run to start in {run} (Ctrl-C stops)"]
+
+    def start():
+        run.mkdir()
+        (run / "status.json").write_text(json.dumps({"endpoint": "tcp://127.0.0.1:1", "pid": os.getpid()}))
+
+    timer = threading.Timer(0.5, start)
+    timer.start()
+    assert find_run(str(run), wait_s=30) == str(run)
+    timer.join()
+    (run / "status.json").unlink()
+    (run / "metrics.jsonl").write_text('{"step": 0, "loss": 2.5}\n')
+    (run / "events.jsonl").write_text('{"ended": "failed", "why": "stage error in x"}\n')
+    with pytest.raises(FileNotFoundError, match=f"^the run is not running; {run}: the run failed after step 1, "
+                                                "loss 2.5000: stage error in x$"):
+        find_run(str(run), wait_s=30)  # at once: it ended
 
 
 def test_a_status_file_whose_pid_was_reused_is_stale(tmp_path):
