@@ -42,9 +42,11 @@ def test_system_failures_are_retried_and_logged_with_their_cause():
 
 def test_the_last_failure_is_raised_once_the_restarts_are_used_up():
     attempt, calls = _failing([TimeoutFailure("step 4", 1.0, "X"), TimeoutFailure("step 5", 1.0, "X")])
+    logs = []
     with pytest.raises(TimeoutFailure, match="step 5"):
-        supervise(attempt, max_restarts=1, committed=lambda: None, resume=None, restarts=0, log=lambda _: None)
+        supervise(attempt, max_restarts=1, committed=lambda: None, resume=None, restarts=0, log=logs.append)
     assert len(calls) == 2
+    assert logs[-1].startswith("no restart left (--max-restarts 1 used up): ")
 
 
 def test_bad_input_is_not_retried():
