@@ -145,7 +145,8 @@ def main(ctx: click.Context, debug: bool) -> None:
 @click.option("--keep-last", type=int, metavar="K",
               help="Keep only the newest K complete checkpoints [default: keep all].")
 @click.option("--checkpoint-errors", type=click.Choice(["stop", "continue"]), default="stop", show_default=True,
-              help="When a checkpoint cannot be written: stop the run cleanly, or report it and train on.")
+              help="When a checkpoint cannot be written: stop the run cleanly, or report it and train on (the "
+                   "one after the last step fails the run either way: it holds the run's final state).")
 @click.option("--resume", type=click.Path(file_okay=False), metavar="DIR",
               help="Start from a checkpoint: DIR/step-N, or the newest complete one under DIR (--steps stays the "
                    "total).")
