@@ -40,7 +40,6 @@ from maestro_flow.errors import MaestroError, PipelineError, StageError  # noqa:
 from maestro_flow.wording import count, skipped_note  # noqa: E402
 
 SETS = set_options("global_batch=8, dtype=float64")
-TOP_WAIT_S = 60.0  # how long `maestro top RUN_DIR` waits for a run to start there (not with --once)
 
 
 def _fail(exc: BaseException, debug: bool) -> None:
@@ -406,10 +405,10 @@ def top(run_dir: str | None, interval: float, once: bool) -> None:
     is there yet; by default the most recent running one under runs/. Of a run that has ended,
     says how. Read-only: attaching and detaching (Ctrl-C) never disturbs the run.
     """
-    from maestro_flow.runtime.status import ended, find_run, query, render
+    from maestro_flow.runtime.status import START_WAIT_S, ended, find_run, query, render
 
     try:
-        path = find_run(run_dir, wait_s=0 if once else TOP_WAIT_S, say=lambda text: click.echo(text, err=True))
+        path = find_run(run_dir, wait_s=0 if once else START_WAIT_S, say=lambda text: click.echo(text, err=True))
         shown = False
         while True:
             try:

@@ -198,6 +198,9 @@ def _live(run_dir: str) -> bool:
     return live_pid(run_dir) is not None
 
 
+START_WAIT_S = 60.0  # how long `maestro top RUN_DIR` waits for a run to start there (not with --once)
+
+
 class NotYet(FileNotFoundError):
     """No run in the run directory given, and none that ended there: one may be starting."""
 
