@@ -38,9 +38,7 @@ class Exported:
 def export_section(source: str, section: str, out: str) -> Exported:
     check_writable(out, "-o", folder=True)  # a traceback before (found in review), as run's --save-dir was
     pipeline, state, where = _read(mf.find_folder(source, "SOURCE"), section)
-    spec = next((s for s in pipeline["sections"] if s["name"] == section), None)
-    if spec is None:  # a --save-dir whose pipeline file lacks it (not one a run wrote)
-        _check_section(pipeline, section, where, [])
+    spec = next(s for s in pipeline["sections"] if s["name"] == section)  # (_read refused a section not there)
     os.makedirs(out, exist_ok=True)
     _one_model_folder(out, section)
     path = os.path.join(out, f"{section}.safetensors")
@@ -88,6 +86,11 @@ def _read(source: str, section: str) -> tuple[dict[str, Any], dict[str, torch.Te
         except FileNotFoundError:
             raise PipelineError(f"{source} has {section}.safetensors but no {PIPELINE_FILE} (written by "
                                 "--save-dir since this version): re-save it, or export from a checkpoint") from None
+        spec = next((s for s in pipeline.get("sections", []) if s.get("name") == section), None)
+        if spec is None or not spec.get("trainable", True):  # found in QA: an earlier run's file, exported as this one's
+            why = "has no such section" if spec is None else "holds it frozen (frozen sections are not saved)"
+            raise PipelineError(f"--section {section}: {saved} is left from an earlier run: the pipeline that saved "
+                                f"into {source} last ({PIPELINE_FILE}) {why}; it saved: {', '.join(_saved(source, pipeline)) or 'none'}")
         return pipeline, load_file(saved), saved
     folder = mf.latest(source)
     if folder is None:
@@ -95,8 +98,7 @@ def _read(source: str, section: str) -> tuple[dict[str, Any], dict[str, torch.Te
             with open(os.path.join(source, PIPELINE_FILE)) as f:
                 pipeline = json.load(f)
             if isinstance(pipeline, dict) and isinstance(pipeline.get("sections"), list):  # not a run dir's file
-                _check_section(pipeline, section, source, sorted(n[:-len(".safetensors")] for n in os.listdir(source)
-                                                                 if n.endswith(".safetensors")))
+                _check_section(pipeline, section, source, _saved(source, pipeline))
         raise PipelineError(f"{source}: neither a --save-dir with {section}.safetensors nor a complete checkpoint")
     manifest = mf.read(folder)
     if section not in manifest.sections:
@@ -113,6 +115,12 @@ def _read(source: str, section: str) -> tuple[dict[str, Any], dict[str, torch.Te
             raise KeyboardInterrupt from None
         raise PipelineError(f"{folder}: cannot read section {section!r} ({os.path.join(folder, section)}): "
                             f"{SectionState.cause(exc).strip().splitlines()[0]}{mf.earlier(folder)}") from None
+
+
+def _saved(source: str, pipeline: dict[str, Any]) -> list[str]:
+    """The sections a --save-dir holds this pipeline's weights of: its trainable ones with a file."""
+    names = [s.get("name") for s in pipeline.get("sections", []) if s.get("trainable", True)]
+    return [n for n in names if os.path.isfile(os.path.join(source, f"{n}.safetensors"))]
 
 
 def _check_section(pipeline: dict[str, Any], section: str, where: str, trainable: list[str]) -> None:

@@ -81,6 +81,19 @@ def test_exporting_a_frozen_or_unknown_section_is_a_clear_error(trained, tmp_pat
                                       ("ck", "studnet", "has no section 'studnet' (sections: teacher, student")):
         result = maestro("export", str(trained / source), "--section", section, "-o", str(tmp_path / "t"))
         assert result.returncode == 2 and expected in result.stderr, (source, section, result.stderr)
+    # Found in QA: a file an earlier run left in a --save-dir was exported as the last run's: a
+    # section that run froze, or one its pipeline lacks.
+    import shutil
+
+    save = tmp_path / "stale"
+    shutil.copytree(trained / "save", save)
+    shutil.copy(save / "student.safetensors", save / "teacher.safetensors")
+    shutil.copy(save / "student.safetensors", save / "audio.safetensors")
+    for section, why in (("teacher", "holds it frozen (frozen sections are not saved)"), ("audio", "has no such section")):
+        result = maestro("export", str(save), "--section", section, "-o", str(tmp_path / "t"))
+        assert result.returncode == 2, result.stderr
+        assert (f"--section {section}: {save}/{section}.safetensors is left from an earlier run: the pipeline that "
+                f"saved into {save} last (pipeline.json) {why}; it saved: student") in result.stderr, result.stderr
 
 
 def test_export_names_what_it_wrote_and_why_it_cannot_read(trained, tmp_path):
