@@ -1,5 +1,5 @@
 """What can be told about encoded image bytes without decoding them: the format (from the first
-bytes), the size a PNG or JPEG header declares, and whether a PNG or JPEG is whole.
+bytes), the size a PNG, JPEG, WebP, BMP or PNM header declares, and whether a PNG or JPEG is whole.
 
 The image decoder (loaders/dali.py) asks these before DALI sees an image. A file that is not an
 image, or a PNG or JPEG that is cut short or whose image data fails its checksums (a PNG's
@@ -11,7 +11,8 @@ junk image among 32 PNGs crashed 1 to 4 runs in 5). Pure Python and cheap: a PNG
 
 What is not checked: a PNG whose compressed data is corrupt yet passes its CRCs (crafted), a
 JPEG whose entropy-coded data is corrupt (libjpeg-turbo decodes it with a warning), and formats
-other than PNG and JPEG beyond their first bytes: those are left to DALI.
+other than PNG and JPEG beyond their first bytes and, for WebP, BMP and PNM, the size their
+header declares (TIFF and JPEG 2000 sizes are not read): the rest is left to DALI.
 """
 
 from __future__ import annotations
@@ -138,14 +139,16 @@ def _jpeg_problem(data: memoryview) -> str | None:
 
 
 def header_size(data: bytes | np.ndarray) -> tuple[int, int] | None:
-    """(height, width) a PNG or JPEG declares in its header; None for another format, or a header
-    that does not say (DALI then tells, or fails to decode it)."""
+    """(height, width) a PNG, JPEG, WebP, BMP or PNM declares in its header; None for another
+    format (TIFF, JPEG 2000), or a header that does not say (DALI then tells, or fails to decode
+    it). Found in QA: a WebP's or BMP's size went unread, so `validate --payloads` did not check
+    its num_patches, nor the decoder its max_pixels."""
     data = memoryview(data)  # no copy; a JPEG's frame header may follow 64 KB segments of metadata
     if data[:8] == PNG and data[12:16] == b"IHDR" and len(data) >= 24:
         width, height = struct.unpack(">II", data[16:24])
         return height, width
     if data[:2] != b"\xff\xd8":
-        return None
+        return _webp_size(data) or _bmp_size(data) or _pnm_size(data)
     try:
         for marker, i, _ in _jpeg_segments(data):
             if marker in JPEG_SOF:
@@ -156,3 +159,47 @@ def header_size(data: bytes | np.ndarray) -> tuple[int, int] | None:
     except _Bad:
         pass
     return None  # image data before any frame header, or headers cut short
+
+
+def _webp_size(data: memoryview) -> tuple[int, int] | None:
+    """A WebP's canvas (extended format, VP8X), or its one frame's size (lossy VP8, lossless VP8L)."""
+    if data[:4] != b"RIFF" or data[8:12] != b"WEBP" or len(data) < 30:
+        return None
+    chunk = bytes(data[12:16])
+    if chunk == b"VP8X":
+        return 1 + int.from_bytes(data[27:30], "little"), 1 + int.from_bytes(data[24:27], "little")
+    if chunk == b"VP8 " and data[23:26] == b"\x9d\x01\x2a":
+        width, height = struct.unpack("<HH", data[26:30])
+        return height & 0x3FFF, width & 0x3FFF
+    if chunk == b"VP8L" and data[20] == 0x2F:
+        bits = int.from_bytes(data[21:25], "little")
+        return 1 + ((bits >> 14) & 0x3FFF), 1 + (bits & 0x3FFF)
+    return None
+
+
+def _bmp_size(data: memoryview) -> tuple[int, int] | None:
+    """A BMP's size from its DIB header (a negative height: rows stored top-down)."""
+    if data[:2] != b"BM" or len(data) < 26:
+        return None
+    if struct.unpack("<I", data[14:18])[0] == 12:  # the OS/2 core header: 16-bit sizes
+        width, height = struct.unpack("<HH", data[18:22])
+        return height, width
+    width, height = struct.unpack("<ii", data[18:26])
+    return (abs(height), width) if width > 0 and height else None
+
+
+def _pnm_size(data: memoryview) -> tuple[int, int] | None:
+    """A PNM's (P1-P6) width and height: the header's first two numbers after the magic, past any
+    whitespace and # comments."""
+    if bytes(data[:2]) not in _PNM:
+        return None
+    head = bytes(data[2:1026])
+    numbers: list[int] = []
+    for line in head.split(b"\n"):
+        for word in line.split(b"#", 1)[0].split():
+            if not word.isdigit():
+                return None
+            numbers.append(int(word))
+            if len(numbers) == 2:
+                return numbers[1], numbers[0]
+    return None

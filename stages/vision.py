@@ -247,7 +247,7 @@ def image_problem(cfg: VisionConfig, data: Any, meta: SampleMeta) -> str | None:
     - encoded bytes, with the built-in decoder (loaders.dali): what it would refuse before
       decoding (not an image, a GIF, a PNG or JPEG cut short or failing its checksums, a header
       over decode.max_pixels; a PayloadNote with decode.skip_corrupt, the run skipping it), and,
-      where the PNG or JPEG header gives the size, a data num_patches other than the patches it
+      where the header gives the size (PNG, JPEG, WebP, BMP, PNM), a data num_patches other than the patches it
       decodes to (the planner's costs and the length checks count the column's figure). Another
       decoder (or none) reads what it reads: only empty bytes are refused for it."""
     if data is None:

@@ -118,3 +118,34 @@ def test_bigtiff_and_a_doubled_jpeg_start_are_told_alike_everywhere(images):
     doubled = b"\xff\xd8" + jpeg  # DALI refuses it too
     assert framing_problem(doubled) == "a JPEG whose headers are corrupt (a second start-of-image marker)"
     assert header_size(doubled) is None and header_size(jpeg) is not None
+
+
+@pytest.mark.parametrize("fmt", ["WEBP-lossy", "WEBP-lossless", "WEBP-alpha", "BMP", "PPM", "PGM"])
+@pytest.mark.parametrize("size", [(37, 300), (300, 9), (1, 1)])
+def test_header_size_reads_webp_bmp_and_pnm(fmt, size):
+    """Found in QA: only PNG and JPEG sizes were read, so `validate --payloads` let a WebP's or
+    BMP's wrong num_patches through, and the decoder's max_pixels guard did not see their size."""
+    import io
+
+    from PIL import Image
+
+    from loaders.image_check import header_size
+
+    height, width = size
+    mode = "RGBA" if fmt == "WEBP-alpha" else "L" if fmt == "PGM" else "RGB"
+    image = Image.new(mode, (width, height), 128)
+    out = io.BytesIO()
+    name = fmt.split("-")[0]
+    image.save(out, format="PPM" if name == "PGM" else name, **({"lossless": True} if fmt == "WEBP-lossless" else {}))
+    assert header_size(out.getvalue()) == (height, width)
+
+
+def test_header_size_of_odd_headers():
+    from loaders.image_check import header_size
+
+    assert header_size(b"P6\n# a comment 12 34\n 640\n480\n255\n") == (480, 640)
+    assert header_size(b"P6\nxx 640 480\n") is None
+    bmp_top_down = b"BM" + bytes(12) + (40).to_bytes(4, "little") + (5).to_bytes(4, "little", signed=True) + \
+        (-7).to_bytes(4, "little", signed=True)
+    assert header_size(bmp_top_down) == (7, 5)
+    assert header_size(b"RIFF\x00\x00\x00\x00WEBPVP8 ") is None  # cut short
