@@ -112,8 +112,13 @@ class MultimodalLM(Stage):
             labs.append(t[start:])
             seq = torch.cat(segs)
             if seq.shape[0] > self.model_config.max_seq_len:
+                # validate checked the data's num_patches/num_frames against max_seq_len: the encoders
+                # sent more rows than those said (found in QA: a cryptic end to a run on such data).
+                rows = sum(r.shape[0] for _, r in sample_cuts if r is not None)
                 raise ValueError(f"sample {sample_id}: {seq.shape[0]} positions after expanding its placeholders "
-                                 f"({len(t)} tokens) exceed max_seq_len={self.model_config.max_seq_len}")
+                                 f"({len(t)} tokens, {rows} encoder rows) exceed max_seq_len="
+                                 f"{self.model_config.max_seq_len}; if its num_patches or num_frames column says "
+                                 "fewer rows, it is wrong: `maestro validate PIPELINE --payloads` finds such samples")
             seqs.append(seq)
             labels.append(torch.cat(labs))
 

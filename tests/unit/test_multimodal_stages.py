@@ -350,7 +350,10 @@ def test_encoders_feed_the_llm_end_to_end():
 
 def test_llm_errors_name_the_sample():
     stage = make(MultimodalLM, {**LLM, "max_seq_len": 8})
-    with pytest.raises(ValueError, match="sample 4: 10 positions .* exceed max_seq_len=8"):
+    # found in QA: nothing said where the rows came from (a wrong num_patches, which validate trusts)
+    with pytest.raises(ValueError, match=r"sample 4: 10 positions after expanding its placeholders \(4 tokens, 7 encoder "
+                                         r"rows\) exceed max_seq_len=8; if its num_patches .* `maestro validate "
+                                         r"PIPELINE --payloads` finds such samples"):
         llm_run(stage, [([BOS, IMAGE, 1, 2], leaf(7, 1), None)], [4])
     with pytest.raises(ValueError, match="sample 0: 2 image placeholders"):
         llm_run(stage, [([IMAGE, IMAGE], leaf(1, 1), None)])
