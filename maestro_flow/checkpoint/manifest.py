@@ -191,12 +191,18 @@ def incompatibilities(manifest: Manifest, pipeline: dict[str, Any]) -> list[str]
 
 
 def resume_warnings(manifest: Manifest, pipeline: dict[str, Any]) -> list[str]:
-    """What a resume takes as it is but may not be meant: a frozen section is not in the
+    """What a resume takes as it is but may not be meant: another dtype or mixed precision than the
+    run that wrote the checkpoint (its state cast); a frozen section is not in the
     checkpoint (its weights are built from its config, or its load_weights), so one whose stage
     or config differ from the run that wrote the checkpoint changes what the trained sections
     learn from (found in review: a teacher's init_seed changed on resume, without a word)."""
     saved = {s["name"]: s for s in manifest.pipeline.get("sections", []) if isinstance(s, dict) and "name" in s}
     out = []
+    for key in ("dtype", "mixed_precision"):  # found in QA: a float64 run resumed in float32 without a word
+        before, now = manifest.pipeline.get(key), pipeline.get(key)
+        if key in manifest.pipeline and before != now:
+            out.append(f"{key} is {now!r}, not {before!r} as in the run that wrote the checkpoint: its state is cast "
+                       f"to {now!r}, so the run does not go on as that one would have (--set {key}={before if isinstance(before, str) else json.dumps(before)} does)")
     for s in pipeline["sections"]:
         before = saved.get(s["name"])
         if s["trainable"] or before is None or before.get("trainable", True):

@@ -472,6 +472,11 @@ def test_a_frozen_section_whose_config_changed_is_warned_of_on_resume():
     nan = dataclasses.replace(PIPELINE, sections=[dataclasses.replace(PIPELINE.sections[0], config={"x": float("nan")}),
                                                   PIPELINE.sections[1]])
     assert mf.resume_warnings(manifest(4, nan), nan.to_dict()) == []
+    # Found in QA: a float64 checkpoint resumed in float32 (no --set dtype) without a word.
+    f32 = dataclasses.replace(PIPELINE, dtype="float32")
+    assert mf.resume_warnings(manifest(4, dataclasses.replace(PIPELINE, dtype="float64")), f32.to_dict()) == [
+        "dtype is 'float32', not 'float64' as in the run that wrote the checkpoint: its state is cast to 'float32', so "
+        "the run does not go on as that one would have (--set dtype=float64 does)"]
 
 
 @pytest.mark.parametrize("content", [b"{not json", b"\xff\xfe\x00garbage", b"[1, 2]"], ids=["json", "binary", "list"])
