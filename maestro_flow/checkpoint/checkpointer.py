@@ -245,5 +245,9 @@ def resume_point(path: str) -> tuple[str, mf.Manifest]:
     if folder is None:
         incomplete = [f for _, f, ok in mf.checkpoints(path) if not ok]
         hint = f" ({len(incomplete)} incomplete: interrupted or failed saves)" if incomplete else ""
+        if os.path.isfile(os.path.join(path, "pipeline.json")) and any(
+                n.endswith(".safetensors") for n in os.listdir(path)):  # found in QA: no word of what it is
+            hint += (": it is a --save-dir (the trained sections' weights, without the optimizer's state or the "
+                     "data's position); resume from a --checkpoint-dir, or start a run from these weights")
         raise PipelineError(f"--resume {path}: no complete checkpoint there{hint}")
     return folder, mf.read(folder)

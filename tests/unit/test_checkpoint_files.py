@@ -56,6 +56,12 @@ def test_no_complete_checkpoint_is_a_clear_error(tmp_path):
         resume_point(str(tmp_path))
     with pytest.raises(PipelineError, match="is not a complete checkpoint"):
         mf.read(mf.step_dir(str(tmp_path), 2))
+    save_dir = tmp_path / "save"  # found in QA: a --save-dir given to --resume said only "no complete checkpoint"
+    save_dir.mkdir()
+    (save_dir / "pipeline.json").write_text("{}")
+    (save_dir / "student.safetensors").write_bytes(b"")
+    with pytest.raises(PipelineError, match=r"no complete checkpoint there: it is a --save-dir \(the trained"):
+        resume_point(str(save_dir))
 
 
 def test_what_keeps_a_checkpoint_from_resuming_a_pipeline():
