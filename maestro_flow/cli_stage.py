@@ -54,7 +54,7 @@ def _tolerance(ctx: click.Context, param: click.Parameter, value: float) -> floa
               help="Synthetic mode: random normal per-sample inputs of this shape for incoming tensor NAME "
                    "instead of running the upstream sections; a dimension is a number, or T, P or F for each "
                    "sample's token, patch or frame count (e.g. hidden=Tx128).")
-@click.option("--weights", type=click.Path(dir_okay=False, exists=True),
+@click.option("--weights", type=click.Path(exists=True),
               help="Load the section's parameters from a saved file (maestro run --save-dir DIR writes "
                    "DIR/SECTION.safetensors) instead of the recorded or initial ones.")
 @click.option("--pdb", "use_pdb", is_flag=True, help="Drop into the debugger (post mortem) when the stage raises.")

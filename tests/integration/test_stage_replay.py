@@ -306,6 +306,12 @@ def test_corrupt_recorded_weights_are_not_blamed_on_weights_flag(data, tmp_path)
     assert result.exit_code == 2, result.output
     assert f"error: recorded weights of step 0 ({path}): not a readable safetensors file" in result.output
     assert "--weights" not in result.output and "Traceback" not in result.output
+    # found in QA: a checkpoint folder as --weights got click's "is a directory" and no way on
+    result = CliRunner().invoke(stage, [DISTILL, "student", "--weights", str(tmp_path), "--set",
+                                        f"data.path={data['text']}"])
+    assert result.exit_code == 2, result.output
+    assert f"error: --weights {tmp_path}: a folder, not a weights file: for a checkpoint, `maestro export {tmp_path} " \
+           "--section student -o OUT` writes OUT/student.safetensors" in result.output, result.output
 
 
 @pytest.mark.timeout(120)
