@@ -1,10 +1,11 @@
 """`maestro stage PIPELINE SECTION`: run one section alone on recorded or synthetic inputs.
 
 Thin: parse, call runtime/replay.py, print. Exit codes: 0 success, 1 `--compare` found an output
-out of tolerance, 2 bad input a user can fix (one "error: ..." line; a flag that does not apply
-to the chosen mode included), 3 the stage code raised (its traceback is printed; `--pdb` opens
-the debugger on it) or returned outputs that break the Stage contract (one "error: ..." line, the
-message `maestro run` gives).
+out of tolerance or a micro-batch the run failed on that does not fail here, 2 bad input a user
+can fix (one "error: ..." line; a flag that does not apply to the chosen mode included), 3 the
+stage code raised (its traceback is printed; `--pdb` opens the debugger on it; raising on a micro-batch
+recorded as the run's failure does not stop the replay of the others) or returned outputs that
+break the Stage contract (one "error: ..." line, the message `maestro run` gives).
 """
 
 from __future__ import annotations
@@ -40,8 +41,9 @@ def _tolerance(ctx: click.Context, param: click.Parameter, value: float) -> floa
 @click.option("--steps", metavar="0,3-5", help="With --replay: recorded steps to replay, by index from 0 (the run's step N "
               "is index N-1) [default: all recorded].")
 @click.option("--replica", type=int, help="With --replay: replay only this replica's recording [default: all].")
-@click.option("--compare", is_flag=True, help="Check the outputs against the recorded ones; exit 1 on a mismatch "
-              "(outputs recorded as text only, not tensors, numbers or strings, are listed as not compared).")
+@click.option("--compare", is_flag=True, help="Check the outputs against the recorded ones; exit 1 on a mismatch, or where "
+              "the run failed and the replay does not (outputs recorded as text only, not tensors, numbers or "
+              "strings, are listed as not compared).")
 @click.option("--atol", type=float, default=1e-5, show_default=True, callback=_tolerance,
               help="--compare: absolute tolerance (>= 0).")
 @click.option("--rtol", type=float, default=1e-4, show_default=True, callback=_tolerance,
@@ -80,8 +82,9 @@ def stage(ctx: click.Context, pipeline: str, section: str, run_dir: str | None, 
       maestro stage pipelines/distill.py student --replay runs/kd --steps 5 --set dtype=float64 --pdb
       maestro stage pipelines/vlm.py llm --samples 8 --repeat 5     # synthetic inputs
 
-    Exit codes: 0 ok, 1 --compare mismatch, 2 bad input (an upstream section that fails to compute the inputs
-    included), 3 the stage raised or broke the output contract.
+    Exit codes: 0 ok, 1 --compare mismatch (or the run failed on a micro-batch that passes here), 2 bad input
+    (an upstream section that fails to compute the inputs included), 3 the stage raised or broke the output
+    contract (raising on a micro-batch the run failed on too does not stop the replay of the others).
     """
     from maestro_flow.errors import StageOutputError
     from maestro_flow.runtime.replay import ReplayOptions, parse_shapes, parse_steps, replay

@@ -227,7 +227,12 @@ class SectionExecutor(StepEnd, Prefetch):
         self.unprepared.discard((st.step, index))
         if ahead is None:  # (also where preparing it ahead failed: the error is raised here, in its step)
             raw, leaves = self._make_batch(st, index, mb, arrived)
-            batch = self._prepare(st, raw)
+            try:
+                batch = self._prepare(st, raw)
+            except StageFault as fault:  # found in review: a corrupt image (the encoder's prepare) went unrecorded
+                if self.record is not None and not fault.collateral:
+                    self.record.fail(raw, {}, self.record.begin(st.step, index, self.stage, self.device), fault.phase)
+                raise
         else:
             (raw, batch), leaves = ahead, {}
         st.tokens += sum(len(t) for t in batch.columns.get("tokens", ()))
@@ -259,10 +264,10 @@ class SectionExecutor(StepEnd, Prefetch):
             if self.is_loss:
                 self._loss_backward(st, mb, out, leaves)
             elif self.trainable:
-                self._keep_for_backward(st, mb, out, leaves, index)
+                self._keep_for_backward(st, mb, out, leaves, index, None if recorded is None else (raw, out, recorded))
         except StageFault as fault:  # found in QA: the micro-batch a stage failed on was the one not recorded
-            if recorded is not None:
-                self.record.save(raw, out, recorded, failed=fault.phase)
+            if self.record is not None and not fault.collateral:  # (a peer's failure is not this micro-batch's)
+                self.record.fail(raw, out, recorded, fault.phase)
             raise
         elapsed = self.clock() - t0
         if recorded is not None:
@@ -367,8 +372,10 @@ class SectionExecutor(StepEnd, Prefetch):
                 raise StageFault("backward", st.step, traceback.format_exc()) from None
             self._send_input_grads(st, leaves)
 
-    def _keep_for_backward(self, st: StepState, mb: tuple[int, ...], out: dict, leaves: dict, index: int) -> None:
-        pending = PendingBackward(outputs={}, expected=set(), leaves=leaves, sample_ids=mb, index=index)
+    def _keep_for_backward(self, st: StepState, mb: tuple[int, ...], out: dict, leaves: dict, index: int,
+                           recording: tuple | None = None) -> None:
+        pending = PendingBackward(outputs={}, expected=set(), leaves=leaves, sample_ids=mb, index=index,
+                                  recording=recording)
         for e in self.graph.needs_grad_from(self.name):
             consumer = self.graph.sections[e.edge.dst]
             per_name = {name: out[name] for name in e.edge.tensors}
@@ -434,7 +441,7 @@ class SectionExecutor(StepEnd, Prefetch):
         pending = next((p for p in st.pending if p.index == index), None)
         if pending is None:
             raise RuntimeError(f"tensor-parallel follower got gradients for micro-batch {index} of step "
-                               f"{st.step}, which awaits none")
+                               f"{st.step + 1}, which awaits none")
         pending.grads = {(sid, name): g for sid, name, g in items}
         pending.expected.clear()
         self._backward(st, pending)
@@ -453,7 +460,10 @@ class SectionExecutor(StepEnd, Prefetch):
             try:
                 torch.autograd.backward([pending.outputs[k] for k in keys], [pending.grads[k] for k in keys])
             except STAGE_RAISES:
-                raise StageFault("backward", st.step, traceback.format_exc()) from None
+                fault = StageFault("backward", st.step, traceback.format_exc())
+                if pending.recording is not None and not fault.collateral:  # found in review: kept as if it passed
+                    self.record.fail(*pending.recording, "backward")
+                raise fault from None
         self._send_input_grads(st, pending.leaves)
         elapsed = self.clock() - t0
         st.busy_s += elapsed

@@ -74,6 +74,7 @@ class PendingBackward:
     leaves: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
     sample_ids: tuple[int, ...] = ()
     index: int = 0  # the micro-batch's index in the step
+    recording: tuple | None = None  # (batch as read, outputs, RNG states) where --record keeps the micro-batch
 
 
 @dataclass

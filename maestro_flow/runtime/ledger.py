@@ -161,11 +161,11 @@ class StepLedger:
 
     def _check(self, what: str, rank: int, step: int, ranks: Any, seen: Any) -> None:
         if step not in self.started:
-            raise Rejected(f"{what} report for step {step}, which is not in progress")
+            raise Rejected(f"{what} report for step {step + 1}, which is not in progress")
         if rank not in ranks:
             raise Rejected(f"{what} report from rank {rank}, which does not send one")
         if rank in seen:
-            raise Rejected(f"repeated {what} report from rank {rank} for step {step}")
+            raise Rejected(f"repeated {what} report from rank {rank} for step {step + 1}")
 
     def on_loss(self, rank: int, step: int, loss_sum: float, denominator: float) -> list[tuple[list[int], float]]:
         """Record a loss report; when a loss section is complete, return [(ranks to finalize, D)]."""

@@ -18,7 +18,7 @@ per micro-batch. Tensor keys:
 
 The safetensors metadata (str -> str, each value JSON) holds "format", "step", "index",
 "sample_ids", "modalities" (sorted lists), "failed" where the stage raised on the micro-batch
-(the phase: "forward" or "backward"; the run stopped there) and, under "columns", "inputs" and "outputs", how to
+(the phase: "forward", Stage.prepare's included, or "backward"; the run stopped there) and, under "columns", "inputs" and "outputs", how to
 rebuild every entry: a column or input entry is {"kind": "tensor"} | {"kind": "bytes"} |
 {"kind": "scalar", "value": V} (None is a scalar with value null; V is JSON: a number, a string,
 lists and string-keyed dicts of them, nested) | {"kind": "other", "repr": "..."} (anything else:
@@ -314,8 +314,9 @@ class Recorder:
     """What `maestro run --record` saves in one replica's executor: for each micro-batch of the
     chosen `steps` (None: all), `begin` before its forward (the step's weights at micro-batch 0,
     so a forward that changes buffers replays from where it started; the RNG states it draws
-    from), `save` after it, or after the stage raised on it (marked `failed`, the outputs it
-    returned if any: a replay then raises as the run did). A sharded section's replica (fsdp, or tp > 1: recorded by its
+    from), `save` after it, or `fail` where the stage raised on it (in Stage.prepare, forward, or
+    backward: marked `failed` with the outputs it returned if any; a replay then raises as the run
+    did). A sharded section's replica (fsdp, or tp > 1: recorded by its
     tensor-parallel leader alone) holds no whole weights: it records no weights, and a replay
     takes them from --weights (a checkpoint taken at the recorded step, exported whole by
     `maestro export`; --save-dir's file holds the last step's). A
@@ -337,8 +338,13 @@ class Recorder:
 
         return self._guarded(start)
 
-    def save(self, batch: MicroBatch, outputs: dict, rng: dict[str, torch.Tensor], failed: str | None = None) -> None:
-        self._guarded(lambda: save_micro_batch(self.directory, batch, outputs, rng, failed))
+    def save(self, batch: MicroBatch, outputs: dict, rng: dict[str, torch.Tensor]) -> None:
+        self._guarded(lambda: save_micro_batch(self.directory, batch, outputs, rng))
+
+    def fail(self, batch: MicroBatch, outputs: dict, rng: dict[str, torch.Tensor] | None, phase: str) -> None:
+        """Save a micro-batch the stage raised on (its `phase`), where it is recorded (`rng` None: not)."""
+        if rng is not None:
+            self._guarded(lambda: save_micro_batch(self.directory, batch, outputs, rng, phase))
 
     def _guarded(self, fn: Any) -> Any:
         try:

@@ -30,13 +30,14 @@ import dataclasses
 import json
 import math
 import os
+import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from safetensors import SafetensorError
 
 from maestro_flow.config import Pipeline
-from maestro_flow.errors import MaestroError, PipelineError, brief
+from maestro_flow.errors import MaestroError, PipelineError, StageOutputError, brief
 from maestro_flow.graph import SectionGraph
 from maestro_flow.runtime.build import load_pipeline
 from maestro_flow.runtime.record import (
@@ -333,7 +334,7 @@ def _replay(path: str, pipeline: Pipeline, name: str, options: ReplayOptions, ec
             echo("weights: freshly initialised (as at step 0)")
         work = [_Work(batch=b) for b in batches]
 
-    failed = unraised = 0
+    failed = unraised = reraised = 0
     uncompared: set[str] = set()
     loaded_weights = None
     for number, item in enumerate(work):
@@ -351,8 +352,19 @@ def _replay(path: str, pipeline: Pipeline, name: str, options: ReplayOptions, ec
         for inp, values in batch.inputs.items():
             echo(f"  input  {inp:<16} {describe_value(values)}")
         if item.failed:
-            echo(f"  the run's {item.failed} raised on this micro-batch (the run stopped here); replaying it:")
-        result = runner.run(batch, options.repeat, rng=item.rng)
+            echo(f"  the run's {item.failed} raised on this micro-batch (its step {batch.step + 1}, counted from 1 "
+                 "as the run counts; the run stopped there); replaying it:")
+        try:
+            result = runner.run(batch, options.repeat, rng=item.rng)
+        except Exception as exc:  # found in review: raising again ended the replay of every later micro-batch
+            if not item.failed or options.pdb or (isinstance(exc, MaestroError)
+                                                  and not isinstance(exc, StageOutputError)):
+                raise
+            for line in "".join(traceback.format_exception(exc)).rstrip().splitlines():
+                echo("    " + line)
+            echo(f"  raised as the run did: {brief(exc)}")
+            reraised += 1
+            continue
         if item.failed:  # found in QA: "all outputs match" for a run that failed on this very micro-batch
             echo(f"  the replay's {item.failed} did not raise, the run's did: what made it fail is not in the "
                  "recording (another rank's state, the device, memory, a random draw the seed does not fix)")
@@ -387,16 +399,16 @@ def _replay(path: str, pipeline: Pipeline, name: str, options: ReplayOptions, ec
             failed += sum(not d.ok for d in diffs)
             uncompared |= {d.name for d in diffs if not d.compared}
     echo("")
+    if reraised:
+        echo(f"replay: {reraised} micro-batch(es) raised as the run did (tracebacks above; --pdb stops at the "
+             "error): exit code 3")
     if unraised:
         echo(f"replay: {unraised} micro-batch(es) the run failed on ran without error here"
              + ("" if options.compare else " (with --compare: exit code 1)"))
-    if options.compare:
-        if unraised and not failed:
-            return 1
-        if failed:
-            echo(f"compare: {failed} output(s) differ from the recording beyond atol={options.atol:g} "
-                 f"rtol={options.rtol:g}")
-            return 1
+    if options.compare and failed:
+        echo(f"compare: {failed} output(s) differ from the recording beyond atol={options.atol:g} "
+             f"rtol={options.rtol:g}")
+    elif options.compare and not unraised:
         echo(f"compare: all outputs match the recording (atol={options.atol:g}, rtol={options.rtol:g})"
              + (f"; not compared, recorded as text only: {', '.join(sorted(uncompared))}" if uncompared else ""))
-    return 0
+    return 3 if reraised else 1 if options.compare and (failed or unraised) else 0

@@ -81,14 +81,17 @@ def test_a_sharded_sections_recording_replays_with_a_checkpoints_weights(demo_da
     assert "MISMATCH" not in replay.stdout
 
 
-@pytest.mark.timeout(240)
-def test_the_micro_batch_a_stage_fails_on_is_recorded_and_replays_to_its_error(demo_data, tmp_path):
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("phase", ["forward", "prepare"])
+def test_the_micro_batch_a_stage_fails_on_is_recorded_and_replays_to_its_error(demo_data, tmp_path, phase):
     """Found in QA: the recording lacked the very micro-batch the run died on (saved after the
-    forward), and `stage --replay --compare` then said all outputs match. Replica 0 fails (a
-    replay builds the stage as replica 0 does, so it raises again: exit 3); replica 1 fails too,
-    for a reason of its own replica, which a replay does not reproduce: --compare exits 1."""
+    forward), and `stage --replay --compare` then said all outputs match; found in review: a
+    failure in Stage.prepare (where the vision encoder decodes) was not recorded either. Replica 0
+    fails (a replay builds the stage as replica 0 does, so it raises again: exit 3, after the
+    replay of every other recorded micro-batch); replica 1 fails too, for a reason of its own
+    replica, which a replay does not reproduce: --compare exits 1."""
     faulty = str(ROOT / "tests" / "integration" / "assets" / "faulty.py")
-    sets = ["--set", f"data.path={demo_data}", "--set", "sections.student.config.fail=forward",
+    sets = ["--set", f"data.path={demo_data}", "--set", f"sections.student.config.fail={phase}",
             "--set", "sections.student.config.at_step=1"]
     for replica in (0, 1):
         run_dir = tmp_path / f"r{replica}"
@@ -102,9 +105,16 @@ def test_the_micro_batch_a_stage_fails_on_is_recorded_and_replays_to_its_error(d
         replay = maestro("stage", faulty, "student", "--replay", str(run_dir), "--replica", str(replica),
                          "--steps", "1", "--compare", *sets, *more)
         out = replay.stdout + replay.stderr
-        assert "the run's forward raised on this micro-batch (the run stopped here)" in out, out
+        assert "the run's forward raised on this micro-batch (its step 2, counted from 1" in out, out
         if replica == 0:
-            assert replay.returncode == 3 and "deliberate failure in forward at step 1" in out, out
+            assert replay.returncode == 3 and f"raised as the run did: ValueError: deliberate failure in {phase} at " \
+                "step 1" in out, out
+            every = maestro("stage", faulty, "student", "--replay", str(run_dir), "--replica", "0", "--compare",
+                            *sets, *more)  # (replica 1's step 1 raises in a replay too: it is built as replica 0)
+            files = len(list((run_dir / "record").glob("student-0/step*-mb*.safetensors")))
+            assert every.returncode == 3, every.stdout + every.stderr
+            assert sum(line.startswith("step ") for line in every.stdout.splitlines()) == files > 1, every.stdout
+            assert "replay: 1 micro-batch(es) raised as the run did" in every.stdout
         else:
             assert replay.returncode == 1, out
             assert "the replay's forward did not raise, the run's did" in out

@@ -315,6 +315,27 @@ def test_corrupt_recorded_weights_are_not_blamed_on_weights_flag(data, tmp_path)
 
 
 @pytest.mark.timeout(120)
+def test_a_recorded_failure_that_raises_again_does_not_stop_the_replay(data, tmp_path):
+    """Found in review: the micro-batch a run failed on, raising again in the replay, ended it:
+    the micro-batches after it were never replayed, nor the --compare summary printed."""
+    overrides = {"data.path": data["text"]}
+    n = _fake_recording(DISTILL, "student", tmp_path, overrides, samples=8)
+    folder = Path(record_dir(str(tmp_path), "student", 0))
+    first = sorted(folder.glob("step*-mb*.safetensors"))[0]
+    batch, outputs = load_micro_batches(str(folder))[0]
+    batch.inputs["hidden"] = [h[:, :3] for h in batch.inputs["hidden"]]  # a shape its forward refuses
+    save_micro_batch(str(folder), batch, {}, failed="forward")
+    assert first.exists()
+    result = CliRunner().invoke(stage, [DISTILL, "student", "--replay", str(tmp_path), "--compare", "--set",
+                                        f"data.path={data['text']}"])
+    assert result.exit_code == 3, result.output
+    assert sum(line.startswith("step ") for line in result.output.splitlines()) == n
+    assert "raised as the run did: " in result.output
+    assert "replay: 1 micro-batch(es) raised as the run did" in result.output
+    assert "compare: all outputs match the recording" in result.output  # the others', compared
+
+
+@pytest.mark.timeout(120)
 def test_a_micro_batch_with_a_column_recorded_as_text_is_refused(data, tmp_path):
     """Found in review: a column value recorded as text only (not JSON-able) reached the stage as
     a string, which raised: exit 3, blamed on the stage."""

@@ -260,11 +260,11 @@ def test_a_report_counts_once_per_rank_for_a_step_in_progress():
     graph = distill()  # ranks: teacher 0, student 1 2
     ledger = opened(StepLedger(graph, placement_of(graph)), 0)
     assert ledger.on_loss(1, 0, 3.0, 10.0) == []
-    with pytest.raises(Rejected, match="repeated loss report from rank 1 for step 0"):
+    with pytest.raises(Rejected, match="repeated loss report from rank 1 for step 1"):
         ledger.on_loss(1, 0, 3.0, 1e30)
     with pytest.raises(Rejected, match="loss report from rank 0, which does not send one"):
         ledger.on_loss(0, 0, 3.0, 1e30)  # the frozen teacher is no loss section
-    with pytest.raises(Rejected, match="loss report for step 7, which is not in progress"):
+    with pytest.raises(Rejected, match="loss report for step 8, which is not in progress"):
         ledger.on_loss(2, 7, 3.0, 1e30)
     assert ledger.on_loss(2, 0, 5.0, 6.0) == [([], 16.0)]  # the forged reports changed nothing
     assert ledger.on_done(0, 0, stats(0.5, 1, 4), now=1.0) is None

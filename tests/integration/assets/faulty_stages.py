@@ -1,6 +1,6 @@
 """A trainable LM stage that fails on purpose, for the failure-matrix tests.
 
-Config keys besides CausalLM's: `fail` ("setup", "setup_hang", "forward", "kill", "segfault", "hang",
+Config keys besides CausalLM's: `fail` ("setup", "setup_hang", "prepare", "forward", "kill", "segfault", "hang",
 "exit0", "sys_exit" or None), `at_step`
 and `on_replica` (which step and replica fail), `sleep_s` (slow every forward down), `helper_s` (start
 `sleep helper_s` as a helper process, left running), `atexit_file` (an atexit handler appends the
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import dataclasses
 import os
 import signal
 import subprocess
@@ -45,8 +46,23 @@ class Faulty(CausalLM):
     def inputs(cls, config):
         return ("hidden",)  # the teacher's edge makes it a consumer; its forward does not read it
 
+    def prepare(self, batch):
+        """Fails as the vision encoder's decoding does on a corrupt image: here, or in forward on a
+        batch that was not prepared (a replay's, as Stage.prepare's contract says)."""
+        if self.fault["fail"] != "prepare":
+            return super().prepare(batch)
+        self._prepare_fault(batch)
+        return dataclasses.replace(batch, columns={**batch.columns, "prepared": [True] * len(batch.sample_ids)})
+
+    def _prepare_fault(self, batch):
+        f = self.fault
+        if f["fail"] == "prepare" and batch.step == f["at_step"] and self.ctx.replica == (f["on_replica"] or 0):
+            raise ValueError(f"deliberate failure in prepare at step {batch.step}")
+
     def forward(self, batch):
         f = self.fault
+        if f["fail"] == "prepare" and "prepared" not in batch.columns:
+            self._prepare_fault(batch)
         if f["sleep_s"]:
             time.sleep(f["sleep_s"])
         if batch.step == f["at_step"] and self.ctx.replica == (f["on_replica"] or 0):
