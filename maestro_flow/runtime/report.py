@@ -61,28 +61,73 @@ def _write_line(f: Any, line: bytes) -> None:
         raise
 
 
-def open_metrics(path: str, resume_at: int | None) -> Any:
-    """The metrics file, unbuffered, for appending whole lines, held with an exclusive lock while
-    the run writes it: another run given the same file is refused (found in QA: two runs wrote
-    one file, each row of either cut into the other's). A fresh run empties it; a resumed one
-    keeps the rows of the steps before `resume_at`. Not a regular file (/dev/stdout, a pipe):
-    written to as it is."""
-    if os.path.dirname(path):
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-    f = open(path, "ab", buffering=0)  # noqa: SIM115 (the caller closes it); not "w": the lock comes first
-    if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-        return f
+def open_metrics(paths: Sequence[str]) -> list[tuple[str, Any]]:
+    """Each metrics file (one file given under two names: once), unbuffered, for appending whole
+    lines, and held with an exclusive lock while the run writes it: another run given the same
+    file is refused (found in QA: two runs wrote one file, each row of either cut into the
+    other's), before any of them is touched. Not a regular file (/dev/stdout, a pipe): as it is.
+    `start` then empties them, or keeps the rows of a resumed run."""
+    opened: list[tuple[str, Any]] = []
+    seen: set[tuple[int, int]] = set()
+    try:
+        for path in paths:
+            if os.path.dirname(path):
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+            f = open(path, "ab", buffering=0)  # noqa: SIM115 (closed by RunReport); not "w": the lock comes first
+            st = os.fstat(f.fileno())
+            if (st.st_dev, st.st_ino) in seen:  # the run dir's metrics.jsonl as --metrics-out too, a hard link
+                f.close()
+                continue
+            seen.add((st.st_dev, st.st_ino))
+            opened.append((path, f))
+            if stat.S_ISREG(st.st_mode) and not _lock(f):
+                raise PipelineError(f"--metrics-out {path}: another run is writing this file (give each run its own)")
+    except BaseException:
+        for _, f in opened:
+            f.close()
+        raise
+    return opened
+
+
+def _lock(f: Any) -> bool:
+    """Lock `f` for this run: False where another run holds it. A file system without locks
+    (NFS without its lock daemon) is written unlocked, as before locks were taken."""
     try:
         fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        f.close()
-        raise PipelineError(f"--metrics-out {path}: another run is writing this file (give each run its own)") from None
+        return False
+    except OSError:
+        pass
+    return True
+
+
+def in_use(path: str) -> bool:
+    """Whether another run holds the metrics file at `path` (checked before a run sets anything up)."""
+    try:
+        with open(path, "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                return False
+            locked = not _lock(f)
+    except OSError:
+        return False
+    return locked  # (the lock taken here goes with the file's closing)
+
+
+def start(f: Any, path: str, resume_at: int | None) -> None:
+    """Empty a locked metrics file for a fresh run, or keep the rows before `resume_at`, in place
+    (the lock stays on the file)."""
+    if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+        return
     kept = b"" if resume_at is None else _rows_before(path, resume_at)
-    if kept is not None:
+    if kept is None:
+        return
+    with open(path, "rb") as old:
+        whole = old.read(len(kept))
+    if whole == kept:  # the usual case, the rows after the checkpoint at the end: cut, nothing rewritten
+        os.ftruncate(f.fileno(), len(kept))
+    else:  # (a line that is not a row after them, kept)
         os.ftruncate(f.fileno(), 0)
-        if kept:
-            _write_line(f, kept)
-    return f
+        _write_line(f, kept)
 
 
 def _rows_before(path: str, step: int) -> bytes | None:
@@ -116,13 +161,14 @@ class RunReport:
         self.show = show_progress
         self.rows: list[dict[str, Any]] = []
         paths = [metrics_out] if isinstance(metrics_out, str) else list(metrics_out or ())
-        paths = list({os.path.realpath(p): p for p in paths}.values())  # --metrics-out RUN_DIR/metrics.jsonl: once
         self._metrics: list[tuple[Any, WriteGuard]] = []
         self._sinks = list(sinks)  # objects with step(row) and close()
         self.lost: dict[str, tuple[int, str]] = {}  # "metrics to FILE" -> (first step not written, why)
         try:
-            for path in paths:
-                self._metrics.append((open_metrics(path, resume_at), WriteGuard(f"metrics to {path}")))
+            opened = open_metrics(paths)  # every one locked first: a refusal leaves all of them as they were
+            self._metrics = [(f, WriteGuard(f"metrics to {path}")) for path, f in opened]
+            for (path, f), (_, guard) in zip(opened, self._metrics, strict=True):
+                guard(start, f, path, resume_at)
         except BaseException:
             self.close()
             raise

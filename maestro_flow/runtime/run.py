@@ -252,6 +252,11 @@ def _check_outputs(options: RunOptions) -> None:
                                ("--tensorboard", options.tensorboard, True), ("--run-dir", options.run_dir, True)):
         if path:
             check_writable(path, flag, folder=folder)
+    from maestro_flow.runtime.report import in_use
+
+    if options.metrics_out and in_use(options.metrics_out):  # found in review: refused after the run dir moved
+        raise PipelineError(f"--metrics-out {options.metrics_out}: another run is writing this file (give each run "
+                            "its own)")
 
 
 def run_pipeline(path: str, options: RunOptions) -> list[dict[str, Any]]:

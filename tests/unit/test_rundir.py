@@ -122,10 +122,28 @@ def test_two_runs_given_one_metrics_file_the_second_is_refused(tmp_path):
     first.step({"step": 0, "loss": 1.0, "step_time_s": 0.1, "sections": {}})
     first.close()
     assert [json.loads(line)["loss"] for line in path.read_text().splitlines()] == [1.0]
-    again = RunReport(total_steps=1, metrics_out=[str(path), str(tmp_path / "." / "m.jsonl")], show_progress=False)
-    again.step({"step": 0, "loss": 3.0, "step_time_s": 0.1, "sections": {}})  # one file, given twice: written once
+    os.link(path, tmp_path / "hard.jsonl")
+    again = RunReport(total_steps=1, metrics_out=[str(path), str(tmp_path / "." / "m.jsonl"), str(tmp_path / "hard.jsonl")],
+                      show_progress=False)
+    again.step({"step": 0, "loss": 3.0, "step_time_s": 0.1, "sections": {}})  # one file, given thrice: written once
     again.close()
     assert [json.loads(line)["loss"] for line in path.read_text().splitlines()] == [3.0]
+    # Found in review: a refusal of a later file came after the earlier ones were emptied.
+    from maestro_flow.runtime.report import in_use
+
+    other = tmp_path / "other.jsonl"
+    holder = RunReport(total_steps=1, metrics_out=str(other), show_progress=False)
+    assert in_use(str(other)) and not in_use(str(path)) and not in_use(str(tmp_path / "none.jsonl"))
+    with pytest.raises(PipelineError, match="other.jsonl: another run"):
+        RunReport(total_steps=1, metrics_out=[str(path), str(other)], show_progress=False)
+    holder.close()
+    assert [json.loads(line)["loss"] for line in path.read_text().splitlines()] == [3.0]
+    # A resumed run cuts the rows from its step on, rewriting nothing before them.
+    path.write_text('{"step": 0, "loss": 1.0}\n{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 3.0}\n')
+    inode = path.stat().st_ino
+    resumed = RunReport(total_steps=3, metrics_out=str(path), show_progress=False, resume_at=1)
+    resumed.close()
+    assert path.read_text() == '{"step": 0, "loss": 1.0}\n' and path.stat().st_ino == inode
 
 
 def test_the_summary_gives_the_stage_counters_of_the_run():
