@@ -401,9 +401,9 @@ def graph(ctx: click.Context, pipeline: str, sets: tuple[str, ...], output: str 
 def top(run_dir: str | None, interval: float, once: bool) -> None:
     """Watch a running pipeline: step, loss, step time, and what each worker is doing now.
 
-    RUN_DIR is the run's directory (printed by maestro run), waited for up to a minute if no run
-    is there yet; by default the most recent running one under runs/. Of a run that has ended,
-    says how. Read-only: attaching and detaching (Ctrl-C) never disturbs the run.
+    RUN_DIR is the run's directory (printed by maestro run); by default the most recent running
+    one under runs/. With no run there yet, or one that has ended (said how), top waits up to a
+    minute for one to start there. Read-only: attaching and detaching (Ctrl-C) never disturbs the run.
     """
     from maestro_flow.runtime.status import START_WAIT_S, ended, find_run, query, render
 

@@ -205,6 +205,10 @@ class NotYet(FileNotFoundError):
     """No run in the run directory given, and none that ended there: one may be starting."""
 
 
+class Over(FileNotFoundError):
+    """The run in the run directory given has ended (or its process is gone): a new one may start there."""
+
+
 def find_run(run_dir: str | None, root: str = "runs", wait_s: float = 0.0, say: Any = None) -> str:
     """The given run directory, or the most recent one under `root` that is running. `wait_s`: how
     long to wait for a run to start in the given directory (found in QA: `top` started beside
@@ -213,11 +217,13 @@ def find_run(run_dir: str | None, root: str = "runs", wait_s: float = 0.0, say: 
     while True:
         try:
             return _find_run(run_dir, root)
-        except NotYet:
+        except (NotYet, Over) as exc:  # found in review: a new run in a reused run dir was taken for the old one
             if time.monotonic() >= deadline:
                 raise
             if say is not None:
-                say(f"waiting up to {wait_s:.0f}s for a run to start in {run_dir} (Ctrl-C stops)")
+                said = f"{exc}; waiting" if isinstance(exc, Over) else "waiting"
+                say(f"{said} up to {wait_s:.0f}s for a {'new ' if isinstance(exc, Over) else ''}run to start in "
+                    f"{run_dir} (Ctrl-C stops)")
                 say = None
             time.sleep(0.2)
 
@@ -231,10 +237,10 @@ def _find_run(run_dir: str | None, root: str) -> str:
                 raise FileNotFoundError(f"{run_dir} is another node's folder of a run over several nodes (its workers' "
                                         f"logs): watch the run on node 0, `maestro top` of node 0's run dir")
             if _last_row(os.path.join(run_dir, "events.jsonl"), lambda row: "ended" in row) is not None:
-                raise FileNotFoundError(f"the run is not running; {ended(run_dir)}")  # found in QA: how, not just "not"
+                raise Over(f"the run is not running; {ended(run_dir)}")  # found in QA: how, not just "not"
             raise NotYet(f"{run_dir} has no status.json: the run is not running (or wrote no run dir)")
         if not _live(run_dir):
-            raise FileNotFoundError(f"{run_dir}/status.json is stale: the coordinator that wrote it is gone")
+            raise Over(f"{run_dir}/status.json is stale: the coordinator that wrote it is gone")
         return run_dir
     live = [os.path.join(root, d) for d in os.listdir(root)] if os.path.isdir(root) else []
     live = [d for d in live if _live(d)]

@@ -113,9 +113,13 @@ def test_top_waits_for_a_run_to_start_and_says_how_one_ended(tmp_path):
     (run / "status.json").unlink()
     (run / "metrics.jsonl").write_text('{"step": 0, "loss": 2.5}\n')
     (run / "events.jsonl").write_text('{"ended": "failed", "why": "stage error in x"}\n')
-    with pytest.raises(FileNotFoundError, match=f"^the run is not running; {run}: the run failed after step 1, "
-                                                "loss 2.5000: stage error in x$"):
-        find_run(str(run), wait_s=30)  # at once: it ended
+    ended_text = f"the run is not running; {run}: the run failed after step 1, loss 2.5000: stage error in x"
+    with pytest.raises(FileNotFoundError, match=f"^{ended_text}$"):
+        find_run(str(run))  # at once: it ended
+    said.clear()
+    with pytest.raises(FileNotFoundError, match=f"^{ended_text}$"):  # found in review: a new run may reuse the dir
+        find_run(str(run), wait_s=0.3, say=said.append)
+    assert said == [f"{ended_text}; waiting up to 0s for a new run to start in {run} (Ctrl-C stops)"]
 
 
 def test_a_status_file_whose_pid_was_reused_is_stale(tmp_path):
