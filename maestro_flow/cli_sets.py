@@ -70,9 +70,3 @@ def read_set_file(path: str) -> list[str]:
                                      f"got {line.strip()!r}{why}", param_hint="--set-file") from None
         items.append(text)
     return items
-
-
-def with_global_batch(sets: list[str] | tuple[str, ...], global_batch: int | None) -> list[str]:
-    """The `--set` items given, then `global_batch=N` when a command was given another global batch
-    than the pipeline's: what a printed or written command line must carry to mean the same job."""
-    return [*sets, *([f"global_batch={global_batch}"] if global_batch is not None else [])]

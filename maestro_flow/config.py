@@ -467,6 +467,12 @@ def parse_set(items: list[str] | tuple[str, ...]) -> dict[str, Any]:
     return out
 
 
+def with_global_batch(sets: list[str] | tuple[str, ...], global_batch: int | None) -> list[str]:
+    """The `--set` items given, then `global_batch=N` when a command was given another global batch
+    than the pipeline's: what a printed or written command line must carry to mean the same job."""
+    return [*sets, *([f"global_batch={global_batch}"] if global_batch is not None else [])]
+
+
 def _tuple(value: Any) -> Any:
     """A JSON list as the tuple a field holds; anything else as it is, for validate to judge (a
     string made a tuple would be read as its letters)."""

@@ -27,6 +27,7 @@ from maestro_flow.errors import PipelineError, brief
 from maestro_flow.runtime.build import resolve
 from maestro_flow.samples import MODALITIES, SampleMeta
 from maestro_flow.stage import PayloadCheck, PayloadNote
+from maestro_flow.wording import count
 
 CHUNK = 256  # rows read at a time, at most
 FIRST_CHUNK = 16  # the first read of a section's payloads; then as many rows as CHUNK_BYTES hold
@@ -146,7 +147,7 @@ def check_and_report(pipeline: Pipeline, checked: Any, echo: Callable[[str], Non
         echo(line)
     if report.found:
         more = f" (the first {len(report.problems)} above)" if report.found > len(report.problems) else " (above)"
-        raise PipelineError(f"{report.found} payload{'' if report.found == 1 else 's'} of {report.checked} checked "
+        raise PipelineError(f"{count(report.found, 'payload')} of {report.checked} checked "
                             f"would fail in the run or mislead its plans{more}")
     checks = ", ".join(f"{n}: {k}" for n, k in report.by_section.items()) or "no section checks its payloads"
     tolerated = f", {report.notes} the run tolerates (above)" if report.notes else ""

@@ -33,7 +33,7 @@ import time
 from typing import Any
 
 from maestro_flow.errors import first_line
-from maestro_flow.wording import cut
+from maestro_flow.wording import count, cut
 
 LOOPBACK = "127.0.0.1"
 REQUEST = b"status"  # the one request: a line (b"status\n")
@@ -358,7 +358,7 @@ def render(snapshot: dict[str, Any]) -> str:
     step_time = s.get("step_time_s")
     head = f"{_clean(s['pipeline'])}  step {_clean(s['step'])}/{_clean(s['steps'])}"
     if s.get("restarts"):  # found in QA: after an automatic restart, top looked like a fresh run
-        head += f"  (after {_clean(s['restarts'], 6)} automatic restart{'s' if s['restarts'] != 1 else ''})"
+        head += f"  (after {_clean(count(s['restarts'], 'automatic restart'), 40)})"
     lines = [f"{head}  loss {_clean(loss_s, 80)}  step time {step_time:.3f}s"
              if isinstance(step_time, (int, float)) else head,
              *([_clean(s["phase"], 160)] if s.get("phase") else []),

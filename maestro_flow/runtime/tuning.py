@@ -22,8 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from maestro_flow.cli_sets import with_global_batch
-from maestro_flow.config import parse_set
+from maestro_flow.config import parse_set, with_global_batch
 from maestro_flow.errors import PipelineError
 from maestro_flow.graph import SectionGraph
 from maestro_flow.planner.cost import CostModel
@@ -139,7 +138,7 @@ def _inputs(path: str, options: TuneOptions) -> tuple[Any, CostModel, list, dict
     if cores is None and all(on_cpu(s.device) for s in pipeline.sections):
         cores = len(os.sched_getaffinity(0))  # the cores this process (and its workers) may run on
     if cores:
-        notes.append(f"CPU workers share {cores} core{'' if cores == 1 else 's'} (contention modelled; --cpu-cores "
+        notes.append(f"CPU workers share {count(cores, 'core')} (contention modelled; --cpu-cores "
                      "to change)")
     # Found in QA: on the CPU a tp=2 replica charged as 1.6x one rank ranked first, and ran 5-7x slower.
     efficiency = {s.name: options.tp_efficiency if options.tp_efficiency is not None else

@@ -41,11 +41,15 @@ from maestro_flow.transport import zmq_link
 
 
 def name_process(label: str) -> None:
-    """Title this process `mf LABEL` (Linux keeps 15 bytes) for ps, top and `pgrep mf`: found in
-    QA, a worker showed as `python` (its command line is multiprocessing's spawn)."""
+    """Title this process `mf SECTION/REPLICA` (Linux keeps 15 bytes: a long section name is cut,
+    not the replica) for ps, top and `pgrep mf`: found in QA, a worker showed as `python` (its
+    command line is multiprocessing's spawn)."""
+    section, _, replica = label.partition("/")
+    keep = 15 - len(f"mf /{replica}".encode()) if replica else 12  # a long section name is cut, not the replica
+    title = f"mf {section.encode()[:keep].decode(errors='ignore')}" + (f"/{replica}" if replica else "")
     try:
         with open("/proc/self/comm", "w") as f:
-            f.write(f"mf {label}".encode()[:15].decode(errors="ignore"))
+            f.write(title.encode()[:15].decode(errors="ignore"))
     except OSError:
         pass
 
