@@ -119,3 +119,20 @@ def test_the_micro_batch_a_stage_fails_on_is_recorded_and_replays_to_its_error(d
             assert replay.returncode == 1, out
             assert "the replay's forward did not raise, the run's did" in out
             assert "replay: 1 micro-batch(es) the run failed on ran without error here" in out
+
+
+@pytest.mark.timeout(240)
+def test_a_backward_that_raises_in_a_section_that_is_not_the_loss_is_recorded_as_failed(demo_data, tmp_path):
+    """Found in review: a non-loss section's micro-batch was recorded after its forward, as if it
+    had passed, when its backward (run later, once the gradients came) raised."""
+    plain = str(ROOT / "tests" / "integration" / "assets" / "plain.py")
+    sets = ["--set", f"data.path={demo_data}", "--set", "sections.embed.config.fail_backward_at_step=1"]
+    run = maestro("run", plain, "--quiet", "--record", "embed", "--run-dir", str(tmp_path), *sets, timeout=180)
+    assert run.returncode == 1 and "section 'embed' replica 0 (rank 0) during backward at step 2" in run.stderr, \
+        run.stderr[-2000:]
+    with safe_open(str(tmp_path / "record" / "embed-0" / "step000001-mb0000.safetensors"), framework="pt") as f:
+        assert f.metadata()["failed"] == '"backward"'
+    replay = maestro("stage", plain, "embed", "--replay", str(tmp_path), "--steps", "1", *sets)
+    out = replay.stdout + replay.stderr
+    assert replay.returncode == 3 and "the run's backward raised on this micro-batch" in out, out
+    assert "raised as the run did: ValueError: deliberate failure in backward" in out, out

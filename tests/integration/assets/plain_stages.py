@@ -2,7 +2,9 @@
 modules moved with `module.to(ctx.device, ctx.dtype)`.
 
 `Embedder` sends per-sample "feat" (unless config `forget` names it: then it returns nothing
-under that name; with config `numpy`, numpy arrays instead of tensors), and with config `weights` a float "weight" per sample that needs no gradient;
+under that name; with config `numpy`, numpy arrays instead of tensors; with config
+`fail_backward_at_step`, ones whose backward raises in that step), and with config `weights` a
+float "weight" per sample that needs no gradient;
 `Regressor` receives "feat" (weighted by "weight" where sent) and returns the loss sum (or, with
 config `no_loss`, forgets it). Both report the cores their process may run on and its torch threads
 in `stats()` (a bit mask, so a test can tell which worker had which cores)."""
@@ -21,6 +23,16 @@ class _ReportsCores(Stage):
         return {"cpu_mask": sum(1 << c for c in os.sched_getaffinity(0)), "threads": torch.get_num_threads()}
 
 
+class _RaiseInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise ValueError("deliberate failure in backward")
+
+
 class Embedder(_ReportsCores):
     def __init__(self, config, ctx):
         super().__init__(config, ctx)
@@ -32,6 +44,8 @@ class Embedder(_ReportsCores):
         out = {"feat": [self.emb(t) for t in batch.columns["tokens"]]}
         if self.config.get("numpy"):  # breaks the output contract
             out["feat"] = [f.detach().numpy() for f in out["feat"]]
+        if self.config.get("fail_backward_at_step") == batch.step:
+            out["feat"] = [_RaiseInBackward.apply(f) for f in out["feat"]]
         if self.config.get("weights"):  # a float from the data beside it, needing no gradient
             out["weight"] = [torch.full((1,), 1.0 + len(t) / 100.0, dtype=self.ctx.dtype) for t in batch.columns["tokens"]]
         return out
