@@ -31,6 +31,7 @@ from maestro_flow.planner.tune_model import TP_EFFICIENCY
 from maestro_flow.runtime.build import load_pipeline
 from maestro_flow.runtime.costfile import check_cost_file, cost_overrides, read_costs, unmeasured_note
 from maestro_flow.runtime.profile_fit import state_copies
+from maestro_flow.wording import count
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -131,8 +132,8 @@ def _inputs(path: str, options: TuneOptions) -> tuple[Any, CostModel, list, dict
         from maestro_flow.runtime.checks import check_pipeline
 
         pool = check_pipeline(pipeline).metadata
-    count = auto_batches(pipeline.global_batch) if options.batches is None else max(1, options.batches)
-    batches = [representative_batch(pool, pipeline.global_batch, seed=pipeline.seed + i) for i in range(count)]
+    n_batches = auto_batches(pipeline.global_batch) if options.batches is None else max(1, options.batches)
+    batches = [representative_batch(pool, pipeline.global_batch, seed=pipeline.seed + i) for i in range(n_batches)]
     costs = CostModel(costs={s.name: s.cost for s in pipeline.sections})
     cores = options.cpu_cores
     if cores is None and all(on_cpu(s.device) for s in pipeline.sections):

@@ -197,8 +197,19 @@ def test_bad_arguments():
 
 # -- images over max_pixels (found by review: a 730 KB PNG cost its worker 1.7 GB) ---------------
 
+def tiff(height: int, width: int) -> bytes:
+    """A TIFF (a format whose header the decoder does not read itself: DALI peeks it)."""
+    import io
+
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.new("RGB", (width, height), (10, 200, 30)).save(out, format="TIFF")
+    return out.getvalue()
+
+
 def bmp(height: int, width: int) -> bytes:
-    """A 24-bit BMP (a format whose header the decoder does not read itself: DALI peeks it)."""
+    """A 24-bit BMP (its header read by image_check.header_size, as PNG's and JPEG's)."""
     import struct
 
     row = (width * 3 + 3) // 4 * 4
@@ -213,7 +224,8 @@ def test_header_size_reads_png_and_jpeg_as_dali_does(samples):
     images, sizes = samples
     assert [header_size(data) for data in images] == sizes
     assert header_size(np.frombuffer(images[-1], dtype=np.uint8)) == (427, 640)
-    for other in (bmp(3, 5), b"", b"\xff\xd8", b"\xff\xd8\xff\xda\x00\x02", *BAD):
+    assert header_size(bmp(3, 5)) == (3, 5)
+    for other in (tiff(3, 5), b"", b"\xff\xd8", b"\xff\xd8\xff\xda\x00\x02", *BAD):
         assert header_size(other) is None  # DALI tells, or the decoder says why it cannot
 
 
@@ -225,7 +237,9 @@ def test_an_image_over_max_pixels_is_refused_before_decoding():
                                          r"max_pixels=1000000 \(the decoder's decode.max_pixels\)$"):
         dec.decode([good, big], [7, 8])
     with pytest.raises(ValueError, match="sample 5: .* 30 x 50 pixels, more than max_pixels=1000 "):
-        ImageDecoder(max_pixels=1000).decode([bmp(30, 50)], [5])  # not PNG/JPEG: DALI's peek gives the size
+        ImageDecoder(max_pixels=1000).decode([tiff(30, 50)], [5])  # a header not read here: DALI's peek gives the size
+    with pytest.raises(ValueError, match="sample 6: .* 30 x 50 pixels, more than max_pixels=1000 "):
+        ImageDecoder(max_pixels=1000).decode([bmp(30, 50)], [6])
     skip = ImageDecoder(max_pixels=1000 * 1000, skip_corrupt=True, batch_size=2)
     out = skip.decode([good, big, bmp(30, 50), BAD[0], good], [1, 2, 3, 4, 5])
     assert [None if t is None else tuple(t.shape) for t in out] == [(3, 16, 24), None, (3, 32, 48), None, (3, 16, 24)]
@@ -256,7 +270,7 @@ def test_max_pixels_and_a_missing_dali_are_refused_at_construction(monkeypatch):
 
 def test_close_releases_both_pipelines():
     dec = ImageDecoder()
-    dec.decode([bmp(8, 8), solid_png(8, 8)], [1, 2])  # a BMP's size comes from the peek pipeline
+    dec.decode([tiff(8, 8), solid_png(8, 8)], [1, 2])  # a TIFF's size comes from the peek pipeline
     assert dec._pipe is not None and dec._peek is not None
     dec.close()
     assert dec._pipe is None and dec._peek is None
