@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -269,12 +270,25 @@ def test_an_interrupted_colocated_run_is_an_interrupt_not_a_stage_error(demo_dat
     """Found in review of the SystemExit fix: with KeyboardInterrupt counted as the stage's
     error, Ctrl-C (or SIGTERM) during a --colocated run, whose stages run in the main process,
     was reported as a stage error in backward (exit 1)."""
-    proc = subprocess.Popen([sys.executable, "-m", "maestro_flow.cli", "run", PIPELINE, "--colocated", "--quiet",
+    proc = subprocess.Popen([sys.executable, "-m", "maestro_flow.cli", "run", PIPELINE, "--colocated",
                              "--no-run-dir", "--steps", "1000", "--set", f"data.path={demo_data}",
                              "--set", "sections.student.config.sleep_s=0.05"],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    time.sleep(6.0)
+    lines: list[str] = []
+    training = threading.Event()
+
+    def read() -> None:  # found by a loaded host: a fixed 6 s wait signalled it before it had started
+        for line in proc.stderr:
+            lines.append(line)
+            if "step 1/1000" in line:
+                training.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    assert training.wait(90), "".join(lines)[-2000:]
     proc.send_signal(signum)
-    _, err = proc.communicate(timeout=60)
+    proc.wait(60)
+    reader.join(10)
+    err = "".join(lines)
     assert proc.returncode == 130, err[-2000:]
     assert "interrupted" in err and "stage error" not in err, err
