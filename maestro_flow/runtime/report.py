@@ -48,8 +48,8 @@ def json_line(row: dict[str, Any]) -> bytes:
 def _write_line(f: Any, line: bytes) -> None:
     """Append one whole line, or nothing (found in QA: a full disk left half a row, which the next
     row then followed on the same line): what a failed write left of it is cut off again."""
-    regular = stat.S_ISREG(os.fstat(f.fileno()).st_mode)
-    end = os.fstat(f.fileno()).st_size if regular else None
+    st = os.fstat(f.fileno())
+    end = st.st_size if stat.S_ISREG(st.st_mode) else None
     try:
         view = memoryview(line)
         while view:
@@ -118,25 +118,30 @@ def start(f: Any, path: str, resume_at: int | None) -> None:
     (the lock stays on the file)."""
     if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
         return
-    kept = b"" if resume_at is None else _rows_before(path, resume_at)
+    if resume_at is None:
+        os.ftruncate(f.fileno(), 0)
+        return
+    try:
+        with open(path, "rb") as old:
+            whole = old.read()
+    except OSError:  # not a metrics file this can read: appended to as it is
+        return
+    kept = _rows_before(whole, resume_at)
     if kept is None:
         return
-    with open(path, "rb") as old:
-        whole = old.read(len(kept))
-    if whole == kept:  # the usual case, the rows after the checkpoint at the end: cut, nothing rewritten
+    if whole.startswith(kept):  # the usual case, the rows after the checkpoint at the end: cut, nothing rewritten
         os.ftruncate(f.fileno(), len(kept))
     else:  # (a line that is not a row after them, kept)
         os.ftruncate(f.fileno(), 0)
         _write_line(f, kept)
 
 
-def _rows_before(path: str, step: int) -> bytes | None:
-    """The lines of a metrics file without the rows of `step` and later (lines that are not a
-    row are kept), or None to leave it as it is (nothing to drop, or not a file this can read)."""
+def _rows_before(whole: bytes, step: int) -> bytes | None:
+    """A metrics file's lines without the rows of `step` and later (lines that are not a row are
+    kept), or None to leave it as it is (nothing to drop, or not text this can read)."""
     try:
-        with open(path, "rb") as f:
-            lines = f.read().decode().splitlines(keepends=True)
-    except (OSError, UnicodeDecodeError):  # not a metrics file this can read: appended to as it is
+        lines = whole.decode().splitlines(keepends=True)
+    except UnicodeDecodeError:  # not a metrics file this can read: appended to as it is
         return None
     kept = []
     for line in lines:
