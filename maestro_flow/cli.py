@@ -11,7 +11,6 @@ import json
 import os
 import signal
 import sys
-import time
 import traceback
 from typing import Any
 
@@ -393,51 +392,6 @@ def graph(ctx: click.Context, pipeline: str, sets: tuple[str, ...], output: str 
         _fail(exc, ctx.obj["debug"])
 
 
-@main.command()
-@click.argument("run_dir", required=False, type=click.Path(file_okay=False))
-@click.option("--interval", type=click.FloatRange(min=0.05), default=1.0, show_default=True,
-              help="Seconds between refreshes.")
-@click.option("--once", is_flag=True, help="Print one snapshot and exit.")
-def top(run_dir: str | None, interval: float, once: bool) -> None:
-    """Watch a running pipeline: step, loss, step time, and what each worker is doing now.
-
-    RUN_DIR is the run's directory (printed by maestro run); by default the most recent running
-    one under runs/. With no run there yet, or one that has ended (said how), top waits up to a
-    minute for one to start there. Read-only: attaching and detaching (Ctrl-C) never disturbs the run.
-    """
-    from maestro_flow.runtime.status import START_WAIT_S, ended, find_run, query, render
-
-    try:
-        path = find_run(run_dir, wait_s=0 if once else START_WAIT_S, say=lambda text: click.echo(text, err=True))
-        shown = False
-        while True:
-            try:
-                snapshot = query(path)
-                try:
-                    text = render(snapshot)
-                except (KeyError, TypeError, ValueError, AttributeError) as exc:
-                    raise FileNotFoundError(f"{path}: the run's answer is not a status snapshot top can show "
-                                            f"({type(exc).__name__}: {exc})") from None
-            except (FileNotFoundError, TimeoutError) as exc:
-                if shown and (done := ended(path)) is not None:  # it finished (or failed) while watched
-                    click.echo(done)
-                    return
-                if once or not shown or not isinstance(exc, TimeoutError):
-                    raise
-                text = f"waiting for the run to answer: {exc}"  # its coordinator lives: keep watching
-            if once:
-                click.echo(text)
-                return
-            click.echo("\x1b[2J\x1b[H" + f"{path}\n" + text)
-            shown = True
-            time.sleep(interval)
-    except (FileNotFoundError, TimeoutError) as exc:
-        click.echo(f"error: {exc}", err=True)
-        sys.exit(2)
-    except KeyboardInterrupt:
-        return
-
-
 @main.group()
 def data() -> None:
     """Build datasets."""
@@ -487,9 +441,9 @@ def data_demo(out_dir: str, num_samples: int, vlm_samples: int, image_share: flo
 def _register_tools() -> None:
     """Commands defined in their own modules (their imports stay lazy)."""
     from maestro_flow.cli_stage import stage
-    from maestro_flow.cli_tools import export, profile, tune
+    from maestro_flow.cli_tools import export, profile, top, tune
 
-    for command in (export, profile, stage, tune):
+    for command in (export, profile, stage, top, tune):
         main.add_command(command)
 
 

@@ -1,7 +1,7 @@
-"""`maestro profile`, `maestro tune` and `maestro export` (click commands registered by cli.py).
+"""`maestro profile`, `maestro tune`, `maestro export` and `maestro top` (click commands registered by cli.py).
 
-Thin: parse, call runtime/profiling.py, runtime/tuning.py or checkpoint/export.py, print. Errors a user can fix print
-one line ("error: ...") and exit 2, as in cli.py; a profile that failed (ProfilingError) prints one line naming the
+Thin: parse, call runtime/profiling.py, runtime/tuning.py, checkpoint/export.py or runtime/status.py, print. Errors a
+user can fix print one line ("error: ...") and exit 2, as in cli.py; a profile that failed (ProfilingError) prints one line naming the
 section, phase and exception and exits 1, its traceback (formatted in the profiling worker) shown with --debug.
 """
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import shlex
 import sys
+import time
 from collections.abc import Sequence
 
 import click
@@ -209,3 +210,48 @@ def export(ctx: click.Context, source: str, section: str, out: str) -> None:
         click.echo(f"wrote {path}")
     if done.note:
         click.echo(f"note: {done.note}", err=True)
+
+
+@click.command()
+@click.argument("run_dir", required=False, type=click.Path(file_okay=False))
+@click.option("--interval", type=click.FloatRange(min=0.05), default=1.0, show_default=True,
+              help="Seconds between refreshes.")
+@click.option("--once", is_flag=True, help="Print one snapshot and exit.")
+def top(run_dir: str | None, interval: float, once: bool) -> None:
+    """Watch a running pipeline: step, loss, step time, and what each worker is doing now.
+
+    RUN_DIR is the run's directory (printed by maestro run); by default the most recent running
+    one under runs/. With no run there yet, or one that has ended (said how), top waits up to a
+    minute for one to start there. Read-only: attaching and detaching (Ctrl-C) never disturbs the run.
+    """
+    from maestro_flow.runtime.status import START_WAIT_S, ended, find_run, query, render
+
+    try:
+        path = find_run(run_dir, wait_s=0 if once else START_WAIT_S, say=lambda text: click.echo(text, err=True))
+        shown = False
+        while True:
+            try:
+                snapshot = query(path)
+                try:
+                    text = render(snapshot)
+                except (KeyError, TypeError, ValueError, AttributeError) as exc:
+                    raise FileNotFoundError(f"{path}: the run's answer is not a status snapshot top can show "
+                                            f"({type(exc).__name__}: {exc})") from None
+            except (FileNotFoundError, TimeoutError) as exc:
+                if shown and (done := ended(path)) is not None:  # it finished (or failed) while watched
+                    click.echo(done)
+                    return
+                if once or not shown or not isinstance(exc, TimeoutError):
+                    raise
+                text = f"waiting for the run to answer: {exc}"  # its coordinator lives: keep watching
+            if once:
+                click.echo(text)
+                return
+            click.echo("\x1b[2J\x1b[H" + f"{path}\n" + text)
+            shown = True
+            time.sleep(interval)
+    except (FileNotFoundError, TimeoutError) as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        return
