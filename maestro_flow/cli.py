@@ -182,6 +182,9 @@ def main(ctx: click.Context, debug: bool) -> None:
 @click.option("--pin-cpus", is_flag=True, help="Pin each CPU worker to its own cores (shared by all when there are "
                                                "more workers than cores); the cores are those `maestro run` may use "
                                                "(e.g. under taskset).")
+@click.option("--stop-on-nan", is_flag=True,
+              help="Stop the run (exit 1) at the first step whose loss or gradient norm is NaN or inf, writing no "
+                   "checkpoint or --save-dir of that step [default: warn once and train on].")
 @click.option("--quiet", is_flag=True, help="No progress output.")
 @click.pass_context
 def run(ctx: click.Context, pipeline: str, steps: int | None, sets: tuple[str, ...], colocated: bool,
@@ -191,7 +194,7 @@ def run(ctx: click.Context, pipeline: str, steps: int | None, sets: tuple[str, .
         resume: str | None, max_restarts: int, tensorboard: str | None, nnodes: int | None, node_rank: int | None,
         rdzv_endpoint: str | None, nproc_per_node: int | None, host: str | None, interface: str | None,
         secret_file: str | None, baseline: str | None, devices: int | None, micro_batch: int | None,
-        pin_cpus: bool, quiet: bool) -> None:
+        pin_cpus: bool, stop_on_nan: bool, quiet: bool) -> None:
     """Train PIPELINE (a Python file defining pipeline(**overrides)).
 
     Every run writes a run directory (runs/NAME-TIMESTAMP unless --run-dir or --no-run-dir): the
@@ -255,7 +258,7 @@ def run(ctx: click.Context, pipeline: str, steps: int | None, sets: tuple[str, .
                              tensorboard=tensorboard, host=host, interface=interface, secret_file=secret_file,
                              nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint,
                              nproc_per_node=nproc_per_node, baseline=baseline, devices=devices,
-                             micro_batch=micro_batch, pin_cpus=pin_cpus)
+                             micro_batch=micro_batch, pin_cpus=pin_cpus, stop_on_nan=stop_on_nan)
         from maestro_flow.runtime.reaper import subreaper
 
         with subreaper():  # what a worker killed by a signal leaves running is stopped with the run

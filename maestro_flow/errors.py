@@ -5,7 +5,7 @@ the section, replica, step and the traceback formatted as text in the process th
 `SystemFailure` is the runtime itself failing (a dead process, a closed channel, a protocol
 mismatch, a timeout). `PipelineError` is bad input, found before any process starts (or, for a
 checkpoint that does not fit the pipeline, when a worker first reads it). `CheckpointError` is a
-checkpoint that could not be written.
+checkpoint that could not be written; `Diverged` a run stopped by `--stop-on-nan`.
 """
 
 from __future__ import annotations
@@ -41,6 +41,11 @@ class StageOutputError(MaestroError):
 class CheckpointError(MaestroError):
     """A checkpoint could not be written (full disk, unwritable folder); the previous one is intact.
     Not a SystemFailure: restarting would fail the same way."""
+
+
+class Diverged(MaestroError):
+    """A step's loss or gradient norm was NaN or inf and `--stop-on-nan` asked to stop there (no
+    checkpoint of that step is written). Not a SystemFailure: restarting would diverge the same way."""
 
 
 class SystemFailure(MaestroError):

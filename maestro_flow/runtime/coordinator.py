@@ -36,7 +36,7 @@ import zmq
 from maestro_flow.checkpoint.checkpointer import Checkpointer, CheckpointOptions
 from maestro_flow.checkpoint.manifest import Manifest, rng_file
 from maestro_flow.config import Pipeline
-from maestro_flow.errors import SystemFailure, TimeoutFailure
+from maestro_flow.errors import Diverged, SystemFailure, TimeoutFailure
 from maestro_flow.graph import SectionGraph
 from maestro_flow.planner import make_planner
 from maestro_flow.planner.plan import Placement, Plan
@@ -335,8 +335,9 @@ class Coordinator(CoordinatorIO):
                 row["startup_s"] = self.startup_s
                 row["startup"] = dict(self.startup_parts)
             self.liveness.step_time(row["step_time_s"])
+            diverged = self.report.stops_at(row)  # --stop-on-nan: no checkpoint of the diverged weights
             try:
-                if self.checkpointer.due(step + 1, p.steps):
+                if not diverged and self.checkpointer.due(step + 1, p.steps):
                     t0 = time.perf_counter()
                     saved = self._checkpoint(step + 1, ledger)
                     # No step can finish while the workers save: the hang clock starts after it.
@@ -344,8 +345,12 @@ class Coordinator(CoordinatorIO):
                     if saved:
                         row["checkpoint_s"] = time.perf_counter() - t0
             finally:  # the step is done even when its checkpoint failed
-                self.report.step(row)
                 self.last_row = row
+                try:
+                    self.report.step(row)
+                except Diverged as exc:  # and where to go on from
+                    newest = self.checkpointer.previous() if self.checkpointer.options.dir else ""
+                    raise Diverged(f"{exc}{newest}") from None
             send_plans(step + 1 + p.lookahead_steps, step + 1)
 
     def _send_plan(self, plan: Plan, started: float, ledger: StepLedger) -> None:

@@ -24,7 +24,7 @@ import time
 from collections.abc import Sequence
 from typing import Any, TextIO
 
-from maestro_flow.errors import PipelineError
+from maestro_flow.errors import Diverged, PipelineError
 from maestro_flow.runtime.guard import WriteGuard
 
 GRADLESS_STEPS = 2  # steps running with samples and an all-zero gradient before a trainable section is warned of
@@ -156,10 +156,13 @@ def _rows_before(whole: bytes, step: int) -> bytes | None:
 
 class RunReport:
     def __init__(self, *, total_steps: int, metrics_out: str | Sequence[str] | None, stream: TextIO | None = None,
-                 show_progress: bool = True, sinks: Sequence[Any] = (), resume_at: int | None = None) -> None:
+                 show_progress: bool = True, sinks: Sequence[Any] = (), resume_at: int | None = None,
+                 stop_on_nan: bool = False) -> None:
         """`resume_at`: the step a resumed run starts at. Its metrics files then go on where the
         checkpoint left them: the rows of earlier steps are kept, those of this step and later
-        (steps run after the checkpoint, before the run stopped) are replaced by the new ones."""
+        (steps run after the checkpoint, before the run stopped) are replaced by the new ones.
+        `stop_on_nan`: `step` raises Diverged on the first row whose loss or gradient norm is not
+        finite (once it is written); without it the run is warned and goes on."""
         self.total = total_steps
         self.stream = stream or sys.stderr
         self.tty = self.stream.isatty()
@@ -179,6 +182,7 @@ class RunReport:
             raise
         self._t0 = time.monotonic()
         self.resumed = resume_at is not None
+        self.stop_on_nan = stop_on_nan
         self.non_finite: int | None = None  # the first step (its index) whose loss or gradient norm was NaN or inf
         self.gradless: dict[str, int] = {}  # trainable section -> steps running with samples and an all-zero gradient
         self.gradless_said: set[str] = set()  # sections warned of (once each)
@@ -196,8 +200,11 @@ class RunReport:
             # the user may want the steps after it), but nobody should learn it from the summary.
             self.non_finite = row["step"]
             self._newline()
-            self.stream.write(f"maestro: warning: step {row['step'] + 1}: {_what_diverged(row)} is not finite "
-                              "(training diverged, or a stage computes NaN/inf); the run goes on\n")
+            if self.stop_on_nan:
+                raise Diverged(f"step {row['step'] + 1}: {_what_diverged(row)}; the run stopped "
+                               "(--stop-on-nan) before writing any checkpoint or --save-dir of that step")
+            self.stream.write(f"maestro: warning: step {row['step'] + 1}: {_what_diverged(row)} "
+                              "(training diverged, or a stage computes NaN/inf); the run goes on (--stop-on-nan stops it)\n")
             self.stream.flush()
         self._warn_frozen_in_fact(row)
         if not self.show:
@@ -217,6 +224,11 @@ class RunReport:
         elif len(self.rows) == 1 or n == self.total or n % max(1, self.total // 10) == 0:
             self.stream.write(f"step {n}/{self.total}  loss {loss_s}  {row['step_time_s']:.3f} s/step\n")
             self.stream.flush()
+
+    def stops_at(self, row: dict[str, Any]) -> bool:
+        """Whether `step(row)` will stop the run (--stop-on-nan): its step's checkpoint is then not
+        written, so the newest one holds weights that were still finite."""
+        return self.stop_on_nan and not _finite(row)
 
     def _warn_frozen_in_fact(self, row: dict[str, Any]) -> None:
         """Said once per section, with or without progress output, after GRADLESS_STEPS steps
@@ -310,4 +322,4 @@ def _what_diverged(row: dict[str, Any]) -> str:
     norm = row.get("grad_norm")
     if isinstance(norm, float) and not math.isfinite(norm):
         bad.append(f"gradient norm {norm}")
-    return " and ".join(bad)
+    return " and ".join(bad) + (" are not finite" if len(bad) > 1 else " is not finite")

@@ -63,6 +63,7 @@ class RunOptions:
     devices: int | None = None  # the baseline's data-parallel ranks (None: as many as section mode's workers)
     micro_batch: int | None = None  # the baseline's one micro-batch size (None: the loss section's)
     pin_cpus: bool = False  # each CPU worker on its own cores (runtime/cpus.py)
+    stop_on_nan: bool = False  # stop at the first step whose loss or gradient norm is NaN or inf (else warn)
 
 
 def resolve_host(options: RunOptions, nodes: Nodes) -> str:
@@ -388,7 +389,8 @@ def _lead(pipeline: Any, original: Any, checked: Any, paths: Any, options: RunOp
             if options.show_progress:
                 print(f"tensorboard: {sinks[-1].log_dir}", file=sys.stderr)
         report = RunReport(total_steps=pipeline.steps, metrics_out=metrics, show_progress=options.show_progress,
-                           sinks=sinks, resume_at=resume[1].step if resume else None)
+                           sinks=sinks, resume_at=resume[1].step if resume else None,
+                           stop_on_nan=options.stop_on_nan)
     except BaseException:
         checkpointer.close()
         if run_dir is not None:  # and the run dir's (found in review: held while node 0 told the other nodes)

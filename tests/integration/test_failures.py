@@ -6,6 +6,7 @@ faulty.py, whose student stage fails on purpose as configured by --set.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -15,6 +16,7 @@ import time
 
 import pytest
 
+from maestro_flow.checkpoint.manifest import step_dir
 from maestro_flow.transport.host import OWNER_SUFFIX, SHM_DIR, sweep_orphans
 from tests.integration.conftest import ASSETS, ROOT, descendants, maestro, wait_gone, worker_pids
 
@@ -292,3 +294,35 @@ def test_an_interrupted_colocated_run_is_an_interrupt_not_a_stage_error(demo_dat
     err = "".join(lines)
     assert proc.returncode == 130, err[-2000:]
     assert "interrupted" in err and "stage error" not in err, err
+
+
+@pytest.mark.parametrize("colocated", [False, True], ids=["sections", "colocated"])
+def test_stop_on_nan_stops_at_that_step_and_keeps_the_finite_checkpoint(demo_data, tmp_path, colocated):
+    """--stop-on-nan: the run stops at the first NaN step (exit 1, named as the progress line
+    counts), its row written, no checkpoint or --save-dir of it; the newest checkpoint is named."""
+    ckpt, save, metrics = tmp_path / "ckpt", tmp_path / "save", tmp_path / "metrics.jsonl"
+    args = ["run", PIPELINE, "--quiet", "--no-run-dir", "--stop-on-nan", "--set", f"data.path={demo_data}",
+            "--set", "sections.student.config.fail=nan", "--set", "sections.student.config.at_step=2",
+            "--save-dir", str(save), "--metrics-out", str(metrics)]
+    args += ["--colocated"] if colocated else ["--checkpoint-dir", str(ckpt), "--checkpoint-every", "1"]
+    result = maestro(*args, timeout=90)
+    assert result.returncode == 1, result.stderr
+    err = result.stderr
+    assert "error: step 3: loss nan" in err and "gradient norm nan are not finite; the run stopped (--stop-on-nan)" in err, err
+    assert "Traceback" not in err
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2] and rows[-1]["loss"] is None
+    assert not (save / "student.safetensors").exists()
+    if not colocated:
+        assert sorted(n for n in os.listdir(ckpt) if not n.startswith(".")) == [
+            os.path.basename(step_dir(str(ckpt), s)) for s in (1, 2)]  # none of the NaN step
+        assert f"the newest complete checkpoint is {step_dir(str(ckpt), 2)}" in err
+
+
+def test_without_stop_on_nan_a_nan_run_is_warned_of_and_trains_on(demo_data, tmp_path):
+    result = maestro("run", PIPELINE, "--quiet", "--no-run-dir", "--set", f"data.path={demo_data}",
+                     "--set", "sections.student.config.fail=nan", "--set", "sections.student.config.at_step=2",
+                     "--save-dir", str(tmp_path / "save"), timeout=90)
+    assert result.returncode == 0, result.stderr
+    assert "maestro: warning: step 3: loss nan" in result.stderr and "the run goes on" in result.stderr
+    assert (tmp_path / "save" / "student.safetensors").exists()

@@ -10,6 +10,7 @@ import threading
 import pytest
 
 from maestro_flow import ArrowData, Pipeline, Section
+from maestro_flow.errors import Diverged
 from maestro_flow.runtime.guard import WriteGuard
 from maestro_flow.runtime.report import RunReport
 from maestro_flow.runtime.rundir import RunDir, default_run_dir
@@ -172,11 +173,26 @@ def test_a_loss_that_is_not_finite_is_warned_about_once(capsys, show):
     err = capsys.readouterr().err
     assert err.count("warning") == 1
     # Counted from 1, as the progress line counts (found in QA: "step 1: loss nan" under "step 2/4 loss nan")
-    assert "maestro: warning: step 2: gradient norm inf is not finite" in err
+    assert "maestro: warning: step 2: gradient norm inf is not finite" in err and "--stop-on-nan stops it" in err
     assert report.summary().endswith("(not finite from step 2)")
     clean = RunReport(total_steps=1, metrics_out=None, show_progress=show)
     clean.step({"step": 0, "step_time_s": 0.1, "sections": {}, "loss": {"a": 1.0}, "grad_norm": None})
     assert "warning" not in capsys.readouterr().err and "not finite" not in clean.summary()
+
+
+def test_stop_on_nan_raises_once_the_row_is_written(tmp_path, capsys):
+    metrics = tmp_path / "m.jsonl"
+    report = RunReport(total_steps=5, metrics_out=str(metrics), show_progress=False, stop_on_nan=True)
+    finite = {"step": 0, "step_time_s": 0.1, "sections": {}, "loss": 2.0, "grad_norm": 1.0}
+    nan = {**finite, "step": 1, "loss": {"a": 1.0, "b": float("nan")}}
+    assert not report.stops_at(finite) and report.stops_at(nan)
+    report.step(finite)
+    with pytest.raises(Diverged, match=r"^step 2: loss nan is not finite; the run stopped \(--stop-on-nan\)"):
+        report.step(nan)
+    report.close()
+    assert [json.loads(line)["loss"] for line in metrics.read_text().splitlines()] == [2.0, {"a": 1.0, "b": None}]
+    assert "warning" not in capsys.readouterr().err  # the error says it, once
+    assert not RunReport(total_steps=1, metrics_out=None, show_progress=False).stops_at(nan)  # the default: warn
 
 
 @pytest.mark.parametrize("show", [True, False])

@@ -1,7 +1,7 @@
 """A trainable LM stage that fails on purpose, for the failure-matrix tests.
 
 Config keys besides CausalLM's: `fail` ("setup", "setup_hang", "prepare", "forward", "kill", "segfault", "hang",
-"exit0", "sys_exit" or None), `at_step`
+"exit0", "sys_exit", "nan" (a NaN loss from `at_step` on) or None), `at_step`
 and `on_replica` (which step and replica fail), `sleep_s` (slow every forward down), `helper_s` (start
 `sleep helper_s` as a helper process, left running), `atexit_file` (an atexit handler appends the
 replica's number to it).
@@ -78,4 +78,7 @@ class Faulty(CausalLM):
                 os._exit(0)
             if f["fail"] == "sys_exit":
                 sys.exit(3)
-        return super().forward(batch)
+        out = super().forward(batch)
+        if f["fail"] == "nan" and batch.step >= f["at_step"] and self.ctx.replica == (f["on_replica"] or 0):
+            out["loss"] = out["loss"] * float("nan")  # as a diverged model's loss: NaN, and NaN gradients
+        return out
