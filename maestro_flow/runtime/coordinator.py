@@ -94,7 +94,7 @@ class Coordinator(CoordinatorIO):
                  worker_entry: Callable[[dict], None] = worker_main, observer: RunObserver | None = None,
                  run_dir: str | None = None, record: dict | None = None,
                  checkpointer: Checkpointer | None = None, resume: tuple[str, Manifest] | None = None,
-                 restarts: int = 0, secret: bytes | None = None, host: str = zmq_link.LOOPBACK,
+                 restarts: int = 0, carried_restarts: int = 0, secret: bytes | None = None, host: str = zmq_link.LOOPBACK,
                  interface: str | None = None, nodes: Nodes | None = None, rdzv: Any = None,
                  rdzv_key: bytes | None = None, files: dict | None = None, pin_cpus: bool = False) -> None:
         self.pipeline, self.graph, self.sampler, self.report = pipeline, graph, sampler, report
@@ -125,6 +125,7 @@ class Coordinator(CoordinatorIO):
         self.checkpointer = checkpointer or Checkpointer(CheckpointOptions())
         self.resume = resume  # (checkpoint folder, its manifest): start there
         self.restarts = restarts  # automatic restarts before this attempt (recorded in checkpoints)
+        self.carried_restarts = carried_restarts  # those the --resume checkpoint carried (an earlier run's)
         # The control plane: sealed frames under a key of this attempt (protocol/auth.py).
         self.host, self.interface = host, interface  # where the control plane, store and gloo listen
         self.secret = secret or new_secret()

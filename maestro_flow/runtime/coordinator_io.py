@@ -132,7 +132,9 @@ class CoordinatorIO:
                             **self.liveness.status.get(rank, {})})
         return {"pipeline": self.pipeline.name, "step": self.awaited_step, "steps": self.pipeline.steps,
                 "loss": row.get("loss"), "step_time_s": row.get("step_time_s"), "workers": workers,
-                "restarts": getattr(self, "restarts", 0),
+                # This run's own: top said "after 1 automatic restart" of a run resumed from a checkpoint
+                # written after an earlier run's restart, though it never restarted (found in QA).
+                "restarts": self.restarts - self.carried_restarts,
                 **({"phase": self._startup_phase()} if self.awaiting is not None else {})}
 
     awaiting: tuple[str, dict | set] | None = None  # during startup: what the workers are awaited for, who has

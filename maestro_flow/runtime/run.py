@@ -410,14 +410,15 @@ def _lead(pipeline: Any, original: Any, checked: Any, paths: Any, options: RunOp
             def attempt(resume_at: tuple[str, mf.Manifest] | None, restarts: int) -> None:
                 Coordinator(pipeline, checked.graph, sampler, report, paths=paths, save_dir=options.save_dir,
                             observer=observer, run_dir=options.run_dir, record=record, checkpointer=checkpointer,
-                            resume=resume_at, restarts=restarts, secret=secret, host=host,
+                            resume=resume_at, restarts=restarts, carried_restarts=carried, secret=secret, host=host,
                             interface=options.interface, nodes=nodes, rdzv=rdzv, rdzv_key=rkey, files=files,
                             pin_cpus=options.pin_cpus).run()
 
             rdzv, rkey = (meeting.store, meeting.key) if meeting is not None else (None, None)
+            carried = resume[1].restarts if resume else 0
             try:
                 supervise(attempt, max_restarts=ckpt.max_restarts, committed=lambda: checkpointer.committed,
-                          resume=resume, restarts=resume[1].restarts if resume else 0,
+                          resume=resume, restarts=carried,
                           log=lambda text: print(text, file=sys.stderr, flush=True),
                           on_restart=run_dir.event if run_dir is not None else lambda event: None)
             except BaseException as exc:

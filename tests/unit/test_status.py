@@ -73,6 +73,24 @@ def test_top_says_what_a_starting_run_waits_for():
     assert text.splitlines()[-1].split()[1] == "starting"  # the row, not "?"
 
 
+def test_top_counts_this_runs_restarts_not_those_its_checkpoint_carried():
+    """Found in QA: a run resumed from a checkpoint written after an earlier run's automatic
+    restart showed "(after 1 automatic restart)" though it never restarted."""
+    from types import SimpleNamespace
+
+    from maestro_flow.planner.plan import Placement
+    from maestro_flow.runtime.coordinator_io import CoordinatorIO
+
+    io = CoordinatorIO()
+    io.placement = Placement.build(["student"], {"student": 1})
+    io.liveness = SimpleNamespace(last_seen={}, reported={}, status={})
+    io.pipeline, io.last_row, io.awaited_step, io.replica_busy = SimpleNamespace(name="distill", steps=10), None, 3, {}
+    io.restarts, io.carried_restarts = 1, 1  # resumed from a checkpoint that recorded 1 restart
+    assert "automatic restart" not in render(io._snapshot()).splitlines()[0]
+    io.restarts = 3  # and restarted twice since
+    assert "(after 2 automatic restarts)" in render(io._snapshot()).splitlines()[0]
+
+
 def test_a_status_file_whose_coordinator_is_gone_is_stale(tmp_path):
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
                           text=True).stdout.strip()
