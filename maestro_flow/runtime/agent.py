@@ -70,7 +70,7 @@ from maestro_flow.runtime.nodes import ABANDONED, NoAnswer, Nodes, bounded, node
 from maestro_flow.runtime.sealing import DIFFERS, NONCE, printable, read_answer, run_key, sealed, store_key, unsealed
 from maestro_flow.timeouts import Timeouts
 from maestro_flow.transport.host import SlotOwner, claim
-from maestro_flow.wording import cut
+from maestro_flow.wording import ABSENT, changed_keys, cut
 
 BEAT_WAIT_S = 3.0  # how long an agent watches another one's beat before it takes it as gone
 BEAT_STORE_S = 2.0  # the beat's store connection: its connect and each call give up after this
@@ -159,26 +159,16 @@ def comparable(pipeline: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-_ABSENT = object()  # a key one side's dict lacks (not the same as None there)
-
-
-def differences(mine: Any, theirs: Any, where: str = "") -> list[str]:
+def differences(mine: Any, theirs: Any) -> list[str]:
     """The keys (dotted, as --set names them) where two pipeline dicts differ, with both values."""
-    if isinstance(mine, dict) and isinstance(theirs, dict):
-        out = []
-        for k in sorted(set(mine) | set(theirs), key=str):
-            out += differences(mine.get(k, _ABSENT), theirs.get(k, _ABSENT), f"{where}.{k}" if where else str(k))
-        return out
-    if isinstance(mine, list) and isinstance(theirs, list) and all(
-            isinstance(x, dict) and "name" in x for x in mine + theirs) and all(
-            len({x["name"] for x in xs}) == len(xs) for xs in (mine, theirs)):  # sections, by their (unique) names
-        return differences({x["name"]: x for x in mine}, {x["name"]: x for x in theirs}, where)
-    if mine == theirs:
-        return []
-    if _ABSENT in (mine, theirs):  # found in QA: a whole section was printed; found in review: None == absent
-        value, side = (mine, "here only") if theirs is _ABSENT else (theirs, "on node 0 only")
-        return [f"{where} ({side})" if isinstance(value, dict) else f"{where} ({_short(value)} {side})"]
-    return [f"{where} ({_short(mine)} here, {_short(theirs)} on node 0)"]
+    out = []
+    for where, a, b in changed_keys(mine, theirs):
+        if ABSENT in (a, b):  # found in QA: a whole section was printed; found in review: None == absent
+            value, side = (a, "here only") if b is ABSENT else (b, "on node 0 only")
+            out.append(f"{where} ({side})" if isinstance(value, dict) else f"{where} ({_short(value)} {side})")
+        else:
+            out.append(f"{where} ({_short(a)} here, {_short(b)} on node 0)")
+    return out
 
 
 def _short(value: Any) -> str:

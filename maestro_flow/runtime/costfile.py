@@ -55,7 +55,7 @@ from typing import Any
 from maestro_flow.config import Cost, Pipeline, Section, is_number
 from maestro_flow.errors import PipelineError
 from maestro_flow.runtime.outputs import check_writable
-from maestro_flow.wording import cut
+from maestro_flow.wording import ABSENT, changed_keys, cut
 
 VERSION = 2
 FIGURES = ("micro_batch_overhead_s", "memory_base_mb", "peak_memory_mb_per_sample", "runtime_overhead_s",
@@ -190,25 +190,13 @@ def profiled_with(pipeline: Pipeline, section: Section) -> dict[str, Any]:
                    "modality_columns": pipeline.data.modality_columns})
 
 
-_ABSENT = object()
-
-
-def _changed(was: dict[str, Any], now: dict[str, Any], prefix: str = "", depth: int = 1) -> list[str]:
-    """The fields that differ, `depth` levels into objects ("config.d_model (256, now 1024)")."""
-    out = []
-    for k in sorted(set(was) | set(now)):
-        a, b = was.get(k, _ABSENT), now.get(k, _ABSENT)
-        if a == b:
-            continue
-        if depth and isinstance(a, dict) and isinstance(b, dict):
-            out += _changed(a, b, f"{prefix}{k}.", depth - 1)
-        else:
-            out.append(f"{prefix}{k} ({_show(a)}, now {_show(b)})")
-    return out
+def _changed(was: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """The fields that differ, named two levels deep ("config.d_model (256, now 1024)")."""
+    return [f"{where} ({_show(a)}, now {_show(b)})" for where, a, b in changed_keys(was, now, levels=2)]
 
 
 def _show(value: Any) -> str:
-    return cut("unset" if value is _ABSENT else repr(value), 60)
+    return cut("unset" if value is ABSENT else repr(value), 60)
 
 
 def check_cost_file(pipeline: Pipeline, costs: CostFile) -> None:
