@@ -360,7 +360,11 @@ def check_pipeline(pipeline: Pipeline, build: bool = False) -> Checked:
     for s in pipeline.sections:
         for c in s.columns or ():
             if c not in source.column_names:
-                raise PipelineError(f"sections.{s.name}.columns: dataset {pipeline.data.path} has no column {c!r}")
+                # found in QA: data without audio for the multimodal pipeline said only this line
+                fix = (f"; without {s.activates_on} data, take section {s.name!r} and its edges out of the pipeline"
+                       if s.activates_on else "")
+                raise PipelineError(f"sections.{s.name}.columns: dataset {pipeline.data.path} has no column {c!r} "
+                                    f"(its columns: {', '.join(source.column_names)}){fix}")
     declared_checks(pipeline, source, strict=False)  # the columns a stage reads with its payloads
     metadata = source.metadata()
     check_token_limits(pipeline, source, metadata)

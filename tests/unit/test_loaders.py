@@ -477,3 +477,18 @@ def test_non_finite_values_are_found_in_nested_lists():
     assert rows_with_non_finite(pixels).tolist() == [False, False, True, True, False]
     assert rows_with_non_finite(pixels.slice(2, 2)).tolist() == [True, True]
     assert rows_with_non_finite(pa.array([[1, 2], [3]], type=pa.list_(pa.int32()))).tolist() == [False, False]
+
+
+def test_a_modality_section_on_data_without_its_column_says_to_take_it_out(tmp_path):
+    """Found in QA: the multimodal pipeline on data without audio said only that the column is missing."""
+    from maestro_flow.runtime.build import load_pipeline
+    from maestro_flow.runtime.checks import check_pipeline
+
+    table = multimodal_table(modalities=[["text"], ["text", "image"], ["text"], ["image"]], audio=None,
+                             sample_rate=None)
+    path = write_arrow(table, tmp_path / "no_audio.arrow")
+    pipeline = load_pipeline("pipelines/multimodal.py", {"data.path": str(path), "global_batch": 4})[0]
+    with pytest.raises(PipelineError, match=r"^sections\.audio\.columns: dataset .* has no column 'audio' \(its "
+                                            r"columns: id, modalities, tokens, image, num_patches, caption\); without "
+                                            r"audio data, take section 'audio' and its edges out of the pipeline$"):
+        check_pipeline(pipeline)
