@@ -22,6 +22,7 @@ it when the job is over (`release`), so `top` never finds the run gone while it 
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import re
@@ -223,15 +224,29 @@ def find_run(run_dir: str | None, root: str = "runs", wait_s: float = 0.0, say: 
             if say is not None:
                 said = f"{exc}; waiting" if isinstance(exc, Over) else "waiting"
                 say(f"{said} up to {wait_s:.0f}s for a {'new ' if isinstance(exc, Over) else ''}run to start in "
-                    f"{run_dir} (Ctrl-C stops)")
+                    f"{run_dir} (Ctrl-C stops){_did_you_mean(run_dir)}")
                 say = None
             time.sleep(0.2)
+
+
+def _did_you_mean(run_dir: str | None) -> str:
+    """For a RUN_DIR not there (yet): the run dir beside it whose name is closest (found in QA: a
+    typo waited a minute for a run that would never start there, without a word on it)."""
+    if not run_dir or os.path.isdir(run_dir):
+        return ""
+    parent, name = os.path.split(os.path.normpath(run_dir))
+    try:
+        near = difflib.get_close_matches(name, [d for d in os.listdir(parent or ".")
+                                                if os.path.isdir(os.path.join(parent, d))], n=1, cutoff=0.75)
+    except OSError:
+        return f"; {parent} does not exist either"
+    return f"; did you mean {os.path.join(parent, near[0])}?" if near else ""
 
 
 def _find_run(run_dir: str | None, root: str) -> str:
     if run_dir:
         if not os.path.isdir(run_dir):  # found in review: said "has no status.json" of a folder not there
-            raise NotYet(f"{run_dir}: no such run directory")
+            raise NotYet(f"{run_dir}: no such run directory{_did_you_mean(run_dir)}")
         if not os.path.exists(os.path.join(run_dir, "status.json")):
             if re.fullmatch(r"node-[1-9]\d*", os.path.basename(os.path.normpath(run_dir))):  # found in QA
                 raise FileNotFoundError(f"{run_dir} is another node's folder of a run over several nodes (its workers' "

@@ -107,6 +107,21 @@ def test_a_status_file_whose_coordinator_is_gone_is_stale(tmp_path):
         find_run(str(tmp_path / "nope"))  # found in review: "has no status.json: the run is not running"
 
 
+def test_top_waiting_for_a_run_dir_not_there_names_close_ones(tmp_path):
+    """Found in QA: a typo'd RUN_DIR waited a minute for a run that would never start there."""
+    from maestro_flow.runtime.status import NotYet
+
+    (tmp_path / "runs" / "distill-20261129-101500").mkdir(parents=True)
+    (tmp_path / "runs" / "vlm-20261129-101500").mkdir()
+    said = []
+    typo = tmp_path / "runs" / "distil-20261129-101500"
+    with pytest.raises(NotYet, match=r"no such run directory; did you mean .*/runs/distill-20261129-101500\?$"):
+        find_run(str(typo), wait_s=0.3, say=said.append)
+    assert said[0].endswith(f"(Ctrl-C stops); did you mean {tmp_path}/runs/distill-20261129-101500?")
+    with pytest.raises(NotYet, match=r"no such run directory; .*/rnus does not exist either$"):
+        find_run(str(tmp_path / "rnus" / "distill-1"))
+
+
 def test_top_waits_for_a_run_to_start_and_says_how_one_ended(tmp_path):
     """Found in QA: `top DIR` started beside `maestro run --run-dir DIR` said "no such run
     directory", and of a run that had failed only "the run is not running"."""
