@@ -27,8 +27,9 @@ Before DALI sees them, images are screened (loaders/image_check.py): bytes of no
 GIF, and a PNG or JPEG cut short or failing its CRCs are refused like any image that cannot be
 decoded, without DALI (whose failing batches cost a rebuild and, now and then, crash the
 process). So are images over `max_pixels` (height x width from the header, 8192 x 8192 by
-default): a few-KB file can declare a picture of many GB. PNG and JPEG headers are read in
-Python; any other format's size comes from a small DALI pipeline of `fn.peek_image_shape` alone.
+default): a few-KB file can declare a picture of many GB. Headers are read in Python
+(image_check.header_size); where one does not say, the size comes from a small DALI pipeline of
+`fn.peek_image_shape` alone.
 
 DALI's CPU-only pipeline must be built with `device_id=None`: any other value makes DALI initialise
 CUDA, which fails on a machine without a GPU (and wastes a CUDA context on one that has a GPU).

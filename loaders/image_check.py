@@ -1,5 +1,6 @@
 """What can be told about encoded image bytes without decoding them: the format (from the first
-bytes), the size a PNG, JPEG, WebP, BMP or PNM header declares, and whether a PNG or JPEG is whole.
+bytes), the size its header declares (PNG, JPEG, WebP, BMP, PNM, TIFF, JPEG 2000), and whether a
+PNG or JPEG is whole.
 
 The image decoder (loaders/dali.py) asks these before DALI sees an image. A file that is not an
 image, or a PNG or JPEG that is cut short or whose image data fails its checksums (a PNG's
@@ -11,8 +12,8 @@ junk image among 32 PNGs crashed 1 to 4 runs in 5). Pure Python and cheap: a PNG
 
 What is not checked: a PNG whose compressed data is corrupt yet passes its CRCs (crafted), a
 JPEG whose entropy-coded data is corrupt (libjpeg-turbo decodes it with a warning), and formats
-other than PNG and JPEG beyond their first bytes and, for WebP, BMP and PNM, the size their
-header declares (TIFF and JPEG 2000 sizes are not read): the rest is left to DALI.
+other than PNG and JPEG beyond their first bytes and the size their header declares: the rest is
+left to DALI.
 """
 
 from __future__ import annotations
@@ -139,16 +140,17 @@ def _jpeg_problem(data: memoryview) -> str | None:
 
 
 def header_size(data: bytes | np.ndarray) -> tuple[int, int] | None:
-    """(height, width) a PNG, JPEG, WebP, BMP or PNM declares in its header; None for another
-    format (TIFF, JPEG 2000), or a header that does not say (DALI then tells, or fails to decode
-    it). Found in QA: a WebP's or BMP's size went unread, so `validate --payloads` did not check
-    its num_patches, nor the decoder its max_pixels."""
+    """(height, width) a PNG, JPEG, WebP, BMP, PNM, TIFF or JPEG 2000 declares in its header (a
+    TIFF: its first image); None for another format, or a header that does not say (DALI then
+    tells, or fails to decode it). Found in QA: a WebP's or BMP's size went unread, so `validate
+    --payloads` did not check its num_patches, nor the decoder its max_pixels; a TIFF's and a JPEG
+    2000's were not read until later."""
     data = memoryview(data)  # no copy; a JPEG's frame header may follow 64 KB segments of metadata
     if data[:8] == PNG and data[12:16] == b"IHDR" and len(data) >= 24:
         width, height = struct.unpack(">II", data[16:24])
         return height, width
     if data[:2] != b"\xff\xd8":
-        return _webp_size(data) or _bmp_size(data) or _pnm_size(data)
+        return _webp_size(data) or _bmp_size(data) or _pnm_size(data) or _tiff_size(data) or _jpeg2000_size(data)
     try:
         for marker, i, _ in _jpeg_segments(data):
             if marker in JPEG_SOF:
@@ -202,4 +204,70 @@ def _pnm_size(data: memoryview) -> tuple[int, int] | None:
             numbers.append(int(word))
             if len(numbers) == 2:
                 return numbers[1], numbers[0]
+    return None
+
+
+def _tiff_size(data: memoryview) -> tuple[int, int] | None:
+    """A TIFF's first image: the ImageLength (257) and ImageWidth (256) entries of its first
+    directory, in classic TIFF (32-bit offsets) or BigTIFF (64-bit), either byte order."""
+    order = {b"II": "<", b"MM": ">"}.get(bytes(data[:2]))
+    if order is None or len(data) < 16:
+        return None
+    magic = struct.unpack(order + "H", data[2:4])[0]
+    if magic == 42:  # offset, then count: 2 bytes, entries of 12 (tag, type, count: 4, value: 4)
+        offset, count_fmt, entry, value_at = struct.unpack(order + "I", data[4:8])[0], "H", 12, 8
+    elif magic == 43:  # BigTIFF: count 8 bytes, entries of 20 (count: 8, value: 8)
+        offset, count_fmt, entry, value_at = struct.unpack(order + "Q", data[8:16])[0], "Q", 20, 12
+    else:
+        return None
+    count_size = struct.calcsize(count_fmt)
+    if offset + count_size > len(data):
+        return None
+    n = struct.unpack(order + count_fmt, data[offset:offset + count_size])[0]
+    sides: dict[int, int] = {}
+    for i in range(min(n, (len(data) - offset - count_size) // entry)):
+        at = offset + count_size + i * entry
+        tag, kind = struct.unpack(order + "HH", data[at:at + 4])
+        if tag in (256, 257) and kind in _TIFF_UINT:
+            fmt = _TIFF_UINT[kind]
+            sides[tag] = struct.unpack(order + fmt, data[at + value_at:at + value_at + struct.calcsize(fmt)])[0]
+    return (sides[257], sides[256]) if sides.get(256) and sides.get(257) else None
+
+
+_TIFF_UINT = {3: "H", 4: "I", 16: "Q"}  # SHORT, LONG, LONG8: the types a TIFF's width and length take
+
+
+def _jpeg2000_size(data: memoryview) -> tuple[int, int] | None:
+    """A JPEG 2000 codestream's image area (its SIZ segment: Xsiz - XOsiz by Ysiz - YOsiz), or a
+    JP2 file's, from the image header box (ihdr) inside its header box (jp2h)."""
+    if data[:4] == b"\xff\x4f\xff\x51" and len(data) >= 24:
+        xsiz, ysiz, x0, y0 = struct.unpack(">IIII", data[8:24])
+        return (ysiz - y0, xsiz - x0) if xsiz > x0 and ysiz > y0 else None
+    if data[:12] != b"\x00\x00\x00\x0cjP  \r\n\x87\n":
+        return None
+    box = _jp2_box(data, 12, len(data), b"jp2h")
+    ihdr = _jp2_box(data, box[0], box[1], b"ihdr") if box is not None else None
+    if ihdr is None or ihdr[1] - ihdr[0] < 8:
+        return None
+    height, width = struct.unpack(">II", data[ihdr[0]:ihdr[0] + 8])
+    return (height, width) if height and width else None
+
+
+def _jp2_box(data: memoryview, start: int, end: int, kind: bytes) -> tuple[int, int] | None:
+    """The contents (start, end) of the first box of type `kind` between `start` and `end`."""
+    at = start
+    while at + 8 <= end:
+        length, box = struct.unpack(">I", data[at:at + 4])[0], bytes(data[at + 4:at + 8])
+        head = 8
+        if length == 1:  # a 64-bit length follows
+            if at + 16 > end:
+                return None
+            length, head = struct.unpack(">Q", data[at + 8:at + 16])[0], 16
+        elif length == 0:  # to the end
+            length = end - at
+        if length < head:
+            return None
+        if box == kind:
+            return at + head, min(at + length, end)
+        at += length
     return None

@@ -273,7 +273,7 @@ def image_problem(cfg: VisionConfig, data: Any, meta: SampleMeta) -> str | None:
     if problem is not None:  # the decoder refuses it: an error in the run, or skipped and counted
         return PayloadNote(f"{problem} (the run skips it: decode.skip_corrupt)") if decode.get("skip_corrupt") \
             else problem
-    if size is None:  # a format whose header is not read here (DALI reads it at run time)
+    if size is None:  # a header that does not say (DALI reads the image at run time)
         return None
     try:
         h, w = dali.target_size(*size, decode["max_side"], decode["patch"])

@@ -197,15 +197,32 @@ def test_bad_arguments():
 
 # -- images over max_pixels (found by review: a 730 KB PNG cost its worker 1.7 GB) ---------------
 
-def tiff(height: int, width: int) -> bytes:
-    """A TIFF (a format whose header the decoder does not read itself: DALI peeks it)."""
+def pillow(height: int, width: int, fmt: str = "TIFF", **options) -> bytes:
+    """An image Pillow encodes (TIFF, JPEG 2000, ...)."""
     import io
 
     from PIL import Image
 
     out = io.BytesIO()
-    Image.new("RGB", (width, height), (10, 200, 30)).save(out, format="TIFF")
+    Image.new("RGB", (width, height), (10, 200, 30)).save(out, format=fmt, **options)
     return out.getvalue()
+
+
+def tiff(height: int, width: int) -> bytes:
+    return pillow(height, width)
+
+
+def big_endian_tiff(height: int, width: int) -> bytes:
+    """A one-strip 8-bit grey TIFF in Motorola byte order ("MM"), its width a SHORT, its length a LONG."""
+    import struct
+
+    entries = [(256, 3, 1, struct.pack(">HH", width, 0)), (257, 4, 1, struct.pack(">I", height)),
+               (258, 3, 1, struct.pack(">HH", 8, 0)), (259, 3, 1, struct.pack(">HH", 1, 0)),
+               (262, 3, 1, struct.pack(">HH", 1, 0)), (273, 4, 1, struct.pack(">I", 8 + 2 + 9 * 12 + 4)),
+               (277, 3, 1, struct.pack(">HH", 1, 0)), (278, 4, 1, struct.pack(">I", height)),
+               (279, 4, 1, struct.pack(">I", height * width))]
+    ifd = struct.pack(">H", len(entries)) + b"".join(struct.pack(">HHI", t, k, n) + v for t, k, n, v in entries)
+    return b"MM\x00*" + struct.pack(">I", 8) + ifd + b"\0\0\0\0" + bytes((i * 7) % 256 for i in range(height * width))
 
 
 def bmp(height: int, width: int) -> bytes:
@@ -225,8 +242,21 @@ def test_header_size_reads_png_and_jpeg_as_dali_does(samples):
     assert [header_size(data) for data in images] == sizes
     assert header_size(np.frombuffer(images[-1], dtype=np.uint8)) == (427, 640)
     assert header_size(bmp(3, 5)) == (3, 5)
-    for other in (tiff(3, 5), b"", b"\xff\xd8", b"\xff\xd8\xff\xda\x00\x02", *BAD):
+    for other in (b"", b"\xff\xd8", b"\xff\xd8\xff\xda\x00\x02", *BAD, tiff(3, 5)[:12], b"MM\x00*\x00\x00\x00\x08",
+                  pillow(3, 5, "JPEG2000")[:40], pillow(3, 5, "JPEG2000", no_jp2=True)[:20]):
         assert header_size(other) is None  # DALI tells, or the decoder says why it cannot
+
+
+def test_header_size_reads_tiff_and_jpeg_2000_as_dali_peeks_them():
+    """Found in QA: their sizes went unread, so `validate --payloads` did not check num_patches."""
+    from loaders.image_check import header_size
+
+    images = [tiff(30, 50), pillow(31, 17, compression="tiff_lzw"), pillow(9, 300, big_tiff=True),
+              big_endian_tiff(12, 7), pillow(30, 50, "JPEG2000"), pillow(33, 21, "JPEG2000", no_jp2=True)]
+    sizes = [(30, 50), (31, 17), (9, 300), (12, 7), (30, 50), (33, 21)]
+    assert [header_size(data) for data in images] == sizes
+    peeked = ImageDecoder(max_pixels=10**6)._peek_sizes([np.frombuffer(data, np.uint8) for data in images])
+    assert [tuple(int(x) for x in size) for size in peeked] == sizes
 
 
 def test_an_image_over_max_pixels_is_refused_before_decoding():
@@ -237,7 +267,7 @@ def test_an_image_over_max_pixels_is_refused_before_decoding():
                                          r"max_pixels=1000000 \(the decoder's decode.max_pixels\)$"):
         dec.decode([good, big], [7, 8])
     with pytest.raises(ValueError, match="sample 5: .* 30 x 50 pixels, more than max_pixels=1000 "):
-        ImageDecoder(max_pixels=1000).decode([tiff(30, 50)], [5])  # a header not read here: DALI's peek gives the size
+        ImageDecoder(max_pixels=1000).decode([tiff(30, 50)], [5])
     with pytest.raises(ValueError, match="sample 6: .* 30 x 50 pixels, more than max_pixels=1000 "):
         ImageDecoder(max_pixels=1000).decode([bmp(30, 50)], [6])
     skip = ImageDecoder(max_pixels=1000 * 1000, skip_corrupt=True, batch_size=2)
@@ -268,9 +298,21 @@ def test_max_pixels_and_a_missing_dali_are_refused_at_construction(monkeypatch):
         ImageDecoder()
 
 
-def test_close_releases_both_pipelines():
+def test_a_header_not_read_here_is_sized_by_dalis_peek(monkeypatch):
+    import loaders.dali
+
+    monkeypatch.setattr(loaders.dali, "header_size", lambda data: None)  # as for a header that does not say
+    with pytest.raises(ValueError, match="sample 5: .* 30 x 50 pixels, more than max_pixels=1000 "):
+        ImageDecoder(max_pixels=1000).decode([tiff(30, 50)], [5])
+    assert ImageDecoder(max_pixels=1000).decode([tiff(20, 30)], [5])[0].shape == (3, 24, 32)  # under it: decoded
+
+
+def test_close_releases_both_pipelines(monkeypatch):
+    import loaders.dali
+
+    monkeypatch.setattr(loaders.dali, "header_size", lambda data: None)  # every size from the peek pipeline
     dec = ImageDecoder()
-    dec.decode([tiff(8, 8), solid_png(8, 8)], [1, 2])  # a TIFF's size comes from the peek pipeline
+    dec.decode([tiff(8, 8), solid_png(8, 8)], [1, 2])
     assert dec._pipe is not None and dec._peek is not None
     dec.close()
     assert dec._pipe is None and dec._peek is None

@@ -120,11 +120,17 @@ def test_bigtiff_and_a_doubled_jpeg_start_are_told_alike_everywhere(images):
     assert header_size(doubled) is None and header_size(jpeg) is not None
 
 
-@pytest.mark.parametrize("fmt", ["WEBP-lossy", "WEBP-lossless", "WEBP-alpha", "BMP", "PPM", "PGM"])
+OPTIONS = {"WEBP-lossless": {"lossless": True}, "TIFF-lzw": {"compression": "tiff_lzw"}, "TIFF-big": {"big_tiff": True},
+           "JPEG2000-codestream": {"no_jp2": True}}
+
+
+@pytest.mark.parametrize("fmt", ["WEBP-lossy", "WEBP-lossless", "WEBP-alpha", "BMP", "PPM", "PGM", "TIFF", "TIFF-lzw",
+                                 "TIFF-big", "JPEG2000", "JPEG2000-codestream"])
 @pytest.mark.parametrize("size", [(37, 300), (300, 9), (1, 1)])
-def test_header_size_reads_webp_bmp_and_pnm(fmt, size):
+def test_header_size_reads_webp_bmp_pnm_tiff_and_jpeg_2000(fmt, size):
     """Found in QA: only PNG and JPEG sizes were read, so `validate --payloads` let a WebP's or
-    BMP's wrong num_patches through, and the decoder's max_pixels guard did not see their size."""
+    BMP's wrong num_patches through, and the decoder's max_pixels guard did not see their size
+    (TIFF and JPEG 2000: found later)."""
     import io
 
     from PIL import Image
@@ -136,7 +142,7 @@ def test_header_size_reads_webp_bmp_and_pnm(fmt, size):
     image = Image.new(mode, (width, height), 128)
     out = io.BytesIO()
     name = fmt.split("-")[0]
-    image.save(out, format="PPM" if name == "PGM" else name, **({"lossless": True} if fmt == "WEBP-lossless" else {}))
+    image.save(out, format="PPM" if name == "PGM" else name, **OPTIONS.get(fmt, {}))
     assert header_size(out.getvalue()) == (height, width)
 
 
@@ -149,3 +155,25 @@ def test_header_size_of_odd_headers():
         (-7).to_bytes(4, "little", signed=True)
     assert header_size(bmp_top_down) == (7, 5)
     assert header_size(b"RIFF\x00\x00\x00\x00WEBPVP8 ") is None  # cut short
+
+
+def test_header_size_never_raises_on_any_cut_or_damage_of_a_tiff_or_jpeg_2000():
+    """Every prefix, and every single-byte change of the header area, gives a size or None."""
+    import io
+
+    from PIL import Image
+
+    from loaders.image_check import header_size
+
+    for fmt, options in (("TIFF", {}), ("TIFF", {"big_tiff": True}), ("JPEG2000", {}), ("JPEG2000", {"no_jp2": True})):
+        out = io.BytesIO()
+        Image.new("RGB", (13, 7), 128).save(out, format=fmt, **options)
+        data = out.getvalue()
+        for cut in range(len(data)):
+            size = header_size(data[:cut])
+            assert size is None or size == (7, 13)
+        for at in range(min(len(data), 300)):
+            for value in (0x00, 0x01, 0xFF):
+                damaged = data[:at] + bytes([value]) + data[at + 1:]
+                size = header_size(damaged)
+                assert size is None or (isinstance(size, tuple) and len(size) == 2)
