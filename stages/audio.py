@@ -196,17 +196,12 @@ class AudioEncoder(Stage):
         like = param_like(self.encoder)
         waves, sample_rates = [], []
         for i in present:
-            wave, rate, sample_id = torch.as_tensor(audio[i]), _sample_rate(rates[i]), batch.sample_ids[i]
-            if wave.dim() != 1:
-                raise ValueError(f"sample {sample_id}: audio must be a 1-D waveform, got shape {list(wave.shape)}")
-            if rate is None:
-                raise ValueError(f"sample {sample_id}: sample_rate must be a positive integer, got {rates[i]!r}")
-            frames = num_frames(wave.shape[0], rate, self.audio_config.frame_s, self.audio_config.hop_s)
-            if frames > self.audio_config.max_frames:
-                raise ValueError(f"sample {sample_id}: {wave.shape[0]} samples at {rate} Hz make {frames} frames, "
-                                 f"more than max_frames={self.audio_config.max_frames}")
+            wave = torch.as_tensor(audio[i])
+            problem = clip_problem(self.audio_config, tuple(wave.shape), rates[i])
+            if problem is not None:
+                raise ValueError(f"sample {batch.sample_ids[i]}: {problem}")
             waves.append(wave.to(device=like.device, dtype=like.dtype))
-            sample_rates.append(rate)
+            sample_rates.append(_sample_rate(rates[i]))
         embeds = self.encoder(waves, sample_rates)
         if self.projector is not None:
             embeds = self.projector.per_sample(embeds)
@@ -228,25 +223,35 @@ def audio_problem(cfg: AudioConfig, wave: Any, meta: SampleMeta, row: dict[str, 
         array = np.asarray(wave, dtype=np.float64)
     except (TypeError, ValueError):
         return "its audio is not a 1-D list of numbers"
-    if array.ndim != 1:
-        return f"its audio must be a 1-D waveform, got shape {list(array.shape)}"
-    if not np.isfinite(array).all():
+    if array.ndim == 1 and not np.isfinite(array).all():
         return "its audio holds a null, NaN or infinite value (the loss would not be finite)"
-    rate = _sample_rate(row["sample_rate"])
-    if rate is None:
-        return f"sample_rate must be a positive integer, got {row['sample_rate']!r}"
-    n = len(array)
+    problem = clip_problem(cfg, array.shape, row["sample_rate"])
+    if problem is not None:
+        return problem
+    n, rate = len(array), _sample_rate(row["sample_rate"])
     frames = num_frames(n, rate, cfg.frame_s, cfg.hop_s)
-    framing = f"frame_s={cfg.frame_s:g}, hop_s={cfg.hop_s:g}"
-    if frames > cfg.max_frames:
-        return f"its clip ({n} samples at {rate} Hz) makes {frames} frames at {framing}, more than " \
-               f"max_frames={cfg.max_frames}"
     if meta.num_frames != frames:
         return (f"num_frames is {meta.num_frames} but its clip ({n} samples at {rate} Hz) makes {frames} frames at "
-                f"{framing} (the planner's costs and length checks would count {meta.num_frames}, the data's "
-                f"num_frames column or, where it has none, the loader's count at frame_s={FRAME_S:g}, "
-                f"hop_s={HOP_S:g}; give the column as stages.audio.num_frames(n, sample_rate, frame_s, hop_s) "
-                "counts)")
+                f"frame_s={cfg.frame_s:g}, hop_s={cfg.hop_s:g} (the planner's costs and length checks would count "
+                f"{meta.num_frames}, the data's num_frames column or, where it has none, the loader's count at "
+                f"frame_s={FRAME_S:g}, hop_s={HOP_S:g}; give the column as stages.audio.num_frames(n, sample_rate, "
+                "frame_s, hop_s) counts)")
+    return None
+
+
+def clip_problem(cfg: AudioConfig, shape: tuple[int, ...], sample_rate: Any) -> str | None:
+    """Why this encoder cannot take a clip of `shape` at `sample_rate` (not a 1-D waveform, no
+    positive integer rate, more frames at its framing than max_frames), else None: what
+    `validate --payloads` says before a run and the forward raises in one."""
+    if len(shape) != 1:
+        return f"its audio must be a 1-D waveform, got shape {list(shape)}"
+    rate = _sample_rate(sample_rate)
+    if rate is None:
+        return f"sample_rate must be a positive integer, got {sample_rate!r}"
+    frames = num_frames(shape[0], rate, cfg.frame_s, cfg.hop_s)
+    if frames > cfg.max_frames:
+        return (f"its clip ({shape[0]} samples at {rate} Hz) makes {frames} frames at frame_s={cfg.frame_s:g}, "
+                f"hop_s={cfg.hop_s:g}, more than max_frames={cfg.max_frames}")
     return None
 
 
