@@ -216,7 +216,8 @@ class Stage:
 
     def stats(self) -> dict[str, float]:
         """Counters of this stage's own (e.g. corrupt images skipped), reported in the metrics
-        under sections.NAME.stage, summed over replicas. Cumulative over the run."""
+        under sections.NAME.stage, summed over replicas. Cumulative since the worker started:
+        checkpoints record the sums, and a restart or a resume adds them back (ledger.carry_counters)."""
         return {}
 
     def modules(self) -> dict[str, torch.nn.Module]:

@@ -49,6 +49,7 @@ class Manifest:
     sampler: dict[str, Any]  # EpochSampler.position(step)
     costs: list = field(default_factory=list)  # CostFitter.state(): the planner's cost model
     restarts: int = 0  # automatic restarts so far in this job
+    counters: dict[str, dict[str, float]] = field(default_factory=dict)  # section -> its Stage.stats() at `step`
     # The training this checkpoint continues: an id drawn by its first run and kept by every run
     # that resumes from it (None: written before lineages were recorded). A checkpoint directory
     # holds one lineage (Checkpointer.claim).
@@ -63,7 +64,7 @@ class Manifest:
         if data.get("format") != FORMAT:
             raise PipelineError(f"checkpoint format {data.get('format')!r} is not this version's ({FORMAT})")
         return Manifest(**{k: data[k] for k in ("step", "pipeline", "sections", "sampler", "costs", "restarts",
-                                                "lineage", "format") if k in data})
+                                                "counters", "lineage", "format") if k in data})
 
 
 def write(folder: str, manifest: Manifest) -> str:

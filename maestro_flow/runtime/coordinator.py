@@ -46,7 +46,7 @@ from maestro_flow.runtime import agent
 from maestro_flow.runtime.build import resolve_device
 from maestro_flow.runtime.coordinator_io import CoordinatorIO
 from maestro_flow.runtime.launcher import Launcher
-from maestro_flow.runtime.ledger import PlanMessages, StepLedger
+from maestro_flow.runtime.ledger import PlanMessages, StepLedger, carry_counters
 from maestro_flow.runtime.liveness import Liveness
 from maestro_flow.runtime.nodes import Nodes, listening_store
 from maestro_flow.runtime.observe import RunObserver, timed_plan
@@ -332,6 +332,7 @@ class Coordinator(CoordinatorIO):
                 except Rejected as exc:  # a repeated or misplaced report never changes training
                     self.drops.drop(self._label(rank), str(exc))
             row["restarts"] = self.restarts
+            carry_counters(row, self.resume[1].counters if self.resume else {})
             if step == first:  # how long this attempt took to start (spawn to every worker ready), and where
                 row["startup_s"] = self.startup_s
                 row["startup"] = dict(self.startup_parts)
@@ -340,7 +341,7 @@ class Coordinator(CoordinatorIO):
             try:
                 if not diverged and self.checkpointer.due(step + 1, p.steps):
                     t0 = time.perf_counter()
-                    saved = self._checkpoint(step + 1, ledger)
+                    saved = self._checkpoint(step + 1, ledger, row)
                     # No step can finish while the workers save: the hang clock starts after it.
                     self.liveness.progress(time.monotonic())
                     if saved:
@@ -390,7 +391,7 @@ class Coordinator(CoordinatorIO):
             return row
         return None
 
-    def _checkpoint(self, step: int, ledger: StepLedger) -> bool:
+    def _checkpoint(self, step: int, ledger: StepLedger, row: dict) -> bool:
         """Every worker is between steps (plans for `step` on are held back): each saves its part,
         then the manifest is written. A failed save is the Checkpointer's to report (it raises, or
         returns False with `--checkpoint-errors continue`)."""
@@ -440,7 +441,8 @@ class Coordinator(CoordinatorIO):
                                   "params": infos[self.placement.rank(name, 0)].get("params", {})}
         return self.checkpointer.commit(step, Manifest(
             step=step, pipeline=self.pipeline.to_dict(), sections=sections, sampler=self.sampler.position(step),
-            costs=ledger.fitter.state() if ledger.fitter is not None else [], restarts=self.restarts))
+            costs=ledger.fitter.state() if ledger.fitter is not None else [], restarts=self.restarts,
+            counters={name: dict(sec["stage"]) for name, sec in row["sections"].items() if sec.get("stage")}))
 
     def _not_written(self, folder: str, infos: dict[int, dict]) -> list[str]:
         """What the workers reported saving but this process cannot see (another node's local disk,

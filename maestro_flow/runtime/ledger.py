@@ -281,3 +281,16 @@ def memory_row(reps: list[dict[str, Any]]) -> dict[str, float]:
     if peaks:
         out["peak_mb"] = max(peaks)
     return out
+
+
+def carry_counters(row: dict[str, Any], carried: dict[str, dict[str, float]]) -> None:
+    """Add to a step row's stage counters (Stage.stats, counted in the workers since they started)
+    those the checkpoint the run resumed from recorded, so that they count over the whole training
+    across restarts and resumes (found in review: they started again at 0)."""
+    for name, counts in carried.items():
+        section = row["sections"].get(name)
+        if section is None:
+            continue
+        stage = section.setdefault("stage", {})
+        for key, value in counts.items():
+            stage[key] = stage.get(key, 0) + value

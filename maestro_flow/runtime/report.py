@@ -181,7 +181,6 @@ class RunReport:
             self.close()
             raise
         self._t0 = time.monotonic()
-        self.resumed = resume_at is not None
         self.stop_on_nan = stop_on_nan
         self.non_finite: int | None = None  # the first step (its index) whose loss or gradient norm was NaN or inf
         self.gradless: dict[str, int] = {}  # trainable section -> steps running with samples and an all-zero gradient
@@ -268,11 +267,9 @@ class RunReport:
         if self.non_finite is not None:
             text += f" (not finite from step {self.non_finite + 1})"
         counters = [f"{name} {key} {value:g}" for name, sec in (self.rows[-1].get("sections") or {}).items()
-                    for key, value in (sec.get("stage") or {}).items() if value]  # Stage.stats: over the run
+                    for key, value in (sec.get("stage") or {}).items() if value]  # Stage.stats: over the training
         if counters:  # found in QA: the corrupt images a run skipped were in its metrics only
-            # A stage's counters live in its workers: a restart or a resume starts them again (review).
-            since = " since the last restart or resume" if self.resumed or self.rows[-1].get("restarts") else ""
-            text += f"\nstage counters{since}: " + ", ".join(counters)
+            text += "\nstage counters: " + ", ".join(counters)  # (carried across restarts and resumes: ledger.py)
         for what, (step, why) in self.lost.items():  # found in QA: said once mid-run, then exit 0 as if whole
             text += f"\n{what}: stopped at step {step + 1} ({why}); the file lacks that step and the later ones"
         return text

@@ -109,6 +109,11 @@ def test_a_corrupt_image_names_its_sample(corrupt_data):
             "sections.vision.config.decode.skip_corrupt=true trains") in result.stderr  # found in QA: neither named
     # It names the step that holds the sample, though the encoder may prepare that micro-batch
     # during the step before (Stage.prepare ahead).
+    assert f"during forward at step {step_of(path, bad_id) + 1}:" in result.stderr
+
+
+def step_of(path, sample_id: int) -> int:
+    """The step (index) of vlm.py at global_batch 24 whose batch holds `sample_id`."""
     from maestro_flow.runtime.build import load_pipeline
     from maestro_flow.runtime.checks import check_pipeline
     from maestro_flow.runtime.sampler import EpochSampler
@@ -116,16 +121,26 @@ def test_a_corrupt_image_names_its_sample(corrupt_data):
     pipeline, _ = load_pipeline(str(ROOT / "pipelines/vlm.py"), {"data.path": str(path), "global_batch": 24})
     checked = check_pipeline(pipeline)
     sampler = EpochSampler(checked.metadata, 24, pipeline.seed, shuffle=pipeline.data.shuffle)
-    step = next(s for s in range(4) if any(m.id == bad_id for m in sampler.batch(s)))
-    assert f"during forward at step {step + 1}:" in result.stderr
+    return next(s for s in range(4) if any(m.id == sample_id for m in sampler.batch(s)))
 
 
-def test_corrupt_images_can_be_skipped_and_counted(corrupt_data, tmp_path):
+def test_corrupt_images_can_be_skipped_and_counted_across_a_resume(corrupt_data, tmp_path):
+    from maestro_flow.checkpoint.checkpointer import CheckpointOptions
+
     path, _ = corrupt_data
-    rows = run_pipeline(str(ROOT / "pipelines/vlm.py"), RunOptions(
-        overrides={"steps": 4, "global_batch": 24, "data.path": str(path),
-                   "sections.vision.config.decode.skip_corrupt": True}, show_progress=False))
-    assert rows[-1]["sections"]["vision"]["stage"]["corrupt_images"] == 1  # 96 samples, 4 steps of 24: seen once
+    overrides = {"steps": 5, "global_batch": 24, "data.path": str(path), "sections.vision.config.decode.skip_corrupt": True}
+    rows = run_pipeline(str(ROOT / "pipelines/vlm.py"), RunOptions(overrides=overrides, show_progress=False))
+    counts = [r["sections"]["vision"]["stage"]["corrupt_images"] for r in rows]
+    assert counts[3] == 1  # 96 samples, 4 steps of 24: seen once in the first epoch (step 5 starts the next)
+    # Stopped after the first epoch, and resumed: the count goes on from the checkpoint's (found in
+    # review: a resume or a restart started it again at 0), as the uninterrupted run's.
+    ckpt = str(tmp_path / "ckpt")
+    run_pipeline(str(ROOT / "pipelines/vlm.py"), RunOptions(
+        overrides={**overrides, "steps": 4}, show_progress=False, checkpoint=CheckpointOptions(dir=ckpt, every=2)))
+    resumed = run_pipeline(str(ROOT / "pipelines/vlm.py"), RunOptions(
+        overrides=overrides, show_progress=False, checkpoint=CheckpointOptions(resume=ckpt)))
+    assert [r["step"] for r in resumed] == [4]
+    assert resumed[-1]["sections"]["vision"]["stage"]["corrupt_images"] == counts[4]
 
 
 def test_plans_the_search_shortened_train_as_the_colocated_reference(vlm_data, tmp_path, monkeypatch):

@@ -158,8 +158,21 @@ def test_the_summary_gives_the_stage_counters_of_the_run():
     report.step({"step": 1, "loss": 1.0, "step_time_s": 0.1, "restarts": 1,  # step 1 again, after a restart
                  "sections": {"vision": {"stage": {"corrupt_images": 3}}}})
     assert report.summary().startswith("2 steps (1 replayed after restarts) in ")  # found in QA: "3 steps"
-    # found in review: the workers' counters start again at a restart (not checkpointed)
-    assert report.summary().endswith("\nstage counters since the last restart or resume: vision corrupt_images 3")
+    assert report.summary().endswith("\nstage counters: vision corrupt_images 3")  # the row's (ledger.carry_counters)
+
+
+def test_stage_counters_are_carried_from_the_checkpoint_a_run_resumed_from():
+    """Found in review: a restart or a resume started every stage counter again at 0."""
+    from maestro_flow.checkpoint.manifest import Manifest
+    from maestro_flow.runtime.ledger import carry_counters
+
+    row = {"sections": {"vision": {"stage": {"corrupt_images": 2}}, "llm": {}}}
+    carry_counters(row, {"vision": {"corrupt_images": 5, "retries": 1}, "llm": {"dropped": 4}, "gone": {"x": 1}})
+    assert row["sections"] == {"vision": {"stage": {"corrupt_images": 7, "retries": 1}}, "llm": {"stage": {"dropped": 4}}}
+    kept = Manifest(step=3, pipeline={}, sections={}, sampler={}, counters={"vision": {"corrupt_images": 7}})
+    assert Manifest.from_dict(json.loads(kept.to_json())).counters == {"vision": {"corrupt_images": 7}}
+    older = {k: v for k, v in json.loads(kept.to_json()).items() if k != "counters"}  # written before counters were
+    assert Manifest.from_dict(older).counters == {}
 
 
 @pytest.mark.parametrize("show", [True, False])
