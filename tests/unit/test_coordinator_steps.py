@@ -92,7 +92,7 @@ class StepCoordinator(Coordinator):
     def _plan_search(self) -> float:
         return self.search  # as on a host with cores to spare (this one's workers would fill its cores)
 
-    def _checkpoint(self, step: int, ledger: StepLedger) -> bool:
+    def _checkpoint(self, step: int, ledger: StepLedger, row: dict) -> bool:
         out = {msg["step"] for plans in self.pending.values() for msg in plans}
         self.checkpoints.append((step, max(self.observer.plans), out))
         time.sleep(self.checkpoint_s)
