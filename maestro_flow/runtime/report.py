@@ -79,8 +79,12 @@ def open_metrics(paths: Sequence[str]) -> list[tuple[str, Any]]:
                 f.close()
                 continue
             seen.add((st.st_dev, st.st_ino))
+            held = _HELD.pop((st.st_dev, st.st_ino), None)
+            if held is not None:  # locked by `hold` for this run: that file, its lock with it
+                f.close()
+                f = held
             opened.append((path, f))
-            if stat.S_ISREG(st.st_mode) and not _lock(f):
+            if held is None and stat.S_ISREG(st.st_mode) and not _lock(f):
                 raise PipelineError(f"--metrics-out {path}: another run is writing this file (give each run its own)")
     except BaseException:
         for _, f in opened:
@@ -101,16 +105,34 @@ def _lock(f: Any) -> bool:
     return True
 
 
-def in_use(path: str) -> bool:
-    """Whether another run holds the metrics file at `path` (checked before a run sets anything up)."""
+_HELD: dict[tuple[int, int], Any] = {}  # (dev, inode) -> a metrics file `hold` locked, until open_metrics takes it
+
+
+def hold(path: str) -> None:
+    """Lock the metrics file at `path`, if there is one, for the run this process is setting up,
+    before it sets anything up: refused (PipelineError) when another run writes it. The lock stays
+    on until `open_metrics` takes this very file over (found in review: a probe that let go of it
+    left a gap in which a second run moved the run dir's files aside before being refused), or
+    `release_held` drops it with a run refused before. A file not there yet is not created."""
     try:
-        with open(path, "rb") as f:
-            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-                return False
-            locked = not _lock(f)
-    except OSError:
-        return False
-    return locked  # (the lock taken here goes with the file's closing)
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND)
+    except OSError:  # not there (check_writable has said whether it can be made)
+        return
+    st = os.fstat(fd)
+    f = open(fd, "ab", buffering=0)  # noqa: SIM115 (kept open: the lock goes with it)
+    if not stat.S_ISREG(st.st_mode) or (st.st_dev, st.st_ino) in _HELD:
+        f.close()
+        return
+    if not _lock(f):
+        f.close()
+        raise PipelineError(f"--metrics-out {path}: another run is writing this file (give each run its own)")
+    _HELD[(st.st_dev, st.st_ino)] = f
+
+
+def release_held() -> None:
+    """Unlock what `hold` locked and no run took over (the run was refused before its report)."""
+    while _HELD:
+        _HELD.popitem()[1].close()
 
 
 def start(f: Any, path: str, resume_at: int | None) -> None:

@@ -30,7 +30,7 @@ from maestro_flow.runtime.nodes import Nodes
 from maestro_flow.runtime.observe import RunObserver
 from maestro_flow.runtime.outputs import check_writable
 from maestro_flow.runtime.record import Steps
-from maestro_flow.runtime.report import RunReport
+from maestro_flow.runtime.report import RunReport, hold, release_held
 from maestro_flow.runtime.rundir import RunDir, default_run_dir, node_run_dir
 from maestro_flow.runtime.sampler import EpochSampler, data_fingerprint
 from maestro_flow.timeouts import Timeouts
@@ -253,11 +253,8 @@ def _check_outputs(options: RunOptions) -> None:
                                ("--tensorboard", options.tensorboard, True), ("--run-dir", options.run_dir, True)):
         if path:
             check_writable(path, flag, folder=folder)
-    from maestro_flow.runtime.report import in_use
-
-    if options.metrics_out and in_use(options.metrics_out):  # found in review: refused after the run dir moved
-        raise PipelineError(f"--metrics-out {options.metrics_out}: another run is writing this file (give each run "
-                            "its own)")
+    if options.metrics_out:  # found in review: refused after the run dir moved; locked until RunReport has it
+        hold(options.metrics_out)
 
 
 def run_pipeline(path: str, options: RunOptions) -> list[dict[str, Any]]:
@@ -312,6 +309,7 @@ def run_pipeline(path: str, options: RunOptions) -> list[dict[str, Any]]:
                     _release(previous)
         raise
     finally:
+        release_held()  # a --metrics-out that _check_outputs locked for a run refused before its report
         if meeting is not None:  # every agent has said goodbye, or will not
             meeting.close()
 

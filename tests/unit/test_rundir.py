@@ -130,21 +130,51 @@ def test_two_runs_given_one_metrics_file_the_second_is_refused(tmp_path):
     again.close()
     assert [json.loads(line)["loss"] for line in path.read_text().splitlines()] == [3.0]
     # Found in review: a refusal of a later file came after the earlier ones were emptied.
-    from maestro_flow.runtime.report import in_use
-
     other = tmp_path / "other.jsonl"
     holder = RunReport(total_steps=1, metrics_out=str(other), show_progress=False)
-    assert in_use(str(other)) and not in_use(str(path)) and not in_use(str(tmp_path / "none.jsonl"))
     with pytest.raises(PipelineError, match="other.jsonl: another run"):
         RunReport(total_steps=1, metrics_out=[str(path), str(other)], show_progress=False)
     holder.close()
-    assert [json.loads(line)["loss"] for line in path.read_text().splitlines()] == [3.0]
+    assert [json.loads(line)["loss"] for line in path.read_text().splitlines()] == [3.0]  # not emptied
     # A resumed run cuts the rows from its step on, rewriting nothing before them.
     path.write_text('{"step": 0, "loss": 1.0}\n{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 3.0}\n')
     inode = path.stat().st_ino
     resumed = RunReport(total_steps=3, metrics_out=str(path), show_progress=False, resume_at=1)
     resumed.close()
     assert path.read_text() == '{"step": 0, "loss": 1.0}\n' and path.stat().st_ino == inode
+
+
+def test_a_metrics_file_is_held_from_the_first_check_to_the_report(tmp_path):
+    """Found in review: the check before a run set anything up let go of the lock, so a second run
+    starting then passed it and was refused only after its run dir had moved files aside."""
+    import subprocess
+    import sys
+
+    from maestro_flow.errors import PipelineError
+    from maestro_flow.runtime.report import hold, release_held
+
+    path = tmp_path / "m.jsonl"
+    path.write_text('{"step": 0, "loss": 9.0}\n')
+    probe = ("import fcntl, sys; f = open(sys.argv[1], 'ab')\n"
+             "try: fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)\nexcept BlockingIOError: sys.exit(7)")
+    other_run = [sys.executable, "-c", probe, str(path)]  # another process: what a second run finds
+    hold(str(path))
+    assert subprocess.run(other_run).returncode == 7  # held between the check and the report
+    report = RunReport(total_steps=1, metrics_out=str(path), show_progress=False)  # takes it over, locked
+    assert subprocess.run(other_run).returncode == 7
+    report.step({"step": 0, "loss": 1.0, "step_time_s": 0.1, "sections": {}})
+    report.close()
+    assert [json.loads(line)["loss"] for line in path.read_text().splitlines()] == [1.0]
+    assert subprocess.run(other_run).returncode == 0
+    hold(str(path))  # a run refused before its report: released with it
+    release_held()
+    assert subprocess.run(other_run).returncode == 0
+    hold(str(tmp_path / "none.jsonl"))  # not there: nothing held, nothing made
+    assert not (tmp_path / "none.jsonl").exists()
+    holder = RunReport(total_steps=1, metrics_out=str(path), show_progress=False)
+    with pytest.raises(PipelineError, match="m.jsonl: another run is writing this file"):
+        hold(str(path))
+    holder.close()
 
 
 def test_the_summary_gives_the_stage_counters_of_the_run():
