@@ -38,7 +38,9 @@ class Exported:
 def export_section(source: str, section: str, out: str) -> Exported:
     check_writable(out, "-o", folder=True)  # a traceback before (found in review), as run's --save-dir was
     pipeline, state, where = _read(mf.find_folder(source, "SOURCE"), section)
-    spec = next(s for s in pipeline["sections"] if s["name"] == section)  # (_read refused a section not there)
+    spec = next((s for s in pipeline.get("sections", []) if s.get("name") == section), None)
+    if spec is None:  # _read refuses a section not there in what maestro writes: a hand-edited file
+        raise PipelineError(f"--section {section}: {where} holds it, but its pipeline has no section of that name")
     os.makedirs(out, exist_ok=True)
     _one_model_folder(out, section)
     path = os.path.join(out, f"{section}.safetensors")
