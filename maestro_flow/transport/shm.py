@@ -31,6 +31,7 @@ import threading
 import time
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from maestro_flow.transport import p2p
@@ -74,7 +75,11 @@ class _Slot:
             raise
         finally:
             os.close(fd)
-        self.bytes = torch.frombuffer(self.map, dtype=torch.uint8)
+        # Through numpy: its array holds a buffer export of the mapping, and every tensor view holds
+        # the array, so the mapping cannot be closed under a live view (close() then leaves it to
+        # the views). torch.frombuffer holds no export: a worker stopping mid-step unmapped a slot
+        # its compute thread was reading, which crashed it (SIGSEGV; found in QA).
+        self.bytes = torch.from_numpy(np.frombuffer(self.map, dtype=np.uint8))
         self.address = self.bytes.data_ptr()  # where the sender's copies go (SlotWriter.write)
 
     def close(self) -> None:

@@ -72,6 +72,24 @@ def test_views_hold_what_was_written(pair):
         assert torch.equal(out, want.detach().resolve_conj().resolve_neg())
 
 
+def test_closing_the_reader_leaves_a_live_views_memory_mapped(pair):
+    """Found in QA: a worker stopping mid-step closed its reader, which unmapped a slot whose
+    views its compute thread was still reading (torch.frombuffer holds no buffer export), and the
+    worker died of SIGSEGV. The view now keeps its mapping until it is gone."""
+    import gc
+
+    writer, reader = pair
+    want = torch.arange(50_000, dtype=torch.float64)
+    _, got = _send(writer, reader, [want])
+    view = got[0][2]
+    del got
+    reader.close()  # as a worker's shutdown does, the compute thread still holding `view`
+    gc.collect()
+    assert torch.equal(view * 1, want)  # read every byte: unmapped, this was a SIGSEGV
+    view += 1  # and written
+    assert torch.equal(view, want + 1)
+
+
 @pytest.mark.filterwarnings("ignore:.*quantized tensor creation:UserWarning")
 def test_a_quantized_tensor_is_refused_not_sent_as_raw_integers(pair):
     writer, reader = pair
