@@ -160,8 +160,8 @@ def main(ctx: click.Context, debug: bool) -> None:
 @click.option("--node-rank", type=int, help="This node's index, 0 to NNODES-1 (node 0 runs the coordinator; default: "
                                              "SLURM_NODEID under Slurm).")
 @click.option("--rdzv-endpoint", metavar="HOST:PORT", help="Where the nodes meet: node 0 listens there (a TCPStore).")
-@click.option("--nproc-per-node", type=int, help="Ranks per node (default: the ranks spread evenly; a tensor-parallel "
-                                                  "group always stays on one node).")
+@click.option("--nproc-per-node", type=int, help="At most this many ranks on a node, e.g. its GPUs (the ranks are "
+                                                  "spread evenly; a tensor-parallel group always stays on one node).")
 @click.option("--host", help="Address the control plane and the rendezvous store listen on (default 127.0.0.1; "
                              "with several nodes, the address node 0 is reached at; the status endpoint stays on "
                              "loopback). Anything but loopback needs a shared secret (MAESTRO_SECRET or "

@@ -125,8 +125,10 @@ def lost_error(store: Any, key: bytes, session: str) -> MaestroError | None:
         said = sealing.body(raw)
         if not said.startswith(REFUSED):
             return None  # not an agent of this run's: a worker it names is not taken as lost
-        return PipelineError(f"{printable(said.removeprefix(REFUSED))} (a note not sealed with this node's secret, "
-                             "as such a node writes it; another client of the rendezvous store could have, too)")
+        # found in QA: the note's word on its seal, put after the note's own advice, read as garbled
+        return PipelineError(f"{printable(said.removeprefix(REFUSED))}. (Said by a note in the rendezvous store "
+                             "that this node's secret does not open: a node whose secret differs writes it so; "
+                             "another client of the store could have, too.)")
     text = printable(text)
     if text.startswith(STOPPED):  # found in review: restarted, then waited out the startup for the node
         return SystemFailure(text.removeprefix(STOPPED))
@@ -159,15 +161,16 @@ def comparable(pipeline: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def differences(mine: Any, theirs: Any) -> list[str]:
-    """The keys (dotted, as --set names them) where two pipeline dicts differ, with both values."""
+def differences(mine: Any, theirs: Any, me: str = "here") -> list[str]:
+    """The keys (dotted, as --set names them) where two pipeline dicts differ, with both values.
+    `me`: where `mine` is ("on node 1": found in QA, node 0 showed the text as its own, "here")."""
     out = []
     for where, a, b in changed_keys(mine, theirs):
         if ABSENT in (a, b):  # found in QA: a whole section was printed; found in review: None == absent
-            value, side = (a, "here only") if b is ABSENT else (b, "on node 0 only")
+            value, side = (a, f"{me} only") if b is ABSENT else (b, "on node 0 only")
             out.append(f"{where} ({side})" if isinstance(value, dict) else f"{where} ({_short(value)} {side})")
         else:
-            out.append(f"{where} ({_short(a)} here, {_short(b)} on node 0)")
+            out.append(f"{where} ({_short(a)} {me}, {_short(b)} on node 0)")
     return out
 
 
@@ -178,13 +181,14 @@ def _short(value: Any) -> str:
 class Agent:
     def __init__(self, nodes: Nodes, *, secret: bytes, host: str, interface: str | None, timeouts: Timeouts,
                  worker_log: Any, log: Any = None, entry: Any = None, pipeline: dict[str, Any] | None = None,
-                 files: dict[str, Any] | None = None) -> None:
+                 files: dict[str, Any] | None = None, given: tuple[str, ...] = ()) -> None:
         from maestro_flow.runtime.worker import worker_main
 
         self.nodes, self.secret, self.host, self.interface = nodes, secret, host, interface
         # What node 0's pipeline must match (None: not checked), through the JSON node 0's travels in.
         self.pipeline = comparable(json.loads(canonical(pipeline))) if pipeline is not None else None
         self.files = files  # this node's code, data and versions (runtime/fingerprint.py; None: not compared)
+        self.given = list(given)  # of --checkpoint-dir, --resume, --save-dir, --record: node 0 must have them too
         self.timeouts, self.worker_log = timeouts, worker_log
         self.log = log or (lambda text: print(text, file=sys.stderr, flush=True))
         self.entry = entry or worker_main
@@ -347,13 +351,18 @@ class Agent:
             return (f"node {node} was started with --nnodes {self.nodes.nnodes}, node 0 with --nnodes {info['nnodes']}: "
                     "give every node the same --nnodes")
         if self.pipeline is not None and "pipeline" in info:
-            differ = differences(self.pipeline, comparable(json.loads(info["pipeline"])))
+            differ = differences(self.pipeline, comparable(json.loads(info["pipeline"])), f"on node {node}")
             if differ:
                 return (f"node {node}'s pipeline differs from node 0's (give every node the same pipeline file "
                         f"and --set/--steps options): {'; '.join(differ[:5])}"
                         + (f"; {len(differ)} differences in all" if len(differ) > 5 else ""))
+        missing = [flag for flag in self.given if flag not in info.get("given", ())]
+        if missing:  # found in QA: dropped in silence (no checkpoint written, a run trained from scratch)
+            return (f"node {node} was given {', '.join(missing)} and node 0 was not: node 0 runs the coordinator, "
+                    "which writes the checkpoints and the --save-dir, resumes and records; give every node the same "
+                    "options")
         if self.files is not None and isinstance(info.get("files"), dict):
-            differ = fingerprint.differences(self.files, info["files"])
+            differ = fingerprint.differences(self.files, info["files"], f"on node {node}")
             if differ:
                 return (f"node {node}'s files differ from node 0's (install the same code and copy the same data to "
                         f"every node): {'; '.join(printable(d) for d in differ)}")
@@ -419,7 +428,9 @@ class Agent:
         if problem is not None:
             self._refuse(store, session, problem)
         self._ask(store.set, f"maestro/in/{node}", session)  # for an agent that takes this node over
-        self.log(f"node {node}: starting ranks {', '.join(map(str, mine))} (coordinator {info['address']})")
+        again = int(info.get("attempt", 0))  # found in QA: a restart read here as a second start, unexplained
+        again = f"automatic restart {again} (node 0 says why): " if again else ""
+        self.log(f"node {node}: {again}starting ranks {', '.join(map(str, mine))} (coordinator {info['address']})")
         launcher = Launcher(self.entry)
         owner: SlotOwner | None = None
         boot = {"coordinator": info["address"], "parent_pid": os.getpid(), "timeouts": info["timeouts"],

@@ -115,7 +115,7 @@ class Coordinator(CoordinatorIO):
         self.training = False
         self.said_bye: set[int] = set()  # ranks that left normally (at the end): never a failure's cause
         self.system_errors: dict[int, dict] = {}  # rank -> the first system error it reported (_note_reports)
-        self.awaited_step = 0
+        self.awaited_step = resume[1].step if resume else 0  # found in QA: top said step 0 while a restart started
         self.status: StatusServer | None = None
         self.run_dir = run_dir
         self.record = record  # {"dir", "section", "steps"}: what a section records for replay
@@ -212,7 +212,9 @@ class Coordinator(CoordinatorIO):
                 "workers": {r: [*self.placement.who(r), self.placement.worker_name(r), self.placement.worker_name(r, "/")]
                             for r in range(self.placement.world_size)},
                 "devices": list(self.placement.devices), "pin_cpus": self.pin_cpus, "nnodes": self.nodes.nnodes,
-                "attempt": self.restarts,
+                "attempt": self.restarts, "given": [flag for flag, given in (
+                    ("--checkpoint-dir", self.checkpointer.options.dir), ("--resume", self.checkpointer.options.resume),
+                    ("--save-dir", self.save_dir), ("--record", self.record)) if given],
                 "pipeline": agent.canonical(self.pipeline.to_dict()), "files": self.files})
         self.observer.start(self.placement)
         began = time.monotonic()

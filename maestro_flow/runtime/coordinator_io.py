@@ -148,8 +148,8 @@ class CoordinatorIO:
         if self.nodes.multi:
             silent = sorted({self.node_of[r] for r in range(world)} - {self.node_of[r] for r in have} - {0})
             if silent and word == "said hello":
-                text += "; waiting for " + ", ".join(f"node {n}" for n in silent) + " (is `maestro run ... " \
-                        "--node-rank N` running there?)"
+                text += "; waiting for " + ", ".join(
+                    f"node {n} (is `maestro run ... --node-rank {n}` running there?)" for n in silent)
         return text
 
     stood_still: tuple[float, float] | None = None  # the last long gap in _recv's looks: (seconds, its end)

@@ -51,16 +51,17 @@ def fingerprint(pipeline: Any, pipeline_file: str, source: Any = None) -> dict[s
             "versions": {"python": "{}.{}".format(*sys.version_info), "torch": torch.__version__}}
 
 
-def differences(mine: dict[str, dict[str, str]], node0: dict[str, dict[str, str]]) -> list[str]:
-    """What differs, one line per kind: the files (or versions) named, a few at most."""
+def differences(mine: dict[str, dict[str, str]], node0: dict[str, dict[str, str]], me: str = "here") -> list[str]:
+    """What differs, one line per kind: the files (or versions) named, a few at most. `me`: where
+    `mine` are ("on node 1": the text is shown on node 0 too)."""
     out = []
     for kind, what in (("code", "code"), ("data", "data files"), ("versions", "versions")):
         here, there = mine.get(kind, {}), node0.get(kind, {})
         names = sorted(k for k in set(here) | set(there) if here.get(k) != there.get(k))
         if not names:
             continue
-        shown = [f"{n} ({'not here' if n not in here else 'not on node 0' if n not in there else 'differs'})"
-                 if kind != "versions" else f"{n} {here.get(n)} here, {there.get(n)} on node 0" for n in names[:5]]
+        shown = [f"{n} ({f'not {me}' if n not in here else 'not on node 0' if n not in there else 'differs'})"
+                 if kind != "versions" else f"{n} {here.get(n)} {me}, {there.get(n)} on node 0" for n in names[:5]]
         out.append(f"{what}: {', '.join(shown)}" + (f", and {len(names) - 5} more" if len(names) > 5 else ""))
     return out
 

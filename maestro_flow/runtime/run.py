@@ -179,14 +179,16 @@ def _run_agent(pipeline: Any, options: RunOptions, nodes: Nodes, host: str, secr
     ckpt = options.checkpoint
     # Found in review: --resume, --record and --save-dir here were refused before this node reached
     # the store, so node 0 waited out its startup timeout and blamed a missing node; node 0's to give.
+    # Those four node 0 must have been given too (the agent refuses the attempt otherwise).
+    checked = tuple(flag for flag, given in (("--checkpoint-dir", ckpt.dir), ("--resume", ckpt.resume),
+                                             ("--save-dir", options.save_dir), ("--record", options.record)) if given)
     node0 = [flag for flag, given in (("--metrics-out", options.metrics_out), ("--trace", options.trace is not None),
-                                      ("--tensorboard", options.tensorboard), ("--checkpoint-dir", ckpt.dir),
-                                      ("--max-restarts", ckpt.max_restarts), ("--pin-cpus", options.pin_cpus),
-                                      ("--resume", ckpt.resume), ("--record", options.record),
-                                      ("--save-dir", options.save_dir)) if given]
-    if node0 and options.show_progress:  # the same command on every node stays valid
-        print(f"node {nodes.node_rank}: {', '.join(node0)} take effect as node 0 was given them (it runs the "
-              "coordinator), not as given here", file=sys.stderr)
+                                      ("--tensorboard", options.tensorboard), ("--max-restarts", ckpt.max_restarts),
+                                      ("--pin-cpus", options.pin_cpus)) if given] + list(checked)
+    if node0 and options.show_progress:  # the same command on every node stays valid (found in QA: it said
+        # "take effect as node 0 was given them" of options node 0 was not given)
+        print(f"node {nodes.node_rank}: {', '.join(node0)} {'acts' if len(node0) == 1 else 'act'} on node 0 "
+              "(it runs the coordinator): node 0's own options count, not those given here", file=sys.stderr)
     # Its own folder inside the run dir: the same command on every node, with a run dir on a
     # filesystem they share, gives one tree (node 0's files, and node-I/ for each other node).
     run_dir = RunDir(node_run_dir(options.run_dir, nodes.node_rank), pipeline, options.overrides) \
@@ -198,9 +200,14 @@ def _run_agent(pipeline: Any, options: RunOptions, nodes: Nodes, host: str, secr
     previous = _catch_stops()
     try:
         Agent(nodes, secret=secret, host=host, interface=options.interface, timeouts=Timeouts.from_env(),
-              pipeline=pipeline.to_dict(), files=files, worker_log=run_dir.worker_log if run_dir else (lambda name: None),
+              pipeline=pipeline.to_dict(), files=files, given=checked, worker_log=run_dir.worker_log if run_dir else (lambda name: None),
               log=(lambda text: print(text, file=sys.stderr, flush=True)) if options.show_progress else
               (lambda text: None)).run()
+    except Terminated:  # found in QA: said "interrupted" only, though the run may go on without this node
+        print(f"node {nodes.node_rank}: terminated (SIGTERM or SIGHUP): node 0 takes it as a lost node and, with "
+              "--max-restarts left, restarts the run, which waits for this node: start this command again to "
+              "rejoin", file=sys.stderr)
+        raise
     finally:
         _release(previous)
         if run_dir is not None:

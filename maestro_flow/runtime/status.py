@@ -248,8 +248,11 @@ def _find_run(run_dir: str | None, root: str) -> str:
         if not os.path.isdir(run_dir):  # found in review: said "has no status.json" of a folder not there
             raise NotYet(f"{run_dir}: no such run directory{_did_you_mean(run_dir)}")
         if not os.path.exists(os.path.join(run_dir, "status.json")):
-            if re.fullmatch(r"node-[1-9]\d*", os.path.basename(os.path.normpath(run_dir))):  # found in QA
-                raise FileNotFoundError(f"{run_dir} is another node's folder of a run over several nodes (its workers' "
+            nodes = sorted(d for d in os.listdir(run_dir) if re.fullmatch(r"node-[1-9]\d*", d))
+            if re.fullmatch(r"node-[1-9]\d*", os.path.basename(os.path.normpath(run_dir))) or (  # found in QA
+                    nodes and not os.path.exists(os.path.join(run_dir, "metrics.jsonl"))):  # the --run-dir given there
+                what = f"{run_dir} is" if not nodes else f"{run_dir} holds {nodes[0]}/, which is"
+                raise FileNotFoundError(f"{what} another node's folder of a run over several nodes (its workers' "
                                         f"logs): watch the run on node 0, `maestro top` of node 0's run dir")
             if _last_row(os.path.join(run_dir, "events.jsonl"), lambda row: "ended" in row) is not None:
                 raise Over(f"the run is not running; {ended(run_dir)}")  # found in QA: how, not just "not"

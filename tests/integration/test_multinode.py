@@ -279,7 +279,8 @@ def test_a_node_that_differs_from_node_0_is_refused_at_once(demo_data, tmp_path)
         assert n0.returncode == 2 and n1.returncode == 2, (err0, err1)
         assert said in err0 and said in err1, (err0, err1)
         if extra:
-            assert "seed (7 here, 0 on node 0)" in err1, err1
+            # found in QA: "7 here" read on node 0 as node 0's value
+            assert "seed (7 on node 1, 0 on node 0)" in err1 and "seed (7 on node 1, 0 on node 0)" in err0, err1
 
 
 def test_stopping_node_1_is_named_at_once(demo_data, tmp_path):

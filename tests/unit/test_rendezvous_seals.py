@@ -50,7 +50,10 @@ def test_a_node_whose_secret_differs_refuses_node_0s_attempt_and_node_0_says_so(
         agent.run()
     assert Started.boots == []
     lost = agent_mod.lost_error(store, key, "abc123")
-    assert isinstance(lost, PipelineError) and "not sealed with this node's secret" in str(lost)
+    assert isinstance(lost, PipelineError) and str(lost).endswith("(or --secret-file). (Said by a note in the "
+                                                              "rendezvous store that this node's secret does not open: a "
+                                                              "node whose secret differs writes it so; another client of "
+                                                              "the store could have, too.)")
 
 
 def test_a_node_whose_secret_differs_learns_it_from_a_run_node_0_refused(monkeypatch, node0):
@@ -170,10 +173,27 @@ def test_a_node_whose_code_or_data_differs_from_node_0s_is_refused(monkeypatch, 
     agent_mod.publish_attempt(store, key, "S1", {**INFO, "files": theirs})
     with pytest.raises(PipelineError, match=r"node 1's files differ from node 0's \(install the same code and copy "
                                             r"the same data to every node\): code: stages/vision.py \(differs\); "
-                                            r"versions: torch 2.13.0 here, 2.11.0 on node 0"):
+                                            r"versions: torch 2.13.0 on node 1, 2.11.0 on node 0"):
         agent.run()
     assert Started.boots == []
     assert "node 1's files differ from node 0's" in str(agent_mod.lost_error(store, key, "S1"))
+
+
+@pytest.mark.parametrize(("here", "node_0"), [(("--checkpoint-dir", "--resume"), []),
+                                              (("--save-dir", "--record"), ["--save-dir"])])
+def test_a_node_given_node_0s_options_node_0_lacks_is_refused(monkeypatch, node0, here, node_0):
+    """Found in QA: --checkpoint-dir or --resume given to node 1 alone were dropped in silence (no
+    checkpoint written; a run trained from step 0), with a message saying node 0 had them."""
+    agent_mod, store, agent, _ = agent_on_a_store(monkeypatch)
+    key = node0(store)
+    agent.given = list(here)
+    agent_mod.publish_attempt(store, key, "S1", {**INFO, "given": node_0})
+    missing = [flag for flag in here if flag not in node_0]
+    with pytest.raises(PipelineError, match=rf"^node 1 was given {', '.join(missing)} and node 0 was not: node 0 runs "
+                                            r"the coordinator, .* give every node the same options$"):
+        agent.run()
+    assert Started.boots == []
+    assert f"node 1 was given {', '.join(missing)}" in str(agent_mod.lost_error(store, key, "S1"))
 
 
 def test_another_live_run_with_the_same_secret_cannot_answer_for_this_one(monkeypatch, node0):
@@ -263,6 +283,10 @@ def test_an_earlier_attempts_pointer_written_back_is_ignored(monkeypatch, node0)
         time.sleep(1.0)
         assert [b["session"] for b in Started.boots] == ["S1", "S2"] and agent.attempt == 1
         assert running.is_alive() and any("an earlier attempt's (0), written back" in line for line in logged), logged
+        # found in QA: a restart read on node 1 as a second start, unexplained
+        started = [line for line in logged if "starting ranks" in line]
+        assert started[0].startswith("node 1: starting ranks 1 ")
+        assert started[1].startswith("node 1: automatic restart 1 (node 0 says why): starting ranks 1 "), started
     finally:
         agent_mod.end_attempt(store, key, "S2", "done")
         store.set("maestro/job", agent_mod.sealed(key, "maestro/job", "done"))

@@ -64,7 +64,7 @@ def test_top_says_what_a_starting_run_waits_for():
     io.node_of, io.nodes = {0: 0, 1: 1, 2: 1}, SimpleNamespace(multi=True)
     io.awaiting = ("said hello", {0: {}})
     assert io._startup_phase() == ("starting: 1 of 3 workers said hello; waiting for node 1 (is `maestro run ... "
-                                   "--node-rank N` running there?)")
+                                   "--node-rank 1` running there?)")
     io.awaiting = ("said hello", {0: {}, 1: {}})  # node 1 has joined: its other worker is on its way
     assert io._startup_phase() == "starting: 2 of 3 workers said hello"
     io.awaiting = ("ready", {2})
@@ -262,9 +262,15 @@ def test_top_refuses_an_answer_that_is_no_status_snapshot(tmp_path, answer):
 
 def test_top_of_another_nodes_folder_says_to_watch_node_0(tmp_path):
     """Found in QA: `maestro top RUN_DIR/node-1` during a live run said the run was not running."""
-    from maestro_flow.runtime.status import find_run
+    from maestro_flow.runtime.status import NotYet, find_run
 
     (tmp_path / "node-1").mkdir()
     with pytest.raises(FileNotFoundError, match=r"node-1 is another node's folder of a run over several nodes .*"
                                                 r"`maestro top` of node 0's run dir"):
         find_run(str(tmp_path / "node-1"))
+    # Found in QA: node 1's own --run-dir (which holds its node-1/) waited a minute, then "not running".
+    with pytest.raises(FileNotFoundError, match=r"holds node-1/, which is another node's folder of a run over several"):
+        find_run(str(tmp_path), wait_s=30)
+    (tmp_path / "metrics.jsonl").write_text("")  # node 0's run dir on a shared disk, its run over: not this
+    with pytest.raises(NotYet, match="has no status.json: the run is not running"):
+        find_run(str(tmp_path))
