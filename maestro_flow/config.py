@@ -27,6 +27,7 @@ OPTIMIZERS = ("adamw", "sgd")
 LR_DECAYS = ("cosine", "linear", "constant")
 SCHEDULE_KEYS = ("warmup_steps", "decay", "min_lr")  # optimizer keys that shape the lr, not the optimizer
 MIXED_PRECISION = ("bf16",)
+MAX_DEGREE = 1 << 16  # a section's dp, tp and micro_batch at most (a typo of 10^9 was planned until memory ran out)
 
 
 def is_number(value: Any) -> bool:
@@ -211,6 +212,8 @@ class Section:
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise PipelineError(f"{where}.{key} must be an integer >= 1, got {value!r}")
+            if value > MAX_DEGREE:  # found in QA
+                raise PipelineError(f"{where}.{key}={value} is more than {MAX_DEGREE}, the most this version takes")
         if self.activates_on is not None and self.activates_on not in MODALITIES:
             raise PipelineError(
                 f"{where}.activates_on must be one of {', '.join(MODALITIES)} or None, "

@@ -208,6 +208,9 @@ def test_global_batch_larger_than_the_dataset(tmp_path, dataset):
 
 @pytest.mark.parametrize(("item", "fragments"), [
     ("sections.student.dp=0", ["sections.student.dp must be an integer >= 1, got 0"]),
+    # found in QA: `plan` of it grew until the kernel killed it (out of memory), after a warning
+    ("sections.student.dp=1000000000", ["sections.student.dp=1000000000 is more than 65536, the most this version "
+                                        "takes"]),
     ("sections.ghost.dp=1", ["--set sections.ghost.dp", "no section named 'ghost'"]),
     ("global_bach=8", ["--set global_bach", "unknown pipeline field 'global_bach'", "did you mean 'global_batch'?"]),
     # Reproduced before: a bare "Section.__init__() got an unexpected keyword argument 'optimiser'".
