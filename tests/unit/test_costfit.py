@@ -151,6 +151,23 @@ def test_maestro_profile_detects_padding_from_mixed_micro_batches():
                                    else sum(t for t, _, _ in mixed["sizes"]))
 
 
+def test_one_micro_batch_size_fits_no_fixed_cost_as_profile_says():
+    """Found in QA: with `--sizes 1` profile said the fixed cost per micro-batch "is fitted as 0",
+    and the file held 0.000785 s (the two collinear terms split between prior and data)."""
+    from maestro_flow.runtime.profile_fit import fit_section
+
+    rows = [{"samples": 4, "tokens": 4 * t, "patches": 0, "frames": 0, "forward_s": 2e-3 + 4 * 1e-3 + 4 * t * 1e-5,
+             "backward_s": 0.0, "peak_mb": 1.0} for t in (20, 40, 80, 160)]
+    fitted = fit_section(Cost(per_sample_s=1e-3, per_token_s=1e-5, per_micro_batch_s=5e-4), rows, False, 1.0,
+                         {"name": "adamw"})
+    assert fitted["cost"]["per_micro_batch_s"] == 0.0 and fitted["micro_batch_overhead_s"] == 0.0
+    assert fitted["cost"]["per_sample_s"] == pytest.approx(1e-3 + 2e-3 / 4, rel=0.05)  # the fixed cost in it
+    two = [{**r, "samples": 8, "forward_s": 2e-3 + 8 * 1e-3 + 8 * t * 1e-5, "tokens": 8 * t} for r, t in
+           zip(rows, (20, 40, 80, 160), strict=True)]
+    both = fit_section(Cost(per_sample_s=1e-3, per_token_s=1e-5), rows + two, False, 1.0, {"name": "adamw"})
+    assert both["cost"]["per_micro_batch_s"] == pytest.approx(2e-3, rel=0.1)  # two sizes: told apart
+
+
 def test_micro_batches_without_a_backward_do_not_bias_the_backward_factor():
     """An encoder whose consumer sends gradients for half of its micro-batches (the others hold
     samples the consumer does not activate on): before, the factor was the ratio of the two
