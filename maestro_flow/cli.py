@@ -325,7 +325,9 @@ def validate(ctx: click.Context, pipeline: str, sets: tuple[str, ...], payloads:
 @click.option("--schedule", type=click.Choice(["wavefront", "fifo"]),
               help="Sample ordering across sections [default: the pipeline's schedule].")
 @click.option("--step", type=click.IntRange(min=0), default=0, show_default=True,
-              help="Which step's global batch to plan, by index from 0 (the run's step N is index N-1).")
+              help="Which step's global batch to plan, by index from 0 (the run's step N is index N-1). With "
+                   "--trace-in the trace is the batch: the step then only decides whether the plan is searched "
+                   "(not at step 0, nor without a core to spare), as in a run.")
 @click.option("--trace-in", type=click.Path(dir_okay=False, exists=True),
               help="Plan these samples (JSON Lines of {id, modalities, num_tokens, and num_patches / num_frames "
                    "for a sample with an image / audio}) as one global batch instead of the dataset's.")

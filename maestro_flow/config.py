@@ -471,9 +471,10 @@ def parse_set(items: list[str] | tuple[str, ...]) -> dict[str, Any]:
 
 
 def with_global_batch(sets: list[str] | tuple[str, ...], global_batch: int | None) -> list[str]:
-    """The `--set` items given, then `global_batch=N` when a command was given another global batch
-    than the pipeline's: what a printed or written command line must carry to mean the same job."""
-    return [*sets, *([f"global_batch={global_batch}"] if global_batch is not None else [])]
+    """The `--set` items given, with `global_batch=N` for a command given another global batch
+    (found in QA: written after a `global_batch=` given, not in its place): the same job."""
+    keep = [s for s in sets if global_batch is None or s.partition("=")[0].strip() != "global_batch"]
+    return [*keep, *([f"global_batch={global_batch}"] if global_batch is not None else [])]
 
 
 def _tuple(value: Any) -> Any:

@@ -282,8 +282,9 @@ def format_result(result: TuneResult, current: Candidate | None = None, path: st
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(cell.rjust(w) if i else cell.ljust(w) for i, (cell, w) in enumerate(zip(r, widths, strict=True)))
              for r in rows]
-    lines.append(f"({result.evaluated} configurations simulated, {result.scored} scored, "
-                 f"{result.devices} devices)")
+    # found in QA: "1 configurations simulated, 2 scored" (what was scored was not said)
+    lines.append(f"({count(result.evaluated, 'configuration')} simulated, "
+                 f"{count(result.scored, 'dp layout')} scored by the analytic model, {result.devices} devices)")
     mono = result.monolithic
     if mono is not None:
         fewer = f", its fastest count of at most {result.devices}" if mono.devices < result.devices else ""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -139,10 +140,15 @@ def test_the_baseline_command_tune_prints_runs_what_it_compared(tmp_path):
     trace = tmp_path / "samples.jsonl"
     write_trace(trace, image_share=0)
     result = CliRunner().invoke(main, ["tune", str(ROOT / "pipelines" / "distill.py"), "--devices", "3",
-                                       "--trace-in", str(trace), "--set", "seed=3", "--global-batch", "32"])
+                                       "--trace-in", str(trace), "--set", "seed=3", "--set", "global_batch=8",
+                                       "--global-batch", "32"])
     assert result.exit_code == 0, result.output
+    # found in QA: a `--set global_batch=8` given was printed too, before the tuned one
     assert f"(maestro run {ROOT / 'pipelines' / 'distill.py'} --set seed=3 --set global_batch=32 --baseline " \
            "monolithic --devices" in result.stdout, result.stdout
+    # found in QA: "(1 configurations simulated, 2 scored, ...)": what was scored was not said
+    assert re.search(r"^\(\d+ configurations? simulated, \d+ dp layouts? scored by the analytic model, 3 devices\)$",
+                     result.stdout, re.MULTILINE), result.stdout
 
 
 @pytest.mark.parametrize("value", ["-1", "0", "nan", "inf"])

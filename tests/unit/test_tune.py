@@ -146,6 +146,9 @@ def test_a_written_configuration_keeps_the_global_batch_it_was_tuned_for(tmp_pat
     assert lines == ["--set global_batch=64"] + [f"--set {s}" for s in to_overrides(best)]
     write_overrides(str(tmp_path / "g"), best)
     assert (tmp_path / "g").read_text().splitlines() == [f"--set {s}" for s in to_overrides(best)]
+    # found in QA: `--set global_batch=8 --global-batch 64` wrote both (the later one won)
+    write_overrides(str(tmp_path / "h"), best, global_batch=64, given=["global_batch=8", "seed=3"])
+    assert (tmp_path / "h").read_text().splitlines()[:2] == ["--set seed=3", "--set global_batch=64"]
 
 
 def test_a_written_configuration_survives_the_shell_splitting_it_at_whitespace(tmp_path):
