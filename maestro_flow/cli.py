@@ -367,7 +367,7 @@ def plan(ctx: click.Context, pipeline: str, sets: tuple[str, ...], schedule: str
 @SETS
 @click.option("-o", "--output", type=click.Path(dir_okay=False),
               help="Also draw the graph to this file: .dot/.gv (DOT), or .svg/.png (needs Graphviz's `dot`; "
-                   "without it the DOT is written next to FILE instead).")
+                   "without it the DOT is written to FILE.dot instead).")
 @click.pass_context
 def graph(ctx: click.Context, pipeline: str, sets: tuple[str, ...], output: str | None) -> None:
     """Show the section graph of PIPELINE: each section (trainable/frozen, activates_on, dp, micro-batch,

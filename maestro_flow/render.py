@@ -246,9 +246,9 @@ def _write(path: Path, text: str) -> None:
 def render(dot_text: str, path: str | os.PathLike[str], *, timeout_s: float = DOT_TIMEOUT_S) -> Rendered:
     """Write `dot_text` to `path` in the format its suffix names (.dot/.gv, .svg, .png).
 
-    SVG and PNG need Graphviz's `dot` on PATH. Without it the DOT is written to `path` with the
-    suffix replaced by `.dot`, and the returned `note` says so (no exception: the DOT is still the
-    graph). A `dot` that fails or runs past `timeout_s` raises GraphvizError, leaving no partial file.
+    SVG and PNG need Graphviz's `dot` on PATH. Without it the DOT is written to `path` with `.dot`
+    added (g.svg.dot: found in QA, g.dot replaced a file of that name, perhaps edited by hand), and
+    the returned `note` says so (no exception: the DOT is still the graph). A `dot` that fails or runs past `timeout_s` raises GraphvizError, leaving no partial file.
     """
     out = Path(path)
     fmt = check_suffix(out)
@@ -257,7 +257,7 @@ def render(dot_text: str, path: str | os.PathLike[str], *, timeout_s: float = DO
         return Rendered(out, "dot")
     exe = shutil.which("dot")
     if exe is None:
-        fallback = out.with_suffix(".dot")
+        fallback = out.with_name(out.name + ".dot")
         _write(fallback, dot_text)
         return Rendered(fallback, "dot", note=(
             f"Graphviz is not installed (no `dot` on PATH), so {out} was not drawn; the DOT was written to "

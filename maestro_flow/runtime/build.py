@@ -178,11 +178,17 @@ def open_source(pipeline: Pipeline) -> Any:
 
 
 def unresolved(pipeline: Pipeline) -> list[str]:
-    """Why each section's stage cannot be imported (none: all can)."""
+    """Why each section's stage cannot be imported, or its tp layout cannot work (none: all can).
+    Found in QA: `graph` drew a tp=2 of a model without a tensor-parallel plan, which plan,
+    tune and validate refuse."""
+    from maestro_flow.runtime.checks import check_tensor_parallel
+
     out = []
     for s in pipeline.sections:
         try:
-            resolve(s.stage, f"sections.{s.name}.stage")
+            cls = resolve(s.stage, f"sections.{s.name}.stage")
+            if s.tp > 1:
+                check_tensor_parallel(pipeline, s, cls)
         except PipelineError as exc:
             out.append(str(exc))
     return out

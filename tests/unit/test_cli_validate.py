@@ -553,6 +553,16 @@ def test_set_file_gives_overrides_and_a_set_wins_over_it(tmp_path):
             result.stderr, result.output
 
 
+def test_graph_warns_of_a_tp_layout_validate_refuses():
+    """Found in QA: graph drew tp=2 of a model that has no tensor-parallel plan, in silence."""
+    result = invoke("graph", "pipelines/distill.py", "--set", "sections.student.tp=3")
+    assert result.exit_code == 0, result.output
+    assert result.stderr == ("warning: sections.student.tp=3: sections.student.config.student.n_heads (4) is not "
+                             "divisible by tp=3: each rank takes whole heads (drawn as written; `maestro validate` "
+                             "checks the pipeline)\n"), result.stderr
+    assert "warning" not in invoke("graph", "pipelines/distill.py", "--set", "sections.student.tp=2").stderr
+
+
 @pytest.mark.parametrize("flag, target", [
     ("--save-dir", "afile/sub"), ("--checkpoint-dir", "afile/ck"), ("--metrics-out", "afile/m.jsonl"),
     ("--trace", "afile/t.json"), ("--run-dir", "afile/rd"), ("--tensorboard", "afile/tb"),

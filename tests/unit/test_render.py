@@ -236,11 +236,13 @@ def test_render_dot(tmp_path):
 @pytest.mark.parametrize("suffix", [".svg", ".png"])
 def test_render_without_graphviz_writes_dot_instead(tmp_path, monkeypatch, suffix):
     no_graphviz(monkeypatch, tmp_path)
+    (tmp_path / "g.dot").write_text("digraph mine {}\n")  # found in QA: replaced without a word
     done = render("digraph g {}\n", tmp_path / f"g{suffix}")
-    assert done.path == tmp_path / "g.dot" and done.format == "dot" and done.path.read_text() == "digraph g {}\n"
-    assert not (tmp_path / f"g{suffix}").exists()
-    assert "Graphviz is not installed" in done.note and f"written to {tmp_path / 'g.dot'}" in done.note
-    assert f"dot -T{suffix[1:]} {tmp_path / 'g.dot'} -o {tmp_path / f'g{suffix}'}" in done.note
+    fallback = tmp_path / f"g{suffix}.dot"
+    assert done.path == fallback and done.format == "dot" and done.path.read_text() == "digraph g {}\n"
+    assert not (tmp_path / f"g{suffix}").exists() and (tmp_path / "g.dot").read_text() == "digraph mine {}\n"
+    assert "Graphviz is not installed" in done.note and f"written to {fallback}" in done.note
+    assert f"dot -T{suffix[1:]} {fallback} -o {tmp_path / f'g{suffix}'}" in done.note
 
 
 def test_render_reports_a_failing_dot(tmp_path, monkeypatch):
@@ -314,9 +316,9 @@ def test_cli_graph_without_graphviz_falls_back_to_dot(tmp_path, monkeypatch):
     result = invoke("graph", ROOT / "pipelines" / "vlm.py", "-o", out)
     assert result.exit_code == 0, result.output
     assert result.stderr.startswith("warning: Graphviz is not installed (no `dot` on PATH)")
-    assert f"the DOT was written to {tmp_path / 'x.dot'}" in result.stderr
-    assert result.stdout.endswith(f"wrote {tmp_path / 'x.dot'}\n")
-    assert not out.exists() and (tmp_path / "x.dot").read_text() == to_dot(graph_of(vlm))
+    assert f"the DOT was written to {tmp_path / 'x.svg.dot'}" in result.stderr
+    assert result.stdout.endswith(f"wrote {tmp_path / 'x.svg.dot'}\n")
+    assert not out.exists() and (tmp_path / "x.svg.dot").read_text() == to_dot(graph_of(vlm))
 
 
 def test_cli_graph_refuses_an_unknown_suffix(tmp_path):
