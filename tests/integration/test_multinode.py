@@ -18,6 +18,7 @@ import time
 
 import pytest
 
+from maestro_flow.checkpoint.manifest import step_dir
 from tests.integration.conftest import ASSETS, ROOT, descendants, wait_gone
 from tests.integration.test_curve import routable_ip
 
@@ -75,11 +76,14 @@ def test_two_nodes_train_bitwise_like_one(demo_data, tmp_path, host):
     (run_dir / "node-1").mkdir(parents=True)
     (run_dir / "metrics.jsonl").write_text("{}\n")
     (run_dir / "node-1" / "old.log").write_text("an earlier run's\n")
-    # Node 0's flags given to node 1 too (a checkpoint only node 0 has): taken as node 0 gave them.
+    # Node 0's flags given to node 1 too, with values node 1 could not use itself (a folder under a
+    # file): taken as node 0 gave them.
+    (tmp_path / "afile").write_text("")
     n1 = node(1, port, "pipelines/distill.py", *common, "--run-dir", str(run_dir), "--save-dir", str(tmp_path / "two"),
-              "--record", "student", "--resume", str(tmp_path / "on-node-0-only"), host=host)
+              "--checkpoint-dir", str(tmp_path / "afile" / "ck"), "--checkpoint-every", "2", host=host)
     n0 = node(0, port, "pipelines/distill.py", *common, "--run-dir", str(run_dir),
-              "--save-dir", str(tmp_path / "two"), host=host)
+              "--save-dir", str(tmp_path / "two"), "--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "2",
+              host=host)
     err0, err1 = finish(n0, n1)
     assert n0.returncode == 0, err0
     assert n1.returncode == 0, err1
@@ -94,7 +98,8 @@ def test_two_nodes_train_bitwise_like_one(demo_data, tmp_path, host):
     assert (run_dir / "previous-1" / "metrics.jsonl").read_text() == "{}\n"
     assert (run_dir / "node-1" / "previous-1" / "old.log").exists()
     assert not (run_dir / "previous-1" / "node-1").exists()
-    assert not (run_dir / "record").exists() and not (run_dir / "node-1" / "record").exists()
+    assert sorted(n for n in os.listdir(tmp_path / "ck") if not n.startswith(".")) == [
+        os.path.basename(step_dir(str(tmp_path / "ck"), s)) for s in (2, 4)]  # node 0's checkpoints
 
 
 def _slow(*extra: str, demo_data) -> list[str]:
