@@ -443,3 +443,20 @@ def test_a_data_fed_fsdp_section_may_have_more_replicas_than_samples():
     result = tune(distill(global_batch=2), None, samples(2), devices=8, top=50, memory_limit_mb=2000,
                   memory={"teacher": small, "student": MemoryModel(base_mb=100)})
     assert all(dp <= 2 for c in result.best for _, dp, _ in c.layout), [c.layout for c in result.best]
+
+
+def test_near_ties_go_to_fewer_devices_then_less_memory():
+    """Found in QA: 1x16/1x16 (33.06 ms, 25 MB a rank) was picked over 1x8/1x8 (33.09 ms, 14 MB): 0.1%
+    faster for 1.7x the memory."""
+    from maestro_flow.planner.tune import _ties_to_the_frugal
+    from maestro_flow.planner.tune_space import Candidate
+
+    def cand(mb: int, step_s: float, devices: int, memory: float) -> Candidate:
+        return Candidate(layout=(("s", devices, mb),), step_s=step_s, lower_bound_s=0.0, devices=devices,
+                         utilisation={"s": 1.0}, memory_mb={"s": memory})
+
+    big, small = cand(16, 0.03306, 2, 25.0), cand(8, 0.03309, 2, 14.0)
+    fewer, slow = cand(8, 0.03310, 1, 30.0), cand(4, 0.04, 1, 1.0)
+    assert _ties_to_the_frugal([big, small, fewer, slow]) == [fewer, small, big, slow]
+    fast, slower = cand(16, 0.03306, 2, 0.0), cand(8, 0.03309, 2, 0.0)  # no --costs, no memory model: speed
+    assert _ties_to_the_frugal([fast, slower]) == [fast, slower]
