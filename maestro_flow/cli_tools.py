@@ -31,10 +31,10 @@ def _fail(ctx: click.Context, exc: MaestroError) -> None:
 
 
 def _sizes(text: str | None) -> tuple[int, ...] | None:
-    if not text:
+    if text is None:
         return None
-    try:
-        sizes = tuple(sorted({int(x) for x in text.split(",") if x.strip()}))
+    try:  # found in QA: '' and '1,,2' were taken (as the default sizes, and as 1,2)
+        sizes = tuple(sorted({int(x) for x in text.split(",")}))
     except ValueError:
         raise PipelineError(f"--sizes expects comma-separated integers, got {text!r}") from None
     if not sizes or sizes[0] < 1:

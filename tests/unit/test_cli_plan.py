@@ -179,3 +179,14 @@ def test_tune_checks_write_before_it_searches(tmp_path, monkeypatch):
                                        "--write", str(tmp_path / "f" / "best.txt")])
     assert result.exit_code == 2, result.output
     assert f"--write {tmp_path / 'f' / 'best.txt'}: {tmp_path / 'f'} is a file, not a folder" in result.output
+
+
+def test_profile_sizes_are_read_strictly():
+    """Found in QA: `--sizes ''` ran the default sizes and `--sizes 1,,2` ran 1 and 2, without a word."""
+    from maestro_flow.cli_tools import _sizes
+    from maestro_flow.errors import PipelineError
+
+    assert _sizes(None) is None and _sizes(" 4, 1,2,2") == (1, 2, 4)
+    for bad in ("", "1,,2", "1,", "a,b", "0,1", "-2"):
+        with pytest.raises(PipelineError, match=r"--sizes (expects comma-separated integers|must list integers >= 1)"):
+            _sizes(bad)
