@@ -53,6 +53,8 @@ def read_trace(path: str, pipeline: Any = None) -> list[SampleMeta]:
             if missing:
                 raise ValueError(f"no {' and no '.join(missing)}")
             sample = SampleMeta.from_dict({**d, "row": d.get("row", -1)})
+            if sample.num_tokens < 1:  # found in QA: planned, though a dataset row without tokens is refused
+                raise ValueError(f"num_tokens must be at least 1, as a dataset row's tokens are, got {sample.num_tokens}")
         except (ValueError, KeyError, TypeError) as exc:
             raise PipelineError(f"{path}:{n}: not a sample metadata line ({exc})") from None
         if sample.id in seen:

@@ -82,6 +82,9 @@ def test_a_trace_line_with_bad_modalities_is_refused(tmp_path, modalities):
     ('{"id": 2, "num_tokens": 5}', "no modalities"),
     ('{"modalities": ["text"], "num_tokens": 5}', "no id"),
     ('[1, 2]', "a JSON object a line, got list"),
+    # found in QA: planned, though a dataset row without tokens is refused
+    ('{"id": 2, "modalities": ["text"], "num_tokens": 0}', "num_tokens must be at least 1, as a dataset row's "
+                                                           "tokens are, got 0"),
 ])
 def test_a_trace_line_without_what_it_must_have_is_refused(tmp_path, command, line, fragment):
     trace = tmp_path / "samples.jsonl"
