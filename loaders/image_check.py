@@ -208,16 +208,20 @@ def _pnm_size(data: memoryview) -> tuple[int, int] | None:
 
 
 def _tiff_size(data: memoryview) -> tuple[int, int] | None:
-    """A TIFF's first image: the ImageLength (257) and ImageWidth (256) entries of its first
-    directory, in classic TIFF (32-bit offsets) or BigTIFF (64-bit), either byte order."""
+    """A TIFF's first image as stored: the ImageLength (257) and ImageWidth (256) entries of its
+    first directory, in classic TIFF (32-bit offsets) or BigTIFF (64-bit), either byte order. An
+    Orientation tag is not applied (DALI's peek applies it): a turned image's height and width
+    swap, which changes neither its pixels nor its patches."""
     order = {b"II": "<", b"MM": ">"}.get(bytes(data[:2]))
     if order is None or len(data) < 16:
         return None
     magic = struct.unpack(order + "H", data[2:4])[0]
     if magic == 42:  # offset, then count: 2 bytes, entries of 12 (tag, type, count: 4, value: 4)
         offset, count_fmt, entry, value_at = struct.unpack(order + "I", data[4:8])[0], "H", 12, 8
+        kinds = {3: "H", 4: "I"}  # (a LONG8 has no room in a classic entry: found in review, read past it)
     elif magic == 43:  # BigTIFF: count 8 bytes, entries of 20 (count: 8, value: 8)
         offset, count_fmt, entry, value_at = struct.unpack(order + "Q", data[8:16])[0], "Q", 20, 12
+        kinds = _TIFF_UINT
     else:
         return None
     count_size = struct.calcsize(count_fmt)
@@ -228,8 +232,8 @@ def _tiff_size(data: memoryview) -> tuple[int, int] | None:
     for i in range(min(n, (len(data) - offset - count_size) // entry)):
         at = offset + count_size + i * entry
         tag, kind = struct.unpack(order + "HH", data[at:at + 4])
-        if tag in (256, 257) and kind in _TIFF_UINT:
-            fmt = _TIFF_UINT[kind]
+        if tag in (256, 257) and kind in kinds:
+            fmt = kinds[kind]
             sides[tag] = struct.unpack(order + fmt, data[at + value_at:at + value_at + struct.calcsize(fmt)])[0]
     return (sides[257], sides[256]) if sides.get(256) and sides.get(257) else None
 
