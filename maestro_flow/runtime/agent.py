@@ -188,7 +188,7 @@ class Agent:
         # What node 0's pipeline must match (None: not checked), through the JSON node 0's travels in.
         self.pipeline = comparable(json.loads(canonical(pipeline))) if pipeline is not None else None
         self.files = files  # this node's code, data and versions (runtime/fingerprint.py; None: not compared)
-        self.given = list(given)  # of --checkpoint-dir, --resume, --save-dir, --record: node 0 must have them too
+        self.given = list(given)  # --checkpoint-dir, --resume, ... (run._run_agent): node 0 must have them too
         self.timeouts, self.worker_log = timeouts, worker_log
         self.log = log or (lambda text: print(text, file=sys.stderr, flush=True))
         self.entry = entry or worker_main
@@ -359,8 +359,8 @@ class Agent:
         missing = [flag for flag in self.given if flag not in info.get("given", ())]
         if missing:  # found in QA: dropped in silence (no checkpoint written, a run trained from scratch)
             return (f"node {node} was given {', '.join(missing)} and node 0 was not: node 0 runs the coordinator, "
-                    "which writes the checkpoints and the --save-dir, resumes and records; give every node the same "
-                    "options")
+                    "which writes the checkpoints and the --save-dir, resumes, records and stops on NaN; give every "
+                    "node the same options")
         if self.files is not None and isinstance(info.get("files"), dict):
             differ = fingerprint.differences(self.files, info["files"], f"on node {node}")
             if differ:
@@ -428,7 +428,7 @@ class Agent:
         if problem is not None:
             self._refuse(store, session, problem)
         self._ask(store.set, f"maestro/in/{node}", session)  # for an agent that takes this node over
-        again = int(info.get("attempt", 0))  # found in QA: a restart read here as a second start, unexplained
+        again = int(info.get("restarts", 0))  # this run's (found in QA: a restart read as a second start, unexplained)
         again = f"automatic restart {again} (node 0 says why): " if again else ""
         self.log(f"node {node}: {again}starting ranks {', '.join(map(str, mine))} (coordinator {info['address']})")
         launcher = Launcher(self.entry)

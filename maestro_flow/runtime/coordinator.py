@@ -212,9 +212,11 @@ class Coordinator(CoordinatorIO):
                 "workers": {r: [*self.placement.who(r), self.placement.worker_name(r), self.placement.worker_name(r, "/")]
                             for r in range(self.placement.world_size)},
                 "devices": list(self.placement.devices), "pin_cpus": self.pin_cpus, "nnodes": self.nodes.nnodes,
-                "attempt": self.restarts, "given": [flag for flag, given in (
-                    ("--checkpoint-dir", self.checkpointer.options.dir), ("--resume", self.checkpointer.options.resume),
-                    ("--save-dir", self.save_dir), ("--record", self.record)) if given],
+                "attempt": self.restarts, "restarts": self.restarts - self.carried_restarts, "given": [
+                    flag for flag, given in (("--checkpoint-dir", self.checkpointer.options.dir),
+                                             ("--resume", self.checkpointer.options.resume), ("--save-dir", self.save_dir),
+                                             ("--record", self.record), ("--stop-on-nan", self.report.stop_on_nan))
+                    if given],
                 "pipeline": agent.canonical(self.pipeline.to_dict()), "files": self.files})
         self.observer.start(self.placement)
         began = time.monotonic()
@@ -353,7 +355,8 @@ class Coordinator(CoordinatorIO):
                 try:
                     self.report.step(row)
                 except Diverged as exc:  # and where to go on from
-                    newest = self.checkpointer.previous() if self.checkpointer.options.dir else ""
+                    newest = self.checkpointer.previous() if self.checkpointer.options.dir else \
+                        f"; this run resumed from {self.resume[0]}" if self.resume else ""  # (review)
                     raise Diverged(f"{exc}{newest}") from None
             send_plans(step + 1 + p.lookahead_steps, step + 1)
 

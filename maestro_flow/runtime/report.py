@@ -248,7 +248,7 @@ class RunReport:
 
     def stops_at(self, row: dict[str, Any]) -> bool:
         """Whether `step(row)` will stop the run (--stop-on-nan): its step's checkpoint is then not
-        written, so the newest one holds weights that were still finite."""
+        written, so the newest one comes from steps whose loss and gradient norm were finite."""
         return self.stop_on_nan and not _finite(row)
 
     def _warn_frozen_in_fact(self, row: dict[str, Any]) -> None:

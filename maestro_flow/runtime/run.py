@@ -181,7 +181,8 @@ def _run_agent(pipeline: Any, options: RunOptions, nodes: Nodes, host: str, secr
     # the store, so node 0 waited out its startup timeout and blamed a missing node; node 0's to give.
     # Those four node 0 must have been given too (the agent refuses the attempt otherwise).
     checked = tuple(flag for flag, given in (("--checkpoint-dir", ckpt.dir), ("--resume", ckpt.resume),
-                                             ("--save-dir", options.save_dir), ("--record", options.record)) if given)
+                                             ("--save-dir", options.save_dir), ("--record", options.record),
+                                             ("--stop-on-nan", options.stop_on_nan)) if given)
     node0 = [flag for flag, given in (("--metrics-out", options.metrics_out), ("--trace", options.trace is not None),
                                       ("--tensorboard", options.tensorboard), ("--max-restarts", ckpt.max_restarts),
                                       ("--pin-cpus", options.pin_cpus)) if given] + list(checked)
@@ -303,6 +304,7 @@ def run_pipeline(path: str, options: RunOptions) -> list[dict[str, Any]]:
     try:
         return _lead(pipeline, original, checked, paths, options, nodes, host, secret, files, meeting)
     except BaseException as exc:
+        release_held()  # before node 0 waits to tell the other nodes (found in review)
         if meeting is not None and not meeting.ended:
             wait_s = _end_wait_s()
             if isinstance(exc, KeyboardInterrupt):  # (and Terminated, once caught): not waiting for nodes to join

@@ -224,16 +224,28 @@ def find_run(run_dir: str | None, root: str = "runs", wait_s: float = 0.0, say: 
             if say is not None:
                 said = f"{exc}; waiting" if isinstance(exc, Over) else "waiting"
                 say(f"{said} up to {wait_s:.0f}s for a {'new ' if isinstance(exc, Over) else ''}run to start in "
-                    f"{run_dir} (Ctrl-C stops){_did_you_mean(run_dir)}")
+                    f"{run_dir} (Ctrl-C stops){_hint(run_dir)}")
                 say = None
             time.sleep(0.2)
 
 
-def _did_you_mean(run_dir: str | None) -> str:
-    """For a RUN_DIR not there (yet): the run dir beside it whose name is closest (found in QA: a
-    typo waited a minute for a run that would never start there, without a word on it)."""
-    if not run_dir or os.path.isdir(run_dir):
+def _hint(run_dir: str | None) -> str:
+    """What to tell of a RUN_DIR no run is in (yet), while top waits for one and when it gives up.
+    One not there: the run dir beside it whose name is closest (found in QA: a typo waited a
+    minute for a run that would never start there, without a word on it). One that holds another
+    node's folder and nothing of node 0's: it may be that node's --run-dir (found in QA: top waited,
+    then said "not running"), or node 0's on a shared disk before node 0 wrote to it (review)."""
+    if not run_dir:
         return ""
+    if os.path.isdir(run_dir):
+        try:
+            nodes = sorted(d for d in os.listdir(run_dir) if re.fullmatch(r"node-[1-9]\d*", d))
+        except OSError:
+            return ""
+        if not nodes or any(os.path.exists(os.path.join(run_dir, f)) for f in ("pipeline.json", "metrics.jsonl")):
+            return ""
+        return (f"; it holds {nodes[0]}/ and nothing of node 0's: if it is the --run-dir of node "
+                f"{nodes[0][5:]}, watch the run on node 0 instead (`maestro top` of node 0's run dir)")
     parent, name = os.path.split(os.path.normpath(run_dir))
     try:
         near = difflib.get_close_matches(name, [d for d in os.listdir(parent or ".")
@@ -246,17 +258,14 @@ def _did_you_mean(run_dir: str | None) -> str:
 def _find_run(run_dir: str | None, root: str) -> str:
     if run_dir:
         if not os.path.isdir(run_dir):  # found in review: said "has no status.json" of a folder not there
-            raise NotYet(f"{run_dir}: no such run directory{_did_you_mean(run_dir)}")
+            raise NotYet(f"{run_dir}: no such run directory{_hint(run_dir)}")
         if not os.path.exists(os.path.join(run_dir, "status.json")):
-            nodes = sorted(d for d in os.listdir(run_dir) if re.fullmatch(r"node-[1-9]\d*", d))
-            if re.fullmatch(r"node-[1-9]\d*", os.path.basename(os.path.normpath(run_dir))) or (  # found in QA
-                    nodes and not os.path.exists(os.path.join(run_dir, "metrics.jsonl"))):  # the --run-dir given there
-                what = f"{run_dir} is" if not nodes else f"{run_dir} holds {nodes[0]}/, which is"
-                raise FileNotFoundError(f"{what} another node's folder of a run over several nodes (its workers' "
+            if re.fullmatch(r"node-[1-9]\d*", os.path.basename(os.path.normpath(run_dir))):  # found in QA
+                raise FileNotFoundError(f"{run_dir} is another node's folder of a run over several nodes (its workers' "
                                         f"logs): watch the run on node 0, `maestro top` of node 0's run dir")
             if _last_row(os.path.join(run_dir, "events.jsonl"), lambda row: "ended" in row) is not None:
                 raise Over(f"the run is not running; {ended(run_dir)}")  # found in QA: how, not just "not"
-            raise NotYet(f"{run_dir} has no status.json: the run is not running (or wrote no run dir)")
+            raise NotYet(f"{run_dir} has no status.json: the run is not running (or wrote no run dir){_hint(run_dir)}")
         if not _live(run_dir):
             raise Over(f"{run_dir}/status.json is stale: the coordinator that wrote it is gone")
         return run_dir
