@@ -114,9 +114,11 @@ def hold(path: str) -> None:
     on until `open_metrics` takes this very file over (found in review: a probe that let go of it
     left a gap in which a second run moved the run dir's files aside before being refused), or
     `release_held` drops it with a run refused before. A file not there yet is not created."""
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND)
+    try:  # not opened unless a regular file: opening a FIFO waits for a reader, closing it ends the reader's input
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND) if stat.S_ISREG(os.stat(path).st_mode) else None
     except OSError:  # not there (check_writable has said whether it can be made)
+        return
+    if fd is None:
         return
     st = os.fstat(fd)
     f = open(fd, "ab", buffering=0)  # noqa: SIM115 (kept open: the lock goes with it)

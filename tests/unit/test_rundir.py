@@ -344,3 +344,29 @@ def test_a_resumed_run_goes_on_with_its_metrics_file(tmp_path):
     assert lines[3] == "not a row"
     rows = [json.loads(line) for line in lines if line != "not a row"]
     assert [(r["step"], r["loss"]) for r in rows] == [(0, 1.0), (1, 1.0), (2, 1.0), (3, 0.5), (4, 0.5), (5, 0.5)]
+
+
+def test_a_fifo_given_as_metrics_file_gets_the_rows(tmp_path):
+    """Found in review: the check before a run opened a FIFO and closed it, ending its reader's
+    input, and the report then waited for a reader forever (reading it for the lock hung as well)."""
+    from maestro_flow.runtime.report import hold, release_held
+
+    fifo = tmp_path / "m.fifo"
+    os.mkfifo(fifo)
+    got = []
+
+    def read():
+        with open(fifo, "rb") as f:
+            got.append(f.read())
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    hold(str(fifo))  # returns at once: not a regular file, nothing to lock
+    reader.join(0.5)
+    assert reader.is_alive(), got  # its input not ended (before: b"", and the report then waited for a reader)
+    report = RunReport(total_steps=1, metrics_out=str(fifo), show_progress=False)
+    report.step({"step": 0, "loss": 1.0, "step_time_s": 0.1, "sections": {}})
+    report.close()
+    release_held()
+    reader.join(10)
+    assert [json.loads(line)["loss"] for line in got[0].decode().splitlines()] == [1.0]
