@@ -188,7 +188,7 @@ class Agent:
         # What node 0's pipeline must match (None: not checked), through the JSON node 0's travels in.
         self.pipeline = comparable(json.loads(canonical(pipeline))) if pipeline is not None else None
         self.files = files  # this node's code, data and versions (runtime/fingerprint.py; None: not compared)
-        self.given = list(given)  # --checkpoint-dir, --resume, ... (run._run_agent): node 0 must have them too
+        self.given = list(given)  # run.node0_given of this node's options: node 0 must have them too
         self.timeouts, self.worker_log = timeouts, worker_log
         self.log = log or (lambda text: print(text, file=sys.stderr, flush=True))
         self.entry = entry or worker_main

@@ -96,7 +96,8 @@ class Coordinator(CoordinatorIO):
                  checkpointer: Checkpointer | None = None, resume: tuple[str, Manifest] | None = None,
                  restarts: int = 0, carried_restarts: int = 0, secret: bytes | None = None, host: str = zmq_link.LOOPBACK,
                  interface: str | None = None, nodes: Nodes | None = None, rdzv: Any = None,
-                 rdzv_key: bytes | None = None, files: dict | None = None, pin_cpus: bool = False) -> None:
+                 rdzv_key: bytes | None = None, files: dict | None = None, pin_cpus: bool = False,
+                 given: tuple[str, ...] = ()) -> None:
         self.pipeline, self.graph, self.sampler, self.report = pipeline, graph, sampler, report
         self.paths, self.save_dir = paths, save_dir
         self.timeouts = timeouts or Timeouts.from_env()
@@ -108,6 +109,7 @@ class Coordinator(CoordinatorIO):
         self.store_addr: list = []
         self.launcher = Launcher(worker_entry)
         self.pin_cpus = pin_cpus  # each CPU worker on its own cores (runtime/cpus.py)
+        self.given = given  # run.node0_given: published for the other nodes to compare theirs with
         self.observer = observer or RunObserver()
         self.zctx = zmq.Context()
         self.router: zmq.Socket | None = None
@@ -212,11 +214,8 @@ class Coordinator(CoordinatorIO):
                 "workers": {r: [*self.placement.who(r), self.placement.worker_name(r), self.placement.worker_name(r, "/")]
                             for r in range(self.placement.world_size)},
                 "devices": list(self.placement.devices), "pin_cpus": self.pin_cpus, "nnodes": self.nodes.nnodes,
-                "attempt": self.restarts, "restarts": self.restarts - self.carried_restarts, "given": [
-                    flag for flag, given in (("--checkpoint-dir", self.checkpointer.options.dir),
-                                             ("--resume", self.checkpointer.options.resume), ("--save-dir", self.save_dir),
-                                             ("--record", self.record), ("--stop-on-nan", self.report.stop_on_nan))
-                    if given],
+                "attempt": self.restarts, "restarts": self.restarts - self.carried_restarts,
+                "given": list(self.given),
                 "pipeline": agent.canonical(self.pipeline.to_dict()), "files": self.files})
         self.observer.start(self.placement)
         began = time.monotonic()

@@ -171,6 +171,16 @@ def _resume_from(options: RunOptions, pipeline: Any, metadata: Any) -> tuple[str
     return folder, manifest
 
 
+def node0_given(options: RunOptions) -> tuple[str, ...]:
+    """The options given of those node 0 acts on and must have where another node has them (a
+    checkpoint not written, a run trained from step 0 otherwise): node 0 publishes its own with
+    each attempt, and each other node's agent compares its own with them."""
+    ckpt = options.checkpoint
+    return tuple(flag for flag, given in (("--checkpoint-dir", ckpt.dir), ("--resume", ckpt.resume),
+                                          ("--save-dir", options.save_dir), ("--record", options.record),
+                                          ("--stop-on-nan", options.stop_on_nan)) if given)
+
+
 def _run_agent(pipeline: Any, options: RunOptions, nodes: Nodes, host: str, secret: bytes,
                files: dict[str, Any]) -> list[dict[str, Any]]:
     """Node I > 0: start and watch this node's workers for node 0's coordinator (runtime/agent.py)."""
@@ -179,10 +189,8 @@ def _run_agent(pipeline: Any, options: RunOptions, nodes: Nodes, host: str, secr
     ckpt = options.checkpoint
     # Found in review: --resume, --record and --save-dir here were refused before this node reached
     # the store, so node 0 waited out its startup timeout and blamed a missing node; node 0's to give.
-    # Those four node 0 must have been given too (the agent refuses the attempt otherwise).
-    checked = tuple(flag for flag, given in (("--checkpoint-dir", ckpt.dir), ("--resume", ckpt.resume),
-                                             ("--save-dir", options.save_dir), ("--record", options.record),
-                                             ("--stop-on-nan", options.stop_on_nan)) if given)
+    # Those of `node0_given` node 0 must have been given too (the agent refuses the attempt otherwise).
+    checked = node0_given(options)
     node0 = [flag for flag, given in (("--metrics-out", options.metrics_out), ("--trace", options.trace is not None),
                                       ("--tensorboard", options.tensorboard), ("--max-restarts", ckpt.max_restarts),
                                       ("--pin-cpus", options.pin_cpus)) if given] + list(checked)
@@ -419,7 +427,7 @@ def _lead(pipeline: Any, original: Any, checked: Any, paths: Any, options: RunOp
                             observer=observer, run_dir=options.run_dir, record=record, checkpointer=checkpointer,
                             resume=resume_at, restarts=restarts, carried_restarts=carried, secret=secret, host=host,
                             interface=options.interface, nodes=nodes, rdzv=rdzv, rdzv_key=rkey, files=files,
-                            pin_cpus=options.pin_cpus).run()
+                            pin_cpus=options.pin_cpus, given=node0_given(options)).run()
 
             rdzv, rkey = (meeting.store, meeting.key) if meeting is not None else (None, None)
             carried = resume[1].restarts if resume else 0

@@ -25,7 +25,6 @@ from __future__ import annotations
 import difflib
 import json
 import os
-import re
 import selectors
 import socket
 import sys
@@ -235,11 +234,13 @@ def _hint(run_dir: str | None) -> str:
     minute for a run that would never start there, without a word on it). One that holds another
     node's folder and nothing of node 0's: it may be that node's --run-dir (found in QA: top waited,
     then said "not running"), or node 0's on a shared disk before node 0 wrote to it (review)."""
+    from maestro_flow.runtime.rundir import NODE  # (rundir imports this module)
+
     if not run_dir:
         return ""
     if os.path.isdir(run_dir):
         try:
-            nodes = sorted(d for d in os.listdir(run_dir) if re.fullmatch(r"node-[1-9]\d*", d))
+            nodes = sorted(d for d in os.listdir(run_dir) if NODE.fullmatch(d))
         except OSError:
             return ""
         if not nodes or any(os.path.exists(os.path.join(run_dir, f)) for f in ("pipeline.json", "metrics.jsonl")):
@@ -256,11 +257,13 @@ def _hint(run_dir: str | None) -> str:
 
 
 def _find_run(run_dir: str | None, root: str) -> str:
+    from maestro_flow.runtime.rundir import NODE  # (rundir imports this module)
+
     if run_dir:
         if not os.path.isdir(run_dir):  # found in review: said "has no status.json" of a folder not there
             raise NotYet(f"{run_dir}: no such run directory{_hint(run_dir)}")
         if not os.path.exists(os.path.join(run_dir, "status.json")):
-            if re.fullmatch(r"node-[1-9]\d*", os.path.basename(os.path.normpath(run_dir))):  # found in QA
+            if NODE.fullmatch(os.path.basename(os.path.normpath(run_dir))):  # found in QA
                 raise FileNotFoundError(f"{run_dir} is another node's folder of a run over several nodes (its workers' "
                                         f"logs): watch the run on node 0, `maestro top` of node 0's run dir")
             if _last_row(os.path.join(run_dir, "events.jsonl"), lambda row: "ended" in row) is not None:
