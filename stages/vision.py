@@ -145,6 +145,13 @@ class VisionEncoder(Stage):
         return ("pixels",)  # decoded upstream, in place of the image column
 
     @classmethod
+    def token_limits(cls, config: dict[str, Any]) -> dict[str, int]:
+        """Patches its position table covers: max_grid a side, so at most max_grid squared an
+        image. A sample whose num_patches is more is refused before any worker starts (found in
+        QA: `plan --trace-in` planned such samples, which no decode can give this encoder)."""
+        return {"max_patches": VisionConfig.from_dict(config).max_grid ** 2}
+
+    @classmethod
     def tp_plan(cls, config: dict[str, Any]) -> dict[str, str]:
         return block_tp_plan("encoder.trunk.blocks")
 

@@ -161,7 +161,7 @@ def check_token_limits(pipeline: Pipeline, source: Any, metadata: list[SampleMet
                 raise PipelineError(
                     f"sections.{s.name}: {_sample(over[0])} has {getattr(over[0], count)} "
                     f"{count[4:]}, more than {s.stage} takes ({key} {limits[key]}, from its config); samples "
-                    f"like it: {len(over)}. Cut the samples or raise {key}")
+                    f"like it: {len(over)}. Cut the samples or raise the limit in sections.{s.name}.config")
         if s.columns is not None and "tokens" not in s.columns:
             continue
         max_tokens = limits.get("max_tokens")

@@ -193,3 +193,21 @@ def test_profile_sizes_are_read_strictly():
     for bad in ("", "1,,2", "1,", "a,b", "0,1", "-2"):
         with pytest.raises(PipelineError, match=r"--sizes (expects comma-separated integers|must list integers >= 1)"):
             _sizes(bad)
+
+
+@pytest.mark.parametrize("command", ["plan", "tune"])
+def test_a_trace_sample_with_more_patches_than_the_encoder_covers_is_refused(tmp_path, command):
+    """Found in QA: an image of 65 patches was planned for a vision encoder of max_grid 8, whose
+    positions cover 64 (no decode gives it more)."""
+    trace = tmp_path / "samples.jsonl"
+    trace.write_text('{"id": 1, "modalities": ["text", "image"], "num_tokens": 5, "num_patches": 64}\n'
+                     '{"id": 2, "modalities": ["text", "image"], "num_tokens": 5, "num_patches": 65}\n')
+    args = ["--devices", "3"] if command == "tune" else []
+    result = CliRunner().invoke(main, [command, str(ROOT / "pipelines" / "vlm.py"), "--trace-in", str(trace), *args])
+    assert result.exit_code == 2, result.output
+    assert ("sections.vision: sample id 2 has 65 patches, more than stages.vision:VisionEncoder takes "
+            "(max_patches 64, from its config); samples like it: 1. Cut the samples or raise the limit in "
+            "sections.vision.config") in result.stderr, result.output
+    raised = CliRunner().invoke(main, [command, str(ROOT / "pipelines" / "vlm.py"), "--trace-in", str(trace), *args,
+                                       "--set", "sections.vision.config.max_grid=9"])
+    assert raised.exit_code == 0, raised.output
