@@ -42,7 +42,7 @@ from maestro_flow.planner import make_planner
 from maestro_flow.planner.plan import Placement, Plan
 from maestro_flow.protocol.auth import DropLog, Opener, Rejected, Sealer, derive_key, new_nonce, new_secret
 from maestro_flow.protocol.messages import PROTOCOL_VERSION, make
-from maestro_flow.runtime import agent
+from maestro_flow.runtime import attempts
 from maestro_flow.runtime.build import resolve_device
 from maestro_flow.runtime.coordinator_io import CoordinatorIO
 from maestro_flow.runtime.launcher import Launcher
@@ -163,7 +163,7 @@ class Coordinator(CoordinatorIO):
             outcome = "done"
         finally:
             if self.rdzv is not None:
-                agent.end_attempt(self.rdzv, self.store_key, self.session, outcome)  # other nodes stop this attempt's workers
+                attempts.end_attempt(self.rdzv, self.store_key, self.session, outcome)  # other nodes stop this attempt's workers
             self.close()
 
     def close(self) -> None:
@@ -209,14 +209,14 @@ class Coordinator(CoordinatorIO):
                 **boot, "rank": rank, "label": self.placement.worker_name(rank, "/"),
                 "log": self.observer.worker_log(self.placement.worker_name(rank)), **pinned.get(rank, {})})
         if self.rdzv is not None:
-            agent.publish_attempt(self.rdzv, self.store_key, self.session, {
+            attempts.publish_attempt(self.rdzv, self.store_key, self.session, {
                 "address": addr, "timeouts": self.timeouts.to_dict(), "node_of": self.node_of,
                 "workers": {r: [*self.placement.who(r), self.placement.worker_name(r), self.placement.worker_name(r, "/")]
                             for r in range(self.placement.world_size)},
                 "devices": list(self.placement.devices), "pin_cpus": self.pin_cpus, "nnodes": self.nodes.nnodes,
                 "attempt": self.restarts, "restarts": self.restarts - self.carried_restarts,
                 "given": list(self.given),
-                "pipeline": agent.canonical(self.pipeline.to_dict()), "files": self.files})
+                "pipeline": attempts.canonical(self.pipeline.to_dict()), "files": self.files})
         self.observer.start(self.placement)
         began = time.monotonic()
         deadline = began + self.timeouts.startup_s
@@ -465,7 +465,7 @@ class Coordinator(CoordinatorIO):
 
             begin_save(self.save_dir, self.pipeline.to_dict())
         if self.rdzv is not None:
-            agent.stopping(self.rdzv, self.store_key, self.session)  # other nodes' agents: exits with code 0 are normal now
+            attempts.stopping(self.rdzv, self.store_key, self.session)  # other nodes' agents: exits with code 0 are normal now
         for rank in range(self.placement.world_size):
             self._send(rank, make("stop", save_dir=os.path.abspath(self.save_dir) if self.save_dir else None))
         deadline = time.monotonic() + self.timeouts.shutdown_grace_s + (60.0 if self.save_dir else 0.0)

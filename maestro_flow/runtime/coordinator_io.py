@@ -17,7 +17,7 @@ import zmq
 from maestro_flow.errors import MaestroError, PipelineError, StageError, SystemFailure, TimeoutFailure, WorkerLost
 from maestro_flow.protocol.auth import Rejected, Sealer
 from maestro_flow.protocol.messages import make
-from maestro_flow.runtime import agent
+from maestro_flow.runtime import attempts
 from maestro_flow.runtime.launcher import blame_order, cause
 from maestro_flow.transport import zmq_link
 
@@ -176,9 +176,9 @@ class CoordinatorIO:
         return f"{reported}, while the run was at step {self.awaited_step + 1} of {self.pipeline.steps}"
 
     def _lost(self) -> MaestroError | None:
-        """What another node's agent reported (runtime/agent.py), a dead worker's with how far it
+        """What another node's agent reported (runtime/attempts.py), a dead worker's with how far it
         got, as a worker of this node is named (found in review: without)."""
-        lost = agent.lost_error(self.rdzv, self.store_key, self.session)
+        lost = attempts.lost_error(self.rdzv, self.store_key, self.session)
         rank = getattr(lost, "rank", None)
         if rank is not None and self.training and rank < self.placement.world_size:
             lost = WorkerLost(f"{lost} {self._progress(rank)}")

@@ -1,7 +1,7 @@
 """What the nodes of a run must share beyond the pipeline's settings: its code, its data, its versions.
 
 Runs in `maestro run` on every node of a multi-node run, before any worker starts. Node 0 puts
-its fingerprint in the attempt's record (runtime/agent.py) and every other node compares its own
+its fingerprint in the attempt's record (runtime/attempts.py) and every other node compares its own
 with it, refusing to join, naming the files that differ: a node that trained with other stage
 code or another copy of the data would give other maths without a word.
 

@@ -5,7 +5,7 @@ Runs in `maestro run` on node 0 of a multi-node run (runtime/run.py). Node 0 hos
 is given (the nodes' layout, --resume, --checkpoint-dir, the output paths): a refusal there is
 then written to the store as the job's outcome, so the other nodes stop with it (found in QA:
 they waited out MAESTRO_STARTUP_S and said node 0 did not answer). The keys are in
-runtime/agent.py; their seals in runtime/sealing.py.
+runtime/attempts.py; their seals in runtime/sealing.py.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ from Slurm's environment (SLURM_NODEID, else SLURM_PROCID with one task per node
 given. `assign` puts every rank on a node: ranks in order, a replica's tensor-parallel group
 always on one node, at most nproc_per_node ranks per node. The rendezvous is a torch.distributed
 TCPStore at the endpoint, hosted by node 0 (`rendezvous`); the keys the coordinator and the
-agents exchange through it are in runtime/agent.py.
+agents exchange through it are in runtime/attempts.py and runtime/agent.py.
 """
 
 from __future__ import annotations

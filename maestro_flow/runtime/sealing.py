@@ -1,6 +1,6 @@
 """Values in the rendezvous store that a node can trust: sealed under the run's secret, bound to one run.
 
-Runs in `maestro run` on every node of a multi-node run (runtime/agent.py lists the keys). The
+Runs in `maestro run` on every node of a multi-node run (runtime/attempts.py lists the keys). The
 store (a torch TCPStore) is not authenticated: anyone who can reach it may write any key. So
 node 0's values and the agents' notes are sealed, an HMAC over the key's name and the value
 (`sealed`, `unsealed`), and a node acts on nothing that does not open.

@@ -7,6 +7,7 @@ import pytest
 
 from maestro_flow.errors import PipelineError, SystemFailure
 from maestro_flow.planner.plan import Placement
+from maestro_flow.runtime import attempts
 from maestro_flow.runtime.nodes import Nodes
 from tests.unit.agent_fakes import INFO, Started, agent_on_a_store, node0_on, until
 
@@ -69,7 +70,7 @@ def test_layouts_that_do_not_fit_are_refused():
 def test_what_an_agent_compares_with_node_0():
     """A node whose pipeline or secret differs from node 0's is refused before its workers start,
     naming the keys that differ (runtime/agent.py)."""
-    from maestro_flow.runtime.agent import canonical, differences
+    from maestro_flow.runtime.attempts import canonical, differences
     from maestro_flow.runtime.sealing import sealed, store_key, unsealed
 
     node0 = {"steps": 2, "seed": 0, "sections": [{"name": "teacher", "dp": 1}, {"name": "student", "dp": 2}]}
@@ -108,7 +109,7 @@ def test_pinned_cores_per_node():
 def test_nodes_agree_on_what_their_workers_use_not_on_node_0s_planning(tmp_path, monkeypatch):
     """The same data file named relative here and absolute on node 0 is the same pipeline, and so
     are costs only node 0's planner reads (`--costs` there alone); both were refused."""
-    from maestro_flow.runtime.agent import comparable, differences
+    from maestro_flow.runtime.attempts import comparable, differences
 
     monkeypatch.chdir(tmp_path)
     node0 = {"data": {"path": str(tmp_path / "d.arrow")}, "plan_search": 0.5, "steps": 2,
@@ -197,11 +198,11 @@ def test_an_agent_taking_a_node_over_joins_only_a_later_attempt(monkeypatch, los
             "workers": {"1": ["s", 0, "s0", "s[0]"]}}
     store.set("maestro/node/1", "a killed agent")  # nothing beats for it
     answers, key = node0_on(store, b"s")
-    agent_mod.publish_attempt(store, key, "S1", info)
+    attempts.publish_attempt(store, key, "S1", info)
     if lost == "running":
         store.set("maestro/in/1", "S1")  # it had started S1's workers
     else:
-        agent_mod.end_attempt(store, key, "S1", "failed: a worker of node 1 died")
+        attempts.end_attempt(store, key, "S1", "failed: a worker of node 1 died")
     nodes = Nodes(nnodes=2, node_rank=1, endpoint=("127.0.0.1", store.port))
     agent = agent_mod.Agent(nodes, secret=b"s", host="127.0.0.1", interface=None, timeouts=Timeouts(),
                             worker_log=lambda name: None, log=lambda text: None)
@@ -210,11 +211,11 @@ def test_an_agent_taking_a_node_over_joins_only_a_later_attempt(monkeypatch, los
     try:
         time.sleep(1.5)
         assert Started.boots == [] and store.get("maestro/node/1").decode() == agent.me
-        agent_mod.publish_attempt(store, key, "S2", info)
+        attempts.publish_attempt(store, key, "S2", info)
         until(lambda: Started.boots)
         assert [b["session"] for b in Started.boots] == ["S2"]
     finally:
-        agent_mod.end_attempt(store, key, "S2", "done")
+        attempts.end_attempt(store, key, "S2", "done")
         store.set("maestro/job", agent_mod.sealed(key, "maestro/job", "done"))
         running.join(10)
         answers.close()

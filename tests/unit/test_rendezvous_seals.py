@@ -1,4 +1,4 @@
-"""The rendezvous store's sealed values (runtime/sealing.py, runtime/agent.py): what an agent of a
+"""The rendezvous store's sealed values (runtime/sealing.py, runtime/attempts.py, runtime/agent.py): what an agent of a
 node other than node 0 acts on, and what it ignores or refuses: unsealed or forged values, values
 of an earlier run or attempt, another live run's answer, a node whose secret, --nnodes, code or
 data differ from node 0's."""
@@ -10,6 +10,7 @@ import json
 import pytest
 
 from maestro_flow.errors import PipelineError
+from maestro_flow.runtime import attempts
 from maestro_flow.runtime.nodes import Nodes
 from tests.unit.agent_fakes import INFO, Started, agent_on_a_store, until
 
@@ -35,9 +36,9 @@ def test_an_attempt_the_store_holds_unsealed_starts_nothing(monkeypatch, node0):
     assert not running.is_alive() and Started.boots == []
     # A note no one of this run sealed is not a lost worker; one that is sealed is shown escaped.
     store.set("maestro/lost/S9", "worker s[0] on node 1 was killed by SIGKILL")
-    assert agent_mod.lost_error(store, key, "S9") is None
+    assert attempts.lost_error(store, key, "S9") is None
     store.set("maestro/lost/S9", agent_mod.sealed(key, "maestro/lost/S9", "worker x\x1b[2J died"))
-    assert str(agent_mod.lost_error(store, key, "S9")) == "worker x\\x1b[2J died"
+    assert str(attempts.lost_error(store, key, "S9")) == "worker x\\x1b[2J died"
 
 
 def test_a_node_whose_secret_differs_refuses_node_0s_attempt_and_node_0_says_so(monkeypatch, node0):
@@ -45,11 +46,11 @@ def test_a_node_whose_secret_differs_refuses_node_0s_attempt_and_node_0_says_so(
     refuses node 0's attempt at once, and node 0 shows the refusal (which it cannot open either)."""
     agent_mod, store, agent, _ = agent_on_a_store(monkeypatch)
     key = node0(store, secret=b"t" * 20)  # node 0's secret differs
-    agent_mod.publish_attempt(store, key, "abc123", INFO)
+    attempts.publish_attempt(store, key, "abc123", INFO)
     with pytest.raises(PipelineError, match=r"node 1's control-plane secret differs from node 0's \(the run's attempt"):
         agent.run()
     assert Started.boots == []
-    lost = agent_mod.lost_error(store, key, "abc123")
+    lost = attempts.lost_error(store, key, "abc123")
     assert isinstance(lost, PipelineError) and str(lost).endswith("(or --secret-file). (Said by a note in the "
                                                               "rendezvous store that this node's secret does not open: a "
                                                               "node whose secret differs writes it so; another client of "
@@ -89,7 +90,7 @@ def test_values_of_an_earlier_run_with_the_same_secret_are_not_acted_on(monkeypa
     old = run_key(store_key(b"s" * 20), "0ld", store.port)  # the earlier run's key: same secret, another run id
     store.set(answer_name(1), sealed(store_key(b"s" * 20), answer_name(1), f"c0ffee 0ld {store.port}"))  # replayed
     store.set("maestro/job", sealed(old, "maestro/job", "done"))
-    agent_mod.publish_attempt(store, old, "S0", INFO)
+    attempts.publish_attempt(store, old, "S0", INFO)
     running = threading.Thread(target=agent.run, daemon=True)
     running.start()
     time.sleep(1.0)
@@ -101,10 +102,10 @@ def test_values_of_an_earlier_run_with_the_same_secret_are_not_acted_on(monkeypa
     assert running.is_alive() and Started.boots == []  # the old run's job and attempt do not open
     assert any("ignored maestro/job" in line for line in logged) and any("ignored maestro/attempt" in line
                                                                           for line in logged), logged
-    agent_mod.publish_attempt(store, key, "S1", INFO)
+    attempts.publish_attempt(store, key, "S1", INFO)
     until(lambda: Started.boots)
     assert [b["session"] for b in Started.boots] == ["S1"]
-    agent_mod.end_attempt(store, key, "S1", "done")
+    attempts.end_attempt(store, key, "S1", "done")
     store.set("maestro/job", sealed(key, "maestro/job", "done"))
     running.join(10)
     assert not running.is_alive()
@@ -125,7 +126,7 @@ def test_node_0s_answer_is_bound_to_the_agents_challenge():
 
 def test_a_sealed_attempt_with_a_worker_name_that_is_not_a_file_name_is_refused(monkeypatch, node0):
     agent_mod, store, agent, _ = agent_on_a_store(monkeypatch)
-    agent_mod.publish_attempt(store, node0(store), "S1", {**INFO, "workers": {"1": ["s", 0, "../escaped", "s[0]"]}})
+    attempts.publish_attempt(store, node0(store), "S1", {**INFO, "workers": {"1": ["s", 0, "../escaped", "s[0]"]}})
     with pytest.raises(PipelineError, match="names a worker '../escaped', which is not a file name"):
         agent.run()
     assert Started.boots == []
@@ -139,7 +140,7 @@ def test_unsealed_values_do_not_stop_a_running_attempt(monkeypatch, node0):
 
     agent_mod, store, agent, logged = agent_on_a_store(monkeypatch)
     key = node0(store)
-    agent_mod.publish_attempt(store, key, "S1", INFO)
+    attempts.publish_attempt(store, key, "S1", INFO)
     running = threading.Thread(target=agent.run, daemon=True)
     running.start()
     try:
@@ -151,12 +152,12 @@ def test_unsealed_values_do_not_stop_a_running_attempt(monkeypatch, node0):
         time.sleep(1.0)
         assert running.is_alive()  # still in S1
         assert any("ignored maestro/attempt in the rendezvous store" in line for line in logged), logged
-        agent_mod.end_attempt(store, key, "S1", "done")
+        attempts.end_attempt(store, key, "S1", "done")
         store.set("maestro/job", agent_mod.sealed(key, "maestro/job", "done"))
         running.join(10)
         assert not running.is_alive()
     finally:
-        agent_mod.end_attempt(store, key, "S1", "done")
+        attempts.end_attempt(store, key, "S1", "done")
         store.set("maestro/job", agent_mod.sealed(key, "maestro/job", "done"))
         running.join(10)
 
@@ -170,13 +171,13 @@ def test_a_node_whose_code_or_data_differs_from_node_0s_is_refused(monkeypatch, 
                    "versions": {"torch": "2.13.0"}}
     theirs = {"code": {"stages/vision.py": "X", "pipeline file": "2"}, "data": {"vlm.arrow": "size 9 sha256 a"},
               "versions": {"torch": "2.11.0"}}
-    agent_mod.publish_attempt(store, key, "S1", {**INFO, "files": theirs})
+    attempts.publish_attempt(store, key, "S1", {**INFO, "files": theirs})
     with pytest.raises(PipelineError, match=r"node 1's files differ from node 0's \(install the same code and copy "
                                             r"the same data to every node\): code: stages/vision.py \(differs\); "
                                             r"versions: torch 2.13.0 on node 1, 2.11.0 on node 0"):
         agent.run()
     assert Started.boots == []
-    assert "node 1's files differ from node 0's" in str(agent_mod.lost_error(store, key, "S1"))
+    assert "node 1's files differ from node 0's" in str(attempts.lost_error(store, key, "S1"))
 
 
 @pytest.mark.parametrize(("here", "node_0"), [(("--checkpoint-dir", "--resume"), []),
@@ -187,13 +188,13 @@ def test_a_node_given_node_0s_options_node_0_lacks_is_refused(monkeypatch, node0
     agent_mod, store, agent, _ = agent_on_a_store(monkeypatch)
     key = node0(store)
     agent.given = list(here)
-    agent_mod.publish_attempt(store, key, "S1", {**INFO, "given": node_0})
+    attempts.publish_attempt(store, key, "S1", {**INFO, "given": node_0})
     missing = [flag for flag in here if flag not in node_0]
     with pytest.raises(PipelineError, match=rf"^node 1 was given {', '.join(missing)} and node 0 was not: node 0 runs "
                                             r"the coordinator, .* give every node the same options$"):
         agent.run()
     assert Started.boots == []
-    assert f"node 1 was given {', '.join(missing)}" in str(agent_mod.lost_error(store, key, "S1"))
+    assert f"node 1 was given {', '.join(missing)}" in str(attempts.lost_error(store, key, "S1"))
 
 
 def test_another_live_run_with_the_same_secret_cannot_answer_for_this_one(monkeypatch, node0):
@@ -255,8 +256,8 @@ def test_node_0_answers_after_a_store_client_wrote_garbage(monkeypatch, node0):
     store.set("maestro/asked", "not a number")
     store.set("maestro/ask/0", "../x")
     key = node0(store)
-    agent_mod.publish_attempt(store, key, "S1", INFO)
-    agent_mod.end_attempt(store, key, "S1", "done")
+    attempts.publish_attempt(store, key, "S1", INFO)
+    attempts.end_attempt(store, key, "S1", "done")
     store.set("maestro/job", agent_mod.sealed(key, "maestro/job", "done"))
     agent.run()  # answered, read the end: returns
     assert agent.rkey == key
@@ -272,14 +273,14 @@ def test_an_earlier_attempts_pointer_written_back_is_ignored(monkeypatch, node0)
     key = node0(store)
     # (a run resumed from a checkpoint that an earlier run's restart wrote: attempt 1, none of its own;
     # found in review: said to be an automatic restart)
-    agent_mod.publish_attempt(store, key, "S1", {**INFO, "attempt": 1, "restarts": 0})
+    attempts.publish_attempt(store, key, "S1", {**INFO, "attempt": 1, "restarts": 0})
     running = threading.Thread(target=agent.run, daemon=True)
     running.start()
     try:
         until(lambda: len(Started.boots) == 1)
         first = store.get("maestro/attempt")
-        agent_mod.end_attempt(store, key, "S1", "failed: a worker died")
-        agent_mod.publish_attempt(store, key, "S2", {**INFO, "attempt": 2, "restarts": 1})
+        attempts.end_attempt(store, key, "S1", "failed: a worker died")
+        attempts.publish_attempt(store, key, "S2", {**INFO, "attempt": 2, "restarts": 1})
         until(lambda: len(Started.boots) == 2)
         store.set("maestro/attempt", first)  # the replay
         time.sleep(1.0)
@@ -290,7 +291,7 @@ def test_an_earlier_attempts_pointer_written_back_is_ignored(monkeypatch, node0)
         assert started[0].startswith("node 1: starting ranks 1 ")
         assert started[1].startswith("node 1: automatic restart 1 (node 0 says why): starting ranks 1 "), started
     finally:
-        agent_mod.end_attempt(store, key, "S2", "done")
+        attempts.end_attempt(store, key, "S2", "done")
         store.set("maestro/job", agent_mod.sealed(key, "maestro/job", "done"))
         running.join(10)
     assert not running.is_alive()
@@ -298,7 +299,7 @@ def test_an_earlier_attempts_pointer_written_back_is_ignored(monkeypatch, node0)
 
 def test_a_node_started_with_another_nnodes_is_refused(monkeypatch, node0):
     agent_mod, store, agent, _ = agent_on_a_store(monkeypatch)
-    agent_mod.publish_attempt(store, node0(store), "S1", {**INFO, "nnodes": 3})
+    attempts.publish_attempt(store, node0(store), "S1", {**INFO, "nnodes": 3})
     with pytest.raises(PipelineError, match="node 1 was started with --nnodes 2, node 0 with --nnodes 3"):
         agent.run()
     assert Started.boots == []
@@ -315,8 +316,8 @@ def test_an_answer_overwritten_in_the_store_is_given_again(monkeypatch, node0):
     key = node0(store)
     until(lambda: store.check([sealing.answer_name(1)]))
     store.set(sealing.answer_name(1), "0" * 64 + ":" + agent.challenge[:4])  # overwritten before the agent read it
-    agent_mod.publish_attempt(store, key, "S1", INFO)
-    agent_mod.end_attempt(store, key, "S1", "done")
+    attempts.publish_attempt(store, key, "S1", INFO)
+    attempts.end_attempt(store, key, "S1", "done")
     store.set("maestro/job", agent_mod.sealed(key, "maestro/job", "done"))
     agent.run()  # answered again: it learns the run and reads its end
     assert agent.rkey == key
@@ -342,7 +343,7 @@ def test_ctrl_c_on_a_node_stops_the_run_and_sigterm_restarts_it(monkeypatch, sig
     store.set("maestro/node/1", agent.me)
     with pytest.raises(KeyboardInterrupt):
         agent._attempt(store, "S1", INFO)
-    lost = agent_mod.lost_error(store, agent.rkey, "S1")
+    lost = attempts.lost_error(store, agent.rkey, "S1")
     if signal == "sigterm":
         assert type(lost) is WorkerLost and "node 1 was terminated (SIGTERM or SIGHUP there" in str(lost)
     else:
