@@ -429,7 +429,9 @@ def test_a_vlm_s_samples_are_checked_as_its_llm_expands_them(tmp_path, bad, frag
     # Reproduced before: validate said ok, and the workers then failed on these samples.
     rows = [([1, 259, 2], 16), ([1, 2, 3], 0)] * 20
     rows[17] = bad
-    result = invoke("validate", "pipelines/vlm.py", "--set", f"data.path={_image_data(tmp_path, rows)}")
+    # max_grid 16: the encoder takes the 251 patches (the pipeline's 8 covers 64), so the LLM judges them
+    result = invoke("validate", "pipelines/vlm.py", "--set", f"data.path={_image_data(tmp_path, rows)}",
+                    "--set", "sections.vision.config.max_grid=16")
     assert result.exit_code == 2, result.output
     assert all(f in result.output for f in fragments), result.output
 
