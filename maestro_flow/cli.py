@@ -34,8 +34,8 @@ import click  # noqa: E402 (after the handler: importing it takes a while)
 
 from maestro_flow.cli_sets import set_options  # noqa: E402
 from maestro_flow.cli_signals import interrupts_after_imports, reader_gone  # noqa: E402
-from maestro_flow.config import parse_set  # noqa: E402
 from maestro_flow.errors import MaestroError, PipelineError, StageError  # noqa: E402
+from maestro_flow.overrides import parse_set  # noqa: E402
 from maestro_flow.wording import count, skipped_note  # noqa: E402
 
 SETS = set_options("global_batch=8, dtype=float64")

@@ -14,8 +14,8 @@ from typing import Any
 
 import click
 
-from maestro_flow.config import parse_set, set_key_problem
 from maestro_flow.errors import PipelineError
+from maestro_flow.overrides import parse_set, set_key_problem
 
 SET_FILE_HELP = ("Overrides from FILE, one 'KEY=VALUE' or '--set KEY=VALUE' a line (lines starting with '#' are "
                  "comments), as `maestro tune --write` writes them; a --set given here wins over the file's.")

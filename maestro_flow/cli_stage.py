@@ -18,8 +18,8 @@ import click
 
 from maestro_flow.cli_sets import set_options
 from maestro_flow.cli_signals import reader_gone
-from maestro_flow.config import parse_set
 from maestro_flow.errors import MaestroError
+from maestro_flow.overrides import parse_set
 
 SETS = set_options("dtype=float64")
 

@@ -16,8 +16,8 @@ from collections.abc import Sequence
 import click
 
 from maestro_flow.cli_sets import set_options
-from maestro_flow.config import parse_set, with_global_batch
 from maestro_flow.errors import MaestroError, PipelineError
+from maestro_flow.overrides import parse_set, with_global_batch
 from maestro_flow.runtime.calibration import WARMUP_STEPS
 
 SETS = set_options("global_batch=8")

@@ -22,9 +22,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from maestro_flow.config import parse_set, with_global_batch
 from maestro_flow.errors import PipelineError
 from maestro_flow.graph import SectionGraph
+from maestro_flow.overrides import parse_set, with_global_batch
 from maestro_flow.planner.cost import CostModel
 from maestro_flow.planner.tune import Candidate, MemoryModel, TuneResult, representative_batch, to_overrides, tune
 from maestro_flow.planner.tune_model import TP_EFFICIENCY

@@ -12,7 +12,7 @@ import json
 import pytest
 
 from maestro_flow import ArrowData, Cost, Edge, Pipeline, PipelineError, Section
-from maestro_flow.config import parse_set
+from maestro_flow.overrides import parse_set
 
 
 def distill(**overrides) -> Pipeline:

@@ -19,9 +19,10 @@ import time
 
 import pytest
 
-from maestro_flow.config import ArrowData, Cost, Edge, Pipeline, Section, parse_set
+from maestro_flow.config import ArrowData, Cost, Edge, Pipeline, Section
 from maestro_flow.errors import PipelineError
 from maestro_flow.graph import SectionGraph
+from maestro_flow.overrides import parse_set
 from maestro_flow.planner.tune import TIE_TOLERANCE, MemoryModel, representative_batch, to_overrides, tune
 from maestro_flow.samples import SampleMeta
 

@@ -125,7 +125,7 @@ def pipeline_bench_args(argv: list[str] | None, prog: str, doc: str, *, rounds: 
                         ) -> tuple[argparse.Namespace, int, int, int, dict[str, Any]]:
     """The options every benchmark that runs a demo pipeline in alternating rounds takes: --tiny,
     --rounds, --steps, --warmup-steps, --set. Returns (args, rounds, steps, warmup, overrides)."""
-    from maestro_flow.config import parse_set
+    from maestro_flow.overrides import parse_set
 
     ap = argparse.ArgumentParser(prog=f"python -m {prog}", description=doc.splitlines()[0])
     ap.add_argument("--tiny", action="store_true", help="seconds-long smoke size")

@@ -275,7 +275,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--timeout-s", type=float, default=120.0, help="bound on the micro-benchmark")
     args = ap.parse_args(argv)
 
-    from maestro_flow.config import parse_set
+    from maestro_flow.overrides import parse_set
     from maestro_flow.runtime.build import load_pipeline
     from maestro_flow.runtime.checks import check_pipeline
 

@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> dict:
                     help="pipeline override, as `maestro run --set` (repeatable)")
     args = ap.parse_args(argv)
 
-    from maestro_flow.config import parse_set
+    from maestro_flow.overrides import parse_set
 
     batches = [int(b) for b in (args.batches or ("8,16" if args.tiny else "16,64")).split(",")]
     samples = args.samples or (32 if args.tiny else 768)

@@ -56,7 +56,8 @@ import tempfile
 import time
 from typing import Any
 
-from maestro_flow.config import ArrowData, Cost, Edge, Pipeline, Section, parse_set
+from maestro_flow.config import ArrowData, Cost, Edge, Pipeline, Section
+from maestro_flow.overrides import parse_set
 from maestro_flow.planner.cost import CostModel
 from maestro_flow.planner.tune import Tuner, to_overrides
 from maestro_flow.samples import SampleMeta
