@@ -44,7 +44,7 @@ from maestro_flow.protocol.auth import DropLog, Opener, Rejected, Sealer, derive
 from maestro_flow.protocol.messages import PROTOCOL_VERSION, make
 from maestro_flow.runtime import attempts
 from maestro_flow.runtime.build import resolve_device
-from maestro_flow.runtime.coordinator_io import CoordinatorIO
+from maestro_flow.runtime.coordinator_io import JOIN_NOTE_S, CoordinatorIO
 from maestro_flow.runtime.launcher import Launcher
 from maestro_flow.runtime.ledger import PlanMessages, StepLedger, carry_counters
 from maestro_flow.runtime.liveness import Liveness
@@ -218,10 +218,10 @@ class Coordinator(CoordinatorIO):
                 "given": list(self.given),
                 "pipeline": attempts.canonical(self.pipeline.to_dict()), "files": self.files})
         self.observer.start(self.placement)
-        began = time.monotonic()
+        began = self.startup_began = time.monotonic()
         deadline = began + self.timeouts.startup_s
         hellos: dict[int, dict] = {}
-        self.awaiting = ("said hello", hellos)
+        self.awaiting, self.join_note_at = ("said hello", hellos), began + JOIN_NOTE_S
         while len(hellos) < self.placement.world_size:
             rank, msg = self._recv(deadline, lambda: f"every worker's hello (missing {self._missing(hellos)})",
                                    "MAESTRO_STARTUP_S", since=began)

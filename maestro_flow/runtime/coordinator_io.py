@@ -24,6 +24,8 @@ from maestro_flow.transport import zmq_link
 AWAY_S = 1.0  # a gap this long between two looks at the socket means the coordinator stalled
 STOOD_STILL = 0.8  # a stall this share of the workers' coordinator timeout may have made them give up
 STOOD_STILL_SHOWN_S = 10.0  # a worker's death found this soon after such a stall is put down to it
+JOIN_NOTE_S = 10.0  # node 0 says which nodes have not joined this far into startup, and every JOIN_NOTE_EVERY_S after
+JOIN_NOTE_EVERY_S = 60.0
 
 
 class CoordinatorIO:
@@ -99,6 +101,7 @@ class CoordinatorIO:
                 pass  # a worker that left: _check_workers names it
         if self.status is not None:
             self.status.publish(self._snapshot())
+        self._say_who_is_awaited(now)
         if self.rdzv is not None:
             lost = self._lost()
             if lost is not None:
@@ -138,19 +141,36 @@ class CoordinatorIO:
                 **({"phase": self._startup_phase()} if self.awaiting is not None else {})}
 
     awaiting: tuple[str, dict | set] | None = None  # during startup: what the workers are awaited for, who has
+    join_note_at = float("inf")  # when node 0 next says which nodes it waits for (monotonic; set at startup)
 
     def _startup_phase(self) -> str:
         """What `maestro top` says while the workers start (found in QA: only "?" per worker, no
         hint that node 0 waited for node 1)."""
         word, have = self.awaiting
-        world = self.placement.world_size
-        text = f"starting: {len(have)} of {world} workers {word}"
-        if self.nodes.multi:
-            silent = sorted({self.node_of[r] for r in range(world)} - {self.node_of[r] for r in have} - {0})
-            if silent and word == "said hello":
-                text += "; waiting for " + ", ".join(
-                    f"node {n} (is `maestro run ... --node-rank {n}` running there?)" for n in silent)
-        return text
+        waiting = self._awaited_nodes()
+        return f"starting: {len(have)} of {self.placement.world_size} workers {word}" + (f"; {waiting}" if waiting else "")
+
+    def _awaited_nodes(self) -> str:
+        """"waiting for node N (is ... running there?)" for the other nodes none of whose workers
+        said hello yet, during startup; "" when there are none."""
+        if self.awaiting is None or self.awaiting[0] != "said hello" or not self.nodes.multi:
+            return ""
+        world, have = self.placement.world_size, self.awaiting[1]
+        silent = sorted({self.node_of[r] for r in range(world)} - {self.node_of[r] for r in have} - {0})
+        return "waiting for " + ", ".join(f"node {n} (is `maestro run ... --node-rank {n}` running there?)"
+                                          for n in silent) if silent else ""
+
+    def _say_who_is_awaited(self, now: float) -> None:
+        """Node 0 says which nodes have not joined, JOIN_NOTE_S into startup and every
+        JOIN_NOTE_EVERY_S after (found in QA: it said nothing until MAESTRO_STARTUP_S ran out,
+        minutes later, with or without a terminal)."""
+        if now < self.join_note_at:
+            return
+        self.join_note_at = now + JOIN_NOTE_EVERY_S
+        waiting = self._awaited_nodes()
+        if waiting:
+            self.report.note(f"{waiting}: {now - self.startup_began:.0f}s into startup, which times out at "
+                             f"{self.timeouts.startup_s:.0f}s (MAESTRO_STARTUP_S)")
 
     stood_still: tuple[float, float] | None = None  # the last long gap in _recv's looks: (seconds, its end)
 

@@ -248,6 +248,13 @@ class RunReport:
             self.stream.write(f"step {n}/{self.total}  loss {loss_s}  {row['step_time_s']:.3f} s/step\n")
             self.stream.flush()
 
+    def note(self, text: str) -> None:
+        """A line on how the run goes outside its steps (node 0 waiting for another node to join),
+        shown with or without --quiet, as a warning is: a run that stands still says why."""
+        self._newline()
+        self.stream.write(f"maestro: {text}\n")
+        self.stream.flush()
+
     def stops_at(self, row: dict[str, Any]) -> bool:
         """Whether `step(row)` will stop the run (--stop-on-nan): its step's checkpoint is then not
         written, so the newest one comes from steps whose loss and gradient norm were finite."""
