@@ -11,6 +11,7 @@ agents exchange through it are in runtime/attempts.py and runtime/agent.py.
 
 from __future__ import annotations
 
+import errno
 import math
 import os
 import socket
@@ -176,7 +177,10 @@ def rendezvous(nodes: Nodes, timeout_s: float) -> Any:
     try:
         return listening_store(host, port, timeout)
     except OSError as exc:
-        raise PipelineError(f"--rdzv-endpoint {host}:{port}: node 0 cannot listen there ({exc.strerror})") from None
+        # found in QA: a port another run held said only "Address already in use"
+        held = "; another run (or program) holds the port: give this run another one" \
+            if exc.errno == errno.EADDRINUSE else ""
+        raise PipelineError(f"--rdzv-endpoint {host}:{port}: node 0 cannot listen there ({exc.strerror}{held})") from None
 
 
 def _listening(host: str, port: int, deadline: float) -> None:

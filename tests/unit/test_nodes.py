@@ -430,3 +430,20 @@ def test_the_other_nodes_are_told_why_the_run_failed_in_one_line():
                           "    decode()\nValueError: sample 5: cannot decode image\n`maestro validate` lists them\n")
     assert _outcome(noted) == ("stage error in section 'v': ... ValueError: sample 5: cannot decode image; "
                                "`maestro validate` lists them")  # found in review: the note alone
+
+
+def test_node_0_on_a_port_another_process_holds_says_so():
+    """Found in QA: a second run's node 0 on a port the first one held said only "Address already
+    in use"."""
+    import socket
+
+    from maestro_flow.runtime.nodes import rendezvous
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen(1)
+        port = held.getsockname()[1]
+        with pytest.raises(PipelineError, match=rf"^--rdzv-endpoint 127\.0\.0\.1:{port}: node 0 cannot listen there "
+                                                r"\(Address already in use; another run \(or program\) holds the "
+                                                r"port: give this run another one\)$"):
+            rendezvous(Nodes(nnodes=2, node_rank=0, endpoint=("127.0.0.1", port)), 2.0)
