@@ -78,6 +78,7 @@ __all__ = ["ProfileOptions", "ProfilingError", "profile_pipeline"]  # the cost f
 # pipelines/distill.py and vlm.py minus the profiled compute of the micro-batches they ran,
 # divided by the micro-batches (see tools/bench/tune_report.py --calibrate).
 RUNTIME_OVERHEAD_S = 0.5e-3
+PROGRESS_S = 10.0  # a size whose micro-batches take longer says how many of them are measured
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -180,6 +181,20 @@ def _produce(sec: _Section, samples: list[SampleMeta], outputs: dict) -> None:
         for t in sec.out_names:
             for s, x in zip(mb, out[t], strict=True):
                 outputs[(s.id, t)] = None if x is None else x.detach()
+
+
+def _measure_size(name: str, sec: _Section, mbs: list[list[SampleMeta]], outputs: dict, repeats: int, log: Any,
+                  progress_s: float = PROGRESS_S) -> list[dict[str, Any]]:
+    """`_measure` of each of one size's micro-batches, saying how many are done when one took
+    more than `progress_s` since the last line (found in QA: `--sizes 100000` measured for
+    minutes with no line between sizes)."""
+    rows, said = [], time.monotonic()
+    for i, mb in enumerate(mbs, 1):
+        rows.append(_measure(sec, mb, outputs, repeats))
+        if i < len(mbs) and time.monotonic() - said > progress_s:
+            log(f"{name}: micro-batch {len(mb)}: {i} of {len(mbs)} measured")
+            said = time.monotonic()
+    return rows
 
 
 def _measure(sec: _Section, mb: list[SampleMeta], outputs: dict, repeats: int) -> dict[str, Any]:
@@ -386,8 +401,7 @@ def _profile(single: Pipeline, graph: SectionGraph, checked: Any, sizes: dict[st
             rows = []
             for m in sizes[n]:
                 mbs = micro_batches(pool, m)
-                for mb in mbs:
-                    rows.append(_measure(sec, mb, outputs, options.repeats))
+                rows += _measure_size(n, sec, mbs, outputs, options.repeats, log)
                 log(f"{n}: micro-batch {len(mbs[0])}: forward {statistics.median(r['forward_s'] for r in rows[-len(mbs):]) * 1e3:.1f} ms")
             fitted = fit_section(sec.section.cost, rows, sec.section.trainable, sec.param_mb(),
                                  sec.section.optimizer, sec.param_mb(trained=True))

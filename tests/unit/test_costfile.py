@@ -348,3 +348,20 @@ def test_calibrate_steps_help_counts_the_warm_up_steps():
     assert inspect.signature(calibrate).parameters["warmup"].default == WARMUP_STEPS
     text = " ".join(CliRunner().invoke(main, ["profile", "--help"]).output.split())
     assert f"it runs {WARMUP_STEPS} warm-up steps more, not measured" in text
+
+
+def test_profile_says_how_far_a_long_size_got(monkeypatch):
+    """Found in QA: `maestro profile --sizes 100000` measured for minutes with no line inside a
+    size. A size whose micro-batches take longer than PROGRESS_S says how many are measured."""
+    import time
+
+    from maestro_flow.runtime import profiling
+
+    monkeypatch.setattr(profiling, "_measure", lambda sec, mb, outputs, repeats: time.sleep(0.03) or {"n": len(mb)})
+    said = []
+    rows = profiling._measure_size("teacher", None, [[1, 2]] * 4, {}, 1, said.append, progress_s=0.02)
+    assert rows == [{"n": 2}] * 4
+    assert said == [f"teacher: micro-batch 2: {i} of 4 measured" for i in (1, 2, 3)]  # not after the last
+    quiet = []
+    profiling._measure_size("teacher", None, [[1]] * 3, {}, 1, quiet.append, progress_s=60)
+    assert quiet == []
