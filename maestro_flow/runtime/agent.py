@@ -79,7 +79,9 @@ class Agent:
 
     def run(self) -> None:
         """Until the run is over. Raises SystemFailure when it failed or node 0 is gone."""
-        store = rendezvous(self.nodes, self.timeouts.startup_s)
+        store = rendezvous(self.nodes, self.timeouts.startup_s, lambda waited_s: self.log(
+            f"node {self.nodes.node_rank}: waiting for node 0 at {self.where} (is `maestro run ... --node-rank 0` "
+            f"running there?): {waited_s:.0f}s, which times out at {self.timeouts.startup_s:.0f}s (MAESTRO_STARTUP_S)"))
         stop = threading.Event()
         beat = threading.Thread(target=self._beat, args=(stop,), daemon=True, name="maestro-agent-beat")
         beat.start()

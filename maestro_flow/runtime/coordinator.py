@@ -44,11 +44,11 @@ from maestro_flow.protocol.auth import DropLog, Opener, Rejected, Sealer, derive
 from maestro_flow.protocol.messages import PROTOCOL_VERSION, make
 from maestro_flow.runtime import attempts
 from maestro_flow.runtime.build import resolve_device
-from maestro_flow.runtime.coordinator_io import JOIN_NOTE_S, CoordinatorIO
+from maestro_flow.runtime.coordinator_io import CoordinatorIO
 from maestro_flow.runtime.launcher import Launcher
 from maestro_flow.runtime.ledger import PlanMessages, StepLedger, carry_counters
 from maestro_flow.runtime.liveness import Liveness
-from maestro_flow.runtime.nodes import Nodes, listening_store
+from maestro_flow.runtime.nodes import WAIT_NOTE_S, Nodes, listening_store
 from maestro_flow.runtime.observe import RunObserver, timed_plan
 from maestro_flow.runtime.report import RunReport
 from maestro_flow.runtime.sampler import EpochSampler
@@ -221,7 +221,7 @@ class Coordinator(CoordinatorIO):
         began = self.startup_began = time.monotonic()
         deadline = began + self.timeouts.startup_s
         hellos: dict[int, dict] = {}
-        self.awaiting, self.join_note_at = ("said hello", hellos), began + JOIN_NOTE_S
+        self.awaiting, self.join_note_at = ("said hello", hellos), began + WAIT_NOTE_S
         while len(hellos) < self.placement.world_size:
             rank, msg = self._recv(deadline, lambda: f"every worker's hello (missing {self._missing(hellos)})",
                                    "MAESTRO_STARTUP_S", since=began)

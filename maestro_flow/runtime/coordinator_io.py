@@ -19,13 +19,12 @@ from maestro_flow.protocol.auth import Rejected, Sealer
 from maestro_flow.protocol.messages import make
 from maestro_flow.runtime import attempts
 from maestro_flow.runtime.launcher import blame_order, cause
+from maestro_flow.runtime.nodes import WAIT_NOTE_EVERY_S
 from maestro_flow.transport import zmq_link
 
 AWAY_S = 1.0  # a gap this long between two looks at the socket means the coordinator stalled
 STOOD_STILL = 0.8  # a stall this share of the workers' coordinator timeout may have made them give up
 STOOD_STILL_SHOWN_S = 10.0  # a worker's death found this soon after such a stall is put down to it
-JOIN_NOTE_S = 10.0  # node 0 says which nodes have not joined this far into startup, and every JOIN_NOTE_EVERY_S after
-JOIN_NOTE_EVERY_S = 60.0
 
 
 class CoordinatorIO:
@@ -161,12 +160,12 @@ class CoordinatorIO:
                                           for n in silent) if silent else ""
 
     def _say_who_is_awaited(self, now: float) -> None:
-        """Node 0 says which nodes have not joined, JOIN_NOTE_S into startup and every
-        JOIN_NOTE_EVERY_S after (found in QA: it said nothing until MAESTRO_STARTUP_S ran out,
+        """Node 0 says which nodes have not joined, WAIT_NOTE_S into startup and every
+        WAIT_NOTE_EVERY_S after (found in QA: it said nothing until MAESTRO_STARTUP_S ran out,
         minutes later, with or without a terminal)."""
         if now < self.join_note_at:
             return
-        self.join_note_at = now + JOIN_NOTE_EVERY_S
+        self.join_note_at = now + WAIT_NOTE_EVERY_S
         waiting = self._awaited_nodes()
         if waiting:
             self.report.note(f"{waiting}: {now - self.startup_began:.0f}s into startup, which times out at "

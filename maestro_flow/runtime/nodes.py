@@ -112,6 +112,10 @@ def node_ranks(node_of: dict[int, int], node: int) -> list[int]:
     return sorted(r for r, n in node_of.items() if n == node)
 
 
+# A node that waits for others to join (node 0) or for node 0 to listen (the others) says so this
+# far into the wait, and every WAIT_NOTE_EVERY_S after.
+WAIT_NOTE_S = 10.0
+WAIT_NOTE_EVERY_S = 60.0
 ABANDONED = threading.Event()  # set once a store call was given up while still running (see `bounded`)
 
 
@@ -156,9 +160,11 @@ def exit_code(code: int) -> None:
         os._exit(code)
 
 
-def rendezvous(nodes: Nodes, timeout_s: float) -> Any:
+def rendezvous(nodes: Nodes, timeout_s: float, waiting: Callable[[float], None] | None = None) -> Any:
     """The job's TCPStore at the rendezvous endpoint: node 0 hosts it (listening on that address
-    only), the others connect to it."""
+    only), the others connect to it. `waiting(seconds)`: called while another node waits for node
+    0 to listen, WAIT_NOTE_S into the wait and every WAIT_NOTE_EVERY_S after (found in QA: node 1
+    said nothing for MAESTRO_STARTUP_S when node 0 was not started)."""
     import torch.distributed as dist
 
     assert nodes.endpoint is not None
@@ -167,7 +173,7 @@ def rendezvous(nodes: Nodes, timeout_s: float) -> Any:
     if nodes.node_rank != 0:
         try:  # bounded: c10d retries its connect past the timeout, and a silent listener holds it for good
             deadline = time.monotonic() + timeout_s  # one bound for both (found in review: twice the timeout)
-            _listening(host, port, deadline)
+            _listening(host, port, deadline, waiting)
             left = max(0.1, deadline - time.monotonic())
             return bounded(lambda: dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=left)),
                            timeout_s=left)
@@ -183,17 +189,24 @@ def rendezvous(nodes: Nodes, timeout_s: float) -> Any:
         raise PipelineError(f"--rdzv-endpoint {host}:{port}: node 0 cannot listen there ({exc.strerror}{held})") from None
 
 
-def _listening(host: str, port: int, deadline: float) -> None:
+def _listening(host: str, port: int, deadline: float, waiting: Callable[[float], None] | None = None) -> None:
     """Wait until something listens at host:port, by connecting (and closing) every POLL_S until
     time.monotonic() reaches `deadline`: c10d's own connect logs an ERROR line of its own when it
-    times out (found in QA: printed before maestro's message when node 0 was not started)."""
+    times out (found in QA: printed before maestro's message when node 0 was not started).
+    `waiting`: as rendezvous's."""
+    began = time.monotonic()
+    note_at = began + WAIT_NOTE_S
     while True:
         try:
             socket.create_connection((host, port), timeout=max(0.1, min(1.0, deadline - time.monotonic()))).close()
             return
         except OSError:
-            if time.monotonic() + POLL_S >= deadline:
+            now = time.monotonic()
+            if now + POLL_S >= deadline:
                 raise
+            if waiting is not None and now >= note_at:
+                note_at = now + WAIT_NOTE_EVERY_S
+                waiting(now - began)
             time.sleep(POLL_S)
 
 

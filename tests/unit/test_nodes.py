@@ -447,3 +447,21 @@ def test_node_0_on_a_port_another_process_holds_says_so():
                                                 r"\(Address already in use; another run \(or program\) holds the "
                                                 r"port: give this run another one\)$"):
             rendezvous(Nodes(nnodes=2, node_rank=0, endpoint=("127.0.0.1", port)), 2.0)
+
+
+def test_a_node_waiting_for_node_0_to_listen_says_so(monkeypatch):
+    """Found in QA: node 1 started before node 0 said nothing until MAESTRO_STARTUP_S ran out."""
+    from maestro_flow.runtime import nodes as nodes_mod
+
+    monkeypatch.setattr(nodes_mod, "WAIT_NOTE_S", 0.3)
+    monkeypatch.setattr(nodes_mod, "WAIT_NOTE_EVERY_S", 0.6)
+    monkeypatch.setattr(nodes_mod, "POLL_S", 0.05)
+    import socket
+
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]  # closed below: nothing listens there
+    said = []
+    with pytest.raises(PipelineError, match="node 0 did not answer within 2s"):
+        nodes_mod.rendezvous(Nodes(nnodes=2, node_rank=1, endpoint=("127.0.0.1", port)), 1.5, said.append)
+    assert len(said) == 2 and 0.3 <= said[0] < 0.9 and said[1] >= 0.9, said

@@ -285,13 +285,14 @@ def test_top_of_another_nodes_folder_says_to_watch_node_0(tmp_path):
 
 def test_node_0_says_which_nodes_it_waits_for_while_they_have_not_joined():
     """Found in QA: node 0 said nothing until MAESTRO_STARTUP_S ran out (minutes), with or without
-    a terminal. It now says which nodes have not joined JOIN_NOTE_S into startup and every
-    JOIN_NOTE_EVERY_S after, and nothing once they have (or on one node)."""
+    a terminal. It now says which nodes have not joined WAIT_NOTE_S into startup and every
+    WAIT_NOTE_EVERY_S after, and nothing once they have (or on one node)."""
     import io as text_io
     from types import SimpleNamespace
 
     from maestro_flow.planner.plan import Placement
-    from maestro_flow.runtime.coordinator_io import JOIN_NOTE_EVERY_S, JOIN_NOTE_S, CoordinatorIO
+    from maestro_flow.runtime.coordinator_io import CoordinatorIO
+    from maestro_flow.runtime.nodes import WAIT_NOTE_EVERY_S, WAIT_NOTE_S
     from maestro_flow.runtime.report import RunReport
     from maestro_flow.timeouts import Timeouts
 
@@ -300,15 +301,15 @@ def test_node_0_says_which_nodes_it_waits_for_while_they_have_not_joined():
     node0.placement = Placement.build(["teacher", "student"], {"teacher": 1, "student": 2})
     node0.node_of, node0.nodes, node0.timeouts = {0: 0, 1: 1, 2: 1}, SimpleNamespace(multi=True), Timeouts()
     node0.report = RunReport(total_steps=3, metrics_out=None, stream=stream, show_progress=False)
-    node0.awaiting, node0.startup_began, node0.join_note_at = ("said hello", {0: {}}), 100.0, 100.0 + JOIN_NOTE_S
-    for now in (100.0, 100.0 + JOIN_NOTE_S - 1, 100.0 + JOIN_NOTE_S, 100.0 + JOIN_NOTE_S + 1,
-                100.0 + JOIN_NOTE_S + JOIN_NOTE_EVERY_S):
+    node0.awaiting, node0.startup_began, node0.join_note_at = ("said hello", {0: {}}), 100.0, 100.0 + WAIT_NOTE_S
+    for now in (100.0, 100.0 + WAIT_NOTE_S - 1, 100.0 + WAIT_NOTE_S, 100.0 + WAIT_NOTE_S + 1,
+                100.0 + WAIT_NOTE_S + WAIT_NOTE_EVERY_S):
         node0._say_who_is_awaited(now)
     note = ("maestro: waiting for node 1 (is `maestro run ... --node-rank 1` running there?): {:.0f}s into startup, "
             "which times out at 120s (MAESTRO_STARTUP_S)")
-    assert stream.getvalue().splitlines() == [note.format(JOIN_NOTE_S), note.format(JOIN_NOTE_S + JOIN_NOTE_EVERY_S)]
+    assert stream.getvalue().splitlines() == [note.format(WAIT_NOTE_S), note.format(WAIT_NOTE_S + WAIT_NOTE_EVERY_S)]
     node0.awaiting[1][1] = {}  # node 1 has joined
-    node0._say_who_is_awaited(200.0 + JOIN_NOTE_EVERY_S)
+    node0._say_who_is_awaited(200.0 + WAIT_NOTE_EVERY_S)
     node0.awaiting, node0.join_note_at = ("ready", {0}), 0.0
     node0._say_who_is_awaited(1000.0)
     node0.nodes, node0.awaiting, node0.join_note_at = SimpleNamespace(multi=False), ("said hello", {}), 0.0
