@@ -180,6 +180,15 @@ class Stage:
         return None
 
     @classmethod
+    def check_config(cls, config: dict[str, Any]) -> None:
+        """Raise ValueError, naming the config key, for a config this stage cannot be built from
+        (an unknown key, a value out of range, d_model not divisible by n_heads). `maestro
+        validate` and `maestro run` call it for every section before any worker starts; it
+        should be cheap and build nothing (`validate` also builds each stage on the meta
+        device). A subclass that overrides `__init__` and not this is not checked: its own
+        `__init__` may take keys its base's check does not know. The default checks nothing."""
+
+    @classmethod
     def check_tp(cls, config: dict[str, Any], tp: int) -> None:
         """Raise ValueError, naming the config key, when `tp` cannot shard this configuration
         (e.g. "n_heads (4) is not divisible by tp=3"). `maestro validate` also checks that the

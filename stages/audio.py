@@ -153,6 +153,10 @@ class AudioEncoder(Stage):
         self.projector = optional_projector(cfg)
 
     @classmethod
+    def check_config(cls, config: dict[str, Any]) -> None:
+        AudioConfig.from_dict(config)
+
+    @classmethod
     def token_limits(cls, config: dict[str, Any]) -> dict[str, int]:
         """Frames its positions cover: a longer clip is refused before any worker starts (found in
         review: only mid-run, by this stage's forward). Only with the loader's framing (FRAME_S,

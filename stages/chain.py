@@ -48,6 +48,10 @@ class TokenEmbedding(Stage):
         self.tok_emb = _weighted(nn.Embedding(cfg.vocab_size, cfg.d_model), cfg, "tok_emb.")
 
     @classmethod
+    def check_config(cls, config: dict[str, Any]) -> None:
+        LMConfig.from_dict(config)
+
+    @classmethod
     def outputs(cls, config: dict[str, Any]) -> tuple[str, ...]:
         return ("embeddings",)
 
@@ -70,6 +74,10 @@ class TransformerLM(Stage):
         cfg = self.model_config
         self.decoder = _weighted(Decoder(cfg), cfg, "decoder.")
         self.head = _weighted(nn.Linear(cfg.d_model, cfg.vocab_size, bias=False), cfg, "head.")
+
+    @classmethod
+    def check_config(cls, config: dict[str, Any]) -> None:
+        LMConfig.from_dict(config)
 
     @classmethod
     def outputs(cls, config: dict[str, Any]) -> tuple[str, ...]:

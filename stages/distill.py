@@ -39,7 +39,7 @@ from stages.common import (
     pad_tokens,
     select_predicted,
 )
-from stages.lm import build_causal_transformer, build_lm_head
+from stages.lm import build_causal_transformer, build_lm_head, lm_head_config
 from stages.transformer import LMConfig, block_tp_plan, check_block_tp
 
 KD_OUTPUTS = ("loss", "loss_denominator")
@@ -82,9 +82,13 @@ def build_teacher_head(config: dict[str, Any], *, where: str = "teacher.") -> nn
 
 
 def check_same_vocab(teacher_head: nn.Linear, student_vocab: int, student_key: str) -> None:
-    if teacher_head.out_features != student_vocab:
+    same_vocab(teacher_head.out_features, student_vocab, student_key)
+
+
+def same_vocab(teacher_vocab: int, student_vocab: int, student_key: str) -> None:
+    if teacher_vocab != student_vocab:
         raise ValueError(
-            f"teacher.vocab_size ({teacher_head.out_features}) must equal {student_key} ({student_vocab}): "
+            f"teacher.vocab_size ({teacher_vocab}) must equal {student_key} ({student_vocab}): "
             "distillation compares distributions over one vocabulary"
         )
 
@@ -133,6 +137,19 @@ class KDStudent(Stage):
         self.model = build_causal_transformer(self.student_config)
         self.teacher_head = build_teacher_head(config["teacher"])
         check_same_vocab(self.teacher_head, self.student_config.vocab_size, "student.vocab_size")
+
+    @classmethod
+    def check_config(cls, config: dict[str, Any]) -> None:
+        """What __init__ checks before it builds anything; the teacher's head, where it is one of
+        our CausalLM's (a Hugging Face teacher's needs transformers: checked when built)."""
+        check_keys(config, ("student", "teacher", *KD_KEYS))
+        if "teacher" not in config:
+            raise ValueError("teacher must be set to the teacher section's model config (init_seed or checkpoint)")
+        KDConfig.from_dict(config)
+        student = LMConfig.from_dict(config.get("student", {}), where="student.")
+        if isinstance(config["teacher"], dict) and not is_hf_config(config["teacher"]):
+            same_vocab(lm_head_config(config["teacher"], where="teacher.").vocab_size, student.vocab_size,
+                       "student.vocab_size")
 
     @classmethod
     def outputs(cls, config: dict[str, Any]) -> tuple[str, ...]:

@@ -49,18 +49,25 @@ def build_causal_transformer(cfg: LMConfig) -> CausalTransformer:
     return model
 
 
-def build_lm_head(config: dict[str, Any], *, where: str = "") -> nn.Linear:
-    """Exactly the LM head a `CausalLM` with this config has, built without the rest of the model.
-
-    The config must fix the weights (`init_seed` or `checkpoint`): otherwise the head would
-    depend on the RNG state of whichever process builds it.
-    """
+def lm_head_config(config: dict[str, Any], *, where: str = "") -> LMConfig:
+    """The config of a `CausalLM` whose LM head another section rebuilds: it must fix the
+    weights (`init_seed` or `checkpoint`)."""
     cfg = LMConfig.from_dict(config, where=where, ignore=("role",))
     if cfg.init_seed is None and cfg.checkpoint is None:
         raise ValueError(
             f"{where}init_seed or {where}checkpoint must be set so that the LM head can be rebuilt "
             "in another section with the same weights"
         )
+    return cfg
+
+
+def build_lm_head(config: dict[str, Any], *, where: str = "") -> nn.Linear:
+    """Exactly the LM head a `CausalLM` with this config has, built without the rest of the model.
+
+    The config must fix the weights (`init_seed` or `checkpoint`): otherwise the head would
+    depend on the RNG state of whichever process builds it.
+    """
+    cfg = lm_head_config(config, where=where)
     head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
     init_weights(head, seed=cfg.init_seed, n_layers=cfg.n_layers, prefix=HEAD_PREFIX)
     if cfg.checkpoint is not None:
@@ -78,6 +85,11 @@ class CausalLM(Stage):
         self.role = stage_role(config, ROLES)
         self.model_config = LMConfig.from_dict(config, ignore=("role",))
         self.model = build_causal_transformer(self.model_config)
+
+    @classmethod
+    def check_config(cls, config: dict[str, Any]) -> None:
+        stage_role(config, ROLES)
+        LMConfig.from_dict(config, ignore=("role",))
 
     @classmethod
     def outputs(cls, config: dict[str, Any]) -> tuple[str, ...]:

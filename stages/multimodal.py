@@ -59,6 +59,11 @@ class MultimodalLM(Stage):
         self.model = build_causal_transformer(self.model_config)
 
     @classmethod
+    def check_config(cls, config: dict[str, Any]) -> None:
+        _input_names(config)
+        LMConfig.from_dict({"vocab_size": VOCAB_SIZE, **config}, ignore=("inputs",))
+
+    @classmethod
     def outputs(cls, config: dict[str, Any]) -> tuple[str, ...]:
         return ("loss", "loss_denominator")
 

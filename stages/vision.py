@@ -129,12 +129,13 @@ class VisionEncoder(Stage):
         self.decoder = None
         self._skipped = 0  # image samples trained without their image (corrupt, skipped): stats()
         if cfg.decoder is not None:
-            kwargs = {"max_side": DEFAULT_MAX_SIDE, "patch": cfg.patch, "device": str(ctx.device), **cfg.decode}
-            side = kwargs["max_side"]
-            if isinstance(side, int) and kwargs["patch"] == cfg.patch and side // cfg.patch > cfg.max_grid:
-                raise ValueError(f"decode.max_side={side} makes grids of up to {side // cfg.patch} patches of {cfg.patch} "
-                                 f"pixels a side, more than max_grid={cfg.max_grid}: raise max_grid or lower max_side")
-            self.decoder = load_class(cfg.decoder, "decoder")(**kwargs)
+            self.decoder = load_class(cfg.decoder, "decoder")(**{"device": str(ctx.device), **_decode_kwargs(cfg)})
+
+    @classmethod
+    def check_config(cls, config: dict[str, Any]) -> None:
+        cfg = VisionConfig.from_dict(config)
+        if cfg.decoder is not None:
+            _decode_kwargs(cfg)
 
     @classmethod
     def outputs(cls, config: dict[str, Any]) -> tuple[str, ...]:
@@ -149,7 +150,7 @@ class VisionEncoder(Stage):
         """Patches its position table covers: max_grid a side, so at most max_grid squared an
         image. A sample whose num_patches is more is refused before any worker starts (found in
         QA: `plan --trace-in` planned such samples, which no decode can give this encoder)."""
-        return {"max_patches": VisionConfig.from_dict(config).max_grid ** 2}
+        return {"max_patches": int(config.get("max_grid", VisionConfig.max_grid)) ** 2}
 
     @classmethod
     def tp_plan(cls, config: dict[str, Any]) -> dict[str, str]:
@@ -235,6 +236,17 @@ class VisionEncoder(Stage):
         """The image column, as this configuration will read it (`image_problem`)."""
         cfg = VisionConfig.from_dict(config)
         return {"image": functools.partial(image_problem, cfg)}
+
+
+def _decode_kwargs(cfg: VisionConfig) -> dict[str, Any]:
+    """The decoder's options (but its device): decode's, over the defaults; refused where its
+    max_side makes grids larger than max_grid."""
+    kwargs = {"max_side": DEFAULT_MAX_SIDE, "patch": cfg.patch, **cfg.decode}
+    side = kwargs["max_side"]
+    if isinstance(side, int) and kwargs["patch"] == cfg.patch and side // cfg.patch > cfg.max_grid:
+        raise ValueError(f"decode.max_side={side} makes grids of up to {side // cfg.patch} patches of {cfg.patch} "
+                         f"pixels a side, more than max_grid={cfg.max_grid}: raise max_grid or lower max_side")
+    return kwargs
 
 
 def grid_problem(shape: tuple[int, ...], patch: int, max_grid: int) -> str | None:
@@ -344,6 +356,10 @@ class Projector(Stage):
         self.projector_config = cfg = ProjectorConfig.from_dict(config)
         self.projector = seeded(ProjectorMLP(cfg.d_in, cfg.d_out, cfg.d_hidden), seed=cfg.init_seed, n_layers=1,
                                 prefix="projector.")
+
+    @classmethod
+    def check_config(cls, config: dict[str, Any]) -> None:
+        ProjectorConfig.from_dict(config)
 
     @classmethod
     def outputs(cls, config: dict[str, Any]) -> tuple[str, ...]:

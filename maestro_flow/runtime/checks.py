@@ -295,6 +295,22 @@ def _declared(cls: type, method: str, section: Section, where: str) -> tuple[str
     return tuple(names)
 
 
+def _check_config(cls: type, section: Section) -> None:
+    """The stage's own check of its config (Stage.check_config), where it is the class's own: a
+    subclass whose `__init__` overrides its base's and not the check may take other keys (found
+    in QA: `maestro run` started workers that failed on a config `validate` refused)."""
+    if issubclass(_owner(cls, "__init__"), _owner(cls, "check_config")) and \
+            _owner(cls, "__init__") is not _owner(cls, "check_config"):
+        return
+    try:
+        cls.check_config(dict(section.config))
+    except (ValueError, TypeError) as exc:
+        raise PipelineError(f"sections.{section.name}.config: {exc}") from None
+    except Exception as exc:
+        raise PipelineError(f"sections.{section.name}.stage: {section.stage}.check_config(config) failed: "
+                            f"{type(exc).__name__}: {exc}") from exc
+
+
 def _owner(cls: type, name: str) -> type:
     """The class in `cls`'s MRO that defines attribute `name`."""
     return next(k for k in cls.__mro__ if name in vars(k))
@@ -324,6 +340,7 @@ def check_pipeline(pipeline: Pipeline, build: bool = False) -> Checked:
         cls = resolve(s.stage, where)
         if not (isinstance(cls, type) and issubclass(cls, Stage)):
             raise PipelineError(f"{where}: {s.stage!r} is not a subclass of maestro_flow.Stage")
+        _check_config(cls, s)
         declared[s.name] = _declared(cls, "outputs", s, where)
         reads[s.name] = _declared(cls, "inputs", s, where)
     for e in graph.edges:
