@@ -160,8 +160,14 @@ class Checkpointer:
         return (completed // every + 1) * every
 
     def begin(self, step: int) -> str | None:
-        """The folder to save into; None when it cannot be made and the run goes on without it."""
+        """The folder to save into; None when it cannot be made and the run goes on without it.
+        Incomplete folders of earlier steps go first (found in QA: with --checkpoint-errors
+        continue, every failed save's folder stayed until a save succeeded; a failed save's
+        workers write on after it is discarded, and they are done by the next save)."""
         folder = mf.step_dir(self.options.dir, step)
+        for _, earlier, ok in mf.checkpoints(self.options.dir):
+            if not ok and earlier < folder:
+                self._discard(earlier)
         try:
             if os.path.isdir(folder):  # an incomplete save of an earlier attempt, or this step again
                 shutil.rmtree(folder)

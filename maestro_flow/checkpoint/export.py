@@ -37,6 +37,9 @@ class Exported:
 
 def export_section(source: str, section: str, out: str) -> Exported:
     check_writable(out, "-o", folder=True)  # a traceback before (found in review), as run's --save-dir was
+    if mf.checkpoints(out) or mf.latest(out):  # found in QA: later exports of that folder were then refused
+        raise PipelineError(f"-o {out} holds checkpoints: export into a folder of its own (a folder holding both "
+                            "cannot be exported from again)")
     pipeline, state, where = _read(mf.find_folder(source, "SOURCE"), section)
     spec = next((s for s in pipeline.get("sections", []) if s.get("name") == section), None)
     if spec is None:  # _read refuses a section not there in what maestro writes: a hand-edited file
@@ -81,6 +84,12 @@ class _NotImportable(Exception):
 def _read(source: str, section: str) -> tuple[dict[str, Any], dict[str, torch.Tensor], str]:
     """(pipeline configuration, the section's parameters, where they came from)."""
     saved = os.path.join(source, f"{section}.safetensors")
+    newest = mf.latest(source)
+    if os.path.isfile(saved) and newest is not None and os.path.realpath(newest) != os.path.realpath(source):
+        # found in QA: a --save-dir that was also the --checkpoint-dir gave the saved (older) weights, in silence
+        raise PipelineError(f"{source} holds both {section}.safetensors (a --save-dir's) and checkpoints: export "
+                            f"{newest} for the newest checkpoint, or move {section}.safetensors and {PIPELINE_FILE} "
+                            "to a folder of their own for the saved weights")
     if os.path.isfile(saved):  # a --save-dir
         try:
             with open(os.path.join(source, PIPELINE_FILE)) as f:
@@ -94,7 +103,7 @@ def _read(source: str, section: str) -> tuple[dict[str, Any], dict[str, torch.Te
             raise PipelineError(f"--section {section}: {saved} is left from an earlier run: the pipeline that saved "
                                 f"into {source} last ({PIPELINE_FILE}) {why}; it saved: {', '.join(_saved(source, pipeline)) or 'none'}")
         return pipeline, load_file(saved), saved
-    folder = mf.latest(source)
+    folder = newest
     if folder is None:
         if os.path.isfile(os.path.join(source, PIPELINE_FILE)):  # a --save-dir without this section
             with open(os.path.join(source, PIPELINE_FILE)) as f:

@@ -218,9 +218,10 @@ class SectionState:
         """`step`: the checkpoint's, where a schedule starts that the checkpoint did not have."""
         try:
             metadata = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata
-        except FileNotFoundError:
+        except FileNotFoundError:  # found in QA: "{folder} is missing" though only its .metadata was
+            missing = folder if not os.path.isdir(folder) else os.path.join(folder, ".metadata")
             raise CheckpointMismatch(f"section {self.section!r}: the checkpoint holds no state for it "
-                                     f"({folder} is missing)") from None
+                                     f"({missing} is missing)") from None
         model = {f"model/{k}": v.detach() for k, v in trainable_state(self.stage).items()}
         self._check(model, metadata, folder)
         target: dict[str, Any] = dict(model)

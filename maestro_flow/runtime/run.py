@@ -269,6 +269,17 @@ def _check_outputs(options: RunOptions) -> None:
                                ("--tensorboard", options.tensorboard, True), ("--run-dir", options.run_dir, True)):
         if path:
             check_writable(path, flag, folder=folder)
+    if options.save_dir:  # found in QA: `maestro export` of such a folder took the older of the two, in silence
+        ckpt = options.checkpoint.dir
+        if ckpt and os.path.realpath(ckpt) == os.path.realpath(options.save_dir):
+            raise PipelineError(f"--save-dir and --checkpoint-dir are one folder ({options.save_dir}): `maestro "
+                                "export` could not tell the saved weights from the checkpoints; give --save-dir a "
+                                "folder of its own")
+        held = mf.checkpoints(options.save_dir)
+        if held:
+            raise PipelineError(f"--save-dir {options.save_dir} holds checkpoints ({os.path.basename(held[-1][1])}"
+                                f"{f' and {len(held) - 1} more' if len(held) > 1 else ''}): `maestro export` could not "
+                                "tell the saved weights from them; give --save-dir a folder of its own")
     if options.metrics_out:  # found in review: refused after the run dir moved; locked until RunReport has it
         hold(options.metrics_out)
 

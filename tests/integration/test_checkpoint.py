@@ -341,6 +341,11 @@ def test_an_unreadable_checkpoint_is_a_clear_error(small_data, one_checkpoint, t
     assert "EOFError: a file ended early (truncated or damaged)" in result.stderr, result.stderr[-2000:]
     assert f"the complete checkpoint before it: {broken / 'step-00000001'}" in result.stderr
     assert "Traceback" not in result.stderr.split("error:")[-1]
+    # Found in QA: a section folder without its DCP .metadata was said to be missing itself.
+    (broken / "step-00000002" / "student" / ".metadata").unlink()
+    result = maestro(*args(small_data, "float32", "--resume", str(broken / "step-00000002"), steps=4), timeout=120)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert f"holds no state for it ({broken / 'step-00000002' / 'student' / '.metadata'} is missing)" in result.stderr
 
 
 def test_a_directory_of_another_run_is_refused(small_data, one_checkpoint):

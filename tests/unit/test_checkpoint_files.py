@@ -514,3 +514,66 @@ def test_a_hugging_face_export_folder_takes_no_other_section(tmp_path):
     with pytest.raises(PipelineError, match=r"holds section 'student''s Hugging Face export .* export section "
                                             r"'teacher' into a folder of its own"):
         _one_model_folder(str(out), "teacher")
+
+
+def test_export_refuses_a_folder_holding_both_saved_weights_and_checkpoints(tmp_path):
+    """Found in QA: with --save-dir the same folder as --checkpoint-dir, `maestro export` of it
+    gave the saved weights of step 2 though a checkpoint of step 4 was there, saying only "from
+    ...student.safetensors"; and an export into a checkpoint folder made it unexportable."""
+    import json
+
+    from click.testing import CliRunner
+
+    from maestro_flow.checkpoint.savedir import PIPELINE_FILE
+    from maestro_flow.cli import main
+
+    save(tmp_path, 4)
+    (tmp_path / "student.safetensors").write_bytes(b"a --save-dir's")
+    (tmp_path / PIPELINE_FILE).write_text(json.dumps(PIPELINE.to_dict()))
+    both = CliRunner().invoke(main, ["export", str(tmp_path), "--section", "student", "-o", str(tmp_path / "out")])
+    assert both.exit_code == 2, both.output
+    assert both.stderr.strip() == (f"error: {tmp_path} holds both student.safetensors (a --save-dir's) and checkpoints: "
+                                   f"export {mf.step_dir(str(tmp_path), 4)} for the newest checkpoint, or move "
+                                   f"student.safetensors and {PIPELINE_FILE} to a folder of their own for the saved "
+                                   "weights")
+    into = CliRunner().invoke(main, ["export", str(tmp_path / "elsewhere"), "--section", "student", "-o", str(tmp_path)])
+    assert into.exit_code == 2 and f"-o {tmp_path} holds checkpoints: export into a folder of its own" in into.stderr
+    step = CliRunner().invoke(main, ["export", str(tmp_path / "elsewhere"), "--section", "student", "-o",
+                                     mf.step_dir(str(tmp_path), 4)])
+    assert step.exit_code == 2 and "holds checkpoints" in step.stderr, step.output
+
+
+@pytest.mark.parametrize("same", [True, False])
+def test_run_refuses_a_save_dir_that_is_or_holds_checkpoints(tmp_path, same):
+    """The same finding at its source: `maestro run` refuses, before any worker starts, a
+    --save-dir that is the --checkpoint-dir or already holds checkpoints."""
+    from click.testing import CliRunner
+
+    from maestro_flow.cli import main
+
+    root = Path(__file__).resolve().parents[2]
+    ckpt = tmp_path / "ckpt"
+    if not same:
+        save(ckpt, 2)
+    args = ["run", str(root / "pipelines" / "distill.py"), "--no-run-dir", "--save-dir", str(ckpt)]
+    if same:
+        args += ["--checkpoint-dir", str(ckpt), "--checkpoint-every", "2"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2, result.output
+    want = (f"--save-dir and --checkpoint-dir are one folder ({ckpt})" if same
+            else f"--save-dir {ckpt} holds checkpoints (step-00000002)")
+    assert want in result.stderr and "give --save-dir a folder of its own" in result.stderr, result.output
+
+
+def test_failed_saves_leave_at_most_the_newest_incomplete_folder(tmp_path):
+    """Found in QA: with --checkpoint-errors continue and every save too slow, the workers wrote on
+    into each discarded folder, and step-1..4 all stayed (incomplete) until a save succeeded."""
+    go_on = Checkpointer(CheckpointOptions(dir=str(tmp_path), every=1, on_error="continue"), log=lambda text: None)
+    for step in (1, 2, 3):
+        folder = go_on.begin(step)
+        go_on.failed(step, {"rank 0": "too slow"})
+        os.makedirs(os.path.join(folder, "student"))  # what its workers wrote after the discard
+    assert [s for s, _, _ in mf.checkpoints(str(tmp_path))] == [3]
+    go_on.begin(4)
+    go_on.commit(4, manifest(4))
+    assert [(s, ok) for s, _, ok in mf.checkpoints(str(tmp_path))] == [(4, True)]
