@@ -131,3 +131,13 @@ def _poll(ex: SectionExecutor, rank: int, step: int) -> bool:
         at = ex.current.step if ex.current is not None else step  # poll() may have begun the next step
         raise SystemFailure(f"system error in section {ex.name!r} replica 0 (rank {rank}) during step "
                             f"{at + 1}: {type(exc).__name__}: {exc}") from exc
+
+
+def colocated_mode(pipeline: Pipeline) -> str:
+    """The startup line's mode for --colocated, saying where the sections' layout does not apply
+    (found in QA: tp=2 and fsdp ran colocated without a word that they were not used)."""
+    laid = [f for f, used in (("dp", any(s.dp > 1 for s in pipeline.sections)),
+                              ("tp", any(s.tp > 1 for s in pipeline.sections)),
+                              ("fsdp", any(s.fsdp for s in pipeline.sections))) if used]
+    return ("colocated" + (f" (one unsharded replica per section: {', '.join(laid)} not applied; the same maths)"
+                           if laid else ""))

@@ -20,7 +20,21 @@ import os
 import tempfile
 from typing import Any
 
+from maestro_flow.checkpoint import manifest as mf
 from maestro_flow.errors import PipelineError
+
+
+def check_save_dir(save_dir: str, checkpoint_dir: str | None) -> None:
+    """A --save-dir is not the --checkpoint-dir and holds no checkpoints (found in QA: `maestro
+    export` of such a folder took the older of the two, in silence)."""
+    if checkpoint_dir and os.path.realpath(checkpoint_dir) == os.path.realpath(save_dir):
+        raise PipelineError(f"--save-dir and --checkpoint-dir are one folder ({save_dir}): `maestro export` could "
+                            "not tell the saved weights from the checkpoints; give --save-dir a folder of its own")
+    held = mf.checkpoints(save_dir)
+    if held:
+        raise PipelineError(f"--save-dir {save_dir} holds checkpoints ({os.path.basename(held[-1][1])}"
+                            f"{f' and {len(held) - 1} more' if len(held) > 1 else ''}): `maestro export` could not "
+                            "tell the saved weights from them; give --save-dir a folder of its own")
 
 
 def check_writable(path: str, flag: str, *, folder: bool) -> None:

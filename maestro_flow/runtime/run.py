@@ -28,7 +28,7 @@ from maestro_flow.runtime.coordinator import placement_for
 from maestro_flow.runtime.meeting import Meeting
 from maestro_flow.runtime.nodes import Nodes
 from maestro_flow.runtime.observe import RunObserver
-from maestro_flow.runtime.outputs import check_writable
+from maestro_flow.runtime.outputs import check_save_dir, check_writable
 from maestro_flow.runtime.record import Steps
 from maestro_flow.runtime.report import RunReport, hold, release_held
 from maestro_flow.runtime.rundir import RunDir, default_run_dir, node_run_dir
@@ -269,17 +269,8 @@ def _check_outputs(options: RunOptions) -> None:
                                ("--tensorboard", options.tensorboard, True), ("--run-dir", options.run_dir, True)):
         if path:
             check_writable(path, flag, folder=folder)
-    if options.save_dir:  # found in QA: `maestro export` of such a folder took the older of the two, in silence
-        ckpt = options.checkpoint.dir
-        if ckpt and os.path.realpath(ckpt) == os.path.realpath(options.save_dir):
-            raise PipelineError(f"--save-dir and --checkpoint-dir are one folder ({options.save_dir}): `maestro "
-                                "export` could not tell the saved weights from the checkpoints; give --save-dir a "
-                                "folder of its own")
-        held = mf.checkpoints(options.save_dir)
-        if held:
-            raise PipelineError(f"--save-dir {options.save_dir} holds checkpoints ({os.path.basename(held[-1][1])}"
-                                f"{f' and {len(held) - 1} more' if len(held) > 1 else ''}): `maestro export` could not "
-                                "tell the saved weights from them; give --save-dir a folder of its own")
+    if options.save_dir:
+        check_save_dir(options.save_dir, options.checkpoint.dir)
     if options.metrics_out:  # found in review: refused after the run dir moved; locked until RunReport has it
         hold(options.metrics_out)
 
@@ -385,7 +376,9 @@ def _lead(pipeline: Any, original: Any, checked: Any, paths: Any, options: RunOp
         sampler = EpochSampler(checked.metadata, pipeline.global_batch, pipeline.seed, shuffle=pipeline.data.shuffle)
         skipped = getattr(checked.source, "num_skipped", 0)
         if options.show_progress:
-            mode = "colocated" if options.colocated else f"{sum(s.dp * s.tp for s in pipeline.sections)} workers"
+            from maestro_flow.runtime.colocated import colocated_mode
+
+            mode = colocated_mode(pipeline) if options.colocated else f"{sum(s.dp * s.tp for s in pipeline.sections)} workers"
             if options.baseline:
                 fused = pipeline.sections[0]
                 mode = (f"monolithic baseline: {fused.dp} data-parallel ranks, each running every section on "

@@ -778,3 +778,15 @@ def test_checkpoints_with_colocated_are_refused_before_what_else_they_need(tmp_p
                     "--no-run-dir", "--quiet")
     assert result.exit_code == 2
     assert "checkpoints, --resume and --max-restarts are for section mode; drop --colocated" in result.output
+
+
+def test_colocated_says_which_layout_it_does_not_apply():
+    """Found in QA: tp=2 and fsdp ran colocated without a word that they were not used."""
+    from maestro_flow.runtime.build import load_pipeline
+    from maestro_flow.runtime.colocated import colocated_mode
+
+    plain = load_pipeline("pipelines/distill.py", {"sections.student.dp": 1})[0]
+    assert colocated_mode(plain) == "colocated"
+    laid = load_pipeline("pipelines/distill.py", {"sections.student.dp": 2, "sections.student.tp": 2,
+                                                  "sections.teacher.fsdp": True})[0]
+    assert colocated_mode(laid) == "colocated (one unsharded replica per section: dp, tp, fsdp not applied; the same maths)"
