@@ -182,11 +182,13 @@ class Stage:
     @classmethod
     def check_config(cls, config: dict[str, Any]) -> None:
         """Raise ValueError, naming the config key, for a config this stage cannot be built from
-        (an unknown key, a value out of range, d_model not divisible by n_heads). `maestro
-        validate` and `maestro run` call it for every section before any worker starts; it
-        should be cheap and build nothing (`validate` also builds each stage on the meta
-        device). A subclass that overrides `__init__` and not this is not checked: its own
-        `__init__` may take keys its base's check does not know. The default checks nothing."""
+        (an unknown key, a value out of range, d_model not divisible by n_heads). Every command
+        that checks a pipeline (`validate`, `run`, `plan`, `tune`, `profile`) calls it for every
+        section before any worker starts; anything but a ValueError is reported as a fault of the
+        check itself. It should be cheap and build nothing (`validate` also builds each stage on
+        the meta device). A subclass (or a mixin) that overrides `__init__` and not this is not
+        checked: its own `__init__` may take keys its base's check does not know. The default
+        checks nothing."""
 
     @classmethod
     def check_tp(cls, config: dict[str, Any], tp: int) -> None:

@@ -150,7 +150,8 @@ class VisionEncoder(Stage):
         """Patches its position table covers: max_grid a side, so at most max_grid squared an
         image. A sample whose num_patches is more is refused before any worker starts (found in
         QA: `plan --trace-in` planned such samples, which no decode can give this encoder)."""
-        return {"max_patches": int(config.get("max_grid", VisionConfig.max_grid)) ** 2}
+        default = next(f.default for f in dataclasses.fields(VisionConfig) if f.name == "max_grid")
+        return {"max_patches": int(config.get("max_grid", default)) ** 2}
 
     @classmethod
     def tp_plan(cls, config: dict[str, Any]) -> dict[str, str]:

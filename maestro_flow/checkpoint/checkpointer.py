@@ -165,8 +165,8 @@ class Checkpointer:
         continue, every failed save's folder stayed until a save succeeded; a failed save's
         workers write on after it is discarded, and they are done by the next save)."""
         folder = mf.step_dir(self.options.dir, step)
-        for _, earlier, ok in mf.checkpoints(self.options.dir):
-            if not ok and earlier < folder:
+        for s, earlier, ok in mf.checkpoints(self.options.dir):
+            if not ok and s < step:  # by step, not by name (found in review: an unpadded name sorts apart)
                 self._discard(earlier)
         try:
             if os.path.isdir(folder):  # an incomplete save of an earlier attempt, or this step again

@@ -87,7 +87,8 @@ def _read(source: str, section: str) -> tuple[dict[str, Any], dict[str, torch.Te
     newest = mf.latest(source)
     if os.path.isfile(saved) and newest is not None and os.path.realpath(newest) != os.path.realpath(source):
         # found in QA: a --save-dir that was also the --checkpoint-dir gave the saved (older) weights, in silence
-        raise PipelineError(f"{source} holds both {section}.safetensors (a --save-dir's) and checkpoints: export "
+        raise PipelineError(f"{source} holds both {section}.safetensors (a --save-dir's or an export's) and "
+                            "checkpoints: export "
                             f"{newest} for the newest checkpoint, or move {section}.safetensors and {PIPELINE_FILE} "
                             "to a folder of their own for the saved weights")
     if os.path.isfile(saved):  # a --save-dir

@@ -161,7 +161,8 @@ def check_token_limits(pipeline: Pipeline, source: Any, metadata: list[SampleMet
                 raise PipelineError(
                     f"sections.{s.name}: {_sample(over[0])} has {getattr(over[0], count)} "
                     f"{count[4:]}, more than {s.stage} takes ({key} {limits[key]}, from its config); samples "
-                    f"like it: {len(over)}. Cut the samples or raise the limit in sections.{s.name}.config")
+                    f"like it: {len(over)}. Cut the samples or raise the limit ({key}, or the setting it comes from) in "
+                    f"sections.{s.name}.config")
         if s.columns is not None and "tokens" not in s.columns:
             continue
         max_tokens = limits.get("max_tokens")
@@ -296,15 +297,15 @@ def _declared(cls: type, method: str, section: Section, where: str) -> tuple[str
 
 
 def _check_config(cls: type, section: Section) -> None:
-    """The stage's own check of its config (Stage.check_config), where it is the class's own: a
-    subclass whose `__init__` overrides its base's and not the check may take other keys (found
-    in QA: `maestro run` started workers that failed on a config `validate` refused)."""
-    if issubclass(_owner(cls, "__init__"), _owner(cls, "check_config")) and \
-            _owner(cls, "__init__") is not _owner(cls, "check_config"):
+    """The stage's own check of its config (Stage.check_config), where it is defined at or below
+    the class that defines `__init__`: a subclass (or a mixin) whose `__init__` overrides its
+    base's and not the check may take other keys (found in QA: `maestro run` started workers
+    that failed on a config `validate` refused)."""
+    if not issubclass(_owner(cls, "check_config"), _owner(cls, "__init__")):  # (a mixin's __init__ too: review)
         return
     try:
         cls.check_config(dict(section.config))
-    except (ValueError, TypeError) as exc:
+    except ValueError as exc:  # the contract's; anything else is a fault of the check (found in review)
         raise PipelineError(f"sections.{section.name}.config: {exc}") from None
     except Exception as exc:
         raise PipelineError(f"sections.{section.name}.stage: {section.stage}.check_config(config) failed: "

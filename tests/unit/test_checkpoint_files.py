@@ -532,7 +532,8 @@ def test_export_refuses_a_folder_holding_both_saved_weights_and_checkpoints(tmp_
     (tmp_path / PIPELINE_FILE).write_text(json.dumps(PIPELINE.to_dict()))
     both = CliRunner().invoke(main, ["export", str(tmp_path), "--section", "student", "-o", str(tmp_path / "out")])
     assert both.exit_code == 2, both.output
-    assert both.stderr.strip() == (f"error: {tmp_path} holds both student.safetensors (a --save-dir's) and checkpoints: "
+    assert both.stderr.strip() == (f"error: {tmp_path} holds both student.safetensors (a --save-dir's or an export's) "
+                                   "and checkpoints: "
                                    f"export {mf.step_dir(str(tmp_path), 4)} for the newest checkpoint, or move "
                                    f"student.safetensors and {PIPELINE_FILE} to a folder of their own for the saved "
                                    "weights")
@@ -543,7 +544,7 @@ def test_export_refuses_a_folder_holding_both_saved_weights_and_checkpoints(tmp_
     assert step.exit_code == 2 and "holds checkpoints" in step.stderr, step.output
 
 
-@pytest.mark.parametrize("same", [True, False])
+@pytest.mark.parametrize("same", [True, False, "step"])
 def test_run_refuses_a_save_dir_that_is_or_holds_checkpoints(tmp_path, same):
     """The same finding at its source: `maestro run` refuses, before any worker starts, a
     --save-dir that is the --checkpoint-dir or already holds checkpoints."""
@@ -553,15 +554,17 @@ def test_run_refuses_a_save_dir_that_is_or_holds_checkpoints(tmp_path, same):
 
     root = Path(__file__).resolve().parents[2]
     ckpt = tmp_path / "ckpt"
-    if not same:
+    if same is not True:
         save(ckpt, 2)
-    args = ["run", str(root / "pipelines" / "distill.py"), "--no-run-dir", "--save-dir", str(ckpt)]
-    if same:
+    target = mf.step_dir(str(ckpt), 2) if same == "step" else str(ckpt)  # found in review: a checkpoint itself passed
+    args = ["run", str(root / "pipelines" / "distill.py"), "--no-run-dir", "--save-dir", target]
+    if same is True:
         args += ["--checkpoint-dir", str(ckpt), "--checkpoint-every", "2"]
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 2, result.output
-    want = (f"--save-dir and --checkpoint-dir are one folder ({ckpt})" if same
-            else f"--save-dir {ckpt} holds checkpoints (step-00000002)")
+    want = {True: f"--save-dir and --checkpoint-dir are one folder ({ckpt})",
+            False: f"--save-dir {ckpt} holds checkpoints (step-00000002)",
+            "step": f"--save-dir {target} is a checkpoint"}[same]
     assert want in result.stderr and "give --save-dir a folder of its own" in result.stderr, result.output
 
 
@@ -577,3 +580,7 @@ def test_failed_saves_leave_at_most_the_newest_incomplete_folder(tmp_path):
     go_on.begin(4)
     go_on.commit(4, manifest(4))
     assert [(s, ok) for s, _, ok in mf.checkpoints(str(tmp_path))] == [(4, True)]
+    # Judged by step, not by name (found in review): an unpadded later step sorts before by name.
+    os.makedirs(tmp_path / "step-00000000030")
+    go_on.begin(20)
+    assert [s for s, _, _ in mf.checkpoints(str(tmp_path))] == [4, 20, 30]

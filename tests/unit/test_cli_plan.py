@@ -206,7 +206,8 @@ def test_a_trace_sample_with_more_patches_than_the_encoder_covers_is_refused(tmp
     result = CliRunner().invoke(main, [command, str(ROOT / "pipelines" / "vlm.py"), "--trace-in", str(trace), *args])
     assert result.exit_code == 2, result.output
     assert ("sections.vision: sample id 2 has 65 patches, more than stages.vision:VisionEncoder takes "
-            "(max_patches 64, from its config); samples like it: 1. Cut the samples or raise the limit in "
+            "(max_patches 64, from its config); samples like it: 1. Cut the samples or raise the limit (max_patches, or "
+            "the setting it comes from) in "
             "sections.vision.config") in result.stderr, result.output
     raised = CliRunner().invoke(main, [command, str(ROOT / "pipelines" / "vlm.py"), "--trace-in", str(trace), *args,
                                        "--set", "sections.vision.config.max_grid=9"])

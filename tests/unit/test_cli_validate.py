@@ -500,17 +500,32 @@ def test_a_subclass_with_its_own_init_is_not_held_to_its_bases_config_check(tmp_
         "from stages.lm import CausalLM\n\n"
         "class Tagged(CausalLM):\n"
         "    def __init__(self, config, ctx):\n"
-        "        super().__init__({k: v for k, v in config.items() if k != 'tag'}, ctx)\n")
+        "        super().__init__({k: v for k, v in config.items() if k != 'tag'}, ctx)\n\n"
+        "class StripTag:\n"
+        "    def __init__(self, config, ctx):\n"
+        "        super().__init__({k: v for k, v in config.items() if k != 'tag'}, ctx)\n\n"
+        "class Mixed(StripTag, CausalLM):  # found in review: a mixin's __init__ was held to CausalLM's check\n"
+        "    pass\n")
     import sys
 
     sys.path.insert(0, str(tmp_path))
     try:
-        result = invoke("validate", "pipelines/distill.py", "--set", "sections.teacher.stage=mystage:Tagged",
-                        "--set", "sections.teacher.config.tag=7")
+        for name in ("Tagged", "Mixed"):
+            result = invoke("validate", "pipelines/distill.py", "--set", f"sections.teacher.stage=mystage:{name}",
+                            "--set", "sections.teacher.config.tag=7")
+            assert result.exit_code == 0, (name, result.output)
     finally:
         sys.path.remove(str(tmp_path))
         sys.modules.pop("mystage", None)
-    assert result.exit_code == 0, result.output
+
+
+def test_the_vision_encoders_patch_limit_takes_max_grids_default():
+    """Found in review: a config without max_grid failed every check with a TypeError (the slot
+    descriptor of VisionConfig.max_grid was read as its default)."""
+    from stages.vision import VisionEncoder
+
+    assert VisionEncoder.token_limits({}) == {"max_patches": 256}
+    assert VisionEncoder.token_limits({"max_grid": 8}) == {"max_patches": 64}
 
 
 @pytest.mark.parametrize("args, fragment", [
