@@ -198,9 +198,9 @@ def run(ctx: click.Context, pipeline: str, steps: int | None, sets: tuple[str, .
     """Train PIPELINE (a Python file defining pipeline(**overrides)).
 
     Every run writes a run directory (runs/NAME-TIMESTAMP unless --run-dir or --no-run-dir): the
-    resolved pipeline.json, metrics.jsonl, plans.jsonl, events.jsonl once something besides steps
-    happens (restarts and their causes, checkpoints) and each worker's log (workers/*.log, every
-    line prefixed with its section and replica).
+    resolved pipeline.json, metrics.jsonl, plans.jsonl, events.jsonl (what happens besides steps:
+    restarts and their causes, checkpoints, and how the run ended) and each worker's log
+    (workers/*.log, every line prefixed with its section and replica).
 
     \b
     A long job: checkpoints every 100 steps, the newest 3 kept, restarts after a lost worker:

@@ -114,7 +114,7 @@ def stage(ctx: click.Context, pipeline: str, section: str, run_dir: str | None, 
         if isinstance(exc, BrokenPipeError) and reader_gone():
             sys.exit(0)  # found in review: `maestro stage ... | head` was reported as the stage raising (exit 3)
         click.echo("".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).rstrip(), err=True)
-        click.echo(f"error: section {section!r} raised {type(exc).__name__}: {exc} "
-                   "(rerun with --pdb to debug it)", err=True)
+        rerun = "" if use_pdb else " (rerun with --pdb to debug it)"  # found in QA: said after --pdb's session too
+        click.echo(f"error: section {section!r} raised {type(exc).__name__}: {exc}{rerun}", err=True)
         sys.exit(3)
     sys.exit(code)

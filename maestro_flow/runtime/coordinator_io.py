@@ -128,7 +128,9 @@ class CoordinatorIO:
         for rank in range(self.placement.world_size):
             section, replica = self.placement.who(rank)
             busy = min(1.0, self.replica_busy[rank]) if rank in self.replica_busy else None
-            workers.append({"name": f"{section}[{replica}]", "rank": rank, "busy_fraction": busy,
+            # a tensor-parallel rank by its index too (found in QA: a replica's tp ranks were identical rows)
+            tp = f".{self.placement.tp_index(rank)}" if self.placement.tp(section) > 1 else ""
+            workers.append({"name": f"{section}[{replica}]{tp}", "rank": rank, "busy_fraction": busy,
                             "seen_s": now - self.liveness.last_seen.get(rank, now),
                             "status_s": now - self.liveness.reported[rank] if rank in self.liveness.reported else None,
                             **self.liveness.status.get(rank, {})})

@@ -1,7 +1,8 @@
 """`maestro stage PIPELINE SECTION`: run one section alone, in this process, and report on it.
 
-The section's stage is built exactly as a run builds replica 0 (build_stage: the pipeline's
-seed, dtype and device) and fed micro-batches that are either
+The section's stage is built exactly as a run builds it (build_stage: the pipeline's seed, dtype
+and device; as the replayed replica, its `ctx.replica` following each recorded micro-batch's
+replica; replica 0 for synthetic inputs) and fed micro-batches that are either
 
   - recorded (`--replay RUN_DIR`): what the section received in `maestro run --record SECTION`
     (RUN_DIR/record/SECTION-REPLICA/, see runtime/record.py), with the weights it had at each
@@ -265,7 +266,8 @@ def _replay(path: str, pipeline: Pipeline, name: str, options: ReplayOptions, ec
     kind = "trainable" if section.trainable else "frozen"
     recorded = _recorded(options.run_dir, name, options) if options.run_dir else None
     try:
-        runner = SectionRunner(pipeline, name)
+        # found in QA: always replica 0, so a stage reading ctx.replica replayed replica 1 wrongly
+        runner = SectionRunner(pipeline, name, replica=recorded[0][1] if recorded else 0)
     except MaestroError:
         raise
     except Exception as exc:  # a config the stage refuses: one line, exit 2, as validate says it (found in QA)
@@ -312,9 +314,9 @@ def _replay(path: str, pipeline: Pipeline, name: str, options: ReplayOptions, ec
             echo("weights: as built from the section's config (it is frozen: the run's weights at every step)")
         else:
             echo("weights: freshly initialised (the recording holds no weights; outputs of steps after 0 "
-                 "differ from the run's — pass --weights with the section's weights at that step: a checkpoint "
-                 "taken there, exported (maestro export CKPT/step-N --section NAME -o OUT), or "
-                 "SAVE_DIR/NAME.safetensors for the run's last step)")
+                 "differ from the run's — pass --weights with the weights step N ran with: checkpoint step-N, "
+                 "exported (maestro export CKPT/step-N --section NAME -o OUT); a --save-dir's file holds those "
+                 "after the last step, which no step ran with)")  # found in QA: it was offered for the last step
         missing = sum(not w.rng for w in work)
         if not missing:
             echo("random state: as recorded before each forward (dropout draws the run's masks)")
@@ -339,6 +341,8 @@ def _replay(path: str, pipeline: Pipeline, name: str, options: ReplayOptions, ec
     loaded_weights = None
     for number, item in enumerate(work):
         batch, want, weights = item.batch, item.want, item.weights
+        if item.replica is not None and runner.stage.ctx.replica != item.replica:
+            runner.stage.ctx = dataclasses.replace(runner.stage.ctx, replica=item.replica)
         if weights and weights != loaded_weights:
             runner.load_weights(weights, source=f"recorded weights of step {batch.step} ({weights})")
             loaded_weights = weights

@@ -1,7 +1,7 @@
 """One section's stage run alone on micro-batches, for `maestro stage` (runtime/replay.py) and
 `maestro profile` (runtime/profiling.py, whose section runner extends this one).
 
-`SectionRunner` builds the stage exactly as replica 0 of a run builds it and runs a micro-batch
+`SectionRunner` builds the stage exactly as a replica of a run builds it and runs a micro-batch
 forward (each repetition from the recorded RNG states, when given) and, for a trainable section,
 backward (of the loss, else of the sum of its floating outputs' squares / 2), timing both and
 collecting gradient norms per parameter group and of the inputs. `synthetic_batches` makes
@@ -60,9 +60,9 @@ def _group(name: str) -> str:
 
 
 class SectionRunner:
-    """One section's stage, built as replica 0 of a run builds it, plus how to run a micro-batch."""
+    """One section's stage, built as `replica` of a run builds it, plus how to run a micro-batch."""
 
-    def __init__(self, pipeline: Pipeline, name: str, graph: SectionGraph | None = None) -> None:
+    def __init__(self, pipeline: Pipeline, name: str, graph: SectionGraph | None = None, replica: int = 0) -> None:
         self.pipeline = pipeline
         self.graph = graph or SectionGraph(pipeline)
         self.section = self.graph.sections[name]
@@ -73,7 +73,7 @@ class SectionRunner:
         # so, and the executor hands them on as they came), else the pipeline's.
         self.input_dtype = autocast_dtype(pipeline.mixed_precision) or self.dtype
         with default_dtype(self.dtype):
-            self.stage = build_stage(pipeline, self.section, 0, str(self.device))
+            self.stage = build_stage(pipeline, self.section, replica, str(self.device))
         self.trainable = self.section.trainable
         self.stage.train(self.trainable)  # as the executor does
         self.grad_names = {t for e in self.graph.inputs(name) if e.carries_grad for t in e.edge.tensors}

@@ -200,6 +200,7 @@ def test_pdb_post_mortem_on_stage_exception(data, tmp_path, monkeypatch):
         tb = tb.tb_next
     assert frames[-1] == "forward"  # the debugger opens where the stage raised
     assert "FloatingPointError: boom in forward" in result.output
+    assert "rerun with --pdb" not in result.output  # found in QA: said after the --pdb session too
 
     seen.clear()
     plain = CliRunner().invoke(stage, [str(tmp_path / "fake.py"), "boom"])
@@ -253,11 +254,19 @@ def test_replicas_replay_one_after_the_other_and_say_which(data, tmp_path, monke
     real = SectionRunner.load_weights
     monkeypatch.setattr(SectionRunner, "load_weights", lambda self, path, *a, **k: (loads.append(path),
                                                                                     real(self, path, *a, **k))[1])
+    # Found in QA: the stage's ctx.replica was 0 for every replica's micro-batches.
+    seen, real_run = [], SectionRunner.run
+    monkeypatch.setattr(SectionRunner, "run", lambda self, batch, *a, **k: (seen.append(self.stage.ctx.replica),
+                                                                           real_run(self, batch, *a, **k))[1])
     result = _invoke(DISTILL, "student", "--replay", str(tmp_path), "--compare", "--set", f"data.path={data['text']}")
     assert result.exit_code == 0, result.output
     headers = [line.split(":")[0] for line in result.output.splitlines() if line.startswith("step ")]
     assert headers == [f"step {s} micro-batch {i} (replica {r})" for s in (0, 1) for r in (0, 1) for i in (0, 1)]
     assert [Path(p).parent.name for p in loads] == ["student-0", "student-1", "student-0", "student-1"]
+    assert seen == [r for s in (0, 1) for r in (0, 1) for i in (0, 1)]
+    seen.clear()
+    one = _invoke(DISTILL, "student", "--replay", str(tmp_path), "--replica", "1", "--set", f"data.path={data['text']}")
+    assert one.exit_code == 0 and seen == [1, 1, 1, 1], (seen, one.output)
 
 
 @pytest.mark.timeout(120)

@@ -315,3 +315,19 @@ def test_node_0_says_which_nodes_it_waits_for_while_they_have_not_joined():
     node0.nodes, node0.awaiting, node0.join_note_at = SimpleNamespace(multi=False), ("said hello", {}), 0.0
     node0._say_who_is_awaited(2000.0)
     assert len(stream.getvalue().splitlines()) == 2
+
+
+def test_top_tells_a_replicas_tensor_parallel_ranks_apart():
+    """Found in QA: with tp=2 a replica's two ranks were two identical `student[0]` rows."""
+    from types import SimpleNamespace
+
+    from maestro_flow.planner.plan import Placement
+    from maestro_flow.runtime.coordinator_io import CoordinatorIO
+
+    io = CoordinatorIO()
+    io.placement = Placement.build(["teacher", "student"], {"teacher": 1, "student": 2}, tp={"student": 2})
+    io.last_row, io.replica_busy, io.awaited_step, io.restarts, io.carried_restarts = {}, {}, 0, 0, 0
+    io.liveness = SimpleNamespace(last_seen={}, reported={}, status={})
+    io.pipeline = SimpleNamespace(name="distill", steps=3)
+    names = [w["name"] for w in io._snapshot()["workers"]]
+    assert names == ["teacher[0]", "student[0].0", "student[0].1", "student[1].0", "student[1].1"]
