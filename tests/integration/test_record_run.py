@@ -87,9 +87,9 @@ def test_the_micro_batch_a_stage_fails_on_is_recorded_and_replays_to_its_error(d
     """Found in QA: the recording lacked the very micro-batch the run died on (saved after the
     forward), and `stage --replay --compare` then said all outputs match; found in review: a
     failure in Stage.prepare (where the vision encoder decodes) was not recorded either. Replica 0
-    fails (a replay builds the stage as replica 0 does, so it raises again: exit 3, after the
-    replay of every other recorded micro-batch); replica 1 fails too, for a reason of its own
-    replica, which a replay does not reproduce: --compare exits 1."""
+    fails, and its replay raises again (exit 3, after the replay of every other recorded
+    micro-batch); so does replica 1, whose failure depends on its ctx.replica (found in QA: a
+    replay gave the stage replica 0's, so it did not raise and --compare exited 1)."""
     faulty = str(ROOT / "tests" / "integration" / "assets" / "faulty.py")
     sets = ["--set", f"data.path={demo_data}", "--set", f"sections.student.config.fail={phase}",
             "--set", "sections.student.config.at_step=1"]
@@ -106,17 +106,20 @@ def test_the_micro_batch_a_stage_fails_on_is_recorded_and_replays_to_its_error(d
                          "--steps", "1", "--compare", *sets, *more)
         out = replay.stdout + replay.stderr
         assert "the run's forward raised on this micro-batch (its step 2, counted from 1" in out, out
+        assert replay.returncode == 3 and f"raised as the run did: ValueError: deliberate failure in {phase} at " \
+            "step 1" in out, out
         if replica == 0:
-            assert replay.returncode == 3 and f"raised as the run did: ValueError: deliberate failure in {phase} at " \
-                "step 1" in out, out
             every = maestro("stage", faulty, "student", "--replay", str(run_dir), "--replica", "0", "--compare",
-                            *sets, *more)  # (replica 1's step 1 raises in a replay too: it is built as replica 0)
+                            *sets, *more)
             files = len(list((run_dir / "record").glob("student-0/step*-mb*.safetensors")))
             assert every.returncode == 3, every.stdout + every.stderr
             assert sum(line.startswith("step ") for line in every.stdout.splitlines()) == files > 1, every.stdout
             assert "replay: 1 micro-batch(es) raised as the run did" in every.stdout
-        else:
-            assert replay.returncode == 1, out
+        else:  # what made the run fail not replayed (here: the fault moved to another replica): --compare exits 1
+            moved = maestro("stage", faulty, "student", "--replay", str(run_dir), "--replica", "1", "--steps", "1",
+                            "--compare", *sets, "--set", "sections.student.config.on_replica=0")
+            out = moved.stdout + moved.stderr
+            assert moved.returncode == 1, out
             assert "the replay's forward did not raise, the run's did" in out
             assert "replay: 1 micro-batch(es) the run failed on ran without error here" in out
 
