@@ -312,6 +312,15 @@ def _replay(path: str, pipeline: Pipeline, name: str, options: ReplayOptions, ec
             echo("weights: as recorded at each step (RECORDING/weights-stepNNNNNN.safetensors)")
         elif not section.trainable:  # found in QA: told to export a frozen section's weights, which export refuses
             echo("weights: as built from the section's config (it is frozen: the run's weights at every step)")
+        elif options.compare and section.trainable and any(w.batch.step > 0 for w in work):
+            # found in QA: compared anyway, exit 1 on every later step (where only some steps lack
+            # weights the replay was refused: now both ways agree)
+            later = sorted({w.batch.step for w in work if w.batch.step > 0})
+            raise ReplayError(f"--replay {options.run_dir}: the recording holds no weights (a sharded section, fsdp "
+                              "or tp, records none), so step(s) "
+                              f"{', '.join(map(str, later))} would run with fresh weights and --compare could only "
+                              "differ: pass --weights with the weights step N ran with (maestro export "
+                              f"CKPT/step-N --section {name} -o OUT), or replay step 0 alone (--steps 0)")
         else:
             echo("weights: freshly initialised (the recording holds no weights; outputs of steps after 0 "
                  "differ from the run's — pass --weights with the weights step N ran with: checkpoint step-N, "

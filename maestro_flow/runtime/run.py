@@ -367,6 +367,10 @@ def _lead(pipeline: Any, original: Any, checked: Any, paths: Any, options: RunOp
             if never.ranges:
                 raise PipelineError(f"--record-steps: this run never reaches step {never} (it runs "
                                     f"steps {first} to {pipeline.steps - 1}: --steps sets how many)")
+            rec = pipeline.section(options.record)
+            if rec.trainable and (rec.fsdp or rec.tp > 1):  # found in QA: nothing said so
+                print(f"note: --record {rec.name}: a sharded section records no weights; to replay a step N > 0 "
+                      "give `maestro stage` --weights from `maestro export CKPT/step-N`", file=sys.stderr)
             record = {"dir": os.path.abspath(options.run_dir), "section": options.record,
                       "steps": [list(r) for r in wanted] if options.record_steps is not None else None}
         if options.tensorboard:

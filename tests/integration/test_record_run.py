@@ -60,6 +60,13 @@ def test_a_sharded_section_records_its_micro_batches_without_weights(demo_data, 
                          "--set", f"data.path={demo_data}", *sets)
         assert replay.returncode == 0 and "MISMATCH" not in replay.stdout, replay.stdout + replay.stderr
         assert "weights: as built from the section's config (it is frozen" in replay.stdout + replay.stderr
+    else:  # found in QA: nothing said the recording holds no weights, and --compare then differed on every step
+        assert "note: --record student: a sharded section records no weights" in run.stderr, run.stderr
+        replay = maestro("stage", "pipelines/distill.py", "student", "--replay", str(tmp_path), "--compare",
+                         "--set", f"data.path={demo_data}", *sets)
+        assert replay.returncode == 2, replay.stdout + replay.stderr
+        assert "the recording holds no weights (a sharded section, fsdp or tp, records none), so step(s) 1 would " \
+               "run with fresh weights" in replay.stderr, replay.stderr
 
 
 @pytest.mark.timeout(300)

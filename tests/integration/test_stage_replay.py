@@ -10,7 +10,7 @@ from click.testing import CliRunner
 
 from maestro_flow.cli_stage import stage
 from maestro_flow.runtime.build import load_pipeline
-from maestro_flow.runtime.record import load_micro_batches, record_dir, save_micro_batch
+from maestro_flow.runtime.record import load_micro_batches, record_dir, save_micro_batch, save_weights
 from maestro_flow.runtime.replay import SectionRunner, synthetic_batches
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -38,6 +38,8 @@ def _fake_recording(pipeline_file: str, section: str, run_dir: Path, overrides: 
     batches = synthetic_batches(pipeline, section, samples)
     for i, batch in enumerate(batches):
         batch.step, batch.index = i // 2, i % 2
+        if batch.index == 0 and runner.trainable:  # a step's weights, as an unsharded section's run records them
+            save_weights(record_dir(str(run_dir), section, 0), batch.step, runner.stage)
         prepared, _ = runner.prepare(batch)  # inputs as the executor hands them (grad leaves)
         out = runner.run(batch).outputs
         save_micro_batch(record_dir(str(run_dir), section, 0), prepared, out)
