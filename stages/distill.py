@@ -81,10 +81,6 @@ def build_teacher_head(config: dict[str, Any], *, where: str = "teacher.") -> nn
     return head.requires_grad_(False)
 
 
-def check_same_vocab(teacher_head: nn.Linear, student_vocab: int, student_key: str) -> None:
-    same_vocab(teacher_head.out_features, student_vocab, student_key)
-
-
 def same_vocab(teacher_vocab: int, student_vocab: int, student_key: str) -> None:
     if teacher_vocab != student_vocab:
         raise ValueError(
@@ -136,7 +132,7 @@ class KDStudent(Stage):
         self.student_config = LMConfig.from_dict(config.get("student", {}), where="student.")
         self.model = build_causal_transformer(self.student_config)
         self.teacher_head = build_teacher_head(config["teacher"])
-        check_same_vocab(self.teacher_head, self.student_config.vocab_size, "student.vocab_size")
+        same_vocab(self.teacher_head.out_features, self.student_config.vocab_size, "student.vocab_size")
 
     @classmethod
     def check_config(cls, config: dict[str, Any]) -> None:

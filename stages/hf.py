@@ -41,7 +41,7 @@ from stages.common import (
     select_predicted,
     unpad,
 )
-from stages.distill import KD_KEYS, KDConfig, build_teacher_head, check_same_vocab, distillation_outputs
+from stages.distill import KD_KEYS, KDConfig, build_teacher_head, distillation_outputs, same_vocab
 from stages.lm import stage_role
 from stages.weights import on_meta, read_checkpoint
 
@@ -305,7 +305,7 @@ class HFCausalLM(Stage):
             self.kd = KDConfig.from_dict(config)
             self.teacher_head = build_teacher_head(config["teacher"])
             vocab = self.model.get_output_embeddings().out_features
-            check_same_vocab(self.teacher_head, vocab, "hf_config.vocab_size")
+            same_vocab(self.teacher_head.out_features, vocab, "hf_config.vocab_size")
 
     def _keep_hidden(self, module: Any, args: Any, out: Any) -> None:
         self._hidden = out[0]  # last_hidden_state, whether a ModelOutput or a tuple

@@ -312,7 +312,7 @@ def _replay(path: str, pipeline: Pipeline, name: str, options: ReplayOptions, ec
             echo("weights: as recorded at each step (RECORDING/weights-stepNNNNNN.safetensors)")
         elif not section.trainable:  # found in QA: told to export a frozen section's weights, which export refuses
             echo("weights: as built from the section's config (it is frozen: the run's weights at every step)")
-        elif options.compare and section.trainable and any(w.batch.step > 0 for w in work):
+        elif options.compare and any(w.batch.step > 0 for w in work):  # (trainable: the branch above took frozen)
             # found in QA: compared anyway, exit 1 on every later step (where only some steps lack
             # weights the replay was refused: now both ways agree)
             later = sorted({w.batch.step for w in work if w.batch.step > 0})
