@@ -36,14 +36,24 @@ class CoordinatorIO:
         try:
             self._seal_and_send(rank, msg)
         except zmq.ZMQError as exc:
-            # The worker is gone. It may have said why just before it went: prefer its report.
-            deadline = time.monotonic() + 1.0
-            while self.router.poll(int(max(0.0, deadline - time.monotonic()) * 1000)):
-                self._recv(deadline + 1.0, "the error report of a worker that left", "MAESTRO_STEP_S")
+            raise self._unreachable(rank, exc) from None
+
+    def _unreachable(self, rank: int, exc: zmq.ZMQError) -> MaestroError:
+        """Why `rank`'s connection is gone (raised, or returned for the caller to raise): a report
+        it or a peer sent just before, else a dead worker, else, with several nodes, its node
+        found lost within a heartbeat timeout (_raise_dead_peer). Found by CI: a worker of a
+        killed node was awaited as if it could still report, and the run ended "timed out after
+        1.9s waiting for the error report of a worker that left" instead of naming the node."""
+        self._note_reports(set(), 1.0)  # a stage's exception reported meanwhile is raised here
+        if not self.system_errors:
             for w in self.launcher.dead():
                 if w.rank == rank:
-                    raise self._death(w) from None
-            raise SystemFailure(f"cannot reach {self._label(rank)}: {exc}") from None
+                    return self._death(w)
+        self._raise_dead_peer(exclude=next(iter(self.system_errors), None))
+        first = next(iter(self.system_errors), None)  # the first report, read before or during the grace
+        if first is not None:
+            return self._system_failure(first, self.system_errors[first])
+        return SystemFailure(f"cannot reach {self._label(rank)}: {exc}")
 
     def _accept(self, frames: list[bytes]) -> tuple[int, dict] | None:
         """(rank, message) of an authentic frame from the connection its rank said hello on;
@@ -206,7 +216,7 @@ class CoordinatorIO:
             lost.rank = rank
         return lost
 
-    def _raise_dead_peer(self, exclude: int) -> None:
+    def _raise_dead_peer(self, exclude: int | None) -> None:
         """A system error is often a peer's death seen from the other end (a closed connection):
         name the dead peer instead, when one shows within a grace period. A peer that died after
         reporting an error of its own is not that cause: it is as likely collateral of the first
@@ -215,7 +225,7 @@ class CoordinatorIO:
         show as silent."""
         grace_s = self.timeouts.heartbeat_timeout_s + 1.0 if self.nodes.multi else 1.0
         deadline = time.monotonic() + grace_s
-        reported = {exclude}
+        reported = set() if exclude is None else {exclude}
         while time.monotonic() < deadline:
             self._note_reports(reported, 0.05)
             # A worker that said bye left normally: never the cause. One that exited with code 0

@@ -181,3 +181,32 @@ def test_an_agent_names_a_worker_killed_by_a_signal_before_one_that_exited_with_
     assert cause([FakeWorker(4, -6), errored]) is errored  # SIGABRT: a watchdog's, as likely collateral
     with pytest.raises(WorkerLost, match="rank 2 exited with code -9"):  # node 0's own workers alike
         Coordinator([errored, killed], [])._raise_dead_peer(exclude=3)
+
+
+def test_a_worker_that_cannot_be_reached_is_named_by_why() -> None:
+    """A send to a worker whose connection is gone names why it is gone: its report (or a peer's),
+    its death, or, on another node, its node's loss once the heartbeat timeout shows it. Found by
+    CI: a worker of a killed node was awaited as if it could still report, and the run ended
+    "timed out after 1.9s waiting for the error report of a worker that left" (the node's loss was
+    named only when the heartbeat timeout came first)."""
+    import zmq
+
+    from maestro_flow.errors import SystemFailure
+
+    gone = zmq.ZMQError(zmq.EHOSTUNREACH)
+    remote = Coordinator([], [(1, {"t": "heartbeat"})])
+    _on_two_nodes(remote, 2)
+    remote._lost = lambda: None  # node 1's agent was killed with it: no note by the store
+    looks = []
+    node_lost = WorkerLost("node 1 (ranks 2) is lost: none of its workers sent anything for 3.1s")
+    remote.liveness.lost_node = lambda now: node_lost if looks.append(now) or len(looks) > 3 else None
+    with pytest.raises(WorkerLost) as raised:
+        remote._unreachable(2, gone)
+    assert raised.value is node_lost and len(looks) == 4
+    assert "exited with code -9" in str(Coordinator([FakeWorker(2, -9)], [])._unreachable(2, gone))
+    reported = Coordinator([FakeWorker(2, 1)], [(2, _error("system"))])._unreachable(2, gone)
+    assert isinstance(reported, SystemFailure) and "a system error" in str(reported), reported
+    with pytest.raises(StageError, match="a stage error"):
+        Coordinator([], [(3, _error("stage"))])._unreachable(2, gone)
+    unknown = Coordinator([], [])._unreachable(2, gone)  # after a grace of 1s on one node
+    assert str(unknown).startswith("cannot reach section 'student' replica 1 (rank 2): "), unknown
