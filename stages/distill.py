@@ -54,6 +54,9 @@ class KDConfig:
 
     @classmethod
     def from_dict(cls, config: dict[str, Any]) -> KDConfig:
+        """The KD keys of a student's config, which must also name its teacher (`teacher`)."""
+        if "teacher" not in config:
+            raise ValueError("teacher must be set to the teacher section's model config (init_seed or checkpoint)")
         kd = cls(**{f.name: config[f.name] for f in dataclasses.fields(cls) if f.name in config})
         if not is_number(kd.temperature) or not 0 < kd.temperature < math.inf:
             raise ValueError(f"temperature must be a finite number > 0, got {kd.temperature!r}")
@@ -79,6 +82,20 @@ def build_teacher_head(config: dict[str, Any], *, where: str = "teacher.") -> nn
     else:
         head = build_lm_head(config, where=where)
     return head.requires_grad_(False)
+
+
+def teacher_vocab(config: Any, *, where: str = "teacher.") -> int:
+    """The vocabulary of the teacher head `config` describes, checked as build_teacher_head checks
+    it, without building anything (for Stage.check_config: a Hugging Face teacher's transformers
+    config is read, not its model built)."""
+    if not isinstance(config, dict):  # found in a read-through: the check skipped it, __init__ refused it
+        raise ValueError(f"{where.rstrip('.')} must be a mapping of config keys (the teacher section's model "
+                         f"config), got {config!r}")
+    if not is_hf_config(config):
+        return lm_head_config(config, where=where).vocab_size
+    from stages.hf import hf_head_config  # transformers is imported only when used
+
+    return hf_head_config(config, where=where).vocab_size
 
 
 def same_vocab(teacher_vocab: int, student_vocab: int, student_key: str) -> None:
@@ -126,8 +143,6 @@ class KDStudent(Stage):
     def __init__(self, config: dict[str, Any], ctx: StageContext) -> None:
         super().__init__(config, ctx)
         check_keys(config, ("student", "teacher", *KD_KEYS))
-        if "teacher" not in config:
-            raise ValueError("teacher must be set to the teacher section's model config (init_seed or checkpoint)")
         self.kd = KDConfig.from_dict(config)
         self.student_config = LMConfig.from_dict(config.get("student", {}), where="student.")
         self.model = build_causal_transformer(self.student_config)
@@ -136,16 +151,11 @@ class KDStudent(Stage):
 
     @classmethod
     def check_config(cls, config: dict[str, Any]) -> None:
-        """What __init__ checks before it builds anything; the teacher's head, where it is one of
-        our CausalLM's (a Hugging Face teacher's needs transformers: checked when built)."""
+        """What __init__ checks before it builds anything, the teacher's head config included."""
         check_keys(config, ("student", "teacher", *KD_KEYS))
-        if "teacher" not in config:
-            raise ValueError("teacher must be set to the teacher section's model config (init_seed or checkpoint)")
         KDConfig.from_dict(config)
         student = LMConfig.from_dict(config.get("student", {}), where="student.")
-        if isinstance(config["teacher"], dict) and not is_hf_config(config["teacher"]):
-            same_vocab(lm_head_config(config["teacher"], where="teacher.").vocab_size, student.vocab_size,
-                       "student.vocab_size")
+        same_vocab(teacher_vocab(config["teacher"]), student.vocab_size, "student.vocab_size")
 
     @classmethod
     def outputs(cls, config: dict[str, Any]) -> tuple[str, ...]:

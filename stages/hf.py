@@ -41,7 +41,7 @@ from stages.common import (
     select_predicted,
     unpad,
 )
-from stages.distill import KD_KEYS, KDConfig, build_teacher_head, distillation_outputs, same_vocab
+from stages.distill import KD_KEYS, KDConfig, build_teacher_head, distillation_outputs, same_vocab, teacher_vocab
 from stages.lm import stage_role
 from stages.weights import on_meta, read_checkpoint
 
@@ -237,6 +237,17 @@ class SoftcappedHead(nn.Linear):
         return torch.tanh(super().forward(x) / self.cap) * self.cap
 
 
+def hf_head_config(config: dict[str, Any], *, where: str = "") -> Any:
+    """The transformers config of an HFCausalLM whose LM head another section rebuilds: it must
+    fix the weights (`init_seed` or `checkpoint`)."""
+    if config.get("init_seed") is None and config.get("checkpoint") is None:
+        raise ValueError(
+            f"{where}init_seed or {where}checkpoint must be set so that the LM head can be rebuilt "
+            "in another section with the same weights"
+        )
+    return hf_model_config(config, where=where)[0]
+
+
 def build_hf_lm_head(config: dict[str, Any], *, where: str = "") -> nn.Linear:
     """Exactly what an HFCausalLM with this config computes from its last hidden states to its
     logits, as a standalone nn.Linear: its LM head, soft-capped where the model caps its logits.
@@ -246,11 +257,7 @@ def build_hf_lm_head(config: dict[str, Any], *, where: str = "") -> nn.Linear:
     on a few tokens that the head gives the model's own logits: a model that processes them
     otherwise after its head is refused, naming the model type.
     """
-    if config.get("init_seed") is None and config.get("checkpoint") is None:
-        raise ValueError(
-            f"{where}init_seed or {where}checkpoint must be set so that the LM head can be rebuilt "
-            "in another section with the same weights"
-        )
+    hf_head_config(config, where=where)
     model = build_hf_model(config, where=where, quiet=True)
     out = model.get_output_embeddings()
     cap = getattr(model.config, "final_logit_softcapping", None)
@@ -288,9 +295,7 @@ class HFCausalLM(Stage):
 
     def __init__(self, config: dict[str, Any], ctx: StageContext) -> None:
         super().__init__(config, ctx)
-        self.role = stage_role(config, ROLES)
-        kd_keys = ("teacher", *KD_KEYS) if self.role == "kd_student" else ()
-        check_keys(config, ("role", *MODEL_KEYS, *kd_keys))
+        self.role = self._check_keys(config)
         self.model = build_hf_model(config, quiet=ctx.replica != 0)
         if self.role == "teacher":  # see forward
             head, embedding = self.model.get_output_embeddings(), self.model.get_input_embeddings()
@@ -300,12 +305,28 @@ class HFCausalLM(Stage):
                 self.model.base_model.register_forward_hook(self._keep_hidden)
                 self._one_logit = "logits_to_keep" in inspect.signature(type(self.model).forward).parameters
         if self.role == "kd_student":
-            if "teacher" not in config:
-                raise ValueError("teacher must be set to the teacher section's model config (init_seed or checkpoint)")
             self.kd = KDConfig.from_dict(config)
             self.teacher_head = build_teacher_head(config["teacher"])
             vocab = self.model.get_output_embeddings().out_features
             same_vocab(self.teacher_head.out_features, vocab, "hf_config.vocab_size")
+
+    @staticmethod
+    def _check_keys(config: dict[str, Any]) -> str:
+        role = stage_role(config, ROLES)
+        check_keys(config, ("role", *MODEL_KEYS, *(("teacher", *KD_KEYS) if role == "kd_student" else ())))
+        return role
+
+    @classmethod
+    def check_config(cls, config: dict[str, Any]) -> None:
+        """What __init__ checks before it builds the model: the role, the keys, the transformers
+        config (read, not built) and, for a KD student, the KD keys and the teacher's vocabulary.
+        The build-time checks (a causal model, a head that gives the model's logits) run where
+        the model is built: `validate`, and the workers."""
+        role = cls._check_keys(config)
+        hf_config, _ = hf_model_config(config)
+        if role == "kd_student":
+            KDConfig.from_dict(config)
+            same_vocab(teacher_vocab(config["teacher"]), hf_config.vocab_size, "hf_config.vocab_size")
 
     def _keep_hidden(self, module: Any, args: Any, out: Any) -> None:
         self._hidden = out[0]  # last_hidden_state, whether a ModelOutput or a tuple

@@ -147,6 +147,38 @@ def test_config_errors():
         HFCausalLM({"role": "lm", "alpha": 0.5}, CTX)
 
 
+@pytest.mark.parametrize(("config", "match"), [
+    ({"role": "kd_student", "teacher": TEACHER, "hf_config": {"vocab_size": 300}}, "hf_config.vocab_size"),
+    ({"role": "kd_student", "teacher": {"init_seed": 1, "vocab_size": 300}}, r"teacher.vocab_size \(300\)"),
+    ({"role": "kd_student", "teacher": {"model_type": "gpt2"}}, "teacher.init_seed or teacher.checkpoint"),
+    ({"role": "kd_student"}, "teacher must be set"),
+    ({"role": "kd_student", "teacher": "teacher"}, "teacher must be a mapping"),
+    ({"role": "kd_student", "teacher": TEACHER, "temperature": 0}, "temperature must be a finite number"),
+    ({"role": "lm", "alpha": 0.5}, "'alpha'"),
+    ({"role": "critic"}, "role must be one of"),
+    ({"role": "lm", "hf_config": "gpt2"}, "hf_config must be a mapping"),
+    ({"role": "lm", "model_type": "no_such_model"}, "model_type/hf_config"),
+    ({"role": "lm", "hf_config": {"pad_token_id": 999}}, "hf_config.pad_token_id"),
+])
+def test_check_config_refuses_what_init_refuses(config, match):
+    """HFCausalLM.check_config, which `maestro run` calls before any worker starts, refuses what
+    __init__ refuses, from the config alone (it had none: the workers failed at setup)."""
+    with pytest.raises(ValueError, match=match):
+        HFCausalLM.check_config(config)
+    with pytest.raises(ValueError, match=match):
+        HFCausalLM(config, CTX)
+
+
+def test_check_config_passes_what_builds_and_checks_a_hugging_face_teachers_vocabulary():
+    for config in (TEACHER, {"role": "lm", **STUDENT}, {"role": "kd_student", "teacher": TEACHER, **STUDENT},
+                   {"role": "kd_student", "teacher": {"init_seed": 1, "d_model": 32, "n_heads": 2}, **STUDENT}):
+        HFCausalLM.check_config(config)
+    with pytest.raises(ValueError, match=r"teacher.vocab_size \(260\) must equal student.vocab_size \(300\)"):
+        KDStudent.check_config({"teacher": TEACHER, "student": {"vocab_size": 300}})  # skipped before: an HF teacher
+    with pytest.raises(ValueError, match="teacher must be a mapping"):
+        KDStudent.check_config({"teacher": ["teacher"]})  # skipped before: not a mapping
+
+
 def test_what_transformers_tp_plans_maestro_applies_and_what_it_refuses_saying_so():
     """Found in QA: Phi-3's and OLMo-2's plans (colwise_gather_output, rowwise_split_input) were
     refused as unknown styles, and Qwen3's (replicated_with_grad_allreduce) listed every module of
