@@ -157,6 +157,22 @@ class Stage:
         return {}
 
     @classmethod
+    def output_widths(cls, config: dict[str, Any]) -> dict[str, tuple[int, str]]:
+        """The last dimension of tensors this stage sends, with the config key that sets it:
+        name -> (width, key), e.g. {"image_embeds": (64, "project_to")}. Every command that checks
+        a pipeline compares each edge's tensors with the widths its consumer declares
+        (`input_widths`) before any worker starts, naming both keys. Empty (the default): not
+        declared, not checked. Like `check_config`, not taken from a base class whose `__init__`
+        or `forward` the class overrides."""
+        return {}
+
+    @classmethod
+    def input_widths(cls, config: dict[str, Any]) -> dict[str, tuple[int, str]]:
+        """The last dimension this stage reads each received tensor with, and the config key that
+        sets it (see `output_widths`). Empty (the default): not declared, not checked."""
+        return {}
+
+    @classmethod
     def payload_checks(cls, config: dict[str, Any]) -> dict[str, Callable[[Any, SampleMeta], str | None]
                                                              | PayloadCheck]:
         """Checks of the payloads this stage will read, for `maestro validate --payloads`:

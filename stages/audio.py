@@ -188,6 +188,10 @@ class AudioEncoder(Stage):
     def inputs(cls, config: dict[str, Any]) -> tuple[str, ...]:
         return ()
 
+    @classmethod
+    def output_widths(cls, config: dict[str, Any]) -> dict[str, tuple[int, str]]:
+        return {"audio_embeds": AudioConfig.from_dict(config).out_width()}
+
     def forward(self, batch: MicroBatch) -> Outputs:
         wave_column = self.ctx.modality_columns.get("audio", "audio")
         for column in (wave_column, "sample_rate"):

@@ -56,6 +56,10 @@ class TokenEmbedding(Stage):
         return ("embeddings",)
 
     @classmethod
+    def output_widths(cls, config: dict[str, Any]) -> dict[str, tuple[int, str]]:
+        return {"embeddings": (LMConfig.from_dict(config).d_model, "d_model")}
+
+    @classmethod
     def inputs(cls, config: dict[str, Any]) -> tuple[str, ...]:
         return ()
 
@@ -86,6 +90,10 @@ class TransformerLM(Stage):
     @classmethod
     def inputs(cls, config: dict[str, Any]) -> tuple[str, ...]:
         return ("embeddings",)
+
+    @classmethod
+    def input_widths(cls, config: dict[str, Any]) -> dict[str, tuple[int, str]]:
+        return {"embeddings": (LMConfig.from_dict(config).d_model, "d_model")}
 
     @classmethod
     def tp_plan(cls, config: dict[str, Any]) -> dict[str, str]:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -84,18 +84,33 @@ def build_teacher_head(config: dict[str, Any], *, where: str = "teacher.") -> nn
     return head.requires_grad_(False)
 
 
-def teacher_vocab(config: Any, *, where: str = "teacher.") -> int:
-    """The vocabulary of the teacher head `config` describes, checked as build_teacher_head checks
-    it, without building anything (for Stage.check_config: a Hugging Face teacher's transformers
-    config is read, not its model built)."""
+class HeadShape(NamedTuple):
+    width: int  # the hidden states it reads
+    width_key: str  # the config key that sets the width
+    vocab: int
+
+
+def teacher_head_shape(config: Any, *, where: str = "teacher.") -> HeadShape:
+    """The shape of the teacher head `config` describes, checked as build_teacher_head checks it,
+    without building anything (for Stage.check_config and input_widths: a Hugging Face teacher's
+    transformers config is read, not its model built)."""
     if not isinstance(config, dict):  # found in a read-through: the check skipped it, __init__ refused it
         raise ValueError(f"{where.rstrip('.')} must be a mapping of config keys (the teacher section's model "
                          f"config), got {config!r}")
     if not is_hf_config(config):
-        return lm_head_config(config, where=where).vocab_size
-    from stages.hf import hf_head_config  # transformers is imported only when used
+        cfg = lm_head_config(config, where=where)
+        return HeadShape(cfg.d_model, f"{where}d_model", cfg.vocab_size)
+    from stages.hf import hf_head_config, hidden_width  # transformers is imported only when used
 
-    return hf_head_config(config, where=where).vocab_size
+    hf_config = hf_head_config(config, where=where)
+    width, key = hidden_width(hf_config)
+    return HeadShape(width, where + key, hf_config.vocab_size)
+
+
+def teacher_input_widths(config: dict[str, Any]) -> dict[str, tuple[int, str]]:
+    """A KD student reads "hidden" as wide as its copy of the teacher's head (`teacher`) reads."""
+    shape = teacher_head_shape(config.get("teacher"))
+    return {"hidden": (shape.width, shape.width_key)}
 
 
 def same_vocab(teacher_vocab: int, student_vocab: int, student_key: str) -> None:
@@ -155,7 +170,7 @@ class KDStudent(Stage):
         check_keys(config, ("student", "teacher", *KD_KEYS))
         KDConfig.from_dict(config)
         student = LMConfig.from_dict(config.get("student", {}), where="student.")
-        same_vocab(teacher_vocab(config["teacher"]), student.vocab_size, "student.vocab_size")
+        same_vocab(teacher_head_shape(config["teacher"]).vocab, student.vocab_size, "student.vocab_size")
 
     @classmethod
     def outputs(cls, config: dict[str, Any]) -> tuple[str, ...]:
@@ -164,6 +179,10 @@ class KDStudent(Stage):
     @classmethod
     def inputs(cls, config: dict[str, Any]) -> tuple[str, ...]:
         return ("hidden",)
+
+    @classmethod
+    def input_widths(cls, config: dict[str, Any]) -> dict[str, tuple[int, str]]:
+        return teacher_input_widths(config)
 
     @classmethod
     def token_limits(cls, config: dict[str, Any]) -> dict[str, int]:

@@ -83,6 +83,10 @@ class EncoderConfig:
     def d_out(self) -> int:
         return self.project_to if self.project_to is not None else self.d_model
 
+    def out_width(self) -> tuple[int, str]:
+        """d_out with the config key that sets it (Stage.output_widths)."""
+        return (self.d_out, "project_to" if self.project_to is not None else "d_model")
+
 
 class EncoderTrunk(nn.Module):
     """Bidirectional transformer blocks + final LayerNorm over variable-length sequences; the

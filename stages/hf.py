@@ -41,7 +41,15 @@ from stages.common import (
     select_predicted,
     unpad,
 )
-from stages.distill import KD_KEYS, KDConfig, build_teacher_head, distillation_outputs, same_vocab, teacher_vocab
+from stages.distill import (
+    KD_KEYS,
+    KDConfig,
+    build_teacher_head,
+    distillation_outputs,
+    same_vocab,
+    teacher_head_shape,
+    teacher_input_widths,
+)
 from stages.lm import stage_role
 from stages.weights import on_meta, read_checkpoint
 
@@ -248,6 +256,13 @@ def hf_head_config(config: dict[str, Any], *, where: str = "") -> Any:
     return hf_model_config(config, where=where)[0]
 
 
+def hidden_width(hf_config: Any) -> tuple[int, str]:
+    """The width of the model's hidden states (what its LM head reads), with the hf_config key
+    that sets it (gpt2's n_embd, most models' hidden_size)."""
+    return hf_config.hidden_size, "hf_config." + getattr(hf_config, "attribute_map", {}).get("hidden_size",
+                                                                                          "hidden_size")
+
+
 def build_hf_lm_head(config: dict[str, Any], *, where: str = "") -> nn.Linear:
     """Exactly what an HFCausalLM with this config computes from its last hidden states to its
     logits, as a standalone nn.Linear: its LM head, soft-capped where the model caps its logits.
@@ -326,7 +341,7 @@ class HFCausalLM(Stage):
         hf_config, _ = hf_model_config(config)
         if role == "kd_student":
             KDConfig.from_dict(config)
-            same_vocab(teacher_vocab(config["teacher"]), hf_config.vocab_size, "hf_config.vocab_size")
+            same_vocab(teacher_head_shape(config["teacher"]).vocab, hf_config.vocab_size, "hf_config.vocab_size")
 
     def _keep_hidden(self, module: Any, args: Any, out: Any) -> None:
         self._hidden = out[0]  # last_hidden_state, whether a ModelOutput or a tuple
@@ -338,6 +353,14 @@ class HFCausalLM(Stage):
     @classmethod
     def inputs(cls, config: dict[str, Any]) -> tuple[str, ...]:
         return ("hidden",) if stage_role(config, ROLES) == "kd_student" else ()
+
+    @classmethod
+    def output_widths(cls, config: dict[str, Any]) -> dict[str, tuple[int, str]]:
+        return {"hidden": hidden_width(hf_model_config(config)[0])}
+
+    @classmethod
+    def input_widths(cls, config: dict[str, Any]) -> dict[str, tuple[int, str]]:
+        return teacher_input_widths(config) if stage_role(config, ROLES) == "kd_student" else {}
 
     @classmethod
     def token_limits(cls, config: dict[str, Any]) -> dict[str, int]:

@@ -96,6 +96,10 @@ class CausalLM(Stage):
         return ROLES[stage_role(config, ROLES)]
 
     @classmethod
+    def output_widths(cls, config: dict[str, Any]) -> dict[str, tuple[int, str]]:
+        return {"hidden": (LMConfig.from_dict(config, ignore=("role",)).d_model, "d_model")}
+
+    @classmethod
     def inputs(cls, config: dict[str, Any]) -> tuple[str, ...]:
         return ()
 

@@ -72,6 +72,11 @@ class MultimodalLM(Stage):
         return tuple(_input_names(config).values())
 
     @classmethod
+    def input_widths(cls, config: dict[str, Any]) -> dict[str, tuple[int, str]]:
+        d_model = LMConfig.from_dict({"vocab_size": VOCAB_SIZE, **config}, ignore=("inputs",)).d_model
+        return {name: (d_model, "d_model") for name in _input_names(config).values()}
+
+    @classmethod
     def token_limits(cls, config: dict[str, Any]) -> dict[str, int]:
         """The vocabulary (placeholder ids exempt: they are replaced, never looked up) and
         max_seq_len as "max_positions": counted after each placeholder's expansion."""

@@ -146,6 +146,10 @@ class VisionEncoder(Stage):
         return ("pixels",)  # decoded upstream, in place of the image column
 
     @classmethod
+    def output_widths(cls, config: dict[str, Any]) -> dict[str, tuple[int, str]]:
+        return {"image_embeds": VisionConfig.from_dict(config).out_width()}
+
+    @classmethod
     def token_limits(cls, config: dict[str, Any]) -> dict[str, int]:
         """Patches its position table covers: max_grid a side, so at most max_grid squared an
         image. A sample whose num_patches is more is refused before any worker starts (found in
@@ -369,6 +373,16 @@ class Projector(Stage):
     @classmethod
     def inputs(cls, config: dict[str, Any]) -> tuple[str, ...]:
         return (ProjectorConfig.from_dict(config).input,)
+
+    @classmethod
+    def input_widths(cls, config: dict[str, Any]) -> dict[str, tuple[int, str]]:
+        cfg = ProjectorConfig.from_dict(config)
+        return {cfg.input: (cfg.d_in, "d_in")}
+
+    @classmethod
+    def output_widths(cls, config: dict[str, Any]) -> dict[str, tuple[int, str]]:
+        cfg = ProjectorConfig.from_dict(config)
+        return {cfg.output: (cfg.d_out, "d_out")}
 
     def forward(self, batch: MicroBatch) -> Outputs:
         name = self.projector_config.input

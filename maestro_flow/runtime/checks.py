@@ -312,6 +312,41 @@ def _check_config(cls: type, section: Section) -> None:
                             f"{type(exc).__name__}: {exc}") from exc
 
 
+def _widths(cls: type, method: str, section: Section) -> dict[str, tuple[int, str]]:
+    """A stage's declared tensor widths (Stage.output_widths, input_widths): {} where the method
+    is inherited from above the class that defines `__init__` or `forward` (a subclass may size
+    its tensors otherwise)."""
+    owner = _owner(cls, method)
+    if not (issubclass(owner, _owner(cls, "__init__")) and issubclass(owner, _owner(cls, "forward"))):
+        return {}
+    where = f"sections.{section.name}.stage: {section.stage}.{method}(config)"
+    try:
+        widths = getattr(cls, method)(dict(section.config))
+    except Exception as exc:
+        raise PipelineError(f"{where} failed: {type(exc).__name__}: {exc}") from exc
+    if not isinstance(widths, dict) or not all(
+            isinstance(v, tuple) and len(v) == 2 and isinstance(v[0], int) and isinstance(v[1], str)
+            for v in widths.values()):
+        raise PipelineError(f"{where} returned {widths!r}, not a mapping of tensor name -> (width, config key)")
+    return widths
+
+
+def check_widths(pipeline: Pipeline, graph: SectionGraph) -> None:
+    """Each edge's tensors are as wide where they are sent as where they are read (found in QA:
+    `--set sections.vision.config.project_to=32` ran, and the LLM refused the first image
+    sample at step 1)."""
+    for e in graph.edges:
+        src, dst = pipeline.section(e.edge.src), pipeline.section(e.edge.dst)
+        sent = _widths(resolve(src.stage, f"sections.{src.name}.stage"), "output_widths", src)
+        read = _widths(resolve(dst.stage, f"sections.{dst.name}.stage"), "input_widths", dst)
+        for t in e.edge.tensors:
+            if t in sent and t in read and sent[t][0] != read[t][0]:
+                raise PipelineError(
+                    f"edges[{e.index}] ({src.name} -> {dst.name}).tensors: {t} is {sent[t][0]} wide as "
+                    f"{src.name} sends it (sections.{src.name}.config.{sent[t][1]}), but {dst.name} reads it "
+                    f"{read[t][0]} wide (sections.{dst.name}.config.{read[t][1]}): make the two equal")
+
+
 def _owner(cls: type, name: str) -> type:
     """The class in `cls`'s MRO that defines attribute `name`."""
     return next(k for k in cls.__mro__ if name in vars(k))
@@ -360,6 +395,7 @@ def check_pipeline(pipeline: Pipeline, build: bool = False) -> Checked:
                 f"{pipeline.section(name).stage} declares {', '.join(declared[name]) or 'no outputs'} "
                 "(set trainable=False, or add a consumer)"
             )
+    check_widths(pipeline, graph)
     for s in pipeline.sections:
         if s.trainable:
             check_optimizer_spec(s.optimizer, f"sections.{s.name}")

@@ -493,6 +493,53 @@ def test_run_refuses_a_stage_config_before_any_worker_starts(item, fragment):
                                  f"sections.{item.split('.')[1]}.tp=2"), fragment)
 
 
+@pytest.mark.parametrize("name, items, fragment", [
+    ("vlm", ["sections.vision.config.project_to=32"],
+     "edges[0] (vision -> llm).tensors: image_embeds is 32 wide as vision sends it (sections.vision.config.project_to),"
+     " but llm reads it 64 wide (sections.llm.config.d_model): make the two equal"),
+    ("multimodal", ["sections.llm.config.d_model=32"], "image_embeds is 64 wide as vision sends it"),
+    ("multimodal", ['sections.audio.config.project_to=null', "sections.audio.config.d_model=32"],
+     "edges[1] (audio -> llm).tensors: audio_embeds is 32 wide as audio sends it (sections.audio.config.d_model)"),
+    ("distill", ["sections.teacher.config.d_model=64"],
+     "hidden is 64 wide as teacher sends it (sections.teacher.config.d_model), but student reads it 128 wide "
+     "(sections.student.config.teacher.d_model)"),
+    ("distill", ["sections.teacher.stage=stages.hf:HFCausalLM", 'sections.teacher.config={"role": "teacher", '
+                 '"init_seed": 1}'], "hidden is 64 wide as teacher sends it (sections.teacher.config.hf_config.n_embd)"),
+    ("distill", ["sections.student.stage=stages.hf:HFCausalLM", 'sections.student.config={"role": "kd_student", '
+                 '"teacher": {"init_seed": 1, "d_model": 96}}'], "student reads it 96 wide "
+                                                                 "(sections.student.config.teacher.d_model)"),
+    ("chain", ["sections.lm.config.d_model=32"],
+     "embeddings is 64 wide as embed sends it (sections.embed.config.d_model), but lm reads it 32 wide"),
+])
+def test_an_edge_tensor_sent_and_read_at_different_widths_is_refused_before_any_worker_starts(name, items, fragment):
+    """Found in a read-through: a width changed on one end of an edge only (the vision encoder's
+    project_to, the teacher's d_model) passed every check; the run started and failed at step 1
+    (a shape error in the consumer's forward). Stage.output_widths and input_widths declare them."""
+    sets = [arg for item in items for arg in ("--set", item)]
+    assert_one_error_line(invoke("run", f"pipelines/{name}.py", "--no-run-dir", "--set", "data.path=/nowhere.arrow",
+                                 *sets), fragment)
+
+
+def test_widths_a_subclass_may_change_are_not_taken_from_its_base(tmp_path, dataset):
+    """A subclass of a bundled stage with its own forward may send another width: its base's
+    output_widths is not held against it (as check_config is not, past an __init__)."""
+    (tmp_path / "widestage.py").write_text(
+        "import torch\nfrom stages.chain import TokenEmbedding\n\n"
+        "class Doubled(TokenEmbedding):\n"
+        "    def forward(self, batch):\n"
+        "        return {'embeddings': [torch.cat([e, e], -1) for e in super().forward(batch)['embeddings']]}\n")
+    import sys
+
+    sys.path.insert(0, str(tmp_path))
+    try:
+        result = invoke("validate", "pipelines/chain.py", "--set", f"data.path={dataset}", "--set",
+                        "sections.embed.stage=widestage:Doubled", "--set", "sections.embed.config.d_model=32")
+        assert result.exit_code == 0, result.output
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("widestage", None)
+
+
 def test_a_subclass_with_its_own_init_is_not_held_to_its_bases_config_check(tmp_path):
     """A subclass of a bundled stage that takes keys of its own in __init__ (and passes the rest
     on) is not refused by the base's check_config, which does not know them."""
@@ -805,3 +852,11 @@ def test_colocated_says_which_layout_it_does_not_apply():
     laid = load_pipeline("pipelines/distill.py", {"sections.student.dp": 2, "sections.student.tp": 2,
                                                   "sections.teacher.fsdp": True})[0]
     assert colocated_mode(laid) == "colocated (one unsharded replica per section: dp, tp, fsdp not applied; the same maths)"
+
+
+def test_a_projector_declares_the_width_of_both_its_ends():
+    from stages.vision import Projector
+
+    config = {"input": "image_feats", "output": "image_embeds", "d_in": 48, "d_out": 96}
+    assert Projector.input_widths(config) == {"image_feats": (48, "d_in")}
+    assert Projector.output_widths(config) == {"image_embeds": (96, "d_out")}
