@@ -51,6 +51,15 @@ class PayloadCheck:
     columns: tuple[str, ...]
 
 
+@dataclass(frozen=True, slots=True)
+class Sender:
+    """The section that sends a stage one of its inputs (Stage.check_senders)."""
+
+    section: str
+    stage: str  # "module:Class", as in its Section
+    config: dict[str, Any]
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class StageContext:
     """Where and how a stage instance runs: `module.to(ctx.device, ctx.dtype)` just works.
@@ -205,6 +214,14 @@ class Stage:
         the meta device). A subclass (or a mixin) that overrides `__init__` and not this is not
         checked: its own `__init__` may take keys its base's check does not know. The default
         checks nothing."""
+
+    @classmethod
+    def check_senders(cls, config: dict[str, Any], senders: dict[str, Sender]) -> None:
+        """Raise ValueError, naming the config key, for a config that does not fit the sections
+        that send this stage its inputs: `senders` maps each input tensor an edge carries to its
+        Sender (e.g. a KD student's copy of its teacher's config against the section that sends
+        it "hidden"). Called where `check_config` is, after it, and held to the same subclass
+        rule. The default checks nothing."""
 
     @classmethod
     def check_tp(cls, config: dict[str, Any], tp: int) -> None:

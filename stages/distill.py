@@ -107,6 +107,49 @@ def teacher_head_shape(config: Any, *, where: str = "teacher.") -> HeadShape:
     return HeadShape(width, where + key, hf_config.vocab_size)
 
 
+TEACHER_STAGES = {"stages.lm:CausalLM": False, "stages.hf:HFCausalLM": True}  # -> is it a Hugging Face model
+
+
+def _head_fields(config: dict[str, Any], hf: bool) -> dict[str, Any]:
+    """What the teacher head built from `config` depends on (build_teacher_head): for a CausalLM
+    its size and weights; for a Hugging Face model all of its transformers config (its head is
+    drawn after the rest of the model, from one RNG stream) and its weights."""
+    if hf:
+        from stages.hf import hf_model_config
+
+        fields = {f"hf_config.{k}": v for k, v in hf_model_config(config)[0].to_dict().items()
+                  if not k.startswith("_") and k not in ("transformers_version", "attn_implementation")}
+        fields["model_type"] = config.get("model_type", "gpt2")
+    else:
+        cfg = LMConfig.from_dict(config, ignore=("role",))
+        fields = {"vocab_size": cfg.vocab_size, "d_model": cfg.d_model}
+    fields["checkpoint"] = config.get("checkpoint")
+    if fields["checkpoint"] is None:  # else the weights are read from it
+        fields["init_seed"] = config.get("init_seed")
+    return fields
+
+
+def check_teacher_sender(config: dict[str, Any], senders: dict[str, Any]) -> None:
+    """A KD student's copy of its teacher's config (`teacher`) gives the LM head of the section
+    that sends it "hidden", where that section runs one of the bundled LMs. Found in a
+    read-through: with `--set sections.teacher.config.init_seed=9` the run went on, its student
+    drawing the head from seed 1234: a distillation target no model gives, in silence."""
+    sender, teacher = senders.get("hidden"), config.get("teacher")
+    if sender is None or sender.stage not in TEACHER_STAGES or not isinstance(teacher, dict):
+        return
+    hf = TEACHER_STAGES[sender.stage]
+    there = f"sections.{sender.section}.config"
+    if is_hf_config(teacher) != hf:
+        raise ValueError(f"teacher describes {'a Hugging Face model' if is_hf_config(teacher) else 'a CausalLM'}, but "
+                         f"section {sender.section!r}, which sends hidden, runs {sender.stage}: set teacher to {there}")
+    mine, theirs = _head_fields(teacher, hf), _head_fields(sender.config, hf)
+    for key in sorted(mine.keys() | theirs.keys()):
+        if mine.get(key) != theirs.get(key):
+            raise ValueError(f"teacher.{key} ({mine.get(key)!r}) is not {there}.{key} ({theirs.get(key)!r}), the "
+                             f"section that sends hidden: the LM head rebuilt from teacher would not be section "
+                             f"{sender.section!r}'s; set teacher to {there}")
+
+
 def teacher_input_widths(config: dict[str, Any]) -> dict[str, tuple[int, str]]:
     """A KD student reads "hidden" as wide as its copy of the teacher's head (`teacher`) reads."""
     shape = teacher_head_shape(config.get("teacher"))
@@ -183,6 +226,10 @@ class KDStudent(Stage):
     @classmethod
     def input_widths(cls, config: dict[str, Any]) -> dict[str, tuple[int, str]]:
         return teacher_input_widths(config)
+
+    @classmethod
+    def check_senders(cls, config: dict[str, Any], senders: dict[str, Any]) -> None:
+        check_teacher_sender(config, senders)
 
     @classmethod
     def token_limits(cls, config: dict[str, Any]) -> dict[str, int]:

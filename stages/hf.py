@@ -45,6 +45,7 @@ from stages.distill import (
     KD_KEYS,
     KDConfig,
     build_teacher_head,
+    check_teacher_sender,
     distillation_outputs,
     same_vocab,
     teacher_head_shape,
@@ -361,6 +362,11 @@ class HFCausalLM(Stage):
     @classmethod
     def input_widths(cls, config: dict[str, Any]) -> dict[str, tuple[int, str]]:
         return teacher_input_widths(config) if stage_role(config, ROLES) == "kd_student" else {}
+
+    @classmethod
+    def check_senders(cls, config: dict[str, Any], senders: dict[str, Any]) -> None:
+        if stage_role(config, ROLES) == "kd_student":
+            check_teacher_sender(config, senders)
 
     @classmethod
     def token_limits(cls, config: dict[str, Any]) -> dict[str, int]:

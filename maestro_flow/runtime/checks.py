@@ -296,20 +296,31 @@ def _declared(cls: type, method: str, section: Section, where: str) -> tuple[str
     return tuple(names)
 
 
-def _check_config(cls: type, section: Section) -> None:
-    """The stage's own check of its config (Stage.check_config), where it is defined at or below
-    the class that defines `__init__`: a subclass (or a mixin) whose `__init__` overrides its
-    base's and not the check may take other keys (found in QA: `maestro run` started workers
-    that failed on a config `validate` refused)."""
-    if not issubclass(_owner(cls, "check_config"), _owner(cls, "__init__")):  # (a mixin's __init__ too: review)
+def _check_config(cls: type, section: Section, method: str = "check_config", *args: Any) -> None:
+    """The stage's own check of its config (Stage.check_config, or check_senders with `args`),
+    where it is defined at or below the class that defines `__init__`: a subclass (or a mixin)
+    whose `__init__` overrides its base's and not the check may take other keys (found in QA:
+    `maestro run` started workers that failed on a config `validate` refused)."""
+    if not issubclass(_owner(cls, method), _owner(cls, "__init__")):  # (a mixin's __init__ too: review)
         return
     try:
-        cls.check_config(dict(section.config))
+        getattr(cls, method)(dict(section.config), *args)
     except ValueError as exc:  # the contract's; anything else is a fault of the check (found in review)
         raise PipelineError(f"sections.{section.name}.config: {exc}") from None
     except Exception as exc:
-        raise PipelineError(f"sections.{section.name}.stage: {section.stage}.check_config(config) failed: "
+        raise PipelineError(f"sections.{section.name}.stage: {section.stage}.{method}(config) failed: "
                             f"{type(exc).__name__}: {exc}") from exc
+
+
+def check_senders(pipeline: Pipeline, graph: SectionGraph) -> None:
+    """Each section's config against the sections that send it its inputs (Stage.check_senders)."""
+    from maestro_flow.stage import Sender
+
+    for s in pipeline.sections:
+        senders = {t: Sender(e.edge.src, pipeline.section(e.edge.src).stage, dict(pipeline.section(e.edge.src).config))
+                   for e in graph.edges if e.edge.dst == s.name for t in e.edge.tensors}
+        if senders:
+            _check_config(resolve(s.stage, f"sections.{s.name}.stage"), s, "check_senders", senders)
 
 
 def _widths(cls: type, method: str, section: Section) -> dict[str, tuple[int, str]]:
@@ -396,6 +407,7 @@ def check_pipeline(pipeline: Pipeline, build: bool = False) -> Checked:
                 "(set trainable=False, or add a consumer)"
             )
     check_widths(pipeline, graph)
+    check_senders(pipeline, graph)
     for s in pipeline.sections:
         if s.trainable:
             check_optimizer_spec(s.optimizer, f"sections.{s.name}")

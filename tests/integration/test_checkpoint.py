@@ -24,6 +24,7 @@ import torch
 from safetensors.torch import load_file
 
 from maestro_flow.checkpoint import manifest as mf
+from pipelines.distill import TEACHER
 from tests.integration.conftest import ROOT, descendants, maestro, wait_gone, worker_pids
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
@@ -163,7 +164,8 @@ def one_checkpoint(small_data, tmp_path_factory) -> Path:
 @pytest.mark.parametrize("change, expected", [
     (("pipelines/chain.py",), ["the checkpoint has trainable section 'student', the pipeline does not",
                                "sections.embed: trainable here, but not in the checkpoint"]),
-    (("--set", "sections.student.stage=stages.hf:HFCausalLM", "--set", "sections.student.config.role=kd_student"),
+    (("--set", "sections.student.stage=stages.hf:HFCausalLM", "--set", "sections.student.config=" + json.dumps(
+        {"role": "kd_student", "init_seed": 5, "teacher": TEACHER})),
      ["sections.student.stage: 'stages.hf:HFCausalLM' here, 'stages.distill:KDStudent' in the checkpoint"]),
     (("--set", "sections.student.config.student.d_model=32"),
      ["section 'student' (stages.distill:KDStudent) does not fit the checkpoint",

@@ -29,7 +29,7 @@ STUDENT = {"student": {"vocab_size": VOCAB, "d_model": 8, "n_layers": 1, "n_head
 BIDIRECTIONAL = {"role": "teacher", "init_seed": 0, "model_type": "bert",
                  "hf_config": {"vocab_size": VOCAB, "hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2,
                                "intermediate_size": 32, "max_position_embeddings": 256, "is_decoder": False}}
-GPT2_TEACHER = {"role": "teacher", "model_type": "gpt2",
+GPT2_TEACHER = {"role": "teacher", "model_type": "gpt2", "init_seed": 1,
                 "hf_config": {"n_layer": 1, "n_embd": 16, "n_head": 2, "vocab_size": VOCAB, "n_positions": 256}}
 
 
@@ -152,7 +152,8 @@ BAD = [  # id, sections, edges, what the one error line must contain
     ("fsdp-not-a-bool", [teacher(), student(fsdp="yes")], None, ["sections.student.fsdp must be a bool, got 'yes'"]),
     ("tp-not-dividing-the-heads", [teacher(), student(tp=3)], None,
      ["sections.student.tp=3: sections.student.config.student.n_heads (2) is not divisible by tp=3"]),
-    ("tp-on-a-model-without-a-plan", [teacher(stage="stages.hf:HFCausalLM", config=GPT2_TEACHER, tp=2), student()],
+    ("tp-on-a-model-without-a-plan", [teacher(stage="stages.hf:HFCausalLM", config=GPT2_TEACHER, tp=2),
+                                      student(config={**STUDENT, "teacher": GPT2_TEACHER})],
      None, ["sections.teacher.tp=2: sections.teacher.config.model_type ('gpt2')", "no tensor-parallel plan"]),
 ]
 
@@ -167,7 +168,7 @@ def test_a_bidirectional_hf_model_is_refused(tmp_path, dataset):
     """Refused by the workers only, before: validate builds stages on the meta device, which has
     no values to probe. transformers' own advice (add is_decoder=True) may come first, once."""
     result = invoke("validate", write_pipeline(tmp_path, dataset, [
-        teacher(stage="stages.hf:HFCausalLM", config=BIDIRECTIONAL), student()]))
+        teacher(stage="stages.hf:HFCausalLM", config=BIDIRECTIONAL), student(config={**STUDENT, "teacher": BIDIRECTIONAL})]))
     assert result.exit_code == 2 and "Traceback" not in result.output and result.stdout == ""
     ours = [line for line in result.stderr.strip().splitlines() if not line.startswith("[transformers]")]
     assert len(ours) == 1 and ours[0].startswith("error: sections.teacher.config: "), result.stderr
@@ -518,6 +519,39 @@ def test_an_edge_tensor_sent_and_read_at_different_widths_is_refused_before_any_
     sets = [arg for item in items for arg in ("--set", item)]
     assert_one_error_line(invoke("run", f"pipelines/{name}.py", "--no-run-dir", "--set", "data.path=/nowhere.arrow",
                                  *sets), fragment)
+
+
+GPT2_ONE = {"model_type": "gpt2", "init_seed": 3, "hf_config": {"n_layer": 1, "n_embd": 32, "n_head": 2}}
+
+
+@pytest.mark.parametrize("items, fragment", [
+    (["sections.teacher.config.init_seed=9"], "sections.student.config: teacher.init_seed (1234) is not "
+     "sections.teacher.config.init_seed (9), the section that sends hidden: the LM head rebuilt from teacher would "
+     "not be section 'teacher''s; set teacher to sections.teacher.config"),
+    (["sections.teacher.config.checkpoint=/ckpt/teacher.safetensors"], "teacher.checkpoint (None) is not "
+     "sections.teacher.config.checkpoint ('/ckpt/teacher.safetensors')"),
+    (["sections.teacher.stage=stages.hf:HFCausalLM", f"sections.teacher.config={json.dumps({**GPT2_ONE, 'role': 'teacher'})}",
+      "sections.student.config.student.d_model=32", "sections.student.config.teacher.d_model=32"],
+     "sections.student.config: teacher describes a CausalLM, but section 'teacher', which sends hidden, runs "
+     "stages.hf:HFCausalLM: set teacher to sections.teacher.config"),
+    (["sections.teacher.stage=stages.hf:HFCausalLM", f"sections.teacher.config={json.dumps({**GPT2_ONE, 'role': 'teacher'})}",
+      "sections.student.stage=stages.hf:HFCausalLM", 'sections.student.config={"role": "kd_student", "init_seed": 5, '
+      f'"teacher": {json.dumps({**GPT2_ONE, "hf_config": {**GPT2_ONE["hf_config"], "n_layer": 2}})}}}'],
+     "teacher.hf_config.n_layer (2) is not sections.teacher.config.hf_config.n_layer (1)"),
+])
+def test_a_kd_students_teacher_must_be_the_section_that_sends_it_hidden(items, fragment):
+    """Found in a read-through: a teacher section changed (its seed, its checkpoint, its model)
+    and not the student's copy (`teacher`) ran, the student rebuilding another LM head than the
+    teacher's: a distillation target no model gives, in silence (Stage.check_senders)."""
+    sets = [arg for item in items for arg in ("--set", item)]
+    assert_one_error_line(invoke("run", "pipelines/distill.py", "--no-run-dir", "--set", "data.path=/nowhere.arrow",
+                                 *sets), fragment)
+
+
+def test_what_the_teachers_head_does_not_depend_on_may_differ(dataset):
+    result = invoke("validate", "pipelines/distill.py", "--set", f"data.path={dataset}",
+                    "--set", "sections.teacher.config.max_seq_len=128", "--set", "sections.teacher.config.dropout=0.1")
+    assert result.exit_code == 0, result.output
 
 
 def test_widths_a_subclass_may_change_are_not_taken_from_its_base(tmp_path, dataset):
