@@ -37,9 +37,10 @@ class Exported:
 
 def export_section(source: str, section: str, out: str) -> Exported:
     check_writable(out, "-o", folder=True)  # a traceback before (found in review), as run's --save-dir was
-    if mf.checkpoints(out) or os.path.isfile(os.path.join(out, mf.MANIFEST)):  # found in QA: later exports of that folder were then refused
-        raise PipelineError(f"-o {out} holds checkpoints: export into a folder of its own (a folder holding both "
-                            "cannot be exported from again)")
+    held = mf.holds_checkpoints(out)  # found in QA: later exports of that folder were then refused
+    if held:
+        raise PipelineError(f"-o {out} {held}: export into a folder of its own (a folder holding both cannot be "
+                            "exported from again)")
     pipeline, state, where = _read(mf.find_folder(source, "SOURCE"), section)
     spec = next((s for s in pipeline.get("sections", []) if s.get("name") == section), None)
     if spec is None:  # _read refuses a section not there in what maestro writes: a hand-edited file

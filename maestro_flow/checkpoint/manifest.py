@@ -130,6 +130,16 @@ def checkpoints(root: str) -> list[tuple[int, str, bool]]:
     return sorted(out)
 
 
+def holds_checkpoints(folder: str) -> str | None:
+    """What makes `folder` no place for other outputs (a --save-dir, an export): "is a
+    checkpoint", "holds checkpoints (NEWEST and N more)", or None."""
+    held = checkpoints(folder)
+    if held:
+        return (f"holds checkpoints ({os.path.basename(held[-1][1])}"
+                f"{f' and {len(held) - 1} more' if len(held) > 1 else ''})")
+    return "is a checkpoint" if os.path.isfile(os.path.join(folder, MANIFEST)) else None
+
+
 def find_folder(path: str, what: str) -> str:
     """The folder `path` names, where a user gives one (`what`: the option): itself, or for a
     step folder written as its number (ckpt/step-2) the folder of that step (ckpt/step-00000002).

@@ -323,10 +323,11 @@ def check_senders(pipeline: Pipeline, graph: SectionGraph) -> None:
             _check_config(resolve(s.stage, f"sections.{s.name}.stage"), s, "check_senders", senders)
 
 
-def _widths(cls: type, method: str, section: Section) -> dict[str, tuple[int, str]]:
-    """A stage's declared tensor widths (Stage.output_widths, input_widths): {} where the method
-    is inherited from above the class that defines `__init__` or `forward` (a subclass may size
-    its tensors otherwise)."""
+def declared_widths(section: Section, method: str) -> dict[str, tuple[int, str]]:
+    """What a section's stage declares with Stage.output_widths or input_widths (`method`): {}
+    where the method is inherited from above the class that defines `__init__` or `forward` (a
+    subclass may size its tensors otherwise)."""
+    cls = resolve(section.stage, f"sections.{section.name}.stage")
     owner = _owner(cls, method)
     if not (issubclass(owner, _owner(cls, "__init__")) and issubclass(owner, _owner(cls, "forward"))):
         return {}
@@ -348,8 +349,7 @@ def check_widths(pipeline: Pipeline, graph: SectionGraph) -> None:
     sample at step 1)."""
     for e in graph.edges:
         src, dst = pipeline.section(e.edge.src), pipeline.section(e.edge.dst)
-        sent = _widths(resolve(src.stage, f"sections.{src.name}.stage"), "output_widths", src)
-        read = _widths(resolve(dst.stage, f"sections.{dst.name}.stage"), "input_widths", dst)
+        sent, read = declared_widths(src, "output_widths"), declared_widths(dst, "input_widths")
         for t in e.edge.tensors:
             if t in sent and t in read and sent[t][0] != read[t][0]:
                 raise PipelineError(

@@ -30,13 +30,10 @@ def check_save_dir(save_dir: str, checkpoint_dir: str | None) -> None:
     if checkpoint_dir and os.path.realpath(checkpoint_dir) == os.path.realpath(save_dir):
         raise PipelineError(f"--save-dir and --checkpoint-dir are one folder ({save_dir}): `maestro export` could "
                             "not tell the saved weights from the checkpoints; give --save-dir a folder of its own")
-    held = mf.checkpoints(save_dir)
-    if not held and os.path.isfile(os.path.join(save_dir, mf.MANIFEST)):  # found in review: ckpt/step-2 passed
-        raise PipelineError(f"--save-dir {save_dir} is a checkpoint: give --save-dir a folder of its own")
+    held = mf.holds_checkpoints(save_dir)  # (a checkpoint itself, ckpt/step-2: found in review)
     if held:
-        raise PipelineError(f"--save-dir {save_dir} holds checkpoints ({os.path.basename(held[-1][1])}"
-                            f"{f' and {len(held) - 1} more' if len(held) > 1 else ''}): `maestro export` could not "
-                            "tell the saved weights from them; give --save-dir a folder of its own")
+        raise PipelineError(f"--save-dir {save_dir} {held}: `maestro export` could not tell the saved weights from "
+                            "the checkpoints; give --save-dir a folder of its own")
 
 
 def check_writable(path: str, flag: str, *, folder: bool) -> None:

@@ -251,12 +251,27 @@ def _check_mode_flags(pipeline: Pipeline, name: str, options: ReplayOptions) -> 
         if unknown:
             valid = f"its inputs are {', '.join(names)}" if names else "it receives no tensor"
             raise ReplayError(f"--input-shape {', '.join(unknown)}: section {name!r} has no such input ({valid})")
+        _check_input_widths(pipeline, name, options.input_shapes)
         return
     given = [flag for is_set, flag in ((options.samples is not None, "--samples"),
                                        (bool(options.input_shapes), "--input-shape")) if is_set]
     if given:
         raise ReplayError(f"{' and '.join(given)} {'applies' if len(given) == 1 else 'apply'} to synthetic inputs "
                           "only, not with --replay (which feeds the recorded ones)")
+
+
+def _check_input_widths(pipeline: Pipeline, name: str, shapes: dict[str, tuple[int | str, ...]]) -> None:
+    """An --input-shape whose last dimension is not the width the stage declares it reads
+    (Stage.input_widths) is refused naming it (found in QA: `hidden=Tx64` for a student reading
+    128 failed in torch's matmul, with a traceback)."""
+    from maestro_flow.runtime.checks import declared_widths
+
+    widths = declared_widths(pipeline.section(name), "input_widths")
+    for t, shape in sorted(shapes.items()):
+        if t in widths and shape and shape[-1] != widths[t][0]:
+            width, key = widths[t]
+            raise ReplayError(f"--input-shape {t}={'x'.join(map(str, shape))}: section {name!r} reads {t} {width} wide "
+                              f"(sections.{name}.config.{key}); give {'x'.join(map(str, (*shape[:-1], width)))}")
 
 
 def _replay(path: str, pipeline: Pipeline, name: str, options: ReplayOptions, echo: Callable[[str], None]) -> int:
@@ -276,6 +291,10 @@ def _replay(path: str, pipeline: Pipeline, name: str, options: ReplayOptions, ec
     params = sum(p.numel() for p in runner.stage.parameters())
     echo(f"section {name} ({section.stage}): {kind}{', loss section' if is_loss else ''}, "
          f"{params:,} parameters, device {runner.device}, dtype {pipeline.dtype}")
+    if section.tp > 1 or section.fsdp:  # found in QA: said nowhere
+        layout = ", ".join([f"tp={section.tp}"] * (section.tp > 1) + ["fsdp"] * section.fsdp)
+        echo(f"layout: a run shards this section ({layout}); here it runs whole, in one process: the same model, "
+             "not the run's memory, timings or exact rounding")
     if options.weights:
         runner.load_weights(options.weights)
         echo(f"weights: {options.weights}")

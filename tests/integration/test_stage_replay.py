@@ -283,10 +283,19 @@ def test_flags_that_do_not_apply_are_refused(data, tmp_path):
     shape = CliRunner().invoke(stage, [VLM, "llm", "--samples", "4", "--input-shape", "image_embed=36x64", *vlm])
     assert shape.exit_code == 2, shape.output
     assert "--input-shape image_embed: section 'llm' has no such input (its inputs are image_embeds)" in shape.output
+    # Found in QA: a width other than the one the stage reads failed deep in torch, with a traceback.
+    wide = CliRunner().invoke(stage, [DISTILL, "student", "--input-shape", "hidden=Tx64", *text])
+    assert wide.exit_code == 2, wide.output
+    assert ("--input-shape hidden=Tx64: section 'student' reads hidden 128 wide (sections.student.config.teacher."
+            "d_model); give Tx128") in wide.output, wide.output
+    # Found in QA: a sharded section ran whole here without a word.
+    whole = CliRunner().invoke(stage, [DISTILL, "student", "--samples", "1", "--set", "sections.student.tp=2", *text])
+    assert whole.exit_code == 0 and ("layout: a run shards this section (tp=2); here it runs whole, in one process"
+                                     in whole.output), whole.output
     _fake_recording(DISTILL, "student", tmp_path, {"data.path": data["text"]}, samples=2)
     samples = CliRunner().invoke(stage, [DISTILL, "student", "--replay", str(tmp_path), "--samples", "4", *text])
     assert samples.exit_code == 2 and "--samples applies to synthetic inputs only" in samples.output
-    assert "Traceback" not in steps.output + replica.output + shape.output + samples.output
+    assert "Traceback" not in steps.output + replica.output + shape.output + wide.output + samples.output
 
 
 @pytest.mark.timeout(120)

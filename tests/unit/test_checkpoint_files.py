@@ -538,10 +538,12 @@ def test_export_refuses_a_folder_holding_both_saved_weights_and_checkpoints(tmp_
                                    f"student.safetensors and {PIPELINE_FILE} to a folder of their own for the saved "
                                    "weights")
     into = CliRunner().invoke(main, ["export", str(tmp_path / "elsewhere"), "--section", "student", "-o", str(tmp_path)])
-    assert into.exit_code == 2 and f"-o {tmp_path} holds checkpoints: export into a folder of its own" in into.stderr
+    assert into.exit_code == 2 and (f"-o {tmp_path} holds checkpoints (step-00000004): export into a folder of its own"
+                                    in into.stderr), into.stderr
     step = CliRunner().invoke(main, ["export", str(tmp_path / "elsewhere"), "--section", "student", "-o",
                                      mf.step_dir(str(tmp_path), 4)])
-    assert step.exit_code == 2 and "holds checkpoints" in step.stderr, step.output
+    assert step.exit_code == 2 and f"-o {mf.step_dir(str(tmp_path), 4)} is a checkpoint: export" in step.stderr, \
+        step.output
 
 
 @pytest.mark.parametrize("same", [True, False, "step"])
