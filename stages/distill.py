@@ -18,7 +18,9 @@ section's model config: CausalLM keys, or HFCausalLM keys with `model_type`/`hf_
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import math
+import os
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -107,25 +109,47 @@ def teacher_head_shape(config: Any, *, where: str = "teacher.") -> HeadShape:
     return HeadShape(width, where + key, hf_config.vocab_size)
 
 
-TEACHER_STAGES = {"stages.lm:CausalLM": False, "stages.hf:HFCausalLM": True}  # -> is it a Hugging Face model
+# Transformers config fields a model's weights do not depend on: dropout and runtime flags.
+NOT_WEIGHTS = ("pdrop", "dropout", "use_cache", "output_", "return_dict", "torchscript", "transformers_version",
+               "attn_implementation", "dtype")
+
+
+def _teacher_kind(stage: str) -> bool | None:
+    """Whether the stage named `stage` ("module:Class") builds its model as a CausalLM (False) or
+    an HFCausalLM (True), as that class or a subclass keeping its __init__; None for any other."""
+    from stages.hf import HFCausalLM  # transformers itself is imported only when used
+    from stages.lm import CausalLM
+
+    module, _, name = stage.partition(":")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except Exception:  # the pipeline's checks refuse it, naming it
+        return None
+    for base, hf in ((CausalLM, False), (HFCausalLM, True)):
+        if isinstance(cls, type) and issubclass(cls, base) and cls.__init__ is base.__init__:
+            return hf
+    return None
 
 
 def _head_fields(config: dict[str, Any], hf: bool) -> dict[str, Any]:
-    """What the teacher head built from `config` depends on (build_teacher_head): for a CausalLM
-    its size and weights; for a Hugging Face model all of its transformers config (its head is
-    drawn after the rest of the model, from one RNG stream) and its weights."""
-    if hf:
-        from stages.hf import hf_model_config
-
-        fields = {f"hf_config.{k}": v for k, v in hf_model_config(config)[0].to_dict().items()
-                  if not k.startswith("_") and k not in ("transformers_version", "attn_implementation")}
-        fields["model_type"] = config.get("model_type", "gpt2")
-    else:
-        cfg = LMConfig.from_dict(config, ignore=("role",))
-        fields = {"vocab_size": cfg.vocab_size, "d_model": cfg.d_model}
-    fields["checkpoint"] = config.get("checkpoint")
-    if fields["checkpoint"] is None:  # else the weights are read from it
+    """What the teacher head built from `config` depends on (build_teacher_head): the weights'
+    source (a checkpoint, else init_seed) and the sizes; for a Hugging Face model drawn from a
+    seed, every transformers config field but dropout and runtime flags (the head is drawn after
+    the rest of the model, from one RNG stream)."""
+    checkpoint = config.get("checkpoint")
+    fields: dict[str, Any] = {"checkpoint": os.path.realpath(checkpoint) if isinstance(checkpoint, str) else checkpoint}
+    if checkpoint is None:  # else the weights are read from it
         fields["init_seed"] = config.get("init_seed")
+    if not hf:
+        cfg = LMConfig.from_dict(config, ignore=("role",))
+        return {**fields, "vocab_size": cfg.vocab_size, "d_model": cfg.d_model}
+    from stages.hf import hf_model_config
+
+    hf_config = hf_model_config(config)[0]
+    fields |= {"model_type": hf_config.model_type, "hf_config.vocab_size": hf_config.vocab_size}
+    if checkpoint is None:
+        fields |= {f"hf_config.{k}": v for k, v in hf_config.to_dict().items()
+                   if not k.startswith("_") and not any(n in k for n in NOT_WEIGHTS)}
     return fields
 
 
@@ -135,19 +159,28 @@ def check_teacher_sender(config: dict[str, Any], senders: dict[str, Any]) -> Non
     read-through: with `--set sections.teacher.config.init_seed=9` the run went on, its student
     drawing the head from seed 1234: a distillation target no model gives, in silence."""
     sender, teacher = senders.get("hidden"), config.get("teacher")
-    if sender is None or sender.stage not in TEACHER_STAGES or not isinstance(teacher, dict):
+    hf = None if sender is None or not isinstance(teacher, dict) else _teacher_kind(sender.stage)
+    if hf is None:
         return
-    hf = TEACHER_STAGES[sender.stage]
     there = f"sections.{sender.section}.config"
     if is_hf_config(teacher) != hf:
-        raise ValueError(f"teacher describes {'a Hugging Face model' if is_hf_config(teacher) else 'a CausalLM'}, but "
-                         f"section {sender.section!r}, which sends hidden, runs {sender.stage}: set teacher to {there}")
-    mine, theirs = _head_fields(teacher, hf), _head_fields(sender.config, hf)
+        if hf:  # found in review: a copy of an HF section that leaves model_type to its default
+            raise ValueError(f"teacher describes a CausalLM (it names neither model_type nor hf_config), but section "
+                             f"{sender.section!r}, which sends hidden, runs {sender.stage}: give teacher the "
+                             f"model_type and hf_config of {there} (model_type defaults to gpt2 there, not here)")
+        raise ValueError(f"teacher describes a Hugging Face model (model_type, hf_config), but section "
+                         f"{sender.section!r}, which sends hidden, runs {sender.stage}: set teacher to {there}")
+    theirs = _head_fields(sender.config, hf)
+    if theirs["checkpoint"] is None and theirs["init_seed"] is None:  # found in review: the advice went in a circle
+        raise ValueError(f"section {sender.section!r}, which sends hidden, has neither init_seed nor checkpoint: its "
+                         f"weights are drawn at random, and no other section can rebuild its LM head; set "
+                         f"{there}.init_seed (and the same teacher.init_seed here)")
+    mine = _head_fields(teacher, hf)
     for key in sorted(mine.keys() | theirs.keys()):
         if mine.get(key) != theirs.get(key):
-            raise ValueError(f"teacher.{key} ({mine.get(key)!r}) is not {there}.{key} ({theirs.get(key)!r}), the "
-                             f"section that sends hidden: the LM head rebuilt from teacher would not be section "
-                             f"{sender.section!r}'s; set teacher to {there}")
+            raise ValueError(f"teacher.{key} ({mine.get(key)!r}) is not {there}.{key} ({theirs.get(key)!r}): the LM "
+                             f"head rebuilt from teacher would not be the head section {sender.section!r} has, which "
+                             f"sends hidden; set teacher to {there}")
 
 
 def teacher_input_widths(config: dict[str, Any]) -> dict[str, tuple[int, str]]:

@@ -257,11 +257,27 @@ def hf_head_config(config: dict[str, Any], *, where: str = "") -> Any:
     return hf_model_config(config, where=where)[0]
 
 
+_HEAD_WIDTHS: dict[str, int] = {}  # a transformers config (as JSON) -> what its LM head reads
+
+
 def hidden_width(hf_config: Any) -> tuple[int, str]:
-    """The width of the model's hidden states (what its LM head reads), with the hf_config key
-    that sets it (gpt2's n_embd, most models' hidden_size)."""
-    return hf_config.hidden_size, "hf_config." + getattr(hf_config, "attribute_map", {}).get("hidden_size",
-                                                                                          "hidden_size")
+    """The width of the hidden states the model's LM head reads (what a teacher sends), with the
+    hf_config key that sets it (gpt2's n_embd, most models' hidden_size; OPT's
+    word_embed_proj_dim where it differs from hidden_size: found in review). Read from the model
+    built on the meta device, once per config."""
+    key = hf_config.to_json_string()
+    if key not in _HEAD_WIDTHS:
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):
+            head = AutoModelForCausalLM.from_config(hf_config).get_output_embeddings()
+        _HEAD_WIDTHS[key] = head.in_features if head is not None else hf_config.hidden_size
+    width = _HEAD_WIDTHS[key]
+    if getattr(hf_config, "hidden_size", None) == width:
+        return width, "hf_config." + getattr(hf_config, "attribute_map", {}).get("hidden_size", "hidden_size")
+    named = [k for k, v in hf_config.to_dict().items() if v == width and not k.startswith("_") and k.endswith(
+        ("_dim", "_size"))]
+    return width, "hf_config." + (named[0] if named else "hidden_size")
 
 
 def build_hf_lm_head(config: dict[str, Any], *, where: str = "") -> nn.Linear:

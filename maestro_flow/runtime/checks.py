@@ -339,7 +339,8 @@ def declared_widths(section: Section, method: str) -> dict[str, tuple[int, str]]
     if not isinstance(widths, dict) or not all(
             isinstance(v, tuple) and len(v) == 2 and isinstance(v[0], int) and isinstance(v[1], str)
             for v in widths.values()):
-        raise PipelineError(f"{where} returned {widths!r}, not a mapping of tensor name -> (width, config key)")
+        raise PipelineError(f"{where} returned {widths!r}: give a dict of tensor name -> (width, config key), "
+                            "each value a tuple of an int and a str")
     return widths
 
 

@@ -47,9 +47,9 @@ class CoordinatorIO:
         self._note_reports(set(), 1.0)  # a stage's exception reported meanwhile is raised here
         if not self.system_errors:
             for w in self.launcher.dead():
-                if w.rank == rank:
+                if w.rank == rank and rank not in self.said_bye:
                     return self._death(w)
-        self._raise_dead_peer(exclude=next(iter(self.system_errors), None))
+        self._raise_dead_peer()  # a rank that reported is not the cause (found in review: a second one was)
         first = next(iter(self.system_errors), None)  # the first report, read before or during the grace
         if first is not None:
             return self._system_failure(first, self.system_errors[first])
@@ -216,16 +216,17 @@ class CoordinatorIO:
             lost.rank = rank
         return lost
 
-    def _raise_dead_peer(self, exclude: int | None) -> None:
+    def _raise_dead_peer(self, exclude: int | None = None) -> None:
         """A system error is often a peer's death seen from the other end (a closed connection):
         name the dead peer instead, when one shows within a grace period. A peer that died after
         reporting an error of its own is not that cause: it is as likely collateral of the first
         report (the rank that failed first closed its connections), so the first report stands.
         With several nodes the grace lasts a heartbeat timeout, the time a lost node takes to
-        show as silent."""
+        show as silent. `exclude`: a rank whose report was read elsewhere than _note_reports
+        (whose reports are in system_errors, excluded too)."""
         grace_s = self.timeouts.heartbeat_timeout_s + 1.0 if self.nodes.multi else 1.0
         deadline = time.monotonic() + grace_s
-        reported = set() if exclude is None else {exclude}
+        reported = set(self.system_errors) | (set() if exclude is None else {exclude})
         while time.monotonic() < deadline:
             self._note_reports(reported, 0.05)
             # A worker that said bye left normally: never the cause. One that exited with code 0

@@ -526,14 +526,22 @@ GPT2_ONE = {"model_type": "gpt2", "init_seed": 3, "hf_config": {"n_layer": 1, "n
 
 @pytest.mark.parametrize("items, fragment", [
     (["sections.teacher.config.init_seed=9"], "sections.student.config: teacher.init_seed (1234) is not "
-     "sections.teacher.config.init_seed (9), the section that sends hidden: the LM head rebuilt from teacher would "
-     "not be section 'teacher''s; set teacher to sections.teacher.config"),
+     "sections.teacher.config.init_seed (9): the LM head rebuilt from teacher would not be the head section "
+     "'teacher' has, which sends hidden; set teacher to sections.teacher.config"),
+    (["sections.teacher.config.init_seed=null"], "section 'teacher', which sends hidden, has neither init_seed nor "
+     "checkpoint: its weights are drawn at random, and no other section can rebuild its LM head; set "
+     "sections.teacher.config.init_seed (and the same teacher.init_seed here)"),
+    (["sections.teacher.stage=stages.hf:HFCausalLM", 'sections.teacher.config={"role": "teacher", "init_seed": 1}',
+      "sections.student.config.teacher.d_model=64", "sections.student.config.teacher.vocab_size=50257",
+      "sections.student.config.student.vocab_size=50257"],
+     "teacher describes a CausalLM (it names neither model_type nor hf_config), but section 'teacher', which sends "
+     "hidden, runs stages.hf:HFCausalLM: give teacher the model_type and hf_config of sections.teacher.config"),
     (["sections.teacher.config.checkpoint=/ckpt/teacher.safetensors"], "teacher.checkpoint (None) is not "
      "sections.teacher.config.checkpoint ('/ckpt/teacher.safetensors')"),
     (["sections.teacher.stage=stages.hf:HFCausalLM", f"sections.teacher.config={json.dumps({**GPT2_ONE, 'role': 'teacher'})}",
       "sections.student.config.student.d_model=32", "sections.student.config.teacher.d_model=32"],
-     "sections.student.config: teacher describes a CausalLM, but section 'teacher', which sends hidden, runs "
-     "stages.hf:HFCausalLM: set teacher to sections.teacher.config"),
+     "sections.student.config: teacher describes a CausalLM (it names neither model_type nor hf_config), but "
+     "section 'teacher', which sends hidden, runs stages.hf:HFCausalLM"),
     (["sections.teacher.stage=stages.hf:HFCausalLM", f"sections.teacher.config={json.dumps({**GPT2_ONE, 'role': 'teacher'})}",
       "sections.student.stage=stages.hf:HFCausalLM", 'sections.student.config={"role": "kd_student", "init_seed": 5, '
       f'"teacher": {json.dumps({**GPT2_ONE, "hf_config": {**GPT2_ONE["hf_config"], "n_layer": 2}})}}}'],
@@ -548,10 +556,53 @@ def test_a_kd_students_teacher_must_be_the_section_that_sends_it_hidden(items, f
                                  *sets), fragment)
 
 
-def test_what_the_teachers_head_does_not_depend_on_may_differ(dataset):
+def test_what_the_teachers_head_does_not_depend_on_may_differ(dataset, tmp_path, monkeypatch):
     result = invoke("validate", "pipelines/distill.py", "--set", f"data.path={dataset}",
                     "--set", "sections.teacher.config.max_seq_len=128", "--set", "sections.teacher.config.dropout=0.1")
     assert result.exit_code == 0, result.output
+    # Found in review: an HF teacher was compared on every transformers field, dropout included;
+    # one checkpoint named two ways differed; a subclass of a bundled LM was not checked.
+    from maestro_flow.stage import Sender
+    from stages.distill import check_teacher_sender
+
+    teacher = {**GPT2_ONE, "role": "teacher"}
+    student = {"role": "kd_student", "teacher": GPT2_ONE}
+    dropout = {**teacher, "hf_config": {**GPT2_ONE["hf_config"], "resid_pdrop": 0.1}, "attn_implementation": "eager"}
+    check_teacher_sender(student, {"hidden": Sender("teacher", "stages.hf:HFCausalLM", dropout)})
+    monkeypatch.chdir(tmp_path)
+    loaded = {**teacher, "checkpoint": "ckpt/t.safetensors"}
+    check_teacher_sender({**student, "teacher": {**GPT2_ONE, "checkpoint": str(tmp_path / "ckpt" / "t.safetensors"),
+                                                 "init_seed": 8}},
+                         {"hidden": Sender("teacher", "stages.hf:HFCausalLM", loaded)})
+    (tmp_path / "subclassed.py").write_text("from stages.lm import CausalLM\n\nclass Teacher(CausalLM):\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ValueError, match=r"teacher.init_seed \(1\) is not sections.teacher.config.init_seed \(2\)"):
+        check_teacher_sender({"teacher": TEACHER}, {"hidden": Sender("teacher", "subclassed:Teacher",
+                                                                     {**TEACHER, "init_seed": 2})})
+
+
+def test_a_malformed_width_declaration_is_refused_naming_the_method(tmp_path, dataset, monkeypatch):
+    (tmp_path / "badwidths.py").write_text(
+        "from stages.chain import TokenEmbedding\n\nclass Listed(TokenEmbedding):\n"
+        "    @classmethod\n    def output_widths(cls, config):\n        return {'embeddings': [64, 'd_model']}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    result = invoke("validate", "pipelines/chain.py", "--set", f"data.path={dataset}", "--set",
+                    "sections.embed.stage=badwidths:Listed")
+    assert_one_error_line(result, "sections.embed.stage: badwidths:Listed.output_widths(config) returned "
+                                  "{'embeddings': [64, 'd_model']}: give a dict of tensor name -> (width, config key)")
+
+
+def test_a_hugging_face_teachers_width_is_what_its_lm_head_reads():
+    """Found in review: OPT's hidden states are word_embed_proj_dim wide where that differs from
+    hidden_size; the declared width was hidden_size."""
+    from stages.hf import HFCausalLM
+
+    opt = {"role": "teacher", "model_type": "opt", "init_seed": 3, "hf_config": {
+        "hidden_size": 64, "word_embed_proj_dim": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "ffn_dim": 64,
+        "vocab_size": 260, "max_position_embeddings": 256, "pad_token_id": 1}}
+    assert HFCausalLM.output_widths(opt) == {"hidden": (32, "hf_config.word_embed_proj_dim")}
+    assert HFCausalLM.output_widths({**opt, "hf_config": {**opt["hf_config"], "word_embed_proj_dim": 64}}) == {
+        "hidden": (64, "hf_config.hidden_size")}
 
 
 def test_widths_a_subclass_may_change_are_not_taken_from_its_base(tmp_path, dataset):

@@ -208,5 +208,9 @@ def test_a_worker_that_cannot_be_reached_is_named_by_why() -> None:
     assert isinstance(reported, SystemFailure) and "a system error" in str(reported), reported
     with pytest.raises(StageError, match="a stage error"):
         Coordinator([], [(3, _error("stage"))])._unreachable(2, gone)
+    # Found in review: of two ranks that reported and died, the second was named (collateral).
+    both = Coordinator([FakeWorker(1, 1), FakeWorker(2, 1)], [(1, _error("system")), (2, _error("system"))])
+    first = both._unreachable(1, gone)
+    assert isinstance(first, SystemFailure) and "(rank 1)" in str(first), first
     unknown = Coordinator([], [])._unreachable(2, gone)  # after a grace of 1s on one node
     assert str(unknown).startswith("cannot reach section 'student' replica 1 (rank 2): "), unknown
