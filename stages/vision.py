@@ -133,9 +133,13 @@ class VisionEncoder(Stage):
 
     @classmethod
     def check_config(cls, config: dict[str, Any]) -> None:
+        """What __init__ checks before it builds anything: the config, the decode arguments, and
+        that the decoder class imports (found in a read-through: a misspelt path reached the
+        workers in `maestro run`)."""
         cfg = VisionConfig.from_dict(config)
         if cfg.decoder is not None:
             _decode_kwargs(cfg)
+            load_class(cfg.decoder, "decoder")
 
     @classmethod
     def outputs(cls, config: dict[str, Any]) -> tuple[str, ...]:

@@ -945,3 +945,11 @@ def test_a_projector_declares_the_width_of_both_its_ends():
     config = {"input": "image_feats", "output": "image_embeds", "d_in": 48, "d_out": 96}
     assert Projector.input_widths(config) == {"image_feats": (48, "d_in")}
     assert Projector.output_widths(config) == {"image_embeds": (96, "d_out")}
+
+
+def test_run_refuses_a_decoder_that_does_not_import():
+    """Found in a read-through: the vision encoder's check did not import its decoder class, so a
+    misspelt path reached the workers in `maestro run`."""
+    assert_one_error_line(invoke("run", "pipelines/vlm.py", "--no-run-dir", "--set", "data.path=/nowhere.arrow",
+                                 "--set", "sections.vision.config.decoder=loaders.dali:ImageDecodr"),
+                          "sections.vision.config: decoder: module 'loaders.dali' has no attribute 'ImageDecodr'")
