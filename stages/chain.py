@@ -28,7 +28,7 @@ from stages.common import (
     select_predicted,
 )
 from stages.transformer import Decoder, LMConfig, block_tp_plan, check_block_tp
-from stages.weights import init_weights, load_weights
+from stages.weights import check_checkpoint_file, init_weights, load_weights
 
 
 def _weighted(module: nn.Module, cfg: LMConfig, prefix: str) -> nn.Module:
@@ -49,7 +49,7 @@ class TokenEmbedding(Stage):
 
     @classmethod
     def check_config(cls, config: dict[str, Any]) -> None:
-        LMConfig.from_dict(config)
+        check_checkpoint_file(LMConfig.from_dict(config).checkpoint, "checkpoint")
 
     @classmethod
     def outputs(cls, config: dict[str, Any]) -> tuple[str, ...]:
@@ -81,7 +81,7 @@ class TransformerLM(Stage):
 
     @classmethod
     def check_config(cls, config: dict[str, Any]) -> None:
-        LMConfig.from_dict(config)
+        check_checkpoint_file(LMConfig.from_dict(config).checkpoint, "checkpoint")
 
     @classmethod
     def outputs(cls, config: dict[str, Any]) -> tuple[str, ...]:

@@ -43,6 +43,7 @@ from stages.common import (
 )
 from stages.lm import build_causal_transformer, build_lm_head, lm_head_config
 from stages.transformer import LMConfig, block_tp_plan, check_block_tp
+from stages.weights import check_checkpoint_file
 
 KD_OUTPUTS = ("loss", "loss_denominator")
 
@@ -99,6 +100,7 @@ def teacher_head_shape(config: Any, *, where: str = "teacher.") -> HeadShape:
     if not isinstance(config, dict):  # found in a read-through: the check skipped it, __init__ refused it
         raise ValueError(f"{where.rstrip('.')} must be a mapping of config keys (the teacher section's model "
                          f"config), got {config!r}")
+    check_checkpoint_file(config.get("checkpoint"), f"{where}checkpoint")
     if not is_hf_config(config):
         cfg = lm_head_config(config, where=where)
         return HeadShape(cfg.d_model, f"{where}d_model", cfg.vocab_size)
@@ -132,10 +134,11 @@ def _teacher_kind(stage: str) -> bool | None:
 
 
 def _head_fields(config: dict[str, Any], hf: bool) -> dict[str, Any]:
-    """What the teacher head built from `config` depends on (build_teacher_head): the weights'
-    source (a checkpoint, else init_seed) and the sizes; for a Hugging Face model drawn from a
-    seed, every transformers config field but dropout and runtime flags (the head is drawn after
-    the rest of the model, from one RNG stream)."""
+    """What the teacher head built from `config` may depend on (build_teacher_head): the weights'
+    source (a checkpoint, else init_seed), the sizes and, for a Hugging Face model, what it does
+    to its logits (a soft cap, a scale, tied weights) and, drawn from a seed, every other
+    transformers config field but dropout and runtime flags (the head is drawn after the rest of
+    the model, from one RNG stream; whether such a field changes it, _decides and a build tell)."""
     checkpoint = config.get("checkpoint")
     fields: dict[str, Any] = {"checkpoint": os.path.realpath(checkpoint) if isinstance(checkpoint, str) else checkpoint}
     if checkpoint is None:  # else the weights are read from it
@@ -146,11 +149,19 @@ def _head_fields(config: dict[str, Any], hf: bool) -> dict[str, Any]:
     from stages.hf import hf_model_config
 
     hf_config = hf_model_config(config)[0]
-    fields |= {"model_type": hf_config.model_type, "hf_config.vocab_size": hf_config.vocab_size}
-    if checkpoint is None:
-        fields |= {f"hf_config.{k}": v for k, v in hf_config.to_dict().items()
-                   if not k.startswith("_") and not any(n in k for n in NOT_WEIGHTS)}
+    fields["model_type"] = hf_config.model_type
+    fields |= {f"hf_config.{k}": v for k, v in hf_config.to_dict().items()
+               if not k.startswith("_") and not any(n in k for n in NOT_WEIGHTS)
+               and (checkpoint is None or _decides(f"hf_config.{k}"))}
     return fields
+
+
+def _decides(key: str) -> bool:
+    """Whether a difference in this _head_fields key makes another head, whatever a build shows:
+    the weights' source, the model, the vocabulary, and what the head does to its logits
+    (gemma2's final_logit_softcapping: found in QA, not compared with a checkpoint)."""
+    return (key in ("checkpoint", "init_seed", "model_type", "hf_config.vocab_size", "hf_config.tie_word_embeddings")
+            or "logit" in key)
 
 
 def check_teacher_sender(config: dict[str, Any], senders: dict[str, Any]) -> None:
@@ -174,13 +185,21 @@ def check_teacher_sender(config: dict[str, Any], senders: dict[str, Any]) -> Non
     if theirs["checkpoint"] is None and theirs["init_seed"] is None:  # found in review: the advice went in a circle
         raise ValueError(f"section {sender.section!r}, which sends hidden, has neither init_seed nor checkpoint: its "
                          f"weights are drawn at random, and no other section can rebuild its LM head; set "
-                         f"{there}.init_seed (and the same teacher.init_seed here)")
+                         f"{there}.init_seed, and this config's teacher.init_seed to the same seed")
     mine = _head_fields(teacher, hf)
-    for key in sorted(mine.keys() | theirs.keys()):
-        if mine.get(key) != theirs.get(key):
-            raise ValueError(f"teacher.{key} ({mine.get(key)!r}) is not {there}.{key} ({theirs.get(key)!r}): the LM "
-                             f"head rebuilt from teacher would not be the head section {sender.section!r} has, which "
-                             f"sends hidden; set teacher to {there}")
+    differ = [k for k in sorted(mine.keys() | theirs.keys()) if mine.get(k) != theirs.get(k)]
+    if not differ or (hf and not any(map(_decides, differ)) and _same_hf_head(teacher, sender.config)):
+        return
+    key = next((k for k in differ if _decides(k)), differ[0])
+    raise ValueError(f"teacher.{key} ({mine.get(key)!r}) is not {there}.{key} ({theirs.get(key)!r}): the LM head "
+                     f"rebuilt from teacher would not be the head section {sender.section!r} has, which sends "
+                     f"hidden; set teacher to {there}")
+
+
+def _same_hf_head(teacher: dict[str, Any], section_config: dict[str, Any]) -> bool:
+    from stages.hf import same_lm_head
+
+    return bool(same_lm_head(teacher, {k: v for k, v in section_config.items() if k != "role"}))
 
 
 def teacher_input_widths(config: dict[str, Any]) -> dict[str, tuple[int, str]]:
@@ -246,6 +265,7 @@ class KDStudent(Stage):
         check_keys(config, ("student", "teacher", *KD_KEYS))
         KDConfig.from_dict(config)
         student = LMConfig.from_dict(config.get("student", {}), where="student.")
+        check_checkpoint_file(student.checkpoint, "student.checkpoint")
         same_vocab(teacher_head_shape(config["teacher"]).vocab, student.vocab_size, "student.vocab_size")
 
     @classmethod

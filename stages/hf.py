@@ -52,7 +52,7 @@ from stages.distill import (
     teacher_input_widths,
 )
 from stages.lm import stage_role
-from stages.weights import on_meta, read_checkpoint
+from stages.weights import check_checkpoint_file, on_meta, read_checkpoint
 
 LOSS = ("loss", "loss_denominator")
 ROLES = {"teacher": ("hidden",), "lm": LOSS, "kd_student": LOSS}
@@ -257,27 +257,63 @@ def hf_head_config(config: dict[str, Any], *, where: str = "") -> Any:
     return hf_model_config(config, where=where)[0]
 
 
-_HEAD_WIDTHS: dict[str, int] = {}  # a transformers config (as JSON) -> what its LM head reads
+_HEAD_WIDTHS: dict[str, int] = {}  # a transformers config (as JSON) and attention -> what its LM head reads
+
+
+def meta_head_width(hf_config: Any, attn: str | None = None, where: str = "") -> int:
+    """The width its LM head reads, of the model `hf_config` describes, built on the meta device
+    (shapes only: about a second for billions of parameters), once per config; what transformers
+    refuses while building it (a width its heads do not divide, a model type that is no causal
+    LM, an unknown attention implementation: found in QA, met in the workers) is a ValueError
+    naming the config."""
+    key = f"{hf_config.to_json_string()}/{attn}"
+    if key not in _HEAD_WIDTHS:
+        from transformers import AutoModelForCausalLM
+
+        try:
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(hf_config, **({} if attn is None else {
+                    "attn_implementation": attn}))
+        except Exception as exc:  # anything transformers raises for a config is the config's
+            first = (str(exc).strip().splitlines() or [""])[0]  # (t5's lists every causal LM config class)
+            raise ValueError(f"{where}model_type/{where}hf_config: {type(exc).__name__}: {first}") from exc
+        head = model.get_output_embeddings()
+        _HEAD_WIDTHS[key] = head.in_features if head is not None else hf_config.hidden_size
+    return _HEAD_WIDTHS[key]
 
 
 def hidden_width(hf_config: Any) -> tuple[int, str]:
     """The width of the hidden states the model's LM head reads (what a teacher sends), with the
     hf_config key that sets it (gpt2's n_embd, most models' hidden_size; OPT's
-    word_embed_proj_dim where it differs from hidden_size: found in review). Read from the model
-    built on the meta device, once per config."""
-    key = hf_config.to_json_string()
-    if key not in _HEAD_WIDTHS:
-        from transformers import AutoModelForCausalLM
-
-        with torch.device("meta"):
-            head = AutoModelForCausalLM.from_config(hf_config).get_output_embeddings()
-        _HEAD_WIDTHS[key] = head.in_features if head is not None else hf_config.hidden_size
-    width = _HEAD_WIDTHS[key]
+    word_embed_proj_dim where it differs from hidden_size: found in review)."""
+    width = meta_head_width(hf_config)
     if getattr(hf_config, "hidden_size", None) == width:
         return width, "hf_config." + getattr(hf_config, "attribute_map", {}).get("hidden_size", "hidden_size")
     named = [k for k, v in hf_config.to_dict().items() if v == width and not k.startswith("_") and k.endswith(
         ("_dim", "_size"))]
+    # The key that sizes the hidden states, before one that merely holds the same number (found
+    # in QA: OPT's ffn_dim was named for its word_embed_proj_dim).
+    named.sort(key=lambda k: not any(part in k for part in ("proj", "embed", "hidden", "model")))
     return width, "hf_config." + (named[0] if named else "hidden_size")
+
+
+def same_lm_head(a: dict[str, Any], b: dict[str, Any]) -> bool | None:
+    """Whether two configs give the same LM head (build_hf_lm_head: weights, bias, soft cap),
+    built on the CPU; None where either model has over PROBE_MAX_PARAMS parameters (not built).
+    For fields whose effect on the head only a build tells (an epsilon, an activation, the rope
+    base: found in QA, refused as if they changed it)."""
+    from transformers import AutoModelForCausalLM
+
+    for config in (a, b):
+        with torch.device("meta"):
+            if not _small(AutoModelForCausalLM.from_config(hf_model_config(config)[0])):
+                return None
+    with torch.device("cpu"):
+        head_a, head_b = build_hf_lm_head(a, where="teacher."), build_hf_lm_head(b, where="teacher.")
+    return (type(head_a) is type(head_b) and getattr(head_a, "cap", None) == getattr(head_b, "cap", None)
+            and torch.equal(head_a.weight, head_b.weight)
+            and (head_a.bias is None) == (head_b.bias is None)
+            and (head_a.bias is None or torch.equal(head_a.bias, head_b.bias)))
 
 
 def build_hf_lm_head(config: dict[str, Any], *, where: str = "") -> nn.Linear:
@@ -350,12 +386,15 @@ class HFCausalLM(Stage):
 
     @classmethod
     def check_config(cls, config: dict[str, Any]) -> None:
-        """What __init__ checks before it builds the model: the role, the keys, the transformers
-        config (read, not built) and, for a KD student, the KD keys and the teacher's vocabulary.
-        The build-time checks (a causal model, a head that gives the model's logits) run where
-        the model is built: `validate`, and the workers."""
+        """What __init__ checks before it loads any weights: the role, the keys, the transformers
+        config, the model built from it on the meta device, the checkpoint file and, for a KD
+        student, the KD keys and the teacher's vocabulary. The checks that need values (a causal
+        model, a head that gives the model's logits) run where the model is built with them:
+        `validate`, and the workers."""
         role = cls._check_keys(config)
-        hf_config, _ = hf_model_config(config)
+        hf_config, attn = hf_model_config(config)
+        meta_head_width(hf_config, attn)
+        check_checkpoint_file(config.get("checkpoint"), "checkpoint")
         if role == "kd_student":
             KDConfig.from_dict(config)
             same_vocab(teacher_head_shape(config["teacher"]).vocab, hf_config.vocab_size, "hf_config.vocab_size")

@@ -27,7 +27,7 @@ from stages.common import (
     unpad,
 )
 from stages.transformer import CausalTransformer, LMConfig, block_tp_plan, check_block_tp
-from stages.weights import init_weights, load_weights
+from stages.weights import check_checkpoint_file, init_weights, load_weights
 
 ROLES = {"teacher": ("hidden",), "lm": ("loss", "loss_denominator")}
 HEAD_PREFIX = "head."
@@ -89,7 +89,7 @@ class CausalLM(Stage):
     @classmethod
     def check_config(cls, config: dict[str, Any]) -> None:
         stage_role(config, ROLES)
-        LMConfig.from_dict(config, ignore=("role",))
+        check_checkpoint_file(LMConfig.from_dict(config, ignore=("role",)).checkpoint, "checkpoint")
 
     @classmethod
     def outputs(cls, config: dict[str, Any]) -> tuple[str, ...]:

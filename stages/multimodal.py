@@ -34,6 +34,7 @@ from stages.common import Outputs, ce_sum, loss_outputs, pad_right
 from stages.encoder import param_like
 from stages.lm import build_causal_transformer
 from stages.transformer import LMConfig, block_tp_plan, check_block_tp
+from stages.weights import check_checkpoint_file
 
 VOCAB_SIZE = 261
 DEFAULT_INPUTS = {"image": "image_embeds", "audio": "audio_embeds"}
@@ -61,7 +62,8 @@ class MultimodalLM(Stage):
     @classmethod
     def check_config(cls, config: dict[str, Any]) -> None:
         _input_names(config)
-        LMConfig.from_dict({"vocab_size": VOCAB_SIZE, **config}, ignore=("inputs",))
+        check_checkpoint_file(LMConfig.from_dict({"vocab_size": VOCAB_SIZE, **config}, ignore=("inputs",)).checkpoint,
+                              "checkpoint")
 
     @classmethod
     def outputs(cls, config: dict[str, Any]) -> tuple[str, ...]:

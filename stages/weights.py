@@ -53,6 +53,13 @@ def init_weights(module: nn.Module, *, seed: int | None, n_layers: int, prefix: 
                 param.normal_(0.0, std, generator=generator)
 
 
+def check_checkpoint_file(path: Any, key: str) -> None:
+    """Refuse (ValueError naming config key `key`) a checkpoint that names no file, for
+    Stage.check_config: found in QA, `maestro run` met it in the workers, with a traceback."""
+    if path is not None and not (isinstance(path, str) and os.path.isfile(path)):
+        raise ValueError(f"{key}: no such file {path!r} (a .safetensors file)")
+
+
 def read_checkpoint(path: str, keys: Iterable[str], *, prefix: str = "",
                     optional: Iterable[str] = (), meta: bool = False) -> dict[str, Tensor]:
     """The tensors for `keys` from a .safetensors file, keyed without `prefix`. `meta`: their
@@ -64,8 +71,7 @@ def read_checkpoint(path: str, keys: Iterable[str], *, prefix: str = "",
     """
     from safetensors import safe_open
 
-    if not os.path.isfile(path):
-        raise ValueError(f"checkpoint: no such file {path!r}")
+    check_checkpoint_file(path, "checkpoint")
     keys, optional = list(keys), set(optional)
     with safe_open(path, framework="pt") as f:
         stored = set(f.keys())

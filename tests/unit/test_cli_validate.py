@@ -484,6 +484,8 @@ def test_a_stage_config_its_stage_refuses_is_refused_by_validate(item, fragments
     ("sections.student.config.student.n_headz=4", "sections.student.config: unknown config key 'student.n_headz'"),
     ("sections.student.config.student.d_model=-64", "sections.student.config: student.d_model must be an integer >= 1"),
     ("sections.teacher.config.n_heads=3", "sections.teacher.config: d_model (128) must be divisible by n_heads (3)"),
+    ("sections.teacher.config.checkpoint=/no/t.safetensors",  # found in QA: met in the workers
+     "sections.teacher.config: checkpoint: no such file '/no/t.safetensors'"),
 ])
 def test_run_refuses_a_stage_config_before_any_worker_starts(item, fragment):
     """Found in QA: `maestro run` started the workers, which failed at setup with a traceback
@@ -530,14 +532,14 @@ GPT2_ONE = {"model_type": "gpt2", "init_seed": 3, "hf_config": {"n_layer": 1, "n
      "'teacher' has, which sends hidden; set teacher to sections.teacher.config"),
     (["sections.teacher.config.init_seed=null"], "section 'teacher', which sends hidden, has neither init_seed nor "
      "checkpoint: its weights are drawn at random, and no other section can rebuild its LM head; set "
-     "sections.teacher.config.init_seed (and the same teacher.init_seed here)"),
+     "sections.teacher.config.init_seed, and this config's teacher.init_seed to the same seed"),
     (["sections.teacher.stage=stages.hf:HFCausalLM", 'sections.teacher.config={"role": "teacher", "init_seed": 1}',
       "sections.student.config.teacher.d_model=64", "sections.student.config.teacher.vocab_size=50257",
       "sections.student.config.student.vocab_size=50257"],
      "teacher describes a CausalLM (it names neither model_type nor hf_config), but section 'teacher', which sends "
      "hidden, runs stages.hf:HFCausalLM: give teacher the model_type and hf_config of sections.teacher.config"),
-    (["sections.teacher.config.checkpoint=/ckpt/teacher.safetensors"], "teacher.checkpoint (None) is not "
-     "sections.teacher.config.checkpoint ('/ckpt/teacher.safetensors')"),
+    (["sections.teacher.config.checkpoint={tmp}/teacher.safetensors"], "teacher.checkpoint (None) is not "
+     "sections.teacher.config.checkpoint ('{tmp}/teacher.safetensors')"),
     (["sections.teacher.stage=stages.hf:HFCausalLM", f"sections.teacher.config={json.dumps({**GPT2_ONE, 'role': 'teacher'})}",
       "sections.student.config.student.d_model=32", "sections.student.config.teacher.d_model=32"],
      "sections.student.config: teacher describes a CausalLM (it names neither model_type nor hf_config), but "
@@ -547,13 +549,14 @@ GPT2_ONE = {"model_type": "gpt2", "init_seed": 3, "hf_config": {"n_layer": 1, "n
       f'"teacher": {json.dumps({**GPT2_ONE, "hf_config": {**GPT2_ONE["hf_config"], "n_layer": 2}})}}}'],
      "teacher.hf_config.n_layer (2) is not sections.teacher.config.hf_config.n_layer (1)"),
 ])
-def test_a_kd_students_teacher_must_be_the_section_that_sends_it_hidden(items, fragment):
+def test_a_kd_students_teacher_must_be_the_section_that_sends_it_hidden(items, fragment, tmp_path):
     """Found in a read-through: a teacher section changed (its seed, its checkpoint, its model)
     and not the student's copy (`teacher`) ran, the student rebuilding another LM head than the
     teacher's: a distillation target no model gives, in silence (Stage.check_senders)."""
-    sets = [arg for item in items for arg in ("--set", item)]
+    (tmp_path / "teacher.safetensors").write_bytes(b"")  # a file (its contents are the workers' business)
+    sets = [arg for item in items for arg in ("--set", item.replace("{tmp}", str(tmp_path)))]
     assert_one_error_line(invoke("run", "pipelines/distill.py", "--no-run-dir", "--set", "data.path=/nowhere.arrow",
-                                 *sets), fragment)
+                                 *sets), fragment.replace("{tmp}", str(tmp_path)))
 
 
 def test_what_the_teachers_head_does_not_depend_on_may_differ(dataset, tmp_path, monkeypatch):
@@ -581,6 +584,35 @@ def test_what_the_teachers_head_does_not_depend_on_may_differ(dataset, tmp_path,
                                                                      {**TEACHER, "init_seed": 2})})
 
 
+LLAMA = {"model_type": "llama", "init_seed": 2, "hf_config": {
+    "vocab_size": 260, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+    "num_key_value_heads": 2, "max_position_embeddings": 256, "rms_norm_eps": 1e-6}}
+
+
+def test_a_hugging_face_teacher_copy_is_held_to_its_head_not_to_every_field():
+    """Found in QA: a copy differing in fields its head does not depend on (an epsilon, the
+    activation, the rope base, the positions) was refused; and with a checkpoint a soft cap the
+    teacher does not apply was accepted."""
+    from maestro_flow.stage import Sender
+    from stages.distill import check_teacher_sender
+
+    section = {"hidden": Sender("teacher", "stages.hf:HFCausalLM", {**LLAMA, "role": "teacher"})}
+    for field, value in (("rms_norm_eps", 1e-5), ("hidden_act", "gelu"), ("rope_theta", 5000.0),
+                         ("max_position_embeddings", 512)):
+        check_teacher_sender({"teacher": {**LLAMA, "hf_config": {**LLAMA["hf_config"], field: value}}}, section)
+    with pytest.raises(ValueError, match=r"teacher.hf_config.intermediate_size \(96\) is not"):
+        check_teacher_sender({"teacher": {**LLAMA, "hf_config": {**LLAMA["hf_config"], "intermediate_size": 96}}},
+                             section)
+    gemma2 = {"model_type": "gemma2", "checkpoint": "/ckpt/g2.safetensors", "hf_config": {
+        "vocab_size": 260, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+        "num_key_value_heads": 1, "head_dim": 16, "final_logit_softcapping": 30.0}}
+    capped = {"hidden": Sender("teacher", "stages.hf:HFCausalLM", {**gemma2, "role": "teacher"})}
+    check_teacher_sender({"teacher": {**gemma2, "init_seed": 4}}, capped)  # the weights come from the checkpoint
+    with pytest.raises(ValueError, match=r"teacher.hf_config.final_logit_softcapping \(1.0\) is not .*\(30.0\)"):
+        check_teacher_sender({"teacher": {**gemma2, "hf_config": {**gemma2["hf_config"],
+                                                                  "final_logit_softcapping": 1.0}}}, capped)
+
+
 def test_a_malformed_width_declaration_is_refused_naming_the_method(tmp_path, dataset, monkeypatch):
     (tmp_path / "badwidths.py").write_text(
         "from stages.chain import TokenEmbedding\n\nclass Listed(TokenEmbedding):\n"
@@ -601,6 +633,8 @@ def test_a_hugging_face_teachers_width_is_what_its_lm_head_reads():
         "hidden_size": 64, "word_embed_proj_dim": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "ffn_dim": 64,
         "vocab_size": 260, "max_position_embeddings": 256, "pad_token_id": 1}}
     assert HFCausalLM.output_widths(opt) == {"hidden": (32, "hf_config.word_embed_proj_dim")}
+    ffn = {**opt, "hf_config": {**opt["hf_config"], "ffn_dim": 32}}  # found in QA: ffn_dim was named
+    assert HFCausalLM.output_widths(ffn) == {"hidden": (32, "hf_config.word_embed_proj_dim")}
     assert HFCausalLM.output_widths({**opt, "hf_config": {**opt["hf_config"], "word_embed_proj_dim": 64}}) == {
         "hidden": (64, "hf_config.hidden_size")}
 
@@ -953,3 +987,14 @@ def test_run_refuses_a_decoder_that_does_not_import():
     assert_one_error_line(invoke("run", "pipelines/vlm.py", "--no-run-dir", "--set", "data.path=/nowhere.arrow",
                                  "--set", "sections.vision.config.decoder=loaders.dali:ImageDecodr"),
                           "sections.vision.config: decoder: module 'loaders.dali' has no attribute 'ImageDecodr'")
+
+
+@pytest.mark.parametrize("item, fragment", [
+    ("sections.teacher.config.d_model=64", "hidden is 64 wide as teacher sends it (sections.teacher.config.d_model)"),
+    ("sections.teacher.config.init_seed=9", "teacher.init_seed (1234) is not sections.teacher.config.init_seed (9)"),
+])
+def test_maestro_stage_refuses_what_run_refuses_between_sections(item, fragment):
+    """Found in QA: `maestro stage` ran the upstream section and failed in torch's matmul (a width
+    changed on one end), or distilled towards another head in silence (the teacher's seed)."""
+    assert_one_error_line(invoke("stage", "pipelines/distill.py", "student", "--samples", "2", "--set",
+                                 "data.path=/nowhere.arrow", "--set", item), fragment)

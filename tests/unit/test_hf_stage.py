@@ -159,6 +159,14 @@ def test_config_errors():
     ({"role": "lm", "hf_config": "gpt2"}, "hf_config must be a mapping"),
     ({"role": "lm", "model_type": "no_such_model"}, "model_type/hf_config"),
     ({"role": "lm", "hf_config": {"pad_token_id": 999}}, "hf_config.pad_token_id"),
+    # Found in QA: these passed `maestro run` and failed in the workers (transformers refuses them
+    # while building; the check builds on the meta device).
+    ({"role": "lm", "hf_config": {"n_embd": 66, "n_head": 4}}, "`embed_dim` must be divisible by num_heads"),
+    ({"role": "lm", "model_type": "t5"}, "for this kind of AutoModel: AutoModelForCausalLM"),
+    ({"role": "lm", "attn_implementation": "bogus"}, 'attn_implementation="bogus"` is not supported'),
+    ({"role": "lm", "checkpoint": "/no/such.safetensors"}, "checkpoint: no such file '/no/such.safetensors'"),
+    ({"role": "kd_student", "teacher": {**TEACHER, "checkpoint": "/no/t.safetensors"}},
+     "checkpoint: no such file '/no/t.safetensors'"),  # (teacher.checkpoint, in the check)
 ])
 def test_check_config_refuses_what_init_refuses(config, match):
     """HFCausalLM.check_config, which `maestro run` calls before any worker starts, refuses what
