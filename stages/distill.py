@@ -107,7 +107,7 @@ def teacher_head_shape(config: Any, *, where: str = "teacher.") -> HeadShape:
     from stages.hf import hf_head_config, hidden_width  # transformers is imported only when used
 
     hf_config = hf_head_config(config, where=where)
-    width, key = hidden_width(hf_config)
+    width, key = hidden_width(hf_config, where)
     return HeadShape(width, where + key, hf_config.vocab_size)
 
 
@@ -159,9 +159,14 @@ def _head_fields(config: dict[str, Any], hf: bool) -> dict[str, Any]:
 def _decides(key: str) -> bool:
     """Whether a difference in this _head_fields key makes another head, whatever a build shows:
     the weights' source, the model, the vocabulary, and what the head does to its logits
-    (gemma2's final_logit_softcapping: found in QA, not compared with a checkpoint)."""
-    return (key in ("checkpoint", "init_seed", "model_type", "hf_config.vocab_size", "hf_config.tie_word_embeddings")
-            or "logit" in key)
+    (gemma2's final_logit_softcapping: found in QA, not compared with a checkpoint; by name, not
+    by a "logit" in it: attn_logit_softcapping is the attention's, found in review)."""
+    return key in DECIDING
+
+
+DECIDING = ("checkpoint", "init_seed", "model_type", "hf_config.vocab_size", "hf_config.tie_word_embeddings",
+            "hf_config.final_logit_softcapping", "hf_config.logit_scale", "hf_config.logits_scaling")
+SIZES = ("size", "dim", "embd", "layer", "head", "inner", "position", "vocab")  # field names that size a model
 
 
 def check_teacher_sender(config: dict[str, Any], senders: dict[str, Any]) -> None:
@@ -187,19 +192,25 @@ def check_teacher_sender(config: dict[str, Any], senders: dict[str, Any]) -> Non
                          f"weights are drawn at random, and no other section can rebuild its LM head; set "
                          f"{there}.init_seed, and this config's teacher.init_seed to the same seed")
     mine = _head_fields(teacher, hf)
-    differ = [k for k in sorted(mine.keys() | theirs.keys()) if mine.get(k) != theirs.get(k)]
-    if not differ or (hf and not any(map(_decides, differ)) and _same_hf_head(teacher, sender.config)):
+    # What decides the head first, then what sizes it (found in review: an epsilon was named
+    # beside n_layer, which is what changed the head).
+    differ = sorted((k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k)),
+                    key=lambda k: (not _decides(k), not any(part in k for part in SIZES), k))
+    if not differ:
         return
-    key = next((k for k in differ if _decides(k)), differ[0])
-    raise ValueError(f"teacher.{key} ({mine.get(key)!r}) is not {there}.{key} ({theirs.get(key)!r}): the LM head "
-                     f"rebuilt from teacher would not be the head section {sender.section!r} has, which sends "
-                     f"hidden; set teacher to {there}")
+    same = None
+    if hf and not _decides(differ[0]):
+        from stages.hf import same_lm_head
 
-
-def _same_hf_head(teacher: dict[str, Any], section_config: dict[str, Any]) -> bool:
-    from stages.hf import same_lm_head
-
-    return bool(same_lm_head(teacher, {k: v for k, v in section_config.items() if k != "role"}))
+        same = same_lm_head(teacher, {k: v for k, v in sender.config.items() if k != "role"})
+        if same:
+            return
+    key = differ[0]
+    why = (f"the LM head rebuilt from teacher would not be the head section {sender.section!r} has, which sends "
+           f"hidden" if same is not None or _decides(key) or not hf else
+           "the heads of models over 50M parameters are not built to be compared, so the fields must match")
+    raise ValueError(f"teacher.{key} ({mine.get(key)!r}) is not {there}.{key} ({theirs.get(key)!r}): {why}; set "
+                     f"teacher to {there}")
 
 
 def teacher_input_widths(config: dict[str, Any]) -> dict[str, tuple[int, str]]:

@@ -166,7 +166,7 @@ def hf_model_config(config: dict[str, Any], *, where: str = "") -> tuple[Any, st
     kwargs = {**(GPT2_DEFAULTS if model_type == "gpt2" else {}), **user}
     try:
         hf_config = AutoConfig.for_model(model_type, **kwargs)
-    except (ValueError, TypeError) as exc:
+    except Exception as exc:  # (huggingface_hub's validation errors are neither: found in review)
         raise ValueError(f"{where}model_type/{where}hf_config: {exc}") from exc
     pad, vocab = getattr(hf_config, "pad_token_id", None), getattr(hf_config, "vocab_size", None)
     if isinstance(pad, int) and isinstance(vocab, int) and not 0 <= pad < vocab:  # found in QA: an assertion deep down
@@ -282,11 +282,12 @@ def meta_head_width(hf_config: Any, attn: str | None = None, where: str = "") ->
     return _HEAD_WIDTHS[key]
 
 
-def hidden_width(hf_config: Any) -> tuple[int, str]:
+def hidden_width(hf_config: Any, where: str = "") -> tuple[int, str]:
     """The width of the hidden states the model's LM head reads (what a teacher sends), with the
     hf_config key that sets it (gpt2's n_embd, most models' hidden_size; OPT's
-    word_embed_proj_dim where it differs from hidden_size: found in review)."""
-    width = meta_head_width(hf_config)
+    word_embed_proj_dim where it differs from hidden_size: found in review). `where` prefixes
+    the keys of a refusal (a student's copy of its teacher's config: "teacher.")."""
+    width = meta_head_width(hf_config, where=where)
     if getattr(hf_config, "hidden_size", None) == width:
         return width, "hf_config." + getattr(hf_config, "attribute_map", {}).get("hidden_size", "hidden_size")
     named = [k for k, v in hf_config.to_dict().items() if v == width and not k.startswith("_") and k.endswith(
@@ -304,11 +305,16 @@ def same_lm_head(a: dict[str, Any], b: dict[str, Any]) -> bool | None:
     base: found in QA, refused as if they changed it)."""
     from transformers import AutoModelForCausalLM
 
+    # Without an attention implementation the head does not depend on (flash attention may not
+    # be there to build with); the global RNG as it was (a new head's own init draws from it:
+    # found in review).
+    a, b = ({**c, "attn_implementation": None, "hf_config": {k: v for k, v in c.get("hf_config", {}).items()
+                                                            if k != "attn_implementation"}} for c in (a, b))
     for config in (a, b):
         with torch.device("meta"):
             if not _small(AutoModelForCausalLM.from_config(hf_model_config(config)[0])):
                 return None
-    with torch.device("cpu"):
+    with torch.device("cpu"), torch.random.fork_rng(devices=[]):
         head_a, head_b = build_hf_lm_head(a, where="teacher."), build_hf_lm_head(b, where="teacher.")
     return (type(head_a) is type(head_b) and getattr(head_a, "cap", None) == getattr(head_b, "cap", None)
             and torch.equal(head_a.weight, head_b.weight)

@@ -234,11 +234,10 @@ def replay(path: str, name: str, options: ReplayOptions, echo: Callable[[str], N
     if options.repeat < 1:
         raise ReplayError(f"--repeat must be >= 1, got {options.repeat}")
     _check_mode_flags(pipeline, name, options)
-    from maestro_flow.runtime.checks import check_senders, check_widths
+    from maestro_flow.runtime.checks import check_between
+    from maestro_flow.runtime.replay_runner import _ancestors
 
-    graph = SectionGraph(pipeline)  # as `run` refuses them (found in QA: a shape error, or a silently other head)
-    check_widths(pipeline, graph)
-    check_senders(pipeline, graph)
+    check_between(pipeline, {name, *_ancestors(SectionGraph(pipeline), name)})  # the sections this command runs
     with post_mortem(options.pdb):
         return _replay(path, pipeline, name, options, echo)
 

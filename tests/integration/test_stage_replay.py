@@ -442,10 +442,10 @@ def test_tolerances_are_checked(data, tmp_path, flags, message):
 def test_synthetic_inputs_too_large_to_make_are_bad_input_not_the_stages(data):
     """Found in review: the allocation failed before the stage ran, and was reported as the stage
     raising (exit 3, "rerun with --pdb")."""
-    result = CliRunner().invoke(stage, [DISTILL, "student", "--input-shape", "hidden=99999999x99999",
+    result = CliRunner().invoke(stage, [DISTILL, "student", "--input-shape", "hidden=999999999999x128",
                                         "--set", f"data.path={data['text']}"])
     assert result.exit_code == 2, result.output
-    assert "error: --input-shape hidden=99999999x99999: cannot make 2 such tensor(s) (RuntimeError" in result.output
+    assert "error: --input-shape hidden=999999999999x128: cannot make 2 such tensor(s) (RuntimeError" in result.output
     assert "--pdb" not in result.output
 
 

@@ -603,6 +603,12 @@ def test_a_hugging_face_teacher_copy_is_held_to_its_head_not_to_every_field():
     with pytest.raises(ValueError, match=r"teacher.hf_config.intermediate_size \(96\) is not"):
         check_teacher_sender({"teacher": {**LLAMA, "hf_config": {**LLAMA["hf_config"], "intermediate_size": 96}}},
                              section)
+    import torch
+
+    torch.manual_seed(0)
+    state = torch.random.get_rng_state()
+    check_teacher_sender({"teacher": {**LLAMA, "hf_config": {**LLAMA["hf_config"], "rms_norm_eps": 1e-5}}}, section)
+    assert torch.equal(torch.random.get_rng_state(), state)  # found in review: a head's own init drew from it
     gemma2 = {"model_type": "gemma2", "checkpoint": "/ckpt/g2.safetensors", "hf_config": {
         "vocab_size": 260, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
         "num_key_value_heads": 1, "head_dim": 16, "final_logit_softcapping": 30.0}}
@@ -611,6 +617,39 @@ def test_a_hugging_face_teacher_copy_is_held_to_its_head_not_to_every_field():
     with pytest.raises(ValueError, match=r"teacher.hf_config.final_logit_softcapping \(1.0\) is not .*\(30.0\)"):
         check_teacher_sender({"teacher": {**gemma2, "hf_config": {**gemma2["hf_config"],
                                                                   "final_logit_softcapping": 1.0}}}, capped)
+    # Found in review: attn_logit_softcapping (the attention's) was held to decide the head.
+    seeded = {**gemma2, "checkpoint": None, "init_seed": 4}
+    check_teacher_sender({"teacher": {**seeded, "hf_config": {**gemma2["hf_config"], "attn_logit_softcapping": 20.0}}},
+                         {"hidden": Sender("teacher", "stages.hf:HFCausalLM", {**seeded, "role": "teacher"})})
+    big = {**LLAMA, "hf_config": {**LLAMA["hf_config"], "vocab_size": 32000, "hidden_size": 1024}}  # 66M: not built
+    with pytest.raises(ValueError, match="the heads of models over 50M parameters are not built to be compared"):
+        check_teacher_sender({"teacher": {**big, "hf_config": {**big["hf_config"], "rms_norm_eps": 1e-5}}},
+                             {"hidden": Sender("teacher", "stages.hf:HFCausalLM", {**big, "role": "teacher"})})
+    # Found in review: the copy's refusal by transformers named the student's own keys.
+    with pytest.raises(ValueError, match="teacher.model_type/teacher.hf_config: ValueError: `embed_dim` must be"):
+        _kd_student_check({"teacher": {"model_type": "gpt2", "init_seed": 1, "hf_config": {"n_embd": 66}}})
+
+
+def _kd_student_check(config):
+    from stages.distill import KDStudent
+
+    KDStudent.check_config(config)
+    KDStudent.input_widths(config)
+
+
+def test_maestro_stage_checks_only_the_sections_it_runs():
+    """Found in review: replaying the teacher alone was refused for its student's config."""
+    from pathlib import Path
+
+    from maestro_flow.errors import PipelineError
+    from maestro_flow.runtime.build import load_pipeline
+    from maestro_flow.runtime.checks import check_between
+
+    path = str(Path(__file__).resolve().parents[2] / "pipelines" / "distill.py")
+    pipeline, _ = load_pipeline(path, {"sections.student.config.teacher.init_seed": 9})
+    check_between(pipeline, {"teacher"})
+    with pytest.raises(PipelineError, match="teacher.init_seed \\(9\\) is not sections.teacher.config.init_seed"):
+        check_between(pipeline, {"teacher", "student"})
 
 
 def test_a_malformed_width_declaration_is_refused_naming_the_method(tmp_path, dataset, monkeypatch):
