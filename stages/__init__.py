@@ -13,6 +13,6 @@
   received embeddings and trains on the text tokens only.
 
 The building blocks live in `transformer.py` (modules), `encoder.py` (bidirectional encoder
-trunk, projector), `weights.py` (initialisation and checkpoint reading) and `common.py` (padding
-and loss sums). Stages use only the public API of maestro_flow.
+trunk, projector), `weights.py` (initialisation and checkpoint reading), `hf_model.py` (a
+transformers model built from a config) and `common.py` (padding and loss sums). Stages use only the public API of maestro_flow.
 """

@@ -146,7 +146,7 @@ def _head_fields(config: dict[str, Any], hf: bool) -> dict[str, Any]:
     if not hf:
         cfg = LMConfig.from_dict(config, ignore=("role",))
         return {**fields, "vocab_size": cfg.vocab_size, "d_model": cfg.d_model}
-    from stages.hf import hf_model_config
+    from stages.hf_model import hf_model_config
 
     hf_config = hf_model_config(config)[0]
     fields["model_type"] = hf_config.model_type

@@ -1,9 +1,9 @@
 """`HFCausalLM`: the causal-LM roles around a Hugging Face `transformers` model.
 
-Owns building the model from a config alone (no download: `AutoConfig.for_model` then
-`AutoModelForCausalLM.from_config`), seeded or from a safetensors checkpoint, and `build_hf_lm_head`,
-which rebuilds such a model's LM head for a KD student in another section. The KD loss is the one
-in distill.py; padding and loss sums are in common.py. Knows nothing of grad modes or normalisation.
+Owns the stage and `build_hf_lm_head`, which rebuilds such a model's LM head for a KD student in
+another section (with what the checks need of heads: their width, their equality). Building the
+model from a config is stages/hf_model.py's. The KD loss is the one in distill.py; padding and loss
+sums are in common.py. Knows nothing of grad modes or normalisation.
 
 Config keys: `model_type` (default "gpt2"), `hf_config` (kwargs of the transformers config; for
 gpt2 small dropout-free defaults apply), `attn_implementation` (passed to transformers as given,
@@ -12,18 +12,11 @@ e.g. "eager", "sdpa"; default: transformers' own choice; may also sit inside `hf
 "hidden": per-sample final hidden states, after gpt2's ln_f), "lm" (outputs "loss" sum of
 next-token CE and "loss_denominator"), or "kd_student" (input "hidden"; keys `teacher`,
 `temperature`, `alpha` as in KDStudent).
-
-A model size the config leaves out is never taken silently: building the model prints which size
-fields came from defaults (ours for gpt2, transformers' otherwise — for most model types those
-are the full published size, e.g. llama's 4096 x 32 layers) and the resulting parameter count.
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import inspect
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -51,187 +44,19 @@ from stages.distill import (
     teacher_head_shape,
     teacher_input_widths,
 )
+from stages.hf_model import build_hf_model, hf_model_config, is_small, probe_copy, probing
 from stages.lm import stage_role
-from stages.weights import check_checkpoint_file, on_meta, read_checkpoint
+from stages.weights import check_checkpoint_file, on_meta
 
 LOSS = ("loss", "loss_denominator")
 ROLES = {"teacher": ("hidden",), "lm": LOSS, "kd_student": LOSS}
 MODEL_KEYS = ("model_type", "hf_config", "attn_implementation", "init_seed", "checkpoint")
-# Config fields that size a model (canonical names; gpt2's n_embd etc. map to them).
-SIZE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "n_inner", "num_hidden_layers", "num_attention_heads",
-             "num_key_value_heads", "head_dim", "max_position_embeddings")
-# Small, dropout-free gpt2 (gpt2's own defaults are 124M parameters with dropout 0.1, and its
-# bos/eos ids 50256 would lie outside a small vocabulary).
-GPT2_DEFAULTS: dict[str, Any] = {
-    "n_layer": 2, "n_embd": 64, "n_head": 4, "vocab_size": 260, "n_positions": 256,
-    "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "bos_token_id": None, "eos_token_id": None,
-}
-
-
-def build_hf_model(config: dict[str, Any], *, where: str = "", quiet: bool = False) -> nn.Module:
-    """The transformers causal LM a config describes, with its weights. Unless `quiet`, says
-    first (on stdout: the worker's log) which size fields came from defaults (describe_size)."""
-    from transformers import AutoModelForCausalLM
-
-    hf_config, attn = hf_model_config(config, where=where)
-    kwargs = {} if attn is None else {"attn_implementation": attn}
-    note = describe_size(config, hf_config, where)
-    if note is not None and not quiet:
-        print(note, flush=True)
-    seed = config.get("init_seed")
-    if seed is None:
-        model = AutoModelForCausalLM.from_config(hf_config, **kwargs)
-    else:
-        # transformers initialises from the global RNG: fork it so the seed fixes the weights
-        # without disturbing the runtime's RNG stream.
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            model = AutoModelForCausalLM.from_config(hf_config, **kwargs)
-    if config.get("checkpoint") is not None:
-        load_hf_checkpoint(model, config["checkpoint"])
-    if not on_meta(model):
-        _check_causal(model, hf_config.model_type, where)
-    elif _small(model):
-        _probe_copy(config, where, functools.partial(build_hf_model, quiet=True))  # on the CPU: checked there
-    return model
-
-
-# On the meta device (`maestro validate`) a model has no values to probe. One of at most this
-# many parameters is built again on the CPU (random weights: what the checks test is the
-# architecture, not the weights), so the build-time checks refuse it before any worker starts;
-# a larger one is checked by its workers as they build it.
-PROBE_MAX_PARAMS = 50_000_000
-
-
-def _small(model: nn.Module) -> bool:
-    return sum(p.numel() for p in model.parameters()) <= PROBE_MAX_PARAMS
-
-
-def _probe_copy(config: dict[str, Any], where: str, build: Any) -> None:
-    """`build` (building a model or its LM head) again on the CPU, seeded, without the checkpoint:
-    its build-time checks run. The RNG streams are left as they were."""
-    with torch.device("cpu"), torch.random.fork_rng(devices=[]):
-        build({**config, "checkpoint": None, "init_seed": config.get("init_seed") or 0}, where=where)
-
-
-@contextlib.contextmanager
-def _probing(model: nn.Module) -> Iterator[None]:
-    """A build-time check's forwards: dropout off (the same forward both ways), no autograd; the
-    model's train/eval mode as it was afterwards."""
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            yield
-    finally:
-        model.train(was_training)
-
-
-def _check_causal(model: nn.Module, model_type: str, where: str) -> None:
-    """Refuse a model whose earlier positions see later tokens (a bidirectional encoder built as
-    a causal LM, e.g. xlnet, or xlm without `causal`): its next-token loss would see the tokens it
-    predicts. Two forwards of four tokens differing in the last one, dropout off: a causal model
-    gives the same first positions, to rounding (a mixture of experts groups tokens per expert:
-    ~1e-7 in float32; a bidirectional model moves them by ~5e-3). In bf16/fp16 only leaks well
-    above that precision's rounding are caught."""
-    t = max(0, model.get_input_embeddings().num_embeddings // 2 - 4)  # ordinary tokens, not pad or specials
-    with _probing(model):
-        a, b = (model.base_model(input_ids=torch.tensor([[t, t + 1, t + 2, last]], device=module_device(model)))
-                .last_hidden_state[0, :3] for last in (t + 3, t + 4))
-    tol = 2e-2 if a.dtype in (torch.bfloat16, torch.float16) else 1e-4
-    if not torch.allclose(a.float(), b.float(), rtol=tol, atol=tol * max(1.0, float(a.abs().max()))):
-        raise ValueError(f"{where}model_type ({model_type!r}): the model's earlier positions see later tokens "
-                         "(bidirectional attention), so a next-token loss would see what it predicts; use a "
-                         "causal model type, or the config field that makes this one causal")
-
-
 # transformers' tp-plan styles maestro_flow applies, as its own (parallel/tp.py). Not the others:
 # e.g. "replicated_with_grad_allreduce" (qwen3's q_norm) needs its gradients summed over the tp
 # ranks, which each see different heads, and the MoE styles shard experts.
 HF_STYLES = {"colwise": "colwise", "rowwise": "rowwise", "colwise_rep": "colwise_rep",
              "colwise_gather_output": "colwise_rep", "rowwise_split_input": "rowwise_split",
              "embedding_rowwise": "rowwise"}
-
-
-def hf_model_config(config: dict[str, Any], *, where: str = "") -> tuple[Any, str | None]:
-    """The transformers config a stage config describes, and the attention implementation asked for."""
-    from transformers import AutoConfig
-
-    model_type = config.get("model_type", "gpt2")
-    if not isinstance(config.get("hf_config", {}), dict):
-        raise ValueError(f"{where}hf_config must be a mapping of transformers config fields (e.g. "
-                         f"{{'n_layer': 2}}), got {config['hf_config']!r}; the model is named by {where}model_type")
-    user = dict(config.get("hf_config", {}))
-    attn = config.get("attn_implementation", user.pop("attn_implementation", None))
-    kwargs = {**(GPT2_DEFAULTS if model_type == "gpt2" else {}), **user}
-    try:
-        hf_config = AutoConfig.for_model(model_type, **kwargs)
-    except Exception as exc:  # (huggingface_hub's validation errors are neither: found in review)
-        raise ValueError(f"{where}model_type/{where}hf_config: {exc}") from exc
-    pad, vocab = getattr(hf_config, "pad_token_id", None), getattr(hf_config, "vocab_size", None)
-    if isinstance(pad, int) and isinstance(vocab, int) and not 0 <= pad < vocab:  # found in QA: an assertion deep down
-        given = "as given" if "pad_token_id" in user else f"transformers' default for {model_type}"
-        raise ValueError(f"{where}hf_config.pad_token_id ({pad}, {given}) is outside the vocabulary (vocab_size "
-                         f"{vocab}): set {where}hf_config.pad_token_id to a token id below {vocab}, or None")
-    if hasattr(hf_config, "is_decoder") and "is_decoder" not in user:
-        # An encoder family (bert, roberta, ...) is a causal LM only as a decoder: else its
-        # attention is bidirectional and the next-token loss sees the tokens it predicts
-        # (build_hf_model checks every model for that).
-        hf_config.is_decoder = True
-    return hf_config, attn
-
-
-def size_defaults(config: dict[str, Any], hf_config: Any) -> dict[str, Any]:
-    """Size fields of `hf_config` that the stage config's `hf_config` did not set and that kept
-    their default (fields derived from the ones set, like llama's head_dim, are not defaults):
-    name -> value."""
-    from transformers import AutoConfig
-
-    bare = AutoConfig.for_model(hf_config.model_type, **(GPT2_DEFAULTS if hf_config.model_type == "gpt2" else {}))
-    aliases = dict(getattr(hf_config, "attribute_map", {}))
-    given = {aliases.get(k, k) for k in config.get("hf_config", {})} | set(config.get("hf_config", {}))
-    out = {}
-    for key in SIZE_KEYS:
-        name = aliases.get(key, key)
-        if key in given or name in given:
-            continue
-        value = getattr(hf_config, key, None)
-        if value is not None and value == getattr(bare, key, None):
-            out[name] = value
-    return out
-
-
-def describe_size(config: dict[str, Any], hf_config: Any, where: str = "") -> str | None:
-    """One line naming the size fields taken from defaults and the parameter count they give (the
-    model is built on the meta device for it: no memory, no time), or None when all were set."""
-    from transformers import AutoModelForCausalLM
-
-    defaults = size_defaults(config, hf_config)
-    if not defaults:
-        return None
-    source = "maestro_flow's small gpt2 defaults" if hf_config.model_type == "gpt2" else "transformers' defaults"
-    with torch.device("meta"):
-        count = sum(p.numel() for p in AutoModelForCausalLM.from_config(hf_config).parameters())
-    fields = ", ".join(f"{k}={v}" for k, v in defaults.items())
-    size = f"{count / 1e9:.2f}B" if count >= 1e9 else f"{count / 1e6:.2f}M" if count >= 1e6 else f"{count:,}"
-    return (f"stages.hf: {where}hf_config leaves {fields} to {source} for model_type {hf_config.model_type!r}: "
-            f"a model of {size} parameters (set them in {where}hf_config to choose the size)")
-
-
-def load_hf_checkpoint(model: nn.Module, path: str) -> None:
-    """Load a safetensors file into `model`; tied weights (gpt2's lm_head = wte) may be stored once."""
-    expected = model.state_dict()
-    groups: dict[int, list[str]] = {}
-    for key, tensor in expected.items():
-        groups.setdefault(tensor.data_ptr(), []).append(key)
-    tied = {k for keys in groups.values() if len(keys) > 1 for k in keys}
-    state = read_checkpoint(path, expected.keys(), optional=tied, meta=on_meta(model))
-    for keys in groups.values():
-        if not any(k in state for k in keys):
-            raise ValueError(f"checkpoint {path!r} lacks {keys[0]!r}")
-    # Copy (not assign) so that ties survive; take the checkpoint's precision first.
-    model.to(next(iter(state.values())).dtype)
-    model.load_state_dict(state, strict=False)
 
 
 class SoftcappedHead(nn.Linear):
@@ -312,7 +137,7 @@ def same_lm_head(a: dict[str, Any], b: dict[str, Any]) -> bool | None:
                                                             if k != "attn_implementation"}} for c in (a, b))
     for config in (a, b):
         with torch.device("meta"):
-            if not _small(AutoModelForCausalLM.from_config(hf_model_config(config)[0])):
+            if not is_small(AutoModelForCausalLM.from_config(hf_model_config(config)[0])):
                 return None
     with torch.device("cpu"), torch.random.fork_rng(devices=[]):
         head_a, head_b = build_hf_lm_head(a, where="teacher."), build_hf_lm_head(b, where="teacher.")
@@ -346,13 +171,13 @@ def build_hf_lm_head(config: dict[str, Any], *, where: str = "") -> nn.Linear:
             head.bias.copy_(out.bias)
     if not on_meta(model):
         _check_head(model, head, where)
-    elif _small(model):
-        _probe_copy(config, where, build_hf_lm_head)
+    elif is_small(model):
+        probe_copy(config, where, build_hf_lm_head)
     return head
 
 
 def _check_head(model: nn.Module, head: nn.Linear, where: str) -> None:
-    with _probing(model):
+    with probing(model):
         ids = torch.arange(min(4, head.out_features), device=module_device(model)).unsqueeze(0)
         hidden = model.base_model(input_ids=ids).last_hidden_state
         want = model(input_ids=ids).logits

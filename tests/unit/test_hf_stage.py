@@ -216,7 +216,7 @@ def test_attn_implementation_is_the_user_s(where):
 
 
 def test_sizes_left_to_defaults_are_announced(capsys):
-    from stages.hf import describe_size, hf_model_config
+    from stages.hf_model import describe_size, hf_model_config
 
     full = {"model_type": "llama"}
     note = describe_size(full, hf_model_config(full)[0])
@@ -283,8 +283,9 @@ def test_the_build_time_checks_run_on_the_meta_device_too(monkeypatch):
     passed it, and were refused only by the workers. A small model is now built again on the CPU
     for the checks; one over PROBE_MAX_PARAMS is left to its workers."""
     import stages.hf as hf
+    import stages.hf_model as hf_model
 
-    for build, config, refusal in ((hf.build_hf_model, BIDIRECTIONAL_BERT, "earlier positions see later tokens"),
+    for build, config, refusal in ((hf_model.build_hf_model, BIDIRECTIONAL_BERT, "earlier positions see later tokens"),
                                    (hf.build_hf_lm_head, COHERE, "changes its logits after its LM head")):
         with pytest.raises(ValueError, match=refusal):
             build(config)
@@ -296,9 +297,9 @@ def test_the_build_time_checks_run_on_the_meta_device_too(monkeypatch):
     with torch.device("meta"):
         hf.build_hf_lm_head({**COHERE, "model_type": "gpt2", "hf_config": {"n_layer": 1, "n_embd": 16, "n_head": 2}})
     assert torch.equal(torch.rand(1), expected)  # the probe's own build left the RNG stream alone
-    monkeypatch.setattr(hf, "PROBE_MAX_PARAMS", 0)
+    monkeypatch.setattr(hf_model, "PROBE_MAX_PARAMS", 0)
     with torch.device("meta"):
-        assert hf.on_meta(hf.build_hf_model(BIDIRECTIONAL_BERT, quiet=True))
+        assert hf.on_meta(hf_model.build_hf_model(BIDIRECTIONAL_BERT, quiet=True))
         assert hf.build_hf_lm_head(COHERE).weight.is_meta
 
 
