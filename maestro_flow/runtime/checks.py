@@ -313,9 +313,10 @@ def _check_config(cls: type, section: Section, method: str = "check_config", *ar
 
 
 def check_between(pipeline: Pipeline, only: set[str]) -> None:
-    """What `run` checks between sections, for the sections `only` (their configs, the widths of
-    the edges into them, their senders): `maestro stage`, which runs a section and those upstream
-    of it (found in QA: it ran them into a shape error, or built another teacher head)."""
+    """What `run` checks between sections, for the sections `only` (their configs, and the
+    widths and senders of the edges between them): `maestro stage`, which runs a section and
+    those upstream of it (found in QA: it ran them into a shape error, or built another teacher
+    head)."""
     graph = SectionGraph(pipeline)
     for s in pipeline.sections:
         if s.name in only:
@@ -326,14 +327,15 @@ def check_between(pipeline: Pipeline, only: set[str]) -> None:
 
 def check_senders(pipeline: Pipeline, graph: SectionGraph, only: Collection[str] | None = None) -> None:
     """Each section's config against the sections that send it its inputs (Stage.check_senders);
-    of the sections `only`, where given."""
+    between the sections `only`, where given."""
     from maestro_flow.stage import Sender
 
     for s in pipeline.sections:
         if only is not None and s.name not in only:
             continue
         senders = {t: Sender(e.edge.src, pipeline.section(e.edge.src).stage, dict(pipeline.section(e.edge.src).config))
-                   for e in graph.edges if e.edge.dst == s.name for t in e.edge.tensors}
+                   for e in graph.edges if e.edge.dst == s.name and (only is None or e.edge.src in only)
+                   for t in e.edge.tensors}
         if senders:
             _check_config(resolve(s.stage, f"sections.{s.name}.stage"), s, "check_senders", senders)
 
@@ -362,9 +364,9 @@ def declared_widths(section: Section, method: str) -> dict[str, tuple[int, str]]
 def check_widths(pipeline: Pipeline, graph: SectionGraph, only: Collection[str] | None = None) -> None:
     """Each edge's tensors are as wide where they are sent as where they are read (found in QA:
     `--set sections.vision.config.project_to=32` ran, and the LLM refused the first image
-    sample at step 1); of the edges into the sections `only`, where given."""
+    sample at step 1); of the edges between the sections `only`, where given."""
     for e in graph.edges:
-        if only is not None and e.edge.dst not in only:
+        if only is not None and not {e.edge.src, e.edge.dst} <= set(only):
             continue
         src, dst = pipeline.section(e.edge.src), pipeline.section(e.edge.dst)
         sent, read = declared_widths(src, "output_widths"), declared_widths(dst, "input_widths")

@@ -235,9 +235,11 @@ def replay(path: str, name: str, options: ReplayOptions, echo: Callable[[str], N
         raise ReplayError(f"--repeat must be >= 1, got {options.repeat}")
     _check_mode_flags(pipeline, name, options)
     from maestro_flow.runtime.checks import check_between
-    from maestro_flow.runtime.replay_runner import _ancestors
+    from maestro_flow.runtime.replay_runner import ancestors
 
-    check_between(pipeline, {name, *_ancestors(SectionGraph(pipeline), name)})  # the sections this command runs
+    # The sections this command runs: recorded inputs run none upstream, random ones not their producer.
+    ran = [] if options.run_dir else ancestors(SectionGraph(pipeline), name, set(options.input_shapes))
+    check_between(pipeline, {name, *ran})
     with post_mortem(options.pdb):
         return _replay(path, pipeline, name, options, echo)
 

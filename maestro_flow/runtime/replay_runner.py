@@ -244,7 +244,7 @@ def _to_torch(name: str, value: Any) -> Any:
     return value
 
 
-def _ancestors(graph: SectionGraph, name: str, replaced: frozenset[str] | set[str] = frozenset()) -> list[str]:
+def ancestors(graph: SectionGraph, name: str, replaced: frozenset[str] | set[str] = frozenset()) -> list[str]:
     """The sections upstream of `name` that must run to compute its inputs, in graph order; an
     edge into `name` whose tensors are all `replaced` (random inputs) needs nothing."""
     need, todo = set(), [name]
@@ -322,7 +322,7 @@ def synthetic_batches(pipeline: Pipeline, name: str, samples: int | None = None,
     # Samples this section (or one run upstream of it) would refuse in a run: one line, exit 2, as
     # validate says it, not the stage's own error (found in QA: max_seq_len). The others' limits
     # are not this command's business.
-    check_token_limits(pipeline, source, chosen, only={name, *_ancestors(graph, name, set(input_shapes))})
+    check_token_limits(pipeline, source, chosen, only={name, *ancestors(graph, name, set(input_shapes))})
     produced: dict[tuple[int, str], torch.Tensor | None] = {}
     wanted = {t for e in graph.inputs(name) for t in e.edge.tensors}
     random_names = wanted & set(input_shapes)
@@ -352,7 +352,7 @@ def synthetic_batches(pipeline: Pipeline, name: str, samples: int | None = None,
 def _run_upstream(pipeline: Pipeline, graph: SectionGraph, name: str, chosen: list, produced: dict,
                   random_names: set[str], input_shapes: dict, log: Callable[[str], None]) -> None:
     source = open_source(pipeline)
-    for up in _ancestors(graph, name, random_names):
+    for up in ancestors(graph, name, random_names):
         section = graph.sections[up]
         try:
             runner = SectionRunner(pipeline, up)

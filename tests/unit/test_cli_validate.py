@@ -638,7 +638,8 @@ def _kd_student_check(config):
 
 
 def test_maestro_stage_checks_only_the_sections_it_runs():
-    """Found in review: replaying the teacher alone was refused for its student's config."""
+    """Found in review: replaying the teacher alone was refused for its student's config. An edge
+    is checked when both its ends run here."""
     from pathlib import Path
 
     from maestro_flow.errors import PipelineError
@@ -648,6 +649,7 @@ def test_maestro_stage_checks_only_the_sections_it_runs():
     path = str(Path(__file__).resolve().parents[2] / "pipelines" / "distill.py")
     pipeline, _ = load_pipeline(path, {"sections.student.config.teacher.init_seed": 9})
     check_between(pipeline, {"teacher"})
+    check_between(pipeline, {"student"})  # recorded or random inputs: the teacher does not run
     with pytest.raises(PipelineError, match="teacher.init_seed \\(9\\) is not sections.teacher.config.init_seed"):
         check_between(pipeline, {"teacher", "student"})
 

@@ -142,13 +142,13 @@ def test_random_inputs_leave_their_producer_unbuilt() -> None:
 
     from maestro_flow.graph import SectionGraph
     from maestro_flow.runtime.build import load_pipeline
-    from maestro_flow.runtime.replay_runner import _ancestors
+    from maestro_flow.runtime.replay_runner import ancestors
 
     pipeline, _ = load_pipeline(str(Path(__file__).resolve().parents[2] / "pipelines" / "multimodal.py"), {})
     graph = SectionGraph(pipeline)
-    assert set(_ancestors(graph, "llm")) == {"vision", "audio"}
-    assert _ancestors(graph, "llm", {"image_embeds"}) == ["audio"]
-    assert _ancestors(graph, "llm", {"image_embeds", "audio_embeds"}) == []
+    assert set(ancestors(graph, "llm")) == {"vision", "audio"}
+    assert ancestors(graph, "llm", {"image_embeds"}) == ["audio"]
+    assert ancestors(graph, "llm", {"image_embeds", "audio_embeds"}) == []
 
 
 @pytest.mark.parametrize("mixed", [None, "bf16"])
