@@ -18,7 +18,6 @@ section's model config: CausalLM keys, or HFCausalLM keys with `model_type`/`hf_
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import math
 import os
 from dataclasses import dataclass
@@ -41,6 +40,7 @@ from stages.common import (
     pad_tokens,
     select_predicted,
 )
+from stages.encoder import load_class
 from stages.lm import build_causal_transformer, build_lm_head, lm_head_config
 from stages.transformer import LMConfig, block_tp_plan, check_block_tp
 from stages.weights import check_checkpoint_file
@@ -95,8 +95,8 @@ class HeadShape(NamedTuple):
 
 def teacher_head_shape(config: Any, *, where: str = "teacher.") -> HeadShape:
     """The shape of the teacher head `config` describes, checked as build_teacher_head checks it,
-    without building anything (for Stage.check_config and input_widths: a Hugging Face teacher's
-    transformers config is read, not its model built)."""
+    without building it (for Stage.check_config and input_widths: a Hugging Face teacher's model
+    is built on the meta device only, for its head's width)."""
     if not isinstance(config, dict):  # found in a read-through: the check skipped it, __init__ refused it
         raise ValueError(f"{where.rstrip('.')} must be a mapping of config keys (the teacher section's model "
                          f"config), got {config!r}")
@@ -122,10 +122,9 @@ def _teacher_kind(stage: str) -> bool | None:
     from stages.hf import HFCausalLM  # transformers itself is imported only when used
     from stages.lm import CausalLM
 
-    module, _, name = stage.partition(":")
     try:
-        cls = getattr(importlib.import_module(module), name)
-    except Exception:  # the pipeline's checks refuse it, naming it
+        cls = load_class(stage, "stage")
+    except ValueError:  # the pipeline's checks refuse it, naming it
         return None
     for base, hf in ((CausalLM, False), (HFCausalLM, True)):
         if isinstance(cls, type) and issubclass(cls, base) and cls.__init__ is base.__init__:
