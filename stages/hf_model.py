@@ -6,12 +6,16 @@ Used by stages/hf.py's stage and LM-head rebuild; knows nothing of roles or sect
 A model size the config leaves out is never taken silently: building the model prints which size
 fields came from defaults (ours for gpt2, transformers' otherwise — for most model types those
 are the full published size, e.g. llama's 4096 x 32 layers) and the resulting parameter count.
+Nor is a key the config class does not know: one close to a field is refused as a typo, any
+other announced (extra_fields).
 """
 
 from __future__ import annotations
 
 import contextlib
+import difflib
 import functools
+import inspect
 from collections.abc import Iterator
 from typing import Any
 
@@ -39,9 +43,9 @@ def build_hf_model(config: dict[str, Any], *, where: str = "", quiet: bool = Fal
 
     hf_config, attn = hf_model_config(config, where=where)
     kwargs = {} if attn is None else {"attn_implementation": attn}
-    note = describe_size(config, hf_config, where)
-    if note is not None and not quiet:
-        print(note, flush=True)
+    for note in (describe_size(config, hf_config, where), describe_extra(config, hf_config, where)):
+        if note is not None and not quiet:
+            print(note, flush=True)
     seed = config.get("init_seed")
     if seed is None:
         model = AutoModelForCausalLM.from_config(hf_config, **kwargs)
@@ -124,6 +128,11 @@ def hf_model_config(config: dict[str, Any], *, where: str = "") -> tuple[Any, st
         hf_config = AutoConfig.for_model(model_type, **kwargs)
     except Exception as exc:  # (huggingface_hub's validation errors are neither: found in review)
         raise ValueError(f"{where}model_type/{where}hf_config: {exc}") from exc
+    for key in extra_fields(user, hf_config):  # found in QA: `n_layers` for gpt2's n_layer built the default depth
+        near = difflib.get_close_matches(key, sorted(_fields(type(hf_config))), n=1, cutoff=0.8)
+        if near:
+            raise ValueError(f"{where}hf_config.{key}: {type(hf_config).__name__} has no field {key!r}; did you mean "
+                             f"{near[0]!r}? As given, {near[0]} keeps its default ({getattr(hf_config, near[0])!r})")
     pad, vocab = getattr(hf_config, "pad_token_id", None), getattr(hf_config, "vocab_size", None)
     if isinstance(pad, int) and isinstance(vocab, int) and not 0 <= pad < vocab:  # found in QA: an assertion deep down
         given = "as given" if "pad_token_id" in user else f"transformers' default for {model_type}"
@@ -135,6 +144,37 @@ def hf_model_config(config: dict[str, Any], *, where: str = "") -> tuple[Any, st
         # (build_hf_model checks every model for that).
         hf_config.is_decoder = True
     return hf_config, attn
+
+
+@functools.cache
+def _fields(config_class: type) -> frozenset[str]:
+    """The fields a transformers config class knows: its defaults, aliases and init arguments."""
+    bare = config_class()
+    known = set(bare.to_dict()) | set(getattr(bare, "attribute_map", {}))
+    for cls in config_class.__mro__:
+        if "__init__" in vars(cls):
+            known |= set(inspect.signature(cls.__init__).parameters)
+    return frozenset(known)
+
+
+def extra_fields(user: dict[str, Any], hf_config: Any) -> list[str]:
+    """Keys of a stage's `hf_config` that transformers kept verbatim as extra attributes: not a
+    field, alias or init argument of the config class, nor converted into one (llama's
+    `rope_theta` goes into `rope_parameters`). A model reads such a key only if its code looks it
+    up (qwen2's `head_dim` does), so a typo of a field (`n_layers`) ends here too."""
+    kept = hf_config.to_dict()
+    return sorted(k for k in user if k in kept and k not in _fields(type(hf_config)))
+
+
+def describe_extra(config: dict[str, Any], hf_config: Any, where: str = "") -> str | None:
+    """One line naming the extra keys (extra_fields) the model may ignore, or None."""
+    extra = extra_fields(dict(config.get("hf_config", {})), hf_config)
+    if not extra:
+        return None
+    names = ", ".join(f"{where}hf_config.{k}" for k in extra)
+    return (f"stages.hf: {names} {'is not a field' if len(extra) == 1 else 'are not fields'} of "
+            f"{type(hf_config).__name__}: transformers keeps {'it' if len(extra) == 1 else 'them'} as an attribute, "
+            "which the model uses only if its code reads it (check the spelling)")
 
 
 def size_defaults(config: dict[str, Any], hf_config: Any) -> dict[str, Any]:

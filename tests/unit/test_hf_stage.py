@@ -159,6 +159,13 @@ def test_config_errors():
     ({"role": "lm", "hf_config": "gpt2"}, "hf_config must be a mapping"),
     ({"role": "lm", "model_type": "no_such_model"}, "model_type/hf_config"),
     ({"role": "lm", "hf_config": {"pad_token_id": 999}}, "hf_config.pad_token_id"),
+    # Found in QA: a misspelt field was kept as an unread attribute, and the model took the default.
+    ({"role": "lm", "hf_config": {"n_layers": 3}},
+     r"hf_config.n_layers: GPT2Config has no field 'n_layers'; did you mean 'n_layer'\? As given, n_layer keeps its "
+     r"default \(2\)"),
+    ({"role": "lm", "model_type": "llama", "hf_config": {"num_hidden_layer": 1}},
+     "hf_config.num_hidden_layer: LlamaConfig has no field .* did you mean 'num_hidden_layers'"),
+    ({"role": "lm", "hf_config": {"layer_norm_eps": 1e-3}}, "did you mean 'layer_norm_epsilon'"),
     # Found in QA: these passed `maestro run` and failed in the workers (transformers refuses them
     # while building; the check builds on the meta device).
     ({"role": "lm", "hf_config": {"n_embd": 66, "n_head": 4}}, "`embed_dim` must be divisible by num_heads"),
@@ -229,6 +236,24 @@ def test_sizes_left_to_defaults_are_announced(capsys):
     make(HFCausalLM, {**STUDENT, "role": "lm"})
     printed = capsys.readouterr().out
     assert "hf_config leaves vocab_size=260" in printed and "maestro_flow's small gpt2 defaults" in printed
+
+
+def test_keys_transformers_keeps_unread_are_announced_and_those_it_converts_are_not(capsys):
+    """A key no config field is close to may be one the model's code reads (qwen2 reads head_dim
+    by getattr), so it is announced, not refused; one transformers converts (llama's rope_theta,
+    kept in rope_parameters) or an alias (gpt2's hidden_size) is a field."""
+    from stages.hf_model import describe_extra, extra_fields, hf_model_config
+
+    qwen = {"model_type": "qwen2", "hf_config": {"head_dim": 8, "vocab": 300, "rope_theta": 1e4}}
+    assert extra_fields(qwen["hf_config"], hf_model_config(qwen)[0]) == ["head_dim", "vocab"]
+    note = describe_extra({**qwen, "hf_config": {"vocab": 300}}, hf_model_config(qwen)[0], "teacher.")
+    assert note == ("stages.hf: teacher.hf_config.vocab is not a field of Qwen2Config: transformers keeps it as an "
+                    "attribute, which the model uses only if its code reads it (check the spelling)")
+    for config in ({"model_type": "llama", "hf_config": {"rope_theta": 1e4, "tie_word_embeddings": True}},
+                   {"hf_config": {"hidden_size": 32, "n_head": 2, "use_cache": False}}):
+        assert extra_fields(config["hf_config"], hf_model_config(config)[0]) == []
+    make(HFCausalLM, {**STUDENT, "role": "lm", "hf_config": {**STUDENT.get("hf_config", {}), "n_heads_kv": 2}})
+    assert "hf_config.n_heads_kv is not a field of GPT2Config" in capsys.readouterr().out
 
 
 def test_config_types_are_checked_naming_the_key():
