@@ -115,6 +115,9 @@ def stage(ctx: click.Context, pipeline: str, section: str, run_dir: str | None, 
             sys.exit(0)  # found in review: `maestro stage ... | head` was reported as the stage raising (exit 3)
         click.echo("".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).rstrip(), err=True)
         rerun = "" if use_pdb else " (rerun with --pdb to debug it)"  # found in QA: said after --pdb's session too
-        click.echo(f"error: section {section!r} raised {type(exc).__name__}: {exc}{rerun}", err=True)
+        # Found in QA: `hidden=128` for a [T, D] input raised in the stage with no word on the random inputs.
+        shapes = (f" (on random inputs, --input-shape {' '.join(input_shapes)}: their last dimension is checked "
+                  "against the width the stage reads, not their number of dimensions)") if input_shapes else ""
+        click.echo(f"error: section {section!r} raised {type(exc).__name__}: {exc}{shapes}{rerun}", err=True)
         sys.exit(3)
     sys.exit(code)
