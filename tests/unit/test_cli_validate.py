@@ -617,6 +617,10 @@ def test_a_hugging_face_teacher_copy_is_held_to_its_head_not_to_every_field():
     with pytest.raises(ValueError, match=r"teacher.hf_config.final_logit_softcapping \(1.0\) is not .*\(30.0\)"):
         check_teacher_sender({"teacher": {**gemma2, "hf_config": {**gemma2["hf_config"],
                                                                   "final_logit_softcapping": 1.0}}}, capped)
+    # Tied, the head is the embedding; untied, its own weights: that decides it, checkpoint or not.
+    with pytest.raises(ValueError, match=r"teacher.hf_config.tie_word_embeddings \(False\) is not .*\(True\)"):
+        check_teacher_sender({"teacher": {**gemma2, "hf_config": {**gemma2["hf_config"],
+                                                                  "tie_word_embeddings": False}}}, capped)
     # Found in review: attn_logit_softcapping (the attention's) was held to decide the head.
     seeded = {**gemma2, "checkpoint": None, "init_seed": 4}
     check_teacher_sender({"teacher": {**seeded, "hf_config": {**gemma2["hf_config"], "attn_logit_softcapping": 20.0}}},
