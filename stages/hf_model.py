@@ -6,8 +6,8 @@ Used by stages/hf.py's stage and LM-head rebuild; knows nothing of roles or sect
 A model size the config leaves out is never taken silently: building the model prints which size
 fields came from defaults (ours for gpt2, transformers' otherwise — for most model types those
 are the full published size, e.g. llama's 4096 x 32 layers) and the resulting parameter count.
-Nor is a key the config class does not know: one close to a field is refused as a typo, any
-other announced (extra_fields).
+Nor is a key transformers keeps unread (extra_fields): one close to a field the config leaves
+unset is refused as a typo (gpt2's `n_layers`), any other announced.
 """
 
 from __future__ import annotations
@@ -128,11 +128,7 @@ def hf_model_config(config: dict[str, Any], *, where: str = "") -> tuple[Any, st
         hf_config = AutoConfig.for_model(model_type, **kwargs)
     except Exception as exc:  # (huggingface_hub's validation errors are neither: found in review)
         raise ValueError(f"{where}model_type/{where}hf_config: {exc}") from exc
-    for key in extra_fields(user, hf_config):  # found in QA: `n_layers` for gpt2's n_layer built the default depth
-        near = difflib.get_close_matches(key, sorted(_fields(type(hf_config))), n=1, cutoff=0.8)
-        if near:
-            raise ValueError(f"{where}hf_config.{key}: {type(hf_config).__name__} has no field {key!r}; did you mean "
-                             f"{near[0]!r}? As given, {near[0]} keeps its default ({getattr(hf_config, near[0])!r})")
+    _refuse_typos(model_type, kwargs, user, hf_config, where)
     pad, vocab = getattr(hf_config, "pad_token_id", None), getattr(hf_config, "vocab_size", None)
     if isinstance(pad, int) and isinstance(vocab, int) and not 0 <= pad < vocab:  # found in QA: an assertion deep down
         given = "as given" if "pad_token_id" in user else f"transformers' default for {model_type}"
@@ -146,35 +142,89 @@ def hf_model_config(config: dict[str, Any], *, where: str = "") -> tuple[Any, st
     return hf_config, attn
 
 
-@functools.cache
-def _fields(config_class: type) -> frozenset[str]:
-    """The fields a transformers config class knows: its defaults, aliases and init arguments."""
-    bare = config_class()
-    known = set(bare.to_dict()) | set(getattr(bare, "attribute_map", {}))
-    for cls in config_class.__mro__:
+# Keys of transformers 4's PretrainedConfig that config.json files still carry (generation and
+# task settings, seq2seq ties): kept unread by a causal LM, never a misspelt field.
+LEGACY = ("sep_token_id", "decoder_start_token_id", "tie_encoder_decoder", "cross_attention_hidden_size",
+          "finetuning_task", "id2label", "label2id", "task_specific_params", "tokenizer_class", "prefix",
+          "architectures", "max_length", "min_length", "do_sample", "early_stopping", "num_beams",
+          "temperature", "top_k", "top_p", "repetition_penalty", "length_penalty", "no_repeat_ngram_size",
+          "bad_words_ids", "num_return_sequences", "use_bfloat16", "tf_legacy_loss", "pruned_heads")
+NOT_NAMES = ("self", "args", "kwargs")
+
+
+def _fields(hf_config: Any) -> set[str]:
+    """The public fields of a built transformers config: its values, aliases and init arguments."""
+    known = set(hf_config.to_dict()) | set(getattr(hf_config, "attribute_map", {}))
+    for cls in type(hf_config).__mro__:
         if "__init__" in vars(cls):
             known |= set(inspect.signature(cls.__init__).parameters)
-    return frozenset(known)
+    return {k for k in known if not k.startswith("_") and k not in NOT_NAMES}
 
 
-def extra_fields(user: dict[str, Any], hf_config: Any) -> list[str]:
-    """Keys of a stage's `hf_config` that transformers kept verbatim as extra attributes: not a
-    field, alias or init argument of the config class, nor converted into one (llama's
-    `rope_theta` goes into `rope_parameters`). A model reads such a key only if its code looks it
-    up (qwen2's `head_dim` does), so a typo of a field (`n_layers`) ends here too."""
+def extra_fields(model_type: str, kwargs: dict[str, Any], hf_config: Any) -> list[str]:
+    """Keys of `kwargs` (what `hf_config` was built from) that transformers kept as they are and
+    did nothing else with: not an init argument or alias of the config class, no field with a
+    default (the config built without the key lacks it), and the config built without it is the
+    same but for the key (a key converted into others, llama's `rope_theta` into
+    `rope_parameters` or gemma3's `sliding_window_pattern` into `layer_types`, changes them:
+    found in review). A model reads such a key only if its code looks it up (qwen2's `head_dim`
+    does), so a misspelt field (`n_layers`) ends here too."""
+    from transformers import AutoConfig
+
     kept = hf_config.to_dict()
-    return sorted(k for k in user if k in kept and k not in _fields(type(hf_config)))
+    out = []
+    for key in kwargs:
+        if key not in kept or key in getattr(hf_config, "attribute_map", {}) or _in_signature(type(hf_config), key):
+            continue
+        try:  # (a config that refuses to be built without the key: the key is not idle)
+            without = AutoConfig.for_model(model_type, **{k: v for k, v in kwargs.items() if k != key}).to_dict()
+        except Exception:
+            continue
+        rest = ("is_decoder", key)  # (is_decoder: hf_model_config sets it after the build)
+        if key not in without and _drop(kept, rest) == _drop(without, rest):
+            out.append(key)
+    return sorted(out)
+
+
+def _drop(d: dict[str, Any], keys: tuple[str, ...]) -> dict[str, Any]:
+    return {k: v for k, v in d.items() if k not in keys}
+
+
+@functools.cache
+def _in_signature(config_class: type, key: str) -> bool:
+    return any(key in inspect.signature(cls.__init__).parameters for cls in config_class.__mro__
+               if "__init__" in vars(cls) and key not in NOT_NAMES)
+
+
+def _refuse_typos(model_type: str, kwargs: dict[str, Any], user: dict[str, Any], hf_config: Any, where: str) -> None:
+    """Refuse an idle key (extra_fields) of the user's that is one letter or so from a field the
+    user did not set (found in QA: gpt2 with `n_layers` built the default depth, in silence)."""
+    extra = [k for k in extra_fields(model_type, kwargs, hf_config) if k in user and k not in LEGACY]
+    if not extra:
+        return
+    fields = sorted(_fields(hf_config) - set(user) - set(extra))
+    for key in extra:
+        near = difflib.get_close_matches(key, fields, n=1, cutoff=0.85)
+        if near:
+            value = f" is {getattr(hf_config, near[0])!r}" if hasattr(hf_config, near[0]) else " is left to transformers"
+            raise ValueError(f"{where}hf_config.{key}: {type(hf_config).__name__} has no field {key!r}; did you mean "
+                             f"{near[0]!r}? As given, {near[0]}{value} (not set in {where}hf_config) and {key} is "
+                             "kept unread")
 
 
 def describe_extra(config: dict[str, Any], hf_config: Any, where: str = "") -> str | None:
-    """One line naming the extra keys (extra_fields) the model may ignore, or None."""
-    extra = extra_fields(dict(config.get("hf_config", {})), hf_config)
+    """One line naming the user's idle keys (extra_fields) the model may not read, or None."""
+    user = {k: v for k, v in config.get("hf_config", {}).items() if k != "attn_implementation"}
+    model_type = config.get("model_type", "gpt2")
+    extra = [k for k in extra_fields(model_type, {**(GPT2_DEFAULTS if model_type == "gpt2" else {}), **user},
+                                     hf_config) if k in user]
     if not extra:
         return None
-    names = ", ".join(f"{where}hf_config.{k}" for k in extra)
-    return (f"stages.hf: {names} {'is not a field' if len(extra) == 1 else 'are not fields'} of "
-            f"{type(hf_config).__name__}: transformers keeps {'it' if len(extra) == 1 else 'them'} as an attribute, "
-            "which the model uses only if its code reads it (check the spelling)")
+    names, one = ", ".join(f"{where}hf_config.{k}" for k in extra), len(extra) == 1
+    what, it = ("is not a field", "it") if one else ("are not fields", "them")
+    return (f"stages.hf: {names} {what} of {type(hf_config).__name__}: transformers keeps {it} as "
+            f"{'an attribute' if one else 'attributes'}, which the model uses only if its code reads {it} (check the "
+            "spelling)")
 
 
 def size_defaults(config: dict[str, Any], hf_config: Any) -> dict[str, Any]:

@@ -161,8 +161,8 @@ def test_config_errors():
     ({"role": "lm", "hf_config": {"pad_token_id": 999}}, "hf_config.pad_token_id"),
     # Found in QA: a misspelt field was kept as an unread attribute, and the model took the default.
     ({"role": "lm", "hf_config": {"n_layers": 3}},
-     r"hf_config.n_layers: GPT2Config has no field 'n_layers'; did you mean 'n_layer'\? As given, n_layer keeps its "
-     r"default \(2\)"),
+     r"hf_config.n_layers: GPT2Config has no field 'n_layers'; did you mean 'n_layer'\? As given, n_layer is 2 \(not "
+     r"set in hf_config\) and n_layers is kept unread"),
     ({"role": "lm", "model_type": "llama", "hf_config": {"num_hidden_layer": 1}},
      "hf_config.num_hidden_layer: LlamaConfig has no field .* did you mean 'num_hidden_layers'"),
     ({"role": "lm", "hf_config": {"layer_norm_eps": 1e-3}}, "did you mean 'layer_norm_epsilon'"),
@@ -238,22 +238,39 @@ def test_sizes_left_to_defaults_are_announced(capsys):
     assert "hf_config leaves vocab_size=260" in printed and "maestro_flow's small gpt2 defaults" in printed
 
 
-def test_keys_transformers_keeps_unread_are_announced_and_those_it_converts_are_not(capsys):
-    """A key no config field is close to may be one the model's code reads (qwen2 reads head_dim
-    by getattr), so it is announced, not refused; one transformers converts (llama's rope_theta,
-    kept in rope_parameters) or an alias (gpt2's hidden_size) is a field."""
-    from stages.hf_model import describe_extra, extra_fields, hf_model_config
+@pytest.mark.parametrize(("model_type", "hf_config", "extra"), [
+    ("qwen2", {"head_dim": 8, "vocab": 300, "rope_theta": 1e4}, ["head_dim", "vocab"]),
+    # Converted into other fields (found in review: refused or announced as typos): not idle.
+    ("llama", {"rope_theta": 1e4, "tie_word_embeddings": True}, []),
+    ("gemma3_text", {"sliding_window_pattern": 2}, []),
+    ("phi3", {"partial_rotary_factor": 0.5}, []),
+    ("gpt2", {"hidden_size": 32, "n_head": 2, "use_cache": False}, []),  # an alias and fields
+    # Idle, but a field set beside it (n_layer) or a transformers 4 key: announced, not refused.
+    ("gpt2", {"n_layer": 3, "n_layers": 3}, ["n_layers"]),
+    ("llama", {"sep_token_id": 1, "original_max_position_embeddings": 64}, ["original_max_position_embeddings",
+                                                                            "sep_token_id"]),
+])
+def test_idle_keys_are_announced_not_refused(capsys, model_type, hf_config, extra):
+    """A key no unset field is close to may be one the model's code reads (qwen2 reads head_dim by
+    getattr), so it is announced, not refused; one transformers converts is no idle key."""
+    from stages.hf_model import describe_extra, hf_model_config
 
-    qwen = {"model_type": "qwen2", "hf_config": {"head_dim": 8, "vocab": 300, "rope_theta": 1e4}}
-    assert extra_fields(qwen["hf_config"], hf_model_config(qwen)[0]) == ["head_dim", "vocab"]
-    note = describe_extra({**qwen, "hf_config": {"vocab": 300}}, hf_model_config(qwen)[0], "teacher.")
-    assert note == ("stages.hf: teacher.hf_config.vocab is not a field of Qwen2Config: transformers keeps it as an "
-                    "attribute, which the model uses only if its code reads it (check the spelling)")
-    for config in ({"model_type": "llama", "hf_config": {"rope_theta": 1e4, "tie_word_embeddings": True}},
-                   {"hf_config": {"hidden_size": 32, "n_head": 2, "use_cache": False}}):
-        assert extra_fields(config["hf_config"], hf_model_config(config)[0]) == []
-    make(HFCausalLM, {**STUDENT, "role": "lm", "hf_config": {**STUDENT.get("hf_config", {}), "n_heads_kv": 2}})
-    assert "hf_config.n_heads_kv is not a field of GPT2Config" in capsys.readouterr().out
+    config = {"role": "lm", "model_type": model_type, "hf_config": hf_config}
+    HFCausalLM.check_config(config)
+    note = describe_extra(config, hf_model_config(config)[0], "teacher.")
+    if not extra:
+        assert note is None
+        return
+    names = ", ".join(f"teacher.hf_config.{k}" for k in extra)
+    assert note.startswith(f"stages.hf: {names} {'is not a field' if len(extra) == 1 else 'are not fields'} of "), note
+    assert note.endswith("which the model uses only if its code reads " + ("it" if len(extra) == 1 else "them") +
+                         " (check the spelling)"), note
+
+
+def test_idle_keys_are_announced_where_the_model_is_built(capsys):
+    make(HFCausalLM, {**STUDENT, "role": "lm", "hf_config": {**STUDENT["hf_config"], "n_heads_kv": 2}})
+    assert ("stages.hf: hf_config.n_heads_kv is not a field of GPT2Config: transformers keeps it as an attribute"
+            in capsys.readouterr().out)
 
 
 def test_config_types_are_checked_naming_the_key():
