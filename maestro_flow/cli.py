@@ -34,7 +34,7 @@ import click  # noqa: E402 (after the handler: importing it takes a while)
 
 from maestro_flow.cli_sets import set_options  # noqa: E402
 from maestro_flow.cli_signals import interrupts_after_imports, reader_gone  # noqa: E402
-from maestro_flow.errors import MaestroError, PipelineError, StageError  # noqa: E402
+from maestro_flow.errors import MaestroError, PipelineError, StageError, StageOutputError, SystemFailure  # noqa: E402
 from maestro_flow.overrides import parse_set  # noqa: E402
 from maestro_flow.wording import count, skipped_note  # noqa: E402
 
@@ -50,6 +50,19 @@ def _fail(exc: BaseException, debug: bool) -> None:
     code = 2 if isinstance(exc, PipelineError) else 1
     click.echo(f"error: {exc}", err=True)
     _exit(code)
+
+
+def _go_on_note(checkpoint_dir: str | None) -> None:
+    """Where a stopped or failed run can go on from (found in QA: nothing said what was kept;
+    --stop-on-nan and a failed checkpoint name it in their own message)."""
+    if not checkpoint_dir or not os.path.isdir(checkpoint_dir):
+        return
+    from maestro_flow.checkpoint import manifest as mf
+
+    newest = mf.latest(checkpoint_dir)
+    click.echo(f"checkpoints: the newest complete one is {newest}; go on from it with the same command and "
+               f"--resume {checkpoint_dir}" if newest else f"checkpoints: none complete in {checkpoint_dir} yet",
+               err=True)
 
 
 def _exit(code: int) -> None:
@@ -265,16 +278,22 @@ def run(ctx: click.Context, pipeline: str, steps: int | None, sets: tuple[str, .
             run_pipeline(pipeline, options)
     except KeyboardInterrupt:
         click.echo("interrupted: workers stopped", err=True)
+        _go_on_note(checkpoint_dir)
         _exit(130)
     except MaestroError as exc:
+        if isinstance(exc, (StageError, StageOutputError, SystemFailure)):  # a run that started, then failed
+            if ctx.obj["debug"]:
+                traceback.print_exception(exc, file=sys.stderr)
+            click.echo(f"error: {exc}", err=True)  # _fail's line, then where to go on from
+            _go_on_note(checkpoint_dir)
+            _exit(1)
         _fail(exc, ctx.obj["debug"])
     except Exception:
         from maestro_flow.runtime.nodes import ABANDONED
 
         if not ABANDONED.is_set():
             raise
-        import traceback  # a bug, after a store call was given up: shown, then os._exit (see _exit)
-
+        # a bug, after a store call was given up: shown, then os._exit (see _exit)
         traceback.print_exc()
         _exit(1)
     finally:

@@ -114,7 +114,10 @@ def earlier(checkpoint: str) -> str:
     (found in QA: a damaged manifest named none)."""
     here = os.path.abspath(checkpoint)
     before = [folder for _, folder, ok in checkpoints(os.path.dirname(here)) if ok and folder < here]
-    return f"; the complete checkpoint before it: {before[-1]} (--resume {before[-1]})" if before else ""
+    # Found in QA: resuming from it with --checkpoint-dir on this folder was then refused for the
+    # later (damaged) one, and that refusal advised resuming from the newest.
+    return (f"; the complete checkpoint before it: {before[-1]} (--resume {before[-1]}; with --checkpoint-dir "
+            f"{os.path.dirname(here)}, first move {here} away)") if before else ""
 
 
 def checkpoints(root: str) -> list[tuple[int, str, bool]]:
@@ -203,7 +206,8 @@ def incompatibilities(manifest: Manifest, pipeline: dict[str, Any]) -> list[str]
 
 def resume_warnings(manifest: Manifest, pipeline: dict[str, Any]) -> list[str]:
     """What a resume takes as it is but may not be meant: another dtype or mixed precision than the
-    run that wrote the checkpoint (its state cast); a frozen section is not in the
+    run that wrote the checkpoint (its state cast, or the compute); a trainable section's changed
+    config or optimizer fields (_trainable_changes); a frozen section is not in the
     checkpoint (its weights are built from its config, or its load_weights), so one whose stage
     or config differ from the run that wrote the checkpoint changes what the trained sections
     learn from (found in review: a teacher's init_seed changed on resume, without a word)."""
@@ -212,10 +216,17 @@ def resume_warnings(manifest: Manifest, pipeline: dict[str, Any]) -> list[str]:
     for key in ("dtype", "mixed_precision"):  # found in QA: a float64 run resumed in float32 without a word
         before, now = manifest.pipeline.get(key), pipeline.get(key)
         if key in manifest.pipeline and before != now:
-            out.append(f"{key} is {now!r}, not {before!r} as in the run that wrote the checkpoint: its state is cast "
-                       f"to {now!r}, so the run does not go on as that one would have (--set {key}={before if isinstance(before, str) else json.dumps(before)} does)")
+            # (mixed precision keeps the parameters and optimizer state in dtype: found in QA, said "cast")
+            what = (f"its state is cast to {now!r}" if key == "dtype" else
+                    f"the forward and backward run {'in ' + repr(now) if now else 'without autocast'} (parameters and "
+                    "optimizer state stay in dtype)")
+            again = before if isinstance(before, str) else json.dumps(before)
+            out.append(f"{key} is {now!r}, not {before!r} as in the run that wrote the checkpoint: {what}, so the run "
+                       f"does not go on as that one would have (--set {key}={again} does)")
     for s in pipeline["sections"]:
         before = saved.get(s["name"])
+        if before is not None and s["trainable"] and before.get("trainable", True):
+            out += _trainable_changes(s, before)
         if s["trainable"] or before is None or before.get("trainable", True):
             continue
         changed = ["stage"] if before.get("stage") != s["stage"] else []
@@ -228,6 +239,34 @@ def resume_warnings(manifest: Manifest, pipeline: dict[str, Any]) -> list[str]:
                        "run that wrote it: what the trained "
                        "sections learn from has changed")
     return out
+
+
+def _trainable_changes(now: dict[str, Any], before: dict[str, Any]) -> list[str]:
+    """A trainable section's config and optimizer fields that differ from the run that wrote the
+    checkpoint (found in QA: a KD student's alpha changed on resume, and the loss jumped without a
+    word). Its weights and optimizer state are the checkpoint's; what they train on with is not."""
+    fields = ("config", "optimizer")
+    old, new = _flat({k: before.get(k) for k in fields}), _flat({k: now.get(k) for k in fields})
+    changed = [k for k in sorted(old.keys() | new.keys()) if _canonical(old.get(k)) != _canonical(new.get(k))]
+    if not changed:
+        return []
+    shown = ", ".join(f"{k} ({_shown(new, k)} now, {_shown(old, k)} then)"
+                      for k in changed[:4]) + (f" and {len(changed) - 4} more" if len(changed) > 4 else "")
+    return [f"sections.{now['name']}: {shown} {'differs' if len(changed) == 1 else 'differ'} from the run that wrote "
+            "the checkpoint: the section trains on from its weights and optimizer state with the new "
+            f"value{'s' if len(changed) > 1 else ''}"]
+
+
+def _shown(d: dict[str, Any], key: str) -> str:
+    return json.dumps(d[key], default=str) if key in d else "unset"
+
+
+def _flat(value: Any, prefix: str = "") -> dict[str, Any]:
+    """Nested mappings as dotted keys ("config.student.d_model"), other values as they are (an
+    empty mapping as none)."""
+    if not isinstance(value, dict):
+        return {prefix: value} if prefix else {}
+    return {k: v for key, sub in value.items() for k, v in _flat(sub, f"{prefix}.{key}" if prefix else str(key)).items()}
 
 
 def check_samples(manifest: Manifest, num_samples: int, fingerprint: str, sizes: str | None = None) -> None:

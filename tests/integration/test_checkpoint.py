@@ -112,6 +112,9 @@ def test_sigkill_then_resume_is_bitwise_identical(small_data, uninterrupted, tmp
     assert not wait_gone(everything, 10.0), "processes outlived the killed run"
     newest = mf.latest(str(ck))
     assert newest is not None and mf.read(newest).step < STEPS
+    if victim == "worker":  # found in QA: nothing said what was kept, or how to go on
+        assert (f"checkpoints: the newest complete one is {newest}; go on from it with the same command and "
+                f"--resume {ck}") in stderr, stderr[-2000:]
     run_ok(*args(small_data, dtype, "--resume", str(ck), "--save-dir", str(tmp_path / "out")))
     assert_bitwise(params(tmp_path / "out"), uninterrupted[dtype][0])
 

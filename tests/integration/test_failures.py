@@ -184,10 +184,10 @@ def test_a_failed_save_dir_write_names_the_writer_not_a_worker_that_exited(demo_
     assert "teacher" not in err and "exited with code 0" not in err
 
 
-def _start_slow_run(demo_data) -> tuple[subprocess.Popen, list[int]]:
+def _start_slow_run(demo_data, *more: str) -> tuple[subprocess.Popen, list[int]]:
     proc = subprocess.Popen(
         [sys.executable, "-m", "maestro_flow.cli", "run", PIPELINE, "--quiet", "--steps", "1000", "--no-run-dir",
-         "--set", f"data.path={demo_data}", "--set", "sections.student.config.sleep_s=0.2"],
+         "--set", f"data.path={demo_data}", "--set", "sections.student.config.sleep_s=0.2", *more],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -219,16 +219,24 @@ def test_killing_the_coordinator_leaves_no_worker(demo_data):
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGHUP], ids=["ctrl-c", "hangup"])
-def test_ctrl_c_shuts_down_cleanly(demo_data, signum):
+def test_ctrl_c_shuts_down_cleanly(demo_data, tmp_path, signum):
     """A closed terminal or ssh session (SIGHUP) stops the run as Ctrl-C does (found in review:
-    it killed the coordinator outright, leaving its status file and shared-memory owner file)."""
-    proc, workers = _start_slow_run(demo_data)
+    it killed the coordinator outright, leaving its status file and shared-memory owner file).
+    The last line says where to go on from (found in QA: nothing said what was kept)."""
+    from maestro_flow.checkpoint import manifest as mf
+
+    ck = tmp_path / "ck"
+    proc, workers = _start_slow_run(demo_data, "--checkpoint-dir", str(ck), "--checkpoint-every", "2")
     everything = descendants(proc.pid)
     proc.send_signal(signum)
     _, err = proc.communicate(timeout=30)
     assert proc.returncode == 130
     assert "interrupted" in err and "Traceback" not in err
     assert not wait_gone(everything, 10.0)
+    newest = mf.latest(str(ck))
+    assert err.strip().splitlines()[-1] == (f"checkpoints: the newest complete one is {newest}; go on from it with the "
+                                            f"same command and --resume {ck}" if newest else
+                                            f"checkpoints: none complete in {ck} yet"), err[-2000:]
 
 
 def test_ctrl_c_in_the_first_second_is_an_interrupt(demo_data):

@@ -467,11 +467,11 @@ def test_a_frozen_section_whose_config_changed_is_warned_of_on_resume():
     saved = manifest(4)
     assert mf.resume_warnings(saved, PIPELINE.to_dict()) == []
     teacher = dataclasses.replace(PIPELINE.sections[0], config={"init_seed": 7})
-    student = dataclasses.replace(PIPELINE.sections[1], config={"lr_note": 1})  # trainable: its state is read
-    changed = dataclasses.replace(PIPELINE, sections=[teacher, student])
+    changed = dataclasses.replace(PIPELINE, sections=[teacher, PIPELINE.sections[1]])
     assert mf.resume_warnings(saved, changed.to_dict()) == [
         "sections.teacher is frozen, so its weights are not in the checkpoint but built from its config, and "
         "config.init_seed differs from the run that wrote it: what the trained sections learn from has changed"]
+    student = dataclasses.replace(PIPELINE.sections[1], config={"lr_note": 1})
     other = dataclasses.replace(PIPELINE, sections=[dataclasses.replace(PIPELINE.sections[0], stage="m:U"), student])
     assert "and stage differs from" in mf.resume_warnings(saved, other.to_dict())[0]
     # Found in review: a NaN in a config (NaN != NaN) was warned of at every resume.
@@ -483,6 +483,29 @@ def test_a_frozen_section_whose_config_changed_is_warned_of_on_resume():
     assert mf.resume_warnings(manifest(4, dataclasses.replace(PIPELINE, dtype="float64")), f32.to_dict()) == [
         "dtype is 'float32', not 'float64' as in the run that wrote the checkpoint: its state is cast to 'float32', so "
         "the run does not go on as that one would have (--set dtype=float64 does)"]
+    # Found in QA: said that bf16 casts the state, which mixed precision keeps in dtype.
+    bf16 = dataclasses.replace(PIPELINE, mixed_precision="bf16")
+    assert mf.resume_warnings(saved, bf16.to_dict()) == [
+        "mixed_precision is 'bf16', not None as in the run that wrote the checkpoint: the forward and backward run in "
+        "'bf16' (parameters and optimizer state stay in dtype), so the run does not go on as that one would have "
+        "(--set mixed_precision=null does)"]
+
+
+def test_a_trainable_section_whose_config_or_optimizer_changed_is_warned_of_on_resume():
+    """Found in QA: a KD student's alpha changed on resume, and its loss jumped without a word; a
+    changed d_model failed in the workers naming a parameter, not the field."""
+    import dataclasses
+
+    saved = manifest(4)
+    student = PIPELINE.sections[1]
+    config = {**student.config, "student": {**student.config.get("student", {}), "d_model": 32}, "alpha": 0.9}
+    changed = dataclasses.replace(student, config=config, optimizer={**student.optimizer, "lr": 0.5})
+    [warning] = mf.resume_warnings(saved, dataclasses.replace(PIPELINE, sections=[PIPELINE.sections[0], changed])
+                                   .to_dict())
+    assert warning.startswith(f"sections.{student.name}: config.alpha (0.9 now, "), warning
+    assert "config.student.d_model (32 now, unset then)" in warning and "optimizer.lr (0.5 now, " in warning
+    assert warning.endswith("differ from the run that wrote the checkpoint: the section trains on from its weights "
+                            "and optimizer state with the new values"), warning
 
 
 @pytest.mark.parametrize("content", [b"{not json", b"\xff\xfe\x00garbage", b"[1, 2]"], ids=["json", "binary", "list"])
@@ -494,7 +517,9 @@ def test_a_damaged_manifest_names_the_checkpoint_before_it(tmp_path, content):
     before = save(tmp_path, 2)
     (Path(save(tmp_path, 4)) / mf.MANIFEST).write_bytes(content)
     with pytest.raises(PipelineError, match=rf"step-00000004/manifest.json: unreadable checkpoint manifest \(.*\); "
-                                            rf"the complete checkpoint before it: {before} \(--resume {before}\)$"):
+                                            rf"the complete checkpoint before it: {before} \(--resume {before}; with "
+                                            rf"--checkpoint-dir {tmp_path}, first move {tmp_path}/step-00000004 "
+                                            r"away\)$"):
         resume_point(str(tmp_path))
 
 
