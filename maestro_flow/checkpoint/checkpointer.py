@@ -255,5 +255,8 @@ def resume_point(path: str) -> tuple[str, mf.Manifest]:
                 n.endswith(".safetensors") for n in os.listdir(path)):  # found in QA: no word of what it is
             hint += (": it is a --save-dir (the trained sections' weights, without the optimizer's state or the "
                      "data's position); resume from a --checkpoint-dir, or start a run from these weights")
-        raise PipelineError(f"--resume {path}: no complete checkpoint there{hint}")
+        from maestro_flow.runtime.rundir import checkpoints_note
+
+        note = checkpoints_note(path)
+        raise PipelineError(f"--resume {path}: no complete checkpoint there{hint}{': ' + note if note else ''}")
     return folder, mf.read(folder)

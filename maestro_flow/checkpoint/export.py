@@ -112,7 +112,11 @@ def _read(source: str, section: str) -> tuple[dict[str, Any], dict[str, torch.Te
                 pipeline = json.load(f)
             if isinstance(pipeline, dict) and isinstance(pipeline.get("sections"), list):  # not a run dir's file
                 _check_section(pipeline, section, source, _saved(source, pipeline))
-        raise PipelineError(f"{source}: neither a --save-dir with {section}.safetensors nor a complete checkpoint")
+        from maestro_flow.runtime.rundir import checkpoints_note
+
+        note = checkpoints_note(source)
+        raise PipelineError(f"{source}: neither a --save-dir with {section}.safetensors nor a complete checkpoint"
+                            f"{': ' + note if note else ''}")
     manifest = mf.read(folder)
     if section not in manifest.sections:
         _check_section(manifest.pipeline, section, folder, sorted(manifest.sections))

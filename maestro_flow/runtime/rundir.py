@@ -138,3 +138,28 @@ class RunDir:
         if self._plans is not None:
             self._plans_guard.close(self._plans)
             self._plans = None
+
+
+def checkpoints_note(path: str) -> str | None:
+    """For a run directory given where checkpoints are expected (`--resume`, `maestro export`):
+    where its run wrote them, from its events.jsonl (found in QA: "no complete checkpoint there",
+    with no word that it is a run directory); None for any other folder."""
+    events = os.path.join(path, "events.jsonl")
+    if not os.path.isfile(events) or not os.path.isfile(os.path.join(path, "pipeline.json")):
+        return None
+    written = None
+    try:
+        with open(events, errors="replace") as f:
+            for line in f:
+                try:
+                    event = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(event, dict) and isinstance(event.get("checkpoint"), str):
+                    written = event["checkpoint"]
+    except OSError:
+        return None
+    if written is None:
+        return "it is a run directory, and its run wrote no checkpoint (a run writes them with --checkpoint-dir)"
+    where = os.path.dirname(os.path.normpath(written))
+    return f"it is a run directory; its run wrote its checkpoints in {where} (the last: {written}): give {where}"

@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+import json
 import os
 import random
+import re
 from pathlib import Path
 
 import numpy as np
@@ -306,6 +308,31 @@ def test_export_takes_a_step_folder_by_number_and_lists_the_checkpoints_when_mis
                                         str(tmp_path / "out")])
     assert missing.exit_code == 2 and missing.stderr.strip() == (
         f"error: SOURCE: no such folder: {tmp_path / 'step-9'} (checkpoints in {tmp_path}: step-00000002)")
+
+
+def test_a_run_directory_given_for_checkpoints_says_where_its_run_wrote_them(tmp_path):
+    """Found in QA: `--resume RUN_DIR` and `export RUN_DIR` said "no complete checkpoint there",
+    though the run directory's events.jsonl names the checkpoints."""
+    from click.testing import CliRunner
+
+    from maestro_flow.checkpoint.checkpointer import resume_point
+    from maestro_flow.cli import main
+
+    run, ck = tmp_path / "run", tmp_path / "ck"
+    run.mkdir()
+    (run / "pipeline.json").write_text(json.dumps({"pipeline": PIPELINE.to_dict(), "overrides": {}}))  # as RunDir
+    (run / "events.jsonl").write_text('{"ended": "done"}\n')
+    with pytest.raises(PipelineError, match="it is a run directory, and its run wrote no checkpoint "
+                                            r"\(a run writes them with --checkpoint-dir\)$"):
+        resume_point(str(run))
+    events = [{"checkpoint": str(ck / f"step-0000000{n}"), "step": n} for n in (2, 4)] + [{"ended": "done"}]
+    (run / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events) + "{cut sho")
+    note = (f"it is a run directory; its run wrote its checkpoints in {ck} (the last: {ck / 'step-00000004'}): "
+            f"give {ck}")
+    with pytest.raises(PipelineError, match=re.escape(f"--resume {run}: no complete checkpoint there: {note}")):
+        resume_point(str(run))
+    out = CliRunner().invoke(main, ["export", str(run), "--section", "student", "-o", str(tmp_path / "out")])
+    assert out.exit_code == 2 and out.stderr.strip().endswith(note), out.output
 
 
 @pytest.mark.parametrize("options, message", [
