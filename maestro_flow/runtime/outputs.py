@@ -24,9 +24,11 @@ from maestro_flow.checkpoint import manifest as mf
 from maestro_flow.errors import PipelineError
 
 
-def check_save_dir(save_dir: str, checkpoint_dir: str | None) -> None:
+def check_save_dir(save_dir: str, checkpoint_dir: str | None, pipeline: Any = None) -> None:
     """A --save-dir is not the --checkpoint-dir and holds no checkpoints (found in QA: `maestro
-    export` of such a folder took the older of the two, in silence)."""
+    export` of such a folder took the older of the two, in silence), nor the weights of a section
+    `pipeline` does not train (found in QA: another pipeline's files stayed beside this run's,
+    under a pipeline.json that no longer described them)."""
     if checkpoint_dir and os.path.realpath(checkpoint_dir) == os.path.realpath(save_dir):
         raise PipelineError(f"--save-dir and --checkpoint-dir are one folder ({save_dir}): `maestro export` could "
                             "not tell the saved weights from the checkpoints; give --save-dir a folder of its own")
@@ -34,6 +36,15 @@ def check_save_dir(save_dir: str, checkpoint_dir: str | None) -> None:
     if held:
         raise PipelineError(f"--save-dir {save_dir} {held}: `maestro export` could not tell the saved weights from "
                             "the checkpoints; give --save-dir a folder of its own")
+    if pipeline is None or not os.path.isdir(save_dir):
+        return
+    ours = {f"{s.name}.safetensors" for s in pipeline.sections if s.trainable}
+    others = sorted(n for n in os.listdir(save_dir) if n.endswith(".safetensors") and n not in ours)
+    if others:
+        raise PipelineError(f"--save-dir {save_dir} holds {', '.join(others)}, which this run does not write (it "
+                            f"trains {', '.join(sorted(n[:-len('.safetensors')] for n in ours)) or 'nothing'}): its "
+                            "pipeline.json would no longer describe them; give --save-dir a folder of its own, or "
+                            "move them away")
 
 
 def check_writable(path: str, flag: str, *, folder: bool) -> None:

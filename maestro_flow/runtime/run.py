@@ -262,7 +262,7 @@ def _trace_path(options: RunOptions) -> str | None:
     return options.trace
 
 
-def _check_outputs(options: RunOptions) -> None:
+def _check_outputs(options: RunOptions, pipeline: Any) -> None:
     """Every path the run will write, checked before any worker starts (runtime/outputs)."""
     for flag, path, folder in (("--save-dir", options.save_dir, True), ("--checkpoint-dir", options.checkpoint.dir, True),
                                ("--metrics-out", options.metrics_out, False), ("--trace", _trace_path(options), False),
@@ -270,7 +270,7 @@ def _check_outputs(options: RunOptions) -> None:
         if path:
             check_writable(path, flag, folder=folder)
     if options.save_dir:
-        check_save_dir(options.save_dir, options.checkpoint.dir)
+        check_save_dir(options.save_dir, options.checkpoint.dir, pipeline)
     if options.metrics_out:  # found in review: refused after the run dir moved; locked until RunReport has it
         hold(options.metrics_out)
 
@@ -341,7 +341,7 @@ def _lead(pipeline: Any, original: Any, checked: Any, paths: Any, options: RunOp
     if options.colocated and (ckpt.dir or ckpt.resume or ckpt.max_restarts):  # before what else they need (QA)
         raise PipelineError("checkpoints, --resume and --max-restarts are for section mode; drop --colocated")
     ckpt.validate()
-    _check_outputs(options)
+    _check_outputs(options, pipeline)
     resume = _resume_from(options, pipeline, checked.metadata)
     if resume is not None and not ckpt.dir:  # found in QA: a resumed long job went on saving nothing, silently
         parent = os.path.dirname(os.path.abspath(resume[0]))

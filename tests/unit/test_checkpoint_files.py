@@ -622,6 +622,31 @@ def test_run_refuses_a_save_dir_that_is_or_holds_checkpoints(tmp_path, same):
     assert want in result.stderr and "give --save-dir a folder of its own" in result.stderr, result.output
 
 
+def test_run_refuses_a_save_dir_holding_weights_it_does_not_write(tmp_path):
+    """Found in QA: a --save-dir holding another pipeline's weights (chain's embed and lm) took a
+    distill run's student.safetensors and pipeline.json beside them, in silence; only a later
+    export said the others were left from an earlier run. The run's own file is replaced."""
+    from click.testing import CliRunner
+
+    from loaders.demo import build_text_demo
+    from maestro_flow.cli import main
+
+    root = Path(__file__).resolve().parents[2]
+    data = build_text_demo(tmp_path / "data", num_samples=16, parquet=False)
+    out = tmp_path / "save"
+    out.mkdir()
+    (out / "lm.safetensors").write_bytes(b"chain's")
+    (out / "embed.safetensors").write_bytes(b"chain's")
+    (out / "student.safetensors").write_bytes(b"an earlier distill run's")
+    result = CliRunner().invoke(main, ["run", str(root / "pipelines" / "distill.py"), "--no-run-dir", "--save-dir",
+                                       str(out), "--set", f"data.path={data}"])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip() == (
+        f"error: --save-dir {out} holds embed.safetensors, lm.safetensors, which this run does not write (it "
+        "trains student): its pipeline.json would no longer describe them; give --save-dir a folder of its own, or "
+        "move them away"), result.output
+
+
 def test_failed_saves_leave_at_most_the_newest_incomplete_folder(tmp_path):
     """Found in QA: with --checkpoint-errors continue and every save too slow, the workers wrote on
     into each discarded folder, and step-1..4 all stayed (incomplete) until a save succeeded."""
