@@ -193,7 +193,7 @@ class SectionState:
         if layout is not None and saved == layout:
             raise CheckpointMismatch(f"--resume {checkpoint}: {own} is missing: the RNG states and buffers of {who}, "
                                      f"which a checkpoint of this section at dp {layout[0]}, tp {layout[1]} holds; "
-                                     "the checkpoint is incomplete (resume from another one)")
+                                     f"the checkpoint is incomplete{mf.earlier(checkpoint) or ' (resume from another one)'}")
         for replica, tp_index in ((self.replica, 0), (0, 0)):
             other = rng_file(checkpoint, self.section, replica, tp_index)
             if os.path.isfile(other):
@@ -211,7 +211,7 @@ class SectionState:
             why = ("UnpicklingError: not a torch file of RNG state (damaged or replaced)"
                    if type(exc).__name__ == "UnpicklingError" else brief(exc))
             raise CheckpointMismatch(f"--resume {checkpoint}: cannot read the RNG state of {who} ({path}): "
-                                     f"{why}") from None
+                                     f"{why}{mf.earlier(checkpoint)}") from None  # (which one: found in QA)
         self._restore_buffers(state.get("buffers", {}))  # a checkpoint from before buffers were kept has none
 
     def _load_state(self, folder: str, step: int | None) -> None:
