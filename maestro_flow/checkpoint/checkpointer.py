@@ -209,6 +209,18 @@ class Checkpointer:
             return
         raise CheckpointError(text + "; the run stopped (--checkpoint-errors continue would train on without it)")
 
+    def unsaved_note(self) -> str:
+        return (f"the checkpoint after the last step (step {self.unsaved}) failed, so the run's final state is in "
+                f"no checkpoint{self.previous()}")
+
+    def final_state_lost(self, save_dir: str | None) -> str | None:
+        """Why the run fails though it trained every step: the checkpoint after its last step failed
+        (--checkpoint-errors continue) and no --save-dir holds the weights (found in review: exit 0)."""
+        if self.unsaved is None or save_dir:
+            return None
+        return (f"{self.unsaved_note()}, and without --save-dir nothing holds the trained weights "
+                "(--checkpoint-errors continue trained on)")
+
     def previous(self) -> str:
         """'; the newest complete checkpoint is ...' (or that none exists yet), for a message."""
         newest = mf.latest(self.options.dir) if self.options.dir else None

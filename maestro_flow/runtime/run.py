@@ -461,7 +461,7 @@ def _lead(pipeline: Any, original: Any, checked: Any, paths: Any, options: RunOp
                            "why": _outcome(exc, "the run")})
         raise
     else:
-        fatal = _final_state_lost(checkpointer, options)  # raised below, once the run dir is closed
+        fatal = checkpointer.final_state_lost(options.save_dir)  # raised below, once the run dir is closed
         if run_dir is not None:  # found in review: "done", then exit 1
             run_dir.event({"ended": "failed", "why": fatal} if fatal else {"ended": "done"})
     finally:
@@ -478,23 +478,17 @@ def _lead(pipeline: Any, original: Any, checked: Any, paths: Any, options: RunOp
                 print(f"run directory: {run_dir.path}", file=sys.stderr)
     if options.show_progress:
         print(report.summary(), file=sys.stderr)
+        # What the run leaves to go on from (found in QA: the summary named neither)
+        if checkpointer.committed:
+            print(f"newest checkpoint: {checkpointer.committed}", file=sys.stderr)
+        if options.save_dir and not fatal:
+            files = ", ".join(f"{s.name}.safetensors" for s in original.sections if s.trainable)
+            print(f"weights: {options.save_dir} ({files}; `maestro export` makes a model folder of one)",
+                  file=sys.stderr)
     if fatal:
         raise CheckpointError(fatal)
     if checkpointer.unsaved is not None:
-        print(f"warning: {_unsaved(checkpointer)}; the trained weights are in --save-dir {options.save_dir}",
+        print(f"warning: {checkpointer.unsaved_note()}; the trained weights are in --save-dir {options.save_dir}",
               file=sys.stderr)
     return report.rows
 
-
-def _unsaved(checkpointer: Checkpointer) -> str:
-    return (f"the checkpoint after the last step (step {checkpointer.unsaved}) failed, so the run's final state is in "
-            f"no checkpoint{checkpointer.previous()}")
-
-
-def _final_state_lost(checkpointer: Checkpointer, options: RunOptions) -> str | None:
-    """Why the run fails though it trained every step: the checkpoint after its last step failed
-    (--checkpoint-errors continue) and no --save-dir holds the weights (found in review: exit 0)."""
-    if checkpointer.unsaved is None or options.save_dir:
-        return None
-    return (f"{_unsaved(checkpointer)}, and without --save-dir nothing holds the trained weights "
-            "(--checkpoint-errors continue trained on)")

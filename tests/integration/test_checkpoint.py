@@ -119,6 +119,17 @@ def test_sigkill_then_resume_is_bitwise_identical(small_data, uninterrupted, tmp
     assert_bitwise(params(tmp_path / "out"), uninterrupted[dtype][0])
 
 
+def test_the_summary_names_what_the_run_leaves(small_data, tmp_path):
+    """Found in QA: the end of a run named neither its newest checkpoint nor its --save-dir files."""
+    ck, out = tmp_path / "ck", tmp_path / "out"
+    result = run_ok("run", "pipelines/distill.py", "--no-run-dir", "--steps", "2", "--set", f"data.path={small_data}",
+                    "--checkpoint-dir", str(ck), "--checkpoint-every", "2", "--save-dir", str(out))
+    lines = result.stderr.strip().splitlines()
+    assert lines[-2:] == [f"newest checkpoint: {ck / 'step-00000002'}",
+                          f"weights: {out} (student.safetensors; `maestro export` makes a model folder of one)"], \
+        result.stderr[-2000:]
+
+
 def test_a_checkpoint_holds_the_promised_state(uninterrupted):
     root = uninterrupted["float64"][1]
     found = mf.checkpoints(str(root))
