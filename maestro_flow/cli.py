@@ -52,17 +52,14 @@ def _fail(exc: BaseException, debug: bool) -> None:
     _exit(code)
 
 
-def _go_on_note(checkpoint_dir: str | None) -> None:
-    """Where a stopped or failed run can go on from (found in QA: nothing said what was kept;
-    --stop-on-nan and a failed checkpoint name it in their own message)."""
-    if not checkpoint_dir or not os.path.isdir(checkpoint_dir):
-        return
-    from maestro_flow.checkpoint import manifest as mf
+def _go_on_note() -> None:
+    """Where a stopped or failed run can go on from (checkpointer.go_on_note; --stop-on-nan and a
+    failed checkpoint name it in their own message)."""
+    from maestro_flow.checkpoint.checkpointer import go_on_note
 
-    newest = mf.latest(checkpoint_dir)
-    click.echo(f"checkpoints: the newest complete one is {newest}; go on from it with the same command and "
-               f"--resume {checkpoint_dir}" if newest else f"checkpoints: none complete in {checkpoint_dir} yet",
-               err=True)
+    note = go_on_note()
+    if note:
+        click.echo(note, err=True)
 
 
 def _exit(code: int) -> None:
@@ -278,14 +275,14 @@ def run(ctx: click.Context, pipeline: str, steps: int | None, sets: tuple[str, .
             run_pipeline(pipeline, options)
     except KeyboardInterrupt:
         click.echo("interrupted: workers stopped", err=True)
-        _go_on_note(checkpoint_dir)
+        _go_on_note()
         _exit(130)
     except MaestroError as exc:
         if isinstance(exc, (StageError, StageOutputError, SystemFailure)):  # a run that started, then failed
             if ctx.obj["debug"]:
                 traceback.print_exception(exc, file=sys.stderr)
             click.echo(f"error: {exc}", err=True)  # _fail's line, then where to go on from
-            _go_on_note(checkpoint_dir)
+            _go_on_note()
             _exit(1)
         _fail(exc, ctx.obj["debug"])
     except Exception:

@@ -19,7 +19,8 @@ coordinator calls it, it does not contain it:
 Before any of these, `claim` takes the directory for the job (its lock, held until `close`) and
 refuses one that holds another training's checkpoints, or this training's past its start.
 
-One Checkpointer serves a whole job, across automatic restarts.
+One Checkpointer serves a whole job, across automatic restarts. Once the job stops or fails,
+`go_on_note()` says where its training can go on from (the CLI's last line).
 """
 
 from __future__ import annotations
@@ -42,6 +43,21 @@ LEGACY = "legacy"  # the lineage of a training whose first checkpoints were writ
 # Its own lock file, not the run directory's: one folder may serve as both (found in review).
 CKPT_LOCK = ".checkpoints.lock"
 _UNREADABLE = object()  # a complete checkpoint whose manifest cannot be read: never resumed from
+
+
+_CLAIMED: tuple[Checkpointer, int | None] | None = None  # this process's job's, and its steps: go_on_note()
+
+
+def go_on_note() -> str | None:
+    """For a `maestro run` that stopped or failed: where its training can go on from (Checkpointer.
+    go_on_note), or None where this process claimed no checkpoint directory (refused before, or a
+    node other than 0) or the directory cannot be read now."""
+    if _CLAIMED is None:
+        return None
+    try:
+        return _CLAIMED[0].go_on_note(_CLAIMED[1])
+    except (OSError, PipelineError):  # an unreadable directory or manifest: the failure's own message stands
+        return None
 
 
 def _lineage(folder: str) -> object:
@@ -87,6 +103,8 @@ class CheckpointOptions:
 
 class Checkpointer:
     def __init__(self, options: CheckpointOptions, *, log: Callable[[str], None] | None = None) -> None:
+        global _CLAIMED
+        _CLAIMED = None  # a new job: an earlier one's folder is not where this one goes on from
         self.options = options
         self.log = log or (lambda text: print(text, file=sys.stderr, flush=True))
         self.committed: str | None = None
@@ -135,6 +153,22 @@ class Checkpointer:
                                     f"(newest: {newest}), which this run would overwrite: resume from the newest "
                                     f"with --resume {root}, or to go back to step {start}, move the later ones "
                                     "away or choose another --checkpoint-dir")
+        global _CLAIMED
+        _CLAIMED = (self, (pipeline or {}).get("steps"))
+
+    def go_on_note(self, steps: int | None) -> str:
+        """Where this training can go on from, once the run stopped or failed (found in QA: nothing
+        said what was kept): the newest complete checkpoint of its own, and the --resume that takes
+        it, or `maestro export` where it is after the last step (--resume would be refused)."""
+        root = self.options.dir
+        newest = [f for _, f, ok in mf.checkpoints(root) if ok and self._ours(_lineage(f))]
+        if not newest:
+            return f"checkpoints: none complete in {root} yet"
+        if steps is not None and mf.read(newest[-1]).step >= steps:
+            return (f"checkpoints: the newest complete one, {newest[-1]}, is after the last step: `maestro export "
+                    f"{newest[-1]} --section SECTION -o DIR` takes a section's weights from it")
+        return (f"checkpoints: the newest complete one is {newest[-1]}; go on from it with the same command and "
+                f"--resume {root}")
 
     def _ours(self, lineage: object) -> bool:
         """Whether a checkpoint of this lineage (_lineage) belongs to this job's training (an

@@ -106,7 +106,19 @@ def read(folder: str) -> Manifest:
 
 
 def _canonical(value: Any) -> str:
-    return json.dumps(value, sort_keys=True, default=str)
+    """One string per value, a number whatever its type (found in review: `--set ...temperature=2`
+    against the file's 2.0 was warned of as a change)."""
+    return json.dumps(_numbers(value), sort_keys=True, default=str)
+
+
+def _numbers(value: Any) -> Any:
+    if isinstance(value, bool) or not isinstance(value, (int, float, dict, list, tuple)):
+        return value
+    if isinstance(value, dict):
+        return {k: _numbers(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_numbers(v) for v in value]
+    return float(value) if abs(value) < 2**53 else value
 
 
 def earlier(checkpoint: str) -> str:
@@ -247,7 +259,8 @@ def _trainable_changes(now: dict[str, Any], before: dict[str, Any]) -> list[str]
     word). Its weights and optimizer state are the checkpoint's; what they train on with is not."""
     fields = ("config", "optimizer")
     old, new = _flat({k: before.get(k) for k in fields}), _flat({k: now.get(k) for k in fields})
-    changed = [k for k in sorted(old.keys() | new.keys()) if _canonical(old.get(k)) != _canonical(new.get(k))]
+    changed = [k for k in sorted(old.keys() | new.keys()) if _canonical(old.get(k)) != _canonical(new.get(k))
+               and not _weights_source(k)]
     if not changed:
         return []
     shown = ", ".join(f"{k} ({_shown(new, k)} now, {_shown(old, k)} then)"
@@ -255,6 +268,14 @@ def _trainable_changes(now: dict[str, Any], before: dict[str, Any]) -> list[str]
     return [f"sections.{now['name']}: {shown} {'differs' if len(changed) == 1 else 'differ'} from the run that wrote "
             "the checkpoint: the section trains on from its weights and optimizer state with the new "
             f"value{'s' if len(changed) > 1 else ''}"]
+
+
+def _weights_source(key: str) -> bool:
+    """A trainable model's own init_seed or checkpoint, which the checkpoint's weights replace on
+    resume (found in review: warned of as used); a KD student's `teacher` copy is rebuilt from
+    the config, so its weights' source counts."""
+    parts = key.split(".")
+    return parts[-1] in ("init_seed", "checkpoint") and "teacher" not in parts
 
 
 def _shown(d: dict[str, Any], key: str) -> str:

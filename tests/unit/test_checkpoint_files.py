@@ -7,6 +7,7 @@ import json
 import os
 import random
 import re
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -543,6 +544,51 @@ def test_a_trainable_section_whose_config_or_optimizer_changed_is_warned_of_on_r
     assert "config.student.d_model (32 now, unset then)" in warning and "optimizer.lr (0.5 now, " in warning
     assert warning.endswith("differ from the run that wrote the checkpoint: the section trains on from its weights "
                             "and optimizer state with the new values"), warning
+    # Found in review: 2 for 2.0 was a change; a trainable model's own init_seed (its weights come
+    # from the checkpoint) was said to be used. A KD teacher copy's seed makes its frozen head.
+    same = dataclasses.replace(student, config={"temperature": 2, "init_seed": 9, "student": {"checkpoint": "b"}})
+    before = dataclasses.replace(student, config={"temperature": 2.0, "init_seed": 1, "student": {"checkpoint": "a"}})
+    saved = manifest(4, dataclasses.replace(PIPELINE, sections=[PIPELINE.sections[0], before]))
+    assert mf.resume_warnings(saved, dataclasses.replace(PIPELINE, sections=[PIPELINE.sections[0], same])
+                              .to_dict()) == []
+    seeded = dataclasses.replace(before, config={**before.config, "teacher": {"init_seed": 1}})
+    [warning] = mf.resume_warnings(saved, dataclasses.replace(PIPELINE, sections=[PIPELINE.sections[0], seeded])
+                                   .to_dict())
+    assert "config.teacher.init_seed (1 now, unset then)" in warning, warning
+
+
+def test_where_to_go_on_from_is_this_training_s_newest_checkpoint(tmp_path, monkeypatch):
+    """Found in QA: an interrupted or failed run said nothing of what was kept; found in review:
+    the note named --resume for a checkpoint after the last step (refused), another training's
+    checkpoints, and could raise in the error handler on an unreadable folder."""
+    from maestro_flow.checkpoint import checkpointer as ck
+
+    ck._CLAIMED = None
+    assert ck.go_on_note() is None  # no folder claimed: refused before, or not node 0
+    job = Checkpointer(CheckpointOptions(dir=str(tmp_path), every=2), log=lambda text: None)
+    job.claim(None, {**PIPELINE.to_dict(), "steps": 6})
+    assert ck.go_on_note() == f"checkpoints: none complete in {tmp_path} yet"
+    save(tmp_path, 2)  # another training's (no lineage): not offered
+    assert ck.go_on_note() == f"checkpoints: none complete in {tmp_path} yet"
+    for step in (4, 6):
+        job.begin(step)
+        job.commit(step, manifest(step))
+    four, six = mf.step_dir(str(tmp_path), 4), mf.step_dir(str(tmp_path), 6)
+    assert ck.go_on_note() == (f"checkpoints: the newest complete one, {six}, is after the last step: `maestro export "
+                               f"{six} --section SECTION -o DIR` takes a section's weights from it")
+    shutil.rmtree(six)
+    assert ck.go_on_note() == (f"checkpoints: the newest complete one is {four}; go on from it with the same command "
+                               f"and --resume {tmp_path}")
+    (Path(four) / mf.MANIFEST).write_text("{cut")
+    assert ck.go_on_note() == f"checkpoints: none complete in {tmp_path} yet"  # unreadable: not ours to offer
+
+    def unreadable(root):
+        raise PermissionError(13, "Permission denied", root)
+
+    monkeypatch.setattr(mf, "checkpoints", unreadable)
+    assert ck.go_on_note() is None
+    job.close()
+    ck._CLAIMED = None
 
 
 @pytest.mark.parametrize("content", [b"{not json", b"\xff\xfe\x00garbage", b"[1, 2]"], ids=["json", "binary", "list"])
