@@ -341,7 +341,7 @@ def _lead(pipeline: Any, original: Any, checked: Any, paths: Any, options: RunOp
     if options.colocated and (ckpt.dir or ckpt.resume or ckpt.max_restarts):  # before what else they need (QA)
         raise PipelineError("checkpoints, --resume and --max-restarts are for section mode; drop --colocated")
     ckpt.validate()
-    _check_outputs(options, pipeline)
+    _check_outputs(options, original)  # (the baseline saves the original sections: their files)
     resume = _resume_from(options, pipeline, checked.metadata)
     if resume is not None and not ckpt.dir:  # found in QA: a resumed long job went on saving nothing, silently
         parent = os.path.dirname(os.path.abspath(resume[0]))
