@@ -52,12 +52,12 @@ def _fail(exc: BaseException, debug: bool) -> None:
     _exit(code)
 
 
-def _go_on_note() -> None:
+def _go_on_note(failed: bool = False) -> None:
     """Where a stopped or failed run can go on from (checkpointer.go_on_note; --stop-on-nan and a
     failed checkpoint name it in their own message)."""
     from maestro_flow.checkpoint.checkpointer import go_on_note
 
-    note = go_on_note()
+    note = go_on_note(failed)
     if note:
         click.echo(note, err=True)
 
@@ -282,7 +282,7 @@ def run(ctx: click.Context, pipeline: str, steps: int | None, sets: tuple[str, .
             if ctx.obj["debug"]:
                 traceback.print_exception(exc, file=sys.stderr)
             click.echo(f"error: {exc}", err=True)  # _fail's line, then where to go on from
-            _go_on_note()
+            _go_on_note(failed=True)
             _exit(1)
         _fail(exc, ctx.obj["debug"])
     except Exception:

@@ -48,14 +48,14 @@ _UNREADABLE = object()  # a complete checkpoint whose manifest cannot be read: n
 _CLAIMED: tuple[Checkpointer, int | None] | None = None  # this process's job's, and its steps: go_on_note()
 
 
-def go_on_note() -> str | None:
+def go_on_note(failed: bool = False) -> str | None:
     """For a `maestro run` that stopped or failed: where its training can go on from (Checkpointer.
     go_on_note), or None where this process claimed no checkpoint directory (refused before, or a
     node other than 0) or the directory cannot be read now."""
     if _CLAIMED is None:
         return None
     try:
-        return _CLAIMED[0].go_on_note(_CLAIMED[1])
+        return _CLAIMED[0].go_on_note(_CLAIMED[1], failed)
     except (OSError, PipelineError):  # an unreadable directory or manifest: the failure's own message stands
         return None
 
@@ -156,7 +156,7 @@ class Checkpointer:
         global _CLAIMED
         _CLAIMED = (self, (pipeline or {}).get("steps"))
 
-    def go_on_note(self, steps: int | None) -> str:
+    def go_on_note(self, steps: int | None, failed: bool = False) -> str:
         """Where this training can go on from, once the run stopped or failed (found in QA: nothing
         said what was kept): the newest complete checkpoint of its own, and the --resume that takes
         it, or `maestro export` where it is after the last step (--resume would be refused)."""
@@ -168,7 +168,7 @@ class Checkpointer:
             return (f"checkpoints: the newest complete one, {newest[-1]}, is after the last step: `maestro export "
                     f"{newest[-1]} --section SECTION -o DIR` takes a section's weights from it")
         return (f"checkpoints: the newest complete one is {newest[-1]}; go on from it with the same command and "
-                f"--resume {root}")
+                f"--resume {root}" + (", once the cause above is dealt with" if failed else ""))
 
     def _ours(self, lineage: object) -> bool:
         """Whether a checkpoint of this lineage (_lineage) belongs to this job's training (an

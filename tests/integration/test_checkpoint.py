@@ -114,7 +114,7 @@ def test_sigkill_then_resume_is_bitwise_identical(small_data, uninterrupted, tmp
     assert newest is not None and mf.read(newest).step < STEPS
     if victim == "worker":  # found in QA: nothing said what was kept, or how to go on
         assert (f"checkpoints: the newest complete one is {newest}; go on from it with the same command and "
-                f"--resume {ck}") in stderr, stderr[-2000:]
+                f"--resume {ck}, once the cause above is dealt with") in stderr, stderr[-2000:]
     run_ok(*args(small_data, dtype, "--resume", str(ck), "--save-dir", str(tmp_path / "out")))
     assert_bitwise(params(tmp_path / "out"), uninterrupted[dtype][0])
 

@@ -579,6 +579,7 @@ def test_where_to_go_on_from_is_this_training_s_newest_checkpoint(tmp_path, monk
     shutil.rmtree(six)
     assert ck.go_on_note() == (f"checkpoints: the newest complete one is {four}; go on from it with the same command "
                                f"and --resume {tmp_path}")
+    assert ck.go_on_note(failed=True).endswith(f"--resume {tmp_path}, once the cause above is dealt with")
     (Path(four) / mf.MANIFEST).write_text("{cut")
     assert ck.go_on_note() == f"checkpoints: none complete in {tmp_path} yet"  # unreadable: not ours to offer
 
