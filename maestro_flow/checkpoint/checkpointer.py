@@ -111,6 +111,7 @@ class Checkpointer:
         self.unsaved: int | None = None  # the step of the newest checkpoint, if it failed (on_error "continue")
         self.on_event: Callable[[dict[str, Any]], None] = lambda event: None  # the run dir's events.jsonl
         self.lineage: str | None = None  # this job's training (Manifest.lineage): set by claim()
+        self.resumed_from: str | None = None  # the checkpoint the job resumed from (go_on_note)
         self._legacy = False
         self._lock = None
 
@@ -163,7 +164,9 @@ class Checkpointer:
         root = self.options.dir
         newest = [f for _, f, ok in mf.checkpoints(root) if ok and self._ours(_lineage(f))]
         if not newest:
-            return f"checkpoints: none complete in {root} yet"
+            was = self.resumed_from  # found in review: a run resumed from elsewhere named no place to go on from
+            return f"checkpoints: none complete in {root} yet" + (f"; the run resumed from {was} (--resume {was})"
+                                                                    if was else "")
         if steps is not None and mf.read(newest[-1]).step >= steps:
             return (f"checkpoints: the newest complete one, {newest[-1]}, is after the last step: `maestro export "
                     f"{newest[-1]} --section SECTION -o DIR` takes a section's weights from it")

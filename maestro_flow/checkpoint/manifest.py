@@ -176,6 +176,20 @@ def find_folder(path: str, what: str) -> str:
     raise PipelineError(f"{what}: no such folder: {path}{listing}")
 
 
+def skipped_note(checkpoint: str) -> str:
+    """'; newer, incomplete: step-6' for the incomplete folders beside `checkpoint` that are newer
+    than it (found in QA: a resume from the folder took the one before a save whose manifest was
+    missing, and said nothing of the newer one)."""
+    here = os.path.abspath(checkpoint)
+    try:
+        found = checkpoints(os.path.dirname(here))
+    except OSError:
+        return ""
+    mine = [step for step, f, _ in found if os.path.abspath(f) == here]
+    newer = [os.path.basename(f) for step, f, ok in found if mine and not ok and step > mine[0]]  # (by step)
+    return f"; newer, incomplete (an interrupted or failed save, never resumed from): {', '.join(newer)}" if newer else ""
+
+
 def latest(path: str) -> str | None:
     """The newest complete checkpoint: `path` itself if it is one, else the newest under it."""
     if os.path.isfile(os.path.join(path, MANIFEST)):

@@ -352,6 +352,7 @@ def _lead(pipeline: Any, original: Any, checked: Any, paths: Any, options: RunOp
               f"{there} --checkpoint-every N)", file=sys.stderr, flush=True)
     checkpointer = Checkpointer(ckpt)  # one for the whole job, across restarts
     checkpointer.claim(resume[1] if resume else None, pipeline.to_dict())  # held until the job ends (closed below)
+    checkpointer.resumed_from = resume[0] if resume else None
     run_dir = None
     try:  # refused from here on: the directory's lock goes with the refusal (found in review: it was held)
         record = None  # checked before anything is written (the run dir, the trace, TensorBoard's folder)
@@ -399,7 +400,8 @@ def _lead(pipeline: Any, original: Any, checked: Any, paths: Any, options: RunOp
                   + (f" (an earlier run's files moved to {run_dir.set_aside})" if run_dir.set_aside else ""),
                   file=sys.stderr)
         if resume is not None and options.show_progress:
-            print(f"resuming from {resume[0]} (after step {resume[1].step})", file=sys.stderr)
+            print(f"resuming from {resume[0]} (after step {resume[1].step}{mf.skipped_note(resume[0])})",
+                  file=sys.stderr)
         metrics = [p for p in (options.metrics_out, run_dir.metrics if run_dir else None) if p]
         observer = RunObserver(run_dir=run_dir, trace_path=trace)
         sinks = []

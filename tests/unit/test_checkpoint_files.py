@@ -557,6 +557,19 @@ def test_a_trainable_section_whose_config_or_optimizer_changed_is_warned_of_on_r
     assert "config.teacher.init_seed (1 now, unset then)" in warning, warning
 
 
+def test_a_resume_names_the_newer_incomplete_folders_it_passed_over(tmp_path):
+    """Found in QA: with the newest checkpoint's manifest gone, a resume took the one before and
+    said "resuming from step-4", nothing of step-6."""
+    four = save(tmp_path, 4)
+    save(tmp_path, 6, complete=False)
+    save(tmp_path, 10, complete=False)
+    save(tmp_path, 2, complete=False)  # older: not passed over
+    assert resume_point(str(tmp_path))[0] == four
+    assert mf.skipped_note(four) == ("; newer, incomplete (an interrupted or failed save, never resumed from): "
+                                     "step-00000006, step-00000010")
+    assert mf.skipped_note(save(tmp_path, 12)) == ""
+
+
 def test_where_to_go_on_from_is_this_training_s_newest_checkpoint(tmp_path, monkeypatch):
     """Found in QA: an interrupted or failed run said nothing of what was kept; found in review:
     the note named --resume for a checkpoint after the last step (refused), another training's
@@ -582,6 +595,9 @@ def test_where_to_go_on_from_is_this_training_s_newest_checkpoint(tmp_path, monk
     assert ck.go_on_note(failed=True).endswith(f"--resume {tmp_path}, once the cause above is dealt with")
     (Path(four) / mf.MANIFEST).write_text("{cut")
     assert ck.go_on_note() == f"checkpoints: none complete in {tmp_path} yet"  # unreadable: not ours to offer
+    job.resumed_from = "/elsewhere/step-00000002"  # found in review: not said, where it was the one place
+    assert ck.go_on_note() == (f"checkpoints: none complete in {tmp_path} yet; the run resumed from "
+                               "/elsewhere/step-00000002 (--resume /elsewhere/step-00000002)")
 
     def unreadable(root):
         raise PermissionError(13, "Permission denied", root)
