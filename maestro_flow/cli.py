@@ -12,6 +12,7 @@ import os
 import signal
 import sys
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 
@@ -34,22 +35,23 @@ import click  # noqa: E402 (after the handler: importing it takes a while)
 
 from maestro_flow.cli_sets import set_options  # noqa: E402
 from maestro_flow.cli_signals import interrupts_after_imports, reader_gone  # noqa: E402
-from maestro_flow.errors import MaestroError, PipelineError, StageError, StageOutputError, SystemFailure  # noqa: E402
+from maestro_flow.errors import MaestroError, PipelineError, StageError, SystemFailure  # noqa: E402
 from maestro_flow.overrides import parse_set  # noqa: E402
 from maestro_flow.wording import count, skipped_note  # noqa: E402
 
 SETS = set_options("global_batch=8, dtype=float64")
 
 
-def _fail(exc: BaseException, debug: bool) -> None:
+def _fail(exc: BaseException, debug: bool, then: Callable[[], None] | None = None) -> None:
+    """The error's line (after its traceback with --debug), then `then` (a note), then the exit."""
     if debug:  # the traceback, then the same line and exit code (found in review: --debug exited 1 on bad input)
         traceback.print_exception(exc, file=sys.stderr)
-    if isinstance(exc, StageError):
-        click.echo(f"error: {exc}", err=True)
-        sys.exit(1)
-    code = 2 if isinstance(exc, PipelineError) else 1
     click.echo(f"error: {exc}", err=True)
-    _exit(code)
+    if then is not None:
+        then()
+    if isinstance(exc, StageError):
+        sys.exit(1)
+    _exit(2 if isinstance(exc, PipelineError) else 1)
 
 
 def _go_on_note(failed: bool = False) -> None:
@@ -278,13 +280,8 @@ def run(ctx: click.Context, pipeline: str, steps: int | None, sets: tuple[str, .
         _go_on_note()
         _exit(130)
     except MaestroError as exc:
-        if isinstance(exc, (StageError, StageOutputError, SystemFailure)):  # a run that started, then failed
-            if ctx.obj["debug"]:
-                traceback.print_exception(exc, file=sys.stderr)
-            click.echo(f"error: {exc}", err=True)  # _fail's line, then where to go on from
-            _go_on_note(failed=True)
-            _exit(1)
-        _fail(exc, ctx.obj["debug"])
+        started = isinstance(exc, (StageError, SystemFailure))  # a run that started, then failed
+        _fail(exc, ctx.obj["debug"], then=(lambda: _go_on_note(failed=True)) if started else None)
     except Exception:
         from maestro_flow.runtime.nodes import ABANDONED
 

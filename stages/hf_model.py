@@ -16,6 +16,7 @@ import contextlib
 import difflib
 import functools
 import inspect
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -121,9 +122,8 @@ def hf_model_config(config: dict[str, Any], *, where: str = "") -> tuple[Any, st
     if not isinstance(config.get("hf_config", {}), dict):
         raise ValueError(f"{where}hf_config must be a mapping of transformers config fields (e.g. "
                          f"{{'n_layer': 2}}), got {config['hf_config']!r}; the model is named by {where}model_type")
-    user = dict(config.get("hf_config", {}))
-    attn = config.get("attn_implementation", user.pop("attn_implementation", None))
-    kwargs = {**(GPT2_DEFAULTS if model_type == "gpt2" else {}), **user}
+    user, kwargs = _given(config)
+    attn = config.get("attn_implementation", config.get("hf_config", {}).get("attn_implementation"))
     try:
         hf_config = AutoConfig.for_model(model_type, **kwargs)
     except Exception as exc:  # (huggingface_hub's validation errors are neither: found in review)
@@ -143,13 +143,15 @@ def hf_model_config(config: dict[str, Any], *, where: str = "") -> tuple[Any, st
 
 
 # Keys of transformers 4's PretrainedConfig that config.json files still carry (generation and
-# task settings, seq2seq ties): kept unread by a causal LM, never a misspelt field.
+# task settings, seq2seq ties; gpt2's n_ctx, in its published config.json): kept unread by a
+# causal LM, never a misspelt field, so neither refused nor announced.
 LEGACY = ("sep_token_id", "decoder_start_token_id", "tie_encoder_decoder", "cross_attention_hidden_size",
           "finetuning_task", "id2label", "label2id", "task_specific_params", "tokenizer_class", "prefix",
           "architectures", "max_length", "min_length", "do_sample", "early_stopping", "num_beams",
           "temperature", "top_k", "top_p", "repetition_penalty", "length_penalty", "no_repeat_ngram_size",
-          "bad_words_ids", "num_return_sequences", "use_bfloat16", "tf_legacy_loss", "pruned_heads")
+          "bad_words_ids", "num_return_sequences", "use_bfloat16", "tf_legacy_loss", "pruned_heads", "n_ctx")
 NOT_NAMES = ("self", "args", "kwargs")
+_EXTRA: dict[tuple[str, str, str], list[str]] = {}  # extra_fields' answers
 
 
 def _fields(hf_config: Any) -> set[str]:
@@ -171,6 +173,9 @@ def extra_fields(model_type: str, kwargs: dict[str, Any], hf_config: Any) -> lis
     does), so a misspelt field (`n_layers`) ends here too."""
     from transformers import AutoConfig
 
+    key_of = (model_type, json.dumps(kwargs, sort_keys=True, default=str), hf_config.to_json_string())
+    if key_of in _EXTRA:  # (asked twice per build: the typo check and the note; found in review)
+        return _EXTRA[key_of]
     kept = hf_config.to_dict()
     out = []
     for key in kwargs:
@@ -183,7 +188,8 @@ def extra_fields(model_type: str, kwargs: dict[str, Any], hf_config: Any) -> lis
         rest = ("is_decoder", key)  # (is_decoder: hf_model_config sets it after the build)
         if key not in without and _drop(kept, rest) == _drop(without, rest):
             out.append(key)
-    return sorted(out)
+    _EXTRA[key_of] = sorted(out)
+    return _EXTRA[key_of]
 
 
 def _drop(d: dict[str, Any], keys: tuple[str, ...]) -> dict[str, Any]:
@@ -212,12 +218,19 @@ def _refuse_typos(model_type: str, kwargs: dict[str, Any], user: dict[str, Any],
                              "kept unread")
 
 
+def _given(config: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The stage config's hf_config keys (without attn_implementation, which goes to the model),
+    and the keyword arguments the transformers config is built from (gpt2: our small defaults
+    under them)."""
+    user = {k: v for k, v in config.get("hf_config", {}).items() if k != "attn_implementation"}
+    return user, {**(GPT2_DEFAULTS if config.get("model_type", "gpt2") == "gpt2" else {}), **user}
+
+
 def describe_extra(config: dict[str, Any], hf_config: Any, where: str = "") -> str | None:
     """One line naming the user's idle keys (extra_fields) the model may not read, or None."""
-    user = {k: v for k, v in config.get("hf_config", {}).items() if k != "attn_implementation"}
-    model_type = config.get("model_type", "gpt2")
-    extra = [k for k in extra_fields(model_type, {**(GPT2_DEFAULTS if model_type == "gpt2" else {}), **user},
-                                     hf_config) if k in user]
+    user, kwargs = _given(config)
+    extra = [k for k in extra_fields(config.get("model_type", "gpt2"), kwargs, hf_config)
+             if k in user and k not in LEGACY]  # (a transformers 4 key: no misspelling, found in review)
     if not extra:
         return None
     names, one = ", ".join(f"{where}hf_config.{k}" for k in extra), len(extra) == 1

@@ -160,18 +160,21 @@ class Checkpointer:
     def go_on_note(self, steps: int | None, failed: bool = False) -> str:
         """Where this training can go on from, once the run stopped or failed (found in QA: nothing
         said what was kept): the newest complete checkpoint of its own, and the --resume that takes
-        it, or `maestro export` where it is after the last step (--resume would be refused)."""
+        it, or `maestro export` where it is after the last step (--resume would be refused); with
+        none yet, the checkpoint the job resumed from, if any. `failed`: the run failed (not
+        interrupted), so the --resume goes with "once the cause above is dealt with"."""
+        cause = ", once the cause above is dealt with" if failed else ""
         root = self.options.dir
         newest = [f for _, f, ok in mf.checkpoints(root) if ok and self._ours(_lineage(f))]
         if not newest:
             was = self.resumed_from  # found in review: a run resumed from elsewhere named no place to go on from
-            return f"checkpoints: none complete in {root} yet" + (f"; the run resumed from {was} (--resume {was})"
-                                                                    if was else "")
+            return f"checkpoints: none complete in {root} yet" + (f"; the run resumed from {was} (--resume {was}"
+                                                                    f"{cause})" if was else "")
         if steps is not None and mf.read(newest[-1]).step >= steps:
             return (f"checkpoints: the newest complete one, {newest[-1]}, is after the last step: `maestro export "
                     f"{newest[-1]} --section SECTION -o DIR` takes a section's weights from it")
         return (f"checkpoints: the newest complete one is {newest[-1]}; go on from it with the same command and "
-                f"--resume {root}" + (", once the cause above is dealt with" if failed else ""))
+                f"--resume {root}{cause}")
 
     def _ours(self, lineage: object) -> bool:
         """Whether a checkpoint of this lineage (_lineage) belongs to this job's training (an
@@ -224,7 +227,7 @@ class Checkpointer:
             return False
         self.committed = folder
         self.unsaved = None
-        self.on_event({"checkpoint": folder, "step": step})
+        self.on_event({"checkpoint": os.path.abspath(folder), "step": step})  # (read from elsewhere: rundir)
         self._purge(step)
         return True
 

@@ -131,7 +131,7 @@ def _read(source: str, section: str) -> tuple[dict[str, Any], dict[str, torch.Te
         if interrupted(exc):  # Ctrl-C while reading: not a damaged checkpoint
             raise KeyboardInterrupt from None
         raise PipelineError(f"{folder}: cannot read section {section!r} ({os.path.join(folder, section)}): "
-                            f"{SectionState.cause(exc).strip().splitlines()[0]}{mf.earlier(folder)}") from None
+                            f"{SectionState.cause(exc).strip().splitlines()[0]}{mf.earlier(folder, move=False)}") from None
 
 
 def _saved(source: str, pipeline: dict[str, Any]) -> list[str]:

@@ -102,7 +102,7 @@ def read(folder: str) -> Manifest:
     except FileNotFoundError:
         raise PipelineError(f"{folder} is not a complete checkpoint (no {MANIFEST})") from None
     except (ValueError, TypeError, KeyError, AttributeError) as exc:  # ValueError: bad JSON, or not text at all
-        raise PipelineError(f"{path}: unreadable checkpoint manifest ({exc}){earlier(folder)}") from None
+        raise PipelineError(f"{path}: unreadable checkpoint manifest ({exc}){earlier(folder, move=False)}") from None
 
 
 def _canonical(value: Any) -> str:
@@ -121,15 +121,17 @@ def _numbers(value: Any) -> Any:
     return float(value) if abs(value) < 2**53 else value
 
 
-def earlier(checkpoint: str) -> str:
+def earlier(checkpoint: str, *, move: bool = True) -> str:
     """Where to go back to when `checkpoint` cannot be read: the newest complete one before it
-    (found in QA: a damaged manifest named none)."""
+    (found in QA: a damaged manifest named none). `move`: the damaged one still counts as a
+    checkpoint past it (its manifest reads), so a --checkpoint-dir holding it is refused until it
+    is moved away (found in QA: that refusal then advised resuming from the damaged one)."""
     here = os.path.abspath(checkpoint)
     before = [folder for _, folder, ok in checkpoints(os.path.dirname(here)) if ok and folder < here]
-    # Found in QA: resuming from it with --checkpoint-dir on this folder was then refused for the
-    # later (damaged) one, and that refusal advised resuming from the newest.
-    return (f"; the complete checkpoint before it: {before[-1]} (--resume {before[-1]}; with --checkpoint-dir "
-            f"{os.path.dirname(here)}, first move {here} away)") if before else ""
+    if not before:
+        return ""
+    then = f"; with --checkpoint-dir {os.path.dirname(here)}, first move {here} away" if move else ""
+    return f"; the complete checkpoint before it: {before[-1]} (--resume {before[-1]}{then})"
 
 
 def checkpoints(root: str) -> list[tuple[int, str, bool]]:
@@ -177,8 +179,8 @@ def find_folder(path: str, what: str) -> str:
 
 
 def skipped_note(checkpoint: str) -> str:
-    """'; newer, incomplete: step-6' for the incomplete folders beside `checkpoint` that are newer
-    than it (found in QA: a resume from the folder took the one before a save whose manifest was
+    """'; newer, incomplete (...): step-00000006' for the incomplete folders beside `checkpoint`
+    that are newer than it (found in QA: a resume from the folder took the one before a save whose manifest was
     missing, and said nothing of the newer one)."""
     here = os.path.abspath(checkpoint)
     try:
@@ -277,8 +279,9 @@ def _trainable_changes(now: dict[str, Any], before: dict[str, Any]) -> list[str]
                and not _weights_source(k)]
     if not changed:
         return []
-    shown = ", ".join(f"{k} ({_shown(new, k)} now, {_shown(old, k)} then)"
-                      for k in changed[:4]) + (f" and {len(changed) - 4} more" if len(changed) > 4 else "")
+    shown = ", ".join(f"{k} ({_shown(new, k)} now, {_shown(old, k)} then)" for k in changed[:4])
+    if len(changed) > 4:  # the rest by name (found in review: "and 2 more" named none)
+        shown += f", and {', '.join(changed[4:])}"
     return [f"sections.{now['name']}: {shown} {'differs' if len(changed) == 1 else 'differ'} from the run that wrote "
             "the checkpoint: the section trains on from its weights and optimizer state with the new "
             f"value{'s' if len(changed) > 1 else ''}"]

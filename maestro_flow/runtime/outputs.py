@@ -39,12 +39,22 @@ def check_save_dir(save_dir: str, checkpoint_dir: str | None, pipeline: Any = No
     if pipeline is None or not os.path.isdir(save_dir):
         return
     ours = {f"{s.name}.safetensors" for s in pipeline.sections if s.trainable}
-    others = sorted(n for n in os.listdir(save_dir) if n.endswith(".safetensors") and n not in ours)
+    loaded = {os.path.realpath(p) for s in pipeline.sections for p in _checkpoints(s.config)}  # a stage reads them
+    others = sorted(n for n in os.listdir(save_dir) if n.endswith(".safetensors") and n not in ours
+                    and os.path.realpath(os.path.join(save_dir, n)) not in loaded)
     if others:
         raise PipelineError(f"--save-dir {save_dir} holds {', '.join(others)}, which this run does not write (it "
                             f"trains {', '.join(sorted(n[:-len('.safetensors')] for n in ours)) or 'nothing'}): its "
                             "pipeline.json would no longer describe them; give --save-dir a folder of its own, or "
                             "move them away")
+
+
+def _checkpoints(config: Any) -> list[str]:
+    """Every `checkpoint` path in a stage config, nested ones too (a KD student's teacher copy's)."""
+    if isinstance(config, dict):
+        own = [config["checkpoint"]] if isinstance(config.get("checkpoint"), str) else []
+        return own + [p for v in config.values() for p in _checkpoints(v)]
+    return [p for v in config for p in _checkpoints(v)] if isinstance(config, (list, tuple)) else []
 
 
 def check_writable(path: str, flag: str, *, folder: bool) -> None:

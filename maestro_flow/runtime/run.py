@@ -485,8 +485,8 @@ def _lead(pipeline: Any, original: Any, checked: Any, paths: Any, options: RunOp
             print(f"newest checkpoint: {checkpointer.committed}", file=sys.stderr)
         if options.save_dir and not fatal:
             files = ", ".join(f"{s.name}.safetensors" for s in original.sections if s.trainable)
-            print(f"weights: {options.save_dir} ({files}; `maestro export` makes a model folder of one)",
-                  file=sys.stderr)
+            print(f"weights: {options.save_dir} ({files}; `maestro export {options.save_dir} --section S -o OUT` "
+                  "takes one out)", file=sys.stderr)
     if fatal:
         raise CheckpointError(fatal)
     if checkpointer.unsaved is not None:

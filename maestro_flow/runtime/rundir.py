@@ -162,4 +162,6 @@ def checkpoints_note(path: str) -> str | None:
     if written is None:
         return "it is a run directory, and its run wrote no checkpoint (a run writes them with --checkpoint-dir)"
     where = os.path.dirname(os.path.normpath(written))
-    return f"it is a run directory; its run wrote its checkpoints in {where} (the last: {written}): give {where}"
+    relative = "" if os.path.isabs(written) else ", relative to where that run was started"
+    return (f"it is a run directory; its run wrote its checkpoints in {where} (the last: {written}{relative}): "
+            f"give {where}")

@@ -126,7 +126,8 @@ def test_the_summary_names_what_the_run_leaves(small_data, tmp_path):
                     "--checkpoint-dir", str(ck), "--checkpoint-every", "2", "--save-dir", str(out))
     lines = result.stderr.strip().splitlines()
     assert lines[-2:] == [f"newest checkpoint: {ck / 'step-00000002'}",
-                          f"weights: {out} (student.safetensors; `maestro export` makes a model folder of one)"], \
+                          f"weights: {out} (student.safetensors; `maestro export {out} --section S -o OUT` takes one "
+                          "out)"], \
         result.stderr[-2000:]
 
 

@@ -544,6 +544,10 @@ def test_a_trainable_section_whose_config_or_optimizer_changed_is_warned_of_on_r
     assert "config.student.d_model (32 now, unset then)" in warning and "optimizer.lr (0.5 now, " in warning
     assert warning.endswith("differ from the run that wrote the checkpoint: the section trains on from its weights "
                             "and optimizer state with the new values"), warning
+    many = dataclasses.replace(student, config={k: 1 for k in "abcdef"})  # found in review: "and 2 more"
+    [warning] = mf.resume_warnings(saved, dataclasses.replace(PIPELINE, sections=[PIPELINE.sections[0], many])
+                                   .to_dict())
+    assert "config.d (1 now, unset then), and config.e, config.f differ from" in warning, warning
     # Found in review: 2 for 2.0 was a change; a trainable model's own init_seed (its weights come
     # from the checkpoint) was said to be used. A KD teacher copy's seed makes its frozen head.
     same = dataclasses.replace(student, config={"temperature": 2, "init_seed": 9, "student": {"checkpoint": "b"}})
@@ -617,9 +621,12 @@ def test_a_damaged_manifest_names_the_checkpoint_before_it(tmp_path, content):
     before = save(tmp_path, 2)
     (Path(save(tmp_path, 4)) / mf.MANIFEST).write_bytes(content)
     with pytest.raises(PipelineError, match=rf"step-00000004/manifest.json: unreadable checkpoint manifest \(.*\); "
-                                            rf"the complete checkpoint before it: {before} \(--resume {before}; with "
-                                            rf"--checkpoint-dir {tmp_path}, first move {tmp_path}/step-00000004 "
-                                            r"away\)$"):
+                                            rf"the complete checkpoint before it: {before} \(--resume {before}\)$"):
+        resume_point(str(tmp_path))  # (an unreadable manifest is no checkpoint past it: nothing to move away)
+    job = Checkpointer(CheckpointOptions(dir=str(tmp_path), every=2))
+    job.claim(mf.read(before), PIPELINE.to_dict())  # accepted with the damaged one there
+    job.close()
+    with pytest.raises(PipelineError, match="unreadable checkpoint manifest"):
         resume_point(str(tmp_path))
 
 
@@ -698,7 +705,7 @@ def test_run_refuses_a_save_dir_that_is_or_holds_checkpoints(tmp_path, same):
 def test_run_refuses_a_save_dir_holding_weights_it_does_not_write(tmp_path):
     """Found in QA: a --save-dir holding another pipeline's weights (chain's embed and lm) took a
     distill run's student.safetensors and pipeline.json beside them, in silence; only a later
-    export said the others were left from an earlier run. The run's own file is replaced."""
+    export said the others were left from an earlier run. Its own section's file is not named."""
     from click.testing import CliRunner
 
     from loaders.demo import build_text_demo
@@ -718,6 +725,13 @@ def test_run_refuses_a_save_dir_holding_weights_it_does_not_write(tmp_path):
         f"error: --save-dir {out} holds embed.safetensors, lm.safetensors, which this run does not write (it "
         "trains student): its pipeline.json would no longer describe them; give --save-dir a folder of its own, or "
         "move them away"), result.output
+    # A file a section's config loads (a frozen teacher's weights, saved when it trained) stays (review).
+    weights = out / "lm.safetensors"
+    again = CliRunner().invoke(main, ["run", str(root / "pipelines" / "distill.py"), "--no-run-dir", "--save-dir",
+                                      str(out), "--set", f"data.path={data}", "--set",
+                                      f"sections.teacher.config.checkpoint={weights}", "--set",
+                                      f"sections.student.config.teacher.checkpoint={weights}"])
+    assert "holds embed.safetensors, which this run does not write" in again.stderr, again.output
 
 
 def test_failed_saves_leave_at_most_the_newest_incomplete_folder(tmp_path):
