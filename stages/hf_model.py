@@ -151,16 +151,20 @@ LEGACY = ("sep_token_id", "decoder_start_token_id", "tie_encoder_decoder", "cros
           "temperature", "top_k", "top_p", "repetition_penalty", "length_penalty", "no_repeat_ngram_size",
           "bad_words_ids", "num_return_sequences", "use_bfloat16", "tf_legacy_loss", "pruned_heads", "n_ctx")
 NOT_NAMES = ("self", "args", "kwargs")
-_EXTRA: dict[tuple[str, str, str], list[str]] = {}  # extra_fields' answers
+_EXTRA: dict[tuple[str, str], list[str]] = {}  # extra_fields' answers
 
 
 def _fields(hf_config: Any) -> set[str]:
     """The public fields of a built transformers config: its values, aliases and init arguments."""
-    known = set(hf_config.to_dict()) | set(getattr(hf_config, "attribute_map", {}))
-    for cls in type(hf_config).__mro__:
-        if "__init__" in vars(cls):
-            known |= set(inspect.signature(cls.__init__).parameters)
-    return {k for k in known if not k.startswith("_") and k not in NOT_NAMES}
+    known = set(hf_config.to_dict()) | set(getattr(hf_config, "attribute_map", {})) | _init_args(type(hf_config))
+    return {k for k in known if not k.startswith("_")}
+
+
+@functools.cache
+def _init_args(config_class: type) -> frozenset[str]:
+    """The argument names of every __init__ along a config class's MRO (but self, args, kwargs)."""
+    return frozenset(name for cls in config_class.__mro__ if "__init__" in vars(cls)
+                     for name in inspect.signature(cls.__init__).parameters if name not in NOT_NAMES)
 
 
 def extra_fields(model_type: str, kwargs: dict[str, Any], hf_config: Any) -> list[str]:
@@ -173,13 +177,15 @@ def extra_fields(model_type: str, kwargs: dict[str, Any], hf_config: Any) -> lis
     does), so a misspelt field (`n_layers`) ends here too."""
     from transformers import AutoConfig
 
-    key_of = (model_type, json.dumps(kwargs, sort_keys=True, default=str), hf_config.to_json_string())
-    if key_of in _EXTRA:  # (asked twice per build: the typo check and the note; found in review)
+    # The answer follows from model_type and kwargs (hf_config is built from them; is_decoder, set
+    # after the build, is left out below). Asked twice per build: the typo check and the note.
+    key_of = (model_type, json.dumps(kwargs, sort_keys=True, default=str))
+    if key_of in _EXTRA:
         return _EXTRA[key_of]
     kept = hf_config.to_dict()
     out = []
     for key in kwargs:
-        if key not in kept or key in getattr(hf_config, "attribute_map", {}) or _in_signature(type(hf_config), key):
+        if key not in kept or key in getattr(hf_config, "attribute_map", {}) or key in _init_args(type(hf_config)):
             continue
         try:  # (a config that refuses to be built without the key: the key is not idle)
             without = AutoConfig.for_model(model_type, **{k: v for k, v in kwargs.items() if k != key}).to_dict()
@@ -194,12 +200,6 @@ def extra_fields(model_type: str, kwargs: dict[str, Any], hf_config: Any) -> lis
 
 def _drop(d: dict[str, Any], keys: tuple[str, ...]) -> dict[str, Any]:
     return {k: v for k, v in d.items() if k not in keys}
-
-
-@functools.cache
-def _in_signature(config_class: type, key: str) -> bool:
-    return any(key in inspect.signature(cls.__init__).parameters for cls in config_class.__mro__
-               if "__init__" in vars(cls) and key not in NOT_NAMES)
 
 
 def _refuse_typos(model_type: str, kwargs: dict[str, Any], user: dict[str, Any], hf_config: Any, where: str) -> None:

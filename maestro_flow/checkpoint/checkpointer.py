@@ -45,7 +45,7 @@ CKPT_LOCK = ".checkpoints.lock"
 _UNREADABLE = object()  # a complete checkpoint whose manifest cannot be read: never resumed from
 
 
-_CLAIMED: tuple[Checkpointer, int | None] | None = None  # this process's job's, and its steps: go_on_note()
+_CLAIMED: Checkpointer | None = None  # the checkpointer of this process's job, once it claimed its folder
 
 
 def go_on_note(failed: bool = False) -> str | None:
@@ -55,8 +55,8 @@ def go_on_note(failed: bool = False) -> str | None:
     if _CLAIMED is None:
         return None
     try:
-        return _CLAIMED[0].go_on_note(_CLAIMED[1], failed)
-    except (OSError, PipelineError):  # an unreadable directory or manifest: the failure's own message stands
+        return _CLAIMED.go_on_note(failed)
+    except OSError:  # an unreadable directory: the failure's own message stands (a manifest: _lineage)
         return None
 
 
@@ -112,6 +112,7 @@ class Checkpointer:
         self.on_event: Callable[[dict[str, Any]], None] = lambda event: None  # the run dir's events.jsonl
         self.lineage: str | None = None  # this job's training (Manifest.lineage): set by claim()
         self.resumed_from: str | None = None  # the checkpoint the job resumed from (go_on_note)
+        self.steps: int | None = None  # the job's total steps: set by claim()
         self._legacy = False
         self._lock = None
 
@@ -155,9 +156,10 @@ class Checkpointer:
                                     f"with --resume {root}, or to go back to step {start}, move the later ones "
                                     "away or choose another --checkpoint-dir")
         global _CLAIMED
-        _CLAIMED = (self, (pipeline or {}).get("steps"))
+        self.steps = (pipeline or {}).get("steps")
+        _CLAIMED = self
 
-    def go_on_note(self, steps: int | None, failed: bool = False) -> str:
+    def go_on_note(self, failed: bool = False) -> str:
         """Where this training can go on from, once the run stopped or failed (found in QA: nothing
         said what was kept): the newest complete checkpoint of its own, and the --resume that takes
         it, or `maestro export` where it is after the last step (--resume would be refused); with
@@ -165,15 +167,16 @@ class Checkpointer:
         interrupted), so the --resume goes with "once the cause above is dealt with"."""
         cause = ", once the cause above is dealt with" if failed else ""
         root = self.options.dir
-        newest = [f for _, f, ok in mf.checkpoints(root) if ok and self._ours(_lineage(f))]
-        if not newest:
+        ours = [(step, f) for step, f, ok in mf.checkpoints(root) if ok and self._ours(_lineage(f))]
+        if not ours:
             was = self.resumed_from  # found in review: a run resumed from elsewhere named no place to go on from
             return f"checkpoints: none complete in {root} yet" + (f"; the run resumed from {was} (--resume {was}"
                                                                     f"{cause})" if was else "")
-        if steps is not None and mf.read(newest[-1]).step >= steps:
-            return (f"checkpoints: the newest complete one, {newest[-1]}, is after the last step: `maestro export "
-                    f"{newest[-1]} --section SECTION -o DIR` takes a section's weights from it")
-        return (f"checkpoints: the newest complete one is {newest[-1]}; go on from it with the same command and "
+        step, newest = ours[-1]  # (the folder's step is its manifest's: step_dir)
+        if self.steps is not None and step >= self.steps:
+            return (f"checkpoints: the newest complete one, {newest}, is after the last step: `maestro export "
+                    f"{newest} --section SECTION -o DIR` takes a section's weights from it")
+        return (f"checkpoints: the newest complete one is {newest}; go on from it with the same command and "
                 f"--resume {root}{cause}")
 
     def _ours(self, lineage: object) -> bool:

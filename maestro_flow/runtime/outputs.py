@@ -24,7 +24,7 @@ from maestro_flow.checkpoint import manifest as mf
 from maestro_flow.errors import PipelineError
 
 
-def check_save_dir(save_dir: str, checkpoint_dir: str | None, pipeline: Any = None) -> None:
+def check_save_dir(save_dir: str, checkpoint_dir: str | None, pipeline: Any) -> None:
     """A --save-dir is not the --checkpoint-dir and holds no checkpoints (found in QA: `maestro
     export` of such a folder took the older of the two, in silence), nor the weights of a section
     `pipeline` does not train (found in QA: another pipeline's files stayed beside this run's,
@@ -36,15 +36,16 @@ def check_save_dir(save_dir: str, checkpoint_dir: str | None, pipeline: Any = No
     if held:
         raise PipelineError(f"--save-dir {save_dir} {held}: `maestro export` could not tell the saved weights from "
                             "the checkpoints; give --save-dir a folder of its own")
-    if pipeline is None or not os.path.isdir(save_dir):
+    if not os.path.isdir(save_dir):
         return
-    ours = {f"{s.name}.safetensors" for s in pipeline.sections if s.trainable}
+    trained = sorted(s.name for s in pipeline.sections if s.trainable)
     loaded = {os.path.realpath(p) for s in pipeline.sections for p in _checkpoints(s.config)}  # a stage reads them
-    others = sorted(n for n in os.listdir(save_dir) if n.endswith(".safetensors") and n not in ours
+    others = sorted(n for n in os.listdir(save_dir) if n.endswith(".safetensors")
+                    and n.removesuffix(".safetensors") not in trained
                     and os.path.realpath(os.path.join(save_dir, n)) not in loaded)
     if others:
         raise PipelineError(f"--save-dir {save_dir} holds {', '.join(others)}, which this run does not write (it "
-                            f"trains {', '.join(sorted(n[:-len('.safetensors')] for n in ours)) or 'nothing'}): its "
+                            f"trains {', '.join(trained) or 'nothing'}): its "
                             "pipeline.json would no longer describe them; give --save-dir a folder of its own, or "
                             "move them away")
 
