@@ -157,6 +157,9 @@ def main(ctx: click.Context, debug: bool) -> None:
 @click.option("--checkpoint-errors", type=click.Choice(["stop", "continue"]), default="stop", show_default=True,
               help="When a checkpoint cannot be written: stop the run cleanly, or report it and train on (the "
                    "one after the last step fails the run either way: it holds the run's final state).")
+@click.option("--checkpoint-on-term", is_flag=True,
+              help="On SIGTERM (a scheduler's preemption), finish the steps already planned, checkpoint them, then "
+                   "stop (exit 130); a second SIGTERM stops at once. Needs --checkpoint-dir; one node only.")
 @click.option("--resume", type=click.Path(file_okay=False), metavar="DIR",
               help="Start from a checkpoint: DIR/step-N, or the newest complete one under DIR (--steps stays the "
                    "total).")
@@ -203,6 +206,7 @@ def run(ctx: click.Context, pipeline: str, steps: int | None, sets: tuple[str, .
         schedule: str | None, metrics_out: str | None, save_dir: str | None, trace: str | None,
         run_dir: str | None, no_run_dir: bool, record: str | None, record_steps: str | None, costs: str | None,
         checkpoint_dir: str | None, checkpoint_every: int | None, keep_last: int | None, checkpoint_errors: str,
+        checkpoint_on_term: bool,
         resume: str | None, max_restarts: int, tensorboard: str | None, nnodes: int | None, node_rank: int | None,
         rdzv_endpoint: str | None, nproc_per_node: int | None, host: str | None, interface: str | None,
         secret_file: str | None, baseline: str | None, devices: int | None, micro_batch: int | None,
@@ -263,7 +267,8 @@ def run(ctx: click.Context, pipeline: str, steps: int | None, sets: tuple[str, .
             except ReplayError as exc:
                 raise PipelineError(str(exc)) from None
         checkpoint = CheckpointOptions(dir=checkpoint_dir, every=checkpoint_every, keep_last=keep_last,
-                                       on_error=checkpoint_errors, resume=resume, max_restarts=max_restarts)
+                                       on_error=checkpoint_errors, resume=resume, max_restarts=max_restarts,
+                                       on_term=checkpoint_on_term)
         options = RunOptions(overrides=overrides, colocated=colocated, metrics_out=metrics_out, save_dir=save_dir,
                              show_progress=not quiet, run_dir=None if no_run_dir else run_dir, trace=trace,
                              record=record, record_steps=steps_to_record, checkpoint=checkpoint,

@@ -11,6 +11,8 @@ coordinator calls it, it does not contain it:
     checkpointer.failed(step, errors)   a worker could not save: delete the partial folder, then
                                         raise CheckpointError, or warn and go on with
                                         `on_error="continue"` (begin and commit fail the same way)
+    checkpointer.take_term()            SIGTERM with --checkpoint-on-term: finish the planned steps,
+                                        save them, stop (the coordinator reads term_asked)
     checkpointer.committed              the newest checkpoint this job wrote: where a restart
                                         resumes (never a folder another run left in the directory)
     checkpointer.unsaved                the step of the newest checkpoint when it failed (and the
@@ -76,6 +78,7 @@ class CheckpointOptions:
     on_error: str = "stop"  # a failed save stops the run, or ("continue") is reported and skipped
     resume: str | None = None  # a checkpoint folder, or a folder of them (the newest complete one)
     max_restarts: int = 0  # restarts from the newest checkpoint after a worker dies or hangs
+    on_term: bool = False  # SIGTERM ends the run with a checkpoint of the steps under way (take_term)
 
     def validate(self) -> None:
         if self.every is not None and self.every < 1:
@@ -93,6 +96,9 @@ class CheckpointOptions:
             raise PipelineError(f"--checkpoint-errors must be one of {', '.join(ON_ERROR)}, got {self.on_error!r}")
         if self.max_restarts < 0:
             raise PipelineError(f"--max-restarts must be >= 0, got {self.max_restarts}")
+        if self.on_term and not self.enabled:
+            raise PipelineError("--checkpoint-on-term saves into --checkpoint-dir: give --checkpoint-dir DIR and "
+                                "--checkpoint-every N too")
         if self.resume is not None:
             mf.find_folder(self.resume, "--resume")  # a missing one is refused listing what there is
 
@@ -115,6 +121,18 @@ class Checkpointer:
         self.steps: int | None = None  # the job's total steps: set by claim()
         self._legacy = False
         self._lock = None
+        self.training = False  # the coordinator trains (steps under way can end with a checkpoint)
+        self.term_asked = False  # a SIGTERM taken by take_term: save after the planned steps, then stop
+
+    def take_term(self) -> bool:
+        """A SIGTERM under --checkpoint-on-term (a scheduler's preemption, with a grace period
+        before SIGKILL): True where the run goes on, to finish the steps already planned, save
+        them and stop (the coordinator reads `term_asked`); False where it stops at once: the
+        option off, no training under way (startup, a restart), or a second SIGTERM."""
+        if not (self.options.on_term and self.training) or self.term_asked:
+            return False
+        self.term_asked = True
+        return True
 
     def claim(self, resume: mf.Manifest | None, pipeline: dict[str, Any] | None = None) -> None:
         """Take the checkpoint directory for this job, before any worker starts: hold its lock

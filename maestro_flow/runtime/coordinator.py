@@ -9,6 +9,8 @@ with its gradients), norm reports into the global clip coefficient (`clip`, with
 and done reports into metrics. At a checkpoint boundary it holds back the next plans, asks every
 worker to save its part (`checkpoint` -> `saved`) and lets the Checkpointer write the manifest; a
 resumed run starts at the checkpoint's step, with the workers loading their part at setup.
+After a SIGTERM taken by --checkpoint-on-term (runtime/stops.py) no further plan goes out: the
+steps already planned finish, the last one is saved, and the run stops as an interrupt.
 Whether the planner's search runs for a step depends on the step and the configuration alone
 (`_train`), never on when its plan is made, so with fixed costs (adapt_costs=false) checkpoints
 and resuming do not change the plans (DESIGN 4b).
@@ -36,7 +38,7 @@ import zmq
 from maestro_flow.checkpoint.checkpointer import Checkpointer, CheckpointOptions
 from maestro_flow.checkpoint.manifest import Manifest, rng_file
 from maestro_flow.config import Pipeline
-from maestro_flow.errors import Diverged, SystemFailure, TimeoutFailure
+from maestro_flow.errors import Diverged, SystemFailure, Terminated, TimeoutFailure
 from maestro_flow.graph import SectionGraph
 from maestro_flow.planner import make_planner
 from maestro_flow.planner.plan import Placement, Plan
@@ -168,6 +170,7 @@ class Coordinator(CoordinatorIO):
 
     def close(self) -> None:
         """Idempotent; never waits longer than the shutdown grace periods."""
+        self.checkpointer.training = False  # a SIGTERM while stopping stops at once
         # After a normal stop the workers have exited already; after a failure the others may
         # sit in a transfer with the dead one, so they get a short grace, then SIGTERM, then SIGKILL.
         try:
@@ -199,7 +202,8 @@ class Coordinator(CoordinatorIO):
             self.store = self.rdzv
             self.store_addr = [self.nodes.endpoint[0], self.nodes.endpoint[1], f"{self.session}/"]
         boot = {"coordinator": addr, "parent_pid": os.getpid(), "timeouts": self.timeouts.to_dict(),
-                "secret": self.secret.hex(), "session": self.session, "host": self.host, "interface": self.interface}
+                "secret": self.secret.hex(), "session": self.session, "host": self.host, "interface": self.interface,
+                "keep_on_term": self.checkpointer.options.on_term}
         pinned = self._pinned()
         for rank in range(self.placement.world_size):
             if self.node_of[rank] != 0:
@@ -214,8 +218,7 @@ class Coordinator(CoordinatorIO):
                 "workers": {r: [*self.placement.who(r), self.placement.worker_name(r), self.placement.worker_name(r, "/")]
                             for r in range(self.placement.world_size)},
                 "devices": list(self.placement.devices), "pin_cpus": self.pin_cpus, "nnodes": self.nodes.nnodes,
-                "attempt": self.restarts, "restarts": self.restarts - self.carried_restarts,
-                "given": list(self.given),
+                "attempt": self.restarts, "restarts": self.restarts - self.carried_restarts, "given": list(self.given),
                 "pipeline": attempts.canonical(self.pipeline.to_dict()), "files": self.files})
         self.observer.start(self.placement)
         began = self.startup_began = time.monotonic()
@@ -240,12 +243,10 @@ class Coordinator(CoordinatorIO):
             # A worker on this host reads the same wall clock (no offset to estimate); another
             # host's worker aligns its trace by this reading (off by the message's latency).
             same_clock = here is not None and hellos[rank].get("host_key") == here
-            self._send(rank, make("init", rank=rank, pipeline=pipeline_dict,
-                                  placement=placement_dict, store=self.store_addr,
-                                  peers=peers, timeouts=self.timeouts.to_dict(), paths=self.paths,
+            self._send(rank, make("init", rank=rank, pipeline=pipeline_dict, placement=placement_dict,
+                                  store=self.store_addr, peers=peers, timeouts=self.timeouts.to_dict(), paths=self.paths,
                                   epoch=self.observer.tracer.epoch, now=None if same_clock else time.time(),
-                                  trace=self.observer.tracing,
-                                  record=self.record, shm=shm,
+                                  trace=self.observer.tracing, record=self.record, shm=shm,
                                   # absolute here: another node's workers would read a relative path in
                                   # their own folder (found in review: a restart failed, or loaded a
                                   # stale checkpoint that sat at the same relative path there)
@@ -322,7 +323,7 @@ class Coordinator(CoordinatorIO):
                 next_plan += 1
 
         send_plans(first + p.lookahead_steps, first)
-        self.training = True
+        self.training = self.checkpointer.training = True  # a SIGTERM from here may end with a checkpoint
         self.liveness.progress(time.monotonic())
         for step in range(first, p.steps):
             self.awaited_step = step
@@ -341,8 +342,13 @@ class Coordinator(CoordinatorIO):
                 row["startup"] = dict(self.startup_parts)
             self.liveness.step_time(row["step_time_s"])
             diverged = self.report.stops_at(row)  # --stop-on-nan: no checkpoint of the diverged weights
+            # --checkpoint-on-term: no plan goes out after a SIGTERM; the last planned step saves (the last ends as usual)
+            last = self.checkpointer.term_asked and step + 1 == next_plan < p.steps
+            if last:
+                self._say_term(step + 1)
+            owed = not diverged and (self.checkpointer.due(step + 1, p.steps) or last)
             try:
-                if not diverged and self.checkpointer.due(step + 1, p.steps):
+                if owed:
                     t0 = time.perf_counter()
                     saved = self._checkpoint(step + 1, ledger, row)
                     # No step can finish while the workers save: the hang clock starts after it.
@@ -357,7 +363,21 @@ class Coordinator(CoordinatorIO):
                     newest = self.checkpointer.previous() if self.checkpointer.options.dir else \
                         f"; this run resumed from {self.resume[0]}" if self.resume else ""  # (review)
                     raise Diverged(f"{exc}{newest}") from None
+            if self.checkpointer.term_asked and step + 1 < p.steps:
+                if step + 1 < next_plan:  # steps planned before the SIGTERM still run
+                    continue
+                if not owed:  # the SIGTERM came after this step's checkpoint was decided on
+                    self._say_term(step + 1)
+                    self._checkpoint(step + 1, ledger, row)
+                self.save_dir = None  # the run did not end: no --save-dir; the workers exit as at the end
+                self._stop()
+                raise Terminated
             send_plans(step + 1 + p.lookahead_steps, step + 1)
+        self.checkpointer.training = False
+
+    def _say_term(self, step: int) -> None:
+        self.report.note(f"SIGTERM (--checkpoint-on-term): saving a checkpoint after step {step} (the last one "
+                         "planned), then stopping; a second SIGTERM stops the run at once")
 
     def _send_plan(self, plan: Plan, started: float, ledger: StepLedger) -> None:
         """Each replica its part of `plan`; the step's time counts from `started` (perf_counter)."""
@@ -422,8 +442,7 @@ class Coordinator(CoordinatorIO):
             if msg["t"] != "saved":
                 continue
             if msg["step"] != step or rank in infos or self._label(rank) in errors:
-                self.drops.drop(self._label(rank), f"a 'saved' report for step {msg['step']} (asked: {step}), "
-                                                   "or repeated")
+                self.drops.drop(self._label(rank), f"a 'saved' report for step {msg['step']} (asked: {step}), or repeated")
                 continue
             if msg["error"] is None:
                 infos[rank] = msg["info"]

@@ -12,7 +12,6 @@ anything starts.
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import sys
 from dataclasses import dataclass
@@ -33,6 +32,7 @@ from maestro_flow.runtime.record import Steps
 from maestro_flow.runtime.report import RunReport, hold, release_held
 from maestro_flow.runtime.rundir import RunDir, default_run_dir, node_run_dir
 from maestro_flow.runtime.sampler import EpochSampler, data_fingerprint
+from maestro_flow.runtime.stops import catch_stops, release
 from maestro_flow.timeouts import Timeouts
 from maestro_flow.transport import cuda_ipc
 from maestro_flow.wording import skipped_note
@@ -135,25 +135,6 @@ def _outcome(exc: BaseException, who: str = "node 0") -> str:
     return f"{first_line(exc)} ... {traceback_tail(text)}" if "\n" in text else first_line(exc)
 
 
-def _sigterm_as_interrupt(signum: int, frame: Any) -> None:
-    raise Terminated
-
-
-def _catch_stops() -> dict[int, Any]:
-    """SIGTERM (kill, a scheduler) and SIGHUP (the terminal or ssh session closed) stop the run as
-    Ctrl-C does: workers stopped, files closed. A SIGHUP already ignored (nohup) stays ignored.
-    Returns the handlers to put back (_release)."""
-    previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, _sigterm_as_interrupt)}
-    if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
-        previous[signal.SIGHUP] = signal.signal(signal.SIGHUP, _sigterm_as_interrupt)
-    return previous
-
-
-def _release(previous: dict[int, Any]) -> None:
-    for signum, handler in previous.items():
-        signal.signal(signum, handler)
-
-
 def _resume_from(options: RunOptions, pipeline: Any, metadata: Any) -> tuple[str, mf.Manifest] | None:
     """The checkpoint to start from, checked against the pipeline before any worker starts."""
     if options.checkpoint.resume is None:
@@ -206,7 +187,7 @@ def _run_agent(pipeline: Any, options: RunOptions, nodes: Nodes, host: str, secr
         print(f"{pipeline.name}: node {nodes.node_rank} of {nodes.nnodes}, joining node 0 at "
               f"{nodes.endpoint[0]}:{nodes.endpoint[1]}" + (f"; run directory: {run_dir.path}" if run_dir else ""),
               file=sys.stderr)
-    previous = _catch_stops()
+    previous = catch_stops()
     try:
         Agent(nodes, secret=secret, host=host, interface=options.interface, timeouts=Timeouts.from_env(),
               pipeline=pipeline.to_dict(), files=files, given=checked, worker_log=run_dir.worker_log if run_dir else (lambda name: None),
@@ -218,7 +199,7 @@ def _run_agent(pipeline: Any, options: RunOptions, nodes: Nodes, host: str, secr
               "rejoin", file=sys.stderr)
         raise
     finally:
-        _release(previous)
+        release(previous)
         if run_dir is not None:
             run_dir.close()
     if options.show_progress:
@@ -287,6 +268,9 @@ def run_pipeline(path: str, options: RunOptions) -> list[dict[str, Any]]:
         raise PipelineError("--devices and --micro-batch set the monolithic baseline: add --baseline monolithic "
                             "(section mode takes each section's dp and micro_batch, e.g. --set sections.NAME.dp=2)")
     nodes = Nodes.from_options(options.nnodes, options.node_rank, options.rdzv_endpoint, options.nproc_per_node)
+    if nodes.multi and options.checkpoint.on_term:  # each node's agent takes SIGTERM as its node lost
+        raise PipelineError("--checkpoint-on-term works on one node for now: with several, a SIGTERM to a node "
+                            "stops that node's workers, so the checkpoint could not be written; drop it")
     if options.colocated:
         ignored = [flag for flag, given in (("--nnodes", nodes.multi), ("--pin-cpus", options.pin_cpus),
                                             ("--host", options.host), ("--secret-file", options.secret_file),
@@ -321,11 +305,11 @@ def run_pipeline(path: str, options: RunOptions) -> list[dict[str, Any]]:
                 meeting.end(f"failed: {_outcome(exc)}", wait_s)
             else:
                 refused = isinstance(exc, (PipelineError, CheckpointError))
-                previous = _catch_stops()  # found in review: SIGTERM while waiting lost the reason (default action)
+                previous = catch_stops()  # found in review: SIGTERM while waiting lost the reason (default action)
                 try:
                     meeting.refuse(f"the run was refused: {_outcome(exc)}" if refused else _outcome(exc), wait_s)
                 finally:
-                    _release(previous)
+                    release(previous)
         raise
     finally:
         release_held()  # a --metrics-out that _check_outputs locked for a run refused before its report
@@ -421,7 +405,7 @@ def _lead(pipeline: Any, original: Any, checked: Any, paths: Any, options: RunOp
         if run_dir is not None:  # and the run dir's (found in review: held while node 0 told the other nodes)
             run_dir.close()
         raise
-    previous = _catch_stops()
+    previous = catch_stops(checkpointer)
     try:
         if options.colocated:
             from maestro_flow.runtime.colocated import run_colocated
@@ -467,7 +451,7 @@ def _lead(pipeline: Any, original: Any, checked: Any, paths: Any, options: RunOp
         if run_dir is not None:  # found in review: "done", then exit 1
             run_dir.event({"ended": "failed", "why": fatal} if fatal else {"ended": "done"})
     finally:
-        _release(previous)
+        release(previous)
         checkpointer.close()
         report.close()
         observer.close()

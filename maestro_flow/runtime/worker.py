@@ -166,6 +166,8 @@ def _await_init(dealer: zmq.Socket, opener: Opener, drops: DropLog, deadline: fl
 
 def worker_main(boot: dict[str, Any]) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the coordinator, which stops us
+    if boot.get("keep_on_term"):  # --checkpoint-on-term: a scheduler's SIGTERM to every process (runtime/stops.py)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if boot.get("cpus"):
         os.sched_setaffinity(0, boot["cpus"])  # before any library starts its threads
     capture = OutputCapture(boot.get("label", f"rank {boot['rank']}"), boot.get("log"))

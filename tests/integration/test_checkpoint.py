@@ -119,6 +119,39 @@ def test_sigkill_then_resume_is_bitwise_identical(small_data, uninterrupted, tmp
     assert_bitwise(params(tmp_path / "out"), uninterrupted[dtype][0])
 
 
+def test_sigterm_with_checkpoint_on_term_saves_the_steps_under_way_then_resumes_bitwise(small_data, uninterrupted,
+                                                                                       tmp_path):
+    """--checkpoint-on-term: a scheduler's SIGTERM to every process of the job (its process group)
+    is not a lost run: the planned steps finish, a checkpoint of them is written, the run stops
+    (exit 130) naming it, no process is left, and resuming from it ends where an uninterrupted run
+    ends."""
+    ck = tmp_path / "ck"
+    proc = subprocess.Popen([sys.executable, "-m", "maestro_flow.cli",
+                             *args(small_data, "float64", "--checkpoint-dir", str(ck), "--checkpoint-every", "3",
+                                   "--checkpoint-on-term")],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        _wait_for_checkpoint(ck, proc)
+        everything = descendants(proc.pid)
+        assert proc.poll() is None and len(worker_pids(proc.pid)) == 3, "the run must still be going"
+        os.killpg(proc.pid, signal.SIGTERM)  # the coordinator and every worker, as a scheduler does
+        proc.wait(60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        stderr = proc.communicate()[1]
+    assert proc.returncode == 130, stderr[-3000:]
+    assert not wait_gone(everything, 10.0), "processes outlived the run"
+    newest = mf.latest(str(ck))
+    step = mf.read(newest).step
+    assert 3 < step < STEPS, (step, stderr[-2000:])  # after the SIGTERM, not a boundary of --checkpoint-every
+    assert f"saving a checkpoint after step {step} (the last one planned), then stopping" in stderr, stderr[-2000:]
+    assert f"checkpoints: the newest complete one is {newest}; go on from it with the same command and --resume {ck}" \
+        in stderr, stderr[-2000:]
+    run_ok(*args(small_data, "float64", "--resume", str(ck), "--save-dir", str(tmp_path / "out")))
+    assert_bitwise(params(tmp_path / "out"), uninterrupted["float64"][0])
+
+
 def test_the_summary_names_what_the_run_leaves(small_data, tmp_path):
     """Found in QA: the end of a run named neither its newest checkpoint nor its --save-dir files."""
     ck, out = tmp_path / "ck", tmp_path / "out"

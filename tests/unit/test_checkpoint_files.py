@@ -345,6 +345,8 @@ def test_a_run_directory_given_for_checkpoints_says_where_its_run_wrote_them(tmp
     (CheckpointOptions(dir="x"), "--checkpoint-dir needs --checkpoint-every N"),
     (CheckpointOptions(max_restarts=-1), "--max-restarts must be >= 0"),
     (CheckpointOptions(resume="/no/such/folder"), "--resume: no such folder"),
+    (CheckpointOptions(on_term=True), "--checkpoint-on-term saves into --checkpoint-dir: give --checkpoint-dir DIR and "
+                                      "--checkpoint-every N too"),
 ])
 def test_checkpoint_options_are_checked(options, message):
     with pytest.raises(PipelineError, match=message):

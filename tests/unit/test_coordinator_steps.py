@@ -20,7 +20,7 @@ import pytest
 from maestro_flow import ArrowData, Cost, Edge, Pipeline, Section
 from maestro_flow.checkpoint.checkpointer import Checkpointer, CheckpointOptions
 from maestro_flow.checkpoint.manifest import Manifest
-from maestro_flow.errors import TimeoutFailure, WorkerLost
+from maestro_flow.errors import Terminated, TimeoutFailure, WorkerLost
 from maestro_flow.graph import SectionGraph
 from maestro_flow.runtime import coordinator as coordinator_module
 from maestro_flow.runtime.coordinator import Coordinator
@@ -73,8 +73,8 @@ class PlanLog(RunObserver):
 class StepCoordinator(Coordinator):
     def __init__(self, pipeline: Pipeline, *, every: int | None = None, resume_at: int | None = None,
                  search: float = 0.0, checkpoint_s: float = 0.0, hang_s: float = 120.0, planning_s: float = 0.0,
-                 tmp_path=None) -> None:
-        options = CheckpointOptions(dir=str(tmp_path) if every else None, every=every)
+                 tmp_path=None, on_term: bool = False) -> None:
+        options = CheckpointOptions(dir=str(tmp_path) if every else None, every=every, on_term=on_term)
         resume = None if resume_at is None else (
             "ckpt", Manifest(step=resume_at, pipeline={}, sections={}, sampler={}, costs=[]))
         super().__init__(pipeline, SectionGraph(pipeline), EpochSampler(METADATA, pipeline.global_batch, pipeline.seed),
@@ -88,6 +88,8 @@ class StepCoordinator(Coordinator):
         self.trace = False  # done reports carry trace events
         self.repeat = False  # every done report arrives twice
         self.checkpoints: list[tuple[int, int, set[int]]] = []  # (step, last plan made, plans out unanswered)
+        self.term_at: int | None = None  # a SIGTERM taken (take_term) as this step's first report comes in
+        self.term_taken = False
 
     def _plan_search(self) -> float:
         return self.search  # as on a host with cores to spare (this one's workers would fill its cores)
@@ -97,6 +99,9 @@ class StepCoordinator(Coordinator):
         self.checkpoints.append((step, max(self.observer.plans), out))
         time.sleep(self.checkpoint_s)
         return True
+
+    def _stop(self) -> None:  # the workers told to exit (after a SIGTERM taken: term_at)
+        self.stopped_with = self.save_dir
 
     def _send(self, rank: int, msg: dict) -> None:
         if msg["t"] == "plan":
@@ -123,6 +128,8 @@ class StepCoordinator(Coordinator):
                     self.queue.append((rank, {"t": "done", "step": msg["step"], "stats": dict(stats)}))
             if not self.queue:
                 time.sleep(0.01)
+        if self.queue[0][1]["step"] == self.term_at:  # once
+            self.term_at, self.term_taken = None, self.checkpointer.take_term()
         return self.queue.popleft()
 
 
@@ -165,6 +172,28 @@ def test_no_plan_past_a_checkpoint_boundary_is_made_before_the_checkpoint(tmp_pa
     assert c.checkpoints == [(3, 2, set()), (6, 5, set()), (9, 8, set()), (10, 9, set())]  # and after the last
     assert sorted(c.observer.plans) == list(range(10))
     assert [r["step"] for r in c.report.rows] == list(range(10))
+
+
+def test_a_sigterm_taken_by_checkpoint_on_term_saves_the_planned_steps_then_stops(tmp_path):
+    """--checkpoint-on-term: after the SIGTERM no plan goes out; the steps planned before it
+    (lookahead 2: up to step index 4 when step 2 reports) finish, the last is saved with nothing
+    in flight, and the run stops as an interrupt, before its own boundary (every 8)."""
+    c = StepCoordinator(distill(lookahead_steps=2), every=8, on_term=True, tmp_path=tmp_path)
+    c.term_at, c.save_dir = 2, str(tmp_path / "save")
+    with pytest.raises(Terminated):
+        run(c)
+    assert c.term_taken and c.checkpoints == [(5, 4, set())]
+    assert c.stopped_with is None  # the workers exit as at the end, writing no --save-dir
+    assert sorted(c.observer.plans) == [0, 1, 2, 3, 4]
+    assert [r["step"] for r in c.report.rows] == [0, 1, 2, 3, 4]
+    assert not c.checkpointer.training and not c.checkpointer.take_term()  # a second SIGTERM stops at once
+
+
+def test_without_checkpoint_on_term_a_sigterm_is_not_taken(tmp_path):
+    c = StepCoordinator(distill(lookahead_steps=2), every=8, tmp_path=tmp_path)
+    c.term_at = 2
+    run(c)
+    assert not c.term_taken and c.checkpoints == [(8, 7, set()), (10, 9, set())]
 
 
 # -- a step's time ------------------------------------------------------------------------------

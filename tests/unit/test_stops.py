@@ -1,0 +1,60 @@
+"""SIGTERM and SIGHUP in `maestro run` (runtime/stops.py): interrupts, or with
+--checkpoint-on-term a first SIGTERM during training taken by the job's Checkpointer."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+from click.testing import CliRunner
+
+from loaders.demo import build_text_demo
+from maestro_flow.checkpoint.checkpointer import Checkpointer, CheckpointOptions
+from maestro_flow.cli import main
+from maestro_flow.errors import Terminated
+from maestro_flow.runtime.stops import catch_stops, release
+
+
+def checkpointer(tmp_path, on_term: bool) -> Checkpointer:
+    return Checkpointer(CheckpointOptions(dir=str(tmp_path), every=4, on_term=on_term), log=lambda text: None)
+
+
+@pytest.mark.parametrize("on_term, training", [(False, True), (True, False)], ids=["option off", "not training"])
+def test_a_sigterm_is_an_interrupt_unless_taken(tmp_path, on_term, training):
+    ck = checkpointer(tmp_path, on_term)
+    ck.training = training
+    previous = catch_stops(ck)
+    try:
+        with pytest.raises(Terminated):
+            signal.raise_signal(signal.SIGTERM)
+    finally:
+        release(previous)
+    assert not ck.term_asked
+
+
+def test_the_first_sigterm_while_training_is_taken_the_second_stops_at_once(tmp_path):
+    ck = checkpointer(tmp_path, True)
+    ck.training = True
+    previous = catch_stops(ck)
+    try:
+        signal.raise_signal(signal.SIGTERM)  # taken: the run goes on to save
+        assert ck.term_asked
+        with pytest.raises(Terminated):
+            signal.raise_signal(signal.SIGTERM)
+        with pytest.raises(Terminated):  # SIGHUP (a closed terminal) is never taken
+            signal.raise_signal(signal.SIGHUP)
+    finally:
+        release(previous)
+    assert signal.getsignal(signal.SIGTERM) is previous[signal.SIGTERM]
+
+
+def test_checkpoint_on_term_is_refused_over_several_nodes(tmp_path):
+    data = build_text_demo(tmp_path, num_samples=16, parquet=False)
+    result = CliRunner().invoke(main, [
+        "run", "pipelines/distill.py", "--no-run-dir", "--set", f"data.path={data}", "--nnodes", "2",
+        "--node-rank", "0", "--rdzv-endpoint", "127.0.0.1:1", "--checkpoint-dir", str(tmp_path / "ck"),
+        "--checkpoint-every", "2", "--checkpoint-on-term"])
+    assert result.exit_code == 2, result.output
+    assert ("error: --checkpoint-on-term works on one node for now: with several, a SIGTERM to a node stops that "
+            "node's workers, so the checkpoint could not be written; drop it") in result.stderr
+    assert not (tmp_path / "ck").exists()
