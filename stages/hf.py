@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from maestro_flow import MicroBatch, Stage, StageContext
+from maestro_flow.parallel.tp import LAYER
 from stages.common import (
     Outputs,
     ce_sum,
@@ -57,6 +58,35 @@ MODEL_KEYS = ("model_type", "hf_config", "attn_implementation", "init_seed", "ch
 HF_STYLES = {"colwise": "colwise", "rowwise": "rowwise", "colwise_rep": "colwise_rep",
              "colwise_gather_output": "colwise_rep", "rowwise_split_input": "rowwise_split",
              "embedding_rowwise": "rowwise"}
+
+
+_WHOLE: dict[str, str | None] = {}  # a transformers config (as JSON) -> _whole_per_head's answer
+
+
+def _whole_per_head(hf_config: Any) -> str | None:
+    """A parameter (by name, layers as `*`, and shape) holding one row per attention head (heads x
+    head_dim: cohere's qk norm) that transformers' tp plan does not shard, or None. Each tp rank
+    holds some of the heads, so such a weight no longer fits them. Built on the meta device."""
+    from transformers import AutoModelForCausalLM
+
+    key = hf_config.to_json_string()
+    if key in _WHOLE:
+        return _WHOLE[key]
+    heads = {getattr(hf_config, k, None) for k in ("num_attention_heads", "num_key_value_heads")} - {None}
+    _WHOLE[key] = None
+    if not heads:
+        return None
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config)
+    for name, module in model.named_modules():
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            continue  # what the plan shards, or leaves whole as a whole layer
+        for pname, p in module.named_parameters(recurse=False):
+            if p.dim() == 2 and p.shape[0] in heads and p.shape[0] > 1 and p.shape[1] == head_dim:
+                _WHOLE[key] = f"{LAYER.sub('*', f'{name}.{pname}')} {tuple(p.shape)}"
+                return _WHOLE[key]
+    return None
 
 
 class SoftcappedHead(nn.Linear):
@@ -294,6 +324,14 @@ class HFCausalLM(Stage):
             value = getattr(hf_config, key, None)
             if value is not None and value % tp:
                 raise ValueError(f"hf_config.{key} ({value}) is not divisible by tp={tp}: each rank takes whole heads")
+        whole = _whole_per_head(hf_config)
+        if whole is not None:  # found in QA: cohere's use_qk_norm passed validate and failed in the first forward
+            cause = next((f"hf_config.{k}" for k, v in config.get("hf_config", {}).items() if v is True and
+                          _whole_per_head(hf_model_config({**config, "hf_config": {**config["hf_config"], k: False}})[0])
+                          is None), "hf_config")
+            raise ValueError(f"{cause}: {whole} holds one row per attention head, and transformers' tensor-parallel "
+                             f"plan for {type(hf_config).__name__} leaves it whole while it splits the heads over the "
+                             f"tp ranks; use tp=1{' or turn it off' if cause != 'hf_config' else ''}")
 
     def forward(self, batch: MicroBatch) -> Outputs:
         tokens = batch.columns["tokens"]

@@ -22,6 +22,7 @@ from typing import Any
 
 from torch import nn
 
+LAYER = re.compile(r"(?<=\.)\d+(?=\.|$)")  # a layer index in a module's name (shown as `*`)
 STYLES = ("colwise", "rowwise", "colwise_rep", "rowwise_split", "replicate")
 
 
@@ -80,9 +81,11 @@ def apply_plan(stage: Any, plan: dict[str, str], tp_mesh: Any) -> None:
             parallelize_module(top, tp_mesh, local, src_data_rank=None)
 
 
-def check_plan(stage: Any, plan: dict[str, str], tp: int) -> list[str]:
-    """What keeps `plan` from sharding `stage` (built on the meta device) over tp ranks."""
-    problems, unmatched = [], []
+def check_plan(stage: Any, plan: dict[str, str], tp: int, fields: dict[int, list[str]] | None = None) -> list[str]:
+    """What keeps `plan` from sharding `stage` (built on the meta device) over tp ranks, each
+    layer's module once (as `*`); `fields`: the config fields (dotted) by their value, to name the
+    one a dimension that does not divide comes from (each value once: they are popped)."""
+    problems, unmatched, layers = [], [], set()
     modules = stage_modules(stage)
     for pattern, style in plan.items():
         if style not in STYLES:
@@ -91,7 +94,7 @@ def check_plan(stage: Any, plan: dict[str, str], tp: int) -> list[str]:
         elif not matches({pattern: style}, modules):
             unmatched.append(repr(pattern))
     if unmatched:  # found in QA: no hint what the names are
-        names = list(dict.fromkeys(re.sub(r"(?<=\.)\d+(?=\.|$)", "*", n) for n in modules))  # layers as `*`
+        names = list(dict.fromkeys(LAYER.sub("*", n) for n in modules))  # layers as `*`
         problems.append(f"tp_plan {'entries' if len(unmatched) > 1 else 'entry'} {', '.join(unmatched)} "
                         f"name{'' if len(unmatched) > 1 else 's'} no module of the stage (its modules: "
                         f"{', '.join(names[:12])}{', ...' if len(names) > 12 else ''})")
@@ -109,8 +112,11 @@ def check_plan(stage: Any, plan: dict[str, str], tp: int) -> list[str]:
             problems.append(f"tp_plan entry for {name}: {type(m).__name__} cannot be sharded "
                             "(only nn.Linear and nn.Embedding)")
             continue
-        if size % tp:
-            problems.append(f"{name} ({style}): its {size} {what} do not divide by tp={tp}")
+        problem = f"{LAYER.sub('*', name)} ({style}): its {size} {what} do not divide by tp={tp}"
+        if size % tp and problem not in layers:  # one line for every layer's module alike
+            layers.add(problem)
+            given = (fields or {}).pop(size, [])  # each value's fields named once
+            problems.append(problem + (f" ({' or '.join(given)} is {size})" if given else ""))
     return problems
 
 

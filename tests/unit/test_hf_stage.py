@@ -211,6 +211,21 @@ def test_what_transformers_tp_plans_maestro_applies_and_what_it_refuses_saying_s
         HFCausalLM({"role": "lm", "model_type": "phi3", "hf_config": default_pad}, CTX)
 
 
+def test_a_per_head_weight_the_tp_plan_leaves_whole_is_refused_naming_its_key():
+    """Found in QA: cohere with use_qk_norm (a heads x head_dim norm weight, which transformers'
+    plan does not shard) passed validate at tp=2 and failed in the first forward."""
+    small = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "intermediate_size": 64, "vocab_size": 260, "eos_token_id": 1, "bos_token_id": 2, "pad_token_id": 0}
+    HFCausalLM.check_tp({"role": "lm", "model_type": "cohere", "hf_config": small}, 2)
+    with pytest.raises(ValueError, match=re.escape(
+            "hf_config.use_qk_norm: model.layers.*.self_attn.q_norm.weight (4, 8) holds one row per attention head, "
+            "and transformers' tensor-parallel plan for CohereConfig leaves it whole while it splits the heads over "
+            "the tp ranks; use tp=1 or turn it off")):
+        HFCausalLM.check_tp({"role": "lm", "model_type": "cohere", "hf_config": {**small, "use_qk_norm": True}}, 2)
+    for model_type in ("llama", "qwen2", "gemma2", "olmo2", "cohere2"):  # none of theirs
+        HFCausalLM.check_tp({"role": "lm", "model_type": model_type, "hf_config": small}, 2)
+
+
 @pytest.mark.parametrize("where", ["top", "hf_config"])
 def test_attn_implementation_is_the_user_s(where):
     config = {**STUDENT, "role": "lm"}

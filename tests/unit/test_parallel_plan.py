@@ -66,14 +66,23 @@ def test_a_good_plan_has_no_problems():
                                            "modules: body, body.layers, body.layers.*, body.layers.*.up, "
                                            "body.layers.*.down, body.layers.*.norm, body.emb)"),
     ({"0": "colwise", "2": "rowwise"}, 2, "tp_plan entries '0', '2' name no module of the stage (its modules: body,"),
-    ({"body.layers.*.up": "colwise"}, 5, "body.layers.0.up (colwise): its 12 output features do not divide by tp=5"),
-    ({"body.layers.*.down": "rowwise"}, 5, "body.layers.0.down (rowwise): its 12 input features do not divide by tp=5"),
+    ({"body.layers.*.up": "colwise"}, 5, "body.layers.*.up (colwise): its 12 output features do not divide by tp=5"),
+    ({"body.layers.*.down": "rowwise"}, 5, "body.layers.*.down (rowwise): its 12 input features do not divide by tp=5"),
     ({"body.emb": "rowwise"}, 3, "body.emb (rowwise): its 10 embeddings do not divide by tp=3"),
     ({"body.layers.*.norm": "colwise"}, 2, "LayerNorm cannot be sharded"),
 ])
 def test_check_plan_names_what_cannot_be_sharded(plan, tp, problem):
     problems = check_plan(Toy(), plan, tp)
     assert any(problem in p for p in problems), problems
+
+
+def test_a_dimension_that_does_not_divide_is_said_once_for_every_layer_naming_its_field():
+    """Found in QA: an indivisible intermediate_size gave one clause per layer and projection,
+    naming modules only."""
+    fields = {12: ["sections.s.config.width"], 3: ["sections.s.config.other"]}
+    assert check_plan(Toy(), {"body.layers.*.up": "colwise", "body.layers.*.down": "rowwise"}, 5, fields) == [
+        "body.layers.*.up (colwise): its 12 output features do not divide by tp=5 (sections.s.config.width is 12)",
+        "body.layers.*.down (rowwise): its 12 input features do not divide by tp=5"]
 
 
 def test_a_tp_plan_that_is_no_classmethod_and_a_plan_that_breaks_shapes_say_so():
