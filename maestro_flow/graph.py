@@ -77,6 +77,9 @@ class SectionGraph:
                                     f"(write tensors=({e.tensors!r},))")
             if not e.tensors or not all(isinstance(t, str) and t for t in e.tensors):
                 raise PipelineError(f"{where}.tensors must name at least one tensor")
+            twice = sorted({t for t in e.tensors if e.tensors.count(t) > 1})  # found in QA: "rename one of them"
+            if twice:
+                raise PipelineError(f"{where}.tensors: {', '.join(map(repr, twice))} listed twice; list each tensor once")
             src, dst = self.sections[e.src], self.sections[e.dst]
             if src.dp % dst.dp and dst.dp % src.dp:
                 raise PipelineError(

@@ -321,7 +321,7 @@ def output_problem(out: Any, *, section: str, stage: str, num_samples: int, carr
     `forward` on a micro-batch of `num_samples` samples of `section`, as the error to show; None
     when nothing does. `carried`: output name -> the edge that carries it, each such output
     checked to be PER_SAMPLE; `loss`: the section's "loss" is read (a terminal section), so it must
-    be a one-element tensor and "loss_denominator", when returned, a number or a one-element
+    be a scalar (0-dim) tensor and "loss_denominator", when returned, a number or a one-element
     tensor. Other outputs are not looked at. Pure and cheap (a few isinstance checks an output):
     it runs after every forward."""
     who = f"section {section!r}: {stage}.forward returned"
@@ -347,9 +347,11 @@ def output_problem(out: Any, *, section: str, stage: str, num_samples: int, carr
             return (f"{who} no 'loss' (returned: {_names(out)}); a terminal trainable section must return the sum "
                     "of its losses as 'loss'")
         value = out["loss"]
-        if not isinstance(value, torch.Tensor) or value.numel() != 1:
-            return (f"{who} 'loss' as {_described(value)}; it must be a scalar tensor, the sum of the "
-                    "micro-batch's losses (the runtime backwards it)")
+        # A scalar, not any one-element tensor (found in QA: a loss per sample, [B], passed at
+        # micro-batch 1 and was refused once a plan made micro-batches of 2).
+        if not isinstance(value, torch.Tensor) or value.dim() != 0:
+            return (f"{who} 'loss' as {_described(value)}; it must be a scalar tensor (0 dimensions: .sum()), the sum "
+                    "of the micro-batch's losses (the runtime backwards it)")
         denom = out.get("loss_denominator", 0)
         if not (isinstance(denom, Real) or isinstance(denom, torch.Tensor) and denom.numel() == 1):
             return (f"{who} 'loss_denominator' as {_described(denom)}; it must be a number or a scalar tensor "

@@ -151,12 +151,43 @@ def build_stage(pipeline: Pipeline, section: Section, replica: int, device: str,
         if not meta:
             torch.manual_seed(seed)
         stage = cls(dict(section.config), ctx)
+    stray = _stray(stage)
+    if stray:  # found in QA: an nn.Parameter on the stage itself trained in a plain loop, never here
+        raise PipelineError(f"sections.{section.name}.stage: {section.stage} keeps {' and '.join(w for w, _ in stray)} "
+                            "outside its nn.Module attributes (Stage.modules()), so the runtime would not train, save or "
+                            f"move {'it' if len(stray) == 1 else 'them'}: {'; '.join(f for _, f in stray)}")
     for module in stage.modules().values():
         module.to(device=torch.device("meta" if meta else "cpu" if keep_on_cpu else device), dtype=dtype)
     if not section.trainable:
         for p in stage.parameters():
             p.requires_grad_(False)
     return stage
+
+
+def _stray(stage: Any) -> list[tuple[str, str]]:
+    """The stage's attributes holding parameters its modules do not (an nn.Parameter on the stage
+    itself, modules in a plain list, tuple or dict), each as (what, the fix). A plain list of modules
+    that are attributes too (references) is fine."""
+    from torch import nn
+
+    held = {id(p) for p in stage.parameters()}
+    stray = []
+    for name, value in vars(stage).items():
+        items = list(value.values()) if isinstance(value, dict) else list(value) if isinstance(value, (list, tuple)) \
+            else [value]
+        params = [p for v in items if isinstance(v, (nn.Parameter, nn.Module))
+                  for p in ([v] if isinstance(v, nn.Parameter) else v.parameters())]
+        if isinstance(value, nn.Module) or all(id(p) in held for p in params):
+            continue
+        if isinstance(value, nn.Parameter):
+            stray.append((f"self.{name} (an nn.Parameter)", f"hold self.{name} in a module (an nn.ParameterDict, "
+                                                              "or an attribute of an nn.Module of the stage)"))
+        else:
+            kind = "an nn.ModuleDict or nn.ParameterDict" if isinstance(value, dict) else \
+                "an nn.ModuleList or nn.ParameterList"
+            stray.append((f"self.{name} (a {type(value).__name__} of modules or parameters)",
+                          f"make self.{name} {kind}"))
+    return stray
 
 
 @contextlib.contextmanager

@@ -467,7 +467,12 @@ def check_pipeline(pipeline: Pipeline, build: bool = False) -> Checked:
     if len(metadata) < pipeline.global_batch:
         raise PipelineError(f"global_batch={pipeline.global_batch} is larger than the dataset "
                             f"{pipeline.data.path} ({len(metadata)} usable samples)")
-    return Checked(graph=graph, source=source, metadata=metadata, warnings=tuple(pipeline_warnings(pipeline)),
+    # Found in QA: an encoder's auxiliary loss, declared, was dropped in silence (a plain loop adds it).
+    unread = [f"sections.{n}: {pipeline.section(n).stage} declares a 'loss', which nothing reads: only a terminal "
+              "trainable section's loss trains (to add this one, send it per sample on an edge to that section and "
+              f"add it to its loss there)" for n in graph.order if n not in graph.loss_sections()
+              and pipeline.section(n).trainable and "loss" in (declared[n] or ())]
+    return Checked(graph=graph, source=source, metadata=metadata, warnings=tuple(pipeline_warnings(pipeline) + unread),
                    data_warnings=tuple(data_warnings(pipeline, metadata)))
 
 

@@ -366,6 +366,10 @@ class SectionExecutor(StepEnd, Prefetch):
         st.loss_sum += float(loss.detach())
         st.denominator += float(denom.detach() if isinstance(denom, torch.Tensor) else denom)
         if self.trainable:
+            if not loss.requires_grad:  # found in QA: torch's own error, from a frame of the runtime
+                raise StageFault("backward", st.step, f"section {self.name!r}: {self.section.stage}.forward returned "
+                                 "'loss' with no gradient (detached, computed under torch.no_grad(), or an integer "
+                                 "tensor): it must be computed from the section's outputs, so that it can train it")
             try:
                 loss.backward()  # unscaled: gradients are divided by the global denominator at step end
             except STAGE_RAISES:

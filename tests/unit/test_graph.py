@@ -62,6 +62,8 @@ def distill(teacher_dp: int = 1, student_dp: int = 2) -> SectionGraph:
     pytest.param([S("a", trainable=False), S("b", trainable=False), S("c")],
                  [E("a", "c", "h"), E("b", "c", "h")],
                  r"^edges: tensor 'h' reaches 'c' from both 'a' and 'b'; rename one of them$", id="tensor-twice"),
+    pytest.param([S("a", trainable=False), S("c")], [E("a", "c", "h", "h")],  # found in QA: "rename one of them"
+                 r"^edges\[0\] \(a -> c\)\.tensors: 'h' listed twice; list each tensor once$", id="tensor-twice-in-one"),
 ])
 def test_structural_errors_name_what_to_change(sections, edges, message):
     with pytest.raises(PipelineError, match=message):

@@ -57,7 +57,29 @@ class Student(Stage):
             return {"loss": losses}
         if bug == "float":
             return {"loss": losses.sum().item()}
+        if bug == "first":  # a loss per sample cut to one sample: shape [1], at any micro-batch size
+            return {"loss": losses[:1]}
+        if bug == "detached":
+            return {"loss": losses.sum().detach()}
         return {"loss": losses.sum()}
+
+
+class AuxTeacher(Teacher):
+    """Declares an auxiliary loss besides its features, as MoE or VQ encoders have."""
+
+    @classmethod
+    def outputs(cls, config):
+        return ("feat", "loss")
+
+
+class Stray(Student):
+    """A parameter held by the stage itself, outside its modules."""
+
+    def __init__(self, config, ctx):
+        super().__init__(config, ctx)
+        self.scale = torch.nn.Parameter(torch.ones(1))
+        self.blocks = [torch.nn.Linear(4, 4)]
+        self.refs = [self.head]  # a module held elsewhere too: fine
 '''
 
 PIPELINE = '''
@@ -83,8 +105,10 @@ NUMPY = ("section 'teacher': contract_stages:Teacher.forward returned 'feat' as 
 SHORT = ("section 'teacher': contract_stages:Teacher.forward returned 'feat' with 1 entries for a micro-batch "
          f"of 2 samples; edge teacher->student carries it, so it must be {PER_SAMPLE}")
 VECTOR = ("section 'student': contract_stages:Student.forward returned 'loss' as a tensor of shape [2]; it must "
-          "be a scalar tensor, the sum of the micro-batch's losses (the runtime backwards it)")
+          "be a scalar tensor (0 dimensions: .sum()), the sum of the micro-batch's losses (the runtime backwards it)")
 FLOAT = "section 'student': contract_stages:Student.forward returned 'loss' as float "
+FIRST = ("section 'student': contract_stages:Student.forward returned 'loss' as a tensor of shape [1]; it must be a "
+         "scalar tensor (0 dimensions: .sum())")
 
 
 def _problem(out, *, n=2, carried=None, loss=False):
@@ -96,7 +120,7 @@ def test_output_problem_names_the_output_what_came_back_and_what_the_contract_wa
     ok = [({"feat": torch.zeros(2, 3)}, feat, False), ({"feat": [torch.zeros(3), None]}, feat, False),
           ({"feat": (torch.zeros(1), torch.zeros(5))}, feat, False),
           ({"loss": torch.tensor(1.0), "extra": "anything"}, {}, True),
-          ({"loss": torch.ones(1), "loss_denominator": 3}, {}, True),
+          ({"loss": torch.tensor(1.0), "loss_denominator": 3}, {}, True),
           ({"loss": torch.tensor(1.0), "loss_denominator": torch.tensor(2.0)}, {}, True),
           ({"loss": torch.tensor(1.0), "loss_denominator": np.int64(2)}, {}, True)]
     for out, carried, loss in ok:
@@ -115,6 +139,7 @@ def test_output_problem_names_the_output_what_came_back_and_what_the_contract_wa
         ({"feat": 3.0}, feat, False, f"{who} 'feat' as float 3.0;"),
         ({"total": torch.tensor(1.0)}, {}, True, f"{who} no 'loss' (returned: total); a terminal trainable section"),
         ({"loss": torch.ones(2)}, {}, True, f"{who} 'loss' as a tensor of shape [2]; it must be a scalar tensor"),
+        ({"loss": torch.ones(1)}, {}, True, f"{who} 'loss' as a tensor of shape [1]; it must be a scalar tensor"),
         ({"loss": 1.5}, {}, True, f"{who} 'loss' as float 1.5; it must be a scalar tensor"),
         ({"loss": torch.tensor(1.0), "loss_denominator": torch.ones(2)}, {}, True,
          f"{who} 'loss_denominator' as a tensor of shape [2]; it must be a number or a scalar tensor"),
@@ -156,6 +181,7 @@ def _colocated(contract, overrides, wrap=None):
     ({"sections.teacher.config.bug": "short"}, SHORT),
     ({"sections.student.config.bug": "vector"}, VECTOR),
     ({"sections.student.config.bug": "float"}, FLOAT),
+    ({"sections.student.config.bug": "first"}, FIRST),
 ])
 def test_the_executor_reports_a_broken_output_as_the_stages_error(contract, bug, expected):
     """The executor checks outputs right after forward (colocated mode drives the same executors
@@ -168,6 +194,51 @@ def test_the_executor_reports_a_broken_output_as_the_stages_error(contract, bug,
     assert (err.section, err.replica, err.step, err.phase) == (section, 0, 0, "forward")
     assert err.traceback.startswith(expected), err.traceback
     assert "Traceback" not in err.traceback  # maestro's own frames are no help to the stage's author
+
+
+def test_a_loss_without_a_gradient_is_the_stages_error_in_one_line(contract):
+    """Found in QA: torch's "element 0 of tensors does not require grad", from a frame of the runtime."""
+    with pytest.raises(StageError) as caught:
+        _colocated(contract, {"sections.student.config.bug": "detached"})
+    err = caught.value
+    assert (err.section, err.step, err.phase) == ("student", 0, "backward")
+    assert err.traceback == ("section 'student': contract_stages:Student.forward returned 'loss' with no gradient "
+                             "(detached, computed under torch.no_grad(), or an integer tensor): it must be computed "
+                             "from the section's outputs, so that it can train it"), err.traceback
+
+
+def test_parameters_the_stage_holds_outside_its_modules_are_refused_before_any_worker_starts(contract):
+    """Found in QA: an nn.Parameter on the stage itself was never trained or saved, in silence."""
+    from maestro_flow.errors import PipelineError
+    from maestro_flow.runtime.build import load_pipeline
+    from maestro_flow.runtime.checks import check_pipeline
+
+    path, data = contract
+    pipeline, _ = load_pipeline(path, {"data.path": data, "sections.student.stage": "contract_stages:Stray"})
+    with pytest.raises(PipelineError) as caught:
+        check_pipeline(pipeline, build=True)
+    assert str(caught.value) == (
+        "sections.student.stage: contract_stages:Stray keeps self.scale (an nn.Parameter) and self.blocks (a list of "
+        "modules or parameters) outside its nn.Module attributes (Stage.modules()), so the runtime would not train, "
+        "save or move them: hold self.scale in a module (an nn.ParameterDict, or an attribute of an nn.Module of the "
+        "stage); make self.blocks an nn.ModuleList or nn.ParameterList")
+
+
+def test_a_declared_loss_that_nothing_reads_is_warned_of(contract):
+    """Found in QA: an encoder's auxiliary loss was dropped in silence, where a plain loop adds it."""
+    from maestro_flow.runtime.build import load_pipeline
+    from maestro_flow.runtime.checks import check_pipeline
+
+    path, data = contract
+    pipeline, _ = load_pipeline(path, {"data.path": data, "sections.teacher.stage": "contract_stages:AuxTeacher",
+                                       "sections.teacher.trainable": True,
+                                       "sections.teacher.optimizer": {"name": "sgd", "lr": 0.1}})
+    assert check_pipeline(pipeline).warnings == (
+        "sections.teacher: contract_stages:AuxTeacher declares a 'loss', which nothing reads: only a terminal "
+        "trainable section's loss trains (to add this one, send it per sample on an edge to that section and add it "
+        "to its loss there)",)
+    frozen, _ = load_pipeline(path, {"data.path": data, "sections.teacher.stage": "contract_stages:AuxTeacher"})
+    assert check_pipeline(frozen).warnings == ()  # a frozen section trains nothing anyway
 
 
 class _FailingSource:
@@ -248,7 +319,8 @@ def test_the_monolithic_baseline_holds_its_sections_to_the_same_contract(contrac
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("bug, expected", [({"sections.teacher.config.bug": "numpy"}, NUMPY),
                                            ({"sections.teacher.config.bug": "short"}, SHORT),
-                                           ({"sections.student.config.bug": "vector"}, VECTOR)])
+                                           # at micro-batch 1 (found in QA: a loss per sample passed there)
+                                           ({"sections.student.config.bug": "vector"}, VECTOR.replace("[2]", "[1]"))])
 def test_maestro_profile_refuses_what_a_run_refuses(contract, bug, expected):
     """Found in review: `maestro profile` ran forwards without the output check, so a broken
     output failed later with Python's or torch's message (a vector loss: "grad can be implicitly
