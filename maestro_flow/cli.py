@@ -159,7 +159,8 @@ def main(ctx: click.Context, debug: bool) -> None:
                    "one after the last step fails the run either way: it holds the run's final state).")
 @click.option("--checkpoint-on-term", is_flag=True,
               help="On SIGTERM (a scheduler's preemption), finish the steps already planned, checkpoint them, then "
-                   "stop (exit 130); a second SIGTERM stops at once. Needs --checkpoint-dir; one node only.")
+                   "stop (exit 130); a second SIGTERM stops at once. Needs --checkpoint-dir and --checkpoint-every; "
+                   "one node only.")
 @click.option("--resume", type=click.Path(file_okay=False), metavar="DIR",
               help="Start from a checkpoint: DIR/step-N, or the newest complete one under DIR (--steps stays the "
                    "total).")

@@ -113,12 +113,15 @@ def check_tensor_parallel(pipeline: Pipeline, section: Any, cls: Any) -> None:
                             f"parallelize(mesh), so it cannot be tensor-parallel; set {where}.tp=1")
     try:
         stage = build_stage(pipeline, section, 0, "cpu", meta=True)
+    except PipelineError:  # already says what to change (review: a stray parameter was blamed on the plan)
+        raise
     except Exception as exc:
         raise PipelineError(f"{where}.stage: building {section.stage} to check its tp_plan failed: "
                             f"{type(exc).__name__}: {exc}") from exc
     fields: dict[int, list[str]] = {}  # found in QA: a dimension that did not divide named modules, not the field
     for key, value in _leaves(dict(section.config), f"{where}.config"):
-        if isinstance(value, int) and not isinstance(value, bool):
+        counts = ("position", "layer", "vocab", "seed", "len", "step", "_id")  # sizes of no sharded dimension
+        if isinstance(value, int) and not isinstance(value, bool) and not any(c in key.rsplit(".")[-1] for c in counts):
             fields.setdefault(value, []).append(key)
     problems = check_plan(stage, plan, section.tp, fields)
     if problems:
@@ -471,7 +474,8 @@ def check_pipeline(pipeline: Pipeline, build: bool = False) -> Checked:
     unread = [f"sections.{n}: {pipeline.section(n).stage} declares a 'loss', which nothing reads: only a terminal "
               "trainable section's loss trains (to add this one, send it per sample on an edge to that section and "
               f"add it to its loss there)" for n in graph.order if n not in graph.loss_sections()
-              and pipeline.section(n).trainable and "loss" in (declared[n] or ())]
+              and pipeline.section(n).trainable and "loss" in (declared[n] or ())
+              and not any("loss" in e.edge.tensors for e in graph.outputs(n))]  # (an edge carries it: review)
     return Checked(graph=graph, source=source, metadata=metadata, warnings=tuple(pipeline_warnings(pipeline) + unread),
                    data_warnings=tuple(data_warnings(pipeline, metadata)))
 

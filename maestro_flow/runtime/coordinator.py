@@ -312,7 +312,7 @@ class Coordinator(CoordinatorIO):
             limit = self.checkpointer.plan_limit(completed)
             if limit is not None:
                 upto = min(upto, limit - 1)
-            while next_plan <= min(upto, p.steps - 1):
+            while next_plan <= min(upto, p.steps - 1) and not self.checkpointer.term_asked:  # (--checkpoint-on-term)
                 planner.costs = ledger.costs()  # refined from the timings measured so far
                 if search:  # every step but step 0 (which every run's workers wait for, and no run resumes
                     # at), whenever it is planned: a resumed run plans as the uninterrupted one (DESIGN 4b)
@@ -343,9 +343,9 @@ class Coordinator(CoordinatorIO):
             self.liveness.step_time(row["step_time_s"])
             diverged = self.report.stops_at(row)  # --stop-on-nan: no checkpoint of the diverged weights
             # --checkpoint-on-term: no plan goes out after a SIGTERM; the last planned step saves (the last ends as usual)
-            last = self.checkpointer.term_asked and step + 1 == next_plan < p.steps
+            last = self.checkpointer.term_asked and step + 1 == next_plan < p.steps and not diverged
             if last:
-                self._say_term(step + 1)
+                self._say_term(f"saving a checkpoint after step {step + 1} (the last one planned), then stopping")
             owed = not diverged and (self.checkpointer.due(step + 1, p.steps) or last)
             try:
                 if owed:
@@ -363,21 +363,21 @@ class Coordinator(CoordinatorIO):
                     newest = self.checkpointer.previous() if self.checkpointer.options.dir else \
                         f"; this run resumed from {self.resume[0]}" if self.resume else ""  # (review)
                     raise Diverged(f"{exc}{newest}") from None
-            if self.checkpointer.term_asked and step + 1 < p.steps:
-                if step + 1 < next_plan:  # steps planned before the SIGTERM still run
-                    continue
-                if not owed:  # the SIGTERM came after this step's checkpoint was decided on
-                    self._say_term(step + 1)
-                    self._checkpoint(step + 1, ledger, row)
+            if self.checkpointer.term_asked and step + 1 == next_plan < p.steps:  # (planned steps run before)
+                if not last:  # the SIGTERM came while this step's checkpoint was decided on, or written
+                    self._say_term(f"stopping after step {step + 1} (the last one planned), with its checkpoint")
+                    if not owed:
+                        self._checkpoint(step + 1, ledger, row)
                 self.save_dir = None  # the run did not end: no --save-dir; the workers exit as at the end
                 self._stop()
                 raise Terminated
             send_plans(step + 1 + p.lookahead_steps, step + 1)
+        if self.checkpointer.term_asked:  # review: said nothing
+            self._say_term("the last step had been planned already, so the run ends as usual")
         self.checkpointer.training = False
 
-    def _say_term(self, step: int) -> None:
-        self.report.note(f"SIGTERM (--checkpoint-on-term): saving a checkpoint after step {step} (the last one "
-                         "planned), then stopping; a second SIGTERM stops the run at once")
+    def _say_term(self, what: str) -> None:
+        self.report.note(f"SIGTERM (--checkpoint-on-term): {what}; a second SIGTERM stops the run at once")
 
     def _send_plan(self, plan: Plan, started: float, ledger: StepLedger) -> None:
         """Each replica its part of `plan`; the step's time counts from `started` (perf_counter)."""

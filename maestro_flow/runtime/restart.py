@@ -24,15 +24,20 @@ Attempt = Callable[[Resume, int], None]  # (where to resume, restarts so far)
 
 def supervise(attempt: Attempt, *, max_restarts: int, committed: Callable[[], str | None], resume: Resume,
               restarts: int, log: Callable[[str], None],
-              on_restart: Callable[[dict[str, Any]], None] = lambda event: None) -> int:
+              on_restart: Callable[[dict[str, Any]], None] = lambda event: None,
+              stopping: Callable[[], bool] = lambda: False) -> int:
     """Run `attempt` until it succeeds or fails for good; returns the restarts it took.
-    `committed()`: the newest checkpoint this job has written (None: none yet)."""
+    `committed()`: the newest checkpoint this job has written (None: none yet); `stopping()`: the
+    job was asked to stop (a SIGTERM --checkpoint-on-term took): a failure then is not restarted."""
     used = 0
     while True:
         try:
             attempt(resume, restarts)
             return used
         except (WorkerLost, TimeoutFailure) as exc:
+            if stopping():  # found in review: restarted within the scheduler's grace period
+                log(f"no restart: a SIGTERM asked the run to stop (--checkpoint-on-term): {first_line(exc)}")
+                raise
             if used >= max_restarts:
                 if max_restarts:  # found in QA: the last failure alone, as if no restart had been tried
                     log(f"no restart left (--max-restarts {max_restarts} used up): {first_line(exc)}")

@@ -322,8 +322,9 @@ def _lead(pipeline: Any, original: Any, checked: Any, paths: Any, options: RunOp
     """Node 0 (or the only node): the coordinator's run, from the checks of what only it is given."""
     nodes.assign(placement_for(checked.graph))  # refused here when the ranks cannot be placed on the nodes
     ckpt = options.checkpoint
-    if options.colocated and (ckpt.dir or ckpt.resume or ckpt.max_restarts):  # before what else they need (QA)
-        raise PipelineError("checkpoints, --resume and --max-restarts are for section mode; drop --colocated")
+    if options.colocated and (ckpt.dir or ckpt.resume or ckpt.max_restarts or ckpt.on_term):  # before what else
+        raise PipelineError("checkpoints, --resume, --max-restarts and --checkpoint-on-term are for section mode; "
+                            "drop --colocated")  # they need (found in QA)
     ckpt.validate()
     _check_outputs(options, original)  # (the baseline saves the original sections: their files)
     resume = _resume_from(options, pipeline, checked.metadata)
@@ -427,6 +428,7 @@ def _lead(pipeline: Any, original: Any, checked: Any, paths: Any, options: RunOp
             carried = resume[1].restarts if resume else 0
             try:
                 supervise(attempt, max_restarts=ckpt.max_restarts, committed=lambda: checkpointer.committed,
+                          stopping=lambda: checkpointer.term_asked,
                           resume=resume, restarts=carried,
                           log=lambda text: print(text, file=sys.stderr, flush=True),
                           on_restart=run_dir.event if run_dir is not None else lambda event: None)

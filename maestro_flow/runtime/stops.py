@@ -5,9 +5,10 @@ SIGTERM (kill, a scheduler) and SIGHUP (the terminal or ssh session closed) stop
 does: workers stopped, files closed (`Terminated`, a KeyboardInterrupt). A scheduler that preempts
 a job sends SIGTERM, then SIGKILL after a grace period; with --checkpoint-on-term the first SIGTERM
 during training is taken by the job's Checkpointer instead (`take_term`): the coordinator finishes
-the steps it has planned, writes a checkpoint of them and then stops the run as an interrupt. The
-workers ignore SIGTERM under that option (runtime/worker.py), as a scheduler signals every process
-of the job; the coordinator stops them, and they die with it.
+the steps it has planned (and plans no more), writes a checkpoint of the last one and then stops
+the run as an interrupt; a failed worker is then not restarted (runtime/restart.py). The workers
+let SIGTERM be under that option (runtime/worker.py), as a scheduler signals every process of the
+job; the coordinator stops them, and they die with it.
 """
 
 from __future__ import annotations

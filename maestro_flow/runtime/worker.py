@@ -164,10 +164,15 @@ def _await_init(dealer: zmq.Socket, opener: Opener, drops: DropLog, deadline: fl
     return None
 
 
+def _outlive_term(signum: int, frame: Any) -> None:
+    """SIGTERM taken and let be, not ignored (SIG_IGN): a process the stage starts (exec) gets the
+    default action back, so its own terminate() still stops it (found in review)."""
+
+
 def worker_main(boot: dict[str, Any]) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the coordinator, which stops us
     if boot.get("keep_on_term"):  # --checkpoint-on-term: a scheduler's SIGTERM to every process (runtime/stops.py)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, _outlive_term)
     if boot.get("cpus"):
         os.sched_setaffinity(0, boot["cpus"])  # before any library starts its threads
     capture = OutputCapture(boot.get("label", f"rank {boot['rank']}"), boot.get("log"))
@@ -330,6 +335,9 @@ class _Worker:
         staged = device.startswith("cuda") and (section.fsdp or section.tp > 1)
         try:
             stage = build_stage(pipeline, section, self.replica, device, keep_on_cpu=staged)
+        except PipelineError as exc:  # the stage as built breaks the contract (a parameter outside its modules)
+            self.report_error("input", str(exc))
+            return None
         except STAGE_RAISES:
             self.report_error("stage", traceback.format_exc())
             return None

@@ -1000,10 +1000,11 @@ def test_optimizer_values_the_optimizer_refuses_are_refused_by_validate(dataset,
 def test_checkpoints_with_colocated_are_refused_before_what_else_they_need(tmp_path, dataset):
     """Found in QA: `--colocated --checkpoint-dir D` first asked for --checkpoint-every; only then
     did the user learn that colocated mode takes no checkpoints."""
-    result = invoke("run", write_pipeline(tmp_path, dataset), "--colocated", "--checkpoint-dir", tmp_path / "ck",
-                    "--no-run-dir", "--quiet")
-    assert result.exit_code == 2
-    assert "checkpoints, --resume and --max-restarts are for section mode; drop --colocated" in result.output
+    for given in (("--checkpoint-dir", tmp_path / "ck"), ("--checkpoint-on-term",)):  # (the second: review)
+        result = invoke("run", write_pipeline(tmp_path, dataset), "--colocated", *given, "--no-run-dir", "--quiet")
+        assert result.exit_code == 2
+        assert ("checkpoints, --resume, --max-restarts and --checkpoint-on-term are for section mode; drop "
+                "--colocated") in result.output
 
 
 def test_colocated_says_which_layout_it_does_not_apply():

@@ -12,6 +12,7 @@ this one, before its workers answer. Nothing here opens a socket or starts a pro
 from __future__ import annotations
 
 import collections
+import sys
 import time
 from pathlib import Path
 
@@ -187,6 +188,32 @@ def test_a_sigterm_taken_by_checkpoint_on_term_saves_the_planned_steps_then_stop
     assert sorted(c.observer.plans) == [0, 1, 2, 3, 4]
     assert [r["step"] for r in c.report.rows] == [0, 1, 2, 3, 4]
     assert not c.checkpointer.training and not c.checkpointer.take_term()  # a second SIGTERM stops at once
+
+
+def test_a_sigterm_taken_during_a_checkpoint_stops_after_it_and_says_so(tmp_path, capsys):
+    """Found in review: taken while the step-3 checkpoint (every 3, lookahead 2: nothing planned
+    past it) was written, the run stopped with no word of why."""
+    c = StepCoordinator(distill(lookahead_steps=2), every=3, on_term=True, tmp_path=tmp_path)
+    real = c._checkpoint
+
+    def checkpoint(step, ledger, row):
+        c.checkpointer.take_term()
+        return real(step, ledger, row)
+
+    c._checkpoint, c.report.stream = checkpoint, sys.stderr
+    with pytest.raises(Terminated):
+        run(c)
+    assert c.checkpoints == [(3, 2, set())] and sorted(c.observer.plans) == [0, 1, 2]
+    assert "SIGTERM (--checkpoint-on-term): stopping after step 3 (the last one planned), with its checkpoint" \
+        in capsys.readouterr().err
+
+
+def test_a_sigterm_when_the_last_step_is_planned_lets_the_run_end_and_says_so(tmp_path, capsys):
+    c = StepCoordinator(distill(lookahead_steps=5), every=10, on_term=True, tmp_path=tmp_path)
+    c.term_at, c.report.stream = 6, sys.stderr
+    run(c)  # steps 6..9 were planned when it came: it ends as usual, with its checkpoint after the last
+    assert c.term_taken and c.checkpoints == [(10, 9, set())]
+    assert "the last step had been planned already, so the run ends as usual" in capsys.readouterr().err
 
 
 def test_without_checkpoint_on_term_a_sigterm_is_not_taken(tmp_path):

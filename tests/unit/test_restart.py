@@ -54,3 +54,14 @@ def test_bad_input_is_not_retried():
     with pytest.raises(PipelineError):
         supervise(attempt, max_restarts=3, committed=lambda: None, resume=None, restarts=0, log=lambda _: None)
     assert len(calls) == 1
+
+
+def test_a_failure_after_a_sigterm_taken_by_checkpoint_on_term_is_not_restarted():
+    """Found in review: a worker lost after the SIGTERM was restarted within the scheduler's grace period."""
+    attempt, calls = _failing([WorkerLost("worker 3 died")])
+    logs = []
+    with pytest.raises(WorkerLost):
+        supervise(attempt, max_restarts=3, committed=lambda: None, resume=None, restarts=0, log=logs.append,
+                  stopping=lambda: True)
+    assert len(calls) == 1
+    assert logs == ["no restart: a SIGTERM asked the run to stop (--checkpoint-on-term): worker 3 died"]

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import signal
+import subprocess
+import sys
 
 import pytest
 from click.testing import CliRunner
@@ -58,3 +60,19 @@ def test_checkpoint_on_term_is_refused_over_several_nodes(tmp_path):
     assert ("error: --checkpoint-on-term works on one node for now: with several, a SIGTERM to a node stops that "
             "node's workers, so the checkpoint could not be written; drop it") in result.stderr
     assert not (tmp_path / "ck").exists()
+
+
+def test_a_worker_outlives_sigterm_and_the_processes_it_starts_do_not():
+    """Under --checkpoint-on-term a worker takes SIGTERM and lets it be; a process its stage starts
+    gets the default action back (found in review: with SIG_IGN, a stage's own terminate() of
+    its helper did nothing)."""
+    from maestro_flow.runtime.worker import _outlive_term
+
+    previous = signal.signal(signal.SIGTERM, _outlive_term)
+    try:
+        signal.raise_signal(signal.SIGTERM)  # still here
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        child.terminate()
+        assert child.wait(30) == -signal.SIGTERM
+    finally:
+        signal.signal(signal.SIGTERM, previous)
