@@ -150,6 +150,17 @@ LEGACY = ("sep_token_id", "decoder_start_token_id", "tie_encoder_decoder", "cros
           "architectures", "max_length", "min_length", "do_sample", "early_stopping", "num_beams",
           "temperature", "top_k", "top_p", "repetition_penalty", "length_penalty", "no_repeat_ngram_size",
           "bad_words_ids", "num_return_sequences", "use_bfloat16", "tf_legacy_loss", "pruned_heads", "n_ctx")
+# Other trainers' names (Megatron, torchtitan, GPT-NeoX, nanoGPT) for transformers' size fields, too far
+# for a spelling match (found in QA: llama's `num_layers` built the default 32 layers). Each names the
+# fields it may mean, the first the config has; torchtitan's `hidden_dim` (the MLP's) is left out as ambiguous.
+ELSEWHERE = {"num_layers": ("num_hidden_layers", "n_layer", "n_layers"), "n_layers": ("num_hidden_layers", "n_layer"),
+             "n_heads": ("num_attention_heads", "n_head"), "num_heads": ("num_attention_heads", "n_head"),
+             "n_kv_heads": ("num_key_value_heads",), "num_kv_heads": ("num_key_value_heads",),
+             "num_query_groups": ("num_key_value_heads",), "dim": ("hidden_size", "n_embd"),
+             "d_model": ("hidden_size", "n_embd"), "ffn_hidden_size": ("intermediate_size", "n_inner"),
+             "max_seq_len": ("max_position_embeddings", "n_positions"),
+             "seq_length": ("max_position_embeddings", "n_positions"),
+             "norm_eps": ("rms_norm_eps", "layer_norm_epsilon", "layer_norm_eps")}
 NOT_NAMES = ("self", "args", "kwargs")
 _EXTRA: dict[tuple[str, str], list[str]] = {}  # extra_fields' answers
 
@@ -204,13 +215,16 @@ def _drop(d: dict[str, Any], keys: tuple[str, ...]) -> dict[str, Any]:
 
 def _refuse_typos(model_type: str, kwargs: dict[str, Any], user: dict[str, Any], hf_config: Any, where: str) -> None:
     """Refuse an idle key (extra_fields) of the user's that is one letter or so from a field the
-    user did not set (found in QA: gpt2 with `n_layers` built the default depth, in silence)."""
+    user did not set (found in QA: gpt2 with `n_layers` built the default depth, in silence), or
+    another trainer's name for one (ELSEWHERE)."""
     extra = [k for k in extra_fields(model_type, kwargs, hf_config) if k in user and k not in LEGACY]
     if not extra:
         return
-    fields = sorted(_fields(hf_config) - set(user) - set(extra))
+    aliases = getattr(hf_config, "attribute_map", {})  # gpt2's num_hidden_layers is its n_layer
+    fields = sorted(f for f in _fields(hf_config) - set(user) - set(extra) if aliases.get(f, f) not in user)
     for key in extra:
-        near = difflib.get_close_matches(key, fields, n=1, cutoff=0.85)
+        near = difflib.get_close_matches(key, fields, n=1, cutoff=0.85) or [f for f in ELSEWHERE.get(key, ())
+                                                                             if f in fields][:1]
         if near:
             value = f" is {getattr(hf_config, near[0])!r}" if hasattr(hf_config, near[0]) else " is left to transformers"
             raise ValueError(f"{where}hf_config.{key}: {type(hf_config).__name__} has no field {key!r}; did you mean "

@@ -166,6 +166,12 @@ def test_config_errors():
     ({"role": "lm", "model_type": "llama", "hf_config": {"num_hidden_layer": 1}},
      "hf_config.num_hidden_layer: LlamaConfig has no field .* did you mean 'num_hidden_layers'"),
     ({"role": "lm", "hf_config": {"layer_norm_eps": 1e-3}}, "did you mean 'layer_norm_epsilon'"),
+    # Other trainers' names, too far for a spelling match (Megatron's num_layers built llama's 32 layers)
+    ({"role": "lm", "model_type": "llama", "hf_config": {"num_layers": 2}},
+     r"hf_config.num_layers: LlamaConfig has no field 'num_layers'; did you mean 'num_hidden_layers'\? As given, "
+     r"num_hidden_layers is 32"),
+    ({"role": "lm", "model_type": "llama", "hf_config": {"n_kv_heads": 2}}, "did you mean 'num_key_value_heads'"),
+    ({"role": "lm", "hf_config": {"d_model": 64}}, "GPT2Config has no field 'd_model'; did you mean 'hidden_size'"),
     # Found in QA: these passed `maestro run` and failed in the workers (transformers refuses them
     # while building; the check builds on the meta device).
     ({"role": "lm", "hf_config": {"n_embd": 66, "n_head": 4}}, "`embed_dim` must be divisible by num_heads"),
