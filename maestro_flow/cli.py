@@ -35,7 +35,7 @@ import click  # noqa: E402 (after the handler: importing it takes a while)
 
 from maestro_flow.cli_sets import set_options  # noqa: E402
 from maestro_flow.cli_signals import interrupts_after_imports, reader_gone  # noqa: E402
-from maestro_flow.errors import MaestroError, PipelineError, StageError, SystemFailure  # noqa: E402
+from maestro_flow.errors import MaestroError, PipelineError, StageError, SystemFailure, first_line  # noqa: E402
 from maestro_flow.overrides import parse_set  # noqa: E402
 from maestro_flow.wording import count, skipped_note  # noqa: E402
 
@@ -281,8 +281,10 @@ def run(ctx: click.Context, pipeline: str, steps: int | None, sets: tuple[str, .
 
         with subreaper():  # what a worker killed by a signal leaves running is stopped with the run
             run_pipeline(pipeline, options)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
         click.echo("interrupted: workers stopped", err=True)
+        if isinstance(exc.__context__, MaestroError):  # found in QA: a failure it cut short went unsaid
+            click.echo(f"(while the run was stopping after: {first_line(exc.__context__)})", err=True)
         _go_on_note()
         _exit(130)
     except MaestroError as exc:

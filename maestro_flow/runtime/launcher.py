@@ -123,21 +123,31 @@ class Launcher:
         return all(w.process.exitcode is not None for w in self.workers)
 
     def shutdown(self, grace_s: float, kill_grace_s: float) -> None:
-        """Bounded and idempotent: join briefly, terminate, join, kill."""
-        if not self.join(grace_s):
-            for w in self.workers:
-                if w.process.exitcode is None:
-                    w.process.terminate()
-            if not self.join(kill_grace_s):
+        """Bounded and idempotent: join briefly, terminate, join, kill. Interrupted (a second
+        Ctrl-C or SIGTERM), it kills what is left at once: found in QA, the interrupt skipped the
+        kill, and workers outliving SIGTERM (--checkpoint-on-term) kept the exit waiting a minute."""
+        try:
+            if not self.join(grace_s):
                 for w in self.workers:
                     if w.process.exitcode is None:
-                        w.process.kill()
-                self.join(kill_grace_s)
+                        w.process.terminate()
+                if not self.join(kill_grace_s):
+                    _kill_all(self.workers)
+                    self.join(kill_grace_s)
+        except BaseException:
+            _kill_all(self.workers)
+            raise
         stop_adopted(keep=[w.process.pid for w in self.workers if w.process.exitcode is None])
         for w in self.workers:
             if w.process.exitcode is not None:
                 w.process.close()
         self.workers = [w for w in self.workers if _alive(w)]
+
+
+def _kill_all(workers: list[WorkerHandle]) -> None:
+    for w in workers:
+        if w.process.exitcode is None:
+            w.process.kill()
 
 
 def _alive(w: WorkerHandle) -> bool:

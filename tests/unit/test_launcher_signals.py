@@ -33,3 +33,38 @@ def test_ctrl_c_during_a_workers_start_is_no_traceback(tmp_path):
     assert handle.process.exitcode == 0 and path.read_text() == "done"
     assert signal.SIGINT not in signal.pthread_sigmask(signal.SIG_BLOCK, set())  # this process lets it through
     assert signal.getsignal(signal.SIGINT) is before
+
+
+def _outlive_term_forever(boot: dict) -> None:
+    from maestro_flow.runtime.worker import _outlive_term
+
+    signal.signal(signal.SIGTERM, _outlive_term)  # as a worker under --checkpoint-on-term
+    with open(boot["path"], "w") as f:
+        f.write("ready")
+    while True:
+        time.sleep(0.1)
+
+
+@pytest.mark.timeout(60)
+def test_an_interrupted_shutdown_kills_the_workers_at_once(tmp_path, monkeypatch):
+    """Found in QA: a SIGTERM during the shutdown's joins skipped the kill, and workers that
+    outlive SIGTERM (--checkpoint-on-term) kept the run's exit waiting a minute."""
+    launcher = Launcher(_outlive_term_forever)
+    path = tmp_path / "ready"
+    handle = launcher.start(0, "s", 0, {"path": str(path)})
+    deadline = time.monotonic() + 30
+    while not path.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    joins = []
+
+    def join(timeout_s: float) -> bool:  # the second join, after the terminate it outlives, is interrupted
+        joins.append(timeout_s)
+        if len(joins) == 2:
+            raise KeyboardInterrupt
+        return False
+
+    monkeypatch.setattr(launcher, "join", join)
+    with pytest.raises(KeyboardInterrupt):
+        launcher.shutdown(0.1, 30.0)
+    handle.process.join(10)
+    assert handle.process.exitcode == -signal.SIGKILL

@@ -76,3 +76,22 @@ def test_a_worker_outlives_sigterm_and_the_processes_it_starts_do_not():
         assert child.wait(30) == -signal.SIGTERM
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def test_an_interrupt_that_cuts_a_failure_short_names_the_failure(monkeypatch):
+    """Found in QA: a SIGTERM while the run stopped after a worker died said only "interrupted"."""
+    from maestro_flow.errors import WorkerLost
+    from maestro_flow.runtime import run as run_module
+
+    def failing(path, options):
+        try:
+            raise WorkerLost("worker section 'student' replica 1 was killed by SIGKILL\ndetails")
+        finally:
+            raise Terminated
+
+    monkeypatch.setattr(run_module, "run_pipeline", failing)
+    result = CliRunner().invoke(main, ["run", "pipelines/distill.py", "--no-run-dir"])
+    assert result.exit_code == 130, result.output
+    assert result.stderr.splitlines()[:2] == [
+        "interrupted: workers stopped",
+        "(while the run was stopping after: worker section 'student' replica 1 was killed by SIGKILL)"]
