@@ -1,6 +1,7 @@
 """`--set KEY=VALUE` overrides as strings: how every command that loads a pipeline reads them
 into the dotted-key dict `Pipeline.override` applies (config.py checks the keys against
-the records' fields), and the one global batch a command may add to them. Standard library only.
+the records' fields), the one global batch a command may add to them, and the reverse:
+nested mappings as dotted keys (`dotted`). Standard library only.
 """
 
 from __future__ import annotations
@@ -40,3 +41,11 @@ def with_global_batch(sets: list[str] | tuple[str, ...], global_batch: int | Non
     (found in QA: written after a `global_batch=` given, not in its place): the same job."""
     keep = [s for s in sets if global_batch is None or s.partition("=")[0].strip() != "global_batch"]
     return [*keep, *([f"global_batch={global_batch}"] if global_batch is not None else [])]
+
+
+def dotted(value: Any, prefix: str = "") -> dict[str, Any]:
+    """Nested mappings as dotted keys ("config.student.d_model"), other values as they are (an
+    empty mapping as none)."""
+    if not isinstance(value, dict):
+        return {prefix: value} if prefix else {}
+    return {k: v for key, sub in value.items() for k, v in dotted(sub, f"{prefix}.{key}" if prefix else str(key)).items()}

@@ -60,32 +60,35 @@ HF_STYLES = {"colwise": "colwise", "rowwise": "rowwise", "colwise_rep": "colwise
              "embedding_rowwise": "rowwise"}
 
 
-_WHOLE: dict[str, str | None] = {}  # a transformers config (as JSON) -> _whole_per_head's answer
+_META: dict[str, nn.Module] = {}  # a transformers config (as JSON) -> its model on the meta device
+
+
+def _meta_model(hf_config: Any) -> nn.Module:
+    """The model `hf_config` describes, on the meta device (shapes only), built once per config:
+    tp_plan and the tp check both read it."""
+    key = hf_config.to_json_string()
+    if key not in _META:
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):
+            _META[key] = AutoModelForCausalLM.from_config(hf_config)
+    return _META[key]
 
 
 def _whole_per_head(hf_config: Any) -> str | None:
     """A parameter (by name, layers as `*`, and shape) holding one row per attention head (heads x
     head_dim: cohere's qk norm) that transformers' tp plan does not shard, or None. Each tp rank
-    holds some of the heads, so such a weight no longer fits them. Built on the meta device."""
-    from transformers import AutoModelForCausalLM
-
-    key = hf_config.to_json_string()
-    if key in _WHOLE:
-        return _WHOLE[key]
+    holds some of the heads, so such a weight no longer fits them."""
     heads = {getattr(hf_config, k, None) for k in ("num_attention_heads", "num_key_value_heads")} - {None}
-    _WHOLE[key] = None
     if not heads:
         return None
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(hf_config)
-    for name, module in model.named_modules():
+    for name, module in _meta_model(hf_config).named_modules():
         if isinstance(module, (nn.Linear, nn.Embedding)):
             continue  # what the plan shards, or leaves whole as a whole layer
         for pname, p in module.named_parameters(recurse=False):
             if p.dim() == 2 and p.shape[0] in heads and p.shape[0] > 1 and p.shape[1] == head_dim:
-                _WHOLE[key] = f"{LAYER.sub('*', f'{name}.{pname}')} {tuple(p.shape)}"
-                return _WHOLE[key]
+                return f"{LAYER.sub('*', f'{name}.{pname}')} {tuple(p.shape)}"
     return None
 
 
@@ -297,14 +300,11 @@ class HFCausalLM(Stage):
     def tp_plan(cls, config: dict[str, Any]) -> dict[str, str] | None:
         """The model's own tp plan, as transformers ships it (`base_model_tp_plan` of its config,
         e.g. llama's q/k/v/gate/up colwise, o/down rowwise), under this stage's `model.<base>.`."""
-        from transformers import AutoModelForCausalLM
-
         hf_config, _ = hf_model_config(config)
         plan = getattr(hf_config, "base_model_tp_plan", None)
         if not plan:
             return None
-        with torch.device("meta"):
-            base = AutoModelForCausalLM.from_config(hf_config).base_model_prefix
+        base = _meta_model(hf_config).base_model_prefix
         return {f"model.{base}.{name}": HF_STYLES.get(style, style) for name, style in plan.items()}
 
     @classmethod

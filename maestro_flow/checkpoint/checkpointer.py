@@ -330,6 +330,5 @@ def resume_point(path: str) -> tuple[str, mf.Manifest]:
                      "data's position); resume from a --checkpoint-dir, or start a run from these weights")
         from maestro_flow.runtime.rundir import checkpoints_note
 
-        note = checkpoints_note(path)
-        raise PipelineError(f"--resume {path}: no complete checkpoint there{hint}{': ' + note if note else ''}")
+        raise PipelineError(f"--resume {path}: no complete checkpoint there{hint}{checkpoints_note(path)}")
     return folder, mf.read(folder)

@@ -114,9 +114,8 @@ def _read(source: str, section: str) -> tuple[dict[str, Any], dict[str, torch.Te
                 _check_section(pipeline, section, source, _saved(source, pipeline))
         from maestro_flow.runtime.rundir import checkpoints_note
 
-        note = checkpoints_note(source)
         raise PipelineError(f"{source}: neither a --save-dir with {section}.safetensors nor a complete checkpoint"
-                            f"{': ' + note if note else ''}")
+                            f"{checkpoints_note(source)}")
     manifest = mf.read(folder)
     if section not in manifest.sections:
         _check_section(manifest.pipeline, section, folder, sorted(manifest.sections))

@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from maestro_flow.errors import PipelineError
+from maestro_flow.overrides import dotted
 
 FORMAT = 1
 MANIFEST = "manifest.json"
@@ -274,7 +275,7 @@ def _trainable_changes(now: dict[str, Any], before: dict[str, Any]) -> list[str]
     checkpoint (found in QA: a KD student's alpha changed on resume, and the loss jumped without a
     word). Its weights and optimizer state are the checkpoint's; what they train on with is not."""
     fields = ("config", "optimizer")
-    old, new = _flat({k: before.get(k) for k in fields}), _flat({k: now.get(k) for k in fields})
+    old, new = dotted({k: before.get(k) for k in fields}), dotted({k: now.get(k) for k in fields})
     changed = [k for k in sorted(old.keys() | new.keys()) if _canonical(old.get(k)) != _canonical(new.get(k))
                and not _weights_source(k)]
     if not changed:
@@ -297,14 +298,6 @@ def _weights_source(key: str) -> bool:
 
 def _shown(d: dict[str, Any], key: str) -> str:
     return json.dumps(d[key], default=str) if key in d else "unset"
-
-
-def _flat(value: Any, prefix: str = "") -> dict[str, Any]:
-    """Nested mappings as dotted keys ("config.student.d_model"), other values as they are (an
-    empty mapping as none)."""
-    if not isinstance(value, dict):
-        return {prefix: value} if prefix else {}
-    return {k: v for key, sub in value.items() for k, v in _flat(sub, f"{prefix}.{key}" if prefix else str(key)).items()}
 
 
 def check_samples(manifest: Manifest, num_samples: int, fingerprint: str, sizes: str | None = None) -> None:

@@ -23,6 +23,7 @@ from typing import Any
 from maestro_flow.config import Pipeline, Section
 from maestro_flow.errors import PipelineError, brief
 from maestro_flow.graph import SectionGraph
+from maestro_flow.overrides import dotted
 from maestro_flow.planner import make_planner
 from maestro_flow.runtime.build import build_stage, open_source, resolve
 from maestro_flow.samples import SampleMeta
@@ -119,19 +120,13 @@ def check_tensor_parallel(pipeline: Pipeline, section: Any, cls: Any) -> None:
         raise PipelineError(f"{where}.stage: building {section.stage} to check its tp_plan failed: "
                             f"{type(exc).__name__}: {exc}") from exc
     fields: dict[int, list[str]] = {}  # found in QA: a dimension that did not divide named modules, not the field
-    for key, value in _leaves(dict(section.config), f"{where}.config"):
+    for key, value in dotted(dict(section.config), f"{where}.config").items():
         counts = ("position", "layer", "vocab", "seed", "len", "step", "_id")  # sizes of no sharded dimension
         if isinstance(value, int) and not isinstance(value, bool) and not any(c in key.rsplit(".")[-1] for c in counts):
             fields.setdefault(value, []).append(key)
     problems = check_plan(stage, plan, section.tp, fields)
     if problems:
         raise PipelineError(f"{where}.tp={section.tp}: " + "; ".join(problems))
-
-
-def _leaves(config: dict[str, Any], prefix: str) -> list[tuple[str, Any]]:
-    """A nested config's values by their dotted keys."""
-    return [leaf for key, value in config.items() for leaf in (
-        _leaves(value, f"{prefix}.{key}") if isinstance(value, dict) else [(f"{prefix}.{key}", value)])]
 
 
 def check_builds(pipeline: Pipeline, section: Any) -> None:

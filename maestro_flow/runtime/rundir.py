@@ -140,13 +140,14 @@ class RunDir:
             self._plans = None
 
 
-def checkpoints_note(path: str) -> str | None:
+def checkpoints_note(path: str) -> str:
     """For a run directory given where checkpoints are expected (`--resume`, `maestro export`):
-    where its run wrote them, from its events.jsonl (found in QA: "no complete checkpoint there",
-    with no word that it is a run directory); None for any other folder."""
+    ": " and where its run wrote them, from its events.jsonl, to end their refusal with (found in
+    QA: "no complete checkpoint there", with no word that it is a run directory); "" for any
+    other folder."""
     events = os.path.join(path, "events.jsonl")
     if not os.path.isfile(events) or not os.path.isfile(os.path.join(path, "pipeline.json")):
-        return None
+        return ""
     written = None
     try:
         with open(events, errors="replace") as f:
@@ -158,10 +159,10 @@ def checkpoints_note(path: str) -> str | None:
                 if isinstance(event, dict) and isinstance(event.get("checkpoint"), str):
                     written = event["checkpoint"]
     except OSError:
-        return None
+        return ""
     if written is None:
-        return "it is a run directory, and its run wrote no checkpoint (a run writes them with --checkpoint-dir)"
+        return ": it is a run directory, and its run wrote no checkpoint (a run writes them with --checkpoint-dir)"
     where = os.path.dirname(os.path.normpath(written))
     relative = "" if os.path.isabs(written) else ", relative to where that run was started"
-    return (f"it is a run directory; its run wrote its checkpoints in {where} (the last: {written}{relative}): "
+    return (f": it is a run directory; its run wrote its checkpoints in {where} (the last: {written}{relative}): "
             f"give {where}")
