@@ -24,6 +24,7 @@ micro-batch's outputs with it right after the forward, and `maestro stage` does 
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from numbers import Real
@@ -357,6 +358,23 @@ def output_problem(out: Any, *, section: str, stage: str, num_samples: int, carr
             return (f"{who} 'loss_denominator' as {_described(denom)}; it must be a number or a scalar tensor "
                     "(what 'loss' sums over; leave it out for the number of samples)")
     return None
+
+
+def warn_unread_loss(stage: Any, config: Mapping[str, Any], section: str) -> None:
+    """Warn (stderr) that a forward of trainable `section`, which is not terminal, returned a
+    "loss" that nothing reads; the executor calls it once, on replica 0 (found in QA: the loss was
+    dropped in silence, while a plain loop over the whole model would add it). Nothing when the
+    stage declares "loss" in `outputs` (`maestro validate` and `run` warn of it before anything
+    starts) or its `outputs` fails (validate said so)."""
+    try:
+        declared = type(stage).outputs(dict(config))
+    except Exception:
+        return
+    if declared is None or "loss" not in declared:
+        print(f"maestro: warning: section {section!r}: {type(stage).__module__}:{type(stage).__qualname__}.forward "
+              "returned a 'loss', which nothing reads: only a terminal trainable section's loss trains (to add "
+              "this one, send it per sample on an edge to that section and add it to its loss there)",
+              file=sys.stderr, flush=True)
 
 
 def _names(out: dict) -> str:

@@ -56,7 +56,7 @@ from maestro_flow.runtime.record import Recorder
 from maestro_flow.runtime.step_end import StepEnd
 from maestro_flow.runtime.trace import Tracer
 from maestro_flow.samples import SampleMeta
-from maestro_flow.stage import MicroBatch, Stage, output_problem
+from maestro_flow.stage import MicroBatch, Stage, output_problem, warn_unread_loss
 from maestro_flow.transport.tensor_comm import Comm
 
 Report = Callable[[str, dict[str, Any]], None]
@@ -88,6 +88,9 @@ class SectionExecutor(StepEnd, Prefetch):
         self.follower = not self.layout.leader  # a tensor-parallel rank that follows its leader
         self.relaying = self.layout.leader and len(self.layout.members) > 1
         self.carried = graph.carried(section)  # checked after forward
+        # Warned of once (replica 0's leader) when a forward returns a "loss" nothing reads.
+        self.unread_loss = (self.trainable and not self.is_loss and "loss" not in self.carried and replica == 0
+                            and self.layout.leader)
         self.ops: deque[tuple[str, int, int, list]] = deque()  # a follower's relays, in the leader's order
         params = [p for p in stage.parameters() if p.requires_grad] if self.trainable else []
         pipeline = graph.pipeline
@@ -258,6 +261,9 @@ class SectionExecutor(StepEnd, Prefetch):
             if problem is not None:
                 out = {}  # (not recorded: it may not be recordable)
                 raise StageFault("forward", st.step, problem)
+            if self.unread_loss and "loss" in out:
+                self.unread_loss = False
+                warn_unread_loss(self.stage, self.section.config, self.name)
             self._send_outputs(st, mb, out)
             t_forward = self.clock()  # a loss section goes on to its backward at once: traced as its own span
             cpu_forward = time.thread_time() if self.tracer.enabled else 0.0

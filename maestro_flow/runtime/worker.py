@@ -284,8 +284,8 @@ class _Worker:
             return self._loop(executor)
         except StageFault as fault:
             self.step, self.phase = fault.step, fault.phase
-            self.report_error("system" if fault.collateral else "stage", fault.text + tp_hint(fault.text, self.tp,
-                                                                                             self.section))
+            hint = tp_hint(fault.text, self.tp, self.section, getattr(executor, "stage", None))
+            self.report_error("system" if fault.collateral else "stage", fault.text + hint)
         except PipelineError as exc:  # bad input found here, e.g. a checkpoint that does not fit
             self.report_error("input", str(exc))
         except Exception:

@@ -113,6 +113,9 @@ def test_a_tp_plan_that_is_no_classmethod_and_a_plan_that_breaks_shapes_say_so()
     error = "RuntimeError: mat1 and mat2 shapes cannot be multiplied (384x32 and 64x32)\n"
     assert "pair each colwise layer with the rowwise one that reads it" in tp_hint(error, 2, "lm")
     assert tp_hint(error, 1, "lm") == "" and tp_hint("ValueError: bad token\n", 2, "lm") == ""
+    from stages.hf import HFCausalLM  # transformers' own plan: nothing of ours to pair (found in review)
+    hf = tp_hint(error, 2, "lm", HFCausalLM)
+    assert "transformers (base_model_tp_plan)" in hf and "pair each colwise" not in hf and "tp=1 tells" in hf
 
 
 STAGES = [  # stage, config, tp the config allows

@@ -40,6 +40,8 @@ class Teacher(Stage):
             return {"feat": feat.detach().numpy()}
         if bug == "short":
             return {"feat": feat[:-1]}
+        if bug == "aux":  # an auxiliary loss besides its features (MoE, VQ)
+            return {"feat": feat, "loss": feat.pow(2).sum()}
         return {"feat": feat}
 
 
@@ -249,6 +251,23 @@ def test_a_declared_loss_that_nothing_reads_is_warned_of(contract):
                                       "sections.teacher.optimizer": {"name": "sgd", "lr": 0.1},
                                       "edges": [{"src": "teacher", "dst": "student", "tensors": ["feat", "loss"]}]})
     assert check_pipeline(carried).warnings == ()  # sent on to be added there (found in review)
+
+
+def test_an_undeclared_loss_that_nothing_reads_is_warned_of_once_at_run_time(contract, capsys):
+    """Found in QA: a non-terminal trainable section's "loss", not declared in `outputs`, was
+    dropped in silence (validate cannot see it); a declared one is warned of before the run."""
+    trainable = {"sections.teacher.config.bug": "aux", "sections.teacher.trainable": True,
+                 "sections.teacher.optimizer": {"name": "sgd", "lr": 0.1}, "steps": 2}
+    _colocated(contract, trainable)
+    warned = [line for line in capsys.readouterr().err.splitlines() if "nothing reads" in line]
+    assert warned == [
+        "maestro: warning: section 'teacher': contract_stages:Teacher.forward returned a 'loss', which nothing reads: "
+        "only a terminal trainable section's loss trains (to add this one, send it per sample on an edge to that "
+        "section and add it to its loss there)"], warned  # once, though every forward returned one
+    _colocated(contract, {**trainable, "sections.teacher.stage": "contract_stages:AuxTeacher"})
+    assert "nothing reads" not in capsys.readouterr().err  # declared: the checks before the run say it
+    _colocated(contract, {"sections.teacher.config.bug": "aux", "steps": 1})
+    assert "nothing reads" not in capsys.readouterr().err  # frozen: it trains nothing anyway
 
 
 class _FailingSource:
