@@ -47,13 +47,15 @@ class Nodes:
         given, nnodes = nnodes is not None, 1 if nnodes is None else nnodes
         if nnodes < 1:
             raise PipelineError(f"--nnodes must be at least 1, got {nnodes}")
+        if nproc_per_node is not None and nproc_per_node < 1:
+            raise PipelineError(f"--nproc-per-node must be at least 1, got {nproc_per_node}")
         if nnodes == 1:  # each would train the whole job alone (found in QA: --nnodes forgotten under srun)
             if node_rank not in (None, 0):
                 raise PipelineError(f"--node-rank {node_rank} is for a run over several nodes: add --nnodes N")
             if rdzv_endpoint and not given:
                 raise PipelineError(f"--rdzv-endpoint {rdzv_endpoint} is for a run over several nodes: add "
                                     "--nnodes N (N > 1), or leave --rdzv-endpoint out to train on this node alone")
-            return cls()
+            return cls(nproc_per_node=nproc_per_node)  # a cap on this node's ranks (Nodes.assign)
         if node_rank is None:
             raw = environ.get("SLURM_NODEID") or environ.get("SLURM_PROCID")
             if raw is None:
@@ -69,8 +71,6 @@ class Nodes:
             raise PipelineError(f"--rdzv-endpoint must be HOST:PORT, got {rdzv_endpoint!r}")
         if not 1 <= int(port) <= 65535:  # found in QA: 99999 gave a traceback, 0 a minutes-long wait
             raise PipelineError(f"--rdzv-endpoint {rdzv_endpoint}: the port must be 1-65535 (node 0 listens on it)")
-        if nproc_per_node is not None and nproc_per_node < 1:
-            raise PipelineError(f"--nproc-per-node must be at least 1, got {nproc_per_node}")
         return cls(nnodes=nnodes, node_rank=node_rank, endpoint=(host.strip("[]"), int(port)),
                    nproc_per_node=nproc_per_node)
 
@@ -78,6 +78,9 @@ class Nodes:
         """rank -> node: ranks in order, a tensor-parallel group never split across nodes."""
         world = placement.world_size
         if not self.multi:
+            if self.nproc_per_node is not None and world > self.nproc_per_node:  # found in QA: ignored on one node
+                raise PipelineError(f"the pipeline has {world} ranks, more than --nproc-per-node {self.nproc_per_node} "
+                                    "on this one node: raise --nproc-per-node, or spread them with --nnodes")
             return {r: 0 for r in range(world)}
         per_node = self.nproc_per_node or math.ceil(world / self.nnodes)
         node_of: dict[int, int] = {}

@@ -42,6 +42,8 @@ def test_refusals_name_what_to_change(demo_data):
         (["--baseline", "monolithic", "--colocated"], "drop --colocated"),
         (["--baseline", "monolithic", "--checkpoint-dir", "ckpt", "--checkpoint-every", "1"], "drop --checkpoint-dir"),
         (["--devices", "2"], "add --baseline monolithic"),
+        (["--colocated", "--micro-batch", "2"], "which is not --colocated: drop --micro-batch"),  # (not a circle: QA)
+        (["--baseline", "monolithic", "--checkpoint-every", "1"], "drop --checkpoint-every"),
         (["--baseline", "monolithic", "--devices", "0"], "--devices must be an integer >= 1"),
         (["--baseline", "monolithic", "--micro-batch", "0"], "--micro-batch must be an integer >= 1"),
     ]

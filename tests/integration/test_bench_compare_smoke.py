@@ -103,6 +103,10 @@ def test_tune_report_tiny():
     for r in fitted:
         assert positive(r["best"]["step_s"]) and r["gain_vs_uniform"] >= 1 / 1.005
         assert positive(r["monolithic_step_s"]) and r["monolithic_replicas"] >= 1 and positive(r["gain_vs_monolithic"])
+        # Both sides on the same GPUs (found in QA: the monolithic side of distill used 48 of 64).
+        assert r["monolithic_replicas"] * r["monolithic_width"] <= r["gpus"] and r["section_gpus"] <= r["gpus"]
+        assert r["gpus"] - r["spread_replicas"] < r["spread_replicas"] * r["spread_width"] <= r["gpus"]
+        assert r["spread_step_s"] <= r["monolithic_step_s"] * (1 + 1e-9) and positive(r["gain_vs_spread"])
 
 
 

@@ -149,3 +149,24 @@ def test_the_baseline_says_it_drops_tp_and_fsdp(capsys):
     fused, _ = _as_baseline(vlm(), checked, RunOptions(overrides={}, baseline="monolithic", devices=2))
     assert fused.sections[0].tp == 1
     assert "the tp and fsdp of sections.llm are not used" in capsys.readouterr().err
+
+
+def test_the_baseline_refuses_every_checkpoint_flag_first_and_says_it_drops_the_wavefront(capsys):
+    """Found in QA: --checkpoint-every alone asked for --checkpoint-dir, which the baseline then
+    refused (a circle); --schedule wavefront was dropped in silence."""
+    from maestro_flow.checkpoint.checkpointer import CheckpointOptions
+    from maestro_flow.errors import PipelineError
+    from maestro_flow.graph import SectionGraph
+    from maestro_flow.runtime.checks import Checked
+    from maestro_flow.runtime.run import RunOptions, _as_baseline
+
+    checked = Checked(graph=SectionGraph(vlm()), source=None, metadata=[])
+    for ckpt, flag in ((CheckpointOptions(every=1), "--checkpoint-every"), (CheckpointOptions(keep_last=2), "--keep-last"),
+                       (CheckpointOptions(on_term=True), "--checkpoint-on-term")):
+        with pytest.raises(PipelineError, match=f"^--baseline monolithic is a one-node comparison run: drop {flag}$"):
+            _as_baseline(vlm(), checked, RunOptions(overrides={}, baseline="monolithic", devices=2, checkpoint=ckpt))
+    capsys.readouterr()
+    _as_baseline(vlm(), checked, RunOptions(overrides={"schedule": "wavefront"}, baseline="monolithic", devices=2))
+    assert "--schedule wavefront is not used" in capsys.readouterr().err
+    _as_baseline(vlm(), checked, RunOptions(overrides={"schedule": "fifo"}, baseline="monolithic", devices=2))
+    assert "--schedule" not in capsys.readouterr().err

@@ -65,6 +65,10 @@ def test_layouts_that_do_not_fit_are_refused():
         Nodes(nnodes=5, node_rank=0, endpoint=("h", 1), nproc_per_node=1).assign(placement)
     with pytest.raises(PipelineError, match="more than 2 nodes of 2 hold"):
         Nodes(nnodes=2, node_rank=0, endpoint=("h", 1), nproc_per_node=2).assign(placement)
+    one = Nodes.from_options(None, None, None, 2, environ={})  # found in QA: ignored on one node
+    with pytest.raises(PipelineError, match=r"^the pipeline has 3 ranks, more than --nproc-per-node 2 on this one node"):
+        one.assign(plain)
+    assert Nodes.from_options(None, None, None, 3, environ={}).assign(plain) == {0: 0, 1: 0, 2: 0}
 
 
 def test_what_an_agent_compares_with_node_0():
