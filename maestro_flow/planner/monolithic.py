@@ -16,6 +16,7 @@ tuner charges section mode's workers.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -69,13 +70,15 @@ def monolithic_step(graph: SectionGraph, costs: CostModel, batch: Sequence[Sampl
 def best_monolithic(graph: SectionGraph, costs: CostModel, batches: Sequence[Sequence[SampleMeta]], *,
                     devices: int, micro_batches: Sequence[int], fewer: bool = False, **options) -> MonolithicStep:
     """The baseline at its best micro-batch among `micro_batches` (mean over `batches`), as a
-    Megatron user would tune it; ties go to the smaller micro-batch (less activation memory).
+    Megatron user would tune it; ties go to the smaller micro-batch (less activation memory). A
+    size above a rank's share of the batch is reported as that share (the same step).
     With `fewer`, also at its best number of ranks up to `devices` (powers of two and `devices`;
     ties go to more ranks): CPU ranks sharing fewer cores can be slower than fewer ranks."""
     best: MonolithicStep | None = None
     counts = sorted({*pow2_upto(devices), devices}, reverse=True) if fewer else [devices]
     for d in counts:
-        for mb in sorted(set(micro_batches)):
+        share = max(math.ceil(len(b) / d) for b in batches)  # a rank's most samples: a larger mb is this one
+        for mb in sorted({min(m, share) for m in micro_batches}):  # (found in QA: tune printed --micro-batch 16 for 12)
             steps = [monolithic_step(graph, costs, b, devices=d, micro_batch=mb, **options) for b in batches]
             k = len(steps)
             mean = MonolithicStep(step_s=sum(s.step_s for s in steps) / k, devices=d, micro_batch=mb,

@@ -114,6 +114,8 @@ def test_predicted_monolithic_step():
     one = monolithic_step(graph, costs, batch, devices=2, micro_batch=1, **calib)
     assert one.compute_s == pytest.approx(3 + 8 + 3 * 0.5)
     assert best_monolithic(graph, costs, [batch], devices=2, micro_batches=[1, 2], **calib).micro_batch == 2
+    # A size above a rank's share (2 samples each) is that share (found in QA: tune printed 16 for 12)
+    assert best_monolithic(graph, costs, [batch], devices=2, micro_batches=[1, 4, 8], **calib).micro_batch == 2
     slow = monolithic_step(graph, costs, batch, devices=3, micro_batch=2, cpu_cores=2)
     assert slow.step_s == pytest.approx(1.5 * monolithic_step(graph, costs, batch, devices=3, micro_batch=2).step_s)
 
