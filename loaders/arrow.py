@@ -103,7 +103,7 @@ def _schema_difference(first: pa.Schema, other: pa.Schema) -> str:
             return f"column {name!r} is only in {'the first' if name in a else 'this one'}"
         if a[name] != b[name]:
             return f"column {name!r} is {b[name]} here, {a[name]} in the first"
-    return "the columns are in another order"
+    raise AssertionError("the same columns and types")  # (their order may differ)
 
 
 def _as_array(col: pa.Array | pa.ChunkedArray, *, encoded_binary: bool = False) -> pa.Array:
@@ -167,6 +167,8 @@ class ArrowSource:
                 magic = f.read(6)
         except OSError as exc:
             raise PipelineError(f"data.path: cannot read {self._path} ({brief(exc)})") from None
+        if not magic:  # found in QA: said to be no readable Arrow IPC file, in Arrow's words
+            raise PipelineError(f"data.path: {self._path} is empty (0 bytes): an interrupted write or copy?")
         if magic.startswith(_PARQUET_MAGIC):
             return self._open_parquet([self._path])
         segments, start = [], 0
@@ -229,7 +231,9 @@ class ArrowSource:
                 ) from None
             if schema is None:
                 schema = file_schema
-            elif _columns(file_schema) != _columns(schema):  # nullability may differ: what Parquet writers vary
+            # Nullability may differ (what Parquet writers vary), and the columns' order: they are
+            # read by name (found in QA: files of one dataset written with another column order).
+            elif sorted(_columns(file_schema)) != sorted(_columns(schema)):
                 raise PipelineError(
                     f"data.path: {path} has a different schema from {paths[0]} (all Parquet files of a "
                     f"folder must have the same columns and types; {_schema_difference(schema, file_schema)})"

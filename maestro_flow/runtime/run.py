@@ -382,9 +382,13 @@ def _lead(pipeline: Any, original: Any, checked: Any, paths: Any, options: RunOp
                 fused = pipeline.sections[0]
                 mode = (f"monolithic baseline: {fused.dp} data-parallel ranks, each running every section on "
                         f"micro-batches of {fused.micro_batch}")
+            per_epoch, left = divmod(len(checked.metadata), pipeline.global_batch)
+            which = "drawn anew each epoch" if pipeline.data.shuffle else "the last rows"
+            left_out = (f" (epochs of {per_epoch} steps: {left} samples of each are left out, {which})"
+                        if left and pipeline.steps > per_epoch else "")  # found in QA: said nowhere
             print(f"{pipeline.name}: {len(checked.metadata)} samples from {pipeline.data.path}"
                   f"{skipped_note(skipped)}, {pipeline.steps} steps of "
-                  f"{pipeline.global_batch}, {mode}", file=sys.stderr)
+                  f"{pipeline.global_batch}{left_out}, {mode}", file=sys.stderr)
         run_dir = RunDir(options.run_dir, pipeline, options.overrides) if options.run_dir else None
         if run_dir is not None:
             checkpointer.on_event = run_dir.event

@@ -1044,3 +1044,15 @@ def test_maestro_stage_refuses_what_run_refuses_between_sections(item, fragment)
     changed on one end), or distilled towards another head in silence (the teacher's seed)."""
     assert_one_error_line(invoke("stage", "pipelines/distill.py", "student", "--samples", "2", "--set",
                                  "data.path=/nowhere.arrow", "--set", item), fragment)
+
+
+def test_the_run_says_what_each_epoch_leaves_out(tmp_path, dataset):
+    """Found in QA: the samples that do not fill a global batch were left out of every epoch
+    without a word (the README said it)."""
+    pipeline = write_pipeline(tmp_path, dataset)
+    result = invoke("run", pipeline, "--colocated", "--no-run-dir", "--set", "global_batch=24", "--steps", "3")
+    assert result.exit_code == 0, result.output
+    assert ("64 samples from" in result.stderr and "3 steps of 24 (epochs of 2 steps: 16 samples of each are left out, "
+            "drawn anew each epoch)") in result.stderr, result.stderr
+    result = invoke("run", pipeline, "--colocated", "--no-run-dir", "--set", "global_batch=24", "--steps", "2")
+    assert "left out" not in result.stderr  # within one epoch: nothing is left out yet

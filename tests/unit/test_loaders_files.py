@@ -88,6 +88,19 @@ def test_parquet_files_that_differ_only_in_nullability_form_one_folder(tmp_path)
                    folder / "b.parquet")
     with pytest.raises(PipelineError, match="column 'caption' is large_string here, string in the first"):
         source(folder)
+    # The same columns in another order: read by name (found in QA: refused)
+    pq.write_table(table.slice(2, 2).select(list(reversed(table.column_names))), folder / "b.parquet")
+    both = source(folder)
+    assert [m.id for m in both.metadata()] == [10, 11, 12, 13]
+    assert both.read([1, 2, 3], ["caption", "id", "num_patches"]) == {"caption": ["b", None, "d"], "id": [11, 12, 13],
+                                                                       "num_patches": [16, 0, 4]}
+
+
+def test_an_empty_file_is_named_as_empty(tmp_path):
+    """Found in QA: a 0-byte .parquet was "not a readable Arrow IPC or Parquet file", in Arrow's words."""
+    (tmp_path / "empty.parquet").write_bytes(b"")
+    with pytest.raises(PipelineError, match=r"^data.path: .*empty.parquet is empty \(0 bytes\)"):
+        source(tmp_path / "empty.parquet")
 
 
 def _dictionary_encoded(table: pa.Table) -> pa.Table:
@@ -201,7 +214,8 @@ def test_an_integer_list_with_a_null_element_keeps_its_integers(tmp_path):
 
 
 def test_precomputed_counts_are_checked_where_the_modality_is(tmp_path):
-    for patches, said in (([0, -3, 0, 4], "num_patches -3"), ([0, None, 0, 4], "num_patches None")):
+    for patches, said in (([0, -3, 0, 4], "num_patches -3"), ([0, None, 0, 4], "num_patches None"),
+                          ([0, 0, 0, 4], r"num_patches 0 \(an image gives 1 patch or more")):  # found in QA: trained
         path = _write_ipc(multimodal_table(num_patches=patches), tmp_path / "p.arrow")
         with pytest.raises(PipelineError, match=f"row 1 \\(id 11\\) has image but {said}"):
             source(path).metadata()
