@@ -42,8 +42,9 @@ def optimizer_kwargs(spec: dict[str, Any]) -> dict[str, Any]:
     return opts
 
 
-def check_optimizer_spec(spec: dict[str, Any], where: str) -> None:
-    """Refuse keys the named torch optimizer does not take (before any worker starts)."""
+def check_optimizer_spec(spec: dict[str, Any], where: str, device: str = "cpu") -> None:
+    """Refuse keys the named torch optimizer does not take, and values it refuses, before any
+    worker starts. `device`: the section's ("cpu" or "cuda")."""
     cls = OPTIMIZER_CLASSES.get(spec.get("name", "adamw"))
     if cls is None:
         return  # config.Section.validate names the bad optimizer
@@ -51,17 +52,44 @@ def check_optimizer_spec(spec: dict[str, Any], where: str) -> None:
     try:
         kwargs = optimizer_kwargs(spec)
     except TypeError:  # found in review: betas=0.9 (not a list) was a traceback
-        raise PipelineError(f"{where}.optimizer.betas must be a list of two numbers, got {spec.get('betas')!r}") from None
+        kwargs = {"betas": None}
+    if "betas" in kwargs and len(kwargs["betas"] or ()) != 2:  # found in QA: [0.9] a traceback, three failed at step 1
+        raise PipelineError(f"{where}.optimizer.betas must be a list of two numbers, got {spec.get('betas')!r}")
     for key in kwargs:
         if key not in accepted:
             raise PipelineError(f"{where}.optimizer.{key}: not an argument of {cls.__module__}.{cls.__name__} "
                                 f"(accepted: {', '.join(sorted(accepted | set(SCHEDULE_KEYS)))})")
+    # Found in QA: both passed, then failed in every worker at the first step.
+    if kwargs.get("differentiable"):
+        raise PipelineError(f"{where}.optimizer.differentiable: the runtime steps the optimizer outside autograd, "
+                            "where torch refuses it (an in-place update of a leaf that requires grad): leave it out")
+    if kwargs.get("capturable") and not str(device).startswith("cuda"):
+        raise PipelineError(f"{where}.optimizer.capturable is for CUDA graphs: it needs the section on a CUDA device "
+                            f"(its device is {device}); leave it out")
     # Values the optimizer refuses (betas=[2, 3], a negative weight_decay, eps of the wrong type):
-    # built once on a stand-in parameter, so that they are refused here, not in every worker's setup.
+    # built and stepped once on a stand-in parameter (on the CPU: not with capturable), so that
+    # they are refused here, not in every worker's setup or first step.
     try:
-        cls([torch.nn.Parameter(torch.zeros(1))], foreach=False, **kwargs)
-    except (ValueError, TypeError) as exc:
+        param = torch.nn.Parameter(torch.zeros(1))
+        optimizer = cls([param], foreach=False, **kwargs)
+        if not kwargs.get("capturable"):
+            param.grad = torch.ones(1)
+            optimizer.step()
+    except (ValueError, TypeError, IndexError, RuntimeError, AssertionError) as exc:
         raise PipelineError(f"{where}.optimizer: {cls.__module__}.{cls.__name__} refuses it: {first_line(exc)}") from None
+
+
+def schedule_warnings(spec: dict[str, Any], where: str, steps: int) -> list[str]:
+    """What a valid schedule does that is almost surely not meant (found in QA: both in silence)."""
+    out = []
+    warmup, decay = spec.get("warmup_steps", 0), spec.get("decay", "constant")
+    if spec.get("min_lr") and decay == "constant":
+        out.append(f"{where}.optimizer.min_lr={spec['min_lr']} is not used: the lr only decays towards it with "
+                   f"{where}.optimizer.decay='cosine' or 'linear' (the default, 'constant', keeps lr)")
+    if warmup > steps:
+        out.append(f"{where}.optimizer.warmup_steps={warmup} is more than the pipeline's {steps} steps: the lr "
+                   f"never reaches {spec.get('lr')} (it would at step {warmup})")
+    return out
 
 
 def build_optimizer(spec: dict[str, Any], params: Sequence[torch.nn.Parameter]) -> torch.optim.Optimizer:

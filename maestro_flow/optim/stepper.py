@@ -44,6 +44,11 @@ class SectionOptimizer:
         """The learning rate the next `step` uses."""
         return float(self.optimizer.param_groups[0]["lr"])
 
+    @property
+    def lr_groups(self) -> list[float] | None:
+        """Each optimizer's `lr`, with several (found in QA: only the first group's was shown)."""
+        return [float(o.param_groups[0]["lr"]) for o in self.optimizers] if len(self.optimizers) > 1 else None
+
     def reduce(self, extra: Sequence[float] = ()) -> list[float]:
         """Sum gradients (and `extra`) over the DP group; without one, just return `extra`."""
         if self.reducer is None:

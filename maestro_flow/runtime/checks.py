@@ -23,6 +23,7 @@ from typing import Any
 from maestro_flow.config import Pipeline, Section
 from maestro_flow.errors import PipelineError, brief
 from maestro_flow.graph import SectionGraph
+from maestro_flow.optim.build import schedule_warnings
 from maestro_flow.overrides import dotted
 from maestro_flow.planner import make_planner
 from maestro_flow.runtime.build import build_stage, open_source, resolve
@@ -62,6 +63,7 @@ def pipeline_warnings(pipeline: Pipeline) -> list[str]:
                            f"for nobody{hint}")
     batch = pipeline.global_batch
     for s in pipeline.sections:
+        out += schedule_warnings(s.optimizer, f"sections.{s.name}", pipeline.steps) if s.trainable else []
         # A lockstep FSDP section is left alone: fed by others, it is refused for this (check_pipeline);
         # fed by the data, its spare replicas stand in each round and hold their shards, which may
         # be what makes it fit.
@@ -438,7 +440,7 @@ def check_pipeline(pipeline: Pipeline, build: bool = False) -> Checked:
     check_senders(pipeline, graph)
     for s in pipeline.sections:
         if s.trainable:
-            check_optimizer_spec(s.optimizer, f"sections.{s.name}")
+            check_optimizer_spec(s.optimizer, f"sections.{s.name}", s.device)
         if s.tp > 1:
             check_tensor_parallel(pipeline, s, resolve(s.stage, f"sections.{s.name}.stage"))
         elif build:

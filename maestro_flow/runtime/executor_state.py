@@ -106,6 +106,7 @@ class StepState:
     waiting: tuple[str, float] | None = None  # (what for, since when), for the trace
     grad_sq: float | None = None  # this replica's share of the squared global gradient norm, once reduced
     lr: float | None = None  # the learning rate of this step's optimizer step
+    lr_groups: list[float] | None = None  # each optimizer's, with several (Stage.optimizer_groups)
     stepped: bool = False
     memory: dict[str, int] = field(default_factory=dict)  # bytes held in the step and at its end (parallel/memory)
     rounds: int = 0  # a per-micro-batch FSDP section's forwards per replica this step (parallel/fsdp.py)

@@ -241,6 +241,8 @@ class StepLedger:
                 sections[name]["probe_rounds"] = sum(s.get("probe_rounds", 0) for s in reps)
             if "lr" in reps[0]:  # a section with an optimizer: its lr, and its own pre-clip gradient norm
                 sections[name]["lr"] = reps[0]["lr"]
+                if "lr_groups" in reps[0]:  # one per optimizer of Stage.optimizer_groups
+                    sections[name]["lr_groups"] = reps[0]["lr_groups"]
                 sections[name]["grad_norm"] = global_norm([s["grad_sq"] for s in reps if "grad_sq" in s])
             sections[name].update(memory_row(reps))
         self.losses.pop(step, None)

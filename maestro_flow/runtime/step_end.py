@@ -66,7 +66,7 @@ class StepEnd:
                 t0 = self.clock()
                 self._waited(st, t0)
                 self._doing("optimizer step", st.step, None)
-                st.lr = self.optim.lr
+                st.lr, st.lr_groups = self.optim.lr, self.optim.lr_groups
                 self.optim.step(coef)
                 st.busy_s += self.clock() - t0
                 self.tracer.span("optimizer step", "compute", t0, self.clock(), step=st.step)
@@ -122,6 +122,7 @@ class StepEnd:
                 "timings": st.timings,
                 **({"grad_sq": st.grad_sq} if self.trainable else {}),
                 **({"lr": st.lr} if self.optim is not None else {}),
+                **({"lr_groups": st.lr_groups} if st.lr_groups else {}),
                 "max_rss_kb": resource.getrusage(_RSS_OF).ru_maxrss,
                 "memory": {**st.memory, "peak_mb": memory.peak_mb(self.device)},
                 **({"trace": self.tracer.take()} if self.tracer.enabled else {}),

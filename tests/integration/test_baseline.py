@@ -94,9 +94,12 @@ def test_the_baseline_trains_a_stages_own_optimizer_groups(demo_data, tmp_path):
 
     saved = {}
     for mode, extra in (("colocated", {"colocated": True}), ("monolithic", {"baseline": "monolithic", "devices": 2})):
-        run_pipeline(str(ASSETS / "grouped.py"), RunOptions(overrides={"data.path": str(demo_data)},
-                                                            save_dir=str(tmp_path / mode), show_progress=False,
-                                                            **extra))
+        rows = run_pipeline(str(ASSETS / "grouped.py"), RunOptions(overrides={"data.path": str(demo_data)},
+                                                                   save_dir=str(tmp_path / mode), show_progress=False,
+                                                                   **extra))
         saved[mode] = load_file(tmp_path / mode / "lm.safetensors")
+        if mode == "colocated":  # each group's lr in the metrics (found in QA: only the first group's)
+            lm = rows[0]["sections"]["lm"]
+            assert lm["lr_groups"] == pytest.approx([lm["lr"], lm["lr"] * 0.1], rel=1e-12), lm
     for key, value in saved["colocated"].items():
         assert torch.allclose(value, saved["monolithic"][key], rtol=0, atol=1e-10), key

@@ -65,6 +65,32 @@ def test_unknown_optimizer_arguments_are_refused_before_any_worker_starts():
         check_optimizer_spec({"name": "adamw", "lr": 1e-3, "momentum": 0.9}, "sections.s")
 
 
+@pytest.mark.parametrize("extra, message", [
+    ({"betas": [0.9]}, r"^sections.s.optimizer.betas must be a list of two numbers, got \[0.9\]$"),  # a traceback
+    ({"betas": [0.9, 0.99, 0.1]}, "betas must be a list of two numbers"),  # failed in every worker at step 1
+    ({"differentiable": True}, r"^sections.s.optimizer.differentiable: the runtime steps the optimizer outside "),
+    ({"capturable": True}, r"^sections.s.optimizer.capturable is for CUDA graphs: .*\(its device is cpu\)"),
+])
+def test_optimizer_values_that_fail_at_the_first_step_are_refused_before_it(extra, message):
+    """Found in QA: these passed validate (or gave a traceback) and failed in the workers."""
+    with pytest.raises(PipelineError, match=message):
+        check_optimizer_spec({"name": "adamw", "lr": 1e-3, **extra}, "sections.s")
+    check_optimizer_spec({"name": "adamw", "lr": 1e-3, "capturable": True}, "sections.s", "cuda")  # its device
+
+
+def test_schedules_that_cannot_be_meant_are_warned_of():
+    """Found in QA: min_lr without a decay, and a warmup as long as the run, passed in silence."""
+    from maestro_flow.optim.build import schedule_warnings
+
+    assert schedule_warnings({"lr": 0.1, "min_lr": 0.01}, "sections.s", 10) == [
+        "sections.s.optimizer.min_lr=0.01 is not used: the lr only decays towards it with "
+        "sections.s.optimizer.decay='cosine' or 'linear' (the default, 'constant', keeps lr)"]
+    assert schedule_warnings({"lr": 0.1, "warmup_steps": 50}, "sections.s", 2) == [
+        "sections.s.optimizer.warmup_steps=50 is more than the pipeline's 2 steps: the lr never reaches 0.1 "
+        "(it would at step 50)"]
+    assert schedule_warnings({"lr": 0.1, "warmup_steps": 5, "decay": "cosine", "min_lr": 0.01}, "sections.s", 6) == []
+
+
 def test_pipeline_level_fields_are_checked():
     p = Pipeline(name="p", data=ArrowData(path="d"), sections=[Section(name="s", stage="m:C")])
     with pytest.raises(PipelineError, match="grad_clip must be a number > 0"):
