@@ -96,6 +96,11 @@ def _columns(schema: pa.Schema) -> list[tuple[str, pa.DataType]]:
     return [(f.name, plain_type(f.type)) for f in schema]
 
 
+def _by_name(schema: pa.Schema) -> list[tuple[str, pa.DataType]]:
+    """_columns in name order (stable: a repeated name keeps its order; types are not sortable)."""
+    return sorted(_columns(schema), key=lambda column: column[0])
+
+
 def _schema_difference(first: pa.Schema, other: pa.Schema) -> str:
     a, b = dict(_columns(first)), dict(_columns(other))
     for name in list(a) + [n for n in b if n not in a]:
@@ -103,7 +108,9 @@ def _schema_difference(first: pa.Schema, other: pa.Schema) -> str:
             return f"column {name!r} is only in {'the first' if name in a else 'this one'}"
         if a[name] != b[name]:
             return f"column {name!r} is {b[name]} here, {a[name]} in the first"
-    raise AssertionError("the same columns and types")  # (their order may differ)
+    # The same names and types, but a name repeated a different number of times (found in review)
+    repeated = next(n for n in a if [c for c, _ in _columns(first)].count(n) != [c for c, _ in _columns(other)].count(n))
+    return f"column {repeated!r} appears a different number of times"
 
 
 def _as_array(col: pa.Array | pa.ChunkedArray, *, encoded_binary: bool = False) -> pa.Array:
@@ -223,6 +230,8 @@ class ArrowSource:
         segments, start = [], 0
         for i, path in enumerate(paths):
             try:
+                if os.path.getsize(path) == 0:  # found in review: in Arrow's words, as a file alone was
+                    raise PipelineError(f"data.path: {path} is empty (0 bytes): an interrupted write or copy?")
                 pf = pq.ParquetFile(path, memory_map=True)
                 file_schema = pf.schema_arrow
             except (pa.ArrowException, OSError, ValueError) as exc:
@@ -233,7 +242,7 @@ class ArrowSource:
                 schema = file_schema
             # Nullability may differ (what Parquet writers vary), and the columns' order: they are
             # read by name (found in QA: files of one dataset written with another column order).
-            elif sorted(_columns(file_schema)) != sorted(_columns(schema)):
+            elif _by_name(file_schema) != _by_name(schema):
                 raise PipelineError(
                     f"data.path: {path} has a different schema from {paths[0]} (all Parquet files of a "
                     f"folder must have the same columns and types; {_schema_difference(schema, file_schema)})"

@@ -243,6 +243,7 @@ def run(ctx: click.Context, pipeline: str, steps: int | None, sets: tuple[str, .
     created = None  # the default run dir made here: removed again if the run is refused before writing to it
     try:
         from maestro_flow.checkpoint.checkpointer import CheckpointOptions
+        from maestro_flow.optim.build import pipeline_schedule_warnings
         from maestro_flow.runtime.build import load_pipeline
         from maestro_flow.runtime.checks import pipeline_warnings
         from maestro_flow.runtime.run import RunOptions, run_pipeline
@@ -255,7 +256,8 @@ def run(ctx: click.Context, pipeline: str, steps: int | None, sets: tuple[str, .
         if not no_run_dir and run_dir is None:
             loaded.check_name()  # the run folder is named after it: a bad name is refused before mkdir
             run_dir = created = default_run_dir(loaded)
-        for warning in pipeline_warnings(loaded) if baseline is None else ():  # the baseline sets its own dp
+        # (the baseline sets its own dp and micro-batch: only what it keeps is warned of; review)
+        for warning in pipeline_warnings(loaded) if baseline is None else pipeline_schedule_warnings(loaded):
             click.echo(f"warning: {warning}", err=True)
         steps_to_record = None
         if record_steps and not record:

@@ -31,7 +31,7 @@ import torch
 from maestro_flow.config import Cost, Pipeline, Section
 from maestro_flow.errors import PipelineError
 from maestro_flow.graph import SectionGraph
-from maestro_flow.stage import MicroBatch, Stage, StageContext, output_problem
+from maestro_flow.stage import MicroBatch, Stage, StageContext, output_problem, warn_unread_loss
 
 MODEL = "model"  # the one section of the monolithic pipeline
 STAGE = "maestro_flow.baseline.monolithic:FusedStage"
@@ -108,6 +108,9 @@ class FusedStage(Stage):
         self.parts: dict[str, Stage] = {n: build_stage(self.pipeline, self.graph.sections[n], ctx.replica,
                                                         str(ctx.device)) for n in self.graph.order}
         self.wire = torch.bfloat16 if self.pipeline.mixed_precision == "bf16" else None
+        # Warned of once (rank 0) when a forward returns a "loss" nothing reads, as section mode does.
+        self.unread_loss = {n for n in self.graph.order if ctx.replica == 0 and n != self.loss
+                            and self.graph.sections[n].trainable and "loss" not in self.graph.carried(n)}
 
     @classmethod
     def outputs(cls, config: dict[str, Any]) -> tuple[str, ...]:
@@ -173,6 +176,9 @@ class FusedStage(Stage):
                                      loss=name == self.loss)  # the contract section mode holds stages to
             if problem is not None:
                 raise ValueError(problem)
+            if name in self.unread_loss and "loss" in out:  # (found in review: dropped in silence here)
+                self.unread_loss.discard(name)
+                warn_unread_loss(self.parts[name], section.config, name)
             if name == self.loss:
                 result = {"loss": out["loss"], "loss_denominator": out.get("loss_denominator", len(sids))}
             per_sample: dict[int, dict[str, torch.Tensor | None]] = {sid: {} for sid in sids}

@@ -49,21 +49,22 @@ def check_optimizer_spec(spec: dict[str, Any], where: str, device: str = "cpu") 
     if cls is None:
         return  # config.Section.validate names the bad optimizer
     accepted = set(inspect.signature(cls.__init__).parameters) - {"self", *RESERVED}
+    for key in spec:  # first: a key the optimizer does not take needs no other fix (review: SGD's betas)
+        if key != "name" and key not in SCHEDULE_KEYS and key not in accepted:
+            raise PipelineError(f"{where}.optimizer.{key}: not an argument of {cls.__module__}.{cls.__name__} "
+                                f"(accepted: {', '.join(sorted(accepted | set(SCHEDULE_KEYS)))})")
     try:
         kwargs = optimizer_kwargs(spec)
     except TypeError:  # found in review: betas=0.9 (not a list) was a traceback
         kwargs = {"betas": None}
     if "betas" in kwargs and len(kwargs["betas"] or ()) != 2:  # found in QA: [0.9] a traceback, three failed at step 1
         raise PipelineError(f"{where}.optimizer.betas must be a list of two numbers, got {spec.get('betas')!r}")
-    for key in kwargs:
-        if key not in accepted:
-            raise PipelineError(f"{where}.optimizer.{key}: not an argument of {cls.__module__}.{cls.__name__} "
-                                f"(accepted: {', '.join(sorted(accepted | set(SCHEDULE_KEYS)))})")
     # Found in QA: both passed, then failed in every worker at the first step.
     if kwargs.get("differentiable"):
         raise PipelineError(f"{where}.optimizer.differentiable: the runtime steps the optimizer outside autograd, "
                             "where torch refuses it (an in-place update of a leaf that requires grad): leave it out")
-    if kwargs.get("capturable") and not str(device).startswith("cuda"):
+    on_cpu = device == "cpu" or device == "auto" and not torch.cuda.is_available()  # (auto: review)
+    if kwargs.get("capturable") and on_cpu:
         raise PipelineError(f"{where}.optimizer.capturable is for CUDA graphs: it needs the section on a CUDA device "
                             f"(its device is {device}); leave it out")
     # Values the optimizer refuses (betas=[2, 3], a negative weight_decay, eps of the wrong type):
@@ -88,8 +89,14 @@ def schedule_warnings(spec: dict[str, Any], where: str, steps: int) -> list[str]
                    f"{where}.optimizer.decay='cosine' or 'linear' (the default, 'constant', keeps lr)")
     if warmup > steps:
         out.append(f"{where}.optimizer.warmup_steps={warmup} is more than the pipeline's {steps} steps: the lr "
-                   f"never reaches {spec.get('lr')} (it would at step {warmup})")
+                   f"never reaches {spec.get('lr')} (it would after {warmup} steps)")
     return out
+
+
+def pipeline_schedule_warnings(pipeline: Any) -> list[str]:
+    """schedule_warnings of every trainable section of `pipeline` (a config.Pipeline)."""
+    return [w for s in pipeline.sections if s.trainable
+            for w in schedule_warnings(s.optimizer, f"sections.{s.name}", pipeline.steps)]
 
 
 def build_optimizer(spec: dict[str, Any], params: Sequence[torch.nn.Parameter]) -> torch.optim.Optimizer:

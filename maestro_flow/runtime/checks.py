@@ -23,7 +23,7 @@ from typing import Any
 from maestro_flow.config import Pipeline, Section
 from maestro_flow.errors import PipelineError, brief
 from maestro_flow.graph import SectionGraph
-from maestro_flow.optim.build import schedule_warnings
+from maestro_flow.optim.build import pipeline_schedule_warnings
 from maestro_flow.overrides import dotted
 from maestro_flow.planner import make_planner
 from maestro_flow.runtime.build import build_stage, open_source, resolve
@@ -61,9 +61,9 @@ def pipeline_warnings(pipeline: Pipeline) -> list[str]:
                 hint = f" (an edge missing, e.g. Edge(src={s.name!r}, dst={fed[0]!r}, ...)?)" if fed else ""
                 out.append(f"sections.{s.name} is frozen (trainable=False) and no edge reads its outputs: it does work "
                            f"for nobody{hint}")
+    out += pipeline_schedule_warnings(pipeline)
     batch = pipeline.global_batch
     for s in pipeline.sections:
-        out += schedule_warnings(s.optimizer, f"sections.{s.name}", pipeline.steps) if s.trainable else []
         # A lockstep FSDP section is left alone: fed by others, it is refused for this (check_pipeline);
         # fed by the data, its spare replicas stand in each round and hold their shards, which may
         # be what makes it fit.

@@ -45,11 +45,12 @@ _SHAPES = re.compile(r"shapes cannot be multiplied|size of tensor a|mixed torch\
 def tp_hint(text: str, tp: int, section: str, stage: object = None) -> str:
     """A line to add to a tensor-parallel section's stage error about shapes (found in QA: a plan
     sharding a layer whose consumer it left whole failed with a bare "mat1 and mat2 shapes").
-    `stage`: the stage (or its class), when built; one holding a transformers model
-    (`hugging_face_model`, as stages.hf) runs transformers' own plan, which is not edited here."""
+    `stage`: the stage (or its class), when built; one whose `tp_plan` is stages.hf's runs
+    transformers' own plan (the model's base_model_tp_plan), which is not edited here."""
     if tp < 2 or not _SHAPES.search(text):
         return ""
-    if getattr(stage, "hugging_face_model", None):  # found in review: the advice was to edit a plan we do not own
+    plan = getattr(getattr(stage, "tp_plan", None), "__func__", None)  # stages.hf's, inherited or not (review)
+    if getattr(plan, "__module__", None) == "stages.hf":  # found in review: the advice was to edit a plan we do not own
         return (f"(sections.{section} runs at tp={tp} with the model's own tp plan from transformers "
                 "(base_model_tp_plan), which it applies as shipped: a config whose sizes or layers that plan does "
                 f"not split evenly gives such shapes; --set sections.{section}.tp=1 tells whether tp is the cause)\n")

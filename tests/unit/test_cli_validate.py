@@ -1056,3 +1056,13 @@ def test_the_run_says_what_each_epoch_leaves_out(tmp_path, dataset):
             "drawn anew each epoch)") in result.stderr, result.stderr
     result = invoke("run", pipeline, "--colocated", "--no-run-dir", "--set", "global_batch=24", "--steps", "2")
     assert "left out" not in result.stderr  # within one epoch: nothing is left out yet
+
+
+def test_the_baseline_warns_of_the_schedules_it_keeps(tmp_path, dataset):
+    """Found in review: the baseline skipped every pipeline warning (it sets its own dp), the
+    schedule warnings among them, though it trains each section on its own schedule."""
+    pipeline = write_pipeline(tmp_path, dataset)
+    result = invoke("run", pipeline, "--baseline", "monolithic", "--colocated", "--no-run-dir",
+                    "--set", "sections.student.optimizer.min_lr=0.001")  # refused after the warnings
+    assert result.exit_code == 2, result.output
+    assert "warning: sections.student.optimizer.min_lr=0.001 is not used" in result.stderr, result.stderr

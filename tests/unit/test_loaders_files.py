@@ -97,10 +97,31 @@ def test_parquet_files_that_differ_only_in_nullability_form_one_folder(tmp_path)
 
 
 def test_an_empty_file_is_named_as_empty(tmp_path):
-    """Found in QA: a 0-byte .parquet was "not a readable Arrow IPC or Parquet file", in Arrow's words."""
+    """Found in QA: a 0-byte .parquet was "not a readable Arrow IPC or Parquet file", in Arrow's
+    words, alone or (found in review) in a folder."""
     (tmp_path / "empty.parquet").write_bytes(b"")
     with pytest.raises(PipelineError, match=r"^data.path: .*empty.parquet is empty \(0 bytes\)"):
         source(tmp_path / "empty.parquet")
+    with pytest.raises(PipelineError, match=r"^data.path: .*empty.parquet is empty \(0 bytes\)"):
+        source(tmp_path)
+
+
+def test_a_parquet_folder_with_a_repeated_column_is_refused_in_one_line(tmp_path):
+    """Found in review: a name repeated in the files of a folder gave a TypeError (types do not
+    sort) or an AssertionError, not the refusal a file alone gets."""
+    table = text_demo_table(num_samples=4)
+    twice = pa.table([*table.columns, table.column("id")], names=[*table.column_names, "id"])
+    pq.write_table(twice, tmp_path / "a.parquet")
+    pq.write_table(pa.table([*table.columns, pa.array(["x"] * 4)], names=[*table.column_names, "id"]),
+                   tmp_path / "b.parquet")
+    with pytest.raises(PipelineError, match=r"^data.path: .*b.parquet has a different schema .*column 'id' is string"):
+        source(tmp_path)
+    pq.write_table(table, tmp_path / "b.parquet")
+    with pytest.raises(PipelineError, match=r"column 'id' appears a different number of times"):
+        source(tmp_path)
+    pq.write_table(twice, tmp_path / "b.parquet")
+    with pytest.raises(PipelineError, match=r"column 'id' appears twice"):
+        source(tmp_path)
 
 
 def _dictionary_encoded(table: pa.Table) -> pa.Table:

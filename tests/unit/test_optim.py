@@ -76,10 +76,12 @@ def test_optimizer_values_that_fail_at_the_first_step_are_refused_before_it(extr
     with pytest.raises(PipelineError, match=message):
         check_optimizer_spec({"name": "adamw", "lr": 1e-3, **extra}, "sections.s")
     check_optimizer_spec({"name": "adamw", "lr": 1e-3, "capturable": True}, "sections.s", "cuda")  # its device
+    with pytest.raises(PipelineError, match=r"^sections.s.optimizer.betas: not an argument of .*SGD"):  # not its length
+        check_optimizer_spec({"name": "sgd", "lr": 1e-3, "betas": [0.9]}, "sections.s")
 
 
 def test_schedules_that_cannot_be_meant_are_warned_of():
-    """Found in QA: min_lr without a decay, and a warmup as long as the run, passed in silence."""
+    """Found in QA: min_lr without a decay, and a warmup longer than the run, passed in silence."""
     from maestro_flow.optim.build import schedule_warnings
 
     assert schedule_warnings({"lr": 0.1, "min_lr": 0.01}, "sections.s", 10) == [
@@ -87,7 +89,7 @@ def test_schedules_that_cannot_be_meant_are_warned_of():
         "sections.s.optimizer.decay='cosine' or 'linear' (the default, 'constant', keeps lr)"]
     assert schedule_warnings({"lr": 0.1, "warmup_steps": 50}, "sections.s", 2) == [
         "sections.s.optimizer.warmup_steps=50 is more than the pipeline's 2 steps: the lr never reaches 0.1 "
-        "(it would at step 50)"]
+        "(it would after 50 steps)"]
     assert schedule_warnings({"lr": 0.1, "warmup_steps": 5, "decay": "cosine", "min_lr": 0.01}, "sections.s", 6) == []
 
 

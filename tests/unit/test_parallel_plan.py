@@ -117,6 +117,15 @@ def test_a_tp_plan_that_is_no_classmethod_and_a_plan_that_breaks_shapes_say_so()
     hf = tp_hint(error, 2, "lm", HFCausalLM)
     assert "transformers (base_model_tp_plan)" in hf and "pair each colwise" not in hf and "tp=1 tells" in hf
 
+    class Exported(Stage):  # an export marker with a plan of its own: the plan is ours to pair (found in review)
+        hugging_face_model = "lm"
+
+        @classmethod
+        def tp_plan(cls, config):
+            return {"lm.fc": "colwise"}
+
+    assert "pair each colwise layer" in tp_hint(error, 2, "lm", Exported)
+
 
 STAGES = [  # stage, config, tp the config allows
     ("stages.lm:CausalLM", {"role": "lm", "vocab_size": 64, "d_model": 16, "n_layers": 2, "n_heads": 4,

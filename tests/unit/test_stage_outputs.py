@@ -345,6 +345,28 @@ def test_the_monolithic_baseline_holds_its_sections_to_the_same_contract(contrac
     assert f"ValueError: {expected}" in caught.value.traceback, caught.value.traceback
 
 
+def test_the_monolithic_baseline_warns_of_an_unread_loss_too(contract, capsys):
+    """Found in review: section mode warned of a non-terminal section's undeclared "loss"; the
+    baseline's fused model dropped it in silence."""
+    from maestro_flow.baseline.monolithic import monolithic_pipeline
+    from maestro_flow.runtime.build import load_pipeline, open_source
+    from maestro_flow.runtime.colocated import run_colocated
+    from maestro_flow.runtime.report import RunReport
+    from maestro_flow.runtime.sampler import EpochSampler
+
+    path, data = contract
+    pipeline, _ = load_pipeline(path, {"data.path": data, "sections.teacher.config.bug": "aux", "steps": 2,
+                                       "sections.teacher.trainable": True,
+                                       "sections.teacher.optimizer": {"name": "sgd", "lr": 0.1}})
+    fused = monolithic_pipeline(pipeline, devices=1)
+    source = open_source(fused)
+    run_colocated(fused, source, EpochSampler(source.metadata(), fused.global_batch, 0),
+                  RunReport(total_steps=2, metrics_out=None, show_progress=False))
+    warned = [line for line in capsys.readouterr().err.splitlines() if "nothing reads" in line]
+    assert len(warned) == 1 and warned[0].startswith(
+        "maestro: warning: section 'teacher': contract_stages:Teacher.forward returned a 'loss'"), warned
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("bug, expected", [({"sections.teacher.config.bug": "numpy"}, NUMPY),
                                            ({"sections.teacher.config.bug": "short"}, SHORT),
