@@ -362,10 +362,11 @@ def output_problem(out: Any, *, section: str, stage: str, num_samples: int, carr
 
 def warn_unread_loss(stage: Any, config: Mapping[str, Any], section: str) -> None:
     """Warn (stderr) that a forward of trainable `section`, which is not terminal, returned a
-    "loss" that nothing reads; the executor calls it once, on replica 0 (found in QA: the loss was
-    dropped in silence, while a plain loop over the whole model would add it). Nothing when the
-    stage declares "loss" in `outputs` (`maestro validate` and `run` warn of it before anything
-    starts) or its `outputs` fails (validate said so)."""
+    "loss" that nothing reads; the executor (and the monolithic baseline's fused model) call it
+    once, on replica 0 (found in QA: the loss was dropped in silence, while a plain loop over the
+    whole model would add it). Nothing when the stage declares "loss" in `outputs` (`maestro
+    validate` and `run` warn of it before anything starts) or its `outputs` fails (validate said
+    so)."""
     try:
         declared = type(stage).outputs(dict(config))
     except Exception:
