@@ -150,9 +150,10 @@ LEGACY = ("sep_token_id", "decoder_start_token_id", "tie_encoder_decoder", "cros
           "architectures", "max_length", "min_length", "do_sample", "early_stopping", "num_beams",
           "temperature", "top_k", "top_p", "repetition_penalty", "length_penalty", "no_repeat_ngram_size",
           "bad_words_ids", "num_return_sequences", "use_bfloat16", "tf_legacy_loss", "pruned_heads", "n_ctx")
-# Other trainers' names (Megatron, torchtitan, GPT-NeoX, nanoGPT) for transformers' size fields, too far
-# for a spelling match (found in QA: llama's `num_layers` built the default 32 layers). Each names the
-# fields it may mean, the first the config has; torchtitan's `hidden_dim` (the MLP's) is left out as ambiguous.
+# Other trainers' names (Megatron, torchtitan, GPT-NeoX, nanoGPT), and gpt2's own in transformers (left
+# over when a config's model_type changes), for transformers' size fields, too far for a spelling match
+# (found in QA: llama's `num_layers` built the default 32 layers; its `n_embd` too). Each names the fields
+# it may mean, the first the config has; torchtitan's `hidden_dim` (the MLP's) is left out as ambiguous.
 ELSEWHERE = {"num_layers": ("num_hidden_layers", "n_layer", "n_layers"), "n_layers": ("num_hidden_layers", "n_layer"),
              "n_heads": ("num_attention_heads", "n_head"), "num_heads": ("num_attention_heads", "n_head"),
              "n_kv_heads": ("num_key_value_heads",), "num_kv_heads": ("num_key_value_heads",),
@@ -160,7 +161,10 @@ ELSEWHERE = {"num_layers": ("num_hidden_layers", "n_layer", "n_layers"), "n_laye
              "d_model": ("hidden_size", "n_embd"), "ffn_hidden_size": ("intermediate_size", "n_inner"),
              "max_seq_len": ("max_position_embeddings", "n_positions"),
              "seq_length": ("max_position_embeddings", "n_positions"),
-             "norm_eps": ("rms_norm_eps", "layer_norm_epsilon", "layer_norm_eps")}
+             "norm_eps": ("rms_norm_eps", "layer_norm_epsilon", "layer_norm_eps"),
+             "n_embd": ("hidden_size", "d_model"), "n_layer": ("num_hidden_layers", "num_layers", "n_layers"),
+             "n_head": ("num_attention_heads", "num_heads"), "n_inner": ("intermediate_size", "ffn_dim"),
+             "n_positions": ("max_position_embeddings",)}
 NOT_NAMES = ("self", "args", "kwargs")
 _EXTRA: dict[tuple[str, str], list[str]] = {}  # extra_fields' answers
 

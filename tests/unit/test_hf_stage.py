@@ -172,6 +172,11 @@ def test_config_errors():
      r"num_hidden_layers is 32"),
     ({"role": "lm", "model_type": "llama", "hf_config": {"n_kv_heads": 2}}, "did you mean 'num_key_value_heads'"),
     ({"role": "lm", "hf_config": {"d_model": 64}}, "GPT2Config has no field 'd_model'; did you mean 'hidden_size'"),
+    # gpt2's names left over in another model type's config (found in QA: only announced)
+    ({"role": "lm", "model_type": "llama", "hf_config": {"n_embd": 64}},
+     r"LlamaConfig has no field 'n_embd'; did you mean 'hidden_size'\? As given, hidden_size is 4096"),
+    ({"role": "lm", "model_type": "llama", "hf_config": {"n_layer": 1}}, "did you mean 'num_hidden_layers'"),
+    ({"role": "lm", "model_type": "llama", "hf_config": {"n_head": 2}}, "did you mean 'num_attention_heads'"),
     # Found in QA: these passed `maestro run` and failed in the workers (transformers refuses them
     # while building; the check builds on the meta device).
     ({"role": "lm", "hf_config": {"n_embd": 66, "n_head": 4}}, "`embed_dim` must be divisible by num_heads"),
