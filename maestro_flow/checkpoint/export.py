@@ -50,10 +50,10 @@ def export_section(source: str, section: str, out: str) -> Exported:
     path = os.path.join(out, f"{section}.safetensors")
     write_safetensors({k: v.contiguous() for k, v in state.items()}, path, {"section": section, "source": where})
     try:
-        files = _hugging_face(pipeline, spec, state, out)
+        files, note = _hugging_face(pipeline, spec, state, out)
     except _NotImportable as exc:
         return Exported(files=[path], source=where, note=str(exc))
-    return Exported(files=[path, *files], source=where)
+    return Exported(files=[path, *files], source=where, note=note)
 
 
 def _one_model_folder(out: str, section: str) -> None:
@@ -165,9 +165,10 @@ def _load_dcp(folder: str) -> dict[str, torch.Tensor]:
 
 
 def _hugging_face(pipeline: dict[str, Any], spec: dict[str, Any], state: dict[str, torch.Tensor],
-                  out: str) -> list[str]:
+                  out: str) -> tuple[list[str], str | None]:
     """Build the section's stage as a run does, load the weights, and let the transformers model
-    it owns write itself (save_pretrained). Empty when the stage class names no such model."""
+    it owns write itself (save_pretrained): the files written (none when the stage class names no
+    such model), and a note when loading them back needs more than the folder."""
     from maestro_flow.config import Pipeline
     from maestro_flow.runtime.build import add_paths, build_stage, resolve, search_paths
 
@@ -179,7 +180,7 @@ def _hugging_face(pipeline: dict[str, Any], spec: dict[str, Any], state: dict[st
                              f"directory the run started in, or with the pipeline's folder on PYTHONPATH)") from None
     model_attr = getattr(stage_class, "hugging_face_model", None)
     if model_attr is None:
-        return []
+        return [], None
     p = Pipeline.from_dict(pipeline)
     try:
         stage = build_stage(p, p.section(spec["name"]), 0, "cpu")
@@ -210,7 +211,14 @@ def _hugging_face(pipeline: dict[str, Any], spec: dict[str, Any], state: dict[st
                if before.get(name) != os.stat(os.path.join(out, name)).st_mtime_ns]
     for path in written:
         readable(path)
-    return written
+    # transformers keeps no attn_implementation in config.json, and from_pretrained picks sdpa
+    # where the model has it (found in QA: a phi3 trained with eager reloaded 5e-8 off in float64).
+    attn = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    default = "sdpa" if getattr(model, "_supports_sdpa", False) else "eager"
+    note = (f"section {spec['name']!r} ran with attn_implementation={attn!r}, which config.json does not keep: "
+            f"from_pretrained({out!r}, attn_implementation={attn!r}) computes what it trained (the default, "
+            f"{default}, can differ at rounding)") if attn and attn != default else None
+    return written, note
 
 
 def _is_tied(module: torch.nn.Module, key: str) -> bool:

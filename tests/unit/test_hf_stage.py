@@ -399,3 +399,26 @@ def test_a_sliding_window_in_float64_eager_attention_stays_finite():
                                             if p.grad is not None)
     alone = sum(stage.forward(micro_batch([s]))["loss"] for s in samples)
     torch.testing.assert_close(together, alone, atol=ATOL, rtol=0)
+
+
+def test_an_export_says_which_attention_reproduces_the_trained_model(tmp_path):
+    """Found in QA: transformers keeps no attn_implementation in config.json, so a model trained
+    with eager reloaded with sdpa (phi3: 5e-8 off in float64) and nothing said so."""
+    from maestro_flow.checkpoint.export import _hugging_face
+    from maestro_flow.config import ArrowData, Pipeline, Section
+
+    for attn, said in (("eager", True), ("sdpa", False), (None, False)):  # gpt2's default is sdpa
+        config = {"role": "lm", **STUDENT, **({"attn_implementation": attn} if attn else {})}
+        p = Pipeline(name="p", data=ArrowData(path="unused.arrow"),
+                     sections=[Section(name="lm", stage="stages.hf:HFCausalLM", config=config)])
+        stage = HFCausalLM(config, CTX)
+        state = {f"{a}.{k}": v for a, m in stage.modules().items() for k, v in m.state_dict().items()}
+        out = tmp_path / str(attn)
+        out.mkdir()
+        files, note = _hugging_face(p.to_dict(), p.to_dict()["sections"][0], state, str(out))
+        assert any(f.endswith("config.json") for f in files)
+        assert (note is not None) == said, note
+        if said:
+            assert note == (f"section 'lm' ran with attn_implementation='eager', which config.json does not keep: "
+                            f"from_pretrained({str(out)!r}, attn_implementation='eager') computes what it trained "
+                            "(the default, sdpa, can differ at rounding)")
