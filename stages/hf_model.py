@@ -230,7 +230,10 @@ def _refuse_typos(model_type: str, kwargs: dict[str, Any], user: dict[str, Any],
         near = difflib.get_close_matches(key, fields, n=1, cutoff=0.85) or [f for f in ELSEWHERE.get(key, ())
                                                                              if f in fields][:1]
         if near:
-            value = f" is {getattr(hf_config, near[0])!r}" if hasattr(hf_config, near[0]) else " is left to transformers"
+            try:  # a computed attribute may raise other than AttributeError (found in review: dots3's heads)
+                value = f" is {getattr(hf_config, near[0])!r}"
+            except Exception:
+                value = " is left to transformers"
             raise ValueError(f"{where}hf_config.{key}: {type(hf_config).__name__} has no field {key!r}; did you mean "
                              f"{near[0]!r}? As given, {near[0]}{value} (not set in {where}hf_config) and {key} is "
                              "kept unread")

@@ -32,7 +32,7 @@ from maestro_flow.runtime.outputs import check_writable
 class Exported:
     files: list[str]
     source: str
-    note: str | None = None  # what was not written, and why (a stage that cannot be imported here)
+    note: str | None = None  # what was not written and why (a stage not importable here), or how to load it
 
 
 def export_section(source: str, section: str, out: str) -> Exported:

@@ -177,6 +177,9 @@ def test_config_errors():
      r"LlamaConfig has no field 'n_embd'; did you mean 'hidden_size'\? As given, hidden_size is 4096"),
     ({"role": "lm", "model_type": "llama", "hf_config": {"n_layer": 1}}, "did you mean 'num_hidden_layers'"),
     ({"role": "lm", "model_type": "llama", "hf_config": {"n_head": 2}}, "did you mean 'num_attention_heads'"),
+    # A field whose value the config computes, and refuses to give (found in review: a RuntimeError escaped)
+    ({"role": "lm", "model_type": "dots3_note_text", "hf_config": {"n_heads": 8}},
+     r"did you mean 'num_attention_heads'\? As given, num_attention_heads is left to transformers"),
     # Found in QA: these passed `maestro run` and failed in the workers (transformers refuses them
     # while building; the check builds on the meta device).
     ({"role": "lm", "hf_config": {"n_embd": 66, "n_head": 4}}, "`embed_dim` must be divisible by num_heads"),
