@@ -15,7 +15,7 @@ Parquet folder keeps every file's footer and at most MAX_OPEN files open.
 null bitmaps — without turning any token into a Python object, and checks every row against the
 contract: declared modalities must match the image/audio columns (or the columns
 `data.modality_columns` names for them, e.g. precomputed `pixel_values`), ids must be unique.
-The row-level checks and column reads are loaders/arrow_rows.py's.
+The row-level checks and column reads are loaders/arrow_rows.py's; the schema's, loaders/arrow_schema.py's.
 """
 
 from __future__ import annotations
@@ -39,36 +39,20 @@ from loaders.arrow_rows import (
     extract,
     has_dictionary,
     is_binary,
-    is_list,
-    is_string,
     plain_type,
     scan_segment,
     token_counts,
     token_rows_outside,
 )
+from loaders.arrow_schema import check_schema, folder_difference
 from maestro_flow import ArrowData, PipelineError
 from maestro_flow.errors import brief
 from maestro_flow.samples import SampleMeta
 
-_REQUIRED = ("id int64, modalities list<string>, tokens list<int32>")
 _ARROW_MAGIC = b"ARROW1"
 _PARQUET_MAGIC = b"PAR1"
 MAX_OPEN = 8  # Parquet files of a folder kept open at once (the least recently read one closes)
 CACHE_BYTES = 256 << 20  # decoded segments a source keeps for the reads that follow
-
-
-# Column name -> (type check, expected type in words). Required columns first.
-_TYPE_RULES: dict[str, tuple[Any, str]] = {
-    "id": (pa.types.is_integer, "an integer type (int64)"),
-    "modalities": (lambda t: is_list(t) and is_string(t.value_type), "list<string>"),
-    "tokens": (lambda t: is_list(t) and pa.types.is_integer(t.value_type), "a list of integers (list<int32>)"),
-    "image": (is_binary, "binary"),
-    "audio": (lambda t: is_list(t) and pa.types.is_floating(t.value_type), "a list of floats (list<float32>)"),
-    "sample_rate": (pa.types.is_integer, "an integer type (int32)"),
-    "num_patches": (pa.types.is_integer, "an integer type (int32)"),
-    "num_frames": (pa.types.is_integer, "an integer type (int32)"),
-}
-_REQUIRED_COLUMNS = ("id", "modalities", "tokens")
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,29 +72,6 @@ def _row_group_offset(rg: Any) -> int:
     """Where a Parquet row group's first page starts in its file."""
     col = rg.column(0)
     return min(o for o in (col.dictionary_page_offset, col.data_page_offset) if o is not None and o > 0)
-
-
-def _columns(schema: pa.Schema) -> list[tuple[str, pa.DataType]]:
-    """Names and types, nullability and dictionary encoding left out at every depth (Parquet writers
-    vary them; a dictionary-encoded column is read decoded)."""
-    return [(f.name, plain_type(f.type)) for f in schema]
-
-
-def _by_name(schema: pa.Schema) -> list[tuple[str, pa.DataType]]:
-    """_columns in name order (stable: a repeated name keeps its order; types are not sortable)."""
-    return sorted(_columns(schema), key=lambda column: column[0])
-
-
-def _schema_difference(first: pa.Schema, other: pa.Schema) -> str:
-    a, b = dict(_columns(first)), dict(_columns(other))
-    for name in list(a) + [n for n in b if n not in a]:
-        if name not in b or name not in a:
-            return f"column {name!r} is only in {'the first' if name in a else 'this one'}"
-        if a[name] != b[name]:
-            return f"column {name!r} is {b[name]} here, {a[name]} in the first"
-    # The same names and types, but a name repeated a different number of times (found in review)
-    repeated = next(n for n in a if [c for c, _ in _columns(first)].count(n) != [c for c, _ in _columns(other)].count(n))
-    return f"column {repeated!r} appears a different number of times"
 
 
 def _as_array(col: pa.Array | pa.ChunkedArray, *, encoded_binary: bool = False) -> pa.Array:
@@ -163,7 +124,7 @@ class ArrowSource:
         self._segments: list[_Segment] = [s for s in segments if s.num_rows > 0]
         self._starts = np.array([s.start for s in self._segments], dtype=np.int64)
         self._num_rows = sum(s.num_rows for s in segments)
-        self._check_schema()
+        check_schema(self._schema, self._data, self._path)
         self._scan: tuple[list[SampleMeta], list[int], list[int]] | None = None
 
     # -- opening -----------------------------------------------------------------------------
@@ -240,12 +201,10 @@ class ArrowSource:
                 ) from None
             if schema is None:
                 schema = file_schema
-            # Nullability may differ (what Parquet writers vary), and the columns' order: they are
-            # read by name (found in QA: files of one dataset written with another column order).
-            elif _by_name(file_schema) != _by_name(schema):
+            elif (difference := folder_difference(schema, file_schema)) is not None:
                 raise PipelineError(
                     f"data.path: {path} has a different schema from {paths[0]} (all Parquet files of a "
-                    f"folder must have the same columns and types; {_schema_difference(schema, file_schema)})"
+                    f"folder must have the same columns and types; {difference})"
                 )
             self._parquet_meta.append(pf.metadata)
             self._parquet_paths.append(path)
@@ -256,32 +215,6 @@ class ArrowSource:
                 start += n
         assert schema is not None
         return schema, segments
-
-    def _check_schema(self) -> None:
-        names = self._schema.names
-        if len(set(names)) != len(names):
-            dup = next(n for n in names if names.count(n) > 1)
-            raise PipelineError(f"data.path: column {dup!r} appears twice in {self._path}")
-        for name in _REQUIRED_COLUMNS:
-            if name not in names:
-                raise PipelineError(
-                    f"data.path: required column {name!r} is missing in {self._path} "
-                    f"(required: {_REQUIRED}; found: {', '.join(names) or 'none'})"
-                )
-        for modality, column in self._data.modality_columns.items():
-            if column not in names:
-                raise PipelineError(f"data.modality_columns.{modality}: no column {column!r} in {self._path} "
-                                    f"(columns: {', '.join(names)})")
-        for name, (ok, expected) in _TYPE_RULES.items():
-            if name in ("image", "audio") and self._data.column_of(name) != name:
-                continue  # the modality's payload is in another column; this one is just data
-            if name in names and not ok(plain_type(self._schema.field(name).type)):
-                raise PipelineError(
-                    f"data.path: column {name!r} must be {expected}, got {self._schema.field(name).type} "
-                    f"in {self._path}"
-                )
-        if self._data.column_of("audio") in names and "sample_rate" not in names:
-            raise PipelineError(f"data.path: column 'audio' needs a 'sample_rate' column (int32) in {self._path}")
 
     # -- SampleSource ------------------------------------------------------------------------
 
