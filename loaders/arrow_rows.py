@@ -226,7 +226,7 @@ def scan_segment(cols: dict[str, pa.Array], n: int, payload: dict[str, str]) -> 
     for column, modality in (("num_patches", "image"), ("num_frames", "audio")):
         if column in cols:
             values = as_ints(cols[column], column)
-            bad |= has[modality] & (~valid_mask(cols[column]) | (values < LEAST[column]))
+            bad |= has[modality] & (~valid_mask(cols[column]) | (values < LEAST[column][0]))
             counts[column] = np.where(has[modality], values, 0)
     num_frames = counts.get("num_frames", zeros)
     if payload["audio"] in cols and "sample_rate" in cols:
@@ -243,9 +243,8 @@ def scan_segment(cols: dict[str, pa.Array], n: int, payload: dict[str, str]) -> 
 # The least count a row with the modality can hold: an image decodes to one patch at least (found
 # in QA: num_patches 0 on an image trained, and only `validate --payloads` said it); a clip too short
 # for one frame is one the audio stage takes.
-LEAST = {"num_patches": 1, "num_frames": 0}
-LEAST_SAID = {"num_patches": "an image gives 1 patch or more: loaders.dali.num_patches counts them",
-              "num_frames": "a count: 0 or more"}
+LEAST = {"num_patches": (1, "an image gives 1 patch or more: loaders.dali.num_patches counts them"),
+         "num_frames": (0, "a count: 0 or more")}
 
 
 def describe_bad_row(cols: dict[str, pa.Array], j: int, row: int, payload: dict[str, str]) -> str:
@@ -290,8 +289,9 @@ def describe_bad_row(cols: dict[str, pa.Array], j: int, row: int, payload: dict[
     for column, modality in (("num_patches", "image"), ("num_frames", "audio")):
         if column in cols and modality in mods:
             value = cols[column][j].as_py()
-            if value is None or value < LEAST[column]:
-                return f"{where} has {modality} but {column} {value} ({LEAST_SAID[column]})"
+            least, said = LEAST[column]
+            if value is None or value < least:
+                return f"{where} has {modality} but {column} {value} ({said})"
     if "audio" in mods:
         rate = cols["sample_rate"][j].as_py() if "sample_rate" in cols else None
         if rate is None or rate <= 0:

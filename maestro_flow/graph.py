@@ -131,6 +131,12 @@ class SectionGraph:
         """Trainable sinks: each must return a loss (checked against the stage in runtime/checks)."""
         return list(self._losses)
 
+    def drops_loss(self, name: str) -> bool:
+        """Whether a "loss" section `name` returns is read by nothing: a trainable section that is
+        not a loss section, and sends no "loss" on an edge (the checks warn of a declared one, the
+        executor and the baseline of one returned)."""
+        return self.sections[name].trainable and name not in self._losses and "loss" not in self.carried(name)
+
     def _topological_order(self) -> list[str]:
         indegree = {n: 0 for n in self.sections}
         for e in self.edges:

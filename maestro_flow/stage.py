@@ -360,6 +360,10 @@ def output_problem(out: Any, *, section: str, stage: str, num_samples: int, carr
     return None
 
 
+UNREAD_LOSS = ("which nothing reads: only a terminal trainable section's loss trains (to add this one, send it per "
+               "sample on an edge to that section and add it to its loss there)")
+
+
 def warn_unread_loss(stage: Any, config: Mapping[str, Any], section: str) -> None:
     """Warn (stderr) that a forward of trainable `section`, which is not terminal, returned a
     "loss" that nothing reads; the executor (and the monolithic baseline's fused model) call it
@@ -373,9 +377,7 @@ def warn_unread_loss(stage: Any, config: Mapping[str, Any], section: str) -> Non
         return
     if declared is None or "loss" not in declared:
         print(f"maestro: warning: section {section!r}: {type(stage).__module__}:{type(stage).__qualname__}.forward "
-              "returned a 'loss', which nothing reads: only a terminal trainable section's loss trains (to add "
-              "this one, send it per sample on an edge to that section and add it to its loss there)",
-              file=sys.stderr, flush=True)
+              f"returned a 'loss', {UNREAD_LOSS}", file=sys.stderr, flush=True)
 
 
 def _names(out: dict) -> str:

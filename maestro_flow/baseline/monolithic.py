@@ -109,8 +109,7 @@ class FusedStage(Stage):
                                                         str(ctx.device)) for n in self.graph.order}
         self.wire = torch.bfloat16 if self.pipeline.mixed_precision == "bf16" else None
         # Warned of once (rank 0) when a forward returns a "loss" nothing reads, as section mode does.
-        self.unread_loss = {n for n in self.graph.order if ctx.replica == 0 and n != self.loss
-                            and self.graph.sections[n].trainable and "loss" not in self.graph.carried(n)}
+        self.unread_loss = {n for n in self.graph.order if ctx.replica == 0 and self.graph.drops_loss(n)}
 
     @classmethod
     def outputs(cls, config: dict[str, Any]) -> tuple[str, ...]:

@@ -56,8 +56,9 @@ def check_optimizer_spec(spec: dict[str, Any], where: str, device: str = "cpu") 
     try:
         kwargs = optimizer_kwargs(spec)
     except TypeError:  # found in review: betas=0.9 (not a list) was a traceback
-        kwargs = {"betas": None}
-    if "betas" in kwargs and len(kwargs["betas"] or ()) != 2:  # found in QA: [0.9] a traceback, three failed at step 1
+        kwargs = None
+    # Found in QA: betas [0.9] gave a traceback; three passed, and failed in every worker at step 1.
+    if kwargs is None or "betas" in kwargs and len(kwargs["betas"]) != 2:
         raise PipelineError(f"{where}.optimizer.betas must be a list of two numbers, got {spec.get('betas')!r}")
     # Found in QA: both passed, then failed in every worker at the first step.
     if kwargs.get("differentiable"):

@@ -28,6 +28,7 @@ from maestro_flow.overrides import dotted
 from maestro_flow.planner import make_planner
 from maestro_flow.runtime.build import build_stage, open_source, resolve
 from maestro_flow.samples import SampleMeta
+from maestro_flow.stage import UNREAD_LOSS
 from maestro_flow.wording import count as count_of
 
 
@@ -86,6 +87,9 @@ def _instance_method(attr: Any) -> bool:
     return first in ("self", "cls")
 
 
+COUNTS = ("position", "layer", "vocab", "seed", "len", "step", "_id")  # config fields sizing no sharded dimension
+
+
 def check_tensor_parallel(pipeline: Pipeline, section: Any, cls: Any) -> None:
     """A section with tp > 1: the stage has a plan (or its own parallelize), the configuration
     can be split tp ways (the stage's check_tp), and every sharded dimension divides by tp
@@ -123,8 +127,7 @@ def check_tensor_parallel(pipeline: Pipeline, section: Any, cls: Any) -> None:
                             f"{type(exc).__name__}: {exc}") from exc
     fields: dict[int, list[str]] = {}  # found in QA: a dimension that did not divide named modules, not the field
     for key, value in dotted(dict(section.config), f"{where}.config").items():
-        counts = ("position", "layer", "vocab", "seed", "len", "step", "_id")  # sizes of no sharded dimension
-        if isinstance(value, int) and not isinstance(value, bool) and not any(c in key.rsplit(".")[-1] for c in counts):
+        if isinstance(value, int) and not isinstance(value, bool) and not any(c in key.rsplit(".")[-1] for c in COUNTS):
             fields.setdefault(value, []).append(key)
     problems = check_plan(stage, plan, section.tp, fields)
     if problems:
@@ -468,11 +471,8 @@ def check_pipeline(pipeline: Pipeline, build: bool = False) -> Checked:
         raise PipelineError(f"global_batch={pipeline.global_batch} is larger than the dataset "
                             f"{pipeline.data.path} ({len(metadata)} usable samples)")
     # Found in QA: an encoder's auxiliary loss, declared, was dropped in silence (a plain loop adds it).
-    unread = [f"sections.{n}: {pipeline.section(n).stage} declares a 'loss', which nothing reads: only a terminal "
-              "trainable section's loss trains (to add this one, send it per sample on an edge to that section and "
-              f"add it to its loss there)" for n in graph.order if n not in graph.loss_sections()
-              and pipeline.section(n).trainable and "loss" in (declared[n] or ())
-              and not any("loss" in e.edge.tensors for e in graph.outputs(n))]  # (an edge carries it: review)
+    unread = [f"sections.{n}: {pipeline.section(n).stage} declares a 'loss', {UNREAD_LOSS}" for n in graph.order
+              if graph.drops_loss(n) and "loss" in (declared[n] or ())]  # (not when an edge carries it: review)
     return Checked(graph=graph, source=source, metadata=metadata, warnings=tuple(pipeline_warnings(pipeline) + unread),
                    data_warnings=tuple(data_warnings(pipeline, metadata)))
 

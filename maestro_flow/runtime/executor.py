@@ -89,8 +89,7 @@ class SectionExecutor(StepEnd, Prefetch):
         self.relaying = self.layout.leader and len(self.layout.members) > 1
         self.carried = graph.carried(section)  # checked after forward
         # Warned of once (replica 0's leader) when a forward returns a "loss" nothing reads.
-        self.unread_loss = (self.trainable and not self.is_loss and "loss" not in self.carried and replica == 0
-                            and self.layout.leader)
+        self.unread_loss = graph.drops_loss(section) and replica == 0 and self.layout.leader
         self.ops: deque[tuple[str, int, int, list]] = deque()  # a follower's relays, in the leader's order
         params = [p for p in stage.parameters() if p.requires_grad] if self.trainable else []
         pipeline = graph.pipeline
