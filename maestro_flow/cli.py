@@ -154,9 +154,10 @@ def main(ctx: click.Context, debug: bool) -> None:
 @click.option("--checkpoint-every", type=int, metavar="N", help="Checkpoint after every N steps, and after the last.")
 @click.option("--keep-last", type=int, metavar="K",
               help="Keep only the newest K complete checkpoints [default: keep all].")
-@click.option("--checkpoint-errors", type=click.Choice(["stop", "continue"]), default="stop", show_default=True,
+@click.option("--checkpoint-errors", type=click.Choice(["stop", "continue"]),
               help="When a checkpoint cannot be written: stop the run cleanly, or report it and train on (the "
-                   "one after the last step fails the run either way: it holds the run's final state).")
+                   "one after the last step fails the run either way: it holds the run's final state) "
+                   "[default: stop].")
 @click.option("--checkpoint-on-term", is_flag=True,
               help="On SIGTERM (a scheduler's preemption), finish the steps already planned, checkpoint them, then "
                    "stop (exit 130); a second SIGTERM stops at once. Needs --checkpoint-dir and --checkpoint-every; "
@@ -206,7 +207,7 @@ def main(ctx: click.Context, debug: bool) -> None:
 def run(ctx: click.Context, pipeline: str, steps: int | None, sets: tuple[str, ...], colocated: bool,
         schedule: str | None, metrics_out: str | None, save_dir: str | None, trace: str | None,
         run_dir: str | None, no_run_dir: bool, record: str | None, record_steps: str | None, costs: str | None,
-        checkpoint_dir: str | None, checkpoint_every: int | None, keep_last: int | None, checkpoint_errors: str,
+        checkpoint_dir: str | None, checkpoint_every: int | None, keep_last: int | None, checkpoint_errors: str | None,
         checkpoint_on_term: bool,
         resume: str | None, max_restarts: int, tensorboard: str | None, nnodes: int | None, node_rank: int | None,
         rdzv_endpoint: str | None, nproc_per_node: int | None, host: str | None, interface: str | None,

@@ -75,7 +75,8 @@ class CheckpointOptions:
     dir: str | None = None  # where step-<N>/ folders go
     every: int | None = None  # save after every N steps
     keep_last: int | None = None  # keep the newest K complete checkpoints (None: all)
-    on_error: str = "stop"  # a failed save stops the run, or ("continue") is reported and skipped
+    on_error: str | None = None  # a failed save stops the run ("stop", the default: None), or ("continue") is
+    # reported and skipped; None tells the default from a flag given (the baseline refuses either)
     resume: str | None = None  # a checkpoint folder, or a folder of them (the newest complete one)
     max_restarts: int = 0  # restarts from the newest checkpoint after a worker dies or hangs
     on_term: bool = False  # SIGTERM ends the run with a checkpoint of the steps under way (take_term)
@@ -92,8 +93,11 @@ class CheckpointOptions:
                                 "--checkpoint-dir too")
         if self.keep_last is not None and self.keep_last < 1:
             raise PipelineError(f"--keep-last must be a count >= 1, got {self.keep_last}")
-        if self.on_error not in ON_ERROR:
+        if self.on_error is not None and self.on_error not in ON_ERROR:
             raise PipelineError(f"--checkpoint-errors must be one of {', '.join(ON_ERROR)}, got {self.on_error!r}")
+        if self.on_error is not None and not self.dir:  # (it was taken in vain, without a word)
+            raise PipelineError("--checkpoint-errors says what a failed save into --checkpoint-dir does: give "
+                                "--checkpoint-dir too")
         if self.max_restarts < 0:
             raise PipelineError(f"--max-restarts must be >= 0, got {self.max_restarts}")
         if self.on_term and not self.enabled:

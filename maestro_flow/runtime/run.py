@@ -221,7 +221,7 @@ def _as_baseline(pipeline: Any, checked: Any, options: RunOptions) -> tuple[Any,
                                         ("--record", options.record), ("--checkpoint-dir", ckpt.dir),
                                         ("--checkpoint-every", ckpt.every is not None),
                                         ("--keep-last", ckpt.keep_last is not None),
-                                        ("--checkpoint-errors", ckpt.on_error != "stop"),
+                                        ("--checkpoint-errors", ckpt.on_error is not None),
                                         ("--checkpoint-on-term", ckpt.on_term), ("--resume", ckpt.resume),
                                         ("--max-restarts", ckpt.max_restarts)) if given]
     if refused:

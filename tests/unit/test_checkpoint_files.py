@@ -343,6 +343,9 @@ def test_a_run_directory_given_for_checkpoints_says_where_its_run_wrote_them(tmp
     (CheckpointOptions(keep_last=2), "--keep-last says how many of --checkpoint-dir's checkpoints to keep: give "
                                      "--checkpoint-dir too"),
     (CheckpointOptions(dir="x"), "--checkpoint-dir needs --checkpoint-every N"),
+    (CheckpointOptions(on_error="continue"), "--checkpoint-errors says what a failed save into --checkpoint-dir "
+                                             "does: give --checkpoint-dir too"),
+    (CheckpointOptions(on_error="stop"), "--checkpoint-errors says what a failed save"),
     (CheckpointOptions(max_restarts=-1), "--max-restarts must be >= 0"),
     (CheckpointOptions(resume="/no/such/folder"), "--resume: no such folder"),
     (CheckpointOptions(on_term=True), "--checkpoint-on-term saves into --checkpoint-dir: give --checkpoint-dir DIR and "

@@ -165,7 +165,8 @@ def test_the_baseline_refuses_every_checkpoint_flag_first_and_says_it_drops_the_
     checked = Checked(graph=SectionGraph(vlm()), source=None, metadata=[])
     for ckpt, flag in ((CheckpointOptions(every=1), "--checkpoint-every"), (CheckpointOptions(keep_last=2), "--keep-last"),
                        (CheckpointOptions(on_term=True), "--checkpoint-on-term"),
-                       (CheckpointOptions(on_error="continue"), "--checkpoint-errors")):
+                       (CheckpointOptions(on_error="continue"), "--checkpoint-errors"),
+                       (CheckpointOptions(on_error="stop"), "--checkpoint-errors")):  # given, though the default
         with pytest.raises(PipelineError, match=f"^--baseline monolithic is a one-node comparison run: drop {flag}$"):
             _as_baseline(vlm(), checked, RunOptions(overrides={}, baseline="monolithic", devices=2, checkpoint=ckpt))
     capsys.readouterr()
