@@ -45,7 +45,7 @@ from stages.distill import (
     teacher_head_shape,
     teacher_input_widths,
 )
-from stages.hf_model import build_hf_model, hf_model_config, is_small, probe_copy, probing
+from stages.hf_model import attention_refused, build_hf_model, hf_model_config, is_small, probe_copy, probing
 from stages.lm import stage_role
 from stages.weights import check_checkpoint_file, on_meta
 
@@ -133,6 +133,9 @@ def meta_head_width(hf_config: Any, attn: str | None = None, where: str = "") ->
                 model = AutoModelForCausalLM.from_config(hf_config, **({} if attn is None else {
                     "attn_implementation": attn}))
         except Exception as exc:  # anything transformers raises for a config is the config's
+            refused = attention_refused(exc, attn, where)
+            if refused is not None:
+                raise refused from None
             first = (str(exc).strip().splitlines() or [""])[0]  # (t5's lists every causal LM config class)
             raise ValueError(f"{where}model_type/{where}hf_config: {type(exc).__name__}: {first}") from exc
         head = model.get_output_embeddings()

@@ -48,14 +48,20 @@ def build_hf_model(config: dict[str, Any], *, where: str = "", quiet: bool = Fal
         if note is not None and not quiet:
             print(note, flush=True)
     seed = config.get("init_seed")
-    if seed is None:
-        model = AutoModelForCausalLM.from_config(hf_config, **kwargs)
-    else:
-        # transformers initialises from the global RNG: fork it so the seed fixes the weights
-        # without disturbing the runtime's RNG stream.
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
+    try:
+        if seed is None:
             model = AutoModelForCausalLM.from_config(hf_config, **kwargs)
+        else:
+            # transformers initialises from the global RNG: fork it so the seed fixes the weights
+            # without disturbing the runtime's RNG stream.
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)
+                model = AutoModelForCausalLM.from_config(hf_config, **kwargs)
+    except ValueError as exc:
+        refused = attention_refused(exc, attn, where)
+        if refused is None:
+            raise
+        raise refused from None
     if config.get("checkpoint") is not None:
         load_hf_checkpoint(model, config["checkpoint"])
     if not on_meta(model):
@@ -63,6 +69,16 @@ def build_hf_model(config: dict[str, Any], *, where: str = "", quiet: bool = Fal
     elif is_small(model):
         probe_copy(config, where, functools.partial(build_hf_model, quiet=True))  # on the CPU: checked there
     return model
+
+
+def attention_refused(exc: Exception, attn: str | None, where: str) -> ValueError | None:
+    """transformers' refusal of the attention implementation asked for, in one line naming the
+    field (found in QA: gemma2's sdpa refusal went on with a request link and a whisper example),
+    or None for any other error."""
+    if attn is None or "attention implementation" not in str(exc):
+        return None
+    return ValueError(f"{where}attn_implementation={attn!r}: {str(exc).split('. ')[0]} (transformers); set "
+                      f"{where}attn_implementation to 'eager', or another the model supports")
 
 
 # On the meta device (`maestro validate`) a model has no values to probe. One of at most this
@@ -164,7 +180,8 @@ ELSEWHERE = {"num_layers": ("num_hidden_layers", "n_layer", "n_layers"), "n_laye
              "norm_eps": ("rms_norm_eps", "layer_norm_epsilon", "layer_norm_eps"),
              "n_embd": ("hidden_size", "d_model"), "n_layer": ("num_hidden_layers", "num_layers", "n_layers"),
              "n_head": ("num_attention_heads", "num_heads"), "n_inner": ("intermediate_size", "ffn_dim"),
-             "n_positions": ("max_position_embeddings",)}
+             "n_positions": ("max_position_embeddings",), "num_attn_heads": ("num_attention_heads", "n_head"),
+             "n_kv_head": ("num_key_value_heads",)}
 NOT_NAMES = ("self", "args", "kwargs")
 _EXTRA: dict[tuple[str, str], list[str]] = {}  # extra_fields' answers
 

@@ -177,6 +177,7 @@ def test_config_errors():
      r"LlamaConfig has no field 'n_embd'; did you mean 'hidden_size'\? As given, hidden_size is 4096"),
     ({"role": "lm", "model_type": "llama", "hf_config": {"n_layer": 1}}, "did you mean 'num_hidden_layers'"),
     ({"role": "lm", "model_type": "llama", "hf_config": {"n_head": 2}}, "did you mean 'num_attention_heads'"),
+    ({"role": "lm", "model_type": "llama", "hf_config": {"num_attn_heads": 2}}, "did you mean 'num_attention_heads'"),
     # A field whose value the config computes, and refuses to give (found in review: a RuntimeError escaped)
     ({"role": "lm", "model_type": "dots3_note_text", "hf_config": {"n_heads": 8}},
      r"did you mean 'num_attention_heads'\? As given, num_attention_heads is left to transformers"),
@@ -185,6 +186,13 @@ def test_config_errors():
     ({"role": "lm", "hf_config": {"n_embd": 66, "n_head": 4}}, "`embed_dim` must be divisible by num_heads"),
     ({"role": "lm", "model_type": "t5"}, "for this kind of AutoModel: AutoModelForCausalLM"),
     ({"role": "lm", "attn_implementation": "bogus"}, 'attn_implementation="bogus"` is not supported'),
+    # One line of ours, not transformers' request link and whisper example (found in QA)
+    ({"role": "lm", "model_type": "gemma2", "attn_implementation": "sdpa",
+      "hf_config": {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+                    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "max_position_embeddings": 64}},
+     r"^attn_implementation='sdpa': Gemma2ForCausalLM does not support an attention implementation through "
+     r"torch.nn.functional.scaled_dot_product_attention yet \(transformers\); set attn_implementation to 'eager', "
+     r"or another the model supports$"),
     ({"role": "lm", "checkpoint": "/no/such.safetensors"}, "checkpoint: no such file '/no/such.safetensors'"),
     ({"role": "kd_student", "teacher": {**TEACHER, "checkpoint": "/no/t.safetensors"}},
      "checkpoint: no such file '/no/t.safetensors'"),  # (teacher.checkpoint, in the check)
