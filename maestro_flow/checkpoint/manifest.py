@@ -8,7 +8,8 @@ section states and RNG files the manifest points to. A checkpoint is the folder
         <section>/              torch.distributed.checkpoint of a trainable section: parameters,
                                 optimizer state, lr schedule (written over the section's own group)
         rng/<section>-<r>.pt    the RNG states of replica r of every section
-        manifest.json           written last, by the coordinator (`Manifest`)
+        manifest.json           written last, by the coordinator (`Manifest`), with the size and
+                                CRC-32 of every file above (digest: checked on --resume)
 
 A checkpoint without `manifest.json` is incomplete (a save was interrupted or failed) and is
 never resumed from; `latest` returns the newest complete one.
@@ -55,6 +56,9 @@ class Manifest:
     # that resumes from it (None: written before lineages were recorded). A checkpoint directory
     # holds one lineage (Checkpointer.claim).
     lineage: str | None = None
+    # Relative path -> [size, CRC-32] of every file the workers wrote (digest; empty: written
+    # before checksums were kept, so nothing is checked)
+    files: dict[str, list] = field(default_factory=dict)
     format: int = FORMAT
 
     def to_json(self) -> str:
@@ -65,7 +69,7 @@ class Manifest:
         if data.get("format") != FORMAT:
             raise PipelineError(f"checkpoint format {data.get('format')!r} is not this version's ({FORMAT})")
         return Manifest(**{k: data[k] for k in ("step", "pipeline", "sections", "sampler", "costs", "restarts",
-                                                "counters", "lineage", "format") if k in data})
+                                                "counters", "lineage", "files", "format") if k in data})
 
 
 def write(folder: str, manifest: Manifest) -> str:

@@ -43,8 +43,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from maestro_flow.checkpoint import digest, rng
 from maestro_flow.checkpoint import manifest as mf
-from maestro_flow.checkpoint import rng
 from maestro_flow.checkpoint.manifest import rng_file
 from maestro_flow.checkpoint.savedir import trainable_state
 from maestro_flow.errors import PipelineError, brief
@@ -103,15 +103,20 @@ class SectionState:
         trainable section: its parameter shapes). `standin`: a lockstep FSDP replica's batch for
         rounds without samples (runtime/lockstep.pack), kept with its RNG states."""
         info: dict[str, Any] = {}
+        written = []  # what this rank wrote: their checksums go into the manifest (digest)
         if self.optim is not None:
             state = self._state_dict()
-            dcp.save(state, storage_writer=_Writer(self.folder(checkpoint)), process_group=self.group)
+            writer = _Writer(self.folder(checkpoint))
+            dcp.save(state, storage_writer=writer, process_group=self.group)
+            written += writer.written
             if self.replica == 0 and self.tp_index == 0:
                 info["params"] = {k[len("model/"):]: list(v.shape) for k, v in state.items() if k.startswith("model/")}
         extra: dict[str, Any] = {"buffers": self._buffers()}
         if standin is not None:
             extra["standin"] = standin
-        rng.save(rng_file(checkpoint, self.section, self.replica, self.tp_index), self.device, extra)
+        written.append(rng_file(checkpoint, self.section, self.replica, self.tp_index))
+        rng.save(written[-1], self.device, extra)
+        info["files"] = digest.of_files(checkpoint, written)
         return info
 
     def _buffers(self) -> dict[str, torch.Tensor]:
@@ -304,11 +309,16 @@ class _Writer(dcp.FileSystemWriter):
 
     torch.save's zip writer turns a write the OS refused (full disk, file too large) into
     "RuntimeError: ... unexpected pos", with the OSError only in its context, which does not
-    survive DCP gathering every rank's exception; so the OSError is raised instead."""
+    survive DCP gathering every rank's exception; so the OSError is raised instead.
+    `written`: the files this rank wrote (its shards, and `.metadata` where its rank wrote that)."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(path)
+        self.written: list[str] = []
 
     def write_data(self, plan: Any, planner: Any) -> Any:
         try:
-            return super().write_data(plan, planner)
+            done = super().write_data(plan, planner)
         except RuntimeError as exc:
             inner, seen = exc.__cause__ or exc.__context__, set()
             while inner is not None and id(inner) not in seen:
@@ -317,6 +327,12 @@ class _Writer(dcp.FileSystemWriter):
                 seen.add(id(inner))
                 inner = inner.__cause__ or inner.__context__
             raise
+        self.written += sorted({os.path.join(self.path, r.storage_data.relative_path) for r in done.wait()})
+        return done
+
+    def finish(self, metadata: Any, results: Any) -> None:
+        super().finish(metadata, results)
+        self.written.append(os.path.join(self.path, ".metadata"))
 
 
 def _saved_layout(checkpoint: str, section: str) -> tuple[int, int] | None:

@@ -465,7 +465,8 @@ class Coordinator(CoordinatorIO):
         return self.checkpointer.commit(step, Manifest(
             step=step, pipeline=self.pipeline.to_dict(), sections=sections, sampler=self.sampler.position(step),
             costs=ledger.fitter.state() if ledger.fitter is not None else [], restarts=self.restarts,
-            counters={name: dict(sec["stage"]) for name, sec in row["sections"].items() if sec.get("stage")}))
+            counters={name: dict(sec["stage"]) for name, sec in row["sections"].items() if sec.get("stage")},
+            files={path: sums for info in infos.values() for path, sums in info.get("files", {}).items()}))
 
     def _not_written(self, folder: str, infos: dict[int, dict]) -> list[str]:
         """What the workers reported saving but this process cannot see (another node's local disk,

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from maestro_flow.checkpoint import manifest as mf
-from maestro_flow.checkpoint.checkpointer import Checkpointer, CheckpointOptions, resume_point
+from maestro_flow.checkpoint.checkpointer import Checkpointer, CheckpointOptions, check_files, resume_point
 from maestro_flow.errors import CheckpointError, PipelineError, Terminated, first_line, traceback_tail
 from maestro_flow.runtime import cpus
 from maestro_flow.runtime.build import load_pipeline
@@ -140,6 +140,7 @@ def _resume_from(options: RunOptions, pipeline: Any, metadata: Any) -> tuple[str
     if options.checkpoint.resume is None:
         return None
     folder, manifest = resume_point(options.checkpoint.resume)
+    check_files(folder, manifest, options.show_progress)
     problems = mf.incompatibilities(manifest, pipeline.to_dict())
     if problems:
         raise PipelineError(f"--resume {folder}: the checkpoint does not fit this pipeline: " + "; ".join(problems))
