@@ -31,13 +31,11 @@ import dataclasses
 import os
 import shutil
 import sys
-import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from maestro_flow.checkpoint import digest
 from maestro_flow.checkpoint import manifest as mf
 from maestro_flow.errors import CheckpointError, PipelineError
 from maestro_flow.runtime.outputs import hold_folder
@@ -339,21 +337,3 @@ def resume_point(path: str) -> tuple[str, mf.Manifest]:
         raise PipelineError(f"--resume {path}: no complete checkpoint there{hint}{checkpoints_note(path)}")
     return folder, mf.read(folder)
 
-
-def check_files(folder: str, manifest: mf.Manifest, show_progress: bool = False) -> None:
-    """Refuse a checkpoint whose files are not as its workers wrote them (their sizes and CRC-32s
-    in the manifest: digest), before any worker starts; one written before checksums were kept
-    has none to check."""
-    if not manifest.files:
-        return
-    start = time.monotonic()
-    problems = digest.problems(folder, manifest.files)
-    if problems:
-        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
-        raise PipelineError(f"--resume {folder}: {len(problems)} of its {len(manifest.files)} files are not as they "
-                            f"were saved: {'; '.join(problems[:3])}{more}{mf.earlier(folder)}")
-    took = time.monotonic() - start
-    if show_progress and took >= 2:  # (reading a large checkpoint back takes a while: say what it was)
-        size = sum(int(entry[0]) for entry in manifest.files.values())
-        print(f"checked the checksums of the checkpoint's {len(manifest.files)} files ({size / 2**30:.1f} GiB) "
-              f"in {took:.0f}s", file=sys.stderr, flush=True)

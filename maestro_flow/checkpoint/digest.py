@@ -6,14 +6,17 @@ writing (about 3 GB/s a core, from the page cache); the coordinator keeps them a
 manifest (`Manifest.files`). `--resume` checks them before any worker starts, over several
 threads, so a file flipped, overwritten or cut short on disk is refused naming it, instead of
 failing deep in torch's loader or, worse, training on from damaged values. CRC-32 finds damage,
-not tampering: a checkpoint is as trusted as the folder it is in. Pure (standard library only).
+not tampering: a checkpoint is as trusted as the folder it is in.
 """
 
 from __future__ import annotations
 
 import os
+import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
+
+from maestro_flow.errors import PipelineError
 
 CHUNK = 16 << 20  # bytes read at a time (zlib releases the GIL for each)
 
@@ -56,3 +59,17 @@ def problems(root: str, files: dict[str, list[int | str]], threads: int | None =
     with ThreadPoolExecutor(max_workers=workers) as pool:
         found = list(pool.map(check, sorted(files.items())))
     return [line for line in found if line is not None]
+
+
+def check(folder: str, files: dict[str, list[int | str]], what: str, hint: str = "") -> float:
+    """Refuse (PipelineError, `what` first, `hint` last) a checkpoint folder whose `files` are not
+    as they were written; returns the seconds the check took. Nothing to check (a checkpoint
+    written before checksums were kept) passes."""
+    start = time.monotonic()
+    found = problems(folder, files)
+    if found:
+        more = f" (and {len(found) - 3} more)" if len(found) > 3 else ""
+        verb = "is" if len(found) == 1 else "are"
+        raise PipelineError(f"{what}: {len(found)} of its {len(files)} files {verb} not as saved (checksums in its "
+                            f"manifest): {'; '.join(found[:3])}{more}{hint}")
+    return time.monotonic() - start

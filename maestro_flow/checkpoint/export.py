@@ -22,6 +22,7 @@ import torch
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.api import CheckpointException
 
+from maestro_flow.checkpoint import digest
 from maestro_flow.checkpoint import manifest as mf
 from maestro_flow.checkpoint.savedir import PIPELINE_FILE, readable, write_safetensors
 from maestro_flow.errors import PipelineError
@@ -122,6 +123,8 @@ def _read(source: str, section: str) -> tuple[dict[str, Any], dict[str, torch.Te
     if not os.path.isdir(os.path.join(folder, section)):
         raise PipelineError(f"--section {section}: {folder} holds no parameters for it (it has no trainable "
                             "parameters)")
+    digest.check(folder, {k: v for k, v in manifest.files.items() if k.startswith(f"{section}/")}, folder,
+                 mf.earlier(folder, move=False))  # the files it reads, as they were written
     try:
         return manifest.pipeline, _load_dcp(os.path.join(folder, section)), folder
     except (Exception, CheckpointException) as exc:  # DCP's CheckpointException is a BaseException

@@ -194,11 +194,13 @@ class RunReport:
         self.rows: list[dict[str, Any]] = []
         paths = [metrics_out] if isinstance(metrics_out, str) else list(metrics_out or ())
         self._metrics: list[tuple[Any, WriteGuard]] = []
+        self._paths: list[str] = []
         self._sinks = list(sinks)  # objects with step(row) and close()
         self.lost: dict[str, tuple[int, str]] = {}  # "metrics to FILE" -> (first step not written, why)
         try:
             opened = open_metrics(paths)  # every one locked first: a refusal leaves all of them as they were
             self._metrics = [(f, WriteGuard(f"metrics to {path}")) for path, f in opened]
+            self._paths = [path for path, _ in opened]
             for (path, f), (_, guard) in zip(opened, self._metrics, strict=True):
                 guard(start, f, path, resume_at)
         except BaseException:
@@ -211,6 +213,11 @@ class RunReport:
         self.gradless_said: set[str] = set()  # sections warned of (once each)
 
     def step(self, row: dict[str, Any]) -> None:
+        if self.rows and row["step"] <= self.rows[-1]["step"]:
+            # An automatic restart went back to its checkpoint: the files drop their rows from this
+            # step on, as --resume does (found in QA: they held those steps twice), and TensorBoard.
+            for path, (f, guard) in zip(self._paths, self._metrics, strict=True):
+                guard(start, f, path, row["step"])
         self.rows.append(row)
         line = json_line(row)
         for f, guard in self._metrics:

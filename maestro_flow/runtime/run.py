@@ -17,8 +17,9 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
+from maestro_flow.checkpoint import digest
 from maestro_flow.checkpoint import manifest as mf
-from maestro_flow.checkpoint.checkpointer import Checkpointer, CheckpointOptions, check_files, resume_point
+from maestro_flow.checkpoint.checkpointer import Checkpointer, CheckpointOptions, resume_point
 from maestro_flow.errors import CheckpointError, PipelineError, Terminated, first_line, traceback_tail
 from maestro_flow.runtime import cpus
 from maestro_flow.runtime.build import load_pipeline
@@ -140,7 +141,9 @@ def _resume_from(options: RunOptions, pipeline: Any, metadata: Any) -> tuple[str
     if options.checkpoint.resume is None:
         return None
     folder, manifest = resume_point(options.checkpoint.resume)
-    check_files(folder, manifest, options.show_progress)
+    took = digest.check(folder, manifest.files, f"--resume {folder}", mf.earlier(folder))
+    if took >= 2 and options.show_progress:  # (reading a large checkpoint back takes a while: said)
+        print(f"checked the checksums of the checkpoint's {len(manifest.files)} files in {took:.0f}s", file=sys.stderr)
     problems = mf.incompatibilities(manifest, pipeline.to_dict())
     if problems:
         raise PipelineError(f"--resume {folder}: the checkpoint does not fit this pipeline: " + "; ".join(problems))

@@ -4,8 +4,8 @@
 monotonic clock and converts them to microseconds on the coordinator's wall clock (the offset is
 measured at the handshake), so all processes share one time axis. Compute spans (forward,
 backward, waiting, gradient reduction, optimizer) are complete events ("X") on the compute
-track and nest; transfers overlap each other, so they are async events ("b"/"e") on the comm
-track. `TraceWriter` runs in the coordinator and streams events to the file as steps finish, so
+track and nest; transfers overlap each other, so they are async events ("b"/"e", with
+process-local ids) on the comm track. `TraceWriter` runs in the coordinator and streams events to the file as steps finish, so
 a run that fails still leaves a loadable trace.
 """
 
@@ -81,8 +81,8 @@ class TraceWriter:
             ev = {"ph": ph, "name": name, "cat": cat, "ts": round(ts, 3), "pid": pid, "tid": tid, "args": args}
             if ph == "X":
                 ev["dur"] = round(extra, 3)
-            else:
-                ev["id"] = extra
+            else:  # numbered per process: a process-local id (found in QA: a plain id is global, so
+                ev["id2"] = {"local": extra}  # viewers could pair one rank's begin with another's end)
             self._write(ev)
 
     def _write(self, ev: dict) -> None:

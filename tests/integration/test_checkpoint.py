@@ -368,8 +368,9 @@ def test_max_restarts_recovers_from_a_lost_or_hung_worker(small_data, uninterrup
     assert ("was killed by SIGKILL" if fault == "kill" else "heartbeat timeout") in stderr
     assert not wait_gone([victim], 10.0)
     assert_bitwise(params(tmp_path / "out"), uninterrupted["float32"][0])
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert rows[-1]["step"] == STEPS - 1 and rows[-1]["restarts"] == 1
+    for metrics in (tmp_path / "metrics.jsonl", run_dir / "metrics.jsonl"):  # one row a step (found in QA: twice)
+        rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+        assert [r["step"] for r in rows] == list(range(STEPS)) and rows[-1]["restarts"] == 1
     events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
     restarts = [e for e in events if "restart" in e]
     assert [e["restart"] for e in restarts] == [1] and restarts[0]["cause"]
@@ -384,6 +385,15 @@ def test_an_unreadable_checkpoint_is_a_clear_error(small_data, one_checkpoint, t
     data_file = next((broken / "step-00000002" / "student").glob("*.distcp"))
     data_file.write_bytes(data_file.read_bytes()[:100])  # truncated
     shutil.copytree(one_checkpoint / "step-00000002", broken / "step-00000001")  # an intact one before it
+    result = maestro(*args(small_data, "float32", "--resume", str(broken), steps=4), timeout=120)
+    assert result.returncode == 2, result.stderr[-2000:]  # refused by its checksums, before any worker starts
+    assert (f"error: --resume {broken / 'step-00000002'}: 1 of its 6 files is not as saved (checksums in its "
+            f"manifest): student/{data_file.name}: 100 bytes, ") in result.stderr, result.stderr[-2000:]
+    assert f"the complete checkpoint before it: {broken / 'step-00000001'}" in result.stderr
+    assert "workers" not in result.stderr
+    # One written before checksums were kept: the workers' loader finds it (a clear error too).
+    manifest = broken / "step-00000002" / "manifest.json"
+    manifest.write_text(json.dumps({k: v for k, v in json.loads(manifest.read_text()).items() if k != "files"}))
     result = maestro(*args(small_data, "float32", "--resume", str(broken), steps=4), timeout=120)
     assert result.returncode == 2, result.stderr[-2000:]
     assert f"cannot read the state of section 'student' ({data_file.parent}): " in result.stderr

@@ -110,6 +110,11 @@ def test_export_names_what_it_wrote_and_why_it_cannot_read(trained, tmp_path):
     data_file = next(broken.glob("step-*/student/*.distcp"))
     data_file.write_bytes(data_file.read_bytes()[:100])  # truncated
     result = maestro("export", str(broken), "--section", "student", "-o", str(tmp_path / "t"))
+    assert result.returncode == 2  # refused by the manifest's checksums
+    assert f"files is not as saved (checksums in its manifest): student/{data_file.name}: 100 bytes" in result.stderr
+    manifest = data_file.parent.parent / "manifest.json"  # one written before checksums were kept: DCP's reader
+    manifest.write_text(json.dumps({k: v for k, v in json.loads(manifest.read_text()).items() if k != "files"}))
+    result = maestro("export", str(broken), "--section", "student", "-o", str(tmp_path / "t"))
     assert result.returncode == 2
     line = result.stderr.strip().splitlines()[-1]
     assert f"cannot read section 'student' ({data_file.parent})" in line and "CheckpointException" not in line, line

@@ -40,8 +40,10 @@ def check_trace(trace: dict, plans: list[dict], sections: dict[str, int]) -> Non
                 assert e["ts"] + e["dur"] <= stack[-1] + 0.01, ("spans overlap without nesting", e)
             stack.append(e["ts"] + e["dur"])
     # Async transfer events: each begin has its end, not before it.
-    begins = {(e["pid"], e["id"]): e["ts"] for e in events if e["ph"] == "b"}
-    ends = {(e["pid"], e["id"]): e["ts"] for e in events if e["ph"] == "e"}
+    # Their ids are numbered per process, so process-local (a plain "id" is global: found in QA).
+    assert not any("id" in e for e in events if e["ph"] in "be")
+    begins = {(e["pid"], e["id2"]["local"]): e["ts"] for e in events if e["ph"] == "b"}
+    ends = {(e["pid"], e["id2"]["local"]): e["ts"] for e in events if e["ph"] == "e"}
     assert begins.keys() == ends.keys()
     assert all(ends[k] >= begins[k] for k in begins)
     # Every planned micro-batch ran: one forward span per (section replica, step, micro-batch).

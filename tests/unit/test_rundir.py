@@ -346,6 +346,26 @@ def test_a_resumed_run_goes_on_with_its_metrics_file(tmp_path):
     assert [(r["step"], r["loss"]) for r in rows] == [(0, 1.0), (1, 1.0), (2, 1.0), (3, 0.5), (4, 0.5), (5, 0.5)]
 
 
+def test_a_restart_replaces_the_rows_past_its_checkpoint(tmp_path):
+    """Found in QA: after an automatic restart (--max-restarts) the metrics files held the steps
+    since the checkpoint twice, where --resume replaces them; the summary still counts them."""
+    import io
+    import json
+
+    from maestro_flow.runtime.report import RunReport
+
+    paths = [tmp_path / "m.jsonl", tmp_path / "run" / "metrics.jsonl"]
+    paths[1].parent.mkdir()
+    report = RunReport(total_steps=6, metrics_out=[str(p) for p in paths], stream=io.StringIO(), show_progress=False)
+    for step, restarts in ((0, 0), (1, 0), (2, 0), (3, 0), (4, 0), (3, 1), (4, 1), (5, 1)):  # back to step 3
+        report.step({"step": step, "loss": 1.0 + restarts, "step_time_s": 0.1, "restarts": restarts})
+    report.close()
+    for path in paths:
+        rows = [json.loads(line) for line in path.read_text().splitlines()]
+        assert [(r["step"], r["restarts"]) for r in rows] == [(0, 0), (1, 0), (2, 0), (3, 1), (4, 1), (5, 1)]
+    assert report.summary().startswith("6 steps (2 replayed after restarts) in ")
+
+
 def test_a_fifo_given_as_metrics_file_gets_the_rows(tmp_path):
     """Found in review: the check before a run opened a FIFO and closed it, ending its reader's
     input, and the report then waited for a reader forever (reading it for the lock hung as well)."""
