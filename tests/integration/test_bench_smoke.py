@@ -275,6 +275,7 @@ def test_checkpoint_cost_tiny():
     for key in ("median_step_s", "median_step_s_with_checkpoints", "median_checkpoint_s", "overhead_fraction"):
         assert positive(out[key]), key
     assert out["checkpoint_bytes"] > 100_000
+    assert positive(out["checksum_gib_s"]["checksum"]) and positive(out["checksum_gib_s"]["read"])
 
 
 @needs_demo_data

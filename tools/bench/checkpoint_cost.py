@@ -7,8 +7,11 @@ coordinator holds back the next plans, every worker saves its part (DCP for the 
 student, RNG states for everyone), then the manifest is written; `checkpoint_s` in the metrics
 row is that whole pause. Reports the median step time of both runs (steps other than the first
 few), the median checkpoint pause, its size on disk, and the overhead: the pause per K steps as a
-share of K steps' time. Run from the repository root:
-    python -m tools.bench.checkpoint_cost [--tiny] [--rounds N] [--steps N] [--every K]
+share of K steps' time. Then what the checksums cost (checkpoint/digest.py: each worker reads
+back the files it wrote, and --resume reads them all): `digest.of` of a file of --digest-mib MiB
+against a plain read of the same file, alternately (both from the page cache), in GiB/s.
+Run from the repository root:
+    python -m tools.bench.checkpoint_cost [--tiny] [--rounds N] [--steps N] [--every K] [--digest-mib M]
 """
 
 from __future__ import annotations
@@ -33,10 +36,41 @@ def folder_bytes(root: str) -> int:
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(root) for f in files)
 
 
+def checksum_rates(mib: int, repeats: int) -> dict[str, float]:
+    """Median GiB/s of digest.of and of a plain read of one file of `mib` MiB, alternately."""
+    import time
+
+    from maestro_flow.checkpoint import digest
+
+    def plain(path: str) -> None:
+        with open(path, "rb") as f:
+            while f.read(digest.CHUNK):
+                pass
+
+    rates: dict[str, list[float]] = {"checksum": [], "read": []}
+    with tempfile.TemporaryDirectory(prefix="maestro-digest-bench-") as folder:
+        path = os.path.join(folder, "shard.bin")
+        with open(path, "wb") as f:
+            f.write(os.urandom(mib << 20))
+        for r in range(repeats):
+            for name in turns(("checksum", "read"), r):
+                start = time.perf_counter()
+                if name == "checksum":
+                    digest.of(path)
+                else:
+                    plain(path)
+                rates[name].append(mib / 1024 / (time.perf_counter() - start))
+    return {name: median(values) for name, values in rates.items()}
+
+
+def _options(ap: Any) -> None:
+    ap.add_argument("--every", type=int, help="checkpoint every K steps (default 5, tiny 2)")
+    ap.add_argument("--digest-mib", type=int, help="size of the file the checksum pass reads (default 256, tiny 8)")
+
+
 def main(argv: list[str] | None = None) -> dict:
     args, rounds, steps, warmup, sets = pipeline_bench_args(
-        argv, "tools.bench.checkpoint_cost", __doc__, rounds=3, steps=30, warmup=3, tiny_steps=4,
-        add=lambda ap: ap.add_argument("--every", type=int, help="checkpoint every K steps (default 5, tiny 2)"))
+        argv, "tools.bench.checkpoint_cost", __doc__, rounds=3, steps=30, warmup=3, tiny_steps=4, add=_options)
     every = args.every or (2 if args.tiny else 5)
     plain: list[float] = []
     with_ckpt: list[float] = []
@@ -64,6 +98,11 @@ def main(argv: list[str] | None = None) -> dict:
                 [[f"{step_s:.4f}", f"{out['median_step_s_with_checkpoints']:.4f}", f"{out['median_checkpoint_s']:.4f}",
                   "{:.4f}-{:.4f}".format(*out["checkpoint_s_iqr"]), f"{size / 2**20:.2f}",
                   f"{out['overhead_fraction']:.1%}"]]))
+    mib = args.digest_mib or (8 if args.tiny else 256)
+    out["checksum_gib_s"] = rates = checksum_rates(mib, 3 if args.tiny else 7)
+    print(f"checksums (digest.of) of a {mib} MiB file against a plain read of it, alternately, medians")
+    print(table(["checksum GiB/s", "plain read GiB/s", "checksum / read"],
+                [[f"{rates['checksum']:.2f}", f"{rates['read']:.2f}", f"{rates['checksum'] / rates['read']:.2f}"]]))
     return out
 
 
