@@ -181,13 +181,16 @@ def _rows_before(whole: bytes, step: int) -> bytes | None:
 class RunReport:
     def __init__(self, *, total_steps: int, metrics_out: str | Sequence[str] | None, stream: TextIO | None = None,
                  show_progress: bool = True, sinks: Sequence[Any] = (), resume_at: int | None = None,
-                 stop_on_nan: bool = False) -> None:
+                 stop_on_nan: bool = False, batches_per_epoch: int | None = None) -> None:
         """`resume_at`: the step a resumed run starts at. Its metrics files then go on where the
         checkpoint left them: the rows of earlier steps are kept, those of this step and later
         (steps run after the checkpoint, before the run stopped) are replaced by the new ones.
         `stop_on_nan`: `step` raises Diverged on the first row whose loss or gradient norm is not
-        finite (once it is written); without it the run is warned and goes on."""
+        finite (once it is written); without it the run is warned and goes on.
+        `batches_per_epoch`: each row gets its `epoch` (from 0), and the progress line shows it
+        when the run spans more than one (found in QA: the epoch was in no row and no line)."""
         self.total = total_steps
+        self.per_epoch = batches_per_epoch
         self.stream = stream or sys.stderr
         self.tty = self.stream.isatty()
         self.show = show_progress
@@ -218,6 +221,8 @@ class RunReport:
             # step on, as --resume does (found in QA: they held those steps twice), and TensorBoard.
             for path, (f, guard) in zip(self._paths, self._metrics, strict=True):
                 guard(start, f, path, row["step"])
+        if self.per_epoch:
+            row["epoch"] = row["step"] // self.per_epoch
         self.rows.append(row)
         line = json_line(row)
         for f, guard in self._metrics:
@@ -243,6 +248,8 @@ class RunReport:
         loss = row["loss"]
         loss_s = (f"{loss:.4f}" if isinstance(loss, float)
                   else " ".join(f"{k}={v:.4f}" for k, v in (loss or {}).items()))
+        if self.per_epoch and self.total > self.per_epoch:
+            loss_s = f"{loss_s}  epoch {row['epoch'] + 1}/{-(-self.total // self.per_epoch)}"
         if self.tty:
             width = 24
             filled = int(width * n / max(self.total, 1))

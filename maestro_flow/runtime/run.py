@@ -418,7 +418,7 @@ def _lead(pipeline: Any, original: Any, checked: Any, paths: Any, options: RunOp
                 print(f"tensorboard: {sinks[-1].log_dir}", file=sys.stderr)
         report = RunReport(total_steps=pipeline.steps, metrics_out=metrics, show_progress=options.show_progress,
                            sinks=sinks, resume_at=resume[1].step if resume else None,
-                           stop_on_nan=options.stop_on_nan)
+                           stop_on_nan=options.stop_on_nan, batches_per_epoch=sampler.per_epoch)
     except BaseException:
         checkpointer.close()
         if run_dir is not None:  # and the run dir's (found in review: held while node 0 told the other nodes)

@@ -366,6 +366,26 @@ def test_a_restart_replaces_the_rows_past_its_checkpoint(tmp_path):
     assert report.summary().startswith("6 steps (2 replayed after restarts) in ")
 
 
+def test_each_row_and_progress_line_gives_its_epoch(tmp_path):
+    """Found in QA: a multi-epoch run said its epoch in no metrics row and no progress line."""
+    import io
+    import json
+
+    from maestro_flow.runtime.report import RunReport
+
+    path, out = tmp_path / "m.jsonl", io.StringIO()
+    report = RunReport(total_steps=5, metrics_out=str(path), stream=out, batches_per_epoch=3)
+    for step in range(5):
+        report.step({"step": step, "loss": 1.0, "step_time_s": 0.1})
+    report.close()
+    assert [json.loads(line)["epoch"] for line in path.read_text().splitlines()] == [0, 0, 0, 1, 1]
+    assert "step 5/5  loss 1.0000  epoch 2/2  0.100 s/step" in out.getvalue()
+    one = io.StringIO()  # a run within one epoch: the line does not say it
+    RunReport(total_steps=2, metrics_out=None, stream=one, batches_per_epoch=3).step(
+        {"step": 0, "loss": 1.0, "step_time_s": 0.1})
+    assert "epoch" not in one.getvalue()
+
+
 def test_a_fifo_given_as_metrics_file_gets_the_rows(tmp_path):
     """Found in review: the check before a run opened a FIFO and closed it, ending its reader's
     input, and the report then waited for a reader forever (reading it for the lock hung as well)."""
