@@ -34,7 +34,7 @@ if (__name__ == "__main__" or os.path.basename((getattr(sys, "orig_argv", []) + 
 import click  # noqa: E402 (after the handler: importing it takes a while)
 
 from maestro_flow.cli_sets import set_options  # noqa: E402
-from maestro_flow.cli_signals import interrupts_after_imports, reader_gone  # noqa: E402
+from maestro_flow.cli_signals import interrupts_after_imports, outlive_readers, reader_gone  # noqa: E402
 from maestro_flow.errors import MaestroError, PipelineError, StageError, SystemFailure, first_line  # noqa: E402
 from maestro_flow.overrides import parse_set  # noqa: E402
 from maestro_flow.wording import count, skipped_note  # noqa: E402
@@ -235,6 +235,7 @@ def run(ctx: click.Context, pipeline: str, steps: int | None, sets: tuple[str, .
       maestro run PIPE --nnodes 2 --node-rank 0 --rdzv-endpoint node0:29400
       maestro run PIPE --nnodes 2 --node-rank 1 --rdzv-endpoint node0:29400
     """
+    ctx.call_on_close(outlive_readers())  # a closed output pipe does not stop the training
     if (nnodes or 1) > 1 and node_rank != 0 and "TORCH_CPP_LOG_LEVEL" not in os.environ:
         # An agent notices a lost node 0 by its store failing; c10d would log each failed call
         # with a C++ stack first. The agent's own message says what happened (workers keep the

@@ -7,7 +7,8 @@ module is being imported, Ctrl-C is only noted, and sent again to the main threa
 is over, where it is raised as usual. A second Ctrl-C while one is held is raised at once (an
 import that hangs can still be interrupted). Commands that catch KeyboardInterrupt themselves
 (`maestro run` stops its workers first) keep their own message. And a closed pipe on stdout
-(`maestro plan ... | head`) ends a command with exit 0 (`reader_gone`), not click's exit 1.
+(`maestro plan ... | head`) ends a command with exit 0 (`reader_gone`), not click's exit 1,
+except `maestro run`, which trains on without its output (`OutlivesReader`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 NATIVE = ("torch", "numpy", "pyarrow", "zmq", "nvidia", "transformers", "safetensors")
 
@@ -89,3 +90,54 @@ def reader_gone() -> bool:
     if gone:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return gone
+
+
+class OutlivesReader:
+    """A text stream (the terminal's stdout or stderr) whose reader may go away while a run trains
+    (`maestro run ... 2>&1 | tee log` whose tee dies, a log shipper stopped): the first write that
+    finds the pipe closed points its descriptor at the null device, and the output from then on
+    is dropped; the run goes on, and ends with the exit code of its training (found in QA: the run
+    stopped at the closed pipe, and exited 0). Its run directory still gets everything."""
+
+    def __init__(self, stream: object) -> None:
+        self._stream = stream
+        self.gone = False
+
+    def write(self, text: str) -> int:
+        if not self.gone:
+            try:
+                return self._stream.write(text)
+            except BrokenPipeError:
+                self._to_null()
+        return len(text)
+
+    def flush(self) -> None:
+        if not self.gone:
+            try:
+                self._stream.flush()
+            except BrokenPipeError:
+                self._to_null()
+
+    def _to_null(self) -> None:
+        import os
+
+        self.gone = True
+        with contextlib.suppress(OSError, ValueError, AttributeError):  # (no descriptor: just dropped)
+            null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(null, self._stream.fileno())
+            os.close(null)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._stream, name)
+
+
+def outlive_readers() -> Callable[[], None]:
+    """sys.stdout and sys.stderr as OutlivesReader, for a command that must not stop when its
+    output's reader goes (`maestro run`); returns what puts them back."""
+    saved = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = (s if s is None or isinstance(s, OutlivesReader) else OutlivesReader(s) for s in saved)
+
+    def restore() -> None:
+        sys.stdout, sys.stderr = saved
+
+    return restore

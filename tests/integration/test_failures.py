@@ -201,6 +201,23 @@ def _start_slow_run(demo_data, *more: str) -> tuple[subprocess.Popen, list[int]]
 
 
 
+def test_a_run_whose_output_reader_goes_trains_on(demo_data, tmp_path):
+    """Found in QA: `maestro run ... 2>&1 | head -3` stopped the run at the closed pipe (a tee or a
+    log shipper that dies under a scheduler) and exited 0; it now trains on without its output."""
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "maestro_flow.cli", "run", "pipelines/distill.py", "--steps", "12",
+                             "--set", f"data.path={demo_data}", "--set", "sections.student.dp=1", "--run-dir",
+                             str(run_dir)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        assert proc.stdout.readline().startswith(b"distill: ")
+        proc.stdout.close()  # as head does once it has its lines
+        assert proc.wait(timeout=100) == 0
+    finally:
+        proc.kill()
+    assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 12
+    assert json.loads((run_dir / "events.jsonl").read_text().splitlines()[-1])["ended"] == "done"
+
+
 def test_killing_the_coordinator_leaves_no_worker(demo_data):
     proc, workers = _start_slow_run(demo_data)
     everything = descendants(proc.pid)

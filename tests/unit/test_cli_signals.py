@@ -42,3 +42,24 @@ def test_a_held_interrupt_resent_into_another_import_is_held_again(monkeypatch):
         with pytest.raises(KeyboardInterrupt):
             handler(signal.SIGINT, None)  # a second one while held: raised at once
         importing[0] = False
+
+
+def test_a_stream_outlives_its_reader():
+    """OutlivesReader (maestro run's stdout and stderr): a closed pipe is pointed at the null
+    device at the first write that finds it closed, and the writes after it are dropped."""
+    import io
+    import os
+
+    from maestro_flow.cli_signals import OutlivesReader
+
+    read_end, write_end = os.pipe()
+    stream = OutlivesReader(io.TextIOWrapper(open(write_end, "wb", buffering=0), line_buffering=True))
+    stream.write("seen\n")
+    assert os.read(read_end, 100) == b"seen\n"
+    os.close(read_end)
+    assert stream.write("lost\n") == 5 and stream.gone
+    stream.write("also lost\n")
+    stream.flush()
+    assert os.readlink(f"/proc/self/fd/{write_end}") == os.devnull
+    assert stream.isatty() is False  # the rest is the stream's own
+    stream.close()
