@@ -10,18 +10,20 @@ access(2) answers EROFS; and an entry is made there and removed, since access(2)
 everywhere). A disk that fills up later is not foreseen here; the writers report that themselves.
 
 `hold_folder` locks a folder a job writes for as long as it runs (the run directory, the
-checkpoint directory): a second job given the same folder is refused rather than mixing its
-files with the first's.
+checkpoint directory, the --save-dir): a second job given the same folder is refused rather than
+mixing its files with the first's. `check_outputs` checks (and holds) every output of a run.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 from typing import Any
 
 from maestro_flow.checkpoint import manifest as mf
 from maestro_flow.errors import PipelineError
+from maestro_flow.runtime.report import hold, release_held
 
 
 def check_save_dir(save_dir: str, checkpoint_dir: str | None, pipeline: Any) -> None:
@@ -146,3 +148,53 @@ def hold_folder(path: str, refusal: str, name: str = LOCK, flag: str = "") -> An
         lock.close()
         return None
     return lock
+
+
+SAVE_LOCK = ".save.lock"  # a --save-dir's: held by the run that will write it
+_SAVING: list[tuple[str, Any, bool]] = []  # (folder, its lock, made by this run) until release_save_dir
+
+
+def hold_save_dir(path: str) -> None:
+    """Hold --save-dir `path` (made if need be) for this run until `release_save_dir`: a second
+    run given the same folder is refused before it starts (found in QA: two runs into one folder
+    both said they saved, and one's weights were lost, or another pipeline's stood beside them)."""
+    made = not os.path.isdir(path)
+    lock = hold_folder(path, f"--save-dir {path} is in use by a run still going (it holds {SAVE_LOCK} there): give "
+                             "each run a --save-dir of its own", SAVE_LOCK, "--save-dir")
+    if lock is not None:
+        _SAVING.append((path, lock, made))
+
+
+def release_save_dir() -> None:
+    """Let go of the --save-dir held; one this run made and left empty (refused or failed before
+    saving) is removed again."""
+    while _SAVING:
+        path, lock, made = _SAVING.pop()
+        if made:
+            with contextlib.suppress(OSError):
+                if os.listdir(path) == [SAVE_LOCK]:
+                    os.remove(os.path.join(path, SAVE_LOCK))
+                    os.rmdir(path)
+        lock.close()
+
+
+def check_outputs(options: Any, pipeline: Any, trace: str | None) -> None:
+    """Every path a run (RunOptions `options`; `trace`: where its trace goes) will write, checked
+    before any worker starts; its --metrics-out file and --save-dir are held from here on, until
+    the run takes them over or `release_outputs`."""
+    for flag, path, folder in (("--save-dir", options.save_dir, True), ("--checkpoint-dir", options.checkpoint.dir, True),
+                               ("--metrics-out", options.metrics_out, False), ("--trace", trace, False),
+                               ("--tensorboard", options.tensorboard, True), ("--run-dir", options.run_dir, True)):
+        if path:
+            check_writable(path, flag, folder=folder)
+    if options.save_dir:
+        check_save_dir(options.save_dir, options.checkpoint.dir, pipeline)
+        hold_save_dir(options.save_dir)
+    if options.metrics_out:  # found in review: refused after the run dir moved; locked until RunReport has it
+        hold(options.metrics_out)
+
+
+def release_outputs() -> None:
+    """Let go of what check_outputs held and no run has taken over."""
+    release_held()
+    release_save_dir()

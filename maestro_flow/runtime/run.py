@@ -28,9 +28,9 @@ from maestro_flow.runtime.coordinator import placement_for
 from maestro_flow.runtime.meeting import Meeting
 from maestro_flow.runtime.nodes import Nodes
 from maestro_flow.runtime.observe import RunObserver
-from maestro_flow.runtime.outputs import check_save_dir, check_writable
+from maestro_flow.runtime.outputs import check_outputs, release_outputs
 from maestro_flow.runtime.record import Steps
-from maestro_flow.runtime.report import RunReport, hold, release_held
+from maestro_flow.runtime.report import RunReport
 from maestro_flow.runtime.rundir import RunDir, default_run_dir, node_run_dir
 from maestro_flow.runtime.sampler import EpochSampler, data_fingerprint
 from maestro_flow.runtime.stops import catch_stops, release
@@ -254,19 +254,6 @@ def _trace_path(options: RunOptions) -> str | None:
     return options.trace
 
 
-def _check_outputs(options: RunOptions, pipeline: Any) -> None:
-    """Every path the run will write, checked before any worker starts (runtime/outputs)."""
-    for flag, path, folder in (("--save-dir", options.save_dir, True), ("--checkpoint-dir", options.checkpoint.dir, True),
-                               ("--metrics-out", options.metrics_out, False), ("--trace", _trace_path(options), False),
-                               ("--tensorboard", options.tensorboard, True), ("--run-dir", options.run_dir, True)):
-        if path:
-            check_writable(path, flag, folder=folder)
-    if options.save_dir:
-        check_save_dir(options.save_dir, options.checkpoint.dir, pipeline)
-    if options.metrics_out:  # found in review: refused after the run dir moved; locked until RunReport has it
-        hold(options.metrics_out)
-
-
 def run_pipeline(path: str, options: RunOptions) -> list[dict[str, Any]]:
     pipeline, paths = load_pipeline(path, options.overrides)
     checked = check_pipeline(pipeline)  # bad input is refused here, before any worker starts
@@ -312,7 +299,7 @@ def run_pipeline(path: str, options: RunOptions) -> list[dict[str, Any]]:
     try:
         return _lead(pipeline, original, checked, paths, options, nodes, host, secret, files, meeting)
     except BaseException as exc:
-        release_held()  # before node 0 waits to tell the other nodes (found in review)
+        release_outputs()  # before node 0 waits to tell the other nodes (found in review)
         if meeting is not None and not meeting.ended:
             wait_s = _end_wait_s()
             if isinstance(exc, KeyboardInterrupt):  # (and Terminated, once caught): not waiting for nodes to join
@@ -326,7 +313,7 @@ def run_pipeline(path: str, options: RunOptions) -> list[dict[str, Any]]:
                     release(previous)
         raise
     finally:
-        release_held()  # a --metrics-out that _check_outputs locked for a run refused before its report
+        release_outputs()  # what check_outputs held (a --metrics-out: for a run refused before its report)
         if meeting is not None:  # every agent has said goodbye, or will not
             meeting.close()
 
@@ -340,7 +327,7 @@ def _lead(pipeline: Any, original: Any, checked: Any, paths: Any, options: RunOp
         raise PipelineError("checkpoints, --resume, --max-restarts and --checkpoint-on-term are for section mode; "
                             "drop --colocated")  # they need (found in QA)
     ckpt.validate()
-    _check_outputs(options, original)  # (the baseline saves the original sections: their files)
+    check_outputs(options, original, _trace_path(options))  # (the baseline saves the original sections: their files)
     resume = _resume_from(options, pipeline, checked.metadata)
     if resume is not None and not ckpt.dir:  # found in QA: a resumed long job went on saving nothing, silently
         parent = os.path.dirname(os.path.abspath(resume[0]))
@@ -413,7 +400,8 @@ def _lead(pipeline: Any, original: Any, checked: Any, paths: Any, options: RunOp
 
             # One folder per run under DIR, as TensorBoard expects: `tensorboard --logdir DIR` shows
             # the runs side by side (two runs in one folder drew one curve, two points a step).
-            sinks.append(TensorBoardSink(default_run_dir(pipeline, root=options.tensorboard)))
+            sinks.append(TensorBoardSink(default_run_dir(pipeline, root=options.tensorboard,
+                                                         instead="give --tensorboard a writable folder")))
             if options.show_progress:
                 print(f"tensorboard: {sinks[-1].log_dir}", file=sys.stderr)
         report = RunReport(total_steps=pipeline.steps, metrics_out=metrics, show_progress=options.show_progress,

@@ -42,19 +42,25 @@ from maestro_flow.runtime.guard import WriteGuard
 from maestro_flow.runtime.outputs import LOCK, hold_folder
 
 
-def default_run_dir(pipeline: Pipeline, root: str = "runs") -> str:
+def default_run_dir(pipeline: Pipeline, root: str = "runs",
+                    instead: str = "pass --run-dir DIR somewhere writable, or --no-run-dir") -> str:
     """A new run directory, created here: mkdir either creates it or fails, so two runs started
-    in the same second cannot both take one name."""
+    in the same second cannot both take one name. One that cannot be made is refused in a line
+    ending with `instead` (found in QA: a read-only working folder ended in a traceback)."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    os.makedirs(root, exist_ok=True)
     n = 1
-    while True:
-        path = os.path.join(root, f"{pipeline.name}-{stamp}" + (f"-{n}" if n > 1 else ""))
-        try:
-            os.mkdir(path)
-            return path
-        except FileExistsError:
-            n += 1
+    try:
+        os.makedirs(root, exist_ok=True)
+        while True:
+            path = os.path.join(root, f"{pipeline.name}-{stamp}" + (f"-{n}" if n > 1 else ""))
+            try:
+                os.mkdir(path)
+                return path
+            except FileExistsError:
+                n += 1
+    except OSError as exc:
+        raise PipelineError(f"{os.path.abspath(root)}: cannot create a run directory there "
+                            f"({exc.strerror or exc}): {instead}") from None
 
 
 NODE = re.compile(r"node-[1-9][0-9]*")  # another node's folder (node_run_dir)

@@ -276,7 +276,14 @@ def _find_run(run_dir: str | None, root: str) -> str:
     live = [d for d in live if _live(d)]
     if not live:
         raise FileNotFoundError(f"no running pipeline under {root}/ (start one with maestro run, or name its run dir)")
-    return max(live, key=os.path.getmtime)
+    # The newest started (status.json's "started"), not the folder touched last (found in QA: a
+    # checkpoint's events.jsonl line made `top` jump to an older run)
+    return max(live, key=lambda d: (_started(d), os.path.getmtime(d)))
+
+
+def _started(run_dir: str) -> float:
+    started = _read(run_dir).get("started")
+    return float(started) if isinstance(started, (int, float)) else 0.0
 
 
 def _last_row(path: str, keep: Any = lambda row: True) -> dict | None:

@@ -755,3 +755,27 @@ def test_failed_saves_leave_at_most_the_newest_incomplete_folder(tmp_path):
     os.makedirs(tmp_path / "step-00000000030")
     go_on.begin(20)
     assert [s for s, _, _ in mf.checkpoints(str(tmp_path))] == [4, 20, 30]
+
+
+def test_a_save_dir_is_held_by_one_run(tmp_path):
+    """Found in QA: two runs given one --save-dir both said they saved; one's weights were lost,
+    or another pipeline's stood beside them. The second is refused before it starts; a folder the
+    run made and left empty goes with it."""
+    from maestro_flow.runtime.outputs import SAVE_LOCK, hold_save_dir, release_save_dir
+
+    made, kept = tmp_path / "made", tmp_path / "kept"
+    kept.mkdir()
+    hold_save_dir(str(made))
+    hold_save_dir(str(kept))
+    try:
+        for folder in (made, kept):
+            with pytest.raises(PipelineError, match=f"^--save-dir {folder} is in use by a run still going "
+                                                    rf"\(it holds {SAVE_LOCK} there\): give each run a --save-dir"):
+                hold_save_dir(str(folder))  # another open of the lock: what a second run does
+    finally:
+        release_save_dir()
+    assert not made.exists() and sorted(p.name for p in kept.iterdir()) == [SAVE_LOCK]  # not made here: kept
+    hold_save_dir(str(kept))  # free again
+    (kept / "lm.safetensors").write_bytes(b"")
+    release_save_dir()
+    assert (kept / "lm.safetensors").exists()

@@ -1066,3 +1066,18 @@ def test_the_baseline_warns_of_the_schedules_it_keeps(tmp_path, dataset):
                     "--set", "sections.student.optimizer.min_lr=0.001")  # refused after the warnings
     assert result.exit_code == 2, result.output
     assert "warning: sections.student.optimizer.min_lr=0.001 is not used" in result.stderr, result.stderr
+
+
+def test_a_save_dir_another_run_holds_is_refused_before_anything_starts(dataset, tmp_path):
+    """Found in QA: two runs into one --save-dir both said they saved (one's weights lost)."""
+    from maestro_flow.runtime.outputs import SAVE_LOCK, hold_folder
+
+    pipeline = str(Path(__file__).resolve().parents[2] / "pipelines" / "distill.py")
+    held = hold_folder(str(tmp_path / "sv"), "held", SAVE_LOCK)  # as the first run holds it
+    try:
+        result = CliRunner().invoke(main, ["run", pipeline, "--no-run-dir", "--save-dir", str(tmp_path / "sv"),
+                                           "--set", f"data.path={dataset}"])
+    finally:
+        held.close()
+    assert result.exit_code == 2, result.output
+    assert f"error: --save-dir {tmp_path / 'sv'} is in use by a run still going" in result.output

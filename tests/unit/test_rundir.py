@@ -30,6 +30,17 @@ def test_runs_started_in_the_same_second_get_their_own_directories(tmp_path):
     assert len(set(paths)) == 8 and all(os.path.isdir(p) for p in paths)
 
 
+def test_a_default_run_dir_that_cannot_be_made_is_one_line(tmp_path):
+    """Found in QA: a read-only working folder ended `maestro run` in a traceback (exit 1)."""
+    from maestro_flow.errors import PipelineError
+
+    (tmp_path / "file").write_text("")
+    with pytest.raises(PipelineError, match=rf"^{tmp_path / 'file' / 'runs'}: cannot create a run directory there "
+                                            r"\(Not a directory\): pass --run-dir DIR somewhere writable, or "
+                                            r"--no-run-dir$"):
+        default_run_dir(PIPELINE, str(tmp_path / "file" / "runs"))
+
+
 def test_a_reused_run_dir_sets_the_earlier_run_aside(tmp_path):
     path = str(tmp_path / "run")
     first = RunDir(path, PIPELINE, {})

@@ -107,6 +107,19 @@ def test_a_status_file_whose_coordinator_is_gone_is_stale(tmp_path):
         find_run(str(tmp_path / "nope"))  # found in review: "has no status.json: the run is not running"
 
 
+def test_top_watches_the_run_started_last_not_the_folder_touched_last(tmp_path):
+    """Found in QA: `maestro top` took the run whose folder changed last (a checkpoint's line in
+    events.jsonl), and jumped to an older run."""
+    runs = {}
+    for name, started in (("new", 2000.0), ("old", 1000.0)):  # the old one's folder is touched last
+        runs[name] = tmp_path / "runs" / name
+        runs[name].mkdir(parents=True)
+        (runs[name] / "status.json").write_text(json.dumps({"endpoint": "tcp://127.0.0.1:1", "pid": os.getpid(),
+                                                            "started": started}))
+    os.utime(runs["new"], (1, 1))
+    assert find_run(None, root=str(tmp_path / "runs")) == str(runs["new"])
+
+
 def test_top_waiting_for_a_run_dir_not_there_names_close_ones(tmp_path):
     """Found in QA: a typo'd RUN_DIR waited a minute for a run that would never start there."""
     from maestro_flow.runtime.status import NotYet
