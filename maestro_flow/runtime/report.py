@@ -84,7 +84,7 @@ def open_metrics(paths: Sequence[str]) -> list[tuple[str, Any]]:
                 f.close()
                 f = held
             opened.append((path, f))
-            if held is None and stat.S_ISREG(st.st_mode) and not _lock(f):
+            if held is None and stat.S_ISREG(st.st_mode) and not lock_file(f):
                 raise PipelineError(f"--metrics-out {path}: another run is writing this file (give each run its own)")
     except BaseException:
         for _, f in opened:
@@ -93,7 +93,7 @@ def open_metrics(paths: Sequence[str]) -> list[tuple[str, Any]]:
     return opened
 
 
-def _lock(f: Any) -> bool:
+def lock_file(f: Any) -> bool:
     """Lock `f` for this run: False where another run holds it. A file system without locks
     (NFS without its lock daemon) is written unlocked, as before locks were taken."""
     try:
@@ -125,7 +125,7 @@ def hold(path: str) -> None:
     if not stat.S_ISREG(st.st_mode) or (st.st_dev, st.st_ino) in _HELD:
         f.close()
         return
-    if not _lock(f):
+    if not lock_file(f):
         f.close()
         raise PipelineError(f"--metrics-out {path}: another run is writing this file (give each run its own)")
     _HELD[(st.st_dev, st.st_ino)] = f

@@ -13,11 +13,14 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import threading
 import time
 from typing import Any
 
+from maestro_flow.errors import PipelineError
 from maestro_flow.runtime.guard import WriteGuard
+from maestro_flow.runtime.report import lock_file
 
 COMPUTE, COMM = 0, 1  # thread ids within a process's track
 Event = list  # [ph, name, cat, ts_us, dur_us_or_id, tid, args]
@@ -65,7 +68,12 @@ class TraceWriter:
         self.path = path
         if os.path.dirname(path):
             os.makedirs(os.path.dirname(path), exist_ok=True)  # as --metrics-out does
-        self._f = open(path, "w")  # noqa: SIM115 (closed in close())
+        self._f = open(path, "a")  # noqa: SIM115 (closed in close()); emptied once it is this run's
+        if stat.S_ISREG(os.fstat(self._f.fileno()).st_mode):
+            if not lock_file(self._f):  # found in QA: two runs given one --trace both wrote it
+                self._f.close()
+                raise PipelineError(f"--trace {path}: another run is writing this file (give each run its own)")
+            self._f.truncate(0)
         self._guard = WriteGuard(f"the trace to {path}")  # a full disk ends the trace, not the run
         self._guard(self._f.write, '{"displayTimeUnit": "ms", "traceEvents": [\n')
         self._first = True
