@@ -99,6 +99,9 @@ def plan_one_step(path: str, overrides: dict[str, Any], *, step: int = 0, trace_
         samples = EpochSampler(checked.metadata, pipeline.global_batch, pipeline.seed,
                                shuffle=pipeline.data.shuffle).batch(step)
         warnings = [*checked.warnings, *checked.data_warnings]
+    if step >= pipeline.steps:  # found in QA: planned in silence (a step the run never reaches)
+        warnings = [*warnings, f"--step {step} is past the run's last step (index {pipeline.steps - 1}, steps="
+                               f"{pipeline.steps}): planned all the same, as a run with more steps would"]
     for text in warnings:
         warn(text)
     costs = CostModel(costs={n: s.cost for n, s in graph.sections.items()})

@@ -46,6 +46,20 @@ def test_trace_plans_every_sample_and_simulates(tmp_path):
     assert 0 <= sim["critical_busy_fraction"] <= 1
 
 
+def test_a_step_past_the_runs_last_is_planned_with_a_warning(tmp_path):
+    """Found in QA: `maestro plan --step 1000000` of a 30-step pipeline said nothing of it."""
+    trace = tmp_path / "samples.jsonl"
+    write_trace(trace)
+    result = CliRunner().invoke(main, ["plan", str(ROOT / "pipelines" / "vlm.py"), "--trace-in", str(trace),
+                                       "--set", "steps=3", "--step", "3"])
+    assert result.exit_code == 0, result.output
+    assert ("warning: --step 3 is past the run's last step (index 2, steps=3): planned all the same"
+            in result.stderr)
+    result = CliRunner().invoke(main, ["plan", str(ROOT / "pipelines" / "vlm.py"), "--trace-in", str(trace),
+                                       "--set", "steps=3", "--step", "2"])
+    assert result.exit_code == 0 and "past the run's last step" not in result.stderr
+
+
 def test_wavefront_beats_fifo_on_the_same_trace(tmp_path):
     trace = tmp_path / "samples.jsonl"
     write_trace(trace)
