@@ -15,6 +15,10 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+from maestro_flow.cli_signals import reopen_closed_streams
+
+reopen_closed_streams()  # first: before anything opens a file on the descriptor of a closed stdout or stderr
+
 
 def _interrupted_early(signum: int, frame: object) -> None:
     """Ctrl-C before a command runs (the imports below, click's parsing): nothing started, nothing
@@ -97,6 +101,7 @@ class _Main(click.Group):
 
     def invoke(self, ctx: click.Context) -> Any:
         from maestro_flow.runtime.build import imports_once
+
 
         if signal.getsignal(signal.SIGINT) is _interrupted_early:  # the command's own handling from here
             signal.signal(signal.SIGINT, signal.default_int_handler)

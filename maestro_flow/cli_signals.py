@@ -141,3 +141,24 @@ def outlive_readers() -> Callable[[], None]:
         sys.stdout, sys.stderr = saved
 
     return restore
+
+
+def reopen_closed_streams() -> None:
+    """A command started with stdout or stderr closed (`maestro run ... 2>&-`: Python then has no
+    sys.stderr) writes it to the null device (found in QA: the run ended with exit 1 and no word,
+    on the missing stream, and its workers could not start). Called as the CLI is imported, before
+    any file could take the closed descriptor's number."""
+    import os
+
+    for fd, name in ((1, "stdout"), (2, "stderr")):
+        if getattr(sys, name) is not None:
+            continue
+        try:
+            os.fstat(fd)
+        except OSError:
+            null = os.open(os.devnull, os.O_WRONLY)
+            if null != fd:
+                os.dup2(null, fd)
+                os.close(null)
+            os.set_inheritable(fd, True)  # (os.open's is not: the workers would start with it closed)
+        setattr(sys, name, open(fd, "w", buffering=1, closefd=False))  # noqa: SIM115 (the process's own)

@@ -38,12 +38,10 @@ from typing import Any
 
 from maestro_flow.checkpoint import manifest as mf
 from maestro_flow.errors import CheckpointError, PipelineError
-from maestro_flow.runtime.outputs import hold_folder
+from maestro_flow.runtime.outputs import CKPT_LOCK, hold_folder
 
 ON_ERROR = ("stop", "continue")
 LEGACY = "legacy"  # the lineage of a training whose first checkpoints were written without one
-# Its own lock file, not the run directory's: one folder may serve as both (found in review).
-CKPT_LOCK = ".checkpoints.lock"
 _UNREADABLE = object()  # a complete checkpoint whose manifest cannot be read: never resumed from
 
 

@@ -123,8 +123,8 @@ def _read(source: str, section: str) -> tuple[dict[str, Any], dict[str, torch.Te
     if not os.path.isdir(os.path.join(folder, section)):
         raise PipelineError(f"--section {section}: {folder} holds no parameters for it (it has no trainable "
                             "parameters)")
-    digest.check(folder, {k: v for k, v in manifest.files.items() if k.startswith(f"{section}/")}, folder,
-                 mf.earlier(folder, move=False))  # the files it reads, as they were written
+    digest.check(folder, {k: v for k, v in manifest.files.items() if k.startswith(f"{section}/")},
+                 f"{folder} (section {section})", mf.earlier(folder, move=False))  # the files it reads, as written
     try:
         return manifest.pipeline, _load_dcp(os.path.join(folder, section)), folder
     except (Exception, CheckpointException) as exc:  # DCP's CheckpointException is a BaseException

@@ -68,6 +68,11 @@ class Manifest:
     def from_dict(data: dict[str, Any]) -> Manifest:
         if data.get("format") != FORMAT:
             raise PipelineError(f"checkpoint format {data.get('format')!r} is not this version's ({FORMAT})")
+        files = data.get("files", {})  # (found in review: a damaged one ended in a traceback where it was used)
+        if not isinstance(files, dict) or not all(
+                isinstance(v, list) and len(v) == 2 and isinstance(v[0], int) and isinstance(v[1], str)
+                for v in files.values()):
+            raise ValueError("its files are not {path: [size, CRC-32]}")
         return Manifest(**{k: data[k] for k in ("step", "pipeline", "sections", "sampler", "costs", "restarts",
                                                 "counters", "lineage", "files", "format") if k in data})
 

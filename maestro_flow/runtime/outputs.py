@@ -124,6 +124,10 @@ def _why(path: str) -> str:
 
 
 LOCK = ".lock"  # held (flock) by the job that uses the folder, for as long as it runs
+# Each output's own lock file, not the run directory's: one folder may serve as two (found in review).
+CKPT_LOCK = ".checkpoints.lock"  # a --checkpoint-dir's (Checkpointer.claim)
+SAVE_LOCK = ".save.lock"  # a --save-dir's (hold_save_dir)
+LOCKS = (LOCK, CKPT_LOCK, SAVE_LOCK)  # never moved aside (RunDir's set_aside: found in review)
 
 
 def hold_folder(path: str, refusal: str, name: str = LOCK, flag: str = "") -> Any:
@@ -150,31 +154,35 @@ def hold_folder(path: str, refusal: str, name: str = LOCK, flag: str = "") -> An
     return lock
 
 
-SAVE_LOCK = ".save.lock"  # a --save-dir's: held by the run that will write it
-_SAVING: list[tuple[str, Any, bool]] = []  # (folder, its lock, made by this run) until release_save_dir
+_SAVING: list[tuple[str, Any, str | None]] = []  # (folder, its lock, made by this run) until release_save_dir
 
 
 def hold_save_dir(path: str) -> None:
     """Hold --save-dir `path` (made if need be) for this run until `release_save_dir`: a second
     run given the same folder is refused before it starts (found in QA: two runs into one folder
     both said they saved, and one's weights were lost, or another pipeline's stood beside them)."""
-    made = not os.path.isdir(path)
+    made, parent = None, os.path.abspath(path)  # made: the outermost folder this run makes
+    while not os.path.exists(parent):
+        made, parent = parent, os.path.dirname(parent)
     lock = hold_folder(path, f"--save-dir {path} is in use by a run still going (it holds {SAVE_LOCK} there): give "
                              "each run a --save-dir of its own", SAVE_LOCK, "--save-dir")
     if lock is not None:
-        _SAVING.append((path, lock, made))
+        _SAVING.append((os.path.abspath(path), lock, made))
 
 
 def release_save_dir() -> None:
-    """Let go of the --save-dir held; one this run made and left empty (refused or failed before
-    saving) is removed again."""
+    """Let go of the --save-dir held; the folders this run made for it, left empty (the run was
+    refused or failed before saving), are removed again."""
     while _SAVING:
         path, lock, made = _SAVING.pop()
-        if made:
-            with contextlib.suppress(OSError):
-                if os.listdir(path) == [SAVE_LOCK]:
-                    os.remove(os.path.join(path, SAVE_LOCK))
+        with contextlib.suppress(OSError):
+            if made is not None and os.listdir(path) == [SAVE_LOCK]:
+                os.remove(os.path.join(path, SAVE_LOCK))
+                while True:  # up to the outermost one made, while empty (rmdir refuses one that is not)
                     os.rmdir(path)
+                    if path == made:
+                        break
+                    path = os.path.dirname(path)
         lock.close()
 
 

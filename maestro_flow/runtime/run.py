@@ -141,9 +141,6 @@ def _resume_from(options: RunOptions, pipeline: Any, metadata: Any) -> tuple[str
     if options.checkpoint.resume is None:
         return None
     folder, manifest = resume_point(options.checkpoint.resume)
-    took = digest.check(folder, manifest.files, f"--resume {folder}", mf.earlier(folder))
-    if took >= 2 and options.show_progress:  # (reading a large checkpoint back takes a while: said)
-        print(f"checked the checksums of the checkpoint's {len(manifest.files)} files in {took:.0f}s", file=sys.stderr)
     problems = mf.incompatibilities(manifest, pipeline.to_dict())
     if problems:
         raise PipelineError(f"--resume {folder}: the checkpoint does not fit this pipeline: " + "; ".join(problems))
@@ -153,6 +150,9 @@ def _resume_from(options: RunOptions, pipeline: Any, metadata: Any) -> tuple[str
     if manifest.step >= pipeline.steps:
         raise PipelineError(f"--resume {folder}: the checkpoint is at step {manifest.step}, and the run has "
                             f"steps={pipeline.steps} in all (--steps is the total; raise it to train further)")
+    took = digest.check(folder, manifest.files, f"--resume {folder}", mf.earlier(folder))  # after the cheap checks
+    if took >= 2 and options.show_progress:  # (reading a large checkpoint back takes a while: said)
+        print(f"checked the checksums of the checkpoint's {len(manifest.files)} files in {took:.0f}s", file=sys.stderr)
     return folder, manifest
 
 

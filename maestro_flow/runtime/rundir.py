@@ -39,7 +39,7 @@ from maestro_flow.config import Pipeline
 from maestro_flow.errors import PipelineError
 from maestro_flow.runtime import status
 from maestro_flow.runtime.guard import WriteGuard
-from maestro_flow.runtime.outputs import LOCK, hold_folder
+from maestro_flow.runtime.outputs import LOCK, LOCKS, hold_folder
 
 
 def default_run_dir(pipeline: Pipeline, root: str = "runs",
@@ -74,7 +74,7 @@ def node_run_dir(run_dir: str, node_rank: int) -> str:
 def set_aside(path: str) -> str | None:
     """Move what an earlier run left in `path` into path/previous-N; the folder it went to.
     Other nodes' folders stay: each node sets aside its own, and may be using it already."""
-    entries = [e for e in os.listdir(path) if not e.startswith("previous-") and e != LOCK and not NODE.fullmatch(e)] \
+    entries = [e for e in os.listdir(path) if not e.startswith("previous-") and e not in LOCKS and not NODE.fullmatch(e)] \
         if os.path.isdir(path) else []
     if not entries:
         return None

@@ -56,8 +56,10 @@ class StatusServer:
         self.path = os.path.join(run_dir, "status.json") if run_dir else None
         if self.path:
             try:
-                _write_atomic(self.path, {"endpoint": self.endpoint, "pid": os.getpid(),
-                                          "pid_start": start_ticks(os.getpid()), "started": time.time()})
+                before = _read(run_dir)  # an automatic restart's: the run's start stays (found in review)
+                me = {"pid": os.getpid(), "pid_start": start_ticks(os.getpid())}
+                started = before.get("started") if all(before.get(k) == v for k, v in me.items()) else None
+                _write_atomic(self.path, {"endpoint": self.endpoint, **me, "started": started or time.time()})
             except OSError as exc:  # output never takes training down: only `maestro top` loses the run
                 print(f"maestro: cannot write {self.path} ({exc.strerror or exc}); `maestro top` will not find "
                       "this run", file=sys.stderr, flush=True)

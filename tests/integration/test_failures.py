@@ -218,6 +218,18 @@ def test_a_run_whose_output_reader_goes_trains_on(demo_data, tmp_path):
     assert json.loads((run_dir / "events.jsonl").read_text().splitlines()[-1])["ended"] == "done"
 
 
+def test_a_run_started_with_stderr_closed_trains(demo_data, tmp_path):
+    """Found in QA: `maestro run ... 2>&-` ended with exit 1 and no word (Python has no sys.stderr
+    then, and the workers started with the descriptor closed)."""
+    run_dir = tmp_path / "run"
+    result = subprocess.run([sys.executable, "-m", "maestro_flow.cli", "run", "pipelines/distill.py", "--steps", "2",
+                             "--set", f"data.path={demo_data}", "--set", "sections.student.dp=1", "--run-dir",
+                             str(run_dir)], cwd=ROOT, stdout=subprocess.PIPE, preexec_fn=lambda: os.close(2),
+                            timeout=100)
+    assert result.returncode == 0
+    assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 2
+
+
 def test_killing_the_coordinator_leaves_no_worker(demo_data):
     proc, workers = _start_slow_run(demo_data)
     everything = descendants(proc.pid)

@@ -779,3 +779,39 @@ def test_a_save_dir_is_held_by_one_run(tmp_path):
     (kept / "lm.safetensors").write_bytes(b"")
     release_save_dir()
     assert (kept / "lm.safetensors").exists()
+    hold_save_dir(str(tmp_path / "a" / "b" / "c"))  # every folder it made goes (found in review: the last only)
+    release_save_dir()
+    assert not (tmp_path / "a").exists()
+
+
+def test_a_folder_that_is_two_outputs_keeps_its_locks_in_place(tmp_path):
+    """Found in review: --run-dir and --save-dir one folder: the run dir moved the save dir's lock
+    aside with an earlier run's files, so a second run could take the folder (and a fresh one was
+    said to hold an earlier run's files)."""
+    from maestro_flow.runtime.outputs import SAVE_LOCK, hold_save_dir, release_save_dir
+    from maestro_flow.runtime.rundir import set_aside
+
+    both = tmp_path / "both"
+    hold_save_dir(str(both))
+    try:
+        assert set_aside(str(both)) is None  # nothing of an earlier run: the lock is this run's
+        (both / "old.txt").write_text("")
+        aside = set_aside(str(both))
+        assert sorted(os.listdir(aside)) == ["old.txt"] and (both / SAVE_LOCK).exists()
+        with pytest.raises(PipelineError, match="is in use by a run still going"):
+            hold_save_dir(str(both))
+    finally:
+        release_save_dir()
+
+
+def test_a_damaged_list_of_checksums_is_an_unreadable_manifest(tmp_path):
+    """Found in review: a manifest whose "files" was not {path: [size, crc]} ended in a traceback."""
+    from maestro_flow.checkpoint import manifest as mf
+
+    for files in ({"student/.metadata": 5}, ["student/.metadata"], {"x": [1]}):
+        mf.write(str(tmp_path), mf.Manifest(step=1, pipeline={}, sections={}, sampler={}, files={}))
+        data = json.loads((tmp_path / mf.MANIFEST).read_text())
+        (tmp_path / mf.MANIFEST).write_text(json.dumps({**data, "files": files}))
+        with pytest.raises(PipelineError, match=r"unreadable checkpoint manifest \(its files are not \{path: "
+                                                r"\[size, CRC-32\]\}\)"):
+            mf.read(str(tmp_path))

@@ -120,6 +120,27 @@ def test_top_watches_the_run_started_last_not_the_folder_touched_last(tmp_path):
     assert find_run(None, root=str(tmp_path / "runs")) == str(runs["new"])
 
 
+def test_a_restart_keeps_the_runs_start_in_its_status_file(tmp_path):
+    """Found in review: each attempt's status server wrote a new "started", so after an automatic
+    restart `top` took an older run for the one started last. Another process's file is not kept."""
+    import time
+
+    from maestro_flow.runtime.status import StatusServer
+
+    first = StatusServer(str(tmp_path))
+    started = json.loads((tmp_path / "status.json").read_text())["started"]
+    first.close()
+    time.sleep(0.01)
+    again = StatusServer(str(tmp_path))  # the restarted attempt, in the same process
+    again.close()
+    assert json.loads((tmp_path / "status.json").read_text())["started"] == started
+    record = json.loads((tmp_path / "status.json").read_text())
+    (tmp_path / "status.json").write_text(json.dumps({**record, "pid_start": record["pid_start"] - 1}))
+    other = StatusServer(str(tmp_path))  # a file another process left: this run's own start
+    other.close()
+    assert json.loads((tmp_path / "status.json").read_text())["started"] > started
+
+
 def test_top_waiting_for_a_run_dir_not_there_names_close_ones(tmp_path):
     """Found in QA: a typo'd RUN_DIR waited a minute for a run that would never start there."""
     from maestro_flow.runtime.status import NotYet
