@@ -123,8 +123,9 @@ def _read(source: str, section: str) -> tuple[dict[str, Any], dict[str, torch.Te
     if not os.path.isdir(os.path.join(folder, section)):
         raise PipelineError(f"--section {section}: {folder} holds no parameters for it (it has no trainable "
                             "parameters)")
+    again = f"maestro export {{}} --section {section}"  # what to run on the checkpoint before a damaged one
     digest.check(folder, {k: v for k, v in manifest.files.items() if k.startswith(f"{section}/")},
-                 f"{folder} (section {section})", mf.earlier(folder, move=False))  # the files it reads, as written
+                 f"{folder} (section {section})", mf.earlier(folder, move=False, use=again))  # the files it reads
     try:
         return manifest.pipeline, _load_dcp(os.path.join(folder, section)), folder
     except (Exception, CheckpointException) as exc:  # DCP's CheckpointException is a BaseException
@@ -132,8 +133,9 @@ def _read(source: str, section: str) -> tuple[dict[str, Any], dict[str, torch.Te
 
         if interrupted(exc):  # Ctrl-C while reading: not a damaged checkpoint
             raise KeyboardInterrupt from None
+        cause = SectionState.cause(exc).strip().splitlines()[0]
         raise PipelineError(f"{folder}: cannot read section {section!r} ({os.path.join(folder, section)}): "
-                            f"{SectionState.cause(exc).strip().splitlines()[0]}{mf.earlier(folder, move=False)}") from None
+                            f"{cause}{mf.earlier(folder, move=False, use=again)}") from None
 
 
 def _saved(source: str, pipeline: dict[str, Any]) -> list[str]:

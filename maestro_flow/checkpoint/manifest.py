@@ -131,17 +131,18 @@ def _numbers(value: Any) -> Any:
     return float(value) if abs(value) < 2**53 else value
 
 
-def earlier(checkpoint: str, *, move: bool = True) -> str:
+def earlier(checkpoint: str, *, move: bool = True, use: str = "--resume {}") -> str:
     """Where to go back to when `checkpoint` cannot be read: the newest complete one before it
     (found in QA: a damaged manifest named none). `move`: the damaged one still counts as a
     checkpoint past it (its manifest reads), so a --checkpoint-dir holding it is refused until it
-    is moved away (found in QA: that refusal then advised resuming from the damaged one)."""
+    is moved away (found in QA: that refusal then advised resuming from the damaged one). `use`:
+    what to do with it, "{}" the folder (found in QA: an export was advised to --resume)."""
     here = os.path.abspath(checkpoint)
     before = [folder for _, folder, ok in checkpoints(os.path.dirname(here)) if ok and folder < here]
     if not before:
         return ""
     then = f"; with --checkpoint-dir {os.path.dirname(here)}, first move {here} away" if move else ""
-    return f"; the complete checkpoint before it: {before[-1]} (--resume {before[-1]}{then})"
+    return f"; the complete checkpoint before it: {before[-1]} ({use.format(before[-1])}{then})"
 
 
 def checkpoints(root: str) -> list[tuple[int, str, bool]]:

@@ -617,6 +617,15 @@ def test_where_to_go_on_from_is_this_training_s_newest_checkpoint(tmp_path, monk
     ck._CLAIMED = None
 
 
+def test_the_checkpoint_before_a_damaged_one_is_given_with_what_to_run(tmp_path):
+    """Found in QA: a damaged checkpoint's export was advised to --resume from the one before."""
+    before = save(tmp_path, 2)
+    after = save(tmp_path, 4)
+    assert mf.earlier(after, move=False) == f"; the complete checkpoint before it: {before} (--resume {before})"
+    assert mf.earlier(after, move=False, use="maestro export {} --section lm") == (
+        f"; the complete checkpoint before it: {before} (maestro export {before} --section lm)")
+
+
 @pytest.mark.parametrize("content", [b"{not json", b"\xff\xfe\x00garbage", b"[1, 2]"], ids=["json", "binary", "list"])
 def test_a_damaged_manifest_names_the_checkpoint_before_it(tmp_path, content):
     """Found in QA: a damaged manifest.json in the newest checkpoint named no checkpoint to go back
