@@ -117,8 +117,8 @@ def stage(ctx: click.Context, pipeline: str, section: str, run_dir: str | None, 
         rerun = "" if use_pdb else " (rerun with --pdb to debug it)"  # found in QA: said after --pdb's session too
         # Found in QA: `hidden=128` for a [T, D] input raised in the stage with no word on the random inputs.
         given = " ".join(f"--input-shape {shape}" for shape in input_shapes)
-        shapes = (f" (on random inputs, {given}: their last dimension is checked against the width the stage "
-                  "reads, not their number of dimensions)") if input_shapes else ""
+        shapes = (f" (on random inputs, {given}: only their last dimension is checked, against the width a stage "
+                  "declares with input_widths, and never their number of dimensions)") if input_shapes else ""
         click.echo(f"error: section {section!r} raised {type(exc).__name__}: {exc}{shapes}{rerun}", err=True)
         sys.exit(3)
     sys.exit(code)

@@ -360,6 +360,14 @@ def output_problem(out: Any, *, section: str, stage: str, num_samples: int, carr
     return None
 
 
+def detached_loss(section: str, stage: str) -> str:
+    """The error for a trainable section's "loss" that has no gradient (section mode and
+    `maestro stage` alike: found in QA, `stage` passed one that a run refuses)."""
+    return (f"section {section!r}: {stage}.forward returned 'loss' with no gradient (detached, computed under "
+            "torch.no_grad(), or an integer tensor): it must be computed from the section's outputs, so that it can "
+            "train it")
+
+
 UNREAD_LOSS = ("which nothing reads: only a terminal trainable section's loss trains (to add this one, send it per "
                "sample on an edge to that section and add it to its loss there)")
 

@@ -56,7 +56,7 @@ from maestro_flow.runtime.record import Recorder
 from maestro_flow.runtime.step_end import StepEnd
 from maestro_flow.runtime.trace import Tracer
 from maestro_flow.samples import SampleMeta
-from maestro_flow.stage import MicroBatch, Stage, output_problem, warn_unread_loss
+from maestro_flow.stage import MicroBatch, Stage, detached_loss, output_problem, warn_unread_loss
 from maestro_flow.transport.tensor_comm import Comm
 
 Report = Callable[[str, dict[str, Any]], None]
@@ -372,9 +372,7 @@ class SectionExecutor(StepEnd, Prefetch):
         st.denominator += float(denom.detach() if isinstance(denom, torch.Tensor) else denom)
         if self.trainable:
             if not loss.requires_grad:  # found in QA: torch's own error, from a frame of the runtime
-                raise StageFault("backward", st.step, f"section {self.name!r}: {self.section.stage}.forward returned "
-                                 "'loss' with no gradient (detached, computed under torch.no_grad(), or an integer "
-                                 "tensor): it must be computed from the section's outputs, so that it can train it")
+                raise StageFault("backward", st.step, detached_loss(self.name, self.section.stage))
             try:
                 loss.backward()  # unscaled: gradients are divided by the global denominator at step end
             except STAGE_RAISES:

@@ -29,7 +29,7 @@ from maestro_flow.runtime.build import build_stage, default_dtype, open_source, 
 from maestro_flow.runtime.checks import check_token_limits
 from maestro_flow.runtime.precision import autocast_dtype, compute
 from maestro_flow.runtime.record import restore_rng
-from maestro_flow.stage import MicroBatch, output_problem
+from maestro_flow.stage import MicroBatch, detached_loss, output_problem
 
 SIZES = {"T": "num_tokens", "P": "num_patches", "F": "num_frames"}  # --input-shape's per-sample dimensions
 
@@ -153,6 +153,8 @@ class SectionRunner:
         loss = out.get("loss")
         if isinstance(loss, torch.Tensor) and loss.requires_grad:
             return loss.sum(), "loss"
+        if isinstance(loss, torch.Tensor) and self.is_loss:  # a run refuses it too (found in QA: `stage` passed it)
+            raise StageOutputError(detached_loss(self.name, self.section.stage))
         total = None
         for value in out.values():
             for x in value if isinstance(value, (list, tuple)) else [value]:

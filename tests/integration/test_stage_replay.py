@@ -291,8 +291,9 @@ def test_flags_that_do_not_apply_are_refused(data, tmp_path):
     # Found in QA: a shape of the wrong rank raised in the stage, with no word on the random inputs.
     rank = CliRunner().invoke(stage, [DISTILL, "student", "--samples", "1", "--input-shape", "hidden=128", *text])
     assert rank.exit_code == 3, rank.output
-    assert ("teacher 'hidden' must be [" in rank.output and "(on random inputs, --input-shape hidden=128: their last "
-            "dimension is checked against the width the stage reads, not their number of dimensions)") in rank.output
+    assert ("teacher 'hidden' must be [" in rank.output and "(on random inputs, --input-shape hidden=128: only their "
+            "last dimension is checked, against the width a stage declares with input_widths, and never their number "
+            "of dimensions)") in rank.output
     # Found in QA: a sharded section ran whole here without a word.
     whole = CliRunner().invoke(stage, [DISTILL, "student", "--samples", "1", "--set", "sections.student.tp=2", *text])
     assert whole.exit_code == 0 and ("layout: a run shards this section (tp=2); here it runs whole, in one process"

@@ -345,3 +345,11 @@ def test_data_path_may_be_a_path_object_or_a_file_whose_name_looks_like_a_patter
     monkeypatch.setenv("HOME", str(tmp_path))
     (tmp_path / "text[v2].arrow").write_bytes(b"")
     ArrowData(path="~/text[v2].arrow").validate()
+
+
+def test_a_misnamed_learning_rate_is_named():
+    """Found in QA: `learning_rate` for `lr` said only "lr must be ..., got None"."""
+    spec = {"name": "adamw", "learning_rate": 1e-2}
+    with pytest.raises(PipelineError, match=r"^sections.student.optimizer.lr must be a finite number >= 0, got None "
+                                            r"\(it has 'learning_rate': the field is 'lr'\)$"):
+        distill().override(**{"sections.student.optimizer": spec}).validate()

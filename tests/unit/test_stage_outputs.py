@@ -309,6 +309,8 @@ def test_colocated_reports_a_setup_error_in_one_line_naming_the_section(contract
 @pytest.mark.parametrize("section, bug, expected", [
     ("teacher", "numpy", NUMPY), ("teacher", "short", SHORT),
     ("student", "vector", VECTOR), ("student", "float", FLOAT),
+    # found in QA: `stage` said "nothing to backward" and exited 0
+    ("student", "detached", "section 'student': contract_stages:Student.forward returned 'loss' with no gradient"),
 ])
 def test_maestro_stage_refuses_what_a_run_refuses(contract, section, bug, expected):
     from maestro_flow.cli_stage import stage
