@@ -154,7 +154,7 @@ def hold_folder(path: str, refusal: str, name: str = LOCK, flag: str = "") -> An
     return lock
 
 
-_SAVING: list[tuple[str, Any, str | None]] = []  # (folder, its lock, made by this run) until release_save_dir
+_SAVING: list[tuple[str, Any, str | None]] = []  # (folder, its lock, the outermost folder the run made or None)
 
 
 def hold_save_dir(path: str) -> None:
