@@ -102,7 +102,6 @@ class _Main(click.Group):
     def invoke(self, ctx: click.Context) -> Any:
         from maestro_flow.runtime.build import imports_once
 
-
         if signal.getsignal(signal.SIGINT) is _interrupted_early:  # the command's own handling from here
             signal.signal(signal.SIGINT, signal.default_int_handler)
         try:

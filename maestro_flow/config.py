@@ -233,7 +233,7 @@ class Section:
                 )
             lr = self.optimizer.get("lr")
             if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr < 0:
-                other = [k for k in self.optimizer if k != "lr" and ("learning" in k.lower() or k.lower() == "lr")]
+                other = [k for k in self.optimizer if isinstance(k, str) and k != "lr" and "learning" in k.lower()]
                 hint = f" (it has {other[0]!r}: the field is 'lr')" if lr is None and other else ""  # found in QA
                 raise PipelineError(f"{where}.optimizer.lr must be a finite number >= 0, got {lr!r}{hint}")
             self._validate_schedule(where, lr)

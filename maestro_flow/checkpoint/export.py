@@ -117,13 +117,13 @@ def _read(source: str, section: str) -> tuple[dict[str, Any], dict[str, torch.Te
 
         raise PipelineError(f"{source}: neither a --save-dir with {section}.safetensors nor a complete checkpoint"
                             f"{checkpoints_note(source)}")
-    manifest = mf.read(folder)
+    again = f"maestro export {{}} --section {section} -o DIR"  # what to run on the checkpoint before a damaged one
+    manifest = mf.read(folder, use=again)
     if section not in manifest.sections:
         _check_section(manifest.pipeline, section, folder, sorted(manifest.sections))
     if not os.path.isdir(os.path.join(folder, section)):
         raise PipelineError(f"--section {section}: {folder} holds no parameters for it (it has no trainable "
                             "parameters)")
-    again = f"maestro export {{}} --section {section}"  # what to run on the checkpoint before a damaged one
     digest.check(folder, {k: v for k, v in manifest.files.items() if k.startswith(f"{section}/")},
                  f"{folder} (section {section})", mf.earlier(folder, move=False, use=again))  # the files it reads
     try:

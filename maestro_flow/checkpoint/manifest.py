@@ -29,7 +29,7 @@ from maestro_flow.overrides import dotted
 FORMAT = 1
 MANIFEST = "manifest.json"
 RNG_DIR = "rng"
-_STEP_DIR = re.compile(r"^step-(\d+)$")
+STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
 def step_dir(root: str, step: int) -> str:
@@ -104,7 +104,9 @@ def _fsync(path: str) -> None:
         os.close(fd)
 
 
-def read(folder: str) -> Manifest:
+def read(folder: str, use: str = "--resume {}") -> Manifest:
+    """The manifest of checkpoint `folder`; a damaged one names the checkpoint before it, with
+    `use` (as `earlier`)."""
     path = os.path.join(folder, MANIFEST)
     try:
         with open(path) as f:
@@ -112,7 +114,8 @@ def read(folder: str) -> Manifest:
     except FileNotFoundError:
         raise PipelineError(f"{folder} is not a complete checkpoint (no {MANIFEST})") from None
     except (ValueError, TypeError, KeyError, AttributeError) as exc:  # ValueError: bad JSON, or not text at all
-        raise PipelineError(f"{path}: unreadable checkpoint manifest ({exc}){earlier(folder, move=False)}") from None
+        raise PipelineError(f"{path}: unreadable checkpoint manifest ({exc}){earlier(folder, move=False, use=use)}") \
+            from None
 
 
 def _canonical(value: Any) -> str:
@@ -151,7 +154,7 @@ def checkpoints(root: str) -> list[tuple[int, str, bool]]:
         return []
     out = []
     for name in os.listdir(root):
-        m = _STEP_DIR.match(name)
+        m = STEP_DIR.match(name)
         folder = os.path.join(root, name)
         if m and os.path.isdir(folder):
             out.append((int(m.group(1)), folder, os.path.isfile(os.path.join(folder, MANIFEST))))
@@ -178,7 +181,7 @@ def find_folder(path: str, what: str) -> str:
         raise PipelineError(f"{what}: {path} is a file, not a checkpoint folder")
     parent, name = os.path.split(os.path.normpath(path))
     found = checkpoints(parent or ".")
-    m = _STEP_DIR.match(name)
+    m = STEP_DIR.match(name)
     for step, folder, _ in found:
         if m and step == int(m.group(1)):
             return os.path.join(parent, os.path.basename(folder))

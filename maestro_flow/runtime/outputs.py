@@ -195,11 +195,22 @@ def check_outputs(options: Any, pipeline: Any, trace: str | None) -> None:
                                ("--tensorboard", options.tensorboard, True), ("--run-dir", options.run_dir, True)):
         if path:
             check_writable(path, flag, folder=folder)
+    if trace and options.metrics_out and _same_file(trace, options.metrics_out):  # (found in review)
+        raise PipelineError(f"--trace and --metrics-out name one file ({trace}): give each its own")
     if options.save_dir:
         check_save_dir(options.save_dir, options.checkpoint.dir, pipeline)
         hold_save_dir(options.save_dir)
     if options.metrics_out:  # found in review: refused after the run dir moved; locked until RunReport has it
         hold(options.metrics_out)
+    if trace:  # the same (found in review: a busy --trace was refused after the run dir had moved files)
+        hold(trace, "--trace")
+
+
+def _same_file(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one not there yet: the same path, then
+        return os.path.realpath(a) == os.path.realpath(b)
 
 
 def release_outputs() -> None:

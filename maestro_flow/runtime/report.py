@@ -108,12 +108,14 @@ def lock_file(f: Any) -> bool:
 _HELD: dict[tuple[int, int], Any] = {}  # (dev, inode) -> a metrics file `hold` locked, until open_metrics takes it
 
 
-def hold(path: str) -> None:
-    """Lock the metrics file at `path`, if there is one, for the run this process is setting up,
-    before it sets anything up: refused (PipelineError) when another run writes it. The lock stays
+def hold(path: str, flag: str = "--metrics-out") -> None:
+    """Lock the output file at `path` (a metrics file, or `flag`'s), if there is one, for the run
+    this process is setting up, before it sets anything up: refused (PipelineError naming `flag`)
+    when another run writes it. The lock stays
     on until `open_metrics` takes this very file over (found in review: a probe that let go of it
     left a gap in which a second run moved the run dir's files aside before being refused), or
-    `release_held` drops it with a run refused before. A file not there yet is not created."""
+    `release_held` drops it with a run refused before (a trace's: `take_held`). A file not there
+    yet is not created."""
     try:  # not opened unless a regular file: opening a FIFO waits for a reader, closing it ends the reader's input
         fd = os.open(path, os.O_WRONLY | os.O_APPEND) if stat.S_ISREG(os.stat(path).st_mode) else None
     except OSError:  # not there (check_writable has said whether it can be made)
@@ -127,8 +129,15 @@ def hold(path: str) -> None:
         return
     if not lock_file(f):
         f.close()
-        raise PipelineError(f"--metrics-out {path}: another run is writing this file (give each run its own)")
+        raise PipelineError(f"{flag} {path}: another run is writing this file (give each run its own)")
     _HELD[(st.st_dev, st.st_ino)] = f
+
+
+def take_held(f: Any) -> Any | None:
+    """The file `hold` locked that the open file `f` is (the same device and inode), taken over:
+    the caller keeps it open while it writes `f`, so that its lock stays on; None when none is."""
+    st = os.fstat(f.fileno())
+    return _HELD.pop((st.st_dev, st.st_ino), None)
 
 
 def release_held() -> None:

@@ -35,6 +35,7 @@ import re
 import time
 from typing import Any
 
+from maestro_flow.checkpoint.manifest import STEP_DIR
 from maestro_flow.config import Pipeline
 from maestro_flow.errors import PipelineError
 from maestro_flow.runtime import status
@@ -73,9 +74,11 @@ def node_run_dir(run_dir: str, node_rank: int) -> str:
 
 def set_aside(path: str) -> str | None:
     """Move what an earlier run left in `path` into path/previous-N; the folder it went to.
-    Other nodes' folders stay: each node sets aside its own, and may be using it already."""
-    entries = [e for e in os.listdir(path) if not e.startswith("previous-") and e not in LOCKS and not NODE.fullmatch(e)] \
-        if os.path.isdir(path) else []
+    Other nodes' folders stay: each node sets aside its own, and may be using it already; so do
+    the locks and checkpoints of a folder that is also another output (found in review: a run
+    dir that is the --checkpoint-dir moved the checkpoint being resumed)."""
+    entries = [e for e in os.listdir(path) if not e.startswith("previous-") and e not in LOCKS
+               and not NODE.fullmatch(e) and not STEP_DIR.match(e)] if os.path.isdir(path) else []
     if not entries:
         return None
     n = 1

@@ -20,7 +20,7 @@ from typing import Any
 
 from maestro_flow.errors import PipelineError
 from maestro_flow.runtime.guard import WriteGuard
-from maestro_flow.runtime.report import lock_file
+from maestro_flow.runtime.report import lock_file, take_held
 
 COMPUTE, COMM = 0, 1  # thread ids within a process's track
 Event = list  # [ph, name, cat, ts_us, dur_us_or_id, tid, args]
@@ -69,8 +69,10 @@ class TraceWriter:
         if os.path.dirname(path):
             os.makedirs(os.path.dirname(path), exist_ok=True)  # as --metrics-out does
         self._f = open(path, "a")  # noqa: SIM115 (closed in close()); emptied once it is this run's
+        self._held = None  # the lock check_outputs took on it, if it was there then (found in review)
         if stat.S_ISREG(os.fstat(self._f.fileno()).st_mode):
-            if not lock_file(self._f):  # found in QA: two runs given one --trace both wrote it
+            self._held = take_held(self._f)
+            if self._held is None and not lock_file(self._f):  # found in QA: two runs given one --trace both wrote it
                 self._f.close()
                 raise PipelineError(f"--trace {path}: another run is writing this file (give each run its own)")
             self._f.truncate(0)
@@ -104,3 +106,6 @@ class TraceWriter:
             self._guard(self._f.write, "\n]}\n")
             self._guard.close(self._f)
             self._f = None
+        if self._held is not None:
+            self._held.close()
+            self._held = None

@@ -813,6 +813,43 @@ def test_a_folder_that_is_two_outputs_keeps_its_locks_in_place(tmp_path):
         release_save_dir()
 
 
+def test_a_folder_that_is_run_dir_and_checkpoint_dir_keeps_its_checkpoints_in_place(tmp_path):
+    """Found in review: the run dir's set-aside moved the checkpoint folders of a --checkpoint-dir
+    that is the same folder, the one being resumed among them."""
+    from maestro_flow.runtime.outputs import CKPT_LOCK
+    from maestro_flow.runtime.rundir import set_aside
+
+    for name in ("step-00000004", CKPT_LOCK, "metrics.jsonl"):
+        (tmp_path / name).mkdir() if name.startswith("step-") else (tmp_path / name).write_text("")
+    aside = set_aside(str(tmp_path))
+    assert os.listdir(aside) == ["metrics.jsonl"]
+    assert (tmp_path / "step-00000004").is_dir() and (tmp_path / CKPT_LOCK).exists()
+
+
+def test_outputs_that_name_one_file_are_refused(tmp_path):
+    """Found in review: --trace and --metrics-out one file: each took the other for another run."""
+    from maestro_flow.runtime.outputs import check_outputs, release_outputs
+    from maestro_flow.runtime.run import RunOptions
+
+    path = str(tmp_path / "m.jsonl")
+    options = RunOptions(overrides={}, metrics_out=path, trace=path)
+    try:
+        with pytest.raises(PipelineError, match=f"^--trace and --metrics-out name one file \\({path}\\): give each its "
+                                                "own$"):
+            check_outputs(options, None, path)
+    finally:
+        release_outputs()
+
+
+def test_a_damaged_manifest_names_the_export_to_run_on_the_one_before(tmp_path):
+    """Found in review: `maestro export` of a checkpoint whose manifest is damaged advised --resume."""
+    before = save(tmp_path, 2)
+    (Path(save(tmp_path, 4)) / mf.MANIFEST).write_text("{not json")
+    with pytest.raises(PipelineError, match=rf"the complete checkpoint before it: {before} \(maestro export {before} "
+                                            r"--section lm -o DIR\)$"):
+        mf.read(str(tmp_path / "step-00000004"), use="maestro export {} --section lm -o DIR")
+
+
 def test_a_damaged_list_of_checksums_is_an_unreadable_manifest(tmp_path):
     """Found in review: a manifest whose "files" was not {path: [size, crc]} ended in a traceback."""
     from maestro_flow.checkpoint import manifest as mf
