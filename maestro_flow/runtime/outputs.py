@@ -207,8 +207,9 @@ def check_outputs(options: Any, pipeline: Any, trace: str | None) -> None:
 
 
 def _same_file(a: str, b: str) -> bool:
+    """One regular file (or one path not there yet); /dev/stdout or /dev/full may take both."""
     try:
-        return os.path.samefile(a, b)
+        return os.path.samefile(a, b) and os.path.isfile(a)
     except OSError:  # one not there yet: the same path, then
         return os.path.realpath(a) == os.path.realpath(b)
 
