@@ -14,6 +14,7 @@ except `maestro run`, which trains on without its output (`OutlivesReader`).
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import sys
 import threading
@@ -78,7 +79,6 @@ def interrupts_after_imports() -> Iterator[None]:
 def reader_gone() -> bool:
     """Whether stdout is a pipe whose reader has gone (`maestro plan ... | head` that has read its
     lines); if so stdout is pointed at the null device, so the exit flushes nothing more into it."""
-    import os
     import select
 
     try:
@@ -88,8 +88,19 @@ def reader_gone() -> bool:
     except (OSError, ValueError, AttributeError):  # no stdout, or no poll
         return False
     if gone:
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        to_null(sys.stdout.fileno())
     return gone
+
+
+def to_null(fd: int) -> None:
+    """Point descriptor `fd` (open or closed) at the null device, inheritably (os.open's own is
+    not: a worker would start with it closed)."""
+    null = os.open(os.devnull, os.O_WRONLY)
+    if null == fd:  # fd was closed, and took the number
+        os.set_inheritable(fd, True)
+        return
+    os.dup2(null, fd)  # (dup2's copy is inheritable)
+    os.close(null)
 
 
 class OutlivesReader:
@@ -119,13 +130,9 @@ class OutlivesReader:
                 self._to_null()
 
     def _to_null(self) -> None:
-        import os
-
         self.gone = True
         with contextlib.suppress(OSError, ValueError, AttributeError):  # (no descriptor: just dropped)
-            null = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(null, self._stream.fileno())
-            os.close(null)
+            to_null(self._stream.fileno())
 
     def __getattr__(self, name: str) -> object:
         return getattr(self._stream, name)
@@ -148,17 +155,11 @@ def reopen_closed_streams() -> None:
     sys.stderr) writes it to the null device (found in QA: the run ended with exit 1 and no word,
     on the missing stream, and its workers could not start). Called as the CLI is imported, before
     any file could take the closed descriptor's number."""
-    import os
-
     for fd, name in ((1, "stdout"), (2, "stderr")):
         if getattr(sys, name) is not None:
             continue
         try:
             os.fstat(fd)
         except OSError:
-            null = os.open(os.devnull, os.O_WRONLY)
-            if null != fd:
-                os.dup2(null, fd)
-                os.close(null)
-            os.set_inheritable(fd, True)  # (os.open's is not: the workers would start with it closed)
+            to_null(fd)
         setattr(sys, name, open(fd, "w", buffering=1, closefd=False))  # noqa: SIM115 (the process's own)

@@ -334,4 +334,3 @@ def resume_point(path: str) -> tuple[str, mf.Manifest]:
 
         raise PipelineError(f"--resume {path}: no complete checkpoint there{hint}{checkpoints_note(path)}")
     return folder, mf.read(folder)
-

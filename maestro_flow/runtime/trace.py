@@ -5,8 +5,8 @@ monotonic clock and converts them to microseconds on the coordinator's wall cloc
 measured at the handshake), so all processes share one time axis. Compute spans (forward,
 backward, waiting, gradient reduction, optimizer) are complete events ("X") on the compute
 track and nest; transfers overlap each other, so they are async events ("b"/"e", with
-process-local ids) on the comm track. `TraceWriter` runs in the coordinator and streams events to the file as steps finish, so
-a run that fails still leaves a loadable trace.
+process-local ids) on the comm track. `TraceWriter` runs in the coordinator and streams events
+to the file as steps finish, so a run that fails still leaves a loadable trace.
 """
 
 from __future__ import annotations
