@@ -252,9 +252,12 @@ def resume_warnings(manifest: Manifest, pipeline: dict[str, Any]) -> list[str]:
     config or optimizer fields (_trainable_changes); a frozen section is not in the
     checkpoint (its weights are built from its config, or its load_weights), so one whose stage
     or config differ from the run that wrote the checkpoint changes what the trained sections
-    learn from (found in review: a teacher's init_seed changed on resume, without a word)."""
+    learn from (found in review: a teacher's init_seed changed on resume, without a word); a
+    checkpoint without checksums (digest) is not checked for damage."""
     saved = {s["name"]: s for s in manifest.pipeline.get("sections", []) if isinstance(s, dict) and "name" in s}
-    out = []
+    out = [] if manifest.files else [  # (last note: a manifest without `files` turned the check off without a word)
+        "the checkpoint records no checksums of its files (written before they were kept, or `files` was taken "
+        "out of its manifest.json), so a file damaged since the save is not found before the workers load it"]
     for key in ("dtype", "mixed_precision"):  # found in QA: a float64 run resumed in float32 without a word
         before, now = manifest.pipeline.get(key), pipeline.get(key)
         if key in manifest.pipeline and before != now:

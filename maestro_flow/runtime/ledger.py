@@ -257,9 +257,12 @@ class StepLedger:
         del self.done[step]
         # The pre-clip global gradient norm: every trainable replica's share (DESIGN 4b).
         shares = [per[r]["grad_sq"] for r in self.trainable_ranks if "grad_sq" in per[r]]
-        row = {"step": step, "loss": loss, "samples": self.samples.pop(step, 0), "tokens": self.tokens.pop(step, 0),
-               "step_time_s": step_time, "grad_norm": global_norm(shares) if shares else None,
-               "sections": sections}
+        samples, tokens = self.samples.pop(step, 0), self.tokens.pop(step, 0)
+        row = {"step": step, "loss": loss, "samples": samples, "tokens": tokens, "step_time_s": step_time,
+               # (last note: --metrics-out had no throughput; TensorBoard had it)
+               "samples_per_s": samples / step_time if step_time > 0 else None,
+               "tokens_per_s": tokens / step_time if step_time > 0 else None,
+               "grad_norm": global_norm(shares) if shares else None, "sections": sections}
         if self.fitter is not None:
             row["costs"] = {n: dataclasses.asdict(c) for n, c in self.costs().costs.items()}
         return row

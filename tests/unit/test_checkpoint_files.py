@@ -30,7 +30,8 @@ SAMPLER = {"step": 4, "epoch": 1, "batch_in_epoch": 1, "batches_per_epoch": 3, "
 def manifest(step: int, pipeline: Pipeline = PIPELINE) -> mf.Manifest:
     sections = {s.name: {"stage": s.stage, "dp": s.dp, "optimizer": dict(s.optimizer), "params": {"w": [2, 3]}}
                 for s in pipeline.sections if s.trainable}
-    return mf.Manifest(step=step, pipeline=pipeline.to_dict(), sections=sections, sampler={**SAMPLER, "step": step})
+    return mf.Manifest(step=step, pipeline=pipeline.to_dict(), sections=sections, sampler={**SAMPLER, "step": step},
+                       files={"student/__0_0.distcp": [6, "0a1b2c3d"]})
 
 
 def save(root, step: int, complete: bool = True) -> str:
@@ -509,6 +510,10 @@ def test_a_frozen_section_whose_config_changed_is_warned_of_on_resume():
 
     saved = manifest(4)
     assert mf.resume_warnings(saved, PIPELINE.to_dict()) == []
+    # Last note: a checkpoint whose manifest has no checksums (or had them taken out) was not checked, silently.
+    assert mf.resume_warnings(dataclasses.replace(saved, files={}), PIPELINE.to_dict()) == [
+        "the checkpoint records no checksums of its files (written before they were kept, or `files` was taken out "
+        "of its manifest.json), so a file damaged since the save is not found before the workers load it"]
     teacher = dataclasses.replace(PIPELINE.sections[0], config={"init_seed": 7})
     changed = dataclasses.replace(PIPELINE, sections=[teacher, PIPELINE.sections[1]])
     assert mf.resume_warnings(saved, changed.to_dict()) == [

@@ -294,6 +294,7 @@ def test_done_from_every_rank_gives_the_metrics_row():
     assert row["loss"] == pytest.approx((3.0 + 5.0) / (10.0 + 6.0))
     assert (row["samples"], row["tokens"]) == (4, 60)
     assert row["step_time_s"] == pytest.approx(2.0)
+    assert (row["samples_per_s"], row["tokens_per_s"]) == (pytest.approx(2.0), pytest.approx(30.0))
     assert list(row["sections"]) == ["teacher", "student"]
     teacher, student = row["sections"]["teacher"], row["sections"]["student"]
     assert set(student) >= {"busy_s", "idle_s", "micro_batches", "samples"}
