@@ -261,7 +261,10 @@ class Agent:
                     self._ask(store.set, f"maestro/bye/{self.nodes.node_rank}", "1")
                     if outcome == "done":
                         return None
-                    raise SystemFailure(f"the run failed (node 0 says: {printable(outcome.removeprefix('failed: '))})")
+                    why = printable(outcome.removeprefix("failed: "))
+                    if why.startswith("the run was refused: "):  # found in QA: exit 2 on node 0, 1 here
+                        raise PipelineError(f"node 0 says: {why}")
+                    raise SystemFailure(f"the run failed (node 0 says: {why})")
                 session = self._pointer(store)
                 if session is not None and session != previous:
                     return session
