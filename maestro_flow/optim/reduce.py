@@ -25,6 +25,19 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def align(params: Sequence[torch.nn.Parameter]) -> None:
+    """Give each DTensor parameter's gradient the parameter's own placements (a local slice, or a
+    reduce-scatter of a partial sum). torch hands a row-sharded embedding's gradient back whole on
+    every tp rank; reduced, counted in the norm and stepped as it was, it was counted once per tp
+    rank in the global norm (found in QA: clipping scaled by the wrong factor)."""
+    from torch.distributed.tensor import DTensor
+
+    for p in params:
+        g = p.grad
+        if isinstance(p, DTensor) and isinstance(g, DTensor) and g.placements != p.placements:
+            p.grad = g.redistribute(p.device_mesh, p.placements)
+
+
 class GradientReducer:
     """Sum all-reduce of gradients over one section's DP process group."""
 

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from maestro_flow.optim.build import build_optimizer, build_scheduler
-from maestro_flow.optim.reduce import local
+from maestro_flow.optim.reduce import align, local
 
 
 class SectionOptimizer:
@@ -50,7 +50,9 @@ class SectionOptimizer:
         return [float(o.param_groups[0]["lr"]) for o in self.optimizers] if len(self.optimizers) > 1 else None
 
     def reduce(self, extra: Sequence[float] = ()) -> list[float]:
-        """Sum gradients (and `extra`) over the DP group; without one, just return `extra`."""
+        """Sum gradients (and `extra`) over the DP group; without one, just return `extra`. A
+        tensor-parallel gradient first takes its parameter's placements (reduce.align)."""
+        align(self.params)
         if self.reducer is None:
             return list(extra)
         return self.reducer.reduce(self.params, extra)

@@ -38,6 +38,11 @@ STARCODER2 = {"role": "kd_student", "model_type": "starcoder2", "init_seed": 4, 
          "hf_config": {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
                        "intermediate_size": 64, "vocab_size": 260, "max_position_embeddings": 256},
          "teacher": GPT2}
+# GPT-NeoX through stages.hf: transformers' tp plan shards its embedding (embedding_rowwise), whose
+# gradient torch hands back whole on every tp rank; sdpa keeps its softmax in float64 (its eager
+# one is float32, whose rounding of tp's differently summed scores shows at ~1e-7).
+GPT_NEOX = {**STARCODER2, "model_type": "gpt_neox", "attn_implementation": "sdpa",
+            "hf_config": {**STARCODER2["hf_config"], "pad_token_id": 0, "eos_token_id": 0, "bos_token_id": 0}}
 
 CASES = {
     "a-fsdp-teacher-tp-student": ("pipelines/distill.py", "text", {
@@ -181,11 +186,9 @@ def test_hugging_face_models_with_tp_equal_themselves_without(demo_data, tmp_pat
     its fused projections' outputs and splits the next one's input (colwise_gather_output,
     rowwise_split_input) and GPT-NeoX's shards its embedding (embedding_rowwise): found in QA,
     refused as styles maestro_flow did not know."""
-    # eager attention for llama as before; sdpa keeps GPT-NeoX's softmax in float64 (its eager one
-    # is float32, whose rounding of tp's differently summed scores shows at ~1e-7)
-    config = {**STARCODER2, "model_type": model_type, "attn_implementation": "sdpa" if model_type == "gpt_neox"
+    # eager attention for llama as before (GPT-NeoX: sdpa, see GPT_NEOX)
+    config = {**GPT_NEOX, "model_type": model_type, "attn_implementation": "sdpa" if model_type == "gpt_neox"
               else "eager"}
-    config["hf_config"] = {**config["hf_config"], "pad_token_id": 0, "eos_token_id": 0, "bos_token_id": 0}
     overrides = {**CASES["d-hugging-face-tp"][2], "sections.student.config": config, "dtype": "float64",
                  "steps": 3, "data.path": str(demo_data)}
     saved = {}
@@ -200,11 +203,13 @@ def test_hugging_face_models_with_tp_equal_themselves_without(demo_data, tmp_pat
     {"sections.student.tp": 2, "sections.student.fsdp": True},
     {"sections.student.dp": 4, "sections.student.fsdp": True, "sections.teacher.dp": 2, "sections.teacher.fsdp": True},
     CASES["d-hugging-face-tp"][2],
-], ids=["2d", "lockstep-fsdp", "hugging-face-tp"])
+    {**CASES["d-hugging-face-tp"][2], "sections.student.config": GPT_NEOX},
+], ids=["2d", "lockstep-fsdp", "hugging-face-tp", "hugging-face-tp-sharded-embedding"])
 def test_sharded_students_equal_a_plain_loop_with_clipping(demo_data, tmp_path, layout):
     """Sharded gradients count once each in the global norm: clipping equals clip_grad_norm_; a
     lockstep FSDP student (and teacher) equals the plain loop too, and so does a Hugging Face
-    student with transformers' own tp plan (tp 2) under a GPT-2 teacher."""
+    student with transformers' own tp plan (tp 2) under a GPT-2 teacher, also where that plan
+    shards the embedding (found in QA: its gradient, whole on every tp rank, was counted twice)."""
     from tests.integration.test_oracle import DISTILL, run_modes
 
     ours = {k: v for k, v in DISTILL.items() if not ("sections.student.stage" in layout and ".config." in k)}
