@@ -140,7 +140,7 @@ def tune(ctx: click.Context, pipeline: str, sets: tuple[str, ...], devices: int,
 
     Every configuration that fits the budget, the memory limit and integral fan-out/fan-in across
     each edge is a candidate (tp for sections whose stage has a tp_plan; FSDP where a section
-    does not fit the memory limit without it); the best (shortest simulated step of the wavefront plan) are shown
+    does not fit the memory limit without it); the best (shortest simulated step of the plans of the pipeline's schedule) are shown
     side by side with each section's utilisation, next to the best uniform configuration (one
     dp and micro-batch for every section). --write saves the winner for `maestro run`:
 

@@ -342,8 +342,9 @@ class TuneModel:
         gathers = {n: self.lockstep_s(n, d, self.fsdp_for(n, d, m, by_name)) for n, d, m in layout}
         costs = self.model_at(layout, gathers)
         # The rules alone: layouts are compared, and the search (refine.py) would multiply the
-        # tuning time for the few % it takes off some plans.
-        planner = make_planner("wavefront", graph, costs, search=0.0)
+        # tuning time for the few % it takes off some plans. The pipeline's own schedule (found in
+        # QA: a FIFO pipeline was predicted with the wavefront's plans, a third too fast).
+        planner = make_planner(self.pipeline.schedule, graph, costs, search=0.0)
         spans, bounds, busy = [], [], {n: 0.0 for n in self.order}
         fixed = self.end_of_step_s(layout, gathers)
         workers = sum(d * self.tp[n] for n, d, _ in layout)

@@ -190,9 +190,12 @@ def profiled_with(pipeline: Pipeline, section: Section) -> dict[str, Any]:
                    "modality_columns": pipeline.data.modality_columns})
 
 
-def _changed(was: dict[str, Any], now: dict[str, Any]) -> list[str]:
-    """The fields that differ, named two levels deep ("config.d_model (256, now 1024)")."""
-    return [f"{where} ({_show(a)}, now {_show(b)})" for where, a, b in changed_keys(was, now, levels=2)]
+def _changed(was: dict[str, Any], now: dict[str, Any], most: int = 6) -> list[str]:
+    """The fields that differ, named down to the values ("config.d_model (256, now 1024)"; found
+    in QA: two levels deep, a nested config showed both dicts cut before the change), the first
+    `most` of them."""
+    changed = [f"{where} ({_show(a)}, now {_show(b)})" for where, a, b in changed_keys(was, now)]
+    return changed[:most] + ([f"and {len(changed) - most} more"] if len(changed) > most else [])
 
 
 def _show(value: Any) -> str:

@@ -229,7 +229,8 @@ def _as_baseline(pipeline: Any, checked: Any, options: RunOptions) -> tuple[Any,
                                         ("--checkpoint-on-term", ckpt.on_term), ("--resume", ckpt.resume),
                                         ("--max-restarts", ckpt.max_restarts)) if given]
     if refused:
-        raise PipelineError(f"--baseline monolithic is a one-node comparison run: drop {', '.join(refused)}")
+        raise PipelineError(f"--baseline monolithic is a one-node comparison run in its own layout, without checkpoints "
+                            f"or recordings: drop {', '.join(refused)}")
     devices = options.devices if options.devices is not None else sum(s.dp * s.tp for s in pipeline.sections)
     if options.devices is None and devices > pipeline.global_batch:
         raise PipelineError(f"--devices defaults to the {devices} ranks of the pipeline's sections, more than "

@@ -288,7 +288,7 @@ def format_result(result: TuneResult, current: Candidate | None = None, path: st
     mono = result.monolithic
     if mono is not None:
         fewer = f", its fastest count of at most {result.devices}" if mono.devices < result.devices else ""
-        lines.append(f"monolithic baseline (every section on each of {mono.devices} ranks{fewer}, micro-batch "
+        lines.append(f"monolithic baseline (every section on each of {count(mono.devices, 'rank')}{fewer}, micro-batch "
                      f"{mono.micro_batch}): {mono.step_s * 1e3:.1f} ms per step; #1 is "
                      f"{vs_best(mono.step_s) or 'as fast as'} its throughput (maestro run {path} --baseline "
                      f"monolithic --devices {mono.devices} --micro-batch {mono.micro_batch})")

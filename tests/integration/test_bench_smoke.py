@@ -68,6 +68,23 @@ def test_alternating_benchmarks_reverse_their_order_every_other_round():
     assert [turns(("a", "b", "c"), r) for r in range(3)] == [["a", "b", "c"], ["c", "b", "a"], ["a", "b", "c"]]
 
 
+@pytest.mark.timeout(60)
+def test_pipeline_benchmarks_refuse_runs_with_no_step_to_measure(capsys):
+    """Found in QA: --steps 1 (not more than the warm-up steps left out) ran a whole round, then
+    failed on the median of no steps; --rounds 0 and --steps 0 meant the defaults."""
+    from tools.bench.common import pipeline_bench_args
+
+    def parse(*argv):
+        return pipeline_bench_args(list(argv), "b", "doc", rounds=3, steps=30, warmup=6, tiny_steps=3)[1:4]
+
+    assert parse() == (3, 30, 6) and parse("--tiny") == (1, 3, 1) and parse("--steps", "7") == (3, 7, 6)
+    for argv in (("--steps", "6"), ("--tiny", "--steps", "1"), ("--steps", "0"), ("--rounds", "0"),
+                 ("--warmup-steps", "-1")):
+        with pytest.raises(SystemExit):
+            parse(*argv)
+        assert "more than the --warmup-steps" in capsys.readouterr().err, argv
+
+
 def test_p2p_bandwidth_tiny():
     out = p2p_bandwidth.main(["--tiny"])
     cases = out["cases"]

@@ -73,7 +73,10 @@ def test_a_cost_file_of_a_differently_sized_model_is_refused(tmp_path):
     ({"sections.vision.trainable": False}, "trainable (True, now False)"),
     ({"sections.vision.optimizer.name": "sgd"}, "optimizer.name ('adamw', now 'sgd')"),
     ({"sections.vision.optimizer.amsgrad": True}, "optimizer.amsgrad (unset, now True)"),  # one more buffer
-    ({"sections.vision.config.decode.max_side": 32}, "config.decode ("),
+    ({"sections.vision.config.decode.max_side": 32}, "config.decode.max_side ("),
+    # found in QA: a nested config's change was cut off, both dicts shown to 60 characters
+    ({"sections.vision.config.decode.max_side": 32, "sections.vision.config.extra": {"a": 1, "b": {"c": 2}}},
+     "config.decode.max_side (64, now 32), config.extra (unset, now {'a': 1, 'b': {'c': 2}})"),
 ])
 def test_what_a_measurement_depends_on_is_checked(tmp_path, change, field):
     path = _write(tmp_path, _cost_file(_vlm()))

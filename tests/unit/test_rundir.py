@@ -202,6 +202,30 @@ def test_the_summary_gives_the_stage_counters_of_the_run():
     assert report.summary().endswith("\nstage counters: vision corrupt_images 3")  # the row's (ledger.carry_counters)
 
 
+def test_the_busy_table_leaves_out_the_first_step_after_each_start():
+    """Found in QA: the table summed step 0, which holds the workers' start (an encoder's first
+    step), and showed a 93%-busy LLM as 75% busy."""
+    report = RunReport(total_steps=4, metrics_out=None, show_progress=False)
+    assert report.table() == ""
+
+    def row(step, busy, idle, restarts=0):
+        return {"step": step, "loss": 1.0, "step_time_s": 0.1, "restarts": restarts,
+                "sections": {"llm": {"busy_s": busy, "idle_s": idle}}}
+
+    report.step(row(0, 1.0, 3.0))
+    assert report.table().splitlines()[1].split() == ["llm", "25.0%", "75.0%", "0.0%"]  # one step: it is all there is
+    report.step(row(1, 9.0, 1.0))
+    report.step(row(2, 9.0, 1.0))
+    llm, note = report.table().splitlines()[1:]
+    assert llm.split() == ["llm", "90.0%", "10.0%", "0.0%"]
+    assert note == "(over 2 of 3 steps: not counting the first step after each start of the workers)"
+    report.step(row(2, 1.0, 3.0, restarts=1))  # an automatic restart replays step 2: its workers start again
+    report.step(row(3, 7.0, 3.0, restarts=1))
+    llm, note = report.table().splitlines()[1:]
+    assert llm.split() == ["llm", "83.3%", "16.7%", "0.0%"]
+    assert note == "(over 3 of 5 steps: not counting the first step after each start of the workers)"
+
+
 def test_stage_counters_are_carried_from_the_checkpoint_a_run_resumed_from():
     """Found in review: a restart or a resume started every stage counter again at 0."""
     from maestro_flow.checkpoint.manifest import Manifest

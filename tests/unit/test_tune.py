@@ -461,3 +461,15 @@ def test_near_ties_go_to_fewer_devices_then_less_memory():
     assert _ties_to_the_frugal([big, small, fewer, slow]) == [fewer, small, big, slow]
     fast, slower = cand(16, 0.03306, 2, 0.0), cand(8, 0.03309, 2, 0.0)  # no --costs, no memory model: speed
     assert _ties_to_the_frugal([fast, slower]) == [fast, slower]
+
+
+def test_a_fifo_pipeline_is_predicted_with_fifo_plans():
+    """Found in QA: tune simulated the wavefront's plans whatever the pipeline's schedule, so a
+    FIFO pipeline's step was predicted a third too short (and --set schedule=fifo changed nothing)."""
+    import dataclasses
+
+    p = vlm()
+    wavefront = tune(p, None, samples(64), devices=6, memory=MEMORY, overhead_s=OVERHEAD)
+    fifo = tune(dataclasses.replace(p, schedule="fifo"), None, samples(64), devices=6, memory=MEMORY,
+                overhead_s=OVERHEAD)
+    assert fifo.best[0].step_s > wavefront.best[0].step_s * 1.2  # the vlm demo's wavefront gain, in its model

@@ -138,8 +138,14 @@ def pipeline_bench_args(argv: list[str] | None, prog: str, doc: str, *, rounds: 
         add(ap)
     args = ap.parse_args(argv)
     tiny = args.tiny
-    return (args, args.rounds or (1 if tiny else rounds), args.steps or (tiny_steps if tiny else steps),
-            args.warmup_steps if args.warmup_steps is not None else (1 if tiny else warmup), parse_set(args.sets))
+    rounds = args.rounds if args.rounds is not None else 1 if tiny else rounds
+    steps = args.steps if args.steps is not None else tiny_steps if tiny else steps
+    warmup = args.warmup_steps if args.warmup_steps is not None else 1 if tiny else warmup
+    # Found in QA: --steps 1 (or 0) ran a whole round, then failed on the median of no steps.
+    if rounds < 1 or warmup < 0 or steps <= warmup:
+        ap.error(f"--rounds must be at least 1, and --steps ({steps}) more than the --warmup-steps ({warmup}) "
+                 "left out of each run")
+    return args, rounds, steps, warmup, parse_set(args.sets)
 
 
 def median(values: Sequence[float]) -> float:
