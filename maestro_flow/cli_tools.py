@@ -140,9 +140,10 @@ def tune(ctx: click.Context, pipeline: str, sets: tuple[str, ...], devices: int,
 
     Every configuration that fits the budget, the memory limit and integral fan-out/fan-in across
     each edge is a candidate (tp for sections whose stage has a tp_plan; FSDP where a section
-    does not fit the memory limit without it); the best (shortest simulated step of the plans of the pipeline's schedule) are shown
-    side by side with each section's utilisation, next to the best uniform configuration (one
-    dp and micro-batch for every section). --write saves the winner for `maestro run`:
+    does not fit the memory limit without it); the best (shortest simulated step, planned with
+    the pipeline's schedule) are shown side by side with each section's utilisation, next to
+    the best uniform configuration (one dp and micro-batch for every section). --write saves the
+    winner for `maestro run`:
 
     \b
       maestro tune pipelines/vlm.py --devices 4 --costs runs/costs-vlm.json --write best.txt

@@ -26,10 +26,11 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 
 def align(params: Sequence[torch.nn.Parameter]) -> None:
-    """Give each DTensor parameter's gradient the parameter's own placements (a local slice, or a
-    reduce-scatter of a partial sum). torch hands a row-sharded embedding's gradient back whole on
-    every tp rank; reduced, counted in the norm and stepped as it was, it was counted once per tp
-    rank in the global norm (found in QA: clipping scaled by the wrong factor)."""
+    """Give each DTensor parameter's gradient the parameter's own placements (a local slice of a
+    replicated one; a partial sum reduce-scattered, or all-reduced for a replicated parameter).
+    torch hands a row-sharded embedding's gradient back whole on every tp rank; reduced, counted
+    in the norm and stepped as it was, it was counted once per tp rank in the global norm (found
+    in QA: clipping scaled by the wrong factor)."""
     from torch.distributed.tensor import DTensor
 
     for p in params:

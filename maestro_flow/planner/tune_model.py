@@ -1,18 +1,18 @@
 """The tuner's model of one configuration: its cost per micro-batch, memory per rank and
 simulated step time (`TuneModel`; planner/tune.py searches over it).
 
-Pure (standard library only). A configuration's step time is the wavefront plan's simulated makespan (planner/simulate.py) plus the end of
-the step, averaged over the representative batches; where consecutive steps overlap (lookahead
-and no gradient across an edge: `TuneModel.overlapped`) it is the busiest replica's simulated busy
-time plus its section's end of step. Time per
-micro-batch = the section's Cost, whose fixed cost per micro-batch (Cost.per_micro_batch_s, a
-`maestro profile` cost file's fitted one) is raised by overhead_s, which is what makes larger
-micro-batches pay off; the planner plans with these costs and the simulation charges the fixed
-cost on every micro-batch the plan runs (the wavefront may cut a section's samples into
-micro-batches smaller than its micro_batch to follow arrivals; it does so only where that pays).
-For a stage that pads (Cost.padded) the simulation charges each micro-batch at its longest
-sample, and the analytic score (which picks the candidates to simulate) adds the expected
-padding of a micro-batch of that size drawn at random (`_padding_s`).
+Pure (standard library only). A configuration's step time is the simulated makespan of the plans of
+the pipeline's schedule (planner/simulate.py) plus the end of the step, averaged over the
+representative batches; where consecutive steps overlap (lookahead and no gradient across an edge:
+`TuneModel.overlapped`) it is the busiest replica's simulated busy time plus its section's end of
+step. Time per micro-batch = the section's Cost, whose fixed cost per micro-batch
+(Cost.per_micro_batch_s, a `maestro profile` cost file's fitted one) is raised by overhead_s, which
+is what makes larger micro-batches pay off; the planner plans with these costs and the simulation
+charges the fixed cost on every micro-batch the plan runs (the wavefront may cut a section's samples
+into micro-batches smaller than its micro_batch to follow arrivals; it does so only where that
+pays). For a stage that pads (Cost.padded) the simulation charges each micro-batch at its longest
+sample, and the analytic score (which picks the candidates to simulate) adds the expected padding of
+a micro-batch of that size drawn at random (`_padding_s`).
 
 Calibration (runtime costs the stage's compute leaves out; all optional, zero by default):
   - runtime_s (section -> seconds per micro-batch): the executor's own cost per micro-batch,

@@ -61,7 +61,7 @@ class Candidate:
     """One evaluated configuration."""
 
     layout: Layout
-    step_s: float  # simulated makespan of the wavefront plan (mean over the batches given)
+    step_s: float  # simulated makespan of the pipeline's schedule's plans (mean over the batches)
     lower_bound_s: float
     devices: int
     utilisation: dict[str, float]  # section -> busy fraction of its replicas over the step

@@ -195,7 +195,7 @@ def _changed(was: dict[str, Any], now: dict[str, Any], most: int = 6) -> list[st
     in QA: two levels deep, a nested config showed both dicts cut before the change), the first
     `most` of them."""
     changed = [f"{where} ({_show(a)}, now {_show(b)})" for where, a, b in changed_keys(was, now)]
-    return changed[:most] + ([f"and {len(changed) - most} more"] if len(changed) > most else [])
+    return changed if len(changed) <= most + 1 else changed[:most] + [f"and {len(changed) - most} more"]
 
 
 def _show(value: Any) -> str:

@@ -353,7 +353,7 @@ class RunReport:
             total = max(busy + idle, 1e-12)
             lines.append(f"{name:<12} {busy / total:>7.1%} {idle / total:>8.1%} {comm / total:>10.1%}")
         if rows is not self.rows:
-            lines.append(f"(over {len(rows)} of {len(self.rows)} steps: not counting the first step after each start "
+            lines.append(f"(over {len(rows)} of the {len(self.rows)} steps run: not counting the first after each start "
                          "of the workers)")
         return "\n".join(lines)
 

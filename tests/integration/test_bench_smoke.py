@@ -78,11 +78,13 @@ def test_pipeline_benchmarks_refuse_runs_with_no_step_to_measure(capsys):
         return pipeline_bench_args(list(argv), "b", "doc", rounds=3, steps=30, warmup=6, tiny_steps=3)[1:4]
 
     assert parse() == (3, 30, 6) and parse("--tiny") == (1, 3, 1) and parse("--steps", "7") == (3, 7, 6)
-    for argv in (("--steps", "6"), ("--tiny", "--steps", "1"), ("--steps", "0"), ("--rounds", "0"),
-                 ("--warmup-steps", "-1")):
+    for argv, why in ((("--steps", "6"), "--steps (6) must be more than the --warmup-steps (6)"),
+                      (("--tiny", "--steps", "1"), "--steps (1) must be more than the --warmup-steps (1)"),
+                      (("--steps", "0"), "--steps (0) must be more"), (("--rounds", "0"), "--rounds must be at least 1"),
+                      (("--warmup-steps", "-1"), "--warmup-steps must be 0 or more")):
         with pytest.raises(SystemExit):
             parse(*argv)
-        assert "more than the --warmup-steps" in capsys.readouterr().err, argv
+        assert why in capsys.readouterr().err, argv
 
 
 def test_p2p_bandwidth_tiny():

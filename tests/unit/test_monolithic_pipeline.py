@@ -167,8 +167,8 @@ def test_the_baseline_refuses_every_checkpoint_flag_first_and_says_it_drops_the_
                        (CheckpointOptions(on_term=True), "--checkpoint-on-term"),
                        (CheckpointOptions(on_error="continue"), "--checkpoint-errors"),
                        (CheckpointOptions(on_error="stop"), "--checkpoint-errors")):  # given, though the default
-        with pytest.raises(PipelineError, match=f"^--baseline monolithic is a one-node comparison run in its own layout, without checkpoints "
-                                f"or recordings: drop {flag}$"):
+        with pytest.raises(PipelineError, match=f"^--baseline monolithic is a one-node comparison run in its own "
+                                                f"layout, without checkpoints or recordings: drop {flag}$"):
             _as_baseline(vlm(), checked, RunOptions(overrides={}, baseline="monolithic", devices=2, checkpoint=ckpt))
     capsys.readouterr()
     _as_baseline(vlm(), checked, RunOptions(overrides={"schedule": "wavefront"}, baseline="monolithic", devices=2))

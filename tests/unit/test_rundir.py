@@ -218,12 +218,12 @@ def test_the_busy_table_leaves_out_the_first_step_after_each_start():
     report.step(row(2, 9.0, 1.0))
     llm, note = report.table().splitlines()[1:]
     assert llm.split() == ["llm", "90.0%", "10.0%", "0.0%"]
-    assert note == "(over 2 of 3 steps: not counting the first step after each start of the workers)"
+    assert note == "(over 2 of the 3 steps run: not counting the first after each start of the workers)"
     report.step(row(2, 1.0, 3.0, restarts=1))  # an automatic restart replays step 2: its workers start again
     report.step(row(3, 7.0, 3.0, restarts=1))
     llm, note = report.table().splitlines()[1:]
     assert llm.split() == ["llm", "83.3%", "16.7%", "0.0%"]
-    assert note == "(over 3 of 5 steps: not counting the first step after each start of the workers)"
+    assert note == "(over 3 of the 5 steps run: not counting the first after each start of the workers)"  # step 2 ran twice
 
 
 def test_stage_counters_are_carried_from_the_checkpoint_a_run_resumed_from():

@@ -142,9 +142,12 @@ def pipeline_bench_args(argv: list[str] | None, prog: str, doc: str, *, rounds: 
     steps = args.steps if args.steps is not None else tiny_steps if tiny else steps
     warmup = args.warmup_steps if args.warmup_steps is not None else 1 if tiny else warmup
     # Found in QA: --steps 1 (or 0) ran a whole round, then failed on the median of no steps.
-    if rounds < 1 or warmup < 0 or steps <= warmup:
-        ap.error(f"--rounds must be at least 1, and --steps ({steps}) more than the --warmup-steps ({warmup}) "
-                 "left out of each run")
+    if rounds < 1:
+        ap.error(f"--rounds must be at least 1, got {rounds}")
+    if warmup < 0:
+        ap.error(f"--warmup-steps must be 0 or more, got {warmup}")
+    if steps <= warmup:
+        ap.error(f"--steps ({steps}) must be more than the --warmup-steps ({warmup}) left out of each run")
     return args, rounds, steps, warmup, parse_set(args.sets)
 
 

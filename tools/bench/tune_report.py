@@ -5,7 +5,7 @@
     workers (default: as many as this process has cores), run the chosen configuration in
     section mode (real worker processes, `--pin-cpus`) with the profiled costs, and compare
     the median measured step_time_s (first steps left out) with the predicted step (the
-    tuner's: the simulated makespan of the wavefront plan plus the end of the step, or where
+    tuner's: the simulated makespan of the pipeline's schedule's plans plus the end of the step, or where
     steps overlap the busiest replica's time; planner/tune_model.py). The best uniform configuration
     (one dp and micro-batch for every section) is run the same way, alternately with the tuned
     one over several rounds, so the predicted gain can be checked against the measured one (the
