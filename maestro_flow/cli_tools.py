@@ -217,7 +217,7 @@ def export(ctx: click.Context, source: str, section: str, out: str) -> None:
 @click.argument("run_dir", required=False, type=click.Path(file_okay=False))
 @click.option("--interval", type=click.FloatRange(min=0.05), default=1.0, show_default=True,
               help="Seconds between refreshes.")
-@click.option("--once", is_flag=True, help="Print one snapshot and exit.")
+@click.option("--once", is_flag=True, help="Print one snapshot and exit (at once, exit 2, when no run is there to answer).")
 def top(run_dir: str | None, interval: float, once: bool) -> None:
     """Watch a running pipeline: step, loss, step time, and what each worker is doing now.
 

@@ -42,6 +42,7 @@ from maestro_flow.errors import PipelineError, SystemFailure, Terminated, first_
 from maestro_flow.runtime import fingerprint, sealing
 from maestro_flow.runtime.attempts import REFUSED, STOPPED, canonical, comparable, differences, file_name
 from maestro_flow.runtime.launcher import Launcher, cause
+from maestro_flow.runtime.meeting import REFUSED_RUN
 from maestro_flow.runtime.nodes import ABANDONED, NoAnswer, Nodes, bounded, node_ranks, rendezvous
 from maestro_flow.runtime.sealing import DIFFERS, NONCE, printable, read_answer, run_key, sealed, store_key, unsealed
 from maestro_flow.timeouts import Timeouts
@@ -262,7 +263,7 @@ class Agent:
                     if outcome == "done":
                         return None
                     why = printable(outcome.removeprefix("failed: "))
-                    if why.startswith("the run was refused: "):  # found in QA: exit 2 on node 0, 1 here
+                    if why.startswith(REFUSED_RUN):  # found in QA: exit 2 on node 0, 1 here
                         raise PipelineError(f"node 0 says: {why}")
                     raise SystemFailure(f"the run failed (node 0 says: {why})")
                 session = self._pointer(store)

@@ -19,6 +19,7 @@ from maestro_flow.runtime.sealing import POLL_S, Answers, run_key, sealed, store
 
 CLAIM_GRACE_S = 2.0  # how long the run's end waits for an agent to claim a node none has claimed
 REFUSAL_GRACE_S = 20.0  # the same for a run refused at its start: the other nodes may be starting still
+REFUSED_RUN = "the run was refused: "  # how node 0's refusal starts; node I exits 2 on it, as node 0 does
 
 
 def end_job(store: Any, key: bytes, outcome: str, nnodes: int, wait_s: float, lost: set[int] = frozenset(),

@@ -52,9 +52,12 @@ def read_trace(path: str, pipeline: Any = None) -> list[SampleMeta]:
                 missing = [SIZE_OF[m] for m in SIZE_OF if m in d["modalities"] and d.get(SIZE_OF[m]) is None]
             if missing:
                 raise ValueError(f"no {' and no '.join(missing)}")
+            # Found in QA: 0 was planned, though a dataset row without tokens is refused; then -5 was
+            # "an integer >= 0" and 0 "at least 1".
+            tokens = d["num_tokens"]
+            if isinstance(tokens, (int, float)) and not isinstance(tokens, bool) and tokens < 1:
+                raise ValueError(f"num_tokens must be at least 1, as a dataset row's tokens are, got {tokens}")
             sample = SampleMeta.from_dict({**d, "row": d.get("row", -1)})
-            if sample.num_tokens < 1:  # found in QA: planned, though a dataset row without tokens is refused
-                raise ValueError(f"num_tokens must be at least 1, as a dataset row's tokens are, got {sample.num_tokens}")
         except (ValueError, KeyError, TypeError) as exc:
             raise PipelineError(f"{path}:{n}: not a sample metadata line ({exc})") from None
         if sample.id in seen:

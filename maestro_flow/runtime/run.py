@@ -25,7 +25,7 @@ from maestro_flow.runtime import cpus
 from maestro_flow.runtime.build import load_pipeline
 from maestro_flow.runtime.checks import check_pipeline
 from maestro_flow.runtime.coordinator import placement_for
-from maestro_flow.runtime.meeting import Meeting
+from maestro_flow.runtime.meeting import REFUSED_RUN, Meeting
 from maestro_flow.runtime.nodes import Nodes
 from maestro_flow.runtime.observe import RunObserver
 from maestro_flow.runtime.outputs import check_outputs, release_outputs
@@ -309,7 +309,7 @@ def run_pipeline(path: str, options: RunOptions) -> list[dict[str, Any]]:
                 refused = isinstance(exc, (PipelineError, CheckpointError))
                 previous = catch_stops()  # found in review: SIGTERM while waiting lost the reason (default action)
                 try:
-                    meeting.refuse(f"the run was refused: {_outcome(exc)}" if refused else _outcome(exc), wait_s)
+                    meeting.refuse(REFUSED_RUN + _outcome(exc) if refused else _outcome(exc), wait_s)
                 finally:
                     release(previous)
         raise

@@ -114,7 +114,8 @@ def test_a_trace_line_without_what_it_must_have_is_refused(tmp_path, command, li
     # Reproduced before: 1e400 (JSON's way to write a number past a float) crashed int() with an
     # OverflowError traceback; negative counts were taken and gave a negative lower bound and step.
     ('"num_tokens": 1e400', "num_tokens must be an integer >= 0, got inf"),
-    ('"num_tokens": -5', "num_tokens must be an integer >= 0, got -5"),
+    # (found in QA: a negative count was "an integer >= 0", and then 0 "at least 1")
+    ('"num_tokens": -5', "num_tokens must be at least 1, as a dataset row's tokens are, got -5"),
     ('"num_patches": -1', "num_patches must be an integer >= 0, got -1"),
     ('"num_frames": -2', "num_frames must be an integer >= 0, got -2"),
     ('"num_tokens": NaN', "num_tokens must be an integer >= 0, got nan"),
