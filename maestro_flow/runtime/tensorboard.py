@@ -35,11 +35,10 @@ def scalars(row: dict[str, Any]) -> dict[str, float]:
         out["loss"] = loss
     if row.get("grad_norm") is not None:
         out["grad_norm"] = row["grad_norm"]
-    step_time = row.get("step_time_s") or 0.0
-    out["step_time_s"] = step_time
-    if step_time > 0:
-        out["throughput/samples_per_s"] = row.get("samples", 0) / step_time
-        out["throughput/tokens_per_s"] = row.get("tokens", 0) / step_time
+    out["step_time_s"] = row.get("step_time_s") or 0.0
+    for key in ("samples_per_s", "tokens_per_s"):  # the row's own (ledger.py), None for a step of no time
+        if row.get(key) is not None:
+            out[f"throughput/{key}"] = row[key]
     for name, section in row.get("sections", {}).items():
         if "lr" in section:
             out[f"lr/{name}"] = section["lr"]

@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> dict:
     out: dict[str, Any] = {}
     for variant in VARIANTS:
         rows = run_one(variant, steps, sets)
-        out[variant] = _medians([r["sections"]["student"] for r in rows[warmup:] or rows])
+        out[variant] = _medians([r["sections"]["student"] for r in rows[warmup:]])
     base = out["dp4"]["state_mb"]
     out["fsdp_over_dp4_state"] = out["dp4-fsdp"]["state_mb"] / base
     out["fsdp_over_dp4_step"] = out["dp4-fsdp"]["step_mb"] / out["dp4"]["step_mb"]
@@ -125,8 +125,8 @@ def main(argv: list[str] | None = None) -> dict:
     out["tp2_over_dp4_state"] = out["dp2-tp2"]["state_mb"] / base
     for variant in TEACHER_VARIANTS:
         rows = run_one(variant, steps, sets)
-        out[variant] = _medians([r["sections"]["teacher"] for r in rows[warmup:] or rows])
-        out[variant]["step_ms"] = 1e3 * median([r["step_time_s"] for r in rows[warmup:] or rows])
+        out[variant] = _medians([r["sections"]["teacher"] for r in rows[warmup:]])
+        out[variant]["step_ms"] = 1e3 * median([r["step_time_s"] for r in rows[warmup:]])
     whole = out["teacher-dp4"]["step_mb"]
     out["teacher_unit_mb"] = unit_mb(sets, "teacher")
     out["teacher_fsdp_step_bound_mb"] = whole / 4 + 2 * out["teacher_unit_mb"]
