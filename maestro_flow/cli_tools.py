@@ -92,15 +92,22 @@ def profile(ctx: click.Context, pipeline: str, sets: tuple[str, ...], out: str |
         _fail(ctx, exc)
         return
     for name, body in data["sections"].items():
-        c = body["cost"]
-        terms = ", ".join(("padded" if k == "padded" else f"{k}={v:.3g}") for k, v in c.items() if v)
-        step = f"; optimizer step {body['step_overhead_s'] * 1e3:.2f} ms" if body.get("step_overhead_s") else ""
-        click.echo(f"{name}: {terms}; overhead/micro-batch {body['micro_batch_overhead_s'] * 1e3:.2f} ms "
-                   f"+ runtime {body['runtime_overhead_s'] * 1e3:.2f} ms{step}; "
-                   f"memory {body['memory_base_mb']:.0f} MB + {body['peak_memory_mb_per_sample']:.1f} MB/sample")
+        click.echo(profile_line(name, body))
     click.echo(f"planning: {data['planning_s'] * 1e3:.2f} ms per step")
     click.echo(f"wrote {data['path']}  (use: maestro tune {_with_sets(pipeline, sets)} --devices N --costs "
                f"{shlex.quote(data['path'])})")  # with the --sets (found in QA: a data.path given was dropped)
+
+
+def profile_line(name: str, body: dict) -> str:
+    """One section's measured costs as `maestro profile` prints them. A frozen section has no
+    backward, so its backward_factor (the Cost default, not a measurement) is left out."""
+    frozen = not body.get("profiled_with", {}).get("trainable", True)
+    terms = ", ".join(("padded" if k == "padded" else f"{k}={v:.3g}") for k, v in body["cost"].items()
+                      if v and not (frozen and k == "backward_factor"))
+    step = f"; optimizer step {body['step_overhead_s'] * 1e3:.2f} ms" if body.get("step_overhead_s") else ""
+    return (f"{name}: {terms}; overhead/micro-batch {body['micro_batch_overhead_s'] * 1e3:.2f} ms "
+            f"+ runtime {body['runtime_overhead_s'] * 1e3:.2f} ms{step}; "
+            f"memory {body['memory_base_mb']:.0f} MiB + {body['peak_memory_mb_per_sample']:.1f} MiB/sample")
 
 
 @click.command()
@@ -143,11 +150,11 @@ def tune(ctx: click.Context, pipeline: str, sets: tuple[str, ...], devices: int,
     does not fit the memory limit without it); the best (shortest simulated step, planned with
     the pipeline's schedule) are shown side by side with each section's utilisation, next to
     the best uniform configuration (one dp and micro-batch for every section). --write saves the
-    winner for `maestro run`:
+    winner for `maestro run` (give it the same --costs, so that it plans with what tune predicted):
 
     \b
       maestro tune pipelines/vlm.py --devices 4 --costs runs/costs-vlm.json --write best.txt
-      maestro run pipelines/vlm.py --set-file best.txt
+      maestro run pipelines/vlm.py --set-file best.txt --costs runs/costs-vlm.json
     """
     import json
 
@@ -178,8 +185,9 @@ def tune(ctx: click.Context, pipeline: str, sets: tuple[str, ...], devices: int,
     else:
         click.echo(format_result(result, path=_with_sets(pipeline, sets, global_batch)))
     if write_to:
+        with_costs = f" --costs {shlex.quote(costs)}" if costs else ""  # found in QA: run planned with declared costs
         click.echo(f"wrote {write_to}; run it with: maestro run {shlex.quote(pipeline)} "
-                   f"--set-file {shlex.quote(write_to)}", err=True)
+                   f"--set-file {shlex.quote(write_to)}{with_costs}", err=True)
 
 
 @click.command()

@@ -36,7 +36,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 from maestro_flow.config import Pipeline
 from maestro_flow.errors import PipelineError
@@ -178,7 +178,7 @@ class Tuner(TuneModel):
         vectors = self.dp_vectors(self.dp_candidates)
         if not vectors:
             raise PipelineError(f"tune: no configuration fits {self.devices} devices"
-                                + (f" and {self.limit:.0f} MB per replica" if self.limit else ""))
+                                + (f" and {self.limit:.0f} MiB per replica" if self.limit else ""))
         firsts = sorted((self.evaluate(self._layout(dps, mbs)) for _, _, dps, mbs in vectors), key=_rank)
         for start in firsts[:2]:
             self._descend(start.layout)
@@ -209,8 +209,9 @@ def tune(pipeline: Pipeline, costs: CostModel | None, samples: Sequence[SampleMe
         costs = CostModel(costs={s.name: s.cost for s in pipeline.sections})
     batches = [samples] if samples and isinstance(samples[0], SampleMeta) else list(samples)
     results, refusals = [], []
+    capable = options.pop("tp_capable", None)
     for tp in tp_assignments(pipeline, tp_options, options.get("memory") or {}, options.get("memory_limit_mb"),
-                             devices):
+                             devices, capable):
         try:
             results.append(Tuner(pipeline, costs, batches, devices=devices, tp=tp, **options).run(top))
         except PipelineError as exc:
@@ -243,10 +244,13 @@ def monolithic_for(pipeline: Pipeline, costs: CostModel, batches: Sequence[Seque
 
 
 def tp_assignments(pipeline: Pipeline, tp_options: Mapping[str, Sequence[int]] | None,
-                   memory: Mapping[str, MemoryModel], limit: float | None, devices: int) -> list[dict[str, int]]:
+                   memory: Mapping[str, MemoryModel], limit: float | None, devices: int,
+                   capable: Collection[str] | None = None) -> list[dict[str, int]]:
     """The tp of every section to search: per section, the smallest allowed tp whose rank fits
     the memory limit at micro-batch 1 (with FSDP over as many replicas as the devices allow)
-    and the next larger one (faster, when devices are spare); every combination of those."""
+    and the next larger one (faster, when devices are spare); every combination of those.
+    `capable`: the sections whose stage can be tensor-parallel (None: unknown, all); a section
+    outside it that fits no way is not told to raise --max-tp, which cannot split it."""
     per: dict[str, list[int]] = {}
     for s in pipeline.sections:
         allowed = sorted({t for t in (tp_options or {}).get(s.name, (s.tp,)) if t <= devices}) or [s.tp]
@@ -255,11 +259,13 @@ def tp_assignments(pipeline: Pipeline, tp_options: Mapping[str, Sequence[int]] |
         fits = [t for t in allowed if limit is None or least[t] <= limit]
         if not fits:  # no layout fits: say so (the largest tp's search would refuse it for other reasons)
             limit_mb, least_mb = apart(limit, min(least.values()))
+            raise_ = ("raise --memory-gb, --max-tp or --devices" if capable is None or s.name in capable else
+                      "raise --memory-gb or --devices (its stage has no tp_plan, so tensor parallelism cannot "
+                      "split it)")
             raise PipelineError(
-                f"tune: sections.{s.name} does not fit the memory limit ({limit_mb} MB) at micro_batch 1 with any "
+                f"tune: sections.{s.name} does not fit the memory limit ({limit_mb} MiB) at micro_batch 1 with any "
                 f"tensor parallelism it allows ({', '.join(map(str, allowed))}) and FSDP over the most replicas "
-                f"{devices} devices give (predicted {least_mb} MB at least); raise --memory-gb, "
-                f"--max-tp or --devices")
+                f"{devices} devices give (predicted {least_mb} MiB at least); {raise_}")
         start = allowed.index(fits[0])
         per[s.name] = allowed[start:start + 2]
     out: list[dict[str, int]] = [{}]

@@ -67,7 +67,7 @@ def pow2_upto(n: int) -> list[int]:
 
 def apart(limit: float, over: float) -> tuple[str, str]:
     """A limit and a figure over it, with the decimals it takes to tell them apart (found in QA:
-    "does not fit the memory limit (2 MB) ... (predicted 2 MB at least)")."""
+    "does not fit the memory limit (2 MiB) ... (predicted 2 MiB at least)")."""
     for digits in range(7):
         a, b = f"{limit:.{digits}f}", f"{over:.{digits}f}"
         if a != b:
@@ -135,8 +135,8 @@ class TuneModel:
             if self.limit is not None and least > self.limit:
                 limit_mb, least_mb = apart(self.limit, least)
                 raise PipelineError(
-                    f"tune: sections.{n} does not fit the memory limit ({limit_mb} MB) even at micro_batch 1 "
-                    f"(predicted {least_mb} MB at tp={self.tp[n]}); raise --memory-gb or allow a larger tp")
+                    f"tune: sections.{n} does not fit the memory limit ({limit_mb} MiB) even at micro_batch 1 "
+                    f"(predicted {least_mb} MiB at tp={self.tp[n]}); raise --memory-gb or allow a larger tp")
 
     # -- cost and memory at a micro-batch size -------------------------------------------------
 

@@ -53,7 +53,7 @@ def tune_pipeline(path: str, options: TuneOptions) -> tuple[TuneResult, list[str
     """The tuning result and notes worth telling the user (e.g. the memory limit went unchecked)."""
     pipeline, costs, batches, kwargs, notes = _inputs(path, options)
     result = tune(pipeline, costs, batches, devices=options.devices, top=options.top,
-                  tp_options=_tp_options(pipeline, options, notes), **kwargs)
+                  tp_options=_tp_options(pipeline, options, notes), tp_capable=tp_capable(pipeline), **kwargs)
     return result, notes
 
 
@@ -206,19 +206,13 @@ def allowed_tp(pipeline: Any, max_tp: int, devices: int | None = None) -> dict[s
     check_tp accepts, and every dimension the plan shards dividing by tp (the stage built once
     on the meta device); the pipeline's own tp always."""
     from maestro_flow.parallel.tp import check_plan
-    from maestro_flow.runtime.build import build_stage, resolve
-    from maestro_flow.stage import Stage
+    from maestro_flow.runtime.build import build_stage
 
     out = {}
     largest = min(max_tp, devices) if devices is not None else max_tp
     for s in pipeline.sections:
         values = {s.tp}
-        try:
-            cls = resolve(s.stage, f"sections.{s.name}.stage")
-            own = cls.parallelize is not Stage.parallelize
-            plan = {} if own else cls.tp_plan(dict(s.config))
-        except Exception:
-            own, plan = False, {}
+        cls, own, plan = _tp_plan(s)
         stage = None
         for t in (2, 4, 8, 16):
             if not (own or plan) or t > largest:
@@ -238,6 +232,25 @@ def allowed_tp(pipeline: Any, max_tp: int, devices: int | None = None) -> dict[s
             values.add(t)
         out[s.name] = sorted(values | {1})
     return out
+
+
+def _tp_plan(section: Any) -> tuple[Any, bool, dict]:
+    """A section's stage class, whether it overrides `parallelize`, and its tp_plan ({} when it
+    has none, or when the stage cannot be resolved: the run's own checks refuse that)."""
+    from maestro_flow.runtime.build import resolve
+    from maestro_flow.stage import Stage
+
+    try:
+        cls = resolve(section.stage, f"sections.{section.name}.stage")
+        own = cls.parallelize is not Stage.parallelize
+        return cls, own, ({} if own else cls.tp_plan(dict(section.config)))
+    except Exception:  # noqa: BLE001
+        return None, False, {}
+
+
+def tp_capable(pipeline: Any) -> set[str]:
+    """The sections whose stage can be tensor-parallel at all (a tp_plan or its own parallelize)."""
+    return {s.name for s in pipeline.sections if any(_tp_plan(s)[1:])}
 
 
 def on_cpu(device: str) -> bool:
@@ -322,4 +335,4 @@ def one_word(item: str) -> str:
 
 
 def _mb(value: float) -> str:
-    return f"{value / 1024:.1f} GB" if value >= 1024 else f"{value:.0f} MB"
+    return f"{value / 1024:.1f} GiB" if value >= 1024 else f"{value:.0f} MiB"

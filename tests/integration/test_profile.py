@@ -116,6 +116,7 @@ def test_profile_distill_then_tune_with_its_costs(tmp_path, demo):
     result = CliRunner().invoke(cli, args)
     assert result.exit_code == 0, result.output
     assert "uniform" in result.output and "teacher dp x mb" in result.output
+    assert f"--set-file {best} --costs {costs_file}" in result.output  # run plans with the costs tune used
     lines = best.read_text().split()
     assert lines[0] == "--set" and any(x.startswith("sections.student.dp=") for x in lines)
 

@@ -336,6 +336,21 @@ def test_a_profile_records_what_it_measured_and_the_machine_cores(tiny_vlm):
     assert data["unmeasured"] == {}
 
 
+def test_profile_prints_no_backward_factor_for_a_frozen_section():
+    """Found in QA: `maestro profile` printed backward_factor=2 for the frozen teacher, the Cost
+    default and not a measurement (it has no backward). Memory is in MiB, as counted."""
+    from maestro_flow.cli_tools import profile_line
+
+    body = {"cost": {"per_sample_s": 1e-3, "per_token_s": 0.0, "backward_factor": 2.0, "padded": True},
+            "micro_batch_overhead_s": 1e-3, "runtime_overhead_s": 2e-4, "step_overhead_s": 0.0,
+            "memory_base_mb": 12.0, "peak_memory_mb_per_sample": 0.5, "profiled_with": {"trainable": False}}
+    frozen = profile_line("teacher", body)
+    assert frozen.startswith("teacher: per_sample_s=0.001, padded; overhead/micro-batch 1.00 ms")
+    assert "backward_factor" not in frozen and frozen.endswith("memory 12 MiB + 0.5 MiB/sample")
+    trained = profile_line("student", {**body, "profiled_with": {"trainable": True}, "step_overhead_s": 3e-3})
+    assert "backward_factor=2" in trained and "optimizer step 3.00 ms" in trained
+
+
 # -- finding 7 ------------------------------------------------------------------------------------
 
 

@@ -290,6 +290,26 @@ def _costs(p):
 # -- tensor parallelism and FSDP ----------------------------------------------------------------
 
 
+def test_a_section_that_fits_nowhere_is_told_to_raise_max_tp_only_if_its_stage_can_split():
+    """Found in QA: tune said "raise --memory-gb, --max-tp or --devices" to a section whose
+    stage has no tp plan, where no --max-tp can help."""
+    from maestro_flow.runtime.tuning import tp_capable
+
+    p = distill()
+    with pytest.raises(PipelineError, match=r"raise --memory-gb or --devices \(its stage has no tp_plan") as e:
+        tune(p, None, samples(64), devices=4, memory_limit_mb=400, memory=MEMORY, tp_capable={"student"})
+    assert "--max-tp" not in str(e.value) and "limit (400 MiB)" in str(e.value)
+    with pytest.raises(PipelineError, match="raise --memory-gb, --max-tp or --devices"):
+        tune(p, None, samples(64), devices=4, memory_limit_mb=400, memory=MEMORY, tp_capable={"teacher"})
+    gpt2 = {"role": "teacher", "model_type": "gpt2", "hf_config": {"n_layer": 1, "n_embd": 16, "n_head": 2}}
+    llama = {"role": "teacher", "model_type": "llama", "hf_config": {"num_hidden_layers": 1, "hidden_size": 16,
+                                                                     "intermediate_size": 32, "num_attention_heads": 2}}
+    real = p.override(**{"sections.teacher.stage": "stages.hf:HFCausalLM", "sections.teacher.config": gpt2,
+                         "sections.student.stage": "stages.lm:CausalLM"})
+    assert tp_capable(real) == {"student"}  # transformers ships no tp plan for gpt2; CausalLM has one
+    assert tp_capable(real.override(**{"sections.teacher.config": llama})) == {"teacher", "student"}
+
+
 def test_memory_model_shards_what_tp_and_fsdp_shard():
     m = MemoryModel(base_mb=4 * 1000 + 50, per_sample_mb=10, param_mb=1000, copies=4, tp_share=0.8)
     assert m.at(2) == pytest.approx(4050 + 20)

@@ -180,7 +180,7 @@ def test_a_lockstep_fsdp_section_pays_its_gradient_traffic_once():
 def test_nothing_fitting_memory_is_refused_as_such():
     p = _distill()
     mem = {"teacher": MemoryModel(base_mb=5000, param_mb=0), "student": MemoryModel(base_mb=10)}
-    with pytest.raises(PipelineError, match="sections.teacher does not fit the memory limit .1024 MB."):
+    with pytest.raises(PipelineError, match="sections.teacher does not fit the memory limit .1024 MiB."):
         tune(p, _costs(p), _text(32), devices=4, memory=mem, memory_limit_mb=1024,
              tp_options={"teacher": [1, 2, 4], "student": [1]})
 
