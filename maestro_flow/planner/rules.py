@@ -75,7 +75,7 @@ class Rules:
 # first two share one assignment). The set was chosen by simulation over a grid of vision -> LLM
 # layouts (vision dp 1-2 -> llm dp 2-8, micro-batches 2-8, 10-90% images, frozen and trainable
 # encoders, two sample distributions; tools/bench/wavefront_sim.py --worst): with FIFO it keeps
-# every case of 256 and 512 samples within 5% of simulate.lower_bound, where the original rules
+# every case of 256 and 512 samples within 5% of simulate.bound_terms' bound, where the original rules
 # (every field's default) alone reached 1.31x and were up to 7% slower than FIFO. The last five
 # were picked greedily, the first two fixed, from 44 rule sets scored on that grid at 128 and
 # 256 samples (fewest cases above 1.05x, then the least excess over it); every one of them

@@ -8,14 +8,20 @@ gradient for it has returned, before its next forward; a loss section runs forwa
 of a micro-batch as one task. A micro-batch's forward costs its section's fixed cost per
 micro-batch (Cost.per_micro_batch_s) plus its samples' costs, each at the costliest one's
 where the stage pads (CostModel.batch_s); its backward, backward_factor times that. Outputs and gradients arrive `transfer_s` after the task that made them. Reduction
-and optimizer time are not modelled (the same for every ordering). The lower bound leaves the
-fixed costs and padding out (so it stays a bound whatever the micro-batches):
+and optimizer time are not modelled (the same for every ordering). The lower bound leaves
+padding out, and charges each section's fixed cost per micro-batch for the fewest micro-batches
+its samples fit in (no micro-batch holds more than the section's micro_batch), so it stays a
+bound whatever the micro-batches:
 
     lower bound = max over sections S of  work(S) / dp(S)
                   max over edges P -> C of  t0 + work(C, samples needing P) / dp(C)
                                             (t0: the cheapest single output P can produce, + transfer_s)
                   max over edges P -> C of  forward work(P, samples C takes) / dp(P) + transfer
                                             + cheapest C task
+
+where work(S, samples) is every sample's task_s plus fixed_s: per_micro_batch_s times the fewest
+micro-batches (ceil(samples / micro_batch)), and backward_factor times the fewest that need a
+backward. The critical section is the one with the largest work(S) / dp(S).
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ class Simulation:
     busy_s: dict[str, tuple[float, ...]]  # section -> per replica
     finish_s: dict[str, tuple[float, ...]]
     tasks: tuple[Task, ...] = ()  # every task run, in start order per replica
+    bound_terms: dict[str, float] = field(default_factory=dict)  # bound_terms(): lower_bound_s is their max
 
     def to_json_dict(self) -> dict[str, Any]:
         return {"makespan_s": self.makespan_s, "lower_bound_s": self.lower_bound_s,
@@ -280,12 +287,14 @@ def simulate(plan: Plan, graph: SectionGraph, costs: CostModel) -> Simulation:
         busy[rep.section].append(rep.busy)
         finish[rep.section].append(rep.finish)
     makespan = sim.makespan_s
-    bound, critical = lower_bound(plan.samples, graph, costs)
+    terms = bound_terms(plan.samples, graph, costs)
+    bound, critical = max(terms.values(), default=0.0), critical_of(terms, graph.order)
     crit_busy = sum(busy[critical])
     fraction = crit_busy / (makespan * graph.sections[critical].dp) if makespan > 0 else 1.0
     return Simulation(makespan_s=makespan, lower_bound_s=bound, critical_section=critical,
                       critical_busy_fraction=fraction, busy_s={k: tuple(v) for k, v in busy.items()},
-                      finish_s={k: tuple(v) for k, v in finish.items()}, tasks=tuple(Task(*t) for t in sim.tasks))
+                      finish_s={k: tuple(v) for k, v in finish.items()}, tasks=tuple(Task(*t) for t in sim.tasks),
+                      bound_terms=terms)
 
 
 def task_s(graph: SectionGraph, costs: CostModel, name: str, sample: SampleMeta) -> float:
@@ -319,10 +328,28 @@ def section_work(graph: SectionGraph, costs: CostModel, samples: tuple[SampleMet
             for n in graph.order}
 
 
+def fixed_s(costs: CostModel, name: str, micro_batch: int, forwards: int, backwards: int) -> float:
+    """The least fixed cost `name` pays for `forwards` samples, `backwards` of which need a
+    backward: per_micro_batch_s for each of the fewest micro-batches they fit in, and
+    backward_factor times it for the fewest holding those that need one (found in QA: the bound
+    and the critical section left it out, so where small micro-batches made it most of a
+    section's time, `maestro plan` named another section critical)."""
+    c = costs.costs[name]
+    if not c.per_micro_batch_s:
+        return 0.0
+    return c.per_micro_batch_s * (-(-forwards // micro_batch) + c.backward_factor * -(-backwards // micro_batch))
+
+
+def critical_of(terms: Mapping[str, float], order: Sequence[str]) -> str:
+    """The section whose `work:S` bound term is largest (ties: the later one in `order`)."""
+    work = [n for n in order if f"work:{n}" in terms]
+    return max(work, key=lambda n: (terms[f"work:{n}"], order.index(n)))
+
+
 def critical_section(graph: SectionGraph, costs: CostModel, samples) -> str:
-    """The section with the most work per replica (ties: the later one in topological order)."""
-    work = section_work(graph, costs, samples)
-    return max(graph.order, key=lambda n: (work[n] / graph.sections[n].dp, graph.order.index(n)))
+    """The section with the most work per replica, its fixed costs per micro-batch included
+    (ties: the later one in topological order)."""
+    return critical_of(bound_terms(samples, graph, costs), graph.order)
 
 
 def bound_terms(samples, graph: SectionGraph, costs: CostModel, *, sections: Sequence[str] | None = None,
@@ -340,21 +367,26 @@ def bound_terms(samples, graph: SectionGraph, costs: CostModel, *, sections: Seq
         task = {n: {s.id: task_s(graph, costs, n, s) for s in active[n]} for n in names}
     if fwd is None:
         fwd = {n: {s.id: costs.sample_s(n, s) for s in active[n]} for n in names}
-    terms = {f"work:{n}": sum(task[n][s.id] for s in active[n]) / secs[n].dp for n in names}
+
+    def fixed(n: str, of: Sequence[SampleMeta], backward: bool = True) -> float:  # fixed_s of n for `of`
+        if not costs.costs[n].per_micro_batch_s:
+            return 0.0
+        back = sum(needs_backward(graph, n, s) for s in of) if backward else 0
+        return fixed_s(costs, n, secs[n].micro_batch, len(of), back)
+
+    terms = {f"work:{n}": (sum(task[n][s.id] for s in active[n]) + fixed(n, active[n])) / secs[n].dp for n in names}
     for e in graph.edges:
         p, c = e.edge.src, e.edge.dst
         if f"work:{p}" not in terms or f"work:{c}" not in terms:
             continue
-        both = [s.id for s in active[p] if secs[c].activates(s.modalities)]
+        both = [s for s in active[p] if secs[c].activates(s.modalities)]
         if not both:
             continue
-        t0 = min(fwd[p][sid] for sid in both) + costs.transfer_s
-        terms[f"head:{p}->{c}"] = t0 + sum(task[c][sid] for sid in both) / secs[c].dp
-        fwd_p = sum(fwd[p][sid] for sid in both)  # the outputs C waits for, at least
-        tail = min(task[c][sid] for sid in both)
+        t0 = min(fwd[p][s.id] for s in both) + costs.micro_batch_s(p) + costs.transfer_s
+        terms[f"head:{p}->{c}"] = t0 + (sum(task[c][s.id] for s in both) + fixed(c, both)) / secs[c].dp
+        fwd_p = sum(fwd[p][s.id] for s in both) + fixed(p, both, backward=False)  # the outputs C waits for, at least
+        tail = min(task[c][s.id] for s in both) + costs.micro_batch_s(c)
         terms[f"tail:{p}->{c}"] = fwd_p / secs[p].dp + costs.transfer_s + tail
     return terms
 
 
-def lower_bound(samples, graph: SectionGraph, costs: CostModel) -> tuple[float, str]:
-    return max(bound_terms(samples, graph, costs).values(), default=0.0), critical_section(graph, costs, samples)

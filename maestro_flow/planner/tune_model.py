@@ -319,7 +319,7 @@ class TuneModel:
         return self._terms[key]
 
     def score(self, dps: Mapping[str, int], mbs: Mapping[str, int]) -> float:
-        """A lower bound on the step (see simulate.lower_bound) plus the longest one-sample chain."""
+        """A lower bound on the step (see simulate.bound_terms) plus the longest one-sample chain."""
         best = max(self._term(("work", n, mbs[n])) / dps[n] for n in self.order)
         for e in self.graph.edges:
             p, c = e.edge.src, e.edge.dst
@@ -357,10 +357,14 @@ class TuneModel:
             if overlapped:  # the busiest replica, with its section's end of step, sets the pace
                 step_s = max(max(sim.busy_s[n], default=0.0)
                              + self.section_end_s(n, by_name[n][0], gathers[n] > 0) * scale for n in self.order)
+                # Its bound: each section's work per replica. The fill and drain terms bound one
+                # step's makespan, which overlapping steps hide (found when the bound came to
+                # count fixed costs per micro-batch: it rose above such a step).
+                bounds.append(max((v for k, v in sim.bound_terms.items() if k.startswith("work:")), default=0.0))
             else:
                 step_s = sim.makespan_s + fixed * scale
+                bounds.append(sim.lower_bound_s)
             spans.append(step_s)
-            bounds.append(sim.lower_bound_s)
             for n in self.order:
                 busy[n] += sum(sim.busy_s[n]) / (step_s * by_name[n][0]) if step_s > 0 else 0.0
         k = len(self.batches)

@@ -16,7 +16,7 @@ Pure (standard library only). Per connected component:
      simulation is simulate.py's (except where a section has several producer sections: there
      simulate.py itself judges), so the choice is exact, not estimated. CANDIDATE_BUDGET
      (samples x orderings) bounds the work: a large batch plays out only the first candidates,
-     and stops at one within GOOD_ENOUGH of simulate.lower_bound, which keeps a 4096-sample
+     and stops at one within GOOD_ENOUGH of simulate.bound_terms' bound, which keeps a 4096-sample
      step under 100 ms;
   5. where the best order still ends more than 2% over the bound, a bounded local search
      (refine.py) changes its micro-batches, their order and routes and keeps what its
@@ -50,7 +50,7 @@ from maestro_flow.planner.refine import refine
 from maestro_flow.planner.routed import Routed
 from maestro_flow.planner.routing import components
 from maestro_flow.planner.rules import CANDIDATES, Rules
-from maestro_flow.planner.simulate import bound_terms, simulate
+from maestro_flow.planner.simulate import bound_terms, critical_of, simulate
 from maestro_flow.samples import SampleMeta
 
 CANDIDATE_BUDGET = 8192  # samples x orderings played out per plan (4096 samples: the first two)
@@ -86,11 +86,6 @@ class WavefrontPlanner:
         grads = set().union(*(active[e.edge.dst] for e in graph.needs_grad_from(n)))  # a consumer sends one back
         return {s.id: fwd[s.id] * (factor if s.id in grads else 1.0) for s in samples}
 
-    def _critical(self, comp: list[str], task: dict[str, dict[int, float]], active: dict[str, list[int]]) -> str:
-        """The component's section with the most work per replica (ties: the later one)."""
-        sections, order = self.graph.sections, self.graph.order
-        work = {n: sum(task[n][sid] for sid in active[n]) for n in comp}
-        return max(comp, key=lambda n: (work[n] / sections[n].dp, order.index(n)))
 
     def tried(self, num_samples: int) -> tuple[Rules, ...]:
         """The candidates one plan of `num_samples` samples plays out (at least one)."""
@@ -117,9 +112,10 @@ class WavefrontPlanner:
         hurry = len(tried) < len(self.candidates)  # a large batch: the budget cut the candidates short
         comps = components(graph)
         for index, comp in enumerate(comps):
-            anchor = self._critical(comp, task, active)
+            terms = bound_terms(samples, graph, self.costs, sections=comp, fwd=fwd, task=task)
+            anchor = critical_of(terms, graph.order)  # the most work per replica, fixed costs included
             cost = {n: {sid: task[n][sid] for sid in active[n]} for n in comp}  # absent: not activated
-            bound = max(bound_terms(samples, graph, self.costs, sections=comp, fwd=fwd, task=task).values())
+            bound = max(terms.values())
             # The ordering's own simulation is simulate.py's exactly unless a section has several
             # producer sections (their orders differ, and the gates let the executor run one of
             # them ahead by up to a consumer micro-batch more than the ordering assumed): there,
@@ -212,7 +208,9 @@ class WavefrontPlanner:
             if self.run_ahead is None:
                 gates.update({n: tuple(tuple(() for _ in rep) for rep in fifo.replicas[n]) for n in comp})
             else:
-                gates.update(credit_gates(self.graph, fifo, comp, self._critical(comp, task, active), self.run_ahead))
+                anchor = critical_of(bound_terms(samples, self.graph, self.costs, sections=comp, task=task),
+                                     self.graph.order)
+                gates.update(credit_gates(self.graph, fifo, comp, anchor, self.run_ahead))
         fifo = dataclasses.replace(fifo, gates={n: gates[n] for n in self.graph.order if n in gates})
         try:
             sim = simulate(fifo, self.graph, self.costs)

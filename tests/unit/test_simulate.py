@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from maestro_flow import ArrowData, Cost, Edge, Pipeline, Section
 from maestro_flow.graph import SectionGraph
 from maestro_flow.planner import CostModel, Plan, make_planner
-from maestro_flow.planner.simulate import Simulation, Task, critical_section, section_work, simulate
+from maestro_flow.planner.simulate import Simulation, Task, bound_terms, critical_section, section_work, simulate
 from maestro_flow.samples import SampleMeta
 from tests.unit.test_planner import draw_tree
 
@@ -247,6 +247,31 @@ def test_lower_bound_ignores_backward_nobody_needs():
         sim = simulate(make_planner(schedule, graph, costs).plan(0, samples), graph, costs)
         assert sim.makespan_s == 6.0 and sim.busy_s["enc"] == (6.0,)
         assert sim.lower_bound_s <= sim.makespan_s
+
+
+def test_the_critical_section_and_the_bound_count_fixed_costs_per_micro_batch():
+    """Found in QA: the critical section and the bound counted each sample's work only. teacher
+    (frozen, 1 s a sample, micro_batch 8) -> student (the loss, 0.4 s a sample, backward_factor
+    1, 2 s per micro-batch, micro_batch 1), 8 samples: per sample, the teacher has more work (8 s
+    against 6.4 s), but the student runs at least 8 micro-batches, each with 2 s fixed forward
+    and 2 s fixed backward: 38.4 s. `maestro plan` named the teacher critical, bound 8 s."""
+    p = pipeline([S("teacher", dp=1, micro_batch=8, cost=Cost(per_sample_s=1.0)),
+                  S("student", trainable=True, dp=1, micro_batch=1,
+                    cost=Cost(per_sample_s=0.4, backward_factor=1.0, per_micro_batch_s=2.0))],
+                 [Edge(src="teacher", dst="student", tensors=("h",))])
+    graph = SectionGraph(p)
+    costs = costs_of(graph)
+    samples = [SampleMeta(id=i) for i in range(8)]
+    for schedule in ("fifo", "wavefront"):
+        sim = simulate(make_planner(schedule, graph, costs).plan(0, samples), graph, costs)
+        assert sim.critical_section == "student" == critical_section(graph, costs, samples)
+        assert 38.4 - EPS <= sim.lower_bound_s <= sim.makespan_s + EPS
+    # At micro_batch 4 the student needs 2 micro-batches (4 s fixed each, backward included); at
+    # dp 2 its work per replica is (6.4 + 8) / 2 = 7.2 s, below the teacher's 8 s.
+    wider = SectionGraph(p.override(**{"sections.student.dp": 2, "sections.student.micro_batch": 4}))
+    terms = bound_terms(samples, wider, costs)
+    assert terms["work:student"] == pytest.approx(7.2) and terms["work:teacher"] == 8.0
+    assert critical_section(wider, costs, samples) == "teacher"
 
 
 # -- random graphs with trainable sections and costs ---------------------------------------

@@ -28,7 +28,7 @@ critical section's busy fraction with each schedule, and which term of the lower
               LLM must idle whatever the order);
   head/tail   an edge's dependency bound (the consumer cannot start before the first output, or
               the producer's forward work for the consumer plus one
-              consumer task comes before the end); the terms mirror simulate.lower_bound.
+              consumer task comes before the end); the terms mirror simulate.bound_terms.
 Goals (from the issues): wavefront/lower bound <= 1.05 (median over the cases, and since issue
 10 in every case), never slower than FIFO, critical busy fraction >= 0.97 wherever the bound is
 the LLM's work bound.
