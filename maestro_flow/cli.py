@@ -7,6 +7,7 @@ Errors a user can fix print one clear line and exit non-zero, with no Python tra
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -92,6 +93,7 @@ def _overrides(sets: tuple[str, ...], costs: str | None = None, pipeline: str | 
     return out
 
 
+RUNS = "runs"  # where default run directories go (runs/NAME-TIMESTAMP)
 COSTS_HELP = "Section costs measured by `maestro profile` (a cost file) instead of the pipeline's."
 
 
@@ -247,6 +249,7 @@ def run(ctx: click.Context, pipeline: str, steps: int | None, sets: tuple[str, .
         os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"
         os.environ["MAESTRO_AGENT_QUIETED_TORCH"] = "1"
     created = None  # the default run dir made here: removed again if the run is refused before writing to it
+    made = []  # and the folder holding it, where this run made that too (found in QA: an empty runs/ stayed)
     try:
         from maestro_flow.checkpoint.checkpointer import CheckpointOptions
         from maestro_flow.optim.build import pipeline_schedule_warnings
@@ -261,7 +264,8 @@ def run(ctx: click.Context, pipeline: str, steps: int | None, sets: tuple[str, .
         loaded = load_pipeline(pipeline, overrides)[0]
         if not no_run_dir and run_dir is None:
             loaded.check_name()  # the run folder is named after it: a bad name is refused before mkdir
-            run_dir = created = default_run_dir(loaded)
+            made = [] if os.path.isdir(RUNS) else [RUNS]
+            run_dir = created = default_run_dir(loaded, RUNS)
         # (the baseline sets its own dp and micro-batch: only what it keeps is warned of; review)
         for warning in pipeline_warnings(loaded) if baseline is None else pipeline_schedule_warnings(loaded):
             click.echo(f"warning: {warning}", err=True)
@@ -307,8 +311,10 @@ def run(ctx: click.Context, pipeline: str, steps: int | None, sets: tuple[str, .
         traceback.print_exc()
         _exit(1)
     finally:
-        if created and os.path.isdir(created) and not os.listdir(created):
-            os.rmdir(created)
+        for folder in ([created] + made) if created else ():
+            with contextlib.suppress(OSError):  # another run may have just written there
+                if not os.listdir(folder):
+                    os.rmdir(folder)
     from maestro_flow.runtime.nodes import exit_code
 
     exit_code(0)  # a node whose agent gave up a store call at the end (nodes.bounded)

@@ -232,8 +232,10 @@ def top(run_dir: str | None, interval: float, once: bool) -> None:
     RUN_DIR is the run's directory (printed by maestro run); by default the most recent running
     one under runs/. With no run there yet, or one that has ended (said how), top waits up to a
     minute for one to start there. Read-only: attaching and detaching (Ctrl-C) never disturbs the run.
+    When the run it watches ends, top says how and exits as the run did: 0 finished, 1 failed or
+    killed, 130 interrupted (Ctrl-C on top itself exits 0).
     """
-    from maestro_flow.runtime.status import START_WAIT_S, ended, find_run, query, render
+    from maestro_flow.runtime.status import START_WAIT_S, end_code, ended, find_run, query, render
 
     try:
         path = find_run(run_dir, wait_s=0 if once else START_WAIT_S, say=lambda text: click.echo(text, err=True))
@@ -249,7 +251,7 @@ def top(run_dir: str | None, interval: float, once: bool) -> None:
             except (FileNotFoundError, TimeoutError) as exc:
                 if shown and (done := ended(path)) is not None:  # it finished (or failed) while watched
                     click.echo(done)
-                    return
+                    sys.exit(end_code(path))
                 if once or not shown or not isinstance(exc, TimeoutError):
                     raise
                 text = f"waiting for the run to answer: {exc}"  # its coordinator lives: keep watching

@@ -305,6 +305,17 @@ def _last_row(path: str, keep: Any = lambda row: True) -> dict | None:
     return last
 
 
+END_CODES = {"done": 0, "failed": 1, "interrupted": 130}  # maestro run's exit codes, by how the run ended
+
+
+def end_code(run_dir: str) -> int:
+    """The exit code `top` gives once the run it watched is over: maestro run's for how it ended
+    (events.jsonl), and 1 for a run whose process went without recording it (killed; found in
+    QA: top exited 0 there, as after a finished run)."""
+    end = _last_row(os.path.join(run_dir, "events.jsonl"), lambda row: "ended" in row) or {}
+    return END_CODES.get(end.get("ended"), 1)
+
+
 def ended(run_dir: str) -> str | None:
     """What `top` says once the run it watched is over (None while its coordinator runs): how it
     ended (the run dir's events.jsonl: done, failed and why, interrupted; nothing there when its

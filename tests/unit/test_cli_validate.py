@@ -759,12 +759,17 @@ def test_options_that_cannot_work_are_refused(args, fragment):
 
 def test_a_refused_run_leaves_no_empty_default_run_dir(tmp_path, monkeypatch):
     """`maestro run` makes runs/NAME-TIMESTAMP before checking the pipeline; a run refused there
-    removes it again (an empty folder per refused run was left before)."""
+    removes it again (an empty folder per refused run was left before), and runs/ too where the
+    run made it (found in QA: an empty runs/ stayed); a runs/ that was there stays."""
     monkeypatch.chdir(tmp_path)
     pipeline = str(Path(__file__).resolve().parents[2] / "pipelines" / "distill.py")
-    result = CliRunner().invoke(main, ["run", pipeline, "--set", f"data.path={tmp_path / 'missing.arrow'}"])
+    args = ["run", pipeline, "--set", f"data.path={tmp_path / 'missing.arrow'}"]
+    result = CliRunner().invoke(main, args)
     assert result.exit_code == 2 and "missing.arrow" in result.output
-    assert not list((tmp_path / "runs").iterdir())
+    assert not (tmp_path / "runs").exists()
+    (tmp_path / "runs").mkdir()
+    assert CliRunner().invoke(main, args).exit_code == 2
+    assert (tmp_path / "runs").is_dir() and not list((tmp_path / "runs").iterdir())
 
 
 @pytest.mark.parametrize("name", ["a/b", "../../escape"])

@@ -239,8 +239,9 @@ def test_a_network_address_needs_a_secret(tmp_path, monkeypatch):
 
 def test_a_status_file_without_an_endpoint_and_a_run_that_ended(tmp_path):
     """A status.json that names no endpoint is a one-line error (a KeyError traceback before);
-    once the coordinator is gone, `ended` gives the run's last step (top prints it, exit 0)."""
-    from maestro_flow.runtime.status import ended, query
+    once the coordinator is gone, `ended` gives the run's last step, and `end_code` the exit code
+    top gives: the run's own (found in QA: 0 for a killed run)."""
+    from maestro_flow.runtime.status import end_code, ended, query
 
     (tmp_path / "status.json").write_text(json.dumps({"pid": os.getpid()}))
     with pytest.raises(FileNotFoundError, match="no endpoint"):
@@ -250,16 +251,19 @@ def test_a_status_file_without_an_endpoint_and_a_run_that_ended(tmp_path):
     # Found in QA: a failed or killed run "has ended after step N" as a finished one did. How it
     # ended is the run dir's events.jsonl's; nothing there: its process was killed.
     gone = f"{tmp_path}: the run's process is gone without recording how the run ended (killed?)"
-    assert ended(str(tmp_path)) == f"{gone}, before any step was recorded"
+    assert ended(str(tmp_path)) == f"{gone}, before any step was recorded" and end_code(str(tmp_path)) == 1
     (tmp_path / "metrics.jsonl").write_text('{"step": 0, "loss": 2.5}\n{"step": 1, "loss": 2.25}\n{"st')
     assert ended(str(tmp_path)) == f"{gone}; its last step was 2"
     events = tmp_path / "events.jsonl"
     events.write_text('{"checkpoint": "c", "step": 1}\n{"ended": "failed", "why": "system error in x ... Boom"}\n')
     assert ended(str(tmp_path)) == f"{tmp_path}: the run failed after step 2, loss 2.2500: system error in x ... Boom"
+    assert end_code(str(tmp_path)) == 1
     events.write_text('{"ended": "interrupted", "why": "the run was interrupted (Ctrl-C)"}\n')
     assert ended(str(tmp_path)) == f"{tmp_path}: the run was interrupted (Ctrl-C) after step 2, loss 2.2500"
+    assert end_code(str(tmp_path)) == 130
     events.write_text('{"ended": "done"}\n')
     assert ended(str(tmp_path)) == f"{tmp_path}: the run has ended after step 2, loss 2.2500"
+    assert end_code(str(tmp_path)) == 0
 
 
 @pytest.mark.parametrize("answer", [b"not json", b"[]", b'{"pipeline": "p"}', b"\xff" * 300])
