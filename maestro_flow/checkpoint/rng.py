@@ -46,6 +46,13 @@ def save(path: str, device: torch.device, extra: dict[str, Any] | None = None) -
     os.replace(tmp, path)
 
 
+def reseed(seed: int) -> None:
+    """Seed every RNG above (torch's on the CPU and every CUDA device, Python's, NumPy's)."""
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+
+
 def load(path: str, device: torch.device) -> dict[str, Any]:
     """Restore the RNG states saved at `path`; returns everything saved there (`extra` too)."""
     state = torch.load(path, weights_only=True)

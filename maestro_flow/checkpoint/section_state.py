@@ -29,7 +29,8 @@ ran. DCP would keep one replica's copy of each replicated entry, whichever rank 
 every replica's persistent buffers go into its RNG file as well (frozen sections' too) and come
 back from there; the `model/` entries hold replica 0's (only replica 0 offers its buffers to DCP),
 as `--save-dir` and `maestro export` do. A replica the checkpoint did not have (dp grew) takes
-replica 0's buffers, as it takes its RNG states.
+replica 0's buffers, and RNG states seeded for it (build.replica_seed at the checkpoint's step:
+replica 0's would repeat its draws).
 """
 
 from __future__ import annotations
@@ -76,10 +77,10 @@ def interrupted(exc: BaseException) -> bool:
 
 class SectionState:
     def __init__(self, stage: Any, optim: SectionOptimizer | None, *, section: str, replica: int, group: Any,
-                 device: torch.device, tp_index: int = 0) -> None:
+                 device: torch.device, tp_index: int = 0, seed: int = 0) -> None:
         self.stage, self.optim = stage, optim
         self.section, self.replica, self.group, self.device = section, replica, group, device
-        self.tp_index = tp_index
+        self.tp_index, self.seed = tp_index, seed  # the pipeline's seed (build.replica_seed)
         self.standin: dict[str, Any] | None = None  # what load() found of save()'s `standin`
 
     def folder(self, checkpoint: str) -> str:
@@ -203,8 +204,15 @@ class SectionState:
             other = rng_file(checkpoint, self.section, replica, tp_index)
             if os.path.isfile(other):
                 self._load_rng(checkpoint, other, who)
+                if replica == self.replica:  # its replica's leader's: a tp rank draws as its leader does
+                    return (f"{who}: no RNG state or buffers saved for it (the section's dp or tp changed); using "
+                            f"replica {replica}'s leader's")
+                from maestro_flow.runtime.build import replica_seed
+
+                step = mf.read(checkpoint).step if os.path.isfile(os.path.join(checkpoint, mf.MANIFEST)) else 0
+                rng.reseed(replica_seed(self.seed, self.section, self.replica, step))
                 return (f"{who}: no RNG state or buffers saved for it (the section's dp or tp changed); using replica "
-                        f"{replica}'s" + (" leader's" if self.tp_index else ""))
+                        f"{replica}'s buffers and RNG states seeded for it")
         return f"{who}: the checkpoint holds no RNG state for this section"
 
     def _load_rng(self, checkpoint: str, path: str, who: str) -> None:

@@ -111,6 +111,14 @@ def section_seed(seed: int, section: str) -> int:
     return (seed * 1_000_003 + zlib.crc32(section.encode())) % (2**31)
 
 
+def replica_seed(seed: int, section: str, replica: int, step: int = 0) -> int:
+    """The seed of one replica's draws while it trains (dropout), from step `step` on: its own, so
+    replicas draw independent masks (found in QA: every replica drew the same stream, so replica
+    k's dropout masks repeated replica 0's and the noise changed with dp); the tp ranks of a
+    replica share it, as their replicated activations must draw alike."""
+    return zlib.crc32(f"{section_seed(seed, section)}/{replica}/{step}".encode()) % (2**31)
+
+
 def resolve_device(section: Section, local_index: int) -> str:
     import torch
 
@@ -151,6 +159,10 @@ def build_stage(pipeline: Pipeline, section: Section, replica: int, device: str,
         if not meta:
             torch.manual_seed(seed)
         stage = cls(dict(section.config), ctx)
+    if not meta:  # the weights are the section's; what the replica draws from here on is its own
+        from maestro_flow.checkpoint.rng import reseed
+
+        reseed(replica_seed(pipeline.seed, section.name, replica))
     stray = _stray(stage)
     if stray:  # found in QA: an nn.Parameter on the stage itself trained in a plain loop, never here
         raise PipelineError(f"sections.{section.name}.stage: {section.stage} keeps {' and '.join(w for w, _ in stray)} "

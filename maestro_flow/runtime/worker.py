@@ -392,7 +392,8 @@ class _Worker:
             record=recording(init["record"], self.section, self.replica, whole=not section.fsdp and section.tp == 1),
             layout=layout)
         self.state = SectionState(stage, executor.optim, section=self.section, replica=self.replica,
-                                  group=groups.section, device=torch.device(device), tp_index=layout.tp_index)
+                                  group=groups.section, device=torch.device(device), tp_index=layout.tp_index,
+                                  seed=pipeline.seed)
         if init.get("resume"):
             note = self.state.load(init["resume"], layout=(section.dp, section.tp))
             if note:

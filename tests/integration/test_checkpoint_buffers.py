@@ -55,6 +55,23 @@ def calls(checkpoint, replica: int) -> float:
     return torch.load(mf.rng_file(str(checkpoint), "counter", replica, 0), weights_only=True)["buffers"]["emb.calls"].item()
 
 
+def generator(checkpoint, replica: int) -> torch.Tensor:
+    return torch.load(mf.rng_file(str(checkpoint), "counter", replica, 0), weights_only=True)["torch"]
+
+
+def test_replicas_draw_their_own_random_numbers(demo_data, tmp_path):
+    """Found in QA: every replica of a section drew the same random stream, so at dp 2 replica
+    1's dropout masks repeated replica 0's (the k-th micro-batch of each got the same mask). Each
+    replica now seeds its own (build.replica_seed). The stage draws nothing here (no dropout:
+    the draws of a dropout would depend on its samples' lengths), so each generator is as the
+    replica seeded it: they were equal, and differ now."""
+    run(demo_data, "--steps", "1", "--set", "global_batch=4", "--checkpoint-dir", str(tmp_path / "ck"),
+        "--checkpoint-every", "1")
+    step1 = tmp_path / "ck" / "step-00000001"
+    assert calls(step1, 0) == calls(step1, 1) == 2
+    assert not torch.equal(generator(step1, 0), generator(step1, 1))
+
+
 def test_a_replica_added_by_a_larger_dp_starts_from_replica_0s_buffers(demo_data, tmp_path):
     """Resumed at dp 3 from a dp-2 checkpoint: replicas 0 and 1 go on from their own counts,
     replica 2 from replica 0's; each then adds the one or two forwards it runs in step 3."""
@@ -66,7 +83,10 @@ def test_a_replica_added_by_a_larger_dp_starts_from_replica_0s_buffers(demo_data
                      "--set", "sections.counter.micro_batch=1", "--set", "dtype=float64", "--resume", str(step2),
                      "--checkpoint-dir", str(again), "--checkpoint-every", "1", timeout=180)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "counter replica 2: no RNG state or buffers saved for it" in result.stdout + result.stderr
+    assert ("counter replica 2: no RNG state or buffers saved for it (the section's dp or tp changed); using "
+            "replica 0's buffers and RNG states seeded for it") in result.stdout + result.stderr
     step3 = again / "step-00000003"
     for replica, start in ((0, calls(step2, 0)), (1, calls(step2, 1)), (2, calls(step2, 0))):
         assert calls(step3, replica) - start in (1, 2), (replica, start, calls(step3, replica))
+    # Its random numbers are its own, not replica 0's again (found in QA; the stage draws none here).
+    assert len({bytes(generator(step3, r).numpy()) for r in (0, 1, 2)}) == 3

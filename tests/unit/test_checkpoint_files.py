@@ -398,6 +398,25 @@ def test_files_another_node_wrote_to_its_own_disk_keep_the_checkpoint_incomplete
     assert Coordinator._not_written(coordinator, str(folder), {**infos, 1: {}}) == []  # no training state: no DCP
 
 
+def test_each_replica_draws_its_own_random_numbers_from_the_sections_weights():
+    """Found in QA: every replica continued the section's one seeded stream, so replicas drew the
+    same dropout masks. The weights stay the section's; the draws after them are the replica's
+    (a replica's tp ranks build with its index, so they draw alike); the same on every build."""
+    from maestro_flow.runtime.build import build_stage
+
+    lm = PIPELINE.override(**{"sections.student.stage": "stages.lm:CausalLM", "sections.student.config": {
+        "vocab_size": 32, "d_model": 8, "n_layers": 1, "n_heads": 2, "max_seq_len": 16}})
+    built = {}
+    for replica in (0, 1, 1):
+        stage = build_stage(lm, lm.section("student"), replica, "cpu")
+        weights = torch.cat([p.detach().flatten() for p in stage.parameters()])
+        built.setdefault(replica, []).append((weights, torch.rand(4), random.random(), np.random.rand()))
+    (w0, t0, r0, n0), (w1, t1, r1, n1), (w1b, t1b, r1b, n1b) = built[0] + built[1]
+    assert torch.equal(w0, w1) and torch.equal(w1, w1b)
+    assert not torch.equal(t0, t1) and r0 != r1 and n0 != n1
+    assert torch.equal(t1, t1b) and (r1, n1) == (r1b, n1b)
+
+
 def test_a_missing_rng_file_is_refused_unless_the_layout_changed(tmp_path):
     """Found in review: with one replica's RNG file deleted, a resume at the same dp took
     replica 0's states and buffers with a note saying the dp had changed (it had not): the resume
@@ -423,8 +442,12 @@ def test_a_missing_rng_file_is_refused_unless_the_layout_changed(tmp_path):
     with pytest.raises(CheckpointMismatch, match=rf"the checkpoint is incomplete; the complete checkpoint before it: "
                                                  rf"{before} \(--resume {before}; "):
         load((2, 1))
+    torch.manual_seed(5)
+    zeroth = torch.get_rng_state()
+    rng.save(mf.rng_file(folder, "teacher", 0), torch.device("cpu"))
     assert load((3, 1)) == ("teacher replica 1: no RNG state or buffers saved for it (the section's dp or tp "
-                            "changed); using replica 0's")
+                            "changed); using replica 0's buffers and RNG states seeded for it")
+    assert not torch.equal(torch.get_rng_state(), zeroth)  # its own, not replica 0's (found in QA)
     with open(mf.rng_file(folder, "teacher", 0), "r+b") as f:
         f.truncate(100)
     with pytest.raises(CheckpointMismatch, match=rf"cannot read the RNG state of teacher replica 1 .*; the complete "
