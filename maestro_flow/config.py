@@ -166,6 +166,10 @@ class ArrowData:
             if not isinstance(token, int) or isinstance(token, bool) or token < 0:
                 raise PipelineError(f"data.placeholder_ids.{modality} must be a token id (an integer >= 0), "
                                     f"got {token!r}")
+        shared = sorted(m for m, t in self.placeholder_ids.items() if list(self.placeholder_ids.values()).count(t) > 1)
+        if shared:  # found in QA: both payloads were spliced at the one token, the other read as text
+            raise PipelineError(f"data.placeholder_ids: {' and '.join(shared)} share the token id "
+                                f"{self.placeholder_ids[shared[0]]}: give each modality its own placeholder token")
         if not isinstance(self.modality_columns, dict):
             raise PipelineError(f"data.modality_columns must map modalities to column names, got {self.modality_columns!r}")
         for modality, column in self.modality_columns.items():

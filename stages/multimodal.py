@@ -130,7 +130,8 @@ class MultimodalLM(Stage):
                 raise ValueError(f"sample {sample_id}: {seq.shape[0]} positions after expanding its placeholders "
                                  f"({len(t)} tokens, {rows} encoder rows) exceed max_seq_len="
                                  f"{self.model_config.max_seq_len}; if its num_patches or num_frames column says "
-                                 "fewer rows, it is wrong: `maestro validate PIPELINE --payloads` finds such samples")
+                                 "fewer rows, it is wrong: `maestro validate PIPELINE --payloads` finds such samples "
+                                 "for encoders that declare payload_checks (the built-in ones do)")
             seqs.append(seq)
             labels.append(torch.cat(labs))
 

@@ -488,8 +488,11 @@ def data_warnings(pipeline: Pipeline, metadata: list[SampleMeta]) -> list[str]:
            f"{s.activates_on!r} (they carry {', '.join(sorted(carried))}), so the section never runs"
            for s in pipeline.sections if s.activates_on is not None and s.activates_on not in carried]
     # And the mirror case (found in QA: mm.arrow's audio rows trained on pipelines/vlm.py, their audio
-    # ignored and its placeholder token learnt as text).
-    read = {s.activates_on for s in pipeline.sections if s.activates_on is not None}
+    # ignored and its placeholder token learnt as text); a section on every sample that lists the
+    # modality's column reads it too (found in QA: it was said to be ignored).
+    read = {s.activates_on for s in pipeline.sections if s.activates_on is not None} | {
+        m for m in carried for s in pipeline.sections if s.activates_on is None and pipeline.data.column_of(m) in
+        (s.columns or ())}
     for modality in sorted(carried - read - {"text"}):
         out.append(f"{counts[modality]} samples of {pipeline.data.path} carry {modality!r} but no section has "
                    f"activates_on={modality!r}: their {modality} is ignored (a placeholder token for it is read "

@@ -48,7 +48,7 @@ _FILE = re.compile(r"^step(\d{6,})-mb(\d{4,})\.safetensors$")
 
 __all__ = ["FORMAT", "file_name", "save_micro_batch", "load_micro_batches", "recording_dirs", "record_dir",
            "save_weights", "recorded_weights", "rng_states", "recorded_rng", "recorded_failure", "restore_rng",
-           "Recorder", "Steps"]
+           "Recorder", "Steps", "idle_steps", "steps_text"]
 
 
 def file_name(step: int, index: int) -> str:
@@ -86,6 +86,31 @@ class Steps:
 
     def __str__(self) -> str:
         return ",".join(str(lo) if lo == hi else f"{lo}-{hi}" for lo, hi in sorted(self.ranges))
+
+
+def idle_steps(run_dir: str, section: str, steps: Steps | None = None) -> tuple[list[int], list[int]]:
+    """(the steps of `steps` (None: all) whose plan gave `section` no micro-batch, every step
+    planned), from RUN_DIR/plans.jsonl (the last plan of a step replayed after a restart); both
+    empty without the file. Found in QA: --record of an encoder at steps where no sample
+    activated it wrote nothing and said nothing, and the replay then advised recording it."""
+    last: dict[int, bool] = {}
+    try:
+        with open(os.path.join(run_dir, "plans.jsonl")) as f:
+            for line in f:
+                try:
+                    plan = json.loads(line)
+                    replicas = plan["sections"][section]["replicas"]
+                    last[int(plan["step"])] = not any(replicas)
+                except (ValueError, KeyError, TypeError):  # a line cut short by a kill, or another pipeline's
+                    continue
+    except OSError:
+        return [], []
+    return sorted(s for s, idle in last.items() if idle and (steps is None or s in steps)), sorted(last)
+
+
+def steps_text(steps: list[int]) -> str:
+    """'step 3' or 'steps 0, 1'."""
+    return f"step{'s' * (len(steps) > 1)} {', '.join(map(str, steps))}"
 
 
 # -- saving -------------------------------------------------------------------------------------

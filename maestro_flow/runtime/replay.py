@@ -44,12 +44,14 @@ from maestro_flow.runtime.build import load_pipeline
 from maestro_flow.runtime.record import (
     Steps,
     TextOnly,
+    idle_steps,
     load_file,
     recorded_failure,
     recorded_files,
     recorded_rng,
     recorded_weights,
     recording_dirs,
+    steps_text,
     weights_name,
 )
 from maestro_flow.runtime.replay_report import _column_summary, _ms, compare_outputs, describe_value
@@ -102,8 +104,11 @@ def _recorded(run_dir: str, name: str, options: ReplayOptions) -> list[tuple[int
         if recording_dirs(above, name):  # only then (found in review: a run folder named "record")
             raise ReplayError(f"--replay takes the run folder, not its recording: --replay {above}")
     if not dirs:
-        raise ReplayError(f"--replay: no recording of section {name!r} in {os.path.join(run_dir, 'record')} "
-                          f"(record one with: maestro run PIPELINE.py --record {name})")
+        idle, planned = idle_steps(run_dir, name)
+        why = (f": no sample activated it at any of this run's {len(planned)} steps, so there was nothing to record"
+               if planned and idle == planned else f" (record one with: maestro run PIPELINE.py --record {name}"
+               + (f"; no sample activated it at {steps_text(idle)} of this run" if idle else "") + ")")
+        raise ReplayError(f"--replay: no recording of section {name!r} in {os.path.join(run_dir, 'record')}{why}")
     replicas = [(int(os.path.basename(d).rsplit("-", 1)[1]), d) for d in dirs]
     if options.replica is not None:
         want = f"{name}-{options.replica}"
@@ -115,8 +120,10 @@ def _recorded(run_dir: str, name: str, options: ReplayOptions) -> list[tuple[int
         have = sorted({f[0] for f in found})
         found = [f for f in found if f[0] in options.steps]
         if not found:
+            idle = idle_steps(run_dir, name, options.steps)[0]
             raise ReplayError(f"--steps: none of {options.steps} recorded for {name!r} "
-                              f"(recorded steps: {', '.join(map(str, have)) or 'none'})")
+                              f"(recorded steps: {', '.join(map(str, have)) or 'none'}"
+                              + (f"; no sample activated it at {steps_text(idle)}" if idle else "") + ")")
     if not found:
         raise ReplayError(f"--replay: the recording of {name!r} in {run_dir} holds no micro-batch")
     return sorted(found, key=lambda f: f[:3])

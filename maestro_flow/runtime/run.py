@@ -29,7 +29,7 @@ from maestro_flow.runtime.meeting import REFUSED_RUN, Meeting
 from maestro_flow.runtime.nodes import Nodes
 from maestro_flow.runtime.observe import RunObserver
 from maestro_flow.runtime.outputs import check_outputs, release_outputs
-from maestro_flow.runtime.record import Steps
+from maestro_flow.runtime.record import Steps, idle_steps, steps_text
 from maestro_flow.runtime.report import RunReport
 from maestro_flow.runtime.rundir import RunDir, default_run_dir, node_run_dir
 from maestro_flow.runtime.sampler import EpochSampler, data_fingerprint
@@ -480,6 +480,11 @@ def _lead(pipeline: Any, original: Any, checked: Any, paths: Any, options: RunOp
             files = ", ".join(f"{s.name}.safetensors" for s in original.sections if s.trainable)
             print(f"weights: {options.save_dir} ({files}; `maestro export {options.save_dir} --section S -o OUT` "
                   "takes one out)", file=sys.stderr)
+    if record is not None and run_dir is not None:
+        idle = idle_steps(run_dir.path, record["section"], options.record_steps)[0]
+        if idle:
+            print(f"note: --record {record['section']}: no sample activated it at {steps_text(idle)}, "
+                  "so nothing was recorded there", file=sys.stderr)
     if fatal:
         raise CheckpointError(fatal)
     if checkpointer.unsaved is not None:

@@ -146,3 +146,23 @@ def test_a_backward_that_raises_in_a_section_that_is_not_the_loss_is_recorded_as
     out = replay.stdout + replay.stderr
     assert replay.returncode == 3 and "the run's backward raised on this micro-batch" in out, out
     assert "raised as the run did: ValueError: deliberate failure in backward" in out, out
+
+
+@pytest.mark.timeout(240)
+def test_recording_an_encoder_says_at_which_steps_no_sample_activated_it(tmp_path):
+    """Found in QA: `--record vision` at steps without an image wrote nothing and said nothing,
+    and `maestro stage --replay` then advised recording the section, as the user had. In file
+    order at 4 samples a step, images sit in rows 5, 7 and 15: steps 1 and 3 record, 0 and 2 do not."""
+    from loaders.demo import image_demo_table, write_arrow
+
+    data = write_arrow(image_demo_table(num_samples=32, image_share=0.15, seed=1), tmp_path / "few.arrow")
+    sets = ["--set", f"data.path={data}", "--set", "data.shuffle=false", "--set", "global_batch=4"]
+    run = maestro("run", "pipelines/vlm.py", "--colocated", "--steps", "4", "--record", "vision",
+                  "--run-dir", str(tmp_path / "run"), *sets, timeout=200)
+    assert run.returncode == 0, run.stderr
+    assert "note: --record vision: no sample activated it at steps 0, 2, so nothing was recorded there" in run.stderr
+    files = sorted(p.name for p in (tmp_path / "run" / "record" / "vision-0").glob("step*.safetensors"))
+    assert {f[:10] for f in files} == {"step000001", "step000003"}, files
+    replay = maestro("stage", "pipelines/vlm.py", "vision", "--replay", str(tmp_path / "run"), "--steps", "0", *sets)
+    assert replay.returncode == 2
+    assert "none of 0 recorded for 'vision' (recorded steps: 1, 3; no sample activated it at step 0)" in replay.stderr

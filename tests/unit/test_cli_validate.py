@@ -228,6 +228,9 @@ def test_global_batch_larger_than_the_dataset(tmp_path, dataset):
     ("data.skip_bad_rows=False", ["data.skip_bad_rows must be true or false, got 'False'"]),
     ("adapt_costs=False", ["adapt_costs must be true or false, got 'False'"]),
     ("data.placeholder_ids.image=IMAGE", ["data.placeholder_ids.image must be a token id", "got 'IMAGE'"]),
+    # Found in QA: accepted; both payloads were spliced at the one token and the audio token trained as text.
+    ('data.placeholder_ids={"image": 259, "audio": 259}', ["data.placeholder_ids: audio and image share the "
+                                                           "token id 259: give each modality its own placeholder"]),
 ])
 def test_bad_set_overrides_are_refused(tmp_path, dataset, item, fragments):
     result = invoke("validate", write_pipeline(tmp_path, dataset), "--set", item)

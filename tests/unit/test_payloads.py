@@ -192,6 +192,11 @@ def test_a_vlm_whose_image_rows_would_be_dropped_is_refused_or_warned_of(tmp_pat
                              f"warning: {images} samples of {data} carry 'image' but no section has "
                              "activates_on='image': their image is ignored (a placeholder token for it is read as "
                              "text); add an encoder section for it, or leave those samples out\n")
+    # Found in QA: an encoder on every sample (no activates_on) that reads the image column uses
+    # the images; they were said to be ignored.
+    result = runner.invoke(main, ["validate", VLM, "--set", f"data.path={data}", "--set",
+                                  "sections.vision.activates_on=null"])
+    assert result.exit_code == 0 and "is ignored" not in result.stderr, result.output
     # Found in review: with a projector section between, the encoder's rows reached the LLM by
     # an edge from a section that activates on nothing, and validate said ok. The LLM's own
     # mapping of tensors to modalities decides now, whatever the producer.

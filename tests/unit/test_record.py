@@ -281,3 +281,27 @@ def test_a_tensor_parallel_follower_records_nothing(tmp_path):
     *_, leader = _plain_executor(tmp_path, Layout(replica=0, tp_index=0, members=(0, 1)))
     *_, follower = _plain_executor(tmp_path, Layout(replica=0, tp_index=1, members=(0, 1)))
     assert leader.record is not None and follower.record is None
+
+
+def test_steps_a_section_had_no_micro_batch_come_from_the_plans(tmp_path):
+    """Found in QA: a recording of an encoder that no sample activated was missing without a
+    word, and the replay advised recording it. The run dir's plans say at which steps it idled
+    (the last plan of a step replayed after a restart; a line cut short is skipped)."""
+    from maestro_flow.runtime.record import Steps, idle_steps
+    from maestro_flow.runtime.replay import ReplayError, ReplayOptions, _recorded
+
+    def plan(step, audio):
+        return json.dumps({"step": step, "sections": {"audio": {"replicas": audio}, "llm": {"replicas": [[[1]]]}}})
+
+    assert idle_steps(str(tmp_path), "audio") == ([], [])  # no plans.jsonl
+    (tmp_path / "plans.jsonl").write_text("\n".join([plan(0, [[], []]), plan(1, [[[3]], []]), plan(2, [[[4]], []]),
+                                                     plan(2, [[], []]), '{"step": 3, "sect']) + "\n")
+    assert idle_steps(str(tmp_path), "audio") == ([0, 2], [0, 1, 2])
+    assert idle_steps(str(tmp_path), "audio", Steps(ranges=((1, 2),))) == ([2], [0, 1, 2])
+    with pytest.raises(ReplayError, match=r"\(record one with: maestro run PIPELINE.py --record audio; no sample "
+                                          r"activated it at steps 0, 2 of this run\)$"):
+        _recorded(str(tmp_path), "audio", ReplayOptions())
+    (tmp_path / "plans.jsonl").write_text(plan(0, [[], []]) + "\n" + plan(1, [[], []]) + "\n")
+    with pytest.raises(ReplayError, match="no sample activated it at any of this run's 2 steps, so there was nothing "
+                                          "to record$"):
+        _recorded(str(tmp_path), "audio", ReplayOptions())
