@@ -54,9 +54,11 @@ def _fail(exc: BaseException, debug: bool, then: Callable[[], None] | None = Non
     click.echo(f"error: {exc}", err=True)
     if then is not None:
         then()
+    from maestro_flow.errors import exit_code_of  # (what `maestro top` exits with too: run.py records it)
+
     if isinstance(exc, StageError):
         sys.exit(1)
-    _exit(2 if isinstance(exc, PipelineError) else 1)
+    _exit(exit_code_of(exc))
 
 
 def _go_on_note(failed: bool = False) -> None:
@@ -348,7 +350,7 @@ def validate(ctx: click.Context, pipeline: str, sets: tuple[str, ...], payloads:
             check_and_report(p, checked, echo=lambda line: click.echo(line, err=True))
         skipped = getattr(checked.source, "num_skipped", 0)
         click.echo(f"ok: {p.name}: {count(len(checked.graph.order), 'section')}, {count(len(checked.graph.edges), 'edge')}, "
-                   f"{sum(s.dp * s.tp for s in p.sections)} workers, {len(checked.metadata)} samples"
+                   f"{count(sum(s.dp * s.tp for s in p.sections), 'worker')}, {len(checked.metadata)} samples"
                    + skipped_note(skipped))
     except MaestroError as exc:
         _fail(exc, ctx.obj["debug"])

@@ -71,6 +71,14 @@ class TimeoutFailure(SystemFailure):
         )
 
 
+def exit_code_of(exc: BaseException) -> int:
+    """maestro's exit code for a command ended by `exc`: 130 interrupted, 2 bad input (a
+    PipelineError: the field to change), 1 anything else (a stage error, a failed run)."""
+    if isinstance(exc, KeyboardInterrupt):
+        return 130
+    return 2 if isinstance(exc, PipelineError) else 1
+
+
 def first_line(exc: BaseException) -> str:
     """The first line of an exception's message, or its type's name where the message is blank: the
     one-line cause a wrapping error quotes."""

@@ -11,6 +11,11 @@ What the runtime guarantees around a stage:
   set to `ctx.dtype`; afterwards every module is moved to `ctx.device` and `ctx.dtype`. A stage
   that wants weights independent of the section (e.g. a teacher head rebuilt elsewhere) seeds
   its own generator.
+- Random draws after the constructor (dropout, in forward) come from each replica's own seed
+  (torch's, Python's and NumPy's RNGs, reseeded once the stage is built; the tp ranks of a
+  replica share it), so replicas draw independently. Anything that must be identical across
+  replicas (parameters, buffers, a lazily initialised module) must be created in the
+  constructor: drawn later, it would differ between replicas.
 - Samples: each step's global batch comes from a seeded per-epoch shuffle of the dataset (or file
   order with `data.shuffle=false`), cut into batches with the remainder dropped; the samples of
   every step, in execution order, are in the run directory's `plans.jsonl`.

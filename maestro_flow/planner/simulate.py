@@ -314,6 +314,17 @@ def micro_batch_task_s(graph: SectionGraph, costs: CostModel, name: str, samples
     return f
 
 
+def backward_ids(graph: SectionGraph, name: str, samples: Sequence[SampleMeta]) -> set[int]:
+    """The ids of `samples` (which `name` activates on) that `name` runs a backward for:
+    needs_backward for each, with the graph's facts looked up once."""
+    if not graph.sections[name].trainable:
+        return set()
+    if name in graph.loss_sections():
+        return {s.id for s in samples}
+    consumers = [graph.sections[e.edge.dst] for e in graph.needs_grad_from(name)]
+    return {s.id for s in samples if any(c.activates(s.modalities) for c in consumers)}
+
+
 def needs_backward(graph: SectionGraph, name: str, sample: SampleMeta) -> bool:
     if not graph.sections[name].trainable:
         return False
@@ -368,11 +379,14 @@ def bound_terms(samples, graph: SectionGraph, costs: CostModel, *, sections: Seq
     if fwd is None:
         fwd = {n: {s.id: costs.sample_s(n, s) for s in active[n]} for n in names}
 
+    # The samples each section with a fixed cost runs a backward for (once: found in review, a
+    # test per sample per term doubled the bound's time).
+    back = {n: backward_ids(graph, n, active[n]) for n in names if costs.costs[n].per_micro_batch_s}
+
     def fixed(n: str, of: Sequence[SampleMeta], backward: bool = True) -> float:  # fixed_s of n for `of`
-        if not costs.costs[n].per_micro_batch_s:
+        if n not in back:
             return 0.0
-        back = sum(needs_backward(graph, n, s) for s in of) if backward else 0
-        return fixed_s(costs, n, secs[n].micro_batch, len(of), back)
+        return fixed_s(costs, n, secs[n].micro_batch, len(of), sum(s.id in back[n] for s in of) if backward else 0)
 
     terms = {f"work:{n}": (sum(task[n][s.id] for s in active[n]) + fixed(n, active[n])) / secs[n].dp for n in names}
     for e in graph.edges:

@@ -195,8 +195,16 @@ class Tuner(TuneModel):
             raise PipelineError(f"tune: no configuration fits {self.devices} devices"
                                 + (f" and {self.limit:.0f} MiB per replica" if self.limit else ""))
         firsts = sorted((self.evaluate(layout) for layout in self._starts(vectors)), key=_rank)
-        for start in firsts[:2]:
-            self._descend(start.layout)
+        # From the two best starts, the two best at the default micro-batches (where the search
+        # started before _starts: it found what it found then), and the best start of each of
+        # the two best dp vectors (found in review: the two best starts were often one dp
+        # vector's, and the second vector's descent was lost).
+        defaults = {self._layout(dps, mbs) for _, _, dps, mbs in vectors}
+        best_of = {tuple(d for _, d, _ in c.layout): c for c in reversed(firsts)}
+        starts = (firsts[:2] + [c for c in firsts if c.layout in defaults][:2]
+                  + sorted(best_of.values(), key=_rank)[:2])
+        for start in dict.fromkeys(c.layout for c in starts):
+            self._descend(start)
         uniform = self.uniform()
         ranked = _ties_to_the_frugal(sorted(self.cache.values(), key=_rank))
         return TuneResult(best=tuple(ranked[:top]), uniform=uniform, devices=self.devices,

@@ -86,7 +86,6 @@ class WavefrontPlanner:
         grads = set().union(*(active[e.edge.dst] for e in graph.needs_grad_from(n)))  # a consumer sends one back
         return {s.id: fwd[s.id] * (factor if s.id in grads else 1.0) for s in samples}
 
-
     def tried(self, num_samples: int) -> tuple[Rules, ...]:
         """The candidates one plan of `num_samples` samples plays out (at least one)."""
         return self.candidates[:max(1, min(len(self.candidates), CANDIDATE_BUDGET // max(1, num_samples)))]
@@ -111,9 +110,11 @@ class WavefrontPlanner:
         chosen: list[tuple[list[str], float, str, dict, dict, dict]] = []  # comp, makespan, rules, routes, mbs, gates
         hurry = len(tried) < len(self.candidates)  # a large batch: the budget cut the candidates short
         comps = components(graph)
+        anchors = []  # each component's critical section (_versus_fifo's gates anchor there too)
         for index, comp in enumerate(comps):
             terms = bound_terms(samples, graph, self.costs, sections=comp, fwd=fwd, task=task)
             anchor = critical_of(terms, graph.order)  # the most work per replica, fixed costs included
+            anchors.append(anchor)
             cost = {n: {sid: task[n][sid] for sid in active[n]} for n in comp}  # absent: not activated
             bound = max(terms.values())
             # The ordering's own simulation is simulate.py's exactly unless a section has several
@@ -150,7 +151,7 @@ class WavefrontPlanner:
                     routes, mbs, gates = better.routes, better.replicas, better.gates
             chosen.append((comp, span, name, routes, mbs, gates))
         if versus_fifo:
-            chosen = self._versus_fifo(step, samples, active, task, chosen)
+            chosen = self._versus_fifo(step, samples, active, task, chosen, anchors)
         replicas, routes, gates = {}, {}, {}
         for _, _, _, comp_routes, comp_mbs, comp_gates in chosen:
             routes.update(comp_routes)
@@ -176,7 +177,7 @@ class WavefrontPlanner:
         return simulate(self._component_plan(samples, comp, mbs, gates), self.graph, self.costs).makespan_s
 
     def _versus_fifo(self, step: int, samples: Sequence[SampleMeta], active: dict[str, list[int]],
-                     task: dict[str, dict[int, float]], chosen: list) -> list:
+                     task: dict[str, dict[int, float]], chosen: list, anchors: list[str]) -> list:
         """Keep FIFO's order for a component where it simulates shorter than the best ordering.
 
         With an explicit run_ahead, FIFO's order gets the same run-ahead gates as the
@@ -208,9 +209,7 @@ class WavefrontPlanner:
             if self.run_ahead is None:
                 gates.update({n: tuple(tuple(() for _ in rep) for rep in fifo.replicas[n]) for n in comp})
             else:
-                anchor = critical_of(bound_terms(samples, self.graph, self.costs, sections=comp, task=task),
-                                     self.graph.order)
-                gates.update(credit_gates(self.graph, fifo, comp, anchor, self.run_ahead))
+                gates.update(credit_gates(self.graph, fifo, comp, anchors[i], self.run_ahead))
         fifo = dataclasses.replace(fifo, gates={n: gates[n] for n in self.graph.order if n in gates})
         try:
             sim = simulate(fifo, self.graph, self.costs)

@@ -416,7 +416,8 @@ def _profile(single: Pipeline, graph: SectionGraph, checked: Any, sizes: dict[st
                 fitted["step_overhead_s"] = _time_optimizer_step(sec, pool[:sec.section.micro_batch], outputs,
                                                                  options.repeats)
                 fitted["grad_mb"] = sec.param_mb(trained=True)
-                log(f"{n}: optimizer step {fitted['step_overhead_s'] * 1e3:.1f} ms ({fitted['grad_mb']:.1f} MiB of gradients)")
+                log(f"{n}: optimizer step {fitted['step_overhead_s'] * 1e3:.1f} ms "
+                    f"({fitted['grad_mb']:.1f} MiB of gradients)")
             else:
                 fitted["step_overhead_s"], fitted["grad_mb"] = 0.0, 0.0
             fitted["param_mb"], fitted["tp_share"] = sec.param_mb(), tp_share(sec.stage, sec.section)

@@ -20,7 +20,7 @@ from typing import Any
 from maestro_flow.checkpoint import digest
 from maestro_flow.checkpoint import manifest as mf
 from maestro_flow.checkpoint.checkpointer import Checkpointer, CheckpointOptions, resume_point
-from maestro_flow.errors import CheckpointError, PipelineError, Terminated, first_line, traceback_tail
+from maestro_flow.errors import CheckpointError, PipelineError, Terminated, exit_code_of, first_line, traceback_tail
 from maestro_flow.runtime import cpus
 from maestro_flow.runtime.build import load_pipeline
 from maestro_flow.runtime.checks import check_pipeline
@@ -36,7 +36,7 @@ from maestro_flow.runtime.sampler import EpochSampler, data_fingerprint
 from maestro_flow.runtime.stops import catch_stops, release
 from maestro_flow.timeouts import Timeouts
 from maestro_flow.transport import cuda_ipc
-from maestro_flow.wording import skipped_note
+from maestro_flow.wording import count, skipped_note
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -266,7 +266,8 @@ def run_pipeline(path: str, options: RunOptions) -> list[dict[str, Any]]:
     elif options.devices is not None or options.micro_batch is not None:
         given = " and ".join(f for f, v in (("--devices", options.devices), ("--micro-batch", options.micro_batch))
                              if v is not None)
-        raise PipelineError(f"{given} set the monolithic baseline (--baseline monolithic), " + (
+        raise PipelineError(f"{given} {'set' if ' and ' in given else 'sets'} the monolithic baseline (--baseline "
+                            "monolithic), " + (
             "which is not --colocated: drop " + given if options.colocated else "so add --baseline monolithic")
             + " (section mode takes each section's dp and micro_batch, e.g. --set sections.NAME.dp=2)")
     nodes = Nodes.from_options(options.nnodes, options.node_rank, options.rdzv_endpoint, options.nproc_per_node)
@@ -370,7 +371,8 @@ def _lead(pipeline: Any, original: Any, checked: Any, paths: Any, options: RunOp
         if options.show_progress:
             from maestro_flow.runtime.colocated import colocated_mode
 
-            mode = colocated_mode(pipeline) if options.colocated else f"{sum(s.dp * s.tp for s in pipeline.sections)} workers"
+            mode = colocated_mode(pipeline) if options.colocated else count(sum(s.dp * s.tp for s in pipeline.sections),
+                                                                            "worker")
             if options.baseline:
                 fused = pipeline.sections[0]
                 mode = (f"monolithic baseline: {fused.dp} data-parallel ranks, each running every section on "
@@ -453,12 +455,12 @@ def _lead(pipeline: Any, original: Any, checked: Any, paths: Any, options: RunOp
     except BaseException as exc:  # what `maestro top` says of a run it watched end (found in QA: "ended" of a failure)
         if run_dir is not None:
             run_dir.event({"ended": "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed",
-                           "why": _outcome(exc, "the run")})
+                           "why": _outcome(exc, "the run"), "code": exit_code_of(exc)})  # top exits with it
         raise
     else:
         fatal = checkpointer.final_state_lost(options.save_dir)  # raised below, once the run dir is closed
         if run_dir is not None:  # found in review: "done", then exit 1
-            run_dir.event({"ended": "failed", "why": fatal} if fatal else {"ended": "done"})
+            run_dir.event({"ended": "failed", "why": fatal, "code": 1} if fatal else {"ended": "done", "code": 0})
     finally:
         release(previous)
         checkpointer.close()

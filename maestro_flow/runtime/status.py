@@ -225,7 +225,7 @@ def find_run(run_dir: str | None, root: str = "runs", wait_s: float = 0.0, say: 
             if say is not None:
                 said = f"{exc}; waiting" if isinstance(exc, Over) else "waiting"
                 say(f"{said} up to {wait_s:.0f}s for a {'new ' if isinstance(exc, Over) else ''}run to start in "
-                    f"{run_dir} (Ctrl-C stops){_hint(run_dir)}")
+                    f"{run_dir or root + '/'} (Ctrl-C stops){_hint(run_dir)}")
                 say = None
             time.sleep(0.2)
 
@@ -277,7 +277,9 @@ def _find_run(run_dir: str | None, root: str) -> str:
     live = [os.path.join(root, d) for d in os.listdir(root)] if os.path.isdir(root) else []
     live = [d for d in live if _live(d)]
     if not live:
-        raise FileNotFoundError(f"no running pipeline under {root}/ (start one with maestro run, or name its run dir)")
+        # NotYet: waited for as a named run dir is (found in QA: `maestro top` started just before
+        # `maestro run` exited 2 at once, though README and --help say it waits)
+        raise NotYet(f"no running pipeline under {root}/ (start one with maestro run, or name its run dir)")
     # The newest started (status.json's "started"), not the folder touched last (found in QA: a
     # checkpoint's events.jsonl line made `top` jump to an older run)
     return max(live, key=lambda d: (_started(d), os.path.getmtime(d)))
@@ -305,15 +307,17 @@ def _last_row(path: str, keep: Any = lambda row: True) -> dict | None:
     return last
 
 
-END_CODES = {"done": 0, "failed": 1, "interrupted": 130}  # maestro run's exit codes, by how the run ended
+END_CODES = {"done": 0, "failed": 1, "interrupted": 130}  # by how the run ended, where its code is not written
 
 
 def end_code(run_dir: str) -> int:
-    """The exit code `top` gives once the run it watched is over: maestro run's for how it ended
-    (events.jsonl), and 1 for a run whose process went without recording it (killed; found in
-    QA: top exited 0 there, as after a finished run)."""
+    """The exit code `top` gives once the run it watched is over: maestro run's own (the `code`
+    of events.jsonl's `ended` entry; found in review: a run refused after it started exits 2,
+    not a failure's 1), else by how it ended, and 1 for a run whose process went without
+    recording it (killed; found in QA: top exited 0 there, as after a finished run)."""
     end = _last_row(os.path.join(run_dir, "events.jsonl"), lambda row: "ended" in row) or {}
-    return END_CODES.get(end.get("ended"), 1)
+    code = end.get("code")
+    return code if type(code) is int else END_CODES.get(end.get("ended"), 1)
 
 
 def ended(run_dir: str) -> str | None:

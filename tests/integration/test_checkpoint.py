@@ -291,6 +291,7 @@ def test_a_failing_write_stops_cleanly_or_is_skipped_with_the_flag(small_data, t
     events = [json.loads(line) for line in (tmp_path / "run" / "events.jsonl").read_text().splitlines()]
     assert [e.get("step") for e in events] == [2, None] and "File too large" in events[0]["checkpoint_failed"]
     assert events[1]["ended"] == "failed" and "File too large" in events[1]["why"]  # what `maestro top` says
+    assert events[1]["code"] == result.returncode  # and the code it exits with
     result = subprocess.run(argv + ["--checkpoint-errors", "continue"], cwd=ROOT, capture_output=True, text=True,
                             timeout=120, preexec_fn=_limit_file_size(200_000))
     assert result.stderr.count("warning: checkpoint at step") == 2  # steps 2 and 4, training went on
@@ -301,6 +302,7 @@ def test_a_failing_write_stops_cleanly_or_is_skipped_with_the_flag(small_data, t
                                   "nothing holds the trained weights (--checkpoint-errors continue trained on)\n")
     last = json.loads((tmp_path / "run" / "events.jsonl").read_text().splitlines()[-1])  # found in review: "done"
     assert last["ended"] == "failed" and last["why"].startswith("the checkpoint after the last step (step 4) failed")
+    assert last["code"] == result.returncode
     # The weights saved (no file size limit: the checkpoints fail by their time limit instead): a warning.
     result = subprocess.run(argv + ["--checkpoint-errors", "continue", "--save-dir", str(tmp_path / "save")], cwd=ROOT,
                             capture_output=True, text=True, timeout=120,

@@ -212,7 +212,8 @@ def test_global_batch_larger_than_the_dataset(tmp_path, dataset):
     # found in QA: `plan` of it grew until the kernel killed it (out of memory), after a warning
     ("sections.student.dp=1000000000", ["sections.student.dp=1000000000 is more than 65536, the most this version "
                                         "takes"]),
-    ("sections.ghost.dp=1", ["--set sections.ghost.dp", "no section named 'ghost'"]),
+    ("sections.ghost.dp=1", ["--set sections.ghost.dp", "no section named 'ghost' (sections: "]),
+    ("sections.studnet.dp=2", ["no section named 'studnet'; did you mean 'student'? (sections: "]),  # found in QA
     ("global_bach=8", ["--set global_bach", "unknown pipeline field 'global_bach'", "did you mean 'global_batch'?"]),
     # Reproduced before: a bare "Section.__init__() got an unexpected keyword argument 'optimiser'".
     ("sections.student.optimiser.lr=1e-3", ["--set sections.student.optimiser.lr",

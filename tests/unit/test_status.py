@@ -101,6 +101,11 @@ def test_a_status_file_whose_coordinator_is_gone_is_stale(tmp_path):
         find_run(str(run))
     with pytest.raises(FileNotFoundError, match="no running pipeline"):
         find_run(None, root=str(tmp_path / "runs"))
+    # Without a run dir too, top waits for a run to start (found in QA: it exited 2 at once).
+    said = []
+    with pytest.raises(FileNotFoundError, match="no running pipeline"):
+        find_run(None, root=str(tmp_path / "runs"), wait_s=0.3, say=said.append)
+    assert said == [f"waiting up to 0s for a run to start in {tmp_path / 'runs'}/ (Ctrl-C stops)"]
     (run / "status.json").write_text(json.dumps({"endpoint": "tcp://127.0.0.1:1", "pid": os.getpid()}))
     assert find_run(None, root=str(tmp_path / "runs")) == str(run)
     with pytest.raises(FileNotFoundError, match=f"^{tmp_path}/nope: no such run directory$"):
@@ -258,6 +263,10 @@ def test_a_status_file_without_an_endpoint_and_a_run_that_ended(tmp_path):
     events.write_text('{"checkpoint": "c", "step": 1}\n{"ended": "failed", "why": "system error in x ... Boom"}\n')
     assert ended(str(tmp_path)) == f"{tmp_path}: the run failed after step 2, loss 2.2500: system error in x ... Boom"
     assert end_code(str(tmp_path)) == 1
+    # The run's own code where it wrote it (found in review: a checkpoint that does not fit, found
+    # by the workers, fails the run with exit 2; top said 1).
+    events.write_text('{"ended": "failed", "why": "the checkpoint does not fit", "code": 2}\n')
+    assert end_code(str(tmp_path)) == 2
     events.write_text('{"ended": "interrupted", "why": "the run was interrupted (Ctrl-C)"}\n')
     assert ended(str(tmp_path)) == f"{tmp_path}: the run was interrupted (Ctrl-C) after step 2, loss 2.2500"
     assert end_code(str(tmp_path)) == 130

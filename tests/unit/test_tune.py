@@ -490,7 +490,7 @@ def test_tune_finds_the_best_layout_every_layout_gives(schedule, devices, seed, 
                itertools.product(range(1, devices), mbs, range(1, devices), mbs)
                if dv + dl <= devices and not (dv % dl and dl % dv)]
     best = min(every.evaluate(x).step_s for x in layouts if every._feasible(x))
-    assert found.step_s <= best * 1.005, (found.layout, found.step_s / best)
+    assert found.step_s <= best * 1.005, (found.layout, found.step_s / best, f"{before}x before the fix")
 
 
 def test_near_ties_go_to_fewer_devices_then_less_memory():
