@@ -437,8 +437,8 @@ def _set_path(data: dict[str, Any], parts: list[str], value: Any, key: str) -> N
         else:
             names = [s["name"] for s in data["sections"]]
             close = difflib.get_close_matches(parts[1], names, n=1)  # found in QA: fields had it, sections not
-            raise PipelineError(f"{prefix}no section named {parts[1]!r}" + (f"; did you mean {close[0]!r}?" if close
-                                                                           else "") + f" (sections: {', '.join(names)})")
+            mean = f"; did you mean {close[0]!r}?" if close else ""
+            raise PipelineError(f"{prefix}no section named {parts[1]!r}{mean} (sections: {', '.join(names)})")
         cls, target, at, rest = Section, sec, f"sections.{parts[1]}", parts[2:]
     for i, part in enumerate(rest):
         if cls is not None and part not in {f.name for f in dataclasses.fields(cls)}:
