@@ -17,6 +17,8 @@ compare two revisions:
     python -m tools.plan_fingerprints /tmp/after.txt && diff /tmp/before.txt /tmp/after.txt
 
 The full run takes about a minute and a half; --tiny plans a handful of cases in seconds.
+--simulated adds each plan's makespan and lower bound (simulate.py, the planner's own costs), to
+see what a change that moves plans does to them.
 """
 
 from __future__ import annotations
@@ -31,8 +33,9 @@ import sys
 from maestro_flow import ArrowData, Edge, Pipeline, Section
 from maestro_flow.config import Cost
 from maestro_flow.graph import SectionGraph
-from maestro_flow.planner import make_planner
+from maestro_flow.planner import CostModel, make_planner
 from maestro_flow.planner.plan import Plan
+from maestro_flow.planner.simulate import simulate
 from maestro_flow.samples import SampleMeta
 from tools.bench.wavefront_sim import VISION_COST, build, draw_samples, llm_cost
 
@@ -102,8 +105,15 @@ def main(argv: list[str] | None = None) -> list[str]:
     ap.add_argument("out", nargs="?", help="file to write (default: stdout)")
     ap.add_argument("--tiny", action="store_true", help="a handful of small cases (seconds)")
     ap.add_argument("--graphs", type=int, help="random section graphs after the grid (default 300, tiny 20)")
+    ap.add_argument("--simulated", action="store_true", help="add each plan's simulated makespan and lower bound")
     args = ap.parse_args(argv)
     lines = []
+
+    def line(head: str, plan: Plan, graph: SectionGraph, costs: CostModel) -> str:
+        if not args.simulated:
+            return f"{head} {fingerprint(plan)}"
+        sim = simulate(plan, graph, costs)
+        return f"{head} {fingerprint(plan)} makespan={sim.makespan_s:.9g} bound={sim.lower_bound_s:.9g}"
     for vision_dp, llm_dp, n, share, padded, run_ahead in cases(args.tiny):
         llm, vision = llm_cost(), VISION_COST
         if padded:
@@ -113,18 +123,22 @@ def main(argv: list[str] | None = None) -> list[str]:
             planner = make_planner(schedule, graph, costs)
             for seed in (0, 1):
                 plan = planner.plan(seed, draw_samples(n, share, seed))
-                lines.append(f"{vision_dp},{llm_dp},{n},{share},{padded},{run_ahead},{schedule},{seed} {fingerprint(plan)}")
+                lines.append(line(f"{vision_dp},{llm_dp},{n},{share},{padded},{run_ahead},{schedule},{seed}", plan,
+                                  graph, costs))
     for seed in range(args.graphs if args.graphs is not None else (20 if args.tiny else 300)):
         pipeline, samples = random_graph(seed)
         if isinstance(pipeline, str):
             lines.append(f"graph {seed} {pipeline}")
             continue
+        graph = SectionGraph(pipeline)
+        costs = CostModel(costs={n: s.cost for n, s in graph.sections.items()})  # make_planner's default
         for schedule in ("wavefront", "fifo"):
             try:
-                got = fingerprint(make_planner(schedule, SectionGraph(pipeline)).plan(seed, samples))
+                got = line(f"graph {seed} {schedule}", make_planner(schedule, graph, costs).plan(seed, samples), graph,
+                           costs)
             except Exception as exc:  # a planner error is a result to compare too
-                got = f"error {type(exc).__name__}: {exc}"
-            lines.append(f"graph {seed} {schedule} {got}")
+                got = f"graph {seed} {schedule} error {type(exc).__name__}: {exc}"
+            lines.append(got)
     text = "\n".join(lines) + "\n"
     if args.out:
         with open(args.out, "w") as f:

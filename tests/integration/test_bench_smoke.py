@@ -227,6 +227,12 @@ def test_plan_fingerprints_are_deterministic_and_tell_plans_apart(tmp_path):
     first = plan_fingerprints.main(["--tiny", str(tmp_path / "a.txt")])
     assert first == plan_fingerprints.main(["--tiny"])  # the same plans, run after run
     assert (tmp_path / "a.txt").read_text().splitlines() == first
+    simulated = plan_fingerprints.main(["--tiny", "--simulated"])  # the same plans, with their makespan and bound
+    assert [s.split(" makespan=")[0] for s in simulated] == first
+    for s in simulated:
+        if " makespan=" in s:
+            makespan, bound = (float(x.split("=")[1]) for x in s.split()[-2:])
+            assert 0 <= bound <= makespan * (1 + 1e-9), s
     grid = [line for line in first if not line.startswith("graph ")]
     assert len(grid) == len(plan_fingerprints.cases(tiny=True)) * 2 * 2  # two schedules, two seeds
     graphs = [line for line in first if line.startswith("graph ")]
