@@ -35,7 +35,9 @@ CASES = {
     "fanout2-0pct-trainable": (0.0, {}),
     "fanout4-33pct-frozen": (0.33, {"sections.llm.dp": 4, "sections.vision.trainable": False}),
     # A run-ahead credit of one sample: the frozen encoder waits for the LLM's progress messages.
-    "fanout2-100pct-frozen-credit1": (1.0, {"sections.vision.trainable": False, "sections.vision.micro_batch": 2,
+    # (The credit gates the producers of the critical section: at its micro-batch of 8 the encoder
+    # leaves the LLM critical; at 2, its fixed cost per micro-batch made the encoder critical.)
+    "fanout2-100pct-frozen-credit1": (1.0, {"sections.vision.trainable": False, "sections.vision.micro_batch": 8,
                                             "run_ahead": 1}),
 }
 
