@@ -95,7 +95,6 @@ def _overrides(sets: tuple[str, ...], costs: str | None = None, pipeline: str | 
     return out
 
 
-RUNS = "runs"  # where default run directories go (runs/NAME-TIMESTAMP)
 COSTS_HELP = "Section costs measured by `maestro profile` (a cost file) instead of the pipeline's."
 
 
@@ -258,7 +257,7 @@ def run(ctx: click.Context, pipeline: str, steps: int | None, sets: tuple[str, .
         from maestro_flow.runtime.build import load_pipeline
         from maestro_flow.runtime.checks import pipeline_warnings
         from maestro_flow.runtime.run import RunOptions, run_pipeline
-        from maestro_flow.runtime.rundir import default_run_dir
+        from maestro_flow.runtime.rundir import RUNS, default_run_dir
 
         if no_run_dir and run_dir is not None:  # found in review: --run-dir was dropped without a word
             raise PipelineError("--run-dir names the run directory and --no-run-dir asks for none: give one of them")
@@ -267,7 +266,7 @@ def run(ctx: click.Context, pipeline: str, steps: int | None, sets: tuple[str, .
         if not no_run_dir and run_dir is None:
             loaded.check_name()  # the run folder is named after it: a bad name is refused before mkdir
             made = [] if os.path.isdir(RUNS) else [RUNS]
-            run_dir = created = default_run_dir(loaded, RUNS)
+            run_dir = created = default_run_dir(loaded)
         # (the baseline sets its own dp and micro-batch: only what it keeps is warned of; review)
         for warning in pipeline_warnings(loaded) if baseline is None else pipeline_schedule_warnings(loaded):
             click.echo(f"warning: {warning}", err=True)

@@ -333,12 +333,6 @@ def needs_backward(graph: SectionGraph, name: str, sample: SampleMeta) -> bool:
     return any(graph.sections[e.edge.dst].activates(sample.modalities) for e in graph.needs_grad_from(name))
 
 
-def section_work(graph: SectionGraph, costs: CostModel, samples: tuple[SampleMeta, ...] | list[SampleMeta]
-                 ) -> dict[str, float]:
-    return {n: sum(task_s(graph, costs, n, s) for s in samples if graph.sections[n].activates(s.modalities))
-            for n in graph.order}
-
-
 def fixed_s(costs: CostModel, name: str, micro_batch: int, forwards: int, backwards: int) -> float:
     """The least fixed cost `name` pays for `forwards` samples, `backwards` of which need a
     backward: per_micro_batch_s for each of the fewest micro-batches they fit in, and

@@ -42,8 +42,10 @@ from maestro_flow.runtime import status
 from maestro_flow.runtime.guard import WriteGuard
 from maestro_flow.runtime.outputs import LOCK, LOCKS, hold_folder
 
+RUNS = "runs"  # where default run directories go (runs/NAME-TIMESTAMP)
 
-def default_run_dir(pipeline: Pipeline, root: str = "runs",
+
+def default_run_dir(pipeline: Pipeline, root: str = RUNS,
                     instead: str = "pass --run-dir DIR somewhere writable, or --no-run-dir") -> str:
     """A new run directory, created here: mkdir either creates it or fails, so two runs started
     in the same second cannot both take one name. One that cannot be made is refused in a line

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from maestro_flow import ArrowData, Cost, Edge, Pipeline, Section
 from maestro_flow.graph import SectionGraph
 from maestro_flow.planner import CostModel, Plan, make_planner
-from maestro_flow.planner.simulate import Simulation, Task, bound_terms, critical_section, section_work, simulate
+from maestro_flow.planner.simulate import Simulation, Task, bound_terms, critical_section, simulate, task_s
 from maestro_flow.samples import SampleMeta
 from tests.unit.test_planner import draw_tree
 
@@ -42,6 +42,12 @@ def pipeline(sections, edges) -> Pipeline:
 def costs_of(graph: SectionGraph, transfer_s: float = 0.0, padded: bool = False) -> CostModel:
     return CostModel(costs={n: dataclasses.replace(s.cost, padded=padded) for n, s in graph.sections.items()},
                      transfer_s=transfer_s)
+
+
+def section_work(graph: SectionGraph, costs: CostModel, samples) -> dict[str, float]:
+    """Every sample's task_s summed per section (what it computes, fixed costs and padding aside)."""
+    return {n: sum(task_s(graph, costs, n, s) for s in samples if graph.sections[n].activates(s.modalities))
+            for n in graph.order}
 
 
 def forward_s(costs: CostModel, name: str, samples) -> float:

@@ -25,9 +25,10 @@ import pytest
 from maestro_flow import ArrowData, Cost, Edge, Pipeline, Section
 from maestro_flow.graph import SectionGraph
 from maestro_flow.planner import CostModel, Plan, make_planner
-from maestro_flow.planner.simulate import Simulation, critical_section, section_work, simulate, task_s
+from maestro_flow.planner.simulate import Simulation, critical_section, simulate, task_s
 from maestro_flow.planner.wavefront import WavefrontPlanner
 from maestro_flow.samples import SampleMeta
+from tests.unit.test_simulate import section_work
 from tools.bench import wavefront_sim as bench
 
 TEXT = frozenset({"text"})
