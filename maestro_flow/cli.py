@@ -40,6 +40,7 @@ import click  # noqa: E402 (after the handler: importing it takes a while)
 
 from maestro_flow.cli_sets import set_options  # noqa: E402
 from maestro_flow.cli_signals import interrupts_after_imports, outlive_readers, reader_gone  # noqa: E402
+from maestro_flow.cli_usage import OptionalValueCommand  # noqa: E402
 from maestro_flow.errors import MaestroError, PipelineError, StageError, SystemFailure, first_line  # noqa: E402
 from maestro_flow.overrides import parse_set  # noqa: E402
 from maestro_flow.wording import count, skipped_note  # noqa: E402
@@ -136,7 +137,7 @@ def main(ctx: click.Context, debug: bool) -> None:
     ctx.obj = {"debug": debug}
 
 
-@main.command()
+@main.command(cls=OptionalValueCommand)
 @click.argument("pipeline", type=click.Path(dir_okay=False))
 @click.option("--steps", type=int, help="Number of steps in all [default: the pipeline's steps].")
 @SETS

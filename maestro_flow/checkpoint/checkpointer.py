@@ -125,6 +125,7 @@ class Checkpointer:
         self._lock = None
         self.training = False  # the coordinator trains (steps under way can end with a checkpoint)
         self.term_asked = False  # a SIGTERM taken by take_term: save after the planned steps, then stop
+        self.term_untaken = False  # a first SIGTERM under on_term with no training under way (go_on_note)
 
     def take_term(self) -> bool:
         """A SIGTERM under --checkpoint-on-term (a scheduler's preemption, with a grace period
@@ -132,6 +133,7 @@ class Checkpointer:
         them and stop (the coordinator reads `term_asked`); False where it stops at once: the
         option off, no training under way (startup, a restart), or a second SIGTERM."""
         if not (self.options.on_term and self.training) or self.term_asked:
+            self.term_untaken = self.options.on_term and not self.term_asked
             return False
         self.term_asked = True
         return True
@@ -185,7 +187,13 @@ class Checkpointer:
         it, or `maestro export` where it is after the last step (--resume would be refused); with
         none yet, the checkpoint the job resumed from, if any. `failed`: the run failed (not
         interrupted), so the --resume goes with "once the cause above is dealt with"."""
-        cause = ", once the cause above is dealt with" if failed else ""
+        note = self._where(", once the cause above is dealt with" if failed else "")
+        if self.term_untaken:  # found in QA: a SIGTERM in a slow startup said "interrupted" alone
+            return ("--checkpoint-on-term: the SIGTERM came while no training was under way (startup or a "
+                    f"restart), so no checkpoint was written for it\n{note}")
+        return note
+
+    def _where(self, cause: str) -> str:
         root = self.options.dir
         ours = [(step, f) for step, f, ok in mf.checkpoints(root) if ok and self._ours(_lineage(f))]
         if not ours:

@@ -79,15 +79,17 @@ def check_writable(path: str, flag: str, *, folder: bool) -> None:
         if not os.access(path, os.W_OK):
             raise PipelineError(f"{where}: cannot write this file ({_why(path)})")
         return
-    parent = os.path.dirname(os.path.abspath(path))
+    missing = os.path.abspath(path)  # the first entry a writer would create (QA: /proc/foo/m.jsonl named only /proc)
+    parent = os.path.dirname(missing)
     while not os.path.exists(parent):
         _not_dangling(parent, where, True)
-        parent = os.path.dirname(parent)
+        missing, parent = parent, os.path.dirname(parent)
     if not os.path.isdir(parent):
         raise PipelineError(f"{where}: {parent} is a file, not a folder")
+    what = "it" if missing == os.path.abspath(path) else f"the folder {missing}"
     if not os.access(parent, os.W_OK | os.X_OK):
-        raise PipelineError(f"{where}: cannot create it in {parent} ({_why(parent)})")
-    _probe(parent, f"{where}: cannot create it in {parent}")
+        raise PipelineError(f"{where}: cannot create {what} in {parent} ({_why(parent)})")
+    _probe(parent, f"{where}: cannot create {what} in {parent}")
 
 
 def _not_dangling(path: str, where: str, folder: bool) -> str:

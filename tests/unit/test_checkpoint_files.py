@@ -645,6 +645,26 @@ def test_where_to_go_on_from_is_this_training_s_newest_checkpoint(tmp_path, monk
     ck._CLAIMED = None
 
 
+def test_a_sigterm_before_training_under_checkpoint_on_term_is_said_to_have_saved_nothing(tmp_path):
+    """Found in QA: a SIGTERM during a slow startup said "interrupted", not why nothing was saved."""
+    job = Checkpointer(CheckpointOptions(dir=str(tmp_path), every=2, on_term=True), log=lambda text: None)
+    job.claim(None, {**PIPELINE.to_dict(), "steps": 6})
+    none = f"checkpoints: none complete in {tmp_path} yet"
+    assert job.go_on_note() == none
+    assert not job.take_term()  # startup: stops at once
+    assert job.go_on_note() == ("--checkpoint-on-term: the SIGTERM came while no training was under way (startup or "
+                                f"a restart), so no checkpoint was written for it\n{none}")
+    job.term_untaken, job.training = False, True
+    assert job.take_term() and not job.take_term()  # the first is taken; a second stops at once, as documented
+    assert job.go_on_note() == none
+    job.close()
+    plain = Checkpointer(CheckpointOptions(dir=str(tmp_path / "b"), every=2), log=lambda text: None)
+    assert not plain.take_term() and not plain.term_untaken  # the option off: an interrupt, nothing to explain
+    from maestro_flow.checkpoint import checkpointer as ck
+
+    ck._CLAIMED = None
+
+
 def test_the_checkpoint_before_a_damaged_one_is_given_with_what_to_run(tmp_path):
     """Found in QA: a damaged checkpoint's export was advised to --resume from the one before."""
     before = save(tmp_path, 2)

@@ -867,6 +867,9 @@ def test_an_output_folder_this_process_may_not_write_is_refused_naming_why(tmp_p
     with pytest.raises(PipelineError, match=rf"^--save-dir {folder}/w: cannot create it in {folder} "
                                             r"\(permission denied\)$"):
         outputs.check_writable(str(folder / "w"), "--save-dir", folder=True)
+    with pytest.raises(PipelineError, match=rf"^--save-dir {folder}/a/b: cannot create the folder {folder}/a in "
+                                            rf"{folder} \(permission denied\)$"):  # QA: it named {folder} alone
+        outputs.check_writable(str(folder / "a" / "b"), "--save-dir", folder=True)
     with pytest.raises(PipelineError, match=r"cannot write in this folder \(permission denied\)$"):
         outputs.check_writable(str(folder), "--checkpoint-dir", folder=True)
     outputs.check_writable(str(tmp_path / "new" / "deeper"), "--save-dir", folder=True)  # created later: fine
@@ -898,6 +901,9 @@ def test_an_output_path_through_a_link_to_nothing_or_where_nothing_can_be_made_i
         outputs.check_writable(str(tmp_path / "latest.jsonl"), "--save-dir", folder=True)
     with pytest.raises(PipelineError, match=r"^--checkpoint-dir /proc/ck: cannot create it in /proc \(No such file"):
         outputs.check_writable("/proc/ck", "--checkpoint-dir", folder=True)
+    with pytest.raises(PipelineError, match=r"^--metrics-out /proc/foo/m.jsonl: cannot create the folder /proc/foo in "
+                                            r"/proc \(No such file"):
+        outputs.check_writable("/proc/foo/m.jsonl", "--metrics-out", folder=False)
     outputs.check_writable(str(tmp_path / "new"), "--save-dir", folder=True)
     assert sorted(os.listdir(tmp_path)) == ["latest.jsonl", "loop", "scratch"]  # the probe left nothing
     result = CliRunner().invoke(main, ["run", "pipelines/distill.py", "--steps", "1", "--no-run-dir", "--set",
