@@ -22,9 +22,9 @@ reopen_closed_streams()  # first: before anything opens a file on the descriptor
 
 
 def _interrupted_early(signum: int, frame: object) -> None:
-    """Ctrl-C before a command runs (the imports below, click's parsing): nothing started, nothing
-    to stop. Found by the clean-clone CI: on a loaded host a Ctrl-C at 0.3 s fell here and ended
-    with Python's traceback and SIGINT (-2) instead of one line and 130."""
+    """Ctrl-C or SIGTERM before a command runs (the imports below, click's parsing): nothing started.
+    Found by the clean-clone CI: a Ctrl-C at 0.3 s gave a traceback and SIGINT (-2), not 130; in
+    QA: a SIGTERM in `maestro run`'s first 2 s exited 143 in silence."""
     os.write(2, b"interrupted\n")
     os._exit(130)
 
@@ -32,12 +32,14 @@ def _interrupted_early(signum: int, frame: object) -> None:
 # Only as the command itself (`maestro`, `python -m maestro_flow.cli`), not where it is imported
 # (tests, a spawned worker: its command line is python -c ...).
 # An ignored SIGINT (a background job of a script) stays ignored, as Python leaves it.
-if (__name__ == "__main__" or os.path.basename((getattr(sys, "orig_argv", []) + ["", ""])[1]) == "maestro") \
-        and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-    signal.signal(signal.SIGINT, _interrupted_early)
+if __name__ == "__main__" or os.path.basename((getattr(sys, "orig_argv", []) + ["", ""])[1]) == "maestro":
+    for signum, default in ((signal.SIGINT, signal.default_int_handler), (signal.SIGTERM, signal.SIG_DFL)):
+        if signal.getsignal(signum) is default:
+            signal.signal(signum, _interrupted_early)
 
 import click  # noqa: E402 (after the handler: importing it takes a while)
 
+from maestro_flow import cli_signals  # noqa: E402
 from maestro_flow.cli_sets import set_options  # noqa: E402
 from maestro_flow.cli_signals import interrupts_after_imports, outlive_readers, reader_gone  # noqa: E402
 from maestro_flow.cli_usage import OptionalValueCommand  # noqa: E402
@@ -63,8 +65,7 @@ def _fail(exc: BaseException, debug: bool, then: Callable[[], None] | None = Non
 
 
 def _go_on_note(failed: bool = False) -> None:
-    """Where a stopped or failed run can go on from (checkpointer.go_on_note; --stop-on-nan and a
-    failed checkpoint name it in their own message)."""
+    """Where a stopped or failed run can go on from (checkpointer.go_on_note)."""
     from maestro_flow.checkpoint.checkpointer import go_on_note
 
     note = go_on_note(failed)
@@ -73,8 +74,7 @@ def _go_on_note(failed: bool = False) -> None:
 
 
 def _exit(code: int) -> None:
-    """sys.exit, or os._exit at once where a store call was given up (a node 0 that stopped
-    answering: runtime/nodes.bounded)."""
+    """sys.exit, or os._exit where a store call was given up (a silent node 0: nodes.bounded)."""
     from maestro_flow.runtime.nodes import exit_code
 
     exit_code(code)
@@ -108,6 +108,8 @@ class _Main(click.Group):
 
         if signal.getsignal(signal.SIGINT) is _interrupted_early:  # the command's own handling from here
             signal.signal(signal.SIGINT, signal.default_int_handler)
+        if signal.getsignal(signal.SIGTERM) is _interrupted_early:  # (run takes it its own way once it runs)
+            signal.signal(signal.SIGTERM, cli_signals.term_as_interrupt)
         try:
             with interrupts_after_imports(), imports_once():
                 return super().invoke(ctx)
@@ -122,6 +124,7 @@ class _Main(click.Group):
 
 @click.group(cls=_Main, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.option("--debug", is_flag=True, help="Show Python tracebacks for errors.")
+@click.version_option(package_name="maestro_flow", message="maestro_flow %(version)s")
 @click.pass_context
 def main(ctx: click.Context, debug: bool) -> None:
     """maestro_flow: train compound models (distillation, multimodal LLMs) as a graph of sections,
@@ -440,7 +443,8 @@ def data() -> None:
 
 
 @data.command("demo")
-@click.option("--out", "out_dir", default="data/demo", show_default=True, type=click.Path(file_okay=False))
+@click.option("--out", "out_dir", default="data/demo", show_default=True, type=click.Path(file_okay=False),
+              help="Folder the datasets are written to.")
 @click.option("--samples", "num_samples", default=2048, show_default=True, type=click.IntRange(min=1),
               help="Text samples (text.arrow).")
 @click.option("--vlm-samples", default=1024, show_default=True, type=click.IntRange(min=1),
@@ -450,7 +454,7 @@ def data() -> None:
 @click.option("--mm-samples", default=512, show_default=True, type=click.IntRange(min=1),
               help="Text/image/audio samples (mm.arrow).")
 @click.option("--only", type=click.Choice(["text", "vlm", "mm"]), multiple=True, help="Build only these.")
-@click.option("--seed", default=0, show_default=True)
+@click.option("--seed", default=0, show_default=True, help="Seed of the sampling (the same seed, the same files).")
 def data_demo(out_dir: str, num_samples: int, vlm_samples: int, image_share: float, mm_samples: int,
               only: tuple[str, ...], seed: int) -> None:
     """Build the demo datasets from data that ships with Python and scikit-learn.

@@ -76,6 +76,13 @@ def interrupts_after_imports() -> Iterator[None]:
         signal.signal(signal.SIGINT, previous)
 
 
+def term_as_interrupt(signum: int, frame: object) -> None:
+    """SIGTERM to a `maestro` command, until it takes SIGTERM its own way (`maestro run`:
+    runtime/stops.py): a Ctrl-C, held while a native module is imported as Ctrl-C is (found in QA:
+    a SIGTERM in `maestro run`'s first 2 s exited 143 with no word, and later ones 130)."""
+    signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+
+
 def reader_gone() -> bool:
     """Whether stdout is a pipe whose reader has gone (`maestro plan ... | head` that has read its
     lines); if so stdout is pointed at the null device, so the exit flushes nothing more into it."""

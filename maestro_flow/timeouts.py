@@ -1,4 +1,5 @@
-"""All runtime timeouts in one place, each overridable by a MAESTRO_* environment variable.
+"""All runtime timeouts in one place, each overridable by a MAESTRO_* environment variable, and
+`env_flag`, which reads the MAESTRO_* switches (MAESTRO_SHM, MAESTRO_CUDA_IPC).
 
 Pure (standard library only). Every blocking call in the runtime takes one of these values;
 a timeout error names the variable that changes it (see `errors.TimeoutFailure`).
@@ -7,6 +8,7 @@ a timeout error names the variable that changes it (see `errors.TimeoutFailure`)
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass
 
@@ -38,8 +40,26 @@ class Timeouts:
                 try:
                     values[f.name] = float(raw)
                 except ValueError:
-                    raise ValueError(f"{cls.env_name(f.name)} must be a number of seconds, got {raw!r}") from None
+                    values[f.name] = math.nan
+                # Found in QA: 'abc' gave a traceback after the run had started; -1 timed out "after
+                # 0.0s"; nan and inf were taken, and a deadline of nan never passes.
+                if not (math.isfinite(values[f.name]) and values[f.name] > 0):
+                    raise ValueError(f"{cls.env_name(f.name)} must be a number of seconds above 0, got {raw!r} "
+                                     f"(unset, it is {f.default:g})")
         return cls(**values)
 
     def to_dict(self) -> dict[str, float]:
         return dataclasses.asdict(self)
+
+
+OFF, ON = ("0", "false", "no", "off"), ("1", "true", "yes", "on")
+
+
+def env_flag(name: str, default: bool = True) -> bool:
+    """A MAESTRO_* switch: 0/false/no/off or 1/true/yes/on (any case); unset or empty, `default`.
+    Anything else is refused (ValueError naming it; found in QA: MAESTRO_SHM=false left shared
+    memory on, as only "0" turned it off)."""
+    raw = os.environ.get(name, "").strip().lower()
+    if raw in OFF or raw in ON or not raw:
+        return raw in ON or (not raw and default)
+    raise ValueError(f"{name} must be one of {'/'.join(OFF)} (off) or {'/'.join(ON)} (on), got {os.environ[name]!r}")

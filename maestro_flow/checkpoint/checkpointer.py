@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shlex
 import shutil
 import sys
 import uuid
@@ -126,6 +127,9 @@ class Checkpointer:
         self.training = False  # the coordinator trains (steps under way can end with a checkpoint)
         self.term_asked = False  # a SIGTERM taken by take_term: save after the planned steps, then stop
         self.term_untaken = False  # a first SIGTERM under on_term with no training under way (go_on_note)
+        # The index of the run's first step whose loss or gradient norm was not finite (RunReport.diverged_from)
+        self.diverged_from: Callable[[], int | None] = lambda: None
+        self._kept: str | None = None  # the checkpoint before it, which --keep-last keeps (_purge)
 
     def take_term(self) -> bool:
         """A SIGTERM under --checkpoint-on-term (a scheduler's preemption, with a grace period
@@ -198,14 +202,14 @@ class Checkpointer:
         ours = [(step, f) for step, f, ok in mf.checkpoints(root) if ok and self._ours(_lineage(f))]
         if not ours:
             was = self.resumed_from  # found in review: a run resumed from elsewhere named no place to go on from
-            return f"checkpoints: none complete in {root} yet" + (f"; the run resumed from {was} (--resume {was}"
-                                                                    f"{cause})" if was else "")
+            return f"checkpoints: none complete in {root} yet" + (
+                f"; the run resumed from {was} (--resume {shlex.quote(was)}{cause})" if was else "")
         step, newest = ours[-1]  # (the folder's step is its manifest's: step_dir)
-        if self.steps is not None and step >= self.steps:
+        if self.steps is not None and step >= self.steps:  # the commands quoted for a shell (QA: a space broke them)
             return (f"checkpoints: the newest complete one, {newest}, is after the last step: `maestro export "
-                    f"{newest} --section SECTION -o DIR` takes a section's weights from it")
+                    f"{shlex.quote(newest)} --section SECTION -o DIR` takes a section's weights from it")
         return (f"checkpoints: the newest complete one is {newest}; go on from it with the same command and "
-                f"--resume {root}{cause}")
+                f"--resume {shlex.quote(root)}{cause}")
 
     def _ours(self, lineage: object) -> bool:
         """Whether a checkpoint of this lineage (_lineage) belongs to this job's training (an
@@ -308,12 +312,22 @@ class Checkpointer:
 
     def _purge(self, step: int) -> None:
         """Incomplete folders older than this checkpoint, and complete ones of this training beyond
-        keep_last (among those up to this one: a folder of a later step is never touched)."""
+        keep_last (among those up to this one: a folder of a later step is never touched), except
+        the newest one from before the run's first step whose loss or gradient norm was not finite
+        (found in QA: one NaN step, the run training on, and --keep-last deleted every checkpoint
+        whose weights were not NaN)."""
         found = [c for c in mf.checkpoints(self.options.dir) if c[0] <= step]
-        complete = [folder for s, folder, ok in found if ok and self._ours(_lineage(folder))]
+        complete = [(s, folder) for s, folder, ok in found if ok and self._ours(_lineage(folder))]
         stale = [folder for s, folder, ok in found if not ok and s < step]
         if self.options.keep_last is not None:
-            stale += complete[:-self.options.keep_last]
+            bad = self.diverged_from()  # a checkpoint at step s holds the weights before step index s
+            good = [folder for s, folder in complete if bad is not None and s <= bad][-1:]
+            beyond = [folder for _, folder in complete[:-self.options.keep_last]]
+            stale += [folder for folder in beyond if folder not in good]
+            if good and good[0] in beyond and self._kept != good[0]:
+                self._kept = good[0]
+                self.log(f"maestro: --keep-last keeps {good[0]} too: the newest checkpoint from before step "
+                         f"{bad + 1}, whose loss or gradient norm was not finite")
         for folder in stale:
             self._discard(folder)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from typing import Any
 
 import torch
@@ -144,14 +145,37 @@ def save_pipeline(save_dir: str, pipeline_dict: dict[str, Any]) -> str:
     return path
 
 
+PREVIOUS = ".previous"  # an earlier run's file, set aside while this run's replaces it (begin_save)
+
+
+def _own_files(save_dir: str, pipeline_dict: dict[str, Any]) -> list[str]:
+    """The files a run of this pipeline writes in `save_dir`: pipeline.json and each trainable section's."""
+    return [os.path.join(save_dir, PIPELINE_FILE)] + [os.path.join(save_dir, f"{s['name']}.safetensors")
+                                                     for s in pipeline_dict["sections"] if s.get("trainable", True)]
+
+
 def begin_save(save_dir: str, pipeline_dict: dict[str, Any]) -> str:
-    """Before the workers write their sections: drop the files an earlier run left for this
-    pipeline's trainable sections, then write pipeline.json. A run stopped in between leaves a
-    pipeline.json with no section file (export says so), never one beside an earlier run's weights."""
-    for section in pipeline_dict["sections"]:
-        if section.get("trainable", True):
-            try:
-                os.remove(os.path.join(save_dir, f"{section['name']}.safetensors"))
-            except OSError:  # none there; or what is there cannot go, and the section's own write says why
-                pass
+    """Before the workers write their sections: set aside (FILE.previous) the files an earlier run
+    left for this pipeline, then write pipeline.json. A run stopped in between leaves a
+    pipeline.json with no section file (export says so), never one beside an earlier run's
+    weights; and a save that fails (a full disk) loses none of them (found in QA: they were
+    deleted first). `end_save` deletes them, or says where they are."""
+    for path in _own_files(save_dir, pipeline_dict):
+        try:
+            os.replace(path, path + PREVIOUS)
+        except OSError:  # none there; or what is there cannot move, and the section's own write says why
+            pass
     return save_pipeline(save_dir, pipeline_dict)
+
+
+def end_save(save_dir: str, pipeline_dict: dict[str, Any], *, saved: bool) -> None:
+    """After the run: the files begin_save set aside are deleted where this run's save completed
+    (`saved`), and otherwise named, with how to take them back."""
+    kept = [path + PREVIOUS for path in _own_files(save_dir, pipeline_dict) if os.path.exists(path + PREVIOUS)]
+    if saved:
+        for path in kept:
+            os.remove(path)
+    elif kept:
+        names = ", ".join(os.path.basename(p) for p in kept)
+        print(f"note: --save-dir {save_dir}: this run's save did not complete; the files an earlier run saved "
+              f"there are kept as {names} (drop the '{PREVIOUS}' to use them again)", file=sys.stderr)

@@ -57,19 +57,19 @@ from maestro_flow.runtime.sampler import EpochSampler
 from maestro_flow.runtime.status import StatusServer
 from maestro_flow.runtime.topology import ipc_channels, shm_channels
 from maestro_flow.runtime.worker import worker_main
-from maestro_flow.timeouts import Timeouts
+from maestro_flow.timeouts import Timeouts, env_flag
 from maestro_flow.transport import host as shm_host
 from maestro_flow.transport import zmq_link
 
 
 def shm_enabled() -> bool:
     """Whether same-host CPU channels use shared memory (MAESTRO_SHM=0: gloo instead), read per run."""
-    return os.environ.get("MAESTRO_SHM", "1") != "0"
+    return env_flag("MAESTRO_SHM")
 
 
 def ipc_enabled() -> bool:
     """Whether ranks sharing a GPU use CUDA IPC (MAESTRO_CUDA_IPC=0: gloo through the host instead)."""
-    return os.environ.get("MAESTRO_CUDA_IPC", "1") != "0"
+    return env_flag("MAESTRO_CUDA_IPC")
 
 
 def placement_for(graph: SectionGraph) -> Placement:

@@ -242,7 +242,8 @@ def profile_pipeline(path: str, options: ProfileOptions) -> dict[str, Any]:
 
     log = options.log or (lambda _msg: None)
     options = dataclasses.replace(options, threads=worker_threads(options.threads))
-    check_out(options.out or os.path.join("runs", "costs.json"))  # before minutes of work, not after
+    # Before minutes of work, not after (found in QA: runs/costs.json was checked, not the file written)
+    check_out(options.out or default_out(load_pipeline(path, options.overrides)[0].name))
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     child = ctx.Process(target=_profile_worker, args=(path, dataclasses.replace(options, log=None), results),
@@ -356,8 +357,13 @@ def _profile_here(path: str, options: ProfileOptions, at: dict[str, Any], cores:
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "repeats": options.repeats,
             "planning_s": planning_s(pipeline, graph, list(checked.metadata), options.repeats),
             "sections": report, "unmeasured": unmeasured}
-    data["path"] = options.out or os.path.join("runs", f"costs-{pipeline.name}.json")
+    data["path"] = options.out or default_out(pipeline.name)
     return data
+
+
+def default_out(name: str) -> str:
+    """The cost file of pipeline `name` where --out is not given."""
+    return os.path.join("runs", f"costs-{name}.json")
 
 
 def _note_sizes(name: str, sizes: tuple[int, ...], available: int, log: Any) -> None:

@@ -222,6 +222,7 @@ class RunReport:
         self._t0 = time.monotonic()
         self.stop_on_nan = stop_on_nan
         self.non_finite: int | None = None  # the first step (its index) whose loss or gradient norm was NaN or inf
+        self.diverged_from: int | None = None  # the same, known before that step's checkpoint (stops_at)
         self.gradless: dict[str, int] = {}  # trainable section -> steps running with samples and an all-zero gradient
         self.gradless_said: set[str] = set()  # sections warned of (once each)
 
@@ -281,7 +282,10 @@ class RunReport:
 
     def stops_at(self, row: dict[str, Any]) -> bool:
         """Whether `step(row)` will stop the run (--stop-on-nan): its step's checkpoint is then not
-        written, so the newest one comes from steps whose loss and gradient norm were finite."""
+        written, so the newest one comes from steps whose loss and gradient norm were finite. Called
+        before the step's checkpoint; the first such step is noted (`diverged_from`)."""
+        if self.diverged_from is None and not _finite(row):
+            self.diverged_from = row["step"]
         return self.stop_on_nan and not _finite(row)
 
     def _warn_frozen_in_fact(self, row: dict[str, Any]) -> None:

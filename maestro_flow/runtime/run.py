@@ -12,6 +12,7 @@ anything starts.
 from __future__ import annotations
 
 import os
+import shlex
 import socket
 import sys
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from typing import Any
 from maestro_flow.checkpoint import digest
 from maestro_flow.checkpoint import manifest as mf
 from maestro_flow.checkpoint.checkpointer import Checkpointer, CheckpointOptions, resume_point
+from maestro_flow.checkpoint.savedir import end_save
 from maestro_flow.errors import CheckpointError, PipelineError, Terminated, exit_code_of, first_line, traceback_tail
 from maestro_flow.runtime import cpus
 from maestro_flow.runtime.build import load_pipeline
@@ -34,7 +36,7 @@ from maestro_flow.runtime.report import RunReport
 from maestro_flow.runtime.rundir import RunDir, default_run_dir, node_run_dir
 from maestro_flow.runtime.sampler import EpochSampler, data_fingerprint
 from maestro_flow.runtime.stops import catch_stops, release
-from maestro_flow.timeouts import Timeouts
+from maestro_flow.timeouts import Timeouts, env_flag
 from maestro_flow.transport import cuda_ipc
 from maestro_flow.wording import count, skipped_note
 
@@ -90,8 +92,7 @@ def resolve_host(options: RunOptions, nodes: Nodes) -> str:
 
 
 def check_interface(interface: str | None) -> None:
-    """--interface names network interfaces of this node (gloo takes exact names, comma-separated;
-    found in QA: a wrong one failed each worker's setup, with the cause in its log alone)."""
+    """--interface names interfaces of this node, as gloo takes them (QA: else each worker failed)."""
     if not interface:
         return
     names = sorted(name for _, name in socket.if_nameindex())
@@ -283,7 +284,7 @@ def run_pipeline(path: str, options: RunOptions) -> list[dict[str, Any]]:
                                 f"{', '.join(ignored)}")
     try:
         cuda_ipc.wait_mode()  # read by each worker of this node; bad values are refused before any starts
-        cpus.env_threads()
+        cpus.env_threads(), Timeouts.from_env(), env_flag("MAESTRO_SHM"), env_flag("MAESTRO_CUDA_IPC")
     except ValueError as exc:
         raise PipelineError(str(exc)) from None
     host = resolve_host(options, nodes)
@@ -410,6 +411,7 @@ def _lead(pipeline: Any, original: Any, checked: Any, paths: Any, options: RunOp
         report = RunReport(total_steps=pipeline.steps, metrics_out=metrics, show_progress=options.show_progress,
                            sinks=sinks, resume_at=resume[1].step if resume else None,
                            stop_on_nan=options.stop_on_nan, batches_per_epoch=sampler.per_epoch)
+        checkpointer.diverged_from = lambda: report.diverged_from  # what --keep-last keeps (Checkpointer._purge)
     except BaseException:
         checkpointer.close()
         if run_dir is not None:  # and the run dir's (found in review: held while node 0 told the other nodes)
@@ -462,6 +464,8 @@ def _lead(pipeline: Any, original: Any, checked: Any, paths: Any, options: RunOp
         if run_dir is not None:  # found in review: "done", then exit 1
             run_dir.event({"ended": "failed", "why": fatal, "code": 1} if fatal else {"ended": "done", "code": 0})
     finally:
+        if options.save_dir:  # the earlier run's files it set aside: deleted, or named where the save failed
+            end_save(options.save_dir, original.to_dict(), saved=sys.exc_info()[1] is None)
         release(previous)
         checkpointer.close()
         report.close()
@@ -480,8 +484,8 @@ def _lead(pipeline: Any, original: Any, checked: Any, paths: Any, options: RunOp
             print(f"newest checkpoint: {checkpointer.committed}", file=sys.stderr)
         if options.save_dir and not fatal:
             files = ", ".join(f"{s.name}.safetensors" for s in original.sections if s.trainable)
-            print(f"weights: {options.save_dir} ({files}; `maestro export {options.save_dir} --section S -o OUT` "
-                  "takes one out)", file=sys.stderr)
+            print(f"weights: {options.save_dir} ({files}; `maestro export {shlex.quote(options.save_dir)} --section S "
+                  "-o OUT` takes one out)", file=sys.stderr)
     if record is not None and run_dir is not None:
         idle = idle_steps(run_dir.path, record["section"], options.record_steps)[0]
         if idle:

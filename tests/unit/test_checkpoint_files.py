@@ -469,13 +469,28 @@ def test_export_refuses_an_output_folder_it_cannot_make_in_one_line(tmp_path):
     assert result.output.strip() == f"error: -o {tmp_path / 'f' / 'sub'}: {tmp_path / 'f'} is a file, not a folder"
 
 
-def test_a_save_dir_never_pairs_a_new_pipeline_with_an_earlier_runs_weights(tmp_path):
-    from maestro_flow.checkpoint.savedir import PIPELINE_FILE, begin_save
+def test_a_save_dir_never_pairs_a_new_pipeline_with_an_earlier_runs_weights(tmp_path, capsys):
+    """And a save that fails keeps the earlier run's files (found in QA: a full disk at the save lost
+    them, deleted before the write)."""
+    from maestro_flow.checkpoint.savedir import PIPELINE_FILE, begin_save, end_save
 
-    (tmp_path / "student.safetensors").write_bytes(b"an earlier run's")
-    (tmp_path / "notes.txt").write_text("the user's")
-    begin_save(str(tmp_path), PIPELINE.to_dict())
-    assert sorted(os.listdir(tmp_path)) == ["notes.txt", PIPELINE_FILE]  # the workers write student's next
+    for saved in (False, True):
+        (tmp_path / "student.safetensors").write_bytes(b"an earlier run's")
+        (tmp_path / PIPELINE_FILE).write_text("{}")
+        (tmp_path / "notes.txt").write_text("the user's")
+        begin_save(str(tmp_path), PIPELINE.to_dict())
+        assert sorted(os.listdir(tmp_path)) == ["notes.txt", PIPELINE_FILE, f"{PIPELINE_FILE}.previous",
+                                                "student.safetensors.previous"]  # the workers write student's next
+        assert json.loads((tmp_path / PIPELINE_FILE).read_text())["name"] == "p"
+        end_save(str(tmp_path), PIPELINE.to_dict(), saved=saved)
+        err = capsys.readouterr().err
+        if saved:  # the save completed: the earlier files go
+            assert sorted(os.listdir(tmp_path)) == ["notes.txt", PIPELINE_FILE] and not err
+        else:
+            assert (tmp_path / "student.safetensors.previous").read_bytes() == b"an earlier run's"
+            assert err == (f"note: --save-dir {tmp_path}: this run's save did not complete; the files an earlier run "
+                           f"saved there are kept as {PIPELINE_FILE}.previous, student.safetensors.previous (drop the "
+                           "'.previous' to use them again)\n")
 
 
 def test_a_discarded_checkpoint_loses_its_manifest_first(tmp_path, monkeypatch):
@@ -645,6 +660,35 @@ def test_where_to_go_on_from_is_this_training_s_newest_checkpoint(tmp_path, monk
     ck._CLAIMED = None
 
 
+def test_keep_last_keeps_the_newest_checkpoint_from_before_a_non_finite_step(tmp_path):
+    """Found in QA: one NaN step, the run trained on (the default), and --keep-last 2 deleted every
+    checkpoint whose weights were not NaN."""
+    from maestro_flow.checkpoint import checkpointer as ck
+
+    said: list[str] = []
+    job = Checkpointer(CheckpointOptions(dir=str(tmp_path), every=2, keep_last=1), log=said.append)
+    job.claim(None, {**PIPELINE.to_dict(), "steps": 12})
+    diverged: list[int | None] = [None]
+    job.diverged_from = lambda: diverged[0]
+
+    def steps() -> list[int]:
+        return [s for s, _, ok in mf.checkpoints(str(tmp_path)) if ok]
+
+    for step in (2, 4):
+        job.begin(step)
+        job.commit(step, manifest(step))
+    assert steps() == [4] and not said
+    diverged[0] = 5  # step index 5 (the progress line's step 6) was not finite: step-4's weights came before it
+    for step in (6, 8, 10):
+        job.begin(step)
+        job.commit(step, manifest(step))
+        assert steps() == [4, step]
+    assert said == [f"maestro: --keep-last keeps {mf.step_dir(str(tmp_path), 4)} too: the newest checkpoint from "
+                    "before step 6, whose loss or gradient norm was not finite"]  # once
+    job.close()
+    ck._CLAIMED = None
+
+
 def test_a_sigterm_before_training_under_checkpoint_on_term_is_said_to_have_saved_nothing(tmp_path):
     """Found in QA: a SIGTERM during a slow startup said "interrupted", not why nothing was saved."""
     job = Checkpointer(CheckpointOptions(dir=str(tmp_path), every=2, on_term=True), log=lambda text: None)
@@ -657,6 +701,8 @@ def test_a_sigterm_before_training_under_checkpoint_on_term_is_said_to_have_save
     job.term_untaken, job.training = False, True
     assert job.take_term() and not job.take_term()  # the first is taken; a second stops at once, as documented
     assert job.go_on_note() == none
+    job.resumed_from = "/else where/step-00000002"  # found in QA: a path with a space broke the command
+    assert job.go_on_note().endswith("(--resume '/else where/step-00000002')")
     job.close()
     plain = Checkpointer(CheckpointOptions(dir=str(tmp_path / "b"), every=2), log=lambda text: None)
     assert not plain.take_term() and not plain.term_untaken  # the option off: an interrupt, nothing to explain

@@ -22,3 +22,10 @@ def test_a_missing_pipeline_alone_keeps_clicks_words(args):
     assert result.exit_code == 2
     assert "Missing argument 'PIPELINE'." in result.output
     assert "took" not in result.output
+
+
+def test_the_version_is_the_package_s():
+    from importlib.metadata import version
+
+    result = CliRunner().invoke(main, ["--version"])
+    assert result.exit_code == 0 and result.output == f"maestro_flow {version('maestro_flow')}\n"

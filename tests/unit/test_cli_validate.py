@@ -408,6 +408,36 @@ def test_bad_worker_threads_are_refused_before_any_worker_starts(tmp_path, datas
     assert_one_error_line(result, "MAESTRO_WORKER_THREADS must be a whole number", "got 'two'")
 
 
+@pytest.mark.parametrize("name,value,words", [
+    ("MAESTRO_STARTUP_S", "abc", "MAESTRO_STARTUP_S must be a number of seconds above 0, got 'abc' (unset, it is 120)"),
+    ("MAESTRO_STARTUP_S", "", "got ''"), ("MAESTRO_STARTUP_S", "-1", "got '-1'"), ("MAESTRO_HANG_S", "0", "got '0'"),
+    ("MAESTRO_STEP_S", "nan", "got 'nan'"), ("MAESTRO_HEARTBEAT_TIMEOUT_S", "inf", "got 'inf'"),
+    ("MAESTRO_SHM", "maybe", "MAESTRO_SHM must be one of 0/false/no/off (off) or 1/true/yes/on (on), got 'maybe'"),
+    ("MAESTRO_CUDA_IPC", "2", "MAESTRO_CUDA_IPC must be one of")])
+def test_bad_timeouts_and_switches_are_refused_before_anything_starts(tmp_path, dataset, monkeypatch, name, value,
+                                                                      words):
+    """Found in QA: MAESTRO_STARTUP_S=abc gave a traceback and exit 1 after the run dir was made; -1
+    timed out "after 0.0s", nan and inf were taken; MAESTRO_SHM=false left shared memory on."""
+    monkeypatch.setenv(name, value)
+    result = invoke("run", write_pipeline(tmp_path, dataset), "--quiet", "--run-dir", str(tmp_path / "run"))
+    assert_one_error_line(result, words)
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_switches_read_the_usual_words(monkeypatch):
+    from maestro_flow.timeouts import Timeouts, env_flag
+
+    for value, on in (("0", False), ("False", False), (" no ", False), ("OFF", False), ("1", True), ("true", True),
+                      ("Yes", True), ("on", True)):
+        monkeypatch.setenv("MAESTRO_SHM", value)
+        assert env_flag("MAESTRO_SHM") is on, value
+    monkeypatch.setenv("MAESTRO_SHM", "")
+    assert env_flag("MAESTRO_SHM") and not env_flag("MAESTRO_SHM", default=False)
+    monkeypatch.delenv("MAESTRO_SHM")
+    assert env_flag("MAESTRO_SHM")
+    assert Timeouts.from_env({"MAESTRO_STARTUP_S": "1e-3", "MAESTRO_STEP_S": " 7 "}).step_s == 7.0
+
+
 def _image_data(tmp_path, rows: list[tuple[list[int], int]]) -> str:
     """(tokens, num_patches) per row; a row with patches carries an image (bytes never decoded here)."""
     import pyarrow as pa

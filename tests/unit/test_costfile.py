@@ -248,6 +248,19 @@ def test_an_unusable_out_is_refused_before_any_work(tmp_path):
     assert f"error: --out {afile / 'costs.json'}: {afile} is a file, not a folder" in result.output
 
 
+def test_the_default_out_checked_before_any_work_is_the_file_written(tmp_path, monkeypatch):
+    """Found in QA: runs/costs.json was checked, and runs/costs-NAME.json failed after the work."""
+    from click.testing import CliRunner
+
+    from maestro_flow.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs" / "costs-vlm.json").mkdir(parents=True)
+    result = CliRunner().invoke(main, ["profile", VLM, "--set", "data.path=/nonexistent.arrow"])
+    assert result.exit_code == 2, result.output
+    assert "error: --out runs/costs-vlm.json: is a folder; give a file path" in result.output
+
+
 # -- finding 3: a failure names its section; MAESTRO_WORKER_THREADS ---------------------------------
 
 
