@@ -92,12 +92,9 @@ class Liveness:
             return self.since.get(r, (None, now))[1]
 
         stuck = min(busy or pending or world, key=since)
-        status = self.status.get(stuck, {})
-        where = "" if status.get("step") is None else f" of step {status['step'] + 1}"  # from 1, as the progress line
-        where += "" if status.get("mb") is None else f", micro-batch {status['mb']}"
         others = [self.label(r) for r in pending if r != stuck]
         return WorkerLost(
-            f"{self.label(stuck)} is hung: in {status.get('state', 'no status yet')}{where} for "
+            f"{self.label(stuck)} is hung: in {self.doing(stuck)} for "
             f"{now - since(stuck):.0f}s, and no replica finished step {step + 1} for {now - self.progress_at:.0f}s "
             f"(hang timeout {limit:.0f}s: MAESTRO_HANG_S, or {HANG_FACTOR:g}x the slowest step seen)"
             + (f"; waiting on it: {', '.join(others)}" if others else ""))
@@ -123,5 +120,14 @@ class Liveness:
         for rank, seen in self.last_seen.items():
             if now - seen > self.timeouts.heartbeat_timeout_s:
                 return WorkerLost(f"worker {self.label(rank)} sent nothing for {now - seen:.1f}s (heartbeat "
-                                  f"timeout; raise MAESTRO_HEARTBEAT_TIMEOUT_S if it is just busy)")
+                                  "timeout; raise MAESTRO_HEARTBEAT_TIMEOUT_S if it is just busy)"  # QA: no step named
+                                  + (f"; it was last in {self.doing(rank)}" if rank in self.status else ""))
         return None
+
+    def doing(self, rank: int) -> str:
+        """What `rank`'s last heartbeat said it was doing: its state, step (from 1, as the progress
+        line counts) and micro-batch."""
+        status = self.status.get(rank, {})
+        where = "" if status.get("step") is None else f" of step {status['step'] + 1}"
+        where += "" if status.get("mb") is None else f", micro-batch {status['mb']}"
+        return f"{status.get('state', 'no status yet')}{where}"

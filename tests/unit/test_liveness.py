@@ -44,6 +44,9 @@ def test_a_silent_node_is_named_with_its_ranks():
     assert str(live.silent(now=5.0)).startswith("node 1 (ranks 1, 2) is lost: none of its workers sent anything for 5.0s")
     live.seen(1, now=5.0)  # one of its workers still talks: that is one silent worker, not a lost node
     assert str(live.silent(now=5.0)).startswith("worker rank 2 sent nothing for 5.0s")
+    assert str(live.silent(now=5.0)).endswith("if it is just busy)")
+    live.note_status(2, {"state": "forward", "step": 8, "mb": 1}, now=0.0)  # found in QA: no step named
+    assert str(live.silent(now=5.0)).endswith("; it was last in forward of step 9, micro-batch 1")
 
 
 def test_time_the_coordinator_was_away_is_not_its_workers_silence():
