@@ -169,7 +169,7 @@ class Checkpointer:
             if not self._ours(lineage):
                 self.close()
                 fits = pipeline is None or _fits(mf.latest(root), pipeline)  # --resume ROOT takes the newest
-                how = f"resume from it with --resume {root}, or " if resume is None and fits else ""
+                how = f"resume from it with --resume {shlex.quote(root)}, or " if resume is None and fits else ""
                 if not fits:  # found in review: --resume was offered, and then refused
                     folder = f"{folder}; this pipeline cannot resume from them"
                 raise PipelineError(f"--checkpoint-dir {root} holds another training's checkpoints ({folder}): "
@@ -179,8 +179,8 @@ class Checkpointer:
                 newest = [f for _, f, done in mf.checkpoints(root) if done][-1]
                 raise PipelineError(f"--checkpoint-dir {root} holds this training's checkpoints past step {start} "
                                     f"(newest: {newest}), which this run would overwrite: resume from the newest "
-                                    f"with --resume {root}, or to go back to step {start}, move the later ones "
-                                    "away or choose another --checkpoint-dir")
+                                    f"with --resume {shlex.quote(root)}, or to go back to step {start}, move the "
+                                    "later ones away or choose another --checkpoint-dir")
         global _CLAIMED
         self.steps = (pipeline or {}).get("steps")
         _CLAIMED = self
@@ -193,8 +193,8 @@ class Checkpointer:
         interrupted), so the --resume goes with "once the cause above is dealt with"."""
         note = self._where(", once the cause above is dealt with" if failed else "")
         if self.term_untaken:  # found in QA: a SIGTERM in a slow startup said "interrupted" alone
-            return ("--checkpoint-on-term: the SIGTERM came while no training was under way (startup or a "
-                    f"restart), so no checkpoint was written for it\n{note}")
+            return ("--checkpoint-on-term: the SIGTERM came while no training was under way (startup, a "
+                    f"restart or the final save), so no checkpoint was written for it\n{note}")
         return note
 
     def _where(self, cause: str) -> str:

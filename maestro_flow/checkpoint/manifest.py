@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -145,7 +146,7 @@ def earlier(checkpoint: str, *, move: bool = True, use: str = "--resume {}") -> 
     if not before:
         return ""
     then = f"; with --checkpoint-dir {os.path.dirname(here)}, first move {here} away" if move else ""
-    return f"; the complete checkpoint before it: {before[-1]} ({use.format(before[-1])}{then})"
+    return f"; the complete checkpoint before it: {before[-1]} ({use.format(shlex.quote(before[-1]))}{then})"
 
 
 def checkpoints(root: str) -> list[tuple[int, str, bool]]:

@@ -148,10 +148,21 @@ def save_pipeline(save_dir: str, pipeline_dict: dict[str, Any]) -> str:
 PREVIOUS = ".previous"  # an earlier run's file, set aside while this run's replaces it (begin_save)
 
 
+def _saved_sections(pipeline_dict: dict[str, Any]) -> list[str]:
+    """The sections whose files a run of this pipeline writes: its trainable ones, and for the
+    monolithic baseline's one section, those of the pipeline it runs (as save_stage writes them;
+    found in review: the baseline's own name was set aside, and the sections' files overwritten)."""
+    from maestro_flow.baseline.monolithic import STAGE
+
+    return [name for s in pipeline_dict["sections"]
+            for name in (_saved_sections(s["config"]["pipeline"]) if s.get("stage") == STAGE else
+                         [s["name"]] if s.get("trainable", True) else [])]
+
+
 def _own_files(save_dir: str, pipeline_dict: dict[str, Any]) -> list[str]:
-    """The files a run of this pipeline writes in `save_dir`: pipeline.json and each trainable section's."""
-    return [os.path.join(save_dir, PIPELINE_FILE)] + [os.path.join(save_dir, f"{s['name']}.safetensors")
-                                                     for s in pipeline_dict["sections"] if s.get("trainable", True)]
+    """The files a run of this pipeline writes in `save_dir`: pipeline.json and each saved section's."""
+    return [os.path.join(save_dir, name) for name in
+            (PIPELINE_FILE, *(f"{section}.safetensors" for section in _saved_sections(pipeline_dict)))]
 
 
 def begin_save(save_dir: str, pipeline_dict: dict[str, Any]) -> str:
@@ -159,22 +170,31 @@ def begin_save(save_dir: str, pipeline_dict: dict[str, Any]) -> str:
     left for this pipeline, then write pipeline.json. A run stopped in between leaves a
     pipeline.json with no section file (export says so), never one beside an earlier run's
     weights; and a save that fails (a full disk) loses none of them (found in QA: they were
-    deleted first). `end_save` deletes them, or says where they are."""
-    for path in _own_files(save_dir, pipeline_dict):
+    deleted first). `end_save` deletes them, or says where they are. Where files set aside by an
+    earlier failed save are still there, they stay the ones kept, and what that failed save
+    wrote goes (found in review: the next save replaced them with the failed one's). Only files
+    move: what else is in the way stays, and the section's own write says why."""
+    files = [path for path in _own_files(save_dir, pipeline_dict) if os.path.isfile(path)]
+    kept = any(os.path.isfile(path + PREVIOUS) for path in _own_files(save_dir, pipeline_dict))
+    for path in files:
         try:
-            os.replace(path, path + PREVIOUS)
-        except OSError:  # none there; or what is there cannot move, and the section's own write says why
+            os.remove(path) if kept else os.replace(path, path + PREVIOUS)
+        except OSError:  # what cannot go: the section's own write says why
             pass
     return save_pipeline(save_dir, pipeline_dict)
 
 
 def end_save(save_dir: str, pipeline_dict: dict[str, Any], *, saved: bool) -> None:
     """After the run: the files begin_save set aside are deleted where this run's save completed
-    (`saved`), and otherwise named, with how to take them back."""
-    kept = [path + PREVIOUS for path in _own_files(save_dir, pipeline_dict) if os.path.exists(path + PREVIOUS)]
+    (`saved`), and otherwise named, with how to take them back. Never raises (the run's own
+    outcome stands; found in review: a folder in the way turned a finished run into a traceback)."""
+    kept = [path + PREVIOUS for path in _own_files(save_dir, pipeline_dict) if os.path.isfile(path + PREVIOUS)]
     if saved:
         for path in kept:
-            os.remove(path)
+            try:
+                os.remove(path)
+            except OSError as exc:
+                print(f"warning: --save-dir {save_dir}: cannot remove {path} ({exc.strerror or exc})", file=sys.stderr)
     elif kept:
         names = ", ".join(os.path.basename(p) for p in kept)
         print(f"note: --save-dir {save_dir}: this run's save did not complete; the files an earlier run saved "

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import shlex
 import time
 from collections.abc import Callable
 from typing import Any
@@ -90,9 +91,9 @@ class SectionRunner:
 
         source = source or f"--weights {path}"
         if os.path.isdir(path):  # found in QA: click's "is a directory", with no way on
-            raise ReplayError(f"{source}: a folder, not a weights file: for a checkpoint, `maestro export {path} "
-                              f"--section {self.name} -o OUT` writes OUT/{self.name}.safetensors; a --save-dir holds "
-                              f"{os.path.join(path, self.name + '.safetensors')}")
+            raise ReplayError(f"{source}: a folder, not a weights file: for a checkpoint, `maestro export "
+                              f"{shlex.quote(path)} --section {self.name} -o OUT` writes OUT/{self.name}.safetensors; "
+                              f"a --save-dir holds {os.path.join(path, self.name + '.safetensors')}")
         try:
             state = load_tensors(path)
         except (OSError, SafetensorError) as exc:

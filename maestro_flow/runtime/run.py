@@ -120,8 +120,7 @@ def control_secret(options: RunOptions, host: str = "127.0.0.1", nodes: Nodes | 
     return secret
 
 
-def _end_wait_s() -> float:
-    """How long node 0 waits, once the job has ended, for the other nodes to read its outcome."""
+def _end_wait_s() -> float:  # how long node 0 waits, once the job has ended, for the others to read its outcome
     return Timeouts.from_env().shutdown_grace_s + 5
 
 
@@ -335,7 +334,7 @@ def _lead(pipeline: Any, original: Any, checked: Any, paths: Any, options: RunOp
     if resume is not None and not ckpt.dir:  # found in QA: a resumed long job went on saving nothing, silently
         parent = os.path.dirname(os.path.abspath(resume[0]))
         # Its own folder takes the checkpoints that follow only where none is past the one resumed.
-        there = f"--checkpoint-dir {parent}" if mf.latest(parent) == os.path.abspath(resume[0]) else \
+        there = f"--checkpoint-dir {shlex.quote(parent)}" if mf.latest(parent) == os.path.abspath(resume[0]) else \
             "--checkpoint-dir DIR (a folder without later checkpoints)"
         print(f"warning: --resume without --checkpoint-dir: this run writes no checkpoints (to go on saving: "
               f"{there} --checkpoint-every N)", file=sys.stderr, flush=True)
@@ -417,6 +416,7 @@ def _lead(pipeline: Any, original: Any, checked: Any, paths: Any, options: RunOp
         if run_dir is not None:  # and the run dir's (found in review: held while node 0 told the other nodes)
             run_dir.close()
         raise
+    saved = False  # the run ended without an exception, so its --save-dir save completed (end_save)
     previous = catch_stops(checkpointer)
     try:
         if options.colocated:
@@ -460,12 +460,12 @@ def _lead(pipeline: Any, original: Any, checked: Any, paths: Any, options: RunOp
                            "why": _outcome(exc, "the run"), "code": exit_code_of(exc)})  # top exits with it
         raise
     else:
-        fatal = checkpointer.final_state_lost(options.save_dir)  # raised below, once the run dir is closed
+        saved, fatal = True, checkpointer.final_state_lost(options.save_dir)  # fatal: raised below
         if run_dir is not None:  # found in review: "done", then exit 1
             run_dir.event({"ended": "failed", "why": fatal, "code": 1} if fatal else {"ended": "done", "code": 0})
     finally:
         if options.save_dir:  # the earlier run's files it set aside: deleted, or named where the save failed
-            end_save(options.save_dir, original.to_dict(), saved=sys.exc_info()[1] is None)
+            end_save(options.save_dir, original.to_dict(), saved=saved)
         release(previous)
         checkpointer.close()
         report.close()

@@ -491,6 +491,33 @@ def test_a_save_dir_never_pairs_a_new_pipeline_with_an_earlier_runs_weights(tmp_
             assert err == (f"note: --save-dir {tmp_path}: this run's save did not complete; the files an earlier run "
                            f"saved there are kept as {PIPELINE_FILE}.previous, student.safetensors.previous (drop the "
                            "'.previous' to use them again)\n")
+            # Found in review: the next save replaced what was kept with what the failed one wrote.
+            (tmp_path / "student.safetensors").write_bytes(b"the failed run's")
+            begin_save(str(tmp_path), PIPELINE.to_dict())
+            assert not (tmp_path / "student.safetensors").exists()
+            assert (tmp_path / "student.safetensors.previous").read_bytes() == b"an earlier run's"
+            end_save(str(tmp_path), PIPELINE.to_dict(), saved=False)
+            assert "kept as" in capsys.readouterr().err
+
+
+def test_a_save_dir_sets_aside_files_only_and_the_baselines_sections(tmp_path, capsys):
+    """Found in review: a folder in the way was set aside (the save then passed, where it must
+    fail) and made the end a traceback; the monolithic baseline set aside its own one section's
+    name, not the files its sections write."""
+    from maestro_flow.baseline.monolithic import monolithic_pipeline
+    from maestro_flow.checkpoint.savedir import begin_save, end_save
+
+    (tmp_path / "student.safetensors").mkdir()
+    begin_save(str(tmp_path), PIPELINE.to_dict())
+    assert (tmp_path / "student.safetensors").is_dir() and not (tmp_path / "student.safetensors.previous").exists()
+    (tmp_path / "student.safetensors.previous").mkdir()
+    end_save(str(tmp_path), PIPELINE.to_dict(), saved=True)  # no traceback: not a file of ours
+    assert capsys.readouterr().err == ""
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "student.safetensors").write_bytes(b"an earlier run's")
+    begin_save(str(base), monolithic_pipeline(PIPELINE, devices=1).to_dict())
+    assert (base / "student.safetensors.previous").read_bytes() == b"an earlier run's"
 
 
 def test_a_discarded_checkpoint_loses_its_manifest_first(tmp_path, monkeypatch):
@@ -696,8 +723,8 @@ def test_a_sigterm_before_training_under_checkpoint_on_term_is_said_to_have_save
     none = f"checkpoints: none complete in {tmp_path} yet"
     assert job.go_on_note() == none
     assert not job.take_term()  # startup: stops at once
-    assert job.go_on_note() == ("--checkpoint-on-term: the SIGTERM came while no training was under way (startup or "
-                                f"a restart), so no checkpoint was written for it\n{none}")
+    assert job.go_on_note() == ("--checkpoint-on-term: the SIGTERM came while no training was under way (startup, "
+                                f"a restart or the final save), so no checkpoint was written for it\n{none}")
     job.term_untaken, job.training = False, True
     assert job.take_term() and not job.take_term()  # the first is taken; a second stops at once, as documented
     assert job.go_on_note() == none
