@@ -12,6 +12,7 @@ not tampering: a checkpoint is as trusted as the folder it is in.
 from __future__ import annotations
 
 import os
+import threading
 import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
@@ -21,11 +22,18 @@ from maestro_flow.errors import PipelineError
 CHUNK = 16 << 20  # bytes read at a time (zlib releases the GIL for each)
 
 
-def of(path: str) -> list[int | str]:
-    """[size in bytes, CRC-32 as 8 hex digits] of a file."""
+class Stopped(Exception):
+    """A read given up (`of`'s `stop` set): the caller was interrupted."""
+
+
+def of(path: str, stop: threading.Event | None = None) -> list[int | str]:
+    """[size in bytes, CRC-32 as 8 hex digits] of a file; Stopped, between two chunks, once `stop`
+    is set."""
     crc, size = 0, 0
     with open(path, "rb") as f:
         while block := f.read(CHUNK):
+            if stop is not None and stop.is_set():
+                raise Stopped(path)
             crc, size = zlib.crc32(block, crc), size + len(block)
     return [size, f"{crc:08x}"]
 
@@ -46,7 +54,7 @@ def problems(root: str, files: dict[str, list[int | str]], threads: int | None =
             now = os.path.getsize(path)
             if now != size:
                 return f"{rel}: {now} bytes, {size} when saved"
-            now_crc = of(path)[1]
+            now_crc = of(path, stop)[1]
             if now_crc != crc:
                 return f"{rel}: its bytes changed since it was saved (CRC-32 {now_crc}, {crc} when saved)"
         except FileNotFoundError:
@@ -55,9 +63,15 @@ def problems(root: str, files: dict[str, list[int | str]], threads: int | None =
             return f"{rel}: cannot be read ({exc.strerror or exc})"
         return None
 
-    workers = threads or min(8, os.cpu_count() or 1)
-    with ThreadPoolExecutor(max_workers=workers) as pool:
-        found = list(pool.map(check, sorted(files.items())))
+    # An interrupt (Ctrl-C, SIGTERM) stops the reads under way (found in review: it waited for them,
+    # 15 s on 48 GB of files).
+    stop = threading.Event()
+    with ThreadPoolExecutor(max_workers=threads or min(8, os.cpu_count() or 1)) as pool:
+        try:
+            found = list(pool.map(check, sorted(files.items())))
+        except BaseException:
+            stop.set()
+            raise
     return [line for line in found if line is not None]
 
 

@@ -59,3 +59,30 @@ def test_a_save_records_every_file_it_wrote_and_the_manifest_keeps_them(tmp_path
     assert digest.problems(str(tmp_path), info["files"]) == []
     manifest = Manifest(step=1, pipeline={}, sections={}, sampler={}, files=info["files"])
     assert Manifest.from_dict(json.loads(manifest.to_json())).files == info["files"]
+
+
+def test_an_interrupt_stops_the_reads_under_way(tmp_path, monkeypatch):
+    """Found in review: an interrupt during --resume's checksums (Ctrl-C, or a SIGTERM, now one)
+    waited for the files being read (15 s on 48 GB)."""
+    import signal
+    import threading
+    import time
+
+    calls = []
+
+    class SlowZlib:
+        @staticmethod
+        def crc32(block, crc=0):
+            calls.append(1)
+            time.sleep(0.01)
+            return zlib.crc32(block, crc)
+
+    monkeypatch.setattr(digest, "zlib", SlowZlib)
+    monkeypatch.setattr(digest, "CHUNK", 1024)
+    (tmp_path / "big.bin").write_bytes(b"x" * 1024 * 500)  # 500 chunks: 5 s
+    main = threading.main_thread().ident
+    threading.Timer(0.3, lambda: signal.pthread_kill(main, signal.SIGINT)).start()  # a real signal wakes the wait
+    start = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        digest.problems(str(tmp_path), {"big.bin": [1024 * 500, "00000000"]}, threads=1)
+    assert time.monotonic() - start < 2.0 and len(calls) < 200
