@@ -267,6 +267,9 @@ def profile_pipeline(path: str, options: ProfileOptions) -> dict[str, Any]:
             else:
                 data = body
                 break
+    except KeyboardInterrupt:  # Ctrl-C, or a SIGTERM to this process alone: no result will come (review: 3 s)
+        child.kill()
+        raise
     finally:
         child.join(5.0)
         if child.exitcode is None:
