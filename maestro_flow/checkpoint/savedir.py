@@ -154,9 +154,13 @@ def _saved_sections(pipeline_dict: dict[str, Any]) -> list[str]:
     found in review: the baseline's own name was set aside, and the sections' files overwritten)."""
     from maestro_flow.baseline.monolithic import STAGE
 
-    return [name for s in pipeline_dict["sections"]
-            for name in (_saved_sections(s["config"]["pipeline"]) if s.get("stage") == STAGE else
-                         [s["name"]] if s.get("trainable", True) else [])]
+    names: list[str] = []
+    for s in pipeline_dict["sections"]:
+        if s.get("stage") == STAGE:
+            names += _saved_sections(s["config"]["pipeline"])
+        elif s.get("trainable", True):
+            names.append(s["name"])
+    return names
 
 
 def _own_files(save_dir: str, pipeline_dict: dict[str, Any]) -> list[str]:
@@ -174,11 +178,14 @@ def begin_save(save_dir: str, pipeline_dict: dict[str, Any]) -> str:
     earlier failed save are still there, they stay the ones kept, and what that failed save
     wrote goes (found in review: the next save replaced them with the failed one's). Only files
     move: what else is in the way stays, and the section's own write says why."""
-    files = [path for path in _own_files(save_dir, pipeline_dict) if os.path.isfile(path)]
-    kept = any(os.path.isfile(path + PREVIOUS) for path in _own_files(save_dir, pipeline_dict))
-    for path in files:
+    own = _own_files(save_dir, pipeline_dict)
+    kept = any(os.path.isfile(path + PREVIOUS) for path in own)
+    for path in filter(os.path.isfile, own):
         try:
-            os.remove(path) if kept else os.replace(path, path + PREVIOUS)
+            if kept:
+                os.remove(path)
+            else:
+                os.replace(path, path + PREVIOUS)
         except OSError:  # what cannot go: the section's own write says why
             pass
     return save_pipeline(save_dir, pipeline_dict)
