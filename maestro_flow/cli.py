@@ -45,6 +45,7 @@ from maestro_flow.cli_signals import interrupts_after_imports, outlive_readers, 
 from maestro_flow.cli_usage import OptionalValueCommand  # noqa: E402
 from maestro_flow.errors import MaestroError, PipelineError, StageError, SystemFailure, first_line  # noqa: E402
 from maestro_flow.overrides import parse_set  # noqa: E402
+from maestro_flow.runtime.stops import WORKERS_STARTED  # noqa: E402
 from maestro_flow.wording import count, skipped_note  # noqa: E402
 
 SETS = set_options("global_batch=8, dtype=float64")
@@ -55,6 +56,8 @@ def _fail(exc: BaseException, debug: bool, then: Callable[[], None] | None = Non
     if debug:  # the traceback, then the same line and exit code (found in review: --debug exited 1 on bad input)
         traceback.print_exception(exc, file=sys.stderr)
     click.echo(f"error: {exc}", err=True)
+    for note in getattr(exc, "__notes__", ()):  # what the runtime added to it (savedir.end_save)
+        click.echo(note, err=True)
     if then is not None:
         then()
     from maestro_flow.errors import exit_code_of  # (what `maestro top` exits with too: run.py records it)
@@ -64,11 +67,11 @@ def _fail(exc: BaseException, debug: bool, then: Callable[[], None] | None = Non
     _exit(exit_code_of(exc))
 
 
-def _go_on_note(failed: bool = False) -> None:
+def _go_on_note(failed: bool = False, term_untaken: bool = False) -> None:
     """Where a stopped or failed run can go on from (checkpointer.go_on_note)."""
     from maestro_flow.checkpoint.checkpointer import go_on_note
 
-    note = go_on_note(failed)
+    note = go_on_note(failed, term_untaken)
     if note:
         click.echo(note, err=True)
 
@@ -187,9 +190,10 @@ def main(ctx: click.Context, debug: bool) -> None:
               "same secret, and node 0 waits MAESTRO_STARTUP_S, 120 s, for the others).")
 @click.option("--node-rank", type=int, help="This node's index, 0 to NNODES-1 (node 0 runs the coordinator; default: "
                                              "SLURM_NODEID under Slurm).")
-@click.option("--rdzv-endpoint", metavar="HOST:PORT", help="Where the nodes meet: node 0 listens there (a TCPStore).")
-@click.option("--nproc-per-node", type=int, help="At most this many ranks on a node, e.g. its GPUs (the ranks are "
-                                                  "spread evenly; a tensor-parallel group always stays on one node).")
+@click.option("--rdzv-endpoint", metavar="HOST:PORT", help="Where the nodes meet: node 0 listens there (a TCPStore) "
+                                                             "[default: none; needed with --nnodes > 1].")
+@click.option("--nproc-per-node", type=int, help="At most this many ranks on a node, e.g. its GPUs; a tensor-parallel "
+                                                  "group stays on one node [default: the ranks spread evenly].")
 @click.option("--host", help="Address the control plane and the rendezvous store listen on (default 127.0.0.1; "
                              "with several nodes, the address node 0 is reached at; the status endpoint stays on "
                              "loopback). Anything but loopback needs a shared secret (MAESTRO_SECRET or "
@@ -248,9 +252,8 @@ def run(ctx: click.Context, pipeline: str, steps: int | None, sets: tuple[str, .
     """
     ctx.call_on_close(outlive_readers())  # a closed output pipe does not stop the training
     if (nnodes or 1) > 1 and node_rank != 0 and "TORCH_CPP_LOG_LEVEL" not in os.environ:
-        # An agent notices a lost node 0 by its store failing; c10d would log each failed call
-        # with a C++ stack first. The agent's own message says what happened (workers keep the
-        # default level: runtime/agent.py).
+        # An agent notices a lost node 0 by its store failing; c10d would log each failed call with a
+        # C++ stack first. The agent's own message says what happened (workers: runtime/agent.py).
         os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"
         os.environ["MAESTRO_AGENT_QUIETED_TORCH"] = "1"
     created = None  # the default run dir made here: removed again if the run is refused before writing to it
@@ -298,11 +301,13 @@ def run(ctx: click.Context, pipeline: str, steps: int | None, sets: tuple[str, .
 
         with subreaper():  # what a worker killed by a signal leaves running is stopped with the run
             run_pipeline(pipeline, options)
-    except KeyboardInterrupt as exc:
-        click.echo("interrupted: workers stopped", err=True)
+    except KeyboardInterrupt as exc:  # "workers stopped" only where some had (review: said at the checks)
+        click.echo("interrupted: workers stopped" if WORKERS_STARTED.is_set() else "interrupted", err=True)
         if isinstance(exc.__context__, MaestroError):  # found in QA: a failure it cut short went unsaid
             click.echo(f"(while the run was stopping after: {first_line(exc.__context__)})", err=True)
-        _go_on_note()
+        for note in getattr(exc, "__notes__", ()):
+            click.echo(note, err=True)
+        _go_on_note(term_untaken=checkpoint_on_term and cli_signals.TERMINATED.is_set())  # before run took it
         _exit(130)
     except MaestroError as exc:
         started = isinstance(exc, (StageError, SystemFailure))  # a run that started, then failed
@@ -467,17 +472,12 @@ def data_demo(out_dir: str, num_samples: int, vlm_samples: int, image_share: flo
     from maestro_flow.runtime.build import add_paths, resolve, search_paths
 
     add_paths(search_paths(None))
-    builders = {
-        "text": lambda: resolve("loaders.demo:build_text_demo", "data demo")(out_dir, num_samples=num_samples,
-                                                                            seed=seed),
-        "vlm": lambda: resolve("loaders.demo:build_image_demo", "data demo")(
-            out_dir, num_samples=vlm_samples, image_share=image_share, seed=seed),
-        "mm": lambda: resolve("loaders.demo:build_multimodal_demo", "data demo")(out_dir, num_samples=mm_samples,
-                                                                                 seed=seed),
-    }
-    for name in only or tuple(builders):
+    builders = {"text": ("build_text_demo", num_samples, {}), "mm": ("build_multimodal_demo", mm_samples, {}),
+                "vlm": ("build_image_demo", vlm_samples, {"image_share": image_share})}
+    for name in only or ("text", "vlm", "mm"):
+        function, samples, extra = builders[name]
         try:
-            path = builders[name]()
+            path = resolve(f"loaders.demo:{function}", "data demo")(out_dir, num_samples=samples, seed=seed, **extra)
             parquet = path.with_suffix(".parquet") if name == "text" else None  # found in review: unsaid
             click.echo(f"wrote {path}" + (f" and {parquet}" if parquet is not None and parquet.is_file() else ""))
         except (ValueError, OSError) as exc:  # a builder's own check, or a folder it cannot write

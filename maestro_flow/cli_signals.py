@@ -21,6 +21,8 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
+from maestro_flow.errors import Terminated
+
 NATIVE = ("torch", "numpy", "pyarrow", "zmq", "nvidia", "transformers", "safetensors")
 
 
@@ -62,7 +64,7 @@ def interrupts_after_imports() -> Iterator[None]:
             hold()
             return
         held.clear()
-        raise KeyboardInterrupt
+        raise Terminated if TERMINATED.is_set() else KeyboardInterrupt
 
     if threading.current_thread() is not threading.main_thread():  # signal handlers are the main thread's
         yield
@@ -76,10 +78,16 @@ def interrupts_after_imports() -> Iterator[None]:
         signal.signal(signal.SIGINT, previous)
 
 
+# A SIGTERM came (term_as_interrupt): the interrupt it sent is raised as Terminated, so that
+# `maestro run` tells it from a Ctrl-C (found in review: node 0 told the other nodes "Ctrl-C").
+TERMINATED = threading.Event()
+
+
 def term_as_interrupt(signum: int, frame: object) -> None:
     """SIGTERM to a `maestro` command, until it takes SIGTERM its own way (`maestro run`:
-    runtime/stops.py): a Ctrl-C, held while a native module is imported as Ctrl-C is (found in QA:
-    a SIGTERM in `maestro run`'s first 2 s exited 143 with no word, and later ones 130)."""
+    runtime/stops.py): an interrupt, held while a native module is imported as Ctrl-C is (found in
+    QA: a SIGTERM in `maestro run`'s first 2 s exited 143 with no word, and later ones 130)."""
+    TERMINATED.set()
     signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
 
 

@@ -35,8 +35,8 @@ class Timeouts:
         environ = dict(os.environ if environ is None else environ)
         values = {}
         for f in dataclasses.fields(cls):
-            raw = environ.get(cls.env_name(f.name))
-            if raw is not None:
+            raw = environ.get(cls.env_name(f.name), "")
+            if raw.strip():  # empty counts as unset, as for every MAESTRO_* variable (found in review)
                 try:
                     values[f.name] = float(raw)
                 except ValueError:

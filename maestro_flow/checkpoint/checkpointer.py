@@ -49,12 +49,18 @@ _UNREADABLE = object()  # a complete checkpoint whose manifest cannot be read: n
 _CLAIMED: Checkpointer | None = None  # the checkpointer of this process's job, once it claimed its folder
 
 
-def go_on_note(failed: bool = False) -> str | None:
+TERM_UNTAKEN = ("--checkpoint-on-term: the SIGTERM came while no training was under way (startup, a restart "
+                "or the final save), so no checkpoint was written for it")
+
+
+def go_on_note(failed: bool = False, term_untaken: bool = False) -> str | None:
     """For a `maestro run` that stopped or failed: where its training can go on from (Checkpointer.
     go_on_note), or None where this process claimed no checkpoint directory (refused before, or a
-    node other than 0) or the directory cannot be read now."""
+    node other than 0) or the directory cannot be read now. `term_untaken`: a SIGTERM under
+    --checkpoint-on-term came before the run took SIGTERM its own way (its checks, its startup)."""
     if _CLAIMED is None:
-        return None
+        return TERM_UNTAKEN if term_untaken else None
+    _CLAIMED.term_untaken |= term_untaken
     try:
         return _CLAIMED.go_on_note(failed)
     except OSError:  # an unreadable directory: the failure's own message stands (a manifest: _lineage)
@@ -193,8 +199,7 @@ class Checkpointer:
         interrupted), so the --resume goes with "once the cause above is dealt with"."""
         note = self._where(", once the cause above is dealt with" if failed else "")
         if self.term_untaken:  # found in QA: a SIGTERM in a slow startup said "interrupted" alone
-            return ("--checkpoint-on-term: the SIGTERM came while no training was under way (startup, a "
-                    f"restart or the final save), so no checkpoint was written for it\n{note}")
+            return f"{TERM_UNTAKEN}\n{note}"
         return note
 
     def _where(self, cause: str) -> str:

@@ -191,10 +191,13 @@ def begin_save(save_dir: str, pipeline_dict: dict[str, Any]) -> str:
     return save_pipeline(save_dir, pipeline_dict)
 
 
-def end_save(save_dir: str, pipeline_dict: dict[str, Any], *, saved: bool) -> None:
+def end_save(save_dir: str, pipeline_dict: dict[str, Any], *, saved: bool,
+             failure: BaseException | None = None) -> None:
     """After the run: the files begin_save set aside are deleted where this run's save completed
-    (`saved`), and otherwise named, with how to take them back. Never raises (the run's own
-    outcome stands; found in review: a folder in the way turned a finished run into a traceback)."""
+    (`saved`), and otherwise named, with how to take them back: a note added to the run's
+    `failure`, which `maestro` prints after the error's own line (found in review: the note came
+    first), or printed now. Never raises (the run's own outcome stands; found in review: a folder
+    in the way turned a finished run into a traceback)."""
     kept = [path + PREVIOUS for path in _own_files(save_dir, pipeline_dict) if os.path.isfile(path + PREVIOUS)]
     if saved:
         for path in kept:
@@ -204,5 +207,9 @@ def end_save(save_dir: str, pipeline_dict: dict[str, Any], *, saved: bool) -> No
                 print(f"warning: --save-dir {save_dir}: cannot remove {path} ({exc.strerror or exc})", file=sys.stderr)
     elif kept:
         names = ", ".join(os.path.basename(p) for p in kept)
-        print(f"note: --save-dir {save_dir}: this run's save did not complete; the files an earlier run saved "
-              f"there are kept as {names} (drop the '{PREVIOUS}' to use them again)", file=sys.stderr)
+        note = (f"note: --save-dir {save_dir}: this run's save did not complete; the files an earlier run saved "
+                f"there are kept as {names} (drop the '{PREVIOUS}' to use them again)")
+        if failure is not None:
+            failure.add_note(note)
+        else:
+            print(note, file=sys.stderr)

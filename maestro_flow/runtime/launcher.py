@@ -26,6 +26,7 @@ from typing import Any
 
 from maestro_flow.protocol.auth import SECRET_ENV
 from maestro_flow.runtime.reaper import stop_adopted
+from maestro_flow.runtime.stops import WORKERS_STARTED
 
 
 def _spawned(entry: Callable[[dict[str, Any]], None], boot: dict[str, Any]) -> None:
@@ -109,6 +110,7 @@ class Launcher:
                                  daemon=True)
         with _ctrl_c_ignored_by_children():
             proc.start()
+        WORKERS_STARTED.set()
         handle = WorkerHandle(rank=rank, section=section, replica=replica, process=proc)
         self.workers.append(handle)
         return handle

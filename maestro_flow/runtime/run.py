@@ -416,7 +416,7 @@ def _lead(pipeline: Any, original: Any, checked: Any, paths: Any, options: RunOp
         if run_dir is not None:  # and the run dir's (found in review: held while node 0 told the other nodes)
             run_dir.close()
         raise
-    saved = False  # the run ended without an exception, so its --save-dir save completed (end_save)
+    saved, failure = False, None  # saved: the run ended without an exception, so its --save-dir save completed
     previous = catch_stops(checkpointer)
     try:
         if options.colocated:
@@ -455,6 +455,7 @@ def _lead(pipeline: Any, original: Any, checked: Any, paths: Any, options: RunOp
 
                 save_pipeline(options.save_dir, original.to_dict())
     except BaseException as exc:  # what `maestro top` says of a run it watched end (found in QA: "ended" of a failure)
+        failure = exc  # (end_save's note goes with it, printed after its error: review)
         if run_dir is not None:
             run_dir.event({"ended": "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed",
                            "why": _outcome(exc, "the run"), "code": exit_code_of(exc)})  # top exits with it
@@ -465,7 +466,7 @@ def _lead(pipeline: Any, original: Any, checked: Any, paths: Any, options: RunOp
             run_dir.event({"ended": "failed", "why": fatal, "code": 1} if fatal else {"ended": "done", "code": 0})
     finally:
         if options.save_dir:  # the earlier run's files it set aside: deleted, or named where the save failed
-            end_save(options.save_dir, original.to_dict(), saved=saved)
+            end_save(options.save_dir, original.to_dict(), saved=saved, failure=failure)
         release(previous)
         checkpointer.close()
         report.close()
@@ -479,8 +480,7 @@ def _lead(pipeline: Any, original: Any, checked: Any, paths: Any, options: RunOp
                 print(f"run directory: {run_dir.path}", file=sys.stderr)
     if options.show_progress:
         print(report.summary(), file=sys.stderr)
-        # What the run leaves to go on from (found in QA: the summary named neither)
-        if checkpointer.committed:
+        if checkpointer.committed:  # what the run leaves to go on from (found in QA: the summary named neither)
             print(f"newest checkpoint: {checkpointer.committed}", file=sys.stderr)
         if options.save_dir and not fatal:
             files = ", ".join(f"{s.name}.safetensors" for s in original.sections if s.trainable)

@@ -14,9 +14,14 @@ job; the coordinator stops them, and they die with it.
 from __future__ import annotations
 
 import signal
+import threading
 from typing import Any
 
 from maestro_flow.errors import Terminated
+
+# Set once this process started a worker (runtime/launcher.py): an interrupt before that stopped
+# none, and `maestro run` says so (found in review: "interrupted: workers stopped" at the checks).
+WORKERS_STARTED = threading.Event()
 
 
 def catch_stops(checkpointer: Any = None) -> dict[int, Any]:

@@ -496,8 +496,29 @@ def test_a_save_dir_never_pairs_a_new_pipeline_with_an_earlier_runs_weights(tmp_
             begin_save(str(tmp_path), PIPELINE.to_dict())
             assert not (tmp_path / "student.safetensors").exists()
             assert (tmp_path / "student.safetensors.previous").read_bytes() == b"an earlier run's"
-            end_save(str(tmp_path), PIPELINE.to_dict(), saved=False)
-            assert "kept as" in capsys.readouterr().err
+            failure = OSError("No space left on device")  # the run's own error: the note goes with it
+            end_save(str(tmp_path), PIPELINE.to_dict(), saved=False, failure=failure)
+            assert not capsys.readouterr().err and "kept as" in failure.__notes__[0]
+
+
+def test_the_note_of_what_a_failed_save_kept_comes_after_the_error(monkeypatch):
+    """Found in review: the note on the files set aside printed before the error it explains."""
+    from click.testing import CliRunner
+
+    from maestro_flow.cli import main
+    from maestro_flow.errors import WorkerLost
+    from maestro_flow.runtime import run as run_module
+
+    def failing(path, options):
+        failure = WorkerLost("worker section 'student' replica 0 was killed by SIGKILL")
+        failure.add_note("note: --save-dir out: this run's save did not complete; ...")
+        raise failure
+
+    monkeypatch.setattr(run_module, "run_pipeline", failing)
+    result = CliRunner().invoke(main, ["run", "pipelines/distill.py", "--no-run-dir"])
+    assert result.exit_code == 1 and result.stderr.splitlines()[:2] == [
+        "error: worker section 'student' replica 0 was killed by SIGKILL",
+        "note: --save-dir out: this run's save did not complete; ..."], result.stderr
 
 
 def test_a_save_dir_sets_aside_files_only_and_the_baselines_sections(tmp_path, capsys):

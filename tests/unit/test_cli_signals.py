@@ -44,6 +44,27 @@ def test_a_held_interrupt_resent_into_another_import_is_held_again(monkeypatch):
         importing[0] = False
 
 
+def test_the_interrupt_a_sigterm_sends_is_raised_as_terminated(monkeypatch):
+    """A SIGTERM before `maestro run` takes it its own way is sent on as an interrupt
+    (term_as_interrupt), raised as Terminated, not as a Ctrl-C (found in review: node 0 told the
+    other nodes a SIGTERM at its checks was a Ctrl-C); a Ctrl-C alone stays a KeyboardInterrupt."""
+    from maestro_flow.errors import Terminated
+
+    monkeypatch.setattr(cli_signals, "importing_native", lambda: False)
+    monkeypatch.setattr(cli_signals, "TERMINATED", cli_signals.threading.Event())
+    sent = []
+    monkeypatch.setattr(cli_signals.signal, "pthread_kill", lambda thread, signum: sent.append(signum))
+    with cli_signals.interrupts_after_imports():
+        handler = signal.getsignal(signal.SIGINT)
+        with pytest.raises(KeyboardInterrupt) as ctrl_c:
+            handler(signal.SIGINT, None)
+        assert type(ctrl_c.value) is KeyboardInterrupt
+        cli_signals.term_as_interrupt(signal.SIGTERM, None)
+        assert sent == [signal.SIGINT]
+        with pytest.raises(Terminated):
+            handler(signal.SIGINT, None)
+
+
 def test_a_stream_outlives_its_reader():
     """OutlivesReader (maestro run's stdout and stderr): a closed pipe is pointed at the null
     device at the first write that finds it closed, and the writes after it are dropped."""

@@ -410,7 +410,7 @@ def test_bad_worker_threads_are_refused_before_any_worker_starts(tmp_path, datas
 
 @pytest.mark.parametrize("name,value,words", [
     ("MAESTRO_STARTUP_S", "abc", "MAESTRO_STARTUP_S must be a number of seconds above 0, got 'abc' (unset, it is 120)"),
-    ("MAESTRO_STARTUP_S", "", "got ''"), ("MAESTRO_STARTUP_S", "-1", "got '-1'"), ("MAESTRO_HANG_S", "0", "got '0'"),
+    ("MAESTRO_STARTUP_S", "-1", "got '-1'"), ("MAESTRO_HANG_S", "0", "got '0'"),
     ("MAESTRO_STEP_S", "nan", "got 'nan'"), ("MAESTRO_HEARTBEAT_TIMEOUT_S", "inf", "got 'inf'"),
     ("MAESTRO_SHM", "maybe", "MAESTRO_SHM must be one of 0/false/no/off (off) or 1/true/yes/on (on), got 'maybe'"),
     ("MAESTRO_CUDA_IPC", "2", "MAESTRO_CUDA_IPC must be one of")])
@@ -436,6 +436,8 @@ def test_the_switches_read_the_usual_words(monkeypatch):
     monkeypatch.delenv("MAESTRO_SHM")
     assert env_flag("MAESTRO_SHM")
     assert Timeouts.from_env({"MAESTRO_STARTUP_S": "1e-3", "MAESTRO_STEP_S": " 7 "}).step_s == 7.0
+    # Empty is unset, for a timeout as for a switch (found in review: MAESTRO_STEP_S= was refused)
+    assert Timeouts.from_env({"MAESTRO_STEP_S": "", "MAESTRO_HANG_S": " "}) == Timeouts()
 
 
 def _image_data(tmp_path, rows: list[tuple[list[int], int]]) -> str:

@@ -6,11 +6,13 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
+import threading
 
 import pytest
 from click.testing import CliRunner
 
 from loaders.demo import build_text_demo
+from maestro_flow import cli as cli_module
 from maestro_flow.checkpoint.checkpointer import Checkpointer, CheckpointOptions
 from maestro_flow.cli import main
 from maestro_flow.errors import Terminated
@@ -90,8 +92,36 @@ def test_an_interrupt_that_cuts_a_failure_short_names_the_failure(monkeypatch):
             raise Terminated
 
     monkeypatch.setattr(run_module, "run_pipeline", failing)
+    started = threading.Event()
+    started.set()  # (the workers had started: runtime/launcher.py)
+    monkeypatch.setattr(cli_module, "WORKERS_STARTED", started)
     result = CliRunner().invoke(main, ["run", "pipelines/distill.py", "--no-run-dir"])
     assert result.exit_code == 130, result.output
     assert result.stderr.splitlines()[:2] == [
         "interrupted: workers stopped",
         "(while the run was stopping after: worker section 'student' replica 1 was killed by SIGKILL)"]
+
+
+@pytest.mark.parametrize("sigterm", [False, True], ids=["ctrl-c", "sigterm"])
+def test_an_interrupt_before_any_worker_started_says_so(monkeypatch, tmp_path, sigterm):
+    """Found in review: an interrupt at the run's checks (before it takes SIGTERM its own way)
+    said "interrupted: workers stopped", though none had started; under --checkpoint-on-term a
+    SIGTERM there said nothing of the checkpoint it did not write."""
+    from maestro_flow import cli_signals
+    from maestro_flow.checkpoint import checkpointer as checkpointer_module
+    from maestro_flow.runtime import run as run_module
+
+    def interrupted(path, options):
+        raise Terminated if sigterm else KeyboardInterrupt
+
+    terminated = threading.Event()
+    if sigterm:
+        terminated.set()  # what cli_signals.term_as_interrupt sets
+    monkeypatch.setattr(run_module, "run_pipeline", interrupted)
+    monkeypatch.setattr(cli_module, "WORKERS_STARTED", threading.Event())
+    monkeypatch.setattr(cli_signals, "TERMINATED", terminated)
+    monkeypatch.setattr(checkpointer_module, "_CLAIMED", None)  # (the checks come before the claim)
+    result = CliRunner().invoke(main, ["run", "pipelines/distill.py", "--no-run-dir", "--checkpoint-dir",
+                                       str(tmp_path / "ck"), "--checkpoint-on-term"])
+    assert result.exit_code == 130, result.output
+    assert result.stderr.splitlines() == ["interrupted"] + ([checkpointer_module.TERM_UNTAKEN] if sigterm else [])
