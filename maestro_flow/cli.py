@@ -46,7 +46,6 @@ from maestro_flow.cli_usage import OptionalValueCommand  # noqa: E402
 from maestro_flow.errors import MaestroError, PipelineError, StageError, SystemFailure, first_line  # noqa: E402
 from maestro_flow.overrides import parse_set  # noqa: E402
 from maestro_flow.runtime.stops import WORKERS_STARTED  # noqa: E402
-from maestro_flow.wording import count, skipped_note  # noqa: E402
 
 SETS = set_options("global_batch=8, dtype=float64")
 
@@ -333,40 +332,6 @@ def run(ctx: click.Context, pipeline: str, steps: int | None, sets: tuple[str, .
 @main.command()
 @click.argument("pipeline", type=click.Path(dir_okay=False))
 @SETS
-@click.option("--payloads", is_flag=True,
-              help="Also read every payload a section will read and check it as its stage would take it: for the "
-                   "built-in VisionEncoder, each image's format (not a GIF, not cut short), its size against "
-                   "decode.max_pixels, and the data's num_patches against the patches it decodes to. Reads every "
-                   "image: minutes for a large dataset.")
-@click.pass_context
-def validate(ctx: click.Context, pipeline: str, sets: tuple[str, ...], payloads: bool) -> None:
-    """Check PIPELINE (fields, graph, stages built from their configs, dataset) without starting workers.
-
-    The dataset check reads the metadata columns of every row; --payloads also reads the payloads
-    (images) and lists what is wrong with them, naming the sample id and row (exit code 2)."""
-    from maestro_flow.runtime.build import load_pipeline
-    from maestro_flow.runtime.checks import check_pipeline
-
-    try:
-        p, _ = load_pipeline(pipeline, _overrides(sets))
-        checked = check_pipeline(p, build=True)
-        for warning in (*checked.warnings, *checked.data_warnings):
-            click.echo(f"warning: {warning}", err=True)
-        if payloads:
-            from maestro_flow.runtime.payloads import check_and_report
-
-            check_and_report(p, checked, echo=lambda line: click.echo(line, err=True))
-        skipped = getattr(checked.source, "num_skipped", 0)
-        click.echo(f"ok: {p.name}: {count(len(checked.graph.order), 'section')}, {count(len(checked.graph.edges), 'edge')}, "
-                   f"{count(sum(s.dp * s.tp for s in p.sections), 'worker')}, {len(checked.metadata)} samples"
-                   + skipped_note(skipped))
-    except MaestroError as exc:
-        _fail(exc, ctx.obj["debug"])
-
-
-@main.command()
-@click.argument("pipeline", type=click.Path(dir_okay=False))
-@SETS
 @click.option("--schedule", type=click.Choice(["wavefront", "fifo"]),
               help="Sample ordering across sections [default: the pipeline's schedule].")
 @click.option("--step", type=click.IntRange(min=0), default=0, show_default=True,
@@ -488,8 +453,9 @@ def _register_tools() -> None:
     """Commands defined in their own modules (their imports stay lazy)."""
     from maestro_flow.cli_stage import stage
     from maestro_flow.cli_tools import export, profile, top, tune
+    from maestro_flow.cli_validate import validate
 
-    for command in (export, profile, stage, top, tune):
+    for command in (export, profile, stage, top, tune, validate):
         main.add_command(command)
 
 

@@ -139,12 +139,14 @@ def _nbytes(value: Any) -> int:
     return 8 * len(value) if isinstance(value, list) else 0
 
 
-def check_and_report(pipeline: Pipeline, checked: Any, echo: Callable[[str], None]) -> None:
-    """`maestro validate --payloads`: progress and every problem listed through `echo`, then a
-    PipelineError counting the failing ones, or a line saying none fails."""
+def check_and_report(pipeline: Pipeline, checked: Any, echo: Callable[[str], None],
+                     problem: Callable[[str], None] | None = None) -> None:
+    """`maestro validate --payloads`: progress through `echo`, every problem listed through
+    `problem` (`echo` where None; --json gathers them), then a PipelineError counting the failing
+    ones, or a line saying none fails."""
     report = check_payloads(pipeline, checked.source, checked.metadata, log=echo)
     for line in report.problems:
-        echo(line)
+        (problem or echo)(line)
     if report.found:
         more = f" (the first {len(report.problems)} above)" if report.found > len(report.problems) else " (above)"
         raise PipelineError(f"{count(report.found, 'payload')} of {report.checked} checked "

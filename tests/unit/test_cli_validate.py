@@ -408,6 +408,25 @@ def test_bad_worker_threads_are_refused_before_any_worker_starts(tmp_path, datas
     assert_one_error_line(result, "MAESTRO_WORKER_THREADS must be a whole number", "got 'two'")
 
 
+def test_validate_json_says_the_outcome_in_one_object_with_the_same_exit_code(tmp_path, dataset):
+    """Found in QA (a scheduler's pre-flight check): only plan and tune had --json."""
+    path = write_pipeline(tmp_path, dataset)
+    result = invoke("validate", path, "--json", "--set", "sections.student.dp=9")
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.stdout)
+    assert out == {"valid": True, "pipeline": out["pipeline"], "sections": 2, "edges": 1, "workers": 10,
+                   "samples": 64, "skipped": 0, "payloads": [], "error": None,
+                   "warnings": ["sections.student.dp=9 is more than global_batch=8: a step's 8 samples leave 1 of "
+                                "its 9 replicas without work; lower sections.student.dp or raise global_batch"]}
+    assert result.stderr == ""
+    result = invoke("validate", path, "--json", "--set", "sections.student.dp=0")
+    assert result.exit_code == 2 and result.stderr == ""
+    out = json.loads(result.stdout)
+    assert out["valid"] is False and out["error"] == "sections.student.dp must be an integer >= 1, got 0"
+    result = invoke("validate", tmp_path / "missing.py", "--json")
+    assert result.exit_code == 2 and json.loads(result.stdout)["pipeline"] is None
+
+
 @pytest.mark.parametrize("name,value,words", [
     ("MAESTRO_STARTUP_S", "abc", "MAESTRO_STARTUP_S must be a number of seconds above 0, got 'abc' (unset, it is 120)"),
     ("MAESTRO_STARTUP_S", "-1", "got '-1'"), ("MAESTRO_HANG_S", "0", "got '0'"),

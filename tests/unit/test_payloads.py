@@ -6,6 +6,7 @@ whose images have nowhere to go (runtime/checks.py)."""
 
 from __future__ import annotations
 
+import json
 import sys
 
 import numpy as np
@@ -136,6 +137,11 @@ def test_validate_payloads_names_each_bad_sample_and_fails(tmp_path):
                                f"{first['num_patches']} but its image")
     assert lines[1].startswith(f"sections.vision: sample {second['id']} (row {imaged[4]}): a GIF")
     assert lines[2] == f"error: 2 payloads of {len(imaged)} checked would fail in the run or mislead its plans (above)"
+    # --json: the same problems and error in one object on stdout, the same exit code
+    result = runner.invoke(main, ["validate", VLM, "--payloads", "--json", "--set", f"data.path={bad}"])
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    out = json.loads(result.stdout)
+    assert out["valid"] is False and out["payloads"] == lines[:2] and out["error"] == lines[2][len("error: "):]
 
     # With skip_corrupt the GIF is one the run skips; a section that reads no image column is not checked.
     skip = ["--set", f"data.path={bad}", "--set", "sections.vision.config.decode.skip_corrupt=true"]
