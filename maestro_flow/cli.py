@@ -31,7 +31,8 @@ def _interrupted_early(signum: int, frame: object) -> None:
 
 # Only as the command itself (`maestro`, `python -m maestro_flow.cli`), not where it is imported
 # (tests, a spawned worker: its command line is python -c ...).
-# An ignored SIGINT (a background job of a script) stays ignored, as Python leaves it.
+# An ignored SIGINT (a background job of a script) stays ignored, as Python leaves it (and the
+# command itself: cli_signals.interrupts_after_imports).
 if __name__ == "__main__" or os.path.basename((getattr(sys, "orig_argv", []) + ["", ""])[1]) == "maestro":
     for signum, default in ((signal.SIGINT, signal.default_int_handler), (signal.SIGTERM, signal.SIG_DFL)):
         if signal.getsignal(signum) is default:

@@ -40,6 +40,9 @@ def interrupts_after_imports() -> Iterator[None]:
     resent = threading.Event()  # the SIGINT on its way is resend()'s, not a second Ctrl-C
     closed = threading.Event()  # the command is over: a late resend is dropped
     main = threading.main_thread().ident
+    # A script's background job starts with SIGINT ignored (POSIX): a Ctrl-C meant for the script's
+    # foreground stays ignored here too, and only a SIGTERM's interrupt is taken (found in QA).
+    ignored = signal.getsignal(signal.SIGINT) is signal.SIG_IGN
 
     def hold() -> None:
         threading.Thread(target=resend, name="held-interrupt", daemon=True).start()
@@ -52,6 +55,8 @@ def interrupts_after_imports() -> Iterator[None]:
             signal.pthread_kill(main, signal.SIGINT)
 
     def on_interrupt(signum: int, frame: object) -> None:
+        if ignored and not TERMINATED.is_set():
+            return
         if closed.is_set() and resent.is_set():
             return  # the command ended while the interrupt was resent: it was raised already
         if resent.is_set():

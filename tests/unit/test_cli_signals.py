@@ -65,6 +65,27 @@ def test_the_interrupt_a_sigterm_sends_is_raised_as_terminated(monkeypatch):
             handler(signal.SIGINT, None)
 
 
+def test_an_ignored_ctrl_c_stays_ignored_and_a_sigterm_still_interrupts(monkeypatch):
+    """Found in QA: a script's background job (SIGINT ignored, as POSIX starts it) was stopped by a
+    Ctrl-C once the command ran; a SIGTERM must still end it (its interrupt is a SIGINT)."""
+    from maestro_flow.errors import Terminated
+
+    monkeypatch.setattr(cli_signals, "importing_native", lambda: False)
+    monkeypatch.setattr(cli_signals, "TERMINATED", cli_signals.threading.Event())
+    monkeypatch.setattr(cli_signals.signal, "pthread_kill", lambda thread, signum: None)
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with cli_signals.interrupts_after_imports():
+            handler = signal.getsignal(signal.SIGINT)
+            handler(signal.SIGINT, None)  # ignored: no KeyboardInterrupt
+            cli_signals.term_as_interrupt(signal.SIGTERM, None)
+            with pytest.raises(Terminated):
+                handler(signal.SIGINT, None)
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def test_a_stream_outlives_its_reader():
     """OutlivesReader (maestro run's stdout and stderr): a closed pipe is pointed at the null
     device at the first write that finds it closed, and the writes after it are dropped."""
