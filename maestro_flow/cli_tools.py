@@ -7,6 +7,7 @@ section, phase and exception and exits 1, its traceback (formatted in the profil
 
 from __future__ import annotations
 
+import json
 import math
 import shlex
 import sys
@@ -226,7 +227,10 @@ def export(ctx: click.Context, source: str, section: str, out: str) -> None:
 @click.option("--interval", type=click.FloatRange(min=0.05), default=1.0, show_default=True,
               help="Seconds between refreshes.")
 @click.option("--once", is_flag=True, help="Print one snapshot and exit (at once, exit 2, when no run is there to answer).")
-def top(run_dir: str | None, interval: float, once: bool) -> None:
+@click.option("--json", "as_json", is_flag=True,
+              help="Print each snapshot as one line of JSON (the run's own status snapshot, its fields listed above) instead "
+                   "of the screen; the end as {\"ended\": ..., \"code\": ...}.")
+def top(run_dir: str | None, interval: float, once: bool, as_json: bool) -> None:
     """Watch a running pipeline: step, loss, step time, and what each worker is doing now.
 
     RUN_DIR is the run's directory (printed by maestro run); by default the most recent running
@@ -234,6 +238,17 @@ def top(run_dir: str | None, interval: float, once: bool) -> None:
     minute for one to start there. Read-only: attaching and detaching (Ctrl-C) never disturbs the run.
     When the run it watches ends, top says how and exits as the run did: 0 finished, 1 failed or
     killed, 130 interrupted (Ctrl-C on top itself exits 0).
+
+    \b
+    --json snapshot fields (a field may be missing or null where not known yet):
+      starting      true while no worker has reported yet (the only field then)
+      pipeline, steps, restarts   its name, its steps in all, this run's automatic restarts
+      step          the steps done (the index, from 0, of the step the coordinator awaits)
+      loss          the last step's loss (a number, or one per loss term); step_time_s its seconds
+      phase         during startup: what the workers are awaited for
+      workers       one per rank: name, rank, state, step (index, from 0), mb, busy_fraction,
+                    buffered (inputs held), in_flight, status_s (its last report's age), seen_s
+    While a restarting run does not answer: {"waiting": "..."}.
     """
     from maestro_flow.runtime.status import START_WAIT_S, end_code, ended, find_run, query, render
 
@@ -250,15 +265,21 @@ def top(run_dir: str | None, interval: float, once: bool) -> None:
                                             f"({type(exc).__name__}: {exc})") from None
             except (FileNotFoundError, TimeoutError) as exc:
                 if shown and (done := ended(path)) is not None:  # it finished (or failed) while watched
-                    click.echo(done)
+                    click.echo(json.dumps({"ended": done, "code": end_code(path)}) if as_json else done)
                     sys.exit(end_code(path))
                 if once or not shown or not isinstance(exc, TimeoutError):
                     raise
                 text = f"waiting for the run to answer: {exc}"  # its coordinator lives: keep watching
-            if once:
+                snapshot = {"waiting": text}
+            if as_json:
+                click.echo(json.dumps(snapshot))
+                if once:
+                    return
+            elif once:
                 click.echo(text)
                 return
-            click.echo("\x1b[2J\x1b[H" + f"{path}\n" + text)
+            else:
+                click.echo("\x1b[2J\x1b[H" + f"{path}\n" + text)
             shown = True
             time.sleep(interval)
     except (FileNotFoundError, TimeoutError) as exc:

@@ -175,6 +175,11 @@ def test_top_attaches_to_a_run_started_elsewhere_and_detaches(demo_data, tmp_pat
         assert "teacher[0]" in snapshot and "student[0]" in snapshot
         assert re.search(r" as of$", snapshot, re.M) and re.search(r"^student\[0\] .* \d+\.\ds$", snapshot, re.M), \
             snapshot  # each row with its heartbeat's age
+        result = maestro("top", str(run_dir), "--once", "--json", timeout=30)  # the snapshot itself, as JSON
+        assert result.returncode == 0, result.stderr
+        seen = json.loads(result.stdout)
+        assert seen["pipeline"] and seen["steps"] == 40 and 0 <= seen["step"] <= 40
+        assert {w["name"] for w in seen["workers"]} == {"teacher[0]", "student[0]", "student[1]"}
         # A top that keeps watching says so when the run ends, and exits 0 (it exited 2 with
         # "No such file or directory: .../status.json" before).
         watcher = subprocess.Popen([sys.executable, "-m", "maestro_flow.cli", "top", str(run_dir), "--interval", "0.2"],
