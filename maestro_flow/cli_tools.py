@@ -228,8 +228,8 @@ def export(ctx: click.Context, source: str, section: str, out: str) -> None:
               help="Seconds between refreshes.")
 @click.option("--once", is_flag=True, help="Print one snapshot and exit (at once, exit 2, when no run is there to answer).")
 @click.option("--json", "as_json", is_flag=True,
-              help="Print each snapshot as one line of JSON (the run's own status snapshot, its fields listed above) instead "
-                   "of the screen; the end as {\"ended\": ..., \"code\": ...}.")
+              help="Print each snapshot as one line of JSON (the run's own status snapshot, its fields listed "
+                   "above) instead of the screen; the end as {\"ended\": ..., \"code\": ...}.")
 def top(run_dir: str | None, interval: float, once: bool, as_json: bool) -> None:
     """Watch a running pipeline: step, loss, step time, and what each worker is doing now.
 
