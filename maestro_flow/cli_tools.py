@@ -265,8 +265,9 @@ def top(run_dir: str | None, interval: float, once: bool, as_json: bool) -> None
                                             f"({type(exc).__name__}: {exc})") from None
             except (FileNotFoundError, TimeoutError) as exc:
                 if shown and (done := ended(path)) is not None:  # it finished (or failed) while watched
-                    click.echo(json.dumps({"ended": done, "code": end_code(path)}) if as_json else done)
-                    sys.exit(end_code(path))
+                    code = end_code(path)
+                    click.echo(json.dumps({"ended": done, "code": code}) if as_json else done)
+                    sys.exit(code)
                 if once or not shown or not isinstance(exc, TimeoutError):
                     raise
                 text = f"waiting for the run to answer: {exc}"  # its coordinator lives: keep watching
