@@ -278,9 +278,9 @@ def run(ctx: click.Context, pipeline: str, steps: int | None, sets: tuple[str, .
         for warning in pipeline_warnings(loaded) if baseline is None else pipeline_schedule_warnings(loaded):
             click.echo(f"warning: {warning}", err=True)
         steps_to_record = None
-        if record_steps and not record:
+        if record_steps is not None and not record:
             raise PipelineError("--record-steps says which steps --record SECTION saves: give --record too")
-        if record_steps:
+        if record_steps is not None:  # (found in QA: "" recorded every step, as an unset shell variable gives)
             from maestro_flow.runtime.replay import ReplayError, parse_steps
 
             try:

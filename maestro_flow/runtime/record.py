@@ -27,7 +27,9 @@ or an entry.
 
 Beside them, `weights-step<STEP:06d>.safetensors` (save_weights): the stage's state_dict as it
 was for that step's forwards, so a replay of step N runs with step N's parameters (not for a
-sharded section: `Recorder`).
+sharded section: `Recorder`). Where no tensor of the state changed since the last step recorded
+(a frozen section), the file is a hard link to that step's: one copy on disk (found in QA: a
+frozen teacher's whole weights were written again at every step).
 """
 
 from __future__ import annotations
@@ -93,19 +95,25 @@ def idle_steps(run_dir: str, section: str, steps: Steps | None = None) -> tuple[
     planned), from RUN_DIR/plans.jsonl (the last plan of a step replayed after a restart); both
     empty without the file. Found in QA: --record of an encoder at steps where no sample
     activated it wrote nothing and said nothing, and the replay then advised recording it."""
-    last: dict[int, bool] = {}
+    last = planned(run_dir, section)
+    return sorted(s for s, mbs in last.items() if not any(mbs) and (steps is None or s in steps)), sorted(last)
+
+
+def planned(run_dir: str, section: str) -> dict[int, list[int]]:
+    """step -> the micro-batches each replica of `section` ran at it, from RUN_DIR/plans.jsonl (the
+    last plan of a step replayed after a restart); empty without the file."""
+    last: dict[int, list[int]] = {}
     try:
         with open(os.path.join(run_dir, "plans.jsonl")) as f:
             for line in f:
                 try:
                     plan = json.loads(line)
-                    replicas = plan["sections"][section]["replicas"]
-                    last[int(plan["step"])] = not any(replicas)
+                    last[int(plan["step"])] = [len(mbs) for mbs in plan["sections"][section]["replicas"]]
                 except (ValueError, KeyError, TypeError):  # a line cut short by a kill, or another pipeline's
                     continue
     except OSError:
-        return [], []
-    return sorted(s for s, idle in last.items() if idle and (steps is None or s in steps)), sorted(last)
+        return {}
+    return last
 
 
 def steps_text(steps: list[int]) -> str:
@@ -330,6 +338,26 @@ def save_weights(directory: str, step: int, stage: Any) -> str | None:
     return path
 
 
+def _versions(stage: Any) -> list | None:
+    """Each state tensor (the object itself, kept so that its id is not reused) with its in-place
+    version counter; None where that cannot tell (a stage with its own state_dict, an inference
+    tensor without a counter)."""
+    from maestro_flow.stage import Stage
+
+    if type(stage).state_dict is not Stage.state_dict:
+        return None
+    try:
+        return [(f"{attr}.{k}", v, v._version) for attr, m in stage.modules().items()
+                for k, v in m.state_dict(keep_vars=True).items()]
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def _same(before: list, now: list) -> bool:
+    return len(before) == len(now) and all(a[0] == b[0] and a[1] is b[1] and a[2] == b[2]
+                                           for a, b in zip(before, now, strict=True))
+
+
 def recorded_weights(directory: str, step: int) -> str | None:
     path = os.path.join(directory, weights_name(step))
     return path if os.path.exists(path) else None
@@ -349,6 +377,7 @@ class Recorder:
 
     def __init__(self, directory: str, steps: Steps | None, weights: bool = True) -> None:
         self.directory, self.steps, self.weights, self.stopped = directory, steps, weights, False
+        self._last: tuple[str, list] | None = None  # the weights file written last, and its state's versions
 
     def begin(self, step: int, index: int, stage: Any, device: torch.device | None) -> dict[str, torch.Tensor] | None:
         """The RNG states to save with the micro-batch (after saving the weights at index 0), or
@@ -358,10 +387,25 @@ class Recorder:
 
         def start() -> dict[str, torch.Tensor]:
             if index == 0 and self.weights:
-                save_weights(self.directory, step, stage)
+                self._save_weights(step, stage)
             return rng_states(device)
 
         return self._guarded(start)
+
+    def _save_weights(self, step: int, stage: Any) -> None:
+        """save_weights, or a hard link to the last file written where the state is the same
+        tensors, none changed in place since (their version counters; a frozen section's)."""
+        state = _versions(stage)
+        path = os.path.join(self.directory, weights_name(step))
+        if self._last is not None and state is not None and _same(self._last[1], state) and not os.path.exists(path):
+            try:
+                os.link(self._last[0], path)
+                return
+            except OSError:  # a filesystem without hard links: written again
+                pass
+        written = save_weights(self.directory, step, stage)  # (None: there already)
+        if written is not None:
+            self._last = (written, state) if state is not None else None
 
     def save(self, batch: MicroBatch, outputs: dict, rng: dict[str, torch.Tensor]) -> None:
         self._guarded(lambda: save_micro_batch(self.directory, batch, outputs, rng))

@@ -46,6 +46,7 @@ from maestro_flow.runtime.record import (
     TextOnly,
     idle_steps,
     load_file,
+    planned,
     recorded_failure,
     recorded_files,
     recorded_rng,
@@ -129,6 +130,25 @@ def _recorded(run_dir: str, name: str, options: ReplayOptions) -> list[tuple[int
     return sorted(found, key=lambda f: f[:3])
 
 
+def _missing(run_dir: str, name: str, recorded: list[tuple[int, int, int, str, str]]) -> dict[tuple[int, int], list]:
+    """(step, replica) -> the micro-batch indices the run ran there (RUN_DIR/plans.jsonl, else up to
+    the last recorded) that the recording lacks, for the steps and replicas replayed (found in QA:
+    a recording with a micro-batch removed replayed, and compared, as complete)."""
+    plans, have = planned(run_dir, name), {}
+    for step, replica, index, _, _ in recorded:
+        have.setdefault(step, {}).setdefault(replica, set()).add(index)
+    replicas = {r for _, r, _, _, _ in recorded}
+    out = {}
+    for step, by_replica in have.items():
+        counts = plans.get(step, [])
+        for replica in sorted(replicas):
+            indices = by_replica.get(replica, set())
+            total = counts[replica] if replica < len(counts) else max(indices, default=-1) + 1
+            if set(range(total)) - indices:
+                out[(step, replica)] = sorted(set(range(total)) - indices)
+    return out
+
+
 def _text_only(batch: MicroBatch) -> str | None:
     """What in `batch` was recorded as text only (a value the stage cannot be given), if anything."""
     for kind, values in (("column", batch.columns), ("input", batch.inputs)):
@@ -156,17 +176,20 @@ def _run_settings_note(run_dir: str, pipeline: Pipeline, name: str) -> str | Non
     for key in ("dtype", "mixed_precision"):
         if recorded.get(key, getattr(pipeline, key)) != getattr(pipeline, key):
             differ.append(key)
+    other = recorded.get("name", pipeline.name) != pipeline.name  # found in QA: unsaid, or "--set" advised
     if differ:
         return (f"note: the run used other settings for {name!r} ({', '.join(differ)} {'differs' if len(differ) == 1 else 'differ'} from {path}); "
-                "pass the run's --set overrides to replay faithfully")
-    return None
+                + (f"it ran pipeline {recorded['name']!r}, not {pipeline.name!r}: replay with its file"
+                   if other else "pass the run's --set overrides to replay faithfully"))
+    return f"note: the recording is of pipeline {recorded['name']!r}, this is {pipeline.name!r}" if other else None
 
 
 # -- the command ---------------------------------------------------------------------------------
 
 def parse_steps(text: str | None, flag: str = "--steps") -> Steps | None:
-    """"3", "0,2,5", "4-7" or a mix ("0,4-7") -> the Steps they name (`flag`: for the errors)."""
-    if not text:
+    """"3", "0,2,5", "4-7" or a mix ("0,4-7") -> the Steps they name (`flag`: for the errors); None
+    where not given (an empty one names no step: refused)."""
+    if text is None:
         return None
     ranges = []
     for part in text.split(","):
@@ -312,6 +335,7 @@ def _replay(path: str, pipeline: Pipeline, name: str, options: ReplayOptions, ec
         runner.load_weights(options.weights)
         echo(f"weights: {options.weights}")
     work: list[_Work] = []
+    unrecorded: dict[tuple[int, int], list] = {}
     if recorded is not None:
         note = _run_settings_note(options.run_dir, pipeline, name)
         if note:
@@ -319,6 +343,11 @@ def _replay(path: str, pipeline: Pipeline, name: str, options: ReplayOptions, ec
         steps = sorted({r[0] for r in recorded})
         echo(f"inputs: recorded in {os.path.join(options.run_dir, 'record')} — {len(recorded)} micro-batch(es), "
              f"step(s) {', '.join(map(str, steps))}")
+        unrecorded = _missing(options.run_dir, name, recorded)
+        for (step, replica), indices in sorted(unrecorded.items()):
+            echo(f"warning: step {step} replica {replica}: the recording lacks micro-batch(es) "
+                 f"{', '.join(map(str, indices))} of those the run ran (the recording stopped: see the worker's log; "
+                 "or files were removed): not replayed")
         for step, replica, _index, folder, file in recorded:
             try:
                 batch, outputs = load_file(file)
@@ -455,5 +484,7 @@ def _replay(path: str, pipeline: Pipeline, name: str, options: ReplayOptions, ec
              f"rtol={options.rtol:g}")
     elif options.compare and not unraised:
         echo(f"compare: all outputs match the recording (atol={options.atol:g}, rtol={options.rtol:g})"
-             + (f"; not compared, recorded as text only: {', '.join(sorted(uncompared))}" if uncompared else ""))
+             + (f"; not compared, recorded as text only: {', '.join(sorted(uncompared))}" if uncompared else "")
+             + (f"; {sum(map(len, unrecorded.values()))} micro-batch(es) the run ran were not recorded (above)"
+                if unrecorded else ""))
     return 3 if reraised else 1 if options.compare and (failed or unraised) else 0

@@ -804,6 +804,11 @@ def test_the_vision_encoders_patch_limit_takes_max_grids_default():
       "/tmp/maestro-never-written"], "--record-steps: this run never reaches step 0-9"),
     (["run", "pipelines/distill.py", "--record", "student", "--record-steps", "0,x", "--run-dir",
       "/tmp/maestro-never-written"], "--record-steps: 'x' is not a step, a range A-B"),
+    # Found in QA: an empty list (an unset shell variable) recorded every step; "," was refused.
+    (["run", "pipelines/distill.py", "--record", "student", "--record-steps", "", "--run-dir",
+      "/tmp/maestro-never-written"], "--record-steps: '' names no step"),
+    (["stage", "pipelines/distill.py", "student", "--replay", "/tmp/maestro-never-written", "--steps", ""],
+     "--steps: '' names no step"),
     (["plan", "pipelines/distill.py", "--step", "-1"], "-1 is not in the range x>=0"),
     (["top", "--interval", "-1"], "-1.0 is not in the range x>=0.05"),
 ])

@@ -36,10 +36,29 @@ def test_step_ranges_stay_ranges():
     mixed = parse_steps("0, 4-7,9")
     assert [s for s in range(12) if s in mixed] == [0, 4, 5, 6, 7, 9]
     assert str(mixed) == "0,4-7,9"
-    assert parse_steps("") is None
-    for bad in ("7-3", "x", "-3", "1-2-3", ","):
+    assert parse_steps(None) is None
+    for bad in ("7-3", "x", "-3", "1-2-3", ",", "", " "):  # (found in QA: "" was taken as every step)
         with pytest.raises(ReplayError, match="--steps"):
             parse_steps(bad)
+
+
+def test_a_replay_names_the_micro_batches_a_recording_lacks(tmp_path):
+    """Found in QA: a recording with a micro-batch removed (or one that stopped part-way) replayed
+    and compared as complete. What the run ran comes from plans.jsonl, else up to the last index."""
+    import json
+
+    from maestro_flow.runtime.replay import _missing
+
+    def rec(step, replica, index):
+        return step, replica, index, "folder", "file"
+
+    recorded = [rec(0, 0, 0), rec(0, 0, 1), rec(0, 0, 3), rec(0, 1, 0), rec(1, 0, 0)]
+    assert _missing(str(tmp_path), "s", recorded) == {(0, 0): [2]}  # no plans.jsonl: the gap below index 3
+    plans = [{"step": 0, "sections": {"s": {"replicas": [[[1]] * 4, [[2]] * 2]}}},
+             {"step": 1, "sections": {"s": {"replicas": [[[3]], [[4]]]}}}]
+    (tmp_path / "plans.jsonl").write_text("".join(json.dumps(p) + "\n" for p in plans) + '{"step": 2, "cut')
+    assert _missing(str(tmp_path), "s", recorded) == {(0, 0): [2], (0, 1): [1], (1, 1): [0]}
+    assert _missing(str(tmp_path), "s", [r for r in recorded if r[1] == 0]) == {(0, 0): [2]}  # --replica 0
 
 
 def _meta(i: int, *mods: str) -> SampleMeta:
@@ -103,3 +122,10 @@ def test_run_settings_note_names_mixed_precision(tmp_path):
     note = _run_settings_note(str(tmp_path), plain, "student")
     assert note is not None and "mixed_precision" in note
     assert _run_settings_note(str(tmp_path), run, "student") is None
+    # Found in QA: another pipeline file with the same section said nothing, or advised --set.
+    other, _ = load_pipeline(path, {"name": "other", "mixed_precision": "bf16"})
+    assert _run_settings_note(str(tmp_path), other, "student") == "note: the recording is of pipeline 'distill', " \
+                                                                     "this is 'other'"
+    other, _ = load_pipeline(path, {"name": "other"})
+    assert _run_settings_note(str(tmp_path), other, "student").endswith(
+        "it ran pipeline 'distill', not 'other': replay with its file")
