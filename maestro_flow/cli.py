@@ -44,7 +44,14 @@ from maestro_flow import cli_signals  # noqa: E402
 from maestro_flow.cli_sets import set_options  # noqa: E402
 from maestro_flow.cli_signals import interrupts_after_imports, outlive_readers, reader_gone  # noqa: E402
 from maestro_flow.cli_usage import OptionalValueCommand  # noqa: E402
-from maestro_flow.errors import MaestroError, PipelineError, StageError, SystemFailure, first_line  # noqa: E402
+from maestro_flow.errors import (  # noqa: E402
+    MaestroError,
+    PipelineError,
+    StageError,
+    SystemFailure,
+    first_line,
+    notes_of,
+)
 from maestro_flow.overrides import parse_set  # noqa: E402
 from maestro_flow.runtime.stops import WORKERS_STARTED  # noqa: E402
 
@@ -56,7 +63,7 @@ def _fail(exc: BaseException, debug: bool, then: Callable[[], None] | None = Non
     if debug:  # the traceback, then the same line and exit code (found in review: --debug exited 1 on bad input)
         traceback.print_exception(exc, file=sys.stderr)
     click.echo(f"error: {exc}", err=True)
-    for note in getattr(exc, "__notes__", ()):  # what the runtime added to it (savedir.end_save)
+    for note in notes_of(exc):  # what the runtime added to it (savedir.end_save)
         click.echo(note, err=True)
     if then is not None:
         then()
@@ -305,7 +312,7 @@ def run(ctx: click.Context, pipeline: str, steps: int | None, sets: tuple[str, .
         click.echo("interrupted: workers stopped" if WORKERS_STARTED.is_set() else "interrupted", err=True)
         if isinstance(exc.__context__, MaestroError):  # found in QA: a failure it cut short went unsaid
             click.echo(f"(while the run was stopping after: {first_line(exc.__context__)})", err=True)
-        for note in getattr(exc, "__notes__", ()):
+        for note in notes_of(exc):
             click.echo(note, err=True)
         _go_on_note(term_untaken=checkpoint_on_term and cli_signals.TERMINATED.is_set())  # before run took it
         _exit(130)

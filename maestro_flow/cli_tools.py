@@ -250,6 +250,7 @@ def top(run_dir: str | None, interval: float, once: bool, as_json: bool) -> None
                     buffered (inputs held), in_flight, status_s (its last report's age), seen_s
     While a restarting run does not answer: {"waiting": "..."}.
     """
+    from maestro_flow.runtime.report import json_line
     from maestro_flow.runtime.status import START_WAIT_S, end_code, ended, find_run, query, render
 
     try:
@@ -272,8 +273,8 @@ def top(run_dir: str | None, interval: float, once: bool, as_json: bool) -> None
                     raise
                 text = f"waiting for the run to answer: {exc}"  # its coordinator lives: keep watching
                 snapshot = {"waiting": text}
-            if as_json:
-                click.echo(json.dumps(snapshot))
+            if as_json:  # strict JSON: a diverged loss is null, as in metrics.jsonl (found in review: NaN)
+                click.echo(json_line(snapshot).decode().rstrip("\n"))
                 if once:
                     return
             elif once:

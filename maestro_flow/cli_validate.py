@@ -28,7 +28,25 @@ from maestro_flow.overrides import parse_set
 from maestro_flow.wording import count, skipped_note
 
 
-@click.command()
+class _JsonUsage(click.Command):
+    """With --json, a usage error (a --set-file that cannot be read, a bad option) is the JSON
+    object too (found in review: usage text and an empty stdout)."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        as_json = "--json" in args
+        try:
+            return super().parse_args(ctx, args)
+        except click.UsageError as exc:
+            if not as_json:
+                raise
+            click.echo(json.dumps({**EMPTY, "error": exc.format_message()}, indent=1))
+            ctx.exit(exc.exit_code)
+
+
+EMPTY: dict[str, Any] = {"valid": False, "pipeline": None, "warnings": [], "payloads": [], "error": None}
+
+
+@click.command(cls=_JsonUsage)
 @click.argument("pipeline", type=click.Path(dir_okay=False))
 @set_options("global_batch=8, dtype=float64")
 @click.option("--payloads", is_flag=True,
@@ -48,7 +66,7 @@ def validate(ctx: click.Context, pipeline: str, sets: tuple[str, ...], payloads:
     from maestro_flow.runtime.build import load_pipeline
     from maestro_flow.runtime.checks import check_pipeline
 
-    out: dict[str, Any] = {"valid": False, "pipeline": None, "warnings": [], "payloads": [], "error": None}
+    out: dict[str, Any] = {**EMPTY, "warnings": [], "payloads": []}
 
     def say(line: str) -> None:  # progress and the payload check's last line
         click.echo(line, err=True)
@@ -63,7 +81,8 @@ def validate(ctx: click.Context, pipeline: str, sets: tuple[str, ...], payloads:
         if payloads:
             from maestro_flow.runtime.payloads import check_and_report
 
-            check_and_report(p, checked, echo=say, problem=out["payloads"].append if as_json else say)
+            check_and_report(p, checked, echo=say, problem=out["payloads"].append if as_json else say,
+                             where="in payloads" if as_json else "above")
         out.update(valid=True, sections=len(checked.graph.order), edges=len(checked.graph.edges),
                    workers=sum(s.dp * s.tp for s in p.sections), samples=len(checked.metadata),
                    skipped=getattr(checked.source, "num_skipped", 0))

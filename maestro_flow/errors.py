@@ -86,6 +86,17 @@ def first_line(exc: BaseException) -> str:
     return text.splitlines()[0].rstrip() if text else type(exc).__name__
 
 
+def notes_of(exc: BaseException) -> list[str]:
+    """The notes the runtime added to `exc` and to the errors it ended (`__context__`), oldest
+    last: a second interrupt while the run stopped keeps the first one's notes (found in review)."""
+    notes, seen = [], set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        notes += [n for n in getattr(exc, "__notes__", ()) if isinstance(n, str) and n not in notes]
+        exc = exc.__context__
+    return notes
+
+
 def brief(exc: BaseException) -> str:
     """'Type: first line of the message' (the type alone where the message is blank)."""
     return f"{type(exc).__name__}: {first_line(exc)}" if str(exc).strip() else type(exc).__name__

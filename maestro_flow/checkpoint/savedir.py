@@ -112,7 +112,11 @@ def write_safetensors(state: dict[str, torch.Tensor], path: str, metadata: dict[
         if isinstance(exc, OSError):
             raise
         raise OSError(f"{path}: {exc}") from exc
-    os.replace(tmp, path)
+    try:
+        os.replace(tmp, path)
+    except OSError:  # a folder in the way (found in this session: the .tmp file stayed)
+        os.remove(tmp)
+        raise
 
 
 def readable(path: str) -> None:
@@ -209,7 +213,7 @@ def end_save(save_dir: str, pipeline_dict: dict[str, Any], *, saved: bool,
         names = ", ".join(os.path.basename(p) for p in kept)
         note = (f"note: --save-dir {save_dir}: this run's save did not complete; the files an earlier run saved "
                 f"there are kept as {names} (drop the '{PREVIOUS}' to use them again)")
-        if failure is not None:
-            failure.add_note(note)
+        if failure is not None:  # (add_note is Python 3.11's: found in review, 3.10 raised AttributeError)
+            failure.__notes__ = [*getattr(failure, "__notes__", []), note]
         else:
             print(note, file=sys.stderr)

@@ -115,7 +115,11 @@ def _run(pipeline: Pipeline, source: Any, sampler: EpochSampler, report: RunRepo
         begin_save(save_dir, pipeline.to_dict())
         for ex in executors.values():
             if ex.trainable:
-                save_stage(ex.stage, save_dir, ex.name)
+                try:
+                    save_stage(ex.stage, save_dir, ex.name)
+                except OSError as exc:  # as a worker reports it (found in this session: a traceback here)
+                    raise SystemFailure(f"--save-dir {save_dir}: cannot write section {ex.name!r}: "
+                                        f"{exc.strerror or exc}") from exc
 
 
 def _poll(ex: SectionExecutor, rank: int, step: int) -> bool:

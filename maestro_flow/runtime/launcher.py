@@ -36,7 +36,7 @@ def _spawned(entry: Callable[[dict[str, Any]], None], boot: dict[str, Any]) -> N
 
 
 @contextlib.contextmanager
-def _ctrl_c_ignored_by_children() -> Iterator[None]:
+def ctrl_c_ignored_by_children() -> Iterator[None]:
     """A process started inside inherits Ctrl-C ignored (a worker ignores it anyway: the
     coordinator stops the workers), so the terminal's Ctrl-C during its imports, a second or more,
     is not a KeyboardInterrupt traceback (found in QA: 50-90 lines of them). This thread keeps
@@ -108,7 +108,7 @@ class Launcher:
     def start(self, rank: int, section: str, replica: int, boot: dict[str, Any]) -> WorkerHandle:
         proc = self._ctx.Process(target=_spawned, args=(self.entry, boot), name=f"maestro-{section}-{replica}",
                                  daemon=True)
-        with _ctrl_c_ignored_by_children():
+        with ctrl_c_ignored_by_children():
             proc.start()
         WORKERS_STARTED.set()
         handle = WorkerHandle(rank=rank, section=section, replica=replica, process=proc)

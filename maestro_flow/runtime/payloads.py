@@ -140,15 +140,15 @@ def _nbytes(value: Any) -> int:
 
 
 def check_and_report(pipeline: Pipeline, checked: Any, echo: Callable[[str], None],
-                     problem: Callable[[str], None] | None = None) -> None:
+                     problem: Callable[[str], None] | None = None, where: str = "above") -> None:
     """`maestro validate --payloads`: progress through `echo`, every problem listed through
-    `problem` (`echo` where None; --json gathers them), then a PipelineError counting the failing
-    ones, or a line saying none fails."""
+    `problem` (`echo` where None; --json gathers them, `where`: "in payloads"), then a
+    PipelineError counting the failing ones, or a line saying none fails."""
     report = check_payloads(pipeline, checked.source, checked.metadata, log=echo)
     for line in report.problems:
         (problem or echo)(line)
     if report.found:
-        more = f" (the first {len(report.problems)} above)" if report.found > len(report.problems) else " (above)"
+        more = f" (the first {len(report.problems)} {where})" if report.found > len(report.problems) else f" ({where})"
         raise PipelineError(f"{count(report.found, 'payload')} of {report.checked} checked "
                             f"would fail in the run or mislead its plans{more}")
     checks = ", ".join(f"{n}: {k}" for n, k in report.by_section.items()) or "no section checks its payloads"

@@ -248,7 +248,10 @@ def profile_pipeline(path: str, options: ProfileOptions) -> dict[str, Any]:
     results = ctx.Queue()
     child = ctx.Process(target=_profile_worker, args=(path, dataclasses.replace(options, log=None), results),
                         name="maestro-profile", daemon=True)
-    child.start()
+    from maestro_flow.runtime.launcher import ctrl_c_ignored_by_children
+
+    with ctrl_c_ignored_by_children():  # Ctrl-C is the parent's, which kills it (found in review: with SIGINT
+        child.start()  # ignored, as a script's background job, a Ctrl-C to the group killed it alone)
     try:
         while True:
             try:

@@ -27,14 +27,15 @@ or an entry.
 
 Beside them, `weights-step<STEP:06d>.safetensors` (save_weights): the stage's state_dict as it
 was for that step's forwards, so a replay of step N runs with step N's parameters (not for a
-sharded section: `Recorder`). Where no tensor of the state changed since the last step recorded
-(a frozen section), the file is a hard link to that step's: one copy on disk (found in QA: a
-frozen teacher's whole weights were written again at every step).
+sharded section: `Recorder`). A frozen section's file, where its state's content is the same as
+at the last step recorded (a digest of every tensor's bytes), is a hard link to that step's: one
+copy on disk (found in QA: a frozen teacher's whole weights were written again at every step).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import re
@@ -338,24 +339,16 @@ def save_weights(directory: str, step: int, stage: Any) -> str | None:
     return path
 
 
-def _versions(stage: Any) -> list | None:
-    """Each state tensor (the object itself, kept so that its id is not reused) with its in-place
-    version counter; None where that cannot tell (a stage with its own state_dict, an inference
-    tensor without a counter)."""
-    from maestro_flow.stage import Stage
-
-    if type(stage).state_dict is not Stage.state_dict:
-        return None
-    try:
-        return [(f"{attr}.{k}", v, v._version) for attr, m in stage.modules().items()
-                for k, v in m.state_dict(keep_vars=True).items()]
-    except (AttributeError, RuntimeError):
-        return None
-
-
-def _same(before: list, now: list) -> bool:
-    return len(before) == len(now) and all(a[0] == b[0] and a[1] is b[1] and a[2] == b[2]
-                                           for a, b in zip(before, now, strict=True))
+def _digest(stage: Any) -> str:
+    """A digest of the stage's state as save_weights writes it: each tensor's name, dtype, shape
+    and bytes."""
+    h = hashlib.blake2b(digest_size=20)
+    for name, value in stage.state_dict().items():
+        t = value.detach().to("cpu").contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        if t.numel():
+            h.update(t.reshape(-1).view(torch.uint8).numpy())
+    return h.hexdigest()
 
 
 def recorded_weights(directory: str, step: int) -> str | None:
@@ -377,7 +370,7 @@ class Recorder:
 
     def __init__(self, directory: str, steps: Steps | None, weights: bool = True) -> None:
         self.directory, self.steps, self.weights, self.stopped = directory, steps, weights, False
-        self._last: tuple[str, list] | None = None  # the weights file written last, and its state's versions
+        self._last: tuple[str, str] | None = None  # a frozen section's weights file written last, and its digest
 
     def begin(self, step: int, index: int, stage: Any, device: torch.device | None) -> dict[str, torch.Tensor] | None:
         """The RNG states to save with the micro-batch (after saving the weights at index 0), or
@@ -393,11 +386,13 @@ class Recorder:
         return self._guarded(start)
 
     def _save_weights(self, step: int, stage: Any) -> None:
-        """save_weights, or a hard link to the last file written where the state is the same
-        tensors, none changed in place since (their version counters; a frozen section's)."""
-        state = _versions(stage)
+        """save_weights, or for a frozen section (no parameter requires a gradient) a hard link to
+        the last file written where its state's content is the same. Not version counters: a
+        `.data` update or a fused optimizer changes a tensor without them (found in review)."""
+        frozen = not any(p.requires_grad for p in stage.parameters())
+        digest = _digest(stage) if frozen else None
         path = os.path.join(self.directory, weights_name(step))
-        if self._last is not None and state is not None and _same(self._last[1], state) and not os.path.exists(path):
+        if self._last is not None and digest == self._last[1] and not os.path.exists(path):
             try:
                 os.link(self._last[0], path)
                 return
@@ -405,7 +400,7 @@ class Recorder:
                 pass
         written = save_weights(self.directory, step, stage)  # (None: there already)
         if written is not None:
-            self._last = (written, state) if state is not None else None
+            self._last = (written, digest) if digest is not None else None
 
     def save(self, batch: MicroBatch, outputs: dict, rng: dict[str, torch.Tensor]) -> None:
         self._guarded(lambda: save_micro_batch(self.directory, batch, outputs, rng))

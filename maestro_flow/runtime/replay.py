@@ -131,16 +131,25 @@ def _recorded(run_dir: str, name: str, options: ReplayOptions) -> list[tuple[int
 
 
 def _missing(run_dir: str, name: str, recorded: list[tuple[int, int, int, str, str]]) -> dict[tuple[int, int], list]:
-    """(step, replica) -> the micro-batch indices the run ran there (RUN_DIR/plans.jsonl, else up to
-    the last recorded) that the recording lacks, for the steps and replicas replayed (found in QA:
-    a recording with a micro-batch removed replayed, and compared, as complete)."""
-    plans, have = planned(run_dir, name), {}
+    """(step, replica) -> the micro-batch indices the run ran there that the recording lacks, for
+    the steps and replicas replayed (found in QA: a recording with a micro-batch removed replayed,
+    and compared, as complete): at a step the run finished (a row in RUN_DIR/metrics.jsonl) those
+    RUN_DIR/plans.jsonl gave it, else those below the last one recorded (found in review: a failed
+    or interrupted step never ran the rest of its plan)."""
+    plans, have, finished = planned(run_dir, name), {}, set()
     for step, replica, index, _, _ in recorded:
         have.setdefault(step, {}).setdefault(replica, set()).add(index)
+    try:
+        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+            for line in f:
+                with contextlib.suppress(ValueError, TypeError, AttributeError):
+                    finished.add(int(json.loads(line).get("step")))
+    except OSError:
+        pass
     replicas = {r for _, r, _, _, _ in recorded}
     out = {}
     for step, by_replica in have.items():
-        counts = plans.get(step, [])
+        counts = plans.get(step, []) if step in finished else []
         for replica in sorted(replicas):
             indices = by_replica.get(replica, set())
             total = counts[replica] if replica < len(counts) else max(indices, default=-1) + 1

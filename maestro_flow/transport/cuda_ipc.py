@@ -47,8 +47,8 @@ WAITS = ("device", "host")  # MAESTRO_CUDA_IPC_WAIT: how a receiver waits for th
 
 
 def wait_mode() -> str:
-    """MAESTRO_CUDA_IPC_WAIT, checked: "device" (the default) or "host"."""
-    mode = os.environ.get("MAESTRO_CUDA_IPC_WAIT", "device")
+    """MAESTRO_CUDA_IPC_WAIT, checked: "device" (the default, also where empty) or "host"."""
+    mode = os.environ.get("MAESTRO_CUDA_IPC_WAIT", "").strip() or "device"
     if mode not in WAITS:
         raise ValueError(f"MAESTRO_CUDA_IPC_WAIT={mode!r}: use one of {', '.join(WAITS)}")
     return mode

@@ -501,24 +501,27 @@ def test_a_save_dir_never_pairs_a_new_pipeline_with_an_earlier_runs_weights(tmp_
             assert not capsys.readouterr().err and "kept as" in failure.__notes__[0]
 
 
-def test_the_note_of_what_a_failed_save_kept_comes_after_the_error(monkeypatch):
-    """Found in review: the note on the files set aside printed before the error it explains."""
+def test_the_note_of_what_a_failed_save_kept_comes_after_the_error(tmp_path):
+    """Found in review: the note on the files set aside printed before the error it explains. A
+    real colocated run whose save fails (a folder in the way of the student's file; this session:
+    a traceback before, and the .tmp file stayed), through run.py's end_save and the CLI."""
     from click.testing import CliRunner
 
+    from loaders.demo import build_text_demo
     from maestro_flow.cli import main
-    from maestro_flow.errors import WorkerLost
-    from maestro_flow.runtime import run as run_module
 
-    def failing(path, options):
-        failure = WorkerLost("worker section 'student' replica 0 was killed by SIGKILL")
-        failure.add_note("note: --save-dir out: this run's save did not complete; ...")
-        raise failure
-
-    monkeypatch.setattr(run_module, "run_pipeline", failing)
-    result = CliRunner().invoke(main, ["run", "pipelines/distill.py", "--no-run-dir"])
-    assert result.exit_code == 1 and result.stderr.splitlines()[:2] == [
-        "error: worker section 'student' replica 0 was killed by SIGKILL",
-        "note: --save-dir out: this run's save did not complete; ..."], result.stderr
+    data = build_text_demo(tmp_path / "data", num_samples=32, parquet=False)
+    out = tmp_path / "out"
+    (out / "student.safetensors").mkdir(parents=True)
+    (out / "pipeline.json").write_text("{}")  # an earlier run's
+    result = CliRunner().invoke(main, ["run", "pipelines/distill.py", "--colocated", "--steps", "1", "--quiet",
+                                       "--no-run-dir", "--save-dir", str(out), "--set", f"data.path={data}"])
+    assert result.exit_code == 1 and "Traceback" not in result.output, result.output
+    assert result.stderr.splitlines() == [
+        f"error: --save-dir {out}: cannot write section 'student': Is a directory",
+        f"note: --save-dir {out}: this run's save did not complete; the files an earlier run saved there are kept "
+        "as pipeline.json.previous (drop the '.previous' to use them again)"], result.stderr
+    assert sorted(os.listdir(out)) == [".save.lock", "pipeline.json", "pipeline.json.previous", "student.safetensors"]
 
 
 def test_a_save_dir_sets_aside_files_only_and_the_baselines_sections(tmp_path, capsys):

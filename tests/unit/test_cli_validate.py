@@ -425,6 +425,9 @@ def test_validate_json_says_the_outcome_in_one_object_with_the_same_exit_code(tm
     assert out["valid"] is False and out["error"] == "sections.student.dp must be an integer >= 1, got 0"
     result = invoke("validate", tmp_path / "missing.py", "--json")
     assert result.exit_code == 2 and json.loads(result.stdout)["pipeline"] is None
+    # A usage error too (found in review: click's usage text, and nothing on stdout)
+    result = invoke("validate", path, "--json", "--set-file", tmp_path / "missing.txt")
+    assert result.exit_code == 2 and "cannot read" in json.loads(result.stdout)["error"]
 
 
 @pytest.mark.parametrize("name,value,words", [

@@ -217,11 +217,12 @@ def test_a_recorder_records_the_steps_its_ranges_name(tmp_path):
     assert [s for s in range(8) if rec.begin(s, 1, stage, None) is not None] == [0, 3, 4, 5]
 
 
-def test_a_recording_links_weights_no_tensor_of_which_changed(tmp_path):
+def test_a_recording_links_a_frozen_sections_unchanged_weights(tmp_path):
     """Found in QA: a frozen section's whole weights were written again at every recorded step.
-    A step whose state is the same tensors, none changed in place (version counters), is a hard
-    link to the last file; a change in place (a BatchNorm's running stats in a forward, an
-    optimizer step) or a buffer replaced writes a new file."""
+    A frozen section's step whose state has the same content is a hard link to the last file; a
+    change (a BatchNorm's running stats in a forward, a `.data` update, which bumps no version
+    counter: found in review) or a buffer replaced writes a new file. A trainable section's
+    weights are always written (found in review: a fused optimizer's step bumps no counter)."""
     import os
 
     from maestro_flow.runtime.record import Recorder
@@ -231,6 +232,8 @@ def test_a_recording_links_weights_no_tensor_of_which_changed(tmp_path):
         def __init__(self) -> None:
             super().__init__({}, None)
             self.lin, self.norm = torch.nn.Linear(3, 3), torch.nn.BatchNorm1d(3)
+            for p in self.parameters():
+                p.requires_grad_(False)  # as build_stage leaves a trainable=False section
 
     stage = Frozen()
     rec = Recorder(str(tmp_path), None)
@@ -247,15 +250,19 @@ def test_a_recording_links_weights_no_tensor_of_which_changed(tmp_path):
     assert len(set(inodes)) == 1  # unchanged: one file on disk
     stage.norm(torch.randn(4, 3))  # training mode: its running stats change in place
     record()
-    with torch.no_grad():
-        stage.lin.weight.add_(1.0)  # as an optimizer step does
+    stage.lin.weight.data.add_(1.0)  # no version counter moves
     record()
     record()
     stage.norm.running_mean = torch.zeros(3)  # a buffer replaced
     record()
     assert inodes[3] != inodes[2] and inodes[4] != inodes[3] and inodes[5] == inodes[4] and inodes[6] != inodes[5]
-    rec.begin(7, 1, stage, None)  # weights are saved at a step's first micro-batch only
-    assert not (tmp_path / "weights-step000007.safetensors").exists()
+    for p in stage.parameters():
+        p.requires_grad_(True)  # trainable: written at every step, even unchanged
+    record()
+    record()
+    assert inodes[8] != inodes[7] != inodes[6]
+    rec.begin(9, 1, stage, None)  # weights are saved at a step's first micro-batch only
+    assert not (tmp_path / "weights-step000009.safetensors").exists()
 
 
 def _plain_executor(tmp_path, layout=None):

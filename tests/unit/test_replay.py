@@ -44,7 +44,8 @@ def test_step_ranges_stay_ranges():
 
 def test_a_replay_names_the_micro_batches_a_recording_lacks(tmp_path):
     """Found in QA: a recording with a micro-batch removed (or one that stopped part-way) replayed
-    and compared as complete. What the run ran comes from plans.jsonl, else up to the last index."""
+    and compared as complete. What the run ran comes from plans.jsonl at a step it finished
+    (metrics.jsonl), else up to the last index (found in review: a failed step's unrun rest)."""
     import json
 
     from maestro_flow.runtime.replay import _missing
@@ -57,6 +58,9 @@ def test_a_replay_names_the_micro_batches_a_recording_lacks(tmp_path):
     plans = [{"step": 0, "sections": {"s": {"replicas": [[[1]] * 4, [[2]] * 2]}}},
              {"step": 1, "sections": {"s": {"replicas": [[[3]], [[4]]]}}}]
     (tmp_path / "plans.jsonl").write_text("".join(json.dumps(p) + "\n" for p in plans) + '{"step": 2, "cut')
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0, "loss": 2.0}\n')  # the run failed in step 1
+    assert _missing(str(tmp_path), "s", recorded) == {(0, 0): [2], (0, 1): [1]}
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0, "loss": 2.0}\n{"step": 1, "loss": 1.9}\n{"cut')
     assert _missing(str(tmp_path), "s", recorded) == {(0, 0): [2], (0, 1): [1], (1, 1): [0]}
     assert _missing(str(tmp_path), "s", [r for r in recorded if r[1] == 0]) == {(0, 0): [2]}  # --replica 0
 

@@ -4,6 +4,7 @@ anything starts (runtime/run.py): stale status files, escaped output, secrets wh
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -320,6 +321,9 @@ def test_top_json_prints_the_runs_snapshot_as_one_line(tmp_path):
     result = top_answered(tmp_path, json.dumps(snapshot).encode(), "--json")
     assert result.exit_code == 0, result.output
     assert result.stdout.count("\n") == 1 and "\x1b" not in result.stdout and json.loads(result.stdout) == snapshot
+    # A diverged loss is null, as in metrics.jsonl: strict JSON (found in review: NaN was printed)
+    result = top_answered(tmp_path, json.dumps({**snapshot, "loss": {"kd": math.nan}}).encode(), "--json")
+    assert result.exit_code == 0 and json.loads(result.stdout, parse_constant=lambda c: 1 / 0)["loss"] == {"kd": None}
 
 
 def test_top_of_another_nodes_folder_says_to_watch_node_0(tmp_path):

@@ -74,3 +74,5 @@ def test_a_host_wait_polls_the_senders_event_within_the_timeout(monkeypatch):
     monkeypatch.setenv("MAESTRO_CUDA_IPC_WAIT", "never")
     with pytest.raises(ValueError, match="use one of device, host"):
         cuda_ipc.wait_mode()
+    monkeypatch.setenv("MAESTRO_CUDA_IPC_WAIT", "")  # empty is unset, as every MAESTRO_* (found in review)
+    assert cuda_ipc.wait_mode() == "device"
