@@ -63,7 +63,7 @@ def _fail(exc: BaseException, debug: bool, then: Callable[[], None] | None = Non
     if debug:  # the traceback, then the same line and exit code (found in review: --debug exited 1 on bad input)
         traceback.print_exception(exc, file=sys.stderr)
     click.echo(f"error: {exc}", err=True)
-    for note in notes_of(exc):  # what the runtime added to it (savedir.end_save)
+    for note in () if debug else notes_of(exc):  # what the runtime added (savedir.end_save; --debug showed them)
         click.echo(note, err=True)
     if then is not None:
         then()

@@ -11,6 +11,7 @@ student's copy of the teacher's LM head) are left out — they are rebuilt from 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -115,7 +116,8 @@ def write_safetensors(state: dict[str, torch.Tensor], path: str, metadata: dict[
     try:
         os.replace(tmp, path)
     except OSError:  # a folder in the way (found in this session: the .tmp file stayed)
-        os.remove(tmp)
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
         raise
 
 

@@ -3,7 +3,7 @@
 Runs in the coordinator process. Workers start with multiprocessing's spawn (no inherited
 locks or CUDA state); shutdown is idempotent and bounded: ask (done by the coordinator), wait a
 grace period, terminate, join, kill. A worker that outlives its parent exits by itself
-(see worker._die_with_parent), so nothing is left running when the coordinator dies. What a
+(see worker.die_with_parent), so nothing is left running when the coordinator dies. What a
 stage started (a helper process, a data loader's workers) is stopped by its worker as it exits,
 and, when a worker was killed by a signal, by `shutdown` here (runtime/reaper.py). A worker
 takes MAESTRO_SECRET out of its environment first thing (found in review: every worker, and

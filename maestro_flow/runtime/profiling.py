@@ -246,8 +246,8 @@ def profile_pipeline(path: str, options: ProfileOptions) -> dict[str, Any]:
     check_out(options.out or default_out(load_pipeline(path, options.overrides)[0].name))
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    child = ctx.Process(target=_profile_worker, args=(path, dataclasses.replace(options, log=None), results),
-                        name="maestro-profile", daemon=True)
+    child = ctx.Process(target=_profile_worker, args=(path, dataclasses.replace(options, log=None), results,
+                                                      os.getpid()), name="maestro-profile", daemon=True)
     from maestro_flow.runtime.launcher import ctrl_c_ignored_by_children
 
     with ctrl_c_ignored_by_children():  # Ctrl-C is the parent's, which kills it (found in review: with SIGINT
@@ -306,10 +306,14 @@ def _write(path: str, data: dict[str, Any], options: ProfileOptions, log: Any) -
     return data
 
 
-def _profile_worker(path: str, options: ProfileOptions, results: Any) -> None:
-    """The profiling worker process (see profile_pipeline). Ctrl-C reaches it with its parent (one
-    process group): it ends quietly, and the parent says "interrupted" (before, multiprocessing
-    printed the worker's KeyboardInterrupt traceback; found in QA)."""
+def _profile_worker(path: str, options: ProfileOptions, results: Any, parent_pid: int) -> None:
+    """The profiling worker process (see profile_pipeline). It ignores Ctrl-C: its parent takes it
+    and kills the worker (found in review: with SIGINT ignored, as in a script's background job, a
+    Ctrl-C to the group killed the worker alone); it dies with its parent, as a run's workers do
+    (found in review: orphaned by a kill -9, nothing stopped it)."""
+    from maestro_flow.runtime.worker import die_with_parent
+
+    die_with_parent(parent_pid)
     cores = sorted(os.sched_getaffinity(0))
     os.sched_setaffinity(0, cores[:1])
     try:

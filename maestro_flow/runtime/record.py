@@ -100,9 +100,10 @@ def idle_steps(run_dir: str, section: str, steps: Steps | None = None) -> tuple[
     return sorted(s for s, mbs in last.items() if not any(mbs) and (steps is None or s in steps)), sorted(last)
 
 
-def planned(run_dir: str, section: str) -> dict[int, list[int]]:
+def planned(run_dir: str, section: str, lines: dict[int, int] | None = None) -> dict[int, list[int]]:
     """step -> the micro-batches each replica of `section` ran at it, from RUN_DIR/plans.jsonl (the
-    last plan of a step replayed after a restart); empty without the file."""
+    last plan of a step replayed after a restart); empty without the file. `lines`, where given,
+    gets each step's number of plans (one per attempt that planned it)."""
     last: dict[int, list[int]] = {}
     try:
         with open(os.path.join(run_dir, "plans.jsonl")) as f:
@@ -110,6 +111,8 @@ def planned(run_dir: str, section: str) -> dict[int, list[int]]:
                 try:
                     plan = json.loads(line)
                     last[int(plan["step"])] = [len(mbs) for mbs in plan["sections"][section]["replicas"]]
+                    if lines is not None:
+                        lines[int(plan["step"])] = lines.get(int(plan["step"]), 0) + 1
                 except (ValueError, KeyError, TypeError):  # a line cut short by a kill, or another pipeline's
                     continue
     except OSError:
@@ -344,7 +347,7 @@ def _digest(stage: Any) -> str:
     and bytes."""
     h = hashlib.blake2b(digest_size=20)
     for name, value in stage.state_dict().items():
-        t = value.detach().to("cpu").contiguous()
+        t = value.detach().to("cpu").resolve_conj().resolve_neg().contiguous()  # (a conj view: found in review)
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
         if t.numel():
             h.update(t.reshape(-1).view(torch.uint8).numpy())
@@ -389,8 +392,12 @@ class Recorder:
         """save_weights, or for a frozen section (no parameter requires a gradient) a hard link to
         the last file written where its state's content is the same. Not version counters: a
         `.data` update or a fused optimizer changes a tensor without them (found in review)."""
-        frozen = not any(p.requires_grad for p in stage.parameters())
-        digest = _digest(stage) if frozen else None
+        digest = None
+        if not any(p.requires_grad for p in stage.parameters()):  # frozen
+            try:
+                digest = _digest(stage)
+            except Exception:  # noqa: BLE001 (a state it cannot hash is written in full, as before)
+                digest = None
         path = os.path.join(self.directory, weights_name(step))
         if self._last is not None and digest == self._last[1] and not os.path.exists(path):
             try:

@@ -133,19 +133,23 @@ def _recorded(run_dir: str, name: str, options: ReplayOptions) -> list[tuple[int
 def _missing(run_dir: str, name: str, recorded: list[tuple[int, int, int, str, str]]) -> dict[tuple[int, int], list]:
     """(step, replica) -> the micro-batch indices the run ran there that the recording lacks, for
     the steps and replicas replayed (found in QA: a recording with a micro-batch removed replayed,
-    and compared, as complete): at a step the run finished (a row in RUN_DIR/metrics.jsonl) those
-    RUN_DIR/plans.jsonl gave it, else those below the last one recorded (found in review: a failed
-    or interrupted step never ran the rest of its plan)."""
-    plans, have, finished = planned(run_dir, name), {}, set()
+    and compared, as complete): at a step the run finished (as many rows in RUN_DIR/metrics.jsonl as
+    attempts that planned it: its last plan's attempt finished it) those RUN_DIR/plans.jsonl gave
+    it, else those below the last one recorded (found in review: a failed or interrupted step never
+    ran the rest of its plan)."""
+    lines: dict[int, int] = {}
+    plans, have, rows = planned(run_dir, name, lines), {}, {}
     for step, replica, index, _, _ in recorded:
         have.setdefault(step, {}).setdefault(replica, set()).add(index)
     try:
         with open(os.path.join(run_dir, "metrics.jsonl")) as f:
             for line in f:
                 with contextlib.suppress(ValueError, TypeError, AttributeError):
-                    finished.add(int(json.loads(line).get("step")))
+                    step = int(json.loads(line).get("step"))
+                    rows[step] = rows.get(step, 0) + 1
     except OSError:
         pass
+    finished = {s for s, n in rows.items() if n >= lines.get(s, 1)}
     replicas = {r for _, r, _, _, _ in recorded}
     out = {}
     for step, by_replica in have.items():

@@ -54,7 +54,7 @@ def name_process(label: str) -> None:
         pass
 
 
-def _die_with_parent(parent_pid: int) -> None:
+def die_with_parent(parent_pid: int) -> None:
     try:  # Linux: the kernel kills us when the parent thread dies.
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
@@ -177,7 +177,7 @@ def worker_main(boot: dict[str, Any]) -> None:
         os.sched_setaffinity(0, boot["cpus"])  # before any library starts its threads
     capture = OutputCapture(boot.get("label", f"rank {boot['rank']}"), boot.get("log"))
     name_process(boot.get("label", str(boot["rank"])))
-    _die_with_parent(boot["parent_pid"])
+    die_with_parent(boot["parent_pid"])
     rank = boot["rank"]
     timeouts = Timeouts(**boot["timeouts"])
     use_interface(boot.get("host", zmq_link.LOOPBACK), boot.get("interface"))

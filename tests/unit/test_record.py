@@ -263,6 +263,14 @@ def test_a_recording_links_a_frozen_sections_unchanged_weights(tmp_path):
     assert inodes[8] != inodes[7] != inodes[6]
     rec.begin(9, 1, stage, None)  # weights are saved at a step's first micro-batch only
     assert not (tmp_path / "weights-step000009.safetensors").exists()
+    # A state the digest cannot view as bytes (a conjugate view: found in review, the recording
+    # stopped) is hashed from its values, and recorded.
+    for p in stage.parameters():
+        p.requires_grad_(False)
+    stage.norm.register_buffer("phase", torch.polar(torch.ones(2), torch.ones(2)).conj())
+    record()
+    record()
+    assert not rec.stopped and inodes[10] == inodes[9] != inodes[8]
 
 
 def _plain_executor(tmp_path, layout=None):

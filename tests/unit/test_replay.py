@@ -62,6 +62,12 @@ def test_a_replay_names_the_micro_batches_a_recording_lacks(tmp_path):
     assert _missing(str(tmp_path), "s", recorded) == {(0, 0): [2], (0, 1): [1]}
     (tmp_path / "metrics.jsonl").write_text('{"step": 0, "loss": 2.0}\n{"step": 1, "loss": 1.9}\n{"cut')
     assert _missing(str(tmp_path), "s", recorded) == {(0, 0): [2], (0, 1): [1], (1, 1): [0]}
+    # Found in review: an automatic restart planned step 1 again (replica 1 given two micro-batches)
+    # and failed in it; the earlier attempt's row is not this plan's.
+    again = {"step": 1, "sections": {"s": {"replicas": [[[3]], [[4], [5]]]}}}
+    with open(tmp_path / "plans.jsonl", "a") as f:
+        f.write("\n" + json.dumps(again) + "\n")
+    assert _missing(str(tmp_path), "s", recorded) == {(0, 0): [2], (0, 1): [1]}
     assert _missing(str(tmp_path), "s", [r for r in recorded if r[1] == 0]) == {(0, 0): [2]}  # --replica 0
 
 
