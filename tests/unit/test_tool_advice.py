@@ -123,15 +123,16 @@ def test_a_trace_is_held_to_what_a_run_takes(tmp_path):
 def test_ctrl_c_ends_the_profiling_worker_quietly(monkeypatch):
     """Before: Ctrl-C during profile's measurements printed the worker's KeyboardInterrupt
     traceback ('Process maestro-profile: Traceback ...') above 'interrupted'."""
-    from maestro_flow.runtime import profiling
+    from maestro_flow.runtime import profiling, worker
 
     def interrupted(*_args, **_kwargs):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(profiling, "profile_to", interrupted)
+    monkeypatch.setattr(worker, "die_with_parent", lambda pid: None)  # (not this test process: a watchdog)
     cores = os.sched_getaffinity(0)
     try:
-        assert profiling._profile_worker("unused.py", None, types.SimpleNamespace(put=None)) is None
+        assert profiling._profile_worker("unused.py", None, types.SimpleNamespace(put=None), os.getppid()) is None
     finally:
         os.sched_setaffinity(0, cores)  # the worker pins itself to one core
 
