@@ -34,6 +34,7 @@ copy on disk (found in QA: a frozen teacher's whole weights were written again a
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -51,7 +52,7 @@ _FILE = re.compile(r"^step(\d{6,})-mb(\d{4,})\.safetensors$")
 
 __all__ = ["FORMAT", "file_name", "save_micro_batch", "load_micro_batches", "recording_dirs", "record_dir",
            "save_weights", "recorded_weights", "rng_states", "recorded_rng", "recorded_failure", "restore_rng",
-           "Recorder", "Steps", "idle_steps", "steps_text"]
+           "Recorder", "Steps", "idle_steps", "planned", "metric_rows", "steps_text"]
 
 
 def file_name(step: int, index: int) -> str:
@@ -118,6 +119,21 @@ def planned(run_dir: str, section: str, lines: dict[int, int] | None = None) -> 
     except OSError:
         return {}
     return last
+
+
+def metric_rows(run_dir: str) -> dict[int, int]:
+    """step -> its rows in RUN_DIR/metrics.jsonl (one per attempt that finished it); empty without
+    the file, a cut line skipped."""
+    rows: dict[int, int] = {}
+    try:
+        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+            for line in f:
+                with contextlib.suppress(ValueError, TypeError, AttributeError):
+                    step = int(json.loads(line).get("step"))
+                    rows[step] = rows.get(step, 0) + 1
+    except OSError:
+        pass
+    return rows
 
 
 def steps_text(steps: list[int]) -> str:

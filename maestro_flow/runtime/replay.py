@@ -46,6 +46,7 @@ from maestro_flow.runtime.record import (
     TextOnly,
     idle_steps,
     load_file,
+    metric_rows,
     planned,
     recorded_failure,
     recorded_files,
@@ -138,17 +139,9 @@ def _missing(run_dir: str, name: str, recorded: list[tuple[int, int, int, str, s
     it, else those below the last one recorded (found in review: a failed or interrupted step never
     ran the rest of its plan)."""
     lines: dict[int, int] = {}
-    plans, have, rows = planned(run_dir, name, lines), {}, {}
+    plans, rows, have = planned(run_dir, name, lines), metric_rows(run_dir), {}
     for step, replica, index, _, _ in recorded:
         have.setdefault(step, {}).setdefault(replica, set()).add(index)
-    try:
-        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-            for line in f:
-                with contextlib.suppress(ValueError, TypeError, AttributeError):
-                    step = int(json.loads(line).get("step"))
-                    rows[step] = rows.get(step, 0) + 1
-    except OSError:
-        pass
     finished = {s for s, n in rows.items() if n >= lines.get(s, 1)}
     replicas = {r for _, r, _, _, _ in recorded}
     out = {}
@@ -461,7 +454,8 @@ def _replay(path: str, pipeline: Pipeline, name: str, options: ReplayOptions, ec
         if section.trainable:
             if result.backward_of:
                 total = math.sqrt(sum(v * v for v in result.param_grads.values()))
-                echo(f"  backward of {result.backward_of}: parameter grad norm {total:.4g}")
+                echo(f"  backward of {result.backward_of}: parameter grad norm {total:.4g} (this micro-batch alone, "
+                     "unscaled: a run's grad_norm is its whole step's, after scaling; found in QA: ~100x apart)")
                 for group, norm in result.param_grads.items():
                     echo(f"    {group:<28} {norm:.4g}")
                 for inp, (norm, with_grad, leaves) in result.input_grads.items():

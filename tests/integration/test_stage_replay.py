@@ -56,6 +56,7 @@ def test_replay_compare_matches_then_detects_perturbation(data, tmp_path):
     out = result.output
     assert "inputs: recorded in" in out and "3 micro-batch(es), step(s) 0, 1" in out
     assert "input  hidden" in out and "output loss" in out and "backward of loss" in out
+    assert "(this micro-batch alone, unscaled: a run's grad_norm is its whole step's" in out
     assert "compare loss" in out and "MISMATCH" not in out
     assert "all outputs match the recording" in out and "median of 2" in out
 
