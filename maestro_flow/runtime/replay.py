@@ -134,10 +134,10 @@ def _recorded(run_dir: str, name: str, options: ReplayOptions) -> list[tuple[int
 def _missing(run_dir: str, name: str, recorded: list[tuple[int, int, int, str, str]]) -> dict[tuple[int, int], list]:
     """(step, replica) -> the micro-batch indices the run ran there that the recording lacks, for
     the steps and replicas replayed (found in QA: a recording with a micro-batch removed replayed,
-    and compared, as complete): at a step the run finished (as many rows in RUN_DIR/metrics.jsonl as
-    attempts that planned it: its last plan's attempt finished it) those RUN_DIR/plans.jsonl gave
-    it, else those below the last one recorded (found in review: a failed or interrupted step never
-    ran the rest of its plan)."""
+    and compared, as complete): at a step the run finished once, planned once (a row in
+    RUN_DIR/metrics.jsonl, a line in the append-only RUN_DIR/plans.jsonl) those its plan gave it,
+    else those below the last one recorded: a failed or interrupted step never ran the rest of its
+    plan, and after a restart the metrics keep one row of a step planned twice (found in review)."""
     lines: dict[int, int] = {}
     plans, rows, have = planned(run_dir, name, lines), metric_rows(run_dir), {}
     for step, replica, index, _, _ in recorded:
