@@ -11,9 +11,9 @@
 # GPU test skips and the VLM test reads precomputed pixels instead of decoding images.
 # STEPS="env gpu_tests ..." (step names below) runs only those; GPU_TESTS_S=300 (a step's name in
 # capitals, then _S) changes its limit. Exits 1 if any step failed (each step's status is printed).
-# The limits add up to 570 s, under the 600 s a lent machine gives one command (on 2026-11-27 the
-# suite took 227 s on an H100 plus 89 s for test_cuda_record.py on an H200; cuda_ipc 23 s,
-# teacher_throughput 18 s, section_memory 82 s).
+# The limits add up to 570 s, under the 600 s a lent machine gives one command (on 2026-11-30 the
+# whole suite took 302 s on an H200, cuda_ipc 22 s, teacher_throughput 15 s; on 2026-11-27
+# section_memory 82 s).
 set -u
 out=${1:?usage: bash tools/gpu_session.sh OUTDIR [WHEELDIR]}
 whl=${2:-}

@@ -104,28 +104,37 @@ def _named(recipient: str) -> bytes:
     return bytes([len(name)]) + name
 
 
+def _keyed(key: bytes, recipient: str) -> hmac.HMAC:
+    """HMAC-SHA256 with the run's key, fed the recipient already: a frame's MAC copies it and
+    adds the frame's body (the key is not set up again at every frame; the MAC is the same)."""
+    return hmac.new(key, _named(recipient), hashlib.sha256)
+
+
 class Sealer:
     """Seals the frames of one stream (one sender to one recipient). Not thread-safe: one
     stream is written by one thread, in the order its frames go on the wire."""
 
     def __init__(self, key: bytes, sender: str, recipient: str) -> None:
-        self._key, self._recipient = key, _named(recipient)
-        self._sender = sender.encode()
-        if len(self._sender) > 255:
+        sender_bytes = sender.encode()
+        if len(sender_bytes) > 255:
             raise ValueError("sender name longer than 255 bytes")
+        self._named_sender = bytes([len(sender_bytes)]) + sender_bytes
+        self._mac = _keyed(key, recipient)
         self._seq = 0
 
     def seal(self, payload: bytes) -> bytes:
         self._seq += 1
-        body = _SEQ.pack(self._seq) + bytes([len(self._sender)]) + self._sender + payload
-        return hmac.new(self._key, self._recipient + body, hashlib.sha256).digest() + body
+        body = _SEQ.pack(self._seq) + self._named_sender + payload
+        mac = self._mac.copy()
+        mac.update(body)
+        return mac.digest() + body
 
 
 class Opener:
     """Opens the frames sent to one recipient, from any number of senders. Not thread-safe."""
 
     def __init__(self, key: bytes, recipient: str, max_bytes: int) -> None:
-        self._key, self._recipient, self.max_bytes = key, _named(recipient), max_bytes
+        self._mac, self.max_bytes = _keyed(key, recipient), max_bytes
         self._last: dict[str, int] = {}
 
     def open(self, frame: bytes) -> tuple[str, bytes]:
@@ -135,8 +144,9 @@ class Opener:
         if len(frame) < MAC_BYTES + _SEQ.size + 1:
             raise Rejected(f"frame of {len(frame)} bytes is too short to be sealed")
         mac, body = frame[:MAC_BYTES], frame[MAC_BYTES:]
-        expected = hmac.new(self._key, self._recipient + body, hashlib.sha256).digest()
-        if not hmac.compare_digest(mac, expected):
+        expected = self._mac.copy()
+        expected.update(body)
+        if not hmac.compare_digest(mac, expected.digest()):
             raise Rejected("bad MAC (not sealed with this run's secret)")
         (seq,) = _SEQ.unpack_from(body)
         n = body[_SEQ.size]

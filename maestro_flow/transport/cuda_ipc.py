@@ -24,9 +24,10 @@ tensors: `UntypedStorage._share_cuda_` / `_new_shared_cuda`, `torch.cuda.Event(i
 and `Event.from_ipc_handle`). A header carries them as bytes and integers only; nothing from a
 socket is unpickled. Both ranks must be on the same host and the same device
 (runtime/topology.ipc_channels). tests/gpu/test_cuda_ipc.py checks it where CUDA is (passed on an
-H200, 2026-11-26, and an H100, 2026-11-27); tools/bench/cuda_ipc.py measures it (RESULTS 9.2, H100:
-0.18x a device copy at 16 MiB and 0.70x at 256 MiB with the host wait, 0.14x and 0.50x with the
-device wait; the sender's own time, about 100 µs a message, is the limit at 16 MiB).
+H200, 2026-11-26, an H100, 2026-11-27, and an H200 again, 2026-11-30); tools/bench/cuda_ipc.py
+measures it (RESULTS 9.4, H200: in a steady stream, 0.84-0.88x a device copy at 256 MiB but 0.18x
+at 16 MiB, where the receiver's ~90 µs a message is the limit. Per-message costs matter here:
+the sender looks its stream up cheaply and keeps its slots' views).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from maestro_flow.errors import first_line
 from maestro_flow.transport.shm import SlotReader, SlotWriter
 
 PREFIX = "ipc-"  # slot names: ipc-<sender rank>-<count>; releases are routed by it
+SPANS = 16  # views a device slot keeps (_DeviceSlot.span): a channel sends messages of few layouts
 WAITS = ("device", "host")  # MAESTRO_CUDA_IPC_WAIT: how a receiver waits for the sender's copy
 
 
@@ -81,9 +83,23 @@ class _DeviceSlot:
         except RuntimeError as exc:
             raise IpcRefused(first_line(exc)) from exc
         self.announced = False
+        self._spans: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
+
+    def span(self, off: int, n: int, dtype: torch.dtype) -> torch.Tensor:
+        """As shm's slots, but each view is made once: a slot reused for messages of one layout
+        (the usual case) saves a slice and a view on the per-message path, which on a GPU of
+        ~1 TB/s costs about what the copy of a 16 MiB message does."""
+        key = (off, n, dtype)
+        view = self._spans.get(key)
+        if view is None:
+            if len(self._spans) >= SPANS:  # variable-length messages: start again rather than grow
+                self._spans.clear()
+            view = self._spans[key] = self.bytes[off:off + n].view(dtype)
+        return view
 
     def close(self) -> None:
         self.bytes = None
+        self._spans = {}
 
 
 class _OpenedSlot:
@@ -129,6 +145,17 @@ class IpcWriter(SlotWriter):
     def __init__(self, rank: int, device: torch.device) -> None:
         super().__init__(f"{PREFIX}{rank}")
         self.device = device
+        self._streams: dict[Any, torch.cuda.Stream] = {}  # torch's current-stream data -> its Stream
+
+    def _current_stream(self) -> torch.cuda.Stream:
+        """torch.cuda.current_stream(device), without its Python per call (several µs, a
+        message's budget at 16 MiB): the stream is looked up by torch's own data for it."""
+        index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        data = torch._C._cuda_getCurrentStream(index)  # (stream id, device index, device type)
+        stream = self._streams.get(data)
+        if stream is None:
+            stream = self._streams[data] = torch.cuda.current_stream(self.device)
+        return stream
 
     def _make(self, count: int, size: int) -> _DeviceSlot:
         return _DeviceSlot(f"{self.prefix}-{count}", size, self.device)
@@ -136,7 +163,7 @@ class IpcWriter(SlotWriter):
     def write(self, channel: tuple[int, str], buffers: Sequence[torch.Tensor]) -> tuple[str, list[int]]:
         name, offsets = super().write(channel, buffers)  # copies on the current stream
         # After the copy, on the stream that ran it: the receiver's stream waits for this event.
-        self._used[name].event.record(torch.cuda.current_stream(self.device))
+        self._used[name].event.record(self._current_stream())
         return name, offsets
 
     def _remove(self, slot: _DeviceSlot) -> None:
@@ -167,6 +194,12 @@ class IpcReader(SlotReader):
         self._exports: dict[str, Sequence[Any]] = {}
         self._draining: list[tuple[int, str, torch.cuda.Event]] = []  # views gone, stream not yet past them
         self._drain_lock = threading.Lock()
+        self._default: torch.cuda.Stream | None = None  # the device's default stream, looked up once
+
+    def _default_stream(self) -> torch.cuda.Stream:
+        if self._default is None:
+            self._default = torch.cuda.default_stream(self.device)
+        return self._default
 
     def read_ipc(self, src: int, name: str, offsets: Sequence[int], specs: Sequence[Sequence],
                  export: Sequence[Any] | None) -> list[torch.Tensor]:
@@ -180,7 +213,7 @@ class IpcReader(SlotReader):
         else:
             # The executor computes on the device's default stream (and so must a stage): its
             # use of the views comes after the sender's copy.
-            event.wait(torch.cuda.default_stream(self.device))
+            event.wait(self._default_stream())
         return out
 
     def _copied(self, src: int, name: str, event: Any) -> None:
@@ -210,7 +243,7 @@ class IpcReader(SlotReader):
         """Slots with no view left and whose uses on the device are done, by sender rank."""
         done: dict[int, list[str]] = {}
         with self._drain_lock:
-            stream = torch.cuda.default_stream(self.device)  # where the views were used (read_ipc)
+            stream = self._default_stream()  # where the views were used (read_ipc)
             for src, names in super().reap().items():
                 for name in names:
                     event = torch.cuda.Event()

@@ -118,6 +118,32 @@ def test_cuda_ipc_tiny():
 
 
 @pytest.mark.timeout(30)
+def test_cuda_ipc_profile_table_is_in_microseconds_per_send():
+    """--profile's table (what the sender's time per message is spent on): own and cumulative
+    time per send in µs, calls per send, the heaviest own time first."""
+    import cProfile
+    import time
+
+    def heavy():
+        time.sleep(0.002)
+
+    def light():
+        return sum(range(10))
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(4):
+        heavy()
+        light()
+    prof.disable()
+    lines = cuda_ipc._top(prof, sends=4).splitlines()
+    assert lines[0].startswith("4 sends; µs per send")
+    first = lines[1].split()
+    assert "sleep" in lines[1] and float(first[0]) >= 2000 and float(first[2]) == 1.0
+    assert any("light" in line for line in lines[2:])
+
+
+@pytest.mark.timeout(30)
 def test_cuda_ipc_summary_from_stamps(capsys):
     """Without a GPU the benchmark cannot run; its arithmetic and report can: synthetic stamps of
     known bursts (1 GiB in one second for the copy; IPC bursts with known parts) give back the

@@ -39,6 +39,23 @@ def test_a_sealed_frame_opens_once_with_its_sender():
         opener.open(frames[1])
 
 
+def test_a_frame_is_the_mac_of_recipient_and_body_then_the_body():
+    """The wire format, computed independently: HMAC-SHA256 under the run's key of the recipient
+    (length, name) and the body (sequence, sender's length and name, payload), then the body. The
+    sealer and opener keep a keyed MAC and copy it per frame; the bytes must not change with that."""
+    import hashlib
+    import hmac
+    import struct
+
+    sealer, opener = Sealer(KEY, "rank1", "data2"), Opener(KEY, "data2", 1 << 20)
+    for seq, payload in enumerate((b"first", b"", b"third" * 100), start=1):
+        body = struct.pack("!Q", seq) + bytes([5]) + b"rank1" + payload
+        expected = hmac.new(KEY, bytes([5]) + b"data2" + body, hashlib.sha256).digest() + body
+        frame = sealer.seal(payload)
+        assert frame == expected
+        assert opener.open(frame) == ("rank1", payload)
+
+
 def test_each_sender_has_its_own_sequence():
     opener = Opener(KEY, "coordinator", 1 << 20)
     a, b = Sealer(KEY, "rank0", "coordinator"), Sealer(KEY, "rank1", "coordinator")

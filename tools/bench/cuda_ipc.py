@@ -23,16 +23,22 @@ timed from the sender's first send to the receiver's end on the shared monotonic
 two waits). Where an IPC burst's time goes (a second table): the sender's own time per message
 (its Python, the copy's launch, sealing and sending the header), when the first message was
 delivered, how far the last delivery trailed the sender's last send, and how long the receiver's
-stream took after the last delivery (the device catching up). NCCL against raw
-NCCL needs two GPUs; this benchmark does not measure it.
+stream took after the last delivery (the device catching up). With --profile, the sender's
+sends of the last repetition's ipc bursts (device wait) run under cProfile and the functions
+taking most of their time are printed: where the sender's own time per message goes (that
+repetition's ipc figures then carry the profiler's cost; the tables' medians hardly move).
+NCCL against raw NCCL needs two GPUs; this benchmark does not measure it.
 
 Without CUDA it prints that and returns {"skipped": ...}. Run from the repository root:
-python -m tools.bench.cuda_ipc [--tiny] [--reps N]
+python -m tools.bench.cuda_ipc [--tiny] [--reps N] [--profile]
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
+import pstats
 import queue
 import time
 from collections.abc import Sequence
@@ -48,7 +54,7 @@ GOAL, GOAL_FROM = 0.8, 16 * MiB
 
 
 def _rank_main(rank: int, port: int, sizes: list[int], burst_bytes: int, max_msgs: int,
-               schedule: list[tuple[int, int, str]], timeout_s: float) -> dict[str, Any]:
+               schedule: list[tuple[int, int, str]], timeout_s: float, profile_rep: int = -1) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
@@ -76,7 +82,9 @@ def _rank_main(rank: int, port: int, sizes: list[int], burst_bytes: int, max_msg
         src = {s: torch.full((s // 4,), float(i + 1), device=device) for i, s in enumerate(sizes)}
         dsts = {s: [torch.empty_like(src[s]) for _ in range(n_msgs[s])] for s in sizes} if rank == 0 else {}
         stamps: list[float] = []
-        for _rep, i, mode in schedule:
+        prof = cProfile.Profile() if rank == 0 and profile_rep >= 0 else None
+        profiled_sends = 0
+        for rep, i, mode in schedule:
             size = sizes[i]
             if rank == 1:  # before the barrier: the header thread reads it for the burst's first message
                 comm._ipc_mapped.wait = "host" if mode == "ipc-host" else "device"
@@ -90,8 +98,14 @@ def _rank_main(rank: int, port: int, sizes: list[int], burst_bytes: int, max_msg
                     torch.cuda.synchronize()
                     stamps.append(time.perf_counter())
                 else:
+                    profiled = prof is not None and rep == profile_rep and mode == "ipc"
+                    if profiled:
+                        prof.enable()
                     for m in range(n_msgs[size]):
                         comm.send(1, "bwd" if mode == "staged" else "fwd", 0, m, [(m, "x", src[size])])
+                    if profiled:
+                        prof.disable()
+                        profiled_sends += n_msgs[size]
                     stamps.append(time.perf_counter())  # the sender's part; the receiver's end stands for the burst
             else:
                 if mode == "copy":
@@ -114,12 +128,24 @@ def _rank_main(rank: int, port: int, sizes: list[int], burst_bytes: int, max_msg
         if errors:
             raise RuntimeError(f"rank {rank}'s tensor channel failed:\n{errors[0]}")
         made = comm._ipc_slots._count if rank == 0 else 0  # device slots the sender made in all
-        return {"stamps": stamps, "n_msgs": n_msgs, "slots_made": made}
+        return {"stamps": stamps, "n_msgs": n_msgs, "slots_made": made, "profile": _top(prof, profiled_sends) if prof else None}
     finally:
         if comm is not None:
             comm.close(timeout_s=2.0)
         zctx.destroy(linger=0)
         dist.destroy_process_group()
+
+
+def _top(prof: cProfile.Profile, sends: int, lines: int = 25) -> str:
+    """The profiled functions, the heaviest own time first, in µs per send (pstats rounds to
+    milliseconds, too coarse for a send of tens of µs)."""
+    stats = pstats.Stats(prof, stream=io.StringIO()).stats  # (file, line, name) -> (calls, calls, own, total, _)
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:lines]
+    out = [f"{sends} sends; µs per send (own, with callees); calls per send; function"]
+    for (file, line, name), (_cc, calls, own, total, _callers) in rows:
+        where = name if file == "~" else f"{file.rsplit('/', 2)[-1] if '/' in file else file}:{line}({name})"
+        out.append(f"{own / sends * 1e6:8.2f} {total / sends * 1e6:8.2f} {calls / sends:5.1f}  {where}")
+    return "\n".join(out)
 
 
 def schedule_for(n_sizes: int, reps: int, warmup: int) -> list[tuple[int, int, str]]:
@@ -135,14 +161,17 @@ def schedule_for(n_sizes: int, reps: int, warmup: int) -> list[tuple[int, int, s
 
 
 def measure(sizes: tuple[int, ...], reps: int, warmup: int, burst_bytes: int, timeout_s: float,
-            max_msgs: int = 16) -> dict[str, Any]:
+            max_msgs: int = 16, profile: bool = False) -> dict[str, Any]:
     import torch.distributed as dist
 
     schedule = schedule_for(len(sizes), reps, warmup)
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
-    sender, receiver = run_spawned(_rank_main, [(store.port, list(sizes), burst_bytes, max_msgs, schedule, timeout_s)] * 2,
-                                   timeout_s)
-    return summarize(sizes, schedule, warmup, sender, receiver)
+    profile_rep = warmup + reps - 1 if profile else -1
+    sender, receiver = run_spawned(_rank_main, [(store.port, list(sizes), burst_bytes, max_msgs, schedule, timeout_s,
+                                                 profile_rep)] * 2, timeout_s)
+    out = summarize(sizes, schedule, warmup, sender, receiver)
+    out["profile"] = sender.get("profile")
+    return out
 
 
 def summarize(sizes: Sequence[int], schedule: list[tuple[int, int, str]], warmup: int, sender: dict[str, Any],
@@ -199,6 +228,9 @@ def report(out: dict[str, Any], device: str, reps: int) -> None:
           "receiver's stream after the last delivery")
     print(table(["message", "receiver waits on", "send per msg", "first delivered", "last behind sender",
                  "device after last"], where))
+    if out.get("profile"):
+        print("The sender's sends in the last repetition's ipc bursts (device wait), under cProfile, by own time:")
+        print(out["profile"])
     judged = [c for c in out["cases"] if c["bytes"] >= GOAL_FROM]
     out["goal_met"] = bool(judged) and all(max(c["ipc_over_copy"], c["ipc_host_over_copy"]) >= GOAL for c in judged)
     if judged:
@@ -216,6 +248,8 @@ def main(argv: list[str] | None = None) -> dict:
                     help="most messages per measurement (default 16; more measures a longer steady run of sends)")
     ap.add_argument("--sizes", help="comma-separated message sizes in MiB (default 1,16,64,256)")
     ap.add_argument("--timeout-s", type=float, default=300.0)
+    ap.add_argument("--profile", action="store_true",
+                    help="profile the sender's sends of the last repetition's ipc bursts (cProfile; prints the top)")
     args = ap.parse_args(argv)
     import torch
 
@@ -226,7 +260,8 @@ def main(argv: list[str] | None = None) -> dict:
     if args.sizes:
         sizes = tuple(int(float(x) * MiB) for x in args.sizes.split(","))
     reps = args.reps or (3 if args.tiny else 20)
-    out = measure(sizes, reps, 1, MiB * 4 if args.tiny else args.burst_bytes, args.timeout_s, args.max_messages)
+    out = measure(sizes, reps, 1, MiB * 4 if args.tiny else args.burst_bytes, args.timeout_s, args.max_messages,
+                  args.profile)
     report(out, torch.cuda.get_device_name(0), reps)
     return out
 
