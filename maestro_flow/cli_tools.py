@@ -106,8 +106,9 @@ def profile_line(name: str, body: dict) -> str:
     terms = ", ".join(("padded" if k == "padded" else f"{k}={v:.3g}") for k, v in body["cost"].items()
                       if v and not (frozen and k == "backward_factor"))
     step = f"; optimizer step {body['step_overhead_s'] * 1e3:.2f} ms" if body.get("step_overhead_s") else ""
+    message = f", {body['message_s'] * 1e3:.2f} ms per message received" if body.get("message_s") else ""
     return (f"{name}: {terms}; overhead/micro-batch {body['micro_batch_overhead_s'] * 1e3:.2f} ms "
-            f"+ runtime {body['runtime_overhead_s'] * 1e3:.2f} ms{step}; "
+            f"+ runtime {body['runtime_overhead_s'] * 1e3:.2f} ms{message}{step}; "
             f"memory {body['memory_base_mb']:.0f} MiB + {body['peak_memory_mb_per_sample']:.1f} MiB/sample")
 
 

@@ -4,7 +4,8 @@ Pure (standard library only). Starts from the pipeline's `Cost` records; the coo
 a section's coefficients with fitted ones between steps (see `costfit.py`). Forward cost is a
 fixed cost per micro-batch plus terms linear in each sample's tokens, patches and frames; a
 trainable section's backward is `backward_factor` times its forward; each transfer between
-replicas costs `transfer_s`.
+replicas costs `transfer_s` of latency, and where `message_s` says so (the tuner, for CPU
+sections) each tensor message its receiver that much of its own time (simulate.py).
 
 Padding: a stage that pads every sample to the micro-batch's longest (`Cost.padded`) computes
 on samples x the longest sample's length, so a micro-batch's length terms are charged at that
@@ -17,7 +18,7 @@ bound of its share of any micro-batch.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from maestro_flow.config import Cost
 from maestro_flow.samples import SampleMeta
@@ -71,6 +72,10 @@ def charged(c: Cost, samples: Sequence[SampleMeta]) -> tuple[int, int, int, int]
 class CostModel:
     costs: dict[str, Cost]
     transfer_s: float = 2e-4  # one message between two replicas (measured here: ~0.2 ms over gloo)
+    # section -> seconds of a replica's own time per tensor message it receives (its header, its
+    # views, the executor gathering a micro-batch's inputs from it): none unless set (the tuner
+    # sets it from a cost file; the planner's orderings do not weigh it).
+    message_s: dict[str, float] = field(default_factory=dict)
 
     def sample_s(self, section: str, sample: SampleMeta) -> float:
         """Forward seconds of `section` for one sample (at its own length)."""

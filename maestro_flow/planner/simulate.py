@@ -7,7 +7,11 @@ trainable section that is not a loss section runs a micro-batch's backward as so
 gradient for it has returned, before its next forward; a loss section runs forward and backward
 of a micro-batch as one task. A micro-batch's forward costs its section's fixed cost per
 micro-batch (Cost.per_micro_batch_s) plus its samples' costs, each at the costliest one's
-where the stage pads (CostModel.batch_s); its backward, backward_factor times that. Outputs and gradients arrive `transfer_s` after the task that made them. Reduction
+where the stage pads (CostModel.batch_s); its backward, backward_factor times that. Outputs and gradients arrive `transfer_s` after the task that made them.
+Where CostModel.message_s gives a section a cost per message received, each message (one per
+producer micro-batch and consumer replica forward, one per consumer micro-batch and producer
+replica backward, as the executor sends them: `message_counts`) adds it to the first task of
+the receiving replica that uses it. Reduction
 and optimizer time are not modelled (the same for every ordering). The lower bound leaves
 padding out, and charges each section's fixed cost per micro-batch for the fewest micro-batches
 its samples fit in (no micro-batch holds more than the section's micro_batch), so it stays a
@@ -127,9 +131,23 @@ class _Sim:
                 self.gated_by.setdefault((c, ci), []).append(rep)
         self.grad_producers = {name: [e.edge.src for e in graph.inputs(name) if e.carries_grad]
                                for name in graph.order}
+        if costs.message_s:
+            self._charge_messages(message_counts(graph, plan.replicas))
         self.heap: list[tuple[float, int]] = []
         self.limit, self.over = INF, False
         self.tasks: list[tuple[str, int, int, str, float, float]] = []  # Task's fields, in start order
+
+    def _charge_messages(self, counts: dict[tuple[str, int], list[tuple[int, int]]]) -> None:
+        """CostModel.message_s per message received, on the task that takes it first."""
+        for rep in self.replicas:
+            each = self.costs.message_s.get(rep.section, 0.0)
+            if not each:
+                continue
+            for m, (fwd, bwd) in enumerate(counts[(rep.section, rep.index)]):
+                extra_f, extra_b = fwd * each, (bwd * each if rep.has_bwd[m] else 0.0)
+                rep.fwd_cost[m] += extra_f
+                rep.bwd_cost[m] += extra_b
+                rep.left += extra_f + extra_b
 
     def _facts(self, name: str, mb: tuple[int, ...]) -> tuple[float, float, int, int]:
         """One micro-batch's forward and backward seconds (a loss section's forward includes its
@@ -303,6 +321,48 @@ def task_s(graph: SectionGraph, costs: CostModel, name: str, sample: SampleMeta)
     that trains activates on the sample), as the executor and the simulation do."""
     f = costs.sample_s(name, sample)
     return f + (costs.backward_s(name, sample) if needs_backward(graph, name, sample) else 0.0)
+
+
+def message_counts(graph: SectionGraph, replicas: Mapping[str, Sequence[Sequence[Sequence[int]]]]
+                   ) -> dict[tuple[str, int], list[tuple[int, int]]]:
+    """(section, replica) -> per micro-batch (in plan order): the tensor messages the replica
+    receives first for it, (forward inputs, gradients). As runtime/executor.py sends them: a
+    producer micro-batch's outputs go to each consumer replica as one message per edge, which
+    the consumer's first micro-batch holding one of its samples takes; a consumer micro-batch's
+    gradients go to each producer replica as one message per edge, taken by the first backward
+    there holding one of its samples. `replicas`: a plan's (Plan.replicas, or plans.jsonl's)."""
+    where: dict[tuple[str, int], tuple[int, int]] = {}
+    for name, reps in replicas.items():
+        for r, mbs in enumerate(reps):
+            for m, mb in enumerate(mbs):
+                for s in mb:
+                    where[(name, s)] = (r, m)
+    out: dict[tuple[str, int], list[tuple[int, int]]] = {}
+    for name, reps in replicas.items():
+        if name not in graph.sections:
+            continue
+        ins = [(k, e.edge.src) for k, e in enumerate(graph.inputs(name))]
+        grads = [(k, e.edge.dst) for k, e in enumerate(graph.needs_grad_from(name))]
+        for r, mbs in enumerate(reps):
+            seen_f: set[tuple] = set()
+            seen_b: set[tuple] = set()
+            counts = []
+            for mb in mbs:
+                f = b = 0
+                for s in mb:
+                    for k, other in ins:
+                        hit = where.get((other, s))
+                        if hit is not None and (k, hit) not in seen_f:
+                            seen_f.add((k, hit))
+                            f += 1
+                    for k, other in grads:
+                        hit = where.get((other, s))
+                        if hit is not None and (k, hit) not in seen_b:
+                            seen_b.add((k, hit))
+                            b += 1
+                counts.append((f, b))
+            out[(name, r)] = counts
+    return out
 
 
 def micro_batch_task_s(graph: SectionGraph, costs: CostModel, name: str, samples: Sequence[SampleMeta]) -> float:

@@ -225,7 +225,7 @@ def tune(pipeline: Pipeline, costs: CostModel | None, samples: Sequence[SampleMe
     own tp) adds tp to the search, FSDP following from memory (`Tuner.fsdp_for`); options:
     memory_limit_mb, memory (section -> MemoryModel), overhead_s (section -> seconds per
     micro-batch), replica_devices, max_micro_batch, dp_candidates, max_simulations,
-    tp_efficiency, and the calibration (see the module docstring): runtime_s, step_s, grad_mb,
+    tp_efficiency, and the calibration (see the module docstring): runtime_s, message_s, step_s, grad_mb,
     planning_s, cpu_cores.
     """
     if costs is None:

@@ -17,6 +17,10 @@ a micro-batch of that size drawn at random (`_padding_s`).
 Calibration (runtime costs the stage's compute leaves out; all optional, zero by default):
   - runtime_s (section -> seconds per micro-batch): the executor's own cost per micro-batch,
     added to the fixed cost per micro-batch like overhead_s;
+  - message_s (section -> seconds per tensor message a replica receives): charged by the
+    simulation on the receiving replica (CostModel.message_s). More micro-batches upstream mean
+    more messages for the consumer: without it, vlm's encoder micro-batches 1, 2 and 8 looked
+    equal, and 1 and 2 measured 14% and 4% slower than 8 (tools/bench/RESULTS.md 11.6);
   - step_s (section -> seconds per step, trainable sections): optimizer step etc. after the
     last micro-batch, plus for dp > 1 a gradient all-reduce estimated as
     2 x grad_mb x (dp - 1) / dp / REDUCE_MB_PER_S (ring all-reduce over loopback); sections
@@ -85,6 +89,7 @@ class TuneModel:
                  memory: Mapping[str, MemoryModel] | None = None, overhead_s: Mapping[str, float] | None = None,
                  replica_devices: Mapping[str, int] | None = None, max_micro_batch: int = 64,
                  dp_candidates: int = 6, max_simulations: int = 40, runtime_s: Mapping[str, float] | None = None,
+                 message_s: Mapping[str, float] | None = None,
                  step_s: Mapping[str, float] | None = None, grad_mb: Mapping[str, float] | None = None,
                  planning_s: float = 0.0, cpu_cores: int | None = None, tp: Mapping[str, int] | None = None,
                  tp_efficiency: float | Mapping[str, float | None] = TP_EFFICIENCY) -> None:
@@ -107,6 +112,7 @@ class TuneModel:
                               else tp_efficiency for n in self.order}
         self.rdev = {n: int((replica_devices or {}).get(n, 1)) * self.tp[n] for n in self.order}
         self.runtime = {n: float((runtime_s or {}).get(n, 0.0)) for n in self.order}
+        self.message = {n: float((message_s or {}).get(n, 0.0)) for n in self.order}
         self.step_cost = {n: float((step_s or {}).get(n, 0.0)) for n in self.order}
         self.grad_mb = {n: float((grad_mb or {}).get(n, 0.0)) for n in self.order}
         self.planning_s = float(planning_s)
@@ -353,7 +359,8 @@ class TuneModel:
             plan = planner.plan(step, batch)
             scale = self.contention(workers)
             sim = simulate(plan, graph, dataclasses.replace(costs, costs={**costs.costs, **{
-                n: self.cost_at(n, scale, gathers[n]) for n in self.order}}))
+                n: self.cost_at(n, scale, gathers[n]) for n in self.order}}, message_s={
+                n: self.message[n] * scale for n in self.order if self.message[n]}))
             if overlapped:  # the busiest replica, with its section's end of step, sets the pace
                 step_s = max(max(sim.busy_s[n], default=0.0)
                              + self.section_end_s(n, by_name[n][0], gathers[n] > 0) * scale for n in self.order)

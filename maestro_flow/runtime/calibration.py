@@ -8,7 +8,8 @@ pipeline runs in section mode for WARMUP_STEPS + `steps` steps, every section at
 as cores, one pinned worker per core: no time sharing, which the tuner models by itself) with
 the profiled costs, and for each section the busy time the last `steps` of them measured (the executor's,
 optimizer step left out) is set against what the profile predicts for the micro-batches the
-plan ran: their ratio scales the section's cost terms and runtime overhead in the cost file
+plan ran (with the tensor messages it received, planner/simulate.message_counts): their ratio
+scales the section's cost terms, runtime overhead and cost per message in the cost file
 (`calibration` records the factors and the run). The tuner then predicts from costs a real run
 of this machine had.
 """
@@ -51,7 +52,7 @@ def calibrate(path: str, overrides: dict[str, Any], cost_file: str, *, steps: in
             plans = [json.loads(line) for line in f]
     from maestro_flow.graph import SectionGraph
     from maestro_flow.planner.cost import CostModel
-    from maestro_flow.planner.simulate import micro_batch_task_s
+    from maestro_flow.planner.simulate import message_counts, micro_batch_task_s
 
     sections = {s.name: s for s in pipeline.sections}
     graph = SectionGraph(pipeline)
@@ -63,8 +64,10 @@ def calibrate(path: str, overrides: dict[str, Any], cost_file: str, *, steps: in
         ratios = []
         for plan, row in list(zip(plans, rows, strict=False))[warmup:]:
             mbs = [mb for rep in plan["sections"][name]["replicas"] for mb in rep]
+            received = message_counts(graph, {n: body["replicas"] for n, body in plan["sections"].items()})
+            messages = sum(f + b for (n, _), counts in received.items() if n == name for f, b in counts)
             predicted = sum(micro_batch_task_s(graph, model, name, [meta[i] for i in mb]) + prof.runtime_overhead_s
-                            for mb in mbs)
+                            for mb in mbs) + messages * prof.message_s
             measured = row["sections"][name]["busy_s"] - (prof.step_overhead_s if sections[name].trainable else 0.0)
             if predicted > 0 and measured > 0:
                 ratios.append(measured / predicted)
@@ -85,6 +88,7 @@ def _rewrite(cost_file: str, factors: dict[str, float], steps: int) -> None:
             body["cost"][key] = body["cost"].get(key, 0.0) * factor
         body["micro_batch_overhead_s"] = body["cost"]["per_micro_batch_s"]
         body["runtime_overhead_s"] = body.get("runtime_overhead_s", 0.0) * factor
+        body["message_s"] = body.get("message_s", 0.0) * factor
     data["calibration"] = {"factors": factors, "steps": steps,
                            "how": "section mode, every section dp 1, one pinned worker per core"}
     tmp = cost_file + ".tmp"

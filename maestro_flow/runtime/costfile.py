@@ -13,6 +13,8 @@ Format (version 2):
                          "memory_base_mb": MB,             # parameters, gradients, optimizer state + fixed
                          "peak_memory_mb_per_sample": MB,  # activations per sample in a micro-batch
                          "runtime_overhead_s": s,          # executor's own cost per micro-batch (calibrated)
+                         "message_s": s,                   # its own time per tensor message received
+                                                           # (calibrated; optional, 0 where absent)
                          "step_overhead_s": s,             # optimizer step etc. once per step (trainable)
                          "grad_mb": MB,                    # gradient size (all-reduce estimate when dp > 1)
                          "param_mb": MB,                   # parameters (what tp and fsdp shard)
@@ -60,6 +62,7 @@ from maestro_flow.wording import ABSENT, changed_keys, cut
 VERSION = 2
 FIGURES = ("micro_batch_overhead_s", "memory_base_mb", "peak_memory_mb_per_sample", "runtime_overhead_s",
            "step_overhead_s", "grad_mb", "param_mb", "tp_share", "unit_mb")
+OPTIONAL_FIGURES = ("message_s",)  # absent from files written before it: 0
 COST_FIELDS = tuple(f.name for f in dataclasses.fields(Cost))
 REPROFILE = "re-run `maestro profile PIPELINE --out FILE` for this pipeline"
 OPTIMIZER_KEYS = ("name", "amsgrad", "momentum", "nesterov", "fused", "capturable", "maximize")
@@ -72,6 +75,7 @@ class SectionProfile:
     memory_base_mb: float = 0.0
     peak_memory_mb_per_sample: float = 0.0
     runtime_overhead_s: float = 0.0
+    message_s: float = 0.0
     step_overhead_s: float = 0.0
     grad_mb: float = 0.0
     param_mb: float = 0.0
@@ -153,6 +157,7 @@ def _section(body: Any, where: str) -> SectionProfile:
     c = Cost(**values)
     c.validate(where)
     figures = {k: _number(body[k], f"{where}.{k}", share=k == "tp_share") for k in FIGURES}
+    figures.update({k: _number(body[k], f"{where}.{k}") for k in OPTIONAL_FIGURES if k in body})
     return SectionProfile(cost=c, **figures, profiled_with=body["profiled_with"])
 
 

@@ -78,6 +78,14 @@ __all__ = ["ProfileOptions", "ProfilingError", "profile_pipeline"]  # the cost f
 # pipelines/distill.py and vlm.py minus the profiled compute of the micro-batches they ran,
 # divided by the micro-batches (see tools/bench/tune_report.py --calibrate).
 RUNTIME_OVERHEAD_S = 0.5e-3
+# A CPU worker's own time per tensor message it receives (its header thread on the worker's
+# core, the executor gathering a micro-batch's inputs from it), measured on the same VM
+# (2026-11-30, tools/bench/RESULTS.md 11.6): pipelines/vlm.py at llm dp 1 x 8, the encoder's
+# micro-batch 1, 2 or 8 alternated, the LLM's CPU time per step grew 0.25-0.39 ms per extra
+# message it received. The tuner charges it where messages are counted (planner/simulate.py);
+# on a GPU section it is taken as 0 (the host's receiving assumed to overlap the device's
+# compute; not measured).
+MESSAGE_S = 0.3e-3
 PROGRESS_S = 10.0  # a size whose micro-batches take longer says how many of them are measured
 
 
@@ -440,6 +448,7 @@ def _profile(single: Pipeline, graph: SectionGraph, checked: Any, sizes: dict[st
             fitted["unit_mb"] = largest_unit_bytes(sec.stage) / MB
             fitted["runtime_overhead_s"] = (RUNTIME_OVERHEAD_S if options.runtime_overhead_s is None
                                             else options.runtime_overhead_s)
+            fitted["message_s"] = MESSAGE_S if sec.device.type == "cpu" else 0.0
             report[n] = {"profiled_with": profiled_with(single, sec.section), **fitted, "device": str(sec.device),
                          "memory_method": "cuda max_memory_allocated" if sec.device.type == "cuda"
                          else "process RSS peak (1 ms sampling, after malloc_trim)",

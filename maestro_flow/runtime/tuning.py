@@ -109,6 +109,7 @@ def _inputs(path: str, options: TuneOptions) -> tuple[Any, CostModel, list, dict
                   for n, p in profiles.items() if n in {s.name for s in pipeline.sections}}
         overhead = None  # the cost file's fitted fixed cost per micro-batch is in its Cost (per_micro_batch_s)
         calibration = {"runtime_s": {n: p.runtime_overhead_s for n, p in profiles.items()},
+                       "message_s": {n: p.message_s for n, p in profiles.items()},
                        "step_s": {n: p.step_overhead_s for n, p in profiles.items()},
                        "grad_mb": {n: p.grad_mb for n, p in profiles.items()},
                        "planning_s": cost_file.planning_s}

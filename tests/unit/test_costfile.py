@@ -215,6 +215,18 @@ def test_a_cost_file_of_another_pipeline_is_refused(tmp_path):
         file_overrides(_vlm(), path)
 
 
+def test_the_cost_per_message_is_read_and_optional(tmp_path):
+    """message_s (a worker's own time per tensor message it receives) came after version 2's
+    first files: a file without it reads as 0, one with it keeps it, a bad one is refused."""
+    data = _cost_file(_vlm())
+    assert read_cost_file(_write(tmp_path, data))[1]["llm"].message_s == 0.0
+    data["sections"]["llm"]["message_s"] = 3e-4
+    assert read_cost_file(_write(tmp_path, data))[1]["llm"].message_s == 3e-4
+    data["sections"]["llm"]["message_s"] = -1.0
+    with pytest.raises(PipelineError, match=r"sections\.llm\.message_s: "):
+        read_cost_file(_write(tmp_path, data))
+
+
 def test_padded_survives_a_cost_file(tmp_path):
     data = _cost_file(_vlm())
     data["sections"]["llm"]["cost"]["padded"] = True

@@ -21,7 +21,15 @@ from hypothesis import strategies as st
 from maestro_flow import ArrowData, Cost, Edge, Pipeline, Section
 from maestro_flow.graph import SectionGraph
 from maestro_flow.planner import CostModel, Plan, make_planner
-from maestro_flow.planner.simulate import Simulation, Task, bound_terms, critical_section, simulate, task_s
+from maestro_flow.planner.simulate import (
+    Simulation,
+    Task,
+    bound_terms,
+    critical_section,
+    message_counts,
+    simulate,
+    task_s,
+)
 from maestro_flow.samples import SampleMeta
 from tests.unit.test_planner import draw_tree
 
@@ -189,6 +197,63 @@ def test_trainable_encoder_backward_waits_for_the_llm():
     assert all(t.start_s >= llm_end[t.micro_batch] for t in sim.tasks if t.kind == "backward")
     assert (sim.makespan_s, sim.lower_bound_s, sim.critical_section) == (12.0, 9.0, "llm")
     assert sim.busy_s == {"vision": (8.0,), "llm": (8.0,)}
+
+
+def test_each_message_received_costs_its_receiver_where_message_s_says_so():
+    """4 image samples; vision (trainable, 1 s + 1 s per sample) dp=1 mb=1 -> llm (the loss,
+    1 s + 1 s per sample in one task) dp=1 mb=2; each message costs the llm 0.5 s and vision
+    0.25 s of their own time. As the executor sends them: one forward message per vision
+    micro-batch (so 2 into each llm task), one gradient message per llm micro-batch (taken by
+    the first vision backward holding one of its samples: mb0 and mb2).
+
+        time (s)    0   1   2   3   4   5   6   7   8   9  10  11  12  13  14
+        vision[0]   |F0 |F1 |F2 |F3 |                   |B0+ |B1 |          |B2+ |B3 |
+        llm[0]              |F+B mb0 + 2 messages---|F+B mb1 + 2 messages---|
+
+    Without message_s the same plan ends at 12 (the llm's 8 s after its first input at 2, then
+    the encoder's last backward)."""
+    p = pipeline([S("vision", activates_on="image", trainable=True, dp=1, micro_batch=1,
+                    cost=Cost(per_sample_s=1.0, backward_factor=1.0)),
+                  S("llm", trainable=True, dp=1, micro_batch=2, cost=Cost(per_sample_s=1.0, backward_factor=1.0))],
+                 [Edge(src="vision", dst="llm", tensors=("patches",))])
+    graph = SectionGraph(p)
+    plan = make_planner("fifo", graph, costs_of(graph)).plan(0, [SampleMeta(id=i, row=i, modalities=IMAGE)
+                                                                 for i in range(4)])
+    assert plan.describe() == "step 0 (fifo)\nvision[0]: [0] [1] [2] [3]\nllm[0]: [0,1] [2,3]"
+    assert message_counts(graph, plan.replicas) == {("vision", 0): [(0, 1), (0, 0), (0, 1), (0, 0)],
+                                                     ("llm", 0): [(2, 0), (2, 0)]}
+    plain = simulate(plan, graph, costs_of(graph))
+    costs = dataclasses.replace(costs_of(graph), message_s={"llm": 0.5, "vision": 0.25})
+    sim = simulate(plan, graph, costs)
+    assert timeline(sim, graph) == [
+        ("vision", 0, 0, "forward", 0.0, 1.0),
+        ("vision", 0, 1, "forward", 1.0, 2.0),
+        ("vision", 0, 2, "forward", 2.0, 3.0),
+        ("llm", 0, 0, "forward", 2.0, 7.0),
+        ("vision", 0, 3, "forward", 3.0, 4.0),
+        ("vision", 0, 0, "backward", 7.0, 8.25),
+        ("llm", 0, 1, "forward", 7.0, 12.0),
+        ("vision", 0, 1, "backward", 8.25, 9.25),
+        ("vision", 0, 2, "backward", 12.0, 13.25),
+        ("vision", 0, 3, "backward", 13.25, 14.25),
+    ]
+    assert (plain.makespan_s, sim.makespan_s) == (12.0, 14.25)
+    # Busy time adds up: every message once, on its receiver.
+    assert sim.busy_s["llm"][0] == pytest.approx(plain.busy_s["llm"][0] + 4 * 0.5)
+    assert sim.busy_s["vision"][0] == pytest.approx(plain.busy_s["vision"][0] + 2 * 0.25)
+
+
+def test_messages_are_counted_per_receiving_replica():
+    """A producer micro-batch whose samples go to two consumer replicas is two messages, one for
+    each; a consumer micro-batch drawing on two producer micro-batches takes two."""
+    p = pipeline([S("vision", activates_on="image", trainable=True, dp=1, micro_batch=2,
+                    cost=Cost(per_sample_s=1.0)),
+                  S("llm", trainable=True, dp=2, micro_batch=2, cost=Cost(per_sample_s=1.0))],
+                 [Edge(src="vision", dst="llm", tensors=("patches",))])
+    graph = SectionGraph(p)
+    replicas = {"vision": (((0, 1), (2, 3)),), "llm": (((0, 2),), ((1, 3),))}
+    assert message_counts(graph, replicas) == {("vision", 0): [(0, 2), (0, 0)], ("llm", 0): [(2, 0)],
+                                               ("llm", 1): [(2, 0)]}
 
 
 def test_empty_batch():
