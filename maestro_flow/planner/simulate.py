@@ -7,15 +7,15 @@ trainable section that is not a loss section runs a micro-batch's backward as so
 gradient for it has returned, before its next forward; a loss section runs forward and backward
 of a micro-batch as one task. A micro-batch's forward costs its section's fixed cost per
 micro-batch (Cost.per_micro_batch_s) plus its samples' costs, each at the costliest one's
-where the stage pads (CostModel.batch_s); its backward, backward_factor times that. Outputs and gradients arrive `transfer_s` after the task that made them.
-Where CostModel.message_s gives a section a cost per message received, each message (one per
-producer micro-batch and consumer replica forward, one per consumer micro-batch and producer
-replica backward, as the executor sends them: `message_counts`) adds it to the first task of
-the receiving replica that uses it. Reduction
-and optimizer time are not modelled (the same for every ordering). The lower bound leaves
-padding out, and charges each section's fixed cost per micro-batch for the fewest micro-batches
-its samples fit in (no micro-batch holds more than the section's micro_batch), so it stays a
-bound whatever the micro-batches:
+where the stage pads (CostModel.batch_s); its backward, backward_factor times that. Outputs and
+gradients arrive `transfer_s` after the task that made them. Where CostModel.message_s gives a
+section a cost per message received, each message (forward: one per producer micro-batch, edge
+and consumer replica; backward: one per consumer micro-batch, edge and producer replica; as the
+executor sends them, `message_counts`) adds it to the first task of the receiving replica that
+uses it. Reduction and optimizer time are not modelled (the same for every ordering). The lower
+bound leaves padding out, and charges each section's fixed cost per micro-batch for the fewest
+micro-batches its samples fit in (no micro-batch holds more than the section's micro_batch), so
+it stays a bound whatever the micro-batches:
 
     lower bound = max over sections S of  work(S) / dp(S)
                   max over edges P -> C of  t0 + work(C, samples needing P) / dp(C)

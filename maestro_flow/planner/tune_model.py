@@ -19,8 +19,8 @@ Calibration (runtime costs the stage's compute leaves out; all optional, zero by
     added to the fixed cost per micro-batch like overhead_s;
   - message_s (section -> seconds per tensor message a replica receives): charged by the
     simulation on the receiving replica (CostModel.message_s). More micro-batches upstream mean
-    more messages for the consumer: without it, vlm's encoder micro-batches 1, 2 and 8 looked
-    equal, and 1 and 2 measured 14% and 4% slower than 8 (tools/bench/RESULTS.md 11.6);
+    more messages for the consumer: without it, vlm's encoder micro-batches 2, 4 and 8 looked
+    equal, and 2 measured 4% slower than 8 (tools/bench/RESULTS.md 11.6);
   - step_s (section -> seconds per step, trainable sections): optimizer step etc. after the
     last micro-batch, plus for dp > 1 a gradient all-reduce estimated as
     2 x grad_mb x (dp - 1) / dp / REDUCE_MB_PER_S (ring all-reduce over loopback); sections

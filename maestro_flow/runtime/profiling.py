@@ -31,6 +31,9 @@ Runtime costs (calibration; the stage's compute alone under-predicts a real step
     Python loop, waking the compute thread). It cannot be timed in this one process: it starts
     at RUNTIME_OVERHEAD_S (measured on the 2-core CPU VM of tools/bench/RESULTS.md) and the
     calibration run scales it with the compute terms; pass runtime_overhead_s to override;
+  - message_s (CPU sections): the worker's own time per tensor message it receives, which the
+    tuner charges per message (planner/simulate.message_counts); MESSAGE_S, scaled by the
+    calibration like runtime_overhead_s, and 0 on a GPU;
   - calibration (calibrate_steps > 0): a short real run scales each section's costs
     (runtime/calibration.py);
   - planning_s: one wavefront plan of the global batch, which the coordinator computes every step.
@@ -81,10 +84,12 @@ RUNTIME_OVERHEAD_S = 0.5e-3
 # A CPU worker's own time per tensor message it receives (its header thread on the worker's
 # core, the executor gathering a micro-batch's inputs from it), measured on the same VM
 # (2026-11-30, tools/bench/RESULTS.md 11.6): pipelines/vlm.py at llm dp 1 x 8, the encoder's
-# micro-batch 1, 2 or 8 alternated, the LLM's CPU time per step grew 0.25-0.39 ms per extra
-# message it received. The tuner charges it where messages are counted (planner/simulate.py);
-# on a GPU section it is taken as 0 (the host's receiving assumed to overlap the device's
-# compute; not measured).
+# micro-batch 1 or 2 alternated with 8, the LLM's CPU time per step grew 0.25-0.39 ms per extra
+# message it received (pooled means over the steps; per-run medians 0.17-0.33 ms; 4 against 8,
+# only 0.8 messages apart, was within noise). RUNTIME_OVERHEAD_S was fitted on busy time that
+# held some of this already, so the two may overlap a little; the calibration scales both.
+# The tuner charges it where messages are counted (planner/simulate.py). On a GPU section it
+# is taken as 0 (the host's receiving assumed to overlap the device's compute; not measured).
 MESSAGE_S = 0.3e-3
 PROGRESS_S = 10.0  # a size whose micro-batches take longer says how many of them are measured
 

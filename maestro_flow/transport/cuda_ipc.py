@@ -27,7 +27,7 @@ socket is unpickled. Both ranks must be on the same host and the same device
 H200, 2026-11-26, an H100, 2026-11-27, and an H200 again, 2026-11-30); tools/bench/cuda_ipc.py
 measures it (RESULTS 9.4, H200: in a steady stream, 0.84-0.88x a device copy at 256 MiB but 0.18x
 at 16 MiB, where the receiver's ~90 µs a message is the limit. Per-message costs matter here:
-the sender looks its stream up cheaply and keeps its slots' views).
+the sender looks its stream up cheaply).
 """
 
 from __future__ import annotations
@@ -44,7 +44,6 @@ from maestro_flow.errors import first_line
 from maestro_flow.transport.shm import SlotReader, SlotWriter
 
 PREFIX = "ipc-"  # slot names: ipc-<sender rank>-<count>; releases are routed by it
-SPANS = 16  # views a device slot keeps (_DeviceSlot.span): a channel sends messages of few layouts
 WAITS = ("device", "host")  # MAESTRO_CUDA_IPC_WAIT: how a receiver waits for the sender's copy
 
 
@@ -83,23 +82,13 @@ class _DeviceSlot:
         except RuntimeError as exc:
             raise IpcRefused(first_line(exc)) from exc
         self.announced = False
-        self._spans: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
 
     def span(self, off: int, n: int, dtype: torch.dtype) -> torch.Tensor:
-        """As shm's slots, but each view is made once: a slot reused for messages of one layout
-        (the usual case) saves a slice and a view on the per-message path, which on a GPU of
-        ~1 TB/s costs about what the copy of a 16 MiB message does."""
-        key = (off, n, dtype)
-        view = self._spans.get(key)
-        if view is None:
-            if len(self._spans) >= SPANS:  # variable-length messages: start again rather than grow
-                self._spans.clear()
-            view = self._spans[key] = self.bytes[off:off + n].view(dtype)
-        return view
+        """Bytes off..off+n of the slot as a `dtype` tensor: where a buffer's copy goes."""
+        return self.bytes[off:off + n].view(dtype)
 
     def close(self) -> None:
         self.bytes = None
-        self._spans = {}
 
 
 class _OpenedSlot:

@@ -25,7 +25,8 @@ two waits). Where an IPC burst's time goes (a second table): the sender's own ti
 delivered, how far the last delivery trailed the sender's last send, and how long the receiver's
 stream took after the last delivery (the device catching up). With --profile, the sender's
 sends of the last repetition's ipc bursts (device wait) run under cProfile and the functions
-taking most of their time are printed: where the sender's own time per message goes (that
+taking most of their time are printed, per send over every size measured (give one --sizes to
+see one size): where the sender's own time per message goes (that
 repetition's ipc figures then carry the profiler's cost; the tables' medians hardly move).
 NCCL against raw NCCL needs two GPUs; this benchmark does not measure it.
 
@@ -128,7 +129,8 @@ def _rank_main(rank: int, port: int, sizes: list[int], burst_bytes: int, max_msg
         if errors:
             raise RuntimeError(f"rank {rank}'s tensor channel failed:\n{errors[0]}")
         made = comm._ipc_slots._count if rank == 0 else 0  # device slots the sender made in all
-        return {"stamps": stamps, "n_msgs": n_msgs, "slots_made": made, "profile": _top(prof, profiled_sends) if prof else None}
+        return {"stamps": stamps, "n_msgs": n_msgs, "slots_made": made,
+                "profile": _top(prof, profiled_sends) if prof else None}
     finally:
         if comm is not None:
             comm.close(timeout_s=2.0)
