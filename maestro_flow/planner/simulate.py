@@ -365,6 +365,15 @@ def message_counts(graph: SectionGraph, replicas: Mapping[str, Sequence[Sequence
     return out
 
 
+def messages_received(graph: SectionGraph, sections: Mapping[str, Mapping[str, Any]]) -> dict[str, int]:
+    """section -> the tensor messages its replicas receive in one plan (message_counts, summed);
+    `sections`: a plans.jsonl line's "sections" (each with its "replicas")."""
+    out: dict[str, int] = {}
+    for (name, _), counts in message_counts(graph, {n: body["replicas"] for n, body in sections.items()}).items():
+        out[name] = out.get(name, 0) + sum(f + b for f, b in counts)
+    return out
+
+
 def micro_batch_task_s(graph: SectionGraph, costs: CostModel, name: str, samples: Sequence[SampleMeta]) -> float:
     """All the compute one micro-batch costs `name`, as the simulation charges it: its forward
     (padding included), and a backward of all of it when a gradient comes back for any sample."""

@@ -52,22 +52,22 @@ def calibrate(path: str, overrides: dict[str, Any], cost_file: str, *, steps: in
             plans = [json.loads(line) for line in f]
     from maestro_flow.graph import SectionGraph
     from maestro_flow.planner.cost import CostModel
-    from maestro_flow.planner.simulate import message_counts, micro_batch_task_s
+    from maestro_flow.planner.simulate import messages_received, micro_batch_task_s
 
     sections = {s.name: s for s in pipeline.sections}
     graph = SectionGraph(pipeline)
     factors: dict[str, float] = {}
+    measured_steps = list(zip(plans, rows, strict=False))[warmup:]
+    received = [messages_received(graph, plan["sections"]) for plan, _ in measured_steps]
     for name, prof in profiles.items():
         if name not in sections:
             continue
         model = CostModel(costs={name: prof.cost})
         ratios = []
-        for plan, row in list(zip(plans, rows, strict=False))[warmup:]:
+        for (plan, row), messages in zip(measured_steps, received, strict=True):
             mbs = [mb for rep in plan["sections"][name]["replicas"] for mb in rep]
-            received = message_counts(graph, {n: body["replicas"] for n, body in plan["sections"].items()})
-            messages = sum(f + b for (n, _), counts in received.items() if n == name for f, b in counts)
             predicted = sum(micro_batch_task_s(graph, model, name, [meta[i] for i in mb]) + prof.runtime_overhead_s
-                            for mb in mbs) + messages * prof.message_s
+                            for mb in mbs) + messages.get(name, 0) * prof.message_s
             measured = row["sections"][name]["busy_s"] - (prof.step_overhead_s if sections[name].trainable else 0.0)
             if predicted > 0 and measured > 0:
                 ratios.append(measured / predicted)

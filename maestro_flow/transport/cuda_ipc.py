@@ -83,10 +83,6 @@ class _DeviceSlot:
             raise IpcRefused(first_line(exc)) from exc
         self.announced = False
 
-    def span(self, off: int, n: int, dtype: torch.dtype) -> torch.Tensor:
-        """Bytes off..off+n of the slot as a `dtype` tensor: where a buffer's copy goes."""
-        return self.bytes[off:off + n].view(dtype)
-
     def close(self) -> None:
         self.bytes = None
 

@@ -82,10 +82,6 @@ class _Slot:
         self.bytes = torch.from_numpy(np.frombuffer(self.map, dtype=np.uint8))
         self.address = self.bytes.data_ptr()  # where the sender's copies go (SlotWriter.write)
 
-    def span(self, off: int, n: int, dtype: torch.dtype) -> torch.Tensor:
-        """Bytes off..off+n of the slot as a `dtype` tensor: where a buffer's copy goes."""
-        return self.bytes[off:off + n].view(dtype)
-
     def close(self) -> None:
         self.bytes = None
         try:
@@ -133,7 +129,7 @@ class SlotWriter:
                 # an efficient zero tensor's zeros, and refuses a quantized one).
                 ctypes.memmove(address + off, b.data_ptr(), n)
             else:
-                dst = slot.span(off, n, b.dtype)
+                dst = slot.bytes[off:off + n].view(b.dtype)
                 dst.copy_(b.view(-1) if b.is_contiguous() else b.reshape(-1))
         return slot.name, offsets
 

@@ -27,6 +27,7 @@ from maestro_flow.planner.simulate import (
     bound_terms,
     critical_section,
     message_counts,
+    messages_received,
     simulate,
     task_s,
 )
@@ -254,6 +255,8 @@ def test_messages_are_counted_per_receiving_replica():
     replicas = {"vision": (((0, 1), (2, 3)),), "llm": (((0, 2),), ((1, 3),))}
     assert message_counts(graph, replicas) == {("vision", 0): [(0, 2), (0, 0)], ("llm", 0): [(2, 0)],
                                                ("llm", 1): [(2, 0)]}
+    # Per section, from a plans.jsonl line's "sections" (what calibration and tune_report read).
+    assert messages_received(graph, {n: {"replicas": r} for n, r in replicas.items()}) == {"vision": 2, "llm": 4}
 
 
 def test_empty_batch():

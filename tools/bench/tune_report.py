@@ -120,7 +120,7 @@ def implied_runtime_s(path: str, sets: dict[str, Any], run_dir: str, costs_file:
     import json
 
     from maestro_flow.graph import SectionGraph
-    from maestro_flow.planner.simulate import message_counts, micro_batch_task_s
+    from maestro_flow.planner.simulate import messages_received, micro_batch_task_s
     from maestro_flow.runtime.build import load_pipeline
     from maestro_flow.runtime.checks import check_pipeline
     from maestro_flow.runtime.costfile import read_cost_file
@@ -135,7 +135,7 @@ def implied_runtime_s(path: str, sets: dict[str, Any], run_dir: str, costs_file:
     graph = SectionGraph(pipeline)
     values = []
     for plan, m in list(zip(plans, metrics, strict=False))[warmup:]:
-        received = message_counts(graph, {n: body["replicas"] for n, body in plan["sections"].items()})
+        received = messages_received(graph, plan["sections"])
         for name, prof in profiles.items():
             model, mbs, compute = CostModel(costs={name: prof.cost}), 0, 0.0
             for rep in plan["sections"][name]["replicas"]:
@@ -143,8 +143,8 @@ def implied_runtime_s(path: str, sets: dict[str, Any], run_dir: str, costs_file:
                     mbs += 1
                     compute += micro_batch_task_s(graph, model, name, [meta[i] for i in mb])
             replicas = len(plan["sections"][name]["replicas"])
-            messages = sum(f + b for (n, _), counts in received.items() if n == name for f, b in counts)
-            busy = m["sections"][name]["busy_s"] - prof.step_overhead_s * replicas - messages * prof.message_s
+            busy = (m["sections"][name]["busy_s"] - prof.step_overhead_s * replicas
+                    - received.get(name, 0) * prof.message_s)
             if mbs:
                 values.append((busy - compute) / mbs)
     return median(values) if values else 0.0
