@@ -4,8 +4,9 @@ Runs in a worker's compute thread (or, in colocated mode, for every section in o
 `poll()` does every piece of work that is ready — the oldest pending backward once its gradients
 have all returned (backwards run in micro-batch order, so gradients accumulate in the same order
 on every run), then the next micro-batch whose inputs have all arrived, then the step's end
-(gradient reduction once the global loss denominator is known, then the optimizer step once the
-global clip coefficient is known, see optim/stepper.py) — and returns without blocking. Inputs,
+(gradient reduction once the global loss denominator is known — a loss section reports its share
+after its last forward, before that backward — then the optimizer step once the global clip
+coefficient is known, see optim/stepper.py) — and returns without blocking. Inputs,
 gradients, plans, denominators and clip coefficients arrive through `add_plan`, `deliver`,
 `finalize` and `clip`; the step's end is runtime/step_end.py's (a mixin). With
 `mixed_precision="bf16"` the stage's forward runs under bf16 autocast and floating tensors cross
@@ -370,9 +371,11 @@ class SectionExecutor(StepEnd, Prefetch):
         denom = out.get("loss_denominator", len(mb))
         st.loss_sum += float(loss.detach())
         st.denominator += float(denom.detach() if isinstance(denom, torch.Tensor) else denom)
+        if self.trainable and not loss.requires_grad:  # found in QA: torch's own error, from a runtime frame
+            raise StageFault("backward", st.step, detached_loss(self.name, self.section.stage))
+        if st.next_mb == len(st.mbs):  # the step's last forward: upstream can finalize during this backward
+            self._report_loss(st)
         if self.trainable:
-            if not loss.requires_grad:  # found in QA: torch's own error, from a frame of the runtime
-                raise StageFault("backward", st.step, detached_loss(self.name, self.section.stage))
             try:
                 loss.backward()  # unscaled: gradients are divided by the global denominator at step end
             except STAGE_RAISES:

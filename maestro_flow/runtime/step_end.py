@@ -29,11 +29,7 @@ class StepEnd:
         if self.fsdp is not None and self.fsdp.per_micro_batch and st.next_mb + st.probes < st.rounds:
             lockstep.run_round(self, st)
             return True
-        if self.is_loss and self.feeds_upstream and not st.loss_reported and not self.follower:
-            # Trainable sections upstream need the global denominator: the coordinator sums the
-            # loss replicas' reports and sends it to them (finalize).
-            st.loss_reported = True
-            self.report("loss", {"step": st.step, "loss_sum": st.loss_sum, "denominator": st.denominator})
+        if self._report_loss(st):  # (a replica without micro-batches this step: nothing reported it yet)
             return True
         if self.trainable and st.grad_sq is None:
             st.grad_sq = 0.0  # a trainable stage without trainable parameters adds nothing to the norm
@@ -87,6 +83,19 @@ class StepEnd:
         self._doing("idle (step done)", st.step, None)
         self.current = None
         self.steps_done += 1
+        return True
+
+    def _report_loss(self, st: StepState) -> bool:
+        """Trainable sections upstream need the global denominator: the coordinator sums the loss
+        replicas' reports and sends it to them (finalize). Sent once per step, as soon as this
+        replica's last forward has counted its share (executor._loss_backward: before that
+        micro-batch's backward, which the upstream reduction, and without grad_clip the upstream
+        optimizer step, then overlap; with grad_clip that step still waits for the global norm,
+        which needs this backward); True when it was sent now."""
+        if not self.is_loss or not self.feeds_upstream or st.loss_reported or self.follower:
+            return False
+        st.loss_reported = True
+        self.report("loss", {"step": st.step, "loss_sum": st.loss_sum, "denominator": st.denominator})
         return True
 
     def _reduce(self, st: StepState, denominator: float | None) -> None:

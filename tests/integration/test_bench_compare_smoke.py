@@ -71,6 +71,8 @@ def test_vlm_gap_tiny():
         r = out[mode]
         assert positive(r["us_per_position"]) and 0 < r["cpu_over_wall"] <= 1.01
         assert r["padding"] >= 1 and r["micro_batches"] >= 1 and r["lost_ms"] >= -0.5 and r["wait_inputs_ms"] >= 0
+    cores = out["cores"]  # (c): None on one core
+    assert cores is None or (positive(cores["alone"]) and positive(cores["beside_encoder"]))
 
 
 @pytest.mark.timeout(240)

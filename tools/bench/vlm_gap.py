@@ -11,12 +11,19 @@ image share (default 33%).
     time lost per step (the thread runnable but off its core: other threads of its worker on
     that core); the padding (padded / real positions of its micro-batches) and micro-batches per
     step; and the time it waited for inputs per step. Medians over rounds.
+(c) The cores: (a)'s text micro-batches timed on one core, alone and while the pipeline's vision
+    encoder (its stage, its config) runs forward and backward on 8 images of 64 patches on the
+    other core, alternately. The text-only twin's encoder core idles, the VLM's computes: where
+    the two cores share a physical core's units or its memory path (a VM's vCPUs may), the LLM
+    is slower beside a busy encoder, and that loss is the hardware's, not the schedule's. A ratio
+    near 1 means the cores are independent. Needs two cores; skipped with fewer.
 
 Run from the repository root: python -m tools.bench.vlm_gap [--tiny] [--rounds N] [--steps N] [--share F]
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import random
@@ -26,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tools.bench.common import median, pipeline_bench_args, run_spawned, table
+from tools.bench.common import median, pipeline_bench_args, run_spawned, table, turns
 from tools.bench.padding import plan_stats
 from tools.bench.vlm_text_only import run_one, text_twin
 
@@ -36,7 +43,9 @@ def stage_times(draws: int, seed: int = 0) -> dict[str, float]:
     return run_spawned(_stage_times, [(draws, seed)], timeout_s=600)[0]
 
 
-def _stage_times(_rank: int, draws: int, seed: int) -> dict[str, float]:
+def _llm_stage(seed: int) -> tuple[Any, Any]:
+    """pipelines/vlm.py's LLM stage (one torch thread) and a draw of (image, text twin) micro-batches
+    of 4 samples: text tokens and 64 image rows that need gradients, or as many text tokens."""
     import torch
 
     from maestro_flow.stage import MicroBatch, StageContext
@@ -59,11 +68,18 @@ def _stage_times(_rank: int, draws: int, seed: int) -> dict[str, float]:
                 MicroBatch(step=0, index=0, sample_ids=ids, modalities=[frozenset({"text"})] * n,
                            columns={"tokens": text}, inputs={name: [None] * n}))
 
-    def timed(batch: MicroBatch) -> float:
-        t0 = time.perf_counter()
-        stage.forward(batch)["loss"].backward()
-        return time.perf_counter() - t0
+    return stage, pair
 
+
+def _timed(stage: Any, batch: Any) -> float:
+    t0 = time.perf_counter()
+    stage.forward(batch)["loss"].backward()
+    return time.perf_counter() - t0
+
+
+def _stage_times(_rank: int, draws: int, seed: int) -> dict[str, float]:
+    stage, pair = _llm_stage(seed)
+    timed = functools.partial(_timed, stage)
     out: dict[str, list[float]] = {"image": [], "text": []}
     for i in range(draws + 3):
         image, text = pair()
@@ -72,6 +88,75 @@ def _stage_times(_rank: int, draws: int, seed: int) -> dict[str, float]:
             if i >= 3:  # warm-up
                 out[kind].append(t)
     return {k: statistics.median(v) for k, v in out.items()}
+
+
+def core_times(rounds: int, per_turn: int, seed: int = 0) -> dict[str, float] | None:
+    """Part (c): the LLM stage's forward + backward on one core, alone and beside the encoder on
+    another; None with fewer than two cores."""
+    import multiprocessing as mp
+
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        return None
+    ctx = mp.get_context("spawn")
+    events = tuple(ctx.Event() for _ in range(3))  # ready, busy, stop
+    return run_spawned(_core_times, [(cores[0], events, rounds, per_turn, seed),
+                                     (cores[1], events, rounds, per_turn, seed)], timeout_s=600)[1]
+
+
+def _core_times(rank: int, core: int, events: tuple[Any, Any, Any], rounds: int, per_turn: int,
+                seed: int) -> dict[str, float] | None:
+    """Rank 0: the encoder, computing on its core while `busy` is set. Rank 1: the timer."""
+    ready, busy, stop = events
+    os.sched_setaffinity(0, {core})
+    if rank == 0:
+        _encoder_load(ready, busy, stop)
+        return None
+    stage, pair = _llm_stage(seed)
+    batches = [pair()[1] for _ in range(per_turn)]
+    out: dict[str, list[float]] = {"alone": [], "beside_encoder": []}
+    try:
+        for _ in range(2):  # warm-up: the first passes allocate
+            _timed(stage, batches[0])
+        if not ready.wait(300):  # (the encoder's stage built and warmed up: no turn runs beside nothing)
+            raise RuntimeError("the encoder process did not get ready within 300 s")
+        for r in range(rounds):
+            for kind in turns(("alone", "beside_encoder"), r):
+                if kind == "beside_encoder":
+                    busy.set()
+                else:
+                    busy.clear()
+                time.sleep(0.05)  # the encoder is in (or out of) its loop
+                t0 = time.perf_counter()
+                for batch in batches:
+                    stage.forward(batch)["loss"].backward()
+                out[kind].append((time.perf_counter() - t0) / len(batches))
+    finally:
+        busy.clear()
+        stop.set()
+    return {k: statistics.median(v) for k, v in out.items()}
+
+
+def _encoder_load(ready: Any, busy: Any, stop: Any) -> None:
+    """pipelines/vlm.py's vision encoder stage, forward and backward on 8 decoded 64x64 images
+    (64 patches each), while `busy` is set, until `stop`."""
+    import torch
+
+    from maestro_flow.stage import MicroBatch, StageContext
+    from pipelines.vlm import VISION
+    from stages.vision import VisionEncoder
+
+    torch.set_num_threads(1)
+    stage = VisionEncoder(dict(VISION), StageContext(section="vision", trainable=True))
+    n = 8
+    batch = MicroBatch(step=0, index=0, sample_ids=list(range(n)), modalities=[frozenset({"text", "image"})] * n,
+                       columns={}, inputs={"pixels": [torch.rand(3, 64, 64) for _ in range(n)]})
+    sum(e.sum() for e in stage.forward(batch)["image_embeds"]).backward()  # warm-up
+    ready.set()
+    while not stop.is_set():
+        if not busy.wait(0.05):
+            continue
+        sum(e.sum() for e in stage.forward(batch)["image_embeds"]).backward()
 
 
 def run_stats(run_dir: str, data: str, warmup: int) -> dict[str, float]:
@@ -137,6 +222,16 @@ def main(argv: list[str] | None = None) -> dict:
           f"--pin-cpus, {rounds} alternating rounds of {steps} steps (first {warmup} dropped), medians")
     print(table(["LLM", "VLM", "text-only twin"],
                 [[label, f"{out['vlm'][k]:.3f}", f"{out['text'][k]:.3f}"] for label, k in zip(labels, keys, strict=True)]))
+    out["cores"] = core_times(2 if args.tiny else 15, 3 if args.tiny else 10)
+    if out["cores"] is None:
+        print("\n(c) skipped: it needs two cores")
+    else:
+        c = out["cores"]
+        print(f"\n(c) the LLM stage's forward + backward (4 text samples) on one core, alone and while the vision "
+              f"encoder computes on another, {2 if args.tiny else 15} alternating rounds, medians")
+        print(table(["alone ms", "beside the encoder ms", "beside / alone"],
+                    [[f"{c['alone'] * 1e3:.2f}", f"{c['beside_encoder'] * 1e3:.2f}",
+                      f"{c['beside_encoder'] / c['alone']:.3f}"]]))
     return out
 
 
