@@ -23,7 +23,6 @@ Run from the repository root: python -m tools.bench.vlm_gap [--tiny] [--rounds N
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import random
@@ -79,12 +78,11 @@ def _timed(stage: Any, batch: Any) -> float:
 
 def _stage_times(_rank: int, draws: int, seed: int) -> dict[str, float]:
     stage, pair = _llm_stage(seed)
-    timed = functools.partial(_timed, stage)
     out: dict[str, list[float]] = {"image": [], "text": []}
     for i in range(draws + 3):
         image, text = pair()
         for kind, batch in ((("image", image), ("text", text)) if i % 2 else (("text", text), ("image", image))):
-            t = timed(batch)
+            t = _timed(stage, batch)
             if i >= 3:  # warm-up
                 out[kind].append(t)
     return {k: statistics.median(v) for k, v in out.items()}
@@ -127,10 +125,7 @@ def _core_times(rank: int, core: int, events: tuple[Any, Any, Any], rounds: int,
                 else:
                     busy.clear()
                 time.sleep(0.05)  # the encoder is in (or out of) its loop
-                t0 = time.perf_counter()
-                for batch in batches:
-                    stage.forward(batch)["loss"].backward()
-                out[kind].append((time.perf_counter() - t0) / len(batches))
+                out[kind].append(sum(_timed(stage, batch) for batch in batches) / len(batches))
     finally:
         busy.clear()
         stop.set()
@@ -151,12 +146,15 @@ def _encoder_load(ready: Any, busy: Any, stop: Any) -> None:
     n = 8
     batch = MicroBatch(step=0, index=0, sample_ids=list(range(n)), modalities=[frozenset({"text", "image"})] * n,
                        columns={}, inputs={"pixels": [torch.rand(3, 64, 64) for _ in range(n)]})
-    sum(e.sum() for e in stage.forward(batch)["image_embeds"]).backward()  # warm-up
+
+    def forward_backward() -> None:
+        sum(e.sum() for e in stage.forward(batch)["image_embeds"]).backward()
+
+    forward_backward()  # warm-up
     ready.set()
     while not stop.is_set():
-        if not busy.wait(0.05):
-            continue
-        sum(e.sum() for e in stage.forward(batch)["image_embeds"]).backward()
+        if busy.wait(0.05):
+            forward_backward()
 
 
 def run_stats(run_dir: str, data: str, warmup: int) -> dict[str, float]:
@@ -222,13 +220,14 @@ def main(argv: list[str] | None = None) -> dict:
           f"--pin-cpus, {rounds} alternating rounds of {steps} steps (first {warmup} dropped), medians")
     print(table(["LLM", "VLM", "text-only twin"],
                 [[label, f"{out['vlm'][k]:.3f}", f"{out['text'][k]:.3f}"] for label, k in zip(labels, keys, strict=True)]))
-    out["cores"] = core_times(2 if args.tiny else 15, 3 if args.tiny else 10)
+    core_rounds = 2 if args.tiny else 15
+    out["cores"] = core_times(core_rounds, 3 if args.tiny else 10)
     if out["cores"] is None:
         print("\n(c) skipped: it needs two cores")
     else:
         c = out["cores"]
         print(f"\n(c) the LLM stage's forward + backward (4 text samples) on one core, alone and while the vision "
-              f"encoder computes on another, {2 if args.tiny else 15} alternating rounds, medians")
+              f"encoder computes on another, {core_rounds} alternating rounds, medians")
         print(table(["alone ms", "beside the encoder ms", "beside / alone"],
                     [[f"{c['alone'] * 1e3:.2f}", f"{c['beside_encoder'] * 1e3:.2f}",
                       f"{c['beside_encoder'] / c['alone']:.3f}"]]))
