@@ -55,6 +55,8 @@ def test_vlm_text_only_tiny():
     for share in ("0.0", "0.66"):
         r = out[share]
         assert positive(r["vlm_step_s"]) and positive(r["text_step_s"]) and positive(r["ratio"])
+        # Each round's own pair (one round at --tiny): its ratio, and their median.
+        assert len(r["round_ratios"]) == out["config"]["rounds"] and r["paired_ratio"] == r["round_ratios"][0]
         assert r["llm_busy_s"] > 0 and r["encoder_busy_s"] >= 0
         # Every process's CPU per step: the machine's ceiling on the ratio (no step is shorter
         # than its CPU seconds over the cores).

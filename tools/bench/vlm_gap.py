@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> dict:
         vlm = build_image_demo(Path(folder) / "vlm", num_samples=num, image_share=args.share)
         twin = text_twin(vlm, Path(folder) / "text" / "vlm.arrow")
         for r in range(rounds):
-            for mode, data in (("vlm", vlm), ("text", twin)):
+            for mode, data in turns((("vlm", vlm), ("text", twin)), r):
                 run_dir = os.path.join(folder, f"{mode}-{r}")
                 run_one(data, steps, sets, run_dir=run_dir)
                 stats[mode].append(run_stats(run_dir, str(data), warmup))

@@ -25,7 +25,13 @@ cores (the workers' and the coordinator's), so the ratio is at most text-only st
 CPU per step. Where that ceiling is below the goal, the goal is out of reach on this machine at
 the runtime's present CPU cost, whatever the schedule.
 
+The ratio is that of the medians over all rounds' steps. Beside it, each round's own ratio (its
+twin's median step over its VLM's, the two run back to back) and their median: a host that
+speeds up or slows down between rounds moves the pooled medians, less so a round's pair. The 0%
+row is a control (the same data on both sides): how far it strays from 1 shows the hour's noise.
+
 Run from the repository root: python -m tools.bench.vlm_text_only [--tiny] [--rounds N] [--steps N]
+[--shares 0.33,1]
 """
 
 from __future__ import annotations
@@ -60,6 +66,19 @@ def text_twin(vlm_path: Path, out: Path, seed: int = 0) -> Path:
     return write_arrow(pa.table(cols, schema=table.schema), out)
 
 
+def parse_shares(text: str) -> tuple[float, ...]:
+    """--shares: comma-separated image shares, each from 0 to 1 (a usage error otherwise)."""
+    import argparse
+
+    try:
+        shares = tuple(float(part) for part in text.split(","))
+    except ValueError:
+        shares = ()
+    if not shares or any(not 0.0 <= s <= 1.0 for s in shares):
+        raise argparse.ArgumentTypeError(f"expected fractions from 0 to 1, comma-separated (0.33,1), got {text!r}")
+    return shares
+
+
 def run_one(data: Path, steps: int, sets: dict[str, Any], run_dir: str | None = None) -> list[dict[str, Any]]:
     """One pinned run; with `run_dir`, its plans, metrics and trace (run_dir/trace.json) kept there."""
     from maestro_flow.runtime.run import RunOptions, run_pipeline
@@ -70,8 +89,10 @@ def run_one(data: Path, steps: int, sets: dict[str, Any], run_dir: str | None = 
 
 
 def main(argv: list[str] | None = None) -> dict:
-    args, rounds, steps, warmup, sets = pipeline_bench_args(argv, "tools.bench.vlm_text_only", __doc__, rounds=3,
-                                                            steps=24, warmup=6, tiny_steps=3)
+    args, rounds, steps, warmup, sets = pipeline_bench_args(
+        argv, "tools.bench.vlm_text_only", __doc__, rounds=3, steps=24, warmup=6, tiny_steps=3,
+        add=lambda ap: ap.add_argument("--shares", type=parse_shares, help="image shares to run, comma-separated "
+                                       "fractions (default 0,0.33,0.66,1; tiny 0,0.66)"))
     from loaders.demo import build_image_demo
 
     num = 96 if args.tiny else 480
@@ -79,34 +100,41 @@ def main(argv: list[str] | None = None) -> dict:
                                       "samples": num, "cores": sorted(os.sched_getaffinity(0))}}
     rows = []
     with tempfile.TemporaryDirectory() as folder:
-        for share in (SHARES[0], SHARES[2]) if args.tiny else SHARES:
+        for share in args.shares or ((SHARES[0], SHARES[2]) if args.tiny else SHARES):
             vlm = build_image_demo(Path(folder) / f"vlm{share}", num_samples=num, image_share=share)
             twin = text_twin(vlm, Path(folder) / f"text{share}" / "vlm.arrow")
             times: dict[str, list[float]] = {"vlm": [], "text": []}
+            by_round: dict[str, list[float]] = {"vlm": [], "text": []}  # each run's median step
             cpu: dict[str, list[float]] = {"vlm": [], "text": []}
             busy: dict[str, list[float]] = {"vision": [], "llm": []}
             for r in range(rounds):
                 for mode, data in turns((("vlm", vlm), ("text", twin)), r):
-                    for row in run_one(data, steps, sets)[warmup:]:
+                    kept = run_one(data, steps, sets)[warmup:]
+                    by_round[mode].append(median([row["step_time_s"] for row in kept]))
+                    for row in kept:
                         times[mode].append(row["step_time_s"])
                         cpu[mode].append(row["coordinator_cpu_s"] + sum(s["cpu_s"] for s in row["sections"].values()))
                         if mode == "vlm":
                             for name in busy:
                                 busy[name].append(row["sections"][name]["busy_s"])
             ratio = median(times["text"]) / median(times["vlm"])
+            paired = [t / v for t, v in zip(by_round["text"], by_round["vlm"], strict=True)]
             enc, llm = median(busy["vision"]), median(busy["llm"])
             ceiling = median(times["text"]) * len(out["config"]["cores"]) / median(cpu["vlm"])
             out[str(share)] = {"vlm_step_s": median(times["vlm"]), "text_step_s": median(times["text"]),
-                               "ratio": ratio, "encoder_busy_s": enc, "llm_busy_s": llm,
+                               "ratio": ratio, "round_ratios": paired, "paired_ratio": median(paired),
+                               "encoder_busy_s": enc, "llm_busy_s": llm,
                                "encoder_below_llm": enc < llm, "vlm_cpu_s": median(cpu["vlm"]),
                                "text_cpu_s": median(cpu["text"]), "cpu_ceiling": ceiling}
             rows.append([f"{share:.0%}", f"{median(times['vlm']) * 1e3:.1f}", f"{median(times['text']) * 1e3:.1f}",
-                         f"{ratio:.3f}", f"{enc * 1e3:.1f}", f"{llm * 1e3:.1f}",
+                         f"{ratio:.3f}", f"{median(paired):.3f} [{min(paired):.3f}-{max(paired):.3f}]",
+                         f"{enc * 1e3:.1f}", f"{llm * 1e3:.1f}",
                          f"{median(cpu['vlm']) * 1e3:.1f}", f"{median(cpu['text']) * 1e3:.1f}", f"{ceiling:.3f}",
                          ("yes" if ratio >= GOAL else "NO") if enc < llm else "n/a (encoder-bound)"])
     print(f"pipelines/vlm.py, vision dp 1 -> llm dp 1, --pin-cpus, {rounds} alternating rounds of {steps} steps "
           f"(first {warmup} dropped), medians; the twin has the same LLM positions per step")
     print(table(["images", "VLM step ms", "text-only step ms", "LLM throughput VLM / text-only",
+                 "per-round ratios: median [range]",
                  "encoder busy ms/step", "LLM busy ms/step", "VLM CPU ms/step", "text-only CPU ms/step",
                  f"ceiling on {len(out['config']['cores'])} cores", f">= {GOAL}"], rows))
     return out
