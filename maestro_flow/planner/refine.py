@@ -48,6 +48,7 @@ from maestro_flow.graph import SectionGraph
 from maestro_flow.planner.cost import CostModel
 from maestro_flow.planner.credit import credit_gates
 from maestro_flow.planner.plan import MicroBatches, Plan
+from maestro_flow.planner.regroup import sent_order
 from maestro_flow.planner.simulate import replay
 from maestro_flow.samples import SampleMeta
 
@@ -260,7 +261,7 @@ class _Search:
             replicas, changed = {**plan.replicas, n: tuple(tuple(tuple(mb) for mb in rep if mb) for rep in reps)}, {n}
         for c, p in self.in_order.items():
             if changed & {c, p}:
-                replicas[c] = self._sent_order(replicas, routes, p, c)
+                replicas[c] = sent_order(replicas[p], replicas[c], self.takes[p], self.takes[c], routes[p], routes[c])
         if routes is plan.routes and all(replicas[m] == plan.replicas[m] for m in self.comp):
             return None
         return self.gated(replace(plan, replicas=replicas, routes=routes))
@@ -295,24 +296,6 @@ class _Search:
         for m in self.comp:
             routes[m] = {**routes[m], a: routes[m][b], b: routes[m][a]}
         return replicas, routes, set(takes)
-
-    def _sent_order(self, replicas: dict, routes: dict[str, dict[int, int]], p: str, c: str) -> tuple:
-        """Consumer `c`'s micro-batches with the samples of each producer replica, in the places
-        they hold, put back in the order that replica produces them."""
-        takes_c, takes_p, route_c, route_p = self.takes[c], self.takes[p], routes[c], routes[p]
-        sent: dict[tuple[int, int], list[int]] = {}  # (producer replica, consumer replica) -> sids
-        for pr, mbs in enumerate(replicas[p]):
-            for mb in mbs:
-                for sid in mb:
-                    if sid in takes_c:
-                        key = (pr, route_c[sid])
-                        if key in sent:
-                            sent[key].append(sid)
-                        else:
-                            sent[key] = [sid]
-        queues = {key: iter(sids) for key, sids in sent.items()}
-        return tuple(tuple(tuple(next(queues[(route_p[sid], ci)]) if sid in takes_p else sid for sid in mb)
-                           for mb in mbs) for ci, mbs in enumerate(replicas[c]))
 
     @staticmethod
     def _within(mbs: list[list[int]], size: int, rng: random.Random) -> bool:

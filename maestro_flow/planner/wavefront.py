@@ -17,7 +17,10 @@ Pure (standard library only). Per connected component:
      simulate.py itself judges), so the choice is exact, not estimated. CANDIDATE_BUDGET
      (samples x orderings) bounds the work: a large batch plays out only the first candidates,
      and stops at one within GOOD_ENOUGH of simulate.bound_terms' bound, which keeps a 4096-sample
-     step under 100 ms;
+     step under 100 ms. Then, where an LLM that pads its micro-batches takes one encoder's outputs in their send
+     order, that encoder sends each micro-batch's samples longest first and the LLM sorts what
+     it holds by length (regroup.py), kept where simulate.py finds the step shorter (not for
+     batches too large to try every rule set);
   5. where the best order still ends more than 2% over the bound, a bounded local search
      (refine.py) changes its micro-batches, their order and routes and keeps what its
      simulation shows shorter, within a share of the step's planned time (Pipeline.plan_search,
@@ -26,7 +29,8 @@ Pure (standard library only). Per connected component:
      simulated where its replicas' work alone does not already rule it out), it is kept for
      that component, so the wavefront is never slower than FIFO under simulate.py.
 The recorded order is the plan (schedule "wavefront"; `Plan.variant` names the rules that won,
-"refined <rules>" where the search shortened their order);
+"regrouped <rules>" where step 4's regrouping was kept, "refined ..." where the search then
+shortened the order);
 transfers follow it, so both ends of every pair agree.
 
     image samples i1..i4 (encoder cost 1, LLM cost 2), text t1..t4 (LLM cost 1); vision dp=1
@@ -47,6 +51,7 @@ from maestro_flow.planner.fifo import FifoPlanner
 from maestro_flow.planner.ordering import Ordering
 from maestro_flow.planner.plan import Plan
 from maestro_flow.planner.refine import refine
+from maestro_flow.planner.regroup import regroup
 from maestro_flow.planner.routed import Routed
 from maestro_flow.planner.routing import components
 from maestro_flow.planner.rules import CANDIDATES, Rules
@@ -142,6 +147,10 @@ class WavefrontPlanner:
                     break  # no candidate can do much better: spare the time
             span, _, name, routes, mbs, order = best
             gates = order.gates()
+            if not hurry:
+                regrouped, span = self._regrouped(comp, samples, routes, mbs, gates, span, fwd)
+                if regrouped is not mbs:
+                    mbs, name = regrouped, f"regrouped {name}"
             if search > 0 and not hurry:  # a batch too large to try every rule set is not searched either
                 start = self._component_plan(samples, comp, mbs, gates, routes)
                 better = refine(graph, self.costs, comp, start, span, bound, anchor, order.credit[anchor],
@@ -163,6 +172,24 @@ class WavefrontPlanner:
                     gates={n: gates[n] for n in graph.order if n in gates},
                     variant="+".join(names) if len(set(names)) > 1 else (names[0] if names else ""))
         return plan, max((span for _, span, *_ in chosen), default=0.0)
+
+    def _regrouped(self, comp: list[str], samples: Sequence[SampleMeta], routes: dict, mbs: dict, gates: dict,
+                   span: float, fwd: dict[str, dict[int, float]]) -> tuple[dict, float]:
+        """regroup.py's orders of a padding consumer and its producer (narrow, then wide runs): the
+        shortest under simulate.py (the order's own gates), the order as it was on a tie."""
+        padded = {n: self.costs.costs[n].padded for n in comp}
+        best = (mbs, span)
+        for wide in (False, True):
+            new = regroup(self.graph, comp, mbs, routes, fwd, padded, gates, wide=wide)
+            if new is None:
+                continue
+            try:
+                new_span = self._simulated(comp, samples, new, gates)
+            except ValueError:  # the gates wait in a circle on the new order: not a candidate
+                continue
+            if new_span < best[1] * (1 - 1e-9):
+                best = (new, new_span)
+        return best
 
     def _component_plan(self, samples: Sequence[SampleMeta], comp: list[str], mbs: dict, gates: dict,
                         routes: dict | None = None) -> Plan:

@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from maestro_flow.errors import PipelineError
 from maestro_flow.graph import SectionGraph
 from maestro_flow.planner import CostModel, refine
+from maestro_flow.planner.regroup import sent_order
 from maestro_flow.planner.simulate import replay, simulate
 from maestro_flow.planner.wavefront import WavefrontPlanner
 from tests.unit.test_planner import batches, check_plan, pipelines
@@ -101,7 +102,8 @@ def test_samples_trade_places_everywhere_across_fan_out_blocks(issue_case):
     assert changed == {"vision", "llm"}
     assert routes["vision"][a] == 1 and routes["vision"][b] == 0
     assert (routes["llm"][a], routes["llm"][b]) == (plan.routes["llm"][b], plan.routes["llm"][a])
-    replicas["llm"] = search._sent_order(replicas, routes, "vision", "llm")
+    replicas["llm"] = sent_order(replicas["vision"], replicas["llm"], search.takes["vision"], search.takes["llm"],
+                                 routes["vision"], routes["llm"])
     check_plan(graph, samples, search.gated(dataclasses.replace(plan, replicas=replicas, routes=routes)))
     text = next(s.id for s in samples if "image" not in s.modalities)
     assert search._swap_everywhere(plan, a, text) is None  # not taken by the same sections
@@ -124,7 +126,8 @@ def test_a_sample_moves_to_another_replica(issue_case):
     assert sid in [x for mb in reps[src ^ 1] for x in mb] and sid not in [x for mb in reps[src] for x in mb]
     assert all(len(mb) <= 4 for mb in reps[src ^ 1])
     replicas = {**plan.replicas, "llm": tuple(tuple(tuple(mb) for mb in rep if mb) for rep in reps)}
-    replicas["llm"] = search._sent_order(replicas, routes, "vision", "llm")
+    replicas["llm"] = sent_order(replicas["vision"], replicas["llm"], search.takes["vision"], search.takes["llm"],
+                                 routes["vision"], routes["llm"])
     check_plan(graph, samples, search.gated(dataclasses.replace(plan, replicas=replicas, routes=routes)))
     # An image's LLM replica must be one its encoder replica feeds (vision dp 2 -> llm dp 4).
     image = next(s.id for s in samples if "image" in s.modalities)
