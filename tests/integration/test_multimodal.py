@@ -1,8 +1,9 @@
 """Multimodal section mode equals the colocated reference (float64, every trainable parameter).
 
 Vision encoder (DALI decode on CPU) -> LLM with fan-out 2 and 4, unequal micro-batch sizes,
-image shares of 0%, about 33% and 100%, trainable and frozen encoders, both schedules; and an
-image encoder plus an audio encoder feeding one LLM.
+image shares of 0%, about 33% and 100%, trainable and frozen encoders, both schedules, plans the
+planner's search or its regrouping by length changed; and an image encoder plus an audio encoder
+feeding one LLM.
 """
 
 from __future__ import annotations
@@ -166,5 +167,25 @@ def test_plans_the_search_shortened_train_as_the_colocated_reference(vlm_data, t
     assert [p["step"] for p in plans] == [0, 1, 2]
     assert not plans[0]["variant"].startswith("refined")  # the workers wait for the first plan: rules alone
     assert any(p["variant"].startswith("refined") for p in plans[1:]), [p["variant"] for p in plans]
+    assert_same_losses(s_rows, c_rows)
+    assert_same_parameters(section, colocated, ["llm", "vision"])
+
+
+def test_regrouped_plans_train_as_the_colocated_reference(vlm_data, tmp_path):
+    """Plans where the encoder sends its images longest first and the LLM sorts what it holds by
+    length (planner/regroup.py; fixed costs, vision dp 1 -> llm dp 1 at 33% images, where the
+    demo's costs regroup most steps) run to the colocated reference's losses and parameters."""
+    import json
+
+    overrides = {"dtype": "float64", "steps": 3, "data.path": str(vlm_data[0.33]), "global_batch": 24,
+                 "sections.vision.dp": 1, "sections.llm.dp": 1, "adapt_costs": False}
+    section, colocated = tmp_path / "section", tmp_path / "colocated"
+    s_rows = run_pipeline(str(ROOT / "pipelines/vlm.py"), RunOptions(
+        overrides=overrides, save_dir=str(section), run_dir=str(tmp_path / "run"), show_progress=False))
+    c_rows = run_pipeline(str(ROOT / "pipelines/vlm.py"), RunOptions(
+        overrides=overrides, colocated=True, save_dir=str(colocated), show_progress=False))
+    plans = [json.loads(line) for path in (tmp_path / "run").rglob("plans.jsonl") for line in path.open()]
+    assert [p["step"] for p in plans] == [0, 1, 2]
+    assert any(p["variant"].startswith("regrouped") for p in plans), [p["variant"] for p in plans]
     assert_same_losses(s_rows, c_rows)
     assert_same_parameters(section, colocated, ["llm", "vision"])
