@@ -17,10 +17,10 @@ Pure (standard library only). Per connected component:
      simulate.py itself judges), so the choice is exact, not estimated. CANDIDATE_BUDGET
      (samples x orderings) bounds the work: a large batch plays out only the first candidates,
      and stops at one within GOOD_ENOUGH of simulate.bound_terms' bound, which keeps a 4096-sample
-     step under 100 ms. Then, where an LLM that pads its micro-batches takes one encoder's outputs in their send
-     order, that encoder sends each micro-batch's samples longest first and the LLM sorts what
-     it holds by length (regroup.py), kept where simulate.py finds the step shorter (not for
-     batches too large to try every rule set);
+     step under 100 ms. Then, where an LLM that pads its micro-batches takes one encoder's
+     outputs in their send order, that encoder sends each micro-batch's samples longest first
+     and the LLM sorts what it holds by length (regroup.py), kept where simulate.py finds the
+     step shorter (not for batches too large to try every rule set);
   5. where the best order still ends more than 2% over the bound, a bounded local search
      (refine.py) changes its micro-batches, their order and routes and keeps what its
      simulation shows shorter, within a share of the step's planned time (Pipeline.plan_search,

@@ -146,46 +146,43 @@ def test_corrupt_images_can_be_skipped_and_counted_across_a_resume(corrupt_data,
     assert resumed[-1]["sections"]["vision"]["stage"]["corrupt_images"] == counts[4]
 
 
-def test_plans_the_search_shortened_train_as_the_colocated_reference(vlm_data, tmp_path, monkeypatch):
-    """The planner's search (planner/refine.py) on in a run (this 2-core host's workers fill its
-    cores, so the run would turn it off: the test lets it search anyway): its plans (micro-batches
-    moved, reordered and split, samples swapped between replicas, gates recomputed) run to the
-    colocated reference's parameters."""
+def planned_against_colocated(overrides: dict, tmp_path) -> list[dict]:
+    """Runs the vlm pipeline with `overrides` in section mode (its plans kept) and colocated:
+    the same losses and parameters. Returns the section run's plans (plans.jsonl), by step."""
     import json
 
-    from maestro_flow.runtime import cpus
-
-    monkeypatch.setattr(cpus, "search_share", lambda share, lookahead, workers, cores: share)
-    overrides = {"dtype": "float64", "steps": 3, "data.path": str(vlm_data[1.0]), "global_batch": 24,
-                 "sections.llm.dp": 4, "sections.llm.micro_batch": 3, "plan_search": 1.0}
     section, colocated = tmp_path / "section", tmp_path / "colocated"
     s_rows = run_pipeline(str(ROOT / "pipelines/vlm.py"), RunOptions(
         overrides=overrides, save_dir=str(section), run_dir=str(tmp_path / "run"), show_progress=False))
     c_rows = run_pipeline(str(ROOT / "pipelines/vlm.py"), RunOptions(
         overrides=overrides, colocated=True, save_dir=str(colocated), show_progress=False))
-    plans = [json.loads(line) for path in (tmp_path / "run").rglob("plans.jsonl") for line in path.open()]
+    assert_same_losses(s_rows, c_rows)
+    assert_same_parameters(section, colocated, ["llm", "vision"])
+    return [json.loads(line) for path in (tmp_path / "run").rglob("plans.jsonl") for line in path.open()]
+
+
+def test_plans_the_search_shortened_train_as_the_colocated_reference(vlm_data, tmp_path, monkeypatch):
+    """The planner's search (planner/refine.py) on in a run (this 2-core host's workers fill its
+    cores, so the run would turn it off: the test lets it search anyway): its plans (micro-batches
+    moved, reordered and split, samples swapped between replicas, gates recomputed) run to the
+    colocated reference's parameters."""
+    from maestro_flow.runtime import cpus
+
+    monkeypatch.setattr(cpus, "search_share", lambda share, lookahead, workers, cores: share)
+    plans = planned_against_colocated({"dtype": "float64", "steps": 3, "data.path": str(vlm_data[1.0]),
+                                       "global_batch": 24, "sections.llm.dp": 4, "sections.llm.micro_batch": 3,
+                                       "plan_search": 1.0}, tmp_path)
     assert [p["step"] for p in plans] == [0, 1, 2]
     assert not plans[0]["variant"].startswith("refined")  # the workers wait for the first plan: rules alone
     assert any(p["variant"].startswith("refined") for p in plans[1:]), [p["variant"] for p in plans]
-    assert_same_losses(s_rows, c_rows)
-    assert_same_parameters(section, colocated, ["llm", "vision"])
 
 
 def test_regrouped_plans_train_as_the_colocated_reference(vlm_data, tmp_path):
     """Plans where the encoder sends its images longest first and the LLM sorts what it holds by
     length (planner/regroup.py; fixed costs, vision dp 1 -> llm dp 1 at 33% images, where the
     demo's costs regroup most steps) run to the colocated reference's losses and parameters."""
-    import json
-
-    overrides = {"dtype": "float64", "steps": 3, "data.path": str(vlm_data[0.33]), "global_batch": 24,
-                 "sections.vision.dp": 1, "sections.llm.dp": 1, "adapt_costs": False}
-    section, colocated = tmp_path / "section", tmp_path / "colocated"
-    s_rows = run_pipeline(str(ROOT / "pipelines/vlm.py"), RunOptions(
-        overrides=overrides, save_dir=str(section), run_dir=str(tmp_path / "run"), show_progress=False))
-    c_rows = run_pipeline(str(ROOT / "pipelines/vlm.py"), RunOptions(
-        overrides=overrides, colocated=True, save_dir=str(colocated), show_progress=False))
-    plans = [json.loads(line) for path in (tmp_path / "run").rglob("plans.jsonl") for line in path.open()]
+    plans = planned_against_colocated({"dtype": "float64", "steps": 3, "data.path": str(vlm_data[0.33]),
+                                       "global_batch": 24, "sections.vision.dp": 1, "sections.llm.dp": 1,
+                                       "adapt_costs": False}, tmp_path)
     assert [p["step"] for p in plans] == [0, 1, 2]
     assert any(p["variant"].startswith("regrouped") for p in plans), [p["variant"] for p in plans]
-    assert_same_losses(s_rows, c_rows)
-    assert_same_parameters(section, colocated, ["llm", "vision"])

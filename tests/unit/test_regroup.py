@@ -106,6 +106,7 @@ def test_a_run_is_sorted_only_where_that_pads_less():
                   {"vision": True, "llm": True}, {})
     assert out is None  # in the new send order the long one would lead the three: 31 positions
 
+
 def test_wavefront_plans_keep_every_invariant_and_pad_the_llm_less(monkeypatch):
     """Drawn VLM batches at 33% images, several layouts: every plan keeps the planners' invariants
     (both ends of each pair agree on the order, nothing waits in a circle), and over the draws the
