@@ -88,7 +88,8 @@ FIELDS: dict[str, tuple[str, ...]] = {
 # Fields a message may carry or leave out (a hello's host key is optional so that a worker of
 # another protocol version still parses, and its version mismatch is reported).
 OPTIONAL: dict[str, tuple[str, ...]] = {"hello": ("host_key",), "heartbeat": ("status",), "tensors": ("shm", "ipc"),
-                                        "ready": ("setup",), "plan": ("rounds", "probe"), "init": ("ipc",)}
+                                        "ready": ("setup",), "plan": ("rounds", "probe", "io_cpus"),
+                                        "init": ("ipc",)}
 
 _NUM = (int, float)
 _OPT_STR = (str, type(None))
@@ -104,7 +105,7 @@ TYPES: dict[str, tuple[type, ...]] = {
     "resume": _OPT_STR, "micro_batches": (list,), "samples": (list,), "routes": (dict,), "gates": (list,),
     "notify": (list,), "path": (str,), "save_dir": _OPT_STR, "src": (int,), "edge": (int,), "entries": (list,),
     "buffers": (list,), "finished": (int,), "status": (dict,), "session": (str,), "host_key": _OPT_STR,
-    "slots": (list,), "setup": (dict,), "rounds": (int,), "probe": (list,),
+    "slots": (list,), "setup": (dict,), "rounds": (int,), "probe": (list,), "io_cpus": (list,),
 }
 TYPES_OF: dict[tuple[str, str], tuple[type, ...]] = {("error", "step"): _OPT_INT, ("tensors", "shm"): (list, type(None)),
                                                      ("init", "shm"): (list,), ("tensors", "ipc"): (list, type(None)),

@@ -47,6 +47,7 @@ from maestro_flow.protocol.messages import PROTOCOL_VERSION, make
 from maestro_flow.runtime import attempts
 from maestro_flow.runtime.build import resolve_device
 from maestro_flow.runtime.coordinator_io import CoordinatorIO
+from maestro_flow.runtime.cpus import CoordinatorCores
 from maestro_flow.runtime.launcher import Launcher
 from maestro_flow.runtime.ledger import PlanMessages, StepLedger, carry_counters
 from maestro_flow.runtime.liveness import Liveness
@@ -55,21 +56,11 @@ from maestro_flow.runtime.observe import RunObserver, timed_plan
 from maestro_flow.runtime.report import RunReport
 from maestro_flow.runtime.sampler import EpochSampler
 from maestro_flow.runtime.status import StatusServer
-from maestro_flow.runtime.topology import ipc_channels, shm_channels
+from maestro_flow.runtime.topology import ipc_channels, ipc_enabled, shm_channels, shm_enabled
 from maestro_flow.runtime.worker import worker_main
-from maestro_flow.timeouts import Timeouts, env_flag
+from maestro_flow.timeouts import Timeouts
 from maestro_flow.transport import host as shm_host
 from maestro_flow.transport import zmq_link
-
-
-def shm_enabled() -> bool:
-    """Whether same-host CPU channels use shared memory (MAESTRO_SHM=0: gloo instead), read per run."""
-    return env_flag("MAESTRO_SHM")
-
-
-def ipc_enabled() -> bool:
-    """Whether ranks sharing a GPU use CUDA IPC (MAESTRO_CUDA_IPC=0: gloo through the host instead)."""
-    return env_flag("MAESTRO_CUDA_IPC")
 
 
 def placement_for(graph: SectionGraph) -> Placement:
@@ -86,8 +77,6 @@ def placement_for(graph: SectionGraph) -> Placement:
             devices[name].append(device)
     return Placement.build(graph.order, {n: graph.sections[n].dp for n in graph.order}, devices,
                            tp={n: graph.sections[n].tp for n in graph.order})
-
-
 
 
 class Coordinator(CoordinatorIO):
@@ -150,6 +139,7 @@ class Coordinator(CoordinatorIO):
         self.last_sent: dict[int, float] = {}  # rank -> when the coordinator last sent it a frame
         self._listened_at = time.monotonic()  # when _recv last looked at its socket
         self.startup_parts: dict[str, float] = {}  # setup part -> the slowest worker's seconds in it
+        self.cores: CoordinatorCores | None = None  # with --pin-cpus, where this process runs (_train)
 
     # -- public ----------------------------------------------------------------------------
 
@@ -184,6 +174,8 @@ class Coordinator(CoordinatorIO):
             zmq_link.term(self.zctx)
             self.store = None
         finally:
+            if self.cores is not None:  # this process may go on (a test, a benchmark): all its cores back
+                self.cores.restore()
             if self._owner is not None:  # sweeps the slots a killed worker could not remove
                 self._owner.close()
                 self._owner = None
@@ -297,6 +289,7 @@ class Coordinator(CoordinatorIO):
         planner = make_planner(p.schedule, self.graph, search=search)
         sampler = self.sampler
         ledger = StepLedger(self.graph, self.placement, adapt_costs=p.adapt_costs)
+        self.cores = cores = CoordinatorCores.of(self._pinned(), self.placement)  # --pin-cpus: where this runs
         first = 0
         if self.resume is not None:
             first = self.resume[1].step
@@ -335,6 +328,7 @@ class Coordinator(CoordinatorIO):
                     row = self._report(ledger, rank, msg)
                 except Rejected as exc:  # a repeated or misplaced report never changes training
                     self.drops.drop(self._label(rank), str(exc))
+            cores.step(row["sections"])
             row["restarts"] = self.restarts
             carry_counters(row, self.resume[1].counters if self.resume else {})
             if step == first:  # how long this attempt took to start (spawn to every worker ready), and where
@@ -386,6 +380,8 @@ class Coordinator(CoordinatorIO):
         for name, leaders in self.placement.ranks.items():
             for replica, leader in enumerate(leaders):
                 msg = messages.of(name, replica)  # a tensor-parallel replica's ranks share it
+                io = self.cores.io_cpus(name) if self.cores is not None else None
+                msg = msg if io is None else {**msg, "io_cpus": io}  # --pin-cpus: cpus.IoThreads
                 for rank in self.placement.group(leader):
                     self._send(rank, msg)
 

@@ -1,7 +1,8 @@
-"""Which host cores each CPU worker may run on (`maestro run --pin-cpus`), and whether the
-coordinator has one to spare for the planner's search (`search_share`).
+"""Which host cores each CPU worker may run on (`maestro run --pin-cpus`), which ones the
+coordinator runs on then (`CoordinatorCores`), and whether it has one to spare for the planner's
+search (`search_share`).
 
-Pure (standard library only). The cores are those the `maestro run` process may use (so
+Standard library only. The cores are those the `maestro run` process may use (so
 `taskset -c 0-7 maestro run ...` gives the job eight cores). With at most as many CPU workers
 as cores, each worker gets its own contiguous block of cores (blocks differ by at most one core
 in size); with more workers than cores, a core cannot be anyone's own, so every worker may run
@@ -12,7 +13,9 @@ cores of its own (`threads`). `env_threads` reads MAESTRO_WORKER_THREADS, which 
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+import threading
+from collections.abc import Collection, Mapping, Sequence
+from typing import Any
 
 THREADS_ENV = "MAESTRO_WORKER_THREADS"  # torch threads of every CPU worker (0 or unset: the default)
 
@@ -71,3 +74,96 @@ def pinned(cpu_ranks: Sequence[int], cores: Sequence[int]) -> dict[int, dict[str
     cores = sorted(cores)
     return {r: {"cpus": list(share), "threads": threads(len(cpu_ranks), cores, share)}
             for r, share in zip(cpu_ranks, cpu_shares(len(cpu_ranks), cores), strict=True)}
+
+
+SPARE_BELOW = 0.9  # a section whose replicas were busy under this share of the busiest one's leaves its cores spare
+
+
+def spare_cores(busy: Mapping[str, float], cores_of: Mapping[str, Collection[int]],
+                below: float = SPARE_BELOW) -> tuple[int, ...]:
+    """The cores of the sections that were not near the busiest in a step (`busy`: seconds per
+    replica; `cores_of`: the cores of each section's pinned workers), less any that a near-busiest
+    section's workers also use; () where there are none."""
+    top = max(busy.values(), default=0.0)
+    if top <= 0.0:
+        return ()
+    busiest = {c for n, b in busy.items() if b >= below * top for c in cores_of.get(n, ())}
+    return tuple(sorted({c for n, b in busy.items() if b < below * top for c in cores_of.get(n, ())} - busiest))
+
+
+class CoordinatorCores:
+    """`maestro run --pin-cpus`: the coordinator's process (its planning, its message handling,
+    every thread) kept off the cores of the step's busiest section, on those of the sections with
+    time to spare (spare_cores, chosen again after every step from its busy times); on all the
+    run's cores where no section has any. It also names those spare cores in the busiest
+    section's plans, for its workers' I/O threads (IoThreads)."""
+
+    def __init__(self, cores_of: Mapping[str, Collection[int]], replicas: Mapping[str, int]) -> None:
+        self.cores_of, self.replicas = cores_of, replicas
+        self.everywhere = self.now = tuple(sorted(os.sched_getaffinity(0)))
+        self.spare: tuple[int, ...] = ()
+        self.busiest: set[str] = set()
+
+    @classmethod
+    def of(cls, pinned: Mapping[int, Mapping[str, Any]], placement: Any) -> CoordinatorCores:
+        """From `pinned`'s boot fields (rank -> its cores) and the run's Placement."""
+        cores_of: dict[str, set[int]] = {n: set() for n in placement.ranks}
+        for rank, boot in pinned.items():
+            cores_of[placement.who(rank)[0]].update(boot["cpus"])
+        return cls(cores_of, {n: len(ranks) for n, ranks in placement.ranks.items()})
+
+    def step(self, sections: Mapping[str, Mapping[str, float]]) -> None:
+        """Re-place after a step, from its metrics row's `sections`."""
+        busy = {n: sections[n]["busy_s"] / self.replicas[n] for n in self.cores_of}
+        self.spare = spare_cores(busy, self.cores_of)
+        top = max(busy.values(), default=0.0)
+        self.busiest = {n for n, b in busy.items() if self.spare and b >= SPARE_BELOW * top}
+        self._place(self.spare or self.everywhere)
+
+    def io_cpus(self, section: str) -> list[int] | None:
+        """Where the workers of `section` run their I/O threads (IoThreads), for its plans: on the
+        spare cores where it was among the busiest in the last step, else (None) on their own."""
+        return list(self.spare) if section in self.busiest else None
+
+    def restore(self) -> None:
+        """Every thread back on all the cores it had."""
+        self._place(self.everywhere)
+
+    def _place(self, cores: tuple[int, ...]) -> None:
+        if cores != self.now:
+            for tid in os.listdir("/proc/self/task"):  # threads started later inherit the main thread's
+                try:
+                    os.sched_setaffinity(int(tid), cores)
+                except OSError:  # a thread that has just ended
+                    pass
+            self.now = cores
+
+
+class IoThreads:
+    """A worker's I/O threads: every thread but its compute thread and torch's (its other Python
+    threads: control, tensor channels, output, watchdog; ZeroMQ's and gloo's), on the cores its plans name
+    (`io_cpus`: CoordinatorCores.io_cpus) or, where they name none, on the worker's own. A busiest
+    section's worker so leaves its own cores to its compute: in the VLM at 33% images, the LLM's
+    compute spans lost 1.3-1.4 ms a step off its core to its own message handling, 0.4-0.6 ms
+    with its I/O threads on the encoder's core, where its inputs then reach it a little later
+    (RESULTS 11.2, vlm_gap)."""
+
+    NATIVE = ("ZMQbg", "gloo", "pt_gloo")  # thread names (comm) of ZeroMQ's and gloo's I/O threads
+
+    def __init__(self) -> None:
+        self.own = self.now = tuple(sorted(os.sched_getaffinity(0)))
+
+    def place(self, cores: Sequence[int] | None) -> None:
+        want = tuple(sorted(cores)) if cores else self.own
+        if want == self.now:
+            return
+        python = {t.native_id for t in threading.enumerate() if t is not threading.main_thread()}
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                with open(f"/proc/self/task/{tid}/comm") as f:
+                    name = f.read().strip()
+                if int(tid) in python or name.startswith(self.NATIVE):
+                    os.sched_setaffinity(int(tid), want)
+            except OSError:  # a thread that has just ended
+                pass
+        self.now = want

@@ -4,7 +4,8 @@
 in one deterministic order; `shm_channels` (pure) picks those between CPU workers that share
 memory (transport/shm.py), which send through shared memory and fall back on their group only
 where a slot cannot be made, and `ipc_channels` (pure) those between workers on one GPU of one
-host (transport/cuda_ipc.py), likewise through CUDA IPC. `process_groups` runs in every worker after init_process_group.
+host (transport/cuda_ipc.py), likewise through CUDA IPC (`shm_enabled` and `ipc_enabled` read
+the environment switches that turn either off). `process_groups` runs in every worker after init_process_group.
 The channels of an edge share one group per direction and backend (every rank of the edge's
 channels): gloo pairs inside a group are independent connections, and
 NCCL gives each pair of a group its own communicator for point-to-point operations, so one slow
@@ -27,6 +28,7 @@ from typing import Any
 
 from maestro_flow.graph import SectionGraph
 from maestro_flow.planner.plan import Placement
+from maestro_flow.timeouts import env_flag
 
 Channel = tuple[int, int, str]  # (sending rank, receiving rank, "fwd" | "bwd")
 
@@ -45,6 +47,16 @@ def _indexed(graph: SectionGraph, placement: Placement) -> list[tuple[int, Chann
                 if e.carries_grad:
                     out.append((e.index, (dst, src, "bwd")))
     return out
+
+
+def shm_enabled() -> bool:
+    """Whether same-host CPU channels use shared memory (MAESTRO_SHM=0: gloo instead), read per run."""
+    return env_flag("MAESTRO_SHM")
+
+
+def ipc_enabled() -> bool:
+    """Whether ranks sharing a GPU use CUDA IPC (MAESTRO_CUDA_IPC=0: gloo through the host instead)."""
+    return env_flag("MAESTRO_CUDA_IPC")
 
 
 def shm_channels(graph: SectionGraph, placement: Placement, hosts: dict[int, str | None]) -> list[Channel]:

@@ -238,6 +238,7 @@ class _Worker:
                  zctx: zmq.Context, timeouts: Timeouts, key: bytes) -> None:
         self.init, self.inbox, self.out, self.pull, self.zctx, self.timeouts = init, inbox, out, pull, zctx, timeouts
         self.key = key  # seals tensor headers to peers (protocol/auth.py)
+        self.io_threads = cpus.IoThreads()  # where its threads but the compute thread run
         self.rank = init["rank"]
         self.comm = None
         self.control: _Control | None = None
@@ -432,6 +433,7 @@ class _Worker:
                 self.report_error("system", body)
                 return 1
             elif body["t"] == "plan":
+                self.io_threads.place(body.get("io_cpus"))  # (--pin-cpus)
                 executor.add_plan(body)
             elif body["t"] == "finalize":
                 executor.finalize(body["step"], body["denominator"])

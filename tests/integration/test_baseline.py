@@ -77,12 +77,15 @@ def test_pinned_workers_get_their_own_cores(demo_data):
     assert not as_set(embed["cpu_mask"]) & as_set(head["cpu_mask"])  # none shared
     # One torch thread per core of its own (blocks differ by one core where the count is odd).
     assert embed["threads"] == len(as_set(embed["cpu_mask"])) and head["threads"] == len(as_set(head["cpu_mask"]))
+    # The coordinator (this process) may run on a spare section's cores during the run; after it, on all its own.
+    assert sorted(os.sched_getaffinity(0)) == cores
     # More workers than cores: every worker may run anywhere, one thread each.
     rows = run_pipeline(str(ASSETS / "plain.py"), RunOptions(
         overrides={"steps": 1, "data.path": str(demo_data), "sections.head.dp": len(cores)}, pin_cpus=True,
         show_progress=False))
     assert as_set(rows[0]["sections"]["embed"]["stage"]["cpu_mask"]) == mine
     assert rows[0]["sections"]["embed"]["stage"]["threads"] == 1
+    assert sorted(os.sched_getaffinity(0)) == cores
 
 
 

@@ -1,0 +1,139 @@
+"""runtime/cpus.py: where the coordinator runs under --pin-cpus (off the cores of the section a
+step was busiest in, on those of the sections with time to spare; back on all its cores after),
+and where the busiest section's workers run their I/O threads (the spare cores, named in their plans)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from maestro_flow.planner.plan import Placement
+from maestro_flow.runtime.cpus import CoordinatorCores, pinned, spare_cores
+
+
+def test_spare_cores_are_those_of_the_sections_well_below_the_busiest():
+    one_each = {"vision": {0}, "llm": {1}}
+    assert spare_cores({"vision": 0.015, "llm": 0.040}, one_each) == (0,)  # the VLM: the LLM is critical
+    assert spare_cores({"vision": 0.040, "llm": 0.015}, one_each) == (1,)
+    assert spare_cores({"vision": 0.039, "llm": 0.040}, one_each) == ()  # balanced: none to spare
+    assert spare_cores({"vision": 0.0, "llm": 0.0}, one_each) == ()
+    # Two LLM replicas on cores 1 and 2, both near the busiest (per replica): the encoder's core.
+    assert spare_cores({"vision": 0.01, "llm": 0.04}, {"vision": {0}, "llm": {1, 2}}) == (0,)
+    # More workers than cores: every worker may run on every core, so none is spare.
+    assert spare_cores({"a": 0.01, "b": 0.04}, {"a": {0, 1}, "b": {0, 1}}) == ()
+    # The busiest section has no pinned cores here (a GPU section, or another node's): the CPU one's are spare.
+    assert spare_cores({"gpu": 0.05, "cpu": 0.01}, {"gpu": set(), "cpu": {0, 1}}) == (0, 1)
+
+
+def test_each_sections_cores_come_from_its_pinned_workers_tensor_parallel_members_too():
+    """A vision worker, an LLM of 2 replicas x tp 2 and a GPU teacher on 6 cores (`pinned`: 5 CPU
+    workers of 6 cores: blocks of one or two): each section's cores, busy per replica."""
+    placement = Placement.build(["vision", "llm", "teacher"], {"vision": 1, "llm": 2, "teacher": 1},
+                                {"teacher": ["cuda:0"]}, tp={"llm": 2})
+    boots = pinned([r for r in range(6) if placement.devices[r] == "cpu"], range(6))
+    cores = CoordinatorCores.of(boots, placement)
+    assert cores.cores_of == {"vision": {0}, "llm": {1, 2, 3, 4, 5}, "teacher": set()}
+    assert cores.replicas == {"vision": 1, "llm": 2, "teacher": 1}
+    assert CoordinatorCores.of({}, placement).cores_of == {"vision": set(), "llm": set(), "teacher": set()}
+
+
+CHILD = textwrap.dedent("""
+    import json, os, threading
+    from maestro_flow.runtime.cpus import CoordinatorCores
+
+    def threads():
+        return {int(t): sorted(os.sched_getaffinity(int(t))) for t in os.listdir("/proc/self/task")}
+
+    everywhere = sorted(os.sched_getaffinity(0))
+    a, b = everywhere[0], everywhere[1]
+    stop = threading.Event()
+    early = threading.Thread(target=stop.wait)
+    early.start()
+    cores = CoordinatorCores({"enc": {a}, "llm": {b}}, {"enc": 1, "llm": 1})
+    out = {"everywhere": everywhere}
+    cores.step({"enc": {"busy_s": 0.01}, "llm": {"busy_s": 0.04}})
+    out["llm_critical"] = threads()
+    out["io"] = [cores.io_cpus("llm"), cores.io_cpus("enc")]
+    late = threading.Thread(target=stop.wait)
+    late.start()
+    out["late"] = sorted(os.sched_getaffinity(late.native_id))
+    cores.step({"enc": {"busy_s": 0.04}, "llm": {"busy_s": 0.01}})
+    out["enc_critical"] = threads()
+    cores.step({"enc": {"busy_s": 0.04}, "llm": {"busy_s": 0.04}})
+    out["balanced"] = threads()
+    out["io_balanced"] = [cores.io_cpus("llm"), cores.io_cpus("enc")]
+    cores.step({"enc": {"busy_s": 0.01}, "llm": {"busy_s": 0.04}})
+    cores.restore()
+    out["restored"] = threads()
+    stop.set()
+    print(json.dumps(out))
+""")
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs Linux and at least 2 cores")
+@pytest.mark.timeout(60)
+def test_the_coordinator_moves_every_thread_to_the_spare_cores_and_back():
+    """In a process of its own (the test process keeps its cores): every thread, and one started
+    after the move, follows the spare cores; a balanced step and restore() give them all back."""
+    done = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, timeout=50,
+                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    a, b = out["everywhere"][:2]
+    assert len(out["llm_critical"]) >= 2 and set(map(tuple, out["llm_critical"].values())) == {(a,)}
+    assert out["late"] == [a]
+    assert out["io"] == [[a], None] and out["io_balanced"] == [None, None]  # the LLM's I/O threads go to a
+    assert set(map(tuple, out["enc_critical"].values())) == {(b,)}
+    for key in ("balanced", "restored"):
+        assert set(map(tuple, out[key].values())) == {tuple(out["everywhere"])}
+
+
+IO_CHILD = textwrap.dedent("""
+    import json, os, threading
+    import zmq
+    from maestro_flow.runtime.cpus import IoThreads
+
+    def where():
+        out = {}
+        for t in os.listdir("/proc/self/task"):
+            name = open(f"/proc/self/task/{t}/comm").read().strip()
+            out.setdefault(name if name.startswith("ZMQbg") else "main" if int(t) == threading.get_native_id()
+                           else "python" if int(t) in python else "other", set()).add(tuple(sorted(os.sched_getaffinity(int(t)))))
+        return {k: sorted(v) for k, v in out.items()}
+
+    own = sorted(os.sched_getaffinity(0))
+    ctx = zmq.Context()
+    ctx.socket(zmq.PUSH).bind("inproc://x")  # ZeroMQ's I/O threads start with the context's first socket
+    stop = threading.Event()
+    worker = threading.Thread(target=stop.wait, name="control")
+    worker.start()
+    python = {worker.native_id}
+    io = IoThreads()
+    io.place([own[0]])
+    out = {"own": own, "moved": where()}
+    io.place(None)
+    out["back"] = where()
+    stop.set()
+    ctx.destroy(linger=0)
+    print(json.dumps(out))
+""")
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs Linux and at least 2 cores")
+@pytest.mark.timeout(60)
+def test_a_workers_io_threads_move_to_the_cores_its_plan_names_and_its_compute_thread_stays():
+    done = subprocess.run([sys.executable, "-c", IO_CHILD], capture_output=True, text=True, timeout=50,
+                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    own, first = out["own"], [out["own"][0]]
+    assert out["moved"]["main"] == [own] and out["moved"]["python"] == [first]
+    assert out["moved"]["ZMQbg/IO/0"] == [first]
+    assert all(v == [own] for v in out["back"].values())
