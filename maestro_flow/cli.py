@@ -221,8 +221,8 @@ def main(ctx: click.Context, debug: bool) -> None:
 @click.option("--pin-cpus", is_flag=True, help="Pin each CPU worker to its own cores (shared by all when there are "
                                                "more workers than cores); the cores are those `maestro run` may use "
                                                "(e.g. under taskset). The coordinator, and the busiest section's "
-                                               "I/O threads, then keep to the cores of the sections with time to "
-                                               "spare in the last step.")
+                                               "message threads, then keep to the cores of the sections with time "
+                                               "to spare in the last step (node 0's).")
 @click.option("--stop-on-nan", is_flag=True,
               help="Stop the run (exit 1) at the first step whose loss or gradient norm is NaN or inf, writing no "
                    "checkpoint or --save-dir of that step [default: warn once and train on].")

@@ -33,7 +33,9 @@ Coordinator -> worker:
              record for replay ({"dir", "section", "steps"} or None), and the checkpoint to resume
              from (a folder, or None)
   plan       one step's plan, restricted to what this replica needs (a lockstep FSDP section's
-             also `rounds` and `probe`: micro-batches every replica runs, a sample to fill them)
+             also `rounds` and `probe`: micro-batches every replica runs, a sample to fill them;
+             under --pin-cpus, a busiest section's worker also `io_cpus`: the cores for its
+             message threads, runtime/cpus.py)
   finalize   every loss replica reported: the step's global loss denominator, to the trainable
              sections upstream of that loss
   clip       every trainable replica reported its norm share: the step's clip coefficient, to all

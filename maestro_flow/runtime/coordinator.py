@@ -139,7 +139,7 @@ class Coordinator(CoordinatorIO):
         self.last_sent: dict[int, float] = {}  # rank -> when the coordinator last sent it a frame
         self._listened_at = time.monotonic()  # when _recv last looked at its socket
         self.startup_parts: dict[str, float] = {}  # setup part -> the slowest worker's seconds in it
-        self.cores: CoordinatorCores | None = None  # with --pin-cpus, where this process runs (_train)
+        self.cores: CoordinatorCores | None = None  # where this process runs (_train; moves with --pin-cpus)
 
     # -- public ----------------------------------------------------------------------------
 
@@ -380,10 +380,9 @@ class Coordinator(CoordinatorIO):
         for name, leaders in self.placement.ranks.items():
             for replica, leader in enumerate(leaders):
                 msg = messages.of(name, replica)  # a tensor-parallel replica's ranks share it
-                io = self.cores.io_cpus(name) if self.cores is not None else None
-                msg = msg if io is None else {**msg, "io_cpus": io}  # --pin-cpus: cpus.IoThreads
                 for rank in self.placement.group(leader):
-                    self._send(rank, msg)
+                    io = self.cores.io_cpus(name, rank) if self.cores is not None else None  # --pin-cpus
+                    self._send(rank, msg if io is None else {**msg, "io_cpus": io})  # (cpus.IoThreads)
 
     def _report(self, ledger: StepLedger, rank: int, msg: dict) -> dict | None:
         """A step report into the ledger; the step's metrics row once every replica is done."""

@@ -1,6 +1,7 @@
 """Which host cores each CPU worker may run on (`maestro run --pin-cpus`), which ones the
-coordinator runs on then (`CoordinatorCores`), and whether it has one to spare for the planner's
-search (`search_share`).
+coordinator (`CoordinatorCores`, in the coordinator's process) and a busiest section's message
+threads (`IoThreads`, in each worker) run on then, and whether the coordinator has one to spare
+for the planner's search (`search_share`).
 
 Standard library only. The cores are those the `maestro run` process may use (so
 `taskset -c 0-7 maestro run ...` gives the job eight cores). With at most as many CPU workers
@@ -92,14 +93,16 @@ def spare_cores(busy: Mapping[str, float], cores_of: Mapping[str, Collection[int
 
 
 class CoordinatorCores:
-    """`maestro run --pin-cpus`: the coordinator's process (its planning, its message handling,
-    every thread) kept off the cores of the step's busiest section, on those of the sections with
-    time to spare (spare_cores, chosen again after every step from its busy times); on all the
-    run's cores where no section has any. It also names those spare cores in the busiest
-    section's plans, for its workers' I/O threads (IoThreads)."""
+    """Runs in the coordinator, on its main thread, with `maestro run --pin-cpus`: the
+    coordinator's process (its planning, its message handling, every thread) kept off the cores of
+    the step's busiest section, on those of the sections with time to spare (spare_cores, chosen
+    again after every step from its busy times); on all the run's cores where no section has any.
+    It also names those spare cores in the plans of the busiest section's workers on this node,
+    for their message threads (IoThreads). Without --pin-cpus (`pinned` empty) nothing moves."""
 
-    def __init__(self, cores_of: Mapping[str, Collection[int]], replicas: Mapping[str, int]) -> None:
-        self.cores_of, self.replicas = cores_of, replicas
+    def __init__(self, cores_of: Mapping[str, Collection[int]], replicas: Mapping[str, int],
+                 pinned: Collection[int] = ()) -> None:
+        self.cores_of, self.replicas, self.pinned = cores_of, replicas, frozenset(pinned)
         self.everywhere = self.now = tuple(sorted(os.sched_getaffinity(0)))
         self.spare: tuple[int, ...] = ()
         self.busiest: set[str] = set()
@@ -110,7 +113,7 @@ class CoordinatorCores:
         cores_of: dict[str, set[int]] = {n: set() for n in placement.ranks}
         for rank, boot in pinned.items():
             cores_of[placement.who(rank)[0]].update(boot["cpus"])
-        return cls(cores_of, {n: len(ranks) for n, ranks in placement.ranks.items()})
+        return cls(cores_of, {n: len(ranks) for n, ranks in placement.ranks.items()}, pinned.keys())
 
     def step(self, sections: Mapping[str, Mapping[str, float]]) -> None:
         """Re-place after a step, from its metrics row's `sections`."""
@@ -120,13 +123,15 @@ class CoordinatorCores:
         self.busiest = {n for n, b in busy.items() if self.spare and b >= SPARE_BELOW * top}
         self._place(self.spare or self.everywhere)
 
-    def io_cpus(self, section: str) -> list[int] | None:
-        """Where the workers of `section` run their I/O threads (IoThreads), for its plans: on the
-        spare cores where it was among the busiest in the last step, else (None) on their own."""
-        return list(self.spare) if section in self.busiest else None
+    def io_cpus(self, section: str, rank: int) -> list[int] | None:
+        """Where worker `rank` of `section` runs its message threads (IoThreads), for its plans: on
+        the spare cores where its section was among the busiest in the last step and it is one of
+        the pinned workers (this node's CPU workers: another node's cores are not these), else
+        (None) on its own."""
+        return list(self.spare) if section in self.busiest and rank in self.pinned else None
 
     def restore(self) -> None:
-        """Every thread back on all the cores it had."""
+        """Every thread back on the cores this process had when it was made."""
         self._place(self.everywhere)
 
     def _place(self, cores: tuple[int, ...]) -> None:
@@ -140,15 +145,19 @@ class CoordinatorCores:
 
 
 class IoThreads:
-    """A worker's I/O threads: every thread but its compute thread and torch's (its other Python
-    threads: control, tensor channels, output, watchdog; ZeroMQ's and gloo's), on the cores its plans name
-    (`io_cpus`: CoordinatorCores.io_cpus) or, where they name none, on the worker's own. A busiest
+    """Runs in each worker, on its compute thread. The worker's message threads (`PYTHON`: its
+    control, output and watchdog threads and its tensor channels' header and send/receive
+    threads; ZeroMQ's I/O threads), on the cores its plans name (`io_cpus`:
+    CoordinatorCores.io_cpus) or, where they name none, on the worker's own. Not its compute
+    thread, torch's threads (gloo's, which run collectives a step waits on, and OpenMP's), a
+    tensor-parallel relay's threads, nor a stage's own. A busiest
     section's worker so leaves its own cores to its compute: in the VLM at 33% images, the LLM's
-    compute spans lost 1.3-1.4 ms a step off its core to its own message handling, 0.4-0.6 ms
-    with its I/O threads on the encoder's core, where its inputs then reach it a little later
-    (RESULTS 11.2, vlm_gap)."""
+    compute spans lost 1.3-1.6 ms a step off its core to its own message handling, 0.4-0.7 ms
+    with those threads on the encoder's core, where its inputs can reach it later (RESULTS
+    11.2, vlm_gap)."""
 
-    NATIVE = ("ZMQbg", "gloo", "pt_gloo")  # thread names (comm) of ZeroMQ's and gloo's I/O threads
+    PYTHON = ("control", "output", "parent-watchdog", "headers-in", "send-wait-", "recv-wait-", "maestro-")
+    NATIVE = ("ZMQbg",)  # the names (comm) of ZeroMQ's I/O threads
 
     def __init__(self) -> None:
         self.own = self.now = tuple(sorted(os.sched_getaffinity(0)))
@@ -157,7 +166,7 @@ class IoThreads:
         want = tuple(sorted(cores)) if cores else self.own
         if want == self.now:
             return
-        python = {t.native_id for t in threading.enumerate() if t is not threading.main_thread()}
+        python = {t.native_id for t in threading.enumerate() if t.name.startswith(self.PYTHON)}
         for tid in os.listdir("/proc/self/task"):
             try:
                 with open(f"/proc/self/task/{tid}/comm") as f:

@@ -40,6 +40,15 @@ def test_each_sections_cores_come_from_its_pinned_workers_tensor_parallel_member
     assert cores.cores_of == {"vision": {0}, "llm": {1, 2, 3, 4, 5}, "teacher": set()}
     assert cores.replicas == {"vision": 1, "llm": 2, "teacher": 1}
     assert CoordinatorCores.of({}, placement).cores_of == {"vision": set(), "llm": set(), "teacher": set()}
+    # The LLM busiest: its pinned workers' message threads go to the vision worker's core; the
+    # teacher's GPU worker and a worker of another node (not in `pinned`: rank 4 here) keep theirs.
+    cores = CoordinatorCores.of({r: boot for r, boot in boots.items() if r != 4}, placement)
+    cores.everywhere = cores.now = tuple(range(6))  # (no move: only what it would choose)
+    cores._place = lambda chosen: None
+    cores.step({"vision": {"busy_s": 0.01}, "llm": {"busy_s": 0.08}, "teacher": {"busy_s": 0.02}})
+    assert cores.spare == (0,) and cores.busiest == {"llm"}
+    assert [cores.io_cpus("llm", r) for r in (1, 2, 3, 4)] == [[0], [0], [0], None]
+    assert cores.io_cpus("vision", 0) is None and cores.io_cpus("teacher", 5) is None
 
 
 CHILD = textwrap.dedent("""
@@ -52,21 +61,21 @@ CHILD = textwrap.dedent("""
     everywhere = sorted(os.sched_getaffinity(0))
     a, b = everywhere[0], everywhere[1]
     stop = threading.Event()
-    early = threading.Thread(target=stop.wait)
+    early = threading.Thread(target=stop.wait, daemon=True)
     early.start()
-    cores = CoordinatorCores({"enc": {a}, "llm": {b}}, {"enc": 1, "llm": 1})
+    cores = CoordinatorCores({"enc": {a}, "llm": {b}}, {"enc": 1, "llm": 1}, pinned=(0, 1))  # ranks 0, 1
     out = {"everywhere": everywhere}
     cores.step({"enc": {"busy_s": 0.01}, "llm": {"busy_s": 0.04}})
     out["llm_critical"] = threads()
-    out["io"] = [cores.io_cpus("llm"), cores.io_cpus("enc")]
-    late = threading.Thread(target=stop.wait)
+    out["io"] = [cores.io_cpus("llm", 1), cores.io_cpus("enc", 0)]
+    late = threading.Thread(target=stop.wait, daemon=True)
     late.start()
     out["late"] = sorted(os.sched_getaffinity(late.native_id))
     cores.step({"enc": {"busy_s": 0.04}, "llm": {"busy_s": 0.01}})
     out["enc_critical"] = threads()
     cores.step({"enc": {"busy_s": 0.04}, "llm": {"busy_s": 0.04}})
     out["balanced"] = threads()
-    out["io_balanced"] = [cores.io_cpus("llm"), cores.io_cpus("enc")]
+    out["io_balanced"] = [cores.io_cpus("llm", 1), cores.io_cpus("enc", 0)]
     cores.step({"enc": {"busy_s": 0.01}, "llm": {"busy_s": 0.04}})
     cores.restore()
     out["restored"] = threads()
@@ -95,7 +104,7 @@ def test_the_coordinator_moves_every_thread_to_the_spare_cores_and_back():
 
 
 IO_CHILD = textwrap.dedent("""
-    import json, os, threading
+    import json, os, threading, time
     import zmq
     from maestro_flow.runtime.cpus import IoThreads
 
@@ -103,18 +112,25 @@ IO_CHILD = textwrap.dedent("""
         out = {}
         for t in os.listdir("/proc/self/task"):
             name = open(f"/proc/self/task/{t}/comm").read().strip()
-            out.setdefault(name if name.startswith("ZMQbg") else "main" if int(t) == threading.get_native_id()
-                           else "python" if int(t) in python else "other", set()).add(tuple(sorted(os.sched_getaffinity(int(t)))))
+            kind = ("ZMQbg" if name.startswith("ZMQbg") else "main" if int(t) == threading.get_native_id()
+                    else "python" if int(t) in python else "other")
+            out.setdefault(kind, set()).add(tuple(sorted(os.sched_getaffinity(int(t)))))
         return {k: sorted(v) for k, v in out.items()}
 
     own = sorted(os.sched_getaffinity(0))
     ctx = zmq.Context()
     ctx.socket(zmq.PUSH).bind("inproc://x")  # ZeroMQ's I/O threads start with the context's first socket
     stop = threading.Event()
-    worker = threading.Thread(target=stop.wait, name="control")
+    worker = threading.Thread(target=stop.wait, name="control", daemon=True)
     worker.start()
+    stages = threading.Thread(target=stop.wait, name="a-stage-pool", daemon=True)  # not the runtime's: stays
+    stages.start()
     python = {worker.native_id}
     io = IoThreads()
+    for _ in range(100):  # ZeroMQ names its threads as they start
+        if any(open(f"/proc/self/task/{t}/comm").read().startswith("ZMQbg/IO") for t in os.listdir("/proc/self/task")):
+            break
+        time.sleep(0.01)
     io.place([own[0]])
     out = {"own": own, "moved": where()}
     io.place(None)
@@ -135,5 +151,5 @@ def test_a_workers_io_threads_move_to_the_cores_its_plan_names_and_its_compute_t
     out = json.loads(done.stdout)
     own, first = out["own"], [out["own"][0]]
     assert out["moved"]["main"] == [own] and out["moved"]["python"] == [first]
-    assert out["moved"]["ZMQbg/IO/0"] == [first]
+    assert out["moved"]["ZMQbg"] == [first] and out["moved"]["other"] == [own]  # the stage's thread stays
     assert all(v == [own] for v in out["back"].values())

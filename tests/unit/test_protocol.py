@@ -92,6 +92,13 @@ def test_plan_message_round_trips_with_integer_sample_ids():
     assert all(isinstance(sid, int) for routes in back["routes"].values() for sid in routes)
 
 
+def test_a_plan_may_name_the_cores_for_a_workers_message_threads_checked():
+    plan = {**MESSAGES["plan"], "io_cpus": [0, 1]}
+    assert decode(encode(make("plan", **plan)))["io_cpus"] == [0, 1]
+    with pytest.raises(ProtocolError, match="field 'io_cpus' is int, not list"):
+        decode(msgpack.packb({"t": "plan", **plan, "io_cpus": 0}))
+
+
 def test_a_lockstep_plan_carries_its_rounds_and_probe_checked():
     plan = {**MESSAGES["plan"], "rounds": 3, "probe": [7, 107, ["text"]]}
     assert decode(encode(make("plan", **plan)))["probe"] == [7, 107, ["text"]]
