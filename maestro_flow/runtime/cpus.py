@@ -97,8 +97,8 @@ class CoordinatorCores:
     coordinator's process (its planning, its message handling, every thread) kept off the cores of
     the step's busiest section, on those of the sections with time to spare (spare_cores, chosen
     again after every step from its busy times); on all the run's cores where no section has any.
-    It also names those spare cores in the plans of the busiest section's workers on this node,
-    for their message threads (IoThreads). Without --pin-cpus (`pinned` empty) nothing moves."""
+    It also names those spare cores in the plans of the busiest section's CPU workers on this
+    node, for their message threads (IoThreads). Without --pin-cpus (`pinned` empty) nothing moves."""
 
     def __init__(self, cores_of: Mapping[str, Collection[int]], replicas: Mapping[str, int],
                  pinned: Collection[int] = ()) -> None:
@@ -145,19 +145,20 @@ class CoordinatorCores:
 
 
 class IoThreads:
-    """Runs in each worker, on its compute thread. The worker's message threads (`PYTHON`: its
-    control, output and watchdog threads and its tensor channels' header and send/receive
-    threads; ZeroMQ's I/O threads), on the cores its plans name (`io_cpus`:
-    CoordinatorCores.io_cpus) or, where they name none, on the worker's own. Not its compute
-    thread, torch's threads (gloo's, which run collectives a step waits on, and OpenMP's), a
-    tensor-parallel relay's threads, nor a stage's own. A busiest
+    """Runs in each worker, on its compute thread. The worker's message threads, by name
+    (`PYTHON`: its control, output and watchdog threads, its tensor channels' header and
+    send/receive threads, the runtime's `maestro-*` threads; `NATIVE`: ZeroMQ's background
+    threads), on the cores its plans name (`io_cpus`: CoordinatorCores.io_cpus) or, where they
+    name none, on the worker's own. Not its compute thread, torch's threads (gloo's, which run
+    collectives a step waits on, and OpenMP's), a tensor-parallel relay's threads, nor a stage's
+    own (unless it names them with one of those prefixes). A busiest
     section's worker so leaves its own cores to its compute: in the VLM at 33% images, the LLM's
     compute spans lost 1.3-1.6 ms a step off its core to its own message handling, 0.4-0.7 ms
     with those threads on the encoder's core, where its inputs can reach it later (RESULTS
     11.2, vlm_gap)."""
 
     PYTHON = ("control", "output", "parent-watchdog", "headers-in", "send-wait-", "recv-wait-", "maestro-")
-    NATIVE = ("ZMQbg",)  # the names (comm) of ZeroMQ's I/O threads
+    NATIVE = ("ZMQbg",)  # the names (comm) of ZeroMQ's background threads (I/O, reaper)
 
     def __init__(self) -> None:
         self.own = self.now = tuple(sorted(os.sched_getaffinity(0)))
