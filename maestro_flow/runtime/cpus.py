@@ -15,8 +15,11 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Collection, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from maestro_flow.planner.plan import Placement
 
 THREADS_ENV = "MAESTRO_WORKER_THREADS"  # torch threads of every CPU worker (0 or unset: the default)
 
@@ -80,16 +83,36 @@ def pinned(cpu_ranks: Sequence[int], cores: Sequence[int]) -> dict[int, dict[str
 SPARE_BELOW = 0.9  # a section whose replicas were busy under this share of the busiest one's leaves its cores spare
 
 
+def near_busiest(busy: Mapping[str, float], below: float = SPARE_BELOW) -> set[str]:
+    """The sections busy (`busy`: seconds per replica) at least `below` of the busiest one's in a
+    step; none where nothing was busy."""
+    top = max(busy.values(), default=0.0)
+    return {n for n, b in busy.items() if b >= below * top} if top > 0.0 else set()
+
+
 def spare_cores(busy: Mapping[str, float], cores_of: Mapping[str, Collection[int]],
                 below: float = SPARE_BELOW) -> tuple[int, ...]:
-    """The cores of the sections that were not near the busiest in a step (`busy`: seconds per
-    replica; `cores_of`: the cores of each section's pinned workers), less any that a near-busiest
+    """The cores of the sections that were not near the busiest in a step (near_busiest;
+    `cores_of`: the cores of each section's pinned workers), less any that a near-busiest
     section's workers also use; () where there are none."""
-    top = max(busy.values(), default=0.0)
-    if top <= 0.0:
+    near = near_busiest(busy, below)
+    if not near:
         return ()
-    busiest = {c for n, b in busy.items() if b >= below * top for c in cores_of.get(n, ())}
-    return tuple(sorted({c for n, b in busy.items() if b < below * top for c in cores_of.get(n, ())} - busiest))
+    taken = {c for n in near for c in cores_of.get(n, ())}
+    return tuple(sorted({c for n in busy if n not in near for c in cores_of.get(n, ())} - taken))
+
+
+def move_threads(cores: Sequence[int], which: Callable[[int, str], bool] = lambda tid, name: True) -> None:
+    """Every thread of this process that `which` (thread id, name) picks, on `cores` (threads
+    started later inherit their starter's). A thread that ends meanwhile is passed over."""
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                name = f.read().strip()
+            if which(int(tid), name):
+                os.sched_setaffinity(int(tid), cores)
+        except OSError:
+            pass
 
 
 class CoordinatorCores:
@@ -108,7 +131,7 @@ class CoordinatorCores:
         self.busiest: set[str] = set()
 
     @classmethod
-    def of(cls, pinned: Mapping[int, Mapping[str, Any]], placement: Any) -> CoordinatorCores:
+    def of(cls, pinned: Mapping[int, Mapping[str, Any]], placement: Placement) -> CoordinatorCores:
         """From `pinned`'s boot fields (rank -> its cores) and the run's Placement."""
         cores_of: dict[str, set[int]] = {n: set() for n in placement.ranks}
         for rank, boot in pinned.items():
@@ -119,8 +142,7 @@ class CoordinatorCores:
         """Re-place after a step, from its metrics row's `sections`."""
         busy = {n: sections[n]["busy_s"] / self.replicas[n] for n in self.cores_of}
         self.spare = spare_cores(busy, self.cores_of)
-        top = max(busy.values(), default=0.0)
-        self.busiest = {n for n, b in busy.items() if self.spare and b >= SPARE_BELOW * top}
+        self.busiest = near_busiest(busy) if self.spare else set()
         self._place(self.spare or self.everywhere)
 
     def io_cpus(self, section: str, rank: int) -> list[int] | None:
@@ -136,11 +158,7 @@ class CoordinatorCores:
 
     def _place(self, cores: tuple[int, ...]) -> None:
         if cores != self.now:
-            for tid in os.listdir("/proc/self/task"):  # threads started later inherit the main thread's
-                try:
-                    os.sched_setaffinity(int(tid), cores)
-                except OSError:  # a thread that has just ended
-                    pass
+            move_threads(cores)
             self.now = cores
 
 
@@ -168,12 +186,5 @@ class IoThreads:
         if want == self.now:
             return
         python = {t.native_id for t in threading.enumerate() if t.name.startswith(self.PYTHON)}
-        for tid in os.listdir("/proc/self/task"):
-            try:
-                with open(f"/proc/self/task/{tid}/comm") as f:
-                    name = f.read().strip()
-                if int(tid) in python or name.startswith(self.NATIVE):
-                    os.sched_setaffinity(int(tid), want)
-            except OSError:  # a thread that has just ended
-                pass
+        move_threads(want, lambda tid, name: tid in python or name.startswith(self.NATIVE))
         self.now = want
