@@ -154,9 +154,11 @@ class Coordinator(CoordinatorIO):
             self._stop()
             outcome = "done"
         finally:
-            if self.rdzv is not None:
-                attempts.end_attempt(self.rdzv, self.store_key, self.session, outcome)  # other nodes stop this attempt's workers
-            self.close()
+            try:
+                if self.rdzv is not None:  # other nodes stop this attempt's workers
+                    attempts.end_attempt(self.rdzv, self.store_key, self.session, outcome)
+            finally:  # this node's workers stop, and this process gets its cores back, even where that failed
+                self.close()
 
     def close(self) -> None:
         """Idempotent; never waits longer than the shutdown grace periods."""
@@ -289,7 +291,7 @@ class Coordinator(CoordinatorIO):
         planner = make_planner(p.schedule, self.graph, search=search)
         sampler = self.sampler
         ledger = StepLedger(self.graph, self.placement, adapt_costs=p.adapt_costs)
-        self.cores = cores = CoordinatorCores.of(self._pinned(), self.placement)  # --pin-cpus: where this runs
+        self.cores = cores = CoordinatorCores.of(self._pinned(), self.placement, self.report.note)  # --pin-cpus
         first = 0
         if self.resume is not None:
             first = self.resume[1].step

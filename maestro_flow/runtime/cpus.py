@@ -14,6 +14,7 @@ cores of its own (`threads`). `env_threads` reads MAESTRO_WORKER_THREADS, which 
 from __future__ import annotations
 
 import os
+import sys
 import threading
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -81,68 +82,99 @@ def pinned(cpu_ranks: Sequence[int], cores: Sequence[int]) -> dict[int, dict[str
 
 
 SPARE_BELOW = 0.9  # a section whose replicas were busy under this share of the busiest one's leaves its cores spare
+STAY_BELOW = 0.8  # ... or under this share, where it was near the busiest the step before (hysteresis)
 
 
-def near_busiest(busy: Mapping[str, float], below: float = SPARE_BELOW) -> set[str]:
-    """The sections busy (`busy`: seconds per replica) at least `below` of the busiest one's in a
-    step; none where nothing was busy."""
+def near_busiest(busy: Mapping[str, float], stay: Collection[str] = ()) -> set[str]:
+    """The sections busy (`busy`: seconds per replica) at least SPARE_BELOW of the busiest one's in
+    a step, or at least STAY_BELOW for those in `stay` (near it the step before: a section that
+    hovers about the line does not move the cores every step); none where nothing was busy."""
     top = max(busy.values(), default=0.0)
-    return {n for n, b in busy.items() if b >= below * top} if top > 0.0 else set()
+    if top <= 0.0:
+        return set()
+    return {n for n, b in busy.items() if b >= (STAY_BELOW if n in stay else SPARE_BELOW) * top}
 
 
 def spare_cores(busy: Mapping[str, float], cores_of: Mapping[str, Collection[int]],
-                below: float = SPARE_BELOW) -> tuple[int, ...]:
-    """The cores of the sections that were not near the busiest in a step (near_busiest;
-    `cores_of`: the cores of each section's pinned workers), less any that a near-busiest
-    section's workers also use; () where there are none."""
-    near = near_busiest(busy, below)
+                stay: Collection[str] = ()) -> tuple[int, ...]:
+    """The cores of the sections that were not near the busiest in a step (near_busiest, `stay`
+    passed on; `cores_of`: the cores of each section's pinned workers), less any that a
+    near-busiest section's workers also use; () where there are none."""
+    near = near_busiest(busy, stay)
     if not near:
         return ()
     taken = {c for n in near for c in cores_of.get(n, ())}
     return tuple(sorted({c for n in busy if n not in near for c in cores_of.get(n, ())} - taken))
 
 
-def move_threads(cores: Sequence[int], which: Callable[[int, str], bool] = lambda tid, name: True) -> None:
+def move_threads(cores: Sequence[int], which: Callable[[int, str], bool] = lambda tid, name: True) -> list[str]:
     """Every thread of this process that `which` (thread id, name) picks, on `cores` (threads
-    started later inherit their starter's). A thread that ends meanwhile is passed over."""
+    started later inherit their starter's). A thread that ends meanwhile is passed over; one that
+    cannot be moved (cores outside this process's cpuset, no permission) is returned, with why."""
+    failed = []
     for tid in os.listdir("/proc/self/task"):
         try:
             with open(f"/proc/self/task/{tid}/comm") as f:
                 name = f.read().strip()
             if which(int(tid), name):
                 os.sched_setaffinity(int(tid), cores)
-        except OSError:
+        except (FileNotFoundError, ProcessLookupError):  # it ended
             pass
+        except OSError as exc:
+            failed.append(f"thread {tid}: {exc.strerror or exc}")
+    return failed
+
+
+def say_unmoved(failed: list[str], cores: Sequence[int], said: list[bool],
+                say: Callable[[str], None] = lambda text: print(text, file=sys.stderr, flush=True)) -> None:
+    """The first failure to move threads (move_threads'), said once per process (`said`) with
+    `say`: the run goes on, with those threads where they were."""
+    if failed and not said:
+        said.append(True)
+        say(f"--pin-cpus: could not move {len(failed)} thread(s) to cores {list(cores)} ({failed[0]}); they stay on "
+            f"their cores (said once)")
 
 
 class CoordinatorCores:
     """Runs in the coordinator, on its main thread, with `maestro run --pin-cpus`: the
     coordinator's process (its planning, its message handling, every thread) kept off the cores of
     the step's busiest section, on those of the sections with time to spare (spare_cores, chosen
-    again after every step from its busy times); on all the run's cores where no section has any.
-    It also names those spare cores in the plans of the busiest section's CPU workers on this
-    node, for their message threads (IoThreads). Without --pin-cpus (`pinned` empty) nothing moves."""
+    again after every step from its busy times, with hysteresis: near_busiest's `stay`); on all
+    the run's cores where no section has any. The first step it is given (an attempt's first, with
+    its one-time costs) moves nothing. It also names those spare cores in the plans of the busiest
+    section's CPU workers on this node, for their message threads (IoThreads); plans made ahead
+    (lookahead_steps) carry the choice of the step before they were made. Without --pin-cpus
+    (`pinned` empty) nothing moves. `say` tells the user where threads could not be moved (once)."""
 
     def __init__(self, cores_of: Mapping[str, Collection[int]], replicas: Mapping[str, int],
-                 pinned: Collection[int] = ()) -> None:
+                 pinned: Collection[int] = (), say: Callable[[str], None] | None = None) -> None:
         self.cores_of, self.replicas, self.pinned = cores_of, replicas, frozenset(pinned)
         self.everywhere = self.now = tuple(sorted(os.sched_getaffinity(0)))
         self.spare: tuple[int, ...] = ()
+        self.near: set[str] = set()  # near the busiest in the last step (hysteresis)
         self.busiest: set[str] = set()
+        self.steps = 0
+        self.said: list[bool] = []
+        self.say = say or (lambda text: print(text, file=sys.stderr, flush=True))
 
     @classmethod
-    def of(cls, pinned: Mapping[int, Mapping[str, Any]], placement: Placement) -> CoordinatorCores:
+    def of(cls, pinned: Mapping[int, Mapping[str, Any]], placement: Placement,
+           say: Callable[[str], None] | None = None) -> CoordinatorCores:
         """From `pinned`'s boot fields (rank -> its cores) and the run's Placement."""
         cores_of: dict[str, set[int]] = {n: set() for n in placement.ranks}
         for rank, boot in pinned.items():
             cores_of[placement.who(rank)[0]].update(boot["cpus"])
-        return cls(cores_of, {n: len(ranks) for n, ranks in placement.ranks.items()}, pinned.keys())
+        return cls(cores_of, {n: len(ranks) for n, ranks in placement.ranks.items()}, pinned.keys(), say)
 
     def step(self, sections: Mapping[str, Mapping[str, float]]) -> None:
         """Re-place after a step, from its metrics row's `sections`."""
+        self.steps += 1
+        if self.steps == 1 or not self.pinned:
+            return
         busy = {n: sections[n]["busy_s"] / self.replicas[n] for n in self.cores_of}
-        self.spare = spare_cores(busy, self.cores_of)
-        self.busiest = near_busiest(busy) if self.spare else set()
+        self.spare = spare_cores(busy, self.cores_of, self.near)
+        self.near = near_busiest(busy, self.near)
+        self.busiest = self.near if self.spare else set()
         self._place(self.spare or self.everywhere)
 
     def io_cpus(self, section: str, rank: int) -> list[int] | None:
@@ -158,7 +190,7 @@ class CoordinatorCores:
 
     def _place(self, cores: tuple[int, ...]) -> None:
         if cores != self.now:
-            move_threads(cores)
+            say_unmoved(move_threads(cores), cores, self.said, self.say)
             self.now = cores
 
 
@@ -180,11 +212,15 @@ class IoThreads:
 
     def __init__(self) -> None:
         self.own = self.now = tuple(sorted(os.sched_getaffinity(0)))
+        self.said: list[bool] = []
 
     def place(self, cores: Sequence[int] | None) -> None:
+        """Where the plan just received (its `io_cpus`) puts them; a failure to move is said once in
+        the worker's log."""
         want = tuple(sorted(cores)) if cores else self.own
         if want == self.now:
             return
         python = {t.native_id for t in threading.enumerate() if t.name.startswith(self.PYTHON)}
-        move_threads(want, lambda tid, name: tid in python or name.startswith(self.NATIVE))
+        say_unmoved(move_threads(want, lambda tid, name: tid in python or name.startswith(self.NATIVE)), want,
+                    self.said)
         self.now = want

@@ -88,6 +88,28 @@ def test_pinned_workers_get_their_own_cores(demo_data):
     assert sorted(os.sched_getaffinity(0)) == cores
 
 
+def test_the_busiest_sections_message_threads_move_to_the_spare_cores(demo_data):
+    """The whole wiring of --pin-cpus: the coordinator chooses after each step (from step 1's busy
+    times on), the plans made after it name the spare cores (io_cpus), and the busiest section's
+    worker moves its ZeroMQ threads there; the other worker's stay on its own cores."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip("needs at least 2 cores")
+    rows = run_pipeline(str(ASSETS / "plain.py"), RunOptions(
+        overrides={"steps": 5, "data.path": str(demo_data), "sections.head.dp": 1,
+                   "sections.head.config.spin_s": 0.01}, pin_cpus=True, show_progress=False))
+    embed = [r["sections"]["embed"]["stage"] for r in rows]
+    head = [r["sections"]["head"]["stage"] for r in rows]
+    assert all(r["sections"]["head"]["busy_s"] > 2 * r["sections"]["embed"]["busy_s"] for r in rows[1:])
+    assert all(e["io_mask"] == e["cpu_mask"] for e in embed)  # not the busiest: its own cores throughout
+    # The choice is made after step 1 (whose stats are taken before it) and goes out in step 3's plan
+    # (lookahead 1), which head may receive during step 2; steps 3 and 4 run with its threads moved.
+    own = [h["io_mask"] == h["cpu_mask"] for h in head]
+    assert own[:2] == [True, True] and own[3:] == [False, False], own
+    assert [h["io_mask"] == e["cpu_mask"] for h, e in zip(head, embed, strict=True)][3:] == [True, True]
+    assert sorted(os.sched_getaffinity(0)) == cores
+
+
 
 def test_the_baseline_trains_a_stages_own_optimizer_groups(demo_data, tmp_path):
     """Found in review: the baseline trained every parameter of a stage that asks for optimizer

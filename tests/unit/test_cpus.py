@@ -9,11 +9,12 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 
 import pytest
 
 from maestro_flow.planner.plan import Placement
-from maestro_flow.runtime.cpus import CoordinatorCores, pinned, spare_cores
+from maestro_flow.runtime.cpus import CoordinatorCores, move_threads, near_busiest, pinned, say_unmoved, spare_cores
 
 
 def test_spare_cores_are_those_of_the_sections_well_below_the_busiest():
@@ -28,6 +29,50 @@ def test_spare_cores_are_those_of_the_sections_well_below_the_busiest():
     assert spare_cores({"a": 0.01, "b": 0.04}, {"a": {0, 1}, "b": {0, 1}}) == ()
     # The busiest section has no pinned cores here (a GPU section, or another node's): the CPU one's are spare.
     assert spare_cores({"gpu": 0.05, "cpu": 0.01}, {"gpu": set(), "cpu": {0, 1}}) == (0, 1)
+    # Hysteresis: at 85% of the busiest, a section is spare unless it was near the busiest the step before.
+    assert spare_cores({"vision": 0.034, "llm": 0.040}, one_each) == (0,)
+    assert spare_cores({"vision": 0.034, "llm": 0.040}, one_each, stay={"vision"}) == ()
+    assert near_busiest({"vision": 0.034, "llm": 0.040}, stay={"vision"}) == {"vision", "llm"}
+    assert near_busiest({"vision": 0.031, "llm": 0.040}, stay={"vision"}) == {"llm"}  # under 80%: spare again
+
+
+def test_the_coordinators_choice_skips_the_first_step_and_does_not_flap_about_the_line():
+    """Busy times per replica hovering about 90% of the busiest move nothing once chosen; the first
+    step (one-time costs) is not used; without pinned workers nothing is chosen."""
+    cores = CoordinatorCores({"enc": {0}, "llm": {1}}, {"enc": 1, "llm": 1}, pinned=(0, 1))
+    cores.everywhere = cores.now = (0, 1)
+    moves = []
+    cores._place = lambda chosen: moves.append(chosen)
+    step = lambda enc, llm: cores.step({"enc": {"busy_s": enc}, "llm": {"busy_s": llm}})  # noqa: E731
+    step(0.04, 0.01)  # the first step: the encoder looks busiest (its warm-up), and nothing is chosen
+    assert moves == [] and cores.spare == () and cores.io_cpus("enc", 0) is None
+    for enc in (0.02, 0.035, 0.033, 0.0355, 0.034):  # 80-90% of the busiest, from below: its core stays spare
+        step(enc, 0.04)
+    assert moves == [(0,)] * 5 and cores.io_cpus("llm", 1) == [0]
+    step(0.038, 0.04)  # past it: balanced
+    for enc in (0.034, 0.035, 0.033):  # 80-90% again, from above: still balanced, nowhere to move
+        step(enc, 0.04)
+    assert moves[5:] == [(0, 1)] * 4 and cores.io_cpus("llm", 1) is None
+    step(0.031, 0.04)  # well under it: spare again
+    assert moves[-1] == (0,) and cores.busiest == {"llm"}
+    unpinned = CoordinatorCores({"enc": set(), "llm": set()}, {"enc": 1, "llm": 1})
+    unpinned._place = lambda chosen: moves.append(chosen)
+    for _ in range(3):
+        unpinned.step({"enc": {"busy_s": 0.01}, "llm": {"busy_s": 0.04}})
+    assert len(moves) == 10 and unpinned.spare == ()
+
+
+def test_a_thread_that_cannot_be_moved_is_said_once():
+    nowhere = [(os.cpu_count() or 1) + 64]  # a core this machine does not have: the move fails, nothing changes
+    before = os.sched_getaffinity(0)
+    failed = move_threads(nowhere, lambda tid, name: tid == threading.get_native_id())
+    assert len(failed) == 1 and failed[0].startswith(f"thread {threading.get_native_id()}: ")
+    assert os.sched_getaffinity(0) == before
+    said, told = [], []
+    say_unmoved(failed, nowhere, said, told.append)
+    say_unmoved(failed, nowhere, said, told.append)
+    say_unmoved([], nowhere, [], told.append)
+    assert len(told) == 1 and "could not move 1 thread(s)" in told[0] and str(nowhere) in told[0]
 
 
 def test_each_sections_cores_come_from_its_pinned_workers_tensor_parallel_members_too():
@@ -45,7 +90,8 @@ def test_each_sections_cores_come_from_its_pinned_workers_tensor_parallel_member
     cores = CoordinatorCores.of({r: boot for r, boot in boots.items() if r != 4}, placement)
     cores.everywhere = cores.now = tuple(range(6))  # (no move: only what it would choose)
     cores._place = lambda chosen: None
-    cores.step({"vision": {"busy_s": 0.01}, "llm": {"busy_s": 0.08}, "teacher": {"busy_s": 0.02}})
+    for _ in range(2):  # (the first step chooses nothing)
+        cores.step({"vision": {"busy_s": 0.01}, "llm": {"busy_s": 0.08}, "teacher": {"busy_s": 0.02}})
     assert cores.spare == (0,) and cores.busiest == {"llm"}
     assert [cores.io_cpus("llm", r) for r in (1, 2, 3, 4)] == [[0], [0], [0], None]
     assert cores.io_cpus("vision", 0) is None and cores.io_cpus("teacher", 5) is None
@@ -65,6 +111,8 @@ CHILD = textwrap.dedent("""
     early.start()
     cores = CoordinatorCores({"enc": {a}, "llm": {b}}, {"enc": 1, "llm": 1}, pinned=(0, 1))  # ranks 0, 1
     out = {"everywhere": everywhere}
+    cores.step({"enc": {"busy_s": 0.04}, "llm": {"busy_s": 0.01}})  # the first step moves nothing
+    out["first"] = threads()
     cores.step({"enc": {"busy_s": 0.01}, "llm": {"busy_s": 0.04}})
     out["llm_critical"] = threads()
     out["io"] = [cores.io_cpus("llm", 1), cores.io_cpus("enc", 0)]
@@ -95,6 +143,7 @@ def test_the_coordinator_moves_every_thread_to_the_spare_cores_and_back():
     assert done.returncode == 0, done.stderr
     out = json.loads(done.stdout)
     a, b = out["everywhere"][:2]
+    assert set(map(tuple, out["first"].values())) == {tuple(out["everywhere"])}
     assert len(out["llm_critical"]) >= 2 and set(map(tuple, out["llm_critical"].values())) == {(a,)}
     assert out["late"] == [a]
     assert out["io"] == [[a], None] and out["io_balanced"] == [None, None]  # the LLM's I/O threads go to a

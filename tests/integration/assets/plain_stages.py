@@ -6,12 +6,14 @@ under that name; with config `numpy`, numpy arrays instead of tensors; with conf
 `fail_backward_at_step`, ones whose backward raises in that step), and with config `weights` a
 float "weight" per sample that needs no gradient;
 `Regressor` receives "feat" (weighted by "weight" where sent) and returns the loss sum (or, with
-config `no_loss`, forgets it). Both report the cores their process may run on and its torch threads
-in `stats()` (a bit mask, so a test can tell which worker had which cores)."""
+config `no_loss`, forgets it; with config `spin_s`, it computes that long more per micro-batch). Both
+report the cores their process may run on, those of its ZeroMQ background threads (bit masks, so a
+test can tell which worker had which cores) and its torch threads in `stats()`."""
 
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 
@@ -20,7 +22,13 @@ from maestro_flow import Stage
 
 class _ReportsCores(Stage):
     def stats(self):
-        return {"cpu_mask": sum(1 << c for c in os.sched_getaffinity(0)), "threads": torch.get_num_threads()}
+        io = set()
+        for tid in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                if f.read().startswith("ZMQbg"):
+                    io |= os.sched_getaffinity(int(tid))
+        return {"cpu_mask": sum(1 << c for c in os.sched_getaffinity(0)), "io_mask": sum(1 << c for c in io),
+                "threads": torch.get_num_threads()}
 
 
 class _RaiseInBackward(torch.autograd.Function):
@@ -58,6 +66,9 @@ class Regressor(_ReportsCores):
         assert isinstance(ctx.device, torch.device) and isinstance(ctx.dtype, torch.dtype)
 
     def forward(self, batch):
+        until = time.perf_counter() + self.config.get("spin_s", 0.0)
+        while time.perf_counter() < until:  # busy, as a larger model would be
+            pass
         weights = batch.inputs.get("weight") or [1.0] * len(batch.inputs["feat"])
         loss = sum(self.head(f).pow(2).sum() * w.sum() if torch.is_tensor(w) else self.head(f).pow(2).sum()
                    for f, w in zip(batch.inputs["feat"], weights, strict=True))
