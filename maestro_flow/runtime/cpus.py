@@ -125,14 +125,15 @@ def move_threads(cores: Sequence[int], which: Callable[[int, str], bool] = lambd
     return failed
 
 
-def say_unmoved(failed: list[str], cores: Sequence[int], said: list[bool],
-                say: Callable[[str], None] = lambda text: print(text, file=sys.stderr, flush=True)) -> None:
-    """The first failure to move threads (move_threads'), said once per process (`said`) with
-    `say`: the run goes on, with those threads where they were."""
+def say_unmoved(failed: list[str], cores: Sequence[int], said: bool,
+                say: Callable[[str], None] = lambda text: print(text, file=sys.stderr, flush=True)) -> bool:
+    """A failure to move threads (move_threads'), said with `say` unless one was `said` before by
+    the same mover (an IoThreads, a CoordinatorCores); whether one has been said now. The run goes
+    on, with those threads where they were."""
     if failed and not said:
-        said.append(True)
-        say(f"--pin-cpus: could not move {len(failed)} thread(s) to cores {list(cores)} ({failed[0]}); they stay on "
-            f"their cores (said once)")
+        say(f"--pin-cpus: could not move {len(failed)} thread(s) to cores {list(cores)} ({failed[0]}; cores outside "
+            f"this process's cpuset?); they stay where they were, and later failures are not reported")
+    return said or bool(failed)
 
 
 class CoordinatorCores:
@@ -141,10 +142,11 @@ class CoordinatorCores:
     the step's busiest section, on those of the sections with time to spare (spare_cores, chosen
     again after every step from its busy times, with hysteresis: near_busiest's `stay`); on all
     the run's cores where no section has any. The first step it is given (an attempt's first, with
-    its one-time costs) moves nothing. It also names those spare cores in the plans of the busiest
-    section's CPU workers on this node, for their message threads (IoThreads); plans made ahead
-    (lookahead_steps) carry the choice of the step before they were made. Without --pin-cpus
-    (`pinned` empty) nothing moves. `say` tells the user where threads could not be moved (once)."""
+    its one-time costs) moves nothing, nor does a step with no work. It also names those spare
+    cores in the plans of the busiest section's CPU workers on this node, for their message
+    threads (IoThreads); plans made ahead (lookahead_steps) carry the choice of the step before
+    they were made. Without --pin-cpus (`pinned` empty) nothing moves. `say` tells the user where
+    threads could not be moved (once per attempt)."""
 
     def __init__(self, cores_of: Mapping[str, Collection[int]], replicas: Mapping[str, int],
                  pinned: Collection[int] = (), say: Callable[[str], None] | None = None) -> None:
@@ -154,7 +156,7 @@ class CoordinatorCores:
         self.near: set[str] = set()  # near the busiest in the last step (hysteresis)
         self.busiest: set[str] = set()
         self.steps = 0
-        self.said: list[bool] = []
+        self.said = False
         self.say = say or (lambda text: print(text, file=sys.stderr, flush=True))
 
     @classmethod
@@ -172,6 +174,8 @@ class CoordinatorCores:
         if self.steps == 1 or not self.pinned:
             return
         busy = {n: sections[n]["busy_s"] / self.replicas[n] for n in self.cores_of}
+        if not any(busy.values()):  # a step with no work tells nothing: everything stays as it is
+            return
         self.spare = spare_cores(busy, self.cores_of, self.near)
         self.near = near_busiest(busy, self.near)
         self.busiest = self.near if self.spare else set()
@@ -190,7 +194,7 @@ class CoordinatorCores:
 
     def _place(self, cores: tuple[int, ...]) -> None:
         if cores != self.now:
-            say_unmoved(move_threads(cores), cores, self.said, self.say)
+            self.said = say_unmoved(move_threads(cores), cores, self.said, self.say)
             self.now = cores
 
 
@@ -212,7 +216,7 @@ class IoThreads:
 
     def __init__(self) -> None:
         self.own = self.now = tuple(sorted(os.sched_getaffinity(0)))
-        self.said: list[bool] = []
+        self.said = False
 
     def place(self, cores: Sequence[int] | None) -> None:
         """Where the plan just received (its `io_cpus`) puts them; a failure to move is said once in
@@ -221,6 +225,6 @@ class IoThreads:
         if want == self.now:
             return
         python = {t.native_id for t in threading.enumerate() if t.name.startswith(self.PYTHON)}
-        say_unmoved(move_threads(want, lambda tid, name: tid in python or name.startswith(self.NATIVE)), want,
-                    self.said)
+        self.said = say_unmoved(move_threads(want, lambda tid, name: tid in python or name.startswith(self.NATIVE)),
+                                want, self.said)
         self.now = want

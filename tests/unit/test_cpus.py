@@ -55,6 +55,8 @@ def test_the_coordinators_choice_skips_the_first_step_and_does_not_flap_about_th
     assert moves[5:] == [(0, 1)] * 4 and cores.io_cpus("llm", 1) is None
     step(0.031, 0.04)  # well under it: spare again
     assert moves[-1] == (0,) and cores.busiest == {"llm"}
+    step(0.0, 0.0)  # a step with no work: nothing changes (nor the hysteresis' memory)
+    assert len(moves) == 10 and cores.near == {"llm"} and cores.io_cpus("llm", 1) == [0]
     unpinned = CoordinatorCores({"enc": set(), "llm": set()}, {"enc": 1, "llm": 1})
     unpinned._place = lambda chosen: moves.append(chosen)
     for _ in range(3):
@@ -68,10 +70,10 @@ def test_a_thread_that_cannot_be_moved_is_said_once():
     failed = move_threads(nowhere, lambda tid, name: tid == threading.get_native_id())
     assert len(failed) == 1 and failed[0].startswith(f"thread {threading.get_native_id()}: ")
     assert os.sched_getaffinity(0) == before
-    said, told = [], []
-    say_unmoved(failed, nowhere, said, told.append)
-    say_unmoved(failed, nowhere, said, told.append)
-    say_unmoved([], nowhere, [], told.append)
+    told = []
+    said = say_unmoved(failed, nowhere, False, told.append)
+    assert said and say_unmoved(failed, nowhere, said, told.append)  # said before: not again
+    assert not say_unmoved([], nowhere, False, told.append)
     assert len(told) == 1 and "could not move 1 thread(s)" in told[0] and str(nowhere) in told[0]
 
 

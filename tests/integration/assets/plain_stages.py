@@ -24,9 +24,12 @@ class _ReportsCores(Stage):
     def stats(self):
         io = set()
         for tid in os.listdir("/proc/self/task"):
-            with open(f"/proc/self/task/{tid}/comm") as f:
-                if f.read().startswith("ZMQbg"):
-                    io |= os.sched_getaffinity(int(tid))
+            try:
+                with open(f"/proc/self/task/{tid}/comm") as f:
+                    if f.read().startswith("ZMQbg"):
+                        io |= os.sched_getaffinity(int(tid))
+            except OSError:  # a thread that ended meanwhile
+                continue
         return {"cpu_mask": sum(1 << c for c in os.sched_getaffinity(0)), "io_mask": sum(1 << c for c in io),
                 "threads": torch.get_num_threads()}
 
