@@ -100,11 +100,16 @@ def spare_cores(busy: Mapping[str, float], cores_of: Mapping[str, Collection[int
     """The cores of the sections that were not near the busiest in a step (near_busiest, `stay`
     passed on; `cores_of`: the cores of each section's pinned workers), less any that a
     near-busiest section's workers also use; () where there are none."""
-    near = near_busiest(busy, stay)
+    return _left_over(near_busiest(busy, stay), busy, cores_of)
+
+
+def _left_over(near: Collection[str], sections: Collection[str],
+               cores_of: Mapping[str, Collection[int]]) -> tuple[int, ...]:
+    """The cores of `sections` not in `near`, less those of `near`'s (spare_cores' rule)."""
     if not near:
         return ()
     taken = {c for n in near for c in cores_of.get(n, ())}
-    return tuple(sorted({c for n in busy if n not in near for c in cores_of.get(n, ())} - taken))
+    return tuple(sorted({c for n in sections if n not in near for c in cores_of.get(n, ())} - taken))
 
 
 def move_threads(cores: Sequence[int], which: Callable[[int, str], bool] = lambda tid, name: True) -> list[str]:
@@ -125,8 +130,11 @@ def move_threads(cores: Sequence[int], which: Callable[[int, str], bool] = lambd
     return failed
 
 
-def say_unmoved(failed: list[str], cores: Sequence[int], said: bool,
-                say: Callable[[str], None] = lambda text: print(text, file=sys.stderr, flush=True)) -> bool:
+def _to_stderr(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def say_unmoved(failed: list[str], cores: Sequence[int], said: bool, say: Callable[[str], None] = _to_stderr) -> bool:
     """A failure to move threads (move_threads'), said with `say` unless one was `said` before by
     the same mover (an IoThreads, a CoordinatorCores); whether one has been said now. The run goes
     on, with those threads where they were."""
@@ -157,7 +165,7 @@ class CoordinatorCores:
         self.busiest: set[str] = set()
         self.steps = 0
         self.said = False
-        self.say = say or (lambda text: print(text, file=sys.stderr, flush=True))
+        self.say = say or _to_stderr
 
     @classmethod
     def of(cls, pinned: Mapping[int, Mapping[str, Any]], placement: Placement,
@@ -176,8 +184,8 @@ class CoordinatorCores:
         busy = {n: sections[n]["busy_s"] / self.replicas[n] for n in self.cores_of}
         if not any(busy.values()):  # a step with no work tells nothing: everything stays as it is
             return
-        self.spare = spare_cores(busy, self.cores_of, self.near)
-        self.near = near_busiest(busy, self.near)
+        self.near = near_busiest(busy, self.near)  # (the last step's memory in, this one's out)
+        self.spare = _left_over(self.near, busy, self.cores_of)
         self.busiest = self.near if self.spare else set()
         self._place(self.spare or self.everywhere)
 
