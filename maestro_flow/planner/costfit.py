@@ -72,11 +72,14 @@ class _Sums:
         y = float(t[5]) * sign
         self.n += 1 if sign > 0 else -1
         self.y += y
-        for i in range(K):
-            self.xy[i] += x[i] * y
-            row = self.xx[i]
-            for j in range(K):
-                row[j] += x[i] * x[j] * sign
+        # Only the non-zero terms add anything (a text micro-batch has no patches or frames): the
+        # coordinator updates these sums twice per timing, thousands of times a step at scale.
+        terms = [(i, v) for i, v in enumerate(x) if v]
+        for i, xi in terms:
+            self.xy[i] += xi * y
+            row, xs = self.xx[i], xi * sign
+            for j, xj in terms:
+                row[j] += xs * xj
 
 
 class CostFitter:

@@ -64,28 +64,31 @@ class CoordinatorIO:
             return None
         identity, frame = frames
         rank = self.identity_rank.get(identity)
-        origin = self._label(rank) if rank is not None else f"connection {identity.hex()}"
+
+        def origin() -> str:  # named only for a drop (this runs for every message)
+            return self._label(rank) if rank is not None else f"connection {identity.hex()}"
+
         try:
             sender, msg = zmq_link.open_msg(self.opener, frame)
         except Rejected as exc:
-            self.drops.drop(origin, str(exc))
+            self.drops.drop(origin(), str(exc))
             return None
         claimed = msg.get("rank")
         if sender != f"rank{claimed}" or not isinstance(claimed, int) or not 0 <= claimed < self.placement.world_size:
-            self.drops.drop(origin, f"sender {sender!r} claims rank {claimed!r}")
+            self.drops.drop(origin(), f"sender {sender!r} claims rank {claimed!r}")
             return None
         if rank is None:
             if msg["t"] != "hello":
-                self.drops.drop(origin, f"a {msg['t']!r} message before this connection's hello")
+                self.drops.drop(origin(), f"a {msg['t']!r} message before this connection's hello")
                 return None
             if claimed in self.rank_identity:
-                self.drops.drop(origin, f"hello as rank {claimed}, which is connected already")
+                self.drops.drop(origin(), f"hello as rank {claimed}, which is connected already")
                 return None
             self.identity_rank[identity], self.rank_identity[claimed] = claimed, identity
             self.sealers[claimed] = Sealer(self.key, "coordinator", f"rank{claimed}")
             rank = claimed
         elif claimed != rank or msg["t"] == "hello":
-            self.drops.drop(origin, f"a {msg['t']!r} message claiming rank {claimed}")
+            self.drops.drop(origin(), f"a {msg['t']!r} message claiming rank {claimed}")
             return None
         if msg["t"] != "hello":  # a worker is silent until its init (liveness counts from there)
             self.liveness.seen(rank, time.monotonic())

@@ -51,6 +51,10 @@ class PlanMessages:
         self._askable: dict[str, bool] = {}
         self._rounds_of: dict[str, dict[str, Any]] = {}
         self.gates = {(p, r): self._gates(p, r) for p, reps in plan.gates.items() for r in range(len(reps))}
+        # Per section and per modality set, once per plan (of() runs for every replica).
+        self._neighbours = {n: [e.edge.dst for e in graph.outputs(n)] + [e.edge.src for e in graph.inputs(n)]
+                            for n in graph.order}
+        self._modalities: dict[frozenset, list[str]] = {}
         self.notify: dict[tuple[str, int], set[tuple[str, int]]] = {}
         for (p, r), rep in self.gates.items():
             for mb in rep:
@@ -58,16 +62,22 @@ class PlanMessages:
                     self.notify.setdefault((c, ci), set()).add((p, r))
 
     def of(self, section: str, replica: int) -> dict[str, Any]:
-        plan, meta = self.plan, self.meta
+        plan, meta, modalities = self.plan, self.meta, self._modalities
         mbs = plan.micro_batches(section, replica)
         mine = sorted({sid for mb in mbs for sid in mb})
-        neighbours = [e.edge.dst for e in self.graph.outputs(section)] + [e.edge.src for e in self.graph.inputs(section)]
+        samples = []
+        for sid in mine:
+            s = meta[sid]
+            names = modalities.get(s.modalities)
+            if names is None:
+                names = modalities[s.modalities] = sorted(s.modalities)
+            samples.append([sid, s.row, names, s.num_tokens, s.num_patches, s.num_frames])
         msg = {
             "t": "plan", "step": plan.step,
             "micro_batches": [list(mb) for mb in mbs],
-            "samples": [[sid, meta[sid].row, sorted(meta[sid].modalities), meta[sid].num_tokens,
-                         meta[sid].num_patches, meta[sid].num_frames] for sid in mine],
-            "routes": {n: {sid: plan.routes[n][sid] for sid in mine} for n in neighbours},
+            "samples": samples,  # (the modality lists are shared between messages: only packed, never changed)
+            "routes": {n: {sid: routes[sid] for sid in mine} for n in self._neighbours[section]
+                       for routes in (plan.routes[n],)},
             # Run-ahead credits: per micro-batch, (consumer section, replica, forwards it must
             # have finished); and which producer replicas wait on this replica's progress.
             "gates": [[list(g) for g in mb] for mb in self.gates.get((section, replica), plan.gates_of(section, replica))],
