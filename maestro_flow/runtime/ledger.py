@@ -76,8 +76,7 @@ class PlanMessages:
             "t": "plan", "step": plan.step,
             "micro_batches": [list(mb) for mb in mbs],
             "samples": samples,  # (the modality lists are shared between messages: only packed, never changed)
-            "routes": {n: {sid: routes[sid] for sid in mine} for n in self._neighbours[section]
-                       for routes in (plan.routes[n],)},
+            "routes": {n: {sid: plan.routes[n][sid] for sid in mine} for n in self._neighbours[section]},
             # Run-ahead credits: per micro-batch, (consumer section, replica, forwards it must
             # have finished); and which producer replicas wait on this replica's progress.
             "gates": [[list(g) for g in mb] for mb in self.gates.get((section, replica), plan.gates_of(section, replica))],
